@@ -1,0 +1,59 @@
+"""Canonical JSON of payloads and their SHA-256 fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def _check(value: Any, path: str) -> Any:
+    from .._errors import CanonicalizeError
+
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)  # int subclasses (IntEnum) become plain ints
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            raise CanonicalizeError(
+                f"payload{path} is {value!r}; NaN and Infinity have no JSON form, "
+                "replace them with null or a string"
+            )
+        return float(value)
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise CanonicalizeError(
+                    f"payload{path} has a key {k!r} of type {type(k).__name__}; "
+                    "JSON object keys must be str"
+                )
+            out[k] = _check(v, f"{path}[{k!r}]")
+        return out
+    if isinstance(value, Sequence) and not isinstance(value, (bytes, bytearray, memoryview)):
+        return [_check(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    raise CanonicalizeError(
+        f"payload{path} is a {type(value).__name__}, which is not JSON-like; "
+        "pass only dict, list, tuple, str, int, float, bool and None "
+        "(convert dates, decimals, bytes and objects to strings first)"
+    )
+
+
+def canonicalize(payload: Any) -> bytes:
+    """Return the canonical JSON bytes of a JSON-like payload.
+
+    Keys sorted, compact separators, UTF-8, tuples as lists. NaN, Infinity and
+    non-JSON types raise :class:`~idemlock.CanonicalizeError`.
+    """
+    checked = _check(payload, "")
+    return json.dumps(
+        checked, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+def fingerprint(payload: Any) -> str:
+    """SHA-256 (hex) of :func:`canonicalize` of ``payload``."""
+    return hashlib.sha256(canonicalize(payload)).hexdigest()

@@ -1,0 +1,204 @@
+"""Multi-step flows written once, as generators, for a sync and an async driver.
+
+A flow yields requests (:class:`Call`, :class:`Subscribe`, :class:`Wait`,
+:class:`Sleep`) and receives their results; it never blocks or awaits itself. The
+drivers in :mod:`idemlock._drive` are the only code that does. An exception raised
+by a request is thrown into the flow at the ``yield``, so a flow may handle it.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any
+
+from .clock import Clock
+from .port import Acquired, Busy, Channel, ClaimReply, Held
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """Call ``store.<method>(*args)``."""
+
+    method: str
+    args: tuple[Any, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Subscribe:
+    """Start listening on a channel; the driver closes it when the flow ends."""
+
+    channel: Channel
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Wait on a subscription for at most ``timeout`` seconds; result: notified or not."""
+
+    sub: Any
+    timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """Sleep ``seconds``; result: True if the driver's stop signal ended it early."""
+
+    seconds: float
+
+
+Request = Call | Subscribe | Wait | Sleep
+Flow = Generator[Request, Any, Any]
+
+#: Longest single wait between re-checks: bounds the cost of a lost notification
+#: (a dropped connection, a store without cross-process notification).
+MAX_WAIT_CHUNK = 1.0
+
+
+def _backoff(attempt: int, cap: float) -> float:
+    # Short, jittered, growing: 1 ms, 2 ms, 4 ms ... up to ``cap``.
+    base: float = min(cap, 0.001 * (2**attempt))
+    return base * (0.5 + random.random() / 2)
+
+
+def wait_chunk(deadline: float, now: float, holder_ttl_ms: int, poll_cap: float | None) -> float:
+    """How long to wait before the next attempt: until the deadline, the holder's
+    expiry or the chunk cap, whichever is first."""
+    chunk = min(deadline - now, holder_ttl_ms / 1000 + 0.001, MAX_WAIT_CHUNK)
+    if poll_cap is not None:
+        chunk = min(chunk, poll_cap)
+    return max(0.0, chunk)
+
+
+def acquire_flow(
+    ns: str,
+    key: str,
+    owner: str,
+    ttl_ms: int,
+    wait: float | None,
+    clock: Clock,
+    poll_cap: float | None = None,
+) -> Generator[Request, Any, tuple[Acquired | Held, float]]:
+    """Acquire, waiting up to ``wait`` seconds. Returns (last reply, monotonic time the
+    successful request was sent). ``poll_cap`` bounds each wait for stores whose
+    notification does not cross processes."""
+    # Waiting is real time whatever the clock: an injected clock judges leases only.
+    deadline = time.monotonic() + (wait or 0.0)
+    sub = None
+    attempt = 0
+    while True:
+        sent = clock.monotonic()
+        reply = yield Call("acquire", (ns, key, owner, ttl_ms))
+        if isinstance(reply, Acquired):
+            return reply, sent
+        now = time.monotonic()
+        if now >= deadline:
+            return reply, sent
+        if sub is None:
+            # Subscribe, then try once more: a release between our failed attempt and
+            # the subscription would otherwise go unnoticed until the next chunk.
+            sub = yield Subscribe(Channel("lock", ns, key))
+            continue
+        cap = poll_cap if poll_cap is None else _backoff(attempt, poll_cap)
+        attempt += 1
+        yield Wait(sub, wait_chunk(deadline, now, reply.ttl_ms, cap))
+
+
+def claim_flow(
+    ns: str,
+    key: str,
+    fp: str | None,
+    token: str,
+    lease_ms: int,
+    wait: float | None,
+    clock: Clock,
+    poll_cap: float | None = None,
+) -> Generator[Request, Any, ClaimReply]:
+    """Claim, and while the key is in flight wait up to ``wait`` seconds for it to be
+    completed (replay) or freed (then this caller claims it and runs)."""
+    deadline = time.monotonic() + (wait or 0.0)
+    sub = None
+    attempt = 0
+    while True:
+        reply: ClaimReply = yield Call("claim", (ns, key, fp, token, lease_ms))
+        if not isinstance(reply, Busy):
+            return reply
+        now = time.monotonic()
+        if now >= deadline:
+            return reply
+        if sub is None:
+            sub = yield Subscribe(Channel("claim", ns, key))
+            continue
+        cap = poll_cap if poll_cap is None else _backoff(attempt, poll_cap)
+        attempt += 1
+        yield Wait(sub, wait_chunk(deadline, now, reply.ttl_ms, cap))
+
+
+@dataclass
+class RenewState:
+    """What the renew loop shares with the holder: updated in place by the flow."""
+
+    expires_ms: int
+    sent: float
+    lost: bool = False
+    reason: str = ""
+
+
+def renew_flow(
+    ns: str,
+    key: str,
+    owner: str,
+    token: int,
+    ttl_ms: int,
+    every: float,
+    max_hold: float | None,
+    state: RenewState,
+    clock: Clock,
+) -> Generator[Request, Any, RenewState]:
+    """Renew every ``every`` seconds until the driver's stop signal. A renewal that
+    fails transiently is retried while the lease still has time; the lease is lost
+    when the store says it is no longer held or when its time runs out first."""
+    from .._errors import StoreUnavailable
+
+    def left() -> float:
+        return state.sent + ttl_ms / 1000 - clock.monotonic()
+
+    started = clock.monotonic()
+    next_at = state.sent + every
+    while True:
+        if max_hold is not None and clock.monotonic() - started >= max_hold:
+            # Stop renewing; the lease runs out on its own. Watch for that moment.
+            stopped = yield Sleep(max(0.0, left()))
+            if stopped:
+                return state
+            state.lost, state.reason = True, f"max_hold of {max_hold}s reached"
+            return state
+        stopped = yield Sleep(max(0.0, next_at - clock.monotonic()))
+        if stopped:
+            return state
+        attempt = 0
+        while True:
+            sent = clock.monotonic()
+            try:
+                new_exp = yield Call("renew", (ns, key, owner, token, ttl_ms))
+            except StoreUnavailable as exc:
+                if left() <= 0:
+                    state.lost, state.reason = True, f"renewal failed: {exc}"
+                    return state
+                attempt += 1
+                stopped = yield Sleep(min(_backoff(attempt, 0.25), max(0.0, left())))
+                if stopped:
+                    return state
+                continue
+            break
+        if new_exp is None:
+            state.lost, state.reason = True, "the store no longer has this lease (it expired)"
+            return state
+        if left() <= 0:
+            # The store renewed, but our own view had already run out: whatever we did
+            # after the old deadline was unprotected. Report it rather than hide it.
+            state.lost, state.reason = True, "renewal came after the lease had run out"
+            return state
+        state.sent, state.expires_ms = sent, int(new_exp)
+        next_at = sent + every

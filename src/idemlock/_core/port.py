@@ -1,0 +1,261 @@
+"""The store port: what every store must do, each call one atomic transition.
+
+A store is an adapter with a sync class (:class:`SyncStore`) and an async class
+(:class:`AsyncStore`) of the same methods. The coordinator and the flows decide
+what to ask and what a reply means; the store only performs the transition in one
+round trip (a Lua script, one SQL statement, one SQLite transaction, one critical
+section) and reports what happened.
+
+Conventions every store follows:
+
+* ``ns`` is an opaque namespace string built by :func:`idemlock._core.keys.namespace`;
+  ``key`` is a validated user key. A store must keep (ns, key) pairs apart exactly:
+  no two distinct pairs may share a record.
+* Times are integer milliseconds since the epoch **on the store's clock**
+  (Redis ``TIME``, PostgreSQL ``clock_timestamp()``, the machine's wall clock for
+  memory and SQLite). Replies carry both the absolute ``expires_ms`` and the
+  remaining ``ttl_ms`` so a client never compares its clock with the store's.
+* Fences and lock tokens are positive integers that strictly increase per (ns, key)
+  for the life of the store: the counter outlives records (abandon, expiry, forget,
+  release never lower it). A store may use one counter for everything.
+* Transitions that free a key (complete, abandon, forget, release) notify the key's
+  :class:`Channel` so waiters wake up; notification is a hint, waiters re-check.
+* Driver errors become :class:`~idemlock.StoreUnavailable` (cause chained); data
+  the store did not write becomes :class:`~idemlock.StoreCorrupt`.
+
+Claim transitions (``claim``)::
+
+    absent, or expired (in-flight lease over / completed ttl over)
+        -> in_flight(token, fence = next)                       => Granted
+    in_flight with the same token (a retried request)            => Granted (same fence)
+    in_flight, lease running, same fp                            => Busy
+    completed, same fp                                           => Done(result)
+    live record (in flight or completed), different fp           => Mismatch
+
+``fp`` is compared exactly (``None`` equals only ``None``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, NamedTuple, Protocol, runtime_checkable
+
+__all__ = [
+    "Acquired",
+    "AsyncStore",
+    "AsyncSubscription",
+    "Busy",
+    "Channel",
+    "ClaimReply",
+    "Done",
+    "Granted",
+    "Held",
+    "LockRow",
+    "Mismatch",
+    "RecordRow",
+    "SyncStore",
+    "SyncSubscription",
+]
+
+
+# ---- claim replies -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Granted:
+    """The caller now holds the claim (``token``) with fencing token ``fence``."""
+
+    token: str
+    fence: int
+    expires_ms: int
+    ttl_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Busy:
+    """Another attempt holds an unexpired claim."""
+
+    expires_ms: int
+    ttl_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """The key is completed; ``result`` is the stored result bytes."""
+
+    result: bytes
+    expires_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Mismatch:
+    """The key is live with another fingerprint."""
+
+    state: Literal["in_flight", "completed"]
+
+
+ClaimReply = Granted | Busy | Done | Mismatch
+
+
+# ---- lock replies --------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Acquired:
+    """The caller holds the lock (or already held it: same owner, same token)."""
+
+    token: int
+    expires_ms: int
+    ttl_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """Someone else holds the lock for ``ttl_ms`` more."""
+
+    expires_ms: int
+    ttl_ms: int
+
+
+# ---- listings ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RecordRow:
+    ns: str
+    key: str
+    state: Literal["in_flight", "completed"]
+    fence: int
+    expires_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class LockRow:
+    ns: str
+    key: str
+    owner: str
+    token: int
+    expires_ms: int
+
+
+class Channel(NamedTuple):
+    """What a waiter waits on: the freeing of one claim key or one lock key."""
+
+    kind: Literal["claim", "lock"]
+    ns: str
+    key: str
+
+
+# ---- subscriptions -------------------------------------------------------------
+
+
+@runtime_checkable
+class SyncSubscription(Protocol):
+    def wait(self, timeout: float) -> bool:
+        """Block until the channel is notified (True) or ``timeout`` seconds pass (False).
+        A notification sent after ``subscribe`` returned and before ``wait`` is not lost."""
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class AsyncSubscription(Protocol):
+    async def wait(self, timeout: float) -> bool: ...
+
+    async def aclose(self) -> None: ...
+
+
+# ---- the store itself ----------------------------------------------------------
+
+
+class SyncStore(Protocol):
+    #: short name for messages and metrics: "memory", "sqlite", "redis", "postgres"
+    kind: str
+    #: whether lock tokens are issued (every store shipped with idemlock does)
+    issues_fence_tokens: bool
+
+    # idempotency records
+    def claim(self, ns: str, key: str, fp: str | None, token: str, lease_ms: int) -> ClaimReply: ...
+
+    def complete(self, ns: str, key: str, token: str, result: bytes, ttl_ms: int) -> bool:
+        """in_flight with this token -> completed(result) for ttl_ms; else False, no change."""
+
+    def abandon(self, ns: str, key: str, token: str) -> bool:
+        """in_flight with this token -> absent (fence counter kept); else False, no change."""
+
+    def record(self, ns: str, key: str) -> RecordRow | None:
+        """The live record, or None if absent or expired."""
+
+    def forget(self, ns: str, key: str) -> bool:
+        """Delete the record whatever its state (counter kept). True if a live one existed."""
+
+    def records(self, ns_prefix: str) -> Sequence[RecordRow]:
+        """Live records whose ns starts with ``ns_prefix``."""
+
+    # locks
+    def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
+        """Free or expired -> held by owner with a new token. Held by the same owner ->
+        same token, expiry reset to now + ttl_ms (a retried acquire)."""
+
+    def release(self, ns: str, key: str, owner: str, token: int) -> bool:
+        """Held by (owner, token) -> free. Else False, no change."""
+
+    def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
+        """Held by (owner, token), not expired -> expiry = now + ttl_ms; returns new
+        expires_ms. Else None, no change (an expired lease is never revived)."""
+
+    def lock(self, ns: str, key: str) -> LockRow | None:
+        """The unexpired holder of a lock, or None."""
+
+    def locks(self, ns_prefix: str) -> Sequence[LockRow]:
+        """Unexpired held locks whose ns starts with ``ns_prefix``."""
+
+    # fences
+    def fence_advance(self, ns: str, resource: str, token: int) -> tuple[bool, int]:
+        """Accept ``token`` if >= the highest accepted (then it becomes the highest).
+        Returns (accepted, highest accepted after the call)."""
+
+    def fence_current(self, ns: str, resource: str) -> int | None: ...
+
+    # waiting and life cycle
+    def subscribe(self, channel: Channel) -> SyncSubscription: ...
+
+    def close(self) -> None: ...
+
+
+class AsyncStore(Protocol):
+    kind: str
+    issues_fence_tokens: bool
+
+    async def claim(
+        self, ns: str, key: str, fp: str | None, token: str, lease_ms: int
+    ) -> ClaimReply: ...
+
+    async def complete(self, ns: str, key: str, token: str, result: bytes, ttl_ms: int) -> bool: ...
+
+    async def abandon(self, ns: str, key: str, token: str) -> bool: ...
+
+    async def record(self, ns: str, key: str) -> RecordRow | None: ...
+
+    async def forget(self, ns: str, key: str) -> bool: ...
+
+    async def records(self, ns_prefix: str) -> Sequence[RecordRow]: ...
+
+    async def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held: ...
+
+    async def release(self, ns: str, key: str, owner: str, token: int) -> bool: ...
+
+    async def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None: ...
+
+    async def lock(self, ns: str, key: str) -> LockRow | None: ...
+
+    async def locks(self, ns_prefix: str) -> Sequence[LockRow]: ...
+
+    async def fence_advance(self, ns: str, resource: str, token: int) -> tuple[bool, int]: ...
+
+    async def fence_current(self, ns: str, resource: str) -> int | None: ...
+
+    async def subscribe(self, channel: Channel) -> AsyncSubscription: ...
+
+    async def aclose(self) -> None: ...

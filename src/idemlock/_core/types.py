@@ -1,0 +1,182 @@
+"""Public value types: specs, claim outcomes, leases and listings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any, Literal
+
+from .clock import SYSTEM_CLOCK, Clock
+from .keys import validate_key
+
+__all__ = [
+    "Claim",
+    "ClaimToken",
+    "Claimed",
+    "Completed",
+    "IdempotencySpec",
+    "InFlight",
+    "Lease",
+    "LockInfo",
+    "LockSpec",
+    "RecordStatus",
+    "from_ms",
+    "to_ms",
+]
+
+
+def to_ms(value: timedelta | float | int, what: str) -> int:
+    """A positive duration (timedelta or seconds) as whole milliseconds (at least 1)."""
+    from .._errors import ConfigurationError
+
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        raise ConfigurationError(
+            f"{what} must be a timedelta or a number of seconds, got {type(value).__name__}"
+        )
+    if not seconds > 0:
+        raise ConfigurationError(f"{what} must be positive, got {value!r}")
+    return max(1, round(seconds * 1000))
+
+
+def from_ms(ms: int) -> datetime:
+    """Store milliseconds since the epoch as an aware UTC datetime."""
+    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
+
+
+@dataclass(frozen=True)
+class IdempotencySpec:
+    """How one kind of idempotent operation behaves.
+
+    ``name`` is the namespace of its keys: keep it stable, it is never derived from
+    code. ``ttl`` is how long a completed result is remembered and replayed.
+    ``lease`` is how long an unfinished claim stays reserved; after it, a retry may
+    take the key over (a crashed worker never blocks a key forever), so make it
+    longer than the operation takes.
+    """
+
+    name: str
+    ttl: timedelta = timedelta(hours=24)
+    lease: timedelta = timedelta(minutes=5)
+    encrypt_result: bool = False
+
+    def __post_init__(self) -> None:
+        validate_key(self.name, "spec name")
+        to_ms(self.ttl, "IdempotencySpec.ttl")
+        to_ms(self.lease, "IdempotencySpec.lease")
+
+
+@dataclass(frozen=True)
+class LockSpec:
+    """How one family of locks behaves. ``ttl`` is the lease length; a holder that
+    neither renews nor releases loses the lock after it."""
+
+    name: str
+    ttl: timedelta = timedelta(seconds=30)
+    requires_fencing_token: bool = False
+
+    def __post_init__(self) -> None:
+        validate_key(self.name, "spec name")
+        to_ms(self.ttl, "LockSpec.ttl")
+
+
+@dataclass(frozen=True)
+class ClaimToken:
+    """Proof of one claim attempt. ``fence`` strictly increases with every new claim
+    of the key: pass it to fenced writes so a late write of an expired attempt is refused."""
+
+    key: str
+    token: str
+    fence: int
+    expires_at: datetime
+    spec: str
+    _ns: str = field(repr=False, compare=False, default="")
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """The caller holds the claim and must run the operation, then ``complete`` or ``abandon``."""
+
+    token: ClaimToken
+    kind: Literal["claimed"] = field(default="claimed", init=False)
+
+    @property
+    def fence(self) -> int:
+        return self.token.fence
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """Another attempt holds an unexpired claim until ``expires_at``."""
+
+    expires_at: datetime
+    kind: Literal["in_flight"] = field(default="in_flight", init=False)
+
+
+@dataclass(frozen=True)
+class Completed:
+    """The operation already ran; ``result`` is the recorded result to replay."""
+
+    result: Any
+    expires_at: datetime | None = None
+    kind: Literal["completed"] = field(default="completed", init=False)
+
+
+Claim = Claimed | InFlight | Completed
+
+
+@dataclass(frozen=True)
+class RecordStatus:
+    """What the store holds for an idempotency key. ``expires_at`` is the end of the
+    lease while in flight, the end of the ttl once completed."""
+
+    key: str
+    state: Literal["in_flight", "completed"]
+    fence: int
+    expires_at: datetime
+    spec: str = ""
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    """A held lock, as listed by ``locks()`` and the CLI."""
+
+    spec: str
+    key: str
+    owner: str
+    token: int | None
+    expires_at: datetime
+
+
+@dataclass(eq=False)
+class Lease:
+    """A held lock. Ownership lives in this object (never in thread- or task-locals).
+
+    ``token`` is the fencing token: it strictly increases per key over all
+    acquisitions and stays the same across renewals. ``remaining()`` is measured
+    from when the acquire or last renew request was *sent*, so it errs early.
+    """
+
+    key: str
+    owner: str
+    token: int | None
+    expires_at: datetime
+    spec: str = ""
+    lost: bool = False
+    _ns: str = field(default="", repr=False)
+    _ttl_ms: int = field(default=0, repr=False)
+    _sent: float = field(default=0.0, repr=False)
+    _clock: Clock = field(default=SYSTEM_CLOCK, repr=False)
+
+    def remaining(self) -> timedelta:
+        """Time the holder may still rely on the lease (zero once lost or expired)."""
+        if self.lost:
+            return timedelta(0)
+        left = self._sent + self._ttl_ms / 1000 - self._clock.monotonic()
+        return timedelta(seconds=max(0.0, left))
+
+    def remaining_seconds(self) -> float:
+        return self.remaining().total_seconds()

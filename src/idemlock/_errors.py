@@ -1,0 +1,124 @@
+"""The one error hierarchy of idemlock.
+
+Every failure a caller can cause is a subclass of :class:`IdemlockError` whose
+message says what was wrong and what to do about it.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+__all__ = [
+    "CanonicalizeError",
+    "ConfigurationError",
+    "FencedOut",
+    "IdemlockError",
+    "InFlightError",
+    "InvalidKey",
+    "LockLost",
+    "LockNotAcquired",
+    "LockNotHeld",
+    "PayloadMismatch",
+    "ResultDecodeError",
+    "ResultEncodeError",
+    "StaleClaim",
+    "StoreCorrupt",
+    "StoreFull",
+    "StoreUnavailable",
+]
+
+
+class IdemlockError(Exception):
+    """Base class of every error idemlock raises on purpose."""
+
+
+class ConfigurationError(IdemlockError, ValueError):
+    """The coordinator, a store URL or a spec is wired wrongly."""
+
+
+class CanonicalizeError(IdemlockError, TypeError):
+    """A payload is not JSON-like and cannot be fingerprinted."""
+
+
+class InvalidKey(IdemlockError, ValueError):
+    """A key, spec name, owner or prefix is empty, too long or has forbidden characters."""
+
+
+class PayloadMismatch(IdemlockError):
+    """The key is live with a different payload: the key was reused for another request."""
+
+    def __init__(self, key: str, message: str | None = None) -> None:
+        self.key = key
+        super().__init__(
+            message
+            or f"idempotency key {key!r} was already used with a different payload; "
+            "use a new key for a different request (a retry must send the same payload)"
+        )
+
+
+class StaleClaim(IdemlockError):
+    """The claim token no longer holds its key (its lease ran out and it was re-claimed,
+    it was completed or abandoned already, or the record was forgotten)."""
+
+
+class InFlightError(IdemlockError):
+    """Another attempt holds an unexpired claim on the key."""
+
+    def __init__(self, key: str, expires_at: datetime | None) -> None:
+        self.key = key
+        self.expires_at = expires_at
+        until = f" until {expires_at.isoformat()}" if expires_at else ""
+        super().__init__(
+            f"idempotency key {key!r} is being processed by another attempt{until}; "
+            "retry later, or use on_in_flight='wait' to wait for its result"
+        )
+
+
+class StoreFull(IdemlockError):
+    """The store reached its capacity and nothing in it has expired."""
+
+
+class LockNotAcquired(IdemlockError):
+    """A lock could not be acquired within the allowed wait."""
+
+
+class LockNotHeld(IdemlockError):
+    """An operation needs a lease that is not (or no longer) held."""
+
+
+class LockLost(IdemlockError):
+    """A held lease was lost (renewal failed or came too late) while its block ran."""
+
+
+class FencedOut(IdemlockError):
+    """A fencing token is lower than one already accepted: the writer's lease is stale."""
+
+    def __init__(self, resource: str, token: int, current: int | None) -> None:
+        self.resource = resource
+        self.token = token
+        self.current = current
+        super().__init__(
+            f"fencing token {token} for {resource!r} is older than the highest accepted "
+            f"token {current}; this writer's lease or claim expired and another holder "
+            "took over, so its write was refused"
+        )
+
+
+class StoreUnavailable(IdemlockError):
+    """The store failed (unreachable, timed out, locked, disk full, read-only, ...).
+
+    The original exception is chained as ``__cause__``. No claim or lease is left
+    half-made by the failed call.
+    """
+
+
+class StoreCorrupt(StoreUnavailable):
+    """The store holds data idemlock did not write, or cannot parse what it wrote."""
+
+
+class ResultEncodeError(IdemlockError, TypeError):
+    """A result cannot be stored faithfully by the configured codec."""
+
+
+class ResultDecodeError(IdemlockError):
+    """A stored result cannot be decoded (corrupt, tampered with, or from another version)."""

@@ -1,0 +1,374 @@
+"""The blocking API: :class:`Coordinator` and its ports."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, TypeVar, cast
+
+from ._base import (
+    CoordinatorBase,
+    IdempotencyBase,
+    LockBase,
+    bind_payload,
+    call_key,
+    check_token,
+    seconds,
+    validated,
+    wrap_options,
+)
+from ._core.flows import RenewState, acquire_flow, claim_flow, renew_flow
+from ._core.port import Acquired, SyncStore
+from ._core.types import (
+    Claim,
+    Claimed,
+    ClaimToken,
+    Completed,
+    IdempotencySpec,
+    Lease,
+    LockInfo,
+    LockSpec,
+    RecordStatus,
+)
+from ._drive import run_sync
+from ._errors import FencedOut, LockLost, LockNotAcquired
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+__all__ = ["Coordinator", "FenceGate", "IdempotencyPort", "LockPort"]
+
+
+class Coordinator(CoordinatorBase):
+    """Entry point of the blocking API; made by :func:`idemlock.connect`."""
+
+    _store: SyncStore
+
+    def idempotency(self, spec: IdempotencySpec | str) -> IdempotencyPort:
+        """The claim/complete port of one kind of operation."""
+        return IdempotencyPort(self, self._idem_spec(spec))
+
+    def lock(self, spec: LockSpec | str) -> LockPort:
+        """The fenced-lease port of one family of locks."""
+        return LockPort(self, self._lock_spec(spec))
+
+    def fence(self, resource: str) -> FenceGate:
+        """The gate that guards one resource with fencing tokens."""
+        return FenceGate(self, resource)
+
+    def keys(self) -> list[RecordStatus]:
+        """Every live idempotency record under this coordinator's prefix."""
+        return [self._record_status(r) for r in self._store.records(self._ns_prefix())]
+
+    def locks(self) -> list[LockInfo]:
+        """Every held lock under this coordinator's prefix."""
+        return [self._lock_info(r) for r in self._store.locks(self._ns_prefix())]
+
+    def idempotent(
+        self,
+        spec_or_name: IdempotencySpec | str,
+        key: Callable[..., str] | None = None,
+        on_in_flight: str = "raise",
+        wait: timedelta | float | None = None,
+    ) -> Callable[[F], F]:
+        """Make a function idempotent: claim, run, complete; replay on a retry.
+
+        ``key`` is a callable of the call's arguments returning the idempotency key;
+        None uses the fingerprint of the canonical arguments. The canonical arguments
+        are always the payload, so reusing a key with other arguments raises
+        :class:`~idemlock.PayloadMismatch`. On an exception the claim is abandoned
+        and the exception re-raised. Works on plain and ``async def`` functions.
+        """
+        wrap_options(spec_or_name, key, on_in_flight, wait)
+        port = self.idempotency(spec_or_name)
+        wait_s = port._wait_for(wait) if on_in_flight == "wait" else None
+
+        def decorate(fn: F) -> F:
+            payload_of = bind_payload(fn)
+            if inspect.iscoroutinefunction(fn):
+
+                @functools.wraps(fn)
+                async def awrapper(*args: Any, **kwargs: Any) -> Any:
+                    k, payload = call_key(key, payload_of(*args, **kwargs), args, kwargs)
+                    # The sync store is called from a worker thread so a busy store
+                    # never blocks the event loop.
+                    claim = await asyncio.to_thread(port._claim_or_wait, k, payload, wait_s)
+                    if isinstance(claim, Completed):
+                        return claim.result
+                    try:
+                        result = await fn(*args, **kwargs)
+                    except BaseException:
+                        await asyncio.to_thread(port._abandon_quietly, claim.token)
+                        raise
+                    await asyncio.to_thread(port._record, claim.token, result)
+                    return result
+
+                return cast(F, awrapper)
+
+            @functools.wraps(fn)
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                k, payload = call_key(key, payload_of(*args, **kwargs), args, kwargs)
+                claim = port._claim_or_wait(k, payload, wait_s)
+                if isinstance(claim, Completed):
+                    return claim.result
+                try:
+                    result = fn(*args, **kwargs)
+                except BaseException:
+                    port._abandon_quietly(claim.token)
+                    raise
+                port._record(claim.token, result)
+                return result
+
+            return cast(F, wrapper)
+
+        return decorate
+
+    def close(self) -> None:
+        """Close the store's connections."""
+        self._store.close()
+
+    def __enter__(self) -> Coordinator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class IdempotencyPort(IdempotencyBase):
+    """Claim, complete and abandon keyed operations of one :class:`IdempotencySpec`."""
+
+    _store: SyncStore
+
+    def claim(self, key: str, *, payload: Any = None) -> Claim:
+        """Atomically one of ``Claimed`` (run it), ``InFlight`` (someone else is) or
+        ``Completed`` (replay). Raises ``PayloadMismatch`` if the key is live with
+        another payload."""
+        args = self._claim_args(key, payload)
+        return self._interpret(key, self._store.claim(*args))
+
+    def complete(self, token: ClaimToken, result: Any) -> None:
+        """Record ``result`` for the spec's ttl. ``StaleClaim`` if the token lost its key."""
+        args = self._token_args(token)
+        data = self._coord.codec.encode(result)
+        if not self._store.complete(*args, data, self._ttl_ms):
+            raise self._stale(token, "complete")
+
+    def abandon(self, token: ClaimToken) -> None:
+        """Release the claim so a retry runs the operation again."""
+        if not self._store.abandon(*self._token_args(token)):
+            raise self._stale(token, "abandon")
+
+    def status(self, key: str) -> RecordStatus | None:
+        """What the store holds for ``key``: None, in flight or completed, with expiry."""
+        return self._status(self._store.record(self._ns, validated(key)))
+
+    def forget(self, key: str) -> bool:
+        """Delete the record of ``key`` (operators only: a retry will run again)."""
+        return self._store.forget(self._ns, validated(key))
+
+    def wait(
+        self, key: str, *, payload: Any = None, timeout: timedelta | float | None = None
+    ) -> Claim:
+        """Claim, and while the key is in flight wait up to ``timeout`` (default: the
+        lease) for it to complete (returns ``Completed``) or be freed (returns
+        ``Claimed``: this caller must run it). Still in flight at the end: ``InFlight``."""
+        args = self._claim_args(key, payload)
+        flow = claim_flow(*args, self._wait_for(timeout), self._coord.clock, self._coord.poll_cap)
+        return self._interpret(key, run_sync(flow, self._store))
+
+    # used by the decorator
+    def _claim_or_wait(self, key: str, payload: Any, wait: float | None) -> Claimed | Completed:
+        args = self._claim_args(key, payload)
+        if wait is None:
+            reply = self._store.claim(*args)
+        else:
+            reply = run_sync(
+                claim_flow(*args, wait, self._coord.clock, self._coord.poll_cap), self._store
+            )
+        return cast("Claimed | Completed", self._replay_or_raise(key, reply))
+
+    def _record(self, token: ClaimToken, result: Any) -> None:
+        try:
+            data = self._coord.codec.encode(result)
+        except BaseException:
+            self._abandon_quietly(token)
+            raise
+        if not self._store.complete(*self._token_args(token), data, self._ttl_ms):
+            raise self._stale(token, "complete")
+
+    def _abandon_quietly(self, token: ClaimToken) -> None:
+        # The operation failed; its error matters more than a failed abandon (the
+        # lease frees the key anyway).
+        try:
+            self._store.abandon(*self._token_args(token))
+        except Exception:
+            import logging
+
+            logging.getLogger("idemlock").warning(
+                "could not abandon claim on %r; it frees itself when its lease ends",
+                token.key,
+                exc_info=True,
+            )
+
+
+class LockPort(LockBase):
+    """Fenced leases of one :class:`LockSpec`."""
+
+    _store: SyncStore
+
+    def acquire(
+        self, key: str, *, owner: str | None = None, wait: timedelta | float | None = None
+    ) -> Lease | None:
+        """Take the lock, waiting up to ``wait``; None if it stayed held. Acquiring a
+        key the same ``owner`` holds returns that lease again (same token)."""
+        return self._acquire(key, owner, wait, self._ttl_ms)
+
+    def _acquire(
+        self, key: str, owner: str | None, wait: timedelta | float | None, ttl_ms: int
+    ) -> Lease | None:
+        validated(key)
+        who = self._owner(owner)
+        flow = acquire_flow(
+            self._ns,
+            key,
+            who,
+            ttl_ms,
+            seconds(wait, "wait"),
+            self._coord.clock,
+            self._coord.poll_cap,
+        )
+        reply, sent = run_sync(flow, self._store)
+        if isinstance(reply, Acquired):
+            return self._lease(key, who, reply, sent, ttl_ms)
+        return None
+
+    def release(self, lease: Lease) -> bool:
+        """Free the lock if this lease still holds it; False if it had expired."""
+        ok = self._store.release(*self._check_lease(lease, "release"))
+        self._mark_released(lease)
+        return ok
+
+    def renew(self, lease: Lease, ttl: timedelta | float | None = None) -> bool:
+        """Reset the lease to ``ttl`` (default: the spec's) from now; the token stays.
+        False (and ``lease.lost``) if the lease had already expired."""
+        args = self._check_lease(lease, "renew")
+        ttl_ms = self._renew_ttl(ttl)
+        sent = self._coord.clock.monotonic()
+        new_exp = self._store.renew(*args, ttl_ms)
+        return self._renewed(lease, sent, ttl_ms, new_exp)
+
+    def is_locked(self, key: str) -> bool:
+        return self._store.lock(self._ns, validated(key)) is not None
+
+    def owner(self, key: str) -> str | None:
+        return self._row_owner(self._store.lock(self._ns, validated(key)))
+
+    def ttl(self, key: str) -> timedelta | None:
+        """Time left on the current holder's lease (None if free)."""
+        return self._row_ttl(self._store.lock(self._ns, validated(key)))
+
+    @contextmanager
+    def hold(
+        self,
+        key: str,
+        *,
+        wait: timedelta | float | None = None,
+        renew_every: timedelta | float | None = None,
+        max_hold: timedelta | float | None = None,
+        owner: str | None = None,
+        on_lost: Callable[[Lease], object] | None = None,
+    ) -> Iterator[Lease]:
+        """Hold the lock for a block, renewing it in the background.
+
+        Raises ``LockNotAcquired`` if it cannot be taken within ``wait``. If a renewal
+        fails or comes too late the lease is lost: ``lease.lost`` turns True,
+        ``on_lost(lease)`` runs, and leaving the block raises ``LockLost`` unless the
+        body already raised."""
+        every = self._renew_every(renew_every)
+        max_hold_s = seconds(max_hold, "max_hold")
+        lease = self.acquire(key, owner=owner, wait=wait)
+        if lease is None:
+            raise LockNotAcquired(self._not_acquired(key, wait))
+        assert lease.token is not None
+        state = RenewState(0, lease._sent)
+        stop = threading.Event()
+        flow = renew_flow(
+            self._ns,
+            key,
+            lease.owner,
+            lease.token,
+            lease._ttl_ms,
+            every,
+            max_hold_s,
+            state,
+            self._coord.clock,
+        )
+
+        def renewer() -> None:
+            try:
+                run_sync(flow, self._store, stop)
+            except Exception as exc:  # an unexpected failure of the loop loses the lease
+                state.lost, state.reason = True, f"renewal crashed: {exc!r}"
+            if state.lost and not stop.is_set():
+                lease.lost = True
+                if on_lost is not None:
+                    on_lost(lease)
+
+        thread = threading.Thread(target=renewer, name=f"idemlock-renew-{key}", daemon=True)
+        flow_started = False
+        try:
+            thread.start()
+            flow_started = True
+            yield lease
+        except BaseException:
+            stop.set()
+            thread.join()
+            self._sync_state(lease, state)
+            self._release_quietly(lease)
+            raise
+        stop.set()
+        if flow_started:
+            thread.join()
+        self._sync_state(lease, state)
+        lost = lease.lost or state.lost
+        self._release_quietly(lease)
+        if lost:
+            lease.lost = True
+            raise LockLost(self._lost_message(lease, state.reason))
+
+    def _release_quietly(self, lease: Lease) -> None:
+        try:
+            self.release(lease)
+        except Exception:
+            import logging
+
+            logging.getLogger("idemlock").warning(
+                "could not release lock on %r; it frees itself when its lease ends",
+                lease.key,
+                exc_info=True,
+            )
+
+
+class FenceGate:
+    """Accepts fencing tokens at least as high as the highest accepted for a resource."""
+
+    def __init__(self, coord: Coordinator, resource: str) -> None:
+        self._store = coord._store
+        self.resource = validated(resource, "resource")
+        self._ns = coord._ns("fence")
+
+    def check_and_advance(self, token: int) -> int:
+        """Accept ``token`` (it becomes the highest) or raise ``FencedOut``, changing nothing."""
+        token = check_token(token)
+        ok, highest = self._store.fence_advance(self._ns, self.resource, token)
+        if not ok:
+            raise FencedOut(self.resource, token, highest)
+        return highest
+
+    def current(self) -> int | None:
+        """The highest token accepted so far (None before the first)."""
+        return self._store.fence_current(self._ns, self.resource)

@@ -1,0 +1,363 @@
+"""The asyncio API: :func:`connect` returns an :class:`AsyncCoordinator` with the
+same surface as :class:`idemlock.Coordinator`, its I/O methods being coroutines."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager, suppress
+from datetime import timedelta
+from typing import Any, TypeVar, cast
+
+from ._base import (
+    CoordinatorBase,
+    IdempotencyBase,
+    LockBase,
+    bind_payload,
+    call_key,
+    check_token,
+    seconds,
+    validated,
+    wrap_options,
+)
+from ._core.flows import RenewState, acquire_flow, claim_flow, renew_flow
+from ._core.port import Acquired, AsyncStore
+from ._core.types import (
+    Claim,
+    Claimed,
+    ClaimToken,
+    Completed,
+    IdempotencySpec,
+    Lease,
+    LockInfo,
+    LockSpec,
+    RecordStatus,
+)
+from ._drive import run_async
+from ._errors import ConfigurationError, FencedOut, LockLost, LockNotAcquired
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+__all__ = [
+    "AsyncCoordinator",
+    "AsyncFenceGate",
+    "AsyncIdempotencyPort",
+    "AsyncLockPort",
+    "connect",
+]
+
+log = logging.getLogger("idemlock")
+
+
+def connect(url: Any = None, *, key_prefix: str = "idemlock", **options: Any) -> AsyncCoordinator:
+    """Open an :class:`AsyncCoordinator` on the store named by ``url`` (see
+    :func:`idemlock.connect`)."""
+    from ._urls import open_store
+
+    store, clock, shown = open_store(url, asynchronous=True, **options)
+    return AsyncCoordinator(store, key_prefix=key_prefix, clock=clock, url=shown)
+
+
+class AsyncCoordinator(CoordinatorBase):
+    """Entry point of the asyncio API; made by :func:`idemlock.aio.connect`."""
+
+    _store: AsyncStore
+
+    def idempotency(self, spec: IdempotencySpec | str) -> AsyncIdempotencyPort:
+        """The claim/complete port of one kind of operation."""
+        return AsyncIdempotencyPort(self, self._idem_spec(spec))
+
+    def lock(self, spec: LockSpec | str) -> AsyncLockPort:
+        """The fenced-lease port of one family of locks."""
+        return AsyncLockPort(self, self._lock_spec(spec))
+
+    def fence(self, resource: str) -> AsyncFenceGate:
+        """The gate that guards one resource with fencing tokens."""
+        return AsyncFenceGate(self, resource)
+
+    async def keys(self) -> list[RecordStatus]:
+        """Every live idempotency record under this coordinator's prefix."""
+        return [self._record_status(r) for r in await self._store.records(self._ns_prefix())]
+
+    async def locks(self) -> list[LockInfo]:
+        """Every held lock under this coordinator's prefix."""
+        return [self._lock_info(r) for r in await self._store.locks(self._ns_prefix())]
+
+    def idempotent(
+        self,
+        spec_or_name: IdempotencySpec | str,
+        key: Callable[..., str] | None = None,
+        on_in_flight: str = "raise",
+        wait: timedelta | float | None = None,
+    ) -> Callable[[F], F]:
+        """Make an ``async def`` function idempotent (see ``Coordinator.idempotent``)."""
+        wrap_options(spec_or_name, key, on_in_flight, wait)
+        port = self.idempotency(spec_or_name)
+        wait_s = port._wait_for(wait) if on_in_flight == "wait" else None
+
+        def decorate(fn: F) -> F:
+            if not inspect.iscoroutinefunction(fn):
+                raise ConfigurationError(
+                    f"{fn.__qualname__} is not an async def function; an AsyncCoordinator "
+                    "wraps coroutines only (use idemlock.connect() for plain functions)"
+                )
+            payload_of = bind_payload(fn)
+
+            @functools.wraps(fn)
+            async def wrapper(*args: Any, **kwargs: Any) -> Any:
+                k, payload = call_key(key, payload_of(*args, **kwargs), args, kwargs)
+                claim = await port._claim_or_wait(k, payload, wait_s)
+                if isinstance(claim, Completed):
+                    return claim.result
+                try:
+                    result = await fn(*args, **kwargs)
+                except BaseException:
+                    await port._abandon_quietly(claim.token)
+                    raise
+                await port._record(claim.token, result)
+                return result
+
+            return cast(F, wrapper)
+
+        return decorate
+
+    async def close(self) -> None:
+        """Close the store's connections."""
+        await self._store.aclose()
+
+    async def __aenter__(self) -> AsyncCoordinator:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class AsyncIdempotencyPort(IdempotencyBase):
+    """Claim, complete and abandon keyed operations of one :class:`IdempotencySpec`."""
+
+    _store: AsyncStore
+
+    async def claim(self, key: str, *, payload: Any = None) -> Claim:
+        """Atomically one of ``Claimed``, ``InFlight`` or ``Completed``."""
+        args = self._claim_args(key, payload)
+        return self._interpret(key, await self._store.claim(*args))
+
+    async def complete(self, token: ClaimToken, result: Any) -> None:
+        """Record ``result`` for the spec's ttl. ``StaleClaim`` if the token lost its key."""
+        args = self._token_args(token)
+        data = self._coord.codec.encode(result)
+        if not await self._store.complete(*args, data, self._ttl_ms):
+            raise self._stale(token, "complete")
+
+    async def abandon(self, token: ClaimToken) -> None:
+        """Release the claim so a retry runs the operation again."""
+        if not await self._store.abandon(*self._token_args(token)):
+            raise self._stale(token, "abandon")
+
+    async def status(self, key: str) -> RecordStatus | None:
+        """What the store holds for ``key``."""
+        return self._status(await self._store.record(self._ns, validated(key)))
+
+    async def forget(self, key: str) -> bool:
+        """Delete the record of ``key`` (operators only: a retry will run again)."""
+        return await self._store.forget(self._ns, validated(key))
+
+    async def wait(
+        self, key: str, *, payload: Any = None, timeout: timedelta | float | None = None
+    ) -> Claim:
+        """Claim, waiting up to ``timeout`` while the key is in flight."""
+        args = self._claim_args(key, payload)
+        flow = claim_flow(*args, self._wait_for(timeout), self._coord.clock, self._coord.poll_cap)
+        return self._interpret(key, await run_async(flow, self._store))
+
+    async def _claim_or_wait(
+        self, key: str, payload: Any, wait: float | None
+    ) -> Claimed | Completed:
+        args = self._claim_args(key, payload)
+        if wait is None:
+            reply = await self._store.claim(*args)
+        else:
+            flow = claim_flow(*args, wait, self._coord.clock, self._coord.poll_cap)
+            reply = await run_async(flow, self._store)
+        return cast("Claimed | Completed", self._replay_or_raise(key, reply))
+
+    async def _record(self, token: ClaimToken, result: Any) -> None:
+        try:
+            data = self._coord.codec.encode(result)
+        except BaseException:
+            await self._abandon_quietly(token)
+            raise
+        if not await self._store.complete(*self._token_args(token), data, self._ttl_ms):
+            raise self._stale(token, "complete")
+
+    async def _abandon_quietly(self, token: ClaimToken) -> None:
+        try:
+            await self._store.abandon(*self._token_args(token))
+        except Exception:
+            log.warning(
+                "could not abandon claim on %r; it frees itself when its lease ends",
+                token.key,
+                exc_info=True,
+            )
+
+
+class AsyncLockPort(LockBase):
+    """Fenced leases of one :class:`LockSpec`."""
+
+    _store: AsyncStore
+
+    async def acquire(
+        self, key: str, *, owner: str | None = None, wait: timedelta | float | None = None
+    ) -> Lease | None:
+        """Take the lock, waiting up to ``wait``; None if it stayed held."""
+        validated(key)
+        who = self._owner(owner)
+        flow = acquire_flow(
+            self._ns,
+            key,
+            who,
+            self._ttl_ms,
+            seconds(wait, "wait"),
+            self._coord.clock,
+            self._coord.poll_cap,
+        )
+        reply, sent = await run_async(flow, self._store)
+        if isinstance(reply, Acquired):
+            return self._lease(key, who, reply, sent, self._ttl_ms)
+        return None
+
+    async def release(self, lease: Lease) -> bool:
+        """Free the lock if this lease still holds it; False if it had expired."""
+        ok = await self._store.release(*self._check_lease(lease, "release"))
+        self._mark_released(lease)
+        return ok
+
+    async def renew(self, lease: Lease, ttl: timedelta | float | None = None) -> bool:
+        """Reset the lease to ``ttl`` from now; the token stays. False if it had expired."""
+        args = self._check_lease(lease, "renew")
+        ttl_ms = self._renew_ttl(ttl)
+        sent = self._coord.clock.monotonic()
+        new_exp = await self._store.renew(*args, ttl_ms)
+        return self._renewed(lease, sent, ttl_ms, new_exp)
+
+    async def is_locked(self, key: str) -> bool:
+        return await self._store.lock(self._ns, validated(key)) is not None
+
+    async def owner(self, key: str) -> str | None:
+        return self._row_owner(await self._store.lock(self._ns, validated(key)))
+
+    async def ttl(self, key: str) -> timedelta | None:
+        """Time left on the current holder's lease (None if free)."""
+        return self._row_ttl(await self._store.lock(self._ns, validated(key)))
+
+    @asynccontextmanager
+    async def hold(
+        self,
+        key: str,
+        *,
+        wait: timedelta | float | None = None,
+        renew_every: timedelta | float | None = None,
+        max_hold: timedelta | float | None = None,
+        owner: str | None = None,
+        on_lost: Callable[[Lease], object] | None = None,
+        cancel_on_lost: bool = True,
+    ) -> AsyncIterator[Lease]:
+        """Hold the lock for an ``async with`` block, renewing it in a background task.
+
+        If the lease is lost, ``lease.lost`` turns True, ``on_lost(lease)`` runs, the
+        body's task is cancelled (unless ``cancel_on_lost=False``) and leaving the
+        block raises ``LockLost``."""
+        every = self._renew_every(renew_every)
+        max_hold_s = seconds(max_hold, "max_hold")
+        lease = await self.acquire(key, owner=owner, wait=wait)
+        if lease is None:
+            raise LockNotAcquired(self._not_acquired(key, wait))
+        assert lease.token is not None
+        state = RenewState(0, lease._sent)
+        stop = asyncio.Event()
+        body = asyncio.current_task()
+        cancelled_by_us = False
+        flow = renew_flow(
+            self._ns,
+            key,
+            lease.owner,
+            lease.token,
+            lease._ttl_ms,
+            every,
+            max_hold_s,
+            state,
+            self._coord.clock,
+        )
+
+        async def renewer() -> None:
+            nonlocal cancelled_by_us
+            try:
+                await run_async(flow, self._store, stop)
+            except Exception as exc:
+                state.lost, state.reason = True, f"renewal crashed: {exc!r}"
+            if state.lost and not stop.is_set():
+                lease.lost = True
+                if on_lost is not None:
+                    on_lost(lease)
+                if cancel_on_lost and body is not None:
+                    cancelled_by_us = True
+                    body.cancel()
+
+        task = asyncio.create_task(renewer(), name=f"idemlock-renew-{key}")
+        try:
+            yield lease
+        except asyncio.CancelledError:
+            await self._stop_renewer(stop, task, lease, state)
+            if cancelled_by_us:
+                uncancel = getattr(body, "uncancel", None)
+                if uncancel is not None:
+                    uncancel()
+                raise LockLost(self._lost_message(lease, state.reason)) from None
+            raise
+        except BaseException:
+            await self._stop_renewer(stop, task, lease, state)
+            raise
+        await self._stop_renewer(stop, task, lease, state)
+        if lease.lost or state.lost:
+            lease.lost = True
+            raise LockLost(self._lost_message(lease, state.reason))
+
+    async def _stop_renewer(
+        self, stop: asyncio.Event, task: asyncio.Task[None], lease: Lease, state: RenewState
+    ) -> None:
+        stop.set()
+        with suppress(asyncio.CancelledError):
+            await asyncio.shield(task)
+        self._sync_state(lease, state)
+        try:
+            await self.release(lease)
+        except Exception:
+            log.warning(
+                "could not release lock on %r; it frees itself when its lease ends",
+                lease.key,
+                exc_info=True,
+            )
+
+
+class AsyncFenceGate:
+    """Accepts fencing tokens at least as high as the highest accepted for a resource."""
+
+    def __init__(self, coord: AsyncCoordinator, resource: str) -> None:
+        self._store = coord._store
+        self.resource = validated(resource, "resource")
+        self._ns = coord._ns("fence")
+
+    async def check_and_advance(self, token: int) -> int:
+        """Accept ``token`` (it becomes the highest) or raise ``FencedOut``, changing nothing."""
+        token = check_token(token)
+        ok, highest = await self._store.fence_advance(self._ns, self.resource, token)
+        if not ok:
+            raise FencedOut(self.resource, token, highest)
+        return highest
+
+    async def current(self) -> int | None:
+        """The highest token accepted so far (None before the first)."""
+        return await self._store.fence_current(self._ns, self.resource)

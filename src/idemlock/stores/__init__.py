@@ -1,0 +1,1 @@
+"""Store adapters. Each store's driver is imported only when that store is used."""

@@ -1,0 +1,111 @@
+"""In-process notification of freed keys, usable from threads and from asyncio.
+
+The memory store uses it for every hand-off; the SQLite store uses it for waiters
+in the same process (other processes fall back to a short jittered backoff).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Hashable
+
+
+class LocalSubscription:
+    """One waiter's mailbox. ``notify`` before ``wait`` is remembered (no lost wake-up)."""
+
+    __slots__ = ("_async", "_cond", "_flag", "_hub", "_key")
+
+    def __init__(self, hub: LocalHub, key: Hashable) -> None:
+        self._hub = hub
+        self._key = key
+        self._flag = False
+        self._cond = threading.Condition(hub._lock)
+        self._async: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
+
+    # called by the hub with hub._lock held
+    def _fire(self) -> None:
+        self._flag = True
+        self._cond.notify_all()
+        if self._async is not None:
+            loop, fut = self._async
+            self._async = None
+            loop.call_soon_threadsafe(_resolve, fut)
+
+    def wait(self, timeout: float) -> bool:
+        with self._hub._lock:
+            if not self._flag and timeout > 0:
+                self._cond.wait(timeout)
+            fired, self._flag = self._flag, False
+            return fired
+
+    async def wait_async(self, timeout: float) -> bool:
+        loop = asyncio.get_running_loop()
+        with self._hub._lock:
+            if self._flag:
+                self._flag = False
+                return True
+            fut: asyncio.Future[None] = loop.create_future()
+            self._async = (loop, fut)
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            with self._hub._lock:
+                self._async = None
+        with self._hub._lock:
+            fired, self._flag = self._flag, False
+            return fired
+
+    def close(self) -> None:
+        self._hub._remove(self._key, self)
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class LocalHub:
+    """Registry of subscriptions per channel key."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._subs: dict[Hashable, set[LocalSubscription]] = {}
+
+    def subscribe(self, key: Hashable) -> LocalSubscription:
+        sub = LocalSubscription(self, key)
+        with self._lock:
+            self._subs.setdefault(key, set()).add(sub)
+        return sub
+
+    def notify(self, key: Hashable) -> None:
+        with self._lock:
+            subs = self._subs.get(key)
+            if subs:
+                for sub in subs:
+                    sub._fire()
+
+    def _remove(self, key: Hashable, sub: LocalSubscription) -> None:
+        with self._lock:
+            subs = self._subs.get(key)
+            if subs is not None:
+                subs.discard(sub)
+                if not subs:
+                    del self._subs[key]
+
+
+class AsyncLocalSubscription:
+    """The async face of a :class:`LocalSubscription`."""
+
+    __slots__ = ("_sub",)
+
+    def __init__(self, sub: LocalSubscription) -> None:
+        self._sub = sub
+
+    async def wait(self, timeout: float) -> bool:
+        return await self._sub.wait_async(timeout)
+
+    async def aclose(self) -> None:
+        self._sub.close()

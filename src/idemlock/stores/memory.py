@@ -1,0 +1,212 @@
+"""The in-memory store: one process, thread- and task-safe, for tests and single workers.
+
+Every transition is one critical section under a lock, applying the pure state
+machine of :mod:`idemlock._core.transitions`. Waiters are woken by an in-process
+hub. Time comes from an injectable :class:`~idemlock.Clock`, so tests can cross an
+expiry without sleeping.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from .._core import transitions as T
+from .._core.clock import SYSTEM_CLOCK, Clock
+from .._core.port import Acquired, Channel, ClaimReply, Held, LockRow, RecordRow
+from .._errors import ConfigurationError, StoreFull
+from ._adapt import InlineAsyncStore
+from ._local import LocalHub, LocalSubscription
+
+__all__ = ["MemoryStore"]
+
+
+class MemoryStore:
+    """Records, locks and fences in a dict. ``max_keys`` bounds records plus locks;
+    when full, expired entries are dropped and, if none were, ``StoreFull`` is raised
+    (a recorded result is never evicted early)."""
+
+    kind = "memory"
+    issues_fence_tokens = True
+
+    def __init__(self, *, clock: Clock = SYSTEM_CLOCK, max_keys: int | None = None) -> None:
+        if max_keys is not None and (not isinstance(max_keys, int) or max_keys < 1):
+            raise ConfigurationError(f"max_keys must be a positive int or None, got {max_keys!r}")
+        self._clock = clock
+        self._max_keys = max_keys
+        self._lock = threading.Lock()
+        self._claims: dict[tuple[str, str], T.ClaimRec] = {}
+        self._locks: dict[tuple[str, str], T.LockRec] = {}
+        self._fences: dict[tuple[str, str], int] = {}
+        self._counter = 0
+        self._hub = LocalHub()
+
+    def _now(self) -> int:
+        return int(self._clock.time() * 1000)
+
+    def _next_fence(self) -> int:
+        self._counter += 1
+        return self._counter
+
+    def _make_room(self, now: int) -> None:
+        # Called with the lock held, before adding a new key.
+        if self._max_keys is None or len(self._claims) + len(self._locks) < self._max_keys:
+            return
+        for table in (self._claims, self._locks):
+            dead = [k for k, rec in table.items() if rec.expires_ms <= now]
+            for k in dead:
+                del table[k]
+        if len(self._claims) + len(self._locks) >= self._max_keys:
+            raise StoreFull(
+                f"the memory store holds {self._max_keys} live keys (max_keys) and none has "
+                "expired; raise max_keys, shorten ttl, or forget records you no longer need"
+            )
+
+    # ---- idempotency -----------------------------------------------------------
+
+    def claim(self, ns: str, key: str, fp: str | None, token: str, lease_ms: int) -> ClaimReply:
+        k = (ns, key)
+        with self._lock:
+            now = self._now()
+            rec = self._claims.get(k)
+            if not T.live(rec, now):
+                self._make_room(now)
+            new, reply = T.claim(rec, now, fp, token, lease_ms, self._next_fence)
+            if new is not rec and new is not None:
+                self._claims[k] = new
+            return reply
+
+    def complete(self, ns: str, key: str, token: str, result: bytes, ttl_ms: int) -> bool:
+        k = (ns, key)
+        with self._lock:
+            now = self._now()
+            rec = self._claims.get(k)
+            if rec is None or not T.holds(rec, token, now):
+                return False
+            self._claims[k] = T.complete(rec, now, bytes(result), ttl_ms)
+            self._hub.notify(("claim", ns, key))
+            return True
+
+    def abandon(self, ns: str, key: str, token: str) -> bool:
+        k = (ns, key)
+        with self._lock:
+            if not T.holds(self._claims.get(k), token, self._now()):
+                return False
+            del self._claims[k]
+            self._hub.notify(("claim", ns, key))
+            return True
+
+    def record(self, ns: str, key: str) -> RecordRow | None:
+        with self._lock:
+            rec = self._claims.get((ns, key))
+            if rec is None or not T.live(rec, self._now()):
+                return None
+            return RecordRow(ns, key, rec.state, rec.fence, rec.expires_ms)
+
+    def forget(self, ns: str, key: str) -> bool:
+        with self._lock:
+            rec = self._claims.pop((ns, key), None)
+            self._hub.notify(("claim", ns, key))
+            return rec is not None and T.live(rec, self._now())
+
+    def records(self, ns_prefix: str) -> list[RecordRow]:
+        with self._lock:
+            now = self._now()
+            return [
+                RecordRow(ns, key, rec.state, rec.fence, rec.expires_ms)
+                for (ns, key), rec in self._claims.items()
+                if ns.startswith(ns_prefix) and rec.expires_ms > now
+            ]
+
+    # ---- locks -----------------------------------------------------------------
+
+    def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
+        k = (ns, key)
+        with self._lock:
+            now = self._now()
+            rec = self._locks.get(k)
+            if not T.live(rec, now):
+                self._make_room(now)
+            new, reply = T.acquire(rec, now, owner, ttl_ms, self._next_fence)
+            self._locks[k] = new
+            return reply
+
+    def release(self, ns: str, key: str, owner: str, token: int) -> bool:
+        k = (ns, key)
+        with self._lock:
+            if not T.lock_held_by(self._locks.get(k), owner, token, self._now()):
+                return False
+            del self._locks[k]
+            self._hub.notify(("lock", ns, key))
+            return True
+
+    def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
+        k = (ns, key)
+        with self._lock:
+            now = self._now()
+            rec = self._locks.get(k)
+            if rec is None or not T.lock_held_by(rec, owner, token, now):
+                return None
+            rec.expires_ms = now + ttl_ms
+            return rec.expires_ms
+
+    def lock(self, ns: str, key: str) -> LockRow | None:
+        with self._lock:
+            rec = self._locks.get((ns, key))
+            if rec is None or not T.live(rec, self._now()):
+                return None
+            return LockRow(ns, key, rec.owner, rec.token, rec.expires_ms)
+
+    def locks(self, ns_prefix: str) -> list[LockRow]:
+        with self._lock:
+            now = self._now()
+            return [
+                LockRow(ns, key, rec.owner, rec.token, rec.expires_ms)
+                for (ns, key), rec in self._locks.items()
+                if ns.startswith(ns_prefix) and rec.expires_ms > now
+            ]
+
+    # ---- fences ----------------------------------------------------------------
+
+    def fence_advance(self, ns: str, resource: str, token: int) -> tuple[bool, int]:
+        k = (ns, resource)
+        with self._lock:
+            ok, highest = T.fence_advance(self._fences.get(k), token)
+            self._fences[k] = highest
+            return ok, highest
+
+    def fence_current(self, ns: str, resource: str) -> int | None:
+        with self._lock:
+            return self._fences.get((ns, resource))
+
+    # ---- waiting ---------------------------------------------------------------
+
+    def subscribe(self, channel: Channel) -> LocalSubscription:
+        return self._hub.subscribe(tuple(channel))
+
+    def close(self) -> None:
+        return None
+
+
+def _parse(url: str) -> None:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.netloc or parts.path not in ("", "/") or parts.query:
+        raise ConfigurationError(
+            f"memory store URL takes no host, path or options: use 'memory://', got {url!r} "
+            "(pass max_keys= and clock= as keyword arguments to connect)"
+        )
+
+
+def open_sync(
+    url: str, *, clock: Clock = SYSTEM_CLOCK, max_keys: int | None = None
+) -> tuple[MemoryStore, Clock]:
+    _parse(url)
+    return MemoryStore(clock=clock, max_keys=max_keys), clock
+
+
+def open_async(
+    url: str, *, clock: Clock = SYSTEM_CLOCK, max_keys: int | None = None
+) -> tuple[InlineAsyncStore, Clock]:
+    _parse(url)
+    return InlineAsyncStore(MemoryStore(clock=clock, max_keys=max_keys)), clock

@@ -1,0 +1,68 @@
+"""The stores the contract suite runs against: one line per store in STORES.
+
+A factory takes pytest's ``request`` and ``tmp_path`` and returns a Harness. Stores
+with a server get it from a session fixture in ``tests/servers/`` (throwaway
+servers on free loopback ports, never skipped).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import idemlock
+import idemlock.aio
+from idemlock import ManualClock
+
+from .harness import Harness
+
+
+def memory(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
+    clock = ManualClock()
+
+    def open_sync(prefix: str, **options: Any) -> idemlock.Coordinator:
+        return idemlock.connect("memory://", key_prefix=prefix, clock=clock, **options)
+
+    def open_async(prefix: str, **options: Any) -> idemlock.aio.AsyncCoordinator:
+        return idemlock.aio.connect("memory://", key_prefix=prefix, clock=clock, **options)
+
+    # One in-process store shared by the sync and async faces of a test.
+    store = idemlock.connect("memory://", clock=clock).store
+
+    def shared_sync(prefix: str, **options: Any) -> idemlock.Coordinator:
+        if options:
+            return open_sync(prefix, **options)
+        return idemlock.Coordinator(store, key_prefix=prefix, clock=clock, url="memory://")
+
+    def shared_async(prefix: str, **options: Any) -> idemlock.aio.AsyncCoordinator:
+        if options:
+            return open_async(prefix, **options)
+        from idemlock.stores._adapt import InlineAsyncStore
+
+        return idemlock.aio.AsyncCoordinator(
+            InlineAsyncStore(store), key_prefix=prefix, clock=clock, url="memory://"
+        )
+
+    return Harness("memory", None, shared_sync, shared_async, clock=clock)
+
+
+def sqlite(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
+    url = f"sqlite:///{tmp_path / 'idemlock.db'}"
+
+    def open_sync(prefix: str, **options: Any) -> idemlock.Coordinator:
+        return idemlock.connect(url, key_prefix=prefix, **options)
+
+    def open_async(prefix: str, **options: Any) -> idemlock.aio.AsyncCoordinator:
+        return idemlock.aio.connect(url, key_prefix=prefix, **options)
+
+    return Harness("sqlite", url, open_sync, open_async)
+
+
+#: name -> harness factory. A new store is one more line here.
+STORES: dict[str, Callable[[pytest.FixtureRequest, Path], Harness]] = {
+    "memory": memory,
+    "sqlite": sqlite,
+}
