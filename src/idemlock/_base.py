@@ -356,3 +356,20 @@ def call_key(
 
 
 update_wrapper = functools.update_wrapper
+
+
+class FenceBase:
+    def __init__(self, coord: CoordinatorBase, resource: str) -> None:
+        self._store = coord._store
+        self.resource = validate_key(resource, "resource")
+        self._ns = coord._ns("fence")
+
+    def _fence_set(self) -> Any:
+        fence_set = getattr(self._store, "fence_set", None)
+        if fence_set is None:
+            raise ConfigurationError(
+                f"set_if_fresh writes into the store itself, which the {self._store.kind} "
+                "store does not hold user data for; use check_and_advance and guard your "
+                "own write, or use the Redis store"
+            )
+        return fence_set

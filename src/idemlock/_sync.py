@@ -13,6 +13,7 @@ from typing import Any, TypeVar, cast
 
 from ._base import (
     CoordinatorBase,
+    FenceBase,
     IdempotencyBase,
     LockBase,
     bind_payload,
@@ -63,6 +64,10 @@ class Coordinator(CoordinatorBase):
     def keys(self) -> list[RecordStatus]:
         """Every live idempotency record under this coordinator's prefix."""
         return [self._record_status(r) for r in self._store.records(self._ns_prefix())]
+
+    def purge(self) -> int:
+        """Delete expired records and locks from the store; returns how many went."""
+        return self._store.purge()
 
     def locks(self) -> list[LockInfo]:
         """Every held lock under this coordinator's prefix."""
@@ -353,13 +358,10 @@ class LockPort(LockBase):
             )
 
 
-class FenceGate:
+class FenceGate(FenceBase):
     """Accepts fencing tokens at least as high as the highest accepted for a resource."""
 
-    def __init__(self, coord: Coordinator, resource: str) -> None:
-        self._store = coord._store
-        self.resource = validated(resource, "resource")
-        self._ns = coord._ns("fence")
+    _store: SyncStore
 
     def check_and_advance(self, token: int) -> int:
         """Accept ``token`` (it becomes the highest) or raise ``FencedOut``, changing nothing."""
@@ -368,6 +370,18 @@ class FenceGate:
         if not ok:
             raise FencedOut(self.resource, token, highest)
         return highest
+
+    def set_if_fresh(self, token: int, key: str, value: bytes | str) -> int:
+        """Atomically accept ``token`` (as ``check_and_advance``) and, only if it is
+        accepted, write ``value`` at ``key`` in the store itself (Redis). Raises
+        ``FencedOut`` and writes nothing for a stale token."""
+        token = check_token(token)
+        fence_set = self._fence_set()
+        data = value.encode("utf-8") if isinstance(value, str) else bytes(value)
+        ok, highest = fence_set(self._ns, self.resource, token, key, data)
+        if not ok:
+            raise FencedOut(self.resource, token, highest)
+        return int(highest)
 
     def current(self) -> int | None:
         """The highest token accepted so far (None before the first)."""

@@ -14,6 +14,7 @@ from typing import Any, TypeVar, cast
 
 from ._base import (
     CoordinatorBase,
+    FenceBase,
     IdempotencyBase,
     LockBase,
     bind_payload,
@@ -81,6 +82,10 @@ class AsyncCoordinator(CoordinatorBase):
     async def keys(self) -> list[RecordStatus]:
         """Every live idempotency record under this coordinator's prefix."""
         return [self._record_status(r) for r in await self._store.records(self._ns_prefix())]
+
+    async def purge(self) -> int:
+        """Delete expired records and locks from the store; returns how many went."""
+        return await self._store.purge()
 
     async def locks(self) -> list[LockInfo]:
         """Every held lock under this coordinator's prefix."""
@@ -342,13 +347,10 @@ class AsyncLockPort(LockBase):
             )
 
 
-class AsyncFenceGate:
+class AsyncFenceGate(FenceBase):
     """Accepts fencing tokens at least as high as the highest accepted for a resource."""
 
-    def __init__(self, coord: AsyncCoordinator, resource: str) -> None:
-        self._store = coord._store
-        self.resource = validated(resource, "resource")
-        self._ns = coord._ns("fence")
+    _store: AsyncStore
 
     async def check_and_advance(self, token: int) -> int:
         """Accept ``token`` (it becomes the highest) or raise ``FencedOut``, changing nothing."""
@@ -357,6 +359,18 @@ class AsyncFenceGate:
         if not ok:
             raise FencedOut(self.resource, token, highest)
         return highest
+
+    async def set_if_fresh(self, token: int, key: str, value: bytes | str) -> int:
+        """Atomically accept ``token`` (as ``check_and_advance``) and, only if it is
+        accepted, write ``value`` at ``key`` in the store itself (Redis). Raises
+        ``FencedOut`` and writes nothing for a stale token."""
+        token = check_token(token)
+        fence_set = self._fence_set()
+        data = value.encode("utf-8") if isinstance(value, str) else bytes(value)
+        ok, highest = await fence_set(self._ns, self.resource, token, key, data)
+        if not ok:
+            raise FencedOut(self.resource, token, highest)
+        return int(highest)
 
     async def current(self) -> int | None:
         """The highest token accepted so far (None before the first)."""

@@ -218,10 +218,20 @@ class SyncStore(Protocol):
 
     def fence_current(self, ns: str, resource: str) -> int | None: ...
 
+    def purge(self) -> int:
+        """Delete expired records and locks (and counters the store may drop safely);
+        return how many rows/keys were removed. Stores that expire data by
+        themselves (Redis) return 0."""
+
     # waiting and life cycle
     def subscribe(self, channel: Channel) -> SyncSubscription: ...
 
     def close(self) -> None: ...
+
+    # Optional, store-specific (looked up with getattr; absent means unsupported):
+    #   fence_set(ns, resource, token, key, value: bytes) -> tuple[bool, int]
+    #       atomically check_and_advance the fence and, if accepted, SET key=value in
+    #       the store (Redis). Same reply as fence_advance.
 
 
 class AsyncStore(Protocol):
@@ -255,6 +265,8 @@ class AsyncStore(Protocol):
     async def fence_advance(self, ns: str, resource: str, token: int) -> tuple[bool, int]: ...
 
     async def fence_current(self, ns: str, resource: str) -> int | None: ...
+
+    async def purge(self) -> int: ...
 
     async def subscribe(self, channel: Channel) -> AsyncSubscription: ...
 

@@ -105,6 +105,9 @@ class _AsyncFace:
         r: int | None = await self._call(self.sync.fence_current, ns, resource)
         return r
 
+    async def purge(self) -> int:
+        return int(await self._call(self.sync.purge))
+
     async def subscribe(self, channel: Channel) -> _AsyncSub:
         sub: DualSubscription = self.sync.subscribe(channel)  # type: ignore[assignment]  # local stores return dual subscriptions
         return _AsyncSub(sub)

@@ -178,6 +178,17 @@ class MemoryStore:
         with self._lock:
             return self._fences.get((ns, resource))
 
+    def purge(self) -> int:
+        with self._lock:
+            now = self._now()
+            removed = 0
+            for table in (self._claims, self._locks):
+                dead = [k for k, rec in table.items() if rec.expires_ms <= now]
+                for k in dead:
+                    del table[k]
+                removed += len(dead)
+            return removed
+
     # ---- waiting ---------------------------------------------------------------
 
     def subscribe(self, channel: Channel) -> LocalSubscription:
