@@ -7,7 +7,7 @@ import pytest
 
 from .facade import Facade, async_facade, sync_facade
 from .harness import Harness
-from .stores import STORES
+from .stores import IN_PROCESS_ONLY, STORES
 
 
 @pytest.fixture(params=list(STORES))
@@ -15,14 +15,17 @@ def harness(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]
     yield STORES[request.param](request, tmp_path)
 
 
+@pytest.fixture(params=[name for name in STORES if name not in IN_PROCESS_ONLY])
+def process_harness(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Harness]:
+    """Stores that outlive a process, for races between real processes."""
+    yield STORES[request.param](request, tmp_path)
+
+
 @pytest.fixture(params=["sync", "async"])
 async def api(request: pytest.FixtureRequest, harness: Harness) -> AsyncIterator[Facade]:
     """One coordinator on the store under test, sync or async, behind one facade so
     each contract test is written once."""
-    if request.param == "sync":
-        facade = sync_facade(harness)
-    else:
-        facade = async_facade(harness)
+    facade = sync_facade(harness) if request.param == "sync" else async_facade(harness)
     try:
         yield facade
     finally:

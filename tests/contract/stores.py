@@ -61,6 +61,9 @@ def sqlite(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
     return Harness("sqlite", url, open_sync, open_async)
 
 
+#: stores that live inside one process (no cross-process race tests)
+IN_PROCESS_ONLY = {"memory"}
+
 #: name -> harness factory. A new store is one more line here.
 STORES: dict[str, Callable[[pytest.FixtureRequest, Path], Harness]] = {
     "memory": memory,
