@@ -1,0 +1,198 @@
+"""The pure domain: keys, canonical payloads, codec, specs, URLs, wiring errors."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import idemlock
+import idemlock.aio
+from idemlock import (
+    CanonicalizeError,
+    ConfigurationError,
+    IdemlockError,
+    InvalidKey,
+    LockSpec,
+    ResultDecodeError,
+    ResultEncodeError,
+    canonicalize,
+    fingerprint,
+)
+from idemlock._core.codec import JsonCodec
+from idemlock._core.keys import namespace, split_namespace, validate_key
+from idemlock.stores.memory import MemoryStore
+
+JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda children: st.lists(children) | st.dictionaries(st.text(), children),
+    max_leaves=20,
+)
+
+
+def test_canonical_form() -> None:
+    assert canonicalize({"b": 1, "a": [1, 2.5, None, True]}) == b'{"a":[1,2.5,null,true],"b":1}'
+    assert canonicalize({"é": "ü"}) == '{"é":"ü"}'.encode()
+    assert canonicalize((1, 2)) == canonicalize([1, 2])
+    assert fingerprint({"a": 1}) == fingerprint({"a": 1})
+    assert fingerprint({"a": 1}) != fingerprint({"a": 2})
+    assert len(fingerprint(None)) == 64
+
+
+@given(JSON)
+def test_canonical_is_stable_and_parses_back(value: object) -> None:
+    data = canonicalize(value)
+    assert canonicalize(json.loads(data)) == data
+
+
+@given(st.dictionaries(st.text(), st.integers(), min_size=2))
+def test_key_order_does_not_matter(d: dict[str, int]) -> None:
+    assert fingerprint(d) == fingerprint(dict(reversed(list(d.items()))))
+
+
+@pytest.mark.parametrize(
+    "bad", [float("nan"), float("-inf"), {"a": {1, 2}}, b"bytes", {("t",): 1}, object()]
+)
+def test_canonicalize_rejects(bad: object) -> None:
+    with pytest.raises(CanonicalizeError) as info:
+        canonicalize(bad)
+    assert isinstance(info.value, IdemlockError)
+
+
+@pytest.mark.parametrize("key", ["a", "x" * 512, "ü" * 256, "a:b{c}", "😀"])
+def test_valid_keys(key: str) -> None:
+    assert validate_key(key) == key
+
+
+@pytest.mark.parametrize(
+    "key", ["", " ", "a b", "a\tb", "a\nb", "\x00", "\x7f", "\u0085", "x" * 513, "ü" * 257, 5]
+)
+def test_invalid_keys(key: object) -> None:
+    with pytest.raises(InvalidKey):
+        validate_key(key)
+
+
+@given(st.text(min_size=1), st.text(min_size=1), st.text(min_size=1), st.text(min_size=1))
+def test_namespaces_never_collide(a: str, b: str, c: str, d: str) -> None:
+    if (a, b) != (c, d):
+        assert namespace(a, b) != namespace(c, d)
+    assert split_namespace(namespace(a, b)) == [a, b]
+
+
+@given(JSON)
+def test_json_codec_round_trip(value: object) -> None:
+    codec = JsonCodec()
+    assert codec.decode(codec.encode(value)) == value
+
+
+def test_json_codec_errors() -> None:
+    codec = JsonCodec()
+    with pytest.raises(ResultEncodeError):
+        codec.encode({"x": object()})
+    with pytest.raises(ResultEncodeError):
+        codec.encode(float("nan"))
+    for corrupt in (b"", b"x{}", b"j{not json", b'j{"w":1}', b"j\xff\xfe"):
+        with pytest.raises(ResultDecodeError):
+            codec.decode(corrupt)
+
+
+@pytest.mark.parametrize(
+    "url", ["mysql://localhost/db", "nope", "http://x", "memory://host", "memory:///path"]
+)
+def test_bad_urls(url: str) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        idemlock.connect(url)
+    assert "memory://" in str(info.value) or "memory store" in str(info.value)
+
+
+def test_unknown_client_object() -> None:
+    with pytest.raises(ConfigurationError):
+        idemlock.connect(object())
+
+
+def test_default_url_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IDEMLOCK_URL", "memory://")
+    with idemlock.connect() as coord:
+        assert coord.store.kind == "memory"
+
+
+def test_bad_prefix() -> None:
+    with pytest.raises(InvalidKey):
+        idemlock.connect("memory://", key_prefix="has space")
+
+
+def test_requires_fencing_token_fails_closed_at_wiring() -> None:
+    class TokenlessStore(MemoryStore):
+        issues_fence_tokens = False
+
+    coord = idemlock.Coordinator(TokenlessStore())
+    with pytest.raises(ConfigurationError):
+        coord.lock(LockSpec("x", requires_fencing_token=True))
+    coord.lock(LockSpec("x"))  # without the requirement it wires
+
+
+def test_memory_max_keys() -> None:
+    clock = idemlock.ManualClock()
+    coord = idemlock.connect("memory://", max_keys=2, clock=clock)
+    port = coord.idempotency(idemlock.IdempotencySpec("s", ttl=timedelta(seconds=10)))
+    for key in ("a", "b"):
+        claim = port.claim(key)
+        assert isinstance(claim, idemlock.Claimed)
+        port.complete(claim.token, key)
+    with pytest.raises(idemlock.StoreFull) as info:
+        port.claim("c")
+    assert "max_keys" in str(info.value)
+    # The recorded results were not evicted.
+    assert isinstance(port.claim("a"), idemlock.Completed)
+    clock.advance(11)
+    assert isinstance(port.claim("c"), idemlock.Claimed)
+    with pytest.raises(ConfigurationError):
+        idemlock.connect("memory://", max_keys=0)
+
+
+async def test_async_coordinator_refuses_plain_functions() -> None:
+    async with idemlock.aio.connect("memory://") as coord:
+        with pytest.raises(ConfigurationError):
+            coord.idempotent("s")(lambda: 1)
+
+
+def test_sync_coordinator_wraps_async_functions() -> None:
+    import asyncio
+
+    coord = idemlock.connect("memory://")
+    calls = []
+
+    @coord.idempotent("s")
+    async def op(x: int) -> int:
+        calls.append(x)
+        return x + 1
+
+    assert asyncio.run(op(1)) == 2
+    assert asyncio.run(op(1)) == 2
+    assert calls == [1]
+
+
+def test_lease_remaining_counts_from_send_time() -> None:
+    clock = idemlock.ManualClock()
+    coord = idemlock.connect("memory://", clock=clock)
+    lease = coord.lock(LockSpec("l", ttl=timedelta(seconds=10))).acquire("k")
+    assert lease is not None
+    assert lease.remaining() == timedelta(seconds=10)
+    clock.advance(4)
+    assert lease.remaining() == timedelta(seconds=6)
+    clock.advance(7)
+    assert lease.remaining() == timedelta(0)
+
+
+def test_errors_are_one_hierarchy() -> None:
+    for name in idemlock.__all__:
+        obj = getattr(idemlock, name)
+        if isinstance(obj, type) and issubclass(obj, Exception):
+            assert issubclass(obj, IdemlockError), name
