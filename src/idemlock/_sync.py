@@ -299,7 +299,7 @@ class LockPort(LockBase):
         if lease is None:
             raise LockNotAcquired(self._not_acquired(key, wait))
         assert lease.token is not None
-        state = RenewState(0, lease._sent)
+        state = RenewState(0, lease._sent, lease=lease)
         stop = threading.Event()
         flow = renew_flow(
             self._ns,
@@ -324,10 +324,8 @@ class LockPort(LockBase):
                     on_lost(lease)
 
         thread = threading.Thread(target=renewer, name=f"idemlock-renew-{key}", daemon=True)
-        flow_started = False
+        thread.start()
         try:
-            thread.start()
-            flow_started = True
             yield lease
         except BaseException:
             stop.set()
@@ -336,8 +334,7 @@ class LockPort(LockBase):
             self._release_quietly(lease)
             raise
         stop.set()
-        if flow_started:
-            thread.join()
+        thread.join()
         self._sync_state(lease, state)
         lost = lease.lost or state.lost
         self._release_quietly(lease)

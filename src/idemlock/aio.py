@@ -281,7 +281,7 @@ class AsyncLockPort(LockBase):
         if lease is None:
             raise LockNotAcquired(self._not_acquired(key, wait))
         assert lease.token is not None
-        state = RenewState(0, lease._sent)
+        state = RenewState(0, lease._sent, lease=lease)
         stop = asyncio.Event()
         body = asyncio.current_task()
         cancelled_by_us = False

@@ -16,6 +16,7 @@ from typing import Any
 
 from .clock import Clock
 from .port import Acquired, Busy, Channel, ClaimReply, Held
+from .types import Lease, from_ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +144,8 @@ class RenewState:
     sent: float
     lost: bool = False
     reason: str = ""
+    #: the holder's lease, kept current so ``remaining()`` reflects each renewal
+    lease: Lease | None = None
 
 
 def renew_flow(
@@ -201,4 +204,6 @@ def renew_flow(
             state.lost, state.reason = True, "renewal came after the lease had run out"
             return state
         state.sent, state.expires_ms = sent, int(new_exp)
+        if state.lease is not None:
+            state.lease._sent, state.lease.expires_at = sent, from_ms(int(new_exp))
         next_at = sent + every
