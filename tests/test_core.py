@@ -22,7 +22,7 @@ from idemlock import (
     canonicalize,
     fingerprint,
 )
-from idemlock._core.codec import JsonCodec
+from idemlock._core.codec import ResultFormat
 from idemlock._core.keys import namespace, split_namespace, validate_key
 from idemlock.stores.memory import MemoryStore
 
@@ -87,20 +87,24 @@ def test_namespaces_never_collide(a: str, b: str, c: str, d: str) -> None:
 
 
 @given(JSON)
-def test_json_codec_round_trip(value: object) -> None:
-    codec = JsonCodec()
-    assert codec.decode(codec.encode(value)) == value
+def test_result_format_round_trip(value: object) -> None:
+    fmt = ResultFormat(compress_over=8)
+    assert fmt.decode(fmt.encode(value)) == (value, None)
 
 
-def test_json_codec_errors() -> None:
-    codec = JsonCodec()
+def test_result_format_errors() -> None:
+    fmt = ResultFormat()
     with pytest.raises(ResultEncodeError):
-        codec.encode({"x": object()})
+        fmt.encode({"x": object()})
     with pytest.raises(ResultEncodeError):
-        codec.encode(float("nan"))
-    for corrupt in (b"", b"x{}", b"j{not json", b'j{"w":1}', b"j\xff\xfe"):
+        fmt.encode(float("nan"))
+    with pytest.raises(ResultEncodeError):
+        fmt.encode((1, 2))  # would come back as a list
+    with pytest.raises(ResultEncodeError):
+        fmt.encode({1: "int key"})  # would come back with a str key
+    for corrupt in (b"", b"x{}", b"j{not json", b'j{"w":1}', b"j\xff\xfe", b"zgarbage"):
         with pytest.raises(ResultDecodeError):
-            codec.decode(corrupt)
+            fmt.decode(corrupt)
 
 
 @pytest.mark.parametrize(

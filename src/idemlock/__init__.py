@@ -14,7 +14,7 @@ from typing import Any
 
 from ._core.canonical import canonicalize, fingerprint
 from ._core.clock import Clock, ManualClock, SystemClock
-from ._core.codec import Codec, JsonCodec
+from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES, RecordedError
 from ._core.types import (
     Claim,
     Claimed,
@@ -40,11 +40,14 @@ from ._errors import (
     PayloadMismatch,
     ResultDecodeError,
     ResultEncodeError,
+    ResultTooLarge,
+    SealError,
     StaleClaim,
     StoreCorrupt,
     StoreFull,
     StoreUnavailable,
 )
+from ._keyring import Keyring
 from ._sync import Coordinator, FenceGate, IdempotencyPort, LockPort
 
 __version__ = "0.1.0"
@@ -55,7 +58,6 @@ __all__ = [
     "ClaimToken",
     "Claimed",
     "Clock",
-    "Codec",
     "Completed",
     "ConfigurationError",
     "Coordinator",
@@ -67,7 +69,7 @@ __all__ = [
     "InFlight",
     "InFlightError",
     "InvalidKey",
-    "JsonCodec",
+    "Keyring",
     "Lease",
     "LockInfo",
     "LockLost",
@@ -78,8 +80,11 @@ __all__ = [
     "ManualClock",
     "PayloadMismatch",
     "RecordStatus",
+    "RecordedError",
     "ResultDecodeError",
     "ResultEncodeError",
+    "ResultTooLarge",
+    "SealError",
     "StaleClaim",
     "StoreCorrupt",
     "StoreFull",
@@ -91,7 +96,16 @@ __all__ = [
 ]
 
 
-def connect(url: Any = None, *, key_prefix: str = "idemlock", **options: Any) -> Coordinator:
+def connect(
+    url: Any = None,
+    *,
+    key_prefix: str = "idemlock",
+    keyring: Keyring | None = None,
+    tenant: str | None = None,
+    max_result_bytes: int = MAX_RESULT_BYTES,
+    compress_over: int | None = COMPRESS_OVER,
+    **options: Any,
+) -> Coordinator:
     """Open a :class:`Coordinator` on a store.
 
     ``url`` is ``memory://``, ``sqlite:///path/to/file.db``, ``redis://...``,
@@ -100,8 +114,23 @@ def connect(url: Any = None, *, key_prefix: str = "idemlock", **options: Any) ->
     means ``$IDEMLOCK_URL``, else SQLite in the user's state directory. Store options
     (``max_keys=``, ``clock=`` for memory; ``busy_timeout=`` for SQLite; ...) are
     passed as keywords. ``key_prefix`` namespaces everything this coordinator stores.
+
+    ``keyring`` seals results of specs with ``encrypt_result=True`` and stores keys and
+    payload fingerprints as HMACs; ``tenant`` puts everything in one tenant's namespace
+    (see also ``Coordinator.for_tenant``). Results larger than ``max_result_bytes``
+    (stored, after compression) raise ``ResultTooLarge``; bodies over ``compress_over``
+    bytes are zlib-compressed (None: never).
     """
     from ._urls import open_store
 
     store, clock, shown = open_store(url, asynchronous=False, **options)
-    return Coordinator(store, key_prefix=key_prefix, clock=clock, url=shown)
+    return Coordinator(
+        store,
+        key_prefix=key_prefix,
+        clock=clock,
+        url=shown,
+        keyring=keyring,
+        tenant=tenant,
+        max_result_bytes=max_result_bytes,
+        compress_over=compress_over,
+    )

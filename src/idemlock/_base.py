@@ -3,16 +3,22 @@ meaning of store replies. The sync and async classes only add the calls."""
 
 from __future__ import annotations
 
-import functools
 import inspect
 import secrets
+import typing
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from ._core.canonical import fingerprint
+from ._core.canonical import canonicalize, fingerprint
 from ._core.clock import Clock
-from ._core.codec import Codec
+from ._core.codec import (
+    COMPRESS_OVER,
+    MAX_RESULT_BYTES,
+    RecordedError,
+    ResultFormat,
+    type_name,
+)
 from ._core.flows import RenewState
 from ._core.keys import namespace, split_namespace, validate_key
 from ._core.port import (
@@ -45,6 +51,7 @@ from ._errors import (
     LockNotHeld,
     PayloadMismatch,
 )
+from ._keyring import Keyring
 
 IN_FLIGHT_MODES = ("raise", "wait")
 
@@ -66,7 +73,8 @@ def seconds(value: timedelta | float | None, what: str) -> float | None:
 
 
 class CoordinatorBase:
-    """Holds the store, the key prefix, the clock and the codec."""
+    """Holds the store, the key prefix, the tenant, the clock, the result format and
+    the keyring."""
 
     def __init__(
         self,
@@ -74,19 +82,32 @@ class CoordinatorBase:
         *,
         key_prefix: str = "idemlock",
         clock: Clock | None = None,
-        codec: Codec | None = None,
         url: str | None = None,
+        keyring: Keyring | None = None,
+        tenant: str | None = None,
+        max_result_bytes: int = MAX_RESULT_BYTES,
+        compress_over: int | None = COMPRESS_OVER,
     ) -> None:
         from ._core.clock import SYSTEM_CLOCK
-        from ._core.codec import JSON_CODEC
 
         self._store = store
         self.key_prefix = validate_key(key_prefix, "key_prefix")
+        self.tenant = None if tenant is None else validate_key(tenant, "tenant")
         self.clock: Clock = clock or getattr(store, "clock", None) or SYSTEM_CLOCK
-        self.codec: Codec = codec or JSON_CODEC
         self.url = url
+        if keyring is not None and type(keyring).__name__ != "Keyring":
+            raise ConfigurationError(f"keyring must be an idemlock.Keyring, got {keyring!r}")
+        self.keyring = keyring
+        self.result_format = ResultFormat(max_result_bytes, compress_over)
         #: longest wait between re-checks where notifications do not cross processes
         self.poll_cap: float | None = getattr(store, "poll_cap", None)
+        #: a tenant view shares its parent's store and must not close it
+        self._owns_store = True
+
+    def _view_of(self, parent: CoordinatorBase, tenant: str) -> None:
+        self.__dict__.update(parent.__dict__)
+        self.tenant = validate_key(tenant, "tenant")
+        self._owns_store = False
 
     @property
     def store(self) -> Any:
@@ -94,10 +115,10 @@ class CoordinatorBase:
         return self._store
 
     def _ns(self, name: str) -> str:
-        return namespace(self.key_prefix, name)
+        return namespace(self.key_prefix, name, self.tenant)
 
     def _ns_prefix(self) -> str:
-        return namespace(self.key_prefix, "x")[:-1]
+        return namespace(self.key_prefix, "x", self.tenant)[:-1]
 
     def _idem_spec(self, spec: IdempotencySpec | str) -> IdempotencySpec:
         if isinstance(spec, str):
@@ -106,10 +127,11 @@ class CoordinatorBase:
             raise ConfigurationError(
                 f"expected an IdempotencySpec or a spec name, got {type(spec).__name__}"
             )
-        if spec.encrypt_result:
+        if spec.encrypt_result and self.keyring is None:
             raise ConfigurationError(
                 f"spec {spec.name!r} has encrypt_result=True but this coordinator has no "
-                "keyring to seal results with; configure a keyring or set encrypt_result=False"
+                "keyring to seal results with; pass keyring=idemlock.Keyring.from_env() (or "
+                "another Keyring) to connect(), or set encrypt_result=False"
             )
         return spec
 
@@ -150,13 +172,69 @@ class IdempotencyBase:
         self._ns = coord._ns(spec.name)
         self._lease_ms = to_ms(spec.lease, "lease")
         self._ttl_ms = to_ms(spec.ttl, "ttl")
+        self._format = coord.result_format
+        self._keyring = coord.keyring
+        self._seal = spec.encrypt_result
+
+    # ---- keys as the store sees them ------------------------------------------------
+
+    def _skey(self, key: str) -> str:
+        """The key as stored: the key itself, or its HMAC when a keyring is set (the
+        store then never sees callers' keys)."""
+        validate_key(key)
+        if self._keyring is None:
+            return key
+        return self._keyring.lookup("key", self._ns.encode() + b"\0" + key.encode())
+
+    def _fp(self, payload: Any) -> str | None:
+        if payload is None:
+            return None
+        if self._keyring is None:
+            return fingerprint(payload)
+        # An HMAC, not a bare hash: guessable payloads cannot be brute-forced from it.
+        return self._keyring.lookup("fp", canonicalize(payload))
 
     def _claim_args(self, key: str, payload: Any) -> tuple[str, str, str | None, str, int]:
-        validate_key(key)
-        fp = None if payload is None else fingerprint(payload)
-        return (self._ns, key, fp, new_token(), self._lease_ms)
+        return (self._ns, self._skey(key), self._fp(payload), new_token(), self._lease_ms)
 
-    def _interpret(self, key: str, reply: ClaimReply) -> Claim:
+    def _ad(self, key: str) -> bytes:
+        # Associated data: the record only opens under this prefix, tenant, spec and key.
+        return b"idemlock/1\0" + self._ns.encode() + b"\0" + key.encode()
+
+    # ---- results ---------------------------------------------------------------------
+
+    def _encode(self, key: str, value: Any, dump: Any = None, load: Any = None) -> bytes:
+        if dump is None:
+            framed = self._format.encode(value)
+        else:
+            framed = self._format.encode(value, dump, load)
+        return self._sealed(key, framed)
+
+    def _encode_error(self, key: str, exc: BaseException) -> bytes:
+        return self._sealed(key, self._format.encode_error(exc))
+
+    def _sealed(self, key: str, framed: bytes) -> bytes:
+        if not self._seal:
+            return framed
+        assert self._keyring is not None
+        return self._keyring.seal(framed, self._ad(key))
+
+    def _decode(self, key: str, data: bytes, load: Any = None) -> tuple[Any, RecordedError | None]:
+        if self._seal:
+            assert self._keyring is not None
+            data = self._keyring.open(bytes(data), self._ad(key))
+        elif data[:1] == b"s":
+            from ._errors import SealError
+
+            raise SealError(
+                f"the stored result of {key!r} is sealed but spec {self.spec.name!r} does not "
+                "use encrypt_result; set encrypt_result=True with the keyring that sealed it"
+            )
+        if load is None:
+            return self._format.decode(data)
+        return self._format.decode(data, load)
+
+    def _interpret(self, key: str, reply: ClaimReply, load: Any = None) -> Claim:
         if isinstance(reply, Granted):
             return Claimed(
                 ClaimToken(
@@ -171,7 +249,8 @@ class IdempotencyBase:
         if isinstance(reply, Busy):
             return InFlight(from_ms(reply.expires_ms))
         if isinstance(reply, Done):
-            return Completed(self._coord.codec.decode(reply.result), from_ms(reply.expires_ms))
+            result, error = self._decode(key, reply.result, load)
+            return Completed(result, from_ms(reply.expires_ms), error)
         if isinstance(reply, Mismatch):
             raise PayloadMismatch(key)
         raise TypeError(f"unexpected store reply {reply!r}")  # pragma: no cover
@@ -183,10 +262,10 @@ class IdempotencyBase:
             )
         if token._ns != self._ns:
             raise ConfigurationError(
-                f"this claim token belongs to spec {token.spec!r}, not {self.spec.name!r}; "
-                "complete or abandon it through the port that claimed it"
+                f"this claim token belongs to spec {token.spec!r} (or another tenant), not "
+                f"{self.spec.name!r}; complete or abandon it through the port that claimed it"
             )
-        return (self._ns, token.key, token.token)
+        return (self._ns, self._skey(token.key), token.token)
 
     def _stale(self, token: ClaimToken, what: str) -> Exception:
         from ._errors import StaleClaim
@@ -197,15 +276,36 @@ class IdempotencyBase:
             "completed or abandoned already, or the record was forgotten); nothing changed"
         )
 
-    def _status(self, row: RecordRow | None) -> RecordStatus | None:
-        return None if row is None else self._coord._record_status(row)
+    def _status(self, key: str, row: RecordRow | None) -> RecordStatus | None:
+        if row is None:
+            return None
+        status = self._coord._record_status(row)
+        return RecordStatus(key, status.state, status.fence, status.expires_at, status.spec)
 
     def _wait_for(self, wait: timedelta | float | None) -> float:
         s = seconds(wait, "wait")
         return self._lease_ms / 1000 if s is None else s
 
-    def _replay_or_raise(self, key: str, reply: ClaimReply) -> Claim:
-        claim = self._interpret(key, reply)
+    def _error_record(self, plan: WrapPlan, token: ClaimToken, exc: BaseException) -> bytes | None:
+        """The stored form of a listed exception, or None to abandon the claim."""
+        if not plan.errors or not isinstance(exc, plan.errors):
+            return None
+        try:
+            return self._encode_error(token.key, exc)
+        except Exception:
+            import logging
+
+            logging.getLogger("idemlock").warning(
+                "cannot record %s for %r (its args are not JSON data); abandoning the "
+                "claim instead",
+                type(exc).__name__,
+                token.key,
+                exc_info=True,
+            )
+            return None
+
+    def _replay_or_raise(self, key: str, reply: ClaimReply, load: Any = None) -> Claim:
+        claim = self._interpret(key, reply, load)
         if isinstance(claim, InFlight):
             raise InFlightError(key, claim.expires_at)
         return claim
@@ -319,17 +419,68 @@ def check_token(token: object) -> int:
     return token
 
 
-def bind_payload(fn: Callable[..., Any]) -> Callable[..., dict[str, Any]]:
-    """The canonical arguments of a call: parameter name -> value, defaults applied,
-    so ``f(1, b=2)`` and ``f(1, 2)`` are the same call."""
-    sig = inspect.signature(fn)
+class WrapPlan:
+    """What a decorated function needs on every call: its key, payload, result types
+    and the exceptions whose outcome is recorded and replayed."""
 
-    def payload(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        bound = sig.bind(*args, **kwargs)
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        key: Callable[..., str] | None,
+        replay_errors: tuple[type[BaseException], ...],
+    ) -> None:
+        self.fn = fn
+        self.key = key
+        self.sig = inspect.signature(fn)
+        if isinstance(replay_errors, type):
+            replay_errors = (replay_errors,)
+        for tp in replay_errors:
+            if not (isinstance(tp, type) and issubclass(tp, Exception)):
+                raise ConfigurationError(f"replay_errors must be exception classes, got {tp!r}")
+        self.errors = tuple(replay_errors)
+        # Types are resolved only from this allow-list, never imported by stored name.
+        self.by_name = {type_name(tp): tp for tp in self.errors}
+        self._types: tuple[Any, Any] | None = None
+
+    def types(self) -> tuple[Any, Any]:
+        """(dump, load) for the declared return type, resolved on first use so forward
+        references defined later in the module work."""
+        if self._types is None:
+            from ._core.typed import TypedError, dumper, loader
+
+            try:
+                hints = typing.get_type_hints(self.fn)
+            except Exception as exc:
+                raise ConfigurationError(
+                    f"cannot resolve the return annotation of {self.fn.__qualname__}: {exc}"
+                ) from None
+            tp = hints.get("return", Any)
+            try:
+                self._types = (dumper(tp), loader(tp))
+            except TypedError as exc:
+                raise ConfigurationError(f"{self.fn.__qualname__}: {exc}") from None
+        return self._types
+
+    def key_payload(self, args: Any, kwargs: Any) -> tuple[str, dict[str, Any]]:
+        bound = self.sig.bind(*args, **kwargs)
         bound.apply_defaults()
-        return dict(bound.arguments)
+        payload = dict(bound.arguments)
+        if self.key is None:
+            return fingerprint(payload), payload
+        return validate_key(self.key(*args, **kwargs)), payload
 
-    return payload
+    def replay(self, claim: Completed) -> Any:
+        if claim.error is None:
+            return claim.result
+        tp = self.by_name.get(claim.error.type)
+        if tp is None:
+            from ._errors import ResultDecodeError
+
+            raise ResultDecodeError(
+                f"the recorded outcome is an exception of type {claim.error.type}, which is "
+                "not in replay_errors of this function; add it, or forget the key"
+            )
+        raise tp(*claim.error.args)
 
 
 def wrap_options(
@@ -345,17 +496,6 @@ def wrap_options(
     if key is not None and not callable(key):
         raise ConfigurationError("key must be a callable of the call's arguments, or None")
     seconds(wait, "wait")
-
-
-def call_key(
-    key: Callable[..., str] | None, payload: dict[str, Any], args: Any, kwargs: Any
-) -> tuple[str, dict[str, Any]]:
-    if key is None:
-        return fingerprint(payload), payload
-    return validate_key(key(*args, **kwargs)), payload
-
-
-update_wrapper = functools.update_wrapper
 
 
 class FenceBase:

@@ -21,6 +21,8 @@ __all__ = [
     "PayloadMismatch",
     "ResultDecodeError",
     "ResultEncodeError",
+    "ResultTooLarge",
+    "SealError",
     "StaleClaim",
     "StoreCorrupt",
     "StoreFull",
@@ -122,3 +124,12 @@ class ResultEncodeError(IdemlockError, TypeError):
 
 class ResultDecodeError(IdemlockError):
     """A stored result cannot be decoded (corrupt, tampered with, or from another version)."""
+
+
+class ResultTooLarge(ResultEncodeError):
+    """A result is larger than the configured limit; nothing was stored."""
+
+
+class SealError(ResultDecodeError):
+    """A sealed result cannot be opened: unknown key id, wrong key, or the record was
+    moved to another key, spec or tenant (its associated data no longer matches)."""

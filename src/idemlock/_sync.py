@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -16,8 +17,7 @@ from ._base import (
     FenceBase,
     IdempotencyBase,
     LockBase,
-    bind_payload,
-    call_key,
+    WrapPlan,
     check_token,
     seconds,
     validated,
@@ -40,6 +40,7 @@ from ._drive import run_sync
 from ._errors import FencedOut, LockLost, LockNotAcquired
 
 F = TypeVar("F", bound=Callable[..., Any])
+log = logging.getLogger("idemlock")
 
 __all__ = ["Coordinator", "FenceGate", "IdempotencyPort", "LockPort"]
 
@@ -79,62 +80,73 @@ class Coordinator(CoordinatorBase):
         key: Callable[..., str] | None = None,
         on_in_flight: str = "raise",
         wait: timedelta | float | None = None,
+        *,
+        replay_errors: tuple[type[BaseException], ...] = (),
     ) -> Callable[[F], F]:
         """Make a function idempotent: claim, run, complete; replay on a retry.
 
         ``key`` is a callable of the call's arguments returning the idempotency key;
         None uses the fingerprint of the canonical arguments. The canonical arguments
         are always the payload, so reusing a key with other arguments raises
-        :class:`~idemlock.PayloadMismatch`. On an exception the claim is abandoned
-        and the exception re-raised. Works on plain and ``async def`` functions.
+        :class:`~idemlock.PayloadMismatch`. The return annotation decides how the
+        result is stored and restored on replay. An exception of a type listed in
+        ``replay_errors`` is recorded and raised again on every replay; any other
+        exception abandons the claim (a retry runs again) and propagates. Works on
+        plain and ``async def`` functions.
         """
         wrap_options(spec_or_name, key, on_in_flight, wait)
         port = self.idempotency(spec_or_name)
         wait_s = port._wait_for(wait) if on_in_flight == "wait" else None
 
         def decorate(fn: F) -> F:
-            payload_of = bind_payload(fn)
+            plan = WrapPlan(fn, key, replay_errors)
             if inspect.iscoroutinefunction(fn):
 
                 @functools.wraps(fn)
                 async def awrapper(*args: Any, **kwargs: Any) -> Any:
-                    k, payload = call_key(key, payload_of(*args, **kwargs), args, kwargs)
                     # The sync store is called from a worker thread so a busy store
                     # never blocks the event loop.
-                    claim = await asyncio.to_thread(port._claim_or_wait, k, payload, wait_s)
+                    claim = await asyncio.to_thread(port._begin, plan, args, kwargs, wait_s)
                     if isinstance(claim, Completed):
-                        return claim.result
+                        return plan.replay(claim)
                     try:
                         result = await fn(*args, **kwargs)
-                    except BaseException:
-                        await asyncio.to_thread(port._abandon_quietly, claim.token)
+                    except BaseException as exc:
+                        await asyncio.to_thread(port._fail, plan, claim.token, exc)
                         raise
-                    await asyncio.to_thread(port._record, claim.token, result)
+                    await asyncio.to_thread(port._record, plan, claim.token, result)
                     return result
 
                 return cast(F, awrapper)
 
             @functools.wraps(fn)
             def wrapper(*args: Any, **kwargs: Any) -> Any:
-                k, payload = call_key(key, payload_of(*args, **kwargs), args, kwargs)
-                claim = port._claim_or_wait(k, payload, wait_s)
+                claim = port._begin(plan, args, kwargs, wait_s)
                 if isinstance(claim, Completed):
-                    return claim.result
+                    return plan.replay(claim)
                 try:
                     result = fn(*args, **kwargs)
-                except BaseException:
-                    port._abandon_quietly(claim.token)
+                except BaseException as exc:
+                    port._fail(plan, claim.token, exc)
                     raise
-                port._record(claim.token, result)
+                port._record(plan, claim.token, result)
                 return result
 
             return cast(F, wrapper)
 
         return decorate
 
+    def for_tenant(self, tenant: str) -> Coordinator:
+        """A view whose records, locks and fences live in ``tenant``'s namespace only
+        (the tenant also binds sealed results). It shares this coordinator's store."""
+        view = Coordinator.__new__(Coordinator)
+        view._view_of(self, tenant)
+        return view
+
     def close(self) -> None:
-        """Close the store's connections."""
-        self._store.close()
+        """Close the store's connections (a tenant view leaves them to its parent)."""
+        if self._owns_store:
+            self._store.close()
 
     def __enter__(self) -> Coordinator:
         return self
@@ -156,10 +168,10 @@ class IdempotencyPort(IdempotencyBase):
         return self._interpret(key, self._store.claim(*args))
 
     def complete(self, token: ClaimToken, result: Any) -> None:
-        """Record ``result`` for the spec's ttl. ``StaleClaim`` if the token lost its key."""
+        """Record ``result`` (JSON data) for the spec's ttl. ``StaleClaim`` if the token
+        lost its key; ``ResultEncodeError`` (nothing stored) if JSON cannot hold it."""
         args = self._token_args(token)
-        data = self._coord.codec.encode(result)
-        if not self._store.complete(*args, data, self._ttl_ms):
+        if not self._store.complete(*args, self._encode(token.key, result), self._ttl_ms):
             raise self._stale(token, "complete")
 
     def abandon(self, token: ClaimToken) -> None:
@@ -169,11 +181,11 @@ class IdempotencyPort(IdempotencyBase):
 
     def status(self, key: str) -> RecordStatus | None:
         """What the store holds for ``key``: None, in flight or completed, with expiry."""
-        return self._status(self._store.record(self._ns, validated(key)))
+        return self._status(key, self._store.record(self._ns, self._skey(key)))
 
     def forget(self, key: str) -> bool:
         """Delete the record of ``key`` (operators only: a retry will run again)."""
-        return self._store.forget(self._ns, validated(key))
+        return self._store.forget(self._ns, self._skey(key))
 
     def wait(
         self, key: str, *, payload: Any = None, timeout: timedelta | float | None = None
@@ -185,25 +197,36 @@ class IdempotencyPort(IdempotencyBase):
         flow = claim_flow(*args, self._wait_for(timeout), self._coord.clock, self._coord.poll_cap)
         return self._interpret(key, run_sync(flow, self._store))
 
-    # used by the decorator
-    def _claim_or_wait(self, key: str, payload: Any, wait: float | None) -> Claimed | Completed:
-        args = self._claim_args(key, payload)
-        if wait is None:
-            reply = self._store.claim(*args)
-        else:
-            reply = run_sync(
-                claim_flow(*args, wait, self._coord.clock, self._coord.poll_cap), self._store
-            )
-        return cast("Claimed | Completed", self._replay_or_raise(key, reply))
+    # ---- the decorator's steps -------------------------------------------------
 
-    def _record(self, token: ClaimToken, result: Any) -> None:
+    def _begin(
+        self, plan: WrapPlan, args: Any, kwargs: Any, wait: float | None
+    ) -> Claimed | Completed:
+        key, payload = plan.key_payload(args, kwargs)
+        _, load = plan.types()
+        cargs = self._claim_args(key, payload)
+        if wait is None:
+            reply = self._store.claim(*cargs)
+        else:
+            flow = claim_flow(*cargs, wait, self._coord.clock, self._coord.poll_cap)
+            reply = run_sync(flow, self._store)
+        return cast("Claimed | Completed", self._replay_or_raise(key, reply, load))
+
+    def _record(self, plan: WrapPlan, token: ClaimToken, result: Any) -> None:
         try:
-            data = self._coord.codec.encode(result)
+            data = self._encode(token.key, result, *plan.types())
         except BaseException:
             self._abandon_quietly(token)
             raise
         if not self._store.complete(*self._token_args(token), data, self._ttl_ms):
             raise self._stale(token, "complete")
+
+    def _fail(self, plan: WrapPlan, token: ClaimToken, exc: BaseException) -> None:
+        data = self._error_record(plan, token, exc)
+        if data is None:
+            self._abandon_quietly(token)
+        elif not self._store.complete(*self._token_args(token), data, self._ttl_ms):
+            log.warning("could not record the error of %r: the claim was lost", token.key)
 
     def _abandon_quietly(self, token: ClaimToken) -> None:
         # The operation failed; its error matters more than a failed abandon (the
@@ -211,9 +234,7 @@ class IdempotencyPort(IdempotencyBase):
         try:
             self._store.abandon(*self._token_args(token))
         except Exception:
-            import logging
-
-            logging.getLogger("idemlock").warning(
+            log.warning(
                 "could not abandon claim on %r; it frees itself when its lease ends",
                 token.key,
                 exc_info=True,

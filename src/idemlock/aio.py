@@ -17,13 +17,13 @@ from ._base import (
     FenceBase,
     IdempotencyBase,
     LockBase,
-    bind_payload,
-    call_key,
+    WrapPlan,
     check_token,
     seconds,
     validated,
     wrap_options,
 )
+from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES
 from ._core.flows import RenewState, acquire_flow, claim_flow, renew_flow
 from ._core.port import Acquired, AsyncStore
 from ._core.types import (
@@ -39,6 +39,7 @@ from ._core.types import (
 )
 from ._drive import run_async
 from ._errors import ConfigurationError, FencedOut, LockLost, LockNotAcquired
+from ._keyring import Keyring
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -53,13 +54,31 @@ __all__ = [
 log = logging.getLogger("idemlock")
 
 
-def connect(url: Any = None, *, key_prefix: str = "idemlock", **options: Any) -> AsyncCoordinator:
+def connect(
+    url: Any = None,
+    *,
+    key_prefix: str = "idemlock",
+    keyring: Keyring | None = None,
+    tenant: str | None = None,
+    max_result_bytes: int = MAX_RESULT_BYTES,
+    compress_over: int | None = COMPRESS_OVER,
+    **options: Any,
+) -> AsyncCoordinator:
     """Open an :class:`AsyncCoordinator` on the store named by ``url`` (see
     :func:`idemlock.connect`)."""
     from ._urls import open_store
 
     store, clock, shown = open_store(url, asynchronous=True, **options)
-    return AsyncCoordinator(store, key_prefix=key_prefix, clock=clock, url=shown)
+    return AsyncCoordinator(
+        store,
+        key_prefix=key_prefix,
+        clock=clock,
+        url=shown,
+        keyring=keyring,
+        tenant=tenant,
+        max_result_bytes=max_result_bytes,
+        compress_over=compress_over,
+    )
 
 
 class AsyncCoordinator(CoordinatorBase):
@@ -97,6 +116,8 @@ class AsyncCoordinator(CoordinatorBase):
         key: Callable[..., str] | None = None,
         on_in_flight: str = "raise",
         wait: timedelta | float | None = None,
+        *,
+        replay_errors: tuple[type[BaseException], ...] = (),
     ) -> Callable[[F], F]:
         """Make an ``async def`` function idempotent (see ``Coordinator.idempotent``)."""
         wrap_options(spec_or_name, key, on_in_flight, wait)
@@ -109,29 +130,35 @@ class AsyncCoordinator(CoordinatorBase):
                     f"{fn.__qualname__} is not an async def function; an AsyncCoordinator "
                     "wraps coroutines only (use idemlock.connect() for plain functions)"
                 )
-            payload_of = bind_payload(fn)
+            plan = WrapPlan(fn, key, replay_errors)
 
             @functools.wraps(fn)
             async def wrapper(*args: Any, **kwargs: Any) -> Any:
-                k, payload = call_key(key, payload_of(*args, **kwargs), args, kwargs)
-                claim = await port._claim_or_wait(k, payload, wait_s)
+                claim = await port._begin(plan, args, kwargs, wait_s)
                 if isinstance(claim, Completed):
-                    return claim.result
+                    return plan.replay(claim)
                 try:
                     result = await fn(*args, **kwargs)
-                except BaseException:
-                    await port._abandon_quietly(claim.token)
+                except BaseException as exc:
+                    await port._fail(plan, claim.token, exc)
                     raise
-                await port._record(claim.token, result)
+                await port._record(plan, claim.token, result)
                 return result
 
             return cast(F, wrapper)
 
         return decorate
 
+    def for_tenant(self, tenant: str) -> AsyncCoordinator:
+        """A view whose records, locks and fences live in ``tenant``'s namespace only."""
+        view = AsyncCoordinator.__new__(AsyncCoordinator)
+        view._view_of(self, tenant)
+        return view
+
     async def close(self) -> None:
-        """Close the store's connections."""
-        await self._store.aclose()
+        """Close the store's connections (a tenant view leaves them to its parent)."""
+        if self._owns_store:
+            await self._store.aclose()
 
     async def __aenter__(self) -> AsyncCoordinator:
         return self
@@ -151,10 +178,10 @@ class AsyncIdempotencyPort(IdempotencyBase):
         return self._interpret(key, await self._store.claim(*args))
 
     async def complete(self, token: ClaimToken, result: Any) -> None:
-        """Record ``result`` for the spec's ttl. ``StaleClaim`` if the token lost its key."""
+        """Record ``result`` (JSON data) for the spec's ttl. ``StaleClaim`` if the token
+        lost its key."""
         args = self._token_args(token)
-        data = self._coord.codec.encode(result)
-        if not await self._store.complete(*args, data, self._ttl_ms):
+        if not await self._store.complete(*args, self._encode(token.key, result), self._ttl_ms):
             raise self._stale(token, "complete")
 
     async def abandon(self, token: ClaimToken) -> None:
@@ -164,11 +191,11 @@ class AsyncIdempotencyPort(IdempotencyBase):
 
     async def status(self, key: str) -> RecordStatus | None:
         """What the store holds for ``key``."""
-        return self._status(await self._store.record(self._ns, validated(key)))
+        return self._status(key, await self._store.record(self._ns, self._skey(key)))
 
     async def forget(self, key: str) -> bool:
         """Delete the record of ``key`` (operators only: a retry will run again)."""
-        return await self._store.forget(self._ns, validated(key))
+        return await self._store.forget(self._ns, self._skey(key))
 
     async def wait(
         self, key: str, *, payload: Any = None, timeout: timedelta | float | None = None
@@ -178,25 +205,36 @@ class AsyncIdempotencyPort(IdempotencyBase):
         flow = claim_flow(*args, self._wait_for(timeout), self._coord.clock, self._coord.poll_cap)
         return self._interpret(key, await run_async(flow, self._store))
 
-    async def _claim_or_wait(
-        self, key: str, payload: Any, wait: float | None
-    ) -> Claimed | Completed:
-        args = self._claim_args(key, payload)
-        if wait is None:
-            reply = await self._store.claim(*args)
-        else:
-            flow = claim_flow(*args, wait, self._coord.clock, self._coord.poll_cap)
-            reply = await run_async(flow, self._store)
-        return cast("Claimed | Completed", self._replay_or_raise(key, reply))
+    # ---- the decorator's steps -------------------------------------------------
 
-    async def _record(self, token: ClaimToken, result: Any) -> None:
+    async def _begin(
+        self, plan: WrapPlan, args: Any, kwargs: Any, wait: float | None
+    ) -> Claimed | Completed:
+        key, payload = plan.key_payload(args, kwargs)
+        _, load = plan.types()
+        cargs = self._claim_args(key, payload)
+        if wait is None:
+            reply = await self._store.claim(*cargs)
+        else:
+            flow = claim_flow(*cargs, wait, self._coord.clock, self._coord.poll_cap)
+            reply = await run_async(flow, self._store)
+        return cast("Claimed | Completed", self._replay_or_raise(key, reply, load))
+
+    async def _record(self, plan: WrapPlan, token: ClaimToken, result: Any) -> None:
         try:
-            data = self._coord.codec.encode(result)
+            data = self._encode(token.key, result, *plan.types())
         except BaseException:
             await self._abandon_quietly(token)
             raise
         if not await self._store.complete(*self._token_args(token), data, self._ttl_ms):
             raise self._stale(token, "complete")
+
+    async def _fail(self, plan: WrapPlan, token: ClaimToken, exc: BaseException) -> None:
+        data = self._error_record(plan, token, exc)
+        if data is None:
+            await self._abandon_quietly(token)
+        elif not await self._store.complete(*self._token_args(token), data, self._ttl_ms):
+            log.warning("could not record the error of %r: the claim was lost", token.key)
 
     async def _abandon_quietly(self, token: ClaimToken) -> None:
         try:

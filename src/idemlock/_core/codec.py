@@ -1,56 +1,151 @@
-"""Result encoding. JSON by default, never pickle: stored bytes are data, not code.
+"""How results are stored: JSON data in an envelope, framed, maybe compressed.
 
-Stored form: one format byte, then the body. ``j`` = UTF-8 JSON of ``{"v": value}``
-(wrapping keeps a bare ``null`` distinct from a missing result).
+Never pickle or eval: stored bytes are data. Frame: one marker byte, then the body.
+
+* ``j`` UTF-8 JSON envelope; ``z`` the same compressed with zlib (bodies above
+  ``compress_over`` bytes, when that makes them smaller).
+* Envelope: ``{"v": data}`` for a result (so a bare ``null`` is a recorded ``None``) or
+  ``{"e": {"type": ..., "args": [...], "message": ...}}`` for a recorded exception.
+* Sealed records (marker ``s``) wrap a frame; see :mod:`idemlock._keyring`.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Protocol
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from .typed import Dumper, Loader, TypedError
+
+MAX_RESULT_BYTES = 1 << 20
+COMPRESS_OVER = 16 * 1024
 
 
-class Codec(Protocol):
-    def encode(self, value: Any) -> bytes: ...
+@dataclass(frozen=True)
+class RecordedError:
+    """An exception recorded as data: its type's qualified name, args and message."""
 
-    def decode(self, data: bytes) -> Any: ...
+    type: str
+    args: tuple[Any, ...]
+    message: str
 
 
-class JsonCodec:
-    """JSON results: dict, list, str, int, float, bool and None (tuples come back as lists)."""
+def _plain(v: Any) -> Any:
+    return v
 
-    def encode(self, value: Any) -> bytes:
+
+def type_name(tp: type) -> str:
+    return f"{tp.__module__}.{tp.__qualname__}"
+
+
+class ResultFormat:
+    """Encodes results and recorded errors to stored bytes and back."""
+
+    def __init__(
+        self, max_bytes: int = MAX_RESULT_BYTES, compress_over: int | None = COMPRESS_OVER
+    ) -> None:
+        from .._errors import ConfigurationError
+
+        if not isinstance(max_bytes, int) or max_bytes < 16:
+            raise ConfigurationError(f"max_result_bytes must be an int >= 16, got {max_bytes!r}")
+        if compress_over is not None and (not isinstance(compress_over, int) or compress_over < 0):
+            raise ConfigurationError(
+                f"compress_over must be a non-negative int or None, got {compress_over!r}"
+            )
+        self.max_bytes = max_bytes
+        self.compress_over = compress_over
+
+    def encode(self, value: Any, dump: Dumper = _plain, load: Loader = _plain) -> bytes:
+        """Frame ``value``; raise ``ResultEncodeError`` unless it comes back equal."""
         from .._errors import ResultEncodeError
 
         try:
-            body = json.dumps(
-                {"v": value}, ensure_ascii=False, allow_nan=False, separators=(",", ":")
+            data = dump(value)
+            text = json.dumps(
+                {"v": data}, ensure_ascii=False, allow_nan=False, separators=(",", ":")
             )
-        except (TypeError, ValueError) as exc:
+            back = load(json.loads(text)["v"])
+        except (TypedError, TypeError, ValueError) as exc:
             raise ResultEncodeError(
-                f"the result ({type(value).__name__}) cannot be stored as JSON: {exc}; "
-                "return JSON-like data (dict, list, str, int, float, bool, None) or "
-                "convert it before returning; nothing was recorded"
+                f"the result ({type(value).__name__}) cannot be stored faithfully: {exc}; return "
+                "JSON-like data or declare the return type (dataclass, datetime, UUID, Decimal, "
+                "bytes, pydantic, msgspec ...); nothing was recorded"
             ) from None
-        return b"j" + body.encode("utf-8")
+        if type(back) is not type(value) or back != value:
+            raise ResultEncodeError(
+                f"the result ({type(value).__name__}) would not come back equal after storing "
+                f"(it would replay as {type(back).__name__} {back!r:.60}); declare the return "
+                "type so it can be restored (e.g. -> tuple[int, int]), or return plain JSON "
+                "data (lists, str-keyed dicts); nothing was recorded"
+            )
+        return self.frame(text.encode("utf-8"))
 
-    def decode(self, data: bytes) -> Any:
+    def encode_error(self, exc: BaseException) -> bytes:
+        from .._errors import ResultEncodeError
+
+        err = {"type": type_name(type(exc)), "args": list(exc.args), "message": str(exc)}
+        try:
+            text = json.dumps(
+                {"e": err}, ensure_ascii=False, allow_nan=False, separators=(",", ":")
+            )
+        except (TypeError, ValueError) as e:
+            raise ResultEncodeError(
+                f"the exception {type(exc).__name__} cannot be recorded: its args are not JSON "
+                f"data ({e}); nothing was recorded"
+            ) from None
+        return self.frame(text.encode("utf-8"))
+
+    def frame(self, body: bytes) -> bytes:
+        from .._errors import ResultTooLarge
+
+        out = b"j" + body
+        if self.compress_over is not None and len(body) > self.compress_over:
+            packed = zlib.compress(body, 6)
+            if len(packed) < len(body):
+                out = b"z" + packed
+        if len(out) > self.max_bytes:
+            raise ResultTooLarge(
+                f"the result takes {len(out)} bytes stored, over the limit of {self.max_bytes}; "
+                "store large data elsewhere and return a reference to it, or raise "
+                "max_result_bytes; nothing was recorded"
+            )
+        return out
+
+    def decode(self, data: bytes, load: Loader = _plain) -> tuple[Any, RecordedError | None]:
+        """Return (result, None) or (None, recorded error)."""
         from .._errors import ResultDecodeError
 
-        if not data[:1] == b"j":
-            raise ResultDecodeError(
-                f"stored result has an unknown format marker {bytes(data[:1])!r}; it was "
-                "written by another program or version, or is corrupt: forget the key"
-            )
+        data = bytes(data)
+        marker, body = data[:1], data[1:]
         try:
-            obj = json.loads(bytes(data[1:]).decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
+            if marker == b"z":
+                body = zlib.decompress(body, bufsize=self.max_bytes)
+            elif marker != b"j":
+                raise ResultDecodeError(
+                    f"stored result has an unknown format marker {marker!r}: it was written by "
+                    "another program or version, or is corrupt; forget the key to run it again"
+                )
+            obj = json.loads(body.decode("utf-8"))
+        except (zlib.error, UnicodeDecodeError, ValueError) as exc:
             raise ResultDecodeError(
-                f"stored result is not valid JSON ({exc}); it is corrupt: forget the key"
+                f"stored result is corrupt ({exc}); forget the key to run it again"
             ) from None
-        if not isinstance(obj, dict) or set(obj) != {"v"}:
-            raise ResultDecodeError("stored result is not an idemlock JSON record")
-        return obj["v"]
-
-
-JSON_CODEC = JsonCodec()
+        if isinstance(obj, dict) and len(obj) == 1:
+            if "v" in obj:
+                try:
+                    return load(obj["v"]), None
+                except (TypedError, TypeError, ValueError, KeyError) as exc:
+                    raise ResultDecodeError(
+                        f"stored result does not fit the declared return type ({exc}); it was "
+                        "recorded by another version of the code: forget the key to run it again"
+                    ) from None
+            err = obj.get("e")
+            if (
+                isinstance(err, dict)
+                and isinstance(err.get("type"), str)
+                and isinstance(err.get("args"), list)
+                and isinstance(err.get("message"), str)
+            ):
+                return None, RecordedError(err["type"], tuple(err["args"]), err["message"])
+        raise ResultDecodeError("stored result is not an idemlock record; forget the key")

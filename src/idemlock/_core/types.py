@@ -7,6 +7,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Literal
 
 from .clock import SYSTEM_CLOCK, Clock
+from .codec import RecordedError
 from .keys import validate_key
 
 __all__ = [
@@ -118,10 +119,13 @@ class InFlight:
 
 @dataclass(frozen=True)
 class Completed:
-    """The operation already ran; ``result`` is the recorded result to replay."""
+    """The operation already ran; ``result`` is the recorded result to replay. When the
+    operation's exception was recorded (``replay_errors``), ``error`` describes it and
+    ``result`` is None."""
 
     result: Any
     expires_at: datetime | None = None
+    error: RecordedError | None = None
     kind: Literal["completed"] = field(default="completed", init=False)
 
 
