@@ -32,18 +32,23 @@ def memory(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
     # One in-process store shared by the sync and async faces of a test.
     store = idemlock.connect("memory://", clock=clock).store
 
+    # Options of the coordinator share the store; options of the store make a new one.
+    coordinator_options = {"keyring", "tenant", "max_result_bytes", "compress_over"}
+
     def shared_sync(prefix: str, **options: Any) -> idemlock.Coordinator:
-        if options:
+        if set(options) - coordinator_options:
             return open_sync(prefix, **options)
-        return idemlock.Coordinator(store, key_prefix=prefix, clock=clock, url="memory://")
+        return idemlock.Coordinator(
+            store, key_prefix=prefix, clock=clock, url="memory://", **options
+        )
 
     def shared_async(prefix: str, **options: Any) -> idemlock.aio.AsyncCoordinator:
-        if options:
+        if set(options) - coordinator_options:
             return open_async(prefix, **options)
         from idemlock.stores._adapt import InlineAsyncStore
 
         return idemlock.aio.AsyncCoordinator(
-            InlineAsyncStore(store), key_prefix=prefix, clock=clock, url="memory://"
+            InlineAsyncStore(store), key_prefix=prefix, clock=clock, url="memory://", **options
         )
 
     return Harness("memory", None, shared_sync, shared_async, clock=clock)
