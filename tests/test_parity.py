@@ -18,7 +18,7 @@ PAIRS = [
 # Methods that exist on one side only, with the reason.
 ONLY_ASYNC_PARAMS = {("hold", "cancel_on_lost")}  # only a task can be cancelled for the body
 PROTOCOL = {"__enter__", "__exit__", "__aenter__", "__aexit__"}
-NOT_IO = {"idempotency", "lock", "fence", "idempotent", "hold", "store", "for_tenant"}
+NOT_IO = {"idempotency", "lock", "fence", "idempotent", "hold", "store", "for_tenant", "add_hook"}
 
 
 def public(cls: type) -> dict[str, object]:

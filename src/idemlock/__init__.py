@@ -10,11 +10,13 @@ Start with :func:`connect` (blocking) or :func:`idemlock.aio.connect` (asyncio).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from ._core.canonical import canonicalize, fingerprint
 from ._core.clock import Clock, ManualClock, SystemClock
 from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES, RecordedError
+from ._core.events import Event, Hook
 from ._core.types import (
     Claim,
     Claimed,
@@ -70,6 +72,8 @@ __all__ = [
     "InFlightError",
     "InvalidKey",
     "Keyring",
+    "Event",
+    "Hook",
     "Lease",
     "LockInfo",
     "LockLost",
@@ -104,6 +108,7 @@ def connect(
     tenant: str | None = None,
     max_result_bytes: int = MAX_RESULT_BYTES,
     compress_over: int | None = COMPRESS_OVER,
+    hooks: Iterable[Hook] | None = None,
     **options: Any,
 ) -> Coordinator:
     """Open a :class:`Coordinator` on a store.
@@ -119,7 +124,8 @@ def connect(
     payload fingerprints as HMACs; ``tenant`` puts everything in one tenant's namespace
     (see also ``Coordinator.for_tenant``). Results larger than ``max_result_bytes``
     (stored, after compression) raise ``ResultTooLarge``; bodies over ``compress_over``
-    bytes are zlib-compressed (None: never).
+    bytes are zlib-compressed (None: never). ``hooks`` receive an :class:`Event` for
+    every outcome (metrics, tracing).
     """
     from ._urls import open_store
 
@@ -133,4 +139,5 @@ def connect(
         tenant=tenant,
         max_result_bytes=max_result_bytes,
         compress_over=compress_over,
+        hooks=hooks,
     )

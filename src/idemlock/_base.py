@@ -6,8 +6,9 @@ from __future__ import annotations
 import inspect
 import secrets
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
+from time import perf_counter
 from typing import Any
 
 from ._core.canonical import canonicalize, fingerprint
@@ -19,6 +20,7 @@ from ._core.codec import (
     ResultFormat,
     type_name,
 )
+from ._core.events import Event, Hook
 from ._core.flows import RenewState
 from ._core.keys import namespace, split_namespace, validate_key
 from ._core.port import (
@@ -27,6 +29,7 @@ from ._core.port import (
     ClaimReply,
     Done,
     Granted,
+    Held,
     LockRow,
     Mismatch,
     RecordRow,
@@ -87,6 +90,7 @@ class CoordinatorBase:
         tenant: str | None = None,
         max_result_bytes: int = MAX_RESULT_BYTES,
         compress_over: int | None = COMPRESS_OVER,
+        hooks: Iterable[Hook] | None = None,
     ) -> None:
         from ._core.clock import SYSTEM_CLOCK
 
@@ -103,6 +107,14 @@ class CoordinatorBase:
         self.poll_cap: float | None = getattr(store, "poll_cap", None)
         #: a tenant view shares its parent's store and must not close it
         self._owns_store = True
+        #: event hooks; shared with tenant views and ports, so add_hook applies to all
+        self._hooks: list[Hook] = list(hooks or ())
+
+    def add_hook(self, hook: Hook) -> None:
+        """Call ``hook(event)`` for every outcome (see :class:`idemlock.Event`)."""
+        if not callable(hook):
+            raise ConfigurationError(f"a hook must be callable, got {hook!r}")
+        self._hooks.append(hook)
 
     def _view_of(self, parent: CoordinatorBase, tenant: str) -> None:
         self.__dict__.update(parent.__dict__)
@@ -164,9 +176,48 @@ class CoordinatorBase:
         )
 
 
-class IdempotencyBase:
+class Emitter:
+    """Builds and delivers events; costs one truthiness check when nobody listens."""
+
+    _coord: CoordinatorBase
+    _kind: str
+    _spec_name: str
+
+    def _t0(self) -> float:
+        return perf_counter() if self._coord._hooks else 0.0
+
+    def _emit(self, name: str, outcome: str, t0: float) -> None:
+        hooks = self._coord._hooks
+        if not hooks:
+            return
+        event = Event(
+            name,
+            outcome,
+            self._kind,
+            self._spec_name,
+            self._coord._store.kind,
+            perf_counter() - t0,
+            self._coord.tenant,
+        )
+        for hook in hooks:
+            try:
+                hook(event)
+            except Exception:
+                # A broken metrics hook must never break the operation it observes.
+                import logging
+
+                logging.getLogger("idemlock").warning("event hook %r failed", hook, exc_info=True)
+
+
+_CLAIM_OUTCOME = {"claimed": "claimed", "in_flight": "in_flight", "completed": "replayed"}
+
+
+class IdempotencyBase(Emitter):
+    _kind = "idempotency"
+
     def __init__(self, coord: CoordinatorBase, spec: IdempotencySpec) -> None:
         self._coord = coord
+        self._spec_name = spec.name
         self._store = coord._store
         self.spec = spec
         self._ns = coord._ns(spec.name)
@@ -234,7 +285,18 @@ class IdempotencyBase:
             return self._format.decode(data)
         return self._format.decode(data, load)
 
-    def _interpret(self, key: str, reply: ClaimReply, load: Any = None) -> Claim:
+    def _interpret(self, key: str, reply: ClaimReply, load: Any = None, t0: float = 0.0) -> Claim:
+        if self._coord._hooks:
+            try:
+                claim = self._interpret_reply(key, reply, load)
+            except PayloadMismatch:
+                self._emit("claim", "mismatch", t0)
+                raise
+            self._emit("claim", _CLAIM_OUTCOME[claim.kind], t0)
+            return claim
+        return self._interpret_reply(key, reply, load)
+
+    def _interpret_reply(self, key: str, reply: ClaimReply, load: Any) -> Claim:
         if isinstance(reply, Granted):
             return Claimed(
                 ClaimToken(
@@ -266,6 +328,12 @@ class IdempotencyBase:
                 f"{self.spec.name!r}; complete or abandon it through the port that claimed it"
             )
         return (self._ns, self._skey(token.key), token.token)
+
+    def _done(self, token: ClaimToken, ok: bool, what: str, t0: float) -> None:
+        """Report a complete/abandon; raise StaleClaim if the store refused it."""
+        self._emit(what, "ok" if ok else "stale", t0)
+        if not ok:
+            raise self._stale(token, what)
 
     def _stale(self, token: ClaimToken, what: str) -> Exception:
         from ._errors import StaleClaim
@@ -304,16 +372,21 @@ class IdempotencyBase:
             )
             return None
 
-    def _replay_or_raise(self, key: str, reply: ClaimReply, load: Any = None) -> Claim:
-        claim = self._interpret(key, reply, load)
+    def _replay_or_raise(
+        self, key: str, reply: ClaimReply, load: Any = None, t0: float = 0.0
+    ) -> Claim:
+        claim = self._interpret(key, reply, load, t0)
         if isinstance(claim, InFlight):
             raise InFlightError(key, claim.expires_at)
         return claim
 
 
-class LockBase:
+class LockBase(Emitter):
+    _kind = "lock"
+
     def __init__(self, coord: CoordinatorBase, spec: LockSpec) -> None:
         self._coord = coord
+        self._spec_name = spec.name
         self._store = coord._store
         self.spec = spec
         self._ns = coord._ns(spec.name)
@@ -321,6 +394,16 @@ class LockBase:
 
     def _owner(self, owner: str | None) -> str:
         return new_token() if owner is None else validate_key(owner, "owner")
+
+    def _acquired(
+        self, key: str, owner: str, result: tuple[Acquired | Held, float, int], t0: float
+    ) -> Lease | None:
+        reply, sent, tries = result
+        if not isinstance(reply, Acquired):
+            self._emit("acquire", "timeout", t0)
+            return None
+        self._emit("acquire", "acquired" if tries == 1 else "waited", t0)
+        return self._lease(key, owner, reply, sent, self._ttl_ms)
 
     def _lease(self, key: str, owner: str, reply: Acquired, sent: float, ttl_ms: int) -> Lease:
         return Lease(
@@ -368,7 +451,30 @@ class LockBase:
     def _mark_released(lease: Lease) -> None:
         lease._released = True  # type: ignore[attr-defined]  # the object is spent
 
-    def _renewed(self, lease: Lease, sent: float, ttl_ms: int, new_exp: int | None) -> bool:
+    def _released(self, lease: Lease, ok: bool, t0: float) -> bool:
+        self._mark_released(lease)
+        self._emit("release", "ok" if ok else "not_held", t0)
+        return ok
+
+    def _renew_state(self, lease: Lease, on_lost: Callable[[Lease], object] | None) -> Any:
+        """The renew loop's shared state, and the callback that reports its end."""
+        state = RenewState(0, lease._sent, lease=lease)
+        t0 = self._t0()
+        if self._coord._hooks:
+            state.report = lambda outcome: self._emit("renew", outcome, t0)
+
+        def lost() -> None:
+            lease.lost = True
+            self._emit("lost", "lost", t0)
+            if on_lost is not None:
+                on_lost(lease)
+
+        return state, lost
+
+    def _renewed(
+        self, lease: Lease, sent: float, ttl_ms: int, new_exp: int | None, t0: float = 0.0
+    ) -> bool:
+        self._emit("renew", "failed" if new_exp is None else "ok", t0)
         if new_exp is None:
             lease.lost = True
             return False

@@ -23,8 +23,8 @@ from ._base import (
     validated,
     wrap_options,
 )
-from ._core.flows import RenewState, acquire_flow, claim_flow, renew_flow
-from ._core.port import Acquired, SyncStore
+from ._core.flows import acquire_flow, claim_flow, renew_flow
+from ._core.port import SyncStore
 from ._core.types import (
     Claim,
     Claimed,
@@ -164,20 +164,22 @@ class IdempotencyPort(IdempotencyBase):
         """Atomically one of ``Claimed`` (run it), ``InFlight`` (someone else is) or
         ``Completed`` (replay). Raises ``PayloadMismatch`` if the key is live with
         another payload."""
+        t0 = self._t0()
         args = self._claim_args(key, payload)
-        return self._interpret(key, self._store.claim(*args))
+        return self._interpret(key, self._store.claim(*args), None, t0)
 
     def complete(self, token: ClaimToken, result: Any) -> None:
         """Record ``result`` (JSON data) for the spec's ttl. ``StaleClaim`` if the token
         lost its key; ``ResultEncodeError`` (nothing stored) if JSON cannot hold it."""
+        t0 = self._t0()
         args = self._token_args(token)
-        if not self._store.complete(*args, self._encode(token.key, result), self._ttl_ms):
-            raise self._stale(token, "complete")
+        ok = self._store.complete(*args, self._encode(token.key, result), self._ttl_ms)
+        self._done(token, ok, "complete", t0)
 
     def abandon(self, token: ClaimToken) -> None:
         """Release the claim so a retry runs the operation again."""
-        if not self._store.abandon(*self._token_args(token)):
-            raise self._stale(token, "abandon")
+        t0 = self._t0()
+        self._done(token, self._store.abandon(*self._token_args(token)), "abandon", t0)
 
     def status(self, key: str) -> RecordStatus | None:
         """What the store holds for ``key``: None, in flight or completed, with expiry."""
@@ -193,15 +195,17 @@ class IdempotencyPort(IdempotencyBase):
         """Claim, and while the key is in flight wait up to ``timeout`` (default: the
         lease) for it to complete (returns ``Completed``) or be freed (returns
         ``Claimed``: this caller must run it). Still in flight at the end: ``InFlight``."""
+        t0 = self._t0()
         args = self._claim_args(key, payload)
         flow = claim_flow(*args, self._wait_for(timeout), self._coord.clock, self._coord.poll_cap)
-        return self._interpret(key, run_sync(flow, self._store))
+        return self._interpret(key, run_sync(flow, self._store), None, t0)
 
     # ---- the decorator's steps -------------------------------------------------
 
     def _begin(
         self, plan: WrapPlan, args: Any, kwargs: Any, wait: float | None
     ) -> Claimed | Completed:
+        t0 = self._t0()
         key, payload = plan.key_payload(args, kwargs)
         _, load = plan.types()
         cargs = self._claim_args(key, payload)
@@ -210,29 +214,36 @@ class IdempotencyPort(IdempotencyBase):
         else:
             flow = claim_flow(*cargs, wait, self._coord.clock, self._coord.poll_cap)
             reply = run_sync(flow, self._store)
-        return cast("Claimed | Completed", self._replay_or_raise(key, reply, load))
+        return cast("Claimed | Completed", self._replay_or_raise(key, reply, load, t0))
 
     def _record(self, plan: WrapPlan, token: ClaimToken, result: Any) -> None:
+        t0 = self._t0()
         try:
             data = self._encode(token.key, result, *plan.types())
         except BaseException:
             self._abandon_quietly(token)
             raise
-        if not self._store.complete(*self._token_args(token), data, self._ttl_ms):
-            raise self._stale(token, "complete")
+        ok = self._store.complete(*self._token_args(token), data, self._ttl_ms)
+        self._done(token, ok, "complete", t0)
 
     def _fail(self, plan: WrapPlan, token: ClaimToken, exc: BaseException) -> None:
         data = self._error_record(plan, token, exc)
         if data is None:
             self._abandon_quietly(token)
-        elif not self._store.complete(*self._token_args(token), data, self._ttl_ms):
+            return
+        t0 = self._t0()
+        ok = self._store.complete(*self._token_args(token), data, self._ttl_ms)
+        self._emit("complete", "ok" if ok else "stale", t0)
+        if not ok:
             log.warning("could not record the error of %r: the claim was lost", token.key)
 
     def _abandon_quietly(self, token: ClaimToken) -> None:
         # The operation failed; its error matters more than a failed abandon (the
         # lease frees the key anyway).
+        t0 = self._t0()
         try:
-            self._store.abandon(*self._token_args(token))
+            ok = self._store.abandon(*self._token_args(token))
+            self._emit("abandon", "ok" if ok else "stale", t0)
         except Exception:
             log.warning(
                 "could not abandon claim on %r; it frees itself when its lease ends",
@@ -251,41 +262,33 @@ class LockPort(LockBase):
     ) -> Lease | None:
         """Take the lock, waiting up to ``wait``; None if it stayed held. Acquiring a
         key the same ``owner`` holds returns that lease again (same token)."""
-        return self._acquire(key, owner, wait, self._ttl_ms)
-
-    def _acquire(
-        self, key: str, owner: str | None, wait: timedelta | float | None, ttl_ms: int
-    ) -> Lease | None:
-        validated(key)
+        t0 = self._t0()
         who = self._owner(owner)
         flow = acquire_flow(
             self._ns,
-            key,
+            validated(key),
             who,
-            ttl_ms,
+            self._ttl_ms,
             seconds(wait, "wait"),
             self._coord.clock,
             self._coord.poll_cap,
         )
-        reply, sent = run_sync(flow, self._store)
-        if isinstance(reply, Acquired):
-            return self._lease(key, who, reply, sent, ttl_ms)
-        return None
+        return self._acquired(key, who, run_sync(flow, self._store), t0)
 
     def release(self, lease: Lease) -> bool:
         """Free the lock if this lease still holds it; False if it had expired."""
-        ok = self._store.release(*self._check_lease(lease, "release"))
-        self._mark_released(lease)
-        return ok
+        t0 = self._t0()
+        return self._released(lease, self._store.release(*self._check_lease(lease, "release")), t0)
 
     def renew(self, lease: Lease, ttl: timedelta | float | None = None) -> bool:
         """Reset the lease to ``ttl`` (default: the spec's) from now; the token stays.
         False (and ``lease.lost``) if the lease had already expired."""
+        t0 = self._t0()
         args = self._check_lease(lease, "renew")
         ttl_ms = self._renew_ttl(ttl)
         sent = self._coord.clock.monotonic()
         new_exp = self._store.renew(*args, ttl_ms)
-        return self._renewed(lease, sent, ttl_ms, new_exp)
+        return self._renewed(lease, sent, ttl_ms, new_exp, t0)
 
     def is_locked(self, key: str) -> bool:
         return self._store.lock(self._ns, validated(key)) is not None
@@ -320,7 +323,7 @@ class LockPort(LockBase):
         if lease is None:
             raise LockNotAcquired(self._not_acquired(key, wait))
         assert lease.token is not None
-        state = RenewState(0, lease._sent, lease=lease)
+        state, report_lost = self._renew_state(lease, on_lost)
         stop = threading.Event()
         flow = renew_flow(
             self._ns,
@@ -340,9 +343,7 @@ class LockPort(LockBase):
             except Exception as exc:  # an unexpected failure of the loop loses the lease
                 state.lost, state.reason = True, f"renewal crashed: {exc!r}"
             if state.lost and not stop.is_set():
-                lease.lost = True
-                if on_lost is not None:
-                    on_lost(lease)
+                report_lost()
 
         thread = threading.Thread(target=renewer, name=f"idemlock-renew-{key}", daemon=True)
         thread.start()

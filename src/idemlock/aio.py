@@ -7,7 +7,7 @@ import asyncio
 import functools
 import inspect
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager, suppress
 from datetime import timedelta
 from typing import Any, TypeVar, cast
@@ -24,8 +24,9 @@ from ._base import (
     wrap_options,
 )
 from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES
+from ._core.events import Hook
 from ._core.flows import RenewState, acquire_flow, claim_flow, renew_flow
-from ._core.port import Acquired, AsyncStore
+from ._core.port import AsyncStore
 from ._core.types import (
     Claim,
     Claimed,
@@ -62,6 +63,7 @@ def connect(
     tenant: str | None = None,
     max_result_bytes: int = MAX_RESULT_BYTES,
     compress_over: int | None = COMPRESS_OVER,
+    hooks: Iterable[Hook] | None = None,
     **options: Any,
 ) -> AsyncCoordinator:
     """Open an :class:`AsyncCoordinator` on the store named by ``url`` (see
@@ -78,6 +80,7 @@ def connect(
         tenant=tenant,
         max_result_bytes=max_result_bytes,
         compress_over=compress_over,
+        hooks=hooks,
     )
 
 
@@ -174,20 +177,22 @@ class AsyncIdempotencyPort(IdempotencyBase):
 
     async def claim(self, key: str, *, payload: Any = None) -> Claim:
         """Atomically one of ``Claimed``, ``InFlight`` or ``Completed``."""
+        t0 = self._t0()
         args = self._claim_args(key, payload)
-        return self._interpret(key, await self._store.claim(*args))
+        return self._interpret(key, await self._store.claim(*args), None, t0)
 
     async def complete(self, token: ClaimToken, result: Any) -> None:
         """Record ``result`` (JSON data) for the spec's ttl. ``StaleClaim`` if the token
         lost its key."""
+        t0 = self._t0()
         args = self._token_args(token)
-        if not await self._store.complete(*args, self._encode(token.key, result), self._ttl_ms):
-            raise self._stale(token, "complete")
+        ok = await self._store.complete(*args, self._encode(token.key, result), self._ttl_ms)
+        self._done(token, ok, "complete", t0)
 
     async def abandon(self, token: ClaimToken) -> None:
         """Release the claim so a retry runs the operation again."""
-        if not await self._store.abandon(*self._token_args(token)):
-            raise self._stale(token, "abandon")
+        t0 = self._t0()
+        self._done(token, await self._store.abandon(*self._token_args(token)), "abandon", t0)
 
     async def status(self, key: str) -> RecordStatus | None:
         """What the store holds for ``key``."""
@@ -201,15 +206,17 @@ class AsyncIdempotencyPort(IdempotencyBase):
         self, key: str, *, payload: Any = None, timeout: timedelta | float | None = None
     ) -> Claim:
         """Claim, waiting up to ``timeout`` while the key is in flight."""
+        t0 = self._t0()
         args = self._claim_args(key, payload)
         flow = claim_flow(*args, self._wait_for(timeout), self._coord.clock, self._coord.poll_cap)
-        return self._interpret(key, await run_async(flow, self._store))
+        return self._interpret(key, await run_async(flow, self._store), None, t0)
 
     # ---- the decorator's steps -------------------------------------------------
 
     async def _begin(
         self, plan: WrapPlan, args: Any, kwargs: Any, wait: float | None
     ) -> Claimed | Completed:
+        t0 = self._t0()
         key, payload = plan.key_payload(args, kwargs)
         _, load = plan.types()
         cargs = self._claim_args(key, payload)
@@ -218,27 +225,34 @@ class AsyncIdempotencyPort(IdempotencyBase):
         else:
             flow = claim_flow(*cargs, wait, self._coord.clock, self._coord.poll_cap)
             reply = await run_async(flow, self._store)
-        return cast("Claimed | Completed", self._replay_or_raise(key, reply, load))
+        return cast("Claimed | Completed", self._replay_or_raise(key, reply, load, t0))
 
     async def _record(self, plan: WrapPlan, token: ClaimToken, result: Any) -> None:
+        t0 = self._t0()
         try:
             data = self._encode(token.key, result, *plan.types())
         except BaseException:
             await self._abandon_quietly(token)
             raise
-        if not await self._store.complete(*self._token_args(token), data, self._ttl_ms):
-            raise self._stale(token, "complete")
+        ok = await self._store.complete(*self._token_args(token), data, self._ttl_ms)
+        self._done(token, ok, "complete", t0)
 
     async def _fail(self, plan: WrapPlan, token: ClaimToken, exc: BaseException) -> None:
         data = self._error_record(plan, token, exc)
         if data is None:
             await self._abandon_quietly(token)
-        elif not await self._store.complete(*self._token_args(token), data, self._ttl_ms):
+            return
+        t0 = self._t0()
+        ok = await self._store.complete(*self._token_args(token), data, self._ttl_ms)
+        self._emit("complete", "ok" if ok else "stale", t0)
+        if not ok:
             log.warning("could not record the error of %r: the claim was lost", token.key)
 
     async def _abandon_quietly(self, token: ClaimToken) -> None:
+        t0 = self._t0()
         try:
-            await self._store.abandon(*self._token_args(token))
+            ok = await self._store.abandon(*self._token_args(token))
+            self._emit("abandon", "ok" if ok else "stale", t0)
         except Exception:
             log.warning(
                 "could not abandon claim on %r; it frees itself when its lease ends",
@@ -256,35 +270,33 @@ class AsyncLockPort(LockBase):
         self, key: str, *, owner: str | None = None, wait: timedelta | float | None = None
     ) -> Lease | None:
         """Take the lock, waiting up to ``wait``; None if it stayed held."""
-        validated(key)
+        t0 = self._t0()
         who = self._owner(owner)
         flow = acquire_flow(
             self._ns,
-            key,
+            validated(key),
             who,
             self._ttl_ms,
             seconds(wait, "wait"),
             self._coord.clock,
             self._coord.poll_cap,
         )
-        reply, sent = await run_async(flow, self._store)
-        if isinstance(reply, Acquired):
-            return self._lease(key, who, reply, sent, self._ttl_ms)
-        return None
+        return self._acquired(key, who, await run_async(flow, self._store), t0)
 
     async def release(self, lease: Lease) -> bool:
         """Free the lock if this lease still holds it; False if it had expired."""
+        t0 = self._t0()
         ok = await self._store.release(*self._check_lease(lease, "release"))
-        self._mark_released(lease)
-        return ok
+        return self._released(lease, ok, t0)
 
     async def renew(self, lease: Lease, ttl: timedelta | float | None = None) -> bool:
         """Reset the lease to ``ttl`` from now; the token stays. False if it had expired."""
+        t0 = self._t0()
         args = self._check_lease(lease, "renew")
         ttl_ms = self._renew_ttl(ttl)
         sent = self._coord.clock.monotonic()
         new_exp = await self._store.renew(*args, ttl_ms)
-        return self._renewed(lease, sent, ttl_ms, new_exp)
+        return self._renewed(lease, sent, ttl_ms, new_exp, t0)
 
     async def is_locked(self, key: str) -> bool:
         return await self._store.lock(self._ns, validated(key)) is not None
@@ -319,7 +331,7 @@ class AsyncLockPort(LockBase):
         if lease is None:
             raise LockNotAcquired(self._not_acquired(key, wait))
         assert lease.token is not None
-        state = RenewState(0, lease._sent, lease=lease)
+        state, report_lost = self._renew_state(lease, on_lost)
         stop = asyncio.Event()
         body = asyncio.current_task()
         cancelled_by_us = False
@@ -342,9 +354,7 @@ class AsyncLockPort(LockBase):
             except Exception as exc:
                 state.lost, state.reason = True, f"renewal crashed: {exc!r}"
             if state.lost and not stop.is_set():
-                lease.lost = True
-                if on_lost is not None:
-                    on_lost(lease)
+                report_lost()
                 if cancel_on_lost and body is not None:
                     cancelled_by_us = True
                     body.cancel()

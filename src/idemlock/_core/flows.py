@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,22 +80,24 @@ def acquire_flow(
     wait: float | None,
     clock: Clock,
     poll_cap: float | None = None,
-) -> Generator[Request, Any, tuple[Acquired | Held, float]]:
+) -> Generator[Request, Any, tuple[Acquired | Held, float, int]]:
     """Acquire, waiting up to ``wait`` seconds. Returns (last reply, monotonic time the
-    successful request was sent). ``poll_cap`` bounds each wait for stores whose
+    last request was sent, number of attempts). ``poll_cap`` bounds each wait for stores whose
     notification does not cross processes."""
     # Waiting is real time whatever the clock: an injected clock judges leases only.
     deadline = time.monotonic() + (wait or 0.0)
     sub = None
     attempt = 0
+    tries = 0
     while True:
         sent = clock.monotonic()
         reply = yield Call("acquire", (ns, key, owner, ttl_ms))
+        tries += 1
         if isinstance(reply, Acquired):
-            return reply, sent
+            return reply, sent, tries
         now = time.monotonic()
         if now >= deadline:
-            return reply, sent
+            return reply, sent, tries
         if sub is None:
             # Subscribe, then try once more: a release between our failed attempt and
             # the subscription would otherwise go unnoticed until the next chunk.
@@ -146,6 +148,12 @@ class RenewState:
     reason: str = ""
     #: the holder's lease, kept current so ``remaining()`` reflects each renewal
     lease: Lease | None = None
+    #: told "ok" or "failed" after each renewal attempt (for metrics)
+    report: Callable[[str], None] | None = None
+
+    def tell(self, outcome: str) -> None:
+        if self.report is not None:
+            self.report(outcome)
 
 
 def renew_flow(
@@ -186,6 +194,7 @@ def renew_flow(
             try:
                 new_exp = yield Call("renew", (ns, key, owner, token, ttl_ms))
             except StoreUnavailable as exc:
+                state.tell("failed")
                 if left() <= 0:
                     state.lost, state.reason = True, f"renewal failed: {exc}"
                     return state
@@ -195,6 +204,7 @@ def renew_flow(
                     return state
                 continue
             break
+        state.tell("failed" if new_exp is None else "ok")
         if new_exp is None:
             state.lost, state.reason = True, "the store no longer has this lease (it expired)"
             return state
