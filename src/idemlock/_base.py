@@ -285,18 +285,20 @@ class IdempotencyBase(Emitter):
             return self._format.decode(data)
         return self._format.decode(data, load)
 
-    def _interpret(self, key: str, reply: ClaimReply, load: Any = None, t0: float = 0.0) -> Claim:
+    def _interpret(
+        self, key: str, reply: ClaimReply, load: Any = None, t0: float = 0.0, skey: str = ""
+    ) -> Claim:
         if self._coord._hooks:
             try:
-                claim = self._interpret_reply(key, reply, load)
+                claim = self._interpret_reply(key, reply, load, skey)
             except PayloadMismatch:
                 self._emit("claim", "mismatch", t0)
                 raise
             self._emit("claim", _CLAIM_OUTCOME[claim.kind], t0)
             return claim
-        return self._interpret_reply(key, reply, load)
+        return self._interpret_reply(key, reply, load, skey)
 
-    def _interpret_reply(self, key: str, reply: ClaimReply, load: Any) -> Claim:
+    def _interpret_reply(self, key: str, reply: ClaimReply, load: Any, skey: str) -> Claim:
         if isinstance(reply, Granted):
             return Claimed(
                 ClaimToken(
@@ -306,6 +308,7 @@ class IdempotencyBase(Emitter):
                     from_ms(reply.expires_ms),
                     self.spec.name,
                     self._ns,
+                    skey or self._skey(key),
                 )
             )
         if isinstance(reply, Busy):
@@ -327,7 +330,7 @@ class IdempotencyBase(Emitter):
                 f"this claim token belongs to spec {token.spec!r} (or another tenant), not "
                 f"{self.spec.name!r}; complete or abandon it through the port that claimed it"
             )
-        return (self._ns, self._skey(token.key), token.token)
+        return (self._ns, token._skey or self._skey(token.key), token.token)
 
     def _done(self, token: ClaimToken, ok: bool, what: str, t0: float) -> None:
         """Report a complete/abandon; raise StaleClaim if the store refused it."""
@@ -373,9 +376,9 @@ class IdempotencyBase(Emitter):
             return None
 
     def _replay_or_raise(
-        self, key: str, reply: ClaimReply, load: Any = None, t0: float = 0.0
+        self, key: str, reply: ClaimReply, load: Any = None, t0: float = 0.0, skey: str = ""
     ) -> Claim:
-        claim = self._interpret(key, reply, load, t0)
+        claim = self._interpret(key, reply, load, t0, skey)
         if isinstance(claim, InFlight):
             raise InFlightError(key, claim.expires_at)
         return claim

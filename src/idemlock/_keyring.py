@@ -14,7 +14,6 @@ sealed record copied to another key, spec or tenant fails to open.
 from __future__ import annotations
 
 import base64
-import hashlib
 import hmac
 import json
 import os
@@ -158,7 +157,8 @@ class Keyring:
 
     def lookup(self, kind: str, data: bytes) -> str:
         """HMAC-SHA256 (hex) of ``data`` under the lookup secret, domain-separated."""
-        return hmac.new(self._lookup, kind.encode() + b"\0" + data, hashlib.sha256).hexdigest()
+        # hmac.digest is the one-shot C path: several times faster than hmac.new.
+        return hmac.digest(self._lookup, kind.encode() + b"\0" + data, "sha256").hex()
 
     def _cipher(self, key_id: str) -> Any:
         cipher = self._aead.get(key_id)

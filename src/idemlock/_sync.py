@@ -166,7 +166,7 @@ class IdempotencyPort(IdempotencyBase):
         another payload."""
         t0 = self._t0()
         args = self._claim_args(key, payload)
-        return self._interpret(key, self._store.claim(*args), None, t0)
+        return self._interpret(key, self._store.claim(*args), None, t0, args[1])
 
     def complete(self, token: ClaimToken, result: Any) -> None:
         """Record ``result`` (JSON data) for the spec's ttl. ``StaleClaim`` if the token
@@ -198,7 +198,7 @@ class IdempotencyPort(IdempotencyBase):
         t0 = self._t0()
         args = self._claim_args(key, payload)
         flow = claim_flow(*args, self._wait_for(timeout), self._coord.clock, self._coord.poll_cap)
-        return self._interpret(key, run_sync(flow, self._store), None, t0)
+        return self._interpret(key, run_sync(flow, self._store), None, t0, args[1])
 
     # ---- the decorator's steps -------------------------------------------------
 
@@ -214,7 +214,7 @@ class IdempotencyPort(IdempotencyBase):
         else:
             flow = claim_flow(*cargs, wait, self._coord.clock, self._coord.poll_cap)
             reply = run_sync(flow, self._store)
-        return cast("Claimed | Completed", self._replay_or_raise(key, reply, load, t0))
+        return cast("Claimed | Completed", self._replay_or_raise(key, reply, load, t0, cargs[1]))
 
     def _record(self, plan: WrapPlan, token: ClaimToken, result: Any) -> None:
         t0 = self._t0()

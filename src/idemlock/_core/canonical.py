@@ -8,10 +8,10 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .._errors import CanonicalizeError
+
 
 def _check(value: Any, path: str) -> Any:
-    from .._errors import CanonicalizeError
-
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):

@@ -16,6 +16,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+from .._errors import ConfigurationError, ResultDecodeError, ResultEncodeError, ResultTooLarge
 from .typed import Dumper, Loader, TypedError
 
 MAX_RESULT_BYTES = 1 << 20
@@ -45,8 +46,6 @@ class ResultFormat:
     def __init__(
         self, max_bytes: int = MAX_RESULT_BYTES, compress_over: int | None = COMPRESS_OVER
     ) -> None:
-        from .._errors import ConfigurationError
-
         if not isinstance(max_bytes, int) or max_bytes < 16:
             raise ConfigurationError(f"max_result_bytes must be an int >= 16, got {max_bytes!r}")
         if compress_over is not None and (not isinstance(compress_over, int) or compress_over < 0):
@@ -58,8 +57,6 @@ class ResultFormat:
 
     def encode(self, value: Any, dump: Dumper = _plain, load: Loader = _plain) -> bytes:
         """Frame ``value``; raise ``ResultEncodeError`` unless it comes back equal."""
-        from .._errors import ResultEncodeError
-
         try:
             data = dump(value)
             text = json.dumps(
@@ -82,8 +79,6 @@ class ResultFormat:
         return self.frame(text.encode("utf-8"))
 
     def encode_error(self, exc: BaseException) -> bytes:
-        from .._errors import ResultEncodeError
-
         err = {"type": type_name(type(exc)), "args": list(exc.args), "message": str(exc)}
         try:
             text = json.dumps(
@@ -97,8 +92,6 @@ class ResultFormat:
         return self.frame(text.encode("utf-8"))
 
     def frame(self, body: bytes) -> bytes:
-        from .._errors import ResultTooLarge
-
         out = b"j" + body
         if self.compress_over is not None and len(body) > self.compress_over:
             packed = zlib.compress(body, 6)
@@ -114,8 +107,6 @@ class ResultFormat:
 
     def decode(self, data: bytes, load: Loader = _plain) -> tuple[Any, RecordedError | None]:
         """Return (result, None) or (None, recorded error)."""
-        from .._errors import ResultDecodeError
-
         data = bytes(data)
         marker, body = data[:1], data[1:]
         try:

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
+from .._errors import InvalidKey
+
 MAX_KEY_BYTES = 512
+# Whitespace, C0/C1 control characters and lone surrogates.
+_FORBIDDEN = re.compile(r"[\s\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
 def validate_key(value: object, what: str = "key") -> str:
@@ -11,26 +17,27 @@ def validate_key(value: object, what: str = "key") -> str:
     A key is a non-empty ``str`` of at most 512 UTF-8 bytes with no whitespace
     and no control characters (they break log lines, CLI output and some stores).
     """
-    from .._errors import InvalidKey
-
     if not isinstance(value, str):
         raise InvalidKey(f"{what} must be a str, got {type(value).__name__}; convert it first")
     if not value:
         raise InvalidKey(f"{what} must not be empty")
+    if len(value) <= 128 and value.isascii() and value.isprintable() and " " not in value:
+        return value  # the common case: short printable ASCII
     size = len(value.encode("utf-8", "surrogatepass"))
     if size > MAX_KEY_BYTES:
         raise InvalidKey(
             f"{what} is {size} bytes of UTF-8, more than the limit of {MAX_KEY_BYTES}; "
             "hash long keys (for example with idemlock.fingerprint) before using them"
         )
-    for ch in value:
-        if ch.isspace() or ord(ch) < 32 or 0x7F <= ord(ch) < 0xA0:
-            raise InvalidKey(
-                f"{what} {value!r} contains whitespace or a control character ({ch!r}); "
-                "use only printable characters without spaces"
-            )
+    bad = _FORBIDDEN.search(value)
+    if bad is not None:
+        ch = bad.group()
         if 0xD800 <= ord(ch) <= 0xDFFF:
             raise InvalidKey(f"{what} {value!r} contains a lone surrogate; use valid Unicode")
+        raise InvalidKey(
+            f"{what} {value!r} contains whitespace or a control character ({ch!r}); "
+            "use only printable characters without spaces"
+        )
     return value
 
 

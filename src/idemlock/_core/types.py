@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Literal
 
+from .._errors import ConfigurationError
 from .clock import SYSTEM_CLOCK, Clock
 from .codec import RecordedError
 from .keys import validate_key
@@ -28,8 +29,6 @@ __all__ = [
 
 def to_ms(value: timedelta | float | int, what: str) -> int:
     """A positive duration (timedelta or seconds) as whole milliseconds (at least 1)."""
-    from .._errors import ConfigurationError
-
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -95,6 +94,8 @@ class ClaimToken:
     expires_at: datetime
     spec: str
     _ns: str = field(repr=False, compare=False, default="")
+    #: the key as the store holds it (an HMAC when a keyring is set)
+    _skey: str = field(repr=False, compare=False, default="")
 
 
 @dataclass(frozen=True)
