@@ -1,0 +1,786 @@
+"""The ``idemlock`` command line (also ``python -m idemlock``).
+
+Commands::
+
+    idemlock run --lock NAME [--ttl 30s] [--wait 10s] -- CMD ARGS...
+    idemlock run --once KEY  [--ttl 24h] [--lease 5m] [--wait 0] -- CMD ARGS...
+    idemlock status KEY [--spec NAME]      idemlock forget KEY [--spec NAME]
+    idemlock keys [--json]                 idemlock locks [--json]
+    idemlock purge                         idemlock migrate
+    idemlock demo [--jobs 200] [--workers 4] [--seed N]
+
+Global options (before or after the command): ``--url`` (default ``$IDEMLOCK_URL``,
+else SQLite in the user's state directory) and ``--prefix`` (default ``idemlock``).
+
+Exit statuses
+-------------
+======  ==========================================================================
+0       success; ``run``: CMD exited 0, or ``--once`` KEY already ran (skipped)
+1       ``status``: KEY has no live record
+2       usage error: bad arguments, a bad duration, an invalid key
+65      ``run --once``: KEY was already used with a different command (EX_DATAERR)
+69      the store is unavailable: unreachable, locked, corrupt (EX_UNAVAILABLE)
+70      any other idemlock error (EX_SOFTWARE)
+75      ``run --lock``: the lock was held elsewhere for all of ``--wait`` (EX_TEMPFAIL)
+76      ``run --once``: KEY is being run elsewhere right now (its claim is live)
+77      ``run``: the lock's lease (or the ``--once`` claim's lease) was lost while CMD
+        ran, so another run may have started; CMD was terminated if still running
+78      configuration error: bad store URL, missing driver (EX_CONFIG)
+126     ``run``: CMD could not be executed (permission denied)
+127     ``run``: CMD was not found
+128+N   ``run``: CMD was killed by signal N
+other   ``run``: CMD's own exit status
+======  ==========================================================================
+
+As with flock(1), a CMD that itself exits with one of idemlock's statuses cannot be
+told apart by the status alone; idemlock always says what happened on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from types import FrameType
+from typing import Any
+
+from ._errors import (
+    CanonicalizeError,
+    ConfigurationError,
+    IdemlockError,
+    InFlightError,
+    InvalidKey,
+    LockLost,
+    LockNotAcquired,
+    PayloadMismatch,
+    StaleClaim,
+    StoreUnavailable,
+)
+
+__all__ = ["EXIT_STATUSES", "main", "parse_duration"]
+
+EX_OK = 0
+EX_NO_RECORD = 1
+EX_USAGE = 2
+EX_PAYLOAD_MISMATCH = 65
+EX_UNAVAILABLE = 69
+EX_SOFTWARE = 70
+EX_LOCK_NOT_ACQUIRED = 75
+EX_IN_FLIGHT = 76
+EX_LEASE_LOST = 77
+EX_CONFIG = 78
+EX_CANNOT_EXECUTE = 126
+EX_NOT_FOUND = 127
+
+#: (status, meaning): the table printed in ``--help`` and copied to the README.
+EXIT_STATUSES: list[tuple[str, str]] = [
+    ("0", "success; run: CMD exited 0, or --once KEY already ran (skipped)"),
+    ("1", "status: KEY has no live record"),
+    ("2", "usage error: bad arguments, a bad duration, an invalid key"),
+    ("65", "run --once: KEY was already used with a different command"),
+    ("69", "the store is unavailable (unreachable, locked, corrupt)"),
+    ("70", "any other idemlock error"),
+    ("75", "run --lock: the lock stayed held elsewhere for all of --wait"),
+    ("76", "run --once: KEY is being run elsewhere right now"),
+    ("77", "run: the lease was lost while CMD ran (CMD was terminated)"),
+    ("78", "configuration error: bad store URL, missing driver"),
+    ("126", "run: CMD could not be executed"),
+    ("127", "run: CMD was not found"),
+    ("128+N", "run: CMD was killed by signal N"),
+    ("other", "run: CMD's own exit status"),
+]
+
+ONCE_SPEC = "cli-once"
+LOCK_SPEC = "cli-lock"
+DEFAULT_GRACE = 10.0
+
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION = re.compile(r"^\s*(-?)(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)?\s*$", re.IGNORECASE)
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``text``: ``500ms``, ``30s``, ``5m``, ``24h``, ``1d`` or plain seconds."""
+    match = _DURATION.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"invalid duration {text!r}: use a number with an optional unit "
+            "(500ms, 30s, 5m, 24h, 1d; plain numbers are seconds)"
+        )
+    if match.group(1):
+        raise argparse.ArgumentTypeError(f"invalid duration {text!r}: it must not be negative")
+    return float(match.group(2)) * _UNITS[(match.group(3) or "s").lower()]
+
+
+def _positive_duration(text: str) -> float:
+    value = parse_duration(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"invalid duration {text!r}: it must be positive")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}: it must be at least 1")
+    return value
+
+
+# ---- output helpers ------------------------------------------------------------
+
+
+def _say(message: str) -> None:
+    print(f"idemlock: {message}", file=sys.stderr, flush=True)
+
+
+def _human(seconds: float) -> str:
+    """A short duration for tables and messages: 850ms, 12.3s, 4m05s, 3h04m, 2d03h."""
+    if seconds < 1:
+        return f"{max(0, round(seconds * 1000))}ms"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    s = int(seconds)
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def _iso(when: datetime) -> str:
+    return when.astimezone(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    headers_idx = range(len(headers))
+    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    # Numbers line up on the right, text on the left.
+    right = [bool(rows) and all(isinstance(row[i], int) for row in rows) for i in headers_idx]
+    lines = []
+    for r in cells:
+        parts = [
+            c.rjust(w) if right[i] else c.ljust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ]
+        lines.append("  ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+def _print_json(value: object) -> None:
+    print(json.dumps(value, indent=2, sort_keys=False))
+
+
+# ---- the parser ----------------------------------------------------------------
+
+
+def _epilog() -> str:
+    width = max(len(code) for code, _ in EXIT_STATUSES)
+    lines = ["exit statuses:"]
+    lines += [f"  {code.ljust(width)}  {meaning}" for code, meaning in EXIT_STATUSES]
+    return "\n".join(lines)
+
+
+def _url_help() -> str:
+    from ._urls import default_url, redact
+
+    return f"store URL (default: $IDEMLOCK_URL, else {redact(default_url())})"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="idemlock",
+        description="Idempotent operations and fenced locks for retried work.",
+        epilog=_epilog(),
+        formatter_class=formatter,
+    )
+    parser.add_argument("--url", default=None, help=_url_help())
+    parser.add_argument(
+        "--prefix", default="idemlock", help="key prefix that namespaces everything (idemlock)"
+    )
+    # The same options after the command; SUPPRESS keeps a value given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--url", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    common.add_argument("--prefix", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    def add(name: str, help: str, description: str = "") -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name,
+            help=help,
+            description=description or help,
+            parents=[common],
+            epilog=_epilog(),
+            formatter_class=formatter,
+        )
+
+    run = add(
+        "run",
+        "run a command under a lock or at most once per key",
+        "Run CMD exclusively under a fenced lock (--lock) or at most once per KEY (--once).\n"
+        "The child gets IDEMLOCK_FENCE_TOKEN (the lock's token or the claim's fence;\n"
+        "it strictly increases, so pass it to writes that must refuse stale holders).\n\n"
+        "--lock: the lease is renewed every ttl/3 while CMD runs; if it is lost\n"
+        "  anyway (the store became unreachable, or this process was paused past the\n"
+        "  ttl), CMD gets SIGTERM, then SIGKILL after --grace, and idemlock exits 77.\n"
+        "--once: success (status 0) records KEY for --ttl; later runs skip CMD and exit\n"
+        "  0. A failed CMD frees KEY so a retry runs it again. The claim is NOT renewed:\n"
+        "  make --lease longer than CMD can take. If CMD outlives it, another run may\n"
+        "  take KEY over and this run's success is not recorded (exit 77). A run that\n"
+        "  is killed leaves KEY in flight until --lease ends.\n\n"
+        "SIGINT, SIGTERM and SIGHUP are forwarded to CMD (SIGINT is not forwarded when\n"
+        "the terminal already sent it to CMD's process group).",
+    )
+    mode = run.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--lock", metavar="NAME", help="run CMD while holding lock NAME")
+    mode.add_argument("--once", metavar="KEY", help="run CMD at most once for KEY")
+    run.add_argument(
+        "--spec",
+        default=None,
+        help=f"spec name (default: {LOCK_SPEC} for --lock, {ONCE_SPEC} for --once)",
+    )
+    run.add_argument(
+        "--ttl",
+        type=_positive_duration,
+        default=None,
+        help="--lock: lease length (30s); --once: how long success is remembered (24h)",
+    )
+    run.add_argument(
+        "--wait",
+        type=parse_duration,
+        default=None,
+        help="--lock: how long to wait for the lock (10s; 0 fails at once); "
+        "--once: how long to wait for a run in flight elsewhere to finish (0)",
+    )
+    run.add_argument(
+        "--lease",
+        type=_positive_duration,
+        default=None,
+        help="--once: how long the claim is reserved while CMD runs (5m)",
+    )
+    run.add_argument(
+        "--grace",
+        type=parse_duration,
+        default=DEFAULT_GRACE,
+        help="--lock: time between SIGTERM and SIGKILL after a lost lease (10s)",
+    )
+    run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...")
+    run.set_defaults(handler=cmd_run)
+
+    status = add("status", "show the record of an idempotency key")
+    status.add_argument("key", metavar="KEY")
+    status.add_argument("--spec", default=ONCE_SPEC, help=f"spec name ({ONCE_SPEC})")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    status.set_defaults(handler=cmd_status)
+
+    forget = add("forget", "delete the record of an idempotency key (a retry runs again)")
+    forget.add_argument("key", metavar="KEY")
+    forget.add_argument("--spec", default=ONCE_SPEC, help=f"spec name ({ONCE_SPEC})")
+    forget.set_defaults(handler=cmd_forget)
+
+    keys = add("keys", "list live idempotency records")
+    keys.add_argument("--spec", default=None, help="only this spec")
+    keys.add_argument("--json", action="store_true", help="print JSON")
+    keys.set_defaults(handler=cmd_keys)
+
+    locks = add("locks", "list held locks")
+    locks.add_argument("--spec", default=None, help="only this spec")
+    locks.add_argument("--json", action="store_true", help="print JSON")
+    locks.set_defaults(handler=cmd_locks)
+
+    purge = add("purge", "delete expired records and locks from the store")
+    purge.add_argument("--json", action="store_true", help="print JSON")
+    purge.set_defaults(handler=cmd_purge)
+
+    migrate = add("migrate", "create or upgrade the store's schema (PostgreSQL)")
+    migrate.set_defaults(handler=cmd_migrate)
+
+    demo = add(
+        "demo",
+        "show duplicate side effects under at-least-once delivery, without and with idemlock",
+        "Worker processes consume the same jobs from an at-least-once queue while a\n"
+        "killer SIGKILLs busy workers at random (their jobs are redelivered). It runs\n"
+        "twice, with plain retries and with idemlock claim/complete, and counts the\n"
+        "side effects that ran twice, measured from the effects table. Everything goes\n"
+        "to a new temporary directory (and idemlock to a SQLite file in it unless\n"
+        "--url is given), so your own store is never touched.",
+    )
+    demo.add_argument("--jobs", type=_count, default=200, help="number of jobs (200)")
+    demo.add_argument("--workers", type=_count, default=4, help="worker processes (4)")
+    demo.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+    demo.add_argument(
+        "--kill-every",
+        type=_positive_duration,
+        default=0.06,
+        help="mean time between kill attempts (60ms)",
+    )
+    demo.add_argument(
+        "--plain-effects",
+        action="store_true",
+        help="do not key the protected run's effect by job id (shows the remaining window)",
+    )
+    demo.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    demo.add_argument("--json", action="store_true", help="print the measurements as JSON")
+    demo.set_defaults(handler=cmd_demo)
+    return parser
+
+
+# ---- main ----------------------------------------------------------------------
+
+
+def _status_for(exc: IdemlockError) -> int:
+    # Most specific first: several errors also derive from ValueError/TypeError.
+    table: list[tuple[type[IdemlockError], int]] = [
+        (PayloadMismatch, EX_PAYLOAD_MISMATCH),
+        (InFlightError, EX_IN_FLIGHT),
+        (LockNotAcquired, EX_LOCK_NOT_ACQUIRED),
+        (LockLost, EX_LEASE_LOST),
+        (StaleClaim, EX_LEASE_LOST),
+        (StoreUnavailable, EX_UNAVAILABLE),
+        (InvalidKey, EX_USAGE),
+        (CanonicalizeError, EX_USAGE),
+        (ConfigurationError, EX_CONFIG),
+    ]
+    for cls, status in table:
+        if isinstance(exc, cls):
+            return status
+    return EX_SOFTWARE
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (see the module docstring)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Callable[[argparse.Namespace, argparse.ArgumentParser], int] = args.handler
+    try:
+        return handler(args, parser)
+    except IdemlockError as exc:
+        _say(f"error: {exc}")
+        return _status_for(exc)
+    except KeyboardInterrupt:
+        _say("interrupted")
+        return 128 + signal.SIGINT
+
+
+def _connect(args: argparse.Namespace) -> Any:
+    import idemlock
+
+    return idemlock.connect(args.url, key_prefix=args.prefix)
+
+
+# ---- run -----------------------------------------------------------------------
+
+
+def _command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        parser.error("run: give the command after '--', e.g. idemlock run --lock x -- make")
+    return cmd
+
+
+def _owner() -> str:
+    """host:pid:random, so `idemlock locks` says who holds a lock; the random part keeps
+    a recycled pid from ever passing for an earlier holder."""
+    from ._core.keys import validate_key
+
+    host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:200] or "host"
+    owner = f"{host}:{os.getpid()}:{secrets.token_hex(3)}"
+    try:
+        return validate_key(owner, "owner")
+    except InvalidKey:  # pragma: no cover - the substitution above makes it valid
+        return secrets.token_hex(8)
+
+
+def _terminal_sent(signum: int) -> bool:
+    """Whether the terminal delivered ``signum`` to our whole foreground process group,
+    so CMD (in the same group) already has it and forwarding would deliver it twice."""
+    if signum != signal.SIGINT:
+        return False
+    for fd in (0, 1, 2):
+        try:
+            if os.isatty(fd) and os.tcgetpgrp(fd) == os.getpgrp():
+                return True
+        except OSError:
+            continue
+    return False
+
+
+@dataclass
+class _Child:
+    """CMD as a child process, with signal forwarding and a terminate-then-kill."""
+
+    cmd: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+    pending: int | None = None
+
+    def start(self) -> int | None:
+        """Start CMD; returns an exit status if it could not be started."""
+        try:
+            self.proc = subprocess.Popen(self.cmd, env=self.env)
+        except FileNotFoundError:
+            _say(f"error: command not found: {self.cmd[0]}")
+            return EX_NOT_FOUND
+        except PermissionError as exc:
+            _say(f"error: cannot execute {self.cmd[0]}: {exc.strerror}")
+            return EX_CANNOT_EXECUTE
+        except OSError as exc:
+            _say(f"error: cannot execute {self.cmd[0]}: {exc}")
+            return EX_CANNOT_EXECUTE
+        if self.pending is not None:  # a signal came while CMD was starting
+            self.signal(self.pending)
+        return None
+
+    def signal(self, signum: int) -> None:
+        if self.proc is None:
+            self.pending = signum
+            return
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signum)  # a no-op once the child is reaped
+
+    def wait(self) -> int:
+        assert self.proc is not None
+        code = self.proc.wait()
+        # The shell's convention for a child killed by a signal.
+        return 128 - code if code < 0 else code
+
+    def terminate(self, grace: float) -> None:
+        """SIGTERM now, SIGKILL after ``grace`` seconds if it is still running."""
+        self.signal(signal.SIGTERM)
+        proc = self.proc
+
+        def kill_later() -> None:
+            if proc is None:
+                return
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                _say(f"CMD still running {_human(grace)} after SIGTERM; sending SIGKILL")
+                self.signal(signal.SIGKILL)
+
+        threading.Thread(target=kill_later, name="idemlock-kill", daemon=True).start()
+
+    def run(self) -> int:
+        """Start CMD and wait for it, forwarding SIGINT/SIGTERM/SIGHUP meanwhile."""
+        forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+        def forward(signum: int, frame: FrameType | None) -> None:
+            if not _terminal_sent(signum):
+                self.signal(signum)
+
+        previous = {s: signal.signal(s, forward) for s in forwarded}
+        try:
+            failed = self.start()
+            if failed is not None:
+                return failed
+            return self.wait()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+def _child_env(fence: int, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["IDEMLOCK_FENCE_TOKEN"] = str(fence)
+    env.update(extra)
+    return env
+
+
+def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    cmd = _command(args, parser)
+    if args.lock is not None:
+        if args.lease is not None:
+            parser.error("run: --lease applies to --once; a lock's lease length is --ttl")
+        return _run_locked(args, cmd)
+    return _run_once(args, cmd)
+
+
+def _run_locked(args: argparse.Namespace, cmd: list[str]) -> int:
+    from ._core.types import LockSpec
+
+    name: str = args.lock
+    ttl = 30.0 if args.ttl is None else args.ttl
+    wait = 10.0 if args.wait is None else args.wait
+    with _connect(args) as coord:
+        lock = coord.lock(LockSpec(args.spec or LOCK_SPEC, ttl=timedelta(seconds=ttl)))
+        child = _Child(cmd, {})
+        lost = threading.Event()
+
+        def on_lost(lease: Any) -> None:
+            lost.set()
+            _say(
+                f"lost the lease on lock {name!r} (token {lease.token}) while CMD ran; "
+                f"terminating CMD (SIGTERM, then SIGKILL after {_human(args.grace)})"
+            )
+            child.terminate(args.grace)
+
+        try:
+            with lock.hold(name, wait=wait, owner=_owner(), on_lost=on_lost) as lease:
+                child.env = _child_env(lease.token, IDEMLOCK_LOCK_KEY=name)
+                if lost.is_set():  # lost before CMD even started: do not start it
+                    raise LockLost(f"lost the lease on lock {name!r} before CMD started")
+                status = child.run()
+        except LockNotAcquired:
+            holder = lock.owner(name)
+            left = lock.ttl(name)
+            who = f" by {holder}" if holder else ""
+            until = f" ({_human(left.total_seconds())} left on its lease)" if left else ""
+            _say(
+                f"lock {name!r} is held{who}{until} and was not released within "
+                f"--wait {_human(wait)}; CMD was not run (exit {EX_LOCK_NOT_ACQUIRED})"
+            )
+            return EX_LOCK_NOT_ACQUIRED
+        except LockLost as exc:
+            code = child.wait() if child.proc is not None else None
+            ran = "" if code is None else f"; CMD exited with status {code}"
+            _say(f"error: {exc}{ran} (exit {EX_LEASE_LOST})")
+            return EX_LEASE_LOST
+        return status
+
+
+def _describe_run(result: Any) -> str:
+    if not isinstance(result, dict):
+        return "already ran"
+    parts = []
+    if "ran_at" in result:
+        parts.append(f"ran at {result['ran_at']}")
+    if "host" in result:
+        parts.append(f"on {result['host']}")
+    if "duration_s" in result:
+        parts.append(f"took {_human(float(result['duration_s']))}")
+    if "exit_status" in result:
+        parts.append(f"exit status {result['exit_status']}")
+    return "already ran (" + ", ".join(parts) + ")" if parts else "already ran"
+
+
+def _run_once(args: argparse.Namespace, cmd: list[str]) -> int:
+    from ._core.types import Claimed, Completed, IdempotencySpec, InFlight
+
+    key: str = args.once
+    ttl = 86400.0 if args.ttl is None else args.ttl
+    lease = 300.0 if args.lease is None else args.lease
+    wait = 0.0 if args.wait is None else args.wait
+    spec_name = args.spec or ONCE_SPEC
+    spec = IdempotencySpec(spec_name, ttl=timedelta(seconds=ttl), lease=timedelta(seconds=lease))
+    # The command is the payload: the same KEY with another command is refused.
+    payload = {"argv": cmd}
+    with _connect(args) as coord:
+        port = coord.idempotency(spec)
+        try:
+            if wait:
+                claim = port.wait(key, payload=payload, timeout=wait)
+            else:
+                claim = port.claim(key, payload=payload)
+        except PayloadMismatch:
+            _say(
+                f"key {key!r} was already used to run a different command; use another "
+                f"key for this command, or `idemlock forget {key} --spec {spec_name}` "
+                f"to drop the old record (exit {EX_PAYLOAD_MISMATCH})"
+            )
+            return EX_PAYLOAD_MISMATCH
+        if isinstance(claim, Completed):
+            _say(f"{key!r} {_describe_run(claim.result)}; not running it again")
+            return EX_OK
+        if isinstance(claim, InFlight):
+            left = claim.expires_at.timestamp() - coord.clock.time()
+            _say(
+                f"{key!r} is being run elsewhere right now (its claim ends at "
+                f"{_iso(claim.expires_at)}, in {_human(max(0.0, left))}, unless it "
+                f"finishes first); not running it (exit {EX_IN_FLIGHT})"
+            )
+            return EX_IN_FLIGHT
+        assert isinstance(claim, Claimed)
+        token = claim.token
+        child = _Child(cmd, _child_env(token.fence, IDEMLOCK_ONCE_KEY=key))
+        started_wall = datetime.now(timezone.utc)
+        started = time.monotonic()
+        try:
+            status = child.run()
+        except BaseException:
+            port._abandon_quietly(token)
+            raise
+        took = time.monotonic() - started
+        if status != 0:
+            # StaleClaim: the lease ran out already, so the key is free for a retry anyway.
+            with contextlib.suppress(StaleClaim):
+                port.abandon(token)
+            _say(f"CMD failed with status {status}; {key!r} stays unclaimed so a retry runs it")
+            return status
+        result = {
+            "exit_status": status,
+            "ran_at": _iso(started_wall),
+            "duration_s": round(took, 3),
+            "host": socket.gethostname(),
+            "argv": cmd,
+        }
+        try:
+            port.complete(token, result)
+        except StaleClaim:
+            _say(
+                f"error: CMD succeeded but took {_human(took)}, longer than --lease "
+                f"{_human(lease)}: the claim on {key!r} ran out, so another run may have "
+                f"started it too, and this success was not recorded; use a longer --lease "
+                f"(exit {EX_LEASE_LOST})"
+            )
+            return EX_LEASE_LOST
+        return EX_OK
+
+
+# ---- records and locks ---------------------------------------------------------
+
+
+def _record_json(rec: Any, now: float) -> dict[str, Any]:
+    return {
+        "spec": rec.spec,
+        "key": rec.key,
+        "state": rec.state,
+        "fence": rec.fence,
+        "expires_at": _iso(rec.expires_at),
+        "expires_in_s": round(max(0.0, rec.expires_at.timestamp() - now), 3),
+    }
+
+
+def _record_row(rec: Any, now: float) -> list[object]:
+    left = max(0.0, rec.expires_at.timestamp() - now)
+    state = rec.state.replace("_", " ")
+    return [rec.spec, rec.key, state, rec.fence, f"{_iso(rec.expires_at)} (in {_human(left)})"]
+
+
+_RECORD_HEADERS = ["SPEC", "KEY", "STATE", "FENCE", "EXPIRES"]
+
+
+def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    with _connect(args) as coord:
+        rec = coord.idempotency(args.spec).status(args.key)
+        now = coord.clock.time()
+    if rec is None:
+        if args.json:
+            _print_json(None)
+        else:
+            _say(f"no live record for key {args.key!r} in spec {args.spec!r}")
+        return EX_NO_RECORD
+    if args.json:
+        _print_json(_record_json(rec, now))
+    else:
+        print(_table(_RECORD_HEADERS, [_record_row(rec, now)]))
+    return EX_OK
+
+
+def cmd_forget(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    with _connect(args) as coord:
+        gone = coord.idempotency(args.spec).forget(args.key)
+    if gone:
+        _say(f"forgot key {args.key!r} in spec {args.spec!r}; the next run will run it again")
+    else:
+        _say(f"nothing to forget: no live record for key {args.key!r} in spec {args.spec!r}")
+    return EX_OK
+
+
+def cmd_keys(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    with _connect(args) as coord:
+        records = coord.keys()
+        now = coord.clock.time()
+        where = coord.url
+    records = [r for r in records if args.spec is None or r.spec == args.spec]
+    records.sort(key=lambda r: (r.spec, r.key))
+    if args.json:
+        _print_json([_record_json(r, now) for r in records])
+    elif not records:
+        _say(f"no live records under prefix {args.prefix!r} in {where}")
+    else:
+        print(_table(_RECORD_HEADERS, [_record_row(r, now) for r in records]))
+    return EX_OK
+
+
+def cmd_locks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    with _connect(args) as coord:
+        held = coord.locks()
+        now = coord.clock.time()
+        where = coord.url
+    held = [h for h in held if args.spec is None or h.spec == args.spec]
+    held.sort(key=lambda h: (h.spec, h.key))
+
+    def left(h: Any) -> float:
+        return max(0.0, float(h.expires_at.timestamp() - now))
+
+    if args.json:
+        _print_json(
+            [
+                {
+                    "spec": h.spec,
+                    "key": h.key,
+                    "owner": h.owner,
+                    "token": h.token,
+                    "expires_at": _iso(h.expires_at),
+                    "time_left_s": round(left(h), 3),
+                }
+                for h in held
+            ]
+        )
+    elif not held:
+        _say(f"no held locks under prefix {args.prefix!r} in {where}")
+    else:
+        rows = [
+            [h.spec, h.key, h.owner, "-" if h.token is None else h.token, _human(left(h))]
+            for h in held
+        ]
+        print(_table(["SPEC", "KEY", "OWNER", "TOKEN", "TIME LEFT"], rows))
+    return EX_OK
+
+
+def cmd_purge(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    with _connect(args) as coord:
+        count = coord.purge()
+        where = coord.url
+    if args.json:
+        _print_json({"purged": count})
+    else:
+        print(f"purged {count} expired record(s) and lock(s) from {where}")
+    return EX_OK
+
+
+def cmd_migrate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import importlib
+
+    from ._urls import default_url, redact
+
+    url: str = args.url or default_url()
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme not in ("postgresql", "postgres"):
+        print(f"nothing to migrate: the {scheme or 'given'} store creates its schema on first use")
+        return EX_OK
+    try:
+        # Lazily: the PostgreSQL driver is an optional extra.
+        postgres = importlib.import_module("idemlock.stores.postgres")
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"the postgres store needs its driver: pip install 'idemlock[postgres]' ({exc})"
+        ) from exc
+    outcome = postgres.migrate(url)
+    detail = f": {outcome}" if outcome not in (None, True) else ""
+    print(f"migrated {redact(url)}{detail}")
+    return EX_OK
+
+
+def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from ._demo import run_demo
+
+    return run_demo(args)

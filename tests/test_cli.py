@@ -1,0 +1,361 @@
+"""The ``idemlock`` command line, run for real in subprocesses against a SQLite file."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from idemlock.cli import parse_duration
+
+PY = sys.executable
+
+
+@pytest.fixture
+def url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'store.db'}"
+
+
+def cli(url: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [PY, "-m", "idemlock", "--url", url, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_env(),
+    )
+
+
+def start(url: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [PY, "-m", "idemlock", "--url", url, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("IDEMLOCK_URL", None)
+    return env
+
+
+def script(code: str) -> list[str]:
+    """A child command: a Python one-liner (portable, unlike sh)."""
+    return [PY, "-c", code]
+
+
+def wait_for(path: Path, proc: subprocess.Popen[str] | None = None, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc is not None and proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"process exited with {proc.returncode} early: {out}{err}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"{path} did not appear within {timeout}s")
+        time.sleep(0.02)
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 20) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for p in started:  # never leave a child behind on failure
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
+# The child holds until the test creates `release`, after announcing itself in `ready`.
+HOLD = (
+    "import os, pathlib, sys, time\n"
+    "d = pathlib.Path(sys.argv[1])\n"
+    "(d / 'ready').write_text(os.environ['IDEMLOCK_FENCE_TOKEN'] + ' ' + str(os.getpid()))\n"
+    "while not (d / 'release').exists(): time.sleep(0.02)\n"
+)
+ECHO_TOKEN = "import os; print(os.environ['IDEMLOCK_FENCE_TOKEN'], os.environ['IDEMLOCK_LOCK_KEY'])"
+
+
+# ---- durations -----------------------------------------------------------------
+
+
+def test_parse_duration_units() -> None:
+    assert parse_duration("500ms") == 0.5
+    assert parse_duration("30s") == 30
+    assert parse_duration("5m") == 300
+    assert parse_duration("24h") == 86400
+    assert parse_duration("1d") == 86400
+    assert parse_duration("1.5") == 1.5
+    assert parse_duration("0") == 0
+
+
+def test_bad_durations_are_usage_errors(url: str) -> None:
+    for opt, value in [("--ttl", "5x"), ("--wait", "-1s"), ("--ttl", "0"), ("--wait", "ten")]:
+        r = cli(url, "run", "--lock", "x", f"{opt}={value}", "--", PY, "-c", "pass")
+        assert r.returncode == 2, (opt, value, r.stderr)
+        assert "invalid duration" in r.stderr
+        assert "Traceback" not in r.stderr
+
+
+# ---- run --lock ----------------------------------------------------------------
+
+
+def test_lock_exports_increasing_token_and_passes_status_through(url: str) -> None:
+    first = cli(url, "run", "--lock", "job", "--", *script(ECHO_TOKEN + "; raise SystemExit(7)"))
+    assert first.returncode == 7, first.stderr
+    token1, key = first.stdout.split()
+    assert key == "job"
+    second = cli(url, "run", "--lock", "job", "--", *script(ECHO_TOKEN))
+    assert second.returncode == 0, second.stderr
+    assert int(second.stdout.split()[0]) > int(token1)
+    # A child killed by a signal exits 128+N, as in a shell.
+    killed = cli(url, "run", "--lock", "job", "--", *script("import os; os.kill(os.getpid(), 15)"))
+    assert killed.returncode == 128 + signal.SIGTERM
+    missing = cli(url, "run", "--lock", "job", "--", "no-such-command-idemlock")
+    assert missing.returncode == 127
+    assert "command not found" in missing.stderr
+
+
+def test_lock_is_exclusive_and_listed(
+    url: str, tmp_path: Path, procs: list[subprocess.Popen[str]]
+) -> None:
+    holder = start(url, "run", "--lock", "deploy", "--", *script(HOLD), str(tmp_path))
+    procs.append(holder)
+    wait_for(tmp_path / "ready", holder)
+    token_a = int((tmp_path / "ready").read_text().split()[0])
+
+    busy = cli(url, "run", "--lock", "deploy", "--wait", "0", "--", *script("print('ran')"))
+    assert busy.returncode == 75, busy.stderr
+    assert "ran" not in busy.stdout
+    assert "is held" in busy.stderr and "not run" in busy.stderr
+
+    listed = cli(url, "locks")
+    assert listed.returncode == 0
+    header, row = listed.stdout.strip().splitlines()
+    assert header.split() == ["SPEC", "KEY", "OWNER", "TOKEN", "TIME", "LEFT"]
+    assert row.split()[:2] == ["cli-lock", "deploy"] and row.split()[3] == str(token_a)
+    (entry,) = json.loads(cli(url, "locks", "--json").stdout)
+    assert entry["spec"] == "cli-lock" and entry["key"] == "deploy"
+    assert entry["token"] == token_a and 0 < entry["time_left_s"] <= 30
+    assert str(holder.pid) in entry["owner"]
+
+    # A waiter gets the lock as soon as the holder is done, with a higher token.
+    waiter = start(url, "run", "--lock", "deploy", "--wait", "20s", "--", *script(ECHO_TOKEN))
+    procs.append(waiter)
+    time.sleep(0.5)
+    assert waiter.poll() is None  # still waiting
+    (tmp_path / "release").touch()
+    assert finish(holder)[0] == 0
+    code, out, err = finish(waiter)
+    assert code == 0, err
+    assert int(out.split()[0]) > token_a
+    assert json.loads(cli(url, "locks", "--json").stdout) == []
+
+
+def test_lost_lease_terminates_the_child(
+    url: str, tmp_path: Path, procs: list[subprocess.Popen[str]]
+) -> None:
+    holder = start(url, "run", "--lock", "l", "--ttl", "1s", "--", *script(HOLD), str(tmp_path))
+    procs.append(holder)
+    wait_for(tmp_path / "ready", holder)
+    child_pid = int((tmp_path / "ready").read_text().split()[1])
+    # Pause idemlock itself (not the child) past the ttl, as a long GC or VM pause
+    # would: the lease expires and another run takes the lock meanwhile.
+    os.kill(holder.pid, signal.SIGSTOP)
+    try:
+        time.sleep(1.3)
+        other = cli(url, "run", "--lock", "l", "--wait", "0", "--", *script("pass"))
+        assert other.returncode == 0, other.stderr
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+    code, _, err = finish(holder)
+    assert code == 77, err
+    assert "lost the lease" in err
+    with pytest.raises(ProcessLookupError):
+        os.kill(child_pid, 0)  # the child was terminated (and reaped)
+
+
+def test_sigterm_is_forwarded_to_the_child(
+    url: str, tmp_path: Path, procs: list[subprocess.Popen[str]]
+) -> None:
+    child = (
+        "import pathlib, signal, sys, time\n"
+        "d = pathlib.Path(sys.argv[1])\n"
+        "def bye(*a):\n"
+        "    (d / 'got-term').touch(); sys.exit(5)\n"
+        "signal.signal(signal.SIGTERM, bye)\n"
+        "(d / 'ready').touch()\n"
+        "time.sleep(30)\n"
+    )
+    proc = start(url, "run", "--lock", "sig", "--", *script(child), str(tmp_path))
+    procs.append(proc)
+    wait_for(tmp_path / "ready", proc)
+    proc.send_signal(signal.SIGTERM)
+    code, _, err = finish(proc)
+    assert code == 5, err
+    assert (tmp_path / "got-term").exists()
+
+
+# ---- run --once ----------------------------------------------------------------
+
+
+def test_once_runs_once_then_skips(url: str, tmp_path: Path) -> None:
+    log = tmp_path / "log"
+    append = script(
+        "import os, sys; open(sys.argv[1], 'a').write(os.environ['IDEMLOCK_FENCE_TOKEN'] + '\\n')"
+    )
+    cmd = ["run", "--once", "backup-2024", "--", *append, str(log)]
+    first = cli(url, *cmd)
+    assert first.returncode == 0, first.stderr
+    again = cli(url, *cmd)
+    assert again.returncode == 0
+    assert "already ran" in again.stderr and "ran at" in again.stderr
+    assert len(log.read_text().splitlines()) == 1
+
+    status = cli(url, "status", "backup-2024")
+    assert status.returncode == 0
+    header, row = status.stdout.strip().splitlines()
+    assert header.split() == ["SPEC", "KEY", "STATE", "FENCE", "EXPIRES"]
+    assert row.split()[:3] == ["cli-once", "backup-2024", "completed"]
+    record = json.loads(cli(url, "status", "backup-2024", "--json").stdout)
+    assert record["state"] == "completed" and record["key"] == "backup-2024"
+    assert 86000 < record["expires_in_s"] <= 86400
+    (listed,) = json.loads(cli(url, "keys", "--json").stdout)
+    assert listed == {**record, "expires_in_s": listed["expires_in_s"]}
+    assert "backup-2024" in cli(url, "keys").stdout
+
+    # --url and --prefix also work after the command; another prefix sees nothing.
+    other = subprocess.run(
+        [PY, "-m", "idemlock", "keys", "--json", "--url", url, "--prefix", "other"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+    )
+    assert json.loads(other.stdout) == []
+
+    forgot = cli(url, "forget", "backup-2024")
+    assert forgot.returncode == 0 and "forgot" in forgot.stderr
+    missing = cli(url, "status", "backup-2024")
+    assert missing.returncode == 1 and "no live record" in missing.stderr
+    assert cli(url, "status", "backup-2024", "--json").stdout.strip() == "null"
+    third = cli(url, *cmd)
+    assert third.returncode == 0
+    fences = [int(x) for x in log.read_text().split()]
+    assert len(fences) == 2 and fences[1] > fences[0]
+
+
+def test_once_failure_frees_the_key_for_a_retry(url: str, tmp_path: Path) -> None:
+    log, fail = tmp_path / "log", tmp_path / "fail"
+    fail.touch()
+    flaky = script(
+        "import pathlib, sys\n"
+        "d = pathlib.Path(sys.argv[1])\n"
+        "open(d / 'log', 'a').write('run\\n')\n"
+        "sys.exit(3 if (d / 'fail').exists() else 0)\n"
+    )
+    cmd = ["run", "--once", "migrate-42", "--", *flaky, str(tmp_path)]
+    failed = cli(url, *cmd)
+    assert failed.returncode == 3
+    assert "retry" in failed.stderr
+    assert cli(url, "status", "migrate-42").returncode == 1
+    fail.unlink()
+    assert cli(url, *cmd).returncode == 0
+    assert cli(url, *cmd).returncode == 0  # skipped
+    assert log.read_text().splitlines() == ["run", "run"]
+
+
+def test_once_key_reused_for_another_command_is_refused(url: str, tmp_path: Path) -> None:
+    assert cli(url, "run", "--once", "k", "--", *script("print('a')")).returncode == 0
+    other = cli(url, "run", "--once", "k", "--", *script("print('b')"))
+    assert other.returncode == 65
+    assert "different command" in other.stderr
+    assert "b" not in other.stdout
+
+
+def test_once_in_flight_elsewhere(
+    url: str, tmp_path: Path, procs: list[subprocess.Popen[str]]
+) -> None:
+    cmd = ["run", "--once", "report", "--", *script(HOLD), str(tmp_path)]
+    first = start(url, *cmd)
+    procs.append(first)
+    wait_for(tmp_path / "ready", first)
+    busy = cli(url, *cmd)
+    assert busy.returncode == 76
+    assert "being run elsewhere" in busy.stderr
+    (in_flight,) = json.loads(cli(url, "keys", "--json").stdout)
+    assert in_flight["state"] == "in_flight"
+    # --wait waits for the run in flight and then skips, since it succeeded.
+    waiter = start(url, "run", "--once", "report", "--wait", "20s", "--", *cmd[4:])
+    procs.append(waiter)
+    time.sleep(0.3)
+    (tmp_path / "release").touch()
+    assert finish(first)[0] == 0
+    code, _, err = finish(waiter)
+    assert code == 0 and "already ran" in err
+
+
+# ---- other commands and errors -------------------------------------------------
+
+
+def test_errors_are_messages_with_documented_statuses(url: str) -> None:
+    bad_url = cli("bogus://nowhere", "keys")
+    assert bad_url.returncode == 78
+    assert bad_url.stderr.startswith("idemlock: error: unknown store URL scheme")
+    bad_key = cli(url, "run", "--once", "has space", "--", PY, "-c", "pass")
+    assert bad_key.returncode == 2
+    assert bad_key.stderr.startswith("idemlock: error: key 'has space'")
+    no_cmd = cli(url, "run", "--lock", "x")
+    assert no_cmd.returncode == 2
+    for r in (bad_url, bad_key, no_cmd):
+        assert "Traceback" not in r.stderr
+    helptext = cli(url, "--help").stdout
+    assert "exit statuses:" in helptext and "75" in helptext and "128+N" in helptext
+
+
+def test_empty_listings_purge_and_migrate(url: str) -> None:
+    assert json.loads(cli(url, "keys", "--json").stdout) == []
+    assert json.loads(cli(url, "locks", "--json").stdout) == []
+    assert "no held locks" in cli(url, "locks").stderr
+    purged = cli(url, "purge", "--json")
+    assert purged.returncode == 0 and json.loads(purged.stdout) == {"purged": 0}
+    migrated = cli(url, "migrate")
+    assert migrated.returncode == 0 and "nothing to migrate" in migrated.stdout
+
+
+# ---- the demo ------------------------------------------------------------------
+
+
+def test_demo_measures_duplicates_and_idemlock_has_none(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [PY, "-m", "idemlock", "demo", "--jobs", "40", "--workers", "3", "--seed", "7", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**_env(), "TMPDIR": str(tmp_path)},
+    )
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    plain, protected = report["runs"]["plain"], report["runs"]["idemlock"]
+    for run in (plain, protected):
+        assert run["jobs_done"] == 40 and run["jobs_missing_effect"] == 0
+        assert run["deliveries"] >= 40
+        assert run["effects"] == 40 + run["duplicate_effects"]
+    assert protected["duplicate_effects"] == 0
+    assert protected["jobs_run_twice_or_more"] == 0
+    # Its own throwaway store in a temporary directory, removed afterwards.
+    assert report["idemlock_url"].startswith(f"sqlite:///{report['dir']}")
+    assert not Path(report["dir"]).exists()
