@@ -11,7 +11,6 @@ import tempfile
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
 
 import idemlock
 from idemlock import Claimed, IdempotencySpec, Keyring
@@ -64,8 +63,10 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(("plain JSON", run(plain, IdempotencySpec("p"), args.n, "p")))
         rows.append(("HMAC keys only", run(sealed, IdempotencySpec("h"), args.n, "h")))
         rows.append(
-            ("sealed (AES-GCM + HMAC)",
-             run(sealed, IdempotencySpec("s", encrypt_result=True), args.n, "s"))
+            (
+                "sealed (AES-GCM + HMAC)",
+                run(sealed, IdempotencySpec("s", encrypt_result=True), args.n, "s"),
+            )
         )
         rows.append(("typed dataclass (wrap)", run_typed(plain, args.n)))
         plain.close()
