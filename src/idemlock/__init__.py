@@ -10,9 +10,11 @@ Start with :func:`connect` (blocking) or :func:`idemlock.aio.connect` (asyncio).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
+from ._base import current_claim
 from ._core.canonical import canonicalize, fingerprint
 from ._core.clock import Clock, ManualClock, SystemClock
 from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES, RecordedError
@@ -51,6 +53,9 @@ from ._errors import (
 )
 from ._keyring import Keyring
 from ._sync import Coordinator, FenceGate, IdempotencyPort, LockPort
+
+# Quiet unless the application configures logging.
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __version__ = "0.1.0"
 
@@ -96,6 +101,7 @@ __all__ = [
     "SystemClock",
     "canonicalize",
     "connect",
+    "current_claim",
     "fingerprint",
 ]
 

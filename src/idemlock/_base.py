@@ -7,6 +7,7 @@ import inspect
 import secrets
 import typing
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar, Token
 from datetime import timedelta
 from time import perf_counter
 from typing import Any
@@ -57,6 +58,22 @@ from ._errors import (
 from ._keyring import Keyring
 
 IN_FLIGHT_MODES = ("raise", "wait")
+
+_CURRENT_CLAIM: ContextVar[ClaimToken | None] = ContextVar("idemlock_claim", default=None)
+
+
+def current_claim() -> ClaimToken | None:
+    """The claim of the ``@idempotent`` call running in this context (thread or task),
+    or None. Its ``fence`` is the fencing token for the call's writes."""
+    return _CURRENT_CLAIM.get()
+
+
+def enter_claim(token: ClaimToken) -> Token[ClaimToken | None]:
+    return _CURRENT_CLAIM.set(token)
+
+
+def leave_claim(mark: Token[ClaimToken | None]) -> None:
+    _CURRENT_CLAIM.reset(mark)
 
 
 def new_token() -> str:
@@ -187,16 +204,18 @@ class Emitter:
         return perf_counter() if self._coord._hooks else 0.0
 
     def _emit(self, name: str, outcome: str, t0: float) -> None:
+        if self._coord._hooks:
+            self._deliver(name, outcome, perf_counter() - t0)
+
+    def _deliver(self, name: str, outcome: str, duration: float) -> None:
         hooks = self._coord._hooks
-        if not hooks:
-            return
         event = Event(
             name,
             outcome,
             self._kind,
             self._spec_name,
             self._coord._store.kind,
-            perf_counter() - t0,
+            duration,
             self._coord.tenant,
         )
         for hook in hooks:
@@ -245,8 +264,11 @@ class IdempotencyBase(Emitter):
         # An HMAC, not a bare hash: guessable payloads cannot be brute-forced from it.
         return self._keyring.lookup("fp", canonicalize(payload))
 
-    def _claim_args(self, key: str, payload: Any) -> tuple[str, str, str | None, str, int]:
-        return (self._ns, self._skey(key), self._fp(payload), new_token(), self._lease_ms)
+    def _claim_args(
+        self, key: str, payload: Any, lease: timedelta | float | None = None
+    ) -> tuple[str, str, str | None, str, int]:
+        lease_ms = self._lease_ms if lease is None else to_ms(lease, "lease")
+        return (self._ns, self._skey(key), self._fp(payload), new_token(), lease_ms)
 
     def _ad(self, key: str) -> bytes:
         # Associated data: the record only opens under this prefix, tenant, spec and key.
@@ -462,13 +484,13 @@ class LockBase(Emitter):
     def _renew_state(self, lease: Lease, on_lost: Callable[[Lease], object] | None) -> Any:
         """The renew loop's shared state, and the callback that reports its end."""
         state = RenewState(0, lease._sent, lease=lease)
-        t0 = self._t0()
         if self._coord._hooks:
-            state.report = lambda outcome: self._emit("renew", outcome, t0)
+            state.report = lambda outcome, took: self._deliver("renew", outcome, took)
 
         def lost() -> None:
             lease.lost = True
-            self._emit("lost", "lost", t0)
+            if self._coord._hooks:
+                self._deliver("lost", "lost", 0.0)
             if on_lost is not None:
                 on_lost(lease)
 

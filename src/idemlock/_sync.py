@@ -19,6 +19,8 @@ from ._base import (
     LockBase,
     WrapPlan,
     check_token,
+    enter_claim,
+    leave_claim,
     seconds,
     validated,
     wrap_options,
@@ -109,11 +111,14 @@ class Coordinator(CoordinatorBase):
                     claim = await asyncio.to_thread(port._begin, plan, args, kwargs, wait_s)
                     if isinstance(claim, Completed):
                         return plan.replay(claim)
+                    mark = enter_claim(claim.token)
                     try:
                         result = await fn(*args, **kwargs)
                     except BaseException as exc:
                         await asyncio.to_thread(port._fail, plan, claim.token, exc)
                         raise
+                    finally:
+                        leave_claim(mark)
                     await asyncio.to_thread(port._record, plan, claim.token, result)
                     return result
 
@@ -124,11 +129,14 @@ class Coordinator(CoordinatorBase):
                 claim = port._begin(plan, args, kwargs, wait_s)
                 if isinstance(claim, Completed):
                     return plan.replay(claim)
+                mark = enter_claim(claim.token)
                 try:
                     result = fn(*args, **kwargs)
                 except BaseException as exc:
                     port._fail(plan, claim.token, exc)
                     raise
+                finally:
+                    leave_claim(mark)
                 port._record(plan, claim.token, result)
                 return result
 
@@ -160,12 +168,14 @@ class IdempotencyPort(IdempotencyBase):
 
     _store: SyncStore
 
-    def claim(self, key: str, *, payload: Any = None) -> Claim:
+    def claim(
+        self, key: str, *, payload: Any = None, lease: timedelta | float | None = None
+    ) -> Claim:
         """Atomically one of ``Claimed`` (run it), ``InFlight`` (someone else is) or
         ``Completed`` (replay). Raises ``PayloadMismatch`` if the key is live with
-        another payload."""
+        another payload. ``lease`` overrides the spec's lease for this claim."""
         t0 = self._t0()
-        args = self._claim_args(key, payload)
+        args = self._claim_args(key, payload, lease)
         return self._interpret(key, self._store.claim(*args), None, t0, args[1])
 
     def complete(self, token: ClaimToken, result: Any) -> None:

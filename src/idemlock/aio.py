@@ -19,6 +19,8 @@ from ._base import (
     LockBase,
     WrapPlan,
     check_token,
+    enter_claim,
+    leave_claim,
     seconds,
     validated,
     wrap_options,
@@ -140,11 +142,14 @@ class AsyncCoordinator(CoordinatorBase):
                 claim = await port._begin(plan, args, kwargs, wait_s)
                 if isinstance(claim, Completed):
                     return plan.replay(claim)
+                mark = enter_claim(claim.token)
                 try:
                     result = await fn(*args, **kwargs)
                 except BaseException as exc:
                     await port._fail(plan, claim.token, exc)
                     raise
+                finally:
+                    leave_claim(mark)
                 await port._record(plan, claim.token, result)
                 return result
 
@@ -175,10 +180,12 @@ class AsyncIdempotencyPort(IdempotencyBase):
 
     _store: AsyncStore
 
-    async def claim(self, key: str, *, payload: Any = None) -> Claim:
+    async def claim(
+        self, key: str, *, payload: Any = None, lease: timedelta | float | None = None
+    ) -> Claim:
         """Atomically one of ``Claimed``, ``InFlight`` or ``Completed``."""
         t0 = self._t0()
-        args = self._claim_args(key, payload)
+        args = self._claim_args(key, payload, lease)
         return self._interpret(key, await self._store.claim(*args), None, t0, args[1])
 
     async def complete(self, token: ClaimToken, result: Any) -> None:

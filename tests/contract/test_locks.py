@@ -226,25 +226,27 @@ async def test_async_hold_detects_a_lease_taken_over_and_cancels_the_body(
 ) -> None:
     # Async only: blocking the event loop is how we pause the renewer here (a GC pause,
     # a stopped VM); a sync holder's renewer thread cannot be paused from its body.
-    coord, other = harness.aio(), harness.aio()
+    coord, other = harness.aio(), harness.sync()
     locks = coord.lock(SPEC)
     lost: list[Lease] = []
     reached_end = False
+    thief = None
     try:
         with pytest.raises(LockLost):
             async with locks.hold("k", renew_every=TTL * 0.8, on_lost=lost.append) as lease:
                 harness.advance(TTL + 0.15)  # blocks the loop: no renewal runs
-                thief = await other.lock(SPEC).acquire("k")
+                # Take over with a blocking call, so the renewer cannot run in between.
+                thief = other.lock(SPEC).acquire("k")
                 assert thief is not None
                 await asyncio.sleep(10)  # cancelled when the renewer finds the lease gone
                 reached_end = True
         assert not reached_end
         assert lease.lost and lost == [lease]
         # The loser's exit did not release the new holder's lease.
-        assert await locks.owner("k") == thief.owner
+        assert thief is not None and await locks.owner("k") == thief.owner
     finally:
         await coord.close()
-        await other.close()
+        other.close()
 
 
 async def test_hold_body_exception_wins_over_lock_lost(api: Facade) -> None:

@@ -215,3 +215,32 @@ async def test_bad_options(api: Facade) -> None:
         api.wrap(SPEC, lambda x: x, on_in_flight="ignore")
     with pytest.raises(ConfigurationError):
         api.wrap(SPEC, lambda x: x, key="not callable")  # type: ignore[arg-type]
+
+
+async def test_current_claim_gives_the_body_its_fence(api: Facade) -> None:
+    from idemlock import current_claim
+
+    seen: list[int] = []
+
+    def op(n: int) -> int:
+        claim = current_claim()
+        assert claim is not None and claim.key == "fenced"
+        seen.append(claim.fence)
+        return claim.fence
+
+    assert current_claim() is None
+    wrapped = api.wrap(SPEC, op, key=lambda n: "fenced")
+    fence = await wrapped(1)
+    assert seen == [fence] and fence > 0
+    assert current_claim() is None  # reset after the call
+    assert await wrapped(1) == fence  # replay: the body did not run
+    assert seen == [fence]
+
+
+async def test_claim_with_its_own_lease(api: Facade) -> None:
+    port = api.idem(SPEC)  # spec lease: 30 s
+    claim = await port.claim("short", lease=0.3)
+    assert isinstance(claim, Claimed)
+    api.harness.advance(0.45)
+    again = await port.claim("short")
+    assert isinstance(again, Claimed) and again.fence > claim.fence

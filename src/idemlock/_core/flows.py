@@ -148,12 +148,12 @@ class RenewState:
     reason: str = ""
     #: the holder's lease, kept current so ``remaining()`` reflects each renewal
     lease: Lease | None = None
-    #: told "ok" or "failed" after each renewal attempt (for metrics)
-    report: Callable[[str], None] | None = None
+    #: told ("ok" or "failed", seconds the attempt took) after each renewal (metrics)
+    report: Callable[[str, float], None] | None = None
 
-    def tell(self, outcome: str) -> None:
+    def tell(self, outcome: str, seconds: float) -> None:
         if self.report is not None:
-            self.report(outcome)
+            self.report(outcome, seconds)
 
 
 def renew_flow(
@@ -194,7 +194,7 @@ def renew_flow(
             try:
                 new_exp = yield Call("renew", (ns, key, owner, token, ttl_ms))
             except StoreUnavailable as exc:
-                state.tell("failed")
+                state.tell("failed", clock.monotonic() - sent)
                 if left() <= 0:
                     state.lost, state.reason = True, f"renewal failed: {exc}"
                     return state
@@ -204,7 +204,7 @@ def renew_flow(
                     return state
                 continue
             break
-        state.tell("failed" if new_exp is None else "ok")
+        state.tell("failed" if new_exp is None else "ok", clock.monotonic() - sent)
         if new_exp is None:
             state.lost, state.reason = True, "the store no longer has this lease (it expired)"
             return state

@@ -1,0 +1,366 @@
+"""Idempotent Celery tasks: a redelivered or duplicate task replays the recorded result.
+
+Make a task idempotent per key with the :class:`IdempotentTask` base class; its
+options are ordinary task options::
+
+    from celery import Celery
+    from idemlock.integrations.celery import IdempotentTask
+
+    app = Celery("shop", broker="redis://localhost:6379/0")
+
+    @app.task(
+        bind=True,
+        base=IdempotentTask,
+        idemlock_coordinator="sqlite:////var/lib/shop/idemlock.db",
+        idemlock_spec="charge-order",
+        idemlock_key=lambda order_id, amount: f"order-{order_id}",
+        acks_late=True,
+        reject_on_worker_lost=True,
+        time_limit=60,
+    )
+    def charge(self, order_id: str, amount: int) -> dict:
+        fence = self.request.idemlock_fence    # guards this attempt's writes
+        return {"charge_id": payments.charge(order_id, amount, fence=fence)}
+
+Options (task options or class attributes of a subclass; every one is optional but
+``idemlock_spec``):
+
+``idemlock_spec``
+    An :class:`~idemlock.IdempotencySpec` or its name: the namespace of the keys and
+    how long results are replayed (``ttl``). Never derived from the task's name, so
+    renaming a task or moving its module cannot change its keys.
+``idemlock_key``
+    A callable of the task's arguments (not ``self``) returning the key; None uses
+    the fingerprint of the canonical arguments. The canonical arguments are the
+    payload either way: the same key with other arguments raises
+    :class:`~idemlock.PayloadMismatch` (the task fails; it is not retried).
+``idemlock_coordinator``
+    A :class:`~idemlock.Coordinator`, a store URL, or a callable returning a
+    Coordinator; None means :func:`idemlock.connect` (``$IDEMLOCK_URL``). A URL or a
+    callable is opened lazily in each worker process, after the prefork pool has
+    forked, so no process uses connections opened by another (prefer them to a
+    Coordinator made at import time).
+``idemlock_replay_errors``
+    Exception classes whose raising is recorded and raised again on every replay
+    (for example a declined card). Any other exception abandons the claim and
+    propagates, so Celery's retry (``autoretry_for``, ``self.retry``) runs the task
+    again. ``Retry``, ``Reject`` and ``Ignore`` always abandon. A store failure
+    raises :class:`~idemlock.StoreUnavailable` before the body runs; list it in
+    ``autoretry_for`` to retry then.
+``idemlock_on_in_flight``
+    What a task does when another attempt holds the key: ``"retry"`` (default)
+    re-sends it with a countdown of at most ``idemlock_retry_every`` seconds
+    (default 5), never past the end of the holder's lease; these retries keep
+    ``self.request.retries`` unchanged, so they never use up ``max_retries``, and
+    they end at the latest when the holder's lease does (the key is then free or
+    completed). ``"wait"`` blocks the worker slot until the holder finishes (at most
+    the lease), then retries as above if it is still in flight. ``"raise"`` fails the
+    task with :class:`~idemlock.InFlightError`. A task called directly or eagerly
+    (``task_always_eager``) raises ``InFlightError``.
+``idemlock_retry_every``
+    The longest countdown of an in-flight retry, in seconds (default 5).
+``idemlock_lease_margin``
+    Seconds added to the time limit to make the claim's lease (default 10).
+
+**The lease follows the time limit.** The claim's lease is the task's hard time
+limit (``time_limit``, per call or task or ``task_time_limit``), else its soft time
+limit, plus ``idemlock_lease_margin``; with neither, the spec's ``lease``. A claim is
+never renewed, so the lease must outlast the body: a hard time limit guarantees
+that in the prefork pool, which kills the task's process at the limit (the gevent
+pool raises it in the task at its next cooperative switch). The solo, threads and
+eventlet pools do not enforce hard time limits: give those tasks a spec ``lease``
+longer than they can take, and no time limit.
+
+**The fencing token.** While the body runs, ``self.request.idemlock_fence`` (with
+``bind=True``; else ``current_task.request.idemlock_fence`` or
+:func:`current_fence`) is the claim's fence, which strictly increases with every new
+claim of the key, and ``self.request.idemlock_key`` its key. After the call,
+``task.request.idemlock_replayed`` tells ``task_postrun`` and ``task_success``
+receivers whether the result was replayed. Pass the fence to your
+writes (``UPDATE ... WHERE fence <= %s``, :meth:`idemlock.Coordinator.fence`) so a
+late write of an attempt whose lease ended is refused.
+
+Recommended settings and what idemlock guarantees with them
+-----------------------------------------------------------
+
+* ``acks_late=True`` (or ``task_acks_late``): the message is acknowledged after the
+  task returns, so a worker that dies mid-task does not lose it. Pair it with
+  ``worker_prefetch_multiplier=1``.
+* ``reject_on_worker_lost=True``: a task whose pool process died is requeued instead
+  of marked failed.
+* A hard ``time_limit``: it bounds the claim's lease (see above), hence how long a
+  redelivered task waits for a dead attempt's claim to end.
+* The broker's visibility timeout (Redis, SQS: ``broker_transport_options=
+  {"visibility_timeout": ...}``) longer than the lease and than
+  ``idemlock_retry_every``: a message unacknowledged for longer is redelivered while
+  the first delivery still runs or waits for its countdown. idemlock makes such a
+  duplicate wait or replay rather than run twice, but it costs a round trip.
+* ``task_acks_on_failure_or_timeout`` left at its default (True): a failed task is
+  acknowledged and retried through Celery's retry, which re-sends it. With False a
+  failure requeues the message instead; both are safe, since a failure abandons the
+  claim.
+
+With these settings:
+
+* A task that completed is never run again for its key within the spec's ``ttl``:
+  a redelivery (the worker died after recording, before the broker got the ack) or a
+  duplicate send returns the recorded result, and the task succeeds with it.
+* A task whose worker died mid-body leaves a claim that ends with its lease (time
+  limit plus margin); the redelivered task waits in-flight retries until then, then
+  claims the key with a higher fence and runs. Exactly one run completes, and a write
+  of the dead attempt that carries its fence to a fenced store cannot land over the
+  new one's.
+* What no claim can close: a worker killed after its side effect and before the
+  result was recorded runs the body again on redelivery. Make such effects keyed by
+  the idempotency key and fenced, so the re-run replaces rather than duplicates.
+* A body that outlives its lease (a pool without enforced time limits, a process
+  stopped for longer than the margin) may run alongside a newer attempt; its
+  ``complete`` raises :class:`~idemlock.StaleClaim` (the task fails, the newer
+  attempt's result stands) and its fenced writes are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import types
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, ClassVar
+
+from celery import Task, current_task  # type: ignore[import-untyped]
+from celery.exceptions import Reject, Retry, TaskPredicate  # type: ignore[import-untyped]
+
+from .._base import WrapPlan, seconds
+from .._core.types import Completed, IdempotencySpec
+from .._errors import ConfigurationError, InFlightError
+from .._sync import Coordinator, IdempotencyPort
+
+__all__ = ["IN_FLIGHT_MODES", "IdempotentTask", "current_fence"]
+
+log = logging.getLogger("idemlock.celery")
+
+IN_FLIGHT_MODES = ("retry", "wait", "raise")
+
+# Celery turns task options into class attributes; a function stored there would be
+# bound to the task when read through ``self``, so these are kept as staticmethods.
+_CALLABLE_OPTIONS = ("idemlock_key", "idemlock_coordinator")
+
+#: what a call sets on the task's request
+_REQUEST_ATTRS = ("idemlock_key", "idemlock_fence", "idemlock_replayed")
+
+
+def current_fence() -> int:
+    """The fencing token of the idempotent task running in this thread."""
+    task = current_task
+    fence = getattr(task.request, "idemlock_fence", None) if task else None
+    if fence is None:
+        raise ConfigurationError(
+            "current_fence() is only available inside the body of a task whose base is "
+            "IdempotentTask (and only while it holds its claim)"
+        )
+    return int(fence)
+
+
+@dataclasses.dataclass
+class _ProcessState:
+    """What one worker process resolved for one task: never shared across a fork."""
+
+    pid: int
+    coord: Coordinator
+    plan: WrapPlan
+    ports: dict[int, IdempotencyPort] = dataclasses.field(default_factory=dict)
+
+
+class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type information
+    """Celery task base class: run once per key, replay the result on redelivery.
+
+    See the module documentation for the options, the recommended settings and the
+    guarantees.
+    """
+
+    idemlock_coordinator: ClassVar[Any] = None
+    idemlock_spec: ClassVar[IdempotencySpec | str | None] = None
+    idemlock_key: ClassVar[Callable[..., str] | None] = None
+    idemlock_replay_errors: ClassVar[tuple[type[BaseException], ...]] = ()
+    idemlock_on_in_flight: ClassVar[str] = "retry"
+    idemlock_retry_every: ClassVar[float] = 5.0
+    idemlock_lease_margin: ClassVar[float] = 10.0
+
+    _idemlock_lock: ClassVar[threading.Lock]
+    _idemlock_state: _ProcessState | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in _CALLABLE_OPTIONS:
+            value = cls.__dict__.get(name)
+            if isinstance(value, types.FunctionType):
+                setattr(cls, name, staticmethod(value))
+        cls._idemlock_lock = threading.Lock()
+        cls._idemlock_state = None
+        if "run" in cls.__dict__:  # a concrete task, not an intermediate base class
+            cls._idemlock_check()
+
+    @classmethod
+    def _idemlock_check(cls) -> None:
+        where = f"task {cls.__dict__.get('name') or cls.__name__}"
+        if cls.idemlock_spec is None:
+            raise ConfigurationError(
+                f"{where}: IdempotentTask needs idemlock_spec= (an IdempotencySpec or a "
+                "stable name for the task's keys)"
+            )
+        if not isinstance(cls.idemlock_spec, (str, IdempotencySpec)):
+            raise ConfigurationError(
+                f"{where}: idemlock_spec must be an IdempotencySpec or a name, got "
+                f"{cls.idemlock_spec!r}"
+            )
+        if isinstance(cls.idemlock_spec, str):
+            IdempotencySpec(cls.idemlock_spec)  # validates the name now, not per call
+        if cls.idemlock_key is not None and not callable(cls.idemlock_key):
+            raise ConfigurationError(f"{where}: idemlock_key must be a callable or None")
+        if cls.idemlock_on_in_flight not in IN_FLIGHT_MODES:
+            raise ConfigurationError(
+                f"{where}: idemlock_on_in_flight must be one of {IN_FLIGHT_MODES}, got "
+                f"{cls.idemlock_on_in_flight!r}"
+            )
+        every = seconds(cls.idemlock_retry_every, "idemlock_retry_every")
+        if every is None or every <= 0:
+            raise ConfigurationError(f"{where}: idemlock_retry_every must be positive seconds")
+        if seconds(cls.idemlock_lease_margin, "idemlock_lease_margin") is None:
+            raise ConfigurationError(f"{where}: idemlock_lease_margin must be seconds (>= 0)")
+
+    # ---- per process ---------------------------------------------------------------
+
+    def _idemlock(self) -> _ProcessState:
+        state = self._idemlock_state
+        pid = os.getpid()
+        if state is not None and state.pid == pid:
+            return state
+        with self._idemlock_lock:
+            state = self._idemlock_state
+            if state is None or state.pid != pid:
+                plan = WrapPlan(self.run, self.idemlock_key, tuple(self.idemlock_replay_errors))
+                state = _ProcessState(pid, self._idemlock_connect(), plan)
+                type(self)._idemlock_state = state
+        return state
+
+    def _idemlock_connect(self) -> Coordinator:
+        source = self.idemlock_coordinator
+        if isinstance(source, Coordinator):
+            return source
+        if source is None or isinstance(source, str):
+            import idemlock
+
+            return idemlock.connect(source)
+        if callable(source):
+            coord = source()
+            if isinstance(coord, Coordinator):
+                return coord
+            source = coord
+        raise ConfigurationError(
+            f"task {self.name}: idemlock_coordinator must be an idemlock.Coordinator (not "
+            f"an asyncio one), a store URL or a callable returning one; got {source!r}"
+        )
+
+    def _idemlock_port(self, state: _ProcessState, lease: float | None) -> IdempotencyPort:
+        spec = self.idemlock_spec
+        assert spec is not None  # checked when the task class was made
+        ms = 0 if lease is None else max(1, round(lease * 1000))
+        port = state.ports.get(ms)
+        if port is None:
+            spec = spec if isinstance(spec, IdempotencySpec) else IdempotencySpec(spec)
+            if lease is not None:
+                # Same name, so the same keys: only the claim's lease changes.
+                spec = dataclasses.replace(spec, lease=timedelta(seconds=lease))
+            port = state.ports[ms] = state.coord.idempotency(spec)
+        return port
+
+    def _idemlock_lease(self) -> float | None:
+        """The hard time limit (else the soft one) in force for this call, plus margin."""
+        request = self.request
+        hard, soft = request.timelimit or (None, None)
+        conf = self.app.conf
+        hard = hard or self.time_limit or conf.task_time_limit
+        soft = soft or self.soft_time_limit or conf.task_soft_time_limit
+        limit = hard or soft
+        if not limit:
+            return None
+        return float(limit) + float(self.idemlock_lease_margin)
+
+    # ---- the call ------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # A request context of our own (a copy of the worker's, as Task.__call__ makes),
+        # so the idemlock_* attributes reach the body and vanish with this call.
+        outer = self.request
+        self.push_request(args=args, kwargs=kwargs)
+        try:
+            return self._idemlock_call(args, kwargs)
+        finally:
+            inner = self.request.__dict__
+            self.pop_request()
+            if not outer.called_directly:
+                # The worker's request of this delivery: what task_postrun and
+                # task_success receivers see (never the shared default request).
+                for name in _REQUEST_ATTRS:
+                    if name in inner:
+                        setattr(outer, name, inner[name])
+
+    def _idemlock_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        state = self._idemlock()
+        plan = state.plan
+        port = self._idemlock_port(state, self._idemlock_lease())
+        wait = port._wait_for(None) if self.idemlock_on_in_flight == "wait" else None
+        try:
+            claim = port._begin(plan, args, kwargs, wait)
+        except InFlightError as exc:
+            raise self._idemlock_in_flight(state, exc) from None
+        request = self.request
+        if isinstance(claim, Completed):
+            request.idemlock_replayed = True
+            log.debug("task %s[%s] replays the recorded result", self.name, request.id)
+            return plan.replay(claim)
+        token = claim.token
+        request.idemlock_key = token.key
+        request.idemlock_fence = token.fence
+        request.idemlock_replayed = False
+        try:
+            result = super().__call__(*args, **kwargs)
+        except TaskPredicate:
+            # Retry/Reject/Ignore are control flow, never an outcome to replay.
+            port._abandon_quietly(token)
+            raise
+        except BaseException as exc:
+            port._fail(plan, token, exc)
+            raise
+        port._record(plan, token, result)
+        return result
+
+    def _idemlock_in_flight(self, state: _ProcessState, exc: InFlightError) -> BaseException:
+        """A Retry that comes back when the holder is likely done, or ``exc`` itself."""
+        request = self.request
+        if self.idemlock_on_in_flight == "raise" or request.called_directly or request.is_eager:
+            return exc
+        every = float(self.idemlock_retry_every)
+        left = every
+        if exc.expires_at is not None:
+            left = exc.expires_at.timestamp() - state.coord.clock.time()
+        # Just past the end of the holder's lease at the latest: the key is then free.
+        countdown = round(min(every, max(left, 0.0) + 0.05), 3)
+        # Waiting for another attempt is not a failure: keep ``retries`` as it is, so
+        # these re-sends do not use up max_retries (self.retry would add one).
+        sig = self.signature_from_request(request, countdown=countdown, retries=request.retries)
+        try:
+            sig.apply_async()
+        except Exception as err:
+            # Not sent: put the message back rather than lose the only copy.
+            rejected: BaseException = Reject(err, requeue=True)
+            return rejected
+        until = f" until {exc.expires_at.isoformat()}" if exc.expires_at else ""
+        why = f"idempotency key {exc.key!r} is held by another attempt{until}"
+        retry: BaseException = Retry(
+            f"{why}; retrying in {countdown}s", exc=exc, when=countdown, sig=sig
+        )
+        return retry

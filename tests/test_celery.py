@@ -1,0 +1,601 @@
+"""The Celery integration, with real Celery workers on a real Redis broker.
+
+This module is also the workers' app (``celery -A tests.test_celery worker``): the
+worker processes import it and find the broker, the idemlock store (a SQLite file
+shared with the test) and a scratch directory in the environment. The tasks write
+what they do into an "application" SQLite database next to it, so the test counts
+runs and fenced writes from outside the workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery, current_task
+from celery.exceptions import Retry
+from celery.signals import task_postrun, worker_ready
+
+import idemlock
+from idemlock import ConfigurationError, FencedOut, IdempotencySpec, InFlightError
+from idemlock.integrations.celery import IdempotentTask, current_fence
+
+from .servers.redis import RedisServer, start_redis
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV_BROKER = "IDEMLOCK_TEST_BROKER"
+ENV_STORE = "IDEMLOCK_TEST_STORE"
+ENV_DIR = "IDEMLOCK_TEST_DIR"
+
+#: short so a killed worker's message comes back within seconds (a real deployment
+#: keeps it longer than the lease; here the lease outlasts it on purpose, so the
+#: redelivered task meets the dead attempt's claim in flight)
+VISIBILITY_TIMEOUT = 2
+#: the "ship" task's hard time limit; its claim's lease is this plus the margin
+SHIP_TIME_LIMIT = 4.0
+LEASE_MARGIN = 1.0
+
+BROKER_OPTIONS = {
+    "visibility_timeout": VISIBILITY_TIMEOUT,
+    # Sweep for unacknowledged messages every second instead of every 100 s.
+    "unacked_restore_interval": 1,
+    "unacked_restore_throttle": 1,
+    # A worker killed inside a sweep must not block the next one for 5 minutes.
+    "unacked_mutex_expire": 3,
+}
+
+
+def _broker() -> str:
+    return os.environ.get(ENV_BROKER, "redis://127.0.0.1:1/0")
+
+
+app = Celery("idemlock_celery_test")
+app.conf.update(
+    broker_url=_broker(),
+    result_backend=_broker().rsplit("/", 1)[0] + "/1",
+    broker_transport_options=BROKER_OPTIONS,
+    broker_connection_retry_on_startup=True,
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    worker_prefetch_multiplier=1,
+    task_default_queue="idemlock-test",
+)
+
+
+# ---- what the worker processes run ----------------------------------------------------
+
+
+def _dir() -> Path:
+    return Path(os.environ[ENV_DIR])
+
+
+def _append(name: str, line: str) -> None:
+    # One write per line with O_APPEND: lines from several processes never interleave.
+    with open(_dir() / name, "a") as f:
+        f.write(line + "\n")
+
+
+def _event_log(event: idemlock.Event) -> None:
+    _append("events.log", f"{event.spec} {event.name} {event.outcome}")
+
+
+def _coordinator() -> idemlock.Coordinator:
+    # Opened lazily in each worker (pool) process, after the fork.
+    return idemlock.connect(os.environ[ENV_STORE], hooks=[_event_log])
+
+
+@contextmanager
+def _db() -> Iterator[sqlite3.Connection]:
+    conn = sqlite3.connect(_dir() / "app.db", timeout=10, isolation_level=None)
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+def _make_app_db(path: Path) -> None:
+    with sqlite3.connect(path / "app.db") as conn:
+        conn.execute("CREATE TABLE runs (task TEXT, fence INT, retries INT, state TEXT)")
+        conn.execute("CREATE TABLE effects (id TEXT PRIMARY KEY, value TEXT, fence INT)")
+
+
+def fenced_write(conn: sqlite3.Connection, effect_id: str, value: str, fence: int) -> bool:
+    """The application's fenced write: lands only if no higher fence wrote before."""
+    cur = conn.execute(
+        "INSERT INTO effects VALUES (?, ?, ?) ON CONFLICT(id) DO UPDATE "
+        "SET value = excluded.value, fence = excluded.fence WHERE effects.fence <= excluded.fence",
+        (effect_id, value, fence),
+    )
+    return cur.rowcount == 1
+
+
+@app.task(
+    bind=True,
+    base=IdempotentTask,
+    name="idemlock_test.pay",
+    idemlock_coordinator=_coordinator,
+    idemlock_spec="pay",
+    idemlock_key=lambda order_id, amount: f"order-{order_id}",
+    time_limit=20,
+)
+def pay(self: Any, order_id: str, amount: int) -> dict[str, Any]:
+    fence = self.request.idemlock_fence
+    with _db() as conn:
+        conn.execute("INSERT INTO runs VALUES ('pay', ?, ?, 'finished')", (fence, 0))
+        fenced_write(conn, f"pay-{order_id}", f"charged {amount}", fence)
+    return {"order": order_id, "charged": amount, "fence": fence}
+
+
+@app.task(
+    bind=True,
+    base=IdempotentTask,
+    name="idemlock_test.ship",
+    idemlock_coordinator=_coordinator,
+    idemlock_spec="ship",
+    idemlock_key=lambda order_id: f"ship-{order_id}",
+    idemlock_lease_margin=LEASE_MARGIN,
+    idemlock_retry_every=1.0,
+    time_limit=SHIP_TIME_LIMIT,
+)
+def ship(self: Any, order_id: str) -> dict[str, Any]:
+    fence = current_fence()
+    with _db() as conn, _coordinator() as coord:
+        conn.execute(
+            "INSERT INTO runs VALUES ('ship', ?, ?, 'started')", (fence, self.request.retries)
+        )
+        coord.fence(f"parcel-{order_id}").check_and_advance(fence)
+        fenced_write(conn, f"ship-{order_id}", f"label by fence {fence}", fence)
+        first = _dir() / "ship-first-attempt"
+        if not first.exists():
+            first.write_text(str(fence))
+            time.sleep(60)  # the test kills the worker here, mid-body
+        conn.execute(
+            "UPDATE runs SET state = 'finished' WHERE task = 'ship' AND fence = ?", (fence,)
+        )
+    return {"order": order_id, "fence": fence}
+
+
+@worker_ready.connect
+def _announce_ready(sender: Any = None, **_: Any) -> None:
+    _append("ready.log", str(os.getpid()))
+
+
+@task_postrun.connect
+def _after_task(task: Any = None, task_id: str = "", state: str = "", **_: Any) -> None:
+    if not task.name.startswith("idemlock_test."):
+        return
+    replayed = getattr(task.request, "idemlock_replayed", None)
+    _append("postrun.log", json.dumps([task.name, task_id, state, replayed]))
+    marker = _dir() / "pay-completed"
+    if task.name == "idemlock_test.pay" and replayed is False and not marker.exists():
+        # The claim is completed and the result stored, but the worker acknowledges
+        # the message only after this returns: the test kills the worker here.
+        marker.write_text(task_id)
+        time.sleep(60)
+
+
+# ---- the harness --------------------------------------------------------------------
+
+
+@dataclass
+class Env:
+    broker: RedisServer
+    dir: Path
+    store_url: str
+    workers: list[Worker] = field(default_factory=list)
+
+    def lines(self, name: str) -> list[str]:
+        path = self.dir / name
+        return path.read_text().splitlines() if path.exists() else []
+
+    def runs(self, task: str) -> list[tuple[int, int, str]]:
+        with sqlite3.connect(self.dir / "app.db") as conn:
+            rows = conn.execute(
+                "SELECT fence, retries, state FROM runs WHERE task = ? ORDER BY fence", (task,)
+            )
+            return [tuple(r) for r in rows]
+
+    def unacked(self) -> int:
+        client: Any = self.broker.client()
+        with client:
+            return int(client.hlen("unacked"))
+
+
+class Worker:
+    """A ``celery worker`` process (prefork pool, one child) in its own process group,
+    so SIGKILL takes the parent and its pool child at once, like a lost machine."""
+
+    def __init__(self, env: Env, name: str) -> None:
+        self.env = env
+        self.log = env.dir / f"{name}.log"
+        ready_before = len(env.lines("ready.log"))
+        environ = {
+            **os.environ,
+            ENV_BROKER: env.broker.url,
+            ENV_STORE: env.store_url,
+            ENV_DIR: str(env.dir),
+        }
+        cmd = [
+            sys.executable, "-m", "celery", "-A", "tests.test_celery", "worker",
+            "--pool=prefork", "--concurrency=1", "--loglevel=INFO", f"--hostname={name}@test",
+            "--without-gossip", "--without-mingle", "--without-heartbeat",
+        ]  # fmt: skip
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=environ, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        wait_for(lambda: len(env.lines("ready.log")) > ready_before, 30, self.why)
+
+    def why(self) -> str:
+        return f"worker log:\n{self.log.read_text()}"
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.kill()
+
+
+def wait_for(
+    cond: Callable[[], object], timeout: float, why: Callable[[], str] = lambda: ""
+) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s\n{why()}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    # Its own server: the workers' keys never meet other tests' flushes.
+    server = start_redis(tmp_path_factory.mktemp("celery-broker"))
+    app.conf.update(broker_url=server.url, result_backend=server.url[:-1] + "1")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def env(broker: RedisServer, tmp_path: Path) -> Iterator[Env]:
+    client: Any = broker.client()
+    with client:
+        client.flushall()
+    _make_app_db(tmp_path)
+    e = Env(broker, tmp_path, f"sqlite:///{tmp_path}/idemlock.db")
+    yield e
+    for w in e.workers:
+        w.stop()
+
+
+def start_worker(env: Env, name: str) -> Worker:
+    worker = Worker(env, name)
+    env.workers.append(worker)
+    return worker
+
+
+# ---- with workers -------------------------------------------------------------------
+
+
+def test_killed_after_complete_before_ack_replays(env: Env) -> None:
+    """SIGKILL between the recorded result and the broker's ack: the redelivered
+    task returns the recorded result and the body does not run again."""
+    coord = idemlock.connect(env.store_url)
+    w1 = start_worker(env, "w1")
+    sent = pay.apply_async(("A17", 1200))
+    wait_for(lambda: (env.dir / "pay-completed").exists(), 20, w1.why)
+    status = coord.idempotency("pay").status("order-A17")
+    assert status is not None and status.state == "completed"
+    assert env.unacked() == 1  # the broker still waits for the ack
+    w1.kill()
+
+    w2 = start_worker(env, "w2")
+
+    def replays() -> list[Any]:
+        return [json.loads(x) for x in env.lines("postrun.log") if "true" in x]
+
+    wait_for(replays, 20, w2.why)
+    assert replays() == [["idemlock_test.pay", sent.id, "SUCCESS", True]]
+    assert env.runs("pay") == [(status.fence, 0, "finished")]  # one run, ever
+    assert sent.get(timeout=10) == {"order": "A17", "charged": 1200, "fence": status.fence}
+    wait_for(lambda: env.unacked() == 0, 10, w2.why)  # acknowledged this time
+    assert env.lines("events.log").count("pay claim claimed") == 1
+    assert env.lines("events.log").count("pay claim replayed") == 1
+    coord.close()
+
+
+def test_killed_mid_body_one_finished_run_and_late_write_refused(env: Env) -> None:
+    """SIGKILL in the middle of the body: after redelivery and the lease, exactly one
+    run finishes, with a higher fence, and the dead attempt's late write is refused."""
+    coord = idemlock.connect(env.store_url)
+    w1 = start_worker(env, "w1")
+    sent = ship.apply_async(("B5",))
+    first = env.dir / "ship-first-attempt"
+    wait_for(first.exists, 20, w1.why)
+    old_fence = int(first.read_text())
+    killed_at = time.monotonic()
+    w1.kill()
+
+    w2 = start_worker(env, "w2")
+    result = sent.get(timeout=30)
+    new_fence = result["fence"]
+    assert new_fence > old_fence
+    # The redelivered task met the dead attempt's claim and waited for its lease.
+    assert time.monotonic() - killed_at >= SHIP_TIME_LIMIT - 0.5
+    assert "ship claim in_flight" in env.lines("events.log")
+    assert env.runs("ship") == [
+        (old_fence, 0, "started"),  # the killed attempt never finished
+        (new_fence, 0, "finished"),  # in-flight retries did not use up max_retries
+    ]
+    status = coord.idempotency("ship").status("ship-B5")
+    assert status is not None and (status.state, status.fence) == ("completed", new_fence)
+
+    # The killed attempt's late writes, carrying its old fence, cannot land.
+    with sqlite3.connect(env.dir / "app.db") as conn:
+        assert not fenced_write(conn, "ship-B5", "late label", old_fence)
+        value = conn.execute("SELECT value, fence FROM effects WHERE id = 'ship-B5'").fetchone()
+    assert value == (f"label by fence {new_fence}", new_fence)
+    with pytest.raises(FencedOut):
+        coord.fence("parcel-B5").check_and_advance(old_fence)
+
+    # A duplicate send now replays without running.
+    again = ship.apply_async(("B5",))
+    assert again.get(timeout=10) == result
+    assert len(env.runs("ship")) == 2
+    wait_for(lambda: env.unacked() == 0, 10, w2.why)
+    coord.close()
+
+
+# ---- without a worker: direct calls ---------------------------------------------------
+
+
+class Declined(Exception):
+    """A business outcome worth replaying."""
+
+
+@pytest.fixture
+def direct() -> Iterator[tuple[Celery, idemlock.Coordinator]]:
+    coord = idemlock.connect("memory://")
+    yield Celery("direct", set_as_current=False), coord
+    coord.close()
+
+
+def current_key() -> str:
+    return str(current_task.request.idemlock_key)
+
+
+def test_direct_call_runs_once_and_exposes_the_fence(
+    direct: tuple[Celery, idemlock.Coordinator],
+) -> None:
+    capp, coord = direct
+    seen: list[tuple[int, int, str]] = []
+
+    @capp.task(
+        bind=True,
+        base=IdempotentTask,
+        idemlock_coordinator=coord,
+        idemlock_spec="charge",
+        idemlock_key=lambda order_id, amount: f"order-{order_id}",
+    )
+    def charge(self: Any, order_id: str, amount: int) -> dict[str, int]:
+        seen.append((self.request.idemlock_fence, current_fence(), self.request.idemlock_key))
+        return {"amount": amount}
+
+    assert charge("A1", 5) == {"amount": 5}
+    assert charge("A1", amount=5) == {"amount": 5}  # replayed: same canonical arguments
+    assert len(seen) == 1
+    fence, fence_again, key = seen[0]
+    assert fence == fence_again and key == "order-A1"
+    status = coord.idempotency("charge").status("order-A1")
+    assert status is not None and status.fence == fence
+    with pytest.raises(idemlock.PayloadMismatch):
+        charge("A1", 6)
+    assert len(seen) == 1
+    # Nothing leaks past the call into the task's shared default request.
+    assert getattr(charge.request, "idemlock_fence", None) is None
+    with pytest.raises(ConfigurationError):
+        current_fence()
+
+
+def test_lease_follows_the_time_limit(direct: tuple[Celery, idemlock.Coordinator]) -> None:
+    capp, coord = direct
+    leases: dict[str, float] = {}
+
+    def record(name: str) -> None:
+        status = coord.idempotency(name).status(current_key())
+        assert status is not None
+        leases[name] = (status.expires_at - datetime.now(timezone.utc)).total_seconds()
+
+    options: dict[str, Any] = {
+        "base": IdempotentTask,
+        "idemlock_coordinator": coord,
+        "idemlock_lease_margin": 5,
+    }
+
+    @capp.task(idemlock_spec="hard", time_limit=60, soft_time_limit=30, **options)
+    def hard() -> None:
+        record("hard")
+
+    @capp.task(idemlock_spec="soft", soft_time_limit=30, **options)
+    def soft() -> None:
+        record("soft")
+
+    spec = IdempotencySpec("plain", lease=timedelta(seconds=123))
+
+    @capp.task(idemlock_spec=spec, **options)
+    def plain() -> None:
+        record("plain")
+
+    hard()
+    soft()
+    plain()
+    assert 64 < leases["hard"] <= 65
+    assert 34 < leases["soft"] <= 35
+    assert 122 < leases["plain"] <= 123  # no time limit: the spec's lease
+
+
+def test_in_flight_direct_call_raises(direct: tuple[Celery, idemlock.Coordinator]) -> None:
+    capp, coord = direct
+    runs: list[int] = []
+
+    @capp.task(base=IdempotentTask, idemlock_coordinator=coord, idemlock_spec="busy",
+               idemlock_key=lambda n: f"n-{n}")  # fmt: skip
+    def busy(n: int) -> int:
+        runs.append(n)
+        return n
+
+    claim = coord.idempotency("busy").claim("n-1", payload={"n": 1})
+    assert isinstance(claim, idemlock.Claimed)
+    with pytest.raises(InFlightError):
+        busy(1)
+    coord.idempotency("busy").complete(claim.token, 1)
+    assert busy(1) == 1
+    assert runs == []
+
+
+def test_in_flight_wait_mode_waits_for_the_result(
+    direct: tuple[Celery, idemlock.Coordinator],
+) -> None:
+    capp, coord = direct
+    port = coord.idempotency("slow")
+    claim = port.claim("n-1", payload={"n": 1})
+    assert isinstance(claim, idemlock.Claimed)
+
+    @capp.task(base=IdempotentTask, idemlock_coordinator=coord, idemlock_spec="slow",
+               idemlock_key=lambda n: f"n-{n}", idemlock_on_in_flight="wait")  # fmt: skip
+    def slow(n: int) -> int:
+        raise AssertionError("the holder's result must be replayed")
+
+    timer = threading.Timer(0.2, port.complete, (claim.token, 10))
+    timer.start()
+    started = time.monotonic()
+    assert slow(1) == 10
+    assert time.monotonic() - started >= 0.15
+    timer.join()
+
+
+def test_coordinator_from_a_url_or_a_factory(monkeypatch: pytest.MonkeyPatch) -> None:
+    capp = Celery("direct", set_as_current=False)
+    monkeypatch.setenv("IDEMLOCK_URL", "memory://")
+    made: list[idemlock.Coordinator] = []
+
+    def factory() -> idemlock.Coordinator:
+        made.append(idemlock.connect("memory://"))
+        return made[-1]
+
+    def one() -> int:
+        return 1
+
+    def two() -> int:
+        return 2
+
+    def three() -> int:
+        return 3
+
+    def four() -> int:
+        return 4
+
+    opts: dict[str, Any] = {"base": IdempotentTask}
+    tasks = {
+        "url": capp.task(idemlock_coordinator="memory://", idemlock_spec="u", **opts)(one),
+        "env": capp.task(idemlock_spec="e", **opts)(two),  # $IDEMLOCK_URL
+        "factory": capp.task(idemlock_coordinator=factory, idemlock_spec="f", **opts)(three),
+        "bad": capp.task(idemlock_coordinator=lambda: "x", idemlock_spec="b", **opts)(four),
+    }
+    assert tasks["url"]() == tasks["url"]() == 1
+    assert tasks["env"]() == 2
+    assert tasks["factory"]() == tasks["factory"]() == 3
+    assert len(made) == 1  # opened once per process, then reused
+    assert made[0].idempotency("f").status(made[0].keys()[0].key) is not None
+    with pytest.raises(ConfigurationError, match="idemlock_coordinator"):
+        tasks["bad"]()
+
+
+def test_failures_abandon_or_replay(direct: tuple[Celery, idemlock.Coordinator]) -> None:
+    capp, coord = direct
+    runs: list[str] = []
+
+    @capp.task(
+        bind=True,
+        base=IdempotentTask,
+        idemlock_coordinator=coord,
+        idemlock_spec="flaky",
+        idemlock_key=lambda what: what,
+        idemlock_replay_errors=(Declined,),
+    )
+    def flaky(self: Any, what: str) -> str:
+        runs.append(what)
+        if what == "declined":
+            raise Declined("card declined")
+        if runs.count(what) == 1:
+            raise OSError("transient")
+        return what
+
+    for _ in range(2):
+        with pytest.raises(Declined, match="card declined"):
+            flaky("declined")
+    assert runs.count("declined") == 1  # the recorded error was replayed
+
+    with pytest.raises(OSError):
+        flaky("broken")
+    assert coord.idempotency("flaky").status("broken") is None  # abandoned
+    assert flaky("broken") == "broken"  # so the retry ran
+    assert runs.count("broken") == 2
+
+
+def test_retry_is_never_recorded(direct: tuple[Celery, idemlock.Coordinator]) -> None:
+    capp, coord = direct
+    runs: list[int] = []
+
+    @capp.task(bind=True, base=IdempotentTask, idemlock_coordinator=coord,
+               idemlock_spec="retrying", idemlock_replay_errors=(Exception,))  # fmt: skip
+    def retrying(self: Any, n: int) -> int:
+        runs.append(n)
+        if len(runs) == 1:
+            raise self.retry()  # celery.exceptions.Retry, an Exception: still not recorded
+        return n
+
+    with pytest.raises(Retry):
+        retrying(3)
+    assert coord.keys() == []  # abandoned
+    assert retrying(3) == 3
+    assert retrying(3) == 3
+    assert runs == [3, 3]
+
+
+def test_misconfiguration_fails_when_the_task_is_made() -> None:
+    with pytest.raises(ConfigurationError, match="idemlock_spec"):
+
+        class NoSpec(IdempotentTask):
+            name = "no-spec"
+
+            def run(self) -> None: ...
+
+    with pytest.raises(ConfigurationError, match="idemlock_on_in_flight"):
+
+        class BadMode(IdempotentTask):
+            name = "bad-mode"
+            idemlock_spec = "x"
+            idemlock_on_in_flight = "ignore"
+
+            def run(self) -> None: ...
+
+    class Base(IdempotentTask):  # no run(): a base for tasks, not checked
+        idemlock_coordinator = "memory://"
