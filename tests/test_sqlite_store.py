@@ -1,0 +1,808 @@
+"""The SQLite store on real files: its port semantics, threads and processes racing on
+one file, crashes, a locked or foreign file, bad URLs and wake-ups.
+
+The contract suite covers what every store shares; this file covers what only an
+embedded file store can get wrong. Processes use the ``spawn`` context (no inherited
+connections), so their targets are module-level functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import signal
+import sqlite3
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import idemlock
+import idemlock.aio
+from idemlock import (
+    Claim,
+    Claimed,
+    Completed,
+    ConfigurationError,
+    IdempotencySpec,
+    InFlight,
+    StoreCorrupt,
+    StoreUnavailable,
+)
+from idemlock._core.port import Acquired, Busy, Channel, Done, Granted, Held, Mismatch
+from idemlock.stores.sqlite import SQLiteAsyncStore, SQLiteStore, open_async, open_sync
+
+CTX = mp.get_context("spawn")
+NS = "t:job"
+LOCKS = "t:lock"
+LONG = 60_000  # ms: a lease that outlives the test
+
+
+def url_of(path: Path | str) -> str:
+    return f"sqlite:///{path}"
+
+
+def open_store(path: Path | str, **options: Any) -> SQLiteStore:
+    return open_sync(url_of(path), **options)[0]
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    return tmp_path / "idem.db"
+
+
+@pytest.fixture
+def store(db: Path) -> Iterator[SQLiteStore]:
+    s = open_store(db)
+    yield s
+    s.close()
+
+
+def granted(reply: object) -> Granted:
+    assert isinstance(reply, Granted), reply
+    return reply
+
+
+# ---- port semantics on a file ---------------------------------------------------
+
+
+def test_claim_complete_replay_and_mismatch(store: SQLiteStore) -> None:
+    first = granted(store.claim(NS, "k", "fp", "tok1", LONG))
+    assert first.fence >= 1 and first.ttl_ms == LONG
+    # a retried request with the same token gets the same claim back
+    again = granted(store.claim(NS, "k", "fp", "tok1", LONG))
+    assert (again.fence, again.expires_ms) == (first.fence, first.expires_ms)
+    assert isinstance(store.claim(NS, "k", "fp", "tok2", LONG), Busy)
+    assert store.claim(NS, "k", "other", "tok2", LONG) == Mismatch("in_flight")
+    assert store.claim(NS, "k", None, "tok2", LONG) == Mismatch("in_flight")
+
+    assert store.complete(NS, "k", "tok2", b"nope", LONG) is False
+    assert store.complete(NS, "k", "tok1", b"result", LONG) is True
+    assert store.complete(NS, "k", "tok1", b"again", LONG) is False
+    assert store.abandon(NS, "k", "tok1") is False
+    done = store.claim(NS, "k", "fp", "tok3", LONG)
+    assert isinstance(done, Done) and done.result == b"result"
+    assert store.claim(NS, "k", "other", "tok3", LONG) == Mismatch("completed")
+
+    row = store.record(NS, "k")
+    assert row is not None and row.state == "completed" and row.fence == first.fence
+    assert store.forget(NS, "k") is True
+    assert store.record(NS, "k") is None
+    assert store.forget(NS, "k") is False
+    assert granted(store.claim(NS, "k", "fp", "tok4", LONG)).fence > first.fence
+
+
+def test_fp_none_matches_only_none(store: SQLiteStore) -> None:
+    granted(store.claim(NS, "n", None, "a", LONG))
+    assert isinstance(store.claim(NS, "n", None, "b", LONG), Busy)
+    assert store.claim(NS, "n", "", "b", LONG) == Mismatch("in_flight")
+
+
+def test_keys_and_namespaces_are_kept_apart(store: SQLiteStore) -> None:
+    a = granted(store.claim("x:a", "b:c", None, "t1", LONG))
+    b = granted(store.claim("x:a:b", "c", None, "t2", LONG))
+    assert a.fence != b.fence
+    assert store.complete("x:a", "b:c", "t1", b"1", LONG)
+    row = store.record("x:a:b", "c")
+    assert row is not None and row.state == "in_flight"
+
+
+def test_large_binary_result_round_trips(store: SQLiteStore) -> None:
+    blob = os.urandom(1 << 20) + b"\x00\xff"
+    granted(store.claim(NS, "big", "fp", "t", LONG))
+    assert store.complete(NS, "big", "t", blob, LONG)
+    done = store.claim(NS, "big", "fp", "t2", LONG)
+    assert isinstance(done, Done) and done.result == blob
+
+
+def test_lock_transitions(store: SQLiteStore) -> None:
+    a = store.acquire(LOCKS, "r", "alice", LONG)
+    assert isinstance(a, Acquired)
+    again = store.acquire(LOCKS, "r", "alice", LONG)
+    assert isinstance(again, Acquired) and again.token == a.token
+    assert again.expires_ms >= a.expires_ms
+    assert isinstance(store.acquire(LOCKS, "r", "bob", LONG), Held)
+    row = store.lock(LOCKS, "r")
+    assert row is not None and (row.owner, row.token) == ("alice", a.token)
+
+    assert store.renew(LOCKS, "r", "alice", a.token + 1, LONG) is None
+    assert store.renew(LOCKS, "r", "bob", a.token, LONG) is None
+    renewed = store.renew(LOCKS, "r", "alice", a.token, LONG)
+    assert renewed is not None and renewed >= again.expires_ms
+    assert store.release(LOCKS, "r", "bob", a.token) is False
+    assert store.release(LOCKS, "r", "alice", a.token) is True
+    assert store.release(LOCKS, "r", "alice", a.token) is False
+    assert store.lock(LOCKS, "r") is None
+    b = store.acquire(LOCKS, "r", "bob", LONG)
+    assert isinstance(b, Acquired) and b.token > a.token
+
+
+def test_fence_advance_and_current(store: SQLiteStore) -> None:
+    assert store.fence_current("t:fence", "res") is None
+    assert store.fence_advance("t:fence", "res", 5) == (True, 5)
+    assert store.fence_advance("t:fence", "res", 5) == (True, 5)
+    assert store.fence_advance("t:fence", "res", 4) == (False, 5)
+    assert store.fence_advance("t:fence", "res", 9) == (True, 9)
+    assert store.fence_advance("t:fence", "other", 1) == (True, 1)
+    assert store.fence_current("t:fence", "res") == 9
+
+
+def test_integers_beyond_64_bits_are_refused_cleanly(store: SQLiteStore) -> None:
+    with pytest.raises(ConfigurationError, match="64-bit"):
+        store.fence_advance("t:fence", "res", 2**63)
+    assert store.fence_current("t:fence", "res") is None
+    assert store.fence_advance("t:fence", "res", 2**63 - 1) == (True, 2**63 - 1)
+
+
+def test_prefix_listings_take_the_prefix_literally(store: SQLiteStore) -> None:
+    # '%' and '_' are LIKE wildcards; namespaces contain '%' (escaped ':').
+    names = ["a%b:x", "a_b:x", "aXb:x", "a:x", "b:x"]
+    for ns in names:
+        granted(store.claim(ns, "k", None, "t", LONG))
+        assert isinstance(store.acquire(ns, "k", "o", LONG), Acquired)
+    assert [r.ns for r in store.records("a%")] == ["a%b:x"]
+    assert [r.ns for r in store.records("a_")] == ["a_b:x"]
+    assert [r.ns for r in store.locks("a%")] == ["a%b:x"]
+    assert sorted(r.ns for r in store.records("")) == sorted(names)
+    assert sorted(r.ns for r in store.locks("a")) == sorted(n for n in names if n[0] == "a")
+
+
+def test_fences_rise_across_deletes_purge_and_reopen(db: Path) -> None:
+    store = open_store(db)
+    seen = [granted(store.claim(NS, "k", None, "t1", LONG)).fence]
+    assert store.abandon(NS, "k", "t1")
+    seen.append(granted(store.claim(NS, "k", None, "t2", LONG)).fence)
+    store.forget(NS, "k")
+    seen.append(granted(store.claim(NS, "k", None, "t3", 1)).fence)
+    lease = store.acquire(LOCKS, "k", "o", 1)
+    assert isinstance(lease, Acquired)
+    seen.append(lease.token)
+    time.sleep(0.01)
+    assert store.purge() == 2  # the expired claim and the expired lock
+    assert store.record(NS, "k") is None and store.lock(LOCKS, "k") is None
+    store.close()
+
+    reopened = open_store(db)
+    seen.append(granted(reopened.claim(NS, "k", None, "t4", LONG)).fence)
+    lease2 = reopened.acquire(LOCKS, "k", "o", LONG)
+    assert isinstance(lease2, Acquired)
+    seen.append(lease2.token)
+    reopened.close()
+    assert seen == sorted(seen) and len(set(seen)) == len(seen), seen
+
+
+def test_expiry_uses_the_wall_clock(store: SQLiteStore) -> None:
+    old = granted(store.claim(NS, "e", "fp", "old", 50))
+    lock = store.acquire(LOCKS, "e", "alice", 50)
+    assert isinstance(lock, Acquired)
+    time.sleep(0.12)
+    assert store.record(NS, "e") is None
+    assert store.complete(NS, "e", "old", b"late", LONG) is False
+    assert store.abandon(NS, "e", "old") is False
+    new = granted(store.claim(NS, "e", "fp", "new", LONG))
+    assert new.fence > old.fence
+    assert store.renew(LOCKS, "e", "alice", lock.token, LONG) is None  # never revived
+    assert store.lock(LOCKS, "e") is None
+    bob = store.acquire(LOCKS, "e", "bob", LONG)
+    assert isinstance(bob, Acquired) and bob.token > lock.token
+    assert store.release(LOCKS, "e", "alice", lock.token) is False
+
+
+def test_purge_keeps_live_rows(store: SQLiteStore) -> None:
+    for i in range(5):
+        granted(store.claim(NS, f"short{i}", None, "t", 1))
+        granted(store.claim(NS, f"long{i}", None, "t", LONG))
+    granted(store.claim(NS, "done", None, "t", LONG))
+    assert store.complete(NS, "done", "t", b"r", 1)
+    assert isinstance(store.acquire(LOCKS, "short", "o", 1), Acquired)
+    assert isinstance(store.acquire(LOCKS, "long", "o", LONG), Acquired)
+    time.sleep(0.01)
+    assert store.purge() == 7
+    assert store.purge() == 0
+    assert sorted(r.key for r in store.records(NS)) == [f"long{i}" for i in range(5)]
+    assert [r.key for r in store.locks(LOCKS)] == ["long"]
+
+
+# ---- threads on one store object ---------------------------------------------------
+
+
+def test_threads_race_one_store_object(store: SQLiteStore) -> None:
+    n = 12
+    barrier = threading.Barrier(n)
+    replies: dict[int, list[object]] = {g: [] for g in range(15)}
+    acquired: dict[int, list[object]] = {g: [] for g in range(15)}
+
+    def worker(i: int) -> None:
+        for g in replies:
+            barrier.wait()
+            replies[g].append(store.claim(NS, f"gen{g}", "fp", f"tok{i}", LONG))
+            acquired[g].append(store.acquire(LOCKS, f"gen{g}", f"owner{i}", LONG))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    fences = []
+    for g in replies:
+        wins = [r for r in replies[g] if isinstance(r, Granted)]
+        assert len(wins) == 1 and len(replies[g]) == n, replies[g]
+        assert all(isinstance(r, Busy) for r in replies[g] if r is not wins[0])
+        assert sum(isinstance(r, Acquired) for r in acquired[g]) == 1
+        fences.append(wins[0].fence)
+    assert len(set(fences)) == len(fences)
+
+
+def test_threads_mutual_exclusion_through_the_file(db: Path) -> None:
+    # Each thread has its own store object: the file is the only thing they share.
+    inside = 0
+    worst = 0
+    tokens: list[int] = []
+    guard = threading.Lock()
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        nonlocal inside, worst
+        s = open_store(db)
+        try:
+            got = 0
+            while got < 15:
+                reply = s.acquire(LOCKS, "shared", f"w{i}", LONG)
+                if not isinstance(reply, Acquired):
+                    time.sleep(0.0005)
+                    continue
+                got += 1
+                with guard:
+                    inside += 1
+                    worst = max(worst, inside)
+                    tokens.append(reply.token)
+                time.sleep(0.0002)
+                with guard:
+                    inside -= 1
+                assert s.release(LOCKS, "shared", f"w{i}", reply.token)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            s.close()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert worst == 1
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens) == 90
+
+
+def test_close_closes_every_pooled_connection(db: Path) -> None:
+    store = open_store(db)
+    barrier = threading.Barrier(6)
+
+    def worker(i: int) -> None:
+        barrier.wait()
+        for j in range(20):
+            granted(store.claim(NS, f"c{i}.{j}", None, "t", LONG))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert Path(f"{db}-wal").exists()
+    store.close()
+    store.close()
+    # SQLite removes the WAL when the last connection to the file closes.
+    assert not Path(f"{db}-wal").exists()
+    with pytest.raises(StoreUnavailable, match="closed"):
+        store.claim(NS, "after", None, "t", LONG)
+
+
+# ---- processes on one file -----------------------------------------------------------
+
+
+def _in_child(target: Any, out: Any, *args: Any) -> None:
+    try:
+        target(out, *args)
+    except BaseException:
+        out.put(("error", traceback.format_exc()))
+        raise
+
+
+def run_processes(target: Any, arg_sets: list[tuple[Any, ...]], expected: int) -> list[Any]:
+    """Run ``target(out, *args)`` in one spawned process per arg set; return the first
+    ``expected`` items they put on ``out``. A failing child fails the test at once."""
+    out = CTX.Queue()
+    procs = [
+        CTX.Process(target=_in_child, args=(target, out, *args), daemon=True) for args in arg_sets
+    ]
+    for p in procs:
+        p.start()
+    try:
+        results: list[Any] = []
+        deadline = time.monotonic() + 90
+        while len(results) < expected:
+            item = out.get(timeout=max(0.1, deadline - time.monotonic()))
+            if item[0] == "error":
+                pytest.fail(f"a worker process failed:\n{item[1]}")
+            results.append(item)
+        for p in procs:
+            p.join(timeout=30)
+            assert p.exitcode == 0
+        return results
+    finally:
+        for p in procs:  # never leave a process behind, even on failure
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def _race_worker(
+    out: Any, path: str, me: int, generations: int, barrier: Any, holders: Any
+) -> None:
+    store = open_store(path)
+    replies: list[tuple[int, str, int | bytes | None]] = []
+    for g in range(generations):
+        barrier.wait(timeout=60)
+        for attempt in range(3):
+            reply = store.claim(NS, f"gen{g}", "fp", f"p{me}.{g}.{attempt}", LONG)
+            if isinstance(reply, Granted):
+                replies.append((g, "granted", reply.fence))
+                assert store.complete(NS, f"gen{g}", reply.token, f"p{me}".encode(), LONG)
+            elif isinstance(reply, Done):
+                replies.append((g, "done", reply.result))
+            else:
+                replies.append((g, type(reply).__name__, None))
+    # Phase two: one key, freed by abandon between generations; count overlaps.
+    overlaps = 0
+    fences: list[int] = []
+    for attempt in range(40):
+        reply = store.claim(NS, "shared", "fp", f"s{me}.{attempt}", LONG)
+        if isinstance(reply, Granted):
+            with holders.get_lock():
+                holders.value += 1
+                overlaps += holders.value != 1
+            fences.append(reply.fence)
+            time.sleep(0.0005)
+            with holders.get_lock():
+                holders.value -= 1
+            assert store.abandon(NS, "shared", reply.token)
+        else:
+            time.sleep(0.0005)
+    store.close()
+    out.put((me, replies, fences, overlaps))
+
+
+def test_processes_one_claim_per_generation(db: Path) -> None:
+    procs, generations = 8, 20
+    barrier = CTX.Barrier(procs)
+    holders = CTX.Value("i", 0)
+    args = [(str(db), i, generations, barrier, holders) for i in range(procs)]
+    results = run_processes(_race_worker, args, procs)
+
+    by_gen: dict[int, list[tuple[str, Any, int]]] = {g: [] for g in range(generations)}
+    shared: list[int] = []
+    for me, replies, fences, overlaps in results:
+        assert overlaps == 0
+        assert fences == sorted(fences)
+        shared.extend(fences)
+        for g, kind, value in replies:
+            by_gen[g].append((kind, value, me))
+    for g, seen in by_gen.items():
+        assert len(seen) == procs * 3
+        wins = [(value, me) for kind, value, me in seen if kind == "granted"]
+        assert len(wins) == 1, (g, seen)
+        winner = f"p{wins[0][1]}".encode()
+        # everyone else saw it in flight or replayed the winner's result
+        for kind, value, _ in seen:
+            assert kind in ("granted", "done", "Busy"), kind
+            if kind == "done":
+                assert value == winner
+    assert shared, "nobody ever claimed the shared key"
+    assert len(set(shared)) == len(shared)  # each generation had exactly one holder
+
+
+def _kill_victim(out: Any, path: str) -> None:
+    coord = idemlock.connect(url_of(path), key_prefix="kill")
+    port = coord.idempotency(IdempotencySpec("job", lease=timedelta(seconds=1.5)))
+    claim = port.claim("order-1", payload={"n": 1})
+    assert isinstance(claim, Claimed)
+    out.put((claim.fence, claim.token.token))
+    time.sleep(120)  # killed before it can complete
+
+
+def test_sigkill_between_claim_and_complete(db: Path) -> None:
+    out = CTX.Queue()
+    victim = CTX.Process(target=_in_child, args=(_kill_victim, out, str(db)), daemon=True)
+    victim.start()
+    try:
+        item = out.get(timeout=60)
+        assert item[0] != "error", item[1]
+        fence, token = item
+        assert victim.pid is not None
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(timeout=30)
+        assert victim.exitcode == -signal.SIGKILL
+    finally:
+        if victim.is_alive():
+            victim.kill()
+            victim.join()
+
+    coord = idemlock.connect(url_of(db), key_prefix="kill")
+    port = coord.idempotency(IdempotencySpec("job", lease=timedelta(seconds=1.5)))
+    try:
+        # Still reserved by the dead worker until its lease ends (unless the machine
+        # was slow enough for it to end already).
+        first = port.claim("order-1", payload={"n": 1})
+        assert isinstance(first, (InFlight, Claimed))
+        taken: Claim = first
+        if isinstance(first, InFlight):  # waits in short polls: the dead cannot notify
+            taken = port.wait("order-1", payload={"n": 1}, timeout=30)
+        assert isinstance(taken, Claimed), taken
+        assert taken.fence > fence
+        ns = port._ns
+        assert coord.store.complete(ns, "order-1", token, b"1", LONG) is False
+        port.complete(taken.token, {"ok": True})
+        replay = port.claim("order-1", payload={"n": 1})
+        assert isinstance(replay, Completed) and replay.result == {"ok": True}
+    finally:
+        coord.close()
+    check = sqlite3.connect(db)
+    assert check.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    check.close()
+
+
+def _first_user(out: Any, paths: list[str], me: int, barrier: Any) -> None:
+    # Several new files in a row, all processes at once on each: the switch to WAL
+    # and the schema creation race every time.
+    for path in paths:
+        barrier.wait(timeout=60)
+        store = open_store(path, busy_timeout=20)
+        claim = store.claim(NS, f"first{me}", None, "t", LONG)
+        lock = store.acquire(LOCKS, f"first{me}", "o", LONG)
+        assert isinstance(claim, Granted) and isinstance(lock, Acquired)
+        out.put((path, me, claim.fence, lock.token))
+        store.close()
+
+
+def test_concurrent_first_use_of_new_files(tmp_path: Path) -> None:
+    paths = [str(tmp_path / f"new{i}" / "not" / "there.db") for i in range(8)]
+    procs = 6
+    barrier = CTX.Barrier(procs)
+    args = [(paths, i, barrier) for i in range(procs)]
+    results = run_processes(_first_user, args, procs * len(paths))
+    for path in paths:
+        mine = [r for r in results if r[0] == path]
+        assert sorted(r[1] for r in mine) == list(range(procs))
+        issued = [r[2] for r in mine] + [r[3] for r in mine]
+        assert len(set(issued)) == 2 * procs
+        check = sqlite3.connect(path)
+        assert check.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert check.execute("SELECT count(*) FROM claims").fetchone()[0] == procs
+        counter = check.execute("SELECT value FROM meta WHERE name = 'counter'").fetchone()[0]
+        assert counter == max(issued)
+        check.close()
+
+
+def test_a_forked_child_opens_its_own_connections(db: Path) -> None:
+    # Connections must not cross fork(); the store drops inherited ones in the child.
+    store = open_store(db)
+    granted(store.claim(NS, "parent", None, "t", LONG))  # the pool now holds a connection
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        status = 1
+        try:
+            inherited = len(store._idle)  # must be 0: the parent's connections were dropped
+            reply = store.claim(NS, "child", None, "t", LONG)
+            fence = reply.fence if isinstance(reply, Granted) and not inherited else -1
+            os.write(write, str(fence).encode())
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        child_fence = int(pipe.read() or "-1")
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert child_fence > 0
+    after = granted(store.claim(NS, "parent2", None, "t", LONG))
+    assert after.fence > child_fence
+    store.close()
+
+
+# ---- failures ------------------------------------------------------------------------
+
+
+def test_locked_database_raises_and_changes_nothing(db: Path) -> None:
+    store = open_store(db, busy_timeout=0.2)
+    before = granted(store.claim(NS, "a", None, "t", LONG)).fence
+    holder = sqlite3.connect(db, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(StoreUnavailable) as info:
+            store.claim(NS, "b", None, "t", LONG)
+        assert store.path in str(info.value) and "locked" in str(info.value)
+        assert isinstance(info.value.__cause__, sqlite3.OperationalError)
+        with pytest.raises(StoreUnavailable):
+            store.acquire(LOCKS, "b", "o", LONG)
+        with pytest.raises(StoreUnavailable):
+            store.complete(NS, "a", "t", b"r", LONG)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert store.record(NS, "b") is None
+    assert store.lock(LOCKS, "b") is None
+    row = store.record(NS, "a")
+    assert row is not None and row.state == "in_flight"
+    # the counter did not move either
+    assert granted(store.claim(NS, "b", None, "t", LONG)).fence == before + 1
+    store.close()
+
+
+async def test_locked_database_async(db: Path) -> None:
+    astore = open_async(url_of(db), busy_timeout=0.1)[0]
+    assert isinstance(astore, SQLiteAsyncStore)
+    granted(await astore.claim(NS, "a", None, "t", LONG))
+    holder = sqlite3.connect(db, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(StoreUnavailable, match="locked"):
+            await astore.claim(NS, "b", None, "t", LONG)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert await astore.record(NS, "b") is None
+    await astore.aclose()
+
+
+def test_failure_inside_a_transaction_rolls_it_back(db: Path) -> None:
+    store = open_store(db)
+    before = granted(store.claim(NS, "a", None, "t", LONG)).fence
+    raw = sqlite3.connect(db, isolation_level=None)
+    # Make the counter update (after the claim row is written) fail.
+    raw.execute("CREATE TRIGGER boom BEFORE UPDATE ON meta BEGIN SELECT RAISE(FAIL, 'boom'); END")
+    with pytest.raises(StoreUnavailable, match="boom"):
+        store.claim(NS, "b", None, "t", LONG)
+    with pytest.raises(StoreUnavailable, match="boom"):
+        store.acquire(LOCKS, "b", "o", LONG)
+    assert store.record(NS, "b") is None
+    assert store.lock(LOCKS, "b") is None
+    raw.execute("DROP TRIGGER boom")
+    raw.close()
+    assert granted(store.claim(NS, "b", None, "t", LONG)).fence == before + 1
+    store.close()
+
+
+def test_a_file_that_is_not_a_database(tmp_path: Path) -> None:
+    path = tmp_path / "notes.db"
+    path.write_bytes(b"these are my notes, not a database\n" * 200)
+    store = open_store(path)
+    with pytest.raises(StoreUnavailable) as info:
+        store.claim(NS, "k", None, "t", LONG)
+    assert store.path in str(info.value)
+    assert isinstance(info.value, StoreCorrupt)
+    assert isinstance(info.value.__cause__, sqlite3.DatabaseError)
+    coord = idemlock.connect(url_of(path))
+    with pytest.raises(StoreUnavailable):
+        coord.idempotency("x").claim("k")
+    coord.close()
+    assert path.read_bytes().startswith(b"these are my notes")
+
+
+def test_a_directory_in_place_of_the_file(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    with pytest.raises(StoreUnavailable) as info:
+        store.acquire(LOCKS, "k", "o", LONG)
+    assert store.path in str(info.value)
+
+
+def test_rows_we_did_not_write_raise_store_corrupt(db: Path) -> None:
+    store = open_store(db)
+    granted(store.claim(NS, "warmup", None, "t", LONG))
+    raw = sqlite3.connect(db, isolation_level=None)
+    raw.execute(
+        "INSERT INTO claims VALUES (?, 'bad', 'exploded', 't', 1, NULL, ?, NULL)",
+        (NS, time.time_ns() // 1_000_000 + LONG),
+    )
+    raw.execute(
+        "INSERT INTO locks VALUES (?, 'bad', 'o', 'not-a-number', ?)",
+        (LOCKS, time.time_ns() // 1_000_000 + LONG),
+    )
+    raw.close()
+    with pytest.raises(StoreCorrupt, match="exploded"):
+        store.claim(NS, "bad", None, "t2", LONG)
+    with pytest.raises(StoreCorrupt):
+        store.record(NS, "bad")
+    with pytest.raises(StoreCorrupt):
+        store.records(NS)
+    with pytest.raises(StoreCorrupt):
+        store.acquire(LOCKS, "bad", "other", LONG)
+    with pytest.raises(StoreCorrupt):
+        store.lock(LOCKS, "bad")
+    # the failed calls left the good rows alone and the store usable
+    assert store.record(NS, "warmup") is not None
+    store.close()
+
+
+def test_a_file_from_another_schema_version(db: Path) -> None:
+    store = open_store(db)
+    granted(store.claim(NS, "k", None, "t", LONG))
+    store.close()
+    raw = sqlite3.connect(db, isolation_level=None)
+    raw.execute("UPDATE meta SET value = 99 WHERE name = 'schema'")
+    raw.close()
+    with pytest.raises(StoreCorrupt, match="version 99"):
+        open_store(db).record(NS, "k")
+
+
+# ---- URLs and options ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "sqlite://",
+        "sqlite:///",
+        "sqlite:////",
+        "sqlite://host/file.db",
+        "sqlite://localhost/tmp/file.db",
+        "sqlite:///file.db?journal=off",
+        "sqlite:///file.db?busy_timeout=1&busy_timeout=2",
+        "sqlite:///file.db?busy_timeout=soon",
+        "sqlite:///file.db?busy_timeout=-1",
+        "sqlite:///file.db?=",
+        "sqlite:///:memory:",
+        "sqlite:///file:x.db?mode=ro",
+        "sqlite:///dir/",
+    ],
+)
+def test_malformed_urls(url: str) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        open_sync(url)
+    assert "sqlite" in str(info.value).lower()
+    with pytest.raises(ConfigurationError):
+        idemlock.connect(url)
+    with pytest.raises(ConfigurationError):
+        idemlock.aio.connect(url)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"busy_timeout": -1},
+        {"busy_timeout": True},
+        {"busy_timeout": float("nan")},
+        {"busy_timeout": "abc"},
+        {"max_keys": 10},
+        {"clock": None},
+    ],
+)
+def test_bad_options(tmp_path: Path, options: dict[str, Any]) -> None:
+    with pytest.raises(ConfigurationError, match="busy_timeout"):
+        open_sync(url_of(tmp_path / "x.db"), **options)
+
+
+def test_busy_timeout_given_twice(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match="twice"):
+        open_sync(f"{url_of(tmp_path / 'x.db')}?busy_timeout=1", busy_timeout=2)
+
+
+def test_url_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    rel = open_store("sub/dir/rel.db")  # sqlite:///sub/dir/rel.db: relative to the cwd
+    assert rel.path == str((tmp_path / "sub/dir/rel.db").resolve())
+    assert rel.busy_timeout == 5.0
+    granted(rel.claim(NS, "k", None, "t", LONG))
+    assert (tmp_path / "sub/dir/rel.db").is_file()
+    rel.close()
+
+    absolute = open_sync(f"sqlite:///{tmp_path}/abs.db?busy_timeout=0.5")[0]
+    assert absolute.path == str((tmp_path / "abs.db").resolve()) and absolute.busy_timeout == 0.5
+    absolute.close()
+    td = open_sync(url_of(tmp_path / "td.db"), busy_timeout=timedelta(seconds=2))[0]
+    assert td.busy_timeout == 2.0
+
+    coord = idemlock.connect(f"SQLITE:///{tmp_path}/conn.db", busy_timeout=1)
+    assert coord.store.kind == "sqlite" and coord.poll_cap == 0.05
+    coord.close()
+    acoord = idemlock.aio.connect(url_of(tmp_path / "conn.db"))
+    assert acoord.store.kind == "sqlite" and acoord.poll_cap == 0.05
+    asyncio.run(acoord.close())
+
+
+# ---- wake-ups and the async face ---------------------------------------------------------
+
+
+def test_freeing_a_key_wakes_waiters_in_this_process(db: Path, tmp_path: Path) -> None:
+    a, b = open_store(db), open_store(db)
+    elsewhere = open_store(tmp_path / "other.db")
+    claim_sub = a.subscribe(Channel("claim", NS, "k"))
+    lock_sub = a.subscribe(Channel("lock", LOCKS, "k"))
+    far_sub = elsewhere.subscribe(Channel("claim", NS, "k"))
+    try:
+        g = granted(b.claim(NS, "k", None, "t", LONG))
+        assert claim_sub.wait(0) is False  # a claim frees nothing
+        assert b.complete(NS, "k", g.token, b"r", LONG)
+        assert claim_sub.wait(5) is True
+        assert b.forget(NS, "k")
+        assert claim_sub.wait(5) is True
+        g = granted(b.claim(NS, "k", None, "t2", LONG))
+        assert b.abandon(NS, "k", g.token)
+        assert claim_sub.wait(5) is True
+        assert far_sub.wait(0) is False  # another file is another hub key
+
+        lease = b.acquire(LOCKS, "k", "o", LONG)
+        assert isinstance(lease, Acquired)
+        assert lock_sub.wait(0) is False
+        assert b.release(LOCKS, "k", "o", lease.token)
+        assert lock_sub.wait(5) is True
+        assert claim_sub.wait(0) is False
+    finally:
+        for sub in (claim_sub, lock_sub, far_sub):
+            sub.close()
+        for s in (a, b, elsewhere):
+            s.close()
+
+
+async def test_async_store_wakes_and_races(db: Path) -> None:
+    astore = open_async(url_of(db))[0]
+    sub = await astore.subscribe(Channel("claim", NS, "w"))
+    g = granted(await astore.claim(NS, "w", None, "t", LONG))
+    waiter = asyncio.ensure_future(sub.wait(10))
+    await asyncio.sleep(0)
+    assert await astore.complete(NS, "w", g.token, b"r", LONG)
+    assert await waiter is True
+    await sub.aclose()
+
+    coord = idemlock.aio.connect(url_of(db), key_prefix="aio")
+    port = coord.idempotency("job")
+    for i in range(3):
+        results = await asyncio.gather(*(port.claim(f"r{i}", payload={"i": i}) for _ in range(20)))
+        assert sum(isinstance(r, Claimed) for r in results) == 1
+        assert sum(isinstance(r, InFlight) for r in results) == 19
+    await coord.close()
+    await astore.aclose()
+
+
+def test_a_waiter_in_this_process_is_handed_the_result(db: Path) -> None:
+    coord = idemlock.connect(url_of(db), key_prefix="hand")
+    other = idemlock.connect(url_of(db), key_prefix="hand")
+    port, port2 = coord.idempotency("job"), other.idempotency("job")
+    claim = port.claim("k", payload=1)
+    assert isinstance(claim, Claimed)
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(port2.wait("k", payload=1, timeout=30)))
+    waiter.start()
+    time.sleep(0.05)
+    port.complete(claim.token, "result")
+    waiter.join()
+    assert isinstance(got[0], Completed) and got[0].result == "result"
+    coord.close()
+    other.close()
