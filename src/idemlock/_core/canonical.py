@@ -42,16 +42,19 @@ def _check(value: Any, path: str) -> Any:
     )
 
 
+# Built once: json.dumps with options builds a new encoder on every call.
+_CANONICAL = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+)
+
+
 def canonicalize(payload: Any) -> bytes:
     """Return the canonical JSON bytes of a JSON-like payload.
 
     Keys sorted, compact separators, UTF-8, tuples as lists. NaN, Infinity and
     non-JSON types raise :class:`~idemlock.CanonicalizeError`.
     """
-    checked = _check(payload, "")
-    return json.dumps(
-        checked, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
+    return _CANONICAL.encode(_check(payload, "")).encode("utf-8")
 
 
 def fingerprint(payload: Any) -> str:

@@ -51,6 +51,7 @@ class _AsyncFace:
         self.sync = sync
         self.kind = sync.kind
         self.issues_fence_tokens = sync.issues_fence_tokens
+        self.poll_cap: float | None = getattr(sync, "poll_cap", None)
 
     async def _call(self, fn: Any, *args: Any) -> Any:
         raise NotImplementedError
