@@ -105,9 +105,8 @@ def test_fp_none_matches_only_none(store: SQLiteStore) -> None:
 
 
 def test_keys_and_namespaces_are_kept_apart(store: SQLiteStore) -> None:
-    a = granted(store.claim("x:a", "b:c", None, "t1", LONG))
-    b = granted(store.claim("x:a:b", "c", None, "t2", LONG))
-    assert a.fence != b.fence
+    granted(store.claim("x:a", "b:c", None, "t1", LONG))
+    granted(store.claim("x:a:b", "c", None, "t2", LONG))
     assert store.complete("x:a", "b:c", "t1", b"1", LONG)
     row = store.record("x:a:b", "c")
     assert row is not None and row.state == "in_flight"
@@ -182,7 +181,7 @@ def test_fences_rise_across_deletes_purge_and_reopen(db: Path) -> None:
     seen.append(granted(store.claim(NS, "k", None, "t3", 1)).fence)
     lease = store.acquire(LOCKS, "k", "o", 1)
     assert isinstance(lease, Acquired)
-    seen.append(lease.token)
+    tokens = [lease.token]  # fences and tokens count per key and per kind
     time.sleep(0.01)
     assert store.purge() == 2  # the expired claim and the expired lock
     assert store.record(NS, "k") is None and store.lock(LOCKS, "k") is None
@@ -192,9 +191,11 @@ def test_fences_rise_across_deletes_purge_and_reopen(db: Path) -> None:
     seen.append(granted(reopened.claim(NS, "k", None, "t4", LONG)).fence)
     lease2 = reopened.acquire(LOCKS, "k", "o", LONG)
     assert isinstance(lease2, Acquired)
-    seen.append(lease2.token)
+    tokens.append(lease2.token)
     reopened.close()
+    # purge deleted the rows but raised the floor first: both still count upwards
     assert seen == sorted(seen) and len(set(seen)) == len(seen), seen
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens), tokens
 
 
 def test_expiry_uses_the_wall_clock(store: SQLiteStore) -> None:
@@ -249,14 +250,12 @@ def test_threads_race_one_store_object(store: SQLiteStore) -> None:
         t.start()
     for t in threads:
         t.join()
-    fences = []
     for g in replies:
         wins = [r for r in replies[g] if isinstance(r, Granted)]
         assert len(wins) == 1 and len(replies[g]) == n, replies[g]
         assert all(isinstance(r, Busy) for r in replies[g] if r is not wins[0])
         assert sum(isinstance(r, Acquired) for r in acquired[g]) == 1
-        fences.append(wins[0].fence)
-    assert len(set(fences)) == len(fences)
+        assert wins[0].fence == 1  # each key's first claim: no fence was spent twice
 
 
 def test_threads_mutual_exclusion_through_the_file(db: Path) -> None:
@@ -500,13 +499,13 @@ def test_concurrent_first_use_of_new_files(tmp_path: Path) -> None:
     for path in paths:
         mine = [r for r in results if r[0] == path]
         assert sorted(r[1] for r in mine) == list(range(procs))
-        issued = [r[2] for r in mine] + [r[3] for r in mine]
-        assert len(set(issued)) == 2 * procs
+        # Every key is new: its first fence and token start just above the floor (0).
+        assert {r[2] for r in mine} == {1} and {r[3] for r in mine} == {1}
         check = sqlite3.connect(path)
         assert check.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert check.execute("SELECT count(*) FROM claims").fetchone()[0] == procs
-        counter = check.execute("SELECT value FROM meta WHERE name = 'counter'").fetchone()[0]
-        assert counter == max(issued)
+        floor = check.execute("SELECT value FROM meta WHERE name = 'floor'").fetchone()[0]
+        assert floor == 0
         check.close()
 
 
@@ -532,8 +531,9 @@ def test_a_forked_child_opens_its_own_connections(db: Path) -> None:
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert child_fence > 0
-    after = granted(store.claim(NS, "parent2", None, "t", LONG))
-    assert after.fence > child_fence
+    # The child's claim went to the file: the parent sees it.
+    row = store.record(NS, "child")
+    assert row is not None and row.fence == child_fence
     store.close()
 
 
@@ -561,8 +561,9 @@ def test_locked_database_raises_and_changes_nothing(db: Path) -> None:
     assert store.lock(LOCKS, "b") is None
     row = store.record(NS, "a")
     assert row is not None and row.state == "in_flight"
-    # the counter did not move either
-    assert granted(store.claim(NS, "b", None, "t", LONG)).fence == before + 1
+    # nothing was consumed: "b" gets the first fence of a new key, "a" its next one
+    assert granted(store.claim(NS, "b", None, "t", LONG)).fence == 1
+    assert before == 1
     store.close()
 
 
@@ -584,19 +585,24 @@ async def test_locked_database_async(db: Path) -> None:
 
 def test_failure_inside_a_transaction_rolls_it_back(db: Path) -> None:
     store = open_store(db)
-    before = granted(store.claim(NS, "a", None, "t", LONG)).fence
+    granted(store.claim(NS, "a", None, "t", LONG))
     raw = sqlite3.connect(db, isolation_level=None)
-    # Make the counter update (after the claim row is written) fail.
-    raw.execute("CREATE TRIGGER boom BEFORE UPDATE ON meta BEGIN SELECT RAISE(FAIL, 'boom'); END")
+    # Make each write fail after its row is written, inside the transaction.
+    for table in ("claims", "locks"):
+        raw.execute(
+            f"CREATE TRIGGER boom_{table} AFTER INSERT ON {table} "
+            "BEGIN SELECT RAISE(FAIL, 'boom'); END"
+        )
     with pytest.raises(StoreUnavailable, match="boom"):
         store.claim(NS, "b", None, "t", LONG)
     with pytest.raises(StoreUnavailable, match="boom"):
         store.acquire(LOCKS, "b", "o", LONG)
     assert store.record(NS, "b") is None
     assert store.lock(LOCKS, "b") is None
-    raw.execute("DROP TRIGGER boom")
+    raw.execute("DROP TRIGGER boom_claims")
+    raw.execute("DROP TRIGGER boom_locks")
     raw.close()
-    assert granted(store.claim(NS, "b", None, "t", LONG)).fence == before + 1
+    assert granted(store.claim(NS, "b", None, "t", LONG)).fence == 1
     store.close()
 
 
@@ -806,3 +812,4 @@ def test_a_waiter_in_this_process_is_handed_the_result(db: Path) -> None:
     assert isinstance(got[0], Completed) and got[0].result == "result"
     coord.close()
     other.close()
+

@@ -14,8 +14,10 @@ How it works:
 * Every port method is one transaction (``BEGIN IMMEDIATE`` for the writing ones), so
   a call either happens whole or not at all; a failed call is rolled back before
   :class:`~idemlock.StoreUnavailable` is raised.
-* Fences and lock tokens come from one counter row that only grows, so they strictly
-  increase per key for the life of the file even after a record is deleted.
+* Fences and lock tokens count per key: a freed key keeps its row as a tombstone with
+  its last fence, and ``purge()`` raises a floor above every fence it deletes before a
+  new row starts from it, so they strictly increase per key for the life of the file.
+  (Tokens of different keys are not comparable.)
 * **Expiry is judged by this machine's wall clock** (``time.time()``), which every
   process using the file shares: keep the file on one machine, and keep the clock from
   stepping back by more than your leases (NTP slewing is fine).
@@ -24,7 +26,7 @@ How it works:
 * Connections are pooled (one per concurrent caller), so one store object can be
   used from many threads and from ``asyncio.to_thread``.
 * Give idemlock a file of its own: its tables have plain names (``meta`` with the
-  schema version and the counter, ``claims``, ``locks``, ``fences``).
+  schema version and the purge floor, ``claims``, ``locks``, ``fences``).
 """
 
 from __future__ import annotations
@@ -101,8 +103,9 @@ _SCHEMA = (
         highest INTEGER NOT NULL,
         PRIMARY KEY (ns, resource)
     ) WITHOUT ROWID""",
-    # The one counter behind every fence and lock token; 'schema' is the layout version.
-    "INSERT OR IGNORE INTO meta (name, value) VALUES ('schema', 1), ('counter', 0)",
+    # 'floor' is at least every fence and token of a row that purge deleted, so a key
+    # created again starts above all it ever had; 'schema' is the layout version.
+    "INSERT OR IGNORE INTO meta (name, value) VALUES ('schema', 1), ('floor', 0)",
 )
 _SCHEMA_GET = "SELECT value FROM meta WHERE name = 'schema'"
 assert _SCHEMA[0].startswith("CREATE TABLE IF NOT EXISTS meta")
@@ -111,20 +114,21 @@ _BEGIN = "BEGIN IMMEDIATE"
 _COMMIT = "COMMIT"
 _ROLLBACK = "ROLLBACK"
 
-# Absent or expired -> in flight with the next fence, in one statement. Nothing is
-# returned when a live record is in the way; the caller then reads it.
+# Absent or expired -> in flight with the next fence, in one statement. Fences are per
+# key: a dead row (expired, abandoned, forgotten) stays as a tombstone that keeps its
+# fence, so the next claim of the key counts on from it; a brand-new key starts above the
+# purge floor. Writing no shared counter row keeps a claim to the pages of its own row.
+# Nothing is returned when a live record is in the way; the caller then reads it.
 _CLAIM_NEW = """
 INSERT INTO claims (ns, key, state, token, fence, fp, expires_ms, result)
-VALUES (?1, ?2, 'in_flight', ?3, (SELECT value FROM meta WHERE name = 'counter') + 1, ?4, ?5,
+VALUES (?1, ?2, 'in_flight', ?3, (SELECT value FROM meta WHERE name = 'floor') + 1, ?4, ?5,
         NULL)
 ON CONFLICT (ns, key) DO UPDATE SET
-    state = 'in_flight', token = excluded.token, fence = excluded.fence, fp = excluded.fp,
+    state = 'in_flight', token = excluded.token, fence = claims.fence + 1, fp = excluded.fp,
     expires_ms = excluded.expires_ms, result = NULL
 WHERE claims.expires_ms <= ?6
 RETURNING fence
 """
-# Only ever raises the counter (a retried acquire returns an old token).
-_COUNTER_RAISE = "UPDATE meta SET value = ?1 WHERE name = 'counter' AND value < ?1"
 _CLAIM_GET = (
     "SELECT state, token, fence, fp, expires_ms, result FROM claims WHERE ns = ?1 AND key = ?2"
 )
@@ -132,11 +136,15 @@ _COMPLETE = """
 UPDATE claims SET state = 'completed', result = ?1, expires_ms = ?2
 WHERE ns = ?3 AND key = ?4 AND token = ?5 AND state = 'in_flight' AND expires_ms > ?6
 """
+# Freeing a key leaves a tombstone (expires_ms = 0) that keeps the fence.
 _ABANDON = """
-DELETE FROM claims
+UPDATE claims SET expires_ms = 0, result = NULL
 WHERE ns = ?1 AND key = ?2 AND token = ?3 AND state = 'in_flight' AND expires_ms > ?4
 """
-_FORGET = "DELETE FROM claims WHERE ns = ?1 AND key = ?2 RETURNING expires_ms"
+_FORGET = """
+UPDATE claims SET expires_ms = 0, result = NULL
+WHERE ns = ?1 AND key = ?2 AND expires_ms > ?3
+"""
 _RECORD_GET = """
 SELECT state, fence, expires_ms FROM claims WHERE ns = ?1 AND key = ?2 AND expires_ms > ?3
 """
@@ -146,12 +154,13 @@ SELECT ns, key, state, fence, expires_ms FROM claims
 WHERE substr(ns, 1, ?1) = ?2 AND expires_ms > ?3 ORDER BY ns, key
 """
 
-# Free or expired -> new token; held by the same owner -> same token, new expiry.
+# Free or expired -> next token of the key; held by the same owner -> same token, new
+# expiry. Released locks stay as tombstones (expires_ms = 0) that keep their token.
 _ACQUIRE = """
 INSERT INTO locks (ns, key, owner, token, expires_ms)
-VALUES (?1, ?2, ?3, (SELECT value FROM meta WHERE name = 'counter') + 1, ?4)
+VALUES (?1, ?2, ?3, (SELECT value FROM meta WHERE name = 'floor') + 1, ?4)
 ON CONFLICT (ns, key) DO UPDATE SET
-    token = CASE WHEN locks.expires_ms > ?5 THEN locks.token ELSE excluded.token END,
+    token = CASE WHEN locks.expires_ms > ?5 THEN locks.token ELSE locks.token + 1 END,
     owner = excluded.owner, expires_ms = excluded.expires_ms
 WHERE locks.expires_ms <= ?5 OR locks.owner = excluded.owner
 RETURNING token
@@ -161,7 +170,8 @@ _LOCK_LIVE = (
     "SELECT owner, token, expires_ms FROM locks WHERE ns = ?1 AND key = ?2 AND expires_ms > ?3"
 )
 _RELEASE = """
-DELETE FROM locks WHERE ns = ?1 AND key = ?2 AND owner = ?3 AND token = ?4 AND expires_ms > ?5
+UPDATE locks SET expires_ms = 0
+WHERE ns = ?1 AND key = ?2 AND owner = ?3 AND token = ?4 AND expires_ms > ?5
 """
 _RENEW = """
 UPDATE locks SET expires_ms = ?1
@@ -180,6 +190,14 @@ RETURNING highest
 """
 _FENCE_GET = "SELECT highest FROM fences WHERE ns = ?1 AND resource = ?2"
 
+# Raise the floor over every fence and token about to go, then delete the dead rows.
+_PURGE_FLOOR = """
+UPDATE meta SET value = max(
+    value,
+    coalesce((SELECT max(fence) FROM claims WHERE expires_ms <= ?1), 0),
+    coalesce((SELECT max(token) FROM locks WHERE expires_ms <= ?1), 0)
+) WHERE name = 'floor'
+"""
 _PURGE_CLAIMS = "DELETE FROM claims WHERE expires_ms <= ?1"
 _PURGE_LOCKS = "DELETE FROM locks WHERE expires_ms <= ?1"
 
@@ -456,9 +474,7 @@ class SQLiteStore:
         expires = now + lease_ms
         row = cur.execute(_CLAIM_NEW, (ns, key, token, fp, expires, now)).fetchone()
         if row is not None:
-            fence = row[0]
-            cur.execute(_COUNTER_RAISE, (fence,))
-            return Granted(token, fence, expires, lease_ms)
+            return Granted(token, row[0], expires, lease_ms)
         rec = self._claim_rec(cur.execute(_CLAIM_GET, (ns, key)).fetchone(), ns, key)
         return T.claim(rec, now, fp, token, lease_ms, _no_new_fence)[1]
 
@@ -510,9 +526,7 @@ class SQLiteStore:
         expires = now + ttl_ms
         row = cur.execute(_ACQUIRE, (ns, key, owner, expires, now)).fetchone()
         if row is not None:
-            token = row[0]
-            cur.execute(_COUNTER_RAISE, (token,))
-            return Acquired(token, expires, ttl_ms)
+            return Acquired(row[0], expires, ttl_ms)
         rec = self._lock_rec(cur.execute(_LOCK_GET, (ns, key)).fetchone(), ns, key)
         return T.acquire(rec, now, owner, ttl_ms, _no_new_fence)[1]
 
@@ -599,9 +613,7 @@ def _abandon(cur: sqlite3.Cursor, ns: str, key: str, token: str) -> bool:
 
 
 def _forget(cur: sqlite3.Cursor, ns: str, key: str) -> bool:
-    now = _now_ms()
-    row = cur.execute(_FORGET, (ns, key)).fetchone()
-    return row is not None and row[0] > now
+    return cur.execute(_FORGET, (ns, key, _now_ms())).rowcount == 1
 
 
 def _release(cur: sqlite3.Cursor, ns: str, key: str, owner: str, token: int) -> bool:
@@ -620,6 +632,7 @@ def _renew(
 
 def _purge(cur: sqlite3.Cursor) -> int:
     now = _now_ms()
+    cur.execute(_PURGE_FLOOR, (now,))
     removed: int = cur.execute(_PURGE_CLAIMS, (now,)).rowcount
     removed += cur.execute(_PURGE_LOCKS, (now,)).rowcount
     return removed
