@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._errors import CanonicalizeError
+from .jsonfast import dumps_canonical
 
 
 def _check(value: Any, path: str) -> Any:
@@ -42,10 +42,20 @@ def _check(value: Any, path: str) -> Any:
     )
 
 
-# Built once: json.dumps with options builds a new encoder on every call.
-_CANONICAL = json.JSONEncoder(
-    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-)
+def _plain(value: Any) -> bool:
+    """Whether ``value`` is built only of exact JSON types with str keys: then it can be
+    encoded as it is. Anything else takes the slow path, which normalizes subclasses
+    (mappings, sequences, IntEnum) or names what is wrong."""
+    t = type(value)
+    if t is str or t is int or t is bool or value is None:
+        return True
+    if t is float:
+        return math.isfinite(value)
+    if t is dict:
+        return all(type(k) is str and _plain(v) for k, v in value.items())
+    if t is list or t is tuple:
+        return all(_plain(v) for v in value)
+    return False
 
 
 def canonicalize(payload: Any) -> bytes:
@@ -54,7 +64,12 @@ def canonicalize(payload: Any) -> bytes:
     Keys sorted, compact separators, UTF-8, tuples as lists. NaN, Infinity and
     non-JSON types raise :class:`~idemlock.CanonicalizeError`.
     """
-    return _CANONICAL.encode(_check(payload, "")).encode("utf-8")
+    if not _plain(payload):
+        payload = _check(payload, "")
+    try:
+        return dumps_canonical(payload).encode("utf-8")
+    except RecursionError:
+        raise CanonicalizeError("payload is nested too deeply (or contains itself)") from None
 
 
 def fingerprint(payload: Any) -> str:

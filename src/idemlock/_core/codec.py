@@ -11,17 +11,14 @@ Never pickle or eval: stored bytes are data. Frame: one marker byte, then the bo
 
 from __future__ import annotations
 
-import json
 import zlib
 from dataclasses import dataclass
 from typing import Any
 
 from .._errors import ConfigurationError, ResultDecodeError, ResultEncodeError, ResultTooLarge
+from .jsonfast import dumps_compact, loads
 from .typed import Dumper, Loader, TypedError
 
-# Built once: json.dumps with options builds a new encoder on every call.
-_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-_decode_json = json.JSONDecoder().decode
 _SCALARS = (str, int, float, bool, type(None))
 
 MAX_RESULT_BYTES = 1 << 20
@@ -64,11 +61,11 @@ class ResultFormat:
         """Frame ``value``; raise ``ResultEncodeError`` unless it comes back equal."""
         try:
             data = dump(value)
-            text = _ENCODER.encode({"v": data})
+            text = dumps_compact({"v": data})
             # A plain scalar of an exact JSON type always comes back equal; anything
             # else is decoded and compared, so nothing unfaithful is ever stored.
-            back = value if type(value) in _SCALARS else load(_decode_json(text)["v"])
-        except (TypedError, TypeError, ValueError) as exc:
+            back = value if type(value) in _SCALARS else load(loads(text)["v"])
+        except (TypedError, TypeError, ValueError, RecursionError) as exc:
             raise ResultEncodeError(
                 f"the result ({type(value).__name__}) cannot be stored faithfully: {exc}; return "
                 "JSON-like data or declare the return type (dataclass, datetime, UUID, Decimal, "
@@ -86,7 +83,7 @@ class ResultFormat:
     def encode_error(self, exc: BaseException) -> bytes:
         err = {"type": type_name(type(exc)), "args": list(exc.args), "message": str(exc)}
         try:
-            text = _ENCODER.encode({"e": err})
+            text = dumps_compact({"e": err})
         except (TypeError, ValueError) as e:
             raise ResultEncodeError(
                 f"the exception {type(exc).__name__} cannot be recorded: its args are not JSON "
@@ -120,7 +117,7 @@ class ResultFormat:
                     f"stored result has an unknown format marker {marker!r}: it was written by "
                     "another program or version, or is corrupt; forget the key to run it again"
                 )
-            obj = _decode_json(body.decode("utf-8"))
+            obj = loads(body.decode("utf-8"))
         except (zlib.error, UnicodeDecodeError, ValueError) as exc:
             raise ResultDecodeError(
                 f"stored result is corrupt ({exc}); forget the key to run it again"

@@ -83,7 +83,7 @@ class LockSpec:
         to_ms(self.ttl, "LockSpec.ttl")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ClaimToken:
     """Proof of one claim attempt. ``fence`` strictly increases with every new claim
     of the key: pass it to fenced writes so a late write of an expired attempt is refused."""
@@ -98,7 +98,7 @@ class ClaimToken:
     _skey: str = field(repr=False, compare=False, default="")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Claimed:
     """The caller holds the claim and must run the operation, then ``complete`` or ``abandon``."""
 
@@ -110,7 +110,7 @@ class Claimed:
         return self.token.fence
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class InFlight:
     """Another attempt holds an unexpired claim until ``expires_at``."""
 
@@ -118,7 +118,7 @@ class InFlight:
     kind: Literal["in_flight"] = field(default="in_flight", init=False)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Completed:
     """The operation already ran; ``result`` is the recorded result to replay. When the
     operation's exception was recorded (``replay_errors``), ``error`` describes it and
