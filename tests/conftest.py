@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from .servers.postgres import postgres_dsn, postgres_server  # noqa: F401  (session fixtures)
+from .servers.redis import redis_cluster, redis_server  # noqa: F401  (session fixtures)
+
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """A skipped test is a failure here: every store and every dependency the suite

@@ -66,6 +66,47 @@ def sqlite(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
     return Harness("sqlite", url, open_sync, open_async)
 
 
+def postgres(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
+    # The session's throwaway server (tests/servers/postgres.py); each harness has its
+    # own key prefix, so tests sharing the database never see each other's rows.
+    url: str = request.getfixturevalue("postgres_dsn")
+
+    def open_sync(prefix: str, **options: Any) -> idemlock.Coordinator:
+        return idemlock.connect(url, key_prefix=prefix, **options)
+
+    def open_async(prefix: str, **options: Any) -> idemlock.aio.AsyncCoordinator:
+        return idemlock.aio.connect(url, key_prefix=prefix, **options)
+
+    return Harness("postgres", url, open_sync, open_async)
+
+
+def redis(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
+    # The session's throwaway redis-server (tests/servers/redis.py); the harness's fresh
+    # key prefix keeps tests apart on the shared server.
+    url: str = request.getfixturevalue("redis_server").url
+
+    def open_sync(prefix: str, **options: Any) -> idemlock.Coordinator:
+        return idemlock.connect(url, key_prefix=prefix, **options)
+
+    def open_async(prefix: str, **options: Any) -> idemlock.aio.AsyncCoordinator:
+        return idemlock.aio.connect(url, key_prefix=prefix, **options)
+
+    return Harness("redis", url, open_sync, open_async)
+
+
+def redis_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
+    # The session's three-master Redis Cluster (tests/servers/redis.py).
+    url: str = request.getfixturevalue("redis_cluster").url
+
+    def open_sync(prefix: str, **options: Any) -> idemlock.Coordinator:
+        return idemlock.connect(url, key_prefix=prefix, **options)
+
+    def open_async(prefix: str, **options: Any) -> idemlock.aio.AsyncCoordinator:
+        return idemlock.aio.connect(url, key_prefix=prefix, **options)
+
+    return Harness("redis_cluster", url, open_sync, open_async)
+
+
 #: stores that live inside one process (no cross-process race tests)
 IN_PROCESS_ONLY = {"memory"}
 
@@ -73,4 +114,7 @@ IN_PROCESS_ONLY = {"memory"}
 STORES: dict[str, Callable[[pytest.FixtureRequest, Path], Harness]] = {
     "memory": memory,
     "sqlite": sqlite,
+    "postgres": postgres,
+    "redis": redis,
+    "redis_cluster": redis_cluster,
 }

@@ -1,0 +1,421 @@
+"""What the sync and async Redis stores share: key names, argument encoding, reply
+parsing, error mapping and the script registry. Nothing here does I/O."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Literal
+
+from ..._core.port import (
+    Acquired,
+    Busy,
+    ClaimReply,
+    Done,
+    Granted,
+    Held,
+    LockRow,
+    Mismatch,
+    RecordRow,
+)
+from ..._errors import ConfigurationError, StoreCorrupt, StoreFull, StoreUnavailable
+from . import _lua
+
+#: Every key and channel of the store starts with this, then the hash tag.
+PREFIX = b"il"
+#: Length of the hash tag: 9 bytes of BLAKE2b in URL-safe base64 (no braces).
+TAG_LEN = 12
+#: How long a failed attempt of a waiting caller keeps it registered as a waiter;
+#: longer than the longest wait between re-checks (flows.MAX_WAIT_CHUNK, 1 s).
+REGISTER_MS = 1500
+
+Kind = Literal["c", "l"]
+
+
+@dataclass(frozen=True)
+class Script:
+    name: str
+    text: bytes
+    sha: str
+
+
+def _script(name: str, text: str) -> Script:
+    raw = text.encode()
+    return Script(name, raw, hashlib.sha1(raw).hexdigest())
+
+
+CLAIM = _script("claim", _lua.CLAIM)
+COMPLETE = _script("complete", _lua.COMPLETE)
+ABANDON = _script("abandon", _lua.ABANDON)
+FORGET = _script("forget", _lua.FORGET)
+PEEK_CLAIM = _script("record", _lua.PEEK_CLAIM)
+ACQUIRE = _script("acquire", _lua.ACQUIRE)
+RELEASE = _script("release", _lua.RELEASE)
+RENEW = _script("renew", _lua.RENEW)
+PEEK_LOCK = _script("lock", _lua.PEEK_LOCK)
+FENCE_ADVANCE = _script("fence_advance", _lua.FENCE_ADVANCE)
+FENCE_SET = _script("fence_set", _lua.FENCE_SET)
+FENCE_CURRENT = _script("fence_current", _lua.FENCE_CURRENT)
+UNREGISTER = _script("unregister", _lua.UNREGISTER)
+
+
+# ---- names ---------------------------------------------------------------------------
+#
+# Record:  il{TAG}c:<ns escaped>|<key>      TAG = b64(blake2b(len(ns):ns key))[:12]
+# Lock:    il{TAG}l:<ns escaped>|<key>
+# Channel: il{TAG}C / il{TAG}L              (claim / lock notifications)
+# Waiters: il{TAG}w                          (processes waiting for the lock)
+# Gate:    il{<slot tag of resource>}f:<ns escaped>|<resource>
+#
+# The hash tag comes first, so nothing a user writes can move it; the rest of the name
+# is an injective encoding of (ns, key): ns has '%' and '|' escaped and the first '|'
+# after the header ends it. Two pairs that share a tag (a 72-bit hash) still have
+# different names; they would only share a slot, a notification channel and a waiters
+# hash (spurious wake-ups, never a wrong answer).
+
+
+def _esc(ns: str) -> bytes:
+    return ns.replace("%", "%25").replace("|", "%7C").encode("utf-8", "surrogatepass")
+
+
+def _unesc(raw: bytes) -> str:
+    return raw.decode("utf-8", "surrogatepass").replace("%7C", "|").replace("%25", "%")
+
+
+def _tag(ns: str, key: str) -> bytes:
+    h = hashlib.blake2b(
+        f"{len(ns)}:{ns}{key}".encode("utf-8", "surrogatepass"), digest_size=9
+    ).digest()
+    return base64.urlsafe_b64encode(h)
+
+
+@dataclass(frozen=True, slots=True)
+class Names:
+    claim: bytes
+    lock: bytes
+    claim_channel: bytes
+    lock_channel: bytes
+    waiters: bytes
+
+
+@lru_cache(maxsize=8192)
+def names(ns: str, key: str) -> Names:
+    tag = _tag(ns, key)
+    head = PREFIX + b"{" + tag + b"}"
+    tail = b":" + _esc(ns) + b"|" + key.encode("utf-8", "surrogatepass")
+    return Names(head + b"c" + tail, head + b"l" + tail, head + b"C", head + b"L", head + b"w")
+
+
+def waiters_of(lock_channel: bytes) -> bytes:
+    """The waiters hash of the lock whose channel is ``lock_channel``."""
+    return lock_channel[:-1] + b"w"
+
+
+def channel_name(kind: str, ns: str, key: str) -> bytes:
+    n = names(ns, key)
+    return n.claim_channel if kind == "claim" else n.lock_channel
+
+
+def parse_name(raw: bytes, kind: Kind) -> tuple[str, str] | None:
+    """(ns, key) of a record or lock key name, None if it is not one of ours."""
+    head = len(PREFIX) + 1 + TAG_LEN
+    if (
+        len(raw) <= head + 3
+        or not raw.startswith(PREFIX + b"{")
+        or raw[head : head + 3] != b"}" + kind.encode() + b":"
+    ):
+        return None
+    rest = raw[head + 3 :]
+    ns_raw, sep, key_raw = rest.partition(b"|")
+    if not sep:
+        return None
+    try:
+        return _unesc(ns_raw), key_raw.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        return None
+
+
+def _glob_escape(raw: bytes) -> bytes:
+    out = bytearray()
+    for b in raw:
+        if b in b"*?[]\\":
+            out += b"\\"
+        out.append(b)
+    return bytes(out)
+
+
+def match_pattern(kind: Kind, ns_prefix: str) -> bytes:
+    """SCAN MATCH pattern for the records or locks whose ns starts with ns_prefix."""
+    return (
+        PREFIX + b"{" + b"?" * TAG_LEN + b"}" + kind.encode() + b":" + _glob_escape(_esc(ns_prefix))
+    ) + b"*"
+
+
+def hashed_part(key: bytes) -> bytes:
+    """The part of a key Redis Cluster hashes: the first non-empty {tag}, else all."""
+    start = key.find(b"{")
+    if start >= 0:
+        end = key.find(b"}", start + 1)
+        if end > start + 1:
+            return key[start + 1 : end]
+    return key
+
+
+@lru_cache(maxsize=1)
+def _slot_strings() -> dict[int, bytes]:
+    # A short string per cluster slot, for resources whose hashed part cannot be
+    # written inside braces (it contains '}'). Built once, on first need.
+    from redis.crc import key_slot
+
+    table: dict[int, bytes] = {}
+    i = 0
+    while len(table) < 16384:
+        s = str(i).encode()
+        table.setdefault(key_slot(s), s)
+        i += 1
+    return table
+
+
+@lru_cache(maxsize=4096)
+def gate_name(ns: str, resource: str) -> bytes:
+    """The fence gate of (ns, resource). It hashes to the Cluster slot of the resource
+    name itself, so a user key that shares the resource's hash tag (or is the resource)
+    can be written by ``fence_set`` in the same script."""
+    res = resource.encode("utf-8", "surrogatepass")
+    part = hashed_part(res)
+    if b"}" in part:
+        from redis.crc import key_slot
+
+        part = _slot_strings()[key_slot(res)]
+    return PREFIX + b"{" + part + b"}f:" + _esc(ns) + b"|" + res
+
+
+# ---- argument encoding -----------------------------------------------------------------
+
+
+def pack_id(value: str | None) -> bytes:
+    """Compact, injective bytes for tokens and fingerprints: lowercase hex (what
+    idemlock generates) is stored as raw bytes behind a marker, anything else as
+    UTF-8 behind another; None is empty."""
+    if value is None:
+        return b""
+    if len(value) % 2 == 0:
+        try:
+            raw = bytes.fromhex(value)
+        except ValueError:
+            pass
+        else:
+            if raw.hex() == value:
+                return b"h" + raw
+    out = b"s" + value.encode("utf-8", "surrogatepass")
+    if len(out) > 255:
+        # The claim record keeps tokens and fingerprints behind a one-byte length.
+        raise ConfigurationError(
+            f"a claim token or fingerprint of {len(out)} bytes is too long for the Redis "
+            "store (at most 254 bytes of UTF-8, or 508 hex digits)"
+        )
+    return out
+
+
+def nonce() -> bytes:
+    return os.urandom(4)
+
+
+def waiter_id() -> bytes:
+    """A process's waiter id for one key: 8 random bytes (never b'*')."""
+    return os.urandom(8)
+
+
+# ---- replies ---------------------------------------------------------------------------
+
+
+def _int(v: Any) -> int:
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    return int(v)
+
+
+def claim_reply(reply: Any, token: str) -> ClaimReply:
+    code = reply[0]
+    if code == 1:
+        return Granted(token, _int(reply[1]), _int(reply[2]), _int(reply[3]))
+    if code == 2:
+        return Busy(_int(reply[1]), _int(reply[2]))
+    if code == 3:
+        return Done(bytes(reply[2]), _int(reply[1]))
+    if code == 4:
+        return Mismatch("in_flight" if reply[1] in (b"I", "I") else "completed")
+    raise StoreCorrupt(f"unexpected reply from the claim script: {reply!r}")
+
+
+def lock_reply(reply: Any) -> Acquired | Held:
+    if reply[0] == 1:
+        return Acquired(_int(reply[1]), _int(reply[2]), _int(reply[3]))
+    return Held(_int(reply[1]), _int(reply[2]))
+
+
+def record_row(ns: str, key: str, reply: Any) -> RecordRow | None:
+    if not reply:
+        return None
+    state: Literal["in_flight", "completed"] = (
+        "in_flight" if reply[0] in (b"I", "I") else "completed"
+    )
+    return RecordRow(ns, key, state, _int(reply[1]), _int(reply[2]))
+
+
+def lock_row(ns: str, key: str, reply: Any) -> LockRow | None:
+    if not reply:
+        return None
+    owner = reply[0]
+    if isinstance(owner, bytes):
+        owner = owner.decode("utf-8", "surrogatepass")
+    return LockRow(ns, key, owner, _int(reply[1]), _int(reply[2]))
+
+
+def fence_reply(reply: Any) -> tuple[bool, int]:
+    return bool(reply[0]), int(reply[1])
+
+
+def text(v: Any) -> str:
+    return v.decode("utf-8", "surrogatepass") if isinstance(v, bytes) else str(v)
+
+
+def listing_rows(
+    kind: Kind, keys: list[bytes], values: list[Any], now_ms: int, ns_prefix: str
+) -> list[Any]:
+    """Rows of a listing from key names and their HMGET values."""
+    rows: list[Any] = []
+    for raw, vals in zip(keys, values, strict=False):
+        parsed = parse_name(raw, kind)
+        if parsed is None or not parsed[0].startswith(ns_prefix):
+            continue
+        ns, key = parsed
+        if isinstance(vals, Exception):
+            raise StoreCorrupt(f"{raw!r} is not an idemlock {_KIND_NAME[kind]}: {vals}")
+        try:
+            if kind == "c":
+                if vals is None:
+                    continue
+                state, fence, exp = unpack_claim(vals)
+                if state in (b"I", b"C") and exp > now_ms:
+                    st: Literal["in_flight", "completed"] = (
+                        "in_flight" if state == b"I" else "completed"
+                    )
+                    rows.append(RecordRow(ns, key, st, fence, exp))
+            else:
+                owner, token, exp = vals
+                if owner is None:
+                    continue
+                if _int(exp) > now_ms:
+                    rows.append(LockRow(ns, key, text(owner), _int(token), _int(exp)))
+        except (TypeError, ValueError, IndexError) as exc:
+            raise StoreCorrupt(
+                f"{raw!r} holds data idemlock did not write ({exc}); delete it or use "
+                "another key_prefix"
+            ) from exc
+    return rows
+
+
+_KIND_NAME = {"c": "idempotency record", "l": "lock"}
+
+#: HMGET fields of a lock row (claim records are strings, read with GET)
+LOCK_FIELDS = (b"o", b"t", b"x")
+
+
+def unpack_claim(raw: Any) -> tuple[bytes, int, int]:
+    """(state, fence, expiry) of a packed claim record (see _lua)."""
+    if isinstance(raw, str):
+        raise ValueError("a claim record must be binary")
+    state = bytes(raw[:1])
+    if len(raw) < 17:
+        raise ValueError("not an idemlock claim record")
+    fence, exp = int.from_bytes(raw[1:8], "big"), int.from_bytes(raw[8:14], "big")
+    pos = 14
+    for _ in range(3):
+        pos += 1 + raw[pos]
+        if pos > len(raw):
+            break
+    if state not in (b"I", b"C", b"A", b"F") or pos > len(raw):
+        raise ValueError("not an idemlock claim record")
+    return state, fence, exp
+
+
+# ---- errors ----------------------------------------------------------------------------
+
+
+def store_error(exc: BaseException, what: str) -> Exception:
+    """The idemlock error for a redis-py failure (the caller chains ``exc``)."""
+    import redis.exceptions as rx
+
+    msg = str(exc)
+    if isinstance(exc, rx.ResponseError):
+        if msg.startswith("IDEMLOCK_CORRUPT") or msg.startswith("WRONGTYPE"):
+            why = msg.removeprefix("IDEMLOCK_CORRUPT").strip()
+            return StoreCorrupt(
+                f"redis {what}: the key holds data idemlock did not write ({why}); delete "
+                "it or use another key_prefix"
+            )
+        if msg.startswith("OOM"):
+            return StoreFull(
+                f"redis {what}: Redis is out of memory (maxmemory reached and nothing "
+                f"may be evicted): {msg}"
+            )
+    return StoreUnavailable(f"redis {what} failed: {type(exc).__name__}: {msg}")
+
+
+def redis_errors() -> tuple[type[BaseException], ...]:
+    import redis.exceptions as rx
+
+    return (rx.RedisError, rx.RedisClusterException, OSError)
+
+
+# ---- options ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Options:
+    """idemlock's own options of the Redis store (URL query or keywords)."""
+
+    #: how long (ms) a key's counter outlives its last use (clock-step protection)
+    keep_ms: int = 60_000
+    #: hand-off window (ms) after a release with waiters; 0 disables it
+    handoff_ms: int = 10
+
+
+OWN_OPTIONS = ("counter_ttl", "handoff_ms")
+
+
+def own_options(values: dict[str, Any]) -> Options:
+    """Pop and check idemlock's options (strings from a URL, or numbers)."""
+    opts = Options()
+    if "counter_ttl" in values:
+        raw = values.pop("counter_ttl")
+        try:
+            sec = float(raw)
+        except (TypeError, ValueError):
+            sec = -1.0
+        if not sec >= 1:
+            raise ConfigurationError(
+                f"counter_ttl is how many seconds a key's fence counter outlives its last "
+                f"use; it must be a number >= 1, got {raw!r}"
+            )
+        opts = Options(int(sec * 1000), opts.handoff_ms)
+    if "handoff_ms" in values:
+        raw = values.pop("handoff_ms")
+        try:
+            ms = int(raw)
+        except (TypeError, ValueError):
+            ms = -1
+        if ms < 0 or ms > 10_000:
+            raise ConfigurationError(
+                f"handoff_ms must be an int from 0 (no hand-off window) to 10000, got {raw!r}"
+            )
+        opts = Options(opts.keep_ms, ms)
+    return opts
+
+
+Caller = Callable[..., Any]

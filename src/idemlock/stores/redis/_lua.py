@@ -1,0 +1,359 @@
+"""The Lua scripts of the Redis store: one script per port transition.
+
+Scripts are composed once at import from shared snippets (the clock, the record
+readers, the fence counter), loaded with SCRIPT LOAD and called with EVALSHA. User
+data only ever travels in KEYS and ARGV.
+
+Claim record (one packed string per (ns, key), ``struct`` format ``>c1I7I6Bc0Bc0Bc0``
+followed by the result; a hash would turn into a large hashtable as soon as a result
+passes 64 bytes, and every byte counts: the value of a completed record with a 100-byte
+result stays within jemalloc's 160-byte class)::
+
+    state  I (in flight), C (completed), A (abandoned), F (forgotten: counter only)
+    fence  the last fence issued for this key (the counter), 7 bytes
+    exp    expiry in ms on Redis's clock (lease end in flight, ttl end when completed), 6
+           bytes
+    token  token of the in-flight attempt ('' otherwise)
+    fp     fingerprint ('' for None)
+    nonce  (4 bytes) of the last freeing call, so a retried complete/abandon/forget (a lost reply
+           re-sent by the client) is recognised instead of reported stale
+    result the rest of the string (completed)
+
+Lock record (a hash, one per (ns, key))::
+
+    o  owner (while held)          t  token counter: the last token issued
+    x  lease end (while held)      n  nonce of the releasing call
+    y  hand-off window end         g  the waiter (gid) the window is reserved for
+
+Waiters of a lock (a hash beside it, same slot): gid -> "first:until" (ms).
+
+Fence gate: a string holding the highest accepted token in decimal.
+
+Replies are arrays whose first element says which case happened; numbers are
+integers (Lua numbers stay exact below 2**53: microsecond counters do until 2255).
+"""
+
+from __future__ import annotations
+
+# Redis's clock: TIME in microseconds, and ms for expiries. Counters are seeded from
+# now_us so a counter lost with its data restarts above every token it issued.
+_PRELUDE = """
+local tm = redis.call('TIME')
+local now_us = tonumber(tm[1]) * 1000000 + tonumber(tm[2])
+local now = math.floor(now_us / 1000)
+local function S(v) return string.format('%.0f', v) end
+local function corrupt(why) return redis.error_reply('IDEMLOCK_CORRUPT ' .. why) end
+local function next_fence(last) return math.max((last or 0) + 1, now_us) end
+"""
+
+_READ_CLAIM = """
+local FMT = '>c1I7I6Bc0Bc0Bc0'
+local function read_claim(k)
+  local v = redis.pcall('GET', k)
+  if type(v) == 'table' then return nil, 'wrong type' end
+  if not v then return {} end
+  local ok, s, f, x, t, p, n, pos = pcall(struct.unpack, FMT, v)
+  if not ok or not (s == 'I' or s == 'C' or s == 'A' or s == 'F') then
+    return nil, 'not an idemlock record'
+  end
+  return {s = s, f = f, x = x, t = t, p = p, n = n, r = string.sub(v, pos)}
+end
+local function pack_claim(s, f, x, t, p, n, r)
+  return struct.pack(FMT, s, f, x, #t, t, #p, p, #n, n) .. r
+end
+local function live(c) return (c.s == 'I' or c.s == 'C') and c.x > now end
+"""
+
+_READ_LOCK = """
+local function read_lock(k)
+  local r = redis.pcall('HMGET', k, 'o', 't', 'x', 'y', 'g', 'n')
+  if r.err then return nil, 'wrong type' end
+  local t, x, y = tonumber(r[2]), tonumber(r[3]), tonumber(r[4])
+  if (r[2] and not t) or (r[3] and not x) or (r[4] and not y) then
+    return nil, 'not a number'
+  end
+  if (r[1] and not x) or (x and not r[1]) or (y and not r[5]) then
+    return nil, 'missing field'
+  end
+  if not t then
+    if x or y or r[6] then return nil, 'missing field' end
+    if redis.call('EXISTS', k) == 1 then return nil, 'foreign hash' end
+  end
+  return {o = r[1], t = t, ts = r[2], x = x, y = y, g = r[5], n = r[6]}
+end
+local function held(l) return l.x and l.x > now end
+"""
+
+# Tokens given by users may exceed 2**53, so gates compare canonical decimals as
+# strings: longer is larger, equal lengths compare lexically.
+_READ_GATE = """
+local function ge(a, b)
+  if #a ~= #b then return #a > #b end
+  return a >= b
+end
+local function read_gate(k)
+  local v = redis.pcall('GET', k)
+  if type(v) == 'table' and v.err then return nil, 'wrong type' end
+  if not v then return false end
+  if not (v == '0' or string.match(v, '^[1-9]%d*$')) then return nil, 'not a token' end
+  return v
+end
+"""
+
+# ---- claims ------------------------------------------------------------------------
+# KEYS[1] record. ARGV: fp, token, lease_ms, keep_ms
+CLAIM = (
+    _PRELUDE
+    + _READ_CLAIM
+    + """
+local c, why = read_claim(KEYS[1])
+if not c then return corrupt(why) end
+if live(c) then
+  if c.s == 'I' and c.t == ARGV[2] then return {1, c.f, c.x, c.x - now} end
+  if c.p ~= ARGV[1] then return {4, c.s} end
+  if c.s == 'C' then return {3, c.x, c.r} end
+  return {2, c.x, c.x - now}
+end
+local f = next_fence(c.f)
+local lease = tonumber(ARGV[3])
+local x = now + lease
+local v = pack_claim('I', f, x, ARGV[2], ARGV[1], '', '')
+redis.call('SET', KEYS[1], v, 'PXAT', S(x + tonumber(ARGV[4])))
+return {1, f, x, lease}
+"""
+)
+
+# KEYS[1] record. ARGV: token, result, ttl_ms, channel, nonce
+COMPLETE = (
+    _PRELUDE
+    + _READ_CLAIM
+    + """
+local c, why = read_claim(KEYS[1])
+if not c then return corrupt(why) end
+if c.s == 'I' and c.t == ARGV[1] and c.x > now then
+  local x = now + tonumber(ARGV[3])
+  -- A completed record lives exactly its ttl: once it is gone, the next fence is
+  -- seeded from the clock, far above this one.
+  redis.call('SET', KEYS[1], pack_claim('C', c.f, x, '', c.p, ARGV[5], ARGV[2]), 'PXAT', S(x))
+  redis.call('PUBLISH', ARGV[4], '*')
+  return 1
+end
+if c.s == 'C' and c.n == ARGV[5] then return 1 end
+return 0
+"""
+)
+
+# KEYS[1] record. ARGV: token, keep_ms, channel, nonce
+ABANDON = (
+    _PRELUDE
+    + _READ_CLAIM
+    + """
+local c, why = read_claim(KEYS[1])
+if not c then return corrupt(why) end
+if c.s == 'I' and c.t == ARGV[1] and c.x > now then
+  redis.call('SET', KEYS[1], pack_claim('A', c.f, 0, '', '', ARGV[4], ''), 'PX', ARGV[2])
+  redis.call('PUBLISH', ARGV[3], '*')
+  return 1
+end
+if c.s == 'A' and c.n == ARGV[4] then return 1 end
+return 0
+"""
+)
+
+# KEYS[1] record. ARGV: keep_ms, channel, nonce
+FORGET = (
+    _PRELUDE
+    + _READ_CLAIM
+    + """
+local c, why = read_claim(KEYS[1])
+if not c then return corrupt(why) end
+if c.s == 'F' and c.n == ARGV[3] then return 1 end
+local was = live(c)
+if c.s then
+  -- only the counter stays
+  local n = ''
+  if was then n = ARGV[3] end
+  redis.call('SET', KEYS[1], pack_claim('F', c.f, 0, '', '', n, ''), 'PX', ARGV[1])
+end
+redis.call('PUBLISH', ARGV[2], '*')
+if was then return 1 end
+return 0
+"""
+)
+
+# KEYS[1] record. Reply: {} or {state, fence, expires_ms}
+PEEK_CLAIM = (
+    _PRELUDE
+    + _READ_CLAIM
+    + """
+local c, why = read_claim(KEYS[1])
+if not c then return corrupt(why) end
+if live(c) then return {c.s, c.f, c.x} end
+return {}
+"""
+)
+
+# ---- locks -------------------------------------------------------------------------
+# Fair hand-off. A process with a caller waiting on a lock registers its waiter id
+# (gid: random, one per process and key) with every failed attempt, in a small hash
+# beside the lock (KEYS[2]: gid -> "first:until" ms), so registrations queue in
+# arrival order and lapse register_ms after the last attempt (a waiter that died).
+# A release that finds live registrations picks the oldest, opens a hand-off window
+# reserved for it and names it in the notification: only that process wakes up and
+# only its callers may take the lock during the window, so neither the releasing
+# process nor a newcomer can barge in, and the other waiters sleep on. Getting the
+# lock or giving up ends a registration.
+
+_REGISTER = """
+local function register()
+  if ARGV[4] ~= '' then
+    local cur = redis.call('HGET', KEYS[2], ARGV[4])
+    local first = cur and string.match(cur, '^(%d+):') or S(now)
+    redis.call('HSET', KEYS[2], ARGV[4], first .. ':' .. S(now + tonumber(ARGV[5])))
+    redis.call('PEXPIRE', KEYS[2], ARGV[5])
+  end
+end
+"""
+
+# KEYS[1] record, KEYS[2] waiters. ARGV: owner, ttl_ms, keep_ms, gid, register_ms
+ACQUIRE = (
+    _PRELUDE
+    + _READ_LOCK
+    + _REGISTER
+    + """
+local l, why = read_lock(KEYS[1])
+if not l then return corrupt(why) end
+local ttl = tonumber(ARGV[2])
+if held(l) then
+  if l.o == ARGV[1] then
+    local x = now + ttl
+    redis.call('HSET', KEYS[1], 'x', S(x))
+    redis.call('PEXPIREAT', KEYS[1], S(x + tonumber(ARGV[3])))
+    return {1, l.t, x, ttl}
+  end
+  register()
+  return {2, l.x, l.x - now}
+end
+if l.y and l.y > now and ARGV[4] ~= l.g then
+  register()
+  return {2, l.y, l.y - now}
+end
+local t = next_fence(l.t)
+local x = now + ttl
+redis.call('HSET', KEYS[1], 'o', ARGV[1], 't', S(t), 'x', S(x))
+if l.y or l.n then redis.call('HDEL', KEYS[1], 'y', 'g', 'n') end
+if ARGV[4] ~= '' then redis.call('HDEL', KEYS[2], ARGV[4]) end
+redis.call('PEXPIREAT', KEYS[1], S(x + tonumber(ARGV[3])))
+return {1, t, x, ttl}
+"""
+)
+
+# KEYS[1] record, KEYS[2] waiters. ARGV: owner, token, keep_ms, handoff_ms, channel, nonce
+# Publishes the chosen waiter's gid, or '*' (wake every waiter) when there is none.
+RELEASE = (
+    _PRELUDE
+    + _READ_LOCK
+    + """
+local l, why = read_lock(KEYS[1])
+if not l then return corrupt(why) end
+if held(l) and l.o == ARGV[1] and l.ts == ARGV[2] then
+  local keep = tonumber(ARGV[3])
+  local g = tonumber(ARGV[4])
+  local chosen, since = nil, nil
+  if g > 0 then
+    local ws = redis.pcall('HGETALL', KEYS[2])
+    if ws.err then return corrupt('waiters: wrong type') end
+    for i = 1, #ws, 2 do
+      local first, untl = string.match(ws[i + 1], '^(%d+):(%d+)$')
+      first, untl = tonumber(first), tonumber(untl)
+      if untl and untl > now and (not since or first < since) then
+        chosen, since = ws[i], first
+      end
+    end
+  end
+  redis.call('HDEL', KEYS[1], 'o', 'x')
+  if chosen then
+    redis.call('HSET', KEYS[1], 'y', S(now + g), 'g', chosen, 'n', ARGV[6])
+    keep = keep + g
+  else
+    redis.call('HSET', KEYS[1], 'n', ARGV[6])
+  end
+  redis.call('PEXPIRE', KEYS[1], S(keep))
+  redis.call('PUBLISH', ARGV[5], chosen or '*')
+  return 1
+end
+if not l.o and l.ts == ARGV[2] and l.n == ARGV[6] then return 1 end
+return 0
+"""
+)
+
+# KEYS[1] waiters. ARGV: gid. A process stopped waiting without getting the lock.
+UNREGISTER = """
+redis.pcall('HDEL', KEYS[1], ARGV[1])
+return 1
+"""
+
+# KEYS[1] record. ARGV: owner, token, ttl_ms, keep_ms. Reply: new expiry or -1
+RENEW = (
+    _PRELUDE
+    + _READ_LOCK
+    + """
+local l, why = read_lock(KEYS[1])
+if not l then return corrupt(why) end
+if held(l) and l.o == ARGV[1] and l.ts == ARGV[2] then
+  local x = now + tonumber(ARGV[3])
+  redis.call('HSET', KEYS[1], 'x', S(x))
+  redis.call('PEXPIREAT', KEYS[1], S(x + tonumber(ARGV[4])))
+  return x
+end
+return -1
+"""
+)
+
+# KEYS[1] record. Reply: {} or {owner, token, expires_ms}
+PEEK_LOCK = (
+    _PRELUDE
+    + _READ_LOCK
+    + """
+local l, why = read_lock(KEYS[1])
+if not l then return corrupt(why) end
+if held(l) then return {l.o, l.t, l.x} end
+return {}
+"""
+)
+
+# ---- fence gates -------------------------------------------------------------------
+# KEYS[1] gate. ARGV: token. Reply: {accepted 0/1, highest (decimal string)}
+FENCE_ADVANCE = (
+    _READ_GATE
+    + """
+local cur, why = read_gate(KEYS[1])
+if cur == nil then return redis.error_reply('IDEMLOCK_CORRUPT ' .. why) end
+if cur and not ge(ARGV[1], cur) then return {0, cur} end
+if cur ~= ARGV[1] then redis.call('SET', KEYS[1], ARGV[1]) end
+return {1, ARGV[1]}
+"""
+)
+
+# KEYS[1] gate, KEYS[2] the user's key. ARGV: token, value
+FENCE_SET = (
+    _READ_GATE
+    + """
+local cur, why = read_gate(KEYS[1])
+if cur == nil then return redis.error_reply('IDEMLOCK_CORRUPT ' .. why) end
+if cur and not ge(ARGV[1], cur) then return {0, cur} end
+if cur ~= ARGV[1] then redis.call('SET', KEYS[1], ARGV[1]) end
+redis.call('SET', KEYS[2], ARGV[2])
+return {1, ARGV[1]}
+"""
+)
+
+# KEYS[1] gate. Reply: false or the highest accepted (decimal string)
+FENCE_CURRENT = (
+    _READ_GATE
+    + """
+local cur, why = read_gate(KEYS[1])
+if cur == nil then return redis.error_reply('IDEMLOCK_CORRUPT ' .. why) end
+return cur
+"""
+)

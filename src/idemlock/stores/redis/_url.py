@@ -1,0 +1,268 @@
+"""From a URL or an existing redis-py client to (client, is_cluster, options)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlencode
+
+from ..._errors import ConfigurationError, StoreUnavailable
+from ..._urls import redact
+from ._common import OWN_OPTIONS, Options, own_options
+
+#: Defaults for clients idemlock builds (the user's URL or keywords override them):
+#: bounded waits, and few retries so a dead server is reported quickly.
+DEFAULT_TIMEOUT = 5.0
+
+
+def _default_retry(asynchronous: bool) -> Any:
+    from redis.backoff import ExponentialBackoff
+
+    if asynchronous:
+        from redis.asyncio.retry import Retry as ARetry
+
+        return ARetry(ExponentialBackoff(cap=0.1, base=0.01), 2)
+    from redis.retry import Retry
+
+    return Retry(ExponentialBackoff(cap=0.1, base=0.01), 2)
+
+
+def _allowed_connection_args(*classes: Any) -> set[str]:
+    from redis.connection import URL_QUERY_ARGUMENT_PARSERS
+
+    names = set(URL_QUERY_ARGUMENT_PARSERS)
+    for cls in classes:
+        for klass in cls.__mro__:
+            init = klass.__dict__.get("__init__")
+            if init is None:
+                continue
+            for p in inspect.signature(init).parameters.values():
+                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+                    names.add(p.name)
+    return names - {"self"}
+
+
+def _split(url: str) -> tuple[str, str, str, str]:
+    """(scheme, netloc, path, query) without urlsplit's port parsing (a cluster URL
+    has several host:port pairs)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise ConfigurationError(f"not a URL: {redact(url)!r}")
+    rest, _, _fragment = rest.partition("#")
+    rest, _, query = rest.partition("?")
+    netloc, slash, path = rest.partition("/")
+    return scheme.lower(), netloc, slash + path, query
+
+
+def _check_query(url: str, query: dict[str, str], allowed: set[str]) -> None:
+    unknown = sorted(set(query) - allowed - set(OWN_OPTIONS))
+    if unknown:
+        raise ConfigurationError(
+            f"unknown option(s) {', '.join(unknown)} in Redis URL {redact(url)!r}; use "
+            "redis-py connection options (socket_timeout=, ssl_cert_reqs=, ...) or "
+            "idemlock's counter_ttl= (seconds) and handoff_ms="
+        )
+
+
+def _db(url: str, path: str, query: dict[str, str]) -> None:
+    db = path.strip("/")
+    if db and not db.isdigit():
+        raise ConfigurationError(
+            f"the path of a Redis URL is the database number, got {db!r} in {redact(url)!r}"
+        )
+
+
+def build(url: str, options: dict[str, Any], asynchronous: bool) -> tuple[Any, bool, Options]:
+    """A new client for ``url``: (client, is_cluster, idemlock options)."""
+    if not isinstance(url, str):
+        raise ConfigurationError(f"a Redis URL must be a str, got {type(url).__name__}")
+    scheme, netloc, path, query_s = _split(url)
+    try:
+        query = dict(parse_qsl(query_s, keep_blank_values=True, strict_parsing=False))
+    except ValueError as exc:
+        raise ConfigurationError(f"cannot parse the options of {redact(url)!r}: {exc}") from exc
+    opts_in = dict(options)
+    for name in OWN_OPTIONS:
+        if name in query:
+            opts_in.setdefault(name, query.pop(name))
+    own = own_options(opts_in)  # pops idemlock's options; the rest goes to redis-py
+    kwargs: dict[str, Any] = {
+        "socket_timeout": DEFAULT_TIMEOUT,
+        "socket_connect_timeout": DEFAULT_TIMEOUT,
+    }
+    if scheme in ("redis", "rediss", "unix"):
+        return (
+            _standalone(url, scheme, netloc, path, query, kwargs, opts_in, asynchronous),
+            False,
+            own,
+        )
+    if scheme in ("redis+cluster", "rediss+cluster"):
+        return _cluster(url, scheme, netloc, path, query, kwargs, opts_in, asynchronous), True, own
+    raise ConfigurationError(
+        f"{redact(url)!r} is not a Redis URL; use redis://, rediss://, unix:// or "
+        "redis+cluster://host:port[,host:port...]"
+    )
+
+
+def _standalone(
+    url: str,
+    scheme: str,
+    netloc: str,
+    path: str,
+    query: dict[str, str],
+    kwargs: dict[str, Any],
+    options: dict[str, Any],
+    asynchronous: bool,
+) -> Any:
+    import redis
+    import redis.asyncio
+    import redis.connection
+
+    if scheme != "unix":
+        if not netloc.rpartition("@")[2]:
+            raise ConfigurationError(f"Redis URL {redact(url)!r} names no host")
+        _db(url, path, query)
+        host = netloc.rpartition("@")[2]
+        port = host.rpartition("]")[2].rpartition(":")[2] if ":" in host else ""
+        if port and not port.isdigit():
+            raise ConfigurationError(f"bad port {port!r} in Redis URL {redact(url)!r}")
+    elif not path.strip("/"):
+        raise ConfigurationError(f"unix:// Redis URL {redact(url)!r} names no socket path")
+    conn_cls: Any = redis.connection.Connection
+    if scheme == "rediss":
+        conn_cls = redis.connection.SSLConnection
+    elif scheme == "unix":
+        conn_cls = redis.connection.UnixDomainSocketConnection
+    _check_query(url, query, _allowed_connection_args(conn_cls))
+    if "retry" not in options:
+        kwargs["retry"] = _default_retry(asynchronous)
+    kwargs.update(options)
+    rebuilt = url.split("?", 1)[0].split("#", 1)[0]
+    if query:
+        rebuilt += "?" + urlencode(query)
+    factory = redis.asyncio.Redis if asynchronous else redis.Redis
+    try:
+        return factory.from_url(rebuilt, **kwargs)
+    except (ValueError, TypeError) as exc:
+        raise ConfigurationError(f"bad Redis URL or option in {redact(url)!r}: {exc}") from exc
+
+
+def _hostport(url: str, item: str) -> tuple[str, int]:
+    if item.startswith("["):
+        host, _, rest = item[1:].partition("]")
+        port_s = rest.removeprefix(":")
+    else:
+        host, _, port_s = item.rpartition(":")
+        if not host:
+            host, port_s = port_s, ""
+    port_s = port_s or "6379"
+    if not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
+        raise ConfigurationError(
+            f"bad cluster node {item!r} in {redact(url)!r}; write host:port[,host:port...]"
+        )
+    return unquote(host), int(port_s)
+
+
+def _cluster(
+    url: str,
+    scheme: str,
+    netloc: str,
+    path: str,
+    query: dict[str, str],
+    kwargs: dict[str, Any],
+    options: dict[str, Any],
+    asynchronous: bool,
+) -> Any:
+    import redis.connection
+
+    userinfo, _, hosts = netloc.rpartition("@")
+    if not hosts:
+        raise ConfigurationError(f"cluster URL {redact(url)!r} names no node")
+    nodes = [_hostport(url, h) for h in hosts.split(",") if h]
+    if not nodes:
+        raise ConfigurationError(f"cluster URL {redact(url)!r} names no node")
+    db = path.strip("/")
+    if db not in ("", "0"):
+        raise ConfigurationError(
+            f"Redis Cluster has only database 0; remove the path {path!r} from {redact(url)!r}"
+        )
+    conn_cls = redis.connection.SSLConnection if scheme.startswith("rediss") else None
+    _check_query(url, query, _allowed_connection_args(conn_cls or redis.connection.Connection))
+    # Let redis-py convert the query values and the credentials as for one node.
+    one = f"{'rediss' if conn_cls else 'redis'}://{userinfo + '@' if userinfo else ''}h"
+    if query:
+        one += "?" + urlencode(query)
+    try:
+        parsed = redis.connection.parse_url(one)  # type: ignore[no-untyped-call]
+    except ValueError as exc:
+        raise ConfigurationError(f"bad option in {redact(url)!r}: {exc}") from exc
+    for drop in ("host", "port", "db", "connection_class"):
+        parsed.pop(drop, None)
+    if conn_cls is not None:
+        parsed["ssl"] = True
+    kwargs.update(parsed)
+    kwargs.update(options)
+    try:
+        if asynchronous:
+            from redis.asyncio.cluster import ClusterNode as ANode
+            from redis.asyncio.cluster import RedisCluster as ACluster
+
+            return ACluster(startup_nodes=[ANode(h, p) for h, p in nodes], **kwargs)
+        from redis.cluster import ClusterNode, RedisCluster
+
+        nodes_ = [ClusterNode(h, p) for h, p in nodes]  # type: ignore[no-untyped-call]
+        return RedisCluster(startup_nodes=nodes_, **kwargs)
+    except (ValueError, TypeError) as exc:
+        raise ConfigurationError(f"bad Redis Cluster URL or option {redact(url)!r}: {exc}") from exc
+    except Exception as exc:
+        # The sync client discovers the cluster's slots right away.
+        raise StoreUnavailable(
+            f"cannot reach Redis Cluster at {redact(url)!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def check_client(client: Any, asynchronous: bool) -> bool:
+    """Whether ``client`` is a cluster client; raises if it is no usable redis-py client."""
+    import redis
+    import redis.asyncio
+    import redis.asyncio.cluster
+    import redis.cluster
+
+    if asynchronous:
+        if isinstance(client, redis.asyncio.cluster.RedisCluster):
+            return True
+        if isinstance(client, redis.asyncio.Redis):
+            return False
+        if isinstance(client, (redis.Redis, redis.cluster.RedisCluster)):
+            raise ConfigurationError(
+                "idemlock.aio.connect() needs an asyncio client (redis.asyncio.Redis or "
+                "redis.asyncio.cluster.RedisCluster); pass this blocking client to "
+                "idemlock.connect() instead"
+            )
+    else:
+        if isinstance(client, redis.cluster.RedisCluster):
+            return True
+        if isinstance(client, redis.Redis):
+            return False
+        if isinstance(client, (redis.asyncio.Redis, redis.asyncio.cluster.RedisCluster)):
+            raise ConfigurationError(
+                "idemlock.connect() needs a blocking client (redis.Redis or "
+                "redis.cluster.RedisCluster); pass this asyncio client to "
+                "idemlock.aio.connect() instead"
+            )
+    raise ConfigurationError(
+        f"cannot use a {type(client).__module__}.{type(client).__name__} as a Redis store; "
+        "pass redis.Redis, redis.cluster.RedisCluster or their redis.asyncio versions"
+    )
+
+
+def client_options(options: dict[str, Any]) -> Options:
+    opts = dict(options)
+    own = own_options(opts)
+    if opts:
+        raise ConfigurationError(
+            f"unknown option(s) {', '.join(sorted(opts))} for a Redis store built from a "
+            "client; configure the client itself, idemlock only takes counter_ttl= and "
+            "handoff_ms="
+        )
+    return own

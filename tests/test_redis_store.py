@@ -1,0 +1,728 @@
+"""The Redis store on real servers: what the contract suite cannot see.
+
+Script cache loss, data loss, connections cut in the middle of a transition, a holder
+frozen with SIGSTOP, hand-off to another process by notification, foreign data, URLs
+and clients, Cluster listings and awkward keys. Servers are throwaway ones started by
+``tests/servers/redis.py``; processes are real subprocesses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import redis.asyncio
+import redis.asyncio.cluster
+import redis.cluster
+from redis.backoff import NoBackoff
+from redis.crc import key_slot
+from redis.retry import Retry
+
+import idemlock
+import idemlock.aio
+from idemlock import (
+    Claimed,
+    Completed,
+    ConfigurationError,
+    FencedOut,
+    IdempotencySpec,
+    LockSpec,
+    StoreCorrupt,
+    StoreUnavailable,
+)
+from idemlock._core.port import Acquired, Busy, Channel, Done, Granted, Held, Mismatch
+from idemlock.stores.redis import AsyncRedisStore, RedisStore, from_client, open_async, open_sync
+from idemlock.stores.redis import _common as C
+
+from .servers.redis import RedisCluster, RedisServer, free_port, start_redis
+
+LONG = 60_000  # ms: outlives every test
+
+
+def _ns() -> str:
+    return "t" + uuid.uuid4().hex[:10] + ":job"
+
+
+@pytest.fixture
+def store(redis_server: RedisServer) -> Iterator[RedisStore]:
+    s = open_sync(redis_server.url)[0]
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def raw(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    r = redis.Redis(port=redis_server.port)
+    yield r
+    r.close()
+
+
+# ---- scripts --------------------------------------------------------------------------
+
+
+def test_noscript_after_script_flush_reloads_transparently(
+    store: RedisStore, raw: redis.Redis
+) -> None:
+    ns = _ns()
+    first = store.claim(ns, "k", None, "aa", LONG)
+    assert isinstance(first, Granted)
+    raw.script_flush()
+    again = store.claim(ns, "k", None, "aa", LONG)  # NOSCRIPT -> SCRIPT LOAD -> EVALSHA
+    assert isinstance(again, Granted)
+    assert (again.fence, again.expires_ms) == (first.fence, first.expires_ms)
+    raw.script_flush()
+    assert store.complete(ns, "k", "aa", b"r", LONG)
+    raw.script_flush()
+    reply = store.claim(ns, "k", None, "bb", LONG)
+    assert isinstance(reply, Done) and reply.result == b"r"
+
+
+async def test_noscript_async_and_on_every_cluster_master(
+    redis_server: RedisServer, redis_cluster: RedisCluster
+) -> None:
+    astore = open_async(redis_server.url)[0]
+    cstore = open_sync(redis_cluster.url)[0]
+    try:
+        redis.Redis(port=redis_server.port).script_flush()
+        assert isinstance(await astore.acquire(_ns(), "k", "me", LONG), Acquired)
+        ns = _ns()
+        keys = [f"k{i}" for i in range(12)]  # spread over the three masters
+        for k in keys:
+            assert isinstance(cstore.acquire(ns, k, "me", LONG), Acquired)
+        for port in redis_cluster.ports:
+            redis.Redis(port=port).script_flush()
+        for k in keys:
+            assert isinstance(cstore.acquire(ns, k, "me", LONG), Acquired)  # same owner
+    finally:
+        await astore.aclose()
+        cstore.close()
+
+
+# ---- fencing tokens survive data loss ----------------------------------------------------
+
+
+def test_tokens_keep_rising_across_a_data_losing_restart(tmp_path: Path) -> None:
+    server = start_redis(tmp_path / "lossy")
+    try:
+        coord = idemlock.connect(server.url, key_prefix="loss")
+        locks = coord.lock(LockSpec("l", ttl=timedelta(seconds=60)))
+        port = coord.idempotency(IdempotencySpec("j"))
+        gate = coord.fence("res")
+        issued: list[int] = []
+        for _ in range(3):
+            lease = locks.acquire("k")
+            assert lease is not None and lease.token is not None
+            issued.append(lease.token)
+            locks.release(lease)
+            claim = port.claim("job")
+            assert isinstance(claim, Claimed)
+            issued.append(claim.token.fence)
+            port.abandon(claim.token)
+        gate.check_and_advance(issued[-1])
+        held = locks.acquire("k")  # still held when the data goes
+        assert held is not None and held.token is not None
+        issued.append(held.token)
+
+        server.restart()  # no persistence: every key and every script is gone
+        assert redis.Redis(port=server.port).dbsize() == 0
+
+        after = locks.acquire("k")  # a lost lock is free again...
+        assert after is not None and after.token is not None
+        claim = port.claim("job")
+        assert isinstance(claim, Claimed)
+        # ...but its token, and the claim's fence, are above everything issued before.
+        assert after.token > max(issued)
+        assert claim.token.fence > max(issued)
+        assert gate.current() is None  # the gate was lost with the data
+        coord.close()
+    finally:
+        server.stop()
+
+
+def test_readonly_replica_and_a_frozen_server_are_store_unavailable(tmp_path: Path) -> None:
+    primary = start_redis(tmp_path / "primary")
+    replica = RedisServer(
+        tmp_path / "replica", free_port(), ("--replicaof", "127.0.0.1", str(primary.port))
+    )
+    replica.start()
+    try:
+        store = open_sync(replica.url)[0]
+        with pytest.raises(StoreUnavailable) as info:
+            store.claim(_ns(), "k", None, "t", LONG)  # a failover not seen yet: READONLY
+        assert isinstance(info.value.__cause__, redis.ReadOnlyError)
+        assert not isinstance(info.value, StoreCorrupt)
+        store.close()
+
+        store = open_sync(primary.url, socket_timeout=0.3)[0]
+        assert isinstance(store.acquire(_ns(), "k", "me", LONG), Acquired)
+        assert primary.proc is not None
+        os.kill(primary.proc.pid, signal.SIGSTOP)  # hung, not dead: only a timeout tells
+        try:
+            with pytest.raises(StoreUnavailable) as info:
+                store.acquire(_ns(), "k", "me", LONG)
+            assert isinstance(info.value.__cause__, redis.TimeoutError)
+        finally:
+            os.kill(primary.proc.pid, signal.SIGCONT)
+        store.close()
+    finally:
+        replica.stop()
+        primary.stop()
+
+
+# ---- a connection cut in the middle of a transition ------------------------------------
+
+
+class CutProxy:
+    """A loopback TCP proxy in front of Redis that can cut the connection once, either
+    before an EVALSHA reaches the server or after the server ran it (the reply lost)."""
+
+    def __init__(self, upstream: int) -> None:
+        self.upstream = upstream
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.mode: str | None = None
+        self.cuts = 0
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def arm(self, mode: str) -> None:
+        with self._lock:
+            self.mode = mode
+
+    def _take(self, mode: str) -> bool:
+        with self._lock:
+            if self.mode == mode:
+                self.mode = None
+                self.cuts += 1
+                return True
+            return False
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(("127.0.0.1", self.upstream))
+            state = {"drop_reply": False}
+            self._socks += [client, up]
+            threading.Thread(target=self._up, args=(client, up, state), daemon=True).start()
+            threading.Thread(target=self._down, args=(client, up, state), daemon=True).start()
+
+    @staticmethod
+    def _close(*socks: socket.socket) -> None:
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def _up(self, client: socket.socket, up: socket.socket, state: dict[str, bool]) -> None:
+        try:
+            while data := client.recv(65536):
+                if b"EVALSHA" in data:
+                    if self._take("drop_request"):
+                        self._close(client, up)
+                        return
+                    if self._take("drop_reply"):
+                        state["drop_reply"] = True
+                up.sendall(data)
+        except OSError:
+            pass
+        self._close(client, up)
+
+    def _down(self, client: socket.socket, up: socket.socket, state: dict[str, bool]) -> None:
+        try:
+            while data := up.recv(65536):
+                if state["drop_reply"]:
+                    self._close(client, up)  # the script ran; its reply is lost
+                    return
+                client.sendall(data)
+        except OSError:
+            pass
+        self._close(client, up)
+
+    def close(self) -> None:
+        self.listener.close()
+        self._close(*self._socks)
+
+
+@pytest.fixture
+def proxy(redis_server: RedisServer) -> Iterator[CutProxy]:
+    p = CutProxy(redis_server.port)
+    yield p
+    p.close()
+
+
+def test_cut_without_retries_leaves_no_half_made_claim(proxy: CutProxy) -> None:
+    store = open_sync(f"redis://127.0.0.1:{proxy.port}/0", retry=Retry(NoBackoff(), 0))[0]
+    try:
+        ns = _ns()
+        proxy.arm("drop_request")  # never reaches Redis
+        with pytest.raises(StoreUnavailable) as info:
+            store.claim(ns, "a", "fp", "tok-a", LONG)
+        assert isinstance(info.value.__cause__, redis.ConnectionError)
+        assert store.record(ns, "a") is None
+        assert isinstance(store.claim(ns, "a", "fp", "tok-other", LONG), Granted)
+
+        proxy.arm("drop_reply")  # Redis ran the script; the caller never hears of it
+        with pytest.raises(StoreUnavailable):
+            store.claim(ns, "b", "fp", "tok-b", LONG)
+        row = store.record(ns, "b")
+        assert row is not None and row.state == "in_flight"  # whole, not half-made
+        again = store.claim(ns, "b", "fp", "tok-b", LONG)  # the caller's retry
+        assert isinstance(again, Granted) and again.fence == row.fence
+        assert isinstance(store.claim(ns, "b", "fp", "tok-c", LONG), Busy)
+        assert proxy.cuts == 2
+    finally:
+        store.close()
+
+
+def test_cut_with_client_retries_is_recognised_not_reported_stale(proxy: CutProxy) -> None:
+    # Our clients retry a failed command once or twice; every script must be safe to
+    # run twice with the same arguments.
+    store = open_sync(f"redis://127.0.0.1:{proxy.port}/0")[0]
+    try:
+        ns = _ns()
+        proxy.arm("drop_reply")
+        first = store.claim(ns, "k", "fp", "tok", LONG)
+        assert isinstance(first, Granted)
+        proxy.arm("drop_reply")
+        assert store.complete(ns, "k", "tok", b"result", LONG) is True  # ran twice
+        done = store.claim(ns, "k", "fp", "tok2", LONG)
+        assert isinstance(done, Done) and done.result == b"result"
+        assert store.complete(ns, "k", "tok", b"other", LONG) is False  # a real 2nd call
+
+        proxy.arm("drop_reply")
+        lock = store.acquire(ns, "l", "me", LONG)
+        assert isinstance(lock, Acquired)
+        proxy.arm("drop_reply")
+        assert store.release(ns, "l", "me", lock.token) is True
+        assert store.release(ns, "l", "me", lock.token) is False
+        claim = store.claim(ns, "a", None, "t3", LONG)
+        proxy.arm("drop_reply")
+        assert isinstance(claim, Granted) and store.abandon(ns, "a", "t3") is True
+        assert proxy.cuts == 5
+    finally:
+        store.close()
+
+
+# ---- a frozen holder is fenced out ------------------------------------------------------
+
+HOLDER = textwrap.dedent(
+    """
+    import sys
+    from datetime import timedelta
+    import idemlock
+    from idemlock import FencedOut, LockLost, LockSpec
+
+    url, prefix = sys.argv[1], sys.argv[2]
+    coord = idemlock.connect(url, key_prefix=prefix)
+    locks = coord.lock(LockSpec("writer", ttl=timedelta(seconds=0.5)))
+    gate = coord.fence("ledger")
+    try:
+        with locks.hold("ledger") as lease:
+            print(lease.token, flush=True)
+            sys.stdin.readline()  # frozen by SIGSTOP somewhere around here
+            try:
+                gate.set_if_fresh(lease.token, "ledger", b"stale write")
+                print("written", flush=True)
+            except FencedOut:
+                print("fenced", flush=True)
+    except LockLost:
+        pass
+    coord.close()
+    """
+)
+
+
+def test_holder_paused_past_its_ttl_is_fenced_out(redis_server: RedisServer) -> None:
+    prefix = "p" + uuid.uuid4().hex[:8]
+    child = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, redis_server.url, prefix],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        old = int(child.stdout.readline())
+        os.kill(child.pid, signal.SIGSTOP)  # a GC pause, a frozen VM: no renewals
+        coord = idemlock.connect(redis_server.url, key_prefix=prefix)
+        locks = coord.lock(LockSpec("writer", ttl=timedelta(seconds=30)))
+        new = locks.acquire("ledger", wait=5)  # free once the frozen lease ran out
+        assert new is not None and new.token is not None and new.token > old
+        coord.fence("ledger").set_if_fresh(new.token, "ledger", b"fresh write")
+        os.kill(child.pid, signal.SIGCONT)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "fenced"
+        assert child.wait(timeout=10) == 0
+        assert redis.Redis(port=redis_server.port).get("ledger") == b"fresh write"
+        with pytest.raises(FencedOut):
+            coord.fence("ledger").set_if_fresh(old, "ledger", b"late")
+        locks.release(new)
+        coord.close()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signal.SIGCONT)
+        child.kill()
+        child.wait()
+
+
+# ---- hand-off to a waiting process by notification -------------------------------------
+
+WAITER = textwrap.dedent(
+    """
+    import sys
+    import idemlock
+    from idemlock._core.port import Channel
+    from idemlock.stores.redis import open_sync
+
+    url, ns, key = sys.argv[1], sys.argv[2], sys.argv[3]
+    store = open_sync(url)[0]
+    sub = store.subscribe(Channel("lock", ns, key))
+    print("subscribed", flush=True)
+    woken = sub.wait(30)  # a long wait: only a notification ends it early
+    reply = store.acquire(ns, key, "waiter", 60000)
+    print(woken, type(reply).__name__, getattr(reply, "token", 0), flush=True)
+    sub.close()
+    store.close()
+    """
+)
+
+
+def test_waiter_in_another_process_is_woken_by_the_release(
+    store: RedisStore, redis_server: RedisServer
+) -> None:
+    ns = _ns()
+    held = store.acquire(ns, "k", "holder", LONG)
+    assert isinstance(held, Acquired)
+    child = subprocess.Popen(
+        [sys.executable, "-c", WAITER, redis_server.url, ns, "k"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None
+    try:
+        assert child.stdout.readline().strip() == "subscribed"
+        assert store.release(ns, "k", "holder", held.token)
+        woken, kind, token = child.stdout.readline().split()
+        assert woken == "True"  # the release woke it, not its 30 s timeout
+        assert kind == "Acquired" and int(token) > held.token
+        assert child.wait(timeout=10) == 0
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_release_hands_the_lock_to_the_waiter_not_back_to_the_releaser(
+    redis_server: RedisServer,
+) -> None:
+    # The releaser tries again at once; the waiter, registered while it waited, wins.
+    holder = idemlock.connect(redis_server.url, key_prefix="h", handoff_ms=2000)
+    waiter = idemlock.connect(redis_server.url, key_prefix="h", handoff_ms=2000)
+    spec = LockSpec("l" + uuid.uuid4().hex[:8], ttl=timedelta(seconds=30))
+    mine = holder.lock(spec).acquire("k")
+    assert mine is not None
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.append(waiter.lock(spec).acquire("k", wait=10)))
+    t.start()
+    waiters_key = C.names(holder._ns(spec.name), "k").waiters
+    raw = redis.Redis(port=redis_server.port)
+    deadline = time.monotonic() + 5
+    while not raw.exists(waiters_key) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert raw.exists(waiters_key), "the waiter never registered"
+    holder.lock(spec).release(mine)
+    assert holder.lock(spec).acquire("k") is None  # no barging back in
+    t.join(timeout=10)
+    assert got and got[0] is not None and got[0].token > mine.token
+    assert not raw.exists(waiters_key)  # it got the lock: no longer registered
+    holder.close()
+    waiter.close()
+
+
+def test_a_waiter_that_gave_up_does_not_hold_the_lock_back(store: RedisStore) -> None:
+    ns = _ns()
+    held = store.acquire(ns, "k", "a", LONG)
+    assert isinstance(held, Acquired)
+    sub = store.subscribe(Channel("lock", ns, "k"))
+    assert isinstance(store.acquire(ns, "k", "b", LONG), Held)  # registers "b"'s process
+    sub.close()  # gives up: unregisters
+    assert store.release(ns, "k", "a", held.token)
+    assert isinstance(store.acquire(ns, "k", "c", LONG), Acquired)
+
+
+async def test_async_subscription_keeps_an_early_notification(redis_server: RedisServer) -> None:
+    astore = open_async(redis_server.url)[0]
+    try:
+        ns = _ns()
+        held = await astore.acquire(ns, "k", "a", LONG)
+        assert isinstance(held, Acquired)
+        sub = await astore.subscribe(Channel("lock", ns, "k"))
+        assert await astore.release(ns, "k", "a", held.token)
+        await asyncio.sleep(0.05)  # the notification lands before anyone waits
+        assert await sub.wait(5) is True
+        assert await sub.wait(0.01) is False
+        await sub.aclose()
+    finally:
+        await astore.aclose()
+
+
+# ---- foreign and corrupt data ---------------------------------------------------------
+
+
+def test_foreign_data_raises_store_corrupt(store: RedisStore, raw: redis.Redis) -> None:
+    ns = _ns()
+    n = C.names(ns, "k")
+    raw.set(n.claim, b"not a record")
+    with pytest.raises(StoreCorrupt):
+        store.claim(ns, "k", None, "t", LONG)
+    with pytest.raises(StoreCorrupt):
+        store.record(ns, "k")
+    with pytest.raises(StoreCorrupt):
+        store.records(ns)
+    raw.delete(n.claim)
+    raw.rpush(n.claim, b"x")  # wrong type
+    with pytest.raises(StoreCorrupt):
+        store.complete(ns, "k", "t", b"r", LONG)
+    raw.hset(n.lock, mapping={"owner": "someone"})  # a hash, but not ours
+    with pytest.raises(StoreCorrupt):
+        store.acquire(ns, "k", "me", LONG)
+    raw.delete(n.lock)
+    raw.hset(n.lock, mapping={"o": "x", "t": "abc", "x": "1"})  # ours, damaged
+    with pytest.raises(StoreCorrupt):
+        store.lock(ns, "k")
+    raw.set(C.gate_name(ns, "res"), b"12abc")
+    with pytest.raises(StoreCorrupt):
+        store.fence_advance(ns, "res", 5)
+    with pytest.raises(StoreCorrupt):
+        store.fence_current(ns, "res")
+    # A corrupt record is never replayed as a result.
+    assert issubclass(StoreCorrupt, StoreUnavailable)
+
+
+# ---- URLs and clients -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://localhost:notaport/0",
+        "redis://localhost/notadb",
+        "redis://localhost/0?bogus_option=1",
+        "redis://localhost/0?socket_timeout=soon",
+        "redis:///0",
+        "unix://",
+        "redis+cluster://",
+        "redis+cluster://h1:1,h2:x",
+        "redis+cluster://h1:1/3",
+        "redis+cluster://h1:1?nonsense=2",
+        "redis://localhost/0?counter_ttl=0",
+        "redis://localhost/0?handoff_ms=-1",
+    ],
+)
+def test_bad_urls_raise_configuration_error(url: str) -> None:
+    with pytest.raises(ConfigurationError):
+        idemlock.connect(url)
+    with pytest.raises(ConfigurationError):
+        idemlock.aio.connect(url)
+
+
+def test_unreachable_server_is_store_unavailable() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]  # nothing listens once the socket closes
+    coord = idemlock.connect(f"redis://127.0.0.1:{dead}/0")
+    with pytest.raises(StoreUnavailable) as info:
+        coord.lock("l").acquire("k")
+    assert isinstance(info.value.__cause__, redis.ConnectionError)
+    coord.close()
+
+
+def test_url_options_reach_the_store_and_the_client(redis_server: RedisServer) -> None:
+    store = open_sync(f"{redis_server.url}?counter_ttl=5&handoff_ms=0&socket_timeout=2")[0]
+    assert store._keep == 5000 and store._handoff == 0
+    assert store.client.connection_pool.connection_kwargs["socket_timeout"] == 2.0
+    store.close()
+
+
+async def test_existing_clients_of_every_kind(
+    redis_server: RedisServer, redis_cluster: RedisCluster
+) -> None:
+    port = redis_server.port
+    nodes = [redis.cluster.ClusterNode("127.0.0.1", p) for p in redis_cluster.ports]
+    anodes = [redis.asyncio.cluster.ClusterNode("127.0.0.1", p) for p in redis_cluster.ports]
+    sync_clients = [
+        redis.Redis(port=port),
+        redis.Redis(port=port, decode_responses=True),  # results stay bytes anyway
+        redis.cluster.RedisCluster(startup_nodes=nodes),
+    ]
+    for client in sync_clients:
+        coord = idemlock.connect(client, key_prefix="c" + uuid.uuid4().hex[:8])
+        port_ = coord.idempotency("ops")
+        claim = port_.claim("k", payload={"n": 1})
+        assert isinstance(claim, Claimed)
+        port_.complete(claim.token, {"bytes": "é\u00ff"})
+        again = port_.claim("k", payload={"n": 1})
+        assert isinstance(again, Completed) and again.result == {"bytes": "é\u00ff"}
+        rows = coord.keys()
+        assert [r.key for r in rows] == ["k"]
+        coord.close()
+        assert client.ping()  # idemlock does not close a client it was given
+        client.close()
+    async_clients = [
+        redis.asyncio.Redis(port=port),
+        redis.asyncio.cluster.RedisCluster(startup_nodes=anodes),
+    ]
+    for aclient in async_clients:
+        acoord = idemlock.aio.connect(aclient, key_prefix="a" + uuid.uuid4().hex[:8])
+        lease = await acoord.lock("l").acquire("k")
+        assert lease is not None
+        assert [(i.key, i.token) for i in await acoord.locks()] == [("k", lease.token)]
+        assert await acoord.lock("l").release(lease)
+        await acoord.close()
+        assert await aclient.ping()
+        await aclient.aclose()
+
+
+def test_clients_of_the_wrong_kind_are_refused(redis_server: RedisServer) -> None:
+    with pytest.raises(ConfigurationError):
+        idemlock.connect(redis.asyncio.Redis(port=redis_server.port))
+    with pytest.raises(ConfigurationError):
+        idemlock.aio.connect(redis.Redis(port=redis_server.port))
+    with pytest.raises(ConfigurationError):
+        from_client(redis.Redis(port=redis_server.port), asynchronous=False, max_keys=3)
+    assert isinstance(from_client(redis.Redis(), asynchronous=False)[0], RedisStore)
+    assert isinstance(from_client(redis.asyncio.Redis(), asynchronous=True)[0], AsyncRedisStore)
+
+
+# ---- Cluster --------------------------------------------------------------------------
+
+
+def test_cluster_listings_cover_every_master(redis_cluster: RedisCluster) -> None:
+    coord = idemlock.connect(redis_cluster.url, key_prefix="ls" + uuid.uuid4().hex[:6])
+    port = coord.idempotency("orders")
+    locks = coord.lock(LockSpec("jobs", ttl=timedelta(seconds=60)))
+    keys = [f"key-{i}" for i in range(30)]
+    for k in keys:
+        claim = port.claim(k)
+        assert isinstance(claim, Claimed)
+        if k.endswith("0"):
+            port.complete(claim.token, k)
+        assert locks.acquire(k) is not None
+    # The records really live on all three masters.
+    masters = set()
+    client = coord.store.client
+    for k in keys:
+        node = client.get_node_from_key(C.names(port._ns, k).claim)
+        masters.add(node.name)
+    assert len(masters) == 3
+    rows = coord.keys()
+    assert sorted(r.key for r in rows) == sorted(keys)
+    assert {r.state for r in rows} == {"in_flight", "completed"}
+    assert sorted(i.key for i in coord.locks()) == sorted(keys)
+    coord.close()
+
+
+async def test_cluster_async_listing_and_waiting(redis_cluster: RedisCluster) -> None:
+    prefix = "al" + uuid.uuid4().hex[:6]
+    a = idemlock.aio.connect(redis_cluster.url, key_prefix=prefix)
+    b = idemlock.aio.connect(redis_cluster.url, key_prefix=prefix)
+    spec = LockSpec("jobs", ttl=timedelta(seconds=60))
+    leases = [await a.lock(spec).acquire(f"k{i}") for i in range(10)]
+    assert sorted(i.key for i in await b.locks()) == sorted(f"k{i}" for i in range(10))
+    waiting = asyncio.create_task(b.lock(spec).acquire("k3", wait=10))
+    await asyncio.sleep(0.1)
+    lease = leases[3]
+    assert lease is not None
+    await a.lock(spec).release(lease)
+    got = await waiting
+    assert got is not None and got.token is not None and lease.token is not None
+    assert got.token > lease.token
+    await a.close()
+    await b.close()
+
+
+AWKWARD = ["a:b", "a}b", "{a}b", "a{b}", "{}", "}{", "a|b", "a%7Cb", "a%25", "{a", "ü:{x}|y"]
+
+
+@pytest.mark.parametrize("where", ["standalone", "cluster"])
+def test_awkward_keys_never_collide(
+    where: str, redis_server: RedisServer, redis_cluster: RedisCluster
+) -> None:
+    url = redis_server.url if where == "standalone" else redis_cluster.url
+    store = open_sync(url)[0]
+    try:
+        base = "t" + uuid.uuid4().hex[:6]
+        pairs = [(base + ns, key) for ns in ("", ":a", ":a|b", ":a%7Cb", ":{x}") for key in AWKWARD]
+        for i, (ns, key) in enumerate(pairs):
+            assert isinstance(store.claim(ns, key, None, f"t{i}", LONG), Granted)
+            assert isinstance(store.acquire(ns, key, f"o{i}", LONG), Acquired)
+        # Every pair got a record of its own: a second claim of each sees only its own.
+        for i, (ns, key) in enumerate(pairs):
+            again = store.claim(ns, key, None, f"t{i}", LONG)
+            assert isinstance(again, Granted), (ns, key)
+            row = store.lock(ns, key)
+            assert row is not None and row.owner == f"o{i}" and (row.ns, row.key) == (ns, key)
+        listed = {(r.ns, r.key) for r in store.records(base)}
+        assert listed == set(pairs)
+        assert {(r.ns, r.key) for r in store.locks(base + ":a|")} == {
+            p for p in pairs if p[0].startswith(base + ":a|")
+        }
+        assert {(r.ns, r.key) for r in store.records(base + ":a%")} == {
+            p for p in pairs if p[0].startswith(base + ":a%")
+        }
+    finally:
+        store.close()
+
+
+def test_mismatch_and_keys_with_braces_on_cluster(redis_cluster: RedisCluster) -> None:
+    store = open_sync(redis_cluster.url)[0]
+    try:
+        ns = _ns()
+        assert isinstance(store.claim(ns, "{tag}k", "fp1", "t1", LONG), Granted)
+        assert store.claim(ns, "{tag}k", "fp2", "t2", LONG) == Mismatch("in_flight")
+        assert isinstance(store.claim(ns, "{tag}k2", "fp2", "t2", LONG), Granted)
+    finally:
+        store.close()
+
+
+def test_set_if_fresh_on_cluster_needs_the_resource_slot(redis_cluster: RedisCluster) -> None:
+    coord = idemlock.connect(redis_cluster.url, key_prefix="f" + uuid.uuid4().hex[:6])
+    raw = redis.cluster.RedisCluster(
+        startup_nodes=[redis.cluster.ClusterNode("127.0.0.1", p) for p in redis_cluster.ports]
+    )
+    try:
+        gate = coord.fence("balance:42")
+        assert gate.set_if_fresh(5, "balance:42", b"100") == 5  # the resource itself
+        tagged = coord.fence("{acct:42}")
+        assert tagged.set_if_fresh(7, "{acct:42}:balance", "70") == 7  # a shared tag
+        assert raw.get("{acct:42}:balance") == b"70"
+        with pytest.raises(FencedOut):
+            tagged.set_if_fresh(6, "{acct:42}:balance", b"60")
+        assert raw.get("{acct:42}:balance") == b"70"
+        odd = coord.fence("a}b")  # no hash tag, and a brace: placed by slot number
+        assert odd.set_if_fresh(1, "a}b", b"x") == 1
+        assert key_slot(C.gate_name(odd._ns, "a}b")) == key_slot(b"a}b")
+        with pytest.raises(ConfigurationError):
+            gate.set_if_fresh(9, "elsewhere", b"x")
+    finally:
+        raw.close()
+        coord.close()
