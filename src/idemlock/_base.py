@@ -360,6 +360,19 @@ class IdempotencyBase(Emitter):
         if not ok:
             raise self._stale(token, what)
 
+    def _extended(self, token: ClaimToken, new_exp: int | None) -> ClaimToken:
+        if new_exp is None:
+            raise self._stale(token, "extend")
+        return ClaimToken(
+            token.key,
+            token.token,
+            token.fence,
+            from_ms(new_exp),
+            token.spec,
+            token._ns,
+            token._skey,
+        )
+
     def _stale(self, token: ClaimToken, what: str) -> Exception:
         from ._errors import StaleClaim
 

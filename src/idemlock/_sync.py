@@ -37,6 +37,7 @@ from ._core.types import (
     LockInfo,
     LockSpec,
     RecordStatus,
+    to_ms,
 )
 from ._drive import run_sync
 from ._errors import FencedOut, LockLost, LockNotAcquired
@@ -190,6 +191,15 @@ class IdempotencyPort(IdempotencyBase):
         """Release the claim so a retry runs the operation again."""
         t0 = self._t0()
         self._done(token, self._store.abandon(*self._token_args(token)), "abandon", t0)
+
+    def extend(self, token: ClaimToken, lease: timedelta | float | None = None) -> ClaimToken:
+        """Push the end of a running claim's lease to ``lease`` (default: the spec's)
+        from now, for work that runs longer than planned; the fence stays. Returns the
+        token with its new ``expires_at``. ``StaleClaim`` if the claim no longer holds
+        its key (an expired claim is never revived)."""
+        args = self._token_args(token)
+        lease_ms = self._lease_ms if lease is None else to_ms(lease, "lease")
+        return self._extended(token, self._store.extend(*args, lease_ms))
 
     def status(self, key: str) -> RecordStatus | None:
         """What the store holds for ``key``: None, in flight or completed, with expiry."""

@@ -39,6 +39,7 @@ from ._core.types import (
     LockInfo,
     LockSpec,
     RecordStatus,
+    to_ms,
 )
 from ._drive import run_async
 from ._errors import ConfigurationError, FencedOut, LockLost, LockNotAcquired
@@ -200,6 +201,15 @@ class AsyncIdempotencyPort(IdempotencyBase):
         """Release the claim so a retry runs the operation again."""
         t0 = self._t0()
         self._done(token, await self._store.abandon(*self._token_args(token)), "abandon", t0)
+
+    async def extend(self, token: ClaimToken, lease: timedelta | float | None = None) -> ClaimToken:
+        """Push the end of a running claim's lease to ``lease`` (default: the spec's)
+        from now, for work that runs longer than planned; the fence stays. Returns the
+        token with its new ``expires_at``. ``StaleClaim`` if the claim no longer holds
+        its key (an expired claim is never revived)."""
+        args = self._token_args(token)
+        lease_ms = self._lease_ms if lease is None else to_ms(lease, "lease")
+        return self._extended(token, await self._store.extend(*args, lease_ms))
 
     async def status(self, key: str) -> RecordStatus | None:
         """What the store holds for ``key``."""

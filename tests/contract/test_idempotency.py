@@ -304,3 +304,28 @@ async def test_wait_returns_the_result_of_the_running_attempt(api: Facade) -> No
         assert isinstance(got, Completed) and got.result == "done by other"
     finally:
         await other.close()
+
+
+async def test_extend_keeps_a_long_claim_alive(api: Facade) -> None:
+    port = api.idem(SPEC)
+    claim = await port.claim("long-job")
+    assert isinstance(claim, Claimed)
+    api.harness.advance(LEASE * 0.6)
+    extended = await port.extend(claim.token, lease=LEASE * 2)
+    assert extended.fence == claim.token.fence and extended.token == claim.token.token
+    assert extended.expires_at > claim.token.expires_at
+    api.harness.advance(LEASE * 0.6)  # past the first lease: still ours
+    assert isinstance(await port.claim("long-job"), InFlight)
+    await port.complete(extended, "done")
+    replay = await port.claim("long-job")
+    assert isinstance(replay, Completed) and replay.result == "done"
+
+
+async def test_extend_never_revives_an_expired_claim(api: Facade) -> None:
+    port = api.idem(SPEC)
+    claim = await port.claim("late")
+    assert isinstance(claim, Claimed)
+    api.harness.advance(LEASE + 0.15)
+    with pytest.raises(StaleClaim):
+        await port.extend(claim.token)
+    assert await port.status("late") is None

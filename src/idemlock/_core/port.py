@@ -184,6 +184,10 @@ class SyncStore(Protocol):
     def abandon(self, ns: str, key: str, token: str) -> bool:
         """in_flight with this token -> absent (fence counter kept); else False, no change."""
 
+    def extend(self, ns: str, key: str, token: str, lease_ms: int) -> int | None:
+        """in_flight with this token, lease not over -> lease ends now + lease_ms; returns
+        the new expires_ms. Else None, no change (an expired claim is never revived)."""
+
     def record(self, ns: str, key: str) -> RecordRow | None:
         """The live record, or None if absent or expired."""
 
@@ -245,6 +249,8 @@ class AsyncStore(Protocol):
     async def complete(self, ns: str, key: str, token: str, result: bytes, ttl_ms: int) -> bool: ...
 
     async def abandon(self, ns: str, key: str, token: str) -> bool: ...
+
+    async def extend(self, ns: str, key: str, token: str, lease_ms: int) -> int | None: ...
 
     async def record(self, ns: str, key: str) -> RecordRow | None: ...
 

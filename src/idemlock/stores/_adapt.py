@@ -68,6 +68,10 @@ class _AsyncFace:
     async def abandon(self, ns: str, key: str, token: str) -> bool:
         return bool(await self._call(self.sync.abandon, ns, key, token))
 
+    async def extend(self, ns: str, key: str, token: str, lease_ms: int) -> int | None:
+        r: int | None = await self._call(self.sync.extend, ns, key, token, lease_ms)
+        return r
+
     async def record(self, ns: str, key: str) -> RecordRow | None:
         r: RecordRow | None = await self._call(self.sync.record, ns, key)
         return r

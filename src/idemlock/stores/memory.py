@@ -95,6 +95,15 @@ class MemoryStore:
             self._hub.notify(("claim", ns, key))
             return True
 
+    def extend(self, ns: str, key: str, token: str, lease_ms: int) -> int | None:
+        with self._lock:
+            now = self._now()
+            rec = self._claims.get((ns, key))
+            if rec is None or not T.holds(rec, token, now):
+                return None
+            rec.expires_ms = now + lease_ms
+            return rec.expires_ms
+
     def record(self, ns: str, key: str) -> RecordRow | None:
         with self._lock:
             rec = self._claims.get((ns, key))

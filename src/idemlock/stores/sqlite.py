@@ -141,6 +141,10 @@ _ABANDON = """
 UPDATE claims SET expires_ms = 0, result = NULL
 WHERE ns = ?1 AND key = ?2 AND token = ?3 AND state = 'in_flight' AND expires_ms > ?4
 """
+_EXTEND = """
+UPDATE claims SET expires_ms = ?1
+WHERE ns = ?2 AND key = ?3 AND token = ?4 AND state = 'in_flight' AND expires_ms > ?5
+"""
 _FORGET = """
 UPDATE claims SET expires_ms = 0, result = NULL
 WHERE ns = ?1 AND key = ?2 AND expires_ms > ?3
@@ -494,6 +498,9 @@ class SQLiteStore:
             return True
         return False
 
+    def extend(self, ns: str, key: str, token: str, lease_ms: int) -> int | None:
+        return self._write(_extend, ns, key, token, lease_ms)
+
     def record(self, ns: str, key: str) -> RecordRow | None:
         rows = self._read(_RECORD_GET, (ns, key, _now_ms()))
         if not rows:
@@ -610,6 +617,14 @@ def _complete(
 
 def _abandon(cur: sqlite3.Cursor, ns: str, key: str, token: str) -> bool:
     return cur.execute(_ABANDON, (ns, key, token, _now_ms())).rowcount == 1
+
+
+def _extend(cur: sqlite3.Cursor, ns: str, key: str, token: str, lease_ms: int) -> int | None:
+    now = _now_ms()
+    expires = now + lease_ms
+    if cur.execute(_EXTEND, (expires, ns, key, token, now)).rowcount == 1:
+        return expires
+    return None
 
 
 def _forget(cur: sqlite3.Cursor, ns: str, key: str) -> bool:

@@ -121,6 +121,14 @@ WHERE c.ns = %(ns)s::text AND c.key = %(key)s::text AND c.token = %(token)s::tex
 RETURNING pg_notify(%(chan)s::text, '')
 """
 
+EXTEND = """
+UPDATE {s}.claims AS c SET expires_ms = n.ms + %(lease)s
+FROM (SELECT {now} AS ms) AS n
+WHERE c.ns = %(ns)s::text AND c.key = %(key)s::text AND c.token = %(token)s::text
+  AND c.state = 'in_flight' AND c.expires_ms > n.ms
+RETURNING c.expires_ms
+"""
+
 FORGET = """
 UPDATE {s}.claims AS c SET expires_ms = 0, result = NULL
 FROM (SELECT {now} AS ms) AS n
@@ -281,6 +289,7 @@ class Statements:
     claim: Stmt
     complete: Stmt
     abandon: Stmt
+    extend: Stmt
     forget: Stmt
     record: Stmt
     records: Stmt
@@ -303,6 +312,7 @@ class Statements:
             claim=r(CLAIM, schema),
             complete=r(COMPLETE, schema),
             abandon=r(ABANDON, schema),
+            extend=r(EXTEND, schema),
             forget=r(FORGET, schema),
             record=r(RECORD, schema),
             records=r(RECORDS, schema),

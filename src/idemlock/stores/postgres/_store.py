@@ -434,6 +434,11 @@ class PostgresStore(_Base):
         params = {"ns": ns, "key": key, "token": token, "chan": self._chan("claim", ns, key)}
         return bool(self._rows(self.statements.abandon, params, "abandon", False))
 
+    def extend(self, ns: str, key: str, token: str, lease_ms: int) -> int | None:
+        params = {"ns": ns, "key": key, "token": token, "lease": Int8(lease_ms)}
+        rows = self._rows(self.statements.extend, params, "extend", True)
+        return int(rows[0][0]) if rows else None
+
     def record(self, ns: str, key: str) -> RecordRow | None:
         rows = self._rows(self.statements.record, {"ns": ns, "key": key}, "record", True)
         if not rows:
@@ -665,6 +670,11 @@ class AsyncPostgresStore(_Base):
     async def abandon(self, ns: str, key: str, token: str) -> bool:
         params = {"ns": ns, "key": key, "token": token, "chan": self._chan("claim", ns, key)}
         return bool(await self._rows(self.statements.abandon, params, "abandon", False))
+
+    async def extend(self, ns: str, key: str, token: str, lease_ms: int) -> int | None:
+        params = {"ns": ns, "key": key, "token": token, "lease": Int8(lease_ms)}
+        rows = await self._rows(self.statements.extend, params, "extend", True)
+        return int(rows[0][0]) if rows else None
 
     async def record(self, ns: str, key: str) -> RecordRow | None:
         rows = await self._rows(self.statements.record, {"ns": ns, "key": key}, "record", True)

@@ -111,6 +111,11 @@ class AsyncRedisStore:
         args = (C.pack_id(token), self._keep, n.claim_channel, C.nonce())
         return bool(await self._eval(C.ABANDON, (n.claim,), args) == 1)
 
+    async def extend(self, ns: str, key: str, token: str, lease_ms: int) -> int | None:
+        args = (C.pack_id(token), lease_ms, self._keep)
+        exp = await self._eval(C.EXTEND, (C.names(ns, key).claim,), args)
+        return None if exp == -1 else int(exp)
+
     async def record(self, ns: str, key: str) -> RecordRow | None:
         reply = await self._eval(C.PEEK_CLAIM, (C.names(ns, key).claim,), ())
         return C.record_row(ns, key, reply)

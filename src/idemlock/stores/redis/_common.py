@@ -51,6 +51,7 @@ def _script(name: str, text: str) -> Script:
 CLAIM = _script("claim", _lua.CLAIM)
 COMPLETE = _script("complete", _lua.COMPLETE)
 ABANDON = _script("abandon", _lua.ABANDON)
+EXTEND = _script("extend", _lua.EXTEND)
 FORGET = _script("forget", _lua.FORGET)
 PEEK_CLAIM = _script("record", _lua.PEEK_CLAIM)
 ACQUIRE = _script("acquire", _lua.ACQUIRE)

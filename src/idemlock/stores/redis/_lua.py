@@ -123,6 +123,23 @@ return {1, f, x, lease}
 """
 )
 
+# KEYS[1] record. ARGV: token, lease_ms, keep_ms. Reply: the new lease end, or -1.
+EXTEND = (
+    _PRELUDE
+    + _READ_CLAIM
+    + """
+local c, why = read_claim(KEYS[1])
+if not c then return corrupt(why) end
+if c.s == 'I' and c.t == ARGV[1] and c.x > now then
+  local x = now + tonumber(ARGV[2])
+  redis.call('SET', KEYS[1], pack_claim('I', c.f, x, c.t, c.p, c.n, c.r),
+             'PXAT', S(x + tonumber(ARGV[3])))
+  return x
+end
+return -1
+"""
+)
+
 # KEYS[1] record. ARGV: token, result, ttl_ms, channel, nonce
 COMPLETE = (
     _PRELUDE

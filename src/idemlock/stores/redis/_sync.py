@@ -96,6 +96,11 @@ class RedisStore:
         args = (C.pack_id(token), self._keep, n.claim_channel, C.nonce())
         return bool(self._eval(C.ABANDON, (n.claim,), args) == 1)
 
+    def extend(self, ns: str, key: str, token: str, lease_ms: int) -> int | None:
+        args = (C.pack_id(token), lease_ms, self._keep)
+        exp = self._eval(C.EXTEND, (C.names(ns, key).claim,), args)
+        return None if exp == -1 else int(exp)
+
     def record(self, ns: str, key: str) -> RecordRow | None:
         reply = self._eval(C.PEEK_CLAIM, (C.names(ns, key).claim,), ())
         return C.record_row(ns, key, reply)
