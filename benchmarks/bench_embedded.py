@@ -103,8 +103,7 @@ def sql_claim_complete(cur: sqlite3.Cursor, n: int) -> float:
     for key in keys:
         now = time.time_ns() // 1_000_000
         cur.execute("BEGIN IMMEDIATE")
-        fence = cur.execute(S._CLAIM_NEW, (NS, key, "token", None, now + LEASE_MS, now))
-        cur.execute(S._COUNTER_RAISE, (fence.fetchone()[0],))
+        cur.execute(S._CLAIM_NEW, (NS, key, "token", None, now + LEASE_MS, now)).fetchone()
         cur.execute("COMMIT")
         cur.execute("BEGIN IMMEDIATE")
         cur.execute(S._COMPLETE, (RESULT, now + TTL_MS, NS, key, "token", now))
@@ -118,7 +117,6 @@ def sql_acquire_release(cur: sqlite3.Cursor, n: int) -> float:
         now = time.time_ns() // 1_000_000
         cur.execute("BEGIN IMMEDIATE")
         token = cur.execute(S._ACQUIRE, (NS, "shared", "owner", now + 30_000, now)).fetchone()[0]
-        cur.execute(S._COUNTER_RAISE, (token,))
         cur.execute("COMMIT")
         cur.execute("BEGIN IMMEDIATE")
         cur.execute(S._RELEASE, (NS, "shared", "owner", token, now))

@@ -4,6 +4,8 @@ meaning of store replies. The sync and async classes only add the calls."""
 from __future__ import annotations
 
 import inspect
+import itertools
+import os
 import secrets
 import typing
 from collections.abc import Callable, Iterable
@@ -76,8 +78,24 @@ def leave_claim(mark: Token[ClaimToken | None]) -> None:
     _CURRENT_CLAIM.reset(mark)
 
 
-def new_token() -> str:
-    return secrets.token_hex(16)
+class _Tokens:
+    """Unique, unguessable attempt tokens, cheaply: 64 random bits per process (drawn
+    again after fork) and a counter."""
+
+    def __init__(self) -> None:
+        self.reseed()
+
+    def reseed(self) -> None:
+        self.prefix = secrets.token_hex(8)
+        self.counter = itertools.count(1)
+
+    def __call__(self) -> str:
+        return f"{self.prefix}{next(self.counter):x}"
+
+
+new_token = _Tokens()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=new_token.reseed)
 
 
 def seconds(value: timedelta | float | None, what: str) -> float | None:
@@ -463,7 +481,7 @@ class LockBase(Emitter):
             raise ConfigurationError(
                 f"this lease belongs to lock spec {lease.spec!r}, not {self.spec.name!r}"
             )
-        if getattr(lease, "_released", False):
+        if lease._released:
             raise LockNotHeld(
                 f"cannot {what} the lease on {lease.key!r}: it was already released; "
                 "acquire the lock again"
@@ -487,7 +505,7 @@ class LockBase(Emitter):
 
     @staticmethod
     def _mark_released(lease: Lease) -> None:
-        lease._released = True  # type: ignore[attr-defined]  # the object is spent
+        lease._released = True  # the object is spent
 
     def _released(self, lease: Lease, ok: bool, t0: float) -> bool:
         self._mark_released(lease)

@@ -289,12 +289,18 @@ class AsyncLockPort(LockBase):
         """Take the lock, waiting up to ``wait``; None if it stayed held."""
         t0 = self._t0()
         who = self._owner(owner)
+        wait_s = seconds(wait, "wait")
+        if not wait_s:
+            # No waiting: one call, no flow to drive.
+            sent = self._coord.clock.monotonic()
+            reply = await self._store.acquire(self._ns, validated(key), who, self._ttl_ms)
+            return self._acquired(key, who, (reply, sent, 1), t0)
         flow = acquire_flow(
             self._ns,
             validated(key),
             who,
             self._ttl_ms,
-            seconds(wait, "wait"),
+            wait_s,
             self._coord.clock,
             self._coord.poll_cap,
         )

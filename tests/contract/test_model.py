@@ -183,7 +183,7 @@ def make_machine(harness: Harness) -> type[RuleBasedStateMachine]:
 
         @rule(data=st.data())
         def release(self, data: st.DataObject) -> None:
-            live_leases = [le for le in self.leases if not getattr(le, "_released", False)]
+            live_leases = [le for le in self.leases if not le._released]
             if not live_leases:
                 return
             lease = data.draw(st.sampled_from(live_leases))
@@ -199,7 +199,7 @@ def make_machine(harness: Harness) -> type[RuleBasedStateMachine]:
             # Every other object naming the same lease is spent too.
             for other in self.leases:
                 if (other.key, other.owner, other.token) == (lease.key, lease.owner, lease.token):
-                    other._released = True  # type: ignore[attr-defined]
+                    other._released = True
 
         @rule(key=KEYS)
         def lock_owner(self, key: str) -> None:

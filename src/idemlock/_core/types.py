@@ -156,7 +156,7 @@ class LockInfo:
     expires_at: datetime
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Lease:
     """A held lock. Ownership lives in this object (never in thread- or task-locals).
 
@@ -175,6 +175,7 @@ class Lease:
     _ttl_ms: int = field(default=0, repr=False)
     _sent: float = field(default=0.0, repr=False)
     _clock: Clock = field(default=SYSTEM_CLOCK, repr=False)
+    _released: bool = field(default=False, repr=False)
 
     def remaining(self) -> timedelta:
         """Time the holder may still rely on the lease (zero once lost or expired)."""
