@@ -54,8 +54,8 @@ def memory(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
     return Harness("memory", None, shared_sync, shared_async, clock=clock)
 
 
-def sqlite(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
-    url = f"sqlite:///{tmp_path / 'idemlock.db'}"
+def by_url(name: str, url: str) -> Harness:
+    """A harness for a store that other processes can open by URL."""
 
     def open_sync(prefix: str, **options: Any) -> idemlock.Coordinator:
         return idemlock.connect(url, key_prefix=prefix, **options)
@@ -63,48 +63,27 @@ def sqlite(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
     def open_async(prefix: str, **options: Any) -> idemlock.aio.AsyncCoordinator:
         return idemlock.aio.connect(url, key_prefix=prefix, **options)
 
-    return Harness("sqlite", url, open_sync, open_async)
+    return Harness(name, url, open_sync, open_async)
+
+
+def sqlite(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
+    return by_url("sqlite", f"sqlite:///{tmp_path / 'idemlock.db'}")
+
+
+# Stores with a server use the session's throwaway server (tests/servers/); the
+# harness's fresh key prefix keeps tests apart on it.
 
 
 def postgres(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
-    # The session's throwaway server (tests/servers/postgres.py); each harness has its
-    # own key prefix, so tests sharing the database never see each other's rows.
-    url: str = request.getfixturevalue("postgres_dsn")
-
-    def open_sync(prefix: str, **options: Any) -> idemlock.Coordinator:
-        return idemlock.connect(url, key_prefix=prefix, **options)
-
-    def open_async(prefix: str, **options: Any) -> idemlock.aio.AsyncCoordinator:
-        return idemlock.aio.connect(url, key_prefix=prefix, **options)
-
-    return Harness("postgres", url, open_sync, open_async)
+    return by_url("postgres", request.getfixturevalue("postgres_dsn"))
 
 
 def redis(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
-    # The session's throwaway redis-server (tests/servers/redis.py); the harness's fresh
-    # key prefix keeps tests apart on the shared server.
-    url: str = request.getfixturevalue("redis_server").url
-
-    def open_sync(prefix: str, **options: Any) -> idemlock.Coordinator:
-        return idemlock.connect(url, key_prefix=prefix, **options)
-
-    def open_async(prefix: str, **options: Any) -> idemlock.aio.AsyncCoordinator:
-        return idemlock.aio.connect(url, key_prefix=prefix, **options)
-
-    return Harness("redis", url, open_sync, open_async)
+    return by_url("redis", request.getfixturevalue("redis_server").url)
 
 
 def redis_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
-    # The session's three-master Redis Cluster (tests/servers/redis.py).
-    url: str = request.getfixturevalue("redis_cluster").url
-
-    def open_sync(prefix: str, **options: Any) -> idemlock.Coordinator:
-        return idemlock.connect(url, key_prefix=prefix, **options)
-
-    def open_async(prefix: str, **options: Any) -> idemlock.aio.AsyncCoordinator:
-        return idemlock.aio.connect(url, key_prefix=prefix, **options)
-
-    return Harness("redis_cluster", url, open_sync, open_async)
+    return by_url("redis_cluster", request.getfixturevalue("redis_cluster").url)
 
 
 #: stores that live inside one process (no cross-process race tests)
