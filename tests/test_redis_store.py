@@ -726,3 +726,66 @@ def test_set_if_fresh_on_cluster_needs_the_resource_slot(redis_cluster: RedisClu
     finally:
         raw.close()
         coord.close()
+
+
+# ---- effects written with the completion ------------------------------------------------
+
+
+def test_complete_with_writes_commits_effects_and_record_together(
+    redis_server: RedisServer, raw: redis.Redis
+) -> None:
+    coord = idemlock.connect(redis_server.url, key_prefix=_ns().replace(":", "-"))
+    port = coord.idempotency(IdempotencySpec("pay", lease=timedelta(seconds=0.3)))
+    effect = f"balance:{uuid.uuid4().hex}"
+    try:
+        claim = port.claim("job-1")
+        assert isinstance(claim, Claimed)
+        port.complete(claim.token, {"ok": 1}, writes={effect: b"100"})
+        assert raw.get(effect) == b"100"
+        replay = port.claim("job-1")
+        assert isinstance(replay, Completed) and replay.result == {"ok": 1}
+
+        # A stale attempt writes nothing: its lease ran out and another took over.
+        late = port.claim("job-2")
+        assert isinstance(late, Claimed)
+        time.sleep(0.4)
+        fresh = port.claim("job-2")
+        assert isinstance(fresh, Claimed) and fresh.fence > late.fence
+        with pytest.raises(idemlock.StaleClaim):
+            port.complete(late.token, "late", writes={effect: b"-1"})
+        assert raw.get(effect) == b"100"
+        port.complete(fresh.token, "fresh", writes={effect: b"90"})
+        assert raw.get(effect) == b"90"
+    finally:
+        coord.close()
+
+
+def test_complete_with_writes_on_cluster_needs_the_claim_slot(
+    redis_cluster: RedisCluster,
+) -> None:
+    coord = idemlock.connect(redis_cluster.url, key_prefix="cw" + uuid.uuid4().hex[:8])
+    port = coord.idempotency("pay")
+    try:
+        claim = port.claim("job")
+        assert isinstance(claim, Claimed)
+        with pytest.raises(ConfigurationError) as info:
+            port.complete(claim.token, 1, writes={"elsewhere": b"x"})
+        tag = str(info.value).split("e.g. '{", 1)[1].split("}", 1)[0]
+        assert port.status("job") is not None  # nothing happened: still in flight
+        port.complete(claim.token, 1, writes={f"{{{tag}}}:effect": b"x"})
+        client = redis.cluster.RedisCluster(host="127.0.0.1", port=redis_cluster.ports[0])
+        assert client.get(f"{{{tag}}}:effect") == b"x"
+        client.close()
+    finally:
+        coord.close()
+
+
+def test_complete_with_writes_elsewhere_is_refused() -> None:
+    coord = idemlock.connect("memory://")
+    port = coord.idempotency("pay")
+    claim = port.claim("job")
+    assert isinstance(claim, Claimed)
+    with pytest.raises(ConfigurationError):
+        port.complete(claim.token, 1, writes={"k": b"v"})
+    status = port.status("job")
+    assert status is not None and status.state == "in_flight"  # nothing was recorded

@@ -8,7 +8,7 @@ import itertools
 import os
 import secrets
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextvars import ContextVar, Token
 from datetime import timedelta
 from time import perf_counter
@@ -390,6 +390,25 @@ class IdempotencyBase(Emitter):
             token._ns,
             token._skey,
         )
+
+    def _complete_with(self) -> Any:
+        fn = getattr(self._store, "complete_with", None)
+        if fn is None:
+            raise ConfigurationError(
+                f"complete(writes=...) writes into the store itself, which the "
+                f"{self._store.kind} store does not hold user data for; on PostgreSQL use "
+                "complete_in_transaction with your own write, elsewhere write first with "
+                "the claim's fence"
+            )
+        return fn
+
+    @staticmethod
+    def _writes(writes: Mapping[str, bytes | str]) -> list[tuple[str, bytes]]:
+        out = []
+        for name, value in writes.items():
+            validate_key(name, "write key")
+            out.append((name, value.encode("utf-8") if isinstance(value, str) else bytes(value)))
+        return out
 
     def _stale(self, token: ClaimToken, what: str) -> Exception:
         from ._errors import StaleClaim

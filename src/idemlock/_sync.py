@@ -7,7 +7,7 @@ import functools
 import inspect
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, TypeVar, cast
@@ -179,12 +179,26 @@ class IdempotencyPort(IdempotencyBase):
         args = self._claim_args(key, payload, lease)
         return self._interpret(key, self._store.claim(*args), None, t0, args[1])
 
-    def complete(self, token: ClaimToken, result: Any) -> None:
+    def complete(
+        self,
+        token: ClaimToken,
+        result: Any,
+        *,
+        writes: Mapping[str, bytes | str] | None = None,
+    ) -> None:
         """Record ``result`` (JSON data) for the spec's ttl. ``StaleClaim`` if the token
-        lost its key; ``ResultEncodeError`` (nothing stored) if JSON cannot hold it."""
+        lost its key; ``ResultEncodeError`` (nothing stored) if JSON cannot hold it.
+
+        ``writes`` (Redis): keys of the store to SET in the same atomic step, so the
+        job's effects and its record commit together or not at all (on PostgreSQL use
+        ``complete_in_transaction`` for the same)."""
         t0 = self._t0()
         args = self._token_args(token)
-        ok = self._store.complete(*args, self._encode(token.key, result), self._ttl_ms)
+        data = self._encode(token.key, result)
+        if writes:
+            ok = self._complete_with()(*args, data, self._ttl_ms, self._writes(writes))
+        else:
+            ok = self._store.complete(*args, data, self._ttl_ms)
         self._done(token, ok, "complete", t0)
 
     def abandon(self, token: ClaimToken) -> None:

@@ -7,7 +7,7 @@ import asyncio
 import functools
 import inspect
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager, suppress
 from datetime import timedelta
 from typing import Any, TypeVar, cast
@@ -189,12 +189,26 @@ class AsyncIdempotencyPort(IdempotencyBase):
         args = self._claim_args(key, payload, lease)
         return self._interpret(key, await self._store.claim(*args), None, t0, args[1])
 
-    async def complete(self, token: ClaimToken, result: Any) -> None:
+    async def complete(
+        self,
+        token: ClaimToken,
+        result: Any,
+        *,
+        writes: Mapping[str, bytes | str] | None = None,
+    ) -> None:
         """Record ``result`` (JSON data) for the spec's ttl. ``StaleClaim`` if the token
-        lost its key."""
+        lost its key; ``ResultEncodeError`` (nothing stored) if JSON cannot hold it.
+
+        ``writes`` (Redis): keys of the store to SET in the same atomic step, so the
+        job's effects and its record commit together or not at all (on PostgreSQL use
+        ``complete_in_transaction`` for the same)."""
         t0 = self._t0()
         args = self._token_args(token)
-        ok = await self._store.complete(*args, self._encode(token.key, result), self._ttl_ms)
+        data = self._encode(token.key, result)
+        if writes:
+            ok = await self._complete_with()(*args, data, self._ttl_ms, self._writes(writes))
+        else:
+            ok = await self._store.complete(*args, data, self._ttl_ms)
         self._done(token, ok, "complete", t0)
 
     async def abandon(self, token: ClaimToken) -> None:

@@ -15,7 +15,7 @@ from redis.exceptions import NoScriptError
 from ..._core.port import Acquired, Channel, ClaimReply, Held, LockRow, RecordRow
 from ..._errors import StoreUnavailable
 from . import _common as C
-from ._sync import IDLE_S, _now_ms, check_same_slot
+from ._sync import IDLE_S, _now_ms, check_claim_slot, check_same_slot
 
 _ND = {NEVER_DECODE: True}
 _ERRORS = C.redis_errors()
@@ -102,9 +102,25 @@ class AsyncRedisStore:
         return C.claim_reply(await self._eval(C.CLAIM, (n.claim,), args), token)
 
     async def complete(self, ns: str, key: str, token: str, result: bytes, ttl_ms: int) -> bool:
+        return await self.complete_with(ns, key, token, result, ttl_ms, ())
+
+    async def complete_with(
+        self,
+        ns: str,
+        key: str,
+        token: str,
+        result: bytes,
+        ttl_ms: int,
+        writes: Sequence[tuple[str, bytes]],
+    ) -> bool:
+        """Complete the claim and SET the caller's keys in the same script: the effects
+        and the record commit together. On Cluster the keys must share the claim's slot
+        (see ``claim_slot_tag``)."""
         n = C.names(ns, key)
+        users = check_claim_slot(self.cluster, n.claim, writes)
         args = (C.pack_id(token), bytes(result), ttl_ms, n.claim_channel, C.nonce())
-        return bool(await self._eval(C.COMPLETE, (n.claim,), args) == 1)
+        values = tuple(bytes(v) for _, v in writes)
+        return bool(await self._eval(C.COMPLETE, (n.claim, *users), args + values) == 1)
 
     async def abandon(self, ns: str, key: str, token: str) -> bool:
         n = C.names(ns, key)

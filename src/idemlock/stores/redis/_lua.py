@@ -140,7 +140,8 @@ return -1
 """
 )
 
-# KEYS[1] record. ARGV: token, result, ttl_ms, channel, nonce
+# KEYS[1] record, KEYS[2..] the caller's keys to write with the completion.
+# ARGV: token, result, ttl_ms, channel, nonce, then one value per caller's key.
 COMPLETE = (
     _PRELUDE
     + _READ_CLAIM
@@ -152,6 +153,8 @@ if c.s == 'I' and c.t == ARGV[1] and c.x > now then
   -- A completed record lives exactly its ttl: once it is gone, the next fence is
   -- seeded from the clock, far above this one.
   redis.call('SET', KEYS[1], pack_claim('C', c.f, x, '', c.p, ARGV[5], ARGV[2]), 'PXAT', S(x))
+  -- The job's own effects commit with its record, or not at all (same script).
+  for i = 2, #KEYS do redis.call('SET', KEYS[i], ARGV[i + 4]) end
   redis.call('PUBLISH', ARGV[4], '*')
   return 1
 end

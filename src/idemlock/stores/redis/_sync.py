@@ -87,9 +87,25 @@ class RedisStore:
         return C.claim_reply(reply, token)
 
     def complete(self, ns: str, key: str, token: str, result: bytes, ttl_ms: int) -> bool:
+        return self.complete_with(ns, key, token, result, ttl_ms, ())
+
+    def complete_with(
+        self,
+        ns: str,
+        key: str,
+        token: str,
+        result: bytes,
+        ttl_ms: int,
+        writes: Sequence[tuple[str, bytes]],
+    ) -> bool:
+        """Complete the claim and SET the caller's keys in the same script: the effects
+        and the record commit together. On Cluster the keys must share the claim's slot
+        (see ``claim_slot_tag``)."""
         n = C.names(ns, key)
+        users = check_claim_slot(self.cluster, n.claim, writes)
         args = (C.pack_id(token), bytes(result), ttl_ms, n.claim_channel, C.nonce())
-        return bool(self._eval(C.COMPLETE, (n.claim,), args) == 1)
+        values = tuple(bytes(v) for _, v in writes)
+        return bool(self._eval(C.COMPLETE, (n.claim, *users), args + values) == 1)
 
     def abandon(self, ns: str, key: str, token: str) -> bool:
         n = C.names(ns, key)
@@ -206,6 +222,25 @@ def _now_ms(reply: Any) -> int:
         reply = next(iter(reply.values()))
     sec, usec = reply
     return int(sec) * 1000 + int(usec) // 1000
+
+
+def check_claim_slot(
+    cluster: bool, claim: bytes, writes: Sequence[tuple[str, bytes]]
+) -> tuple[bytes, ...]:
+    users = tuple(k.encode("utf-8", "surrogatepass") for k, _ in writes)
+    if cluster and users:
+        from redis.crc import key_slot
+
+        slot = key_slot(claim)
+        for name, raw in zip((k for k, _ in writes), users, strict=True):
+            if key_slot(raw) != slot:
+                tag = claim[claim.index(b"{") + 1 : claim.index(b"}")].decode()
+                raise ConfigurationError(
+                    f"on Redis Cluster, writes completed with a claim must hash to the "
+                    f"claim's slot, and {name!r} does not: put the claim's hash tag in its "
+                    f"name, e.g. '{{{tag}}}:{name}'"
+                )
+    return users
 
 
 def check_same_slot(cluster: bool, resource: str, key: str, gate: bytes, user: bytes) -> None:
