@@ -812,4 +812,3 @@ def test_a_waiter_in_this_process_is_handed_the_result(db: Path) -> None:
     assert isinstance(got[0], Completed) and got[0].result == "result"
     coord.close()
     other.close()
-
