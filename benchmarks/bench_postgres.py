@@ -330,7 +330,7 @@ def throughput(dsn: str, ops: int, rounds: int) -> None:
         print("  idemkit: not installed (pip install idemkit asyncpg) - not compared")
 
 
-async def _idemkit(dsn: str) -> Any:
+async def _idemkit(dsn: str, max_size: int = 4) -> Any:
     try:
         from idemkit.backends.postgres import PostgresBackend, init_pg
     except ImportError:
@@ -339,7 +339,7 @@ async def _idemkit(dsn: str) -> Any:
         await init_pg(dsn)
     except ImportError:  # idemkit without asyncpg
         return None
-    return PostgresBackend.from_url(dsn, min_size=1, max_size=4)
+    return PostgresBackend.from_url(dsn, min_size=1, max_size=max_size)
 
 
 # ---- hand-off under contention ------------------------------------------------------

@@ -1,0 +1,112 @@
+"""The one-command benchmark report runs end to end in its quick form.
+
+Runs ``benchmarks/report.py --quick`` (its own throwaway Redis, Redis Cluster and
+PostgreSQL servers) into a temporary directory and checks what it wrote: every
+scenario for every store, positive ratios, the Markdown tables and a PNG chart.
+Numbers are reported, never asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STORES = ["memory", "sqlite", "redis", "redis-cluster", "postgres"]
+SCENARIOS = [
+    ("uncontended", "acquire+release"),
+    ("uncontended", "claim+complete"),
+    ("asyncio, 1 task", "acquire+release"),
+    ("asyncio, 1 task", "claim+complete"),
+    ("asyncio, 100 tasks", "acquire+release"),
+    ("asyncio, 100 tasks", "claim+complete"),
+    ("contended hand-off", "4 contenders, hold ~1 ms"),
+    ("idempotent job", "claim + fenced write + complete"),
+]
+PEERS = ["redis-py Lock", "python-redis-lock", "fencekit", "idemkit", "Powertools"]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("report")
+    paths = {"md": out / "bench.md", "json": out / "bench.json", "png": out / "bench.png"}
+    args = ["--out", str(paths["md"]), "--json", str(paths["json"]), "--png", str(paths["png"])]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "report.py"), "--quick", *args],
+        cwd=out,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    return paths
+
+
+@pytest.mark.timeout(300)
+def test_json_has_every_scenario_for_every_store(report: dict[str, Path]) -> None:
+    data = json.loads(report["json"].read_text())
+    assert data["stores"] == STORES
+    assert [(s["scenario"], s["operation"]) for s in data["scenarios"]] == SCENARIOS
+    rows = data["results"]
+    for store in STORES:
+        for scenario, op in SCENARIOS:
+            subjects = {
+                r["subject"]
+                for r in rows
+                if (r["store"], r["scenario"], r["operation"]) == (store, scenario, op)
+            }
+            assert {"baseline", "idemlock"} <= subjects, (store, scenario, op, subjects)
+    for r in rows:
+        assert isinstance(r["ratio"], (int, float)), r
+        assert math.isfinite(r["ratio"]) and r["ratio"] > 0, r
+        assert isinstance(r["value"], (int, float)) and r["value"] > 0, r
+        if r["subject"] == "baseline":
+            assert r["ratio"] == pytest.approx(1.0), r
+    # The job's round trips are counted wherever there are any, and the baseline does
+    # the same number as idemlock's job.
+    for store in ("sqlite", "redis", "redis-cluster", "postgres"):
+        job = {
+            r["subject"]: r
+            for r in rows
+            if r["store"] == store and r["scenario"] == "idempotent job"
+        }
+        assert job["baseline"]["round_trips"] == pytest.approx(3.0), job["baseline"]
+        assert job["idemlock"]["round_trips"] > 0, job["idemlock"]
+    # Every peer has a status: it ran, or it says why not.
+    assert set(data["peers"]) == set(PEERS)
+    for name, peer in data["peers"].items():
+        assert peer["status"] in ("ran", "not installed", "could not run"), (name, peer)
+    for miss in data["not_run"]:
+        assert miss["why"], miss
+    meta = data["meta"]
+    assert meta["cpu_count"] >= 1 and len(meta["load_average_start"]) == 3
+
+
+@pytest.mark.timeout(300)
+def test_markdown_has_the_tables_and_the_chart(report: dict[str, Path]) -> None:
+    md = report["md"].read_text()
+    for heading in (
+        "## Machine",
+        "## Peers",
+        "## Baselines",
+        "## Uncontended: sync, one thread",
+        "## asyncio: 1 task and 100 concurrent tasks",
+        "## Contended hand-off",
+        "## Idempotent job, end to end",
+        "## Reproduce",
+    ):
+        assert heading in md, heading
+    stores = "| memory | SQLite | Redis | Redis Cluster | PostgreSQL |"
+    assert f"| scenario | operation | subject {stores}" in md
+    assert "| store | subject | critical sections/s |" in md
+    assert "| store | subject | the job | fenced | round trips | jobs/s |" in md
+    assert "load average at start" in md and "load average at end" in md
+    assert "![ratios to the baseline per scenario and store](bench.png)" in md
+    png = report["png"].read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(png) > 10_000
