@@ -100,7 +100,7 @@ class RedisStore:
     ) -> bool:
         """Complete the claim and SET the caller's keys in the same script: the effects
         and the record commit together. On Cluster the keys must share the claim's slot
-        (see ``claim_slot_tag``)."""
+        (the ConfigurationError names the tag to use)."""
         n = C.names(ns, key)
         users = check_claim_slot(self.cluster, n.claim, writes)
         args = (C.pack_id(token), bytes(result), ttl_ms, n.claim_channel, C.nonce())
