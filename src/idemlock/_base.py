@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import logging
 import os
 import secrets
 import typing
@@ -60,6 +61,7 @@ from ._errors import (
 from ._keyring import Keyring
 
 IN_FLIGHT_MODES = ("raise", "wait")
+log = logging.getLogger("idemlock")
 
 _CURRENT_CLAIM: ContextVar[ClaimToken | None] = ContextVar("idemlock_claim", default=None)
 
@@ -241,9 +243,7 @@ class Emitter:
                 hook(event)
             except Exception:
                 # A broken metrics hook must never break the operation it observes.
-                import logging
-
-                logging.getLogger("idemlock").warning("event hook %r failed", hook, exc_info=True)
+                log.warning("event hook %r failed", hook, exc_info=True)
 
 
 _CLAIM_OUTCOME = {"claimed": "claimed", "in_flight": "in_flight", "completed": "replayed"}
@@ -436,9 +436,7 @@ class IdempotencyBase(Emitter):
         try:
             return self._encode_error(token.key, exc)
         except Exception:
-            import logging
-
-            logging.getLogger("idemlock").warning(
+            log.warning(
                 "cannot record %s for %r (its args are not JSON data); abandoning the "
                 "claim instead",
                 type(exc).__name__,

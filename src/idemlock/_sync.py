@@ -408,9 +408,7 @@ class LockPort(LockBase):
         try:
             self.release(lease)
         except Exception:
-            import logging
-
-            logging.getLogger("idemlock").warning(
+            log.warning(
                 "could not release lock on %r; it frees itself when its lease ends",
                 lease.key,
                 exc_info=True,
