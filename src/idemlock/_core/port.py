@@ -123,20 +123,28 @@ class Held:
 
 @dataclass(frozen=True, slots=True)
 class RecordRow:
+    """One listed record. ``state`` is "corrupt" for a value under the prefix that
+    the store cannot read (foreign or damaged data): listings show it, with a warning
+    logged by the store, instead of failing for every other record."""
+
     ns: str
     key: str
-    state: Literal["in_flight", "completed"]
+    state: Literal["in_flight", "completed", "corrupt"]
     fence: int
     expires_ms: int
 
 
 @dataclass(frozen=True, slots=True)
 class LockRow:
+    """One listed lock; ``corrupt`` marks a value the store cannot read (owner "",
+    token 0), listed rather than failing the whole listing."""
+
     ns: str
     key: str
     owner: str
     token: int
     expires_ms: int
+    corrupt: bool = False
 
 
 class Channel(NamedTuple):
