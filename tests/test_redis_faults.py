@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from idemlock import ConfigurationError
 from idemlock._core.port import Granted
 from idemlock.stores.redis import RedisStore, open_async, open_sync
 from idemlock.stores.redis import _common as C
@@ -81,3 +82,38 @@ async def test_async_late_completion(redis_server: RedisServer) -> None:
         assert await astore.complete(ns, "k", "aa", b"r", LONG) is True
     finally:
         await astore.aclose()
+
+
+# ---- expiries past the 6-byte field ----------------------------------------------------
+
+
+@pytest.mark.parametrize("ttl_ms", [2**48, 2**53, 2**63 - 1])
+def test_an_expiry_past_the_record_field_is_refused_not_wrapped(
+    store: RedisStore, ttl_ms: int
+) -> None:
+    ns = _ns()
+    claimed = store.claim(ns, "k", None, "aa", LONG)
+    assert isinstance(claimed, Granted)
+    with pytest.raises(ConfigurationError, match="MAX_TTL"):
+        store.complete(ns, "k", "aa", b"r", ttl_ms)
+    row = store.record(ns, "k")  # untouched: still in flight with its lease
+    assert row is not None and row.state == "in_flight"
+    with pytest.raises(ConfigurationError, match="MAX_TTL"):
+        store.claim(ns, "other", None, "bb", ttl_ms)
+    with pytest.raises(ConfigurationError, match="MAX_TTL"):
+        store.extend(ns, "k", "aa", ttl_ms)
+    with pytest.raises(ConfigurationError, match="MAX_TTL"):
+        store.acquire(ns, "lk", "me", ttl_ms)
+    held = store.acquire(ns, "lk", "me", LONG)
+    with pytest.raises(ConfigurationError, match="MAX_TTL"):
+        store.renew(ns, "lk", "me", held.token, ttl_ms)  # type: ignore[union-attr]
+
+
+def test_a_century_ttl_keeps_a_completed_record(store: RedisStore) -> None:
+    ns = _ns()
+    century = 100 * 366 * 24 * 3600 * 1000
+    assert isinstance(store.claim(ns, "k", None, "aa", LONG), Granted)
+    assert store.complete(ns, "k", "aa", b"r", century) is True
+    row = store.record(ns, "k")
+    assert row is not None and row.state == "completed"
+    assert row.expires_ms > int(time.time() * 1000) + century - LONG

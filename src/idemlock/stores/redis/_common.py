@@ -360,6 +360,12 @@ def store_error(exc: BaseException, what: str) -> Exception:
                 f"redis {what}: the key holds data idemlock did not write ({why}); delete "
                 "it or use another key_prefix"
             )
+        if msg.startswith("IDEMLOCK_RANGE"):
+            why = msg.removeprefix("IDEMLOCK_RANGE").strip()
+            return ConfigurationError(
+                f"redis {what}: {why} is past what the Redis store can keep (year 10889); "
+                "use a ttl or lease of at most idemlock.MAX_TTL"
+            )
         if msg.startswith("OOM"):
             return StoreFull(
                 f"redis {what}: Redis is out of memory (maxmemory reached and nothing "

@@ -44,6 +44,12 @@ local now = math.floor(now_us / 1000)
 local function S(v) return string.format('%.0f', v) end
 local function corrupt(why) return redis.error_reply('IDEMLOCK_CORRUPT ' .. why) end
 local function next_fence(last) return math.max((last or 0) + 1, now_us) end
+-- Claim records keep expiries in 6 bytes (ms up to year 10889): a later one would
+-- wrap to the past and a completed record would read as expired, so it is refused.
+local MAX_MS = 281474976710655
+local function too_long(x)
+  return redis.error_reply('IDEMLOCK_RANGE an expiry ' .. S(x - now) .. ' ms from now')
+end
 """
 
 _READ_CLAIM = """
@@ -117,6 +123,7 @@ end
 local f = next_fence(c.f)
 local lease = tonumber(ARGV[3])
 local x = now + lease
+if x > MAX_MS then return too_long(x) end
 local v = pack_claim('I', f, x, ARGV[2], ARGV[1], '', '')
 redis.call('SET', KEYS[1], v, 'PXAT', S(x + tonumber(ARGV[4])))
 return {1, f, x, lease}
@@ -132,6 +139,7 @@ local c, why = read_claim(KEYS[1])
 if not c then return corrupt(why) end
 if c.s == 'I' and c.t == ARGV[1] and c.x > now then
   local x = now + tonumber(ARGV[2])
+  if x > MAX_MS then return too_long(x) end
   redis.call('SET', KEYS[1], pack_claim('I', c.f, x, c.t, c.p, c.n, c.r),
              'PXAT', S(x + tonumber(ARGV[3])))
   return x
@@ -152,6 +160,7 @@ if not c then return corrupt(why) end
 -- (the record still holds this token): refusing would throw finished work away.
 if c.s == 'I' and c.t == ARGV[1] then
   local x = now + tonumber(ARGV[3])
+  if x > MAX_MS then return too_long(x) end
   -- A completed record lives exactly its ttl: once it is gone, the next fence is
   -- seeded from the clock, far above this one.
   redis.call('SET', KEYS[1], pack_claim('C', c.f, x, '', c.p, ARGV[5], ARGV[2]), 'PXAT', S(x))
@@ -246,6 +255,7 @@ ACQUIRE = (
 local l, why = read_lock(KEYS[1])
 if not l then return corrupt(why) end
 local ttl = tonumber(ARGV[2])
+if now + ttl > MAX_MS then return too_long(now + ttl) end
 if held(l) then
   if l.o == ARGV[1] then
     local x = now + ttl
@@ -324,6 +334,7 @@ local l, why = read_lock(KEYS[1])
 if not l then return corrupt(why) end
 if held(l) and l.o == ARGV[1] and l.ts == ARGV[2] then
   local x = now + tonumber(ARGV[3])
+  if x > MAX_MS then return too_long(x) end
   redis.call('HSET', KEYS[1], 'x', S(x))
   redis.call('PEXPIREAT', KEYS[1], S(x + tonumber(ARGV[4])))
   return x
