@@ -492,17 +492,30 @@ class LockBase(Emitter):
         )
 
     def _check_lease(self, lease: Lease, what: str) -> tuple[str, str, str, int]:
+        self._check_lease_object(lease)
+        if lease._released:
+            raise LockNotHeld(
+                f"cannot {what} the lease on {lease.key!r}: it was already released; "
+                "acquire the lock again"
+            )
+        assert lease.token is not None
+        return (self._ns, lease.key, lease.owner, lease.token)
+
+    def _check_lease_object(self, lease: Lease) -> None:
         if not isinstance(lease, Lease):
             raise ConfigurationError(f"expected a Lease from acquire(), got {type(lease).__name__}")
         if lease._ns != self._ns:
             raise ConfigurationError(
                 f"this lease belongs to lock spec {lease.spec!r}, not {self.spec.name!r}"
             )
+
+    def _release_args(self, lease: Lease) -> tuple[str, str, str, int] | None:
+        """The store arguments of a release, or None for a lease released already: a
+        second release answers False ("not held"), so a release in ``finally`` never
+        masks the body's own error."""
+        self._check_lease_object(lease)
         if lease._released:
-            raise LockNotHeld(
-                f"cannot {what} the lease on {lease.key!r}: it was already released; "
-                "acquire the lock again"
-            )
+            return None
         assert lease.token is not None
         return (self._ns, lease.key, lease.owner, lease.token)
 

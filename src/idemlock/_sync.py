@@ -316,9 +316,13 @@ class LockPort(LockBase):
         return self._acquired(key, who, run_sync(flow, self._store), t0)
 
     def release(self, lease: Lease) -> bool:
-        """Free the lock if this lease still holds it; False if it had expired."""
+        """Free the lock if this lease still holds it; False if it had expired or was
+        released already (releasing twice is harmless)."""
         t0 = self._t0()
-        return self._released(lease, self._store.release(*self._check_lease(lease, "release")), t0)
+        args = self._release_args(lease)
+        if args is None:
+            return self._released(lease, False, t0)
+        return self._released(lease, self._store.release(*args), t0)
 
     def renew(self, lease: Lease, ttl: timedelta | float | None = None) -> bool:
         """Reset the lease to ``ttl`` (default: the spec's) from now; the token stays.

@@ -321,10 +321,13 @@ class AsyncLockPort(LockBase):
         return self._acquired(key, who, await run_async(flow, self._store), t0)
 
     async def release(self, lease: Lease) -> bool:
-        """Free the lock if this lease still holds it; False if it had expired."""
+        """Free the lock if this lease still holds it; False if it had expired or was
+        released already (releasing twice is harmless)."""
         t0 = self._t0()
-        ok = await self._store.release(*self._check_lease(lease, "release"))
-        return self._released(lease, ok, t0)
+        args = self._release_args(lease)
+        if args is None:
+            return self._released(lease, False, t0)
+        return self._released(lease, await self._store.release(*args), t0)
 
     async def renew(self, lease: Lease, ttl: timedelta | float | None = None) -> bool:
         """Reset the lease to ``ttl`` from now; the token stays. False if it had expired."""
