@@ -204,10 +204,11 @@ def test_expiry_uses_the_wall_clock(store: SQLiteStore) -> None:
     assert isinstance(lock, Acquired)
     time.sleep(0.12)
     assert store.record(NS, "e") is None
-    assert store.complete(NS, "e", "old", b"late", LONG) is False
-    assert store.abandon(NS, "e", "old") is False
     new = granted(store.claim(NS, "e", "fp", "new", LONG))
     assert new.fence > old.fence
+    # the old attempt was taken over: its late completion is refused (A2)
+    assert store.complete(NS, "e", "old", b"late", LONG) is False
+    assert store.abandon(NS, "e", "old") is False
     assert store.renew(LOCKS, "e", "alice", lock.token, LONG) is None  # never revived
     assert store.lock(LOCKS, "e") is None
     bob = store.acquire(LOCKS, "e", "bob", LONG)

@@ -132,14 +132,17 @@ RETURNING fence
 _CLAIM_GET = (
     "SELECT state, token, fence, fp, expires_ms, result FROM claims WHERE ns = ?1 AND key = ?2"
 )
+# Complete and abandon are accepted after the lease ended while the record still holds
+# this token (nobody took the key over) and is no tombstone (expires_ms = 0: abandoned
+# or forgotten): refusing would throw finished work away and run it again.
 _COMPLETE = """
 UPDATE claims SET state = 'completed', result = ?1, expires_ms = ?2
-WHERE ns = ?3 AND key = ?4 AND token = ?5 AND state = 'in_flight' AND expires_ms > ?6
+WHERE ns = ?3 AND key = ?4 AND token = ?5 AND state = 'in_flight' AND expires_ms > 0
 """
 # Freeing a key leaves a tombstone (expires_ms = 0) that keeps the fence.
 _ABANDON = """
 UPDATE claims SET expires_ms = 0, result = NULL
-WHERE ns = ?1 AND key = ?2 AND token = ?3 AND state = 'in_flight' AND expires_ms > ?4
+WHERE ns = ?1 AND key = ?2 AND token = ?3 AND state = 'in_flight' AND expires_ms > 0
 """
 _EXTEND = """
 UPDATE claims SET expires_ms = ?1
@@ -612,11 +615,11 @@ def _complete(
     cur: sqlite3.Cursor, result: bytes, ns: str, key: str, token: str, ttl_ms: int
 ) -> bool:
     now = _now_ms()
-    return cur.execute(_COMPLETE, (result, now + ttl_ms, ns, key, token, now)).rowcount == 1
+    return cur.execute(_COMPLETE, (result, now + ttl_ms, ns, key, token)).rowcount == 1
 
 
 def _abandon(cur: sqlite3.Cursor, ns: str, key: str, token: str) -> bool:
-    return cur.execute(_ABANDON, (ns, key, token, _now_ms())).rowcount == 1
+    return cur.execute(_ABANDON, (ns, key, token)).rowcount == 1
 
 
 def _extend(cur: sqlite3.Cursor, ns: str, key: str, token: str, lease_ms: int) -> int | None:

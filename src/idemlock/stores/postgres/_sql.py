@@ -104,12 +104,15 @@ FROM cur, n
 WHERE NOT EXISTS (SELECT FROM up)
 """
 
+# Complete and abandon are accepted after the lease ended, as long as the record still
+# holds this token (nobody took the key over) and is not a tombstone (expires_ms = 0:
+# abandoned or forgotten): refusing would throw finished work away and run it again.
 COMPLETE = """
 UPDATE {s}.claims AS c
 SET state = 'completed', result = %(result)s::bytea, expires_ms = n.ms + %(ttl)s
 FROM (SELECT {now} AS ms) AS n
 WHERE c.ns = %(ns)s::text AND c.key = %(key)s::text AND c.token = %(token)s::text
-  AND c.state = 'in_flight' AND c.expires_ms > n.ms
+  AND c.state = 'in_flight' AND c.expires_ms > 0
 RETURNING pg_notify(%(chan)s::text, '')
 """
 
@@ -117,7 +120,7 @@ ABANDON = """
 UPDATE {s}.claims AS c SET expires_ms = 0, result = NULL
 FROM (SELECT {now} AS ms) AS n
 WHERE c.ns = %(ns)s::text AND c.key = %(key)s::text AND c.token = %(token)s::text
-  AND c.state = 'in_flight' AND c.expires_ms > n.ms
+  AND c.state = 'in_flight' AND c.expires_ms > 0
 RETURNING pg_notify(%(chan)s::text, '')
 """
 

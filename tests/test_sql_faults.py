@@ -1,0 +1,107 @@
+"""Failure paths of the SQL stores (PostgreSQL and SQLite), on real servers and files:
+late completion, silent networks, fork, cancellation, bursts, edge inputs, foreign
+rows and connection failures (issue 10).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from idemlock._core.port import Acquired, Granted
+from idemlock.stores import postgres as pg
+from idemlock.stores.sqlite import open_sync as sqlite_open
+
+LONG = 60_000  # ms
+
+
+def granted(reply: object) -> Granted:
+    assert isinstance(reply, Granted), reply
+    return reply
+
+
+@pytest.fixture
+def ns() -> str:
+    return "t" + uuid.uuid4().hex[:10] + ":job"
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def url(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
+    if kind == "sqlite":
+        return f"sqlite:///{tmp_path}/faults.db"
+    dsn: str = request.getfixturevalue("postgres_dsn")
+    return dsn
+
+
+@pytest.fixture
+def store(url: str, kind: str) -> Iterator[Any]:
+    s: Any = sqlite_open(url)[0] if kind == "sqlite" else pg.open_sync(url)[0]
+    yield s
+    s.close()
+
+
+def _expire(store: Any) -> None:
+    """Let a 50 ms lease run out on the store's clock."""
+    time.sleep(0.12)
+
+
+# ---- 4: late completion (A2) ------------------------------------------------------------
+
+
+def test_complete_after_the_lease_ended_is_accepted(store: Any, ns: str) -> None:
+    g = granted(store.claim(ns, "k", "fp", "tok", 50))
+    _expire(store)
+    assert store.complete(ns, "k", "tok", b"result", LONG) is True
+    rec = store.record(ns, "k")
+    assert rec is not None and rec.state == "completed" and rec.fence == g.fence
+
+
+def test_abandon_after_the_lease_ended_is_accepted(store: Any, ns: str) -> None:
+    g = granted(store.claim(ns, "k", None, "tok", 50))
+    _expire(store)
+    assert store.abandon(ns, "k", "tok") is True
+    assert store.record(ns, "k") is None
+    # the fence still rises for the next attempt
+    assert granted(store.claim(ns, "k", None, "tok2", LONG)).fence > g.fence
+
+
+def test_late_completion_is_refused_once_the_key_was_taken_over(store: Any, ns: str) -> None:
+    granted(store.claim(ns, "k", None, "old", 50))
+    _expire(store)
+    granted(store.claim(ns, "k", None, "new", LONG))
+    assert store.complete(ns, "k", "old", b"late", LONG) is False
+    assert store.abandon(ns, "k", "old") is False
+    assert store.complete(ns, "k", "new", b"mine", LONG) is True
+
+
+def test_late_completion_is_refused_after_abandon_or_forget(store: Any, ns: str) -> None:
+    granted(store.claim(ns, "a", None, "t", 50))
+    assert store.abandon(ns, "a", "t") is True
+    _expire(store)
+    assert store.complete(ns, "a", "t", b"late", LONG) is False
+    assert store.abandon(ns, "a", "t") is False
+
+    granted(store.claim(ns, "f", None, "t", 50))
+    assert store.forget(ns, "f") is True
+    _expire(store)
+    assert store.complete(ns, "f", "t", b"late", LONG) is False
+    assert store.record(ns, "f") is None
+
+
+def test_extend_and_renew_after_expiry_stay_refused(store: Any, ns: str) -> None:
+    granted(store.claim(ns, "k", None, "t", 50))
+    lease = store.acquire(ns, "L", "me", 50)
+    assert isinstance(lease, Acquired)
+    _expire(store)
+    assert store.extend(ns, "k", "t", LONG) is None
+    assert store.renew(ns, "L", "me", lease.token, LONG) is None
