@@ -9,12 +9,14 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
+import redis.cluster
 
 from idemlock import ConfigurationError
-from idemlock._core.port import Granted
+from idemlock._core.port import Acquired, Granted
 from idemlock.stores.redis import RedisStore, open_async, open_sync
 from idemlock.stores.redis import _common as C
 
@@ -117,3 +119,66 @@ def test_a_century_ttl_keeps_a_completed_record(store: RedisStore) -> None:
     row = store.record(ns, "k")
     assert row is not None and row.state == "completed"
     assert row.expires_ms > int(time.time() * 1000) + century - LONG
+
+
+# ---- A3: corrupt values in listings ----------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["standalone", "cluster"])
+def test_a_corrupt_value_is_listed_as_such_and_the_rest_still_listed(
+    where: str,
+    request: pytest.FixtureRequest,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    if where == "standalone":
+        server = request.getfixturevalue("redis_server")
+        s = open_sync(server.url)[0]
+        rawc: Any = redis.Redis(port=server.port)
+    else:
+        cluster = request.getfixturevalue("redis_cluster")
+        s = open_sync(cluster.url)[0]
+        rawc = redis.cluster.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
+    try:
+        ns = _ns()
+        for k in ("good1", "good2"):
+            assert isinstance(s.claim(ns, k, None, "aa", LONG), Granted)
+            assert isinstance(s.acquire(ns, k, "me", LONG), Acquired)
+        rawc.set(C.names(ns, "junk").claim, b"not a record")
+        rawc.rpush(C.names(ns, "list").claim, b"x")  # wrong type
+        rawc.set(C.names(ns, "junk").lock, b"a string where a hash belongs")
+        rawc.hset(C.names(ns, "bad").lock, mapping={"o": "x", "t": "abc", "x": "1"})
+        with caplog.at_level(logging.WARNING, logger="idemlock"):
+            records = {r.key: r for r in s.records(ns)}
+            locks = {r.key: r for r in s.locks(ns)}
+        assert {k: r.state for k, r in records.items()} == {
+            "good1": "in_flight",
+            "good2": "in_flight",
+            "junk": "corrupt",
+            "list": "corrupt",
+        }
+        assert {k: r.corrupt for k, r in locks.items()} == {
+            "good1": False,
+            "good2": False,
+            "junk": True,
+            "bad": True,
+        }
+        assert locks["good1"].owner == "me"
+        warnings = [r for r in caplog.records if r.name == "idemlock"]
+        assert len(warnings) >= 2 and all("corrupt" in r.getMessage() for r in warnings)
+    finally:
+        s.close()
+        rawc.close()
+
+
+async def test_async_listing_lists_corrupt_values(redis_server: RedisServer) -> None:
+    astore = open_async(redis_server.url)[0]
+    rawc = redis.Redis(port=redis_server.port)
+    try:
+        ns = _ns()
+        assert isinstance(await astore.claim(ns, "good", None, "aa", LONG), Granted)
+        rawc.set(C.names(ns, "junk").claim, b"\x00garbage")
+        rows = {r.key: r.state for r in await astore.records(ns)}
+        assert rows == {"good": "in_flight", "junk": "corrupt"}
+    finally:
+        await astore.aclose()
+        rawc.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from ..._core.port import (
 )
 from ..._errors import ConfigurationError, StoreCorrupt, StoreFull, StoreUnavailable
 from . import _lua
+
+log = logging.getLogger("idemlock")
 
 #: Every key and channel of the store starts with this, then the hash tag.
 PREFIX = b"il"
@@ -288,16 +291,19 @@ def text(v: Any) -> str:
 def listing_rows(
     kind: Kind, keys: list[bytes], values: list[Any], now_ms: int, ns_prefix: str
 ) -> list[Any]:
-    """Rows of a listing from key names and their HMGET values."""
+    """Rows of a listing from key names and their GET/HMGET values. A value idemlock
+    cannot read (foreign or damaged data under the prefix) is listed as a corrupt row,
+    with one warning per listing, so it never hides every other record."""
     rows: list[Any] = []
+    bad: list[bytes] = []
     for raw, vals in zip(keys, values, strict=False):
         parsed = parse_name(raw, kind)
         if parsed is None or not parsed[0].startswith(ns_prefix):
             continue
         ns, key = parsed
-        if isinstance(vals, Exception):
-            raise StoreCorrupt(f"{raw!r} is not an idemlock {_KIND_NAME[kind]}: {vals}")
         try:
+            if isinstance(vals, Exception):
+                raise ValueError(str(vals))
             if kind == "c":
                 if vals is None:
                     continue
@@ -309,19 +315,31 @@ def listing_rows(
                     rows.append(RecordRow(ns, key, st, fence, exp))
             else:
                 owner, token, exp = vals
-                if owner is None:
-                    continue
-                if _int(exp) > now_ms:
-                    rows.append(LockRow(ns, key, text(owner), _int(token), _int(exp)))
-        except (TypeError, ValueError, IndexError) as exc:
-            raise StoreCorrupt(
-                f"{raw!r} holds data idemlock did not write ({exc}); delete it or use "
-                "another key_prefix"
-            ) from exc
+                if owner is None and token is not None:
+                    _int(token)
+                    continue  # released: only the counter is left
+                if owner is None or token is None or exp is None:
+                    if owner is None and token is None and exp is None:
+                        continue  # gone between SCAN and HMGET
+                    raise ValueError("missing field")
+                tok, until = _int(token), _int(exp)
+                if until > now_ms:
+                    rows.append(LockRow(ns, key, text(owner), tok, until))
+        except (TypeError, ValueError, IndexError, UnicodeDecodeError):
+            bad.append(raw)
+            if kind == "c":
+                rows.append(RecordRow(ns, key, "corrupt", 0, 0))
+            else:
+                rows.append(LockRow(ns, key, "", 0, 0, corrupt=True))
+    if bad:
+        log.warning(
+            "idemlock: %d Redis key(s) under the prefix hold data idemlock did not write "
+            "(first: %r); they are listed as corrupt: delete them or use another key_prefix",
+            len(bad),
+            bad[0],
+        )
     return rows
 
-
-_KIND_NAME = {"c": "idempotency record", "l": "lock"}
 
 #: HMGET fields of a lock row (claim records are strings, read with GET)
 LOCK_FIELDS = (b"o", b"t", b"x")
