@@ -115,12 +115,8 @@ def make_machine(harness: Harness) -> type[RuleBasedStateMachine]:
                 return
             tok = data.draw(st.sampled_from(self.tokens))
             rec = self.claims.get(tok.key)
-            holds = (
-                self.live(rec)
-                and rec is not None
-                and rec.state == "in_flight"
-                and rec.token == tok.token
-            )
+            # Late completion: also after the lease ended, unless another attempt took over.
+            holds = rec is not None and rec.state == "in_flight" and rec.token == tok.token
             try:
                 self.port.complete(tok, result)
             except StaleClaim:
@@ -135,12 +131,8 @@ def make_machine(harness: Harness) -> type[RuleBasedStateMachine]:
                 return
             tok = data.draw(st.sampled_from(self.tokens))
             rec = self.claims.get(tok.key)
-            holds = (
-                self.live(rec)
-                and rec is not None
-                and rec.state == "in_flight"
-                and rec.token == tok.token
-            )
+            # Late completion: also after the lease ended, unless another attempt took over.
+            holds = rec is not None and rec.state == "in_flight" and rec.token == tok.token
             try:
                 self.port.abandon(tok)
             except StaleClaim:

@@ -3,6 +3,11 @@
 Stores that run Python inside their atomic section (memory: a lock; SQLite: one
 ``BEGIN IMMEDIATE`` transaction) apply these functions to the current record;
 stores with server-side code (Redis Lua, PostgreSQL SQL) implement the same table.
+
+``complete`` and ``abandon`` act while the record is in flight with the caller's
+token (:func:`owns`), also after its lease ended, as long as no other attempt took
+the key over. ``extend`` of a claim and ``renew`` of a lock act only while the lease
+is live (:func:`holds`, :func:`lock_held_by`).
 """
 
 from __future__ import annotations
@@ -58,14 +63,18 @@ def claim(
     return new, Granted(token, fence, new.expires_ms, lease_ms)
 
 
+def owns(rec: ClaimRec | None, token: str) -> bool:
+    """Whether ``token`` is the in-flight claim of ``rec``: complete and abandon may act,
+    even after the lease ended, as long as no other attempt took the key over (a new
+    claim replaces the token). Refusing a late complete would throw the finished work
+    away and run it again."""
+    return rec is not None and rec.state == "in_flight" and rec.token == token
+
+
 def holds(rec: ClaimRec | None, token: str, now_ms: int) -> bool:
-    """Whether ``token`` is the live in-flight claim of ``rec`` (complete/abandon may act)."""
-    return (
-        rec is not None
-        and rec.state == "in_flight"
-        and rec.token == token
-        and rec.expires_ms > now_ms
-    )
+    """Whether ``token`` is the *live* in-flight claim of ``rec`` (extend may act: an
+    expired lease is never revived, its holder must learn its protection lapsed)."""
+    return owns(rec, token) and rec is not None and rec.expires_ms > now_ms
 
 
 def complete(rec: ClaimRec, now_ms: int, result: bytes, ttl_ms: int) -> ClaimRec:

@@ -80,7 +80,8 @@ class MemoryStore:
         with self._lock:
             now = self._now()
             rec = self._claims.get(k)
-            if rec is None or not T.holds(rec, token, now):
+            # Also after the lease ended, unless another attempt took the key over.
+            if rec is None or not T.owns(rec, token):
                 return False
             self._claims[k] = T.complete(rec, now, bytes(result), ttl_ms)
             self._hub.notify(("claim", ns, key))
@@ -89,7 +90,7 @@ class MemoryStore:
     def abandon(self, ns: str, key: str, token: str) -> bool:
         k = (ns, key)
         with self._lock:
-            if not T.holds(self._claims.get(k), token, self._now()):
+            if not T.owns(self._claims.get(k), token):
                 return False
             del self._claims[k]
             self._hub.notify(("claim", ns, key))
