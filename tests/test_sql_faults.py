@@ -5,12 +5,15 @@ rows and connection failures (issue 10).
 
 from __future__ import annotations
 
+import logging
+import sqlite3
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 from idemlock._core.port import Acquired, Granted
@@ -105,3 +108,50 @@ def test_extend_and_renew_after_expiry_stay_refused(store: Any, ns: str) -> None
     _expire(store)
     assert store.extend(ns, "k", "t", LONG) is None
     assert store.renew(ns, "L", "me", lease.token, LONG) is None
+
+
+# ---- 22: a foreign or corrupt row under the prefix is listed, not fatal (A3) ----------
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def _insert_foreign(kind: str, url: str, ns: str) -> None:
+    far = _now_ms() + LONG
+    if kind == "sqlite":
+        raw = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None)
+        raw.execute(
+            "INSERT INTO claims VALUES (?, 'bad', 'exploded', 't', 7, NULL, ?, NULL)", (ns, far)
+        )
+        raw.execute(
+            "INSERT INTO claims VALUES (?, 'bad2', 'completed', 't', 'x', NULL, ?, NULL)", (ns, far)
+        )
+        raw.execute("INSERT INTO locks VALUES (?, 'bad', 'o', 'not-a-number', ?)", (ns, far))
+        raw.close()
+    else:
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(
+                "INSERT INTO idemlock.claims (ns, key, state, token, fence, expires_ms) "
+                "VALUES (%s, 'bad', 'exploded', 't', 7, %s)",
+                (ns, far),
+            )
+
+
+def test_listings_show_foreign_rows_as_corrupt(
+    store: Any, kind: str, url: str, ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    granted(store.claim(ns, "good", None, "t", LONG))
+    assert isinstance(store.acquire(ns, "good", "me", LONG), Acquired)
+    _insert_foreign(kind, url, ns)
+    with caplog.at_level(logging.WARNING, logger="idemlock"):
+        rows = {r.key: r for r in store.records(ns)}
+        locks = {r.key: r for r in store.locks(ns)}
+    assert rows["good"].state == "in_flight"
+    assert rows["bad"].state == "corrupt" and rows["bad"].fence == 7
+    assert locks["good"].corrupt is False and locks["good"].owner == "me"
+    if kind == "sqlite":
+        assert rows["bad2"].state == "corrupt" and rows["bad2"].fence == 0
+        assert locks["bad"].corrupt is True and (locks["bad"].owner, locks["bad"].token) == ("", 0)
+    warnings = [r for r in caplog.records if r.name == "idemlock" and "corrupt" in r.message]
+    assert len(warnings) >= 1

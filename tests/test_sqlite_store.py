@@ -647,8 +647,9 @@ def test_rows_we_did_not_write_raise_store_corrupt(db: Path) -> None:
         store.claim(NS, "bad", None, "t2", LONG)
     with pytest.raises(StoreCorrupt):
         store.record(NS, "bad")
-    with pytest.raises(StoreCorrupt):
-        store.records(NS)
+    # a listing shows the foreign row as corrupt instead of failing (A3)
+    assert {r.key: r.state for r in store.records(NS)} == {"bad": "corrupt", "warmup": "in_flight"}
+    assert [(r.key, r.corrupt) for r in store.locks(LOCKS)] == [("bad", True)]
     with pytest.raises(StoreCorrupt):
         store.acquire(LOCKS, "bad", "other", LONG)
     with pytest.raises(StoreCorrupt):

@@ -32,6 +32,7 @@ How it works:
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import sqlite3
@@ -60,6 +61,8 @@ from ._local import LocalHub, LocalSubscription
 __all__ = ["SQLiteAsyncStore", "SQLiteStore", "open_async", "open_sync"]
 
 R = TypeVar("R")
+
+log = logging.getLogger("idemlock")
 
 SCHEMA_VERSION = 1
 DEFAULT_BUSY_TIMEOUT = 5.0
@@ -449,6 +452,19 @@ class SQLiteStore:
             f"for ({ns!r}, {key!r}): {shown}; delete it (or forget the key) to recover"
         )
 
+    def _warn_corrupt(self, table: str, rows: list[Any]) -> None:
+        shown = repr(rows[0])
+        if len(shown) > 300:
+            shown = shown[:300] + "..."
+        log.warning(
+            "idemlock: SQLite store %s: table %s holds %d row(s) idemlock did not write, "
+            "listed as corrupt (first: %s); forget those keys (or delete the rows) to recover",
+            self.path,
+            table,
+            len(rows),
+            shown,
+        )
+
     def _claim_rec(self, row: Any, ns: str, key: str) -> T.ClaimRec | None:
         if row is None:
             return None
@@ -521,10 +537,24 @@ class SQLiteStore:
     def records(self, ns_prefix: str) -> list[RecordRow]:
         rows = self._read(_RECORDS, (len(ns_prefix), ns_prefix, _now_ms()))
         out = []
-        for ns, key, state, fence, expires_ms in rows:
-            if state not in _STATES or type(fence) is not int or type(expires_ms) is not int:
-                raise self._corrupt("claims", ns, key, (ns, key, state, fence, expires_ms))
-            out.append(RecordRow(ns, key, state, fence, expires_ms))
+        bad: list[Any] = []
+        for row in rows:
+            ns, key, state, fence, expires_ms = row
+            if (
+                state not in _STATES
+                or type(fence) is not int
+                or type(expires_ms) is not int
+                or type(key) is not str
+            ):
+                # A listing shows a row it cannot read instead of failing for all (A3).
+                bad.append(row)
+                out.append(
+                    RecordRow(ns, str(key), "corrupt", _int_or_0(fence), _int_or_0(expires_ms))
+                )
+            else:
+                out.append(RecordRow(ns, key, state, fence, expires_ms))
+        if bad:
+            self._warn_corrupt("claims", bad)
         return out
 
     # ---- locks -------------------------------------------------------------------
@@ -563,10 +593,21 @@ class SQLiteStore:
     def locks(self, ns_prefix: str) -> list[LockRow]:
         rows = self._read(_LOCKS, (len(ns_prefix), ns_prefix, _now_ms()))
         out = []
-        for ns, key, owner, token, expires_ms in rows:
-            rec = self._lock_rec((owner, token, expires_ms), ns, key)
-            assert rec is not None
-            out.append(LockRow(ns, key, rec.owner, rec.token, rec.expires_ms))
+        bad: list[Any] = []
+        for row in rows:
+            ns, key, owner, token, expires_ms = row
+            if (
+                type(owner) is not str
+                or type(token) is not int
+                or type(expires_ms) is not int
+                or type(key) is not str
+            ):
+                bad.append(row)
+                out.append(LockRow(ns, str(key), "", 0, _int_or_0(expires_ms), corrupt=True))
+            else:
+                out.append(LockRow(ns, key, owner, token, expires_ms))
+        if bad:
+            self._warn_corrupt("locks", bad)
         return out
 
     # ---- fences ------------------------------------------------------------------
@@ -654,6 +695,10 @@ def _purge(cur: sqlite3.Cursor) -> int:
     removed: int = cur.execute(_PURGE_CLAIMS, (now,)).rowcount
     removed += cur.execute(_PURGE_LOCKS, (now,)).rowcount
     return removed
+
+
+def _int_or_0(value: object) -> int:
+    return value if type(value) is int else 0
 
 
 def _is_busy(exc: BaseException) -> bool:

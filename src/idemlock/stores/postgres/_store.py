@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import logging
 import re
 import threading
 import time
@@ -42,6 +43,8 @@ from ._listen import AsyncListenSubscription, Listener, ListenSubscription
 from ._sql import Statements, Stmt
 
 Row = tuple[Any, ...]
+
+log = logging.getLogger("idemlock")
 
 DEFAULT_SCHEMA = "idemlock"
 #: rows deleted per purge statement
@@ -178,11 +181,31 @@ def _fence_reply(rows: list[Row], token: int) -> tuple[bool, int] | _Retry:
     return False, int(highest)
 
 
-def _record_rows(rows: list[Row]) -> list[RecordRow]:
-    return [RecordRow(ns, key, _state(st, ns, key), fence, exp) for ns, key, st, fence, exp in rows]
+def _record_rows(rows: list[Row], schema: str) -> list[RecordRow]:
+    out: list[RecordRow] = []
+    bad: list[Row] = []
+    for row in rows:
+        ns, key, st, fence, exp = row
+        if st in _STATES:
+            out.append(RecordRow(ns, key, st, fence, exp))
+        else:
+            # A listing shows a row it cannot read instead of failing for all (A3).
+            bad.append(row)
+            out.append(RecordRow(ns, key, "corrupt", fence, exp))
+    if bad:
+        shown = repr(bad[0])[:300]
+        log.warning(
+            "idemlock: PostgreSQL table %s.claims holds %d row(s) with a state idemlock "
+            "never writes, listed as corrupt (first: %s); forget those keys to recover",
+            schema,
+            len(bad),
+            shown,
+        )
+    return out
 
 
 def _lock_rows(rows: list[Row]) -> list[LockRow]:
+    # Every column is typed and NOT NULL: a lock row is always readable.
     return [LockRow(ns, key, owner, token, exp) for ns, key, owner, token, exp in rows]
 
 
@@ -452,7 +475,7 @@ class PostgresStore(_Base):
 
     def records(self, ns_prefix: str) -> list[RecordRow]:
         rows = self._rows(self.statements.records, {"prefix": ns_prefix}, "records", True)
-        return _record_rows(rows)
+        return _record_rows(rows, self.schema)
 
     # ---- locks -----------------------------------------------------------------------
 
@@ -689,7 +712,7 @@ class AsyncPostgresStore(_Base):
 
     async def records(self, ns_prefix: str) -> Sequence[RecordRow]:
         rows = await self._rows(self.statements.records, {"prefix": ns_prefix}, "records", True)
-        return _record_rows(rows)
+        return _record_rows(rows, self.schema)
 
     async def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
         params = {"ns": ns, "key": key, "owner": owner, "ttl": Int8(ttl_ms)}
