@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -208,6 +209,96 @@ def test_sigterm_is_forwarded_to_the_child(
     code, _, err = finish(proc)
     assert code == 5, err
     assert (tmp_path / "got-term").exists()
+
+
+# CMD is a shell whose own child (the "grandchild") records its pid, then the shell waits.
+GRANDCHILD = 'sleep 100 & echo $! > "$1/grandchild"; touch "$1/ready"; wait'
+
+
+def running_pid(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie whose reaper is slow has finished)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def gone_within(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while running_pid(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.fixture
+def grandchildren(tmp_path: Path) -> Iterator[list[int]]:
+    pids: list[int] = []
+    yield pids
+    written = tmp_path / "grandchild"
+    if written.exists():
+        pids.append(int(written.read_text()))
+    for pid in pids:  # never leave one behind when a test fails
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_lost_lease_terminates_the_whole_process_group(
+    url: str, tmp_path: Path, procs: list[subprocess.Popen[str]], grandchildren: list[int]
+) -> None:
+    holder = start(
+        url, "run", "--lock", "g", "--ttl", "1s", "--grace", "2s",
+        "--", "sh", "-c", GRANDCHILD, "sh", str(tmp_path),
+    )  # fmt: skip
+    procs.append(holder)
+    wait_for(tmp_path / "ready", holder)
+    grandchild = int((tmp_path / "grandchild").read_text())
+    grandchildren.append(grandchild)
+    os.kill(holder.pid, signal.SIGSTOP)
+    try:
+        time.sleep(1.3)
+        other = cli(url, "run", "--lock", "g", "--wait", "0", "--", *script("pass"))
+        assert other.returncode == 0, other.stderr
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+    code, _, err = finish(holder)
+    assert code == 77, err
+    # idemlock returned only once nothing of CMD ran anymore.
+    assert not running_pid(grandchild), err
+    assert "CMD was terminated (SIGTERM)" in err
+
+
+def test_forwarded_sigterm_reaches_the_whole_process_group(
+    url: str, tmp_path: Path, procs: list[subprocess.Popen[str]], grandchildren: list[int]
+) -> None:
+    proc = start(url, "run", "--once", "k-term", "--", "sh", "-c", GRANDCHILD, "sh", str(tmp_path))
+    procs.append(proc)
+    wait_for(tmp_path / "ready", proc)
+    grandchild = int((tmp_path / "grandchild").read_text())
+    grandchildren.append(grandchild)
+    proc.send_signal(signal.SIGTERM)
+    code, _, err = finish(proc)
+    assert code == 128 + signal.SIGTERM, err
+    assert gone_within(grandchild, 5), "the forwarded SIGTERM did not reach CMD's child"
+    # A failed run frees the key.
+    assert cli(url, "status", "k-term").returncode == 1
+
+
+def test_processes_left_behind_by_cmd_are_ended_before_the_lock_is_released(
+    url: str, tmp_path: Path, grandchildren: list[int]
+) -> None:
+    # The shell exits at once; its background child would run on without the lock.
+    left_behind = 'trap "" TERM; sleep 100 & echo $! > "$1/grandchild"'
+    r = cli(url, "run", "--lock", "bg", "--grace", "1s", "--", "sh", "-c", left_behind, "sh",
+            str(tmp_path))  # fmt: skip
+    grandchild = int((tmp_path / "grandchild").read_text())
+    grandchildren.append(grandchild)
+    assert r.returncode == 0, r.stderr
+    assert not running_pid(grandchild), r.stderr
+    assert "processes it started still run" in r.stderr
+    assert "SIGKILL" in r.stderr  # it ignored SIGTERM (inherited from the trap)
 
 
 # ---- run --once ----------------------------------------------------------------

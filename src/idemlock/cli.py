@@ -24,7 +24,8 @@ Exit statuses
 75      ``run --lock``: the lock was held elsewhere for all of ``--wait`` (EX_TEMPFAIL)
 76      ``run --once``: KEY is being run elsewhere right now (its claim is live)
 77      ``run``: the lock's lease (or the ``--once`` claim's lease) was lost while CMD
-        ran, so another run may have started; CMD was terminated if still running
+        ran, so another run may have started; stderr says whether CMD was still
+        running and terminated (with its whole process group) or had exited
 78      configuration error: bad store URL, missing driver (EX_CONFIG)
 126     ``run``: CMD could not be executed (permission denied)
 127     ``run``: CMD was not found
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -94,7 +96,7 @@ EXIT_STATUSES: list[tuple[str, str]] = [
     ("70", "any other idemlock error"),
     ("75", "run --lock: the lock stayed held elsewhere for all of --wait"),
     ("76", "run --once: KEY is being run elsewhere right now"),
-    ("77", "run: the lease was lost while CMD ran (CMD was terminated)"),
+    ("77", "run: the lease was lost while CMD ran (stderr says if CMD was terminated)"),
     ("78", "configuration error: bad store URL, missing driver"),
     ("126", "run: CMD could not be executed"),
     ("127", "run: CMD was not found"),
@@ -238,14 +240,17 @@ def build_parser() -> argparse.ArgumentParser:
         "it strictly increases, so pass it to writes that must refuse stale holders).\n\n"
         "--lock: the lease is renewed every ttl/3 while CMD runs; if it is lost\n"
         "  anyway (the store became unreachable, or this process was paused past the\n"
-        "  ttl), CMD gets SIGTERM, then SIGKILL after --grace, and idemlock exits 77.\n"
+        "  ttl), CMD's process group gets SIGTERM, then SIGKILL after --grace, and\n"
+        "  idemlock exits 77.\n"
         "--once: success (status 0) records KEY for --ttl; later runs skip CMD and exit\n"
         "  0. A failed CMD frees KEY so a retry runs it again. The claim is NOT renewed:\n"
         "  make --lease longer than CMD can take. If CMD outlives it, another run may\n"
         "  take KEY over and this run's success is not recorded (exit 77). A run that\n"
         "  is killed leaves KEY in flight until --lease ends.\n\n"
-        "SIGINT, SIGTERM and SIGHUP are forwarded to CMD (SIGINT is not forwarded when\n"
-        "the terminal already sent it to CMD's process group).",
+        "CMD runs in a session (process group) of its own. SIGINT, SIGTERM and SIGHUP\n"
+        "are forwarded to that whole group, and idemlock returns only when no process of\n"
+        "the group runs anymore: processes CMD left behind get SIGTERM, then SIGKILL\n"
+        "after --grace, so nothing of CMD runs on without the lock or the claim.",
     )
     mode = run.add_mutually_exclusive_group(required=True)
     mode.add_argument("--lock", metavar="NAME", help="run CMD while holding lock NAME")
@@ -278,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--grace",
         type=parse_duration,
         default=DEFAULT_GRACE,
-        help="--lock: time between SIGTERM and SIGKILL after a lost lease (10s)",
+        help="time between SIGTERM and SIGKILL of CMD's process group (10s)",
     )
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...")
     run.set_defaults(handler=cmd_run)
@@ -409,33 +414,57 @@ def _owner() -> str:
         return secrets.token_hex(8)
 
 
-def _terminal_sent(signum: int) -> bool:
-    """Whether the terminal delivered ``signum`` to our whole foreground process group,
-    so CMD (in the same group) already has it and forwarding would deliver it twice."""
-    if signum != signal.SIGINT:
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (zombies do not count: an orphan
+    whose reaper is slow has finished all the same)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
         return False
-    for fd in (0, 1, 2):
+    except PermissionError:
+        return True
+    if not os.path.exists("/proc/self/stat"):
+        return True  # no procfs: every member counts
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
         try:
-            if os.isatty(fd) and os.tcgetpgrp(fd) == os.getpgrp():
-                return True
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
         except OSError:
             continue
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+        fields = stat.rsplit(b")", 1)[-1].split()
+        if len(fields) > 2 and fields[2] == str(pgid).encode() and fields[0] not in b"ZX":
+            return True
     return False
 
 
 @dataclass
 class _Child:
-    """CMD as a child process, with signal forwarding and a terminate-then-kill."""
+    """CMD in a session (so a process group) of its own, with signal forwarding and a
+    terminate-then-kill of the whole group: CMD's own children never outlive it."""
 
     cmd: list[str]
     env: dict[str, str]
+    grace: float = DEFAULT_GRACE
     proc: subprocess.Popen[bytes] | None = None
     pending: int | None = None
+    #: when idemlock itself SIGTERMed the group (a lost lease, stragglers): SIGKILL at
+    kill_at: float | None = None
+    #: what idemlock sent on its own, for the messages ("SIGTERM", "SIGKILL")
+    sent: list[str] = dataclasses.field(default_factory=list)
+    #: CMD's exit status, once reaped
+    status: int | None = None
+    #: whether CMD was still running when idemlock first terminated it
+    terminated: bool = False
 
     def start(self) -> int | None:
         """Start CMD; returns an exit status if it could not be started."""
         try:
-            self.proc = subprocess.Popen(self.cmd, env=self.env)
+            # Its own session: one signal to the group reaches everything CMD started,
+            # and the terminal's SIGINT reaches idemlock only (which forwards it once).
+            self.proc = subprocess.Popen(self.cmd, env=self.env, start_new_session=True)
         except FileNotFoundError:
             _say(f"error: command not found: {self.cmd[0]}")
             return EX_NOT_FOUND
@@ -446,45 +475,81 @@ class _Child:
             _say(f"error: cannot execute {self.cmd[0]}: {exc}")
             return EX_CANNOT_EXECUTE
         if self.pending is not None:  # a signal came while CMD was starting
-            self.signal(self.pending)
+            pending, self.pending = self.pending, None
+            self.signal(pending)
         return None
 
     def signal(self, signum: int) -> None:
+        """Send ``signum`` to CMD's whole process group."""
         if self.proc is None:
             self.pending = signum
             return
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.send_signal(signum)  # a no-op once the child is reaped
+        # The group outlives a reaped CMD while its children run; the kernel does not
+        # hand the id to a new process while the group exists.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signum)
+
+    def terminate(self) -> None:
+        """SIGTERM the group now, SIGKILL it ``grace`` seconds later if anything of it
+        still runs (the waiting thread does that; this may run on any thread)."""
+        if self.kill_at is not None:
+            return
+        self.terminated = self.status is None and self.proc is not None
+        self.kill_at = time.monotonic() + self.grace
+        self.sent.append("SIGTERM")
+        self.signal(signal.SIGTERM)
 
     def wait(self) -> int:
-        assert self.proc is not None
-        code = self.proc.wait()
-        # The shell's convention for a child killed by a signal.
-        return 128 - code if code < 0 else code
-
-    def terminate(self, grace: float) -> None:
-        """SIGTERM now, SIGKILL after ``grace`` seconds if it is still running."""
-        self.signal(signal.SIGTERM)
+        """Wait for CMD and then for every process left in its group; returns CMD's
+        status. Stragglers are terminated: they would run on unprotected."""
         proc = self.proc
-
-        def kill_later() -> None:
-            if proc is None:
-                return
-            try:
-                proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                _say(f"CMD still running {_human(grace)} after SIGTERM; sending SIGKILL")
+        assert proc is not None
+        killed_at: float | None = None
+        while True:
+            if self.status is None:
+                try:
+                    code = proc.wait(timeout=0.05)
+                except subprocess.TimeoutExpired:
+                    code = None
+                if code is not None:
+                    # The shell's convention for a child killed by a signal.
+                    self.status = 128 - code if code < 0 else code
+            if self.status is not None:
+                if not _group_alive(proc.pid):
+                    return self.status
+                if self.kill_at is None:
+                    _say(
+                        "CMD exited but processes it started still run; terminating them "
+                        f"(SIGTERM, then SIGKILL after {_human(self.grace)})"
+                    )
+                    self.terminate()
+            now = time.monotonic()
+            if killed_at is None and self.kill_at is not None and now >= self.kill_at:
+                _say(f"CMD still running {_human(self.grace)} after SIGTERM; sending SIGKILL")
+                self.sent.append("SIGKILL")
                 self.signal(signal.SIGKILL)
+                killed_at = now
+            if killed_at is not None and self.status is not None and now - killed_at > 5:
+                _say("processes of CMD survived SIGKILL (stuck in the kernel?); leaving them")
+                return self.status
+            if self.status is not None:
+                time.sleep(0.05)
 
-        threading.Thread(target=kill_later, name="idemlock-kill", daemon=True).start()
+    def outcome(self) -> str:
+        """What became of CMD, for the final message."""
+        code = "" if self.status is None else f" (status {self.status})"
+        if self.terminated:
+            return f"CMD was terminated ({', then '.join(self.sent)}){code}"
+        if self.status is not None:
+            return f"CMD had already exited on its own{code}; idemlock did not terminate it"
+        return "CMD was not started"
 
     def run(self) -> int:
         """Start CMD and wait for it, forwarding SIGINT/SIGTERM/SIGHUP meanwhile."""
         forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
         def forward(signum: int, frame: FrameType | None) -> None:
-            if not _terminal_sent(signum):
-                self.signal(signum)
+            self.signal(signum)
 
         previous = {s: signal.signal(s, forward) for s in forwarded}
         try:
@@ -521,16 +586,20 @@ def _run_locked(args: argparse.Namespace, cmd: list[str]) -> int:
     wait = 10.0 if args.wait is None else args.wait
     with _connect(args) as coord:
         lock = coord.lock(LockSpec(args.spec or LOCK_SPEC, ttl=timedelta(seconds=ttl)))
-        child = _Child(cmd, {})
+        child = _Child(cmd, {}, grace=args.grace)
         lost = threading.Event()
 
         def on_lost(lease: Any) -> None:
             lost.set()
-            _say(
-                f"lost the lease on lock {name!r} (token {lease.token}) while CMD ran; "
-                f"terminating CMD (SIGTERM, then SIGKILL after {_human(args.grace)})"
+            running = child.proc is not None and child.status is None
+            what = (
+                f"terminating CMD and its processes (SIGTERM, then SIGKILL after "
+                f"{_human(args.grace)})"
+                if running
+                else "CMD is not running"
             )
-            child.terminate(args.grace)
+            _say(f"lost the lease on lock {name!r} (token {lease.token}); {what}")
+            child.terminate()
 
         try:
             with lock.hold(name, wait=wait, owner=_owner(), on_lost=on_lost) as lease:
@@ -549,9 +618,9 @@ def _run_locked(args: argparse.Namespace, cmd: list[str]) -> int:
             )
             return EX_LOCK_NOT_ACQUIRED
         except LockLost as exc:
-            code = child.wait() if child.proc is not None else None
-            ran = "" if code is None else f"; CMD exited with status {code}"
-            _say(f"error: {exc}{ran} (exit {EX_LEASE_LOST})")
+            if child.proc is not None and child.status is None:
+                child.wait()  # left by an exception: still make sure the group ends
+            _say(f"error: {exc}; {child.outcome()} (exit {EX_LEASE_LOST})")
             return EX_LEASE_LOST
         return status
 
@@ -609,7 +678,7 @@ def _run_once(args: argparse.Namespace, cmd: list[str]) -> int:
             return EX_IN_FLIGHT
         assert isinstance(claim, Claimed)
         token = claim.token
-        child = _Child(cmd, _child_env(token.fence, IDEMLOCK_ONCE_KEY=key))
+        child = _Child(cmd, _child_env(token.fence, IDEMLOCK_ONCE_KEY=key), grace=args.grace)
         started_wall = datetime.now(timezone.utc)
         started = time.monotonic()
         try:
