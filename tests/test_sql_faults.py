@@ -16,6 +16,8 @@ from typing import Any
 import psycopg
 import pytest
 
+import idemlock
+from idemlock import ConfigurationError
 from idemlock._core.port import Acquired, Granted
 from idemlock.stores import postgres as pg
 from idemlock.stores.sqlite import open_sync as sqlite_open
@@ -155,3 +157,45 @@ def test_listings_show_foreign_rows_as_corrupt(
         assert locks["bad"].corrupt is True and (locks["bad"].owner, locks["bad"].token) == ("", 0)
     warnings = [r for r in caplog.records if r.name == "idemlock" and "corrupt" in r.message]
     assert len(warnings) >= 1
+
+
+# ---- 16: integers beyond 64 bits: the same ConfigurationError on both stores --------------
+
+
+@pytest.mark.parametrize("token", [2**63, 2**64 + 5, -(2**63) - 1])
+def test_out_of_range_tokens_are_a_configuration_error(store: Any, ns: str, token: int) -> None:
+    calls = [
+        lambda: store.fence_advance(ns, "res", token),
+        lambda: store.release(ns, "L", "me", token),
+        lambda: store.renew(ns, "L", "me", token, LONG),
+    ]
+    for call in calls:
+        with pytest.raises(ConfigurationError):
+            call()
+    assert store.fence_current(ns, "res") is None
+    assert store.fence_advance(ns, "res", 2**63 - 1) == (True, 2**63 - 1)
+
+
+def test_out_of_range_gate_tokens_through_the_coordinator(url: str) -> None:
+    coord = idemlock.connect(url, key_prefix="g" + uuid.uuid4().hex[:8])
+    try:
+        gate = coord.fence("res")
+        for token in (2**63, 2**70):
+            with pytest.raises(ConfigurationError):
+                gate.check_and_advance(token)
+        assert gate.check_and_advance(2**63 - 1) == 2**63 - 1
+    finally:
+        coord.close()
+
+
+def test_out_of_range_tokens_in_fenced_writes(postgres_dsn: str) -> None:
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        name = "t_" + uuid.uuid4().hex[:10]
+        conn.execute(f"CREATE TABLE {name} (id int PRIMARY KEY, v int, fence_token bigint)")
+        conn.execute(f"INSERT INTO {name} (id, v) VALUES (1, 0)")
+        for token in (2**63, -1):
+            with pytest.raises(ConfigurationError):
+                pg.fenced_update(conn, name, {"v": 1}, {"id": 1}, token)
+            with pytest.raises(ConfigurationError):
+                pg.fenced_upsert(conn, name, {"id": 1, "v": 1}, ["id"], token)
+        assert pg.fenced_update(conn, name, {"v": 2}, {"id": 1}, 2**63 - 1) == 1

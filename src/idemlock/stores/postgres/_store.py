@@ -69,6 +69,21 @@ class _Retry:
 _RETRY = _Retry()
 
 
+_I8_MAX = 2**63 - 1
+
+
+def _i8(value: int) -> Int8:
+    """An int sent as bigint; out of range is the caller's error, not a bare
+    OverflowError from inside psycopg."""
+    if not -_I8_MAX - 1 <= value <= _I8_MAX:
+        raise ConfigurationError(
+            f"a value passed to the PostgreSQL store does not fit a 64-bit integer "
+            f"({value!r}); fencing tokens, and leases and ttls in milliseconds, must be "
+            "below 2**63"
+        )
+    return Int8(value)
+
+
 def check_schema(schema: object) -> str:
     if not isinstance(schema, str) or not _SCHEMA_NAME.fullmatch(schema):
         raise ConfigurationError(
@@ -261,7 +276,7 @@ class _Base:
             "key": key,
             "token": token,
             "result": bytes(result),
-            "ttl": Int8(ttl_ms),
+            "ttl": _i8(ttl_ms),
             "chan": self._chan("claim", ns, key),
         }
 
@@ -443,7 +458,7 @@ class PostgresStore(_Base):
     # ---- idempotency records -----------------------------------------------------------
 
     def claim(self, ns: str, key: str, fp: str | None, token: str, lease_ms: int) -> ClaimReply:
-        params = {"ns": ns, "key": key, "token": token, "fp": fp, "lease": Int8(lease_ms)}
+        params = {"ns": ns, "key": key, "token": token, "fp": fp, "lease": _i8(lease_ms)}
         reply: ClaimReply = self._until(
             self.statements.claim, params, "claim", lambda rows: _claim_reply(rows, ns, key, token)
         )
@@ -458,7 +473,7 @@ class PostgresStore(_Base):
         return bool(self._rows(self.statements.abandon, params, "abandon", False))
 
     def extend(self, ns: str, key: str, token: str, lease_ms: int) -> int | None:
-        params = {"ns": ns, "key": key, "token": token, "lease": Int8(lease_ms)}
+        params = {"ns": ns, "key": key, "token": token, "lease": _i8(lease_ms)}
         rows = self._rows(self.statements.extend, params, "extend", True)
         return int(rows[0][0]) if rows else None
 
@@ -480,7 +495,7 @@ class PostgresStore(_Base):
     # ---- locks -----------------------------------------------------------------------
 
     def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
-        params = {"ns": ns, "key": key, "owner": owner, "ttl": Int8(ttl_ms)}
+        params = {"ns": ns, "key": key, "owner": owner, "ttl": _i8(ttl_ms)}
         reply: Acquired | Held = self._until(
             self.statements.acquire, params, "acquire", lambda rows: _acquire_reply(rows, owner)
         )
@@ -491,13 +506,13 @@ class PostgresStore(_Base):
             "ns": ns,
             "key": key,
             "owner": owner,
-            "token": Int8(token),
+            "token": _i8(token),
             "chan": self._chan("lock", ns, key),
         }
         return bool(self._rows(self.statements.release, params, "release", False))
 
     def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
-        params = {"ns": ns, "key": key, "owner": owner, "token": Int8(token), "ttl": Int8(ttl_ms)}
+        params = {"ns": ns, "key": key, "owner": owner, "token": _i8(token), "ttl": _i8(ttl_ms)}
         rows = self._rows(self.statements.renew, params, "renew", True)
         return int(rows[0][0]) if rows else None
 
@@ -514,7 +529,7 @@ class PostgresStore(_Base):
     # ---- fences ------------------------------------------------------------------------
 
     def fence_advance(self, ns: str, resource: str, token: int) -> tuple[bool, int]:
-        params = {"ns": ns, "resource": resource, "token": Int8(token)}
+        params = {"ns": ns, "resource": resource, "token": _i8(token)}
         reply: tuple[bool, int] = self._until(
             self.statements.fence_advance,
             params,
@@ -532,7 +547,7 @@ class PostgresStore(_Base):
         removed = 0
         for stmt in (self.statements.purge_claims, self.statements.purge_locks):
             while True:
-                rows = self._rows(stmt, {"batch": Int8(PURGE_BATCH)}, "purge", True)
+                rows = self._rows(stmt, {"batch": _i8(PURGE_BATCH)}, "purge", True)
                 n = int(rows[0][0])
                 removed += n
                 if n < PURGE_BATCH:
@@ -680,7 +695,7 @@ class AsyncPostgresStore(_Base):
     async def claim(
         self, ns: str, key: str, fp: str | None, token: str, lease_ms: int
     ) -> ClaimReply:
-        params = {"ns": ns, "key": key, "token": token, "fp": fp, "lease": Int8(lease_ms)}
+        params = {"ns": ns, "key": key, "token": token, "fp": fp, "lease": _i8(lease_ms)}
         reply: ClaimReply = await self._until(
             self.statements.claim, params, "claim", lambda rows: _claim_reply(rows, ns, key, token)
         )
@@ -695,7 +710,7 @@ class AsyncPostgresStore(_Base):
         return bool(await self._rows(self.statements.abandon, params, "abandon", False))
 
     async def extend(self, ns: str, key: str, token: str, lease_ms: int) -> int | None:
-        params = {"ns": ns, "key": key, "token": token, "lease": Int8(lease_ms)}
+        params = {"ns": ns, "key": key, "token": token, "lease": _i8(lease_ms)}
         rows = await self._rows(self.statements.extend, params, "extend", True)
         return int(rows[0][0]) if rows else None
 
@@ -715,7 +730,7 @@ class AsyncPostgresStore(_Base):
         return _record_rows(rows, self.schema)
 
     async def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
-        params = {"ns": ns, "key": key, "owner": owner, "ttl": Int8(ttl_ms)}
+        params = {"ns": ns, "key": key, "owner": owner, "ttl": _i8(ttl_ms)}
         reply: Acquired | Held = await self._until(
             self.statements.acquire, params, "acquire", lambda rows: _acquire_reply(rows, owner)
         )
@@ -726,13 +741,13 @@ class AsyncPostgresStore(_Base):
             "ns": ns,
             "key": key,
             "owner": owner,
-            "token": Int8(token),
+            "token": _i8(token),
             "chan": self._chan("lock", ns, key),
         }
         return bool(await self._rows(self.statements.release, params, "release", False))
 
     async def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
-        params = {"ns": ns, "key": key, "owner": owner, "token": Int8(token), "ttl": Int8(ttl_ms)}
+        params = {"ns": ns, "key": key, "owner": owner, "token": _i8(token), "ttl": _i8(ttl_ms)}
         rows = await self._rows(self.statements.renew, params, "renew", True)
         return int(rows[0][0]) if rows else None
 
@@ -748,7 +763,7 @@ class AsyncPostgresStore(_Base):
         return _lock_rows(rows)
 
     async def fence_advance(self, ns: str, resource: str, token: int) -> tuple[bool, int]:
-        params = {"ns": ns, "resource": resource, "token": Int8(token)}
+        params = {"ns": ns, "resource": resource, "token": _i8(token)}
         reply: tuple[bool, int] = await self._until(
             self.statements.fence_advance,
             params,
@@ -766,7 +781,7 @@ class AsyncPostgresStore(_Base):
         removed = 0
         for stmt in (self.statements.purge_claims, self.statements.purge_locks):
             while True:
-                rows = await self._rows(stmt, {"batch": Int8(PURGE_BATCH)}, "purge", True)
+                rows = await self._rows(stmt, {"batch": _i8(PURGE_BATCH)}, "purge", True)
                 n = int(rows[0][0])
                 removed += n
                 if n < PURGE_BATCH:
