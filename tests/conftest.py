@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from .servers.faults import (  # noqa: F401  (session fixtures)
+    fault_postgres_server,
+    fault_redis_cluster,
+    fault_redis_server,
+)
 from .servers.postgres import postgres_dsn, postgres_server  # noqa: F401  (session fixtures)
 from .servers.redis import redis_cluster, redis_server  # noqa: F401  (session fixtures)
 

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from .facade import Facade, async_facade, sync_facade
+from .fault_stores import fault_api, fault_harness  # noqa: F401  (fault contract fixtures)
 from .harness import Harness
 from .stores import IN_PROCESS_ONLY, STORES
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,26 @@ class Harness:
     #: whether the store's fencing counter outlives a restart (stores with a server)
     extras: dict[str, Any] = field(default_factory=dict)
     prefix: str = field(default_factory=lambda: "t" + uuid.uuid4().hex[:12])
+    #: fault injection (tests/servers/faults.py Faults), set by the fault harnesses of
+    #: tests/contract/fault_stores.py only
+    faults: Any = None
+
+    def stall(self) -> AbstractContextManager[None]:
+        """A block during which the store is silent (calls hang: no error, no EOF)."""
+        return self._faults().stall()  # type: ignore[no-any-return]
+
+    def outage(self) -> AbstractContextManager[None]:
+        """A block during which the store is down; it is back on exit."""
+        return self._faults().outage()  # type: ignore[no-any-return]
+
+    def restart(self) -> None:
+        """Stop the store and start it again now."""
+        self._faults().restart()
+
+    def _faults(self) -> Any:
+        if self.faults is None:
+            raise RuntimeError(f"the {self.name} harness has no faults: use fault_harness")
+        return self.faults
 
     def advance(self, seconds: float) -> None:
         """Let ``seconds`` pass for the store: move the manual clock, or sleep."""

@@ -167,7 +167,7 @@ class RedisCluster:
             n.stop()
 
 
-def start_cluster(root: Path, masters: int = 3) -> RedisCluster:
+def start_cluster(root: Path, masters: int = 3, node_timeout_ms: int = 2000) -> RedisCluster:
     import redis
 
     _, cli = find_redis()
@@ -180,7 +180,7 @@ def start_cluster(root: Path, masters: int = 3) -> RedisCluster:
                 (
                     "--cluster-enabled", "yes",
                     "--cluster-config-file", "nodes.conf",
-                    "--cluster-node-timeout", "2000",
+                    "--cluster-node-timeout", str(node_timeout_ms),
                 ),
             )  # fmt: skip
             node.start()

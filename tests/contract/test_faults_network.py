@@ -1,0 +1,330 @@
+"""Fault contract: a silent network (or a stalled store), on every store, sync and async.
+
+While the store is silent (``harness.stall()``: a blackholed proxy, SIGSTOPped
+Cluster nodes, a foreign SQLite writer, the memory store's lock held), every call
+must raise ``StoreUnavailable`` within the documented bound (the store option
+``timeout``, agreement A1; asserted generously as ``BOUND``), and the same
+coordinator must work again, correctly, once the store answers (no stale reply read
+as the answer to a later request). ``hold()`` must mark its lease lost by the lease's
+local deadline, whatever the renewal in progress is doing, and leaving the block must
+return within the bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+import idemlock
+import idemlock.aio
+from idemlock import (
+    Claimed,
+    Completed,
+    IdempotencySpec,
+    InFlight,
+    Lease,
+    LockLost,
+    LockSpec,
+    StaleClaim,
+)
+
+from ..servers.proxy import TcpProxy
+from .facade import Facade
+from .fault_stores import BOUND, TIMEOUT, assert_unavailable, eventually, timed
+from .harness import Harness
+
+SPEC = IdempotencySpec("net", lease=timedelta(seconds=30))
+LONG = LockSpec("net", ttl=timedelta(seconds=30))
+#: the hold() lease: short, so that losing it takes seconds
+HOLD_TTL = 2.0
+HOLD = LockSpec("net-hold", ttl=timedelta(seconds=HOLD_TTL))
+#: how late after its local deadline a lease may be reported lost
+SLACK = 0.5
+
+
+# ---- the proxy itself --------------------------------------------------------------
+
+
+class _Echo:
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _echo(conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):  # the proxy's cut resets it
+            while data := conn.recv(65536):
+                conn.sendall(data)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_proxy_blackholes_heals_and_cuts() -> None:
+    echo = _Echo()
+    threads_before = {t.ident for t in threading.enumerate()}
+    try:
+        with TcpProxy(echo.port) as proxy:
+            c = socket.create_connection(("127.0.0.1", proxy.port), timeout=2)
+            c.sendall(b"ping")
+            assert c.recv(16) == b"ping"
+            proxy.blackhole()
+            c.sendall(b"late")
+            c.settimeout(0.3)
+            with pytest.raises(socket.timeout):  # silent: no reply, no EOF, no reset
+                c.recv(16)
+            fresh = socket.create_connection(("127.0.0.1", proxy.port), timeout=0.3)
+            fresh.sendall(b"new")
+            with pytest.raises(socket.timeout):
+                fresh.recv(16)
+            proxy.heal()  # what was sent during the blackhole arrives now
+            c.settimeout(2)
+            fresh.settimeout(2)
+            assert c.recv(16) == b"late"
+            assert fresh.recv(16) == b"new"
+            assert proxy.connections() == 2
+            assert proxy.cut() == 2
+            with pytest.raises(OSError):  # reset (or EOF turned into an error on send)
+                if c.recv(16) == b"":
+                    raise ConnectionResetError
+            c.close()
+            fresh.close()
+    finally:
+        echo.close()
+    leaked = [
+        t for t in threading.enumerate() if t.ident not in threads_before and "proxy" in t.name
+    ]
+    assert not leaked
+
+
+# ---- one call while the store is silent -----------------------------------------------
+
+
+async def test_silent_claim_is_bounded_and_the_coordinator_recovers(fault_api: Facade) -> None:
+    port = fault_api.idem(SPEC)
+    assert isinstance(await port.claim("warm"), Claimed)  # connections exist now
+    with fault_api.harness.stall():
+        out = await timed(fault_api, lambda: port.claim("k"))
+    assert_unavailable(out, "claim")
+    # The same coordinator works again, and each reply answers its own request: a
+    # connection still carrying the late reply of the timed-out claim must not be used.
+    claim = await eventually(fault_api, lambda: port.claim("k2", payload={"n": 2}))
+    assert isinstance(claim, Claimed)
+    status = await port.status("k2")
+    assert status is not None and status.state == "in_flight"
+    await port.complete(claim.token, {"done": 2})
+    again = await port.claim("k2", payload={"n": 2})
+    assert isinstance(again, Completed) and again.result == {"done": 2}
+    # The timed-out claim may or may not have been applied ("maybe applied"), but
+    # the key is in a state the contract knows.
+    assert isinstance(await port.claim("k"), Claimed | InFlight)
+
+
+async def test_silent_complete_is_bounded_and_the_result_is_not_lost(fault_api: Facade) -> None:
+    port = fault_api.idem(SPEC)
+    claim = await port.claim("k")
+    assert isinstance(claim, Claimed)
+    with fault_api.harness.stall():
+        out = await timed(fault_api, lambda: port.complete(claim.token, {"v": 1}))
+    assert_unavailable(out, "complete")
+    # Re-sending the completion is safe: it lands, or the first one had landed.
+    await eventually(fault_api, lambda: port.complete(claim.token, {"v": 1}), accept=(StaleClaim,))
+    replay = await port.claim("k")
+    assert isinstance(replay, Completed) and replay.result == {"v": 1}, replay
+
+
+async def test_silent_abandon_is_bounded(fault_api: Facade) -> None:
+    port = fault_api.idem(SPEC)
+    claim = await port.claim("k")
+    assert isinstance(claim, Claimed)
+    with fault_api.harness.stall():
+        out = await timed(fault_api, lambda: port.abandon(claim.token))
+    assert_unavailable(out, "abandon")
+    # StaleClaim: the first abandon had landed.
+    await eventually(fault_api, lambda: port.abandon(claim.token), accept=(StaleClaim,))
+    assert isinstance(await port.claim("k"), Claimed)
+
+
+async def test_silent_acquire_is_bounded(fault_api: Facade) -> None:
+    locks = fault_api.lock(LONG)
+    warm = await locks.acquire("warm")
+    assert warm is not None
+    with fault_api.harness.stall():
+        out = await timed(fault_api, lambda: locks.acquire("L", owner="me"))
+    assert_unavailable(out, "acquire")
+    # Maybe applied: the same owner gets the lock (or the same lease) again.
+    lease = await eventually(fault_api, lambda: locks.acquire("L", owner="me"))
+    assert isinstance(lease, Lease)
+    assert await locks.release(lease) is True
+    other = await locks.acquire("L", owner="other")
+    assert isinstance(other, Lease)
+    await locks.release(other)
+    await locks.release(warm)
+
+
+async def test_silent_waited_acquire_is_bounded(fault_api: Facade) -> None:
+    locks = fault_api.lock(LONG)
+    holder = await locks.acquire("L", owner="holder")
+    assert holder is not None
+    wait = 1.0
+    with fault_api.harness.stall():
+        out = await timed(fault_api, lambda: locks.acquire("L", owner="waiter", wait=wait))
+    # Nothing can be learned from a silent store: give up by the wait plus the bound.
+    assert out.error is None or isinstance(out.error, idemlock.StoreUnavailable), out.describe()
+    assert out.error is not None or out.value is None, out.describe()
+    assert out.elapsed <= wait + BOUND, out.describe()
+    assert await eventually(fault_api, lambda: locks.release(holder)) is True
+
+
+async def test_silent_renew_is_bounded(fault_api: Facade) -> None:
+    locks = fault_api.lock(LONG)
+    lease = await locks.acquire("L")
+    assert lease is not None
+    with fault_api.harness.stall():
+        out = await timed(fault_api, lambda: locks.renew(lease))
+    assert_unavailable(out, "renew")
+    assert await eventually(fault_api, lambda: locks.renew(lease)) is True
+    assert await locks.release(lease) is True
+
+
+async def test_silent_release_is_bounded(fault_api: Facade) -> None:
+    locks = fault_api.lock(LONG)
+    lease = await locks.acquire("L")
+    assert lease is not None
+    with fault_api.harness.stall():
+        out = await timed(fault_api, lambda: locks.release(lease))
+    assert_unavailable(out, "release")
+    await eventually(fault_api, lambda: locks.release(lease))  # True, or False if it landed
+    assert isinstance(await locks.acquire("L", owner="next"), Lease)
+
+
+async def test_silent_store_on_the_first_call(fault_api: Facade) -> None:
+    """A coordinator whose first call meets a silent store (connect phase)."""
+    fresh = fault_api.other(timeout=TIMEOUT)
+    try:
+        port = fresh.idem(SPEC)
+        with fault_api.harness.stall():
+            out = await timed(fresh, lambda: port.claim("first"))
+        assert_unavailable(out, "the first claim of a new coordinator")
+        assert isinstance(await eventually(fresh, lambda: port.claim("second")), Claimed)
+    finally:
+        await fresh.close()
+
+
+# ---- hold() while the store goes silent ------------------------------------------------
+
+
+def test_silent_hold_loses_the_lease_by_its_deadline_sync(fault_harness: Harness) -> None:
+    coord = fault_harness.sync(timeout=TIMEOUT)
+    try:
+        locks = coord.lock(HOLD)
+        lost_at: list[float] = []
+        t0 = time.monotonic()  # before the acquire is sent: the deadline is at most t0 + ttl
+        cm = locks.hold("h", on_lost=lambda lease: lost_at.append(time.monotonic()))
+        lease = cm.__enter__()
+        stall = fault_harness.stall()
+        stall.__enter__()
+        try:
+            seen_at = None
+            while time.monotonic() < t0 + HOLD_TTL + SLACK + BOUND:
+                if lease.lost:
+                    seen_at = time.monotonic()
+                    break
+                time.sleep(0.01)
+            left_at = time.monotonic()
+            exc: BaseException | None = None
+            try:
+                cm.__exit__(None, None, None)
+            except BaseException as e:
+                exc = e
+            exited_at = time.monotonic()
+        finally:
+            stall.__exit__(None, None, None)
+        deadline = t0 + HOLD_TTL + SLACK
+        assert seen_at is not None and seen_at <= deadline, (
+            f"lease.lost turned True {_late(seen_at, t0)} after the acquire was sent; "
+            f"the lease ran out after {HOLD_TTL}s"
+        )
+        assert lost_at and lost_at[0] <= deadline, f"on_lost ran {_late(lost_at, t0)}"
+        assert isinstance(exc, LockLost), f"leaving the block raised {exc!r}, not LockLost"
+        assert exited_at - left_at <= BOUND, (
+            f"leaving the block took {exited_at - left_at:.2f}s on a silent store"
+        )
+    finally:
+        coord.close()
+
+
+async def test_silent_hold_loses_the_lease_by_its_deadline_async(fault_harness: Harness) -> None:
+    coord = fault_harness.aio(timeout=TIMEOUT)
+    times: dict[str, float] = {}
+
+    async def holder() -> BaseException | None:
+        locks = coord.lock(HOLD)
+        # Silent from inside the block until after leaving it, so that the exit (the
+        # renewer's stop, the release) meets the silent store too.
+        stall = fault_harness.stall()
+        stalled = False
+        times["t0"] = time.monotonic()
+        try:
+            async with locks.hold(
+                "h", on_lost=lambda lease: times.setdefault("on_lost", time.monotonic())
+            ):
+                stall.__enter__()
+                stalled = True
+                try:
+                    await asyncio.sleep(HOLD_TTL + SLACK + BOUND)
+                except asyncio.CancelledError:
+                    times["cancelled"] = time.monotonic()
+                    raise
+                finally:
+                    times["left"] = time.monotonic()
+        except BaseException as exc:
+            times["exited"] = time.monotonic()
+            return exc
+        finally:
+            if stalled:
+                stall.__exit__(None, None, None)
+        times["exited"] = time.monotonic()
+        return None
+
+    try:
+        exc = await asyncio.wait_for(holder(), HOLD_TTL + SLACK + BOUND * 3)
+    finally:
+        await coord.close()
+    t0 = times["t0"]
+    deadline = t0 + HOLD_TTL + SLACK
+    assert "cancelled" in times, "the body was not cancelled when the lease was lost"
+    assert times["cancelled"] <= deadline, (
+        f"the body was cancelled {_late(times['cancelled'], t0)} after the acquire was sent; "
+        f"the lease ran out after {HOLD_TTL}s"
+    )
+    assert times.get("on_lost", float("inf")) <= deadline, (
+        f"on_lost ran {_late(times.get('on_lost'), t0)}"
+    )
+    assert isinstance(exc, LockLost), f"leaving the block raised {exc!r}, not LockLost"
+    assert times["exited"] - times["left"] <= BOUND, (
+        f"leaving the block took {times['exited'] - times['left']:.2f}s on a silent store"
+    )
+
+
+def _late(at: Any, t0: float) -> str:
+    if isinstance(at, list):
+        at = at[0] if at else None
+    return "never" if at is None else f"{at - t0:.2f}s"
