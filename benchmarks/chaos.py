@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import json
 import multiprocessing
@@ -81,7 +82,7 @@ import _servers  # noqa: E402
 
 HOST = _servers.HOST
 STORES = ("sqlite", "redis", "redis-cluster", "postgres")
-KINDS = ("kill", "stop", "restart", "cut")
+KINDS = ("kill", "stop", "restart", "cut", "blackhole")
 #: which faults apply: SQLite has no server to restart and no connection to cut.
 STORE_KINDS = {
     "sqlite": ("kill", "stop"),
@@ -89,6 +90,19 @@ STORE_KINDS = {
     "redis-cluster": KINDS,
     "postgres": KINDS,
 }
+#: the lock workload's faults: no Redis restarts there (an empty Redis forgets its leases
+#: and gates: data loss the job workload already measures, not a failure of the lock)
+LOCK_KINDS = {
+    "sqlite": ("kill", "stop"),
+    "redis": ("kill", "stop", "cut", "blackhole"),
+    "redis-cluster": ("kill", "stop", "cut", "blackhole"),
+    "postgres": KINDS,
+}
+WORKLOADS = ("jobs", "lock")
+LOCK_SPEC = "chaos-lock"
+#: slack for clock granularity when comparing times taken in different processes (one
+#: machine, CLOCK_MONOTONIC) with lease expiry judged by the store's clock
+SLACK = 0.02
 #: stores whose restart loses data (their records are not expected to survive)
 LOSSY = ("redis", "redis-cluster")
 SPEC = "chaos"
@@ -98,19 +112,47 @@ PRESETS: dict[str, dict[str, Any]] = {
     # By command; the README's figures.
     "long": {"jobs": 3000, "workers": 6, "duration": 120.0, "fault_every": 0.5},
 }
+#: the lock workload: workers contend for ``--resources`` locks (no job count)
+LOCK_PRESETS: dict[str, dict[str, Any]] = {
+    "short": {"workers": 4, "duration": 6.0, "fault_every": 0.25},
+    "long": {"workers": 6, "duration": 180.0, "fault_every": 0.5},
+}
 
 
 # ---- the loopback TCP proxy -------------------------------------------------------------
 
 
-class Proxy:
-    """Forwards 127.0.0.1:``port`` to 127.0.0.1:``target``; :meth:`ProxyHub.cut`
-    aborts every connection through it (both sides see a reset)."""
+class Conn:
+    """One client connection through a proxy: both sides, the two pumps, and the gate a
+    partial blackhole closes (data is then held, not forwarded and not dropped)."""
 
-    def __init__(self, target: int) -> None:
+    def __init__(self, down: asyncio.StreamWriter, up: asyncio.StreamWriter) -> None:
+        self.down, self.up = down, up
+        self.flowing = asyncio.Event()
+        self.flowing.set()
+        self.generation = 0  # of the blackhole that closed the gate (only it reopens it)
+        self.pumps: list[asyncio.Future[None]] = []
+
+    def abort(self) -> None:
+        self.down.transport.abort()
+        self.up.transport.abort()
+        for p in self.pumps:
+            p.cancel()
+
+
+class Proxy:
+    """Forwards 127.0.0.1:``port`` to 127.0.0.1:``target``. :meth:`ProxyHub.cut`
+    aborts every connection through it (both sides see a reset); a blackhole
+    (:meth:`ProxyHub.blackhole`) stops forwarding without closing anything, as a dead
+    switch or a partition does: bytes sent meanwhile are held and delivered when it
+    ends (TCP would retransmit them), new connections are accepted by the kernel and
+    then answered by nobody."""
+
+    def __init__(self, target: int, open_: asyncio.Event) -> None:
         self.target = target
         self.port = 0
-        self.pairs: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
+        self.conns: set[Conn] = set()
+        self.open = open_  # the hub's gate: closed during a full blackhole
         self.server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
@@ -118,37 +160,41 @@ class Proxy:
         self.port = self.server.sockets[0].getsockname()[1]
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self.open.wait()
         try:
             up_r, up_w = await asyncio.wait_for(asyncio.open_connection(HOST, self.target), 3)
         except (OSError, asyncio.TimeoutError):
             writer.transport.abort()  # the server is down: so is the connection
             return
-        pair = (writer, up_w)
-        self.pairs.add(pair)
-        pumps = [
-            asyncio.ensure_future(_pump(reader, up_w)),
-            asyncio.ensure_future(_pump(up_r, writer)),
+        conn = Conn(writer, up_w)
+        self.conns.add(conn)
+        gates = (self.open, conn.flowing)
+        conn.pumps = [
+            asyncio.ensure_future(_pump(reader, up_w, gates)),
+            asyncio.ensure_future(_pump(up_r, writer, gates)),
         ]
         try:
-            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(conn.pumps, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for p in pumps:
-                p.cancel()
-            self.pairs.discard(pair)
-            writer.transport.abort()
-            up_w.transport.abort()
+            self.conns.discard(conn)
+            conn.abort()
 
     def cut(self) -> int:
-        pairs = list(self.pairs)
-        for a, b in pairs:
-            a.transport.abort()
-            b.transport.abort()
-        return len(pairs)
+        conns = list(self.conns)
+        self.conns.clear()
+        for conn in conns:
+            conn.abort()
+        return len(conns)
 
 
-async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+async def _pump(
+    src: asyncio.StreamReader, dst: asyncio.StreamWriter, gates: tuple[asyncio.Event, ...]
+) -> None:
     with contextlib.suppress(ConnectionError, OSError):
         while data := await src.read(65536):
+            for gate in gates:
+                if not gate.is_set():
+                    await gate.wait()
             dst.write(data)
             await dst.drain()
 
@@ -159,6 +205,10 @@ class ProxyHub:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.proxies: list[Proxy] = []
+        self.open = asyncio.Event()
+        self.open.set()
+        self.generation = 0  # of the latest blackhole
+        self.full_generation = 0  # of the latest full blackhole (only it reopens the gate)
         self.thread = threading.Thread(target=self.loop.run_forever, name="proxy", daemon=True)
         self.thread.start()
 
@@ -166,7 +216,7 @@ class ProxyHub:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=10)
 
     def add(self, target: int) -> Proxy:
-        proxy = Proxy(target)
+        proxy = Proxy(target, self.open)
         self._call(proxy.start())
         self.proxies.append(proxy)
         return proxy
@@ -177,8 +227,58 @@ class ProxyHub:
 
         return int(self._call(cut_all()))
 
+    def blackhole(self, seconds: float, share: float, rng: random.Random) -> str:
+        """Stop forwarding for ``seconds``: everything (``share`` >= 1: every
+        connection, and new ones hang after the kernel's accept) or a random ``share``
+        of the open connections (at least one; the rest and new ones keep working, as
+        when one path through the network dies)."""
+
+        async def go() -> str:
+            self.generation += 1
+            gen = self.generation
+            if share >= 1:
+                self.full_generation = gen
+                self.open.clear()
+                n = sum(len(p.conns) for p in self.proxies)
+
+                def heal_full() -> None:
+                    if self.full_generation == gen:
+                        self.open.set()
+
+                self.loop.call_later(seconds, heal_full)
+                return f"everything for {seconds:.2f}s ({n} connections)"
+            conns = [c for p in self.proxies for c in p.conns]
+            chosen = [c for c in conns if rng.random() < share] or conns[:1]
+            for c in chosen:
+                c.generation = gen
+                c.flowing.clear()
+
+            def heal_some() -> None:
+                for c in chosen:
+                    if c.generation == gen:
+                        c.flowing.set()
+
+            self.loop.call_later(seconds, heal_some)
+            return f"{len(chosen)} of {len(conns)} connections for {seconds:.2f}s"
+
+        return str(self._call(go()))
+
+    def heal(self) -> None:
+        """End every blackhole now."""
+
+        async def heal_all() -> None:
+            self.full_generation = -1
+            self.open.set()
+            for p in self.proxies:
+                for c in p.conns:
+                    c.generation = -1
+                    c.flowing.set()
+
+        self._call(heal_all())
+
     def close(self) -> None:
         async def close_all() -> None:
+            self.open.set()
             for p in self.proxies:
                 p.cut()
                 if p.server is not None:
@@ -240,6 +340,81 @@ CREATE TABLE IF NOT EXISTS effect_log (
 );
 """
 
+LOCK_PG_SCHEMA = """
+CREATE TABLE IF NOT EXISTS lock_fence (
+    resource text PRIMARY KEY,
+    token bigint NOT NULL,                         -- the highest token accepted
+    holder text NOT NULL,
+    seq integer NOT NULL
+);
+CREATE TABLE IF NOT EXISTS lock_log (
+    id bigserial PRIMARY KEY,                      -- SQL fences: the order of acceptance
+    resource text NOT NULL,
+    holder text NOT NULL,
+    token bigint NOT NULL,
+    seq integer NOT NULL,
+    t_sent double precision NOT NULL,              -- CLOCK_MONOTONIC, before the write
+    t_done double precision,                       -- after its reply (Redis gate only)
+    accepted boolean,                              -- NULL: outcome unknown (store error)
+    lost boolean NOT NULL,                         -- lease.lost when the write was sent
+    remaining double precision NOT NULL            -- lease.remaining() then
+);
+CREATE TABLE IF NOT EXISTS lock_holds (
+    id bigserial PRIMARY KEY,
+    resource text NOT NULL,
+    holder text NOT NULL,
+    token bigint NOT NULL,
+    t_before double precision NOT NULL,            -- before hold() was entered
+    t_after double precision NOT NULL              -- when its body started
+);
+"""
+
+LOCK_SQLITE_SCHEMA = """
+CREATE TABLE IF NOT EXISTS lock_fence (
+    resource TEXT PRIMARY KEY,
+    token INTEGER NOT NULL,
+    holder TEXT NOT NULL,
+    seq INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS lock_log (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    resource TEXT NOT NULL,
+    holder TEXT NOT NULL,
+    token INTEGER NOT NULL,
+    seq INTEGER NOT NULL,
+    t_sent REAL NOT NULL,
+    t_done REAL,
+    accepted INTEGER,
+    lost INTEGER NOT NULL,
+    remaining REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS lock_holds (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    resource TEXT NOT NULL,
+    holder TEXT NOT NULL,
+    token INTEGER NOT NULL,
+    t_before REAL NOT NULL,
+    t_after REAL NOT NULL
+);
+"""
+
+LOCK_LOG = (
+    "INSERT INTO lock_log (resource, holder, token, seq, t_sent, t_done, accepted, lost, "
+    "remaining) VALUES ({p}, {p}, {p}, {p}, {p}, {p}, {p}, {p}, {p})"
+)
+LOCK_HOLD = (
+    "INSERT INTO lock_holds (resource, holder, token, t_before, t_after) "
+    "VALUES ({p}, {p}, {p}, {p}, {p})"
+)
+#: SQLite's fenced write (PostgreSQL uses idemlock's own ``fenced_upsert``); without
+#: the WHERE, plain mode's unfenced write (the checker's negative control)
+LOCK_UPSERT = (
+    "INSERT INTO lock_fence AS f (resource, token, holder, seq) VALUES ({p}, {p}, {p}, {p}) "
+    "ON CONFLICT (resource) DO UPDATE SET token = excluded.token, holder = excluded.holder, "
+    "seq = excluded.seq{where} RETURNING 1"
+)
+LOCK_FENCED = LOCK_UPSERT.format(p="?", where=" WHERE f.token <= excluded.token")
+
 TAKE = (
     "UPDATE jobs SET worker = {p}, deliveries = deliveries + 1, visible_at = {p} "
     "WHERE id = (SELECT id FROM jobs WHERE state = 'ready' AND visible_at <= {p} "
@@ -289,6 +464,8 @@ class Fx:
                 "busy": BUSY,
                 "upsert": UPSERT,
                 "log": LOG,
+                "lock_log": LOCK_LOG,
+                "lock_hold": LOCK_HOLD,
             }.items()
         }
 
@@ -372,8 +549,58 @@ class Fx:
         with self.guard(), self.tx() as c:
             return self._write(c, job, fence, value, worker, fenced)
 
+    # the lock workload
+    def lock_hold(self, res: str, holder: str, token: int, before: float, after: float) -> None:
+        with self.guard(), self.tx() as c:
+            c.execute(self.sql["lock_hold"], (res, holder, token, before, after))
+
+    def lock_log(self, row: tuple[Any, ...]) -> None:
+        """One write attempt: (resource, holder, token, seq, t_sent, t_done, accepted,
+        lost, remaining)."""
+        with self.guard(), self.tx() as c:
+            c.execute(self.sql["lock_log"], row)
+
+    def _lock_fence(self, c: Any, res: str, holder: str, token: int, seq: int) -> bool:
+        raise NotImplementedError
+
+    def lock_write(
+        self,
+        res: str,
+        holder: str,
+        token: int,
+        seq: int,
+        sent: float,
+        lost: bool,
+        left: float,
+        fenced: bool = True,
+    ) -> bool:
+        """The fenced write (accepted only over a row with a token <= ours) and its log
+        row in one transaction: the log's ids give the order of acceptance."""
+        with self.guard(), self.tx() as c:
+            if fenced:
+                ok = self._lock_fence(c, res, holder, token, seq)
+            else:
+                sql = LOCK_UPSERT.format(p=self.p, where="")
+                ok = c.execute(sql, (res, token, holder, seq)).fetchone() is not None
+            c.execute(self.sql["lock_log"], (res, holder, token, seq, sent, None, ok, lost, left))
+            return ok
+
+    def lock_snapshot(self) -> dict[str, Any]:
+        with self.guard(), self.read() as c:
+            holds = c.execute(
+                "SELECT resource, holder, token, t_before, t_after FROM lock_holds ORDER BY id"
+            ).fetchall()
+            log = c.execute(
+                "SELECT id, resource, holder, token, seq, t_sent, t_done, accepted, lost, "
+                "remaining FROM lock_log ORDER BY id"
+            ).fetchall()
+        return {"holds": holds, "log": log}
+
     # setup and checks (supervisor)
     def create(self, visible: list[float]) -> None:
+        raise NotImplementedError
+
+    def lock_create(self) -> None:
         raise NotImplementedError
 
     def snapshot(self) -> dict[str, Any]:
@@ -414,6 +641,14 @@ class SqliteFx(Fx):
     def read(self) -> Iterator[Any]:
         with self.tx("BEGIN") as c:  # deferred: a WAL reader takes no lock
             yield c
+
+    def _lock_fence(self, c: Any, res: str, holder: str, token: int, seq: int) -> bool:
+        return c.execute(LOCK_FENCED, (res, token, holder, seq)).fetchone() is not None
+
+    def lock_create(self) -> None:
+        c = self.conn
+        c.execute("PRAGMA journal_mode=WAL")
+        c.executescript(LOCK_SQLITE_SCHEMA)
 
     def create(self, visible: list[float]) -> None:
         c = self.conn
@@ -458,6 +693,21 @@ class PgFx(Fx):
                     "INSERT INTO jobs (id, visible_at) VALUES (%s, %s)",
                     [(i + 1, t) for i, t in enumerate(visible)],
                 )
+
+    def lock_create(self) -> None:
+        with self.guard():
+            self.conn.execute(LOCK_PG_SCHEMA)
+
+    def _lock_fence(self, c: Any, res: str, holder: str, token: int, seq: int) -> bool:
+        from idemlock import FencedOut
+        from idemlock.stores.postgres import fenced_upsert
+
+        values = {"resource": res, "holder": holder, "seq": seq}
+        try:
+            fenced_upsert(c, "lock_fence", values, ["resource"], token, fence_column="token")
+        except FencedOut:
+            return False
+        return True
 
     def effect_fenced(self, job: int, fence: int, value: str, worker: str) -> bool:
         """The effect through idemlock's own helper, ``fenced_upsert``."""
@@ -510,6 +760,9 @@ class WorkerConfig:
     seed: int
     stats: str
     step_ms: tuple[float, float] = (5.0, 25.0)
+    workload: str = "jobs"  # jobs | lock
+    resources: int = 3  # the lock workload's locks
+    state: str = ""  # the lock workload: a byte, 1 while this worker holds a lock
 
 
 class Stats:
@@ -684,13 +937,110 @@ def worker_main(cfg: WorkerConfig) -> None:
             stats.add("fx_error")  # the visibility timeout delivers it again
 
 
+def resource_name(i: int) -> str:
+    # The hash tag keeps the gate and the key set_if_fresh writes in one slot on a
+    # Redis Cluster (set_if_fresh writes the resource's own name).
+    return f"{{res-{i}}}"
+
+
+def lock_worker_main(cfg: WorkerConfig) -> None:
+    """Hold a random resource's lock with renewals for 0.2-2.5 ttls, writing fenced
+    records under it, again and again until killed. Each write is logged with the
+    holder, its token, a sequence number and the times around it."""
+    import idemlock
+    from idemlock import FencedOut, LockLost, LockNotAcquired, StoreUnavailable
+
+    rng = random.Random(f"{cfg.seed}:{cfg.worker}")
+    stats = Stats(cfg.stats)
+    lost_fd = os.open(cfg.stats + ".lost", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    state_fd = os.open(cfg.state, os.O_WRONLY | os.O_CREAT, 0o644)
+    fx = make_fx(cfg.fx_kind, cfg.fx_dsn)
+    coord = idemlock.connect(cfg.store_url, **store_options(cfg.store_url))
+    ttl = cfg.lease
+    locks = coord.lock(idemlock.LockSpec(LOCK_SPEC, ttl=timedelta(seconds=ttl)))
+    resources = [resource_name(i) for i in range(cfg.resources)]
+    # Redis: the write is the store's own gate (set_if_fresh: check the token and SET
+    # in one script); SQL stores: a fenced upsert in the effects database.
+    # Plain mode: an unfenced upsert in the effects database (the negative control).
+    redis = cfg.store_url.startswith("redis") and cfg.mode == "idemlock"
+    gates = {r: coord.fence(r) for r in resources} if redis else {}
+
+    def write(res: str, holder: str, lease: Any, seq: int) -> None:
+        # What the holder knows when it decides to write; then it prepares the write
+        # (a pause there, SIGSTOP or blackhole, is the window only the fence closes).
+        sent = time.monotonic()  # before remaining(): a pause in between only shortens it
+        left = lease.remaining_seconds()
+        lost = bool(lease.lost)
+        token = int(lease.token)
+        time.sleep(rng.uniform(*cfg.step_ms) / 1000)
+        if not gates:
+            fenced = cfg.mode == "idemlock"
+            ok = fx.lock_write(res, holder, token, seq, sent, lost, left, fenced)
+            stats.add("write_accepted" if ok else "write_refused")
+            return
+        accepted: bool | None
+        try:
+            gates[res].set_if_fresh(token, res, f"{holder}/{token}/{seq}")
+            accepted = True
+        except FencedOut:
+            accepted = False
+        except StoreUnavailable:
+            accepted = None  # maybe applied: never counted either way
+        done = time.monotonic()
+        fx.lock_log((res, holder, token, seq, sent, done, accepted, lost, left))
+        stats.add({True: "write_accepted", False: "write_refused", None: "write_unknown"}[accepted])
+
+    n = 0
+    while True:
+        n += 1
+        res = rng.choice(resources)
+        holder = f"{cfg.worker}#{n}"
+
+        def on_lost(lease: Any) -> None:
+            # How long after the lease's own deadline the holder was told.
+            late = time.monotonic() - (lease._sent + lease._ttl_ms / 1000)
+            os.write(lost_fd, f"{late:.4f}\n".encode())
+
+        before = time.monotonic()
+        try:
+            with locks.hold(
+                res, wait=3 * ttl, owner=holder, renew_every=ttl / 3, on_lost=on_lost
+            ) as lease:
+                after = time.monotonic()
+                os.pwrite(state_fd, b"1", 0)
+                fx.lock_hold(res, holder, int(lease.token), before, after)
+                until = after + ttl * rng.uniform(0.2, 2.5)
+                seq = 0
+                while not lease.lost and time.monotonic() < until:
+                    seq += 1
+                    write(res, holder, lease, seq)
+                os.pwrite(state_fd, b"0", 0)
+            stats.add("held")
+        except LockLost:
+            stats.add("lock_lost")
+        except LockNotAcquired:
+            stats.add("not_acquired")
+        except StoreUnavailable as exc:
+            stats.add("store_error")
+            print(f"{time.time():.3f} {holder}: store error: {exc}", file=sys.stderr, flush=True)
+        except FxError:
+            stats.add("fx_error")
+        except Exception as exc:
+            stats.add(f"unexpected:{type(exc).__module__}.{type(exc).__name__}")
+            traceback.print_exc()
+            sys.stderr.flush()
+        os.pwrite(state_fd, b"0", 0)
+        time.sleep(rng.uniform(0, 0.02))
+
+
 def _worker_entry(raw: dict[str, Any], log: str) -> None:
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor ends us
     raw["step_ms"] = tuple(raw["step_ms"])
-    worker_main(WorkerConfig(**raw))
+    cfg = WorkerConfig(**raw)
+    (lock_worker_main if cfg.workload == "lock" else worker_main)(cfg)
 
 
 def _context() -> Any:
@@ -718,6 +1068,7 @@ class Options:
     kinds: tuple[str, ...]
     keep: bool = False
     verbose: bool = False
+    resources: int = 3
 
 
 @dataclass
@@ -741,12 +1092,15 @@ class Outcome:
 class Run:
     """One store, one mode: start, inject, drain, check, tear down."""
 
+    workload = "jobs"
+
     def __init__(self, store: str, mode: str, same_tx: bool, opts: Options, say: Any) -> None:
         assert not same_tx or (store, mode) == ("postgres", "idemlock")
         self.store, self.mode, self.same_tx, self.opts = store, mode, same_tx, opts
         self.say = say
-        self.kinds = tuple(k for k in STORE_KINDS[store] if k in opts.kinds)
-        self.rng = random.Random(f"{opts.seed}:{store}:{mode}:{same_tx}:faults")
+        applies = LOCK_KINDS if self.workload == "lock" else STORE_KINDS
+        self.kinds = tuple(k for k in applies[store] if k in opts.kinds)
+        self.rng = random.Random(f"{opts.seed}:{store}:{mode}:{same_tx}:{self.workload}:faults")
         self.root = Path(tempfile.mkdtemp(prefix=f"idemlock-chaos-{store}-"))
         self.hub: ProxyHub | None = None
         self.redis: _servers.RedisServer | None = None
@@ -842,6 +1196,9 @@ class Run:
             visibility=self.opts.visibility,
             seed=self.opts.seed,
             stats=str(self.root / "stats" / f"{slot.worker}.txt"),
+            workload=self.workload,
+            resources=self.opts.resources,
+            state=str(self.root / "stats" / f"{slot.worker}.state"),
         )
         slot.proc = self.ctx.Process(
             target=_worker_entry, args=(asdict(cfg), str(slot.log)), daemon=True
@@ -882,10 +1239,7 @@ class Run:
             slot = self.rng.choice(pool)
             if kind == "kill":
                 self.kill(slot)
-                assert self.fx is not None
-                # As a broker does when the consumer's connection drops.
-                with contextlib.suppress(FxError):
-                    self.fx.release(slot.worker)
+                self.after_kill(slot)
                 self.spawn(slot)
                 detail = slot.worker
             else:
@@ -898,11 +1252,24 @@ class Run:
         elif kind == "cut":
             assert self.hub is not None
             detail = f"{self.hub.cut()} connections"
+        elif kind == "blackhole":
+            assert self.hub is not None
+            # Half of them silence everything (a partition of the store), half a random
+            # half of the open connections (one path dies; others and new ones work).
+            share = 1.0 if self.rng.random() < 0.5 else 0.5
+            seconds = self.opts.lease * self.rng.uniform(0.5, 4.0)
+            detail = self.hub.blackhole(seconds, share, self.rng)
         self.outcome.faults[kind] += 1
         if self.opts.verbose:
             took = time.monotonic() - now
             self.say(f"  {time.time():.3f} {kind}: {detail} ({took:.3f}s)")
         return True
+
+    def after_kill(self, slot: Slot) -> None:
+        assert self.fx is not None
+        # As a broker does when the consumer's connection drops.
+        with contextlib.suppress(FxError):
+            self.fx.release(slot.worker)
 
     def wake_due(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -983,6 +1350,8 @@ class Run:
                     break
                 time.sleep(0.005)
             self.outcome.seconds = time.monotonic() - start
+            if self.hub is not None:
+                self.hub.heal()
             # Let paused workers wake and finish what they were doing (their late
             # writes are part of the test), then end every worker.
             while any(s.stopped_until is not None for s in self.slots):
@@ -1158,16 +1527,339 @@ class Run:
         try:
             self.say(f"{self.name}, {self.mode}: starting servers in {self.root}")
             self.start_servers()
+            what = (
+                f"locks on {self.opts.resources} resources (ttl {self.opts.lease:g}s)"
+                if self.workload == "lock"
+                else f"{self.opts.jobs} jobs"
+            )
             self.say(
-                f"{self.name}, {self.mode}: {self.opts.jobs} jobs over {self.opts.duration:g}s, "
-                f"{self.opts.workers} workers, faults {'/'.join(self.kinds)} every "
-                f"~{self.opts.fault_every:g}s"
+                f"{self.name}, {self.workload}, {self.mode}: {what} over "
+                f"{self.opts.duration:g}s, {self.opts.workers} workers, faults "
+                f"{'/'.join(self.kinds)} every ~{self.opts.fault_every:g}s"
             )
             self.drive()
             report = self.check()
         finally:
             self.stop_servers()
         return report
+
+
+# ---- the lock workload: supervisor and checker ------------------------------------------
+
+
+class LockRun(Run):
+    """Workers contend for ``--resources`` locks with ``hold()`` (ttl ``--lease``,
+    renewed every ttl/3) and write fenced records under them while faults hit; then
+    the history is checked (:func:`check_lock_history`)."""
+
+    workload = "lock"
+
+    def holding(self, slot: Slot) -> bool:
+        try:
+            return (self.root / "stats" / f"{slot.worker}.state").read_bytes()[:1] == b"1"
+        except OSError:
+            return False
+
+    def candidates(self) -> list[Slot]:
+        """Live, running workers inside a ``hold()`` block (a fault on a waiting
+        worker tests little)."""
+        live = [s for s in self.slots if s.stopped_until is None and s.proc.is_alive()]
+        return [s for s in live if self.holding(s)]
+
+    def after_kill(self, slot: Slot) -> None:
+        pass  # its lease runs out on its own: that is what is being tested
+
+    def drive(self) -> None:
+        import idemlock
+
+        opts = self.opts
+        (self.root / "logs").mkdir()
+        (self.root / "stats").mkdir()
+        assert self.fx is not None
+        self.fx.lock_create()
+        # Create the store's schema once, before the workers race to.
+        with idemlock.connect(self.store_url, **store_options(self.store_url)) as coord:
+            coord.locks()
+        self.ctx = _context()
+        self.slots = [Slot(i + 1) for i in range(opts.workers)]
+        for slot in self.slots:
+            self.spawn(slot)
+        start = time.monotonic()
+        faults_until = start + 0.5 + opts.duration
+        order: list[str] = []
+        next_fault = start + 0.5 + self.rng.expovariate(1 / opts.fault_every)
+        try:
+            while (now := time.monotonic()) < faults_until:
+                self.wake_due()
+                self.reap()
+                if self.kinds and now >= next_fault:
+                    if not order:
+                        order = list(self.kinds)
+                        self.rng.shuffle(order)
+                    if self.inject(order[0]):
+                        order.pop(0)
+                        gap = self.rng.expovariate(1 / opts.fault_every)
+                    else:
+                        gap = 0.01  # nobody holds a lock right now: try again shortly
+                    next_fault = time.monotonic() + gap
+                time.sleep(0.005)
+            self.outcome.seconds = time.monotonic() - start
+            if self.hub is not None:
+                self.hub.heal()
+            # Paused holders wake and try their late writes (the fence must refuse
+            # them); then the workers are ended wherever they are.
+            while any(s.stopped_until is not None for s in self.slots):
+                self.wake_due()
+                time.sleep(0.01)
+            time.sleep(1.0 + opts.lease)
+            self.reap()
+            self.outcome.drained = True
+        finally:
+            self.wake_due(force=True)
+            for slot in self.slots:
+                if slot.proc is not None and slot.proc.is_alive():
+                    self.kill(slot)
+
+    def check(self) -> dict[str, Any]:
+        assert self.fx is not None
+        deadline = time.monotonic() + 30
+        while True:  # the store's PostgreSQL may still be recovering from a crash
+            try:
+                snap = self.fx.lock_snapshot()
+                break
+            except FxError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        exact = self.store not in ("redis", "redis-cluster") or self.mode == "plain"
+        found = check_lock_history(snap["holds"], snap["log"], exact=exact)
+        violations: Counter[str] = found.pop("violations")
+        examples: list[str] = found.pop("examples")
+        unfenced: dict[str, int] = {}
+        if self.mode == "plain":
+            # Without the fence these are what the run shows, not failures of it.
+            for kind in ("stale_write_accepted", "writes_interleaved"):
+                unfenced[kind] = violations.pop(kind, 0)
+            examples = [e for e in examples if e.split(":")[0] not in unfenced]
+        for text in self.outcome.worker_exits:
+            violations["worker_crashed"] += 1
+            if len(examples) < 10:
+                examples.append(f"worker_crashed: {text}")
+        events = self.events()
+        for event, n in events.items():
+            if event.startswith("unexpected:"):
+                violations["unexpected_error"] += n
+                if len(examples) < 10:
+                    examples.append(f"unexpected_error: {n} x {event[11:]}")
+        late = sorted(
+            float(line)
+            for path in (self.root / "stats").glob("*.lost")
+            for line in path.read_text().split()
+        )
+        return {
+            "workload": "lock",
+            "store": self.store,
+            "mode": self.mode,
+            "same_transaction": False,
+            "seed": self.opts.seed,
+            "workers": self.opts.workers,
+            "resources": self.opts.resources,
+            "seconds": round(self.outcome.seconds, 1),
+            "ttl_s": self.opts.lease,
+            "fence": "none" if self.mode == "plain" else "sql" if exact else "set_if_fresh",
+            "unfenced_findings": unfenced,
+            "faults": {k: self.outcome.faults.get(k, 0) for k in KINDS},
+            **found,
+            "leases_lost": events.get("lock_lost", 0),
+            "on_lost_calls": len(late),
+            # How long after the lease's deadline (counted from the renewal's send)
+            # on_lost ran. A SIGSTOPped holder is told only when it runs again.
+            "on_lost_late_s": {
+                "median": round(late[len(late) // 2], 3) if late else None,
+                "max": round(late[-1], 3) if late else None,
+            },
+            "worker_events": dict(sorted(events.items())),
+            "violations": dict(violations),
+            "violations_total": sum(violations.values()),
+            "examples": examples,
+        }
+
+
+def check_lock_history(
+    holds: list[tuple[Any, ...]], log: list[tuple[Any, ...]], exact: bool
+) -> dict[str, Any]:
+    """Check a lock workload's history from the data alone.
+
+    ``holds``: (resource, holder, token, t_before, t_after) per ``hold()`` entered;
+    ``log``: (id, resource, holder, token, seq, t_sent, t_done, accepted, lost,
+    remaining) per write attempt. Times are CLOCK_MONOTONIC (one machine). With
+    ``exact``, the ids of accepted writes are their order of acceptance (SQL fence and
+    log row in one transaction); otherwise (the Redis gate, logged after its reply) an
+    accepted write is only known to have taken effect within [t_sent, t_done], and
+    only pairs whose order is certain are judged. Violations:
+
+    * ``stale_write_accepted``: an accepted write's token is lower than one accepted
+      before it for the resource;
+    * ``writes_interleaved``: accepted writes of holders A and B went A, B, A;
+    * ``token_not_increasing`` / ``token_reused``: a hold that began after another
+      had been granted got a token that is not higher; two holders got one token;
+    * ``lease_overlap``: a holder wrote while ``lease.remaining()`` said its lease
+      was good, after another holder had been granted the lock (its ``hold()`` block
+      had started): the lease's own promise, fence aside.
+    """
+    violations: Counter[str] = Counter()
+    examples: list[str] = []
+
+    def bad(kind: str, text: str) -> None:
+        violations[kind] += 1
+        if len(examples) < 10:
+            examples.append(f"{kind}: {text}")
+
+    t_zero = min([float(h[3]) for h in holds] + [float(r[5]) for r in log] or [0.0])
+
+    def at(t: float) -> str:
+        return f"+{t - t_zero:.3f}s"
+
+    holds_by: dict[str, list[tuple[str, int, float, float]]] = {}
+    hold_of: dict[str, tuple[str, int, float, float]] = {}
+    for res, holder, token, before, after in holds:
+        h = (str(holder), int(token), float(before), float(after))
+        holds_by.setdefault(str(res), []).append(h)
+        hold_of[h[0]] = h
+    logs_by: dict[str, list[tuple[Any, ...]]] = {}
+    counts: Counter[str] = Counter()
+    for row in log:
+        _id, res, holder, token, _seq, _sent, _done, accepted, lost, left = row
+        logs_by.setdefault(str(res), []).append(row)
+        outcome = "unknown" if accepted is None else "accepted" if accepted else "refused"
+        counts[outcome] += 1
+        if float(left) <= 0:
+            counts["after_deadline"] += 1  # sent unprotected: only the fence stood guard
+            if not lost:
+                counts["lost_flag_late"] += 1  # remaining() was 0, lease.lost not yet
+        h = hold_of.get(str(holder))
+        if h is not None and h[1] != int(token):
+            bad("token_changed", f"{res}: {holder} held token {h[1]}, wrote with {token}")
+
+    # Tokens: strictly higher for every hold granted after another; never shared.
+    for res, hs in holds_by.items():
+        owner_of: dict[int, str] = {}
+        for holder, token, _, _ in hs:
+            other = owner_of.setdefault(token, holder)
+            if other != holder:
+                bad("token_reused", f"{res}: token {token} went to {other} and {holder}")
+        by_after = sorted(hs, key=lambda h: h[3])
+        afters = [h[3] for h in by_after]
+        best: list[tuple[int, str]] = []
+        for h in by_after:
+            best.append(max(best[-1], (h[1], h[0])) if best else (h[1], h[0]))
+        for holder, token, before, _after in hs:
+            i = bisect.bisect_left(afters, before)
+            if i and best[i - 1][0] >= token and best[i - 1][1] != holder:
+                bad(
+                    "token_not_increasing",
+                    f"{res}: {holder} entered at {at(before)} and got token {token}, not "
+                    f"above token {best[i - 1][0]} of {best[i - 1][1]} granted before",
+                )
+
+    # The lease's promise: no write "with time left" once someone else holds the lock.
+    for res, hs in holds_by.items():
+        by_before = sorted(hs, key=lambda h: h[2])
+        befores = [h[2] for h in by_before]
+        # suffix minimum of t_after over holds entered later
+        first: list[tuple[float, str, int]] = [(float("inf"), "", 0)] * (len(by_before) + 1)
+        for i in range(len(by_before) - 1, -1, -1):
+            h = by_before[i]
+            first[i] = min(first[i + 1], (h[3], h[0], h[1]))
+        successor = {h[0]: first[bisect.bisect_right(befores, h[3])] for h in hs}
+        for row in logs_by.get(res, []):
+            _id, _res, holder, token, _seq, sent, _done, _acc, _lost, left = row
+            nxt = successor.get(str(holder))
+            if nxt is None or float(left) <= 0 or nxt[1] == holder:
+                continue
+            if float(sent) > nxt[0] + SLACK:
+                bad(
+                    "lease_overlap",
+                    f"{res}: {holder} (token {token}) wrote at {at(float(sent))} with "
+                    f"remaining()={float(left):.3f}s, but {nxt[1]} (token {nxt[2]}) held the "
+                    f"lock from {at(nxt[0])}",
+                )
+                successor.pop(str(holder))  # once per holder
+
+    for res, rows in logs_by.items():
+        acc = [r for r in rows if r[7]]
+        if exact:
+            top: tuple[int, str] | None = None
+            current: str | None = None
+            finished: set[str] = set()
+            for r in sorted(acc, key=lambda r: int(r[0])):
+                holder, token = str(r[2]), int(r[3])
+                if top is not None and token < top[0]:
+                    bad(
+                        "stale_write_accepted",
+                        f"{res}: {holder} token {token} accepted (log id {r[0]}) after "
+                        f"token {top[0]} of {top[1]}",
+                    )
+                if top is None or token > top[0]:
+                    top = (token, holder)
+                if holder != current:
+                    if holder in finished:
+                        bad(
+                            "writes_interleaved",
+                            f"{res}: {holder} (token {token}) wrote again (log id {r[0]}) "
+                            f"after {current} had written",
+                        )
+                    if current is not None:
+                        finished.add(current)
+                    current = holder
+        timed = [r for r in acc if r[6] is not None]
+        if not timed:
+            continue
+        # Certain order only: Y before X when Y's reply came before X was sent.
+        by_done = sorted(timed, key=lambda r: float(r[6]))
+        dones = [float(r[6]) for r in by_done]
+        high: list[tuple[int, str]] = []
+        for r in by_done:
+            high.append(max(high[-1], (int(r[3]), str(r[2]))) if high else (int(r[3]), str(r[2])))
+        for r in timed:
+            i = bisect.bisect_left(dones, float(r[5]))
+            if i and high[i - 1][0] > int(r[3]):
+                bad(
+                    "stale_write_accepted",
+                    f"{res}: {r[2]} token {r[3]} accepted (sent {at(float(r[5]))}) after token "
+                    f"{high[i - 1][0]} of {high[i - 1][1]} had been",
+                )
+        by_sent = sorted(timed, key=lambda r: float(r[5]))
+        sents = [float(r[5]) for r in by_sent]
+        span: dict[str, list[float]] = {}
+        for r in timed:
+            s = span.setdefault(str(r[2]), [float("inf"), float("-inf")])
+            s[0] = min(s[0], float(r[6]))  # its first write surely done
+            s[1] = max(s[1], float(r[5]))  # its last write surely not yet sent
+        for holder, (lo, hi) in span.items():
+            if hi <= lo:
+                continue
+            for b in by_sent[bisect.bisect_right(sents, lo) : bisect.bisect_left(sents, hi)]:
+                if str(b[2]) != holder and float(b[6]) < hi:
+                    bad(
+                        "writes_interleaved",
+                        f"{res}: {b[2]} (token {b[3]}) wrote between {at(float(b[5]))} and "
+                        f"{at(float(b[6]))}, after {holder}'s write done at {at(lo)} and "
+                        f"before its write sent at {at(hi)}",
+                    )
+                    break
+
+    return {
+        "holds": len(holds),
+        "writes": len(log),
+        "writes_accepted": counts["accepted"],
+        "stale_writes_refused": counts["refused"],
+        "writes_unknown": counts["unknown"],
+        "writes_after_deadline": counts["after_deadline"],
+        "writes_lost_flag_late": counts["lost_flag_late"],
+        "violations": violations,
+        "examples": examples,
+    }
 
 
 # ---- output -----------------------------------------------------------------------------
@@ -1180,6 +1872,7 @@ COLUMNS = [
     ("stop", 5),
     ("restart", 7),
     ("cut", 4),
+    ("blackhole", 9),
     ("repeated effects", 16),
     ("stale refused", 13),
     ("stale accepted", 14),
@@ -1203,7 +1896,77 @@ def row_of(r: dict[str, Any]) -> list[str]:
     ]
 
 
+LOCK_COLUMNS = [
+    ("store", 24),
+    ("mode", 8),
+    ("holds", 6),
+    ("writes", 7),
+    ("kill", 5),
+    ("stop", 5),
+    ("restart", 7),
+    ("cut", 4),
+    ("blackhole", 9),
+    ("accepted", 8),
+    ("stale refused", 13),
+    ("unknown", 7),
+    ("leases lost", 11),
+    ("viol.", 5),
+]
+
+
+def lock_row_of(r: dict[str, Any]) -> list[str]:
+    f = r["faults"]
+    applies = LOCK_KINDS[r["store"]]
+    return [
+        r["store"],
+        r["mode"],
+        str(r["holds"]),
+        str(r["writes"]),
+        *(str(f[k]) if k in applies else "-" for k in KINDS),
+        str(r["writes_accepted"]),
+        str(r["stale_writes_refused"]),
+        str(r["writes_unknown"]),
+        str(r["leases_lost"]),
+        str(r["violations_total"]),
+    ]
+
+
+def _table(columns: list[tuple[str, int]], rows: list[list[str]]) -> list[str]:
+    def line(cells: list[str]) -> str:
+        return " ".join(
+            c.rjust(w) if i > 0 else c.ljust(w)
+            for i, (c, (_, w)) in enumerate(zip(cells, columns, strict=True))
+        )
+
+    head = line([name for name, _ in columns])
+    return [head, "-" * len(head), *(line(cells) for cells in rows)]
+
+
+def render_locks(reports: list[dict[str, Any]]) -> list[str]:
+    lines = ["lock workload:", *_table(LOCK_COLUMNS, [lock_row_of(r) for r in reports]), ""]
+    for r in reports:
+        ev, late = r["worker_events"], r["on_lost_late_s"]
+        lines.append(
+            f"{r['store']}, lock, {r['mode']}: {r['seconds']}s, ttl {r['ttl_s']:g}s, "
+            f"{r['workers']} workers, "
+            f"{r['resources']} resources, fence {r['fence']}; {r['writes_after_deadline']} "
+            f"writes sent after the lease's deadline ({r['writes_lost_flag_late']} of them "
+            f"before lease.lost turned True), on_lost {r['on_lost_calls']} times, late by "
+            f"median {late['median']}s max {late['max']}s; {ev.get('store_error', 0)} store "
+            f"errors, {ev.get('not_acquired', 0)} waits timed out"
+        )
+        if r["unfenced_findings"]:
+            lines.append(f"    without a fence: {r['unfenced_findings']}")
+        for text in r["examples"]:
+            lines.append(f"    VIOLATION {text[:400]}")
+    return lines
+
+
 def render(reports: list[dict[str, Any]]) -> str:
+    locks = [r for r in reports if r.get("workload") == "lock"]
+    reports = [r for r in reports if r.get("workload") != "lock"]
+    if not reports:
+        return "\n".join(render_locks(locks))
     head = " ".join(
         name.rjust(w) if i > 1 else name.ljust(w) for i, (name, w) in enumerate(COLUMNS)
     )
@@ -1233,6 +1996,8 @@ def render(reports: list[dict[str, Any]]) -> str:
         lines.append(extra)
         for text in r["examples"]:
             lines.append(f"    VIOLATION {text[:300]}")
+    if locks:
+        lines += ["", *render_locks(locks)]
     return "\n".join(lines)
 
 
@@ -1251,6 +2016,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="PostgreSQL: effect, log row and complete commit in one transaction",
     )
     ap.add_argument("--mode", choices=("idemlock", "plain", "both"), default="idemlock")
+    ap.add_argument(
+        "--workload",
+        choices=(*WORKLOADS, "both"),
+        default="jobs",
+        help="jobs: keyed jobs from an at-least-once queue; lock: hold() with renewals "
+        "and fenced writes under the lock (ttl --lease)",
+    )
+    ap.add_argument("--resources", type=int, default=3, help="lock workload: locks contended")
     ap.add_argument("--short", action="store_true", help="the CI configuration")
     ap.add_argument("--jobs", type=int)
     ap.add_argument("--workers", type=int)
@@ -1272,6 +2045,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if not kinds or any(k not in KINDS for k in kinds):
         ap.error(f"--kinds takes a comma list of {', '.join(KINDS)}")
     args.kinds = kinds
+    if args.workload == "lock":
+        if args.same_transaction:
+            ap.error("the lock workload has no --same-transaction")
+        preset = LOCK_PRESETS["short" if args.short else "long"]
+        for name, value in preset.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
     preset = PRESETS["short" if args.short else "long"]
     for name, value in preset.items():
         if getattr(args, name) is None:
@@ -1281,15 +2061,24 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def plan(args: argparse.Namespace) -> list[tuple[str, str, bool]]:
+def plan(args: argparse.Namespace) -> list[tuple[str, str, bool, str]]:
+    """(store, mode, same transaction, workload) of each run."""
     modes = ("plain", "idemlock") if args.mode == "both" else (args.mode,)
-    runs: list[tuple[str, str, bool]] = []
-    for store in STORES if args.all else (args.store,):
-        for mode in modes:
-            if args.all or not args.same_transaction:
-                runs.append((store, mode, False))
-            if store == "postgres" and mode == "idemlock" and (args.all or args.same_transaction):
-                runs.append((store, mode, True))
+    runs: list[tuple[str, str, bool, str]] = []
+    stores = STORES if args.all else (args.store,)
+    if args.workload in ("jobs", "both"):
+        for store in stores:
+            for mode in modes:
+                if args.all or not args.same_transaction:
+                    runs.append((store, mode, False, "jobs"))
+                if (
+                    store == "postgres"
+                    and mode == "idemlock"
+                    and (args.all or args.same_transaction)
+                ):
+                    runs.append((store, mode, True, "jobs"))
+    if args.workload in ("lock", "both"):
+        runs += [(store, mode, False, "lock") for store in stores for mode in modes]
     return runs
 
 
@@ -1313,6 +2102,7 @@ def main(argv: list[str] | None = None) -> int:
         kinds=args.kinds,
         keep=args.keep,
         verbose=args.verbose,
+        resources=args.resources,
     )
 
     def say(text: str) -> None:
@@ -1321,8 +2111,9 @@ def main(argv: list[str] | None = None) -> int:
     say(f"chaos: seed {opts.seed}")
     reports = []
     runs = plan(args)
-    for store, mode, same_tx in runs:
-        reports.append(Run(store, mode, same_tx, opts, say).execute())
+    for store, mode, same_tx, workload in runs:
+        kind = LockRun if workload == "lock" else Run
+        reports.append(kind(store, mode, same_tx, opts, say).execute())
         if not args.json and len(runs) > 1:
             say(render(reports[-1:]))
     failed = sum(r["violations_total"] for r in reports)
