@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +26,8 @@ from idemlock._core.port import Acquired, Granted
 from idemlock.stores.redis import RedisStore, open_async, open_sync
 from idemlock.stores.redis import _common as C
 
-from .servers.redis import RedisServer
+from . import redis_wait_script
+from .servers.redis import RedisServer, free_port
 
 LONG = 60_000  # ms: outlives every test
 
@@ -182,3 +189,48 @@ async def test_async_listing_lists_corrupt_values(redis_server: RedisServer) -> 
     finally:
         await astore.aclose()
         rawc.close()
+
+
+# ---- waits with and without hiredis, over TCP and a unix socket ------------------------
+
+
+@pytest.fixture(scope="module")
+def unix_redis() -> Iterator[RedisServer]:
+    """A throwaway server that also listens on a unix socket (short path: sun_path)."""
+    root = Path(tempfile.mkdtemp(prefix="ilr-", dir="/tmp"))
+    sock = root / "r.sock"
+    server = RedisServer(root, free_port(), ("--unixsocket", str(sock), "--unixsocketperm", "700"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_every_wait_over_tcp_and_unix_socket(unix_redis: RedisServer, transport: str) -> None:
+    """Run here with hiredis (the test extra has it) and, by the test below, without."""
+    url = unix_redis.url if transport == "tcp" else f"unix://{unix_redis.root / 'r.sock'}"
+    redis_wait_script.main(url)
+
+
+def test_redis_waits_and_contract_without_hiredis() -> None:
+    """``pip install 'idemlock[redis]'`` has no hiredis: every waiting path (the contract's
+    waits on standalone and Cluster, and the waits above over TCP and a unix socket) runs
+    again in a subprocess where hiredis cannot be imported (tests/no_hiredis.py)."""
+    root = Path(__file__).resolve().parent.parent
+    cmd = [
+        sys.executable, "-m", "pytest", "-p", "tests.no_hiredis", "-p", "no:cacheprovider",
+        "-q", "-x",
+        "tests/contract/test_locks.py", "tests/contract/test_idempotency.py",
+        "tests/contract/test_wrap.py",
+        "-k", "redis and (wait or hold or waiter or in_flight)",
+        "tests/test_redis_faults.py::test_every_wait_over_tcp_and_unix_socket",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300, env=env)
+    out = proc.stdout + proc.stderr
+    assert "hiredis: made unimportable" in out, out[-3000:]
+    assert proc.returncode == 0, out[-5000:]
+    assert " passed" in out and "skipped" not in out, out[-3000:]

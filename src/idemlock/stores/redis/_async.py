@@ -83,12 +83,11 @@ class AsyncRedisStore:
                 await self._prepare()
             nodes = self.client.get_primaries() or self.client.get_nodes()
             node = random.choice(nodes)
-            cls, kwargs = node.connection_class, dict(node.connection_kwargs)
+            cls, kwargs = node.connection_class, node.connection_kwargs
         else:
             pool = self.client.connection_pool
-            cls, kwargs = pool.connection_class, dict(pool.connection_kwargs)
-        kwargs.update(decode_responses=False, protocol=2)
-        conn = cls(**kwargs)
+            cls, kwargs = pool.connection_class, pool.connection_kwargs
+        conn = cls(**C.listener_kwargs(kwargs))
         await conn.connect()
         return conn
 

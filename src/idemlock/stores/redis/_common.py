@@ -363,6 +363,22 @@ def unpack_claim(raw: Any) -> tuple[bytes, int, int]:
     return state, fence, exp
 
 
+# ---- the listener's connection -----------------------------------------------------------
+
+
+def listener_kwargs(pool_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Connection options for the pub/sub listener, from its pool's.
+
+    The listener speaks RESP2 with raw bytes (pub/sub messages come back as plain
+    arrays). Maintenance notifications need RESP3 and, without hiredis, refuse RESP2,
+    so their settings (which redis-py 8 adds to every pool) are not copied; a
+    pub/sub connection has no use for them.
+    """
+    kwargs = {k: v for k, v in pool_kwargs.items() if "maint_notifications" not in k}
+    kwargs.update(decode_responses=False, protocol=2)
+    return kwargs
+
+
 # ---- errors ----------------------------------------------------------------------------
 
 

@@ -70,10 +70,7 @@ class RedisStore:
             pool = random.choice(nodes).redis_connection.connection_pool
         else:
             pool = self.client.connection_pool
-        kwargs = dict(pool.connection_kwargs)
-        # RESP2 and raw bytes: pub/sub messages come back as plain arrays.
-        kwargs.update(decode_responses=False, protocol=2)
-        conn = pool.connection_class(**kwargs)
+        conn = pool.connection_class(**C.listener_kwargs(pool.connection_kwargs))
         conn.connect()
         return conn
 
