@@ -114,4 +114,7 @@ if __name__ == "__main__":
     import redis.utils
 
     main(sys.argv[1])
-    print(f"waits ok on {sys.argv[1].split('://')[0]}; hiredis={redis.utils.HIREDIS_AVAILABLE}")
+    print(
+        f"waits ok on {sys.argv[1].split('://')[0]}; hiredis={redis.utils.HIREDIS_AVAILABLE}; "
+        f"idemlock from {idemlock.__file__}"
+    )

@@ -27,7 +27,7 @@ from idemlock.stores.redis import RedisStore, open_async, open_sync
 from idemlock.stores.redis import _common as C
 
 from . import redis_wait_script
-from .servers.redis import RedisServer, free_port
+from .servers.redis import RedisServer, start_unix_redis
 
 LONG = 60_000  # ms: outlives every test
 
@@ -195,23 +195,23 @@ async def test_async_listing_lists_corrupt_values(redis_server: RedisServer) -> 
 
 
 @pytest.fixture(scope="module")
-def unix_redis() -> Iterator[RedisServer]:
-    """A throwaway server that also listens on a unix socket (short path: sun_path)."""
+def unix_redis() -> Iterator[tuple[RedisServer, str]]:
+    """A throwaway server on TCP and a unix socket (short path: sun_path is small)."""
     root = Path(tempfile.mkdtemp(prefix="ilr-", dir="/tmp"))
-    sock = root / "r.sock"
-    server = RedisServer(root, free_port(), ("--unixsocket", str(sock), "--unixsocketperm", "700"))
-    server.start()
+    server, url = start_unix_redis(root)
     try:
-        yield server
+        yield server, url
     finally:
         server.stop()
         shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.parametrize("transport", ["tcp", "unix"])
-def test_every_wait_over_tcp_and_unix_socket(unix_redis: RedisServer, transport: str) -> None:
+def test_every_wait_over_tcp_and_unix_socket(
+    unix_redis: tuple[RedisServer, str], transport: str
+) -> None:
     """Run here with hiredis (the test extra has it) and, by the test below, without."""
-    url = unix_redis.url if transport == "tcp" else f"unix://{unix_redis.root / 'r.sock'}"
+    url = unix_redis[0].url if transport == "tcp" else unix_redis[1]
     redis_wait_script.main(url)
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "redis_server",
     "start_cluster",
     "start_redis",
+    "start_unix_redis",
 ]
 
 
@@ -146,6 +147,15 @@ def start_redis(root: Path) -> RedisServer:
     server = RedisServer(root, free_port())
     server.start()
     return server
+
+
+def start_unix_redis(root: Path) -> tuple[RedisServer, str]:
+    """A server on a free loopback port that also listens on a unix socket in ``root``
+    (keep ``root`` short: a socket path has at most 107 bytes); (server, unix:// URL)."""
+    sock = root / "r.sock"
+    server = RedisServer(root, free_port(), ("--unixsocket", str(sock), "--unixsocketperm", "700"))
+    server.start()
+    return server, f"unix://{sock}"
 
 
 class RedisCluster:
