@@ -33,7 +33,7 @@ import idemlock
 from idemlock import ConfigurationError, FencedOut, IdempotencySpec, InFlightError
 from idemlock.integrations.celery import IdempotentTask, current_fence
 
-from .servers.redis import RedisServer, start_redis
+from .servers.redis import RedisServer, free_port, start_redis
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV_BROKER = "IDEMLOCK_TEST_BROKER"
@@ -166,6 +166,30 @@ def ship(self: Any, order_id: str) -> dict[str, Any]:
             "UPDATE runs SET state = 'finished' WHERE task = 'ship' AND fence = ?", (fence,)
         )
     return {"order": order_id, "fence": fence}
+
+
+@app.task(
+    bind=True,
+    base=IdempotentTask,
+    name="idemlock_test.deposit",
+    idemlock_coordinator=_coordinator,
+    idemlock_spec="deposit",
+    idemlock_key=lambda account, amount: f"deposit-{account}",
+    idemlock_store_retry_backoff=0.5,
+    idemlock_store_retry_max=1.0,
+    time_limit=60,
+)
+def deposit(self: Any, account: str, amount: int) -> dict[str, Any]:
+    fence = self.request.idemlock_fence
+    with _db() as conn:
+        conn.execute(
+            "INSERT INTO runs VALUES ('deposit', ?, ?, 'finished')", (fence, self.request.retries)
+        )
+    if (_dir() / f"hold-{account}").exists():
+        # The test stops the store while the body runs, then lets it finish.
+        (_dir() / f"running-{account}").touch()
+        wait_for((_dir() / f"go-{account}").exists, 60)
+    return {"account": account, "amount": amount, "fence": fence}
 
 
 @worker_ready.connect
@@ -361,6 +385,88 @@ def test_killed_mid_body_one_finished_run_and_late_write_refused(env: Env) -> No
     assert len(env.runs("ship")) == 2
     wait_for(lambda: env.unacked() == 0, 10, w2.why)
     coord.close()
+
+
+# ---- with workers, against an idemlock store that goes down and comes back ---------------
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[RedisServer]:
+    """The idemlock store: a Redis that writes every command to its append-only file
+    before answering, so a restart keeps the claims (a stop is SIGKILL)."""
+    durable = ("--appendonly", "yes", "--appendfsync", "always")
+    server = RedisServer(tmp_path / "store", free_port(), durable)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def store_env(broker: RedisServer, store: RedisServer, tmp_path: Path) -> Iterator[Env]:
+    client: Any = broker.client()
+    with client:
+        client.flushall()
+    _make_app_db(tmp_path)
+    e = Env(broker, tmp_path, store.url)
+    yield e
+    for w in e.workers:
+        w.stop()
+
+
+def postrun_states(env: Env, task: str) -> list[str]:
+    return [json.loads(x)[2] for x in env.lines("postrun.log") if task in x]
+
+
+def test_store_down_before_the_body_retries_until_it_is_back(
+    store_env: Env, store: RedisServer
+) -> None:
+    """The store is down when the task claims its key: the task is re-sent with backoff
+    (never failed, never dropped) and runs exactly once when the store is back."""
+    env = store_env
+    store.stop()
+    worker = start_worker(env, "w1")
+    sent = deposit.apply_async(("acc-1", 10))
+    wait_for(lambda: postrun_states(env, "deposit").count("RETRY") >= 2, 30, worker.why)
+    assert env.runs("deposit") == []
+    assert sent.state == "RETRY"
+    store.start()
+    result = sent.get(timeout=30)
+    assert result["account"] == "acc-1" and result["amount"] == 10
+    assert env.runs("deposit") == [(result["fence"], 0, "finished")]  # retries not used up
+    log = worker.log.read_text()
+    assert "idempotency store failed before the task ran" in log
+    assert "store failure 2 in a row" in log  # the countdown grows with each failure
+    with idemlock.connect(store.url) as coord:
+        status = coord.idempotency("deposit").status("deposit-acc-1")
+    assert status is not None and (status.state, status.fence) == ("completed", result["fence"])
+    wait_for(lambda: env.unacked() == 0, 10, worker.why)
+
+
+def test_store_down_when_recording_keeps_the_claim_and_records_it_later(
+    store_env: Env, store: RedisServer
+) -> None:
+    """The store goes down while the body runs: its result is written again once the
+    store is back (the claim is never abandoned), and a duplicate replays it."""
+    env = store_env
+    (env.dir / "hold-acc-2").touch()
+    worker = start_worker(env, "w1")
+    sent = deposit.apply_async(("acc-2", 20))
+    wait_for((env.dir / "running-acc-2").exists, 30, worker.why)
+    store.stop()
+    (env.dir / "go-acc-2").touch()
+    wait_for(lambda: "could not record the outcome" in worker.log.read_text(), 30, worker.why)
+    assert sent.state != "FAILURE"
+    store.start()
+    result = sent.get(timeout=30)
+    assert result["account"] == "acc-2"
+    with idemlock.connect(store.url) as coord:
+        status = coord.idempotency("deposit").status("deposit-acc-2")
+    assert status is not None and (status.state, status.fence) == ("completed", result["fence"])
+    again = deposit.apply_async(("acc-2", 20))
+    assert again.get(timeout=20) == result
+    assert env.runs("deposit") == [(result["fence"], 0, "finished")]  # one run, ever
 
 
 # ---- without a worker: direct calls ---------------------------------------------------

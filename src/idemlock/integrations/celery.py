@@ -44,9 +44,23 @@ Options (task options or class attributes of a subclass; every one is optional b
     Exception classes whose raising is recorded and raised again on every replay
     (for example a declined card). Any other exception abandons the claim and
     propagates, so Celery's retry (``autoretry_for``, ``self.retry``) runs the task
-    again. ``Retry``, ``Reject`` and ``Ignore`` always abandon. A store failure
-    raises :class:`~idemlock.StoreUnavailable` before the body runs; list it in
-    ``autoretry_for`` to retry then.
+    again. ``Retry``, ``Reject`` and ``Ignore`` always abandon (when the store cannot
+    be told, the claim ends with its lease, so a retry waits rather than runs at once).
+``idemlock_store_retry_backoff``, ``idemlock_store_retry_max``
+    **A store failure before the body runs** (unreachable, timed out, full) never
+    fails or drops the task: it is logged and the task is re-sent with a countdown
+    that starts at ``idemlock_store_retry_backoff`` seconds (default 1) and doubles,
+    with jitter, up to ``idemlock_store_retry_max`` (default 60), for as long as the
+    store stays down. These re-sends keep ``self.request.retries`` unchanged, so an
+    outage never uses up ``max_retries``; if the broker refuses the re-send too, the
+    message is rejected with requeue. (``autoretry_for`` is not needed for this: the
+    claim is made before ``run``, where autoretry does not reach.)
+    **A store failure after the body ran** (its result or recorded error cannot be
+    written) keeps the claim: the result is written again with backoff until the
+    claim's lease ends (and, with a hard time limit, before the limit kills the
+    process). If the store is still down by then the task fails with
+    :class:`~idemlock.StoreUnavailable` and the key stays reserved until the lease
+    ends, so a redelivery or retry never runs the body again at once.
 ``idemlock_on_in_flight``
     What a task does when another attempt holds the key: ``"retry"`` (default)
     re-sends it with a countdown of at most ``idemlock_retry_every`` seconds
@@ -124,7 +138,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import random
 import threading
+import time
 import types
 from collections.abc import Callable
 from datetime import timedelta
@@ -134,8 +150,8 @@ from celery import Task, current_task  # type: ignore[import-untyped]
 from celery.exceptions import Reject, Retry, TaskPredicate  # type: ignore[import-untyped]
 
 from .._base import WrapPlan, seconds
-from .._core.types import Completed, IdempotencySpec
-from .._errors import ConfigurationError, InFlightError
+from .._core.types import ClaimToken, Completed, IdempotencySpec
+from .._errors import ConfigurationError, InFlightError, StoreFull, StoreUnavailable
 from .._sync import Coordinator, IdempotencyPort
 
 __all__ = ["IN_FLIGHT_MODES", "IdempotentTask", "current_fence"]
@@ -150,6 +166,15 @@ _CALLABLE_OPTIONS = ("idemlock_key", "idemlock_coordinator")
 
 #: what a call sets on the task's request
 _REQUEST_ATTRS = ("idemlock_key", "idemlock_fence", "idemlock_replayed")
+
+#: store failures that may pass: the task is retried (before the body) or its
+#: outcome written again (after it)
+_STORE_ERRORS = (StoreUnavailable, StoreFull)
+#: the message header counting re-sends after store failures (for the backoff)
+_STORE_TRIES_HEADER = "idemlock_store_tries"
+#: first and longest pause between writes of a finished task's outcome
+_RECORD_RETRY_FIRST = 0.1
+_RECORD_RETRY_MAX = 2.0
 
 
 def current_fence() -> int:
@@ -188,6 +213,8 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
     idemlock_on_in_flight: ClassVar[str] = "retry"
     idemlock_retry_every: ClassVar[float] = 5.0
     idemlock_lease_margin: ClassVar[float] = 10.0
+    idemlock_store_retry_backoff: ClassVar[float] = 1.0
+    idemlock_store_retry_max: ClassVar[float] = 60.0
 
     _idemlock_lock: ClassVar[threading.Lock]
     _idemlock_state: _ProcessState | None = None
@@ -230,6 +257,10 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
             raise ConfigurationError(f"{where}: idemlock_retry_every must be positive seconds")
         if seconds(cls.idemlock_lease_margin, "idemlock_lease_margin") is None:
             raise ConfigurationError(f"{where}: idemlock_lease_margin must be seconds (>= 0)")
+        for name in ("idemlock_store_retry_backoff", "idemlock_store_retry_max"):
+            value = seconds(getattr(cls, name), name)
+            if value is None or value <= 0:
+                raise ConfigurationError(f"{where}: {name} must be positive seconds")
 
     # ---- per process ---------------------------------------------------------------
 
@@ -279,17 +310,21 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
 
     def _idemlock_lease(self) -> float | None:
         """The hard time limit (else the soft one) in force for this call, plus margin."""
-        request = self.request
-        hard, soft = request.timelimit or (None, None)
-        conf = self.app.conf
-        hard = hard or self.time_limit or conf.task_time_limit
-        soft = soft or self.soft_time_limit or conf.task_soft_time_limit
+        hard, soft = self._idemlock_limits()
         limit = hard or soft
         if not limit:
             return None
         return float(limit) + float(self.idemlock_lease_margin)
 
-    # ---- the call ------------------------------------------------------------------
+    def _idemlock_limits(self) -> tuple[float | None, float | None]:
+        request = self.request
+        hard, soft = request.timelimit or (None, None)
+        conf = self.app.conf
+        hard = hard or self.time_limit or conf.task_time_limit
+        soft = soft or self.soft_time_limit or conf.task_soft_time_limit
+        return (float(hard) if hard else None, float(soft) if soft else None)
+
+    # ---- the call: claim, run, settle -------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # A request context of our own (a copy of the worker's, as Task.__call__ makes),
@@ -309,14 +344,18 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
                         setattr(outer, name, inner[name])
 
     def _idemlock_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        state = self._idemlock()
-        plan = state.plan
-        port = self._idemlock_port(state, self._idemlock_lease())
-        wait = port._wait_for(None) if self.idemlock_on_in_flight == "wait" else None
+        started = time.monotonic()
         try:
+            state = self._idemlock()
+            plan = state.plan
+            port = self._idemlock_port(state, self._idemlock_lease())
+            wait = port._wait_for(None) if self.idemlock_on_in_flight == "wait" else None
             claim = port._begin(plan, args, kwargs, wait)
         except InFlightError as exc:
-            raise self._idemlock_in_flight(state, exc) from None
+            raise self._idemlock_in_flight(exc) from None
+        except _STORE_ERRORS as exc:
+            # Nothing ran and nothing is claimed: send the task again later.
+            raise self._idemlock_store_down(exc) from None
         request = self.request
         if isinstance(claim, Completed):
             request.idemlock_replayed = True
@@ -333,34 +372,139 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
             port._abandon_quietly(token)
             raise
         except BaseException as exc:
-            port._fail(plan, token, exc)
+            self._idemlock_settle(state, token, started, port._fail, plan, token, exc)
             raise
-        port._record(plan, token, result)
+        self._idemlock_settle(state, token, started, port._record, plan, token, result)
         return result
 
-    def _idemlock_in_flight(self, state: _ProcessState, exc: InFlightError) -> BaseException:
-        """A Retry that comes back when the holder is likely done, or ``exc`` itself."""
+    def _idemlock_settle(
+        self,
+        state: _ProcessState,
+        token: ClaimToken,
+        started: float,
+        write: Callable[..., None],
+        *args: Any,
+    ) -> None:
+        """Write a finished body's outcome; while the store fails, again with backoff
+        until the claim's lease ends (or the hard time limit nears), never abandoning
+        the claim: the body ran, so the key must stay reserved until its lease ends."""
+        clock = state.coord.clock
+        lease_end = token.expires_at.timestamp()
+        # Each call is bounded by the store's timeout; do not start one that would end
+        # after the lease (or after the hard limit kills this process).
+        bound = float(getattr(state.coord.store, "timeout", 5.0))
+        hard, _ = self._idemlock_limits()
+        pause = _RECORD_RETRY_FIRST
+        while True:
+            try:
+                write(*args)
+                return
+            except _STORE_ERRORS as exc:
+                left = lease_end - clock.time()
+                if hard is not None:
+                    left = min(left, started + hard - time.monotonic())
+                if left <= pause + bound:
+                    log.error(
+                        "task %s[%s] ran, but its outcome for key %r could not be recorded "
+                        "before its claim's lease ends (%s): the key stays reserved until "
+                        "then, and a later retry runs it again",
+                        self.name,
+                        self.request.id,
+                        token.key,
+                        exc,
+                    )
+                    raise StoreUnavailable(
+                        f"task {self.name} ran, but its outcome for idempotency key "
+                        f"{token.key!r} could not be recorded ({exc}); the key stays "
+                        f"reserved until {token.expires_at.isoformat()}, after which a "
+                        "retry runs the task again, so make its effects fenced "
+                        "(self.request.idemlock_fence)"
+                    ) from exc
+                log.warning(
+                    "task %s[%s]: could not record the outcome for key %r (%s); trying "
+                    "again in %.2fs while the claim's lease lasts",
+                    self.name,
+                    self.request.id,
+                    token.key,
+                    exc,
+                    pause,
+                )
+                time.sleep(pause)
+                pause = min(pause * 2, _RECORD_RETRY_MAX)
+
+    def _idemlock_store_down(self, exc: BaseException) -> BaseException:
+        """A Retry after a store failure before the body ran, with a growing countdown,
+        or ``exc`` itself for a direct or eager call."""
         request = self.request
-        if self.idemlock_on_in_flight == "raise" or request.called_directly or request.is_eager:
+        if request.called_directly or request.is_eager:
             return exc
-        every = float(self.idemlock_retry_every)
-        left = every
-        if exc.expires_at is not None:
-            left = exc.expires_at.timestamp() - state.coord.clock.time()
-        # Just past the end of the holder's lease at the latest: the key is then free.
-        countdown = round(min(every, max(left, 0.0) + 0.05), 3)
-        # Waiting for another attempt is not a failure: keep ``retries`` as it is, so
-        # these re-sends do not use up max_retries (self.retry would add one).
-        sig = self.signature_from_request(request, countdown=countdown, retries=request.retries)
+        headers = dict(request.headers or {})
+        tries = _store_tries(request, headers)
+        ceiling = min(
+            float(self.idemlock_store_retry_max),
+            float(self.idemlock_store_retry_backoff) * 2.0 ** min(tries, 32),
+        )
+        # Full jitter (but never nothing): workers hit by one outage do not all come
+        # back at the same instant.
+        countdown = round(random.uniform(ceiling / 2, ceiling), 3)
+        headers[_STORE_TRIES_HEADER] = tries + 1
+        log.warning(
+            "task %s[%s]: the idempotency store failed before the task ran (%s); "
+            "retrying in %ss (store failure %d in a row)",
+            self.name,
+            request.id,
+            exc,
+            countdown,
+            tries + 1,
+        )
+        why = f"idempotency store unavailable: {exc}; retrying in {countdown}s"
+        return self._idemlock_resend(exc, countdown, why, headers=headers)
+
+    def _idemlock_resend(
+        self, exc: BaseException, countdown: float, why: str, **options: Any
+    ) -> BaseException:
+        """Send this task again after ``countdown`` seconds, keeping ``retries``: the
+        Retry to raise, or a requeueing Reject when the broker refuses the message."""
+        request = self.request
+        sig = self.signature_from_request(
+            request, countdown=countdown, retries=request.retries, **options
+        )
         try:
             sig.apply_async()
         except Exception as err:
             # Not sent: put the message back rather than lose the only copy.
             rejected: BaseException = Reject(err, requeue=True)
             return rejected
+        retry: BaseException = Retry(why, exc=exc, when=countdown, sig=sig)
+        return retry
+
+    def _idemlock_in_flight(self, exc: InFlightError) -> BaseException:
+        """A Retry that comes back when the holder is likely done, or ``exc`` itself."""
+        request = self.request
+        if self.idemlock_on_in_flight == "raise" or request.called_directly or request.is_eager:
+            return exc
+        state = self._idemlock()
+        every = float(self.idemlock_retry_every)
+        left = every
+        if exc.expires_at is not None:
+            left = exc.expires_at.timestamp() - state.coord.clock.time()
+        # Just past the end of the holder's lease at the latest: the key is then free.
+        countdown = round(min(every, max(left, 0.0) + 0.05), 3)
         until = f" until {exc.expires_at.isoformat()}" if exc.expires_at else ""
         why = f"idempotency key {exc.key!r} is held by another attempt{until}"
-        retry: BaseException = Retry(
-            f"{why}; retrying in {countdown}s", exc=exc, when=countdown, sig=sig
+        # Waiting for another attempt is not a failure: keep ``retries`` as it is, so
+        # these re-sends do not use up max_retries (self.retry would add one).
+        # A store failure streak is over: the next one backs off from the start again.
+        headers = {k: v for k, v in (request.headers or {}).items() if k != _STORE_TRIES_HEADER}
+        return self._idemlock_resend(
+            exc, countdown, f"{why}; retrying in {countdown}s", headers=headers
         )
-        return retry
+
+
+def _store_tries(request: Any, headers: dict[str, Any]) -> int:
+    """How many store failures in a row sent this task again (a message header)."""
+    value = headers.get(_STORE_TRIES_HEADER, getattr(request, _STORE_TRIES_HEADER, 0))
+    try:
+        return max(0, int(value or 0))
+    except (TypeError, ValueError):
+        return 0
