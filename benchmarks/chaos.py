@@ -231,7 +231,7 @@ class ProxyHub:
         """Stop forwarding for ``seconds``: everything (``share`` >= 1: every
         connection, and new ones hang after the kernel's accept) or a random ``share``
         of the open connections (at least one; the rest and new ones keep working, as
-        when one path through the network dies)."""
+        when one path through the network dies). "" if there was nothing to silence."""
 
         async def go() -> str:
             self.generation += 1
@@ -247,7 +247,9 @@ class ProxyHub:
 
                 self.loop.call_later(seconds, heal_full)
                 return f"everything for {seconds:.2f}s ({n} connections)"
-            conns = [c for p in self.proxies for c in p.conns]
+            conns = [c for p in self.proxies for c in p.conns if c.flowing.is_set()]
+            if not conns or not self.open.is_set():
+                return ""  # nothing to silence (or everything is silent already)
             chosen = [c for c in conns if rng.random() < share] or conns[:1]
             for c in chosen:
                 c.generation = gen
@@ -997,9 +999,9 @@ def lock_worker_main(cfg: WorkerConfig) -> None:
         holder = f"{cfg.worker}#{n}"
 
         def on_lost(lease: Any) -> None:
-            # How long after the lease's own deadline the holder was told.
-            late = time.monotonic() - (lease._sent + lease._ttl_ms / 1000)
-            os.write(lost_fd, f"{late:.4f}\n".encode())
+            # The lease's own deadline (from the last renewal's send) and when we were told.
+            deadline = lease._sent + lease._ttl_ms / 1000
+            os.write(lost_fd, f"{deadline:.4f} {time.monotonic():.4f}\n".encode())
 
         before = time.monotonic()
         try:
@@ -1084,6 +1086,8 @@ class Slot:
 @dataclass
 class Outcome:
     faults: Counter[str] = field(default_factory=Counter)
+    #: (worker, from, until) of each SIGSTOP, CLOCK_MONOTONIC
+    stops: list[tuple[str, float, float]] = field(default_factory=list)
     worker_exits: list[str] = field(default_factory=list)
     seconds: float = 0.0
     drained: bool = False
@@ -1246,12 +1250,17 @@ class Run:
                 os.kill(slot.proc.pid, signal.SIGSTOP)
                 pause = self.opts.lease * self.rng.uniform(1.3, 2.5)
                 slot.stopped_until = now + pause
+                # (woken by a poll every few ms: a little later than planned)
+                self.outcome.stops.append((slot.worker, now, now + pause + 0.1))
                 detail = f"{slot.worker} for {pause:.2f}s"
         elif kind == "restart":
             detail = self.restart_store()
         elif kind == "cut":
             assert self.hub is not None
-            detail = f"{self.hub.cut()} connections"
+            cut = self.hub.cut()
+            if not cut:
+                return False  # nothing connected (e.g. during a blackhole): not a fault
+            detail = f"{cut} connections"
         elif kind == "blackhole":
             assert self.hub is not None
             # Half of them silence everything (a partition of the store), half a random
@@ -1259,6 +1268,8 @@ class Run:
             share = 1.0 if self.rng.random() < 0.5 else 0.5
             seconds = self.opts.lease * self.rng.uniform(0.5, 4.0)
             detail = self.hub.blackhole(seconds, share, self.rng)
+            if not detail:
+                return False
         self.outcome.faults[kind] += 1
         if self.opts.verbose:
             took = time.monotonic() - now
@@ -1651,11 +1662,19 @@ class LockRun(Run):
                 violations["unexpected_error"] += n
                 if len(examples) < 10:
                     examples.append(f"unexpected_error: {n} x {event[11:]}")
-        late = sorted(
-            float(line)
-            for path in (self.root / "stats").glob("*.lost")
-            for line in path.read_text().split()
-        )
+        late: list[float] = []  # told how long after the deadline, holder not paused
+        paused_late: list[float] = []
+        for path in (self.root / "stats").glob("*.lost"):
+            worker = path.name.split(".txt")[0]
+            for line in path.read_text().splitlines():
+                deadline, told = map(float, line.split())
+                paused = any(
+                    w == worker and start < told and end > deadline
+                    for w, start, end in self.outcome.stops
+                )
+                (paused_late if paused else late).append(told - deadline)
+        late.sort()
+        paused_late.sort()
         return {
             "workload": "lock",
             "store": self.store,
@@ -1671,12 +1690,18 @@ class LockRun(Run):
             "faults": {k: self.outcome.faults.get(k, 0) for k in KINDS},
             **found,
             "leases_lost": events.get("lock_lost", 0),
-            "on_lost_calls": len(late),
+            "on_lost_calls": len(late) + len(paused_late),
             # How long after the lease's deadline (counted from the renewal's send)
-            # on_lost ran. A SIGSTOPped holder is told only when it runs again.
+            # on_lost ran, for holders that were not paused meanwhile (a SIGSTOPped
+            # holder is told only when it runs again: those are apart).
             "on_lost_late_s": {
+                "count": len(late),
                 "median": round(late[len(late) // 2], 3) if late else None,
                 "max": round(late[-1], 3) if late else None,
+            },
+            "on_lost_late_paused_s": {
+                "count": len(paused_late),
+                "max": round(paused_late[-1], 3) if paused_late else None,
             },
             "worker_events": dict(sorted(events.items())),
             "violations": dict(violations),
@@ -1951,9 +1976,11 @@ def render_locks(reports: list[dict[str, Any]]) -> list[str]:
             f"{r['workers']} workers, "
             f"{r['resources']} resources, fence {r['fence']}; {r['writes_after_deadline']} "
             f"writes sent after the lease's deadline ({r['writes_lost_flag_late']} of them "
-            f"before lease.lost turned True), on_lost {r['on_lost_calls']} times, late by "
-            f"median {late['median']}s max {late['max']}s; {ev.get('store_error', 0)} store "
-            f"errors, {ev.get('not_acquired', 0)} waits timed out"
+            f"before lease.lost turned True); on_lost ran {late['count']} times for running "
+            f"holders, after their deadline by median {late['median']}s, max "
+            f"{late['max']}s (and {r['on_lost_late_paused_s']['count']} times for "
+            f"SIGSTOPped ones, on waking); {ev.get('store_error', 0)} store errors, "
+            f"{ev.get('not_acquired', 0)} waits timed out"
         )
         if r["unfenced_findings"]:
             lines.append(f"    without a fence: {r['unfenced_findings']}")
