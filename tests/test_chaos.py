@@ -8,15 +8,25 @@ claimed; exactly-once effects in the same-transaction mode). Here we assert that
 found no violation and that every kind of fault that applies to the store was really
 injected, so a green run cannot be a run where nothing happened.
 
-About 15-20 s per store; the whole file stays around 1.5 minutes on a 2-core machine.
+The lock workload (``--workload lock``) runs ``hold()`` with renewals and fenced writes
+under the lock while workers are killed, paused past the ttl and the network goes silent
+(blackholes); the runner checks the write history (no stale write accepted, no two
+holders' writes interleaved, tokens increase, no write while ``remaining()`` claimed a
+lease another holder had been granted). The checker itself is tested on crafted
+histories here, and its plain (unfenced) mode must find what the fence prevents.
+
+About 15-20 s per store and workload; the whole file stays around 3 minutes on a 2-core
+machine.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -27,9 +37,16 @@ CHAOS = ROOT / "benchmarks" / "chaos.py"
 #: to cut)
 KINDS = {
     "sqlite": ("kill", "stop"),
-    "redis": ("kill", "stop", "restart", "cut"),
-    "redis-cluster": ("kill", "stop", "restart", "cut"),
-    "postgres": ("kill", "stop", "restart", "cut"),
+    "redis": ("kill", "stop", "restart", "cut", "blackhole"),
+    "redis-cluster": ("kill", "stop", "restart", "cut", "blackhole"),
+    "postgres": ("kill", "stop", "restart", "cut", "blackhole"),
+}
+#: the lock workload's faults (no Redis restarts: an empty Redis forgets its leases)
+LOCK_KINDS = {
+    "sqlite": ("kill", "stop"),
+    "redis": ("kill", "stop", "cut", "blackhole"),
+    "redis-cluster": ("kill", "stop", "cut", "blackhole"),
+    "postgres": ("kill", "stop", "restart", "cut", "blackhole"),
 }
 SEED = "20261129"
 
@@ -99,3 +116,158 @@ def test_plain_mode_completes_and_reports_duplicates() -> None:
     # A worker paused (holding a job) for longer than the visibility timeout has its
     # job delivered again while it still runs it: both write the effect.
     assert run["repeated_effects"] > 0
+
+
+# ---- the lock workload ------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("store", ["sqlite", "redis", "redis-cluster", "postgres"])
+def test_lock_writes_stay_fenced_under_faults(store: str) -> None:
+    code, run = run_chaos("--store", store, "--workload", "lock")
+    assert run["violations_total"] == 0, "\n".join(run["examples"])
+    assert code == 0
+    assert run["workload"] == "lock" and run["store"] == store and run["mode"] == "idemlock"
+    for kind in LOCK_KINDS[store]:
+        assert run["faults"][kind] > 0, f"no {kind} fault was injected: {run['faults']}"
+    # Locks changed hands and were written under; holders paused past the ttl lost
+    # their leases and were told.
+    assert run["holds"] > 3
+    assert run["writes_accepted"] > 0
+    assert run["leases_lost"] > 0
+    assert run["on_lost_calls"] > 0
+    assert run["fence"] == ("set_if_fresh" if store.startswith("redis") else "sql")
+
+
+@pytest.mark.timeout(300)
+def test_lock_plain_mode_shows_what_the_fence_prevents() -> None:
+    # The negative control: the same workload with unfenced writes, paused holders.
+    # The checker must find their late writes landing over a newer holder's.
+    code, run = run_chaos("--store", "sqlite", "--workload", "lock", "--mode", "plain")
+    assert code == 0
+    assert run["violations_total"] == 0, "\n".join(run["examples"])
+    assert run["mode"] == "plain" and run["fence"] == "none"
+    assert run["faults"]["stop"] > 0
+    found = run["unfenced_findings"]
+    assert found["stale_write_accepted"] + found["writes_interleaved"] > 0, run
+
+
+def _chaos_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("chaos_under_test", CHAOS)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+chaos = _chaos_module()
+
+
+class History:
+    """A crafted lock history: holds and write log rows as the workers record them."""
+
+    def __init__(self) -> None:
+        self.holds: list[tuple[Any, ...]] = []
+        self.log: list[tuple[Any, ...]] = []
+
+    def hold(self, holder: str, token: int, before: float, after: float, res: str = "r") -> None:
+        self.holds.append((res, holder, token, before, after))
+
+    def write(
+        self,
+        holder: str,
+        token: int,
+        sent: float,
+        done: float | None = None,
+        accepted: bool | None = True,
+        left: float = 0.5,
+        res: str = "r",
+    ) -> None:
+        row_id = len(self.log) + 1
+        self.log.append((row_id, res, holder, token, row_id, sent, done, accepted, left <= 0, left))
+
+    def check(self, exact: bool) -> dict[str, Any]:
+        return dict(chaos.check_lock_history(self.holds, self.log, exact=exact))
+
+
+def clean_history(timed: bool) -> History:
+    h = History()
+    h.hold("a", 1, 0.0, 0.01)
+    h.write("a", 1, 0.02, 0.03 if timed else None, left=0.9)
+    h.write("a", 1, 0.04, 0.05 if timed else None, left=0.9)
+    h.hold("b", 2, 0.03, 1.1)  # waited for a's lease to run out
+    h.write("b", 2, 1.2, 1.21 if timed else None, left=0.9)
+    # a, paused past its ttl, tries late: refused
+    h.write("a", 1, 1.3, 1.31 if timed else None, accepted=False, left=0.0)
+    h.write("b", 2, 1.4, 1.41 if timed else None, left=0.7)
+    return h
+
+
+@pytest.mark.parametrize("timed", [False, True])
+def test_checker_accepts_a_clean_history(timed: bool) -> None:
+    found = clean_history(timed).check(exact=not timed)
+    assert found["violations"] == {}, found["examples"]
+    assert found["writes_accepted"] == 4
+    assert found["stale_writes_refused"] == 1
+    assert found["writes_after_deadline"] == 1
+
+
+def test_checker_finds_a_stale_and_interleaved_write_in_acceptance_order() -> None:
+    h = clean_history(timed=False)
+    h.write("a", 1, 1.5, None, accepted=True, left=0.0)  # the fence let it through
+    found = h.check(exact=True)
+    assert found["violations"] == {"stale_write_accepted": 1, "writes_interleaved": 1}
+    assert "a token 1 accepted" in found["examples"][0]
+
+
+def test_checker_finds_interleaving_with_one_token_shared_by_two_holders() -> None:
+    # Equal tokens pass a fence: only the holders tell the writes apart.
+    h = History()
+    h.hold("a", 7, 0.0, 0.01)
+    h.hold("b", 7, 0.02, 0.03)
+    h.write("a", 7, 0.04)
+    h.write("b", 7, 0.05)
+    h.write("a", 7, 0.06)
+    found = h.check(exact=True)
+    assert found["violations"]["writes_interleaved"] == 1
+    assert found["violations"]["token_reused"] == 1
+    assert found["violations"]["token_not_increasing"] == 1
+
+
+def test_checker_judges_timed_writes_only_when_their_order_is_certain() -> None:
+    h = History()
+    h.hold("a", 1, 0.0, 0.01)
+    h.hold("b", 2, 0.0, 0.5)
+    h.write("a", 1, 0.10, 0.20, left=0.0)
+    h.write("b", 2, 0.15, 0.60, left=0.0)  # overlaps both of a's: order unknown
+    h.write("a", 1, 0.55, 0.70, left=0.0)
+    assert h.check(exact=False)["violations"] == {}
+    h.write("b", 2, 0.80, 0.90, left=0.0)
+    h.write("a", 1, 1.00, 1.10, left=0.0)  # surely after b's write done at 0.90
+    found = h.check(exact=False)
+    assert found["violations"] == {"stale_write_accepted": 1, "writes_interleaved": 1}, found
+
+
+def test_checker_finds_a_write_made_on_a_lease_another_holder_was_granted() -> None:
+    h = History()
+    h.hold("a", 1, 0.0, 0.01)
+    h.hold("b", 2, 0.02, 1.0)
+    # a still believed 0.3 s were left when b's block had already started
+    h.write("a", 1, 1.1, None, accepted=False, left=0.3)
+    found = h.check(exact=True)
+    assert found["violations"] == {"lease_overlap": 1}, found
+    assert "remaining()=0.300s" in found["examples"][0]
+    # The same write with no time left is the fence's job, not a broken lease.
+    h.log[-1] = (*h.log[-1][:8], True, 0.0)
+    assert h.check(exact=True)["violations"] == {}
+
+
+def test_checker_keeps_resources_apart() -> None:
+    h = History()
+    h.hold("a", 5, 0.0, 0.01, res="r1")
+    h.hold("b", 1, 0.02, 0.03, res="r2")  # lower token, other resource: fine
+    h.write("a", 5, 0.04, res="r1")
+    h.write("b", 1, 0.05, res="r2")
+    h.write("a", 5, 0.06, res="r1")
+    assert h.check(exact=True)["violations"] == {}
