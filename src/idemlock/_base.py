@@ -61,6 +61,8 @@ from ._errors import (
 from ._keyring import Keyring
 
 IN_FLIGHT_MODES = ("raise", "wait")
+#: the bound on one store call when a store does not say (agreement A1's default)
+DEFAULT_CALL_BOUND = 5.0
 log = logging.getLogger("idemlock")
 
 _CURRENT_CLAIM: ContextVar[ClaimToken | None] = ContextVar("idemlock_claim", default=None)
@@ -146,6 +148,12 @@ class CoordinatorBase:
         self._owns_store = True
         #: event hooks; shared with tenant views and ports, so add_hook applies to all
         self._hooks: list[Hook] = list(hooks or ())
+        #: the one timer for every local deadline this coordinator (and its tenant
+        #: views) holds: a lease in hold() is lost when it passes
+        self._watchdog: Any = self._make_watchdog(self.clock)
+
+    def _make_watchdog(self, clock: Clock) -> Any:
+        raise NotImplementedError
 
     def add_hook(self, hook: Hook) -> None:
         """Call ``hook(event)`` for every outcome (see :class:`idemlock.Event`)."""
@@ -157,6 +165,14 @@ class CoordinatorBase:
         self.__dict__.update(parent.__dict__)
         self.tenant = validate_key(tenant, "tenant")
         self._owns_store = False
+
+    def _call_bound(self) -> float:
+        store = self._store
+        bound = getattr(store, "timeout", None)
+        if bound is None:
+            # Generic async faces keep the sync store they call.
+            bound = getattr(getattr(store, "sync", None), "timeout", None)
+        return DEFAULT_CALL_BOUND if bound is None else float(bound)
 
     @property
     def store(self) -> Any:
@@ -227,7 +243,7 @@ class Emitter:
         if self._coord._hooks:
             self._deliver(name, outcome, perf_counter() - t0)
 
-    def _deliver(self, name: str, outcome: str, duration: float) -> None:
+    def _deliver(self, name: str, outcome: str, duration: float, error: str | None = None) -> None:
         hooks = self._coord._hooks
         event = Event(
             name,
@@ -237,6 +253,7 @@ class Emitter:
             self._coord._store.kind,
             duration,
             self._coord.tenant,
+            error,
         )
         for hook in hooks:
             try:
@@ -542,20 +559,38 @@ class LockBase(Emitter):
         self._emit("release", "ok" if ok else "not_held", t0)
         return ok
 
-    def _renew_state(self, lease: Lease, on_lost: Callable[[Lease], object] | None) -> Any:
-        """The renew loop's shared state, and the callback that reports its end."""
-        state = RenewState(0, lease._sent, lease=lease)
+    def _renew_state(
+        self, lease: Lease, on_lost: Callable[[Lease], object] | None
+    ) -> RenewState:
+        """The state shared by the renew loop, the watchdog and the block; its
+        ``notify`` reports a loss: the ``lost`` event, then ``on_lost``."""
+        state = RenewState(0, lease._sent, ttl_ms=lease._ttl_ms, lease=lease)
         if self._coord._hooks:
-            state.report = lambda outcome, took: self._deliver("renew", outcome, took)
+            state.report = lambda outcome, took, error: self._deliver(
+                "renew", outcome, took, error
+            )
 
         def lost() -> None:
             lease.lost = True
             if self._coord._hooks:
                 self._deliver("lost", "lost", 0.0)
             if on_lost is not None:
-                on_lost(lease)
+                try:
+                    on_lost(lease)
+                except Exception:
+                    # The loss is what matters: the block still raises LockLost (and an
+                    # async body is still cancelled) whatever the callback did.
+                    log.warning(
+                        "on_lost callback %r for lock %s:%s raised; the lease is lost all "
+                        "the same",
+                        on_lost,
+                        self.spec.name,
+                        lease.key,
+                        exc_info=True,
+                    )
 
-        return state, lost
+        state.notify = lost
+        return state
 
     def _renewed(
         self, lease: Lease, sent: float, ttl_ms: int, new_exp: int | None, t0: float = 0.0
@@ -590,13 +625,10 @@ class LockBase(Emitter):
             "check fenced writes before relying on this block's work"
         )
 
-    @staticmethod
-    def _sync_state(lease: Lease, state: RenewState) -> None:
-        lease._sent = state.sent
-        if state.expires_ms:
-            lease.expires_at = from_ms(state.expires_ms)
-        if state.lost:
-            lease.lost = True
+    def _bound(self) -> float:
+        """The longest one store call may take (agreement A1: ``store.timeout``):
+        leaving a ``hold()`` block never waits longer for the store than this."""
+        return self._coord._call_bound()
 
 
 def validated(key: str, what: str = "key") -> str:

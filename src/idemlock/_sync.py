@@ -7,6 +7,7 @@ import functools
 import inspect
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -25,7 +26,8 @@ from ._base import (
     validated,
     wrap_options,
 )
-from ._core.flows import acquire_flow, claim_flow, renew_flow
+from ._core.clock import Clock
+from ._core.flows import RenewState, acquire_flow, claim_flow, renew_flow
 from ._core.port import SyncStore
 from ._core.types import (
     Claim,
@@ -41,6 +43,7 @@ from ._core.types import (
 )
 from ._drive import run_sync
 from ._errors import FencedOut, LockLost, LockNotAcquired
+from ._watchdog import Watchdog
 
 F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger("idemlock")
@@ -52,6 +55,9 @@ class Coordinator(CoordinatorBase):
     """Entry point of the blocking API; made by :func:`idemlock.connect`."""
 
     _store: SyncStore
+
+    def _make_watchdog(self, clock: Clock) -> Watchdog:
+        return Watchdog(clock)
 
     def idempotency(self, spec: IdempotencySpec | str) -> IdempotencyPort:
         """The claim/complete port of one kind of operation."""
@@ -357,18 +363,23 @@ class LockPort(LockBase):
     ) -> Iterator[Lease]:
         """Hold the lock for a block, renewing it in the background.
 
-        Raises ``LockNotAcquired`` if it cannot be taken within ``wait``. If a renewal
-        fails or comes too late the lease is lost: ``lease.lost`` turns True,
-        ``on_lost(lease)`` runs, and leaving the block raises ``LockLost`` unless the
-        body already raised."""
+        Raises ``LockNotAcquired`` if it cannot be taken within ``wait``. The lease is
+        lost when ``lease.remaining()`` reaches zero without a confirmed renewal (a
+        local timer decides, whatever a renewal in progress is doing) or when the store
+        says it is gone: ``lease.lost`` turns True, ``on_lost(lease)`` runs (on an
+        idemlock thread; an exception it raises is logged), and leaving the block
+        raises ``LockLost`` unless the body already raised. Leaving waits at most the
+        store's ``timeout`` for the store."""
         every = self._renew_every(renew_every)
         max_hold_s = seconds(max_hold, "max_hold")
         lease = self.acquire(key, owner=owner, wait=wait)
         if lease is None:
             raise LockNotAcquired(self._not_acquired(key, wait))
         assert lease.token is not None
-        state, report_lost = self._renew_state(lease, on_lost)
+        clock = self._coord.clock
+        state = self._renew_state(lease, on_lost)
         stop = threading.Event()
+        reporters: list[threading.Thread] = []
         flow = renew_flow(
             self._ns,
             key,
@@ -378,35 +389,72 @@ class LockPort(LockBase):
             every,
             max_hold_s,
             state,
-            self._coord.clock,
+            clock,
         )
+
+        def expire() -> None:
+            # On the watchdog's thread: mark at once, report on a thread of its own so
+            # a slow on_lost never delays the deadlines of other leases.
+            if state.mark_lost(state.expired_reason()):
+                reporter = threading.Thread(
+                    target=state.report_lost, name=f"idemlock-lost-{key}", daemon=True
+                )
+                reporters.append(reporter)
+                reporter.start()
+
+        watchdog: Watchdog = self._coord._watchdog
+        entry = watchdog.watch(state.deadline(), expire)
+        state.moved = lambda at: watchdog.move(entry, at)
 
         def renewer() -> None:
             try:
                 run_sync(flow, self._store, stop)
             except Exception as exc:  # an unexpected failure of the loop loses the lease
-                state.lost, state.reason = True, f"renewal crashed: {exc!r}"
-            if state.lost and not stop.is_set():
-                report_lost()
+                state.lose(f"renewal crashed: {exc!r}")
+            # The release is this thread's last step, so leaving the block can stop
+            # waiting for it after the store's bound (a renewal stuck in a hung call).
+            stop.wait()
+            self._release_quietly(lease)
 
         thread = threading.Thread(target=renewer, name=f"idemlock-renew-{key}", daemon=True)
         thread.start()
         try:
             yield lease
         except BaseException:
-            stop.set()
-            thread.join()
-            self._sync_state(lease, state)
-            self._release_quietly(lease)
+            self._leave(state, entry, stop, thread, reporters)
             raise
-        stop.set()
-        thread.join()
-        self._sync_state(lease, state)
-        lost = lease.lost or state.lost
-        self._release_quietly(lease)
-        if lost:
-            lease.lost = True
+        if self._leave(state, entry, stop, thread, reporters):
             raise LockLost(self._lost_message(lease, state.reason))
+
+    def _leave(
+        self,
+        state: RenewState,
+        entry: Any,
+        stop: threading.Event,
+        thread: threading.Thread,
+        reporters: list[threading.Thread],
+    ) -> bool:
+        """End a hold: stop renewing, release, and return whether the lease was lost.
+        Waits at most the store's bound for the renewer (which releases)."""
+        lost = state.end(self._coord.clock.monotonic())
+        self._coord._watchdog.cancel(entry)
+        stop.set()
+        bound = self._bound()
+        until = time.monotonic() + bound
+        thread.join(bound)
+        if thread.is_alive():
+            log.warning(
+                "leaving hold() of lock %s:%s without its release: the store did not "
+                "answer within %gs (its timeout); the lock is released when it answers, "
+                "or frees itself when its lease ends",
+                self.spec.name,
+                state.lease.key if state.lease is not None else "?",
+                bound,
+            )
+        for reporter in list(reporters):
+            # on_lost has run by the time the block raises LockLost (bounded all the same).
+            reporter.join(max(0.0, until - time.monotonic()))
+        return lost
 
     def _release_quietly(self, lease: Lease) -> None:
         try:

@@ -8,7 +8,7 @@ import functools
 import inspect
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
@@ -25,6 +25,7 @@ from ._base import (
     validated,
     wrap_options,
 )
+from ._core.clock import Clock
 from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES
 from ._core.events import Hook
 from ._core.flows import RenewState, acquire_flow, claim_flow, renew_flow
@@ -44,6 +45,7 @@ from ._core.types import (
 from ._drive import run_async
 from ._errors import ConfigurationError, FencedOut, LockLost, LockNotAcquired
 from ._keyring import Keyring
+from ._watchdog import AsyncWatchdog
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -91,6 +93,9 @@ class AsyncCoordinator(CoordinatorBase):
     """Entry point of the asyncio API; made by :func:`idemlock.aio.connect`."""
 
     _store: AsyncStore
+
+    def _make_watchdog(self, clock: Clock) -> AsyncWatchdog:
+        return AsyncWatchdog(clock)
 
     def idempotency(self, spec: IdempotencySpec | str) -> AsyncIdempotencyPort:
         """The claim/complete port of one kind of operation."""
@@ -362,19 +367,23 @@ class AsyncLockPort(LockBase):
     ) -> AsyncIterator[Lease]:
         """Hold the lock for an ``async with`` block, renewing it in a background task.
 
-        If the lease is lost, ``lease.lost`` turns True, ``on_lost(lease)`` runs, the
-        body's task is cancelled (unless ``cancel_on_lost=False``) and leaving the
-        block raises ``LockLost``."""
+        The lease is lost when ``lease.remaining()`` reaches zero without a confirmed
+        renewal (a timer on the loop decides, whatever a renewal in progress is doing)
+        or when the store says it is gone: ``lease.lost`` turns True, ``on_lost(lease)``
+        runs (an exception it raises is logged), the body's task is cancelled (unless
+        ``cancel_on_lost=False``) and leaving the block raises ``LockLost``. Leaving
+        waits at most the store's ``timeout`` for the release; a cancellation that
+        lands while leaving reaches the caller as ``CancelledError``."""
         every = self._renew_every(renew_every)
         max_hold_s = seconds(max_hold, "max_hold")
         lease = await self.acquire(key, owner=owner, wait=wait)
         if lease is None:
             raise LockNotAcquired(self._not_acquired(key, wait))
         assert lease.token is not None
-        state, report_lost = self._renew_state(lease, on_lost)
+        state = self._renew_state(lease, on_lost)
         stop = asyncio.Event()
         body = asyncio.current_task()
-        cancelled_by_us = False
+        cancels = _OwnCancels(body)
         flow = renew_flow(
             self._ns,
             key,
@@ -388,43 +397,83 @@ class AsyncLockPort(LockBase):
         )
 
         async def renewer() -> None:
-            nonlocal cancelled_by_us
             try:
                 await run_async(flow, self._store, stop)
-            except Exception as exc:
-                state.lost, state.reason = True, f"renewal crashed: {exc!r}"
-            if state.lost and not stop.is_set():
-                report_lost()
-                if cancel_on_lost and body is not None:
-                    cancelled_by_us = True
-                    body.cancel()
+            except Exception as exc:  # an unexpected failure of the loop loses the lease
+                state.lose(f"renewal crashed: {exc!r}")
 
         task = asyncio.create_task(renewer(), name=f"idemlock-renew-{key}")
+        report = state.notify
+        assert report is not None
+
+        def notify() -> None:
+            report()
+            if asyncio.current_task() is not task:
+                task.cancel()  # a renewal still waiting on a silent store is moot now
+            if cancel_on_lost and body is not None and not state.ended:
+                cancels.pending = True
+                body.cancel()
+
+        state.notify = notify
+        watchdog: AsyncWatchdog = self._coord._watchdog
+        entry = watchdog.watch(state.deadline(), lambda: state.lose(state.expired_reason()))
+        state.moved = lambda at: watchdog.move(entry, at)
         try:
             yield lease
         except asyncio.CancelledError:
-            await self._stop_renewer(stop, task, lease, state)
-            if cancelled_by_us:
-                uncancel = getattr(body, "uncancel", None)
-                if uncancel is not None:
-                    uncancel()
+            await self._leave(state, entry, stop, task, cancels)
+            if cancels.absorb():
                 raise LockLost(self._lost_message(lease, state.reason)) from None
             raise
         except BaseException:
-            await self._stop_renewer(stop, task, lease, state)
+            await self._leave(state, entry, stop, task, cancels)
             raise
-        await self._stop_renewer(stop, task, lease, state)
-        if lease.lost or state.lost:
-            lease.lost = True
+        if await self._leave(state, entry, stop, task, cancels):
             raise LockLost(self._lost_message(lease, state.reason))
 
-    async def _stop_renewer(
-        self, stop: asyncio.Event, task: asyncio.Task[None], lease: Lease, state: RenewState
-    ) -> None:
+    async def _leave(
+        self,
+        state: RenewState,
+        entry: Any,
+        stop: asyncio.Event,
+        task: asyncio.Task[None],
+        cancels: _OwnCancels,
+    ) -> bool:
+        """End a hold: stop renewing, release (bounded by the store's timeout) and
+        return whether the lease was lost. A cancellation of the caller meanwhile
+        propagates; the release carries on in the background."""
+        lost = state.end(self._coord.clock.monotonic())
+        self._coord._watchdog.cancel(entry)
         stop.set()
-        with suppress(asyncio.CancelledError):
-            await asyncio.shield(task)
-        self._sync_state(lease, state)
+        task.cancel()  # no renewal is needed any more, and one may be stuck
+        assert state.lease is not None
+        finisher = asyncio.ensure_future(self._finish(task, state.lease))
+        _BACKGROUND.add(finisher)
+        finisher.add_done_callback(_BACKGROUND.discard)
+        while True:
+            try:
+                await asyncio.shield(finisher)
+                return lost
+            except asyncio.CancelledError:
+                if cancels.absorb():
+                    continue  # our own cancellation of the body, delivered only here
+                raise
+
+    async def _finish(self, task: asyncio.Task[None], lease: Lease) -> None:
+        bound = self._bound()
+        try:
+            await asyncio.wait_for(self._wind_down(task, lease), bound)
+        except asyncio.TimeoutError:
+            log.warning(
+                "leaving hold() of lock %s:%s without its release: the store did not "
+                "answer within %gs (its timeout); the lock frees itself when its lease ends",
+                self.spec.name,
+                lease.key,
+                bound,
+            )
+
+    async def _wind_down(self, task: asyncio.Task[None], lease: Lease) -> None:
+        await asyncio.wait([task])
         try:
             await self.release(lease)
         except Exception:
@@ -433,6 +482,31 @@ class AsyncLockPort(LockBase):
                 lease.key,
                 exc_info=True,
             )
+
+
+#: exits still releasing after their caller was cancelled (strong references)
+_BACKGROUND: set[asyncio.Future[None]] = set()
+
+
+class _OwnCancels:
+    """Tells the body's cancellation by ``hold()`` (lease lost) from anyone else's."""
+
+    __slots__ = ("body", "pending")
+
+    def __init__(self, body: asyncio.Task[Any] | None) -> None:
+        self.body = body
+        self.pending = False
+
+    def absorb(self) -> bool:
+        """A CancelledError reached the block: True if it was only ours (then it is
+        taken back, and the block raises LockLost instead)."""
+        if not self.pending:
+            return False
+        self.pending = False
+        uncancel = getattr(self.body, "uncancel", None)
+        if uncancel is None:  # Python 3.10: no count of cancellations to consult
+            return True
+        return bool(uncancel() == 0)
 
 
 class AsyncFenceGate(FenceBase):

@@ -3,11 +3,25 @@ block while the store hangs, cancellation on the way out, an ``on_lost`` that ra
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import logging
+import sqlite3
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
-from idemlock import LockSpec
+import pytest
 
-from .facade import Facade
+import idemlock
+import idemlock.aio
+from idemlock import Lease, LockLost, LockSpec
+
+from .facade import Facade, LockProxy
 
 LONG = LockSpec("long", ttl=timedelta(seconds=30))
 
@@ -33,3 +47,213 @@ async def test_second_release_leaves_a_new_holder_alone(api: Facade) -> None:
     assert await locks.release(first) is False
     assert await locks.owner("k") == "me"
     assert await locks.release(again) is True
+
+
+# ---- a store that stops answering -------------------------------------------------
+#
+# A renewal that hangs (a silent network) must not decide anything: the lease is lost
+# when its local deadline passes, and leaving the block waits at most the store's
+# bound. The stalls here are real: the memory store's internal lock held by another
+# thread (every call waits on it), or another SQLite connection holding BEGIN IMMEDIATE
+# (every write waits the busy timeout). The fault contract covers the network stores.
+
+STALL_LIMIT = 20.0  # a stall never outlives this, so a broken exit cannot hang the run
+
+
+class Stall:
+    """Makes the store's calls hang from ``start()`` until ``stop()``."""
+
+    def __init__(self, begin: Any, end: Any) -> None:
+        self._begin, self._end = begin, end
+        self.active = False
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        started = threading.Event()
+
+        def run() -> None:
+            self._begin()
+            self.active = True
+            started.set()
+            self._done.wait(STALL_LIMIT)
+            self.active = False
+            self._end()
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+        started.wait()
+
+    def stop(self) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+@dataclass
+class Stalling:
+    mode: str
+    coord: Any
+    stall: Stall
+
+    def lock(self, spec: LockSpec) -> LockProxy:
+        return LockProxy(self.coord.lock(spec), self.mode)
+
+    async def close(self) -> None:
+        self.stall.stop()
+        result = self.coord.close()
+        if inspect.isawaitable(result):
+            await result
+
+
+@pytest.fixture(params=["memory-sync", "sqlite-sync", "sqlite-async"])
+async def stalling(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Stalling]:
+    store_name, mode = request.param.split("-")
+    if store_name == "memory":
+        coord: Any = idemlock.connect("memory://", timeout=BOUND)
+        lock = coord.store._lock
+        stall = Stall(lock.acquire, lock.release)
+    else:
+        path = tmp_path / "stall.db"
+        url = f"sqlite:///{path}"
+        coord = (idemlock.connect if mode == "sync" else idemlock.aio.connect)(
+            url, busy_timeout=BOUND
+        )
+        blocker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        stall = Stall(
+            lambda: blocker.execute("BEGIN IMMEDIATE"), lambda: blocker.execute("ROLLBACK")
+        )
+    s = Stalling(mode, coord, stall)
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+#: the store's bound on one call in these tests (memory ``timeout``, SQLite busy timeout)
+BOUND = 1.0
+SHORT = LockSpec("short", ttl=timedelta(seconds=0.6))
+
+
+async def _pause(mode: str, seconds: float) -> None:
+    # The body's own waiting: the event loop keeps running in async mode.
+    if mode == "sync":
+        time.sleep(seconds)  # noqa: ASYNC251 - a sync holder's body blocks its thread
+    else:
+        await asyncio.sleep(seconds)
+
+
+async def test_lease_is_lost_at_its_deadline_while_a_renewal_hangs(stalling: Stalling) -> None:
+    locks = stalling.lock(SHORT)
+    told: list[float] = []
+    body_finished = False
+    lost_seen_while_stalled = False
+    with pytest.raises(LockLost) as info:
+        async with locks.hold(
+            "k", renew_every=0.2, on_lost=lambda _: told.append(time.monotonic())
+        ) as lease:
+            deadline = lease._sent + 0.6
+            stalling.stall.start()  # from now on the renewal at 0.2 s hangs
+            waited = time.monotonic() + STALL_LIMIT / 2
+            while not lease.lost and time.monotonic() < waited:
+                await _pause(stalling.mode, 0.02)  # async: cancelled when lost
+            lost_seen_while_stalled = lease.lost and stalling.stall.active
+            body_finished = True
+    # The renewal never answered: the local deadline decided, not a reply.
+    assert lease.lost and stalling.stall.active
+    assert told and told[0] >= deadline  # never early
+    assert "lease ran out" in str(info.value)
+    if stalling.mode == "async":
+        assert not body_finished  # the body was cancelled
+    else:
+        assert lost_seen_while_stalled
+    assert lease.remaining() == timedelta(0)
+
+
+async def test_leaving_the_block_does_not_wait_for_a_hung_store(stalling: Stalling) -> None:
+    locks = stalling.lock(LockSpec("long", ttl=timedelta(seconds=30)))
+    async with locks.hold("k", renew_every=0.05) as lease:
+        stalling.stall.start()
+        await _pause(stalling.mode, 0.2)  # a renewal is now waiting on the store
+    # Left while the store still hangs: the exit waited at most the store's bound.
+    assert stalling.stall.active
+    assert not lease.lost
+    stalling.stall.stop()
+    # The release was left to the renewer (it went out when the store answered, or
+    # timed out and was logged); the lease object can still be released.
+    await locks.release(lease)
+    assert not await locks.is_locked("k")
+
+
+async def test_async_cancellation_while_leaving_reaches_the_caller(tmp_path: Path) -> None:
+    path = tmp_path / "cancel.db"
+    coord = idemlock.aio.connect(f"sqlite:///{path}", busy_timeout=3.0)
+    blocker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    stall = Stall(lambda: blocker.execute("BEGIN IMMEDIATE"), lambda: blocker.execute("ROLLBACK"))
+    locks = coord.lock(LockSpec("long", ttl=timedelta(seconds=30)))
+    leaving = asyncio.Event()
+    after: list[str] = []
+
+    async def holder() -> None:
+        async with locks.hold("k", renew_every=0.05):
+            stall.start()
+            await asyncio.sleep(0.2)  # a renewal is now waiting on the file lock
+            leaving.set()
+        after.append("the block was left normally")
+
+    try:
+        task = asyncio.ensure_future(holder())
+        await leaving.wait()
+        await asyncio.sleep(0.2)  # inside the exit: the release waits on the file lock
+        assert not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert after == []
+        assert task.cancelled()
+    finally:
+        stall.stop()
+        await coord.close()
+
+
+async def test_one_watchdog_thread_serves_every_hold_of_a_coordinator() -> None:
+    coord = idemlock.connect("memory://")
+    locks = coord.lock(LONG)
+    before = {t for t in threading.enumerate() if t.name == "idemlock-watchdog"}
+    try:
+        with locks.hold("a"), locks.hold("b"), coord.for_tenant("t").lock(LONG).hold("c"):
+            now = {t for t in threading.enumerate() if t.name == "idemlock-watchdog"}
+            assert len(now - before) == 1
+    finally:
+        coord.close()
+
+
+# ---- on_lost that raises ----------------------------------------------------------
+
+
+async def test_on_lost_that_raises_is_logged_and_the_lease_still_lost(
+    api: Facade, caplog: pytest.LogCaptureFixture
+) -> None:
+    locks = api.lock(LockSpec("cb", ttl=timedelta(seconds=0.4)))
+
+    def broken(lease: Lease) -> None:
+        raise RuntimeError("callback bug")
+
+    body_finished = False
+    with caplog.at_level(logging.WARNING, logger="idemlock"), pytest.raises(LockLost):
+        async with locks.hold("k", renew_every=0.05, on_lost=broken) as lease:
+            await locks.release(lease)  # lost from under the holder
+            waited = time.monotonic() + 5
+            while not lease.lost and time.monotonic() < waited:
+                await _pause(api.mode, 0.02)  # async: cancelled when lost
+                if api.harness.clock is not None:
+                    api.harness.clock.advance(0.02)
+            if api.mode == "sync":
+                assert lease.lost
+            body_finished = True
+    assert lease.lost
+    assert (api.mode == "sync") == body_finished  # an async body was still cancelled
+    assert any(
+        "on_lost" in r.getMessage() and r.exc_info and "callback bug" in str(r.exc_info[1])
+        for r in caplog.records
+    )

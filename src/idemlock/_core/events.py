@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 #: event name -> the outcomes it can have
 EVENTS: dict[str, tuple[str, ...]] = {
-    "claim": ("claimed", "in_flight", "replayed", "mismatch"),
-    "complete": ("ok", "stale"),
-    "abandon": ("ok", "stale"),
-    "acquire": ("acquired", "waited", "timeout"),
-    "release": ("ok", "not_held"),
-    "renew": ("ok", "failed"),
+    "claim": ("claimed", "in_flight", "replayed", "mismatch", "error"),
+    "complete": ("ok", "stale", "error"),
+    "abandon": ("ok", "stale", "error"),
+    "acquire": ("acquired", "waited", "timeout", "error"),
+    "release": ("ok", "not_held", "error"),
+    "renew": ("ok", "failed", "error"),
     "lost": ("lost",),
 }
 
@@ -25,7 +25,9 @@ EVENTS: dict[str, tuple[str, ...]] = {
 @dataclass(frozen=True, slots=True)
 class Event:
     """One outcome. ``duration`` is in seconds (for ``acquire`` it includes waiting);
-    ``kind`` is ``"idempotency"`` or ``"lock"``."""
+    ``kind`` is ``"idempotency"`` or ``"lock"``. A store call that raised (the store
+    down, a timeout) has outcome ``"error"`` and ``error``, the exception's type name
+    (``"StoreUnavailable"``); ``error`` is None for every other outcome."""
 
     name: str
     outcome: str
@@ -34,6 +36,7 @@ class Event:
     store: str
     duration: float
     tenant: str | None = None
+    error: str | None = None
 
 
 Hook = Callable[[Event], None]

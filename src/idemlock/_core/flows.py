@@ -9,9 +9,10 @@ by a request is thrown into the flow at the ``yield``, so a flow may handle it.
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .clock import Clock
@@ -140,20 +141,99 @@ def claim_flow(
 
 @dataclass
 class RenewState:
-    """What the renew loop shares with the holder: updated in place by the flow."""
+    """What the renew loop, the watchdog and the holder share about one held lease.
+
+    The lease is lost at its local deadline (``sent + ttl``, on the client's clock)
+    unless a renewal confirmed before then moved it: whoever finds it lost first (the
+    renew loop, the watchdog, or the holder leaving the block) marks it, and the one
+    that marks it calls ``notify`` once, while the block still runs."""
 
     expires_ms: int
     sent: float
+    ttl_ms: int = 0
     lost: bool = False
     reason: str = ""
     #: the holder's lease, kept current so ``remaining()`` reflects each renewal
     lease: Lease | None = None
-    #: told ("ok" or "failed", seconds the attempt took) after each renewal (metrics)
-    report: Callable[[str, float], None] | None = None
+    #: told (outcome, seconds the attempt took, error type or None) after each renewal
+    report: Callable[[str, float, str | None], None] | None = None
+    #: reports the loss (event, ``on_lost``, cancelling the body)
+    notify: Callable[[], None] | None = None
+    #: told the new local deadline after each confirmed renewal (moves the watchdog)
+    moved: Callable[[float], None] | None = None
+    #: why renewal stopped on purpose (``max_hold``): the reason once the lease runs out
+    stopped: str = ""
+    #: the block is leaving: nothing is adopted or reported any more
+    ended: bool = False
+    guard: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def tell(self, outcome: str, seconds: float) -> None:
+    def tell(self, outcome: str, seconds: float, error: str | None = None) -> None:
         if self.report is not None:
-            self.report(outcome, seconds)
+            self.report(outcome, seconds, error)
+
+    def deadline(self) -> float:
+        return self.sent + self.ttl_ms / 1000
+
+    def mark_lost(self, reason: str) -> bool:
+        """Mark the lease lost; True for the first caller while the block runs, who
+        must then call :meth:`report_lost`."""
+        with self.guard:
+            if self.lost or self.ended:
+                return False
+            self.lost, self.reason = True, reason
+            if self.lease is not None:
+                self.lease.lost = True
+            return True
+
+    def report_lost(self) -> None:
+        if self.notify is not None:
+            self.notify()
+
+    def lose(self, reason: str) -> None:
+        if self.mark_lost(reason):
+            self.report_lost()
+
+    def expired_reason(self) -> str:
+        return self.stopped or (
+            f"its {self.ttl_ms / 1000:g}s lease ran out before a renewal was confirmed "
+            "(the store did not answer in time)"
+        )
+
+    def adopt(self, sent: float, new_exp: int, now: float) -> bool:
+        """Take a confirmed renewal, unless the lease was lost first or the reply came
+        after the old deadline (what ran after it was unprotected: report, not hide)."""
+        with self.guard:
+            if self.lost or self.ended:
+                return False
+            if now >= self.deadline():
+                late = True
+            else:
+                late = False
+                self.sent, self.expires_ms = sent, int(new_exp)
+                if self.lease is not None:
+                    self.lease._sent, self.lease.expires_at = sent, from_ms(int(new_exp))
+        if late:
+            self.lose("renewal came after the lease had run out")
+            return False
+        if self.moved is not None:
+            self.moved(self.deadline())
+        return True
+
+    def end(self, now: float) -> bool:
+        """The block is leaving: report a deadline that passed unnoticed, stop every
+        later report, and return whether the lease was lost."""
+        late = False
+        with self.guard:
+            if not self.lost and not self.ended and now >= self.deadline():
+                late = True
+                self.lost, self.reason = True, self.expired_reason()
+                if self.lease is not None:
+                    self.lease.lost = True
+            self.ended = True
+            lost = self.lost
+        if late:
+            self.report_lost()
+        return lost
 
 
 def renew_flow(
@@ -168,25 +248,23 @@ def renew_flow(
     clock: Clock,
 ) -> Generator[Request, Any, RenewState]:
     """Renew every ``every`` seconds until the driver's stop signal. A renewal that
-    fails transiently is retried while the lease still has time; the lease is lost
-    when the store says it is no longer held or when its time runs out first."""
+    fails transiently is retried while the lease still has time. The loop does not
+    decide on time itself: the lease's watchdog marks it lost at its deadline, and the
+    loop ends when it sees that (or when the store says the lease is gone)."""
     from .._errors import StoreUnavailable
 
     def left() -> float:
-        return state.sent + ttl_ms / 1000 - clock.monotonic()
+        return state.deadline() - clock.monotonic()
 
     started = clock.monotonic()
     next_at = state.sent + every
-    while True:
+    while not state.lost:
         if max_hold is not None and clock.monotonic() - started >= max_hold:
-            # Stop renewing; the lease runs out on its own. Watch for that moment.
-            stopped = yield Sleep(max(0.0, left()))
-            if stopped:
-                return state
-            state.lost, state.reason = True, f"max_hold of {max_hold}s reached"
+            # Stop renewing; the lease runs out on its own and the watchdog says so.
+            state.stopped = f"max_hold of {max_hold}s reached"
             return state
         stopped = yield Sleep(max(0.0, next_at - clock.monotonic()))
-        if stopped:
+        if stopped or state.lost:
             return state
         attempt = 0
         while True:
@@ -194,26 +272,21 @@ def renew_flow(
             try:
                 new_exp = yield Call("renew", (ns, key, owner, token, ttl_ms))
             except StoreUnavailable as exc:
-                state.tell("failed", clock.monotonic() - sent)
+                state.tell("error", clock.monotonic() - sent, type(exc).__name__)
                 if left() <= 0:
-                    state.lost, state.reason = True, f"renewal failed: {exc}"
+                    state.lose(f"renewal failed: {exc}")
                     return state
                 attempt += 1
                 stopped = yield Sleep(min(_backoff(attempt, 0.25), max(0.0, left())))
-                if stopped:
+                if stopped or state.lost:
                     return state
                 continue
             break
         state.tell("failed" if new_exp is None else "ok", clock.monotonic() - sent)
         if new_exp is None:
-            state.lost, state.reason = True, "the store no longer has this lease (it expired)"
+            state.lose("the store no longer has this lease (it expired)")
             return state
-        if left() <= 0:
-            # The store renewed, but our own view had already run out: whatever we did
-            # after the old deadline was unprotected. Report it rather than hide it.
-            state.lost, state.reason = True, "renewal came after the lease had run out"
+        if not state.adopt(sent, int(new_exp), clock.monotonic()):
             return state
-        state.sent, state.expires_ms = sent, int(new_exp)
-        if state.lease is not None:
-            state.lease._sent, state.lease.expires_at = sent, from_ms(int(new_exp))
         next_at = sent + every
+    return state

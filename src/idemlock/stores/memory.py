@@ -8,6 +8,7 @@ expiry without sleeping.
 
 from __future__ import annotations
 
+import math
 import threading
 
 from .._core import transitions as T
@@ -19,6 +20,9 @@ from ._local import LocalHub, LocalSubscription
 
 __all__ = ["MemoryStore"]
 
+#: seconds, agreement A1's default bound on one store call
+DEFAULT_TIMEOUT = 5.0
+
 
 class MemoryStore:
     """Records, locks and fences in a dict. ``max_keys`` bounds records plus locks;
@@ -28,9 +32,19 @@ class MemoryStore:
     kind = "memory"
     issues_fence_tokens = True
 
-    def __init__(self, *, clock: Clock = SYSTEM_CLOCK, max_keys: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        max_keys: int | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
         if max_keys is not None and (not isinstance(max_keys, int) or max_keys < 1):
             raise ConfigurationError(f"max_keys must be a positive int or None, got {max_keys!r}")
+        #: the bound on one call (agreement A1). Memory calls never wait on a network,
+        #: only on each other's short critical sections; the coordinator bounds what it
+        #: waits for by it (leaving a ``hold()`` block).
+        self.timeout = _timeout(timeout)
         self._clock = clock
         self._max_keys = max_keys
         self._lock = threading.Lock()
@@ -208,26 +222,62 @@ class MemoryStore:
         return None
 
 
-def _parse(url: str) -> None:
-    from urllib.parse import urlsplit
+def _timeout(value: object) -> float:
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            value = None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigurationError(
+            f"the memory store option timeout must be a positive, finite number of "
+            f"seconds, got {value!r}"
+        )
+    return float(value)
+
+
+def _parse(url: str, timeout: float | None) -> float:
+    from urllib.parse import parse_qsl, urlsplit
 
     parts = urlsplit(url)
-    if parts.netloc or parts.path not in ("", "/") or parts.query:
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    if parts.netloc or parts.path not in ("", "/") or any(k != "timeout" for k, _ in query):
         raise ConfigurationError(
-            f"memory store URL takes no host, path or options: use 'memory://', got {url!r} "
-            "(pass max_keys= and clock= as keyword arguments to connect)"
+            f"memory store URL takes no host, path or options but ?timeout=: use "
+            f"'memory://', got {url!r} (pass max_keys= and clock= as keyword arguments "
+            "to connect)"
         )
+    given = [v for _, v in query]
+    if len(given) + (timeout is not None) > 1:
+        raise ConfigurationError(f"timeout is given twice (in {url!r} and/or as a keyword)")
+    if given:
+        return _timeout(given[0])
+    return DEFAULT_TIMEOUT if timeout is None else _timeout(timeout)
 
 
 def open_sync(
-    url: str, *, clock: Clock = SYSTEM_CLOCK, max_keys: int | None = None
+    url: str,
+    *,
+    clock: Clock = SYSTEM_CLOCK,
+    max_keys: int | None = None,
+    timeout: float | None = None,
 ) -> tuple[MemoryStore, Clock]:
-    _parse(url)
-    return MemoryStore(clock=clock, max_keys=max_keys), clock
+    bound = _parse(url, timeout)
+    return MemoryStore(clock=clock, max_keys=max_keys, timeout=bound), clock
 
 
 def open_async(
-    url: str, *, clock: Clock = SYSTEM_CLOCK, max_keys: int | None = None
+    url: str,
+    *,
+    clock: Clock = SYSTEM_CLOCK,
+    max_keys: int | None = None,
+    timeout: float | None = None,
 ) -> tuple[InlineAsyncStore, Clock]:
-    _parse(url)
-    return InlineAsyncStore(MemoryStore(clock=clock, max_keys=max_keys)), clock
+    bound = _parse(url, timeout)
+    store = MemoryStore(clock=clock, max_keys=max_keys, timeout=bound)
+    return InlineAsyncStore(store), clock
