@@ -5,11 +5,14 @@ rows and connection failures (issue 10).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sqlite3
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +20,14 @@ import psycopg
 import pytest
 
 import idemlock
-from idemlock import ConfigurationError
-from idemlock._core.port import Acquired, Granted
+import idemlock.aio
+from idemlock import Claimed, ConfigurationError, IdempotencySpec, LockSpec, StoreUnavailable
+from idemlock._core.port import Acquired, Channel, Granted
 from idemlock.stores import postgres as pg
 from idemlock.stores.sqlite import open_sync as sqlite_open
+
+from .servers.postgres import PgServer
+from .servers.proxy import TcpProxy
 
 LONG = 60_000  # ms
 
@@ -199,3 +206,185 @@ def test_out_of_range_tokens_in_fenced_writes(postgres_dsn: str) -> None:
             with pytest.raises(ConfigurationError):
                 pg.fenced_upsert(conn, name, {"id": 1, "v": 1}, ["id"], token)
         assert pg.fenced_update(conn, name, {"v": 2}, {"id": 1}, 2**63 - 1) == 1
+
+
+# ---- 1: every PostgreSQL call is bounded, even when the network goes silent (A1) -------
+
+SILENT_TIMEOUT = 1.0
+#: how far past ``timeout`` a call may end (watchdog tick, thread scheduling on a
+#: loaded 2-core CI machine); a hang is what these tests catch, not speed
+SLACK = 3.0
+
+
+def _proxied(dsn: str, port: int) -> str:
+    host = dsn.split("@", 1)[1].split("/", 1)[0]
+    return dsn.replace(host, f"127.0.0.1:{port}")
+
+
+def _bounded(call: Any, limit: float) -> tuple[BaseException | None, float]:
+    """Run ``call`` in a thread; (what it raised, seconds taken). Fails the test if
+    it is still running after ``limit`` seconds (the old code hung for good)."""
+    box: list[BaseException | None] = []
+    t0 = time.monotonic()
+
+    def run() -> None:
+        try:
+            call()
+            box.append(None)
+        except BaseException as exc:
+            box.append(exc)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(limit)
+    assert not th.is_alive(), f"the call was still running after {limit}s"
+    return box[0], time.monotonic() - t0
+
+
+@pytest.fixture
+def proxy(postgres_server: PgServer) -> Iterator[TcpProxy]:
+    with TcpProxy(postgres_server.port) as p:
+        yield p
+
+
+def test_silent_network_bounds_every_sync_call(postgres_dsn: str, proxy: TcpProxy) -> None:
+    url = _proxied(postgres_dsn, proxy.port)
+    coord = idemlock.connect(url, key_prefix="s" + uuid.uuid4().hex[:8], timeout=SILENT_TIMEOUT)
+    assert coord.store.timeout == SILENT_TIMEOUT
+    port = coord.idempotency(IdempotencySpec("job", lease=timedelta(seconds=30)))
+    locks = coord.lock(LockSpec("L", ttl=timedelta(seconds=30)))
+    try:
+        claim = port.claim("k")
+        assert isinstance(claim, Claimed)
+        lease = locks.acquire("L")
+        assert lease is not None
+        proxy.blackhole()
+        calls = {
+            "claim": lambda: port.claim("k2"),
+            "complete": lambda: port.complete(claim.token, 1),
+            "status": lambda: port.status("k"),
+            "acquire": lambda: locks.acquire("M"),
+            "renew": lambda: locks.renew(lease),
+            "release": lambda: locks.release(lease),
+        }
+        for name, call in calls.items():
+            exc, _ = _bounded(call, SILENT_TIMEOUT + SLACK)
+            assert isinstance(exc, StoreUnavailable), (name, exc)
+            assert "timeout" in str(exc), (name, exc)
+        proxy.heal()
+        # the dropped connections are replaced: the store works again
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert port.status("k") is not None
+                break
+            except StoreUnavailable:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+    finally:
+        proxy.heal()
+        coord.close()
+
+
+def test_silent_network_bounds_every_async_call(postgres_dsn: str, proxy: TcpProxy) -> None:
+    url = _proxied(postgres_dsn, proxy.port)
+
+    async def main() -> list[tuple[str, BaseException | None]]:
+        coord = idemlock.aio.connect(
+            url, key_prefix="a" + uuid.uuid4().hex[:8], timeout=SILENT_TIMEOUT
+        )
+        assert coord.store.timeout == SILENT_TIMEOUT
+        port = coord.idempotency(IdempotencySpec("job", lease=timedelta(seconds=30)))
+        locks = coord.lock(LockSpec("L", ttl=timedelta(seconds=30)))
+        out: list[tuple[str, BaseException | None]] = []
+        try:
+            claim = await port.claim("k")
+            assert isinstance(claim, Claimed)
+            lease = await locks.acquire("L")
+            assert lease is not None
+            proxy.blackhole()
+            calls = {
+                "claim": lambda: port.claim("k2"),
+                "complete": lambda: port.complete(claim.token, 1),
+                "acquire": lambda: locks.acquire("M"),
+                "renew": lambda: locks.renew(lease),
+            }
+            for name, call in calls.items():
+                try:
+                    await asyncio.wait_for(call(), SILENT_TIMEOUT + SLACK)
+                    out.append((name, None))
+                except asyncio.TimeoutError as exc:
+                    raise AssertionError(f"{name} still running after the bound") from exc
+                except StoreUnavailable as exc:
+                    out.append((name, exc))
+        finally:
+            proxy.heal()
+            await coord.close()
+        return out
+
+    for name, exc in asyncio.run(main()):
+        assert isinstance(exc, StoreUnavailable) and "timeout" in str(exc), (name, exc)
+
+
+def test_silent_network_during_setup_and_subscribe(postgres_dsn: str, proxy: TcpProxy) -> None:
+    url = _proxied(postgres_dsn, proxy.port)
+    proxy.blackhole()
+    store = pg.open_sync(url, timeout=SILENT_TIMEOUT)[0]
+    try:
+        exc, _ = _bounded(lambda: store.record("ns", "k"), SILENT_TIMEOUT + SLACK + 2)
+        assert isinstance(exc, StoreUnavailable), exc
+    finally:
+        proxy.heal()
+    # the first use now sets up; then LISTEN on a connection that goes silent
+    assert store.record("ns", "k") is None
+    proxy.blackhole()
+    try:
+        exc, _ = _bounded(
+            lambda: store.subscribe(Channel("claim", "ns", "k")), SILENT_TIMEOUT + SLACK + 2
+        )
+        assert isinstance(exc, StoreUnavailable), exc
+    finally:
+        proxy.heal()
+        store.close()
+
+
+def test_timeout_option(postgres_dsn: str, tmp_path: Path) -> None:
+    store = pg.open_sync(postgres_dsn + "?timeout=2.5")[0]
+    assert store.timeout == 2.5
+    assert store.record("ns", "k") is None  # libpq never saw ?timeout=
+    kwargs = store.pool.kwargs
+    assert "statement_timeout=2500" in kwargs["options"] and kwargs["keepalives"] == 1
+    store.close()
+    assert pg.open_sync(postgres_dsn)[0].timeout == 5.0
+    assert pg.open_async(postgres_dsn, timeout=1)[0].timeout == 1.0
+    for bad in (float("nan"), float("inf"), -1, 0, "soon", True):
+        with pytest.raises(ConfigurationError, match="timeout"):
+            pg.open_sync(postgres_dsn, timeout=bad)
+    with pytest.raises(ConfigurationError, match="twice"):
+        pg.open_sync(postgres_dsn + "?timeout=1", timeout=2)
+
+
+def test_sqlite_timeout_option_bounds_the_busy_wait(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/t.db"
+    store = sqlite_open(url + "?timeout=0.3")[0]
+    assert (store.timeout, store.busy_timeout) == (0.3, 0.3)
+    assert sqlite_open(url, timeout=2, busy_timeout=1)[0].busy_timeout == 1.0
+    assert sqlite_open(url)[0].timeout == 5.0
+    acoord = idemlock.aio.connect(url, timeout=0.7)
+    assert acoord.store.timeout == 0.7
+    asyncio.run(acoord.close())
+    for bad in (float("nan"), float("inf"), -1):
+        with pytest.raises(ConfigurationError, match="timeout"):
+            sqlite_open(url, timeout=bad)
+    granted(store.claim("t:job", "warm", None, "t", LONG))
+    # another connection holds the write lock: the call gives up after the timeout
+    raw = sqlite3.connect(tmp_path / "t.db", isolation_level=None)
+    raw.execute("BEGIN IMMEDIATE")
+    try:
+        exc, _ = _bounded(lambda: store.claim("t:job", "k", None, "t", LONG), 0.3 + SLACK)
+        assert isinstance(exc, StoreUnavailable) and "busy_timeout=0.3" in str(exc), exc
+    finally:
+        raw.execute("ROLLBACK")
+        raw.close()
+    granted(store.claim("t:job", "k", None, "t", LONG))
+    store.close()

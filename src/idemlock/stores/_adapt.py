@@ -52,6 +52,8 @@ class _AsyncFace:
         self.kind = sync.kind
         self.issues_fence_tokens = sync.issues_fence_tokens
         self.poll_cap: float | None = getattr(sync, "poll_cap", None)
+        #: the bound on one call (seconds), the sync store's
+        self.timeout: float = float(getattr(sync, "timeout", 5.0))
 
     async def _call(self, fn: Any, *args: Any) -> Any:
         raise NotImplementedError

@@ -1,10 +1,10 @@
 """The embedded store: one SQLite file, shared by every thread and process on one machine.
 
 URL: ``sqlite:///relative/path.db`` (relative to the working directory) or
-``sqlite:////absolute/path.db``; parent directories are created on first use. The
-only option is ``busy_timeout`` (seconds, default 5), as a keyword or as
-``?busy_timeout=2.5`` in the URL: how long a call waits for another writer before
-raising :class:`~idemlock.StoreUnavailable`.
+``sqlite:////absolute/path.db``; parent directories are created on first use. Options,
+as keywords or in the URL (``?timeout=2.5``): ``timeout`` (seconds, default 5), the
+bound on one call, and ``busy_timeout`` (default: ``timeout``), how long a call waits
+for another writer before raising :class:`~idemlock.StoreUnavailable`.
 
 How it works:
 
@@ -242,9 +242,18 @@ class SQLiteStore:
     #: other processes cannot notify us: waiters re-check at least this often (seconds)
     poll_cap = 0.05
 
-    def __init__(self, path: str, *, busy_timeout: float = DEFAULT_BUSY_TIMEOUT) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        busy_timeout: float | None = None,
+        timeout: float = DEFAULT_BUSY_TIMEOUT,
+    ) -> None:
         self.path = path
-        self.busy_timeout = busy_timeout
+        #: the bound on one call in seconds (A1): a call waits for another writer at
+        #: most ``busy_timeout``, which defaults to it
+        self.timeout = float(timeout)
+        self.busy_timeout = self.timeout if busy_timeout is None else float(busy_timeout)
         self._idle: list[_Pair] = []
         self._closed = False
         self._ready = False
@@ -743,12 +752,16 @@ class SQLiteAsyncStore(ThreadedAsyncStore):
 
 _ACCEPTED = (
     "sqlite:///relative/path.db or sqlite:////absolute/path.db, optionally with "
-    "?busy_timeout=SECONDS"
+    "?timeout=SECONDS and/or ?busy_timeout=SECONDS"
 )
-_OPTIONS = ("busy_timeout",)
+_OPTIONS = ("timeout", "busy_timeout")
+_OPTIONS_TEXT = (
+    "accepted: timeout (seconds, the bound on one call) and busy_timeout (seconds to "
+    "wait for another writer; default: timeout)"
+)
 
 
-def _parse(url: str, options: dict[str, Any]) -> tuple[str, float]:
+def _parse(url: str, options: dict[str, Any]) -> tuple[str, float, float]:
     head, sep, rest = url.partition("://")
     if not sep or head.lower() != "sqlite":
         raise ConfigurationError(f"not an SQLite URL: {url!r}; use {_ACCEPTED}")
@@ -772,10 +785,9 @@ def _parse(url: str, options: dict[str, Any]) -> tuple[str, float]:
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise ConfigurationError(
-            f"unknown SQLite store option(s) {', '.join(unknown)}; accepted: busy_timeout "
-            "(seconds to wait for another writer)"
+            f"unknown SQLite store option(s) {', '.join(unknown)}; {_OPTIONS_TEXT}"
         )
-    timeout: Any = options.get("busy_timeout")
+    given: dict[str, Any] = {k: v for k, v in options.items() if v is not None}
     if query:
         try:
             pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=True)
@@ -786,19 +798,20 @@ def _parse(url: str, options: dict[str, Any]) -> tuple[str, float]:
         for name, value in pairs:
             if name not in _OPTIONS:
                 raise ConfigurationError(
-                    f"SQLite URL {url!r} has unknown option {name!r}; accepted: busy_timeout "
-                    "(seconds to wait for another writer)"
+                    f"SQLite URL {url!r} has unknown option {name!r}; {_OPTIONS_TEXT}"
                 )
-            if timeout is not None:
+            if name in given:
                 raise ConfigurationError(
-                    f"busy_timeout is given twice (in {url!r} and/or as a keyword); give it once"
+                    f"{name} is given twice (in {url!r} and/or as a keyword); give it once"
                 )
-            timeout = value
+            given[name] = value
+    timeout = _timeout(given.get("timeout"), "timeout")
+    busy = _timeout(given["busy_timeout"], "busy_timeout") if "busy_timeout" in given else timeout
     # realpath: one file reached by two URLs (a symlink) shares its waiters' hub.
-    return os.path.realpath(path), _timeout(timeout)
+    return os.path.realpath(path), busy, timeout
 
 
-def _timeout(given: Any) -> float:
+def _timeout(given: Any, name: str) -> float:
     if given is None:
         return DEFAULT_BUSY_TIMEOUT
     value = given
@@ -814,17 +827,17 @@ def _timeout(given: Any) -> float:
         or value < 0
     ):
         raise ConfigurationError(
-            "the SQLite store option busy_timeout must be a non-negative number of "
+            f"the SQLite store option {name} must be a non-negative number of "
             f"seconds (or a timedelta), got {given!r}"
         )
     return float(value)
 
 
 def open_sync(url: str, **options: Any) -> tuple[SQLiteStore, None]:
-    path, timeout = _parse(url, options)
-    return SQLiteStore(path, busy_timeout=timeout), None
+    path, busy, timeout = _parse(url, options)
+    return SQLiteStore(path, busy_timeout=busy, timeout=timeout), None
 
 
 def open_async(url: str, **options: Any) -> tuple[SQLiteAsyncStore, None]:
-    path, timeout = _parse(url, options)
-    return SQLiteAsyncStore(SQLiteStore(path, busy_timeout=timeout)), None
+    path, busy, timeout = _parse(url, options)
+    return SQLiteAsyncStore(SQLiteStore(path, busy_timeout=busy, timeout=timeout)), None

@@ -10,8 +10,13 @@ or ``idemlock.aio.connect``), or pass an existing ``psycopg_pool.ConnectionPool`
   False, run ``idemlock migrate --url ...`` (:func:`migrate`) first;
 * ``prepare`` (default True): use server-side prepared statements (set False behind
   PgBouncer < 1.21 in transaction mode);
-* for URLs only: ``min_size`` (1), ``max_size`` (10) and ``timeout`` (5 s, how long a
-  call waits for a free connection) of the pool the store makes.
+* ``timeout`` (default 5 s; also ``?timeout=`` in the URL): the bound on one call,
+  the wait for a pooled connection included. It holds when the network goes silent
+  (a watchdog shuts down the socket of a call past it, and the connection is
+  dropped); the store's own connections also get ``connect_timeout``,
+  ``statement_timeout``, TCP keepalives and ``tcp_user_timeout`` from it (unless the
+  URL sets them). A call past it raises :class:`~idemlock.StoreUnavailable`;
+* for URLs only: ``min_size`` (1) and ``max_size`` (10) of the pool the store makes.
 
 How it works:
 
@@ -35,14 +40,27 @@ see :mod:`idemlock.stores.postgres.fenced` (re-exported here).
 
 from __future__ import annotations
 
+import math
 from typing import Any
+from urllib.parse import unquote
 
+import psycopg
 import psycopg_pool
+from psycopg.conninfo import conninfo_to_dict
 
 from ..._errors import ConfigurationError
+from ..._urls import redact
 from ._schema import amigrate, migrate
 from ._sql import SCHEMA_VERSION
-from ._store import DEFAULT_SCHEMA, AsyncPostgresStore, PostgresStore, check_schema
+from ._store import (
+    DEFAULT_SCHEMA,
+    DEFAULT_TIMEOUT,
+    AsyncPostgresStore,
+    Health,
+    PostgresStore,
+    check_schema,
+    recording_class,
+)
 from .fenced import (
     acomplete_in_transaction,
     afenced_update,
@@ -85,7 +103,26 @@ __all__ = [
 _POOL_KWARGS = {"autocommit": True}
 
 
-def _pool_options(min_size: int, max_size: int, timeout: float) -> None:
+def _check_timeout(timeout: object) -> float:
+    value = timeout
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            value = timeout
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigurationError(
+            f"timeout must be a positive, finite number of seconds, got {timeout!r}"
+        )
+    return float(value)
+
+
+def _pool_options(min_size: int, max_size: int) -> None:
     if not (isinstance(min_size, int) and isinstance(max_size, int) and min_size >= 0):
         raise ConfigurationError(
             f"min_size and max_size must be ints, got {min_size!r}, {max_size!r}"
@@ -94,8 +131,76 @@ def _pool_options(min_size: int, max_size: int, timeout: float) -> None:
         raise ConfigurationError(
             f"max_size must be at least 1 and at least min_size, got {max_size!r}"
         )
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ConfigurationError(f"timeout must be a positive number of seconds, got {timeout!r}")
+
+
+def _split_url(url: str, timeout: object) -> tuple[str, float]:
+    """The URL without idemlock's own ``?timeout=`` (libpq would refuse it) and the
+    timeout, from the URL or the keyword (not both)."""
+    head, sep, query = url.partition("?")
+    given: object = None
+    kept = []
+    if sep:
+        for part in query.split("&"):
+            name, _, value = part.partition("=")
+            if unquote(name) == "timeout":
+                if given is not None:
+                    raise ConfigurationError("timeout is given twice in the URL; give it once")
+                given = unquote(value)
+            else:
+                kept.append(part)
+    if given is not None and timeout is not None:
+        raise ConfigurationError(
+            "timeout is given twice (in the URL and as a keyword); give it once"
+        )
+    secs = _check_timeout(
+        given if given is not None else timeout if timeout is not None else DEFAULT_TIMEOUT
+    )
+    return head + ("?" + "&".join(kept) if kept else ""), secs
+
+
+def _server_kwargs(url: str, timeout: float) -> dict[str, Any]:
+    """Connection settings that bound each call on the server and on the wire (A1):
+    a connect timeout, ``statement_timeout``, TCP keepalives and ``tcp_user_timeout``.
+    A setting the URL gives itself is left alone."""
+    try:
+        given = conninfo_to_dict(url)
+    except psycopg.ProgrammingError as exc:
+        raise ConfigurationError(f"not a valid PostgreSQL URL: {redact(url)!r} ({exc})") from None
+    kw: dict[str, Any] = dict(_POOL_KWARGS)
+    secs = max(1, math.ceil(timeout))
+    defaults: dict[str, Any] = {
+        "connect_timeout": max(2, secs),  # psycopg's floor
+        "keepalives": 1,
+        "keepalives_idle": secs,
+        "keepalives_interval": 1,
+        "keepalives_count": 3,
+        "tcp_user_timeout": int(timeout * 1000),  # unacknowledged data: ms
+    }
+    for name, value in defaults.items():
+        if name not in given:
+            kw[name] = value
+    options = str(given.get("options", ""))
+    if "statement_timeout" not in options:
+        kw["options"] = f"{options} -c statement_timeout={int(timeout * 1000)}".strip()
+    return kw
+
+
+def _make_pool(
+    cls: Any, url: str, timeout: float, min_size: int, max_size: int, health: Health
+) -> Any:
+    base = (
+        psycopg.AsyncConnection if cls is psycopg_pool.AsyncConnectionPool else psycopg.Connection
+    )
+    return cls(
+        url,
+        min_size=min_size,
+        max_size=max_size,
+        timeout=timeout,
+        kwargs=_server_kwargs(url, timeout),
+        connection_class=recording_class(base, health),
+        open=False,
+        name="idemlock",
+    )
 
 
 def open_sync(
@@ -106,22 +211,29 @@ def open_sync(
     prepare: bool = True,
     min_size: int = 1,
     max_size: int = 10,
-    timeout: float = 5.0,
+    timeout: float | None = None,
 ) -> tuple[PostgresStore, None]:
     """A sync store on a pool of its own (opened on first use, closed with the store)."""
     check_schema(schema)
-    _pool_options(min_size, max_size, timeout)
-    pool: psycopg_pool.ConnectionPool[Any] = psycopg_pool.ConnectionPool(
-        url,
-        min_size=min_size,
-        max_size=max_size,
-        timeout=float(timeout),
-        kwargs=dict(_POOL_KWARGS),
-        open=False,
-        name="idemlock",
-    )
+    _pool_options(min_size, max_size)
+    url, secs = _split_url(url, timeout)
+    health = Health()
+
+    def factory() -> psycopg_pool.ConnectionPool[Any]:
+        pool: psycopg_pool.ConnectionPool[Any] = _make_pool(
+            psycopg_pool.ConnectionPool, url, secs, min_size, max_size, health
+        )
+        return pool
+
     store = PostgresStore(
-        pool, schema=schema, prepare=prepare, auto_migrate=auto_migrate, owns_pool=True
+        factory(),
+        schema=schema,
+        prepare=prepare,
+        auto_migrate=auto_migrate,
+        owns_pool=True,
+        timeout=secs,
+        pool_factory=factory,
+        health=health,
     )
     return store, None
 
@@ -134,22 +246,29 @@ def open_async(
     prepare: bool = True,
     min_size: int = 1,
     max_size: int = 10,
-    timeout: float = 5.0,
+    timeout: float | None = None,
 ) -> tuple[AsyncPostgresStore, None]:
     """An async store on a pool of its own (opened on first use, closed with the store)."""
     check_schema(schema)
-    _pool_options(min_size, max_size, timeout)
-    pool: psycopg_pool.AsyncConnectionPool[Any] = psycopg_pool.AsyncConnectionPool(
-        url,
-        min_size=min_size,
-        max_size=max_size,
-        timeout=float(timeout),
-        kwargs=dict(_POOL_KWARGS),
-        open=False,
-        name="idemlock",
-    )
+    _pool_options(min_size, max_size)
+    url, secs = _split_url(url, timeout)
+    health = Health()
+
+    def factory() -> psycopg_pool.AsyncConnectionPool[Any]:
+        pool: psycopg_pool.AsyncConnectionPool[Any] = _make_pool(
+            psycopg_pool.AsyncConnectionPool, url, secs, min_size, max_size, health
+        )
+        return pool
+
     store = AsyncPostgresStore(
-        pool, schema=schema, prepare=prepare, auto_migrate=auto_migrate, owns_pool=True
+        factory(),
+        schema=schema,
+        prepare=prepare,
+        auto_migrate=auto_migrate,
+        owns_pool=True,
+        timeout=secs,
+        pool_factory=factory,
+        health=health,
     )
     return store, None
 
@@ -161,12 +280,16 @@ def from_client(
     schema: str = DEFAULT_SCHEMA,
     auto_migrate: bool = True,
     prepare: bool = True,
+    timeout: float | None = None,
 ) -> tuple[PostgresStore | AsyncPostgresStore, None]:
     """A store on your open pool: a ``psycopg_pool.ConnectionPool`` for
     ``idemlock.connect``, an ``AsyncConnectionPool`` for ``idemlock.aio.connect``.
     Closing the store does not close your pool. Connections may be in autocommit or
     not; the store switches a borrowed connection to autocommit for its one statement
-    and back."""
+    and back. ``timeout`` (default 5 s) bounds each call, the wait for a connection of
+    your pool included. In a forked child the store uses a pool of its own with your
+    pool's settings (your pool's connections belong to the parent)."""
+    secs = _check_timeout(DEFAULT_TIMEOUT if timeout is None else timeout)
     if asynchronous:
         if not isinstance(pool, psycopg_pool.AsyncConnectionPool):
             raise ConfigurationError(
@@ -174,11 +297,13 @@ def from_client(
                 f"{type(pool).__name__} (pass a ConnectionPool to idemlock.connect)"
             )
         return AsyncPostgresStore(
-            pool, schema=schema, prepare=prepare, auto_migrate=auto_migrate
+            pool, schema=schema, prepare=prepare, auto_migrate=auto_migrate, timeout=secs
         ), None
     if not isinstance(pool, psycopg_pool.ConnectionPool):
         raise ConfigurationError(
             f"idemlock.connect needs a psycopg_pool.ConnectionPool, got {type(pool).__name__} "
             "(pass an AsyncConnectionPool to idemlock.aio.connect)"
         )
-    return PostgresStore(pool, schema=schema, prepare=prepare, auto_migrate=auto_migrate), None
+    return PostgresStore(
+        pool, schema=schema, prepare=prepare, auto_migrate=auto_migrate, timeout=secs
+    ), None

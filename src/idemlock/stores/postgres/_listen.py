@@ -30,6 +30,7 @@ from psycopg import sql
 
 from ..._errors import StoreUnavailable
 from .._local import LocalHub, LocalSubscription
+from . import _watchdog
 
 log = logging.getLogger("idemlock")
 
@@ -42,8 +43,10 @@ MAX_LINGERING = 1000
 
 
 class Listener:
-    def __init__(self, connect: Callable[[], psycopg.Connection[Any]]) -> None:
+    def __init__(self, connect: Callable[[], psycopg.Connection[Any]], timeout: float) -> None:
         self._connect = connect
+        #: the bound on one LISTEN/UNLISTEN round trip (seconds), even on a silent network
+        self._timeout = timeout
         self._hub = LocalHub()
         # _io serializes every use of the connection (LISTEN, UNLISTEN, reading);
         # _state guards the reference counts, and is never held across I/O.
@@ -151,13 +154,22 @@ class Listener:
 
     def _run(self, conn: psycopg.Connection[Any], verb: str, channel: str) -> None:
         query = sql.SQL(verb + " {}").format(sql.Identifier(channel))
+        wd = _watchdog.WATCHDOG
+        armed = wd.arm(conn, time.monotonic() + self._timeout)
         try:
             conn.execute(query)
             # libpq may already hold notifications read along with the reply.
             self._drain(conn)
         except psycopg.Error as exc:
             self._drop()
+            if armed.fired:
+                raise StoreUnavailable(
+                    f"PostgreSQL did not answer {verb} within timeout={self._timeout:g}s on the "
+                    "notification connection (the server or the network is stuck or silent)"
+                ) from exc
             raise StoreUnavailable(f"{verb} failed on the notification connection: {exc}") from exc
+        finally:
+            wd.disarm(armed)
 
     def _drain(self, conn: psycopg.Connection[Any]) -> None:
         while (n := conn.pgconn.notifies()) is not None:

@@ -12,9 +12,12 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import math
+import os
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, cast
 
@@ -38,7 +41,7 @@ from ..._core.port import (
     RecordRow,
 )
 from ..._errors import ConfigurationError, StoreCorrupt, StoreUnavailable
-from . import _schema
+from . import _schema, _watchdog
 from ._listen import AsyncListenSubscription, Listener, ListenSubscription
 from ._sql import Statements, Stmt
 
@@ -51,8 +54,6 @@ DEFAULT_SCHEMA = "idemlock"
 PURGE_BATCH = 5000
 #: seconds a store keeps its lane connection before handing it back to its pool
 LANE_SECONDS = 60.0
-#: seconds the notification connection may take to connect (unless the URL says)
-LISTEN_CONNECT_TIMEOUT = 10
 #: re-runs of a claim/acquire/fence statement that raced a concurrent commit (see _RETRY)
 MAX_RACE_RETRIES = 100
 
@@ -82,6 +83,45 @@ def _i8(value: int) -> Int8:
             "below 2**63"
         )
     return Int8(value)
+
+
+#: seconds one call may take, connection wait included (A1)
+DEFAULT_TIMEOUT = 5.0
+
+
+def _wait(deadline: float) -> float:
+    """Seconds left to wait for a pooled connection (psycopg_pool needs > 0)."""
+    return max(0.001, deadline - time.monotonic())
+
+
+def clone_pool(pool: Any, health: Health) -> Any:
+    """A new, unopened pool with the settings of ``pool`` (a forked child cannot use
+    the parent's: its connections are shared with the parent and its threads are
+    gone). Its connection attempts are recorded in ``health``."""
+    cls = (
+        psycopg_pool.AsyncConnectionPool
+        if isinstance(pool, psycopg_pool.AsyncConnectionPool)
+        else psycopg_pool.ConnectionPool
+    )
+    options: dict[str, Any] = {}
+    for name in ("configure", "reset"):
+        value = getattr(pool, "_" + name, None)
+        if value is not None:
+            options[name] = value
+    return cls(
+        pool.conninfo,
+        kwargs=pool.kwargs,
+        min_size=pool.min_size,
+        max_size=pool.max_size,
+        timeout=pool.timeout,
+        max_idle=pool.max_idle,
+        max_lifetime=pool.max_lifetime,
+        reconnect_timeout=pool.reconnect_timeout,
+        connection_class=recording_class(pool.connection_class, health),
+        name=pool.name,
+        open=False,
+        **options,
+    )
 
 
 def check_schema(schema: object) -> str:
@@ -227,7 +267,69 @@ def _lock_rows(rows: list[Row]) -> list[LockRow]:
 # ---- the shared half ------------------------------------------------------------------
 
 
+class Health:
+    """What the pool's own connection attempts found: the last failure (None once one
+    succeeds). Calls read it to name the cause of an outage at once instead of
+    waiting for a connection that is not coming (issue 10 item 19)."""
+
+    __slots__ = ("down",)
+
+    def __init__(self) -> None:
+        self.down: BaseException | None = None
+
+
+def recording_class(base: type[Any], health: Health) -> type[Any]:
+    """A connection class for psycopg_pool that records each connection attempt's
+    outcome in ``health`` (the pool only logs its failures)."""
+    if issubclass(base, psycopg.AsyncConnection):
+
+        class _AsyncRecording(base):  # type: ignore[misc]
+            @classmethod
+            async def connect(cls, *args: Any, **kwargs: Any) -> Any:
+                try:
+                    conn = await super().connect(*args, **kwargs)
+                except BaseException as exc:
+                    health.down = exc
+                    raise
+                health.down = None
+                return conn
+
+        return _AsyncRecording
+
+    class _Recording(base):  # type: ignore[misc]
+        @classmethod
+        def connect(cls, *args: Any, **kwargs: Any) -> Any:
+            try:
+                conn = super().connect(*args, **kwargs)
+            except BaseException as exc:
+                health.down = exc
+                raise
+            health.down = None
+            return conn
+
+    return _Recording
+
+
+def connect_kwargs(conninfo: Any, kwargs: Any, timeout: float) -> dict[str, Any]:
+    """Connection settings for a connection the store opens itself (schema check,
+    notifications, probes): the pool's, with a connect timeout unless one is set."""
+    kw = {k: v for k, v in (kwargs or {}).items() if k not in ("autocommit", "row_factory")}
+    if "connect_timeout" not in kw and "connect_timeout" not in conninfo_to_dict(conninfo):
+        # libpq waits forever by default; psycopg's floor is 2 s.
+        kw["connect_timeout"] = max(2, math.ceil(timeout))
+    return kw
+
+
+async def _aresolve(value: Any) -> Any:
+    if callable(value):
+        value = value()
+        if inspect.isawaitable(value):
+            value = await value
+    return value
+
+
 class _Base:
+    pool: Any
     kind = "postgres"
     issues_fence_tokens = True
     #: notifications cross processes, so waiters need no polling cap
@@ -242,28 +344,66 @@ class _Base:
         owns_pool: bool,
         conninfo: Any,
         conn_kwargs: Any,
+        timeout: float,
+        pool_factory: Callable[[], Any],
+        health: Health,
     ) -> None:
         self.schema = check_schema(schema)
         self.statements = Statements.for_schema(self.schema)
+        #: the bound on one call, in seconds (A1)
+        self.timeout = float(timeout)
         self._prepare = prepare
         self._auto_migrate = auto_migrate
         self._owns_pool = owns_pool
         self._ready = False
+        self._conninfo = conninfo
+        self._conn_kwargs = conn_kwargs
+        # Builds a fresh pool of the same settings: a forked child uses it (A6).
+        self._pool_factory = pool_factory
+        self._health = health
+        self.listener = Listener(self._direct_connect, self.timeout)
+        _STORES.add(self)
 
-        def listen_connect() -> psycopg.Connection[Any]:
-            # The pool's own connection settings (which may be computed per connection).
-            info = _resolve(conninfo)
-            kwargs = {
-                k: v
-                for k, v in (_resolve(conn_kwargs) or {}).items()
-                if k not in ("autocommit", "row_factory")
-            }
-            if "connect_timeout" not in kwargs and "connect_timeout" not in conninfo_to_dict(info):
-                # libpq waits forever by default; a waiter must not hang on a dead host.
-                kwargs["connect_timeout"] = LISTEN_CONNECT_TIMEOUT
-            return psycopg.connect(info, autocommit=True, **kwargs)
+    def _direct_connect(self) -> psycopg.Connection[Any]:
+        """A connection of its own, on the pool's settings (which may be computed per
+        connection). Runs in threads without an event loop."""
+        info = _resolve(self._conninfo)
+        kwargs = connect_kwargs(info, _resolve(self._conn_kwargs), self.timeout)
+        return psycopg.connect(info, autocommit=True, **kwargs)
 
-        self.listener = Listener(listen_connect)
+    async def _adirect_connect(self) -> psycopg.AsyncConnection[Any]:
+        info = await _aresolve(self._conninfo)
+        kwargs = connect_kwargs(info, await _aresolve(self._conn_kwargs), self.timeout)
+        return await psycopg.AsyncConnection.connect(info, autocommit=True, **kwargs)
+
+    def _timed_out(self, what: str) -> StoreUnavailable:
+        return StoreUnavailable(
+            f"PostgreSQL did not answer {what} within timeout={self.timeout:g}s (the server "
+            "or the network is stuck or silent); the connection was dropped. The call may or "
+            "may not have been applied; retrying it is safe"
+        )
+
+    def _pool_timeout(self, exc: BaseException, what: str) -> StoreUnavailable:
+        down = self._health.down
+        if down is not None:
+            return StoreUnavailable(
+                f"cannot connect to PostgreSQL for {what}: {type(down).__name__}: "
+                f"{str(down).strip()}"
+            )
+        return StoreUnavailable(
+            f"no PostgreSQL connection became free within timeout={self.timeout:g}s for "
+            f"{what} (every pooled connection was busy: raise max_size or timeout): {exc}"
+        )
+
+    def _fork_reset(self) -> None:
+        """In a forked child: keep what was inherited from being used, closed or
+        collected (closing would end the parent's sessions), and start afresh."""
+        _INHERITED.append((self.pool, self.listener, getattr(self, "_lane", None)))
+        self.pool = self._pool_factory()
+        self._owns_pool = True
+        self._ready = False
+        self._health.down = None
+        self.listener = Listener(self._direct_connect, self.timeout)
 
     def _chan(self, kind: str, ns: str, key: str) -> str:
         return self.statements.channel(kind, ns, key)
@@ -337,7 +477,12 @@ class PostgresStore(_Base):
         prepare: bool = True,
         auto_migrate: bool = True,
         owns_pool: bool = False,
+        timeout: float = DEFAULT_TIMEOUT,
+        pool_factory: Callable[[], psycopg_pool.ConnectionPool[Any]] | None = None,
+        health: Health | None = None,
     ) -> None:
+        health = health or Health()
+        self.pool = pool
         super().__init__(
             schema=schema,
             prepare=prepare,
@@ -345,17 +490,33 @@ class PostgresStore(_Base):
             owns_pool=owns_pool,
             conninfo=pool.conninfo,
             conn_kwargs=pool.kwargs,
+            timeout=timeout,
+            pool_factory=pool_factory or (lambda: clone_pool(pool, health)),
+            health=health,
         )
-        self.pool = pool
         self._setup_lock = threading.Lock()
+        self._probe_lock = threading.Lock()
         self._lane_lock = threading.Lock()
         self._lane: psycopg.Connection[Any] | None = None
         self._lane_since = 0.0
 
+    def _fork_reset(self) -> None:
+        super()._fork_reset()
+        self._setup_lock = threading.Lock()
+        self._probe_lock = threading.Lock()
+        self._lane_lock = threading.Lock()
+        self._lane = None
+
     # ---- running statements ------------------------------------------------------------
 
     def _setup(self) -> None:
-        with self._setup_lock:
+        deadline = time.monotonic() + self.timeout
+        if not self._setup_lock.acquire(timeout=self.timeout):
+            raise StoreUnavailable(
+                f"the PostgreSQL store was still being set up by another thread after "
+                f"timeout={self.timeout:g}s; try again"
+            )
+        try:
             if self._ready:
                 return
             if self._owns_pool:
@@ -363,12 +524,44 @@ class PostgresStore(_Base):
                     self.pool.open(wait=False)
                 except psycopg.Error as exc:
                     raise unavailable(exc, "opening the pool") from exc
+            # On a connection of its own, not the pool's: a refused connection, a bad
+            # password or a missing database is reported now, with its cause.
+            conn: Any = None
+            armed: Any = None
             try:
-                with self.pool.connection() as conn:
-                    _schema.ensure(conn, self.schema, migrate=self._auto_migrate)
+                conn = self._direct_connect()
+                armed = _watchdog.WATCHDOG.arm(conn, deadline)
+                _schema.ensure(conn, self.schema, migrate=self._auto_migrate)
             except psycopg.Error as exc:
+                if armed is not None and armed.fired:
+                    raise self._timed_out("checking the schema") from exc
                 raise unavailable(exc, "checking the schema") from exc
+            finally:
+                if armed is not None:
+                    _watchdog.WATCHDOG.disarm(armed)
+                if conn is not None:
+                    conn.close()
             self._ready = True
+        finally:
+            self._setup_lock.release()
+
+    def _probe(self, deadline: float, what: str) -> None:
+        """The pool's last connection attempt failed: connect once ourselves, so the
+        call fails now with the cause (refused, bad password, missing database...)
+        instead of waiting for a connection that is not coming."""
+        if not self._probe_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise self._pool_timeout(psycopg_pool.PoolTimeout("no connection"), what)
+        try:
+            if self._health.down is None:
+                return
+            try:
+                self._direct_connect().close()
+            except psycopg.Error as exc:
+                self._health.down = exc
+                raise self._pool_timeout(exc, what) from exc
+            self._health.down = None  # reachable again: the pool reconnects soon
+        finally:
+            self._probe_lock.release()
 
     # The lane: a store on a pool of its own keeps one connection out of it, for the
     # first caller that finds it free (others use the pool as usual). Borrowing from
@@ -377,17 +570,22 @@ class PostgresStore(_Base):
     # when a statement left it busy, and every LANE_SECONDS, so the pool still checks
     # and recycles it. A user's pool is never held on to.
 
-    def _take(self) -> tuple[psycopg.Connection[Any], bool]:
-        if self._owns_pool and self._lane_lock.acquire(blocking=False):
-            try:
-                if self._lane is None:
-                    self._lane = self.pool.getconn()
-                    self._lane_since = time.monotonic()
-                return self._lane, True
-            except BaseException:
-                self._lane_lock.release()
-                raise
-        return self.pool.getconn(), False
+    def _take(self, deadline: float, what: str) -> tuple[psycopg.Connection[Any], bool]:
+        if self._health.down is not None:
+            self._probe(deadline, what)
+        try:
+            if self._owns_pool and self._lane_lock.acquire(blocking=False):
+                try:
+                    if self._lane is None:
+                        self._lane = self.pool.getconn(_wait(deadline))
+                        self._lane_since = time.monotonic()
+                    return self._lane, True
+                except BaseException:
+                    self._lane_lock.release()
+                    raise
+            return self.pool.getconn(_wait(deadline)), False
+        except psycopg_pool.PoolTimeout as exc:
+            raise self._pool_timeout(exc, what) from exc
 
     def _give(self, conn: psycopg.Connection[Any], lane: bool) -> None:
         if not lane:
@@ -409,18 +607,31 @@ class PostgresStore(_Base):
         rows: list[Row] = cur.fetchall()
         return rows
 
-    def _rows(self, stmt: Stmt, params: dict[str, Any], what: str, safe: bool) -> list[Row]:
+    def _rows(
+        self,
+        stmt: Stmt,
+        params: dict[str, Any],
+        what: str,
+        safe: bool,
+        deadline: float | None = None,
+    ) -> list[Row]:
         """Run one statement. ``safe`` ones (repeatable without harm: the same claim token
         or lock owner gets the same answer) are run once more on a fresh connection when
         the pooled one turns out dead. Others are not: a statement that failed with its
         connection may have committed, and running it again could report a false
-        failure (complete, abandon, release...)."""
+        failure (complete, abandon, release...). The whole call, retry included, ends
+        by ``deadline`` (default: ``timeout`` from now), even on a silent network."""
         if not self._ready:
             self._setup()
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout
+        wd = _watchdog.WATCHDOG
         for attempt in (0, 1):
             conn: Any = None
+            armed: Any = None
             try:
-                conn, lane = self._take()
+                conn, lane = self._take(deadline, what)
+                armed = wd.arm(conn, deadline)
                 try:
                     if conn.autocommit:
                         return self._fetch(conn, stmt, params)
@@ -433,15 +644,19 @@ class PostgresStore(_Base):
                         if not conn.closed:
                             conn.autocommit = False
                 finally:
+                    wd.disarm(armed)
                     self._give(conn, lane)
             except psycopg.Error as exc:
+                if armed is not None and armed.fired:
+                    # Not pool.check(): the other pooled connections may be as silent.
+                    raise self._timed_out(what) from exc
                 if _is_disconnect(exc, conn):
                     # The server restarted or ended our sessions: every idle pooled
                     # connection is likely dead too. Replace them now, so that only this
                     # call fails (or none: a call safe to repeat is run again).
                     with contextlib.suppress(psycopg.Error):
                         self.pool.check()
-                    if attempt == 0 and safe:
+                    if attempt == 0 and safe and time.monotonic() < deadline:
                         continue
                 raise unavailable(exc, what) from exc
         raise AssertionError("unreachable")  # pragma: no cover
@@ -449,8 +664,9 @@ class PostgresStore(_Base):
     def _until(
         self, stmt: Stmt, params: dict[str, Any], what: str, parse: Callable[[list[Row]], Any]
     ) -> Any:
+        deadline = time.monotonic() + self.timeout
         for _ in range(MAX_RACE_RETRIES):
-            reply = parse(self._rows(stmt, params, what, True))
+            reply = parse(self._rows(stmt, params, what, True, deadline))
             if reply is not _RETRY:
                 return reply
         raise StoreUnavailable(f"{what} kept racing concurrent writers; try again")
@@ -562,6 +778,7 @@ class PostgresStore(_Base):
         return self.listener.subscribe(self._chan(*channel))
 
     def close(self) -> None:
+        _STORES.discard(self)
         self.listener.close()
         if self._owns_pool:
             with self._lane_lock:
@@ -586,7 +803,12 @@ class AsyncPostgresStore(_Base):
         prepare: bool = True,
         auto_migrate: bool = True,
         owns_pool: bool = False,
+        timeout: float = DEFAULT_TIMEOUT,
+        pool_factory: Callable[[], psycopg_pool.AsyncConnectionPool[Any]] | None = None,
+        health: Health | None = None,
     ) -> None:
+        health = health or Health()
+        self.pool = pool
         super().__init__(
             schema=schema,
             prepare=prepare,
@@ -594,17 +816,58 @@ class AsyncPostgresStore(_Base):
             owns_pool=owns_pool,
             conninfo=pool.conninfo,
             conn_kwargs=pool.kwargs,
+            timeout=timeout,
+            pool_factory=pool_factory or (lambda: clone_pool(pool, health)),
+            health=health,
         )
-        self.pool = pool
         self._setup_lock: asyncio.Lock | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._lane_busy = False
         self._lane: psycopg.AsyncConnection[Any] | None = None
         self._lane_since = 0.0
+        # undo calls for cancelled claims/acquires, kept from being collected
+        self._undoing: set[asyncio.Task[Any]] = set()
+
+    def _fork_reset(self) -> None:
+        super()._fork_reset()
+        self._reset_loop_state()
+
+    def _reset_loop_state(self) -> None:
+        self._setup_lock = None
+        self._loop = None
+        self._lane_busy = False
+        self._lane = None
+        self._undoing = set()
+
+    def _check_loop(self) -> None:
+        """A pool of our own is bound to the event loop it was opened on: on another
+        loop (a second ``asyncio.run``), start a fresh pool (A7)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is None or self._loop is loop:
+            return
+        if not self._owns_pool:
+            return  # the caller's pool, on the caller's loops
+        # The old loop is gone or elsewhere: its pool cannot be closed from here; its
+        # connections are closed when it is collected.
+        self.pool = self._pool_factory()
+        self._ready = False
+        self._reset_loop_state()
 
     async def _setup(self) -> None:
+        self._check_loop()
+        if self._ready:  # the caller's pool, on another loop
+            self._loop = asyncio.get_running_loop()
+            return
         if self._setup_lock is None:
             self._setup_lock = asyncio.Lock()
-        async with self._setup_lock:
+        try:
+            await asyncio.wait_for(self._setup_lock.acquire(), self.timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            raise StoreUnavailable(
+                f"the PostgreSQL store was still being set up after timeout={self.timeout:g}s; "
+                "try again"
+            ) from None
+        try:
             if self._ready:
                 return
             if self._owns_pool:
@@ -612,27 +875,61 @@ class AsyncPostgresStore(_Base):
                     await self.pool.open(wait=False)
                 except psycopg.Error as exc:
                     raise unavailable(exc, "opening the pool") from exc
+            # A connection of its own: a failure to connect is reported now, with its cause.
+            deadline = time.monotonic() + self.timeout
+            conn: Any = None
+            armed: Any = None
             try:
-                async with self.pool.connection() as conn:
-                    await _schema.aensure(conn, self.schema, migrate=self._auto_migrate)
+                conn = await self._adirect_connect()
+                armed = _watchdog.WATCHDOG.arm(conn, deadline)
+                await _schema.aensure(conn, self.schema, migrate=self._auto_migrate)
             except psycopg.Error as exc:
+                if armed is not None and armed.fired:
+                    raise self._timed_out("checking the schema") from exc
                 raise unavailable(exc, "checking the schema") from exc
+            finally:
+                if armed is not None:
+                    _watchdog.WATCHDOG.disarm(armed)
+                if conn is not None:
+                    await conn.close()
+            self._loop = asyncio.get_running_loop()
             self._ready = True
+        finally:
+            self._setup_lock.release()
+
+    async def _probe(self, deadline: float, what: str) -> None:
+        # As the sync store's; concurrent callers each probe (a refused connection
+        # costs nothing, and each call stays bounded by its own deadline).
+        try:
+            conn = await asyncio.wait_for(
+                self._adirect_connect(), max(0.0, deadline - time.monotonic())
+            )
+        except (psycopg.Error, TimeoutError, asyncio.TimeoutError) as exc:
+            if isinstance(exc, psycopg.Error):
+                self._health.down = exc
+            raise self._pool_timeout(exc, what) from exc
+        await conn.close()
+        self._health.down = None
 
     # The lane, as in the sync store; a flag is enough within one event loop.
 
-    async def _take(self) -> tuple[psycopg.AsyncConnection[Any], bool]:
-        if self._owns_pool and not self._lane_busy:
-            self._lane_busy = True
-            try:
-                if self._lane is None:
-                    self._lane = await self.pool.getconn()
-                    self._lane_since = time.monotonic()
-                return self._lane, True
-            except BaseException:
-                self._lane_busy = False
-                raise
-        return await self.pool.getconn(), False
+    async def _take(self, deadline: float, what: str) -> tuple[psycopg.AsyncConnection[Any], bool]:
+        if self._health.down is not None:
+            await self._probe(deadline, what)
+        try:
+            if self._owns_pool and not self._lane_busy:
+                self._lane_busy = True
+                try:
+                    if self._lane is None:
+                        self._lane = await self.pool.getconn(_wait(deadline))
+                        self._lane_since = time.monotonic()
+                    return self._lane, True
+                except BaseException:
+                    self._lane_busy = False
+                    raise
+            return await self.pool.getconn(_wait(deadline)), False
+        except psycopg_pool.PoolTimeout as exc:
+            raise self._pool_timeout(exc, what) from exc
 
     async def _give(self, conn: psycopg.AsyncConnection[Any], lane: bool) -> None:
         if not lane:
@@ -653,13 +950,27 @@ class AsyncPostgresStore(_Base):
         rows: list[Row] = await cur.fetchall()
         return rows
 
-    async def _rows(self, stmt: Stmt, params: dict[str, Any], what: str, safe: bool) -> list[Row]:
-        if not self._ready:
+    async def _rows(
+        self,
+        stmt: Stmt,
+        params: dict[str, Any],
+        what: str,
+        safe: bool,
+        deadline: float | None = None,
+    ) -> list[Row]:
+        if not self._ready or self._loop is not asyncio.get_running_loop():
             await self._setup()
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout
+        wd = _watchdog.WATCHDOG
         for attempt in (0, 1):
             conn: Any = None
+            armed: Any = None
             try:
-                conn, lane = await self._take()
+                conn, lane = await self._take(deadline, what)
+                # The same watchdog thread as the sync store: shutting the socket down
+                # makes it readable, and the awaiting call fails at once.
+                armed = wd.arm(conn, deadline)
                 try:
                     if conn.autocommit:
                         return await self._fetch(conn, stmt, params)
@@ -670,15 +981,18 @@ class AsyncPostgresStore(_Base):
                         if not conn.closed:
                             await conn.set_autocommit(False)
                 finally:
+                    wd.disarm(armed)
                     await self._give(conn, lane)
             except psycopg.Error as exc:
+                if armed is not None and armed.fired:
+                    raise self._timed_out(what) from exc
                 if _is_disconnect(exc, conn):
                     # The server restarted or ended our sessions: every idle pooled
                     # connection is likely dead too. Replace them now, so that only this
                     # call fails (or none: a call safe to repeat is run again).
                     with contextlib.suppress(psycopg.Error):
                         await self.pool.check()
-                    if attempt == 0 and safe:
+                    if attempt == 0 and safe and time.monotonic() < deadline:
                         continue
                 raise unavailable(exc, what) from exc
         raise AssertionError("unreachable")  # pragma: no cover
@@ -686,18 +1000,67 @@ class AsyncPostgresStore(_Base):
     async def _until(
         self, stmt: Stmt, params: dict[str, Any], what: str, parse: Callable[[list[Row]], Any]
     ) -> Any:
+        deadline = time.monotonic() + self.timeout
         for _ in range(MAX_RACE_RETRIES):
-            reply = parse(await self._rows(stmt, params, what, True))
+            reply = parse(await self._rows(stmt, params, what, True, deadline))
             if reply is not _RETRY:
                 return reply
         raise StoreUnavailable(f"{what} kept racing concurrent writers; try again")
+
+    async def _undoable(self, call: Any, undo: Callable[[Any], Any], what: str) -> Any:
+        """Run a call that may take a key (claim, acquire) so that a cancellation cannot
+        strand it: the statement runs on in a task of its own (bounded by ``timeout``),
+        and what it took is given back as soon as it ends (issue 10 item 7)."""
+        task = asyncio.ensure_future(call)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda t: self._undo_after(t, undo, what))
+            raise
+
+    def _undo_after(self, task: asyncio.Task[Any], undo: Callable[[Any], Any], what: str) -> None:
+        if task.cancelled():
+            log.warning(
+                "idemlock: a cancelled PostgreSQL %s was itself cancelled (event loop "
+                "shutting down?); if it was applied, it frees itself when its lease ends",
+                what,
+            )
+            return
+        if task.exception() is not None:
+            return  # nothing was taken
+        aw = undo(task.result())
+        if aw is None:
+            return
+        undo_task = asyncio.ensure_future(aw)
+        self._undoing.add(undo_task)
+        undo_task.add_done_callback(self._undone)
+
+    def _undone(self, task: asyncio.Task[Any]) -> None:
+        self._undoing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning(
+                "idemlock: could not undo a cancelled PostgreSQL call; what it took frees "
+                "itself when its lease ends",
+                exc_info=task.exception(),
+            )
 
     async def claim(
         self, ns: str, key: str, fp: str | None, token: str, lease_ms: int
     ) -> ClaimReply:
         params = {"ns": ns, "key": key, "token": token, "fp": fp, "lease": _i8(lease_ms)}
-        reply: ClaimReply = await self._until(
-            self.statements.claim, params, "claim", lambda rows: _claim_reply(rows, ns, key, token)
+
+        def undo(reply: ClaimReply) -> Any:
+            return self.abandon(ns, key, token) if isinstance(reply, Granted) else None
+
+        reply: ClaimReply = await self._undoable(
+            self._until(
+                self.statements.claim,
+                params,
+                "claim",
+                lambda rows: _claim_reply(rows, ns, key, token),
+            ),
+            undo,
+            "claim",
         )
         return reply
 
@@ -731,8 +1094,21 @@ class AsyncPostgresStore(_Base):
 
     async def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
         params = {"ns": ns, "key": key, "owner": owner, "ttl": _i8(ttl_ms)}
-        reply: Acquired | Held = await self._until(
-            self.statements.acquire, params, "acquire", lambda rows: _acquire_reply(rows, owner)
+
+        def undo(reply: Acquired | Held) -> Any:
+            if isinstance(reply, Acquired):
+                return self.release(ns, key, owner, reply.token)
+            return None
+
+        reply: Acquired | Held = await self._undoable(
+            self._until(
+                self.statements.acquire,
+                params,
+                "acquire",
+                lambda rows: _acquire_reply(rows, owner),
+            ),
+            undo,
+            "acquire",
         )
         return reply
 
@@ -800,9 +1176,27 @@ class AsyncPostgresStore(_Base):
         return AsyncListenSubscription(sub)
 
     async def aclose(self) -> None:
+        _STORES.discard(self)
         await asyncio.to_thread(self.listener.close)
         if self._owns_pool:
             if self._lane is not None and not self._lane_busy:
                 lane, self._lane = self._lane, None
                 await self.pool.putconn(lane)
             await self.pool.close()
+
+
+# ---- fork safety (A6) -------------------------------------------------------------------
+
+_STORES: weakref.WeakSet[_Base] = weakref.WeakSet()
+#: pools, listeners and connections inherited through fork(): never used nor closed in
+#: the child (closing would end the parent's sessions), only kept from being collected
+_INHERITED: list[Any] = []
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_STORES):
+        store._fork_reset()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
