@@ -11,7 +11,7 @@ import secrets
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from contextvars import ContextVar, Token
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from time import perf_counter
 from typing import Any
 
@@ -214,19 +214,44 @@ class CoordinatorBase:
             )
         return spec
 
-    def _listing_name(self, ns: str) -> str:
+    def _listing_place(self, ns: str) -> tuple[str, str | None]:
+        """(spec name, tenant or None) of a listed namespace. The root's listing covers
+        its tenants' namespaces too (``prefix:t=<tenant>:<spec>``), so each row says
+        whose it is and can be acted on through ``for_tenant``."""
         parts = split_namespace(ns)
-        return parts[-1] if parts else ns
+        if not parts:
+            return ns, None
+        tenant = None
+        # namespace() escapes ':' in every part, so a tenant's namespace has 3 parts.
+        if len(parts) == 3 and ns.split(":")[1].startswith("t="):
+            tenant = parts[1][2:]
+        return parts[-1], tenant
 
     def _lock_info(self, row: LockRow) -> LockInfo:
+        spec, tenant = self._listing_place(row.ns)
         return LockInfo(
-            self._listing_name(row.ns), row.key, row.owner, row.token, from_ms(row.expires_ms)
+            spec,
+            row.key,
+            row.owner,
+            row.token,
+            _listed_time(row.expires_ms),
+            tenant,
+            bool(getattr(row, "corrupt", False)),
         )
 
     def _record_status(self, row: RecordRow) -> RecordStatus:
+        spec, tenant = self._listing_place(row.ns)
         return RecordStatus(
-            row.key, row.state, row.fence, from_ms(row.expires_ms), self._listing_name(row.ns)
+            row.key, row.state, row.fence, _listed_time(row.expires_ms), spec, tenant
         )
+
+
+def _listed_time(ms: int) -> datetime:
+    # A corrupt row may carry any number: list it rather than fail on its date.
+    try:
+        return from_ms(int(ms))
+    except (OverflowError, ValueError, OSError, TypeError):
+        return datetime.max.replace(tzinfo=timezone.utc)
 
 
 class Emitter:
@@ -440,7 +465,9 @@ class IdempotencyBase(Emitter):
         if row is None:
             return None
         status = self._coord._record_status(row)
-        return RecordStatus(key, status.state, status.fence, status.expires_at, status.spec)
+        return RecordStatus(
+            key, status.state, status.fence, status.expires_at, status.spec, status.tenant
+        )
 
     def _wait_for(self, wait: timedelta | float | None) -> float:
         s = seconds(wait, "wait")

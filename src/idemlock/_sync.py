@@ -72,7 +72,9 @@ class Coordinator(CoordinatorBase):
         return FenceGate(self, resource)
 
     def keys(self) -> list[RecordStatus]:
-        """Every live idempotency record under this coordinator's prefix."""
+        """Every live idempotency record under this coordinator's prefix: the root's
+        listing covers its tenants' too, each row naming its ``tenant`` and ``spec``. A
+        value the store cannot read is listed with state ``"corrupt"`` (and a warning)."""
         return [self._record_status(r) for r in self._store.records(self._ns_prefix())]
 
     def purge(self) -> int:
@@ -80,7 +82,8 @@ class Coordinator(CoordinatorBase):
         return self._store.purge()
 
     def locks(self) -> list[LockInfo]:
-        """Every held lock under this coordinator's prefix."""
+        """Every held lock under this coordinator's prefix, each naming its ``tenant``
+        (as ``keys()``); an unreadable value is listed with ``corrupt=True``."""
         return [self._lock_info(r) for r in self._store.locks(self._ns_prefix())]
 
     def idempotent(

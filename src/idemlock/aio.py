@@ -110,7 +110,9 @@ class AsyncCoordinator(CoordinatorBase):
         return AsyncFenceGate(self, resource)
 
     async def keys(self) -> list[RecordStatus]:
-        """Every live idempotency record under this coordinator's prefix."""
+        """Every live idempotency record under this coordinator's prefix: the root's
+        listing covers its tenants' too, each row naming its ``tenant`` and ``spec``. A
+        value the store cannot read is listed with state ``"corrupt"`` (and a warning)."""
         return [self._record_status(r) for r in await self._store.records(self._ns_prefix())]
 
     async def purge(self) -> int:
@@ -118,7 +120,8 @@ class AsyncCoordinator(CoordinatorBase):
         return await self._store.purge()
 
     async def locks(self) -> list[LockInfo]:
-        """Every held lock under this coordinator's prefix."""
+        """Every held lock under this coordinator's prefix, each naming its ``tenant``
+        (as ``keys()``); an unreadable value is listed with ``corrupt=True``."""
         return [self._lock_info(r) for r in await self._store.locks(self._ns_prefix())]
 
     def idempotent(

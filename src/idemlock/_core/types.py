@@ -136,24 +136,33 @@ Claim = Claimed | InFlight | Completed
 @dataclass(frozen=True)
 class RecordStatus:
     """What the store holds for an idempotency key. ``expires_at`` is the end of the
-    lease while in flight, the end of the ttl once completed."""
+    lease while in flight, the end of the ttl once completed. ``state`` is
+    ``"corrupt"`` for a value under the prefix the store cannot read (foreign or
+    damaged data, listed with a warning instead of failing the listing). ``tenant`` is
+    the tenant whose namespace holds it (None: the root's own), so a listed record can
+    be acted on: ``coord.for_tenant(tenant).idempotency(spec).forget(key)``."""
 
     key: str
-    state: Literal["in_flight", "completed"]
+    state: Literal["in_flight", "completed", "corrupt"]
     fence: int
     expires_at: datetime
     spec: str = ""
+    tenant: str | None = None
 
 
 @dataclass(frozen=True)
 class LockInfo:
-    """A held lock, as listed by ``locks()`` and the CLI."""
+    """A held lock, as listed by ``locks()`` and the CLI. ``tenant`` as in
+    :class:`RecordStatus`; ``corrupt`` marks a value the store cannot read (owner "",
+    token 0)."""
 
     spec: str
     key: str
     owner: str
     token: int | None
     expires_at: datetime
+    tenant: str | None = None
+    corrupt: bool = False
 
 
 @dataclass(eq=False, slots=True)
