@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import sqlite3
 import threading
 import time
@@ -26,7 +27,7 @@ from idemlock._core.port import Acquired, Channel, Granted
 from idemlock.stores import postgres as pg
 from idemlock.stores.sqlite import open_sync as sqlite_open
 
-from .servers.postgres import PgServer
+from .servers.postgres import PgServer, start_postgres
 from .servers.proxy import TcpProxy
 
 LONG = 60_000  # ms
@@ -388,3 +389,86 @@ def test_sqlite_timeout_option_bounds_the_busy_wait(tmp_path: Path) -> None:
         raw.close()
     granted(store.claim("t:job", "k", None, "t", LONG))
     store.close()
+
+
+# ---- 19: a connection failure names its cause, soon ------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+@pytest.mark.parametrize(
+    "case,cause",
+    [
+        ("refused", "refused"),
+        ("database", 'database "no_such_db" does not exist'),
+        ("role", 'role "no_such_role" does not exist'),
+    ],
+)
+def test_connection_failures_name_their_cause(
+    postgres_dsn: str, case: str, cause: str, asynchronous: bool
+) -> None:
+    if case == "refused":
+        url = f"postgresql://postgres@127.0.0.1:{_free_port()}/idemlock_test"
+    elif case == "database":
+        url = postgres_dsn.rsplit("/", 1)[0] + "/no_such_db"
+    else:
+        url = postgres_dsn.replace("postgres@", "no_such_role@")
+    t0 = time.monotonic()
+    if asynchronous:
+
+        async def main() -> None:
+            coord = idemlock.aio.connect(url, timeout=30)
+            try:
+                await coord.idempotency("job").claim("k")
+            finally:
+                await coord.close()
+
+        with pytest.raises(StoreUnavailable) as info:
+            asyncio.run(main())
+    else:
+        coord = idemlock.connect(url, timeout=30)
+        try:
+            with pytest.raises(StoreUnavailable) as info:
+                coord.idempotency("job").claim("k")
+        finally:
+            coord.close()
+    assert cause in str(info.value)
+    assert "became free" not in str(info.value)
+    # not after the whole timeout (30 s) spent waiting for the pool
+    assert time.monotonic() - t0 < 15
+
+
+def test_an_outage_after_start_names_its_cause(postgres_dsn: str) -> None:
+    server = start_postgres()
+    try:
+        coord = idemlock.connect(server.dsn, key_prefix="o", timeout=3)
+        port = coord.idempotency("job")
+        assert isinstance(port.claim("k"), Claimed)
+        server.stop()
+        messages = []
+        for _ in range(4):
+            with pytest.raises(StoreUnavailable) as info:
+                port.status("k")
+            messages.append(str(info.value))
+            time.sleep(0.2)
+        # the first call may see its connection die; then the cause is named
+        assert "refused" in messages[-1], messages
+        assert not any("became free" in m for m in messages), messages
+        server.start()
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                assert port.status("k") is not None
+                break
+            except StoreUnavailable:
+                assert time.monotonic() < deadline, "the store did not recover"
+                time.sleep(0.2)
+        coord.close()
+    finally:
+        server.destroy()
