@@ -12,6 +12,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -32,6 +33,8 @@ from starlette.routing import Route
 import idemlock
 import idemlock.aio
 from idemlock.integrations.asgi import IdempotencyMiddleware, header_identity
+
+from .servers.postgres import PgServer, start_postgres
 
 MAX_BODY = 64 * 1024
 MAX_RESPONSE = 16 * 1024
@@ -571,3 +574,101 @@ def test_missing_identity_is_401_when_anonymous_is_refused(stripe: Server) -> No
     assert_problem(r, 401, "idempotency_identity_missing")
     assert r.headers["www-authenticate"] == "Bearer"
     assert stripe.calls[t] == 0
+
+
+# ---- the store restarted in the middle of a request ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pg() -> Iterator[PgServer]:
+    """A PostgreSQL server of this module's own, which a test restarts."""
+    server = start_postgres()
+    try:
+        yield server
+    finally:
+        server.destroy()
+
+
+def test_store_restarted_while_recording_keeps_the_key_reserved(pg: PgServer) -> None:
+    """The store restarts while the handler runs, so recording its 201 fails: the
+    response is delivered, and the client's retry gets 409 (the claim is kept until its
+    lease ends) instead of running the handler, and charging, a second time."""
+    calls: Counter[str] = Counter()
+    release = threading.Event()
+
+    async def charge(request: Request) -> Response:
+        data = await request.json()
+        calls[data["tag"]] += 1
+        await asyncio.to_thread(release.wait, 30)
+        return JSONResponse({"charged": data["amount"], "run": calls[data["tag"]]}, 201)
+
+    coord = idemlock.aio.connect(pg.dsn)
+    app = Starlette(
+        routes=[Route("/charge", charge, methods=["POST"])],
+        middleware=[Middleware(IdempotencyMiddleware, coordinator=coord, spec=SPEC)],
+    )
+
+    def new_h() -> dict[str, str]:
+        return {"Idempotency-Key": new_key()}
+
+    t, h = tag(), new_h()
+    with serve(app) as base, ThreadPoolExecutor(1) as pool:
+        release.set()
+        with httpx.Client(base_url=base, timeout=30) as c:
+            # Warm the pool up so the claim and the record use pooled connections.
+            warm = c.post("/charge", json={"tag": tag(), "amount": 1}, headers=new_h())
+            assert warm.status_code == 201, warm.text
+        release.clear()
+        first = pool.submit(
+            lambda: httpx.post(f"{base}/charge", json={"tag": t, "amount": 7}, headers=h,
+                               timeout=30)
+        )  # fmt: skip
+        deadline = time.monotonic() + 20
+        while calls[t] == 0:
+            assert time.monotonic() < deadline, "the handler did not start"
+            time.sleep(0.01)
+        pg.restart("fast")  # every connection the store had is gone
+        release.set()
+        response = first.result(timeout=30)
+        assert response.status_code == 201 and response.json()["run"] == 1
+        with httpx.Client(base_url=base, timeout=30) as c:
+            for _ in range(2):
+                retry = c.post("/charge", json={"tag": t, "amount": 7}, headers=h)
+                assert_problem(retry, 409, "idempotency_key_in_use")
+    assert calls[t] == 1  # charged once
+    # (coord is not closed here: its pool lived on uvicorn's loop, which is gone; the
+    # connections end with the module's server.)
+
+
+def test_store_down_is_a_logged_503(pg: PgServer, caplog: pytest.LogCaptureFixture) -> None:
+    """A store failure is never hidden: 503 problem+json, the handler does not run, and
+    the failure is logged with its cause."""
+    calls: Counter[str] = Counter()
+
+    async def charge(request: Request) -> Response:
+        calls["runs"] += 1
+        return JSONResponse({"ok": True}, 201)
+
+    coord = idemlock.aio.connect(pg.dsn)
+    app = Starlette(
+        routes=[Route("/charge", charge, methods=["POST"])],
+        middleware=[Middleware(IdempotencyMiddleware, coordinator=coord, spec=SPEC)],
+    )
+    h = {"Idempotency-Key": new_key()}
+    with serve(app) as base, httpx.Client(base_url=base, timeout=30) as c:
+        pg.stop()
+        try:
+            with caplog.at_level("WARNING", logger="idemlock.asgi"):
+                down = c.post("/charge", json={}, headers=h)
+        finally:
+            pg.start()
+        doc = assert_problem(down, 503, "idempotency_store_unavailable")
+        assert down.headers["retry-after"] == "1" and "retry" in doc["detail"]
+        assert calls["runs"] == 0
+        assert any(
+            "idempotency store failed" in r.getMessage() and "StoreUnavailable" in r.getMessage()
+            for r in caplog.records
+        ), caplog.text
+        # Back up: the same key now runs (nothing was claimed while the store was down).
+        assert c.post("/charge", json={}, headers=h).status_code == 201
+    assert calls["runs"] == 1

@@ -36,7 +36,10 @@ same key, different fingerprint                422 (``stripe_compatible=True``: 
 retry of a request whose response was not      409 with ``code``
 replayable (too large)                         ``idempotency_response_unavailable``
 the store fails                                503, ``Retry-After: 1`` (fails closed: the
-                                               request does not run unprotected)
+                                               request does not run unprotected), logged
+the store fails recording a response           the response is delivered; the key stays
+                                               reserved (retries get 409) until the
+                                               claim's lease ends, logged as an error
 =============================================  =============================================
 
 Every error the middleware itself produces is ``application/problem+json`` (RFC 9457):
@@ -584,8 +587,9 @@ class IdempotencyMiddleware:
         except PayloadMismatch:
             await self._problem(send, self._mismatch())
             return
-        except (StoreUnavailable, StoreFull) as exc:
-            log.warning("idempotency store failed; answering 503: %s", exc)
+        except (StoreUnavailable, StoreFull, OSError, TimeoutError) as exc:
+            # Fail closed: the request never runs unprotected.
+            log.warning("idempotency store failed; answering 503: %s: %s", type(exc).__name__, exc)
             await self._problem(send, self._unavailable())
             return
         except ResultDecodeError:
@@ -689,17 +693,32 @@ class IdempotencyMiddleware:
                 self.port.spec.lease,
             )
         except Exception:
-            # The response still goes out; the claim frees itself when its lease ends.
-            log.warning("could not record the response", exc_info=True)
-            await self._abandon(token)
+            # The handler ran and its response goes out, but the store did not take the
+            # record. Abandoning would let the client's retry run the handler again (a
+            # second charge), so keep the claim: retries get 409 until its lease ends.
+            log.error(
+                "idempotency store failed while recording a %s response; it is delivered "
+                "and its key stays reserved (retries get 409) until the claim's lease "
+                "ends at %s",
+                status,
+                token.expires_at.isoformat(),
+                exc_info=True,
+            )
 
     async def _abandon(self, token: ClaimToken) -> None:
         try:
             await self.port.abandon(token)
+        except StaleClaim:
+            # The lease ran out and another attempt may hold the key: nothing to undo.
+            log.info("the idempotency claim to abandon had already ended")
         except Exception:
-            # Store down or lease already over: the claim frees itself when its lease ends.
-            # Cancellation propagates; the lease covers that case too.
-            log.warning("could not abandon an idempotency claim", exc_info=True)
+            # Store down: the claim frees itself when its lease ends; until then retries
+            # get 409. Cancellation propagates; the lease covers that case too.
+            log.warning(
+                "could not abandon an idempotency claim; its key stays reserved until %s",
+                token.expires_at.isoformat(),
+                exc_info=True,
+            )
 
     # ---- replays ----------------------------------------------------------------------
 
