@@ -268,6 +268,12 @@ class Emitter:
         if self._coord._hooks:
             self._deliver(name, outcome, perf_counter() - t0)
 
+    def _failed(self, name: str, exc: BaseException, t0: float) -> None:
+        """A store call raised (the store down, a timeout): outcome "error", so an
+        outage shows in the metrics instead of silence."""
+        if self._coord._hooks:
+            self._deliver(name, "error", perf_counter() - t0, type(exc).__name__)
+
     def _deliver(self, name: str, outcome: str, duration: float, error: str | None = None) -> None:
         hooks = self._coord._hooks
         event = Event(

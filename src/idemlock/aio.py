@@ -195,7 +195,12 @@ class AsyncIdempotencyPort(IdempotencyBase):
         """Atomically one of ``Claimed``, ``InFlight`` or ``Completed``."""
         t0 = self._t0()
         args = self._claim_args(key, payload, lease)
-        return self._interpret(key, await self._store.claim(*args), None, t0, args[1])
+        try:
+            reply = await self._store.claim(*args)
+        except Exception as exc:
+            self._failed("claim", exc, t0)
+            raise
+        return self._interpret(key, reply, None, t0, args[1])
 
     async def complete(
         self,
@@ -213,16 +218,28 @@ class AsyncIdempotencyPort(IdempotencyBase):
         t0 = self._t0()
         args = self._token_args(token)
         data = self._encode(token.key, result)
-        if writes:
-            ok = await self._complete_with()(*args, data, self._ttl_ms, self._writes(writes))
-        else:
-            ok = await self._store.complete(*args, data, self._ttl_ms)
+        call = self._complete_with() if writes else None
+        extra = self._writes(writes) if writes else None
+        try:
+            if call is not None:
+                ok = await call(*args, data, self._ttl_ms, extra)
+            else:
+                ok = await self._store.complete(*args, data, self._ttl_ms)
+        except Exception as exc:
+            self._failed("complete", exc, t0)
+            raise
         self._done(token, ok, "complete", t0)
 
     async def abandon(self, token: ClaimToken) -> None:
         """Release the claim so a retry runs the operation again."""
         t0 = self._t0()
-        self._done(token, await self._store.abandon(*self._token_args(token)), "abandon", t0)
+        args = self._token_args(token)
+        try:
+            ok = await self._store.abandon(*args)
+        except Exception as exc:
+            self._failed("abandon", exc, t0)
+            raise
+        self._done(token, ok, "abandon", t0)
 
     async def extend(self, token: ClaimToken, lease: timedelta | float | None = None) -> ClaimToken:
         """Push the end of a running claim's lease to ``lease`` (default: the spec's)
@@ -248,7 +265,12 @@ class AsyncIdempotencyPort(IdempotencyBase):
         t0 = self._t0()
         args = self._claim_args(key, payload)
         flow = claim_flow(*args, self._wait_for(timeout), self._coord.clock, self._coord.poll_cap)
-        return self._interpret(key, await run_async(flow, self._store), None, t0, args[1])
+        try:
+            reply = await run_async(flow, self._store)
+        except Exception as exc:
+            self._failed("claim", exc, t0)
+            raise
+        return self._interpret(key, reply, None, t0, args[1])
 
     # ---- the decorator's steps -------------------------------------------------
 
@@ -259,11 +281,15 @@ class AsyncIdempotencyPort(IdempotencyBase):
         key, payload = plan.key_payload(args, kwargs)
         _, load = plan.types()
         cargs = self._claim_args(key, payload)
-        if wait is None:
-            reply = await self._store.claim(*cargs)
-        else:
-            flow = claim_flow(*cargs, wait, self._coord.clock, self._coord.poll_cap)
-            reply = await run_async(flow, self._store)
+        try:
+            if wait is None:
+                reply = await self._store.claim(*cargs)
+            else:
+                flow = claim_flow(*cargs, wait, self._coord.clock, self._coord.poll_cap)
+                reply = await run_async(flow, self._store)
+        except Exception as exc:
+            self._failed("claim", exc, t0)
+            raise
         return cast("Claimed | Completed", self._replay_or_raise(key, reply, load, t0, cargs[1]))
 
     async def _record(self, plan: WrapPlan, token: ClaimToken, result: Any) -> None:
@@ -273,7 +299,11 @@ class AsyncIdempotencyPort(IdempotencyBase):
         except BaseException:
             await self._abandon_quietly(token)
             raise
-        ok = await self._store.complete(*self._token_args(token), data, self._ttl_ms)
+        try:
+            ok = await self._store.complete(*self._token_args(token), data, self._ttl_ms)
+        except Exception as exc:
+            self._failed("complete", exc, t0)
+            raise
         self._done(token, ok, "complete", t0)
 
     async def _fail(self, plan: WrapPlan, token: ClaimToken, exc: BaseException) -> None:
@@ -282,7 +312,11 @@ class AsyncIdempotencyPort(IdempotencyBase):
             await self._abandon_quietly(token)
             return
         t0 = self._t0()
-        ok = await self._store.complete(*self._token_args(token), data, self._ttl_ms)
+        try:
+            ok = await self._store.complete(*self._token_args(token), data, self._ttl_ms)
+        except Exception as exc:
+            self._failed("complete", exc, t0)
+            raise
         self._emit("complete", "ok" if ok else "stale", t0)
         if not ok:
             log.warning("could not record the error of %r: the claim was lost", token.key)
@@ -292,7 +326,8 @@ class AsyncIdempotencyPort(IdempotencyBase):
         try:
             ok = await self._store.abandon(*self._token_args(token))
             self._emit("abandon", "ok" if ok else "stale", t0)
-        except Exception:
+        except Exception as exc:
+            self._failed("abandon", exc, t0)
             log.warning(
                 "could not abandon claim on %r; it frees itself when its lease ends",
                 token.key,
@@ -315,7 +350,11 @@ class AsyncLockPort(LockBase):
         if not wait_s:
             # No waiting: one call, no flow to drive.
             sent = self._coord.clock.monotonic()
-            reply = await self._store.acquire(self._ns, validated(key), who, self._ttl_ms)
+            try:
+                reply = await self._store.acquire(self._ns, validated(key), who, self._ttl_ms)
+            except Exception as exc:
+                self._failed("acquire", exc, t0)
+                raise
             return self._acquired(key, who, (reply, sent, 1), t0)
         flow = acquire_flow(
             self._ns,
@@ -326,7 +365,12 @@ class AsyncLockPort(LockBase):
             self._coord.clock,
             self._coord.poll_cap,
         )
-        return self._acquired(key, who, await run_async(flow, self._store), t0)
+        try:
+            result = await run_async(flow, self._store)
+        except Exception as exc:
+            self._failed("acquire", exc, t0)
+            raise
+        return self._acquired(key, who, result, t0)
 
     async def release(self, lease: Lease) -> bool:
         """Free the lock if this lease still holds it; False if it had expired or was
@@ -335,7 +379,12 @@ class AsyncLockPort(LockBase):
         args = self._release_args(lease)
         if args is None:
             return self._released(lease, False, t0)
-        return self._released(lease, await self._store.release(*args), t0)
+        try:
+            ok = await self._store.release(*args)
+        except Exception as exc:
+            self._failed("release", exc, t0)
+            raise
+        return self._released(lease, ok, t0)
 
     async def renew(self, lease: Lease, ttl: timedelta | float | None = None) -> bool:
         """Reset the lease to ``ttl`` from now; the token stays. False if it had expired."""
@@ -343,7 +392,11 @@ class AsyncLockPort(LockBase):
         args = self._check_lease(lease, "renew")
         ttl_ms = self._renew_ttl(ttl)
         sent = self._coord.clock.monotonic()
-        new_exp = await self._store.renew(*args, ttl_ms)
+        try:
+            new_exp = await self._store.renew(*args, ttl_ms)
+        except Exception as exc:
+            self._failed("renew", exc, t0)
+            raise
         return self._renewed(lease, sent, ttl_ms, new_exp, t0)
 
     async def is_locked(self, key: str) -> bool:

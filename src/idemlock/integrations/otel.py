@@ -15,8 +15,9 @@ task's or the HTTP request's, when those are traced). Span names are
 ...), of kind INTERNAL, with the attributes ``idemlock.spec``, ``idemlock.store`` (the
 store kind), ``idemlock.outcome`` and ``idemlock.kind`` (``idempotency`` or ``lock``);
 never the key, the payload, the owner or the tenant. Outcomes that mean something
-went wrong (``stale``, ``mismatch``, ``failed``, ``lost``) set the span's status to
-ERROR.
+went wrong (``stale``, ``mismatch``, ``failed``, ``lost``, ``error``) set the span's
+status to ERROR; a store call that raised (outcome ``error``) also carries
+``idemlock.error``, the exception's type name (``StoreUnavailable``).
 
 Without an SDK configured the API's tracer is a no-op, so the hook costs little.
 """
@@ -33,7 +34,7 @@ from .._core.events import Event
 __all__ = ["ERROR_OUTCOMES", "OpenTelemetryHook"]
 
 #: outcomes recorded with an ERROR span status
-ERROR_OUTCOMES = frozenset({"stale", "mismatch", "failed", "lost"})
+ERROR_OUTCOMES = frozenset({"stale", "mismatch", "failed", "lost", "error"})
 
 
 class OpenTelemetryHook:
@@ -65,6 +66,9 @@ class OpenTelemetryHook:
                 "idemlock.kind": event.kind,
             },
         )
+        if event.error is not None:
+            span.set_attribute("idemlock.error", event.error)
         if event.outcome in ERROR_OUTCOMES:
-            span.set_status(Status(StatusCode.ERROR, f"{event.name}: {event.outcome}"))
+            detail = event.outcome if event.error is None else f"{event.outcome} ({event.error})"
+            span.set_status(Status(StatusCode.ERROR, f"{event.name}: {detail}"))
         span.end(end_time=end)

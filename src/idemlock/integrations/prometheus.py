@@ -13,19 +13,25 @@ the payload, the owner or the tenant, which are unbounded and may be private):
 
 ==========================================  =========================================
 ``idemlock_claims_total``                   claims by ``outcome``: claimed, in_flight,
-                                            replayed, mismatch
-``idemlock_completions_total``              ``complete`` calls by ``outcome``: ok, stale
-``idemlock_abandons_total``                 ``abandon`` calls by ``outcome``: ok, stale
-``idemlock_lock_acquisitions_total``        by ``outcome``: acquired, waited, timeout
-``idemlock_lock_releases_total``            by ``outcome``: ok, not_held
-``idemlock_renewals_total``                 lease renewals by ``outcome``: ok, failed
+                                            replayed, mismatch, error
+``idemlock_completions_total``              ``complete`` calls by ``outcome``: ok, stale,
+                                            error
+``idemlock_abandons_total``                 ``abandon`` calls by ``outcome``: ok, stale,
+                                            error
+``idemlock_lock_acquisitions_total``        by ``outcome``: acquired, waited, timeout,
+                                            error
+``idemlock_lock_releases_total``            by ``outcome``: ok, not_held, error
+``idemlock_renewals_total``                 lease renewals by ``outcome``: ok, failed,
+                                            error
 ``idemlock_leases_lost_total``              leases lost while held (``hold()``)
 ``idemlock_operation_duration_seconds``     histogram by ``operation`` (claim, complete,
                                             abandon, acquire, release, renew); an
                                             ``acquire`` includes its wait
 ==========================================  =========================================
 
-Every metric has the ``spec`` and ``store`` labels (``store`` is the store kind:
+Outcome ``error`` counts store calls that raised (the store down or past its
+timeout), so an outage shows as a rising ``error`` rate rather than silence. Every
+metric has the ``spec`` and ``store`` labels (``store`` is the store kind:
 memory, sqlite, redis, postgres). The metrics are registered once per registry, so
 several coordinators (or tenant views) can each add a ``PrometheusHook`` on the same
 registry.
