@@ -9,6 +9,7 @@ from .servers.faults import (  # noqa: F401  (session fixtures)
     fault_redis_cluster,
     fault_redis_server,
 )
+from .servers.etcd import etcd_cluster, etcd_server  # noqa: F401  (session fixtures)
 from .servers.postgres import postgres_dsn, postgres_server  # noqa: F401  (session fixtures)
 from .servers.redis import redis_cluster, redis_server  # noqa: F401  (session fixtures)
 

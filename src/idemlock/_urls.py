@@ -26,6 +26,8 @@ SCHEMES: dict[str, str] = {
     "rediss+cluster": "idemlock.stores.redis",
     "postgresql": "idemlock.stores.postgres",
     "postgres": "idemlock.stores.postgres",
+    "etcd": "idemlock.stores.etcd",
+    "etcds": "idemlock.stores.etcd",
 }
 
 #: client class module prefix -> store module, for passing an existing client

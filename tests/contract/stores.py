@@ -86,6 +86,18 @@ def redis_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
     return by_url("redis_cluster", request.getfixturevalue("redis_cluster").url)
 
 
+def etcd(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
+    from ..servers.etcd import etcd_harness
+
+    return etcd_harness("etcd", request.getfixturevalue("etcd_server").url)
+
+
+def etcd_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
+    from ..servers.etcd import etcd_harness
+
+    return etcd_harness("etcd_cluster", request.getfixturevalue("etcd_cluster").url)
+
+
 #: stores that live inside one process (no cross-process race tests)
 IN_PROCESS_ONLY = {"memory"}
 
@@ -96,4 +108,6 @@ STORES: dict[str, Callable[[pytest.FixtureRequest, Path], Harness]] = {
     "postgres": postgres,
     "redis": redis,
     "redis_cluster": redis_cluster,
+    "etcd": etcd,
+    "etcd_cluster": etcd_cluster,
 }

@@ -1,0 +1,191 @@
+"""The etcd store's URL, options and gRPC error mapping (shared by sync and async)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, unquote
+
+from ..._errors import ConfigurationError, StoreFull, StoreUnavailable
+from ..._urls import redact
+
+DEFAULT_TIMEOUT = 5.0
+
+#: one attempt on one member is cut after this share of the call's bound, so a member
+#: that went silent leaves time to ask another one
+TRY_SHARE = 0.5
+
+OPTIONS = ("timeout", "prefix", "ca", "cert", "key", "user", "password")
+
+
+@dataclass(frozen=True)
+class Config:
+    endpoints: tuple[str, ...]
+    tls: bool
+    timeout: float = DEFAULT_TIMEOUT
+    root: bytes = b"idemlock/"
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    ca: bytes | None = field(default=None, repr=False)
+    cert: bytes | None = field(default=None, repr=False)
+    key: bytes | None = field(default=None, repr=False)
+
+    @property
+    def per_try(self) -> float:
+        return max(0.2, self.timeout * TRY_SHARE)
+
+    def credentials(self) -> Any:
+        import grpc
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca, private_key=self.key, certificate_chain=self.cert
+        )
+
+
+def _timeout(raw: Any) -> float:
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = math.nan
+    if isinstance(raw, bool) or not math.isfinite(value) or value <= 0:
+        raise ConfigurationError(
+            f"timeout is the bound in seconds on one etcd store call; it must be a "
+            f"positive finite number, got {raw!r}"
+        )
+    return value
+
+
+def _read(path: Any, what: str) -> bytes:
+    try:
+        return Path(str(path)).read_bytes()
+    except OSError as exc:
+        raise ConfigurationError(f"cannot read the etcd {what} file {path!r}: {exc}") from exc
+
+
+def parse(url: str, options: dict[str, Any]) -> Config:
+    """``etcd://[user:password@]host:port[,host:port...][?timeout=&prefix=]`` or
+    ``etcds://`` (TLS; ``ca=``, ``cert=``, ``key=`` file paths)."""
+    if not isinstance(url, str):
+        raise ConfigurationError(f"an etcd URL must be a str, got {type(url).__name__}")
+    scheme, sep, rest = url.partition("://")
+    scheme = scheme.lower()
+    if not sep or scheme not in ("etcd", "etcds"):
+        raise ConfigurationError(
+            f"{redact(url)!r} is not an etcd URL; write etcd://host:port[,host:port...] "
+            "or etcds:// for TLS"
+        )
+    rest, _, _ = rest.partition("#")
+    netloc, _, query_s = rest.partition("?")
+    netloc, _, path = netloc.partition("/")
+    if path.strip("/"):
+        raise ConfigurationError(
+            f"an etcd URL has no path; use ?prefix= for a key prefix, in {redact(url)!r}"
+        )
+    userinfo, at, hosts = netloc.rpartition("@")
+    values: dict[str, Any] = {}
+    try:
+        values.update(parse_qsl(query_s, keep_blank_values=True, strict_parsing=bool(query_s)))
+    except ValueError as exc:
+        raise ConfigurationError(f"cannot parse the options of {redact(url)!r}: {exc}") from exc
+    if at:
+        name, colon, secret = userinfo.partition(":")
+        values.setdefault("user", unquote(name))
+        if colon:
+            values.setdefault("password", unquote(secret))
+    for name, value in options.items():
+        values[name] = value
+    unknown = sorted(set(values) - set(OPTIONS))
+    if unknown:
+        raise ConfigurationError(
+            f"unknown option(s) {', '.join(unknown)} for the etcd store ({redact(url)!r}); "
+            f"accepted: {', '.join(OPTIONS)}"
+        )
+    endpoints = []
+    for item in hosts.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        host, _, port = item.rpartition(":") if not item.endswith("]") else (item, "", "")
+        if not host:
+            host, port = port, ""
+        port = port or "2379"
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigurationError(
+                f"bad etcd endpoint {item!r} in {redact(url)!r}; write host:port[,host:port...]"
+            )
+        endpoints.append(f"{host}:{int(port)}")
+    if not endpoints:
+        raise ConfigurationError(f"etcd URL {redact(url)!r} names no endpoint")
+    tls = scheme == "etcds"
+    if not tls and any(values.get(k) for k in ("ca", "cert", "key")):
+        raise ConfigurationError("ca=, cert= and key= need an etcds:// (TLS) URL")
+    if ("cert" in values) != ("key" in values):
+        raise ConfigurationError("a client certificate needs both cert= and key=")
+    prefix = values.get("prefix", "idemlock/")
+    if not isinstance(prefix, str) or not prefix:
+        raise ConfigurationError(f"prefix must be a non-empty str, got {prefix!r}")
+    user = values.get("user") or None
+    password = values.get("password")
+    if user is not None and password is None:
+        raise ConfigurationError("etcd user given without a password (user:password@host)")
+    return Config(
+        endpoints=tuple(endpoints),
+        tls=tls,
+        timeout=_timeout(values.get("timeout", DEFAULT_TIMEOUT)),
+        root=prefix.encode("utf-8"),
+        user=user,
+        password=None if password is None else str(password),
+        ca=_read(values["ca"], "CA") if values.get("ca") else None,
+        cert=_read(values["cert"], "certificate") if values.get("cert") else None,
+        key=_read(values["key"], "key") if values.get("key") else None,
+    )
+
+
+# ---- errors ------------------------------------------------------------------------------
+
+#: what the driver does with a failed attempt
+RETRY, REAUTH, FAIL = "retry", "reauth", "fail"
+
+
+def classify(exc: Any) -> str:
+    """RETRY: ask again, maybe another member (the outcome of a write is unknown);
+    REAUTH: the auth token expired; FAIL: an answer, not a transient fault."""
+    import grpc
+
+    code = exc.code() if hasattr(exc, "code") else None
+    details = (exc.details() if hasattr(exc, "details") else "") or ""
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return RETRY
+    if code == grpc.StatusCode.UNAUTHENTICATED or "invalid auth token" in details:
+        return REAUTH
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "too many requests" in details:
+        return RETRY
+    if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN) and (
+        "leader" in details or "timed out" in details or "stopped" in details
+    ):
+        return RETRY
+    return FAIL
+
+
+def error(exc: Any, what: str, endpoint: str) -> Exception:
+    """The idemlock error for a gRPC failure (the caller chains ``exc``)."""
+    code = exc.code() if hasattr(exc, "code") else None
+    details = (exc.details() if hasattr(exc, "details") else str(exc)) or str(exc)
+    name = getattr(code, "name", type(exc).__name__)
+    if "database space exceeded" in details:
+        return StoreFull(
+            f"etcd {what}: the etcd database is full (its space quota is exceeded): "
+            "compact and defragment it, or raise --quota-backend-bytes"
+        )
+    if "permission denied" in details or name == "PERMISSION_DENIED":
+        return StoreUnavailable(
+            f"etcd {what} at {endpoint}: permission denied; grant the user read-write on "
+            f"the store's key prefix ({details})"
+        )
+    if "authentication failed" in details:
+        return StoreUnavailable(
+            f"etcd {what} at {endpoint}: authentication failed (check user and password)"
+        )
+    return StoreUnavailable(f"etcd {what} at {endpoint} failed: {name}: {details}")

@@ -1,0 +1,463 @@
+"""Every port method of the etcd store, written once as a generator.
+
+An op yields :class:`Rpc` requests (a unary gRPC call and its request message) and
+receives their replies; it never does I/O itself. The sync store drives it on a
+``grpc.Channel``, the async store on ``grpc.aio``: only the call layer differs.
+
+Each state change is one Txn whose compares guard it (a CAS on revisions or on the
+value's owner/token prefix); leases are granted just before the Txn that uses them
+and a lease that ends up unused is revoked in the background. A Txn whose reply was
+lost (UNAVAILABLE, DEADLINE_EXCEEDED) is re-sent by the driver on another member;
+each op reads its own earlier success from the re-sent Txn's answer
+(``Rpc.retried``), so nothing is applied twice and a re-sent call is not reported
+stale when its first attempt went through.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections import OrderedDict
+from collections.abc import Generator
+from typing import Any
+
+from ..._core.port import (
+    Acquired,
+    Busy,
+    Done,
+    Granted,
+    Held,
+    LockRow,
+    Mismatch,
+    RecordRow,
+)
+from . import _codec as K
+from ._pb.etcdserverpb import rpc_pb2 as _rpc_pb2
+
+pb: Any = _rpc_pb2  # generated without type information
+
+log = logging.getLogger("idemlock")
+
+#: RPCs that change state: their outcome is unknown when the reply is lost
+WRITES = frozenset({"Txn", "DeleteRange", "LeaseGrant", "LeaseRevoke", "Put"})
+
+#: listing page size (keys per Range)
+PAGE = 1000
+
+
+class Rpc:
+    """One unary call. ``background``: fire and forget (a cleanup that may fail).
+    ``retried`` is set by the driver when it re-sent the request after an unknown
+    outcome."""
+
+    __slots__ = ("background", "method", "request", "retried")
+
+    def __init__(self, method: str, request: Any, background: bool = False) -> None:
+        self.method = method
+        self.request = request
+        self.background = background
+        self.retried = False
+
+
+Op = Generator[Rpc, Any, Any]
+
+_BAD = (ValueError, struct.error, UnicodeDecodeError, IndexError)
+
+
+def _revoke(lease: int) -> Rpc:
+    return Rpc("LeaseRevoke", pb.LeaseRevokeRequest(ID=lease), background=True)
+
+
+def _grant(ms: int) -> Rpc:
+    return Rpc("LeaseGrant", pb.LeaseGrantRequest(TTL=K.lease_seconds(ms)))
+
+
+class Ops:
+    """The op generators over one key root. Keeps, per claim this process was granted,
+    its fence and fingerprint, so ``complete`` needs no read first."""
+
+    def __init__(self, root: bytes) -> None:
+        self.root = root
+        self._claims: OrderedDict[tuple[str, str, str], tuple[int, str | None]] = OrderedDict()
+
+    def _remember(self, ns: str, key: str, token: str, fence: int, fp: str | None) -> None:
+        self._claims[(ns, key, token)] = (fence, fp)
+        if len(self._claims) > 10_000:
+            self._claims.popitem(last=False)
+
+    # ---- idempotency records ---------------------------------------------------------
+
+    def claim(self, ns: str, key: str, fp: str | None, token: str, lease_ms: int) -> Op:
+        n = K.claim_names(self.root, ns, key)
+        g = yield _grant(lease_ms)
+        written = K.now_ms()
+        take = [
+            K.put(n.record, K.inflight_value(token, fp)),
+            K.put(n.marker, K.marker_value(lease_ms, int(g.TTL), written), g.ID),
+        ]
+        # absent -> claim; in flight with its lease marker gone (lease over) -> take over
+        # (a new fence: the Txn's revision); else read both and decide.
+        takeover = K.txn(
+            [*K.cmp_range(n.record, b"I", b"J"), K.cmp_create(n.marker, 0)],
+            take,
+            [K.get(n.record), K.get(n.marker)],
+        )
+        resp = yield Rpc("Txn", K.txn([K.cmp_create(n.record, 0)], take, [K.nested(takeover)]))
+        if resp.succeeded or resp.responses[0].response_txn.succeeded:
+            fence = int(resp.header.revision)
+            self._remember(ns, key, token, fence, fp)
+            return Granted(token, fence, written + lease_ms, lease_ms)
+        yield _revoke(g.ID)
+        inner = resp.responses[0].response_txn
+        rec_kvs, marker_kvs = K.kvs(inner.responses[0]), K.kvs(inner.responses[1])
+        if not rec_kvs:
+            raise K.corrupt(n.record, ValueError("the record vanished inside one Txn"))
+        rec = rec_kvs[0]
+        try:
+            val = K.parse_record(rec.value)
+            marker = K.parse_marker(marker_kvs[0].value) if marker_kvs else None
+        except _BAD as exc:
+            raise K.corrupt(rec.key, exc) from exc
+        now = K.now_ms()
+        if isinstance(val, K.InFlightVal):
+            if marker is None:
+                raise K.corrupt(n.record, ValueError("an expired claim was not taken over"))
+            if val.token == token:  # a re-sent claim: the same attempt, the same fence
+                self._remember(ns, key, token, int(rec.mod_revision), fp)
+                return Granted(
+                    token, int(rec.mod_revision), marker.expires_ms, marker.expires_ms - now
+                )
+            if val.fp != fp:
+                return Mismatch("in_flight")
+            return Busy(marker.expires_ms, marker.left_ms(now))
+        if val.fp != fp:
+            return Mismatch("completed")
+        return Done(val.result, val.times.expires_ms)
+
+    def complete(self, ns: str, key: str, token: str, result: bytes, ttl_ms: int) -> Op:
+        n = K.claim_names(self.root, ns, key)
+        known = self._claims.get((ns, key, token))
+        if known is None:
+            resp = yield Rpc("Range", pb.RangeRequest(key=n.record))
+            if not resp.kvs:
+                return False
+            try:
+                val = K.parse_record(resp.kvs[0].value)
+            except _BAD as exc:
+                raise K.corrupt(n.record, exc) from exc
+            if not isinstance(val, K.InFlightVal) or val.token != token:
+                return False
+            known = (int(resp.kvs[0].mod_revision), val.fp)
+        fence, fp = known
+        g = yield _grant(ttl_ms)
+        value = K.done_value(token, fence, fp, bytes(result), ttl_ms, int(g.TTL), K.now_ms())
+        rpc = Rpc(
+            "Txn",
+            K.txn(
+                [K.cmp_mod(n.record, fence), *K.cmp_starts(n.record, K.token_prefix(token))],
+                [K.put(n.record, value, g.ID), K.delete(n.marker, prev=True)],
+                [K.get(n.record)],
+            ),
+        )
+        resp = yield rpc
+        self._claims.pop((ns, key, token), None)
+        if resp.succeeded:
+            for prev in resp.responses[1].response_delete_range.prev_kvs:
+                if prev.lease:
+                    yield _revoke(prev.lease)
+            return True
+        yield _revoke(g.ID)
+        kv = K.kvs(resp.responses[0])
+        # Re-sent after a lost reply, and completed with our token: the first attempt.
+        return rpc.retried and bool(kv) and kv[0].value.startswith(K.done_prefix(token) + b"\0")
+
+    def abandon(self, ns: str, key: str, token: str) -> Op:
+        n = K.claim_names(self.root, ns, key)
+        rpc = Rpc(
+            "Txn",
+            K.txn(
+                K.cmp_starts(n.record, K.token_prefix(token)),
+                [K.delete(n.record), K.delete(n.marker, prev=True)],
+                [K.get(n.record)],
+            ),
+        )
+        resp = yield rpc
+        self._claims.pop((ns, key, token), None)
+        if resp.succeeded:
+            for prev in resp.responses[1].response_delete_range.prev_kvs:
+                if prev.lease:
+                    yield _revoke(prev.lease)
+            return True
+        # Re-sent after a lost reply and now absent: the first attempt deleted it.
+        return rpc.retried and not K.kvs(resp.responses[0])
+
+    def extend(self, ns: str, key: str, token: str, lease_ms: int) -> Op:
+        n = K.claim_names(self.root, ns, key)
+        g = yield _grant(lease_ms)
+        written = K.now_ms()
+        resp = yield Rpc(
+            "Txn",
+            K.txn(
+                [
+                    *K.cmp_starts(n.record, K.token_prefix(token)),
+                    K.cmp_create(n.marker, 0, pb.Compare.NOT_EQUAL),
+                ],
+                [K.put(n.marker, K.marker_value(lease_ms, int(g.TTL), written), g.ID, prev=True)],
+                [],
+            ),
+        )
+        if not resp.succeeded:
+            yield _revoke(g.ID)
+            return None
+        old = resp.responses[0].response_put.prev_kv.lease
+        if old and old != g.ID:
+            yield _revoke(old)
+        return written + lease_ms
+
+    def record(self, ns: str, key: str) -> Op:
+        n = K.claim_names(self.root, ns, key)
+        resp = yield Rpc("Txn", K.txn([], [K.get(n.record), K.get(n.marker)], []))
+        rec, marker = K.kvs(resp.responses[0]), K.kvs(resp.responses[1])
+        if not rec:
+            return None
+        try:
+            return _record_row(ns, key, rec[0], marker[0] if marker else None)
+        except _BAD as exc:
+            raise K.corrupt(n.record, exc) from exc
+
+    def forget(self, ns: str, key: str) -> Op:
+        n = K.claim_names(self.root, ns, key)
+        resp = yield Rpc(
+            "Txn",
+            K.txn([], [K.delete(n.record, prev=True), K.delete(n.marker, prev=True)], []),
+        )
+        rec = resp.responses[0].response_delete_range.prev_kvs
+        marker = resp.responses[1].response_delete_range.prev_kvs
+        for prev in (*rec, *marker):
+            if prev.lease:
+                yield _revoke(prev.lease)
+        if not rec:
+            return False
+        try:
+            return _record_row(ns, key, rec[0], marker[0] if marker else None) is not None
+        except _BAD:
+            return True  # a corrupt value was there, and now is not
+
+    def records(self, ns_prefix: str) -> Op:
+        rows: list[RecordRow] = []
+        pending: dict[tuple[str, str], list[Any]] = {}
+        kvs = yield from self._scan(K.listing_prefix(self.root, "c", ns_prefix))
+        for kv in kvs:
+            parsed = K.parse_name(self.root, "c", kv.key)
+            if parsed is None:
+                rows.append(_corrupt_record(kv.key, "an unknown key name"))
+                continue
+            ns, key, suffix = parsed
+            if not ns.startswith(ns_prefix):
+                continue
+            pair = pending.setdefault((ns, key), [None, None])
+            pair[0 if suffix == b"r" else 1] = kv
+        for (ns, key), (rec, marker) in pending.items():
+            if rec is None:
+                continue  # a lease marker alone: its record is being written or deleted
+            try:
+                row = _record_row(ns, key, rec, marker)
+            except _BAD as exc:
+                rows.append(_corrupt_record(rec.key, str(exc), ns, key))
+                continue
+            if row is not None:
+                rows.append(row)
+        return rows
+
+    # ---- locks -----------------------------------------------------------------------
+
+    def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Op:
+        name = K.lock_name(self.root, ns, key)
+        g = yield _grant(ttl_ms)
+        written = K.now_ms()
+        value = K.lock_value(owner, ttl_ms, int(g.TTL), written)
+        # free -> ours (token = the creating Txn's revision); ours already (a retried
+        # acquire) -> same token, new lease; else read the holder.
+        again = K.txn(
+            K.cmp_starts(name, K.owner_prefix(owner)),
+            [K.put(name, value, g.ID, prev=True), K.get(name)],
+            [K.get(name)],
+        )
+        resp = yield Rpc(
+            "Txn", K.txn([K.cmp_create(name, 0)], [K.put(name, value, g.ID)], [K.nested(again)])
+        )
+        if resp.succeeded:
+            return Acquired(int(resp.header.revision), written + ttl_ms, ttl_ms)
+        inner = resp.responses[0].response_txn
+        if inner.succeeded:
+            old = inner.responses[0].response_put.prev_kv.lease
+            if old and old != g.ID:
+                yield _revoke(old)
+            token = int(K.kvs(inner.responses[1])[0].create_revision)
+            return Acquired(token, written + ttl_ms, ttl_ms)
+        yield _revoke(g.ID)
+        holder = K.kvs(inner.responses[0])
+        if not holder:
+            raise K.corrupt(name, ValueError("the lock vanished inside one Txn"))
+        try:
+            val = K.parse_lock(holder[0].value)
+        except _BAD as exc:
+            raise K.corrupt(name, exc) from exc
+        return Held(val.times.expires_ms, val.times.left_ms(K.now_ms()))
+
+    def _held_by(self, name: bytes, owner: str, token: int) -> list[Any]:
+        return [K.cmp_create(name, token), *K.cmp_starts(name, K.owner_prefix(owner))]
+
+    def release(self, ns: str, key: str, owner: str, token: int) -> Op:
+        name = K.lock_name(self.root, ns, key)
+        rpc = Rpc(
+            "Txn",
+            K.txn(self._held_by(name, owner, token), [K.delete(name, prev=True)], [K.get(name)]),
+        )
+        resp = yield rpc
+        if resp.succeeded:
+            for prev in resp.responses[0].response_delete_range.prev_kvs:
+                if prev.lease:
+                    yield _revoke(prev.lease)
+            return True
+        return rpc.retried and not K.kvs(resp.responses[0])
+
+    def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> Op:
+        name = K.lock_name(self.root, ns, key)
+        g = yield _grant(ttl_ms)
+        written = K.now_ms()
+        value = K.lock_value(owner, ttl_ms, int(g.TTL), written)
+        resp = yield Rpc(
+            "Txn",
+            K.txn(self._held_by(name, owner, token), [K.put(name, value, g.ID, prev=True)], []),
+        )
+        if not resp.succeeded:
+            yield _revoke(g.ID)
+            return None
+        old = resp.responses[0].response_put.prev_kv.lease
+        if old and old != g.ID:
+            yield _revoke(old)
+        return written + ttl_ms
+
+    def lock(self, ns: str, key: str) -> Op:
+        name = K.lock_name(self.root, ns, key)
+        resp = yield Rpc("Range", pb.RangeRequest(key=name))
+        if not resp.kvs:
+            return None
+        try:
+            val = K.parse_lock(resp.kvs[0].value)
+        except _BAD as exc:
+            raise K.corrupt(name, exc) from exc
+        return LockRow(ns, key, val.owner, int(resp.kvs[0].create_revision), val.times.expires_ms)
+
+    def locks(self, ns_prefix: str) -> Op:
+        rows: list[LockRow] = []
+        kvs = yield from self._scan(K.listing_prefix(self.root, "l", ns_prefix))
+        for kv in kvs:
+            parsed = K.parse_name(self.root, "l", kv.key)
+            if parsed is None:
+                rows.append(_corrupt_lock(kv.key, "an unknown key name"))
+                continue
+            ns, key, _ = parsed
+            if not ns.startswith(ns_prefix):
+                continue
+            try:
+                val = K.parse_lock(kv.value)
+            except _BAD as exc:
+                rows.append(_corrupt_lock(kv.key, str(exc), ns, key))
+                continue
+            rows.append(LockRow(ns, key, val.owner, int(kv.create_revision), val.times.expires_ms))
+        return rows
+
+    # ---- fences ----------------------------------------------------------------------
+
+    def fence_advance(self, ns: str, resource: str, token: int) -> Op:
+        gate = K.gate_name(self.root, ns, resource)
+        mine = K.gate_value(token)
+        # A higher token is on the gate -> refuse (and read it); else (lower, equal or
+        # no gate: etcd fails a value compare on a missing key) -> write ours.
+        resp = yield Rpc(
+            "Txn",
+            K.txn(
+                [K.cmp_value(gate, pb.Compare.GREATER, mine)], [K.get(gate)], [K.put(gate, mine)]
+            ),
+        )
+        if not resp.succeeded:
+            return True, token
+        kv = K.kvs(resp.responses[0])
+        try:
+            return False, K.parse_gate(kv[0].value)
+        except _BAD as exc:
+            raise K.corrupt(gate, exc) from exc
+
+    def fence_current(self, ns: str, resource: str) -> Op:
+        gate = K.gate_name(self.root, ns, resource)
+        resp = yield Rpc("Range", pb.RangeRequest(key=gate))
+        if not resp.kvs:
+            return None
+        try:
+            return K.parse_gate(resp.kvs[0].value)
+        except _BAD as exc:
+            raise K.corrupt(gate, exc) from exc
+
+    def purge(self) -> Op:
+        """Delete in-flight records whose lease ended (locks and completed records go
+        with their etcd leases by themselves)."""
+        kvs = yield from self._scan(self.root + b"c/")
+        records: dict[bytes, Any] = {}
+        markers: set[bytes] = set()
+        for kv in kvs:
+            if kv.key.endswith(b"\0r") and kv.value[:1] == b"I":
+                records[kv.key[:-1]] = kv
+            elif kv.key.endswith(b"\0t"):
+                markers.add(kv.key[:-1])
+        removed = 0
+        for base, kv in records.items():
+            if base in markers:
+                continue
+            resp = yield Rpc(
+                "Txn",
+                K.txn(
+                    [K.cmp_mod(kv.key, int(kv.mod_revision)), K.cmp_create(base + b"t", 0)],
+                    [K.delete(kv.key)],
+                    [],
+                ),
+            )
+            removed += bool(resp.succeeded)
+        return removed
+
+    # ---- helpers ---------------------------------------------------------------------
+
+    def _scan(self, prefix: bytes) -> Generator[Rpc, Any, list[Any]]:
+        """Every key under ``prefix``, in pages, all read at one revision."""
+        out: list[Any] = []
+        start, end, rev = prefix, K.prefix_end(prefix), 0
+        while True:
+            resp = yield Rpc(
+                "Range", pb.RangeRequest(key=start, range_end=end, limit=PAGE, revision=rev)
+            )
+            out.extend(resp.kvs)
+            rev = rev or int(resp.header.revision)
+            if not resp.more or not resp.kvs:
+                return out
+            start = resp.kvs[-1].key + b"\0"
+
+
+def _record_row(ns: str, key: str, rec: Any, marker: Any) -> RecordRow | None:
+    val = K.parse_record(rec.value)
+    if isinstance(val, K.InFlightVal):
+        if marker is None:
+            return None  # its lease ended: expired (kept only for a late completion)
+        times = K.parse_marker(marker.value)
+        return RecordRow(ns, key, "in_flight", int(rec.mod_revision), times.expires_ms)
+    return RecordRow(ns, key, "completed", val.fence, val.times.expires_ms)
+
+
+def _corrupt_record(raw: bytes, why: str, ns: str = "", key: str = "") -> RecordRow:
+    log.warning("idemlock: etcd key %r is not an idemlock record (%s); listed as corrupt", raw, why)
+    return RecordRow(ns, key or raw.decode("utf-8", "replace"), "corrupt", 0, 0)
+
+
+def _corrupt_lock(raw: bytes, why: str, ns: str = "", key: str = "") -> LockRow:
+    log.warning("idemlock: etcd key %r is not an idemlock lock (%s); listed as corrupt", raw, why)
+    return LockRow(ns, key or raw.decode("utf-8", "replace"), "", 0, 0, corrupt=True)

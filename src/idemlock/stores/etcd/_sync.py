@@ -1,0 +1,504 @@
+"""The blocking etcd store: the ops of :mod:`._ops` driven on ``grpc.Channel``."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import random
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from ..._core.port import Acquired, Channel, ClaimReply, Held, LockRow, RecordRow
+from ..._errors import IdemlockError, StoreUnavailable
+from . import _codec as K
+from . import _conf
+from ._ops import WRITES, Op, Ops, Rpc
+from ._pb.etcdserverpb import rpc_pb2 as _rpc_pb2
+from ._pb.etcdserverpb import rpc_pb2_grpc as _rpc_pb2_grpc
+
+pb: Any = _rpc_pb2  # generated without type information
+stubs: Any = _rpc_pb2_grpc
+
+#: channel options: find a dead connection by itself (etcd allows pings every 5 s)
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+class _Stubs:
+    __slots__ = ("channel", "endpoint", "methods", "watch")
+
+    def __init__(self, channel: grpc.Channel, endpoint: str) -> None:
+        self.channel = channel
+        self.endpoint = endpoint
+        kv, lease = stubs.KVStub(channel), stubs.LeaseStub(channel)
+        auth = stubs.AuthStub(channel)
+        self.methods: dict[str, Any] = {
+            "Range": kv.Range,
+            "Txn": kv.Txn,
+            "DeleteRange": kv.DeleteRange,
+            "Put": kv.Put,
+            "LeaseGrant": lease.LeaseGrant,
+            "LeaseRevoke": lease.LeaseRevoke,
+            "LeaseTimeToLive": lease.LeaseTimeToLive,
+            "Authenticate": auth.Authenticate,
+            "Status": stubs.MaintenanceStub(channel).Status,
+        }
+        self.watch = stubs.WatchStub(channel).Watch
+
+
+class SyncClient:
+    """Channels to the endpoints; every call has a deadline and fails over."""
+
+    def __init__(self, conf: _conf.Config) -> None:
+        self.conf = conf
+        self._lock = threading.Lock()
+        self._stubs: dict[int, _Stubs] = {}
+        self._current = random.randrange(len(conf.endpoints))
+        self._token: str | None = None
+        self._pending: set[Any] = set()
+        self._closed = False
+        _track_fork(self)
+
+    # -- channels ------------------------------------------------------------------------
+
+    def stubs(self) -> _Stubs:
+        with self._lock:
+            if self._closed:
+                raise StoreUnavailable("the etcd store is closed")
+            i = self._current
+            s = self._stubs.get(i)
+            if s is None:
+                target = self.conf.endpoints[i]
+                if self.conf.tls:
+                    ch = grpc.secure_channel(target, self.conf.credentials(), CHANNEL_OPTIONS)
+                else:
+                    ch = grpc.insecure_channel(target, CHANNEL_OPTIONS)
+                s = self._stubs[i] = _Stubs(ch, target)
+            return s
+
+    def failover(self, seen: _Stubs) -> None:
+        """Move to the next endpoint, unless another caller already did."""
+        with self._lock:
+            if self._stubs.get(self._current) is seen and len(self.conf.endpoints) > 1:
+                self._current = (self._current + 1) % len(self.conf.endpoints)
+
+    def after_fork(self) -> None:
+        # Drop (never close: the parent still uses them) what the parent opened.
+        self._lock = threading.Lock()
+        self._stubs = {}
+        self._pending = set()
+
+    def metadata(self, s: _Stubs, deadline: float) -> tuple[tuple[str, str], ...] | None:
+        if self.conf.user is None:
+            return None
+        token = self._token
+        if token is None:
+            left = deadline - time.monotonic()
+            resp = s.methods["Authenticate"](
+                pb.AuthenticateRequest(name=self.conf.user, password=self.conf.password or ""),
+                timeout=max(0.01, min(left, self.conf.per_try)),
+            )
+            token = self._token = str(resp.token)
+        return (("token", token),)
+
+    # -- calls ---------------------------------------------------------------------------
+
+    def call(self, rpc: Rpc, deadline: float) -> Any:
+        attempt = 0
+        last: Exception | None = None
+        while True:
+            s = self.stubs()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                why = f": {last}" if last is not None else ""
+                raise StoreUnavailable(
+                    f"etcd {rpc.method}: no answer within the store's timeout of "
+                    f"{self.conf.timeout}s{why}"
+                ) from last
+            try:
+                md = self.metadata(s, deadline)
+                return s.methods[rpc.method](
+                    rpc.request, timeout=min(left, self.conf.per_try), metadata=md
+                )
+            except grpc.RpcError as exc:
+                action = _conf.classify(exc)
+                if action == _conf.FAIL:
+                    raise _conf.error(exc, rpc.method, s.endpoint) from exc
+                last = _conf.error(exc, rpc.method, s.endpoint)
+                if action == _conf.REAUTH:
+                    self._token = None
+                    if attempt > 2:
+                        raise last from exc
+                elif rpc.method in WRITES:
+                    rpc.retried = True
+                self.failover(s)
+                attempt += 1
+                time.sleep(min(0.2, 0.01 * 2**attempt, max(0.0, deadline - time.monotonic())))
+
+    def background(self, rpc: Rpc) -> None:
+        """Send and forget (a lease revoke): nothing waits for it, a failure is harmless."""
+        try:
+            s = self.stubs()
+            fut = s.methods[rpc.method].future(
+                rpc.request, timeout=self.conf.timeout, metadata=self.metadata(s, _far())
+            )
+        except (grpc.RpcError, IdemlockError):
+            return
+        with self._lock:
+            self._pending.add(fut)
+        fut.add_done_callback(self._pending.discard)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            chans, self._stubs = list(self._stubs.values()), {}
+        for s in chans:
+            s.channel.close()
+
+
+def _far() -> float:
+    return time.monotonic() + 5.0
+
+
+_CLIENTS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _track_fork(client: Any) -> None:
+    _CLIENTS.add(client)
+
+
+def _after_fork_in_child() -> None:
+    for c in list(_CLIENTS):
+        c.after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def drive(client: SyncClient, op: Op) -> Any:
+    """Run an op to its end: each Rpc it yields is one bounded call."""
+    deadline = time.monotonic() + client.conf.timeout
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            rpc = op.throw(error) if error is not None else op.send(value)
+        except StopIteration as stop:
+            return stop.value
+        error, value = None, None
+        if rpc.background:
+            client.background(rpc)
+            continue
+        try:
+            value = client.call(rpc, deadline)
+        except IdemlockError as exc:
+            error = exc
+
+
+# ---- watches -----------------------------------------------------------------------------
+
+
+class _Group:
+    """One etcd watch (one channel), shared by this store's waiters on it."""
+
+    __slots__ = ("created", "end", "id", "key", "no_put", "subs")
+
+    def __init__(self, wid: int, key: bytes, end: bytes, no_put: bool) -> None:
+        self.id = wid
+        self.key = key
+        self.end = end
+        self.no_put = no_put
+        self.subs: set[SyncSubscription] = set()
+        self.created = False
+
+    def create(self) -> Any:
+        filters = [pb.WatchCreateRequest.NOPUT] if self.no_put else []
+        return pb.WatchRequest(
+            create_request=pb.WatchCreateRequest(
+                key=self.key, range_end=self.end, watch_id=self.id, filters=filters
+            )
+        )
+
+
+class SyncSubscription:
+    __slots__ = ("_cond", "_flag", "_group", "_watcher")
+
+    def __init__(self, watcher: SyncWatcher, group: _Group) -> None:
+        self._watcher = watcher
+        self._group = group
+        self._flag = False
+        self._cond = threading.Condition(watcher._lock)
+
+    def _fire(self) -> None:  # with the watcher's lock held
+        self._flag = True
+        self._cond.notify()
+
+    def wait(self, timeout: float) -> bool:
+        with self._cond:
+            if not self._flag and timeout > 0:
+                self._cond.wait(timeout)
+            fired, self._flag = self._flag, False
+            return fired
+
+    def close(self) -> None:
+        self._watcher.remove(self)
+
+
+_STOP = object()
+
+
+class SyncWatcher:
+    """One Watch stream per store, read by a daemon thread; an event on a watched key
+    wakes that key's local waiters. When the stream breaks, every waiter is woken
+    once (it re-checks the store) and the watches are created again."""
+
+    def __init__(self, client: SyncClient) -> None:
+        self._client = client
+        self._lock = threading.Lock()
+        self._created = threading.Condition(self._lock)
+        self._groups: dict[tuple[bytes, bytes], _Group] = {}
+        self._by_id: dict[int, _Group] = {}
+        self._ids = itertools.count(1)
+        self._queue: queue.Queue[Any] | None = None
+        self._thread: threading.Thread | None = None
+        self._call: Any = None
+        self._closed = False
+
+    def after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._created = threading.Condition(self._lock)
+        self._groups, self._by_id = {}, {}
+        self._queue, self._thread, self._call = None, None, None
+
+    def subscribe(self, key: bytes, end: bytes, no_put: bool) -> SyncSubscription:
+        with self._lock:
+            if self._closed:
+                raise StoreUnavailable("the etcd store is closed")
+            g = self._groups.get((key, end))
+            if g is None:
+                g = _Group(next(self._ids), key, end, no_put)
+                self._groups[(key, end)] = g
+                self._by_id[g.id] = g
+                if self._queue is not None:
+                    self._queue.put(g.create())
+            sub = SyncSubscription(self, g)
+            g.subs.add(sub)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="idemlock-etcd-watch", daemon=True
+                )
+                self._thread.start()
+            if not g.created:
+                # Bounded: a waiter re-checks the store at least every second anyway.
+                self._created.wait_for(lambda: g.created, min(1.0, self._client.conf.timeout))
+        return sub
+
+    def remove(self, sub: SyncSubscription) -> None:
+        g = sub._group
+        with self._lock:
+            g.subs.discard(sub)
+            if g.subs or self._groups.get((g.key, g.end)) is not g:
+                return
+            del self._groups[(g.key, g.end)]
+            self._by_id.pop(g.id, None)
+            if self._queue is not None and g.created:
+                self._queue.put(
+                    pb.WatchRequest(cancel_request=pb.WatchCancelRequest(watch_id=g.id))
+                )
+
+    def _fire_all(self) -> None:  # with the lock held
+        for g in self._groups.values():
+            g.created = False
+            for s in g.subs:
+                s._fire()
+        self._created.notify_all()
+
+    def _handle(self, resp: Any) -> None:
+        with self._lock:
+            g = self._by_id.get(resp.watch_id)
+            if g is None:
+                return
+            if resp.created:
+                g.created = True
+                self._created.notify_all()
+            if resp.events or resp.canceled:
+                for s in g.subs:
+                    s._fire()
+            if resp.canceled and self._queue is not None:
+                g.created = False
+                self._queue.put(g.create())  # compaction or a server-side cancel
+
+    def _requests(self, q: queue.Queue[Any]) -> Iterator[Any]:
+        while True:
+            item = q.get()
+            if item is _STOP:
+                return
+            yield item
+
+    def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                q: queue.Queue[Any] = queue.Queue()
+                self._queue = q
+                for g in self._groups.values():
+                    q.put(g.create())
+            s = None
+            try:
+                s = self._client.stubs()
+                md = self._client.metadata(s, time.monotonic() + self._client.conf.timeout)
+                call = s.watch(self._requests(q), metadata=md)
+                with self._lock:
+                    self._call = call
+                for resp in call:
+                    backoff = 0.05
+                    self._handle(resp)
+            except (grpc.RpcError, IdemlockError, ValueError):
+                pass
+            with self._lock:
+                q.put(_STOP)
+                self._queue = None
+                self._call = None
+                if self._closed:
+                    return
+                self._fire_all()
+            if s is not None:
+                self._client.failover(s)
+            time.sleep(backoff)
+            backoff = min(1.0, backoff * 2)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            call, self._call = self._call, None
+            if self._queue is not None:
+                self._queue.put(_STOP)
+            for g in self._groups.values():
+                for s in g.subs:
+                    s._fire()
+        if call is not None:
+            call.cancel()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=2.0)
+
+
+# ---- the store -----------------------------------------------------------------------------
+
+
+class EtcdStore:
+    """The port on etcd v3 (3.4+), blocking."""
+
+    kind = "etcd"
+    issues_fence_tokens = True
+
+    def __init__(self, conf: _conf.Config) -> None:
+        self.conf = conf
+        self.timeout = conf.timeout
+        self.client = SyncClient(conf)
+        self.ops = Ops(conf.root)
+        self._watcher = SyncWatcher(self.client)
+        _WATCHERS.add(self._watcher)
+
+    def _run(self, op: Op) -> Any:
+        return drive(self.client, op)
+
+    def claim(self, ns: str, key: str, fp: str | None, token: str, lease_ms: int) -> ClaimReply:
+        r: ClaimReply = self._run(self.ops.claim(ns, key, fp, token, lease_ms))
+        return r
+
+    def complete(self, ns: str, key: str, token: str, result: bytes, ttl_ms: int) -> bool:
+        return bool(self._run(self.ops.complete(ns, key, token, result, ttl_ms)))
+
+    def abandon(self, ns: str, key: str, token: str) -> bool:
+        return bool(self._run(self.ops.abandon(ns, key, token)))
+
+    def extend(self, ns: str, key: str, token: str, lease_ms: int) -> int | None:
+        r: int | None = self._run(self.ops.extend(ns, key, token, lease_ms))
+        return r
+
+    def record(self, ns: str, key: str) -> RecordRow | None:
+        r: RecordRow | None = self._run(self.ops.record(ns, key))
+        return r
+
+    def forget(self, ns: str, key: str) -> bool:
+        return bool(self._run(self.ops.forget(ns, key)))
+
+    def records(self, ns_prefix: str) -> Sequence[RecordRow]:
+        r: Sequence[RecordRow] = self._run(self.ops.records(ns_prefix))
+        return r
+
+    def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
+        r: Acquired | Held = self._run(self.ops.acquire(ns, key, owner, ttl_ms))
+        return r
+
+    def release(self, ns: str, key: str, owner: str, token: int) -> bool:
+        return bool(self._run(self.ops.release(ns, key, owner, token)))
+
+    def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
+        r: int | None = self._run(self.ops.renew(ns, key, owner, token, ttl_ms))
+        return r
+
+    def lock(self, ns: str, key: str) -> LockRow | None:
+        r: LockRow | None = self._run(self.ops.lock(ns, key))
+        return r
+
+    def locks(self, ns_prefix: str) -> Sequence[LockRow]:
+        r: Sequence[LockRow] = self._run(self.ops.locks(ns_prefix))
+        return r
+
+    def fence_advance(self, ns: str, resource: str, token: int) -> tuple[bool, int]:
+        r: tuple[bool, int] = self._run(self.ops.fence_advance(ns, resource, token))
+        return r
+
+    def fence_current(self, ns: str, resource: str) -> int | None:
+        r: int | None = self._run(self.ops.fence_current(ns, resource))
+        return r
+
+    def purge(self) -> int:
+        return int(self._run(self.ops.purge()))
+
+    def subscribe(self, channel: Channel) -> SyncSubscription:
+        key, end, no_put = watch_range(self.conf.root, channel)
+        return self._watcher.subscribe(key, end, no_put)
+
+    def close(self) -> None:
+        self._watcher.close()
+        self.client.close()
+
+
+def watch_range(root: bytes, channel: Channel) -> tuple[bytes, bytes, bool]:
+    """(key, range_end, deletes only) watched for a channel: a lock is freed by its
+    deletion; a claim by a change of its record or the end of its lease marker."""
+    if channel.kind == "lock":
+        name = K.lock_name(root, channel.ns, channel.key)
+        return name, b"", True
+    base = K.claim_names(root, channel.ns, channel.key).base
+    return base, K.prefix_end(base), False
+
+
+_WATCHERS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _watchers_after_fork() -> None:
+    for w in list(_WATCHERS):
+        w.after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_watchers_after_fork)

@@ -1,0 +1,275 @@
+"""Throwaway etcd servers for tests and benchmarks.
+
+``start_etcd(n)`` starts an ``n``-member etcd cluster (1 or 3) on free loopback ports,
+each member with its own data directory in a temporary folder, and waits until it
+has a leader. ``EtcdCluster.kill(i)`` SIGKILLs a member, ``start_member(i)`` brings it
+back on the same ports and data; ``leader()`` says which member leads. Members run
+with a short heartbeat (20 ms) and election timeout (200 ms), so a failover takes
+well under a second and etcd's smallest lease is 1 s.
+
+``etcd_server`` (one member) and ``etcd_cluster`` (three) are session fixtures,
+registered by importing them from ``tests/conftest.py``. A missing ``etcd`` binary
+fails loudly (``apt-get install etcd-server``): a store test never skips.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ..contract.harness import Harness
+
+__all__ = ["EtcdCluster", "etcd_cluster", "etcd_server", "find_etcd", "start_etcd"]
+
+HEARTBEAT_MS = 20
+ELECTION_MS = 200
+
+
+def find_etcd() -> str:
+    path = shutil.which("etcd")
+    if not path:
+        raise RuntimeError(
+            "etcd was not found on PATH; the etcd store tests start their own throwaway "
+            "members and need it: apt-get install etcd-server (these tests never skip)"
+        )
+    return path
+
+
+def _free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+class EtcdCluster:
+    def __init__(self, root: Path, size: int) -> None:
+        self.root = root
+        self.size = size
+        ports = _free_ports(2 * size)
+        self.client_ports = ports[:size]
+        self.peer_ports = ports[size:]
+        self.names = [f"m{i}" for i in range(size)]
+        self.procs: list[subprocess.Popen[bytes] | None] = [None] * size
+        self.initial = ",".join(
+            f"{n}=http://127.0.0.1:{p}" for n, p in zip(self.names, self.peer_ports, strict=True)
+        )
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.client_ports]
+
+    @property
+    def url(self) -> str:
+        return "etcd://" + ",".join(self.endpoints)
+
+    def start_member(self, i: int, state: str = "existing") -> None:
+        etcd = find_etcd()
+        data = self.root / self.names[i]
+        cport, pport = self.client_ports[i], self.peer_ports[i]
+        cmd = [
+            etcd,
+            "--name", self.names[i],
+            "--data-dir", str(data),
+            "--listen-client-urls", f"http://127.0.0.1:{cport}",
+            "--advertise-client-urls", f"http://127.0.0.1:{cport}",
+            "--listen-peer-urls", f"http://127.0.0.1:{pport}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}",
+            "--initial-cluster", self.initial,
+            "--initial-cluster-state", state,
+            "--initial-cluster-token", f"idemlock-{self.root.name}",
+            "--heartbeat-interval", str(HEARTBEAT_MS),
+            "--election-timeout", str(ELECTION_MS),
+            "--logger", "zap",
+            "--log-level", "error",
+            "--log-outputs", str(self.root / f"{self.names[i]}.log"),
+        ]  # fmt: skip
+        self.procs[i] = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+
+    def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs[i]
+        if proc is None:
+            return
+        if sig == signal.SIGKILL:
+            self.procs[i] = None
+        os.kill(proc.pid, sig)
+        if sig == signal.SIGKILL:
+            proc.wait(timeout=10)
+
+    def status(self, i: int, timeout: float = 1.0) -> object | None:
+        import grpc
+
+        from idemlock.stores.etcd._pb.etcdserverpb import rpc_pb2, rpc_pb2_grpc
+
+        with grpc.insecure_channel(self.endpoints[i]) as ch:
+            try:
+                return rpc_pb2_grpc.MaintenanceStub(ch).Status(
+                    rpc_pb2.StatusRequest(), timeout=timeout
+                )
+            except grpc.RpcError:
+                return None
+
+    def leader(self, timeout: float = 20.0) -> int:
+        """The index of the member that leads (waiting for an election)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for i in range(self.size):
+                if self.procs[i] is None:
+                    continue
+                st = self.status(i)
+                if st is not None and st.leader and st.leader == st.header.member_id:  # type: ignore[attr-defined]
+                    return i
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the etcd cluster in {self.root} has no leader")
+            time.sleep(0.02)
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        for i, proc in enumerate(self.procs):
+            if proc is None:
+                continue
+            while self.status(i) is None:
+                if proc.poll() is not None:
+                    log = (self.root / f"{self.names[i]}.log").read_text(errors="replace")
+                    raise RuntimeError(f"etcd member {self.names[i]} exited:\n{log[-3000:]}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"etcd member {self.names[i]} did not answer")
+                time.sleep(0.02)
+        self.leader(timeout)
+
+    def start(self) -> None:
+        for i in range(self.size):
+            self.start_member(i, state="new")
+        self.wait_ready()
+
+    def stop(self) -> None:
+        for i in range(self.size):
+            with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
+                proc = self.procs[i]
+                if proc is not None:
+                    os.kill(proc.pid, signal.SIGCONT)
+                self.kill(i)
+
+    def destroy(self) -> None:
+        self.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def start_etcd(size: int = 1) -> EtcdCluster:
+    """Start an etcd cluster of ``size`` members; the caller must ``destroy()`` it."""
+    root = Path(tempfile.mkdtemp(prefix="idemlock-etcd-"))
+    cluster = EtcdCluster(root, size)
+    try:
+        cluster.start()
+    except BaseException:
+        cluster.destroy()
+        raise
+    return cluster
+
+
+def expire_due(url: str, now_ms: int | None = None) -> int:
+    """Revoke the etcd lease of every idemlock key whose *requested* ttl or lease has
+    passed; returns how many were revoked.
+
+    etcd counts leases in whole seconds (and checks them every 500 ms), so a 0.3 s
+    lease lives about 1-1.5 s there. The contract suite's ``advance(seconds)`` means
+    "let this much time pass for the store"; for etcd the harness does that by ending
+    the leases that are due, the way a manual clock does for the memory store."""
+    import grpc
+
+    from idemlock.stores.etcd import _codec as K
+    from idemlock.stores.etcd._pb.etcdserverpb import rpc_pb2, rpc_pb2_grpc
+
+    now = K.now_ms() if now_ms is None else now_ms
+    endpoint = url.split("://", 1)[1].split(",")[0]
+    revoked = 0
+    with grpc.insecure_channel(endpoint) as ch:
+        kv, lease = rpc_pb2_grpc.KVStub(ch), rpc_pb2_grpc.LeaseStub(ch)
+        resp = kv.Range(
+            rpc_pb2.RangeRequest(key=K.ROOT, range_end=K.prefix_end(K.ROOT)), timeout=10
+        )
+        for item in resp.kvs:
+            if not item.lease:
+                continue
+            try:
+                kind = item.value[:1]
+                if kind == b"L":
+                    times = K.parse_lock(item.value).times
+                elif kind == b"T":
+                    times = K.parse_marker(item.value)
+                elif kind == b"C":
+                    val = K.parse_record(item.value)
+                    assert isinstance(val, K.DoneVal)
+                    times = val.times
+                else:
+                    continue
+            except Exception:
+                continue
+            if times.expires_ms <= now:
+                with contextlib.suppress(grpc.RpcError):
+                    lease.LeaseRevoke(rpc_pb2.LeaseRevokeRequest(ID=item.lease), timeout=10)
+                    revoked += 1
+    return revoked
+
+
+@pytest.fixture(scope="session")
+def etcd_server() -> Iterator[EtcdCluster]:
+    """A one-member etcd shared by the session."""
+    cluster = start_etcd(1)
+    try:
+        yield cluster
+    finally:
+        cluster.destroy()
+
+
+@pytest.fixture(scope="session")
+def etcd_cluster() -> Iterator[EtcdCluster]:
+    """A three-member etcd cluster shared by the session. Do not kill members in a
+    test; use ``start_etcd(3)`` for a cluster a test may break."""
+    cluster = start_etcd(3)
+    try:
+        yield cluster
+    finally:
+        cluster.destroy()
+
+
+def etcd_harness(name: str, url: str) -> Harness:
+    """The contract suite's harness for an etcd store at ``url``: ``advance`` sleeps,
+    then ends the leases that are due (see :func:`expire_due`)."""
+
+    def open_sync(prefix: str, **options: Any) -> Any:
+        import idemlock
+
+        return idemlock.connect(url, key_prefix=prefix, **options)
+
+    def open_async(prefix: str, **options: Any) -> Any:
+        import idemlock.aio
+
+        return idemlock.aio.connect(url, key_prefix=prefix, **options)
+
+    class EtcdHarness(Harness):
+        def advance(self, seconds: float) -> None:
+            time.sleep(seconds)
+            expire_due(url)
+
+    return EtcdHarness(name, url, open_sync, open_async)
