@@ -5,6 +5,7 @@ loops and bursts. Every test runs against throwaway redis-server processes."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import shutil
@@ -14,6 +15,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +23,22 @@ import pytest
 import redis
 import redis.cluster
 
-from idemlock import ConfigurationError
-from idemlock._core.port import Acquired, Granted
-from idemlock.stores.redis import RedisStore, open_async, open_sync
+import idemlock
+import idemlock.aio
+from idemlock import (
+    Claimed,
+    ConfigurationError,
+    IdempotencySpec,
+    InFlight,
+    LockSpec,
+    StoreUnavailable,
+)
+from idemlock._core.port import Acquired, Channel, Granted
+from idemlock.stores.redis import RedisStore, from_client, open_async, open_sync
 from idemlock.stores.redis import _common as C
 
 from . import redis_wait_script
+from .servers.proxy import TcpProxy
 from .servers.redis import RedisServer, start_unix_redis
 
 LONG = 60_000  # ms: outlives every test
@@ -234,3 +246,204 @@ def test_redis_waits_and_contract_without_hiredis() -> None:
     assert "hiredis: made unimportable" in out, out[-3000:]
     assert proc.returncode == 0, out[-5000:]
     assert " passed" in out and "skipped" not in out, out[-3000:]
+
+
+# ---- A7: any event loop, and bursts ------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["standalone", "cluster"])
+def test_async_coordinator_works_on_one_loop_after_another(
+    where: str, request: pytest.FixtureRequest
+) -> None:
+    server = request.getfixturevalue("redis_server" if where == "standalone" else "redis_cluster")
+    coord = idemlock.aio.connect(server.url, key_prefix=_ns())
+    locks = coord.lock(LockSpec("l", ttl=timedelta(seconds=30)))
+    port = coord.idempotency(IdempotencySpec("j"))
+
+    async def round_trip(i: int) -> None:
+        lease = await locks.acquire(f"k{i}")
+        assert lease is not None
+        claim = await port.claim(f"job{i}")
+        assert isinstance(claim, Claimed)
+        await port.complete(claim.token, i)
+        # A wait subscribes on this loop's listener and is woken through it.
+        other = asyncio.ensure_future(locks.acquire(f"k{i}", owner="other", wait=20))
+        await asyncio.sleep(0.05)
+        assert await locks.release(lease)
+        got = await other
+        assert got is not None and got.owner == "other"
+
+    for i in range(3):  # three loops, one after another, as asyncio.run() in a script
+        asyncio.run(round_trip(i))
+
+    async def close() -> None:
+        await coord.close()
+
+    asyncio.run(close())
+
+
+async def test_a_client_passed_in_is_copied_for_another_loop(redis_server: RedisServer) -> None:
+    import redis.asyncio
+
+    client = redis.asyncio.Redis(port=redis_server.port)
+    coord = idemlock.aio.connect(client, key_prefix=_ns())
+    port = coord.idempotency(IdempotencySpec("j"))
+    first = await port.claim("a")
+    assert isinstance(first, Claimed)
+
+    def elsewhere() -> Any:
+        async def go() -> Any:
+            return await port.claim("b")
+
+        return asyncio.run(go())  # another loop, in another thread
+
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        assert isinstance(ex.submit(elsewhere).result(timeout=30), Claimed)
+    assert isinstance(await port.claim("a"), InFlight)  # the first loop still works
+    await coord.close()
+    await client.aclose()
+
+
+@pytest.mark.parametrize("where", ["standalone", "cluster"])
+async def test_a_burst_of_1000_calls_queues_for_a_connection(
+    where: str, request: pytest.FixtureRequest
+) -> None:
+    server = request.getfixturevalue("redis_server" if where == "standalone" else "redis_cluster")
+    coord = idemlock.aio.connect(server.url, key_prefix=_ns())
+    try:
+        port = coord.idempotency(IdempotencySpec("j"))
+        locks = coord.lock(LockSpec("l", ttl=timedelta(seconds=30)))
+        calls: list[Any] = [port.claim(f"c{i}") for i in range(500)]
+        calls += [locks.acquire(f"l{i}") for i in range(500)]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        assert errors == []
+        assert all(isinstance(r, Claimed) for r in results[:500])
+        assert all(r is not None for r in results[500:])
+    finally:
+        await coord.close()
+
+
+# ---- A1: the timeout option bounds every call ----------------------------------------------
+
+
+def _socket_kwargs(store: Any) -> dict[str, Any]:
+    client = store.client
+    if store.cluster:
+        if hasattr(client, "nodes_manager") and not hasattr(client, "get_connection_kwargs"):
+            kw: dict[str, Any] = client.nodes_manager.connection_kwargs
+            return kw
+        return dict(client.get_connection_kwargs())
+    return dict(client.connection_pool.connection_kwargs)
+
+
+@pytest.mark.parametrize("where", ["standalone", "cluster"])
+async def test_timeout_option_drives_socket_timeouts_and_is_exposed(
+    where: str, request: pytest.FixtureRequest
+) -> None:
+    server = request.getfixturevalue("redis_server" if where == "standalone" else "redis_cluster")
+    sep = "&" if "?" in server.url else "?"
+    opened: list[Any] = [
+        open_sync(server.url, timeout=1.5)[0],
+        open_sync(server.url + f"{sep}timeout=1.5")[0],
+        open_async(server.url, timeout=1.5)[0],
+    ]
+    default = open_sync(server.url)[0]
+    try:
+        for s in opened:
+            assert s.timeout == 1.5
+            kw = _socket_kwargs(s)
+            assert kw["socket_timeout"] == 1.5 and kw["socket_connect_timeout"] == 1.5
+        assert default.timeout == 5.0
+        coord = idemlock.connect(server.url, timeout=0.75)
+        assert coord.store.timeout == 0.75
+        coord.close()
+    finally:
+        for s in opened:
+            if isinstance(s, RedisStore):
+                s.close()
+            else:
+                await s.aclose()
+        default.close()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1, 0, "soon", True, "nan"])
+def test_bad_timeouts_are_configuration_errors(redis_server: RedisServer, bad: Any) -> None:
+    with pytest.raises(ConfigurationError, match="timeout"):
+        open_sync(redis_server.url, timeout=bad)
+    with pytest.raises(ConfigurationError, match="timeout"):
+        open_sync(f"{redis_server.url}?timeout={bad}")
+
+
+def test_a_client_passed_in_reports_its_socket_timeout(redis_server: RedisServer) -> None:
+    client = redis.Redis(port=redis_server.port, socket_timeout=2.5)
+    try:
+        assert from_client(client, asynchronous=False)[0].timeout == 2.5
+        assert from_client(client, asynchronous=False, timeout=1)[0].timeout == 1.0
+    finally:
+        client.close()
+
+
+TIMEOUT = 1.0
+#: generous over the bound (one timeout for a fresh connection's handshake, one for
+#: the request), so that only a call stretched by retries or no bound at all fails
+BOUND = 2 * TIMEOUT + 1.0
+
+
+def test_a_silent_network_is_store_unavailable_within_the_bound(
+    redis_server: RedisServer,
+) -> None:
+    with TcpProxy(redis_server.port) as proxy:
+        s = open_sync(f"redis://127.0.0.1:{proxy.port}/0", timeout=TIMEOUT)
+        store = s[0]
+        try:
+            ns = _ns()
+            assert isinstance(store.claim(ns, "k", None, "aa", LONG), Granted)
+            proxy.blackhole()
+            for call in (
+                lambda: store.claim(ns, "k2", None, "bb", LONG),
+                lambda: store.complete(ns, "k", "aa", b"r", LONG),
+                lambda: store.acquire(ns, "l", "me", LONG),
+                lambda: store.subscribe(Channel("lock", ns, "l")),
+            ):
+                t0 = time.monotonic()
+                with pytest.raises(StoreUnavailable):
+                    sub = call()
+                    if hasattr(sub, "close"):  # subscribing returns; waiting on it is bounded
+                        sub.close()
+                        raise StoreUnavailable("subscribed")
+                assert time.monotonic() - t0 < BOUND
+            proxy.heal()
+        finally:
+            store.close()
+
+
+async def test_a_silent_network_bounds_async_calls_and_the_listener(
+    redis_server: RedisServer,
+) -> None:
+    with TcpProxy(redis_server.port) as proxy:
+        store = open_async(f"redis://127.0.0.1:{proxy.port}/0", timeout=TIMEOUT)[0]
+        try:
+            ns = _ns()
+            assert isinstance(await store.claim(ns, "k", None, "aa", LONG), Granted)
+            proxy.blackhole()
+            for make in (
+                lambda: store.claim(ns, "k2", None, "bb", LONG),
+                lambda: store.complete(ns, "k", "aa", b"r", LONG),
+                lambda: store.acquire(ns, "l", "me", LONG),
+            ):
+                t0 = time.monotonic()
+                with pytest.raises(StoreUnavailable):
+                    await make()
+                assert time.monotonic() - t0 < BOUND
+            t0 = time.monotonic()  # the listener's connection: bounded too
+            try:
+                sub = await asyncio.wait_for(store.subscribe(Channel("lock", ns, "l")), BOUND + 5)
+            except StoreUnavailable:
+                pass
+            else:
+                await sub.aclose()
+            assert time.monotonic() - t0 < BOUND
+            proxy.heal()
+        finally:
+            await store.aclose()

@@ -82,8 +82,13 @@ def open_sync(url: str, **options: Any) -> tuple[RedisStore, None]:
 
 
 def open_async(url: str, **options: Any) -> tuple[AsyncRedisStore, None]:
-    client, cluster, own = build(url, options, asynchronous=True)
-    return AsyncRedisStore(client, cluster=cluster, options=own, owned=True), None
+    client, cluster, own = build(url, dict(options), asynchronous=True)
+
+    def another() -> Any:  # a client of the same URL for another event loop
+        return build(url, dict(options), asynchronous=True)[0]
+
+    store = AsyncRedisStore(client, cluster=cluster, options=own, owned=True, factory=another)
+    return store, None
 
 
 def from_client(
@@ -91,7 +96,7 @@ def from_client(
 ) -> tuple[RedisStore | AsyncRedisStore, None]:
     """A store on an existing redis-py client (which stays the caller's to close)."""
     cluster = check_client(client, asynchronous)
-    own = client_options(options)
+    own = client_options(options, client)
     if asynchronous:
         return AsyncRedisStore(client, cluster=cluster, options=own, owned=False), None
     return RedisStore(client, cluster=cluster, options=own, owned=False), None

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
+import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.client import NEVER_DECODE
 from redis.exceptions import NoScriptError
 
 from ..._core.port import Acquired, Channel, ClaimReply, Held, LockRow, RecordRow
-from ..._errors import StoreUnavailable
+from ..._errors import ConfigurationError, StoreUnavailable
 from . import _common as C
 from ._sync import IDLE_S, _now_ms, check_claim_slot, check_same_slot
 
@@ -21,71 +23,175 @@ _ND = {NEVER_DECODE: True}
 _ERRORS = C.redis_errors()
 
 
+class _LoopState:
+    """What the store keeps per event loop: asyncio connections belong to the loop
+    that opened them, so each loop gets its own client, listener and queue."""
+
+    __slots__ = ("client", "exec", "init_lock", "listener", "loop", "owned", "ready", "slots")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, client: Any, owned: bool) -> None:
+        self.loop = weakref.ref(loop)
+        self.client = client
+        self.exec = client.execute_command
+        self.owned = owned
+        self.ready = False
+        self.init_lock = asyncio.Lock()
+        self.slots = asyncio.Semaphore(_max_connections(client))
+        self.listener: AsyncListener
+
+
 class AsyncRedisStore:
-    """The port on ``redis.asyncio.Redis`` or ``redis.asyncio.cluster.RedisCluster``."""
+    """The port on ``redis.asyncio.Redis`` or ``redis.asyncio.cluster.RedisCluster``.
+
+    Works on any event loop: the first loop uses ``client``; another loop (a second
+    ``asyncio.run()``, a test client's own loop, a forked child) gets a client of its
+    own, built from the URL again (or, for a standalone client passed in, a copy of its
+    connection pool's settings). A burst of calls queues for a connection (at most the
+    pool's ``max_connections`` at once), and each call, queueing included, is bounded
+    by ``timeout``.
+    """
 
     kind = "redis"
     issues_fence_tokens = True
 
-    def __init__(self, client: Any, *, cluster: bool, options: C.Options, owned: bool) -> None:
+    def __init__(
+        self,
+        client: Any,
+        *,
+        cluster: bool,
+        options: C.Options,
+        owned: bool,
+        factory: Callable[[], Any] | None = None,
+    ) -> None:
         self.client = client
         self.cluster = cluster
         self._owned = owned
+        self._factory = factory
         self._keep = options.keep_ms
         self._handoff = options.handoff_ms
-        self._exec = client.execute_command
-        self._listener = AsyncListener(
-            self._listener_connection, self._unregister, options.handoff_ms / 1000 + 0.005
+        #: the bound (seconds) on one call, queueing for a connection included (A1)
+        self.timeout = options.timeout
+        self._states: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = (
+            weakref.WeakKeyDictionary()
         )
-        # A cluster client is initialised once, by one task: redis-py's asyncio cluster
-        # client fails commands that race with its lazy first initialisation.
-        self._ready = not cluster
-        self._init_lock: asyncio.Lock | None = None
+        self._last: _LoopState | None = None
+        self._base_taken = False  # whether `client` serves a loop already (or is inherited)
+        self._closed = False
+        _STORES.add(self)
 
-    async def _prepare(self) -> None:
-        if self._init_lock is None:
-            self._init_lock = asyncio.Lock()
-        async with self._init_lock:
-            if not self._ready:
+    # ---- per-loop state ------------------------------------------------------------------
+
+    def _state(self) -> _LoopState:
+        loop = asyncio.get_running_loop()
+        st = self._last
+        if st is not None and st.loop() is loop:
+            return st
+        st = self._states.get(loop)
+        if st is None:
+            st = self._new_state(loop)
+        self._last = st
+        return st
+
+    def _new_state(self, loop: asyncio.AbstractEventLoop) -> _LoopState:
+        if self._closed:
+            raise StoreUnavailable("the Redis store is closed")
+        if not self._base_taken:
+            self._base_taken = True
+            st = _LoopState(loop, self.client, self._owned)
+        else:
+            st = _LoopState(loop, self._client_for_another_loop(), True)
+        st.ready = not self.cluster
+        st.listener = AsyncListener(
+            lambda: self._listener_connection(st),
+            self._unregister,
+            self._handoff / 1000 + 0.005,
+            self.timeout,
+        )
+        self._states[loop] = st
+        return st
+
+    def _client_for_another_loop(self) -> Any:
+        if self._factory is not None:
+            return self._factory()
+        if self.cluster:
+            raise ConfigurationError(
+                "this redis.asyncio RedisCluster client belongs to the event loop it was "
+                "first used on, and idemlock cannot copy it for another loop; pass the "
+                "cluster URL to idemlock.aio.connect() (idemlock then opens connections per "
+                "loop), or create the client and the coordinator inside each loop"
+            )
+        return _copy_standalone(self.client)
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child never touches what it inherited (the parent's sockets, the
+        parent's loop): forget every loop's state unclosed; the child's first call
+        builds its own client."""
+        self._states = weakref.WeakKeyDictionary()
+        self._last = None
+        self._base_taken = True
+
+    async def _prepare(self, st: _LoopState) -> None:
+        async with st.init_lock:
+            if not st.ready:
                 try:
-                    await self.client.initialize()
+                    await st.client.initialize()
                 except _ERRORS as exc:
                     raise C.store_error(exc, "connect") from exc
-                self._ready = True
+                st.ready = True
+
+    # ---- plumbing ------------------------------------------------------------------------
 
     async def _eval(self, script: C.Script, keys: tuple[bytes, ...], args: tuple[Any, ...]) -> Any:
-        if not self._ready:
-            await self._prepare()
+        st = self._last
+        if st is None or st.loop() is not asyncio.get_running_loop():
+            st = self._state()
         task = asyncio.current_task()
         before = _cancelling(task)
         try:
-            try:
-                reply = await self._exec("EVALSHA", script.sha, len(keys), *keys, *args, **_ND)
-            except NoScriptError:
-                await self.client.script_load(script.text)
-                reply = await self._exec("EVALSHA", script.sha, len(keys), *keys, *args, **_ND)
-        except _ERRORS as exc:
-            raise C.store_error(exc, script.name) from exc
+            reply = await _bounded(self._run(st, script, keys, args), self.timeout)
+        except asyncio.TimeoutError as exc:
+            raise StoreUnavailable(
+                f"redis {script.name}: no reply within timeout={self.timeout:g}s (Redis or "
+                "the network is stalled, or more calls at once than the pool's "
+                f"max_connections queued that long); the call may have been applied"
+            ) from exc
         if _cancelling(task) > before:
             # On Python < 3.12 asyncio.wait_for (used by redis-py to open a connection)
             # can swallow a cancellation that races with its completion; deliver it.
             raise asyncio.CancelledError()
         return reply
 
+    async def _run(
+        self, st: _LoopState, script: C.Script, keys: tuple[bytes, ...], args: tuple[Any, ...]
+    ) -> Any:
+        if not st.ready:
+            await self._prepare(st)
+        # Queue for a connection instead of failing with MaxConnectionsError.
+        async with st.slots:
+            try:
+                try:
+                    return await st.exec("EVALSHA", script.sha, len(keys), *keys, *args, **_ND)
+                except NoScriptError:
+                    await st.client.script_load(script.text)
+                    return await st.exec("EVALSHA", script.sha, len(keys), *keys, *args, **_ND)
+            except _ERRORS as exc:
+                raise C.store_error(exc, script.name) from exc
+
     async def _unregister(self, channel: bytes, gid: bytes) -> None:
         # See RedisStore._unregister.
         with contextlib.suppress(StoreUnavailable):
             await self._eval(C.UNREGISTER, (C.waiters_of(channel),), (gid,))
 
-    async def _listener_connection(self) -> Any:
+    async def _listener_connection(self, st: _LoopState) -> Any:
+        client = st.client
         if self.cluster:
-            if not self._ready:
-                await self._prepare()
-            nodes = self.client.get_primaries() or self.client.get_nodes()
+            if not st.ready:
+                await self._prepare(st)
+            nodes = client.get_primaries() or client.get_nodes()
             node = random.choice(nodes)
             cls, kwargs = node.connection_class, node.connection_kwargs
         else:
-            pool = self.client.connection_pool
+            pool = client.connection_pool
             cls, kwargs = pool.connection_class, pool.connection_kwargs
         conn = cls(**C.listener_kwargs(kwargs))
         await conn.connect()
@@ -148,7 +254,7 @@ class AsyncRedisStore:
 
     async def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
         n = C.names(ns, key)
-        g = self._listener.waiting(n.lock_channel)
+        g = self._state().listener.waiting(n.lock_channel)
         args = (owner, ttl_ms, self._keep, g.gid if g is not None else b"", C.REGISTER_MS)
         reply = C.lock_reply(await self._eval(C.ACQUIRE, (n.lock, n.waiters), args))
         if g is not None:
@@ -197,20 +303,25 @@ class AsyncRedisStore:
         return 0  # Redis expires every key by itself
 
     async def _listing(self, kind: C.Kind, ns_prefix: str) -> list[Any]:
-        if not self._ready:
-            await self._prepare()
+        st = self._state()
+        if not st.ready:
+            await self._prepare(st)
+        async with st.slots:
+            return await self._listing_in(st.client, kind, ns_prefix)
+
+    async def _listing_in(self, client: Any, kind: C.Kind, ns_prefix: str) -> list[Any]:
+        # Not bounded as a whole (a listing of a large keyspace takes as long as it
+        # takes); every round trip is, by the socket timeout.
         try:
             keys = [
                 k if isinstance(k, bytes) else str(k).encode("utf-8", "surrogatepass")
-                async for k in self.client.scan_iter(
-                    match=C.match_pattern(kind, ns_prefix), count=1000
-                )
+                async for k in client.scan_iter(match=C.match_pattern(kind, ns_prefix), count=1000)
             ]
-            now = _now_ms(await self.client.time())
+            now = _now_ms(await client.time())
             rows: list[Any] = []
             for i in range(0, len(keys), 500):
                 batch = keys[i : i + 500]
-                pipe = self.client.pipeline(transaction=False)
+                pipe = client.pipeline(transaction=False)
                 for k in batch:
                     if kind == "c":
                         pipe.execute_command("GET", k, **_ND)
@@ -226,13 +337,76 @@ class AsyncRedisStore:
 
     async def subscribe(self, channel: Channel) -> AsyncSubscription:
         name = C.channel_name(channel.kind, channel.ns, channel.key)
-        return await self._listener.subscribe(name)
+        return await self._state().listener.subscribe(name)
 
     async def aclose(self) -> None:
-        await self._listener.aclose()
-        if self._owned:
+        """Close this loop's connections; those of other loops (most likely closed
+        already) are dropped."""
+        self._closed = True
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        states, self._states, self._last = dict(self._states), weakref.WeakKeyDictionary(), None
+        mine = states.get(loop) if loop is not None else None
+        if mine is None:
+            return
+        await mine.listener.aclose()
+        if mine.owned:
             with contextlib.suppress(*_ERRORS):
-                await self.client.aclose()
+                await mine.client.aclose()
+
+
+_TIMEOUT = getattr(asyncio, "timeout", None)  # Python 3.11+
+
+
+async def _bounded(coro: Any, timeout: float) -> Any:
+    """``await coro`` within ``timeout`` seconds (asyncio.TimeoutError past it)."""
+    if _TIMEOUT is not None:
+        async with _TIMEOUT(timeout):
+            return await coro
+    return await asyncio.wait_for(coro, timeout)
+
+
+def _max_connections(client: Any) -> int:
+    """How many calls may run at once on ``client`` without redis-py's pool raising
+    MaxConnectionsError (a cluster client limits each node: at most that in all)."""
+    pool = getattr(client, "connection_pool", None)
+    value = getattr(pool, "max_connections", None)
+    if value is None:
+        manager = getattr(client, "nodes_manager", None)
+        value = getattr(manager, "connection_kwargs", {}).get("max_connections")
+    if not isinstance(value, int) or value <= 0:
+        value = 100
+    return min(value, 10_000)
+
+
+def _copy_standalone(client: Any) -> Any:
+    """A client with the same connection settings as ``client``, for another loop."""
+    import redis.asyncio
+
+    pool = client.connection_pool
+    kwargs = {
+        k: v for k, v in pool.connection_kwargs.items() if k != "maint_notifications_pool_handler"
+    }
+    if isinstance(pool, redis.asyncio.BlockingConnectionPool):
+        kwargs["timeout"] = pool.timeout
+    new_pool = type(pool)(
+        connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs
+    )
+    return redis.asyncio.Redis(connection_pool=new_pool)
+
+
+_STORES: weakref.WeakSet[AsyncRedisStore] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_STORES):
+        store._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _cancelling(task: asyncio.Task[Any] | None) -> int:
@@ -291,11 +465,11 @@ class AsyncListener:
 
     LINGER_S = 2.0
 
-    def __init__(self, connect: Any, on_idle: Any, defer_s: float) -> None:
+    def __init__(self, connect: Any, on_idle: Any, defer_s: float, timeout: float) -> None:
         self._connect = connect
         self._on_idle = on_idle
         self._defer_s = defer_s
-        self._confirm_timeout = 5.0
+        self._confirm_timeout = timeout
         self._groups: dict[bytes, _Group] = {}
         self._pending: dict[bytes, deque[_Group | None]] = {}
         self._conn: Any = None

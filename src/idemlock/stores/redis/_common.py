@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -425,9 +426,25 @@ class Options:
     keep_ms: int = 60_000
     #: hand-off window (ms) after a release with waiters; 0 disables it
     handoff_ms: int = 10
+    #: the bound (seconds) on one store call: socket and connect timeouts default to it
+    timeout: float = 5.0
 
 
-OWN_OPTIONS = ("counter_ttl", "handoff_ms")
+OWN_OPTIONS = ("counter_ttl", "handoff_ms", "timeout")
+
+
+def check_timeout(raw: Any) -> float:
+    """The ``timeout`` option (seconds, from a URL string or a number)."""
+    try:
+        sec = float(raw)
+    except (TypeError, ValueError):
+        sec = math.nan
+    if isinstance(raw, bool) or not (math.isfinite(sec) and sec > 0):
+        raise ConfigurationError(
+            f"timeout is the bound in seconds on one Redis call (connect, request, reply); "
+            f"it must be a finite number > 0, got {raw!r}"
+        )
+    return sec
 
 
 def own_options(values: dict[str, Any]) -> Options:
@@ -439,12 +456,12 @@ def own_options(values: dict[str, Any]) -> Options:
             sec = float(raw)
         except (TypeError, ValueError):
             sec = -1.0
-        if not sec >= 1:
+        if not (math.isfinite(sec) and sec >= 1):
             raise ConfigurationError(
                 f"counter_ttl is how many seconds a key's fence counter outlives its last "
                 f"use; it must be a number >= 1, got {raw!r}"
             )
-        opts = Options(int(sec * 1000), opts.handoff_ms)
+        opts = Options(int(sec * 1000), opts.handoff_ms, opts.timeout)
     if "handoff_ms" in values:
         raw = values.pop("handoff_ms")
         try:
@@ -455,7 +472,9 @@ def own_options(values: dict[str, Any]) -> Options:
             raise ConfigurationError(
                 f"handoff_ms must be an int from 0 (no hand-off window) to 10000, got {raw!r}"
             )
-        opts = Options(opts.keep_ms, ms)
+        opts = Options(opts.keep_ms, ms, opts.timeout)
+    if "timeout" in values:
+        opts = Options(opts.keep_ms, opts.handoff_ms, check_timeout(values.pop("timeout")))
     return opts
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -38,11 +40,28 @@ class RedisStore:
         self._keep = options.keep_ms
         self._handoff = options.handoff_ms
         self._exec = client.execute_command
+        #: the bound (seconds) on one call: socket and connect timeouts (agreement A1)
+        self.timeout = options.timeout
+        self._listener = self._new_listener()
+        _STORES.add(self)
+
+    def _new_listener(self) -> SyncListener:
         # Other processes' waiters wake a little after the hand-off window if the
         # chosen process did not take the lock (it may have died).
-        self._listener = SyncListener(
-            self._listener_connection, self._unregister, options.handoff_ms / 1000 + 0.005
+        return SyncListener(
+            self._listener_connection,
+            self._unregister,
+            self._handoff / 1000 + 0.005,
+            self.timeout,
         )
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child never touches the parent's listener: its thread did not
+        survive the fork and its socket is the parent's. Drop it unclosed (closing
+        our copy of the descriptor later sends nothing); the child subscribes on a
+        connection of its own on first wait. redis-py's pools notice the new pid
+        themselves and open fresh connections."""
+        self._listener = self._new_listener()
 
     # ---- plumbing ----------------------------------------------------------------------
 
@@ -312,11 +331,11 @@ class SyncListener:
 
     LINGER_S = 2.0
 
-    def __init__(self, connect: Any, on_idle: Any, defer_s: float) -> None:
+    def __init__(self, connect: Any, on_idle: Any, defer_s: float, timeout: float) -> None:
         self._connect = connect
         self._on_idle = on_idle
         self._defer_s = defer_s
-        self._confirm_timeout = 5.0
+        self._confirm_timeout = timeout
         self._lock = threading.Lock()
         self._confirmed = threading.Condition(self._lock)
         self._groups: dict[bytes, _Group] = {}
@@ -521,3 +540,17 @@ class SyncListener:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=2.0)
+
+
+# ---- fork ------------------------------------------------------------------------------
+
+_STORES: weakref.WeakSet[RedisStore] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_STORES):
+        store._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -16,15 +16,19 @@ DEFAULT_TIMEOUT = 5.0
 
 
 def _default_retry(asynchronous: bool) -> Any:
+    """Retry a refused or reset connection (fast), never a timeout: a silent network
+    would otherwise stretch one call to several ``timeout``s."""
     from redis.backoff import ExponentialBackoff
+    from redis.exceptions import ConnectionError as RedisConnectionError
 
+    errors = (RedisConnectionError,)
     if asynchronous:
         from redis.asyncio.retry import Retry as ARetry
 
-        return ARetry(ExponentialBackoff(cap=0.1, base=0.01), 2)
+        return ARetry(ExponentialBackoff(cap=0.1, base=0.01), 2, supported_errors=errors)
     from redis.retry import Retry
 
-    return Retry(ExponentialBackoff(cap=0.1, base=0.01), 2)
+    return Retry(ExponentialBackoff(cap=0.1, base=0.01), 2, supported_errors=errors)
 
 
 def _allowed_connection_args(*classes: Any) -> set[str]:
@@ -60,7 +64,7 @@ def _check_query(url: str, query: dict[str, str], allowed: set[str]) -> None:
         raise ConfigurationError(
             f"unknown option(s) {', '.join(unknown)} in Redis URL {redact(url)!r}; use "
             "redis-py connection options (socket_timeout=, ssl_cert_reqs=, ...) or "
-            "idemlock's counter_ttl= (seconds) and handoff_ms="
+            "idemlock's timeout= and counter_ttl= (seconds) and handoff_ms="
         )
 
 
@@ -87,8 +91,8 @@ def build(url: str, options: dict[str, Any], asynchronous: bool) -> tuple[Any, b
             opts_in.setdefault(name, query.pop(name))
     own = own_options(opts_in)  # pops idemlock's options; the rest goes to redis-py
     kwargs: dict[str, Any] = {
-        "socket_timeout": DEFAULT_TIMEOUT,
-        "socket_connect_timeout": DEFAULT_TIMEOUT,
+        "socket_timeout": own.timeout,
+        "socket_connect_timeout": own.timeout,
     }
     if scheme in ("redis", "rediss", "unix"):
         return (
@@ -208,10 +212,10 @@ def _cluster(
             from redis.asyncio.cluster import RedisCluster as ACluster
 
             return ACluster(startup_nodes=[ANode(h, p) for h, p in nodes], **kwargs)
-        from redis.cluster import ClusterNode, RedisCluster
+        from redis.cluster import ClusterNode
 
         nodes_ = [ClusterNode(h, p) for h, p in nodes]  # type: ignore[no-untyped-call]
-        return RedisCluster(startup_nodes=nodes_, **kwargs)
+        return _bounded_cluster_class()(startup_nodes=nodes_, **kwargs)
     except (ValueError, TypeError) as exc:
         raise ConfigurationError(f"bad Redis Cluster URL or option {redact(url)!r}: {exc}") from exc
     except Exception as exc:
@@ -219,6 +223,62 @@ def _cluster(
         raise StoreUnavailable(
             f"cannot reach Redis Cluster at {redact(url)!r}: {type(exc).__name__}: {exc}"
         ) from exc
+
+
+_BOUNDED: Any = None
+
+
+def _bounded_cluster_class() -> Any:
+    """redis-py's blocking RedisCluster, with every call bounded by one socket timeout.
+
+    After a timeout redis-py retries the command and first re-reads the slot map from
+    every known node, in line: with the nodes stalled (a partition, a paused VM) that
+    is one more timeout per node. Here a timeout is not retried (the caller decides,
+    and the call may have been applied), and the slot map is re-read on a background
+    thread, so a failover is still learnt while the calls stay bounded.
+    """
+    global _BOUNDED
+    if _BOUNDED is not None:
+        return _BOUNDED
+    import threading
+
+    from redis.cluster import RedisCluster
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    class BoundedRedisCluster(RedisCluster):
+        ERRORS_ALLOW_RETRY = tuple(  # type: ignore[assignment]
+            e for e in RedisCluster.ERRORS_ALLOW_RETRY if not issubclass(e, RedisTimeoutError)
+        )
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            manager = self.nodes_manager
+            inline = manager.initialize
+            busy = threading.Lock()
+
+            def refresh(**kw: Any) -> None:
+                try:
+                    inline(**kw)
+                except Exception:
+                    pass  # the next failure asks again
+                finally:
+                    busy.release()
+
+            def initialize(*a: Any, **kw: Any) -> Any:
+                if a or "last_failed_node_name" not in kw:
+                    return inline(*a, **kw)
+                # After a failed call: re-read the slot map without holding it up.
+                if busy.acquire(blocking=False):
+                    t = threading.Thread(
+                        target=refresh, kwargs=kw, name="idemlock-redis-slots", daemon=True
+                    )
+                    t.start()
+                return None
+
+            manager.initialize = initialize  # type: ignore[method-assign]
+
+    _BOUNDED = BoundedRedisCluster
+    return _BOUNDED
 
 
 def check_client(client: Any, asynchronous: bool) -> bool:
@@ -256,13 +316,36 @@ def check_client(client: Any, asynchronous: bool) -> bool:
     )
 
 
-def client_options(options: dict[str, Any]) -> Options:
+def client_options(options: dict[str, Any], client: Any = None) -> Options:
     opts = dict(options)
+    given = "timeout" in opts
     own = own_options(opts)
+    if not given and client is not None:
+        # The bound of a client we did not build: its own socket timeout, if it has one.
+        sock = _client_socket_timeout(client)
+        if sock is not None:
+            own = Options(own.keep_ms, own.handoff_ms, sock)
     if opts:
         raise ConfigurationError(
             f"unknown option(s) {', '.join(sorted(opts))} for a Redis store built from a "
-            "client; configure the client itself, idemlock only takes counter_ttl= and "
-            "handoff_ms="
+            "client; configure the client itself, idemlock only takes timeout=, "
+            "counter_ttl= and handoff_ms="
         )
     return own
+
+
+def _client_socket_timeout(client: Any) -> float | None:
+    try:
+        pool = getattr(client, "connection_pool", None)
+        if pool is not None:
+            kw = pool.connection_kwargs
+        else:  # a cluster client: its nodes' connection options
+            kw = (
+                getattr(client, "connection_kwargs", None) or client.nodes_manager.connection_kwargs
+            )
+        value = kw.get("socket_timeout")
+    except Exception:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    return None
