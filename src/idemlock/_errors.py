@@ -7,6 +7,7 @@ message says what was wrong and what to do about it.
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 __all__ = [
     "CanonicalizeError",
@@ -30,8 +31,27 @@ __all__ = [
 ]
 
 
+def _rebuild(cls: type[IdemlockError], args: tuple[Any, ...]) -> IdemlockError:
+    """Unpickle an error without calling its ``__init__``: the pickled args are the
+    finished message, not the constructor's arguments (``FencedOut(resource, token,
+    current)`` pickles as one string), so calling ``cls(*args)`` would fail or wrap
+    the message a second time."""
+    err = cls.__new__(cls)
+    err.args = args
+    return err
+
+
 class IdemlockError(Exception):
-    """Base class of every error idemlock raises on purpose."""
+    """Base class of every error idemlock raises on purpose.
+
+    Every subclass pickles back to an equal error (same type, message and attributes),
+    so it survives Celery's result backend, multiprocessing and concurrent.futures,
+    and ``except FencedOut`` still matches on the other side."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The attributes (key, token, ...) travel as the instance dict, restored by
+        # BaseException.__setstate__.
+        return (_rebuild, (type(self), self.args), self.__dict__ or None)
 
 
 class ConfigurationError(IdemlockError, ValueError):
