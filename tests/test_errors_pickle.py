@@ -151,7 +151,6 @@ def test_errors_cross_a_process_pool(start: str) -> None:
 
 
 def test_errors_cross_multiprocessing_pool() -> None:
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        with pytest.raises(FencedOut) as info:
-            pool.apply(_raise, ("fenced",))
+    with multiprocessing.get_context("spawn").Pool(1) as pool, pytest.raises(FencedOut) as info:
+        pool.apply(_raise, ("fenced",))
     assert info.value.current == 9
