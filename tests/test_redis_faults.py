@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import json
 import logging
 import os
+import select
+import signal
 import shutil
 import subprocess
 import sys
@@ -447,3 +451,146 @@ async def test_a_silent_network_bounds_async_calls_and_the_listener(
             proxy.heal()
         finally:
             await store.aclose()
+
+
+# ---- A6: fork ----------------------------------------------------------------------------
+
+
+def _forked(child: Any, then: Any = None, timeout: float = 30.0) -> Any:
+    """Run ``child()`` in a forked child (real os.fork, what Celery prefork and gunicorn
+    --preload do) while the parent runs ``then(ready)``; the child's JSON-able return
+    value, or its error text raised here."""
+    ready_r, ready_w = os.pipe()
+    out_r, out_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        code = 0
+        try:
+            os.close(ready_r)
+            os.close(out_r)
+            value = child(lambda: os.write(ready_w, b"r"))
+            payload = json.dumps({"ok": value})
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            payload = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
+            code = 1
+        with contextlib.suppress(BaseException):
+            os.write(out_w, payload.encode())
+        os._exit(code)
+    os.close(ready_w)
+    os.close(out_w)
+    try:
+        if then is not None:
+            r, _, _ = select.select([ready_r], [], [], timeout)
+            assert r, "the child did not get ready"
+            os.read(ready_r, 1)
+            then()
+        deadline = time.monotonic() + timeout
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise AssertionError("the forked child did not finish")
+            time.sleep(0.01)
+        data = b""
+        while chunk := os.read(out_r, 65536):
+            data += chunk
+    finally:
+        os.close(ready_r)
+        os.close(out_r)
+    result = json.loads(data or b'{"error": "no result"}')
+    if "error" in result:
+        raise AssertionError(f"in the forked child: {result['error']}")
+    return result["ok"]
+
+
+@pytest.mark.parametrize("where", ["standalone", "cluster"])
+def test_a_forked_child_is_woken_through_its_own_listener(
+    where: str, request: pytest.FixtureRequest
+) -> None:
+    server = request.getfixturevalue("redis_server" if where == "standalone" else "redis_cluster")
+    coord = idemlock.connect(server.url, key_prefix=_ns())
+    store: RedisStore = coord.store
+    locks = coord.lock(LockSpec("l", ttl=timedelta(seconds=30)))
+    try:
+        # The parent is waiting on something: its listener thread and socket are live.
+        warm = store.subscribe(Channel("lock", "warm", "k"))
+        lease = locks.acquire("k")
+        assert lease is not None
+
+        def child(ready: Any) -> Any:
+            sub = store.subscribe(Channel("lock", "child", "k"))
+            ready()
+            fired = sub.wait(20)  # the parent publishes on this channel
+            sub.close()
+            got = locks.acquire("k", owner="child", wait=20)  # a real waiting acquire
+            ok = got is not None and locks.release(got)
+            return {"fired": fired, "acquired": ok, "pid": os.getpid()}
+
+        def parent() -> None:
+            publish(server, Channel("lock", "child", "k"))
+            time.sleep(0.2)
+            locks.release(lease)
+
+        result = _forked(child, parent)
+        assert result["fired"] is True and result["acquired"] is True
+        # The parent's listener still works: its old channel and a new one.
+        publish(server, Channel("lock", "warm", "k"))
+        assert warm.wait(10) is True
+        warm.close()
+        again = store.subscribe(Channel("lock", "again", "k"))
+        publish(server, Channel("lock", "again", "k"))
+        assert again.wait(10) is True
+        again.close()
+        assert isinstance(store.claim(_ns(), "k", None, "aa", LONG), Granted)
+    finally:
+        coord.close()
+
+
+def publish(server: Any, channel: Channel) -> None:
+    """A notification for everyone waiting on ``channel`` (what a release sends)."""
+    name = C.channel_name(channel.kind, channel.ns, channel.key)
+    if isinstance(server, RedisServer):
+        with redis.Redis(port=server.port) as r:
+            r.publish(name, b"*")
+    else:
+        with redis.cluster.RedisCluster(host="127.0.0.1", port=server.ports[0]) as rc:
+            rc.publish(name, b"*")
+
+
+def test_an_async_store_used_before_a_fork_works_in_the_child(redis_server: RedisServer) -> None:
+    coord = idemlock.aio.connect(redis_server.url, key_prefix=_ns())
+    port = coord.idempotency(IdempotencySpec("j"))
+    store = coord.store
+
+    async def warm() -> None:  # the parent used the store on its own loop
+        assert isinstance(await port.claim("parent"), Claimed)
+        sub = await store.subscribe(Channel("claim", "x", "y"))
+        await sub.aclose()
+
+    asyncio.run(warm())
+
+    def child(ready: Any) -> Any:
+        async def go() -> Any:
+            sub = await store.subscribe(Channel("lock", "child-async", "k"))
+            ready()
+            fired = await sub.wait(20)
+            await sub.aclose()
+            claim = await port.claim("child")
+            return {"fired": fired, "claimed": isinstance(claim, Claimed)}
+
+        return asyncio.run(go())
+
+    def parent() -> None:
+        publish(redis_server, Channel("lock", "child-async", "k"))
+
+    result = _forked(child, parent)
+    assert result == {"fired": True, "claimed": True}
+
+    async def after() -> None:
+        assert isinstance(await port.claim("parent-again"), Claimed)
+        await coord.close()
+
+    asyncio.run(after())
