@@ -105,7 +105,7 @@ def test_every_error_round_trips_through_pickle(cls: type[IdemlockError]) -> Non
             back = pickle.loads(pickle.dumps(err, protocol))
             _same(err, back)
         # A note added on the way (add_note, Python 3.11+) travels too.
-        err.__notes__ = ["while doing X"]
+        vars(err)["__notes__"] = ["while doing X"]
         _same(err, pickle.loads(pickle.dumps(err)))
 
 
