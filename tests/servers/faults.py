@@ -38,6 +38,7 @@ import contextlib
 import os
 import signal
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -52,6 +53,7 @@ from .redis import RedisCluster, RedisServer, start_cluster, start_redis
 __all__ = [
     "ClusterFaults",
     "Faults",
+    "STALL_SAFETY",
     "ProxiedFaults",
     "fault_postgres_server",
     "fault_redis_cluster",
@@ -62,6 +64,34 @@ __all__ = [
 
 #: cluster-node-timeout of the fault cluster (see the module docstring)
 CLUSTER_NODE_TIMEOUT_MS = 60_000
+#: a stall ends by itself after this long, even if its block has not ended: a call
+#: that blocks the test's own thread or event loop (a hang) then returns late and
+#: fails its bound, instead of hanging the test until pytest-timeout
+STALL_SAFETY = 15.0
+
+
+@contextlib.contextmanager
+def _safety(heal: Callable[[], None], after: float = STALL_SAFETY) -> Iterator[None]:
+    """Run ``heal`` when the block ends or after ``after`` seconds, whichever is first
+    (and only once)."""
+    once = threading.Lock()
+    healed = False
+
+    def do_heal() -> None:
+        nonlocal healed
+        with once:
+            if not healed:
+                healed = True
+                heal()
+
+    timer = threading.Timer(after, do_heal)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        do_heal()
 
 
 class Faults(Protocol):
@@ -85,7 +115,8 @@ class ProxiedFaults:
 
     @contextlib.contextmanager
     def stall(self) -> Iterator[None]:
-        with self.proxy.silent():
+        self.proxy.blackhole()
+        with _safety(self.proxy.heal):
             yield
 
     @contextlib.contextmanager
@@ -119,10 +150,8 @@ class ClusterFaults:
     @contextlib.contextmanager
     def stall(self) -> Iterator[None]:
         self._signal(signal.SIGSTOP)
-        try:
+        with _safety(lambda: self._signal(signal.SIGCONT)):
             yield
-        finally:
-            self._signal(signal.SIGCONT)
 
     @contextlib.contextmanager
     def outage(self) -> Iterator[None]:
