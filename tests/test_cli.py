@@ -6,15 +6,21 @@ import contextlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+import idemlock
 from idemlock.cli import parse_duration
+
+from .servers.redis import RedisServer, free_port
 
 PY = sys.executable
 
@@ -147,8 +153,8 @@ def test_lock_is_exclusive_and_listed(
     listed = cli(url, "locks")
     assert listed.returncode == 0
     header, row = listed.stdout.strip().splitlines()
-    assert header.split() == ["SPEC", "KEY", "OWNER", "TOKEN", "TIME", "LEFT"]
-    assert row.split()[:2] == ["cli-lock", "deploy"] and row.split()[3] == str(token_a)
+    assert header.split() == ["TENANT", "SPEC", "KEY", "OWNER", "TOKEN", "TIME", "LEFT"]
+    assert row.split()[:3] == ["-", "cli-lock", "deploy"] and row.split()[4] == str(token_a)
     (entry,) = json.loads(cli(url, "locks", "--json").stdout)
     assert entry["spec"] == "cli-lock" and entry["key"] == "deploy"
     assert entry["token"] == token_a and 0 < entry["time_left_s"] <= 30
@@ -320,8 +326,8 @@ def test_once_runs_once_then_skips(url: str, tmp_path: Path) -> None:
     status = cli(url, "status", "backup-2024")
     assert status.returncode == 0
     header, row = status.stdout.strip().splitlines()
-    assert header.split() == ["SPEC", "KEY", "STATE", "FENCE", "EXPIRES"]
-    assert row.split()[:3] == ["cli-once", "backup-2024", "completed"]
+    assert header.split() == ["TENANT", "SPEC", "KEY", "STATE", "FENCE", "EXPIRES"]
+    assert row.split()[:4] == ["-", "cli-once", "backup-2024", "completed"]
     record = json.loads(cli(url, "status", "backup-2024", "--json").stdout)
     assert record["state"] == "completed" and record["key"] == "backup-2024"
     assert 86000 < record["expires_in_s"] <= 86400
@@ -450,3 +456,157 @@ def test_demo_measures_duplicates_and_idemlock_has_none(tmp_path: Path) -> None:
     # Its own throwaway store in a temporary directory, removed afterwards.
     assert report["idemlock_url"].startswith(f"sqlite:///{report['dir']}")
     assert not Path(report["dir"]).exists()
+
+
+# ---- listings: tenants, corrupt values ---------------------------------------------
+
+
+def test_listings_name_tenants_and_status_forget_act_on_them(url: str) -> None:
+    with idemlock.connect(url) as coord:
+        root = coord.idempotency("cli-once")
+        acme = coord.for_tenant("acme")
+        claim = acme.idempotency("cli-once").claim("job-1", payload={"argv": ["x"]})
+        assert isinstance(claim, idemlock.Claimed)
+        acme.idempotency("cli-once").complete(claim.token, {"exit_status": 0})
+        mine = root.claim("job-0", payload={"argv": ["y"]})
+        assert isinstance(mine, idemlock.Claimed)
+        lease = acme.lock("cli-lock").acquire("nightly")
+        assert lease is not None
+
+        listed = json.loads(cli(url, "keys", "--json").stdout)
+        assert {(r["tenant"], r["key"], r["state"]) for r in listed} == {
+            ("acme", "job-1", "completed"),
+            (None, "job-0", "in_flight"),
+        }
+        table = cli(url, "keys").stdout.splitlines()
+        assert table[0].split()[:3] == ["TENANT", "SPEC", "KEY"]
+        assert sorted(line.split()[0] for line in table[1:]) == ["-", "acme"]
+        only = json.loads(cli(url, "keys", "--tenant", "acme", "--json").stdout)
+        assert [(r["tenant"], r["key"]) for r in only] == [("acme", "job-1")]
+        (held,) = json.loads(cli(url, "locks", "--json").stdout)
+        assert (held["tenant"], held["key"], held["token"]) == ("acme", "nightly", lease.token)
+
+        # What is listed can be acted on: the tenant's record, through --tenant.
+        assert cli(url, "status", "job-1").returncode == 1  # not the root's
+        status = cli(url, "status", "job-1", "--tenant", "acme", "--json")
+        assert status.returncode == 0, status.stderr
+        assert json.loads(status.stdout)["tenant"] == "acme"
+        forgot = cli(url, "forget", "job-1", "--tenant", "acme")
+        assert forgot.returncode == 0 and "forgot key 'job-1'" in forgot.stderr
+        assert acme.idempotency("cli-once").status("job-1") is None
+        assert root.status("job-0") is not None  # the root's record is untouched
+        bad = cli(url, "keys", "--tenant", "has space")
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def _foreign_sqlite_rows(db: Path) -> None:
+    """Rows under the prefix that idemlock did not write: a state and numbers it
+    cannot read."""
+    with sqlite3.connect(db) as conn:
+        conn.execute(
+            "INSERT INTO claims VALUES ('idemlock:cli-once', 'foreign', 'weird', 't', "
+            "'not a number', NULL, 99999999999999, NULL)"
+        )
+        conn.execute(
+            "INSERT INTO locks VALUES ('idemlock:cli-lock', 'foreign', 5, 'x', 99999999999999)"
+        )
+
+
+def _assert_corrupt_listed(url: str, good_key: str) -> None:
+    keys = cli(url, "keys")
+    assert keys.returncode == 0, keys.stderr
+    rows = {line.split()[2]: line.split() for line in keys.stdout.splitlines()[1:]}
+    assert rows["foreign"][3] == "CORRUPT"
+    assert rows[good_key][3] == "completed"  # the rest is listed as usual
+    assert "1 record(s) under the prefix could not be read" in keys.stderr
+    listed = json.loads(cli(url, "keys", "--json").stdout)
+    states = {r["key"]: r["state"] for r in listed}
+    assert states == {"foreign": "corrupt", good_key: "completed"}
+    locks = cli(url, "locks")
+    assert locks.returncode == 0, locks.stderr
+    assert any(line.split()[2:4] == ["foreign", "CORRUPT"] for line in locks.stdout.splitlines())
+    assert "1 lock(s) under the prefix could not be read" in locks.stderr
+    (lock,) = [h for h in json.loads(cli(url, "locks", "--json").stdout) if h["key"] == "foreign"]
+    assert lock["corrupt"] is True and lock["token"] is None
+
+
+def test_a_corrupt_sqlite_value_is_listed_not_fatal(url: str, tmp_path: Path) -> None:
+    ran = cli(url, "run", "--once", "good", "--", *script("pass"))
+    assert ran.returncode == 0, ran.stderr
+    _foreign_sqlite_rows(tmp_path / "store.db")
+    _assert_corrupt_listed(url, "good")
+
+
+def test_a_foreign_redis_value_is_listed_not_fatal(redis_server: RedisServer) -> None:
+    from idemlock.stores.redis import _common
+
+    prefix = "cli" + uuid.uuid4().hex[:8]
+    url = redis_server.url
+    ran = cli(url, "--prefix", prefix, "run", "--once", "good", "--", *script("pass"))
+    assert ran.returncode == 0, ran.stderr
+    names = _common.names(f"{prefix}:cli-once", "foreign")
+    locks = _common.names(f"{prefix}:cli-lock", "foreign")
+    client: Any = redis_server.client()
+    with client:
+        client.set(names.claim, b"written by another program")
+        # The store's own field names (owner, token, expiry), values it cannot read.
+        fields = dict(zip(_common.LOCK_FIELDS, (b"x", b"not a number", b"y"), strict=True))
+        client.hset(locks.lock, mapping=fields)
+    try:
+        _assert_corrupt_listed_prefixed(url, prefix)
+    finally:
+        with client:
+            client.delete(names.claim, locks.lock)
+
+
+def _assert_corrupt_listed_prefixed(url: str, prefix: str) -> None:
+    keys = cli(url, "--prefix", prefix, "keys", "--json")
+    assert keys.returncode == 0, keys.stderr
+    states = {r["key"]: r["state"] for r in json.loads(keys.stdout)}
+    assert states == {"foreign": "corrupt", "good": "completed"}
+    assert "1 record(s) under the prefix could not be read" in keys.stderr
+    locks = cli(url, "--prefix", prefix, "locks", "--json")
+    assert locks.returncode == 0, locks.stderr
+    assert [(h["key"], h["corrupt"]) for h in json.loads(locks.stdout)] == [("foreign", True)]
+
+
+# ---- secrets in store URLs ------------------------------------------------------
+
+
+def test_a_password_in_the_url_is_never_printed(tmp_path: Path) -> None:
+    secret = "s3cretPW" + uuid.uuid4().hex[:6]
+    server = RedisServer(tmp_path / "redis", free_port())
+    server.start()
+    try:
+        admin: Any = server.client()
+        with admin:
+            admin.config_set("requirepass", secret)  # after start: the fixture PINGs
+        url = f"{server.url}?password={secret}"
+        outputs = []
+        purged = cli(url, "purge")
+        assert purged.returncode == 0, purged.stderr
+        assert "purged 0" in purged.stdout
+        outputs.append(purged)
+        empty = cli(url, "keys")
+        assert empty.returncode == 0 and "no live records" in empty.stderr
+        outputs.append(empty)
+        wrong = cli(f"{server.url}?password=wrong{secret}", "keys")
+        assert wrong.returncode == 69, wrong.stderr  # refused: a store error, still no secret
+        outputs.append(wrong)
+        closed = f"redis://:{secret}@127.0.0.1:{free_port()}/0?password={secret}"
+        down = cli(closed, "keys")
+        assert down.returncode == 69, down.stderr
+        outputs.append(down)
+        bogus = cli(f"bogus://user:{secret}@host/?password={secret}", "keys")
+        assert bogus.returncode == 78, bogus.stderr
+        outputs.append(bogus)
+        env = {**_env(), "IDEMLOCK_URL": url}
+        helped = subprocess.run(
+            [PY, "-m", "idemlock", "--help"], capture_output=True, text=True, env=env, timeout=30
+        )
+        assert helped.returncode == 0 and "store URL" in helped.stdout
+        outputs.append(helped)
+        for out in outputs:
+            assert secret not in out.stdout + out.stderr, out.args
+    finally:
+        server.stop()

@@ -4,8 +4,10 @@ Commands::
 
     idemlock run --lock NAME [--ttl 30s] [--wait 10s] -- CMD ARGS...
     idemlock run --once KEY  [--ttl 24h] [--lease 5m] [--wait 0] -- CMD ARGS...
-    idemlock status KEY [--spec NAME]      idemlock forget KEY [--spec NAME]
-    idemlock keys [--json]                 idemlock locks [--json]
+    idemlock status KEY [--spec NAME] [--tenant T]
+    idemlock forget KEY [--spec NAME] [--tenant T]
+    idemlock keys [--spec NAME] [--tenant T] [--json]
+    idemlock locks [--spec NAME] [--tenant T] [--json]
     idemlock purge                         idemlock migrate
     idemlock demo [--jobs 200] [--workers 4] [--seed N]
 
@@ -142,11 +144,76 @@ def _count(text: str) -> int:
     return value
 
 
+def _tenant(text: str) -> str:
+    from ._core.keys import validate_key
+
+    try:
+        return validate_key(text, "tenant")
+    except InvalidKey as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 # ---- output helpers ------------------------------------------------------------
 
 
+#: passwords of the store URL in use: never printed, whatever message carries them
+_SECRETS: list[str] = []
+#: query parameters of a store URL that carry a secret
+_SECRET_PARAMS = frozenset({"password", "pass", "pwd", "sslpassword", "secret", "token"})
+
+
+def _secrets_of(url: str | None) -> list[str]:
+    """The secrets in ``url`` (userinfo password, ``?password=`` and the like), each as
+    written and decoded, so a message that quotes either form can be scrubbed."""
+    if not url:
+        return []
+    from urllib.parse import unquote, urlsplit
+
+    found: list[str] = []
+    try:
+        parts = urlsplit(url)
+        if parts.password:
+            found.append(parts.password)
+        query = parts.query
+    except ValueError:
+        query = url.partition("?")[2]
+    raw_netloc = url.partition("://")[2].partition("/")[0].rpartition("@")[0]
+    if ":" in raw_netloc:
+        found.append(raw_netloc.partition(":")[2])
+    for pair in query.split("&"):
+        name, _, value = pair.partition("=")
+        if unquote(name).lower() in _SECRET_PARAMS and value:
+            found.append(value)
+    found += [unquote(v) for v in found] + [unquote(v.replace("+", " ")) for v in found]
+    # Longest first, so a secret that contains another is replaced whole.
+    return sorted({v for v in found if v}, key=len, reverse=True)
+
+
+def _scrub(text: str) -> str:
+    for secret in _SECRETS:
+        text = text.replace(secret, "***")
+    return text
+
+
+def _shown_url(url: str | None) -> str:
+    """A store URL as printed: redacted, and scrubbed of every secret it holds."""
+    from ._urls import redact
+
+    if url is None:
+        return "<none>"
+    secrets_ = _secrets_of(url)
+    text = redact(url)
+    for secret in secrets_:
+        text = text.replace(secret, "***")
+    return _scrub(text)
+
+
 def _say(message: str) -> None:
-    print(f"idemlock: {message}", file=sys.stderr, flush=True)
+    print(f"idemlock: {_scrub(message)}", file=sys.stderr, flush=True)
+
+
+def _out(message: str) -> None:
+    print(_scrub(message), flush=True)
 
 
 def _human(seconds: float) -> str:
@@ -184,7 +251,7 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 
 
 def _print_json(value: object) -> None:
-    print(json.dumps(value, indent=2, sort_keys=False))
+    _out(json.dumps(value, indent=2, sort_keys=False))
 
 
 # ---- the parser ----------------------------------------------------------------
@@ -198,9 +265,9 @@ def _epilog() -> str:
 
 
 def _url_help() -> str:
-    from ._urls import default_url, redact
+    from ._urls import default_url
 
-    return f"store URL (default: $IDEMLOCK_URL, else {redact(default_url())})"
+    return f"store URL (default: $IDEMLOCK_URL, else {_shown_url(default_url())})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -288,24 +355,43 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...")
     run.set_defaults(handler=cmd_run)
 
+    def tenant_option(p: argparse.ArgumentParser, help: str) -> None:
+        p.add_argument("--tenant", default=None, type=_tenant, metavar="TENANT", help=help)
+
     status = add("status", "show the record of an idempotency key")
     status.add_argument("key", metavar="KEY")
     status.add_argument("--spec", default=ONCE_SPEC, help=f"spec name ({ONCE_SPEC})")
+    tenant_option(status, "the tenant whose record it is (as listed by `keys`)")
     status.add_argument("--json", action="store_true", help="print JSON")
     status.set_defaults(handler=cmd_status)
 
     forget = add("forget", "delete the record of an idempotency key (a retry runs again)")
     forget.add_argument("key", metavar="KEY")
     forget.add_argument("--spec", default=ONCE_SPEC, help=f"spec name ({ONCE_SPEC})")
+    tenant_option(forget, "the tenant whose record it is (as listed by `keys`)")
     forget.set_defaults(handler=cmd_forget)
 
-    keys = add("keys", "list live idempotency records")
+    keys = add(
+        "keys",
+        "list live idempotency records",
+        "List live idempotency records: the root's own and every tenant's (TENANT '-'\n"
+        "is the root); act on one with status/forget KEY --spec SPEC [--tenant TENANT].\n"
+        "A value under the prefix that idemlock cannot read is listed as CORRUPT, with a\n"
+        "warning on stderr, and the rest is listed as usual.",
+    )
     keys.add_argument("--spec", default=None, help="only this spec")
+    tenant_option(keys, "only this tenant's records")
     keys.add_argument("--json", action="store_true", help="print JSON")
     keys.set_defaults(handler=cmd_keys)
 
-    locks = add("locks", "list held locks")
+    locks = add(
+        "locks",
+        "list held locks",
+        "List held locks: the root's own and every tenant's (TENANT '-' is the root).\n"
+        "A value idemlock cannot read is listed as CORRUPT, with a warning on stderr.",
+    )
     locks.add_argument("--spec", default=None, help="only this spec")
+    tenant_option(locks, "only this tenant's locks")
     locks.add_argument("--json", action="store_true", help="print JSON")
     locks.set_defaults(handler=cmd_locks)
 
@@ -370,8 +456,12 @@ def _status_for(exc: IdemlockError) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (see the module docstring)."""
+    _SECRETS[:] = _secrets_of(os.environ.get("IDEMLOCK_URL"))
     parser = build_parser()
     args = parser.parse_args(argv)
+    _SECRETS[:] = sorted(
+        {*_SECRETS, *_secrets_of(getattr(args, "url", None))}, key=len, reverse=True
+    )
     handler: Callable[[argparse.Namespace, argparse.ArgumentParser], int] = args.handler
     try:
         return handler(args, parser)
@@ -381,6 +471,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _say("interrupted")
         return 128 + signal.SIGINT
+    except Exception:
+        # A bug or a driver error idemlock did not wrap: still never print a password.
+        import traceback
+
+        _say(f"internal error (please report it):\n{traceback.format_exc()}")
+        return EX_SOFTWARE
 
 
 def _connect(args: argparse.Namespace) -> Any:
@@ -717,75 +813,109 @@ def _run_once(args: argparse.Namespace, cmd: list[str]) -> int:
 
 
 def _record_json(rec: Any, now: float) -> dict[str, Any]:
+    corrupt = rec.state == "corrupt"
     return {
+        "tenant": rec.tenant,
         "spec": rec.spec,
         "key": rec.key,
         "state": rec.state,
-        "fence": rec.fence,
-        "expires_at": _iso(rec.expires_at),
-        "expires_in_s": round(max(0.0, rec.expires_at.timestamp() - now), 3),
+        "fence": None if corrupt else rec.fence,
+        "expires_at": None if corrupt else _iso(rec.expires_at),
+        "expires_in_s": None if corrupt else round(max(0.0, rec.expires_at.timestamp() - now), 3),
     }
 
 
 def _record_row(rec: Any, now: float) -> list[object]:
+    tenant = "-" if rec.tenant is None else rec.tenant
+    if rec.state == "corrupt":
+        # Nothing of it can be trusted but where it is.
+        return [tenant, rec.spec, rec.key, "CORRUPT", "-", "-"]
     left = max(0.0, rec.expires_at.timestamp() - now)
     state = rec.state.replace("_", " ")
-    return [rec.spec, rec.key, state, rec.fence, f"{_iso(rec.expires_at)} (in {_human(left)})"]
+    expires = f"{_iso(rec.expires_at)} (in {_human(left)})"
+    return [tenant, rec.spec, rec.key, state, rec.fence, expires]
 
 
-_RECORD_HEADERS = ["SPEC", "KEY", "STATE", "FENCE", "EXPIRES"]
+_RECORD_HEADERS = ["TENANT", "SPEC", "KEY", "STATE", "FENCE", "EXPIRES"]
+
+
+def _where(tenant: str | None) -> str:
+    return "" if tenant is None else f" of tenant {tenant!r}"
+
+
+def _scoped(coord: Any, args: argparse.Namespace) -> Any:
+    """The coordinator, or its view of ``--tenant``: where a listed record is acted on."""
+    tenant = getattr(args, "tenant", None)
+    return coord if tenant is None else coord.for_tenant(tenant)
+
+
+def _warn_corrupt(what: str, count: int) -> None:
+    if count:
+        _say(
+            f"warning: {count} {what} under the prefix could not be read (data idemlock did "
+            "not write, or damaged); listed as CORRUPT. Delete them in the store, or use "
+            "another --prefix for idemlock"
+        )
 
 
 def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     with _connect(args) as coord:
-        rec = coord.idempotency(args.spec).status(args.key)
+        rec = _scoped(coord, args).idempotency(args.spec).status(args.key)
         now = coord.clock.time()
+    where = f"spec {args.spec!r}{_where(args.tenant)}"
     if rec is None:
         if args.json:
             _print_json(None)
         else:
-            _say(f"no live record for key {args.key!r} in spec {args.spec!r}")
+            _say(f"no live record for key {args.key!r} in {where}")
         return EX_NO_RECORD
     if args.json:
         _print_json(_record_json(rec, now))
     else:
-        print(_table(_RECORD_HEADERS, [_record_row(rec, now)]))
+        _out(_table(_RECORD_HEADERS, [_record_row(rec, now)]))
+    if rec.state == "corrupt":
+        _warn_corrupt("record", 1)
     return EX_OK
 
 
 def cmd_forget(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     with _connect(args) as coord:
-        gone = coord.idempotency(args.spec).forget(args.key)
+        gone = _scoped(coord, args).idempotency(args.spec).forget(args.key)
+    where = f"spec {args.spec!r}{_where(args.tenant)}"
     if gone:
-        _say(f"forgot key {args.key!r} in spec {args.spec!r}; the next run will run it again")
+        _say(f"forgot key {args.key!r} in {where}; the next run will run it again")
     else:
-        _say(f"nothing to forget: no live record for key {args.key!r} in spec {args.spec!r}")
+        _say(f"nothing to forget: no live record for key {args.key!r} in {where}")
     return EX_OK
 
 
 def cmd_keys(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     with _connect(args) as coord:
-        records = coord.keys()
+        records = _scoped(coord, args).keys()
         now = coord.clock.time()
         where = coord.url
     records = [r for r in records if args.spec is None or r.spec == args.spec]
-    records.sort(key=lambda r: (r.spec, r.key))
+    records.sort(key=lambda r: (r.tenant or "", r.spec, r.key))
     if args.json:
         _print_json([_record_json(r, now) for r in records])
     elif not records:
-        _say(f"no live records under prefix {args.prefix!r} in {where}")
+        _say(
+            f"no live records under prefix {args.prefix!r}{_where(args.tenant)} in "
+            f"{_shown_url(where)}"
+        )
     else:
-        print(_table(_RECORD_HEADERS, [_record_row(r, now) for r in records]))
+        _out(_table(_RECORD_HEADERS, [_record_row(r, now) for r in records]))
+    _warn_corrupt("record(s)", sum(r.state == "corrupt" for r in records))
     return EX_OK
 
 
 def cmd_locks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     with _connect(args) as coord:
-        held = coord.locks()
+        held = _scoped(coord, args).locks()
         now = coord.clock.time()
         where = coord.url
     held = [h for h in held if args.spec is None or h.spec == args.spec]
-    held.sort(key=lambda h: (h.spec, h.key))
+    held.sort(key=lambda h: (h.tenant or "", h.spec, h.key))
 
     def left(h: Any) -> float:
         return max(0.0, float(h.expires_at.timestamp() - now))
@@ -794,24 +924,37 @@ def cmd_locks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         _print_json(
             [
                 {
+                    "tenant": h.tenant,
                     "spec": h.spec,
                     "key": h.key,
-                    "owner": h.owner,
-                    "token": h.token,
-                    "expires_at": _iso(h.expires_at),
-                    "time_left_s": round(left(h), 3),
+                    "owner": None if h.corrupt else h.owner,
+                    "token": None if h.corrupt else h.token,
+                    "expires_at": None if h.corrupt else _iso(h.expires_at),
+                    "time_left_s": None if h.corrupt else round(left(h), 3),
+                    "corrupt": h.corrupt,
                 }
                 for h in held
             ]
         )
     elif not held:
-        _say(f"no held locks under prefix {args.prefix!r} in {where}")
+        _say(
+            f"no held locks under prefix {args.prefix!r}{_where(args.tenant)} in "
+            f"{_shown_url(where)}"
+        )
     else:
         rows = [
-            [h.spec, h.key, h.owner, "-" if h.token is None else h.token, _human(left(h))]
+            [
+                "-" if h.tenant is None else h.tenant,
+                h.spec,
+                h.key,
+                "CORRUPT" if h.corrupt else h.owner,
+                "-" if h.corrupt or h.token is None else h.token,
+                "-" if h.corrupt else _human(left(h)),
+            ]
             for h in held
         ]
-        print(_table(["SPEC", "KEY", "OWNER", "TOKEN", "TIME LEFT"], rows))
+        _out(_table(["TENANT", "SPEC", "KEY", "OWNER", "TOKEN", "TIME LEFT"], rows))
+    _warn_corrupt("lock(s)", sum(bool(h.corrupt) for h in held))
     return EX_OK
 
 
@@ -822,19 +965,19 @@ def cmd_purge(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.json:
         _print_json({"purged": count})
     else:
-        print(f"purged {count} expired record(s) and lock(s) from {where}")
+        _out(f"purged {count} expired record(s) and lock(s) from {_shown_url(where)}")
     return EX_OK
 
 
 def cmd_migrate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import importlib
 
-    from ._urls import default_url, redact
+    from ._urls import default_url
 
     url: str = args.url or default_url()
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     if scheme not in ("postgresql", "postgres"):
-        print(f"nothing to migrate: the {scheme or 'given'} store creates its schema on first use")
+        _out(f"nothing to migrate: the {scheme or 'given'} store creates its schema on first use")
         return EX_OK
     try:
         # Lazily: the PostgreSQL driver is an optional extra.
@@ -845,7 +988,7 @@ def cmd_migrate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         ) from exc
     outcome = postgres.migrate(url)
     detail = f": {outcome}" if outcome not in (None, True) else ""
-    print(f"migrated {redact(url)}{detail}")
+    _out(f"migrated {_shown_url(url)}{detail}")
     return EX_OK
 
 
