@@ -43,7 +43,7 @@ from idemlock.stores.redis import _common as C
 
 from . import redis_wait_script
 from .servers.proxy import TcpProxy
-from .servers.redis import RedisServer, start_unix_redis
+from .servers.redis import RedisServer, find_redis, free_port, start_unix_redis
 
 LONG = 60_000  # ms: outlives every test
 
@@ -594,3 +594,112 @@ def test_an_async_store_used_before_a_fork_works_in_the_child(redis_server: Redi
         await coord.close()
 
     asyncio.run(after())
+
+
+# ---- connection failures name their cause; passwords never shown -------------------------
+
+
+@pytest.fixture(scope="module")
+def auth_redis() -> Iterator[RedisServer]:
+    """A throwaway server that needs a password (``PASSWORD``)."""
+    root = Path(tempfile.mkdtemp(prefix="ila-", dir="/tmp"))
+    server = _start_auth(RedisServer(root, free_port(), ("--requirepass", PASSWORD)))
+    try:
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+PASSWORD = "s3cret-Pw-xyz"
+
+
+def _start_auth(server: RedisServer) -> RedisServer:
+    # RedisServer.start() waits for a PING without a password; answer it with one.
+    server_bin, _ = find_redis()
+    server.root.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        server_bin, "--port", str(server.port), "--bind", "127.0.0.1", "--save", "",
+        "--appendonly", "no", "--dir", str(server.root), "--logfile", str(server.log),
+        *server.extra,
+    ]  # fmt: skip
+    server.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with redis.Redis(port=server.port, password=PASSWORD, socket_timeout=1) as r:
+                if r.ping():
+                    return server
+        except redis.RedisError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def _fail_fast(call: Any) -> str:
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable) as info:
+        call()
+    assert time.monotonic() - t0 < BOUND
+    return str(info.value)
+
+
+def test_connection_failures_name_their_cause_soon(auth_redis: RedisServer) -> None:
+    ns = _ns()
+    base = f"redis://127.0.0.1:{auth_redis.port}/0"
+    for url, cause in (
+        (f"redis://:wrong@127.0.0.1:{auth_redis.port}/0", "authentication failed"),
+        (base, "authentication failed"),  # no password given
+        (f"redis://127.0.0.1:{free_port()}/0", "connection refused"),  # nothing listens
+    ):
+        s = open_sync(url, timeout=TIMEOUT)[0]
+        try:
+            msg = _fail_fast(lambda s=s: s.claim(ns, "k", None, "aa", LONG))  # type: ignore[misc]
+            assert cause.lower() in msg.lower(), msg
+            assert "wrong" not in msg
+        finally:
+            s.close()
+    good = open_sync(f"{base}?password={PASSWORD}", timeout=TIMEOUT)[0]
+    try:
+        assert isinstance(good.claim(ns, "k", None, "aa", LONG), Granted)
+    finally:
+        good.close()
+
+
+async def test_async_connection_failures_name_their_cause_soon(auth_redis: RedisServer) -> None:
+    ns = _ns()
+    for url, cause in (
+        (f"redis://:wrong@127.0.0.1:{auth_redis.port}/0", "authentication failed"),
+        (f"redis://127.0.0.1:{free_port()}/0", "connection refused"),
+    ):
+        s = open_async(url, timeout=TIMEOUT)[0]
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(StoreUnavailable) as info:
+                await s.claim(ns, "k", None, "aa", LONG)
+            assert time.monotonic() - t0 < BOUND
+            assert cause in str(info.value).lower(), str(info.value)
+        finally:
+            await s.aclose()
+
+
+def test_a_query_password_is_never_shown(auth_redis: RedisServer) -> None:
+    url = f"redis://127.0.0.1:{auth_redis.port}/0?password={PASSWORD}"
+    with pytest.raises(ConfigurationError) as bad:
+        open_sync(url + "&no_such_option=1")
+    assert PASSWORD not in str(bad.value) and "password=***" in str(bad.value)
+    with pytest.raises(StoreUnavailable) as down:
+        open_sync(f"redis+cluster://127.0.0.1:{free_port()}?password={PASSWORD}", timeout=TIMEOUT)
+    assert PASSWORD not in str(down.value)
+
+
+def test_a_query_password_is_not_in_the_coordinator_url(auth_redis: RedisServer) -> None:
+    """coord.url is shown by idemlock._urls.redact (shared by every store)."""
+    url = f"redis://127.0.0.1:{auth_redis.port}/0?password={PASSWORD}"
+    coord = idemlock.connect(url)
+    try:
+        assert PASSWORD not in coord.url and PASSWORD not in repr(coord)
+        lease = coord.lock("l").acquire("k")  # and the password did reach Redis
+        assert lease is not None
+    finally:
+        coord.close()

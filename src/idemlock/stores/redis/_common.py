@@ -406,7 +406,28 @@ def store_error(exc: BaseException, what: str) -> Exception:
                 f"redis {what}: Redis is out of memory (maxmemory reached and nothing "
                 f"may be evicted): {msg}"
             )
-    return StoreUnavailable(f"redis {what} failed: {type(exc).__name__}: {msg}")
+    return StoreUnavailable(f"redis {what} failed: {_cause(exc, msg)}{type(exc).__name__}: {msg}")
+
+
+def _cause(exc: BaseException, msg: str) -> str:
+    """A short name for why a call failed, before redis-py's own words."""
+    import redis.exceptions as rx
+
+    low = msg.lower()
+    if isinstance(exc, rx.AuthenticationError) or any(
+        m in low for m in ("noauth", "wrongpass", "invalid password", "already authenticated")
+    ):
+        return "authentication failed (check the user and password of the URL): "
+    chain: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and len(chain) < 5:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    if any(isinstance(c, ConnectionRefusedError) for c in chain) or "error 111 " in low:
+        return "connection refused (is Redis running at that address?): "
+    if isinstance(exc, rx.TimeoutError) or any(isinstance(c, TimeoutError) for c in chain):
+        return "no reply within the timeout (Redis or the network is stalled): "
+    return ""
 
 
 def redis_errors() -> tuple[type[BaseException], ...]:

@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode
 
 from ..._errors import ConfigurationError, StoreUnavailable
 from ..._urls import redact
 from ._common import OWN_OPTIONS, Options, own_options
+
+#: a query option that carries a secret (``password=``, ``ssl_password=``, ...)
+_SECRET = re.compile(r"([?&;][A-Za-z_]*(?:password|passwd|pwd)=)[^&;#]*", re.IGNORECASE)
+
+
+def shown(url: str) -> str:
+    """``url`` as it may be shown in a message: every password redacted, in the
+    userinfo (idemlock's ``redact``) and in the query (``?password=``)."""
+    return _SECRET.sub(r"\1***", redact(url))
+
 
 #: Defaults for clients idemlock builds (the user's URL or keywords override them):
 #: bounded waits, and few retries so a dead server is reported quickly.
@@ -51,7 +62,7 @@ def _split(url: str) -> tuple[str, str, str, str]:
     has several host:port pairs)."""
     scheme, sep, rest = url.partition("://")
     if not sep:
-        raise ConfigurationError(f"not a URL: {redact(url)!r}")
+        raise ConfigurationError(f"not a URL: {shown(url)!r}")
     rest, _, _fragment = rest.partition("#")
     rest, _, query = rest.partition("?")
     netloc, slash, path = rest.partition("/")
@@ -62,7 +73,7 @@ def _check_query(url: str, query: dict[str, str], allowed: set[str]) -> None:
     unknown = sorted(set(query) - allowed - set(OWN_OPTIONS))
     if unknown:
         raise ConfigurationError(
-            f"unknown option(s) {', '.join(unknown)} in Redis URL {redact(url)!r}; use "
+            f"unknown option(s) {', '.join(unknown)} in Redis URL {shown(url)!r}; use "
             "redis-py connection options (socket_timeout=, ssl_cert_reqs=, ...) or "
             "idemlock's timeout= and counter_ttl= (seconds) and handoff_ms="
         )
@@ -72,7 +83,7 @@ def _db(url: str, path: str, query: dict[str, str]) -> None:
     db = path.strip("/")
     if db and not db.isdigit():
         raise ConfigurationError(
-            f"the path of a Redis URL is the database number, got {db!r} in {redact(url)!r}"
+            f"the path of a Redis URL is the database number, got {db!r} in {shown(url)!r}"
         )
 
 
@@ -84,7 +95,7 @@ def build(url: str, options: dict[str, Any], asynchronous: bool) -> tuple[Any, b
     try:
         query = dict(parse_qsl(query_s, keep_blank_values=True, strict_parsing=False))
     except ValueError as exc:
-        raise ConfigurationError(f"cannot parse the options of {redact(url)!r}: {exc}") from exc
+        raise ConfigurationError(f"cannot parse the options of {shown(url)!r}: {exc}") from exc
     opts_in = dict(options)
     for name in OWN_OPTIONS:
         if name in query:
@@ -103,7 +114,7 @@ def build(url: str, options: dict[str, Any], asynchronous: bool) -> tuple[Any, b
     if scheme in ("redis+cluster", "rediss+cluster"):
         return _cluster(url, scheme, netloc, path, query, kwargs, opts_in, asynchronous), True, own
     raise ConfigurationError(
-        f"{redact(url)!r} is not a Redis URL; use redis://, rediss://, unix:// or "
+        f"{shown(url)!r} is not a Redis URL; use redis://, rediss://, unix:// or "
         "redis+cluster://host:port[,host:port...]"
     )
 
@@ -124,14 +135,14 @@ def _standalone(
 
     if scheme != "unix":
         if not netloc.rpartition("@")[2]:
-            raise ConfigurationError(f"Redis URL {redact(url)!r} names no host")
+            raise ConfigurationError(f"Redis URL {shown(url)!r} names no host")
         _db(url, path, query)
         host = netloc.rpartition("@")[2]
         port = host.rpartition("]")[2].rpartition(":")[2] if ":" in host else ""
         if port and not port.isdigit():
-            raise ConfigurationError(f"bad port {port!r} in Redis URL {redact(url)!r}")
+            raise ConfigurationError(f"bad port {port!r} in Redis URL {shown(url)!r}")
     elif not path.strip("/"):
-        raise ConfigurationError(f"unix:// Redis URL {redact(url)!r} names no socket path")
+        raise ConfigurationError(f"unix:// Redis URL {shown(url)!r} names no socket path")
     conn_cls: Any = redis.connection.Connection
     if scheme == "rediss":
         conn_cls = redis.connection.SSLConnection
@@ -148,7 +159,7 @@ def _standalone(
     try:
         return factory.from_url(rebuilt, **kwargs)
     except (ValueError, TypeError) as exc:
-        raise ConfigurationError(f"bad Redis URL or option in {redact(url)!r}: {exc}") from exc
+        raise ConfigurationError(f"bad Redis URL or option in {shown(url)!r}: {exc}") from exc
 
 
 def _hostport(url: str, item: str) -> tuple[str, int]:
@@ -162,7 +173,7 @@ def _hostport(url: str, item: str) -> tuple[str, int]:
     port_s = port_s or "6379"
     if not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
         raise ConfigurationError(
-            f"bad cluster node {item!r} in {redact(url)!r}; write host:port[,host:port...]"
+            f"bad cluster node {item!r} in {shown(url)!r}; write host:port[,host:port...]"
         )
     return unquote(host), int(port_s)
 
@@ -181,14 +192,14 @@ def _cluster(
 
     userinfo, _, hosts = netloc.rpartition("@")
     if not hosts:
-        raise ConfigurationError(f"cluster URL {redact(url)!r} names no node")
+        raise ConfigurationError(f"cluster URL {shown(url)!r} names no node")
     nodes = [_hostport(url, h) for h in hosts.split(",") if h]
     if not nodes:
-        raise ConfigurationError(f"cluster URL {redact(url)!r} names no node")
+        raise ConfigurationError(f"cluster URL {shown(url)!r} names no node")
     db = path.strip("/")
     if db not in ("", "0"):
         raise ConfigurationError(
-            f"Redis Cluster has only database 0; remove the path {path!r} from {redact(url)!r}"
+            f"Redis Cluster has only database 0; remove the path {path!r} from {shown(url)!r}"
         )
     conn_cls = redis.connection.SSLConnection if scheme.startswith("rediss") else None
     _check_query(url, query, _allowed_connection_args(conn_cls or redis.connection.Connection))
@@ -199,7 +210,7 @@ def _cluster(
     try:
         parsed = redis.connection.parse_url(one)  # type: ignore[no-untyped-call]
     except ValueError as exc:
-        raise ConfigurationError(f"bad option in {redact(url)!r}: {exc}") from exc
+        raise ConfigurationError(f"bad option in {shown(url)!r}: {exc}") from exc
     for drop in ("host", "port", "db", "connection_class"):
         parsed.pop(drop, None)
     if conn_cls is not None:
@@ -217,11 +228,11 @@ def _cluster(
         nodes_ = [ClusterNode(h, p) for h, p in nodes]  # type: ignore[no-untyped-call]
         return _bounded_cluster_class()(startup_nodes=nodes_, **kwargs)
     except (ValueError, TypeError) as exc:
-        raise ConfigurationError(f"bad Redis Cluster URL or option {redact(url)!r}: {exc}") from exc
+        raise ConfigurationError(f"bad Redis Cluster URL or option {shown(url)!r}: {exc}") from exc
     except Exception as exc:
         # The sync client discovers the cluster's slots right away.
         raise StoreUnavailable(
-            f"cannot reach Redis Cluster at {redact(url)!r}: {type(exc).__name__}: {exc}"
+            f"cannot reach Redis Cluster at {shown(url)!r}: {type(exc).__name__}: {exc}"
         ) from exc
 
 
