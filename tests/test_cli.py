@@ -610,3 +610,38 @@ def test_a_password_in_the_url_is_never_printed(tmp_path: Path) -> None:
             assert secret not in out.stdout + out.stderr, out.args
     finally:
         server.stop()
+
+
+def test_once_success_that_cannot_be_recorded_keeps_the_key_reserved(
+    url: str, tmp_path: Path, procs: list[subprocess.Popen[str]]
+) -> None:
+    """The store fails (here: the SQLite file is locked by another writer) when CMD's
+    success is recorded: exit 69 saying so, and the key stays reserved, so a retry does
+    not run CMD again at once."""
+    wait_go = (
+        "import pathlib, sys, time\n"
+        "d = pathlib.Path(sys.argv[1])\n"
+        "(d / 'ready').touch()\n"
+        "while not (d / 'go').exists(): time.sleep(0.02)\n"
+        "open(d / 'ran', 'a').write('x')\n"
+    )
+    short = f"{url}?timeout=0.5"
+    proc = start(short, "run", "--once", "k-rec", "--", *script(wait_go), str(tmp_path))
+    procs.append(proc)
+    wait_for(tmp_path / "ready", proc)
+    blocker = sqlite3.connect(tmp_path / "store.db", isolation_level=None)
+    try:
+        blocker.execute("BEGIN EXCLUSIVE")
+        (tmp_path / "go").touch()
+        code, _, err = finish(proc)
+    finally:
+        blocker.rollback()
+        blocker.close()
+    assert code == 69, err
+    assert "CMD succeeded, but the store failed to record it" in err
+    assert "stays reserved" in err
+    status = json.loads(cli(url, "status", "k-rec", "--json").stdout)
+    assert status["state"] == "in_flight"  # not abandoned
+    again = cli(url, "run", "--once", "k-rec", "--", *script(wait_go), str(tmp_path))
+    assert again.returncode == 76, again.stderr
+    assert (tmp_path / "ran").read_text() == "x"  # CMD ran once

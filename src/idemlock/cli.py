@@ -784,9 +784,18 @@ def _run_once(args: argparse.Namespace, cmd: list[str]) -> int:
             raise
         took = time.monotonic() - started
         if status != 0:
-            # StaleClaim: the lease ran out already, so the key is free for a retry anyway.
-            with contextlib.suppress(StaleClaim):
+            try:
                 port.abandon(token)
+            except StaleClaim:
+                pass  # the lease ran out already, so the key is free for a retry anyway
+            except StoreUnavailable as exc:
+                # CMD's status matters more; the claim ends with its lease.
+                _say(
+                    f"CMD failed with status {status}, and the store failed to free {key!r} "
+                    f"({exc}); a retry can run it once the claim ends at "
+                    f"{_iso(token.expires_at)}"
+                )
+                return status
             _say(f"CMD failed with status {status}; {key!r} stays unclaimed so a retry runs it")
             return status
         result = {
@@ -806,6 +815,14 @@ def _run_once(args: argparse.Namespace, cmd: list[str]) -> int:
                 f"(exit {EX_LEASE_LOST})"
             )
             return EX_LEASE_LOST
+        except StoreUnavailable as exc:
+            # The claim is kept (never abandoned): a retry must not run CMD again at once.
+            _say(
+                f"error: CMD succeeded, but the store failed to record it ({exc}); {key!r} "
+                f"stays reserved until its claim ends at {_iso(token.expires_at)}, after "
+                f"which a retry runs CMD again (exit {EX_UNAVAILABLE})"
+            )
+            return EX_UNAVAILABLE
         return EX_OK
 
 
