@@ -11,8 +11,8 @@ import json
 import logging
 import os
 import select
-import signal
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -470,7 +470,7 @@ def _forked(child: Any, then: Any = None, timeout: float = 30.0) -> Any:
             os.close(out_r)
             value = child(lambda: os.write(ready_w, b"r"))
             payload = json.dumps({"ok": value})
-        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        except BaseException as exc:  # reported to the parent
             payload = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
             code = 1
         with contextlib.suppress(BaseException):
@@ -486,7 +486,7 @@ def _forked(child: Any, then: Any = None, timeout: float = 30.0) -> Any:
             then()
         deadline = time.monotonic() + timeout
         while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
+            done, _ = os.waitpid(pid, os.WNOHANG)
             if done:
                 break
             if time.monotonic() > deadline:
@@ -654,7 +654,7 @@ def test_connection_failures_name_their_cause_soon(auth_redis: RedisServer) -> N
     ):
         s = open_sync(url, timeout=TIMEOUT)[0]
         try:
-            msg = _fail_fast(lambda s=s: s.claim(ns, "k", None, "aa", LONG))  # type: ignore[misc]
+            msg = _fail_fast(lambda s=s: s.claim(ns, "k", None, "aa", LONG))
             assert cause.lower() in msg.lower(), msg
             assert "wrong" not in msg
         finally:
@@ -698,7 +698,7 @@ def test_a_query_password_is_not_in_the_coordinator_url(auth_redis: RedisServer)
     url = f"redis://127.0.0.1:{auth_redis.port}/0?password={PASSWORD}"
     coord = idemlock.connect(url)
     try:
-        assert PASSWORD not in coord.url and PASSWORD not in repr(coord)
+        assert PASSWORD not in str(coord.url) and PASSWORD not in repr(coord)
         lease = coord.lock("l").acquire("k")  # and the password did reach Redis
         assert lease is not None
     finally:
