@@ -703,3 +703,25 @@ def test_a_query_password_is_not_in_the_coordinator_url(auth_redis: RedisServer)
         assert lease is not None
     finally:
         coord.close()
+
+
+# ---- A4: tokens up to 2**63-1 ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["standalone", "cluster"])
+def test_gate_tokens_up_to_2_63_minus_1(where: str, request: pytest.FixtureRequest) -> None:
+    server = request.getfixturevalue("redis_server" if where == "standalone" else "redis_cluster")
+    s = open_sync(server.url)[0]
+    top = 2**63 - 1
+    try:
+        ns = _ns()
+        assert s.fence_advance(ns, "res", 2**53 + 1) == (True, 2**53 + 1)  # past a double
+        assert s.fence_advance(ns, "res", 2**53) == (False, 2**53 + 1)
+        assert s.fence_advance(ns, "res", top - 1) == (True, top - 1)
+        assert s.fence_set(ns, "res", top, "res", b"v") == (True, top)
+        assert s.fence_advance(ns, "res", top - 1) == (False, top)
+        assert s.fence_set(ns, "res", top - 1, "res", b"late") == (False, top)
+        assert s.fence_current(ns, "res") == top
+        assert s.fence_advance(ns, "res", top) == (True, top)  # the same token again
+    finally:
+        s.close()
