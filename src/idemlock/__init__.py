@@ -16,7 +16,7 @@ from typing import Any
 
 from ._base import current_claim
 from ._core.canonical import canonicalize, fingerprint
-from ._core.clock import Clock, ManualClock, SystemClock
+from ._core.clock import MAX_TTL, Clock, ManualClock, SystemClock
 from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES, RecordedError
 from ._core.events import Event, Hook
 from ._core.types import (
@@ -86,6 +86,7 @@ __all__ = [
     "LockNotHeld",
     "LockPort",
     "LockSpec",
+    "MAX_TTL",
     "ManualClock",
     "PayloadMismatch",
     "RecordStatus",

@@ -16,7 +16,7 @@ from time import perf_counter
 from typing import Any
 
 from ._core.canonical import canonicalize, fingerprint
-from ._core.clock import Clock
+from ._core.clock import Clock, duration
 from ._core.codec import (
     COMPRESS_OVER,
     MAX_RESULT_BYTES,
@@ -103,15 +103,11 @@ if hasattr(os, "register_at_fork"):
 
 
 def seconds(value: timedelta | float | None, what: str) -> float | None:
+    """A wait, timeout or interval given by the caller, in seconds (None stays None).
+    The one duration check (NaN, infinity, negative and above ``MAX_TTL`` refused)."""
     if value is None:
         return None
-    if isinstance(value, timedelta):
-        value = value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigurationError(f"{what} must be a timedelta or seconds, got {value!r}")
-    if value < 0:
-        raise ConfigurationError(f"{what} must not be negative, got {value!r}")
-    return float(value)
+    return duration(value, what)
 
 
 class CoordinatorBase:
@@ -668,12 +664,24 @@ def validated(key: str, what: str = "key") -> str:
     return validate_key(key, what)
 
 
+#: Fencing tokens are ints in [0, MAX_TOKEN] (A4): what a signed 64-bit column holds,
+#: so every store gives the same answer and none can overflow.
+MAX_TOKEN = 2**63 - 1
+
+
+def _int_repr(value: int) -> str:
+    # repr() of an int of thousands of digits raises ValueError.
+    return repr(value) if value.bit_length() <= 128 else f"an int of {value.bit_length()} bits"
+
+
 def check_token(token: object) -> int:
-    if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+    """The one check of a fencing token given to a gate: an int in [0, 2**63-1]."""
+    if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= MAX_TOKEN:
+        shown = repr(token) if not isinstance(token, int) else _int_repr(token)
         raise ConfigurationError(
-            f"a fencing token is a non-negative int (lease.token or claim.fence), got {token!r}"
+            f"a fencing token is an int from 0 to 2**63-1 (lease.token or claim.fence), got {shown}"
         )
-    return token
+    return int(token)
 
 
 class WrapPlan:

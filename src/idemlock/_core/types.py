@@ -6,8 +6,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Literal
 
-from .._errors import ConfigurationError
-from .clock import SYSTEM_CLOCK, Clock
+from .clock import SYSTEM_CLOCK, Clock, duration
 from .codec import RecordedError
 from .keys import validate_key
 
@@ -28,18 +27,9 @@ __all__ = [
 
 
 def to_ms(value: timedelta | float | int, what: str) -> int:
-    """A positive duration (timedelta or seconds) as whole milliseconds (at least 1)."""
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    else:
-        raise ConfigurationError(
-            f"{what} must be a timedelta or a number of seconds, got {type(value).__name__}"
-        )
-    if not seconds > 0:
-        raise ConfigurationError(f"{what} must be positive, got {value!r}")
-    return max(1, round(seconds * 1000))
+    """A positive duration (timedelta or seconds) of at most ``MAX_TTL`` as whole
+    milliseconds (at least 1); NaN, infinity and the rest raise ConfigurationError."""
+    return max(1, round(duration(value, what, positive=True) * 1000))
 
 
 def from_ms(ms: int) -> datetime:

@@ -1,0 +1,156 @@
+"""Input at the edge, on every store, sync and async: durations that are NaN, infinite
+or longer than ``MAX_TTL``, and fencing tokens at the ends of their range. Every one
+gets a ``ConfigurationError`` (or is handled), never a raw error or a spinning wait."""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+import idemlock
+from idemlock import (
+    Claimed,
+    Completed,
+    ConfigurationError,
+    FencedOut,
+    IdempotencySpec,
+    LockSpec,
+)
+
+from .facade import Facade
+
+BAD_DURATIONS = [
+    pytest.param(math.nan, id="nan"),
+    pytest.param(math.inf, id="inf"),
+    pytest.param(-math.inf, id="-inf"),
+    pytest.param(-1, id="negative"),
+    pytest.param(10**400, id="huge-int"),
+    pytest.param(timedelta.max, id="timedelta.max"),
+    pytest.param(idemlock.MAX_TTL + timedelta(days=1), id="over-MAX_TTL"),
+]
+
+MAX_TOKEN = 2**63 - 1
+
+
+# ---- item 14: waits on a held key -----------------------------------------------------
+# The key is held by someone else, so an unchecked NaN deadline would never be reached
+# and the call would spin on the store (the timeout marker turns a spin into a failure).
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("bad", BAD_DURATIONS)
+async def test_acquire_wait_refused_while_held(api: Facade, bad: Any) -> None:
+    locks = api.lock(LockSpec("edge", ttl=timedelta(seconds=30)))
+    held = await locks.acquire("k")
+    assert held is not None
+    with pytest.raises(ConfigurationError, match="wait"):
+        await locks.acquire("k", wait=bad)
+    with pytest.raises(ConfigurationError, match="wait"):
+        async with locks.hold("k", wait=bad):
+            pass  # pragma: no cover
+    assert await locks.release(held)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("bad", BAD_DURATIONS)
+async def test_claim_wait_refused_while_in_flight(api: Facade, bad: Any) -> None:
+    port = api.idem(IdempotencySpec("edge", lease=timedelta(seconds=30)))
+    first = await port.claim("k")
+    assert isinstance(first, Claimed)
+    with pytest.raises(ConfigurationError, match=r"wait|timeout"):
+        await port.wait("k", timeout=bad)
+    with pytest.raises(ConfigurationError, match="wait"):
+        api.wrap("edge", lambda x: x, on_in_flight="wait", wait=bad)
+    await port.abandon(first.token)
+
+
+@pytest.mark.parametrize("bad", BAD_DURATIONS)
+async def test_per_call_durations_refused(api: Facade, bad: Any) -> None:
+    port = api.idem(IdempotencySpec("edge"))
+    with pytest.raises(ConfigurationError, match="lease"):
+        await port.claim("k", lease=bad)
+    claim = await port.claim("k")
+    assert isinstance(claim, Claimed)
+    with pytest.raises(ConfigurationError, match="lease"):
+        await port.extend(claim.token, lease=bad)
+    await port.complete(claim.token, 1)
+
+    locks = api.lock(LockSpec("edge"))
+    lease = await locks.acquire("k")
+    assert lease is not None
+    with pytest.raises(ConfigurationError, match="ttl"):
+        await locks.renew(lease, ttl=bad)
+    for option in ("renew_every", "max_hold"):
+        with pytest.raises(ConfigurationError, match=option):
+            async with locks.hold("other", **{option: bad}):
+                pass  # pragma: no cover
+    assert await locks.release(lease)
+
+
+# ---- item 15: MAX_TTL ------------------------------------------------------------------
+
+
+async def test_max_ttl_is_kept_and_replayed(api: Facade) -> None:
+    """The longest accepted ttl and lease work on every store (no wrapped expiry, no
+    raw error) and a completed record replays."""
+    spec = IdempotencySpec("forever", ttl=idemlock.MAX_TTL, lease=idemlock.MAX_TTL)
+    port = api.idem(spec)
+    claim = await port.claim("k", payload={"a": 1})
+    assert isinstance(claim, Claimed)
+    await port.complete(claim.token, {"done": True})
+    again = await port.claim("k", payload={"a": 1})
+    assert isinstance(again, Completed) and again.result == {"done": True}
+    assert again.expires_at is not None
+    assert again.expires_at.year >= 2100  # not wrapped, not already expired
+    status = await port.status("k")
+    assert status is not None and status.state == "completed"
+
+    locks = api.lock(LockSpec("forever", ttl=idemlock.MAX_TTL))
+    lease = await locks.acquire("k")
+    assert lease is not None and lease.expires_at.year >= 2100
+    assert await locks.renew(lease, ttl=idemlock.MAX_TTL)
+    assert await locks.release(lease)
+
+
+@pytest.mark.parametrize("what", ["ttl", "lease"])
+def test_longer_than_max_ttl_refused_at_the_spec(what: str) -> None:
+    too_long = idemlock.MAX_TTL + timedelta(seconds=1)
+    with pytest.raises(ConfigurationError, match="maximum of 100 years"):
+        IdempotencySpec("s", **{what: too_long})  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="maximum of 100 years"):
+        LockSpec("s", ttl=too_long)
+    IdempotencySpec("s", **{what: idemlock.MAX_TTL})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", BAD_DURATIONS)
+def test_bad_spec_durations(bad: Any) -> None:
+    for build in (
+        lambda: IdempotencySpec("s", ttl=bad),
+        lambda: IdempotencySpec("s", lease=bad),
+        lambda: LockSpec("s", ttl=bad),
+    ):
+        with pytest.raises(ConfigurationError):
+            build()
+
+
+# ---- item 16: fencing tokens -------------------------------------------------------
+
+
+async def test_gate_token_range_is_the_same_everywhere(api: Facade) -> None:
+    gate = api.fence("edge-range")
+    for bad in (2**63, 2**64, 10**30, -1):
+        with pytest.raises(ConfigurationError, match="2\\*\\*63"):
+            await gate.check_and_advance(bad)
+    assert await gate.current() is None  # a refused token changes nothing
+    assert await gate.check_and_advance(0) == 0
+    assert await gate.check_and_advance(MAX_TOKEN) == MAX_TOKEN
+    assert await gate.current() == MAX_TOKEN
+    assert await gate.check_and_advance(MAX_TOKEN) == MAX_TOKEN  # equal passes
+    with pytest.raises(FencedOut) as info:
+        await gate.check_and_advance(MAX_TOKEN - 1)
+    assert info.value.current == MAX_TOKEN
+    with pytest.raises(ConfigurationError):
+        await gate.check_and_advance(2**63)
