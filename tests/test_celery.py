@@ -192,6 +192,24 @@ def deposit(self: Any, account: str, amount: int) -> dict[str, Any]:
     return {"account": account, "amount": amount, "fence": fence}
 
 
+#: the claim's lease of "deposit_short" (no time limit: the spec's lease)
+SHORT_LEASE = 3.0
+
+
+@app.task(
+    bind=True,
+    base=IdempotentTask,
+    name="idemlock_test.deposit_short",
+    idemlock_coordinator=_coordinator,
+    idemlock_spec=IdempotencySpec("deposit-short", lease=timedelta(seconds=SHORT_LEASE)),
+    idemlock_key=lambda account: f"short-{account}",
+)
+def deposit_short(self: Any, account: str) -> dict[str, Any]:
+    (_dir() / f"running-{account}").touch()
+    wait_for((_dir() / f"go-{account}").exists, 60)
+    return {"account": account, "fence": self.request.idemlock_fence}
+
+
 @worker_ready.connect
 def _announce_ready(sender: Any = None, **_: Any) -> None:
     _append("ready.log", str(os.getpid()))
@@ -467,6 +485,30 @@ def test_store_down_when_recording_keeps_the_claim_and_records_it_later(
     again = deposit.apply_async(("acc-2", 20))
     assert again.get(timeout=20) == result
     assert env.runs("deposit") == [(result["fence"], 0, "finished")]  # one run, ever
+
+
+def test_store_down_past_the_lease_fails_the_task_and_never_abandons(
+    store_env: Env, store: RedisServer
+) -> None:
+    """The store stays down after the body ran until the claim's lease is over: the
+    task fails with StoreUnavailable saying the key stays reserved, and the claim is
+    never abandoned (a retry could otherwise run at once)."""
+    env = store_env
+    worker = start_worker(env, "w1")
+    sent = deposit_short.apply_async(("acc-3",))
+    wait_for((env.dir / "running-acc-3").exists, 30, worker.why)
+    store.stop()
+    (env.dir / "go-acc-3").touch()
+    try:
+        with pytest.raises(idemlock.StoreUnavailable, match="stays reserved until"):
+            sent.get(timeout=30, propagate=True)
+    finally:
+        store.start()
+    log = worker.log.read_text()
+    assert log.count("could not record the outcome") >= 2  # written again while it lasted
+    events = env.lines("events.log")
+    assert "deposit-short claim claimed" in events
+    assert not [e for e in events if " abandon " in e]  # never abandoned
 
 
 # ---- without a worker: direct calls ---------------------------------------------------

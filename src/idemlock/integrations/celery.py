@@ -390,8 +390,9 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
         the claim: the body ran, so the key must stay reserved until its lease ends."""
         clock = state.coord.clock
         lease_end = token.expires_at.timestamp()
-        # Each call is bounded by the store's timeout; do not start one that would end
-        # after the lease (or after the hard limit kills this process).
+        # Each call is bounded by the store's timeout: none may still run when the hard
+        # time limit kills this process (a write that ends after the lease is still
+        # accepted while no other attempt took the key over).
         bound = float(getattr(state.coord.store, "timeout", 5.0))
         hard, _ = self._idemlock_limits()
         pause = _RECORD_RETRY_FIRST
@@ -402,8 +403,8 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
             except _STORE_ERRORS as exc:
                 left = lease_end - clock.time()
                 if hard is not None:
-                    left = min(left, started + hard - time.monotonic())
-                if left <= pause + bound:
+                    left = min(left, started + hard - bound - time.monotonic())
+                if left <= pause:
                     log.error(
                         "task %s[%s] ran, but its outcome for key %r could not be recorded "
                         "before its claim's lease ends (%s): the key stays reserved until "
