@@ -3,7 +3,9 @@
 URLs: ``redis://[user:password@]host[:port][/db]``, ``rediss://`` (TLS), ``unix:///path``,
 ``redis+cluster://host:port[,host:port...]`` and ``rediss+cluster://``. Query options
 are redis-py's connection options (``socket_timeout=``, ``ssl_cert_reqs=``, ...) plus
-idemlock's ``counter_ttl=`` (seconds, default 60) and ``handoff_ms=`` (default 10). An
+idemlock's ``timeout=`` (seconds, default 5: the bound on one call, which the socket and
+connect timeouts default to; ``store.timeout``), ``counter_ttl=`` (seconds, default 60)
+and ``handoff_ms=`` (default 10). An
 existing client (``redis.Redis``, ``redis.cluster.RedisCluster`` or their
 ``redis.asyncio`` versions) can be passed instead of a URL; idemlock never closes it.
 
