@@ -5,6 +5,7 @@
         [--jobs N --workers W --duration S --seed X --fault-every S --lease S ...]
     python benchmarks/chaos.py --all [--mode both]      # every store (the long run)
     python benchmarks/chaos.py --all --short            # what CI runs
+    python benchmarks/chaos.py --all --workload lock    # the lock workload, every store
     ... --json                                          # the report as JSON
 
 What one run does, on throwaway servers on free loopback ports (never anything else):
@@ -30,8 +31,11 @@ What one run does, on throwaway servers on free loopback ports (never anything e
   jobs are redelivered at once, as a broker does when a consumer's connection drops),
   SIGSTOP of a worker for 1.3-2.5 leases then SIGCONT, a restart of the store server
   (Redis: killed and started empty, ``--save '' --appendonly no``; a Cluster node the
-  same; PostgreSQL: ``pg_ctl restart -m immediate``, a crash) and a cut of every
-  connection through the loopback TCP proxy between the workers and the store.
+  same; PostgreSQL: ``pg_ctl restart -m immediate``, a crash), a cut of every
+  connection through the loopback TCP proxy between the workers and the store, and a
+  **blackhole** of that proxy for 0.5-4 leases: it stops forwarding without closing
+  anything (a dead switch, a partition), either everything (new connections hang
+  after the kernel's accept) or a random half of the open connections.
 * At the end, from the data alone: every job is done and has exactly one effect row;
   in the log, no write was accepted with a token lower than one accepted before it
   for that key, and the effect row carries the highest accepted token; every
@@ -42,6 +46,23 @@ What one run does, on throwaway servers on free loopback ports (never anything e
   ``complete``: the window no claim can close; the fenced, keyed write makes the
   re-run replace the row instead of adding one), stale writes refused by the fence,
   and records Redis lost with its data.
+
+The **lock workload** (``--workload lock``): workers contend for ``--resources`` locks
+through ``hold()`` (ttl ``--lease``, renewed every ttl/3), each hold lasting 0.2-2.5
+ttls, and under it decide to write (noting the time, ``lease.remaining()`` and
+``lease.lost``), prepare for 5-25 ms, then make a **fenced write** with the lease's
+token: Redis and Cluster through the store's own gate, ``FenceGate.set_if_fresh``,
+logged afterwards with the times around it; SQLite and PostgreSQL by a fenced upsert
+(PostgreSQL: idemlock's ``fenced_upsert``) committed with its log row, so the log's ids
+are the order of acceptance. Faults: SIGKILL and SIGSTOP past the ttl of a holder,
+blackholes, cuts, and PostgreSQL crashes (no Redis restarts here: an empty Redis
+forgets its leases and gates, the data loss the job workload already counts). The
+checker (``check_lock_history``) reads the history: no accepted write's token is below
+one accepted before it; accepted writes of two holders never go A, B, A; a hold that
+began after another was granted got a higher token, and no token went to two holders;
+no write was decided while ``remaining()`` still showed time on a lease another holder
+had been granted. ``--mode plain`` writes without the fence: the negative control,
+whose stale and interleaved writes are reported, not failures.
 
 Exits 1 on any violation (plain mode: duplicates and stale overwrites are reported,
 not violations; only harness failures fail it).

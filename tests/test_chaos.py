@@ -144,8 +144,8 @@ def test_lock_plain_mode_shows_what_the_fence_prevents() -> None:
     # The negative control: the same workload with unfenced writes, paused holders.
     # The checker must find their late writes landing over a newer holder's.
     code, run = run_chaos("--store", "sqlite", "--workload", "lock", "--mode", "plain")
-    assert code == 0
     assert run["violations_total"] == 0, "\n".join(run["examples"])
+    assert code == 0
     assert run["mode"] == "plain" and run["fence"] == "none"
     assert run["faults"]["stop"] > 0
     found = run["unfenced_findings"]
