@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import pytest
 
+from .servers.etcd import (  # noqa: F401  (session fixtures)
+    etcd_cluster,
+    etcd_server,
+    fault_etcd_cluster,
+    fault_etcd_server,
+)
 from .servers.faults import (  # noqa: F401  (session fixtures)
     fault_postgres_server,
     fault_redis_cluster,
     fault_redis_server,
 )
-from .servers.etcd import etcd_cluster, etcd_server  # noqa: F401  (session fixtures)
 from .servers.postgres import postgres_dsn, postgres_server  # noqa: F401  (session fixtures)
 from .servers.redis import redis_cluster, redis_server  # noqa: F401  (session fixtures)
 

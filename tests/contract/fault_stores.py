@@ -38,7 +38,8 @@ import pytest
 import idemlock
 import idemlock.aio
 
-from ..servers.faults import cluster_faults, postgres_faults, redis_faults
+from ..servers.etcd import etcd_fault_harness
+from ..servers.faults import STALL_SAFETY, cluster_faults, postgres_faults, redis_faults
 from .facade import Facade, async_facade, sync_facade
 from .harness import Harness
 from .stores import STORES, by_url
@@ -48,7 +49,9 @@ TIMEOUT = 1.0
 #: how long one store call may take at most when the store is silent or down:
 #: generous over the documented bound (one ``timeout``), so that only a real hang fails
 BOUND = TIMEOUT * 2 + 1.0
-#: past this a call is reported as a hang (and the test stops waiting for it)
+#: past this a call is reported as a hang (and the test stops waiting for it); a
+#: stall ends by itself after STALL_SAFETY, so a call blocking the test's event loop
+#: returns then and fails its bound
 HANG = BOUND + 5.0
 
 
@@ -153,7 +156,7 @@ class LockHolder:
             for lk in locks:
                 lk.acquire()
             held.set()
-            release.wait()
+            release.wait(STALL_SAFETY)
             for lk in reversed(locks):
                 lk.release()
 
@@ -196,7 +199,7 @@ class SQLiteWriter:
             try:
                 conn.execute("BEGIN IMMEDIATE")
                 held.set()
-                release.wait()
+                release.wait(STALL_SAFETY)
                 conn.execute("ROLLBACK")
             except BaseException as exc:
                 errors.append(exc)
@@ -288,6 +291,13 @@ FAULT_STORES: dict[str, Callable[[pytest.FixtureRequest, Path], Harness]] = {
     "postgres": postgres,
     "redis": redis,
     "redis_cluster": redis_cluster,
+    # etcd: every member behind a proxy (tests/servers/etcd.py EtcdFaults)
+    "etcd": lambda request, tmp_path: etcd_fault_harness(
+        "etcd", request.getfixturevalue("fault_etcd_server")
+    ),
+    "etcd_cluster": lambda request, tmp_path: etcd_fault_harness(
+        "etcd_cluster", request.getfixturevalue("fault_etcd_cluster")
+    ),
 }
 
 

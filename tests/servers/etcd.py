@@ -273,3 +273,91 @@ def etcd_harness(name: str, url: str) -> Harness:
             expire_due(url)
 
     return EtcdHarness(name, url, open_sync, open_async)
+
+
+# ---- the fault contract's etcd (tests/contract/fault_stores.py) ---------------------------
+
+
+class EtcdFaults:
+    """Every member behind a per-test :class:`TcpProxy`: stall = blackhole every proxy
+    (calls hang: no error, no reset); outage = SIGKILL every member, start them again
+    on exit (same ports, same data: etcd keeps what it committed); restart = both."""
+
+    def __init__(self, cluster: EtcdCluster) -> None:
+        from .proxy import TcpProxy
+
+        self.cluster = cluster
+        self.proxies = [TcpProxy(p) for p in cluster.client_ports]
+
+    @property
+    def url(self) -> str:
+        return "etcd://" + ",".join(f"127.0.0.1:{p.port}" for p in self.proxies)
+
+    def _heal(self) -> None:
+        for p in self.proxies:
+            p.heal()
+
+    @contextlib.contextmanager
+    def stall(self) -> Iterator[None]:
+        from .faults import _safety
+
+        for p in self.proxies:
+            p.blackhole()
+        with _safety(self._heal):
+            yield
+
+    def _stop(self) -> None:
+        for i in range(self.cluster.size):
+            self.cluster.kill(i)
+
+    def _start(self) -> None:
+        for i in range(self.cluster.size):
+            self.cluster.start_member(i)
+        self.cluster.wait_ready()
+
+    @contextlib.contextmanager
+    def outage(self) -> Iterator[None]:
+        self._stop()
+        try:
+            yield
+        finally:
+            self._start()
+
+    def restart(self) -> None:
+        self._stop()
+        self._start()
+
+    def close(self) -> None:
+        for p in self.proxies:
+            p.close()
+        if any(proc is None for proc in self.cluster.procs):
+            self._start()  # leave the session's cluster up for the next test
+
+
+def etcd_fault_harness(name: str, cluster: EtcdCluster) -> Harness:
+    """A contract harness whose URL goes through the proxies of an :class:`EtcdFaults`
+    (``harness.faults``)."""
+    faults = EtcdFaults(cluster)
+    harness = etcd_harness(name, faults.url)
+    harness.faults = faults
+    return harness
+
+
+@pytest.fixture(scope="session")
+def fault_etcd_server() -> Iterator[EtcdCluster]:
+    """A one-member etcd that fault tests may stall, kill and restart."""
+    cluster = start_etcd(1)
+    try:
+        yield cluster
+    finally:
+        cluster.destroy()
+
+
+@pytest.fixture(scope="session")
+def fault_etcd_cluster() -> Iterator[EtcdCluster]:
+    """A three-member etcd cluster that fault tests may stall, kill and restart."""
+    cluster = start_etcd(3)
+    try:
+        yield cluster
+    finally:
+        cluster.destroy()

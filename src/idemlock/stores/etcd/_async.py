@@ -5,15 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 import grpc.aio
 
-from ..._core.port import Acquired, Channel, ClaimReply, Held, LockRow, RecordRow
+from ..._core.port import Acquired, Channel, ClaimReply, Granted, Held, LockRow, RecordRow
 from ..._errors import IdemlockError, StoreUnavailable
 from . import _conf
 from ._ops import WRITES, Op, Ops, Rpc
@@ -21,6 +22,7 @@ from ._pb.etcdserverpb import rpc_pb2 as _rpc_pb2
 from ._pb.etcdserverpb import rpc_pb2_grpc as _rpc_pb2_grpc
 from ._sync import CHANNEL_OPTIONS, _track_fork, watch_range
 
+log = logging.getLogger("idemlock")
 pb: Any = _rpc_pb2  # generated without type information
 stubs: Any = _rpc_pb2_grpc
 
@@ -353,14 +355,55 @@ class AsyncEtcdStore:
         self.client = AsyncClient(conf)
         self.ops = Ops(conf.root)
         self._watcher = AsyncWatcher(self.client)
+        # undo calls for cancelled claims/acquires, kept from being collected
+        self._undoing: set[asyncio.Task[Any]] = set()
 
     async def _run(self, op: Op) -> Any:
         return await drive(self.client, op)
 
+    async def _undoable(self, op: Op, undo: Callable[[Any], Op | None]) -> Any:
+        """Run an op that may take a key (claim, acquire) so that a cancellation cannot
+        strand it: the op runs on in a task of its own (bounded by ``timeout``) and what
+        it took is given back as soon as it ends."""
+        task = asyncio.ensure_future(self._run(op))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda t: self._undo_after(t, undo))
+            raise
+
+    def _undo_after(self, task: asyncio.Task[Any], undo: Callable[[Any], Op | None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and not isinstance(exc, StoreUnavailable):
+            return  # refused: nothing was taken
+        op = undo(None if exc is not None else task.result())
+        if op is None:
+            return
+        t = asyncio.ensure_future(self._run(op))
+        self._undoing.add(t)
+        t.add_done_callback(self._undone)
+
+    def _undone(self, task: asyncio.Task[Any]) -> None:
+        self._undoing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning(
+                "idemlock: could not undo a cancelled etcd call; what it took frees "
+                "itself when its lease ends",
+                exc_info=task.exception(),
+            )
+
     async def claim(
         self, ns: str, key: str, fp: str | None, token: str, lease_ms: int
     ) -> ClaimReply:
-        r: ClaimReply = await self._run(self.ops.claim(ns, key, fp, token, lease_ms))
+        def undo(reply: ClaimReply | None) -> Op | None:
+            # Our own token only: abandoning a claim that never happened changes nothing.
+            if reply is None or isinstance(reply, Granted):
+                return self.ops.abandon(ns, key, token)
+            return None
+
+        r: ClaimReply = await self._undoable(self.ops.claim(ns, key, fp, token, lease_ms), undo)
         return r
 
     async def complete(self, ns: str, key: str, token: str, result: bytes, ttl_ms: int) -> bool:
@@ -385,7 +428,13 @@ class AsyncEtcdStore:
         return r
 
     async def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
-        r: Acquired | Held = await self._run(self.ops.acquire(ns, key, owner, ttl_ms))
+        def undo(reply: Acquired | Held | None) -> Op | None:
+            if isinstance(reply, Acquired):
+                return self.ops.release(ns, key, owner, reply.token)
+            # Outcome unknown: free it if it is held by this owner (owners are per call).
+            return self.ops.release_owner(ns, key, owner) if reply is None else None
+
+        r: Acquired | Held = await self._undoable(self.ops.acquire(ns, key, owner, ttl_ms), undo)
         return r
 
     async def release(self, ns: str, key: str, owner: str, token: int) -> bool:

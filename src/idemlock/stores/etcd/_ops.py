@@ -322,6 +322,18 @@ class Ops:
             return True
         return rpc.retried and not K.kvs(resp.responses[0])
 
+    def release_owner(self, ns: str, key: str, owner: str) -> Op:
+        """Free the lock if ``owner`` holds it (undo of an acquire whose reply is lost)."""
+        name = K.lock_name(self.root, ns, key)
+        resp = yield Rpc(
+            "Txn", K.txn(K.cmp_starts(name, K.owner_prefix(owner)), [K.delete(name, prev=True)], [])
+        )
+        if resp.succeeded:
+            for prev in resp.responses[0].response_delete_range.prev_kvs:
+                if prev.lease:
+                    yield _revoke(prev.lease)
+        return bool(resp.succeeded)
+
     def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> Op:
         name = K.lock_name(self.root, ns, key)
         g = yield _grant(ttl_ms)
