@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
+import os
 import socket
 import sqlite3
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -22,7 +25,15 @@ import pytest
 
 import idemlock
 import idemlock.aio
-from idemlock import Claimed, ConfigurationError, IdempotencySpec, LockSpec, StoreUnavailable
+from idemlock import (
+    Claimed,
+    Completed,
+    ConfigurationError,
+    IdempotencySpec,
+    LockSpec,
+    StoreUnavailable,
+)
+from idemlock._core.keys import namespace
 from idemlock._core.port import Acquired, Channel, Granted
 from idemlock.stores import postgres as pg
 from idemlock.stores.sqlite import open_sync as sqlite_open
@@ -472,3 +483,259 @@ def test_an_outage_after_start_names_its_cause(postgres_dsn: str) -> None:
         coord.close()
     finally:
         server.destroy()
+
+
+# ---- 5: fork: parent and child both use the coordinator (A6) ---------------------------
+
+
+def _work(coord: idemlock.Coordinator, tag: str, rounds: int) -> None:
+    """Claims, completions and locks whose every answer is checked."""
+    port = coord.idempotency(IdempotencySpec("job", lease=timedelta(seconds=30)))
+    locks = coord.lock(LockSpec("L", ttl=timedelta(seconds=30)))
+    for i in range(rounds):
+        claim = port.claim(f"{tag}-{i}", payload={"i": i})
+        assert isinstance(claim, Claimed), claim
+        port.complete(claim.token, {"tag": tag, "i": i})
+        replay = port.claim(f"{tag}-{i}", payload={"i": i})
+        assert isinstance(replay, Completed) and replay.result == {"tag": tag, "i": i}, replay
+        lease = locks.acquire(f"{tag}-{i % 3}")
+        assert lease is not None and locks.owner(f"{tag}-{i % 3}") == lease.owner
+        assert locks.release(lease) is True
+
+
+async def _awork(coord: Any, tag: str, rounds: int) -> None:
+    port = coord.idempotency(IdempotencySpec("job", lease=timedelta(seconds=30)))
+    locks = coord.lock(LockSpec("L", ttl=timedelta(seconds=30)))
+    for i in range(rounds):
+        claim = await port.claim(f"{tag}-{i}", payload={"i": i})
+        assert isinstance(claim, Claimed), claim
+        await port.complete(claim.token, {"tag": tag, "i": i})
+        replay = await port.claim(f"{tag}-{i}", payload={"i": i})
+        assert isinstance(replay, Completed) and replay.result == {"tag": tag, "i": i}, replay
+        lease = await locks.acquire(f"{tag}-{i % 3}")
+        assert lease is not None
+        assert await locks.release(lease) is True
+
+
+def _wait_child(pid: int) -> None:
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child failed: {status}"
+
+
+def _in_child(body: Any) -> None:
+    code = 1
+    try:
+        body()
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def test_fork_sync_parent_and_child_both_work(url: str) -> None:
+    coord = idemlock.connect(url, key_prefix="f" + uuid.uuid4().hex[:8])
+    try:
+        _work(coord, "before", 3)  # connections, lane and listener exist now
+        waiter = coord.lock(LockSpec("W", ttl=timedelta(seconds=30)))
+        held = waiter.acquire("w")
+        assert held is not None
+        pids = []
+        for n in range(2):
+            pid = os.fork()
+            if pid == 0:
+
+                def child(n: int = n) -> None:
+                    _work(coord, f"child{n}", 40)
+                    # waiting uses the child's own listener
+                    assert waiter.acquire("w", wait=0.2) is None
+                    coord.close()
+
+                _in_child(child)
+            pids.append(pid)
+        _work(coord, "parent", 40)
+        for pid in pids:
+            _wait_child(pid)
+        # the children closed nothing of ours
+        _work(coord, "after", 5)
+        assert waiter.release(held) is True
+    finally:
+        coord.close()
+
+
+def test_fork_async_parent_and_child_both_work(url: str) -> None:
+    coord = idemlock.aio.connect(url, key_prefix="f" + uuid.uuid4().hex[:8])
+    waiter = coord.lock(LockSpec("W", ttl=timedelta(seconds=30)))
+
+    async def before() -> Any:
+        await _awork(coord, "before", 3)
+        held = await waiter.acquire("w")
+        assert held is not None
+        assert await waiter.acquire("w", wait=0.1) is None  # the listener is running
+        return held
+
+    async def in_child() -> None:
+        await _awork(coord, "child", 40)
+        assert await waiter.acquire("w", wait=0.2) is None  # the child's own listener
+        await coord.close()
+
+    async def after(held: Any) -> None:
+        await _awork(coord, "after", 5)
+        assert await waiter.acquire("w", wait=0.1) is None
+        assert await waiter.release(held) is True
+
+    held = asyncio.run(before())
+    pid = os.fork()
+    if pid == 0:
+        _in_child(lambda: asyncio.run(in_child()))
+    asyncio.run(_awork(coord, "parent", 40))
+    _wait_child(pid)
+    asyncio.run(after(held))
+    asyncio.run(coord.close())
+
+
+def _mp_task(n: int) -> int:
+    _work(_MP_COORD[0], f"mp{n}", 10)
+    return n
+
+
+_MP_COORD: list[idemlock.Coordinator] = []
+
+
+def test_fork_multiprocessing_pool(url: str) -> None:
+    coord = idemlock.connect(url, key_prefix="m" + uuid.uuid4().hex[:8])
+    _MP_COORD[:] = [coord]
+    try:
+        _work(coord, "before", 3)
+        with multiprocessing.get_context("fork").Pool(3) as pool:
+            result = pool.map_async(_mp_task, range(6))
+            _work(coord, "parent", 30)
+            assert sorted(result.get(timeout=60)) == list(range(6))
+        _work(coord, "after", 5)
+    finally:
+        _MP_COORD.clear()
+        coord.close()
+
+
+# ---- 7: a cancelled claim or acquire leaves nothing taken ------------------------------
+
+
+class _WriteBlocker:
+    """Holds up the next claim/acquire of one key until ``release()``: the SQLite write
+    lock, or a PostgreSQL row lock on the key's rows."""
+
+    def __init__(self, kind: str, url: str, ns_claim: str, ns_lock: str) -> None:
+        self.kind = kind
+        if kind == "sqlite":
+            self.conn: Any = sqlite3.connect(
+                url.removeprefix("sqlite:///"), isolation_level=None, check_same_thread=False
+            )
+            self.conn.execute("BEGIN IMMEDIATE")
+        else:
+            self.conn = psycopg.connect(url)
+            self.conn.execute(
+                "SELECT 1 FROM idemlock.claims WHERE ns = %s AND key = 'k' FOR UPDATE",
+                (ns_claim,),
+            )
+            self.conn.execute(
+                "SELECT 1 FROM idemlock.locks WHERE ns = %s AND key = 'L' FOR UPDATE", (ns_lock,)
+            )
+
+    def release(self) -> None:
+        if self.kind == "sqlite":
+            self.conn.execute("ROLLBACK")
+        else:
+            self.conn.rollback()
+        self.conn.close()
+
+
+def test_cancelled_async_claim_and_acquire_take_nothing(kind: str, url: str) -> None:
+    prefix = "c" + uuid.uuid4().hex[:8]
+    spec = IdempotencySpec("job", lease=timedelta(seconds=60))
+    lspec = LockSpec("L", ttl=timedelta(seconds=60))
+
+    async def main() -> None:
+        coord = idemlock.aio.connect(url, key_prefix=prefix, timeout=20)
+        port = coord.idempotency(spec)
+        locks = coord.lock(lspec)
+        try:
+            # rows exist (tombstones), so a row lock can hold the next writer up
+            first = await port.claim("k")
+            assert isinstance(first, Claimed)
+            await port.abandon(first.token)
+            lease = await locks.acquire("L", owner="a")
+            assert lease is not None
+            await locks.release(lease)
+            blocker = _WriteBlocker(kind, url, namespace(prefix, "job"), namespace(prefix, "L"))
+            try:
+                claim_task = asyncio.ensure_future(port.claim("k"))
+                acquire_task = asyncio.ensure_future(locks.acquire("L", owner="b"))
+                await asyncio.sleep(0.5)  # both are sent and waiting on the store
+                claim_task.cancel()
+                acquire_task.cancel()
+                for task in (claim_task, acquire_task):
+                    with pytest.raises(asyncio.CancelledError):
+                        await task
+            finally:
+                await asyncio.to_thread(blocker.release)
+            # the cancelled calls went on in their worker threads (or on the server)
+            # once the blocker let go; whatever they took is given back soon
+            await asyncio.sleep(0.5)
+            deadline = time.monotonic() + 10
+            while True:
+                again = await port.claim("k")
+                other = await locks.acquire("L", owner="c")
+                if isinstance(again, Claimed) and other is not None:
+                    break
+                assert time.monotonic() < deadline, (again, other)
+                if isinstance(again, Claimed):
+                    await port.abandon(again.token)
+                if other is not None:
+                    await locks.release(other)
+                await asyncio.sleep(0.1)
+        finally:
+            await coord.close()
+
+    asyncio.run(main())
+
+
+def test_cancelled_async_claim_whose_reply_was_in_flight(
+    postgres_dsn: str, proxy: TcpProxy
+) -> None:
+    """The server applied the claim, its reply was on the wire when the task was
+    cancelled: the claim is abandoned instead of holding the key for its whole lease."""
+    url = _proxied(postgres_dsn, proxy.port)
+    prefix = "r" + uuid.uuid4().hex[:8]
+    ns = namespace(prefix, "job")
+
+    async def main() -> None:
+        coord = idemlock.aio.connect(url, key_prefix=prefix, timeout=15)
+        port = coord.idempotency(IdempotencySpec("job", lease=timedelta(seconds=60)))
+        try:
+            first = await port.claim("k")
+            assert isinstance(first, Claimed)
+            await port.abandon(first.token)
+            blocker = _WriteBlocker("postgres", postgres_dsn, ns, "-")
+            task = asyncio.ensure_future(port.claim("k"))
+            await asyncio.sleep(0.5)  # sent; waiting on the row lock
+            proxy.blackhole()
+            await asyncio.to_thread(blocker.release)
+            await asyncio.sleep(0.5)  # applied on the server; the reply is held up
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.sleep(0.2)
+            proxy.heal()
+            deadline = time.monotonic() + 10
+            while True:
+                rec = await coord.store.record(ns, "k")
+                if rec is None:
+                    break
+                assert time.monotonic() < deadline, rec
+                await asyncio.sleep(0.1)
+            assert isinstance(await port.claim("k"), Claimed)
+        finally:
+            proxy.heal()
+            await coord.close()
+
+    asyncio.run(main())

@@ -9,18 +9,23 @@ event loop).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import logging
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from .._core.port import (
     Acquired,
     Channel,
     ClaimReply,
+    Granted,
     Held,
     LockRow,
     RecordRow,
     SyncStore,
 )
+
+log = logging.getLogger("idemlock")
 
 
 class DualSubscription(Protocol):
@@ -131,3 +136,80 @@ class InlineAsyncStore(_AsyncFace):
 class ThreadedAsyncStore(_AsyncFace):
     async def _call(self, fn: Any, *args: Any) -> Any:
         return await asyncio.to_thread(fn, *args)
+
+    # A cancelled await does not stop the worker thread: the call still happens. A
+    # claim or an acquire that took the key is therefore given back, by the worker
+    # thread itself or right after it, so no cancelled task leaves a key taken until
+    # its lease ends (issue 10 item 7). The CancelledError still reaches the caller.
+
+    async def _undoable(self, fn: Any, undo: Callable[[Any], None], *args: Any) -> Any:
+        run = _Undoable(fn, undo, args)
+        try:
+            return await asyncio.to_thread(run)
+        except asyncio.CancelledError:
+            run.cancel()
+            raise
+
+    async def claim(
+        self, ns: str, key: str, fp: str | None, token: str, lease_ms: int
+    ) -> ClaimReply:
+        def undo(reply: ClaimReply) -> None:
+            if isinstance(reply, Granted):
+                self.sync.abandon(ns, key, token)
+
+        r: ClaimReply = await self._undoable(self.sync.claim, undo, ns, key, fp, token, lease_ms)
+        return r
+
+    async def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
+        def undo(reply: Acquired | Held) -> None:
+            if isinstance(reply, Acquired):
+                self.sync.release(ns, key, owner, reply.token)
+
+        r: Acquired | Held = await self._undoable(self.sync.acquire, undo, ns, key, owner, ttl_ms)
+        return r
+
+
+class _Undoable:
+    """One call run in a worker thread that may be cancelled from the event loop."""
+
+    __slots__ = ("_args", "_cancelled", "_done", "_fn", "_lock", "_result", "_undo")
+
+    def __init__(self, fn: Any, undo: Callable[[Any], None], args: tuple[Any, ...]) -> None:
+        self._fn = fn
+        self._undo = undo
+        self._args = args
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._done = False
+        self._result: Any = None
+
+    def __call__(self) -> Any:
+        result = self._fn(*self._args)
+        with self._lock:
+            self._result = result
+            self._done = True
+            cancelled = self._cancelled
+        if cancelled:  # the awaiting task is gone: nobody will use what was taken
+            self._give_back(result)
+        return result
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            done, result = self._done, self._result
+        if done:
+            # The thread finished just before the cancellation reached the task: its
+            # result is lost to the caller, so give it back (off the event loop).
+            threading.Thread(
+                target=self._give_back, args=(result,), name="idemlock-undo", daemon=False
+            ).start()
+
+    def _give_back(self, result: Any) -> None:
+        try:
+            self._undo(result)
+        except Exception:
+            log.warning(
+                "idemlock: could not undo a cancelled call; what it took frees itself "
+                "when its lease ends",
+                exc_info=True,
+            )

@@ -1026,9 +1026,12 @@ class AsyncPostgresStore(_Base):
                 what,
             )
             return
-        if task.exception() is not None:
-            return  # nothing was taken
-        aw = undo(task.result())
+        exc = task.exception()
+        if exc is not None and not isinstance(exc, StoreUnavailable):
+            return  # refused before anything was sent
+        # A StoreUnavailable (e.g. a timeout after the statement was sent) leaves the
+        # outcome unknown: undo what can be undone without the reply (None).
+        aw = undo(None if exc is not None else task.result())
         if aw is None:
             return
         undo_task = asyncio.ensure_future(aw)
@@ -1049,8 +1052,13 @@ class AsyncPostgresStore(_Base):
     ) -> ClaimReply:
         params = {"ns": ns, "key": key, "token": token, "fp": fp, "lease": _i8(lease_ms)}
 
-        def undo(reply: ClaimReply) -> Any:
-            return self.abandon(ns, key, token) if isinstance(reply, Granted) else None
+        def undo(reply: ClaimReply | None) -> Any:
+            # Our own token only: abandoning a claim that never happened changes nothing.
+            return (
+                self.abandon(ns, key, token)
+                if reply is None or isinstance(reply, Granted)
+                else None
+            )
 
         reply: ClaimReply = await self._undoable(
             self._until(
@@ -1095,7 +1103,8 @@ class AsyncPostgresStore(_Base):
     async def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
         params = {"ns": ns, "key": key, "owner": owner, "ttl": _i8(ttl_ms)}
 
-        def undo(reply: Acquired | Held) -> Any:
+        def undo(reply: Acquired | Held | None) -> Any:
+            # Without the reply the token is unknown: that lease ends with its ttl.
             if isinstance(reply, Acquired):
                 return self.release(ns, key, owner, reply.token)
             return None
@@ -1177,6 +1186,7 @@ class AsyncPostgresStore(_Base):
 
     async def aclose(self) -> None:
         _STORES.discard(self)
+        self._check_loop()  # a pool opened on a loop that is gone cannot be awaited here
         await asyncio.to_thread(self.listener.close)
         if self._owns_pool:
             if self._lane is not None and not self._lane_busy:
