@@ -645,3 +645,68 @@ def test_once_success_that_cannot_be_recorded_keeps_the_key_reserved(
     again = cli(url, "run", "--once", "k-rec", "--", *script(wait_go), str(tmp_path))
     assert again.returncode == 76, again.stderr
     assert (tmp_path / "ran").read_text() == "x"  # CMD ran once
+
+
+def test_on_a_terminal_cmd_is_the_foreground_group(url: str, tmp_path: Path) -> None:
+    """Run from a terminal, CMD's process group is made the foreground one: CMD can
+    prompt on the terminal, and Ctrl-C reaches it and its children (once, directly)."""
+    import pty
+    import select
+
+    child = (
+        "import os, pathlib, subprocess, sys, time\n"
+        "d = pathlib.Path(sys.argv[1])\n"
+        "fg = os.tcgetpgrp(0) == os.getpgrp() != os.getsid(0)\n"
+        "g = subprocess.Popen(['sleep', '100'])\n"
+        "(d / 'grandchild').write_text(str(g.pid))\n"
+        "print('foreground' if fg else 'not foreground', flush=True)\n"
+        "print('got ' + input('name? '), flush=True)\n"
+        "time.sleep(100)\n"
+    )
+    argv = [PY, "-m", "idemlock", "--url", url, "run", "--lock", "tty", "--",
+            *script(child), str(tmp_path)]  # fmt: skip
+    pid, master = pty.fork()
+    if pid == 0:  # the child: a session leader whose terminal is the pty
+        os.execve(PY, argv, _env())
+    seen = b""
+
+    def read_until(text: bytes, timeout: float = 20) -> None:
+        nonlocal seen
+        deadline = time.monotonic() + timeout
+        while text not in seen:
+            left = deadline - time.monotonic()
+            assert left > 0, f"{text!r} did not appear in {seen!r}"
+            if select.select([master], [], [], left)[0]:
+                try:
+                    seen += os.read(master, 4096)
+                except OSError:  # the terminal closed
+                    break
+        assert text in seen, seen
+
+    try:
+        read_until(b"name? ")
+        assert b"not foreground" not in seen and b"foreground" in seen
+        os.write(master, b"alice\n")
+        read_until(b"got alice")
+        grandchild = int((tmp_path / "grandchild").read_text())
+        os.write(master, b"\x03")  # Ctrl-C, from the terminal
+        deadline = time.monotonic() + 20
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            assert time.monotonic() < deadline, seen
+            if select.select([master], [], [], 0.05)[0]:
+                with contextlib.suppress(OSError):
+                    seen += os.read(master, 4096)
+        assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGINT, seen
+        assert gone_within(grandchild, 5)
+    finally:
+        with contextlib.suppress(ChildProcessError, ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(master)
+        written = tmp_path / "grandchild"
+        if written.exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(written.read_text()), signal.SIGKILL)

@@ -314,10 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
         "  make --lease longer than CMD can take. If CMD outlives it, another run may\n"
         "  take KEY over and this run's success is not recorded (exit 77). A run that\n"
         "  is killed leaves KEY in flight until --lease ends.\n\n"
-        "CMD runs in a session (process group) of its own. SIGINT, SIGTERM and SIGHUP\n"
-        "are forwarded to that whole group, and idemlock returns only when no process of\n"
-        "the group runs anymore: processes CMD left behind get SIGTERM, then SIGKILL\n"
-        "after --grace, so nothing of CMD runs on without the lock or the claim.",
+        "CMD runs in a session (process group) of its own (on a terminal: a process\n"
+        "group made the terminal's foreground, so CMD can prompt and gets Ctrl-C).\n"
+        "SIGINT, SIGTERM and SIGHUP are forwarded to that whole group, and idemlock\n"
+        "returns only when no process of the group runs anymore: processes CMD left\n"
+        "behind get SIGTERM, then SIGKILL after --grace, so nothing of CMD runs on\n"
+        "without the lock or the claim.",
     )
     mode = run.add_mutually_exclusive_group(required=True)
     mode.add_argument("--lock", metavar="NAME", help="run CMD while holding lock NAME")
@@ -510,6 +512,36 @@ def _owner() -> str:
         return secrets.token_hex(8)
 
 
+#: Popen options that start CMD in a process group of its own (3.10 has no
+#: process_group; setpgid is async-signal-safe, so the pre-exec hook is too)
+_OWN_GROUP: dict[str, Any] = (
+    {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+)
+
+
+def _foreground_tty() -> int | None:
+    """A terminal fd whose foreground process group is ours, or None."""
+    for fd in (0, 1, 2):
+        try:
+            if os.isatty(fd) and os.tcgetpgrp(fd) == os.getpgrp():
+                return fd
+        except OSError:
+            continue
+    return None
+
+
+def _give_terminal(fd: int, pgid: int) -> None:
+    """Make ``pgid`` the foreground group of terminal ``fd`` (main thread only)."""
+    # A background group changing the foreground gets SIGTTOU unless it ignores it.
+    previous = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    try:
+        os.tcsetpgrp(fd, pgid)
+    except OSError:
+        pass  # the terminal went away: nothing to hand over
+    finally:
+        signal.signal(signal.SIGTTOU, previous)
+
+
 def _group_alive(pgid: int) -> bool:
     """Whether a process of group ``pgid`` still runs (zombies do not count: an orphan
     whose reaper is slow has finished all the same)."""
@@ -554,13 +586,27 @@ class _Child:
     status: int | None = None
     #: whether CMD was still running when idemlock first terminated it
     terminated: bool = False
+    #: the terminal handed to CMD's group while it runs
+    tty: int | None = None
 
     def start(self) -> int | None:
         """Start CMD; returns an exit status if it could not be started."""
+        tty = _foreground_tty()
         try:
-            # Its own session: one signal to the group reaches everything CMD started,
-            # and the terminal's SIGINT reaches idemlock only (which forwards it once).
-            self.proc = subprocess.Popen(self.cmd, env=self.env, start_new_session=True)
+            if tty is None:
+                # Its own session: one signal to the group reaches everything CMD
+                # started, and no terminal signal reaches it twice.
+                self.proc = subprocess.Popen(self.cmd, env=self.env, start_new_session=True)
+            else:
+                # On a terminal: its own process group in our session, made the
+                # terminal's foreground group as a shell would, so CMD can still prompt
+                # and Ctrl-C reaches it (and its children) once, directly.
+                self.proc = subprocess.Popen(self.cmd, env=self.env, **_OWN_GROUP)
+                self.tty = tty
+                _give_terminal(tty, self.proc.pid)
+                # It may have read the terminal before it was its own: wake it up.
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.proc.pid, signal.SIGCONT)
         except FileNotFoundError:
             _say(f"error: command not found: {self.cmd[0]}")
             return EX_NOT_FOUND
@@ -654,6 +700,8 @@ class _Child:
                 return failed
             return self.wait()
         finally:
+            if self.tty is not None:
+                _give_terminal(self.tty, os.getpgrp())  # the terminal is ours again
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
