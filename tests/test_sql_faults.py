@@ -30,6 +30,7 @@ from idemlock import (
     Completed,
     ConfigurationError,
     IdempotencySpec,
+    InFlight,
     LockSpec,
     StoreUnavailable,
 )
@@ -736,6 +737,34 @@ def test_cancelled_async_claim_whose_reply_was_in_flight(
             assert isinstance(await port.claim("k"), Claimed)
         finally:
             proxy.heal()
+            await coord.close()
+
+    asyncio.run(main())
+
+
+# ---- 9: a burst of 1,000 concurrent async calls queues and is answered ---------------
+
+
+def test_a_burst_of_1000_async_calls_is_answered(url: str) -> None:
+    prefix = "b" + uuid.uuid4().hex[:8]
+
+    async def main() -> None:
+        coord = idemlock.aio.connect(url, key_prefix=prefix)
+        port = coord.idempotency(IdempotencySpec("job", lease=timedelta(seconds=60)))
+        locks = coord.lock(LockSpec("L", ttl=timedelta(seconds=60)))
+        try:
+            claims = await asyncio.gather(*(port.claim(f"k{i}") for i in range(1000)))
+            assert all(isinstance(c, Claimed) for c in claims)
+            same = await asyncio.gather(*(port.claim("one") for _ in range(1000)))
+            assert sum(isinstance(c, Claimed) for c in same) == 1
+            assert sum(isinstance(c, InFlight) for c in same) == 999
+            leases = await asyncio.gather(*(locks.acquire(f"L{i}") for i in range(1000)))
+            assert all(lease is not None for lease in leases)
+            done = await asyncio.gather(*(port.complete(c.token, 1) for c in claims))
+            assert len(done) == 1000
+            freed = await asyncio.gather(*(locks.release(lease) for lease in leases if lease))
+            assert all(freed)
+        finally:
             await coord.close()
 
     asyncio.run(main())
