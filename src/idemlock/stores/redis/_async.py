@@ -30,7 +30,11 @@ class _LoopState:
     __slots__ = ("client", "exec", "init_lock", "listener", "loop", "owned", "ready", "slots")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, client: Any, owned: bool) -> None:
-        self.loop = weakref.ref(loop)
+        self.loop: Callable[[], asyncio.AbstractEventLoop | None]
+        try:
+            self.loop = weakref.ref(loop)
+        except TypeError:  # a loop class without weak references
+            self.loop = lambda: loop
         self.client = client
         self.exec = client.execute_command
         self.owned = owned
@@ -71,9 +75,9 @@ class AsyncRedisStore:
         self._handoff = options.handoff_ms
         #: the bound (seconds) on one call, queueing for a connection included (A1)
         self.timeout = options.timeout
-        self._states: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = (
-            weakref.WeakKeyDictionary()
-        )
+        # Keyed by the loop object (compared by identity through `_LoopState.loop`);
+        # states of closed loops are dropped when another loop arrives.
+        self._states: dict[int, _LoopState] = {}
         self._last: _LoopState | None = None
         self._base_taken = False  # whether `client` serves a loop already (or is inherited)
         self._closed = False
@@ -86,8 +90,8 @@ class AsyncRedisStore:
         st = self._last
         if st is not None and st.loop() is loop:
             return st
-        st = self._states.get(loop)
-        if st is None:
+        st = self._states.get(id(loop))
+        if st is None or st.loop() is not loop:
             st = self._new_state(loop)
         self._last = st
         return st
@@ -101,13 +105,19 @@ class AsyncRedisStore:
         else:
             st = _LoopState(loop, self._client_for_another_loop(), True)
         st.ready = not self.cluster
+        for key, old in list(self._states.items()):
+            gone = old.loop()
+            if gone is None or gone.is_closed():
+                # Its connections belong to a loop that is over: nothing can close them
+                # properly any more; dropping them closes the sockets.
+                del self._states[key]
         st.listener = AsyncListener(
             lambda: self._listener_connection(st),
             self._unregister,
             self._handoff / 1000 + 0.005,
             self.timeout,
         )
-        self._states[loop] = st
+        self._states[id(loop)] = st
         return st
 
     def _client_for_another_loop(self) -> Any:
@@ -126,7 +136,7 @@ class AsyncRedisStore:
         """A forked child never touches what it inherited (the parent's sockets, the
         parent's loop): forget every loop's state unclosed; the child's first call
         builds its own client."""
-        self._states = weakref.WeakKeyDictionary()
+        self._states = {}
         self._last = None
         self._base_taken = True
 
@@ -347,9 +357,9 @@ class AsyncRedisStore:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        states, self._states, self._last = dict(self._states), weakref.WeakKeyDictionary(), None
-        mine = states.get(loop) if loop is not None else None
-        if mine is None:
+        states, self._states, self._last = self._states, {}, None
+        mine = states.get(id(loop)) if loop is not None else None
+        if mine is None or mine.loop() is not loop:
             return
         await mine.listener.aclose()
         if mine.owned:
