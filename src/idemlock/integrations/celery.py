@@ -151,7 +151,13 @@ from celery.exceptions import Reject, Retry, TaskPredicate  # type: ignore[impor
 
 from .._base import WrapPlan, seconds
 from .._core.types import ClaimToken, Completed, IdempotencySpec
-from .._errors import ConfigurationError, InFlightError, StoreFull, StoreUnavailable
+from .._errors import (
+    ConfigurationError,
+    InFlightError,
+    StaleClaim,
+    StoreFull,
+    StoreUnavailable,
+)
 from .._sync import Coordinator, IdempotencyPort
 
 __all__ = ["IN_FLIGHT_MODES", "IdempotentTask", "current_fence"]
@@ -372,14 +378,15 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
             port._abandon_quietly(token)
             raise
         except BaseException as exc:
-            self._idemlock_settle(state, token, started, port._fail, plan, token, exc)
+            self._idemlock_settle(state, port, token, started, port._fail, plan, token, exc)
             raise
-        self._idemlock_settle(state, token, started, port._record, plan, token, result)
+        self._idemlock_settle(state, port, token, started, port._record, plan, token, result)
         return result
 
     def _idemlock_settle(
         self,
         state: _ProcessState,
+        port: IdempotencyPort,
         token: ClaimToken,
         started: float,
         write: Callable[..., None],
@@ -396,11 +403,19 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
         bound = float(getattr(state.coord.store, "timeout", 5.0))
         hard, _ = self._idemlock_limits()
         pause = _RECORD_RETRY_FIRST
+        failed = False
         while True:
             try:
                 write(*args)
                 return
+            except StaleClaim:
+                # A failed write may have reached the store before its reply was lost:
+                # then this claim's outcome is recorded already, and that is success.
+                if failed and _recorded(port, token):
+                    return
+                raise
             except _STORE_ERRORS as exc:
+                failed = True
                 left = lease_end - clock.time()
                 if hard is not None:
                     left = min(left, started + hard - bound - time.monotonic())
@@ -500,6 +515,15 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
         return self._idemlock_resend(
             exc, countdown, f"{why}; retrying in {countdown}s", headers=headers
         )
+
+
+def _recorded(port: IdempotencyPort, token: ClaimToken) -> bool:
+    """Whether the store holds this claim's outcome (completed with its fence)."""
+    try:
+        status = port.status(token.key)
+    except _STORE_ERRORS:
+        return False
+    return status is not None and status.state == "completed" and status.fence == token.fence
 
 
 def _store_tries(request: Any, headers: dict[str, Any]) -> int:
