@@ -189,9 +189,14 @@ def _secrets_of(url: str | None) -> list[str]:
     return sorted({v for v in found if v}, key=len, reverse=True)
 
 
+#: shorter secrets are masked in URLs only: masking every "a" would garble all output
+_MIN_SCRUBBED = 4
+
+
 def _scrub(text: str) -> str:
     for secret in _SECRETS:
-        text = text.replace(secret, "***")
+        if len(secret) >= _MIN_SCRUBBED:
+            text = text.replace(secret, "***")
     return text
 
 
