@@ -768,3 +768,33 @@ def test_a_burst_of_1000_async_calls_is_answered(url: str) -> None:
             await coord.close()
 
     asyncio.run(main())
+
+
+# ---- 17: a ?password= in a PostgreSQL URL is never shown ---------------------------------
+
+SECRET = "hunter2-sekrit"
+
+
+def test_password_parameter_is_redacted(postgres_dsn: str) -> None:
+    url = f"{postgres_dsn}?password={SECRET}"  # trust auth: accepted, and ignored
+    coord = idemlock.connect(url, key_prefix="pw")
+    try:
+        assert SECRET not in coord.url and "password=" in coord.url
+        assert coord.idempotency("job").status("k") is None
+    finally:
+        coord.close()
+    # a failure to connect, with the password in the URL
+    refused = f"postgresql://postgres@127.0.0.1:{_free_port()}/db?password={SECRET}"
+    coord = idemlock.connect(refused, timeout=5)
+    try:
+        with pytest.raises(StoreUnavailable) as info:
+            coord.idempotency("job").claim("k")
+        assert SECRET not in str(info.value) and SECRET not in repr(info.value)
+        assert SECRET not in coord.url
+    finally:
+        coord.close()
+    # a URL libpq cannot read quotes the unreadable part: the secret is masked there too
+    bad = f"postgresql://postgres@127.0.0.1:1/db?password={SECRET}%zz"
+    with pytest.raises(ConfigurationError) as cinfo:
+        pg.open_sync(bad)
+    assert SECRET not in str(cinfo.value)

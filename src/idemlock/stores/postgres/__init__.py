@@ -58,6 +58,7 @@ from ._store import (
     AsyncPostgresStore,
     Health,
     PostgresStore,
+    _secrets_of,
     check_schema,
     recording_class,
 )
@@ -165,7 +166,13 @@ def _server_kwargs(url: str, timeout: float) -> dict[str, Any]:
     try:
         given = conninfo_to_dict(url)
     except psycopg.ProgrammingError as exc:
-        raise ConfigurationError(f"not a valid PostgreSQL URL: {redact(url)!r} ({exc})") from None
+        # libpq quotes the part it could not read, which may be a password.
+        detail = str(exc)
+        for secret in _secrets_of(url):
+            detail = detail.replace(secret, "***")
+        raise ConfigurationError(
+            f"not a valid PostgreSQL URL: {redact(url)!r} ({detail})"
+        ) from None
     kw: dict[str, Any] = dict(_POOL_KWARGS)
     secs = max(1, math.ceil(timeout))
     defaults: dict[str, Any] = {

@@ -28,6 +28,7 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 from psycopg.types.numeric import Int8
 
+from ... import _urls
 from ..._core.port import (
     Acquired,
     Busy,
@@ -83,6 +84,16 @@ def _i8(value: int) -> Int8:
             "below 2**63"
         )
     return Int8(value)
+
+
+def _secrets_of(conninfo: Any) -> list[str]:
+    """The secret values a conninfo string holds (userinfo password, ``?password=``),
+    to mask them in messages; the shared helper lives in idemlock._urls."""
+    find = getattr(_urls, "secrets_in", None)
+    if not isinstance(conninfo, str) or find is None:
+        return []
+    found: list[str] = find(conninfo)
+    return found
 
 
 #: seconds one call may take, connection wait included (A1)
@@ -357,6 +368,7 @@ class _Base:
         self._owns_pool = owns_pool
         self._ready = False
         self._conninfo = conninfo
+        self._secrets = _secrets_of(conninfo)
         self._conn_kwargs = conn_kwargs
         # Builds a fresh pool of the same settings: a forked child uses it (A6).
         self._pool_factory = pool_factory
@@ -376,6 +388,16 @@ class _Base:
         kwargs = connect_kwargs(info, await _aresolve(self._conn_kwargs), self.timeout)
         return await psycopg.AsyncConnection.connect(info, autocommit=True, **kwargs)
 
+    def _scrub(self, err: StoreUnavailable) -> StoreUnavailable:
+        """No secret of the URL (a ``?password=``...) leaves in a message (item 17)."""
+        msg = str(err)
+        for secret in self._secrets:
+            msg = msg.replace(secret, "***")
+        return err if msg == str(err) else StoreUnavailable(msg)
+
+    def _unavailable(self, exc: BaseException, what: str) -> StoreUnavailable:
+        return self._scrub(unavailable(exc, what))
+
     def _timed_out(self, what: str) -> StoreUnavailable:
         return StoreUnavailable(
             f"PostgreSQL did not answer {what} within timeout={self.timeout:g}s (the server "
@@ -386,9 +408,11 @@ class _Base:
     def _pool_timeout(self, exc: BaseException, what: str) -> StoreUnavailable:
         down = self._health.down
         if down is not None:
-            return StoreUnavailable(
-                f"cannot connect to PostgreSQL for {what}: {type(down).__name__}: "
-                f"{str(down).strip()}"
+            return self._scrub(
+                StoreUnavailable(
+                    f"cannot connect to PostgreSQL for {what}: {type(down).__name__}: "
+                    f"{str(down).strip()}"
+                )
             )
         return StoreUnavailable(
             f"no PostgreSQL connection became free within timeout={self.timeout:g}s for "
@@ -442,7 +466,7 @@ class _Base:
                 .fetchall()
             )
         except psycopg.Error as exc:
-            raise unavailable(exc, "complete") from exc
+            raise self._unavailable(exc, "complete") from exc
 
     async def acomplete_in(
         self,
@@ -460,7 +484,7 @@ class _Base:
             await cur.execute(stmt.sql, args, binary=True)
             return bool(await cur.fetchall())
         except psycopg.Error as exc:
-            raise unavailable(exc, "complete") from exc
+            raise self._unavailable(exc, "complete") from exc
 
 
 # ---- sync -------------------------------------------------------------------------------
@@ -523,7 +547,7 @@ class PostgresStore(_Base):
                 try:
                     self.pool.open(wait=False)
                 except psycopg.Error as exc:
-                    raise unavailable(exc, "opening the pool") from exc
+                    raise self._unavailable(exc, "opening the pool") from exc
             # On a connection of its own, not the pool's: a refused connection, a bad
             # password or a missing database is reported now, with its cause.
             conn: Any = None
@@ -535,7 +559,7 @@ class PostgresStore(_Base):
             except psycopg.Error as exc:
                 if armed is not None and armed.fired:
                     raise self._timed_out("checking the schema") from exc
-                raise unavailable(exc, "checking the schema") from exc
+                raise self._unavailable(exc, "checking the schema") from exc
             finally:
                 if armed is not None:
                     _watchdog.WATCHDOG.disarm(armed)
@@ -658,7 +682,7 @@ class PostgresStore(_Base):
                         self.pool.check()
                     if attempt == 0 and safe and time.monotonic() < deadline:
                         continue
-                raise unavailable(exc, what) from exc
+                raise self._unavailable(exc, what) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _until(
@@ -874,7 +898,7 @@ class AsyncPostgresStore(_Base):
                 try:
                     await self.pool.open(wait=False)
                 except psycopg.Error as exc:
-                    raise unavailable(exc, "opening the pool") from exc
+                    raise self._unavailable(exc, "opening the pool") from exc
             # A connection of its own: a failure to connect is reported now, with its cause.
             deadline = time.monotonic() + self.timeout
             conn: Any = None
@@ -886,7 +910,7 @@ class AsyncPostgresStore(_Base):
             except psycopg.Error as exc:
                 if armed is not None and armed.fired:
                     raise self._timed_out("checking the schema") from exc
-                raise unavailable(exc, "checking the schema") from exc
+                raise self._unavailable(exc, "checking the schema") from exc
             finally:
                 if armed is not None:
                     _watchdog.WATCHDOG.disarm(armed)
@@ -994,7 +1018,7 @@ class AsyncPostgresStore(_Base):
                         await self.pool.check()
                     if attempt == 0 and safe and time.monotonic() < deadline:
                         continue
-                raise unavailable(exc, what) from exc
+                raise self._unavailable(exc, what) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _until(
