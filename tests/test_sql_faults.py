@@ -798,3 +798,70 @@ def test_password_parameter_is_redacted(postgres_dsn: str) -> None:
     with pytest.raises(ConfigurationError) as cinfo:
         pg.open_sync(bad)
     assert SECRET not in str(cinfo.value)
+
+
+# ---- 1: hold() on PostgreSQL through a silent network ------------------------------------
+
+
+def test_hold_learns_its_loss_and_leaves_in_bounded_time(
+    postgres_dsn: str, proxy: TcpProxy
+) -> None:
+    url = _proxied(postgres_dsn, proxy.port)
+    coord = idemlock.connect(url, key_prefix="h" + uuid.uuid4().hex[:8], timeout=SILENT_TIMEOUT)
+    other = idemlock.connect(postgres_dsn, key_prefix=coord.key_prefix)
+    ttl = 2.0
+    locks = coord.lock(LockSpec("L", ttl=timedelta(seconds=ttl)))
+    lost: list[float] = []
+    t0 = 0.0
+    try:
+
+        def body() -> None:
+            nonlocal t0
+            with locks.hold("k", on_lost=lambda lease: lost.append(time.monotonic())) as lease:
+                t0 = time.monotonic()
+                proxy.blackhole()
+                # another owner takes the lock once the lease ran out on the server
+                deadline = time.monotonic() + ttl + 5
+                while other.lock("L").acquire("k", owner="thief") is None:
+                    assert time.monotonic() < deadline, "the lease never ran out"
+                    time.sleep(0.1)
+                while not lease.lost:
+                    assert time.monotonic() < deadline, "hold() never marked the lease lost"
+                    time.sleep(0.05)
+
+        exc, _ = _bounded(body, ttl + SILENT_TIMEOUT + 2 * SLACK + 5)
+        assert isinstance(exc, idemlock.LockLost), exc
+        assert lost and lost[0] - t0 <= ttl + SLACK, (lost, t0)
+    finally:
+        proxy.heal()
+        coord.close()
+        other.close()
+
+
+def test_async_hold_learns_its_loss_on_a_silent_network(postgres_dsn: str, proxy: TcpProxy) -> None:
+    url = _proxied(postgres_dsn, proxy.port)
+    ttl = 2.0
+
+    async def main() -> tuple[float, float, BaseException | None]:
+        coord = idemlock.aio.connect(
+            url, key_prefix="h" + uuid.uuid4().hex[:8], timeout=SILENT_TIMEOUT
+        )
+        locks = coord.lock(LockSpec("L", ttl=timedelta(seconds=ttl)))
+        t0 = time.monotonic()
+        raised: BaseException | None = None
+        try:
+            async with locks.hold("k"):
+                t0 = time.monotonic()
+                proxy.blackhole()
+                await asyncio.sleep(ttl + SLACK + 5)  # cancelled when the lease is lost
+        except (idemlock.LockLost, asyncio.CancelledError) as exc:
+            raised = exc
+        finally:
+            left = time.monotonic()
+            proxy.heal()
+            await coord.close()
+        return t0, left, raised
+
+    t0, left, raised = asyncio.run(asyncio.wait_for(main(), ttl + SILENT_TIMEOUT + 2 * SLACK + 10))
+    assert isinstance(raised, idemlock.LockLost), raised
+    assert left - t0 <= ttl + SILENT_TIMEOUT + SLACK, left - t0
