@@ -7,13 +7,17 @@ imported only when that scheme is used.
 
 from __future__ import annotations
 
+import copy
 import importlib
+import inspect
 import os
+import re
+from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, unquote_plus
 
 from ._core.clock import Clock
-from ._errors import ConfigurationError
+from ._errors import ConfigurationError, IdemlockError
 
 #: scheme -> module that implements it
 SCHEMES: dict[str, str] = {
@@ -62,20 +66,21 @@ def open_store(url: Any, *, asynchronous: bool, **options: Any) -> tuple[Any, Cl
                 f"pass a URL ({_accepted()}) or a redis-py client or a psycopg_pool pool"
             )
         mod = importlib.import_module(modname)
+        check_options(mod.from_client, options, f"a store built from a {type(url).__name__}")
         store, clock = mod.from_client(url, asynchronous=asynchronous, **options)
         return store, clock, f"<{type(url).__name__}>"
     if url is None:
         url = default_url()
     if "://" not in url:
         raise ConfigurationError(
-            f"store URL {url!r} has no scheme; use one of {_accepted()} "
+            f"store URL {redact(url)!r} has no scheme; use one of {_accepted()} "
             "(for example sqlite:///var/lib/app/idemlock.db)"
         )
-    scheme = urlsplit(url).scheme.lower() if url.split("://", 1)[0].isascii() else ""
-    modname = SCHEMES.get(scheme) or SCHEMES.get(url.split("://", 1)[0].lower())
+    head = url.split("://", 1)[0]
+    modname = SCHEMES.get(head.lower())
     if modname is None:
         raise ConfigurationError(
-            f"unknown store URL scheme {url.split('://', 1)[0]!r} in {redact(url)!r}; "
+            f"unknown store URL scheme {redact(head)!r} in {redact(url)!r}; "
             f"accepted schemes: {_accepted()}"
         )
     try:
@@ -86,17 +91,124 @@ def open_store(url: Any, *, asynchronous: bool, **options: Any) -> tuple[Any, Cl
             f"the {extra} store needs its driver: pip install 'idemlock[{extra}]' ({exc})"
         ) from exc
     opener = mod.open_async if asynchronous else mod.open_sync
-    store, clock = opener(url, **options)
+    check_options(opener, options, f"the {head.lower()}:// store")
+    try:
+        store, clock = opener(url, **options)
+    except IdemlockError as exc:
+        # Whatever a store's parser quotes, no secret of the URL leaves in a message.
+        clean = _scrubbed(exc, url)
+        if clean is None:
+            raise
+        raise clean from exc.__cause__
     return store, clock, redact(url)
 
 
+#: options of connect() that configure the coordinator, not the store
+COORDINATOR_OPTIONS = (
+    "key_prefix",
+    "keyring",
+    "tenant",
+    "max_result_bytes",
+    "compress_over",
+    "hooks",
+)
+
+
+def check_options(fn: Callable[..., Any], options: dict[str, Any], what: str) -> None:
+    """Refuse options that ``fn`` (a store's opener) does not take, naming those it
+    does, instead of the raw TypeError of the call. An opener that takes ``**options``
+    checks them itself."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    accepted = [p.name for p in params if p.kind is p.KEYWORD_ONLY]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ConfigurationError(
+            f"unknown option(s) {', '.join(map(repr, unknown))} for {what}; it accepts "
+            f"{', '.join(accepted) or 'no options'} (and connect() itself takes "
+            f"{', '.join(COORDINATOR_OPTIONS)})"
+        )
+
+
+#: Words that make a query parameter (or a ``key=value`` of a libpq DSN) a secret:
+#: password=, passwd=, pass=, pwd=, sslpassword=, ssl_password=, secret=,
+#: client_secret=, token=, access_token=, auth=, auth_token=, apikey=, api_key=, ...
+_SECRET_WORDS = ("pass", "pwd", "secret", "token", "auth", "apikey", "api_key", "credential")
+# name=value where the name starts a parameter (start, ?, &, ; or whitespace).
+_PARAM = re.compile(r"(^|[?&;\s])([^=?&;#\s]+)=('[^']*'|[^&;#\s]*)")
+MASK = "***"
+
+
+def _secret_name(name: str) -> bool:
+    low = unquote_plus(name).lower()
+    return any(word in low for word in _SECRET_WORDS)
+
+
 def redact(url: str) -> str:
-    """The URL with any password replaced, for messages and listings."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable url>"
-    if parts.password:
-        netloc = parts.netloc.replace(":" + parts.password + "@", ":***@")
-        return parts._replace(netloc=netloc).geturl()
-    return url
+    """``url`` as it may be shown (``coord.url``, messages, the CLI): the password of
+    the userinfo and the value of every secret-looking parameter (``?password=``,
+    ``sslpassword=``, ``token=``, ``secret=``, ...) replaced by ``***``. Also takes a
+    libpq ``key=value`` string. Never raises."""
+    if not isinstance(url, str):
+        return f"<{type(url).__name__}>"
+    text = url
+    scheme, sep, rest = text.partition("://")
+    if sep:
+        # The netloc ends at the first / ? or #; its userinfo at the last @.
+        cut = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+        netloc, tail = rest[:cut], rest[cut:]
+        userinfo, at, hosts = netloc.rpartition("@")
+        if at:
+            user, colon, password = userinfo.partition(":")
+            if colon and password:
+                netloc = f"{user}:{MASK}@{hosts}"
+        text = f"{scheme}://{netloc}{tail}"
+
+    def mask(m: re.Match[str]) -> str:
+        if not _secret_name(m.group(2)):
+            return m.group(0)
+        return f"{m.group(1)}{m.group(2)}={MASK}"
+
+    return _PARAM.sub(mask, text)
+
+
+def secrets_in(url: str) -> list[str]:
+    """The secret values of ``url`` (what :func:`redact` masks), as written and
+    decoded, longest first: to scrub a message that quotes one of them."""
+    if not isinstance(url, str):
+        return []
+    found: list[str] = []
+    rest = url.partition("://")[2]
+    if rest:
+        cut = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+        userinfo, at, _hosts = rest[:cut].rpartition("@")
+        if at and ":" in userinfo:
+            found.append(userinfo.partition(":")[2])
+    for m in _PARAM.finditer(url):
+        if _secret_name(m.group(2)):
+            found.append(m.group(3).strip("'"))
+    found += [unquote(v) for v in found] + [unquote_plus(v) for v in found]
+    # Too short a value would mask unrelated text; such a password is no secret anyway.
+    return sorted({v for v in found if len(v) >= 3 and v != MASK}, key=len, reverse=True)
+
+
+def scrub(text: str, url: str) -> str:
+    """``text`` with every secret of ``url`` masked, wherever and however quoted."""
+    for secret in secrets_in(url):
+        text = text.replace(secret, MASK)
+        text = text.replace(repr(secret)[1:-1], MASK)
+    return text
+
+
+def _scrubbed(exc: IdemlockError, url: str) -> IdemlockError | None:
+    """A copy of ``exc`` whose message no longer holds a secret of ``url``, or None
+    if it held none. The copy has the same type and attributes (errors pickle, so
+    they copy)."""
+    message = str(exc)
+    clean = scrub(message, url)
+    if clean == message:
+        return None
+    new = copy.copy(exc)
+    new.args = (clean,)
+    return new

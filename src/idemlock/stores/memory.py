@@ -39,7 +39,9 @@ class MemoryStore:
         max_keys: int | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
-        if max_keys is not None and (not isinstance(max_keys, int) or max_keys < 1):
+        if max_keys is not None and (
+            isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 1
+        ):
             raise ConfigurationError(f"max_keys must be a positive int or None, got {max_keys!r}")
         #: the bound on one call (agreement A1). Memory calls never wait on a network,
         #: only on each other's short critical sections; the coordinator bounds what it
@@ -247,14 +249,16 @@ def _parse(url: str, timeout: float | None) -> float:
     parts = urlsplit(url)
     query = parse_qsl(parts.query, keep_blank_values=True)
     if parts.netloc or parts.path not in ("", "/") or any(k != "timeout" for k, _ in query):
+        from .._urls import redact
+
         raise ConfigurationError(
             f"memory store URL takes no host, path or options but ?timeout=: use "
-            f"'memory://', got {url!r} (pass max_keys= and clock= as keyword arguments "
-            "to connect)"
+            f"'memory://', got {redact(url)!r} (accepted options: timeout, and max_keys= "
+            "and clock= as keyword arguments to connect)"
         )
     given = [v for _, v in query]
     if len(given) + (timeout is not None) > 1:
-        raise ConfigurationError(f"timeout is given twice (in {url!r} and/or as a keyword)")
+        raise ConfigurationError("timeout is given twice (in the URL and as a keyword)")
     if given:
         return _timeout(given[0])
     return DEFAULT_TIMEOUT if timeout is None else _timeout(timeout)

@@ -79,6 +79,18 @@ def _check_query(url: str, query: dict[str, str], allowed: set[str]) -> None:
         )
 
 
+def _check_keywords(options: dict[str, Any], *classes: Any) -> None:
+    # redis-py takes any keyword and trips over an unknown one only when it first
+    # connects (a raw TypeError), or drops it silently (sync cluster): refuse it now.
+    unknown = sorted(set(options) - _allowed_connection_args(*classes) - set(OWN_OPTIONS))
+    if unknown:
+        raise ConfigurationError(
+            f"unknown option(s) {', '.join(unknown)} for the Redis store; it accepts "
+            f"idemlock's {', '.join(f'{o}=' for o in OWN_OPTIONS)} and redis-py's client "
+            "and connection options (socket_keepalive=, ssl_cert_reqs=, retry=, ...)"
+        )
+
+
 def _db(url: str, path: str, query: dict[str, str]) -> None:
     db = path.strip("/")
     if db and not db.isdigit():
@@ -149,6 +161,7 @@ def _standalone(
     elif scheme == "unix":
         conn_cls = redis.connection.UnixDomainSocketConnection
     _check_query(url, query, _allowed_connection_args(conn_cls))
+    _check_keywords(options, conn_cls, redis.connection.ConnectionPool, redis.Redis)
     if "retry" not in options:
         kwargs["retry"] = _default_retry(asynchronous)
     kwargs.update(options)
@@ -203,6 +216,15 @@ def _cluster(
         )
     conn_cls = redis.connection.SSLConnection if scheme.startswith("rediss") else None
     _check_query(url, query, _allowed_connection_args(conn_cls or redis.connection.Connection))
+    import redis.asyncio.cluster
+    import redis.cluster
+
+    _check_keywords(
+        options,
+        conn_cls or redis.connection.Connection,
+        redis.cluster.RedisCluster,
+        redis.asyncio.cluster.RedisCluster,
+    )
     # Let redis-py convert the query values and the credentials as for one node.
     one = f"{'rediss' if conn_cls else 'redis'}://{userinfo + '@' if userinfo else ''}h"
     if query:

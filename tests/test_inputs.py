@@ -1,0 +1,290 @@
+"""Input at the edge through the public entry points (issue 10, items 14 and 20 and the
+audit after them): every mistake a caller can make is a ConfigurationError (or
+InvalidKey) that says what to do, never a raw TypeError, ValueError or OverflowError,
+on every scheme, through ``idemlock.connect`` and ``idemlock.aio.connect``."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import idemlock
+import idemlock.aio
+from idemlock import ConfigurationError, IdemlockError, IdempotencySpec, InvalidKey, LockSpec
+from idemlock._core.clock import MAX_SECONDS, duration
+
+SCHEMES = ["memory", "sqlite", "redis", "redis_cluster", "postgres"]
+
+
+def url_of(scheme: str, request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if scheme == "memory":
+        return "memory://"
+    if scheme == "sqlite":
+        return f"sqlite:///{tmp_path / 'inputs.db'}"
+    if scheme == "redis":
+        return str(request.getfixturevalue("redis_server").url)
+    if scheme == "redis_cluster":
+        return str(request.getfixturevalue("redis_cluster").url)
+    return str(request.getfixturevalue("postgres_dsn"))
+
+
+def with_query(url: str, query: str) -> str:
+    return url + ("&" if "?" in url else "?") + query
+
+
+def open_and_use(url: str, mode: str, **options: Any) -> None:
+    """Open a coordinator and make one call: an option a store only trips over when
+    it first connects must fail as clearly as one refused at connect()."""
+    if mode == "sync":
+        with idemlock.connect(url, **options) as coord:
+            lease = coord.lock("inputs").acquire("k")
+            assert lease is not None
+            coord.lock("inputs").release(lease)
+        return
+
+    async def run() -> None:
+        coord = idemlock.aio.connect(url, **options)
+        try:
+            lease = await coord.lock("inputs").acquire("k")
+            assert lease is not None
+            await coord.lock("inputs").release(lease)
+        finally:
+            await coord.close()
+
+    asyncio.run(run())
+
+
+# ---- item 20: unknown options --------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_unknown_keyword_option(
+    scheme: str, mode: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    url = url_of(scheme, request, tmp_path)
+    with pytest.raises(ConfigurationError) as info:
+        open_and_use(url, mode, bogus=1)
+    message = str(info.value)
+    assert "bogus" in message
+    assert "timeout" in message  # names what is accepted (every store takes timeout=)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_unknown_url_option(
+    scheme: str, mode: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    url = with_query(url_of(scheme, request, tmp_path), "bogus=1")
+    with pytest.raises(ConfigurationError, match="bogus"):
+        open_and_use(url, mode)
+
+
+def test_option_message_names_coordinator_options_too() -> None:
+    with pytest.raises(ConfigurationError, match="key_prefix") as info:
+        idemlock.connect("memory://", keyprefix="x")  # a typo of a coordinator option
+    assert "max_keys" in str(info.value) and "'keyprefix'" in str(info.value)
+
+
+def test_client_options_are_checked(postgres_dsn: str) -> None:
+    import psycopg_pool
+
+    pool = psycopg_pool.ConnectionPool(postgres_dsn, open=False)
+    with pytest.raises(ConfigurationError, match="bogus"):
+        idemlock.connect(pool, bogus=1)
+
+
+# ---- item 14: the store's own durations ----------------------------------------------
+
+BAD_STORE_TIMEOUTS = [math.nan, math.inf, -1.0]
+
+
+@pytest.mark.parametrize("bad", BAD_STORE_TIMEOUTS, ids=["nan", "inf", "negative"])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_store_timeout_refused(
+    scheme: str, bad: float, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    url = url_of(scheme, request, tmp_path)
+    for mode in ("sync", "async"):
+        with pytest.raises(ConfigurationError, match="timeout"):
+            open_and_use(url, mode, timeout=bad)
+        with pytest.raises(ConfigurationError, match="timeout"):
+            open_and_use(with_query(url, f"timeout={bad}"), mode)
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "-1"])
+def test_sqlite_busy_timeout_refused(bad: str, tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'b.db'}"
+    with pytest.raises(ConfigurationError, match="busy_timeout"):
+        idemlock.connect(url, busy_timeout=float(bad))
+    with pytest.raises(ConfigurationError, match="busy_timeout"):
+        idemlock.connect(with_query(url, f"busy_timeout={bad}"))
+
+
+# ---- the one validator ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value",
+    [math.nan, math.inf, -math.inf, -0.5, 10**400, -(10**5000), timedelta.max, True, "5", None],
+    ids=lambda v: "huge" if isinstance(v, int) and abs(v) > 10**100 else repr(v),
+)
+def test_duration_refuses(value: Any) -> None:
+    with pytest.raises(ConfigurationError):
+        duration(value, "wait")
+
+
+def test_duration_accepts() -> None:
+    assert duration(0, "wait") == 0.0
+    assert duration(timedelta(milliseconds=5), "wait") == 0.005
+    assert duration(idemlock.MAX_TTL, "ttl") == MAX_SECONDS
+    assert duration(" 2.5 ", "timeout", text=True) == 2.5
+    with pytest.raises(ConfigurationError, match="positive"):
+        duration(0, "lease", positive=True)
+    assert timedelta(days=36525) == idemlock.MAX_TTL
+    assert "MAX_TTL" in idemlock.__all__
+
+
+# ---- audit: other edge inputs at the public entry points -----------------------------
+
+KEY_512 = "k" * 512
+KEY_513 = "k" * 513
+
+
+@pytest.fixture
+def coord() -> Any:
+    with idemlock.connect("memory://") as c:
+        yield c
+
+
+def test_key_of_exactly_512_bytes(coord: Any) -> None:
+    port = coord.idempotency("edge")
+    claim = port.claim(KEY_512)
+    port.complete(claim.token, 1)
+    assert port.status(KEY_512) is not None
+    multi = "é" * 256  # 512 bytes of UTF-8 in 256 characters
+    assert port.claim(multi).kind == "claimed"
+    lease = coord.lock("edge").acquire(KEY_512)
+    assert lease is not None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        KEY_513,
+        "é" * 256 + "x",
+        "",
+        " ",
+        "a b",
+        "a\nb",
+        "a\x00b",
+        "\ud800",
+        "ok\udfff",
+        5,
+        b"k",
+        None,
+    ],
+    ids=lambda v: repr(v)[:20],
+)
+def test_bad_keys_are_invalid_key(coord: Any, bad: Any) -> None:
+    port = coord.idempotency("edge")
+    calls: list[Callable[[], Any]] = [
+        lambda: port.claim(bad),
+        lambda: port.status(bad),
+        lambda: port.forget(bad),
+        lambda: port.wait(bad, timeout=0),
+        lambda: coord.lock("edge").acquire(bad),
+        lambda: coord.lock("edge").ttl(bad),
+        lambda: coord.fence(bad),
+        lambda: IdempotencySpec(bad),
+        lambda: LockSpec(bad),
+        lambda: coord.for_tenant(bad),
+        lambda: idemlock.connect("memory://", key_prefix=bad),
+    ]
+    if bad is not None:  # None means "generate one" / "no tenant" for these
+        calls += [
+            lambda: coord.lock("edge").acquire("fine", owner=bad),
+            lambda: idemlock.connect("memory://", tenant=bad),
+        ]
+    for call in calls:
+        with pytest.raises(InvalidKey):
+            call()
+    # Where a spec object or its name is expected, a str is checked as a key and
+    # anything else is the wrong type.
+    for call in (lambda: coord.lock(bad), lambda: coord.idempotency(bad)):
+        with pytest.raises(InvalidKey if isinstance(bad, str) else ConfigurationError):
+            call()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [True, 1.0, "1", -1, 2**63, 10**5000],
+    ids=lambda v: repr(v)[:20] if not isinstance(v, int) or v < 10**100 else "huge",
+)
+def test_bad_gate_tokens(coord: Any, bad: Any) -> None:
+    gate = coord.fence("edge")
+    with pytest.raises(ConfigurationError, match="2\\*\\*63-1"):
+        gate.check_and_advance(bad)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: IdempotencySpec("s", ttl="1h"),  # type: ignore[arg-type]
+        lambda: IdempotencySpec("s", lease=True),  # type: ignore[arg-type]
+        lambda: IdempotencySpec("s", ttl=0),  # type: ignore[arg-type]
+        lambda: LockSpec("s", ttl=None),  # type: ignore[arg-type]
+        lambda: LockSpec("s", ttl=timedelta(0)),
+    ],
+)
+def test_bad_spec_values(build: Callable[[], Any]) -> None:
+    with pytest.raises(ConfigurationError):
+        build()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "",
+        "nothing",
+        "memory",
+        "://",
+        "bogus://x",
+        "memory://host",
+        "memory:///path",
+        "redis://[::1",
+    ],
+)
+def test_bad_urls(url: str) -> None:
+    with pytest.raises(ConfigurationError):
+        idemlock.connect(url)
+
+
+@pytest.mark.parametrize("url", [b"memory://", 5, object()], ids=["bytes", "int", "object"])
+def test_url_of_wrong_type(url: Any) -> None:
+    with pytest.raises(ConfigurationError):
+        idemlock.connect(url)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"max_keys": 0},
+        {"max_keys": True},
+        {"max_keys": "5"},
+        {"max_result_bytes": -1},
+        {"max_result_bytes": "x"},
+        {"compress_over": -5},
+        {"keyring": "secret"},
+    ],
+    ids=repr,
+)
+def test_bad_coordinator_options(options: dict[str, Any]) -> None:
+    with pytest.raises(IdemlockError):
+        idemlock.connect("memory://", **options)
