@@ -273,6 +273,7 @@ def _bounded_cluster_class() -> Any:
     global _BOUNDED
     if _BOUNDED is not None:
         return _BOUNDED
+    import os
     import threading
 
     from redis.cluster import RedisCluster
@@ -287,23 +288,33 @@ def _bounded_cluster_class() -> Any:
             super().__init__(*args, **kwargs)
             manager = self.nodes_manager
             inline = manager.initialize
-            busy = threading.Lock()
+            # One refresh at a time; a new lock in a forked child (a refresh running in
+            # the parent at the fork would leave this one held forever).
+            busy: dict[int, threading.Lock] = {}  # pid -> lock
 
-            def refresh(**kw: Any) -> None:
+            def refresh(lock: threading.Lock, **kw: Any) -> None:
                 try:
                     inline(**kw)
                 except Exception:
                     pass  # the next failure asks again
                 finally:
-                    busy.release()
+                    lock.release()
 
             def initialize(*a: Any, **kw: Any) -> Any:
                 if a or "last_failed_node_name" not in kw:
                     return inline(*a, **kw)
+                lock = busy.get(os.getpid())
+                if lock is None:
+                    busy.clear()
+                    lock = busy.setdefault(os.getpid(), threading.Lock())
                 # After a failed call: re-read the slot map without holding it up.
-                if busy.acquire(blocking=False):
+                if lock.acquire(blocking=False):
                     t = threading.Thread(
-                        target=refresh, kwargs=kw, name="idemlock-redis-slots", daemon=True
+                        target=refresh,
+                        args=(lock,),
+                        kwargs=kw,
+                        name="idemlock-redis-slots",
+                        daemon=True,
                     )
                     t.start()
                 return None
