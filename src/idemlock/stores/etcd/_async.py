@@ -114,7 +114,7 @@ class AsyncClient:
             try:
                 md = await self.metadata(s, deadline)
                 return await s.methods[rpc.method](
-                    rpc.request, timeout=min(left, self.conf.per_try), metadata=md
+                    rpc.request, timeout=self.conf.try_timeout(attempt, left), metadata=md
                 )
             except grpc.aio.AioRpcError as exc:
                 action = _conf.classify(exc)

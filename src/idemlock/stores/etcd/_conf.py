@@ -16,6 +16,11 @@ DEFAULT_TIMEOUT = 5.0
 #: one attempt on one member is cut after this share of the call's bound, so a member
 #: that went silent leaves time to ask another one
 TRY_SHARE = 0.5
+#: ... and the first attempt after at most this (seconds): etcd answers in
+#: milliseconds, and a proposal forwarded to a leader that just died is only failed
+#: by etcd after its request timeout (about 5 s), while the next attempt, on the new
+#: leader, succeeds as soon as the election is over
+FIRST_TRY = 1.0
 
 OPTIONS = ("timeout", "prefix", "ca", "cert", "key", "user", "password")
 
@@ -35,6 +40,14 @@ class Config:
     @property
     def per_try(self) -> float:
         return max(0.2, self.timeout * TRY_SHARE)
+
+    def try_timeout(self, attempt: int, left: float) -> float:
+        """The deadline of one attempt: short when another member can be asked (a
+        member that is restarting or cut off from the leader makes calls wait), and
+        for the first attempt on a single member; longer for its retries."""
+        short = attempt == 0 or len(self.endpoints) > 1
+        bound = min(self.per_try, FIRST_TRY) if short else self.per_try
+        return max(0.001, min(left, bound))
 
     def credentials(self) -> Any:
         import grpc

@@ -130,7 +130,7 @@ class SyncClient:
             try:
                 md = self.metadata(s, deadline)
                 return s.methods[rpc.method](
-                    rpc.request, timeout=min(left, self.conf.per_try), metadata=md
+                    rpc.request, timeout=self.conf.try_timeout(attempt, left), metadata=md
                 )
             except grpc.RpcError as exc:
                 action = _conf.classify(exc)
