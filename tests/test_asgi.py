@@ -589,10 +589,13 @@ def pg() -> Iterator[PgServer]:
         server.destroy()
 
 
-def test_store_restarted_while_recording_keeps_the_key_reserved(pg: PgServer) -> None:
+def test_store_restarted_while_recording_keeps_the_key_reserved(
+    pg: PgServer, caplog: pytest.LogCaptureFixture
+) -> None:
     """The store restarts while the handler runs, so recording its 201 fails: the
-    response is delivered, and the client's retry gets 409 (the claim is kept until its
-    lease ends) instead of running the handler, and charging, a second time."""
+    response is delivered, the claim is kept (a retry gets 409, never a second run and
+    charge) and the record is written again once the store answers: retries replay."""
+    caplog.set_level("INFO", logger="idemlock.asgi")
     calls: Counter[str] = Counter()
     release = threading.Event()
 
@@ -632,10 +635,21 @@ def test_store_restarted_while_recording_keeps_the_key_reserved(pg: PgServer) ->
         response = first.result(timeout=30)
         assert response.status_code == 201 and response.json()["run"] == 1
         with httpx.Client(base_url=base, timeout=30) as c:
-            for _ in range(2):
+            # Until the record is written again, retries get 409; then the replay.
+            deadline = time.monotonic() + 20
+            while True:
                 retry = c.post("/charge", json={"tag": t, "amount": 7}, headers=h)
+                if retry.status_code != 409:
+                    break
                 assert_problem(retry, 409, "idempotency_key_in_use")
+                assert time.monotonic() < deadline, "the record was never written again"
+                time.sleep(0.05)
+        assert retry.status_code == 201 and replayed(retry), retry.text
+        assert retry.content == response.content
     assert calls[t] == 1  # charged once
+    logged = [r.getMessage() for r in caplog.records if r.name == "idemlock.asgi"]
+    assert any("failed while recording a 201 response" in m for m in logged), logged
+    assert any("recorded a 201 response on a later attempt" in m for m in logged), logged
     # (coord is not closed here: its pool lived on uvicorn's loop, which is gone; the
     # connections end with the module's server.)
 

@@ -38,8 +38,9 @@ replayable (too large)                         ``idempotency_response_unavailabl
 the store fails                                503, ``Retry-After: 1`` (fails closed: the
                                                request does not run unprotected), logged
 the store fails recording a response           the response is delivered; the key stays
-                                               reserved (retries get 409) until the
-                                               claim's lease ends, logged as an error
+                                               reserved (retries get 409) while the record
+                                               is written again in the background until
+                                               the claim's lease ends; logged
 =============================================  =============================================
 
 Every error the middleware itself produces is ``application/problem+json`` (RFC 9457):
@@ -113,6 +114,7 @@ base64}``, header bytes as latin-1 strings), never pickled; with a coordinator
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import fnmatch
 import hashlib
@@ -181,6 +183,9 @@ _HOP_BY_HOP = frozenset(
 _HIDDEN_EXTENSIONS = ("http.response.pathsend", "http.response.zerocopysend")
 _TRAILERS = "http.response.trailers"
 _RECORD_VERSION = 1
+#: first and longest pause between writes of a record the store refused
+_RECORD_RETRY_FIRST = 0.1
+_RECORD_RETRY_MAX = 2.0
 
 
 def default_record(status: int) -> bool:
@@ -472,6 +477,8 @@ class IdempotencyMiddleware:
         self.record = record
         self.docs_url = docs_url
         self.www_authenticate = www_authenticate
+        #: records being written again after a store failure
+        self._background: set[asyncio.Task[None]] = set()
 
     # ---- the request -------------------------------------------------------------------
 
@@ -676,16 +683,7 @@ class IdempotencyMiddleware:
             ]
             result["body"] = base64.b64encode(b"".join(cap.chunks)).decode("ascii")
         try:
-            try:
-                await self.port.complete(token, result)
-            except ResultTooLarge:
-                log.warning(
-                    "response is too large for the store (max_result_bytes): delivered, "
-                    "recorded as not replayable"
-                )
-                await self.port.complete(
-                    token, {"v": _RECORD_VERSION, "status": status, "replayable": False}
-                )
+            await self._complete(token, status, result)
         except StaleClaim:
             log.warning(
                 "the response was not recorded: the claim's lease (%s) ran out before the "
@@ -695,15 +693,63 @@ class IdempotencyMiddleware:
         except Exception:
             # The handler ran and its response goes out, but the store did not take the
             # record. Abandoning would let the client's retry run the handler again (a
-            # second charge), so keep the claim: retries get 409 until its lease ends.
+            # second charge), so keep the claim (retries get 409) and record it later.
             log.error(
-                "idempotency store failed while recording a %s response; it is delivered "
-                "and its key stays reserved (retries get 409) until the claim's lease "
-                "ends at %s",
+                "idempotency store failed while recording a %s response; it is delivered, "
+                "its key stays reserved (retries get 409) and the record is written again "
+                "in the background until the claim's lease ends at %s",
                 status,
                 token.expires_at.isoformat(),
                 exc_info=True,
             )
+            self._record_later(token, status, result)
+
+    async def _complete(self, token: ClaimToken, status: int, result: dict[str, Any]) -> None:
+        try:
+            await self.port.complete(token, result)
+        except ResultTooLarge:
+            log.warning(
+                "response is too large for the store (max_result_bytes): delivered, "
+                "recorded as not replayable"
+            )
+            await self.port.complete(
+                token, {"v": _RECORD_VERSION, "status": status, "replayable": False}
+            )
+
+    def _record_later(self, token: ClaimToken, status: int, result: dict[str, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(self._retry_record(token, status, result))
+        self._background.add(task)  # a reference, so the task is not collected mid-way
+        task.add_done_callback(self._background.discard)
+
+    async def _retry_record(self, token: ClaimToken, status: int, result: dict[str, Any]) -> None:
+        """Write a response's record again with backoff while its claim's lease lasts
+        (the response is out already). A retry in the meantime gets 409, never a run."""
+        clock = self.port._coord.clock
+        pause = _RECORD_RETRY_FIRST
+        while True:
+            await asyncio.sleep(pause)
+            try:
+                await self._complete(token, status, result)
+            except StaleClaim:
+                # Our failed attempt reached the store after all, or the lease ran out
+                # and another attempt took over: either way nothing is left to write.
+                log.warning("the response's record was written or taken over meanwhile")
+                return
+            except Exception as exc:
+                left = token.expires_at.timestamp() - clock.time()
+                if left <= pause:
+                    log.error(
+                        "gave up recording a %s response: the store still fails (%s: %s) "
+                        "and the claim's lease is over, so a retry runs the handler again",
+                        status,
+                        type(exc).__name__,
+                        exc,
+                    )
+                    return
+                pause = min(pause * 2, _RECORD_RETRY_MAX)
+                continue
+            log.warning("recorded a %s response on a later attempt; retries replay it", status)
+            return
 
     async def _abandon(self, token: ClaimToken) -> None:
         try:
