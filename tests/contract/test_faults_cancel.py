@@ -29,6 +29,7 @@ import idemlock
 import idemlock.aio
 from idemlock import Claimed, Completed, IdempotencySpec, Lease, LockSpec, StaleClaim
 
+from ..servers.faults import STALL_SAFETY
 from .fault_stores import BOUND, TIMEOUT
 from .harness import Harness
 
@@ -413,10 +414,11 @@ async def test_cancel_hold(harness: Harness) -> None:
                     return True
                 lease = got.get(key)
                 if lease is not None and owner == lease.owner:
-                    # The caller got this lease: it can take it back and free it.
+                    # The caller got this lease: it can take it back (same owner, same
+                    # token; or a new token if it was freed meanwhile) and free it.
                     again = await locks.acquire(key, owner=lease.owner)
-                    assert again is not None and again.token == lease.token
-                    await locks.release(again)
+                    if again is not None:
+                        await locks.release(again)
                 return False
 
             await settle(free_or_ours, f"a cancelled hold() left {key!r} held")
@@ -486,8 +488,13 @@ async def test_cancel_while_the_store_call_is_in_progress(fault_harness: Harness
                 if proxy is not None:
                     proxy.cut()
             if finished_first:
-                # The call blocked the loop (an inline store) and failed before the cancel.
-                assert isinstance(result, idemlock.StoreUnavailable), result
+                # The call blocked the event loop (an inline store) and ended before the
+                # cancel: on a silent store it can only have failed, within the bound.
+                assert isinstance(result, idemlock.StoreUnavailable), (
+                    f"a {what} on a silent store blocked the event loop and then ended with "
+                    f"{result!r} (the stall ended by itself after {STALL_SAFETY:.0f}s), "
+                    "instead of raising StoreUnavailable within the bound"
+                )
             else:
                 assert task.cancelled(), (
                     f"a {what} cancelled on a silent store ended with {result!r}, "
