@@ -655,7 +655,8 @@ class _Child:
         while True:
             if self.status is None:
                 try:
-                    code = proc.wait(timeout=0.05)
+                    # Short steps only near a SIGKILL deadline; signals are handled at once.
+                    code = proc.wait(timeout=0.2 if self.kill_at is None else 0.05)
                 except subprocess.TimeoutExpired:
                     code = None
                 if code is not None:
