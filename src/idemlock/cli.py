@@ -158,35 +158,14 @@ def _tenant(text: str) -> str:
 
 #: passwords of the store URL in use: never printed, whatever message carries them
 _SECRETS: list[str] = []
-#: query parameters of a store URL that carry a secret
-_SECRET_PARAMS = frozenset({"password", "pass", "pwd", "sslpassword", "secret", "token"})
 
 
 def _secrets_of(url: str | None) -> list[str]:
     """The secrets in ``url`` (userinfo password, ``?password=`` and the like), each as
     written and decoded, so a message that quotes either form can be scrubbed."""
-    if not url:
-        return []
-    from urllib.parse import unquote, urlsplit
+    from ._urls import secrets_in
 
-    found: list[str] = []
-    try:
-        parts = urlsplit(url)
-        if parts.password:
-            found.append(parts.password)
-        query = parts.query
-    except ValueError:
-        query = url.partition("?")[2]
-    raw_netloc = url.partition("://")[2].partition("/")[0].rpartition("@")[0]
-    if ":" in raw_netloc:
-        found.append(raw_netloc.partition(":")[2])
-    for pair in query.split("&"):
-        name, _, value = pair.partition("=")
-        if unquote(name).lower() in _SECRET_PARAMS and value:
-            found.append(value)
-    found += [unquote(v) for v in found] + [unquote(v.replace("+", " ")) for v in found]
-    # Longest first, so a secret that contains another is replaced whole.
-    return sorted({v for v in found if v}, key=len, reverse=True)
+    return secrets_in(url) if url else []
 
 
 #: shorter secrets are masked in URLs only: masking every "a" would garble all output
