@@ -3,7 +3,7 @@
     python tools/gen_etcd_stubs.py ETCD_CHECKOUT [--out src/idemlock/stores/etcd/_pb]
 
 ETCD_CHECKOUT is a checkout of github.com/etcd-io/etcd (Apache-2.0), at a v3.5 tag
-(``api/etcdserverpb/rpc.proto`` and ``api/mvccpb/kv.proto``).
+(``api/etcdserverpb/rpc.proto``, ``api/mvccpb/kv.proto``, ``api/authpb/auth.proto``).
 The script keeps only the services, RPCs and messages idemlock calls, drops the
 gogoproto / grpc-gateway annotations (they only matter to etcd's Go build), writes
 the trimmed .proto files next to the stubs, and runs ``grpc_tools.protoc``.
@@ -32,7 +32,8 @@ KEEP_RPCS = {
     "Watch": ["Watch"],
     "Lease": ["LeaseGrant", "LeaseRevoke", "LeaseKeepAlive", "LeaseTimeToLive"],
     "Maintenance": ["Status"],
-    "Auth": ["Authenticate"],
+    # Authenticate for the store; the rest lets the tests turn auth on
+    "Auth": ["Authenticate", "AuthEnable", "UserAdd", "UserGrantRole"],
 }
 
 HEADER = (
@@ -126,9 +127,9 @@ def trimmed_rpc(rpc_text: str) -> str:
         wanted |= _types_used(_strip(messages[name])) & set(messages)
     order = [n for n in messages if n in done]  # keep the file's order
     body = "\n\n".join(parts + [_strip(messages[n]) for n in order])
-    return (
-        'syntax = "proto3";\npackage etcdserverpb;\n\nimport "mvccpb/kv.proto";\n\n' + body + "\n"
-    )
+    head = 'syntax = "proto3";\npackage etcdserverpb;\n\n'
+    head += 'import "mvccpb/kv.proto";\nimport "authpb/auth.proto";\n\n'
+    return head + body + "\n"
 
 
 def trimmed_plain(text: str) -> str:
@@ -149,6 +150,7 @@ def main() -> int:
     sources = {
         "etcdserverpb/rpc.proto": ("api/etcdserverpb/rpc.proto", trimmed_rpc),
         "mvccpb/kv.proto": ("api/mvccpb/kv.proto", trimmed_plain),
+        "authpb/auth.proto": ("api/authpb/auth.proto", trimmed_plain),
     }
     out: Path = args.out
     with tempfile.TemporaryDirectory() as tmp:
@@ -179,7 +181,7 @@ def main() -> int:
             # Relative imports: the stubs are a subpackage of idemlock.
             depth = "." * len(rel.parts)
             code = re.sub(
-                r"^from (mvccpb|etcdserverpb) import (\w+) as (\w+)$",
+                r"^from (mvccpb|authpb|etcdserverpb) import (\w+) as (\w+)$",
                 rf"from {depth}\1 import \2 as \3",
                 code,
                 flags=re.M,
@@ -187,7 +189,7 @@ def main() -> int:
             target = out / rel
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(PY_HEADER.format(tools=tools_version) + code)
-        for pkg in ("", "mvccpb", "etcdserverpb"):
+        for pkg in ("", "mvccpb", "authpb", "etcdserverpb"):
             init = out / pkg / "__init__.py"
             init.parent.mkdir(parents=True, exist_ok=True)
             init.write_text(PY_HEADER.format(tools=tools_version))

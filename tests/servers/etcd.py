@@ -61,9 +61,12 @@ def _free_ports(n: int) -> list[int]:
 
 
 class EtcdCluster:
-    def __init__(self, root: Path, size: int) -> None:
+    def __init__(self, root: Path, size: int, tls: tuple[Path, Path, Path] | None = None) -> None:
         self.root = root
         self.size = size
+        #: (CA, server certificate, server key) for https client URLs, or None
+        self.tls = tls
+        self.scheme = "https" if tls else "http"
         ports = _free_ports(2 * size)
         self.client_ports = ports[:size]
         self.peer_ports = ports[size:]
@@ -89,8 +92,8 @@ class EtcdCluster:
             etcd,
             "--name", self.names[i],
             "--data-dir", str(data),
-            "--listen-client-urls", f"http://127.0.0.1:{cport}",
-            "--advertise-client-urls", f"http://127.0.0.1:{cport}",
+            "--listen-client-urls", f"{self.scheme}://127.0.0.1:{cport}",
+            "--advertise-client-urls", f"{self.scheme}://127.0.0.1:{cport}",
             "--listen-peer-urls", f"http://127.0.0.1:{pport}",
             "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}",
             "--initial-cluster", self.initial,
@@ -102,6 +105,8 @@ class EtcdCluster:
             "--log-level", "error",
             "--log-outputs", str(self.root / f"{self.names[i]}.log"),
         ]  # fmt: skip
+        if self.tls is not None:
+            cmd += ["--cert-file", str(self.tls[1]), "--key-file", str(self.tls[2])]
         self.procs[i] = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
         )
@@ -121,7 +126,12 @@ class EtcdCluster:
 
         from idemlock.stores.etcd._pb.etcdserverpb import rpc_pb2, rpc_pb2_grpc
 
-        with grpc.insecure_channel(self.endpoints[i]) as ch:
+        if self.tls is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=self.tls[0].read_bytes())
+            ch = grpc.secure_channel(self.endpoints[i], creds)
+        else:
+            ch = grpc.insecure_channel(self.endpoints[i])
+        with ch:
             try:
                 return rpc_pb2_grpc.MaintenanceStub(ch).Status(
                     rpc_pb2.StatusRequest(), timeout=timeout
@@ -175,10 +185,11 @@ class EtcdCluster:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def start_etcd(size: int = 1) -> EtcdCluster:
-    """Start an etcd cluster of ``size`` members; the caller must ``destroy()`` it."""
+def start_etcd(size: int = 1, tls: tuple[Path, Path, Path] | None = None) -> EtcdCluster:
+    """Start an etcd cluster of ``size`` members (clients over TLS with ``tls`` = (CA,
+    server certificate, server key) files); the caller must ``destroy()`` it."""
     root = Path(tempfile.mkdtemp(prefix="idemlock-etcd-"))
-    cluster = EtcdCluster(root, size)
+    cluster = EtcdCluster(root, size, tls)
     try:
         cluster.start()
     except BaseException:

@@ -102,12 +102,14 @@ class Ops:
             take,
             [K.get(n.record), K.get(n.marker)],
         )
-        resp = yield Rpc("Txn", K.txn([K.cmp_create(n.record, 0)], take, [K.nested(takeover)]))
+        rpc = Rpc("Txn", K.txn([K.cmp_create(n.record, 0)], take, [K.nested(takeover)]))
+        resp = yield rpc
         if resp.succeeded or resp.responses[0].response_txn.succeeded:
             fence = int(resp.header.revision)
             self._remember(ns, key, token, fence, fp)
             return Granted(token, fence, written + lease_ms, lease_ms)
-        yield _revoke(g.ID)
+        if not rpc.retried:  # else its first attempt may hold this lease
+            yield _revoke(g.ID)
         inner = resp.responses[0].response_txn
         rec_kvs, marker_kvs = K.kvs(inner.responses[0]), K.kvs(inner.responses[1])
         if not rec_kvs:
@@ -166,7 +168,8 @@ class Ops:
                 if prev.lease:
                     yield _revoke(prev.lease)
             return True
-        yield _revoke(g.ID)
+        if not rpc.retried:  # else its first attempt may hold this lease
+            yield _revoke(g.ID)
         kv = K.kvs(resp.responses[0])
         # Re-sent after a lost reply, and completed with our token: the first attempt.
         return rpc.retried and bool(kv) and kv[0].value.startswith(K.done_prefix(token) + b"\0")
@@ -195,7 +198,7 @@ class Ops:
         n = K.claim_names(self.root, ns, key)
         g = yield _grant(lease_ms)
         written = K.now_ms()
-        resp = yield Rpc(
+        rpc = Rpc(
             "Txn",
             K.txn(
                 [
@@ -206,8 +209,10 @@ class Ops:
                 [],
             ),
         )
+        resp = yield rpc
         if not resp.succeeded:
-            yield _revoke(g.ID)
+            if not rpc.retried:  # else its first attempt may hold this lease
+                yield _revoke(g.ID)
             return None
         old = resp.responses[0].response_put.prev_kv.lease
         if old and old != g.ID:
@@ -283,9 +288,10 @@ class Ops:
             [K.put(name, value, g.ID, prev=True), K.get(name)],
             [K.get(name)],
         )
-        resp = yield Rpc(
+        rpc = Rpc(
             "Txn", K.txn([K.cmp_create(name, 0)], [K.put(name, value, g.ID)], [K.nested(again)])
         )
+        resp = yield rpc
         if resp.succeeded:
             return Acquired(int(resp.header.revision), written + ttl_ms, ttl_ms)
         inner = resp.responses[0].response_txn
@@ -295,7 +301,8 @@ class Ops:
                 yield _revoke(old)
             token = int(K.kvs(inner.responses[1])[0].create_revision)
             return Acquired(token, written + ttl_ms, ttl_ms)
-        yield _revoke(g.ID)
+        if not rpc.retried:  # else its first attempt may hold this lease
+            yield _revoke(g.ID)
         holder = K.kvs(inner.responses[0])
         if not holder:
             raise K.corrupt(name, ValueError("the lock vanished inside one Txn"))
@@ -339,12 +346,14 @@ class Ops:
         g = yield _grant(ttl_ms)
         written = K.now_ms()
         value = K.lock_value(owner, ttl_ms, int(g.TTL), written)
-        resp = yield Rpc(
+        rpc = Rpc(
             "Txn",
             K.txn(self._held_by(name, owner, token), [K.put(name, value, g.ID, prev=True)], []),
         )
+        resp = yield rpc
         if not resp.succeeded:
-            yield _revoke(g.ID)
+            if not rpc.retried:  # else its first attempt may hold this lease
+                yield _revoke(g.ID)
             return None
         old = resp.responses[0].response_put.prev_kv.lease
         if old and old != g.ID:

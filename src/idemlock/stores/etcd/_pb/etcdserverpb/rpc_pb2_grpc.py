@@ -461,17 +461,50 @@ class AuthStub(object):
         Args:
             channel: A grpc.Channel.
         """
+        self.AuthEnable = channel.unary_unary(
+                '/etcdserverpb.Auth/AuthEnable',
+                request_serializer=etcdserverpb_dot_rpc__pb2.AuthEnableRequest.SerializeToString,
+                response_deserializer=etcdserverpb_dot_rpc__pb2.AuthEnableResponse.FromString,
+                )
         self.Authenticate = channel.unary_unary(
                 '/etcdserverpb.Auth/Authenticate',
                 request_serializer=etcdserverpb_dot_rpc__pb2.AuthenticateRequest.SerializeToString,
                 response_deserializer=etcdserverpb_dot_rpc__pb2.AuthenticateResponse.FromString,
+                )
+        self.UserAdd = channel.unary_unary(
+                '/etcdserverpb.Auth/UserAdd',
+                request_serializer=etcdserverpb_dot_rpc__pb2.AuthUserAddRequest.SerializeToString,
+                response_deserializer=etcdserverpb_dot_rpc__pb2.AuthUserAddResponse.FromString,
+                )
+        self.UserGrantRole = channel.unary_unary(
+                '/etcdserverpb.Auth/UserGrantRole',
+                request_serializer=etcdserverpb_dot_rpc__pb2.AuthUserGrantRoleRequest.SerializeToString,
+                response_deserializer=etcdserverpb_dot_rpc__pb2.AuthUserGrantRoleResponse.FromString,
                 )
 
 
 class AuthServicer(object):
     """Missing associated documentation comment in .proto file."""
 
+    def AuthEnable(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Authenticate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UserAdd(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UserGrantRole(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -480,10 +513,25 @@ class AuthServicer(object):
 
 def add_AuthServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'AuthEnable': grpc.unary_unary_rpc_method_handler(
+                    servicer.AuthEnable,
+                    request_deserializer=etcdserverpb_dot_rpc__pb2.AuthEnableRequest.FromString,
+                    response_serializer=etcdserverpb_dot_rpc__pb2.AuthEnableResponse.SerializeToString,
+            ),
             'Authenticate': grpc.unary_unary_rpc_method_handler(
                     servicer.Authenticate,
                     request_deserializer=etcdserverpb_dot_rpc__pb2.AuthenticateRequest.FromString,
                     response_serializer=etcdserverpb_dot_rpc__pb2.AuthenticateResponse.SerializeToString,
+            ),
+            'UserAdd': grpc.unary_unary_rpc_method_handler(
+                    servicer.UserAdd,
+                    request_deserializer=etcdserverpb_dot_rpc__pb2.AuthUserAddRequest.FromString,
+                    response_serializer=etcdserverpb_dot_rpc__pb2.AuthUserAddResponse.SerializeToString,
+            ),
+            'UserGrantRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.UserGrantRole,
+                    request_deserializer=etcdserverpb_dot_rpc__pb2.AuthUserGrantRoleRequest.FromString,
+                    response_serializer=etcdserverpb_dot_rpc__pb2.AuthUserGrantRoleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -494,6 +542,23 @@ def add_AuthServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Auth(object):
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def AuthEnable(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/etcdserverpb.Auth/AuthEnable',
+            etcdserverpb_dot_rpc__pb2.AuthEnableRequest.SerializeToString,
+            etcdserverpb_dot_rpc__pb2.AuthEnableResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
     @staticmethod
     def Authenticate(request,
@@ -509,5 +574,39 @@ class Auth(object):
         return grpc.experimental.unary_unary(request, target, '/etcdserverpb.Auth/Authenticate',
             etcdserverpb_dot_rpc__pb2.AuthenticateRequest.SerializeToString,
             etcdserverpb_dot_rpc__pb2.AuthenticateResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def UserAdd(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/etcdserverpb.Auth/UserAdd',
+            etcdserverpb_dot_rpc__pb2.AuthUserAddRequest.SerializeToString,
+            etcdserverpb_dot_rpc__pb2.AuthUserAddResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def UserGrantRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/etcdserverpb.Auth/UserGrantRole',
+            etcdserverpb_dot_rpc__pb2.AuthUserGrantRoleRequest.SerializeToString,
+            etcdserverpb_dot_rpc__pb2.AuthUserGrantRoleResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

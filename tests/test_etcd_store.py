@@ -1,0 +1,442 @@
+"""What only the etcd store has: expiry by etcd's own lease clock, watches that wake
+waiters, re-sent transactions after a lost reply, URLs, user/password auth, TLS,
+corrupt values, fork, purge. The store's contract (tests/contract/) runs on the
+single member and the 3-member cluster; the failover is tests/test_etcd_failover.py."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+import idemlock
+import idemlock.aio
+from idemlock import (
+    Claimed,
+    Completed,
+    ConfigurationError,
+    IdempotencySpec,
+    LockSpec,
+    StoreUnavailable,
+)
+from idemlock.stores.etcd import _codec as K
+from idemlock.stores.etcd._pb.etcdserverpb import rpc_pb2 as pb
+from idemlock.stores.etcd._pb.etcdserverpb import rpc_pb2_grpc as stubs
+from idemlock.stores.etcd._sync import EtcdStore
+
+from .servers.etcd import EtcdCluster, start_etcd
+
+LONG = LockSpec("e", ttl=timedelta(seconds=30))
+
+
+def prefix() -> str:
+    return "e" + uuid.uuid4().hex[:10]
+
+
+# ---- expiry on etcd's clock --------------------------------------------------------------
+
+
+def test_a_lease_ends_on_etcds_clock_never_before_its_ttl(etcd_server: EtcdCluster) -> None:
+    p = prefix()
+    a, b = (
+        idemlock.connect(etcd_server.url, key_prefix=p),
+        idemlock.connect(etcd_server.url, key_prefix=p),
+    )
+    try:
+        spec = LockSpec("short", ttl=timedelta(seconds=1))
+        holder = a.lock(spec).acquire("k")
+        assert holder is not None and holder.token is not None
+        t0 = time.monotonic()
+        # Nobody releases and nothing in the test expires it: etcd's lessor does.
+        taken = b.lock(spec).acquire("k", wait=10)
+        waited = time.monotonic() - t0
+        assert taken is not None and taken.token is not None and taken.token > holder.token
+        # Mutual exclusion: the store freed it no earlier than the holder was told.
+        assert waited >= 0.95, waited
+        assert a.lock(spec).renew(holder) is False and holder.lost
+    finally:
+        a.close()
+        b.close()
+
+
+def test_late_completion_after_the_real_lease_ended(etcd_server: EtcdCluster) -> None:
+    coord = idemlock.connect(etcd_server.url, key_prefix=prefix())
+    try:
+        port = coord.idempotency(IdempotencySpec("late", lease=timedelta(seconds=1)))
+        claim = port.claim("k")
+        assert isinstance(claim, Claimed)
+        deadline = time.monotonic() + 10
+        while port.status("k") is not None:  # the lease marker goes with etcd's lease
+            assert time.monotonic() < deadline, "the claim's etcd lease did not end"
+            time.sleep(0.1)
+        port.complete(claim.token, {"ok": 1})  # accepted: nobody took the key over (A2)
+        again = port.claim("k")
+        assert isinstance(again, Completed) and again.result == {"ok": 1}
+    finally:
+        coord.close()
+
+
+def test_purge_removes_in_flight_records_whose_lease_ended(etcd_server: EtcdCluster) -> None:
+    p = prefix()
+    coord = idemlock.connect(etcd_server.url, key_prefix=p)
+    try:
+        port = coord.idempotency(IdempotencySpec("purge", lease=timedelta(seconds=1)))
+        claim = port.claim("gone")
+        assert isinstance(claim, Claimed)
+        live = port.claim("kept", lease=30)
+        assert isinstance(live, Claimed)
+        deadline = time.monotonic() + 10
+        while port.status("gone") is not None:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert coord.purge() >= 1
+        from idemlock import StaleClaim
+
+        with pytest.raises(StaleClaim):  # the expired record is gone now
+            port.complete(claim.token, 1)
+        assert port.status("kept") is not None
+    finally:
+        coord.close()
+
+
+# ---- watches ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_waiter_is_woken_by_the_watch(etcd_server: EtcdCluster, mode: str) -> None:
+    p = prefix()
+    holder_c = idemlock.connect(etcd_server.url, key_prefix=p)
+    try:
+        holder = holder_c.lock(LONG).acquire("k")
+        assert holder is not None
+        released: list[float] = []
+
+        def release() -> None:
+            time.sleep(0.3)
+            released.append(time.monotonic())
+            holder_c.lock(LONG).release(holder)
+
+        timer = threading.Thread(target=release)
+        timer.start()
+        if mode == "sync":
+            waiter = idemlock.connect(etcd_server.url, key_prefix=p)
+            lease = waiter.lock(LONG).acquire("k", wait=10)
+            got = time.monotonic()
+            waiter.close()
+        else:
+            import asyncio
+
+            async def wait() -> tuple[Any, float]:
+                c = idemlock.aio.connect(etcd_server.url, key_prefix=p)
+                try:
+                    lease = await c.lock(LONG).acquire("k", wait=10)
+                    return lease, time.monotonic()
+                finally:
+                    await c.close()
+
+            lease, got = asyncio.run(wait())
+        timer.join()
+        assert lease is not None and lease.token > holder.token
+        # A waiter re-checks the store once a second at most; only the watch on the
+        # lock's key wakes it sooner than that after the release.
+        assert got - released[0] < 0.9, got - released[0]
+    finally:
+        holder_c.close()
+
+
+# ---- a reply lost in a failover: the Txn is sent again ------------------------------------
+
+
+def drive_twice(store: EtcdStore, op: Any, method: str = "Txn") -> Any:
+    """Run an op, sending its first ``method`` call twice and throwing the first answer
+    away: what a reply lost to a failover looks like (the driver then re-sends)."""
+    deadline = time.monotonic() + 10
+    value: Any = None
+    first = True
+    while True:
+        try:
+            rpc = op.send(value)
+        except StopIteration as stop:
+            return stop.value
+        if rpc.background:
+            store.client.background(rpc)
+            value = None
+            continue
+        if first and rpc.method == method:
+            store.client.call(rpc, deadline)  # applied; its reply "lost"
+            rpc.retried = True
+            first = False
+        value = store.client.call(rpc, deadline)
+
+
+def test_a_resent_transaction_is_recognised_never_applied_twice(
+    etcd_server: EtcdCluster,
+) -> None:
+    store, _ = idemlock.stores.etcd.open_sync(etcd_server.url)
+    ns = prefix()
+    try:
+        got = drive_twice(store, store.ops.acquire(ns, "k", "me", 30_000))
+        assert isinstance(got, idemlock._core.port.Acquired)
+        row = store.lock(ns, "k")
+        assert row is not None and row.token == got.token and row.owner == "me"
+        assert drive_twice(store, store.ops.release(ns, "k", "me", got.token)) is True
+        assert store.lock(ns, "k") is None
+
+        claim = drive_twice(store, store.ops.claim(ns, "c", "fp", "tok1", 30_000))
+        assert isinstance(claim, idemlock._core.port.Granted)
+        rec = store.record(ns, "c")
+        assert rec is not None and rec.fence == claim.fence
+        store.ops._claims.clear()  # also without the fence this process remembers
+        assert drive_twice(store, store.ops.complete(ns, "c", "tok1", b"r", 60_000)) is True
+        rec = store.record(ns, "c")
+        assert rec is not None and rec.state == "completed" and rec.fence == claim.fence
+        # A second, separate complete of the same token is stale (not a re-send).
+        assert store.complete(ns, "c", "tok1", b"r", 60_000) is False
+
+        claim = drive_twice(store, store.ops.claim(ns, "d", None, "tok2", 30_000))
+        assert drive_twice(store, store.ops.abandon(ns, "d", "tok2")) is True
+        assert store.record(ns, "d") is None
+    finally:
+        store.close()
+
+
+# ---- URLs and options -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url, options",
+    [
+        ("etcd://", {}),
+        ("etcd://127.0.0.1:notaport", {}),
+        ("etcd://127.0.0.1:2379/path", {}),
+        ("etcd://127.0.0.1:2379?bogus=1", {}),
+        ("etcd://127.0.0.1:2379", {"bogus": 1}),
+        ("etcd://127.0.0.1:2379?timeout=nan", {}),
+        ("etcd://127.0.0.1:2379", {"timeout": -1}),
+        ("etcd://127.0.0.1:2379", {"timeout": float("inf")}),
+        ("etcd://127.0.0.1:2379?ca=/x", {}),
+        ("etcd://user@127.0.0.1:2379", {}),
+        ("etcds://127.0.0.1:2379?ca=/nonexistent/ca.pem", {}),
+    ],
+)
+def test_bad_urls_and_options_are_configuration_errors(url: str, options: dict[str, Any]) -> None:
+    with pytest.raises(ConfigurationError):
+        idemlock.connect(url, **options)
+
+
+def test_timeout_option_and_several_endpoints(etcd_server: EtcdCluster) -> None:
+    dead = "127.0.0.1:1"  # nothing listens: the store fails over to the next endpoint
+    coord = idemlock.connect(f"etcd://{dead},{etcd_server.endpoints[0]}?timeout=2.5")
+    try:
+        assert coord.store.timeout == 2.5
+        for _ in range(4):
+            lease = coord.lock(LONG).acquire(prefix())
+            assert lease is not None
+    finally:
+        coord.close()
+
+
+def test_a_dead_store_is_unavailable_within_its_timeout() -> None:
+    coord = idemlock.connect("etcd://127.0.0.1:1?timeout=0.5")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StoreUnavailable):
+            coord.lock(LONG).acquire("k")
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        coord.close()
+
+
+# ---- auth and TLS -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def auth_etcd() -> Iterator[EtcdCluster]:
+    cluster = start_etcd(1)
+    try:
+        with grpc.insecure_channel(cluster.endpoints[0]) as ch:
+            auth = stubs.AuthStub(ch)
+            auth.UserAdd(pb.AuthUserAddRequest(name="root", password="s3cret"), timeout=10)
+            auth.UserGrantRole(pb.AuthUserGrantRoleRequest(user="root", role="root"), timeout=10)
+            auth.AuthEnable(pb.AuthEnableRequest(), timeout=10)
+        yield cluster
+    finally:
+        cluster.destroy()
+
+
+def test_user_and_password(auth_etcd: EtcdCluster) -> None:
+    host = auth_etcd.endpoints[0]
+    coord = idemlock.connect(f"etcd://root:s3cret@{host}", key_prefix=prefix())
+    try:
+        assert "s3cret" not in coord.url
+        lease = coord.lock(LONG).acquire("k")
+        assert lease is not None
+
+        # a waiter's watch stream carries the token too
+        def release() -> None:
+            time.sleep(0.2)
+            coord.lock(LONG).release(lease)
+
+        t = threading.Thread(target=release)
+        t.start()
+        other = idemlock.connect(
+            f"etcd://{host}", key_prefix=coord.key_prefix, user="root", password="s3cret"
+        )
+        try:
+            assert other.lock(LONG).acquire("k", wait=5) is not None
+        finally:
+            other.close()
+            t.join()
+    finally:
+        coord.close()
+    bad = idemlock.connect(f"etcd://root:wrong@{host}?timeout=1", key_prefix=prefix())
+    try:
+        with pytest.raises(StoreUnavailable) as info:
+            bad.lock(LONG).acquire("k")
+        assert "wrong" not in str(info.value)
+    finally:
+        bad.close()
+    anonymous = idemlock.connect(f"etcd://{host}?timeout=1", key_prefix=prefix())
+    try:
+        with pytest.raises(StoreUnavailable):
+            anonymous.lock(LONG).acquire("k")
+    finally:
+        anonymous.close()
+
+
+def _certs(root: Path) -> tuple[Path, Path, Path]:
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "idemlock test CA")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(minutes=5))
+        .not_valid_after(now + timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(minutes=5))
+        .not_valid_after(now + timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+            ),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    paths = (root / "ca.pem", root / "server.pem", root / "server.key")
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.TraditionalOpenSSL,
+            serialization.NoEncryption(),
+        )
+    )
+    return paths
+
+
+def test_tls(tmp_path: Path) -> None:
+    files = _certs(tmp_path)
+    cluster = start_etcd(1, tls=files)
+    try:
+        url = f"etcds://{cluster.endpoints[0]}?ca={files[0]}"
+        coord = idemlock.connect(url, key_prefix=prefix())
+        try:
+            port = coord.idempotency(IdempotencySpec("tls"))
+            claim = port.claim("k")
+            assert isinstance(claim, Claimed)
+            port.complete(claim.token, "over TLS")
+        finally:
+            coord.close()
+        # Plain text to a TLS member fails (bounded), it is never silently accepted.
+        plain = idemlock.connect(f"etcd://{cluster.endpoints[0]}?timeout=1")
+        try:
+            with pytest.raises(StoreUnavailable):
+                plain.lock(LONG).acquire("k")
+        finally:
+            plain.close()
+    finally:
+        cluster.destroy()
+
+
+# ---- corrupt values, fork --------------------------------------------------------------------
+
+
+def test_corrupt_values_are_listed_as_corrupt(etcd_server: EtcdCluster) -> None:
+    p = prefix()
+    coord = idemlock.connect(etcd_server.url, key_prefix=p)
+    try:
+        port = coord.idempotency(IdempotencySpec("c"))
+        claim = port.claim("good")
+        assert isinstance(claim, Claimed)
+        assert coord.lock(LONG).acquire("good") is not None
+        ns = claim.token._ns
+        lock_ns = ns.rsplit(":", 1)[0] + ":e"
+        with grpc.insecure_channel(etcd_server.endpoints[0]) as ch:
+            kv = stubs.KVStub(ch)
+            names = K.claim_names(K.ROOT, ns, "bad")
+            kv.Put(pb.PutRequest(key=names.record, value=b"not ours"), timeout=5)
+            kv.Put(pb.PutRequest(key=K.lock_name(K.ROOT, lock_ns, "bad"), value=b"\xff"), timeout=5)
+        states = sorted(r.state for r in coord.keys())  # noqa: SIM118  (not a dict)
+        assert states == ["corrupt", "in_flight"], states
+        locks = coord.locks()
+        assert len(locks) == 2 and sum(1 for x in locks if x.owner) == 1
+        with pytest.raises(idemlock.StoreCorrupt):
+            port.claim("bad")
+    finally:
+        coord.close()
+
+
+def test_fork_child_opens_its_own_channels(etcd_server: EtcdCluster) -> None:
+    p = prefix()
+    coord = idemlock.connect(etcd_server.url, key_prefix=p)
+    try:
+        port = coord.idempotency(IdempotencySpec("fork"))
+        assert isinstance(port.claim("parent-before"), Claimed)
+        pid = os.fork()
+        if pid == 0:  # the child: use the inherited coordinator, then leave at once
+            code = 1
+            try:
+                got = port.claim("child")
+                code = 0 if isinstance(got, Claimed) else 2
+                port.complete(got.token, "from the child")  # type: ignore[union-attr]
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        # The parent goes on working on its own channels.
+        again = port.claim("child")
+        assert isinstance(again, Completed) and again.result == "from the child"
+        assert isinstance(port.claim("parent-after"), Claimed)
+    finally:
+        coord.close()
