@@ -227,6 +227,8 @@ SILENT_TIMEOUT = 1.0
 #: how far past ``timeout`` a call may end (watchdog tick, thread scheduling on a
 #: loaded 2-core CI machine); a hang is what these tests catch, not speed
 SLACK = 3.0
+#: how far past ``timeout`` a silent call may end: the watchdog's tick plus scheduling
+OVERRUN = 0.9
 
 
 def _proxied(dsn: str, port: int) -> str:
@@ -281,9 +283,16 @@ def test_silent_network_bounds_every_sync_call(postgres_dsn: str, proxy: TcpProx
             "release": lambda: locks.release(lease),
         }
         for name, call in calls.items():
-            exc, _ = _bounded(call, SILENT_TIMEOUT + SLACK)
+            exc, took = _bounded(call, SILENT_TIMEOUT + SLACK)
             assert isinstance(exc, StoreUnavailable), (name, exc)
             assert "timeout" in str(exc), (name, exc)
+            # the bound is the store's timeout, not a multiple of it
+            assert took <= SILENT_TIMEOUT + OVERRUN, (name, took)
+        # once the pool's own reconnection attempts fail too, calls still end in time
+        for _ in range(3):
+            exc, took = _bounded(lambda: port.claim("k3"), SILENT_TIMEOUT + SLACK)
+            assert isinstance(exc, StoreUnavailable), exc
+            assert took <= SILENT_TIMEOUT + OVERRUN, took
         proxy.heal()
         # the dropped connections are replaced: the store works again
         deadline = time.monotonic() + 10
@@ -322,7 +331,8 @@ def test_silent_network_bounds_every_async_call(postgres_dsn: str, proxy: TcpPro
                 "acquire": lambda: locks.acquire("M"),
                 "renew": lambda: locks.renew(lease),
             }
-            for name, call in calls.items():
+            for name, call in [*calls.items(), *[("claim again", calls["claim"])] * 3]:
+                t0 = time.monotonic()
                 try:
                     await asyncio.wait_for(call(), SILENT_TIMEOUT + SLACK)
                     out.append((name, None))
@@ -330,6 +340,8 @@ def test_silent_network_bounds_every_async_call(postgres_dsn: str, proxy: TcpPro
                     raise AssertionError(f"{name} still running after the bound") from exc
                 except StoreUnavailable as exc:
                     out.append((name, exc))
+                took = time.monotonic() - t0
+                assert took <= SILENT_TIMEOUT + OVERRUN, (name, took)
         finally:
             proxy.heal()
             await coord.close()
@@ -348,8 +360,16 @@ def test_silent_network_during_setup_and_subscribe(postgres_dsn: str, proxy: Tcp
         assert isinstance(exc, StoreUnavailable), exc
     finally:
         proxy.heal()
-    # the first use now sets up; then LISTEN on a connection that goes silent
-    assert store.record("ns", "k") is None
+    # once the network is back the store recovers soon; then LISTEN on a connection
+    # that goes silent
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            assert store.record("ns", "k") is None
+            break
+        except StoreUnavailable:
+            assert time.monotonic() < deadline, "the store did not recover"
+            time.sleep(0.1)
     proxy.blackhole()
     try:
         exc, _ = _bounded(

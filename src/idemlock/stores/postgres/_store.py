@@ -376,11 +376,13 @@ class _Base:
         self.listener = Listener(self._direct_connect, self.timeout)
         _STORES.add(self)
 
-    def _direct_connect(self) -> psycopg.Connection[Any]:
+    def _direct_connect(self, connect_timeout: int | None = None) -> psycopg.Connection[Any]:
         """A connection of its own, on the pool's settings (which may be computed per
         connection). Runs in threads without an event loop."""
         info = _resolve(self._conninfo)
         kwargs = connect_kwargs(info, _resolve(self._conn_kwargs), self.timeout)
+        if connect_timeout is not None:
+            kwargs["connect_timeout"] = connect_timeout
         return psycopg.connect(info, autocommit=True, **kwargs)
 
     async def _adirect_connect(self) -> psycopg.AsyncConnection[Any]:
@@ -520,6 +522,7 @@ class PostgresStore(_Base):
         )
         self._setup_lock = threading.Lock()
         self._probe_lock = threading.Lock()
+        self._probing = False
         self._lane_lock = threading.Lock()
         self._lane: psycopg.Connection[Any] | None = None
         self._lane_since = 0.0
@@ -528,6 +531,7 @@ class PostgresStore(_Base):
         super()._fork_reset()
         self._setup_lock = threading.Lock()
         self._probe_lock = threading.Lock()
+        self._probing = False
         self._lane_lock = threading.Lock()
         self._lane = None
 
@@ -578,14 +582,36 @@ class PostgresStore(_Base):
         try:
             if self._health.down is None:
                 return
+            # psycopg's connect timeout is whole seconds, at least 2: with less time
+            # left, report the cause last met now and probe in the background.
+            left = int(deadline - time.monotonic())
+            if left < 2:
+                self._probe_later()
+                raise self._pool_timeout(psycopg_pool.PoolTimeout("no connection"), what)
             try:
-                self._direct_connect().close()
+                self._direct_connect(left).close()
             except psycopg.Error as exc:
                 self._health.down = exc
                 raise self._pool_timeout(exc, what) from exc
             self._health.down = None  # reachable again: the pool reconnects soon
         finally:
             self._probe_lock.release()
+
+    def _probe_later(self) -> None:
+        if self._probing:
+            return
+        self._probing = True
+
+        def probe() -> None:
+            try:
+                self._direct_connect().close()
+                self._health.down = None
+            except psycopg.Error as exc:
+                self._health.down = exc
+            finally:
+                self._probing = False
+
+        threading.Thread(target=probe, name="idemlock-pg-probe", daemon=True).start()
 
     # The lane: a store on a pool of its own keeps one connection out of it, for the
     # first caller that finds it free (others use the pool as usual). Borrowing from
