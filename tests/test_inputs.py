@@ -19,7 +19,7 @@ import idemlock.aio
 from idemlock import ConfigurationError, IdemlockError, IdempotencySpec, InvalidKey, LockSpec
 from idemlock._core.clock import MAX_SECONDS, duration
 
-SCHEMES = ["memory", "sqlite", "redis", "redis_cluster", "postgres"]
+SCHEMES = ["memory", "sqlite", "redis", "redis_cluster", "postgres", "etcd"]
 
 
 def url_of(scheme: str, request: pytest.FixtureRequest, tmp_path: Path) -> str:
@@ -31,6 +31,8 @@ def url_of(scheme: str, request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return str(request.getfixturevalue("redis_server").url)
     if scheme == "redis_cluster":
         return str(request.getfixturevalue("redis_cluster").url)
+    if scheme == "etcd":
+        return str(request.getfixturevalue("etcd_server").url)
     return str(request.getfixturevalue("postgres_dsn"))
 
 

@@ -73,6 +73,9 @@ def _url_params(request: pytest.FixtureRequest, tmp_path: Path, scheme: str) -> 
     if scheme == "redis_cluster":
         base = str(request.getfixturevalue("redis_cluster").url)
         return base.replace("redis+cluster://", f"redis+cluster://:{SECRET}@", 1)
+    if scheme == "etcd":
+        base = str(request.getfixturevalue("etcd_server").url)
+        return base.replace("etcd://", f"etcd://app:{SECRET}@", 1)
     dsn = str(request.getfixturevalue("postgres_dsn"))
     if scheme == "postgres_userinfo":
         user_host = dsn.split("://", 1)[1]
@@ -90,7 +93,7 @@ def _assert_clean(text: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "scheme", ["redis", "redis_userinfo", "redis_cluster", "postgres", "postgres_userinfo"]
+    "scheme", ["redis", "redis_userinfo", "redis_cluster", "postgres", "postgres_userinfo", "etcd"]
 )
 def test_coord_url_is_redacted(scheme: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     url = _url_params(request, tmp_path, scheme)
@@ -136,6 +139,8 @@ def test_coord_url_is_redacted(scheme: str, request: pytest.FixtureRequest, tmp_
         f"redis+cluster://:{SECRET}@h:99999",
         f"postgresql://u:{SECRET}@h/db?bogus=1",
         f"postgresql://h/db?password={SECRET}&bogus=1",
+        f"etcd://u:{SECRET}@h:notaport",
+        f"etcd://h:2379?password={SECRET}&bogus=1",
     ],
 )
 def test_bad_url_messages_are_redacted(url: str) -> None:
