@@ -47,11 +47,13 @@ class LocalSubscription:
                 return True
             fut: asyncio.Future[None] = loop.create_future()
             self._async = (loop, fut)
+        # A timer resolves the future rather than wait_for: before Python 3.12 wait_for
+        # may swallow a cancellation that lands as the future completes.
+        timer = loop.call_later(max(0.0, timeout), _resolve, fut)
         try:
-            await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            pass
+            await fut
         finally:
+            timer.cancel()
             with self._hub._lock:
                 self._async = None
         with self._hub._lock:

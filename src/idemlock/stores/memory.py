@@ -8,20 +8,52 @@ expiry without sleeping.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
+from typing import Any
 
 from .._core import transitions as T
 from .._core.clock import SYSTEM_CLOCK, Clock
 from .._core.port import Acquired, Channel, ClaimReply, Held, LockRow, RecordRow
-from .._errors import ConfigurationError, StoreFull
-from ._adapt import InlineAsyncStore
+from .._errors import ConfigurationError, StoreFull, StoreUnavailable
+from ._adapt import ThreadedAsyncStore
 from ._local import LocalHub, LocalSubscription
 
 __all__ = ["MemoryStore"]
 
 #: seconds, agreement A1's default bound on one store call
 DEFAULT_TIMEOUT = 5.0
+
+
+class _BoundedLock:
+    """The store's one lock; entering it waits at most ``timeout`` (agreement A1), so a
+    call stuck behind a stalled holder raises StoreUnavailable instead of hanging."""
+
+    __slots__ = ("_lock", "timeout")
+
+    def __init__(self, timeout: float) -> None:
+        self._lock = threading.Lock()
+        self.timeout = timeout
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(True, self.timeout):
+            raise StoreUnavailable(
+                f"the memory store did not answer within timeout={self.timeout:g}s: "
+                "another thread held it all that time; nothing was changed"
+            )
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
 
 
 class MemoryStore:
@@ -49,7 +81,7 @@ class MemoryStore:
         self.timeout = _timeout(timeout)
         self._clock = clock
         self._max_keys = max_keys
-        self._lock = threading.Lock()
+        self._lock = _BoundedLock(self.timeout)
         self._claims: dict[tuple[str, str], T.ClaimRec] = {}
         self._locks: dict[tuple[str, str], T.LockRec] = {}
         self._fences: dict[tuple[str, str], int] = {}
@@ -275,13 +307,42 @@ def open_sync(
     return MemoryStore(clock=clock, max_keys=max_keys, timeout=bound), clock
 
 
+class MemoryAsyncStore(ThreadedAsyncStore):
+    """The async face. A call runs inline (one short critical section), unless another
+    thread holds the store at that moment: then it runs in a worker thread, so a
+    stalled store never blocks the event loop and the call is bounded by ``timeout``
+    like any other (a cancelled claim or acquire there is given back)."""
+
+    def __init__(self, sync: MemoryStore) -> None:
+        super().__init__(sync)
+        self.timeout = sync.timeout
+        self._busy = sync._lock.locked
+
+    async def _call(self, fn: Any, *args: Any) -> Any:
+        if not self._busy():
+            return fn(*args)
+        return await asyncio.to_thread(fn, *args)
+
+    async def claim(
+        self, ns: str, key: str, fp: str | None, token: str, lease_ms: int
+    ) -> ClaimReply:
+        if not self._busy():
+            return self.sync.claim(ns, key, fp, token, lease_ms)
+        return await super().claim(ns, key, fp, token, lease_ms)
+
+    async def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
+        if not self._busy():
+            return self.sync.acquire(ns, key, owner, ttl_ms)
+        return await super().acquire(ns, key, owner, ttl_ms)
+
+
 def open_async(
     url: str,
     *,
     clock: Clock = SYSTEM_CLOCK,
     max_keys: int | None = None,
     timeout: float | None = None,
-) -> tuple[InlineAsyncStore, Clock]:
+) -> tuple[MemoryAsyncStore, Clock]:
     bound = _parse(url, timeout)
     store = MemoryStore(clock=clock, max_keys=max_keys, timeout=bound)
-    return InlineAsyncStore(store), clock
+    return MemoryAsyncStore(store), clock
