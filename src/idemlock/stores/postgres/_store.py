@@ -578,7 +578,9 @@ class PostgresStore(_Base):
         call fails now with the cause (refused, bad password, missing database...)
         instead of waiting for a connection that is not coming."""
         if not self._probe_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise self._pool_timeout(psycopg_pool.PoolTimeout("no connection"), what)
+            raise self._pool_timeout(psycopg_pool.PoolTimeout("no connection"), what) from (
+                self._health.down
+            )
         try:
             if self._health.down is None:
                 return
@@ -587,7 +589,9 @@ class PostgresStore(_Base):
             left = int(deadline - time.monotonic())
             if left < 2:
                 self._probe_later()
-                raise self._pool_timeout(psycopg_pool.PoolTimeout("no connection"), what)
+                raise self._pool_timeout(psycopg_pool.PoolTimeout("no connection"), what) from (
+                    self._health.down
+                )
             try:
                 self._direct_connect(left).close()
             except psycopg.Error as exc:
