@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -257,3 +258,27 @@ async def test_on_lost_that_raises_is_logged_and_the_lease_still_lost(
         "on_lost" in r.getMessage() and r.exc_info and "callback bug" in str(r.exc_info[1])
         for r in caplog.records
     )
+
+
+def test_watchdog_works_in_a_forked_child() -> None:
+    # The child inherits the coordinator but not the parent's timer thread.
+    coord = idemlock.connect("memory://")
+    locks = coord.lock(LockSpec("fork", ttl=timedelta(seconds=0.3)))
+    with locks.hold("warm"):
+        pass
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        code = 3
+        try:
+            with locks.hold("k", max_hold=0.05) as lease:
+                waited = time.monotonic() + 5
+                while not lease.lost and time.monotonic() < waited:
+                    time.sleep(0.01)
+        except LockLost:
+            code = 0 if lease.lost else 2
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    with locks.hold("after"):  # the parent's timer still works
+        pass
+    coord.close()
