@@ -290,3 +290,63 @@ def test_url_of_wrong_type(url: Any) -> None:
 def test_bad_coordinator_options(options: dict[str, Any]) -> None:
     with pytest.raises(IdemlockError):
         idemlock.connect("memory://", **options)
+
+
+def _nested(depth: int) -> Any:
+    value: Any = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        "\ud800",
+        {"k": "ok\udfff"},
+        {"\udc00": 1},
+        10**5000,
+        [1, {"n": -(10**5000)}],
+        _nested(100_000),
+        b"bytes",
+        {1: "non-str key"},
+        math.nan,
+    ],
+    ids=[
+        "surrogate",
+        "surrogate-value",
+        "surrogate-key",
+        "huge-int",
+        "huge-int-inside",
+        "deep",
+        "bytes",
+        "int-key",
+        "nan",
+    ],
+)
+def test_bad_payloads_are_canonicalize_errors(coord: idemlock.Coordinator, payload: Any) -> None:
+    with pytest.raises(idemlock.CanonicalizeError):
+        idemlock.fingerprint(payload)
+    with pytest.raises(idemlock.CanonicalizeError):
+        coord.idempotency("edge").claim("k", payload=payload)
+
+    @coord.idempotent("edge-fn")
+    def fn(x: Any) -> int:
+        return 1
+
+    with pytest.raises(idemlock.CanonicalizeError):
+        fn(payload)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: IdempotencySpec("s", encrypt_result="no"),  # type: ignore[arg-type]
+        lambda: IdempotencySpec("s", encrypt_result=1),  # type: ignore[arg-type]
+        lambda: LockSpec("s", requires_fencing_token="no"),  # type: ignore[arg-type]
+        lambda: LockSpec("s", requires_fencing_token=None),  # type: ignore[arg-type]
+    ],
+)
+def test_spec_flags_are_bools(build: Callable[[], Any]) -> None:
+    with pytest.raises(ConfigurationError, match="True or False"):
+        build()

@@ -154,3 +154,47 @@ async def test_gate_token_range_is_the_same_everywhere(api: Facade) -> None:
     assert info.value.current == MAX_TOKEN
     with pytest.raises(ConfigurationError):
         await gate.check_and_advance(2**63)
+
+
+# ---- audit: keys at the length limit ------------------------------------------------
+
+LONG_KEYS = [
+    pytest.param("k" * 512, id="512-ascii"),
+    pytest.param("é" * 256, id="512-bytes-2-byte-chars"),
+    pytest.param("€" * 170 + "kk", id="512-bytes-3-byte-chars"),
+    pytest.param("🔑" * 128, id="512-bytes-4-byte-chars"),
+]
+
+
+@pytest.mark.parametrize("key", LONG_KEYS)
+async def test_keys_of_512_bytes_work(api: Facade, key: str) -> None:
+    assert len(key.encode("utf-8")) == 512
+    port = api.idem(IdempotencySpec("edge-long"))
+    claim = await port.claim(key, payload={"k": key})
+    assert isinstance(claim, Claimed)
+    await port.complete(claim.token, {"k": key})
+    again = await port.claim(key, payload={"k": key})
+    assert isinstance(again, Completed) and again.result == {"k": key}
+    assert (await port.status(key)) is not None
+    assert await port.forget(key)
+
+    locks = api.lock(LockSpec("edge-long"))
+    lease = await locks.acquire(key, owner=key)
+    assert lease is not None and lease.key == key and lease.owner == key
+    assert await locks.renew(lease)
+    assert key in {info.key for info in await api.locks()}
+    assert await locks.release(lease)
+
+    gate = api.fence(key)
+    assert await gate.check_and_advance(1) == 1
+
+
+@pytest.mark.parametrize("key", ["k" * 513, "é" * 256 + "k", "🔑" * 129])
+async def test_keys_over_512_bytes_are_refused(api: Facade, key: str) -> None:
+    port = api.idem(IdempotencySpec("edge-long"))
+    with pytest.raises(idemlock.InvalidKey, match="512"):
+        await port.claim(key)
+    with pytest.raises(idemlock.InvalidKey, match="512"):
+        await api.lock(LockSpec("edge-long")).acquire(key)
+    with pytest.raises(idemlock.InvalidKey, match="512"):
+        api.fence(key)

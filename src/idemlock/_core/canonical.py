@@ -64,12 +64,23 @@ def canonicalize(payload: Any) -> bytes:
     Keys sorted, compact separators, UTF-8, tuples as lists. NaN, Infinity and
     non-JSON types raise :class:`~idemlock.CanonicalizeError`.
     """
-    if not _plain(payload):
-        payload = _check(payload, "")
     try:
+        if not _plain(payload):
+            payload = _check(payload, "")
         return dumps_canonical(payload).encode("utf-8")
     except RecursionError:
         raise CanonicalizeError("payload is nested too deeply (or contains itself)") from None
+    except UnicodeEncodeError as exc:
+        bad = exc.object[exc.start : exc.end]
+        raise CanonicalizeError(
+            f"payload contains a lone surrogate ({bad!r}), which UTF-8 cannot hold; "
+            "pass valid Unicode (decode bytes with errors='replace' or keep them as base64)"
+        ) from None
+    except ValueError as exc:
+        # An int of thousands of digits: Python refuses to write it as text.
+        raise CanonicalizeError(
+            f"payload holds an int too large to write as JSON ({exc}); pass it as a string"
+        ) from None
 
 
 def fingerprint(payload: Any) -> str:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Literal
 
+from .._errors import ConfigurationError
 from .clock import SYSTEM_CLOCK, Clock, duration
 from .codec import RecordedError
 from .keys import validate_key
@@ -30,6 +31,12 @@ def to_ms(value: timedelta | float | int, what: str) -> int:
     """A positive duration (timedelta or seconds) of at most ``MAX_TTL`` as whole
     milliseconds (at least 1); NaN, infinity and the rest raise ConfigurationError."""
     return max(1, round(duration(value, what, positive=True) * 1000))
+
+
+def _flag(value: object, what: str) -> None:
+    # A bool only: encrypt_result="no" would be truthy and seal every result.
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"{what} must be True or False, got {value!r}")
 
 
 def from_ms(ms: int) -> datetime:
@@ -57,6 +64,7 @@ class IdempotencySpec:
         validate_key(self.name, "spec name")
         to_ms(self.ttl, "IdempotencySpec.ttl")
         to_ms(self.lease, "IdempotencySpec.lease")
+        _flag(self.encrypt_result, "IdempotencySpec.encrypt_result")
 
 
 @dataclass(frozen=True)
@@ -71,6 +79,7 @@ class LockSpec:
     def __post_init__(self) -> None:
         validate_key(self.name, "spec name")
         to_ms(self.ttl, "LockSpec.ttl")
+        _flag(self.requires_fencing_token, "LockSpec.requires_fencing_token")
 
 
 @dataclass(frozen=True, slots=True)
