@@ -588,16 +588,12 @@ class LockBase(Emitter):
         self._emit("release", "ok" if ok else "not_held", t0)
         return ok
 
-    def _renew_state(
-        self, lease: Lease, on_lost: Callable[[Lease], object] | None
-    ) -> RenewState:
+    def _renew_state(self, lease: Lease, on_lost: Callable[[Lease], object] | None) -> RenewState:
         """The state shared by the renew loop, the watchdog and the block; its
         ``notify`` reports a loss: the ``lost`` event, then ``on_lost``."""
         state = RenewState(0, lease._sent, ttl_ms=lease._ttl_ms, lease=lease)
         if self._coord._hooks:
-            state.report = lambda outcome, took, error: self._deliver(
-                "renew", outcome, took, error
-            )
+            state.report = lambda outcome, took, error: self._deliver("renew", outcome, took, error)
 
         def lost() -> None:
             lease.lost = True
@@ -610,8 +606,7 @@ class LockBase(Emitter):
                     # The loss is what matters: the block still raises LockLost (and an
                     # async body is still cancelled) whatever the callback did.
                     log.warning(
-                        "on_lost callback %r for lock %s:%s raised; the lease is lost all "
-                        "the same",
+                        "on_lost callback %r for lock %s:%s raised; the lease is lost all the same",
                         on_lost,
                         self.spec.name,
                         lease.key,
