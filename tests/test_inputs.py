@@ -350,3 +350,30 @@ def test_bad_payloads_are_canonicalize_errors(coord: idemlock.Coordinator, paylo
 def test_spec_flags_are_bools(build: Callable[[], Any]) -> None:
     with pytest.raises(ConfigurationError, match="True or False"):
         build()
+
+
+@pytest.mark.parametrize(
+    "result",
+    ["\ud800", {"k": ["ok\udfff"]}, 10**5000, _nested(100_000), b"x", math.inf],
+    ids=["surrogate", "surrogate-inside", "huge-int", "deep", "bytes", "inf"],
+)
+def test_bad_results_are_result_encode_errors(coord: idemlock.Coordinator, result: Any) -> None:
+    port = coord.idempotency("edge-result")
+    claim = port.claim("k")
+    assert isinstance(claim, idemlock.Claimed)
+    with pytest.raises(idemlock.ResultEncodeError):
+        port.complete(claim.token, result)
+    status = port.status("k")  # nothing was recorded: the claim is still in flight
+    assert status is not None and status.state == "in_flight"
+    port.abandon(claim.token)
+
+    class Odd(Exception):
+        pass
+
+    @coord.idempotent("edge-result-fn", key=lambda: "r", replay_errors=(Odd,))
+    def fails() -> int:
+        raise Odd(result)
+
+    with pytest.raises(Odd):  # cannot be recorded: abandoned, and the error propagates
+        fails()
+    assert coord.idempotency("edge-result-fn").status("r") is None

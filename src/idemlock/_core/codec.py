@@ -65,6 +65,7 @@ class ResultFormat:
             # A plain scalar of an exact JSON type always comes back equal; anything
             # else is decoded and compared, so nothing unfaithful is ever stored.
             back = value if type(value) in _SCALARS else load(loads(text)["v"])
+            body = text.encode("utf-8")  # a lone surrogate: UnicodeEncodeError, a ValueError
         except (TypedError, TypeError, ValueError, RecursionError) as exc:
             raise ResultEncodeError(
                 f"the result ({type(value).__name__}) cannot be stored faithfully: {exc}; return "
@@ -78,18 +79,18 @@ class ResultFormat:
                 "type so it can be restored (e.g. -> tuple[int, int]), or return plain JSON "
                 "data (lists, str-keyed dicts); nothing was recorded"
             )
-        return self.frame(text.encode("utf-8"))
+        return self.frame(body)
 
     def encode_error(self, exc: BaseException) -> bytes:
         err = {"type": type_name(type(exc)), "args": list(exc.args), "message": str(exc)}
         try:
-            text = dumps_compact({"e": err})
-        except (TypeError, ValueError) as e:
+            body = dumps_compact({"e": err}).encode("utf-8")
+        except (TypeError, ValueError, RecursionError) as e:
             raise ResultEncodeError(
                 f"the exception {type(exc).__name__} cannot be recorded: its args are not JSON "
                 f"data ({e}); nothing was recorded"
             ) from None
-        return self.frame(text.encode("utf-8"))
+        return self.frame(body)
 
     def frame(self, body: bytes) -> bytes:
         out = b"j" + body
