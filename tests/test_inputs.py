@@ -283,6 +283,8 @@ def test_url_of_wrong_type(url: Any) -> None:
         {"max_result_bytes": -1},
         {"max_result_bytes": "x"},
         {"compress_over": -5},
+        {"compress_over": True},
+        {"max_result_bytes": 1.5e6},
         {"keyring": "secret"},
     ],
     ids=repr,

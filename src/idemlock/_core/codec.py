@@ -48,9 +48,13 @@ class ResultFormat:
     def __init__(
         self, max_bytes: int = MAX_RESULT_BYTES, compress_over: int | None = COMPRESS_OVER
     ) -> None:
-        if not isinstance(max_bytes, int) or max_bytes < 16:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 16:
             raise ConfigurationError(f"max_result_bytes must be an int >= 16, got {max_bytes!r}")
-        if compress_over is not None and (not isinstance(compress_over, int) or compress_over < 0):
+        if compress_over is not None and (
+            isinstance(compress_over, bool)
+            or not isinstance(compress_over, int)
+            or compress_over < 0
+        ):
             raise ConfigurationError(
                 f"compress_over must be a non-negative int or None, got {compress_over!r}"
             )
