@@ -23,6 +23,7 @@ import idemlock.aio
 from idemlock import Lease, LockLost, LockSpec
 
 from .facade import Facade, LockProxy
+from .harness import Harness
 
 LONG = LockSpec("long", ttl=timedelta(seconds=30))
 
@@ -282,3 +283,24 @@ def test_watchdog_works_in_a_forked_child() -> None:
     with locks.hold("after"):  # the parent's timer still works
         pass
     coord.close()
+
+
+async def test_async_hold_without_cancel_on_lost_lets_the_body_finish(harness: Harness) -> None:
+    coord = harness.aio()
+    locks = coord.lock(LockSpec("nocancel", ttl=timedelta(seconds=0.4)))
+    finished = False
+    try:
+        with pytest.raises(LockLost):
+            async with locks.hold("k", renew_every=0.05, cancel_on_lost=False) as lease:
+                await locks.release(lease)  # lost from under the holder
+                waited = time.monotonic() + 5
+                while not lease.lost and time.monotonic() < waited:
+                    await asyncio.sleep(0.02)
+                    if harness.clock is not None:
+                        harness.clock.advance(0.02)
+                await asyncio.sleep(0.05)  # not cancelled: the body runs on
+                finished = True
+        assert finished and lease.lost
+        await asyncio.sleep(0)  # no cancellation left pending on this task
+    finally:
+        await coord.close()
