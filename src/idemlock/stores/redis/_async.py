@@ -81,6 +81,8 @@ class AsyncRedisStore:
         self._last: _LoopState | None = None
         self._base_taken = False  # whether `client` serves a loop already (or is inherited)
         self._closed = False
+        # undo calls of cancelled claims/acquires, kept from being collected
+        self._undoing: set[asyncio.Task[Any]] = set()
         _STORES.add(self)
 
     # ---- per-loop state ------------------------------------------------------------------
@@ -187,6 +189,46 @@ class AsyncRedisStore:
             except _ERRORS as exc:
                 raise C.store_error(exc, script.name) from exc
 
+    async def _undoable(self, call: Any, undo: Callable[[Any], Any], what: str) -> Any:
+        """Run a call that may take a key (claim, acquire) so that a cancellation cannot
+        strand it: the script runs on in a task of its own (bounded by ``timeout``), and
+        what it took is given back once its reply is in (the fault contract)."""
+        task = asyncio.ensure_future(call)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda t: self._undo_after(t, undo, what))
+            raise
+
+    def _undo_after(self, task: asyncio.Task[Any], undo: Callable[[Any], Any], what: str) -> None:
+        if task.cancelled():
+            C.log.warning(
+                "idemlock: a cancelled Redis %s was itself cancelled (event loop shutting "
+                "down?); if it was applied, it frees itself when its lease ends",
+                what,
+            )
+            return
+        exc = task.exception()
+        if exc is not None and not isinstance(exc, StoreUnavailable):
+            return  # refused: nothing was taken
+        # A StoreUnavailable (a timeout after the script was sent) leaves the outcome
+        # unknown: undo what can be undone without the reply.
+        aw = undo(None if exc is not None else task.result())
+        if aw is None:
+            return
+        undo_task = asyncio.ensure_future(aw)
+        self._undoing.add(undo_task)
+        undo_task.add_done_callback(self._undone)
+
+    def _undone(self, task: asyncio.Task[Any]) -> None:
+        self._undoing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            C.log.warning(
+                "idemlock: could not undo a cancelled Redis call; what it took frees itself "
+                "when its lease ends",
+                exc_info=task.exception(),
+            )
+
     async def _unregister(self, channel: bytes, gid: bytes) -> None:
         # See RedisStore._unregister.
         with contextlib.suppress(StoreUnavailable):
@@ -214,7 +256,15 @@ class AsyncRedisStore:
     ) -> ClaimReply:
         n = C.names(ns, key)
         args = (C.pack_id(fp), C.pack_id(token), lease_ms, self._keep)
-        return C.claim_reply(await self._eval(C.CLAIM, (n.claim,), args), token)
+
+        def undo(reply: Any) -> Any:
+            # Our own token only: abandoning a claim that never happened changes nothing.
+            if reply is None or reply[0] == 1:
+                return self.abandon(ns, key, token)
+            return None
+
+        reply = await self._undoable(self._eval(C.CLAIM, (n.claim,), args), undo, "claim")
+        return C.claim_reply(reply, token)
 
     async def complete(self, ns: str, key: str, token: str, result: bytes, ttl_ms: int) -> bool:
         return await self.complete_with(ns, key, token, result, ttl_ms, ())
@@ -266,7 +316,18 @@ class AsyncRedisStore:
         n = C.names(ns, key)
         g = self._state().listener.waiting(n.lock_channel)
         args = (owner, ttl_ms, self._keep, g.gid if g is not None else b"", C.REGISTER_MS)
-        reply = C.lock_reply(await self._eval(C.ACQUIRE, (n.lock, n.waiters), args))
+
+        def undo(raw: Any) -> Any:
+            # Only a lease this call took (not one the owner held before); without the
+            # reply the token is unknown and that lease ends with its ttl.
+            if raw is not None and raw[0] == 1 and len(raw) > 4 and raw[4] == 1:
+                return self.release(ns, key, owner, int(raw[1]))
+            return None
+
+        raw = await self._undoable(
+            self._eval(C.ACQUIRE, (n.lock, n.waiters), args), undo, "acquire"
+        )
+        reply = C.lock_reply(raw)
         if g is not None:
             g.registered = isinstance(reply, Held)
         return reply
@@ -347,7 +408,16 @@ class AsyncRedisStore:
 
     async def subscribe(self, channel: Channel) -> AsyncSubscription:
         name = C.channel_name(channel.kind, channel.ns, channel.key)
-        return await self._state().listener.subscribe(name)
+        task = asyncio.current_task()
+        before = _cancelling(task)
+        sub = await self._state().listener.subscribe(name)
+        if _cancelling(task) > before:
+            # Opening the listener's connection went through asyncio.wait_for inside
+            # redis-py, which (Python < 3.12) can swallow a cancellation: deliver it,
+            # without leaving the subscription behind.
+            await sub.aclose()
+            raise asyncio.CancelledError()
+        return sub
 
     async def aclose(self) -> None:
         """Close this loop's connections; those of other loops (most likely closed
@@ -371,7 +441,10 @@ _TIMEOUT = getattr(asyncio, "timeout", None)  # Python 3.11+
 
 
 async def _bounded(coro: Any, timeout: float) -> Any:
-    """``await coro`` within ``timeout`` seconds (asyncio.TimeoutError past it)."""
+    """``await coro`` within ``timeout`` seconds (asyncio.TimeoutError past it). On
+    Python 3.11 asyncio.wait_for can swallow a cancellation that lands as the awaited
+    thing completes (a waiter cancelled as its notification arrives would then wait
+    on); asyncio.timeout cannot."""
     if _TIMEOUT is not None:
         async with _TIMEOUT(timeout):
             return await coro
@@ -455,7 +528,7 @@ class AsyncSubscription:
     async def wait(self, timeout: float) -> bool:
         if not self._event.is_set() and timeout > 0:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._event.wait(), timeout)
+                await _bounded(self._event.wait(), timeout)
         fired = self._event.is_set()
         self._event.clear()
         return fired
@@ -514,7 +587,7 @@ class AsyncListener:
             await self._send_subscribe([g])
         if not g.confirmed.is_set() and self._conn is not None:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(g.confirmed.wait(), self._confirm_timeout)
+                await _bounded(g.confirmed.wait(), self._confirm_timeout)
         return sub
 
     async def _start(self) -> None:

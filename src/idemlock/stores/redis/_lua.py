@@ -261,7 +261,7 @@ if held(l) then
     local x = now + ttl
     redis.call('HSET', KEYS[1], 'x', S(x))
     redis.call('PEXPIREAT', KEYS[1], S(x + tonumber(ARGV[3])))
-    return {1, l.t, x, ttl}
+    return {1, l.t, x, ttl, 0}  -- 0: the owner held it already
   end
   register()
   return {2, l.x, l.x - now}
@@ -276,7 +276,7 @@ redis.call('HSET', KEYS[1], 'o', ARGV[1], 't', S(t), 'x', S(x))
 if l.y or l.n then redis.call('HDEL', KEYS[1], 'y', 'g', 'n') end
 if ARGV[4] ~= '' then redis.call('HDEL', KEYS[2], ARGV[4]) end
 redis.call('PEXPIREAT', KEYS[1], S(x + tonumber(ARGV[3])))
-return {1, t, x, ttl}
+return {1, t, x, ttl, 1}  -- 1: taken by this call
 """
 )
 
