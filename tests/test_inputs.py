@@ -379,3 +379,26 @@ def test_bad_results_are_result_encode_errors(coord: idemlock.Coordinator, resul
     with pytest.raises(Odd):  # cannot be recorded: abandoned, and the error propagates
         fails()
     assert coord.idempotency("edge-result-fn").status("r") is None
+
+
+def test_cli_durations_past_max_ttl(tmp_path: Path) -> None:
+    import argparse
+    import subprocess
+    import sys
+
+    from idemlock.cli import parse_duration
+
+    assert parse_duration("36525d") == idemlock.MAX_TTL.total_seconds()
+    with pytest.raises(argparse.ArgumentTypeError, match="100 years"):
+        parse_duration("36526d")
+    url = f"sqlite:///{tmp_path / 'cli.db'}"
+    base = [sys.executable, "-m", "idemlock", "--url", url, "run", "--lock", "k"]
+    for flag in ("--ttl", "--wait"):
+        done = subprocess.run(
+            [*base, flag, "99999999999d", "--", "true"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 2, done.stderr  # a usage error, not a traceback
+        assert "100 years" in done.stderr and "Traceback" not in done.stderr

@@ -60,6 +60,7 @@ from datetime import datetime, timedelta, timezone
 from types import FrameType
 from typing import Any
 
+from ._core.clock import MAX_TTL
 from ._errors import (
     CanonicalizeError,
     ConfigurationError,
@@ -124,7 +125,12 @@ def parse_duration(text: str) -> float:
         )
     if match.group(1):
         raise argparse.ArgumentTypeError(f"invalid duration {text!r}: it must not be negative")
-    return float(match.group(2)) * _UNITS[(match.group(3) or "s").lower()]
+    value = float(match.group(2)) * _UNITS[(match.group(3) or "s").lower()]
+    if value > MAX_TTL.total_seconds():  # also keeps timedelta(seconds=...) in range
+        raise argparse.ArgumentTypeError(
+            f"invalid duration {text!r}: the longest is 100 years (idemlock.MAX_TTL)"
+        )
+    return value
 
 
 def _positive_duration(text: str) -> float:
