@@ -1019,10 +1019,17 @@ def lock_worker_main(cfg: WorkerConfig) -> None:
         res = rng.choice(resources)
         holder = f"{cfg.worker}#{n}"
 
-        def on_lost(lease: Any) -> None:
-            # The lease's own deadline (from the last renewal's send) and when we were told.
+        entered: list[float] = []
+
+        def on_lost(lease: Any, entered: list[float] = entered) -> None:
+            # The lease's own deadline (from the last renewal's send), when we were told,
+            # and since when we held it: an acquire answered after its own deadline (sent
+            # into a silent network) gives a lease that is lost on arrival, and telling
+            # then is on time.
+            now = time.monotonic()
             deadline = lease._sent + lease._ttl_ms / 1000
-            os.write(lost_fd, f"{deadline:.4f} {time.monotonic():.4f}\n".encode())
+            since = entered[0] if entered else now
+            os.write(lost_fd, f"{max(deadline, since):.4f} {now:.4f}\n".encode())
 
         before = time.monotonic()
         try:
@@ -1030,6 +1037,7 @@ def lock_worker_main(cfg: WorkerConfig) -> None:
                 res, wait=3 * ttl, owner=holder, renew_every=ttl / 3, on_lost=on_lost
             ) as lease:
                 after = time.monotonic()
+                entered.append(after)
                 os.pwrite(state_fd, b"1", 0)
                 fx.lock_hold(res, holder, int(lease.token), before, after)
                 until = after + ttl * rng.uniform(0.2, 2.5)
@@ -1712,9 +1720,10 @@ class LockRun(Run):
             **found,
             "leases_lost": events.get("lock_lost", 0),
             "on_lost_calls": len(late) + len(paused_late),
-            # How long after the lease's deadline (counted from the renewal's send)
-            # on_lost ran, for holders that were not paused meanwhile (a SIGSTOPped
-            # holder is told only when it runs again: those are apart).
+            # How long after the lease's deadline (counted from the renewal's send; or
+            # from when hold() returned a lease already past it) on_lost ran, for
+            # holders not paused meanwhile (a SIGSTOPped holder is told only when it
+            # runs again: those are apart).
             "on_lost_late_s": {
                 "count": len(late),
                 "median": round(late[len(late) // 2], 3) if late else None,
