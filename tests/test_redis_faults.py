@@ -727,3 +727,55 @@ def test_gate_tokens_up_to_2_63_minus_1(where: str, request: pytest.FixtureReque
         assert s.fence_advance(ns, "res", top) == (True, top)  # the same token again
     finally:
         s.close()
+
+
+# ---- cancellation: undone, but only what the call took --------------------------------
+
+
+async def _cancel_soon(coro: Any) -> None:
+    task = asyncio.ensure_future(coro)
+    await asyncio.sleep(0)  # the script is on its way
+    await asyncio.sleep(0)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _settled(check: Any, within: float = 5.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if await check():
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def test_a_cancelled_acquire_is_undone_but_never_a_lease_held_before(
+    redis_server: RedisServer,
+) -> None:
+    astore = open_async(redis_server.url)[0]
+    try:
+        ns = _ns()
+        # A fresh acquire that is cancelled: the lease it took is given back.
+        await _cancel_soon(astore.acquire(ns, "fresh", "me", LONG))
+
+        async def free() -> bool:
+            return await astore.lock(ns, "fresh") is None
+
+        assert await _settled(free)
+        # The owner already held this one: a cancelled re-acquire must leave it held.
+        held = await astore.acquire(ns, "held", "me", LONG)
+        assert isinstance(held, Acquired)
+        await _cancel_soon(astore.acquire(ns, "held", "me", LONG))
+        await asyncio.sleep(0.3)  # any undo has run by now
+        row = await astore.lock(ns, "held")
+        assert row is not None and row.owner == "me" and row.token == held.token
+        # A cancelled claim is abandoned: the key is claimable again.
+        await _cancel_soon(astore.claim(ns, "job", None, "aa", LONG))
+
+        async def claimable() -> bool:
+            return await astore.record(ns, "job") is None
+
+        assert await _settled(claimable)
+    finally:
+        await astore.aclose()
