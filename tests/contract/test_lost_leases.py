@@ -118,8 +118,10 @@ async def stalling(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncItera
     else:
         path = tmp_path / "stall.db"
         url = f"sqlite:///{path}"
+        # The coordinator's bound is the store's timeout; the file lock wait is longer,
+        # so a call really hangs past the bound (as a driver without a deadline would).
         coord = (idemlock.connect if mode == "sync" else idemlock.aio.connect)(
-            url, busy_timeout=BOUND
+            url, timeout=BOUND, busy_timeout=STALL_LIMIT
         )
         blocker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         stall = Stall(
