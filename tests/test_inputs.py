@@ -104,10 +104,14 @@ def test_client_options_are_checked(postgres_dsn: str) -> None:
 
 # ---- item 14: the store's own durations ----------------------------------------------
 
-BAD_STORE_TIMEOUTS = [math.nan, math.inf, -1.0]
+BAD_STORE_TIMEOUTS = [math.nan, math.inf, -1.0, 0, 10**400, 1e12, True, "soon"]
 
 
-@pytest.mark.parametrize("bad", BAD_STORE_TIMEOUTS, ids=["nan", "inf", "negative"])
+@pytest.mark.parametrize(
+    "bad",
+    BAD_STORE_TIMEOUTS,
+    ids=["nan", "inf", "negative", "zero", "huge-int", "past-MAX_TTL", "bool", "word"],
+)
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_store_timeout_refused(
     scheme: str, bad: float, request: pytest.FixtureRequest, tmp_path: Path
@@ -116,8 +120,23 @@ def test_store_timeout_refused(
     for mode in ("sync", "async"):
         with pytest.raises(ConfigurationError, match="timeout"):
             open_and_use(url, mode, timeout=bad)
+        if isinstance(bad, bool):
+            continue  # a URL holds text: ?timeout=True is "a word", tested as such
         with pytest.raises(ConfigurationError, match="timeout"):
             open_and_use(with_query(url, f"timeout={bad}"), mode)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_store_timeout_forms_agree(
+    scheme: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """A timedelta, an int, a float and a numeric string mean the same on every store."""
+    url = url_of(scheme, request, tmp_path)
+    for given in (timedelta(seconds=2.5), 2.5, "2.5"):
+        with idemlock.connect(url, timeout=given) as coord:
+            assert coord.store.timeout == 2.5
+    with idemlock.connect(url, timeout=3) as coord:
+        assert coord.store.timeout == 3.0
 
 
 @pytest.mark.parametrize("bad", ["nan", "inf", "-1"])

@@ -14,9 +14,9 @@ import os
 import re
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import unquote, unquote_plus
+from urllib.parse import parse_qsl, unquote, unquote_plus
 
-from ._core.clock import Clock
+from ._core.clock import Clock, duration
 from ._errors import ConfigurationError, IdemlockError
 
 #: scheme -> module that implements it
@@ -67,6 +67,7 @@ def open_store(url: Any, *, asynchronous: bool, **options: Any) -> tuple[Any, Cl
             )
         mod = importlib.import_module(modname)
         check_options(mod.from_client, options, f"a store built from a {type(url).__name__}")
+        options = store_durations("", options)
         store, clock = mod.from_client(url, asynchronous=asynchronous, **options)
         return store, clock, f"<{type(url).__name__}>"
     if url is None:
@@ -92,6 +93,7 @@ def open_store(url: Any, *, asynchronous: bool, **options: Any) -> tuple[Any, Cl
         ) from exc
     opener = mod.open_async if asynchronous else mod.open_sync
     check_options(opener, options, f"the {head.lower()}:// store")
+    options = store_durations(url, options)
     try:
         store, clock = opener(url, **options)
     except IdemlockError as exc:
@@ -101,6 +103,31 @@ def open_store(url: Any, *, asynchronous: bool, **options: Any) -> tuple[Any, Cl
             raise
         raise clean from exc.__cause__
     return store, clock, redact(url)
+
+
+#: store options that are durations, the same on every store (A1), and whether zero is
+#: refused: checked here once, by the one duration validator, before any store sees them
+STORE_DURATIONS = {
+    "timeout": ("the bound on one store call", True),
+    "busy_timeout": ("how long SQLite waits for another writer", False),
+}
+
+
+def store_durations(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with each store duration as float seconds (a ``timedelta``, int,
+    float or numeric string is accepted); NaN, infinity, negative values, zero for
+    ``timeout`` and more than ``MAX_TTL`` raise ConfigurationError, in a keyword and
+    in the URL's query alike, so every store gives the same answer."""
+    out = dict(options)
+    query = url.partition("?")[2].partition("#")[0]
+    given = {k: v for k, v in parse_qsl(query, keep_blank_values=True)} if query else {}
+    for name, (meaning, positive) in STORE_DURATIONS.items():
+        what = f"the store option {name} (seconds, {meaning})"
+        if name in out:
+            out[name] = duration(out[name], what, positive=positive, text=True)
+        if name in given:  # left in the URL for the store to read; only checked here
+            duration(given[name], what, positive=positive, text=True)
+    return out
 
 
 #: options of connect() that configure the coordinator, not the store
