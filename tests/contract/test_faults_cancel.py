@@ -65,6 +65,7 @@ async def run_points(
     check: Callable[[Any, bool, Any], Awaitable[None]],
     *,
     max_points: int | None = None,
+    start: Callable[[Any], Awaitable[None]] | None = None,
 ) -> int:
     """For each point: ``state = await setup(key)``, run ``call(state)`` in a task,
     cancel it at the point, then ``await check(state, cancelled, result)``. Returns how
@@ -76,6 +77,13 @@ async def run_points(
             break
         state = await setup(f"{label}-{i}")
         task = asyncio.ensure_future(call(state))
+        if start is not None:
+            # Count the points from a moment inside the call (e.g. its body's end).
+            await asyncio.wait(
+                {task, asyncio.ensure_future(start(state))},
+                timeout=BOUND,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
         for _ in range(n):
             await asyncio.sleep(0)
         if delay:
@@ -253,11 +261,17 @@ async def test_cancel_decorator(harness: Harness) -> None:
         other = checker.idempotency(SPEC)
         runs: dict[str, int] = {}
 
+        body_done: dict[str, asyncio.Event] = {}
+
         @coord.idempotent(SPEC, key=lambda key: key)
         async def job(key: str) -> dict[str, str]:
             runs[key] = runs.get(key, 0) + 1
             await asyncio.sleep(0)
+            body_done.setdefault(key, asyncio.Event()).set()
             return {"key": key}
+
+        async def body_returned(key: str) -> None:
+            await body_done.setdefault(key, asyncio.Event()).wait()
 
         async def setup(key: str) -> str:
             return key
@@ -273,7 +287,12 @@ async def test_cancel_decorator(harness: Harness) -> None:
 
             await settle(settled, f"a cancelled idempotent call left {key!r} claimed")
 
+        # Points counted from the call's start (claim, body), then from the body's
+        # return (the result being recorded: the claim must not stay behind either).
         await run_points("decorator", setup, lambda key: job(key), check)
+        await run_points(
+            "decorator-recording", setup, lambda key: job(key), check, start=body_returned
+        )
     finally:
         await coord.close()
         await checker.close()

@@ -299,6 +299,8 @@ def test_fork_while_another_thread_is_inside_the_store(harness: Harness) -> None
                     assert lease is not None
                     locks.release(lease)
                     i += 1
+                    # A short pause: busy, but leaving other writers (the child) a turn.
+                    time.sleep(0.001)
             except BaseException as exc:
                 errors.append(exc)
 
