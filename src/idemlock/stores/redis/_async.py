@@ -200,6 +200,19 @@ class AsyncRedisStore:
             task.add_done_callback(lambda t: self._undo_after(t, undo, what))
             raise
 
+    async def _through(self, call: Any) -> Any:
+        """Run a call that frees or settles a key (complete, abandon, release) to its
+        end even if the caller is cancelled: half-sent, it would leave the record or the
+        lock to its lease; finished, the caller's token settles it (a retry of it is
+        recognised by its nonce). The call is bounded by ``timeout``."""
+        task = asyncio.ensure_future(call)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self._undoing.add(task)
+            task.add_done_callback(self._undone)
+            raise
+
     def _undo_after(self, task: asyncio.Task[Any], undo: Callable[[Any], Any], what: str) -> None:
         if task.cancelled():
             C.log.warning(
@@ -224,8 +237,8 @@ class AsyncRedisStore:
         self._undoing.discard(task)
         if not task.cancelled() and task.exception() is not None:
             C.log.warning(
-                "idemlock: could not undo a cancelled Redis call; what it took frees itself "
-                "when its lease ends",
+                "idemlock: a cancelled Redis call could not be undone or finished; what it "
+                "holds frees itself when its lease ends",
                 exc_info=task.exception(),
             )
 
@@ -285,12 +298,13 @@ class AsyncRedisStore:
         users = check_claim_slot(self.cluster, n.claim, writes)
         args = (C.pack_id(token), bytes(result), ttl_ms, n.claim_channel, C.nonce())
         values = tuple(bytes(v) for _, v in writes)
-        return bool(await self._eval(C.COMPLETE, (n.claim, *users), args + values) == 1)
+        reply = await self._through(self._eval(C.COMPLETE, (n.claim, *users), args + values))
+        return bool(reply == 1)
 
     async def abandon(self, ns: str, key: str, token: str) -> bool:
         n = C.names(ns, key)
         args = (C.pack_id(token), self._keep, n.claim_channel, C.nonce())
-        return bool(await self._eval(C.ABANDON, (n.claim,), args) == 1)
+        return bool(await self._through(self._eval(C.ABANDON, (n.claim,), args)) == 1)
 
     async def extend(self, ns: str, key: str, token: str, lease_ms: int) -> int | None:
         args = (C.pack_id(token), lease_ms, self._keep)
@@ -335,7 +349,7 @@ class AsyncRedisStore:
     async def release(self, ns: str, key: str, owner: str, token: int) -> bool:
         n = C.names(ns, key)
         args = (owner, str(token), self._keep, self._handoff, n.lock_channel, C.nonce())
-        return bool(await self._eval(C.RELEASE, (n.lock, n.waiters), args) == 1)
+        return bool(await self._through(self._eval(C.RELEASE, (n.lock, n.waiters), args)) == 1)
 
     async def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
         n = C.names(ns, key)
@@ -420,21 +434,28 @@ class AsyncRedisStore:
         return sub
 
     async def aclose(self) -> None:
-        """Close this loop's connections; those of other loops (most likely closed
-        already) are dropped."""
+        """Close this loop's connections, and those of loops still running in other
+        threads (on their loop); those of loops that are over are dropped."""
         self._closed = True
         try:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
         states, self._states, self._last = self._states, {}, None
-        mine = states.get(id(loop)) if loop is not None else None
-        if mine is None or mine.loop() is not loop:
-            return
-        await mine.listener.aclose()
-        if mine.owned:
+        for st in states.values():
+            other = st.loop()
+            if other is loop:
+                await self._close_state(st)
+            elif other is not None and other.is_running() and not other.is_closed():
+                with contextlib.suppress(RuntimeError):  # it stopped meanwhile
+                    asyncio.run_coroutine_threadsafe(self._close_state(st), other)
+
+    @staticmethod
+    async def _close_state(st: _LoopState) -> None:
+        await st.listener.aclose()
+        if st.owned:
             with contextlib.suppress(*_ERRORS):
-                await mine.client.aclose()
+                await st.client.aclose()
 
 
 _TIMEOUT = getattr(asyncio, "timeout", None)  # Python 3.11+
