@@ -421,3 +421,13 @@ def test_cli_durations_past_max_ttl(tmp_path: Path) -> None:
         )
         assert done.returncode == 2, done.stderr  # a usage error, not a traceback
         assert "100 years" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan, 10**400, 1e300, True, "1e400"], ids=repr)
+def test_redis_counter_ttl_refused(bad: Any) -> None:
+    url = "redis://127.0.0.1:1/0"  # nothing is sent: the option is refused first
+    with pytest.raises(ConfigurationError, match="counter_ttl"):
+        idemlock.connect(url, counter_ttl=bad)
+    if not isinstance(bad, bool):
+        with pytest.raises(ConfigurationError, match="counter_ttl"):
+            idemlock.connect(with_query(url, f"counter_ttl={bad}"))

@@ -110,6 +110,7 @@ def open_store(url: Any, *, asynchronous: bool, **options: Any) -> tuple[Any, Cl
 STORE_DURATIONS = {
     "timeout": ("the bound on one store call", True),
     "busy_timeout": ("how long SQLite waits for another writer", False),
+    "counter_ttl": ("how long Redis keeps a key's fence counter after its last use", True),
 }
 
 
