@@ -6,6 +6,7 @@ rows and connection failures (issue 10).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -885,3 +886,47 @@ def test_async_hold_learns_its_loss_on_a_silent_network(postgres_dsn: str, proxy
     t0, left, raised = asyncio.run(asyncio.wait_for(main(), ttl + SILENT_TIMEOUT + 2 * SLACK + 10))
     assert isinstance(raised, idemlock.LockLost), raised
     assert left - t0 <= ttl + SILENT_TIMEOUT + SLACK, left - t0
+
+
+def test_cancelled_decorated_call_never_strands_its_key(kind: str, url: str) -> None:
+    """Cancelled at every point from the claim to the completion, an idempotent
+    function leaves its key free or completed, never in flight with nobody on it (the
+    completion takes effect even when its caller is cancelled)."""
+    spec = IdempotencySpec("dec", lease=timedelta(seconds=60))
+
+    async def main() -> list[str]:
+        coord = idemlock.aio.connect(url, key_prefix="d" + uuid.uuid4().hex[:8])
+        checker = idemlock.aio.connect(url, key_prefix=coord.key_prefix)
+        other = checker.idempotency(spec)
+        stranded: list[str] = []
+
+        @coord.idempotent(spec, key=lambda key: key)
+        async def job(key: str) -> dict[str, str]:
+            await asyncio.sleep(0)
+            return {"key": key}
+
+        try:
+            for rep in range(3):
+                for n in range(16):
+                    key = f"k{rep}-{n}"
+                    task = asyncio.ensure_future(job(key))
+                    for _ in range(n):
+                        await asyncio.sleep(0)
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.wait_for(asyncio.shield(task), 10)
+                    deadline = time.monotonic() + 3
+                    while True:
+                        status = await other.status(key)
+                        if status is None or status.state == "completed":
+                            break
+                        if time.monotonic() > deadline:
+                            stranded.append(key)
+                            break
+                        await asyncio.sleep(0.02)
+        finally:
+            await coord.close()
+            await checker.close()
+        return stranded
+
+    assert asyncio.run(main()) == []

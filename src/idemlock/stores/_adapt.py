@@ -144,11 +144,29 @@ class ThreadedAsyncStore(_AsyncFace):
 
     async def _undoable(self, fn: Any, undo: Callable[[Any], None], *args: Any) -> Any:
         run = _Undoable(fn, undo, args)
+        # Shielded: a cancellation must not drop the call from the executor's queue
+        # either, or its outcome would depend on when the cancel came (a settling call
+        # dropped leaves a claim in flight that nobody completes).
+        fut = asyncio.ensure_future(asyncio.to_thread(run))
         try:
-            return await asyncio.to_thread(run)
+            return await asyncio.shield(fut)
         except asyncio.CancelledError:
             run.cancel()
             raise
+
+    # Settling calls take effect even when the caller is cancelled: the record or lock
+    # is then in the state the caller's token led to, never half-way.
+
+    async def complete(self, ns: str, key: str, token: str, result: bytes, ttl_ms: int) -> bool:
+        return bool(
+            await self._undoable(self.sync.complete, _no_undo, ns, key, token, result, ttl_ms)
+        )
+
+    async def abandon(self, ns: str, key: str, token: str) -> bool:
+        return bool(await self._undoable(self.sync.abandon, _no_undo, ns, key, token))
+
+    async def release(self, ns: str, key: str, owner: str, token: int) -> bool:
+        return bool(await self._undoable(self.sync.release, _no_undo, ns, key, owner, token))
 
     async def claim(
         self, ns: str, key: str, fp: str | None, token: str, lease_ms: int
@@ -167,6 +185,10 @@ class ThreadedAsyncStore(_AsyncFace):
 
         r: Acquired | Held = await self._undoable(self.sync.acquire, undo, ns, key, owner, ttl_ms)
         return r
+
+
+def _no_undo(reply: Any) -> None:
+    return None
 
 
 class _Undoable:

@@ -275,6 +275,11 @@ def _lock_rows(rows: list[Row]) -> list[LockRow]:
     return [LockRow(ns, key, owner, token, exp) for ns, key, owner, token, exp in rows]
 
 
+def _nothing(reply: Any) -> None:
+    """No undo: a settling call (complete, abandon, release) may take effect."""
+    return None
+
+
 # ---- the shared half ------------------------------------------------------------------
 
 
@@ -1062,9 +1067,11 @@ class AsyncPostgresStore(_Base):
         raise StoreUnavailable(f"{what} kept racing concurrent writers; try again")
 
     async def _undoable(self, call: Any, undo: Callable[[Any], Any], what: str) -> Any:
-        """Run a call that may take a key (claim, acquire) so that a cancellation cannot
-        strand it: the statement runs on in a task of its own (bounded by ``timeout``),
-        and what it took is given back as soon as it ends (issue 10 item 7)."""
+        """Run a call so that a cancellation cannot leave its outcome unknown: the
+        statement runs on in a task of its own (bounded by ``timeout``); what a claim or
+        an acquire took is given back as soon as it ends (issue 10 item 7), and a
+        complete, abandon or release simply takes effect. The caller still sees the
+        CancelledError."""
         task = asyncio.ensure_future(call)
         try:
             return await asyncio.shield(task)
@@ -1128,11 +1135,17 @@ class AsyncPostgresStore(_Base):
 
     async def complete(self, ns: str, key: str, token: str, result: bytes, ttl_ms: int) -> bool:
         params = self._complete_params(ns, key, token, result, ttl_ms)
-        return bool(await self._rows(self.statements.complete, params, "complete", False))
+        rows = await self._undoable(
+            self._rows(self.statements.complete, params, "complete", False), _nothing, "complete"
+        )
+        return bool(rows)
 
     async def abandon(self, ns: str, key: str, token: str) -> bool:
         params = {"ns": ns, "key": key, "token": token, "chan": self._chan("claim", ns, key)}
-        return bool(await self._rows(self.statements.abandon, params, "abandon", False))
+        rows = await self._undoable(
+            self._rows(self.statements.abandon, params, "abandon", False), _nothing, "abandon"
+        )
+        return bool(rows)
 
     async def extend(self, ns: str, key: str, token: str, lease_ms: int) -> int | None:
         params = {"ns": ns, "key": key, "token": token, "lease": _i8(lease_ms)}
@@ -1183,7 +1196,10 @@ class AsyncPostgresStore(_Base):
             "token": _i8(token),
             "chan": self._chan("lock", ns, key),
         }
-        return bool(await self._rows(self.statements.release, params, "release", False))
+        rows = await self._undoable(
+            self._rows(self.statements.release, params, "release", False), _nothing, "release"
+        )
+        return bool(rows)
 
     async def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
         params = {"ns": ns, "key": key, "owner": owner, "token": _i8(token), "ttl": _i8(ttl_ms)}
