@@ -440,3 +440,48 @@ def test_fork_child_opens_its_own_channels(etcd_server: EtcdCluster) -> None:
         assert isinstance(port.claim("parent-after"), Claimed)
     finally:
         coord.close()
+
+
+# ---- fair hand-off -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("url_of", ["etcd_server", "etcd_cluster"])
+def test_waiters_get_the_lock_in_arrival_order(request: pytest.FixtureRequest, url_of: str) -> None:
+    url = request.getfixturevalue(url_of).url
+    p = prefix()
+    holder_c = idemlock.connect(url, key_prefix=p)
+    order: list[str] = []
+    errors: list[BaseException] = []
+
+    def wait_for_it(name: str) -> None:
+        c = idemlock.connect(url, key_prefix=p)  # a process of its own: its own store
+        try:
+            lease = c.lock(LONG).acquire("fair", wait=20)
+            assert lease is not None
+            order.append(name)
+            time.sleep(0.05)
+            assert c.lock(LONG).release(lease)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            c.close()
+
+    try:
+        holder = holder_c.lock(LONG).acquire("fair")
+        assert holder is not None
+        threads = []
+        for name in "ABCD":
+            t = threading.Thread(target=wait_for_it, args=(name,))
+            t.start()
+            threads.append(t)
+            time.sleep(0.4)  # each arrives (and queues) well after the one before
+        # A newcomer that does not wait cannot barge in ahead of the queue, even when
+        # the lock is free for a moment.
+        assert holder_c.lock(LONG).release(holder)
+        assert holder_c.lock(LONG).acquire("fair") is None
+        for t in threads:
+            t.join(30)
+        assert not errors, errors
+        assert order == list("ABCD"), order
+    finally:
+        holder_c.close()

@@ -16,11 +16,12 @@ import grpc.aio
 
 from ..._core.port import Acquired, Channel, ClaimReply, Granted, Held, LockRow, RecordRow
 from ..._errors import IdemlockError, StoreUnavailable
+from . import _codec as K
 from . import _conf
-from ._ops import WRITES, Op, Ops, Rpc
+from ._ops import WRITES, Op, Ops, Rpc, Waiter
 from ._pb.etcdserverpb import rpc_pb2 as _rpc_pb2
 from ._pb.etcdserverpb import rpc_pb2_grpc as _rpc_pb2_grpc
-from ._sync import CHANNEL_OPTIONS, _track_fork, watch_range
+from ._sync import CHANNEL_OPTIONS, _track_fork, leave_rpc, watch_range
 
 log = logging.getLogger("idemlock")
 pb: Any = _rpc_pb2  # generated without type information
@@ -180,13 +181,16 @@ async def drive(client: AsyncClient, op: Op) -> Any:
 
 
 class _Group:
-    __slots__ = ("created", "end", "id", "key", "no_put", "subs")
+    __slots__ = ("channel", "created", "end", "id", "key", "no_put", "subs", "waiter")
 
-    def __init__(self, wid: int, key: bytes, end: bytes, no_put: bool) -> None:
+    def __init__(self, wid: int, key: bytes, end: bytes, channel: Channel) -> None:
         self.id = wid
         self.key = key
         self.end = end
-        self.no_put = no_put
+        self.channel = channel
+        self.no_put = channel.kind == "lock"  # a lock is freed by a deletion only
+        #: this process's place in the lock's queue while its callers wait
+        self.waiter = Waiter() if channel.kind == "lock" else None
         self.subs: set[AsyncSubscription] = set()
         self.created = asyncio.Event()
 
@@ -222,8 +226,9 @@ class AsyncSubscription:
 class AsyncWatcher:
     """One Watch stream per store and event loop, read by a task; see SyncWatcher."""
 
-    def __init__(self, client: AsyncClient) -> None:
+    def __init__(self, client: AsyncClient, root: bytes) -> None:
         self._client = client
+        self._root = root
         self._groups: dict[tuple[bytes, bytes], _Group] = {}
         self._by_id: dict[int, _Group] = {}
         self._ids = itertools.count(1)
@@ -232,7 +237,7 @@ class AsyncWatcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
 
-    async def subscribe(self, key: bytes, end: bytes, no_put: bool) -> AsyncSubscription:
+    async def subscribe(self, key: bytes, end: bytes, channel: Channel) -> AsyncSubscription:
         if self._closed:
             raise StoreUnavailable("the etcd store is closed")
         loop = asyncio.get_running_loop()
@@ -241,7 +246,7 @@ class AsyncWatcher:
             self._loop = loop
         g = self._groups.get((key, end))
         if g is None:
-            g = _Group(next(self._ids), key, end, no_put)
+            g = _Group(next(self._ids), key, end, channel)
             self._groups[(key, end)] = g
             self._by_id[g.id] = g
             await self._send(g.create())
@@ -261,11 +266,17 @@ class AsyncWatcher:
         with contextlib.suppress(Exception):
             await call.write(req)
 
+    def waiting(self, key: bytes) -> Waiter | None:
+        g = self._groups.get((key, b""))
+        return g.waiter if g is not None and g.subs else None
+
     def remove(self, sub: AsyncSubscription) -> None:
         g = sub._group
         g.subs.discard(sub)
         if g.subs or self._groups.get((g.key, g.end)) is not g:
             return
+        if g.waiter is not None and g.waiter.rev:
+            self._client.background(leave_rpc(self._root, g.channel, g.waiter))
         del self._groups[(g.key, g.end)]
         self._by_id.pop(g.id, None)
         call = self._call
@@ -354,7 +365,7 @@ class AsyncEtcdStore:
         self.timeout = conf.timeout
         self.client = AsyncClient(conf)
         self.ops = Ops(conf.root)
-        self._watcher = AsyncWatcher(self.client)
+        self._watcher = AsyncWatcher(self.client, conf.root)
         # undo calls for cancelled claims/acquires, kept from being collected
         self._undoing: set[asyncio.Task[Any]] = set()
 
@@ -434,7 +445,10 @@ class AsyncEtcdStore:
             # Outcome unknown: free it if it is held by this owner (owners are per call).
             return self.ops.release_owner(ns, key, owner) if reply is None else None
 
-        r: Acquired | Held = await self._undoable(self.ops.acquire(ns, key, owner, ttl_ms), undo)
+        waiter = self._watcher.waiting(K.lock_name(self.conf.root, ns, key))
+        r: Acquired | Held = await self._undoable(
+            self.ops.acquire(ns, key, owner, ttl_ms, waiter), undo
+        )
         return r
 
     async def release(self, ns: str, key: str, owner: str, token: int) -> bool:
@@ -464,8 +478,8 @@ class AsyncEtcdStore:
         return int(await self._run(self.ops.purge()))
 
     async def subscribe(self, channel: Channel) -> AsyncSubscription:
-        key, end, no_put = watch_range(self.conf.root, channel)
-        return await self._watcher.subscribe(key, end, no_put)
+        key, end = watch_range(self.conf.root, channel)
+        return await self._watcher.subscribe(key, end, channel)
 
     async def aclose(self) -> None:
         await self._watcher.aclose()

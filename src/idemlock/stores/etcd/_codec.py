@@ -7,6 +7,7 @@ kind ends the namespace, and escaping keeps prefixes)::
     R c/<esc ns>/<key> \\0 r     claim record (no lease: it outlives its claim's lease)
     R c/<esc ns>/<key> \\0 t     claim lease marker, on the claim's etcd lease
     R l/<esc ns>/<key>           lock, on the lock's etcd lease
+    R q/<esc ns>/<key> \\0 <id>    a process waiting for that lock (fair hand-off)
     R f/<esc ns>/<resource>      fence gate (no lease: a gate that forgot would accept
                                  a stale writer)
 
@@ -97,6 +98,11 @@ def claim_names(root: bytes, ns: str, key: str) -> ClaimNames:
 @lru_cache(maxsize=8192)
 def lock_name(root: bytes, ns: str, key: str) -> bytes:
     return root + b"l/" + _esc(ns) + b"/" + key.encode("utf-8", "surrogatepass")
+
+
+def queue_prefix(root: bytes, ns: str, key: str) -> bytes:
+    """Where the processes waiting for a lock queue up (one key each, ``+ waiter id``)."""
+    return root + b"q/" + _esc(ns) + b"/" + key.encode("utf-8", "surrogatepass") + b"\0"
 
 
 def gate_name(root: bytes, ns: str, resource: str) -> bytes:

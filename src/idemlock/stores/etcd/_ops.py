@@ -16,7 +16,9 @@ stale when its first attempt went through.
 from __future__ import annotations
 
 import logging
+import os
 import struct
+import time
 from collections import OrderedDict
 from collections.abc import Generator
 from typing import Any
@@ -72,12 +74,31 @@ def _grant(ms: int) -> Rpc:
     return Rpc("LeaseGrant", pb.LeaseGrantRequest(TTL=K.lease_seconds(ms)))
 
 
+#: a waiting process keeps its place in a lock's queue this long after its last
+#: attempt (seconds; it attempts at least once a second while it waits)
+WAITER_S = 3
+#: a waiter's next re-check when the lock is free but another process is ahead
+QUEUED_MS = 1000
+
+
+class Waiter:
+    """This process's place in one lock's queue: a random id and the create_revision
+    of its queue key (0: not queued)."""
+
+    __slots__ = ("rev", "wid")
+
+    def __init__(self) -> None:
+        self.wid = os.urandom(8).hex().encode()
+        self.rev = 0
+
+
 class Ops:
     """The op generators over one key root. Keeps, per claim this process was granted,
     its fence and fingerprint, so ``complete`` needs no read first."""
 
     def __init__(self, root: bytes) -> None:
         self.root = root
+        self._wlease: tuple[int, float] = (0, 0.0)
         self._claims: OrderedDict[tuple[str, str, str], tuple[int, str | None]] = OrderedDict()
 
     def _remember(self, ns: str, key: str, token: str, fence: int, fp: str | None) -> None:
@@ -276,23 +297,51 @@ class Ops:
 
     # ---- locks -----------------------------------------------------------------------
 
-    def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Op:
+    def acquire(
+        self, ns: str, key: str, owner: str, ttl_ms: int, waiter: Waiter | None = None
+    ) -> Op:
+        """``waiter``: this process has callers waiting for the lock; they queue up."""
         name = K.lock_name(self.root, ns, key)
+        qp = K.queue_prefix(self.root, ns, key)
+        queue_end = K.prefix_end(qp)
         g = yield _grant(ttl_ms)
+        wlease = 0
+        if waiter is not None:
+            wlease = yield from self._waiter_lease()
         written = K.now_ms()
         value = K.lock_value(owner, ttl_ms, int(g.TTL), written)
+        # Fair hand-off: the lock is taken only when it is free AND no process waits
+        # longer (queue keys, ordered by their create_revision); a queued waiter that
+        # takes it leaves the queue in the same Txn.
+        if waiter is not None and waiter.rev:
+            first = pb.Compare(
+                key=qp,
+                range_end=queue_end,
+                target=pb.Compare.CREATE,
+                result=pb.Compare.GREATER,
+                create_revision=waiter.rev - 1,
+            )
+        else:
+            first = pb.Compare(
+                key=qp, range_end=queue_end, target=pb.Compare.VERSION, result=pb.Compare.EQUAL
+            )
+        take = [K.put(name, value, g.ID)]
+        held = [K.get(name)]
+        if waiter is not None:
+            take.append(K.delete(qp + waiter.wid))
+            held.append(K.put(qp + waiter.wid, b"", wlease, prev=True))
         # free -> ours (token = the creating Txn's revision); ours already (a retried
-        # acquire) -> same token, new lease; else read the holder.
+        # acquire) -> same token, new lease; else read the holder (and queue up).
         again = K.txn(
             K.cmp_starts(name, K.owner_prefix(owner)),
             [K.put(name, value, g.ID, prev=True), K.get(name)],
-            [K.get(name)],
+            held,
         )
-        rpc = Rpc(
-            "Txn", K.txn([K.cmp_create(name, 0)], [K.put(name, value, g.ID)], [K.nested(again)])
-        )
+        rpc = Rpc("Txn", K.txn([K.cmp_create(name, 0), first], take, [K.nested(again)]))
         resp = yield rpc
         if resp.succeeded:
+            if waiter is not None:
+                waiter.rev = 0
             return Acquired(int(resp.header.revision), written + ttl_ms, ttl_ms)
         inner = resp.responses[0].response_txn
         if inner.succeeded:
@@ -303,14 +352,39 @@ class Ops:
             return Acquired(token, written + ttl_ms, ttl_ms)
         if not rpc.retried:  # else its first attempt may hold this lease
             yield _revoke(g.ID)
+        if waiter is not None:
+            prev = inner.responses[1].response_put
+            waiter.rev = (
+                int(prev.prev_kv.create_revision)
+                if prev.HasField("prev_kv")
+                else int(resp.header.revision)
+            )
         holder = K.kvs(inner.responses[0])
-        if not holder:
-            raise K.corrupt(name, ValueError("the lock vanished inside one Txn"))
+        now = K.now_ms()
+        if not holder:  # free, but another process waits longer: its turn
+            return Held(now + QUEUED_MS, QUEUED_MS)
         try:
             val = K.parse_lock(holder[0].value)
         except _BAD as exc:
             raise K.corrupt(name, exc) from exc
-        return Held(val.times.expires_ms, val.times.left_ms(K.now_ms()))
+        return Held(val.times.expires_ms, val.times.left_ms(now))
+
+    def _waiter_lease(self) -> Generator[Rpc, Any, int]:
+        """The lease this store's queue keys live on: granted for WAITER_S, replaced
+        once it is a second old, so a queue key outlives its last attempt by at least
+        WAITER_S - 1 s and a process that stopped waiting leaves the queue soon."""
+        lease, at = self._wlease
+        if lease and time.monotonic() - at < 1.0:
+            return lease
+        g = yield Rpc("LeaseGrant", pb.LeaseGrantRequest(TTL=WAITER_S))
+        self._wlease = (int(g.ID), time.monotonic())
+        return int(g.ID)
+
+    def leave_queue(self, ns: str, key: str, waiter: Waiter) -> Op:
+        """This process stopped waiting for the lock: give up its place."""
+        qp = K.queue_prefix(self.root, ns, key)
+        yield Rpc("DeleteRange", pb.DeleteRangeRequest(key=qp + waiter.wid))
+        waiter.rev = 0
 
     def _held_by(self, name: bytes, owner: str, token: int) -> list[Any]:
         return [K.cmp_create(name, token), *K.cmp_starts(name, K.owner_prefix(owner))]

@@ -18,7 +18,7 @@ from ..._core.port import Acquired, Channel, ClaimReply, Held, LockRow, RecordRo
 from ..._errors import IdemlockError, StoreUnavailable
 from . import _codec as K
 from . import _conf
-from ._ops import WRITES, Op, Ops, Rpc
+from ._ops import WRITES, Op, Ops, Rpc, Waiter
 from ._pb.etcdserverpb import rpc_pb2 as _rpc_pb2
 from ._pb.etcdserverpb import rpc_pb2_grpc as _rpc_pb2_grpc
 
@@ -214,13 +214,16 @@ def drive(client: SyncClient, op: Op) -> Any:
 class _Group:
     """One etcd watch (one channel), shared by this store's waiters on it."""
 
-    __slots__ = ("created", "end", "id", "key", "no_put", "subs")
+    __slots__ = ("channel", "created", "end", "id", "key", "no_put", "subs", "waiter")
 
-    def __init__(self, wid: int, key: bytes, end: bytes, no_put: bool) -> None:
+    def __init__(self, wid: int, key: bytes, end: bytes, channel: Channel) -> None:
         self.id = wid
         self.key = key
         self.end = end
-        self.no_put = no_put
+        self.channel = channel
+        self.no_put = channel.kind == "lock"  # a lock is freed by a deletion only
+        #: this process's place in the lock's queue while its callers wait
+        self.waiter = Waiter() if channel.kind == "lock" else None
         self.subs: set[SyncSubscription] = set()
         self.created = False
 
@@ -265,8 +268,9 @@ class SyncWatcher:
     wakes that key's local waiters. When the stream breaks, every waiter is woken
     once (it re-checks the store) and the watches are created again."""
 
-    def __init__(self, client: SyncClient) -> None:
+    def __init__(self, client: SyncClient, root: bytes) -> None:
         self._client = client
+        self._root = root
         self._lock = threading.Lock()
         self._created = threading.Condition(self._lock)
         self._groups: dict[tuple[bytes, bytes], _Group] = {}
@@ -283,13 +287,13 @@ class SyncWatcher:
         self._groups, self._by_id = {}, {}
         self._queue, self._thread, self._call = None, None, None
 
-    def subscribe(self, key: bytes, end: bytes, no_put: bool) -> SyncSubscription:
+    def subscribe(self, key: bytes, end: bytes, channel: Channel) -> SyncSubscription:
         with self._lock:
             if self._closed:
                 raise StoreUnavailable("the etcd store is closed")
             g = self._groups.get((key, end))
             if g is None:
-                g = _Group(next(self._ids), key, end, no_put)
+                g = _Group(next(self._ids), key, end, channel)
                 self._groups[(key, end)] = g
                 self._by_id[g.id] = g
                 if self._queue is not None:
@@ -306,12 +310,20 @@ class SyncWatcher:
                 self._created.wait_for(lambda: g.created, min(1.0, self._client.conf.timeout))
         return sub
 
+    def waiting(self, key: bytes) -> Waiter | None:
+        """This process's place in the queue of the lock named ``key``, if a caller of
+        this store waits for it."""
+        g = self._groups.get((key, b""))
+        return g.waiter if g is not None and g.subs else None
+
     def remove(self, sub: SyncSubscription) -> None:
         g = sub._group
         with self._lock:
             g.subs.discard(sub)
             if g.subs or self._groups.get((g.key, g.end)) is not g:
                 return
+            if g.waiter is not None and g.waiter.rev:
+                self._client.background(leave_rpc(self._root, g.channel, g.waiter))
             del self._groups[(g.key, g.end)]
             self._by_id.pop(g.id, None)
             if self._queue is not None and g.created:
@@ -412,7 +424,7 @@ class EtcdStore:
         self.timeout = conf.timeout
         self.client = SyncClient(conf)
         self.ops = Ops(conf.root)
-        self._watcher = SyncWatcher(self.client)
+        self._watcher = SyncWatcher(self.client, conf.root)
         _WATCHERS.add(self._watcher)
 
     def _run(self, op: Op) -> Any:
@@ -444,7 +456,8 @@ class EtcdStore:
         return r
 
     def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
-        r: Acquired | Held = self._run(self.ops.acquire(ns, key, owner, ttl_ms))
+        waiter = self._watcher.waiting(K.lock_name(self.conf.root, ns, key))
+        r: Acquired | Held = self._run(self.ops.acquire(ns, key, owner, ttl_ms, waiter))
         return r
 
     def release(self, ns: str, key: str, owner: str, token: int) -> bool:
@@ -474,22 +487,28 @@ class EtcdStore:
         return int(self._run(self.ops.purge()))
 
     def subscribe(self, channel: Channel) -> SyncSubscription:
-        key, end, no_put = watch_range(self.conf.root, channel)
-        return self._watcher.subscribe(key, end, no_put)
+        key, end = watch_range(self.conf.root, channel)
+        return self._watcher.subscribe(key, end, channel)
 
     def close(self) -> None:
         self._watcher.close()
         self.client.close()
 
 
-def watch_range(root: bytes, channel: Channel) -> tuple[bytes, bytes, bool]:
-    """(key, range_end, deletes only) watched for a channel: a lock is freed by its
-    deletion; a claim by a change of its record or the end of its lease marker."""
+def watch_range(root: bytes, channel: Channel) -> tuple[bytes, bytes]:
+    """(key, range_end) watched for a channel: a lock is freed by the deletion of its
+    key; a claim by a change of its record or the end of its lease marker."""
     if channel.kind == "lock":
-        name = K.lock_name(root, channel.ns, channel.key)
-        return name, b"", True
+        return K.lock_name(root, channel.ns, channel.key), b""
     base = K.claim_names(root, channel.ns, channel.key).base
-    return base, K.prefix_end(base), False
+    return base, K.prefix_end(base)
+
+
+def leave_rpc(root: bytes, channel: Channel, waiter: Waiter) -> Rpc:
+    """Give up this process's place in a lock's queue (sent in the background)."""
+    key = K.queue_prefix(root, channel.ns, channel.key) + waiter.wid
+    waiter.rev = 0
+    return Rpc("DeleteRange", pb.DeleteRangeRequest(key=key), background=True)
 
 
 _WATCHERS: weakref.WeakSet[Any] = weakref.WeakSet()
