@@ -43,6 +43,10 @@ SECRET = "s3cr3t-Pa55"
         ("redis://h?ssl_password=s3cr3t-Pa55#frag", "redis://h?ssl_password=***#frag"),
         ("host=h user=u password='s3cr3t Pa55' dbname=d", "host=h user=u password=*** dbname=d"),
         ("redis://u:p%40ss%3Aword@h/0", "redis://u:***@h/0"),
+        ("redis://u:pa/ss@h/0", "redis://u:***@h/0"),  # an unescaped / in the password
+        ("redis://u:p@ss@h/0?db=1", "redis://u:***@h/0?db=1"),  # an unescaped @
+        ("redis://h/0?x=a:b@c", "redis://h/0?x=a:b@c"),  # an @ in the query is no userinfo
+        ("sqlite:////tmp/a@b.db", "sqlite:////tmp/a@b.db"),
         ("redis://h:6379/0?socket_timeout=1", "redis://h:6379/0?socket_timeout=1"),
         ("sqlite:////var/lib/app/idemlock.db", "sqlite:////var/lib/app/idemlock.db"),
         ("memory://", "memory://"),

@@ -173,6 +173,18 @@ def _secret_name(name: str) -> bool:
     return any(word in low for word in _SECRET_WORDS)
 
 
+def _userinfo(rest: str) -> tuple[str, str]:
+    """(userinfo, what follows its @) of the part of a URL after ``://``; ("", rest)
+    without one. The userinfo ends at the last @ before the query: a password with an
+    unescaped / (``redis://u:pa/ss@h``) is still found, at the cost of masking the rare
+    path that holds both : and @."""
+    cut = min((i for i in (rest.find(c) for c in "?#") if i >= 0), default=len(rest))
+    userinfo, at, _ = rest[:cut].rpartition("@")
+    if not at:
+        return "", rest
+    return userinfo, rest[len(userinfo) + 1 :]
+
+
 def redact(url: str) -> str:
     """``url`` as it may be shown (``coord.url``, messages, the CLI): the password of
     the userinfo and the value of every secret-looking parameter (``?password=``,
@@ -183,15 +195,10 @@ def redact(url: str) -> str:
     text = url
     scheme, sep, rest = text.partition("://")
     if sep:
-        # The netloc ends at the first / ? or #; its userinfo at the last @.
-        cut = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
-        netloc, tail = rest[:cut], rest[cut:]
-        userinfo, at, hosts = netloc.rpartition("@")
-        if at:
-            user, colon, password = userinfo.partition(":")
-            if colon and password:
-                netloc = f"{user}:{MASK}@{hosts}"
-        text = f"{scheme}://{netloc}{tail}"
+        userinfo, after = _userinfo(rest)
+        user, colon, password = userinfo.partition(":")
+        if colon and password:
+            text = f"{scheme}://{user}:{MASK}@{after}"
 
     def mask(m: re.Match[str]) -> str:
         if not _secret_name(m.group(2)):
@@ -208,11 +215,9 @@ def secrets_in(url: str) -> list[str]:
         return []
     found: list[str] = []
     rest = url.partition("://")[2]
-    if rest:
-        cut = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
-        userinfo, at, _hosts = rest[:cut].rpartition("@")
-        if at and ":" in userinfo:
-            found.append(userinfo.partition(":")[2])
+    userinfo = _userinfo(rest)[0]
+    if ":" in userinfo:
+        found.append(userinfo.partition(":")[2])
     for m in _PARAM.finditer(url):
         if _secret_name(m.group(2)):
             found.append(m.group(3).strip("'"))
