@@ -431,3 +431,18 @@ def test_redis_counter_ttl_refused(bad: Any) -> None:
     if not isinstance(bad, bool):
         with pytest.raises(ConfigurationError, match="counter_ttl"):
             idemlock.connect(with_query(url, f"counter_ttl={bad}"))
+
+
+@pytest.mark.parametrize(
+    "bad", [2**63, 10**5000, -1, True, 1.0], ids=["2**63", "huge", "-1", "bool", "float"]
+)
+def test_postgres_fenced_helpers_check_tokens(postgres_dsn: str, bad: Any) -> None:
+    import psycopg
+
+    from idemlock.stores.postgres import fenced_update, fenced_upsert
+
+    with psycopg.connect(postgres_dsn) as conn:
+        with pytest.raises(ConfigurationError, match="2\\*\\*63-1"):
+            fenced_update(conn, "no_such_table", {"v": 1}, {"id": 1}, bad)
+        with pytest.raises(ConfigurationError, match="2\\*\\*63-1"):
+            fenced_upsert(conn, "no_such_table", {"id": 1, "v": 1}, ["id"], bad)

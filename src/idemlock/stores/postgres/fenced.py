@@ -78,12 +78,10 @@ TableName = str | Sequence[str] | sql.Composable
 
 
 def _token(token: object) -> int:
-    # bigint range: a larger int would fail inside psycopg with a bare OverflowError.
-    if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < 2**63:
-        raise ConfigurationError(
-            f"a fencing token is an int in [0, 2**63-1] (claim.fence or lease.token), got {token!r}"
-        )
-    return token
+    # The one token check (A4): bigint range, so psycopg never sees a larger int.
+    from ..._base import check_token
+
+    return check_token(token)
 
 
 def _table(table: TableName) -> tuple[sql.Composable, str]:
