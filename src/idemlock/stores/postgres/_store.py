@@ -713,12 +713,23 @@ class PostgresStore(_Base):
                     # The server restarted or ended our sessions: every idle pooled
                     # connection is likely dead too. Replace them now, so that only this
                     # call fails (or none: a call safe to repeat is run again).
-                    with contextlib.suppress(psycopg.Error):
-                        self.pool.check()
+                    self._check_pool(deadline)
                     if attempt == 0 and safe and time.monotonic() < deadline:
                         continue
                 raise self._unavailable(exc, what) from exc
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _check_pool(self, deadline: float) -> None:
+        """pool.check() runs a round trip per idle connection in the calling thread,
+        with no bound of its own: run it aside and wait for it until the deadline."""
+
+        def check() -> None:
+            with contextlib.suppress(psycopg.Error):
+                self.pool.check()
+
+        th = threading.Thread(target=check, name="idemlock-pg-check", daemon=True)
+        th.start()
+        th.join(max(0.0, deadline - time.monotonic()))
 
     def _until(
         self, stmt: Stmt, params: dict[str, Any], what: str, parse: Callable[[list[Row]], Any]
@@ -1049,12 +1060,21 @@ class AsyncPostgresStore(_Base):
                     # The server restarted or ended our sessions: every idle pooled
                     # connection is likely dead too. Replace them now, so that only this
                     # call fails (or none: a call safe to repeat is run again).
-                    with contextlib.suppress(psycopg.Error):
-                        await self.pool.check()
+                    await self._check_pool(deadline)
                     if attempt == 0 and safe and time.monotonic() < deadline:
                         continue
                 raise self._unavailable(exc, what) from exc
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _check_pool(self, deadline: float) -> None:
+        # As the sync store's: the check goes on in its own task past the deadline.
+        async def check() -> None:
+            with contextlib.suppress(psycopg.Error):
+                await self.pool.check()
+
+        task = asyncio.ensure_future(check())
+        with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
+            await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - time.monotonic()))
 
     async def _until(
         self, stmt: Stmt, params: dict[str, Any], what: str, parse: Callable[[list[Row]], Any]
