@@ -446,3 +446,9 @@ def test_postgres_fenced_helpers_check_tokens(postgres_dsn: str, bad: Any) -> No
             fenced_update(conn, "no_such_table", {"v": 1}, {"id": 1}, bad)
         with pytest.raises(ConfigurationError, match="2\\*\\*63-1"):
             fenced_upsert(conn, "no_such_table", {"id": 1, "v": 1}, ["id"], bad)
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan, 10**400, True, -1, 10_001], ids=repr)
+def test_redis_handoff_ms_refused(bad: Any) -> None:
+    with pytest.raises(ConfigurationError, match="handoff_ms"):
+        idemlock.connect("redis://127.0.0.1:1/0", handoff_ms=bad)

@@ -486,8 +486,8 @@ def own_options(values: dict[str, Any]) -> Options:
     if "handoff_ms" in values:
         raw = values.pop("handoff_ms")
         try:
-            ms = int(raw)
-        except (TypeError, ValueError):
+            ms = -1 if isinstance(raw, bool) else int(raw)
+        except (TypeError, ValueError, OverflowError):  # OverflowError: int(inf)
             ms = -1
         if ms < 0 or ms > 10_000:
             raise ConfigurationError(
