@@ -14,7 +14,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from ._base import current_claim
+from ._base import Attempt, current_claim
 from ._core.canonical import canonicalize, fingerprint
 from ._core.clock import MAX_TTL, Clock, ManualClock, SystemClock
 from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES, RecordedError
@@ -33,6 +33,7 @@ from ._core.types import (
 )
 from ._errors import (
     CanonicalizeError,
+    ClaimLost,
     ConfigurationError,
     FencedOut,
     IdemlockError,
@@ -60,7 +61,9 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 __version__ = "0.1.0"
 
 __all__ = [
+    "Attempt",
     "CanonicalizeError",
+    "ClaimLost",
     "Claim",
     "ClaimToken",
     "Claimed",

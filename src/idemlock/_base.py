@@ -25,7 +25,7 @@ from ._core.codec import (
     type_name,
 )
 from ._core.events import Event, Hook
-from ._core.flows import RenewState
+from ._core.flows import Renewal, RenewState
 from ._core.keys import namespace, split_namespace, validate_key
 from ._core.port import (
     Acquired,
@@ -80,6 +80,67 @@ def enter_claim(token: ClaimToken) -> Token[ClaimToken | None]:
 
 def leave_claim(mark: Token[ClaimToken | None]) -> None:
     _CURRENT_CLAIM.reset(mark)
+
+
+class Heartbeat:
+    """One claim kept alive by its coordinator's renewer (see ``port.run()`` and the
+    decorator's ``heartbeat``)."""
+
+    __slots__ = ("_coord", "_entry", "renewal", "state")
+
+    def __init__(self, coord: Any, state: RenewState, renewal: Renewal, entry: Any) -> None:
+        self._coord = coord
+        self.state = state
+        self.renewal = renewal
+        self._entry = entry
+
+    @property
+    def lost(self) -> bool:
+        return self.state.lost
+
+    @property
+    def reason(self) -> str:
+        return self.state.reason
+
+    def stop(self) -> bool:
+        """Stop renewing; True if the claim was lost (a deadline that passed
+        unnoticed counts: it is reported now)."""
+        lost = self.state.end(self._coord.clock.monotonic())
+        self._coord._renewer.remove(self.renewal)
+        self._coord._watchdog.cancel(self._entry)
+        return lost
+
+
+class Attempt:
+    """What ``with port.run(key, payload=...) as attempt:`` gives the block.
+
+    ``attempt.replayed`` is True when the key had completed already: ``result`` is
+    then the recorded result, the block must not do the work again, and nothing is
+    recorded on exit. Otherwise this attempt holds the claim (renewed while the block
+    runs): do the work, set ``attempt.result``, and leaving the block records it
+    (``None`` if never set); an exception abandons the claim instead."""
+
+    __slots__ = ("key", "replayed", "result", "token")
+
+    def __init__(self, key: str, token: ClaimToken | None, result: Any = None) -> None:
+        self.key = key
+        self.token = token
+        self.replayed = token is None
+        self.result = result
+
+    @property
+    def fence(self) -> int | None:
+        """The fencing token for this attempt's writes (None on a replay)."""
+        return None if self.token is None else self.token.fence
+
+    @property
+    def lost(self) -> bool:
+        """True once the claim was lost while the block ran."""
+        return self.token is not None and self.token.lost
+
+    def __repr__(self) -> str:
+        what = "replayed" if self.replayed else f"fence={self.fence}"
+        return f"Attempt({self.key!r}, {what}, lost={self.lost})"
 
 
 class _Tokens:
@@ -147,8 +208,13 @@ class CoordinatorBase:
         #: the one timer for every local deadline this coordinator (and its tenant
         #: views) holds: a lease in hold() is lost when it passes
         self._watchdog: Any = self._make_watchdog(self.clock)
+        #: the one renewer (heartbeats) for every claim this coordinator keeps alive
+        self._renewer: Any = self._make_renewer(store, self.clock)
 
     def _make_watchdog(self, clock: Clock) -> Any:
+        raise NotImplementedError
+
+    def _make_renewer(self, store: Any, clock: Clock) -> Any:
         raise NotImplementedError
 
     def add_hook(self, hook: Hook) -> None:
@@ -403,6 +469,88 @@ class IdempotencyBase(Emitter):
         if isinstance(reply, Mismatch):
             raise PayloadMismatch(key)
         raise TypeError(f"unexpected store reply {reply!r}")  # pragma: no cover
+
+    # ---- heartbeats -------------------------------------------------------------
+
+    def _heartbeat_every(self, renew_every: timedelta | float | None) -> float:
+        s = seconds(renew_every, "renew_every")
+        if s is None:
+            return self._lease_ms / 3000
+        if s <= 0 or s * 1000 >= self._lease_ms:
+            raise ConfigurationError(
+                f"renew_every must be positive and shorter than the lease of spec "
+                f"{self.spec.name!r} ({self._lease_ms / 1000:g}s), got {s}s"
+            )
+        return s
+
+    def _heartbeat(
+        self,
+        token: ClaimToken,
+        sent: float,
+        every: float,
+        max_run: float | None,
+        on_lost: Callable[[ClaimToken], object] | None,
+        also: Callable[[RenewState], None] | None = None,
+    ) -> Heartbeat:
+        """Keep ``token``'s claim alive on the coordinator's renewer until
+        :meth:`Heartbeat.stop`. Its local deadline (``sent`` + lease, moved by each
+        confirmed renewal) is watched by the coordinator's watchdog; on loss the
+        ``lost`` event is emitted, ``token.lost`` set, ``on_lost(token)`` called (its
+        error logged) and then ``also(state)`` (the async faces cancel the body)."""
+        coord = self._coord
+        state = RenewState(0, sent, ttl_ms=self._lease_ms, claim=token)
+        if coord._hooks:
+            state.report = lambda outcome, took, error: self._deliver("renew", outcome, took, error)
+
+        def lost() -> None:
+            if coord._hooks:
+                self._deliver("lost", "lost", 0.0)
+            if on_lost is not None:
+                try:
+                    on_lost(token)
+                except Exception:
+                    log.warning(
+                        "on_lost callback %r for claim %s:%s raised; the claim is lost all "
+                        "the same",
+                        on_lost,
+                        self.spec.name,
+                        token.key,
+                        exc_info=True,
+                    )
+            if also is not None:
+                also(state)
+
+        state.notify = lost
+        watchdog = coord._watchdog
+        entry = watchdog.watch(state.deadline(), self._expire_callback(state))
+        state.moved = lambda at: watchdog.move(entry, at)
+        until = None if max_run is None else coord.clock.monotonic() + max_run
+        renewal = Renewal(
+            "claim",
+            (self._ns, token._skey or self._skey(token.key), token.token),
+            self._lease_ms,
+            every,
+            state,
+            sent + every,
+            until,
+            f"max_run of {max_run}s reached" if max_run is not None else "",
+        )
+        coord._renewer.add(renewal)
+        return Heartbeat(coord, state, renewal, entry)
+
+    def _expire_callback(self, state: RenewState) -> Callable[[], None]:
+        raise NotImplementedError
+
+    def _lost_claim(self, token: ClaimToken, reason: str) -> Exception:
+        from ._errors import ClaimLost
+
+        return ClaimLost(
+            f"lost the claim on key {token.key!r} (fence {token.fence}) of spec "
+            f"{self.spec.name!r} while its work ran: {reason or 'its lease ran out'}; "
+            "another attempt took the key over, so nothing was recorded and a retry "
+            "runs again with a higher fence (check fenced writes before relying on this "
+            "attempt's work)"
+        )
 
     def _token_args(self, token: ClaimToken) -> tuple[str, str, str]:
         if not isinstance(token, ClaimToken):
@@ -756,6 +904,25 @@ def wrap_options(
     if key is not None and not callable(key):
         raise ConfigurationError("key must be a callable of the call's arguments, or None")
     seconds(wait, "wait")
+
+
+def heartbeat_options(
+    port: IdempotencyBase,
+    heartbeat: bool,
+    renew_every: timedelta | float | None,
+    max_run: timedelta | float | None,
+    on_lost: Callable[[ClaimToken], object] | None,
+) -> tuple[float | None, float | None]:
+    """(renewal interval or None for no heartbeat, max_run seconds or None)."""
+    if not isinstance(heartbeat, bool):
+        raise ConfigurationError(f"heartbeat must be True or False, got {heartbeat!r}")
+    if on_lost is not None and not callable(on_lost):
+        raise ConfigurationError(f"on_lost must be a callable of the claim token, got {on_lost!r}")
+    every = port._heartbeat_every(renew_every)
+    limit = seconds(max_run, "max_run")
+    if limit is not None and limit <= 0:
+        raise ConfigurationError(f"max_run must be positive, got {limit}s")
+    return (every if heartbeat else None), limit
 
 
 class FenceBase:

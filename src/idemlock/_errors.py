@@ -83,6 +83,13 @@ class StaleClaim(IdemlockError):
     it was completed or abandoned already, or the record was forgotten)."""
 
 
+class ClaimLost(StaleClaim):
+    """A claim kept alive by heartbeats was lost while its work ran: a renewal was
+    refused (another attempt took the key over) or none was confirmed before the lease
+    ran out (a paused process, a silent store), and the store no longer let this
+    attempt record its outcome. Nothing was recorded; a retry runs with a higher fence."""
+
+
 class InFlightError(IdemlockError):
     """Another attempt holds an unexpired claim on the key."""
 

@@ -14,13 +14,16 @@ from datetime import timedelta
 from typing import Any, TypeVar, cast
 
 from ._base import (
+    Attempt,
     CoordinatorBase,
+    Heartbeat,
     FenceBase,
     IdempotencyBase,
     LockBase,
     WrapPlan,
     check_token,
     enter_claim,
+    heartbeat_options,
     leave_claim,
     seconds,
     validated,
@@ -42,7 +45,8 @@ from ._core.types import (
     to_ms,
 )
 from ._drive import run_sync
-from ._errors import FencedOut, LockLost, LockNotAcquired
+from ._errors import FencedOut, InFlightError, LockLost, LockNotAcquired, StaleClaim
+from ._renewer import Renewer
 from ._watchdog import Watchdog
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -58,6 +62,9 @@ class Coordinator(CoordinatorBase):
 
     def _make_watchdog(self, clock: Clock) -> Watchdog:
         return Watchdog(clock)
+
+    def _make_renewer(self, store: Any, clock: Clock) -> Renewer:
+        return Renewer(store, clock)
 
     def idempotency(self, spec: IdempotencySpec | str) -> IdempotencyPort:
         """The claim/complete port of one kind of operation."""
@@ -94,6 +101,10 @@ class Coordinator(CoordinatorBase):
         wait: timedelta | float | None = None,
         *,
         replay_errors: tuple[type[BaseException], ...] = (),
+        heartbeat: bool = True,
+        renew_every: timedelta | float | None = None,
+        max_run: timedelta | float | None = None,
+        on_lost: Callable[[ClaimToken], object] | None = None,
     ) -> Callable[[F], F]:
         """Make a function idempotent: claim, run, complete; replay on a retry.
 
@@ -105,10 +116,22 @@ class Coordinator(CoordinatorBase):
         ``replay_errors`` is recorded and raised again on every replay; any other
         exception abandons the claim (a retry runs again) and propagates. Works on
         plain and ``async def`` functions.
+
+        Heartbeats: while the body runs its claim is renewed every ``renew_every``
+        (default: a third of the spec's lease) by the coordinator's one renewer, so the
+        lease only bounds how long a crashed worker blocks the key. ``max_run`` stops
+        renewing after that long (runaway protection); ``heartbeat=False`` never
+        renews. A claim is lost when a renewal is refused or none was confirmed before
+        its lease ran out: ``current_claim().lost`` turns True, ``on_lost(token)`` runs
+        (on an idemlock thread; its error is logged) and an ``async def`` body is
+        cancelled. When the body returns, its result is still recorded if nobody took
+        the key over (late completion); otherwise nothing is recorded and the call
+        raises :class:`~idemlock.ClaimLost`.
         """
         wrap_options(spec_or_name, key, on_in_flight, wait)
         port = self.idempotency(spec_or_name)
         wait_s = port._wait_for(wait) if on_in_flight == "wait" else None
+        every, limit = heartbeat_options(port, heartbeat, renew_every, max_run, on_lost)
 
         def decorate(fn: F) -> F:
             plan = WrapPlan(fn, key, replay_errors)
@@ -118,36 +141,76 @@ class Coordinator(CoordinatorBase):
                 async def awrapper(*args: Any, **kwargs: Any) -> Any:
                     # The sync store is called from a worker thread so a busy store
                     # never blocks the event loop.
-                    claim = await asyncio.to_thread(port._begin, plan, args, kwargs, wait_s)
+                    claim, sent = await asyncio.to_thread(
+                        port._begin_at, plan, args, kwargs, wait_s
+                    )
                     if isinstance(claim, Completed):
                         return plan.replay(claim)
-                    mark = enter_claim(claim.token)
+                    token = claim.token
+                    body = asyncio.current_task()
+                    loop = asyncio.get_running_loop()
+                    cancelled: list[bool] = []
+
+                    def cancel(state: RenewState) -> None:
+                        # From the watchdog's or renewer's thread: cancel on the loop,
+                        # unless the body finished meanwhile.
+                        def now() -> None:
+                            if not state.ended and body is not None:
+                                cancelled.append(True)
+                                body.cancel()
+
+                        loop.call_soon_threadsafe(now)
+
+                    hb = (
+                        None
+                        if every is None
+                        else port._heartbeat(token, sent, every, limit, on_lost, cancel)
+                    )
+                    mark = enter_claim(token)
                     try:
                         result = await fn(*args, **kwargs)
+                    except asyncio.CancelledError as exc:
+                        if hb is not None:
+                            hb.stop()
+                        if cancelled and _uncancel(body):
+                            await asyncio.to_thread(port._abandon_quietly, token)
+                            raise port._lost_claim(token, hb.reason if hb else "") from None
+                        await asyncio.to_thread(port._fail, plan, token, exc)
+                        raise
                     except BaseException as exc:
-                        await asyncio.to_thread(port._fail, plan, claim.token, exc)
+                        if hb is not None:
+                            hb.stop()
+                        await asyncio.to_thread(port._fail, plan, token, exc)
                         raise
                     finally:
                         leave_claim(mark)
-                    await asyncio.to_thread(port._record, plan, claim.token, result)
+                    if hb is not None:
+                        hb.stop()
+                    await asyncio.to_thread(port._record_beat, plan, token, result, hb)
                     return result
 
                 return cast(F, awrapper)
 
             @functools.wraps(fn)
             def wrapper(*args: Any, **kwargs: Any) -> Any:
-                claim = port._begin(plan, args, kwargs, wait_s)
+                claim, sent = port._begin_at(plan, args, kwargs, wait_s)
                 if isinstance(claim, Completed):
                     return plan.replay(claim)
-                mark = enter_claim(claim.token)
+                token = claim.token
+                hb = None if every is None else port._heartbeat(token, sent, every, limit, on_lost)
+                mark = enter_claim(token)
                 try:
                     result = fn(*args, **kwargs)
                 except BaseException as exc:
-                    port._fail(plan, claim.token, exc)
+                    if hb is not None:
+                        hb.stop()
+                    port._fail(plan, token, exc)
                     raise
                 finally:
                     leave_claim(mark)
-                port._record(plan, claim.token, result)
+                if hb is not None:
+                    hb.stop()
+                port._record_beat(plan, token, result, hb)
                 return result
 
             return cast(F, wrapper)
@@ -265,25 +328,135 @@ class IdempotencyPort(IdempotencyBase):
             raise
         return self._interpret(key, reply, None, t0, args[1])
 
+    @contextmanager
+    def run(
+        self,
+        key: str,
+        *,
+        payload: Any = None,
+        wait: timedelta | float | None = None,
+        heartbeat: bool = True,
+        renew_every: timedelta | float | None = None,
+        max_run: timedelta | float | None = None,
+        on_lost: Callable[[ClaimToken], object] | None = None,
+    ) -> Iterator[Attempt]:
+        """Claim or replay ``key`` for a block, for code that does not fit a decorator::
+
+            with port.run("order-7", payload=order) as attempt:
+                if not attempt.replayed:
+                    attempt.result = charge(order, fence=attempt.fence)
+            use(attempt.result)
+
+        A key completed already gives ``attempt.replayed`` (its ``result`` is the
+        recorded one). A key in flight elsewhere raises ``InFlightError``, or with
+        ``wait`` waits that long for it to complete or be freed. Otherwise the claim is
+        renewed while the block runs (heartbeats, as in ``Coordinator.idempotent``:
+        ``renew_every``, ``max_run``, ``on_lost``, ``heartbeat=False``), leaving the
+        block records ``attempt.result``, and an exception abandons the claim (a retry
+        runs again). A claim lost while the block ran (another attempt took the key
+        over) raises ``ClaimLost`` on exit, recording nothing."""
+        every, limit = heartbeat_options(self, heartbeat, renew_every, max_run, on_lost)
+        wait_s = None if wait is None else self._wait_for(wait)
+        claim, sent = self._claim_at(key, payload, wait_s)
+        if isinstance(claim, Completed):
+            yield Attempt(key, None, claim.result)
+            return
+        if not isinstance(claim, Claimed):
+            raise InFlightError(key, claim.expires_at)
+        token = claim.token
+        hb = None if every is None else self._heartbeat(token, sent, every, limit, on_lost)
+        attempt = Attempt(key, token)
+        mark = enter_claim(token)
+        try:
+            yield attempt
+        except BaseException:
+            if hb is not None:
+                hb.stop()
+            self._abandon_quietly(token)
+            raise
+        finally:
+            leave_claim(mark)
+        if hb is not None:
+            hb.stop()
+        try:
+            self.complete(token, attempt.result)
+        except StaleClaim:
+            if hb is None:
+                raise
+            raise self._lost_claim(token, hb.reason) from None
+
     # ---- the decorator's steps -------------------------------------------------
+
+    def _expire_callback(self, state: RenewState) -> Callable[[], None]:
+        def expire() -> None:
+            # On the watchdog's thread: mark at once, report on a thread of its own so
+            # a slow on_lost never delays the deadlines of other claims.
+            if state.mark_lost(state.expired_reason()):
+                threading.Thread(
+                    target=state.report_lost, name="idemlock-claim-lost", daemon=True
+                ).start()
+
+        return expire
+
+    def _claim_at(self, key: str, payload: Any, wait: float | None) -> tuple[Claim, float]:
+        """Claim (waiting up to ``wait`` while in flight): the claim and the clock's time
+        its last request was sent (its heartbeat counts the local deadline from it)."""
+        t0 = self._t0()
+        cargs = self._claim_args(key, payload)
+        clock = self._coord.clock
+        try:
+            if wait is None:
+                sent = clock.monotonic()
+                reply = self._store.claim(*cargs)
+            else:
+                stamp = [clock.monotonic()]
+                flow = claim_flow(*cargs, wait, clock, self._coord.poll_cap, stamp)
+                reply = run_sync(flow, self._store)
+                sent = stamp[0]
+        except Exception as exc:
+            self._failed("claim", exc, t0)
+            raise
+        return self._interpret(key, reply, None, t0, cargs[1]), sent
 
     def _begin(
         self, plan: WrapPlan, args: Any, kwargs: Any, wait: float | None
     ) -> Claimed | Completed:
+        return self._begin_at(plan, args, kwargs, wait)[0]
+
+    def _begin_at(
+        self, plan: WrapPlan, args: Any, kwargs: Any, wait: float | None
+    ) -> tuple[Claimed | Completed, float]:
         t0 = self._t0()
         key, payload = plan.key_payload(args, kwargs)
         _, load = plan.types()
         cargs = self._claim_args(key, payload)
+        clock = self._coord.clock
         try:
             if wait is None:
+                sent = clock.monotonic()
                 reply = self._store.claim(*cargs)
             else:
-                flow = claim_flow(*cargs, wait, self._coord.clock, self._coord.poll_cap)
+                stamp = [clock.monotonic()]
+                flow = claim_flow(*cargs, wait, clock, self._coord.poll_cap, stamp)
                 reply = run_sync(flow, self._store)
+                sent = stamp[0]
         except Exception as exc:
             self._failed("claim", exc, t0)
             raise
-        return cast("Claimed | Completed", self._replay_or_raise(key, reply, load, t0, cargs[1]))
+        claim = self._replay_or_raise(key, reply, load, t0, cargs[1])
+        return cast("Claimed | Completed", claim), sent
+
+    def _record_beat(
+        self, plan: WrapPlan, token: ClaimToken, result: Any, hb: Heartbeat | None
+    ) -> None:
+        """Record the body's result; a refusal after a heartbeat lost the claim is
+        ``ClaimLost`` (another attempt took the key over: nothing recorded)."""
+        try:
+            self._record(plan, token, result)
+        except StaleClaim:
+            if hb is None:
+                raise
+            raise self._lost_claim(token, hb.reason) from None
 
     def _record(self, plan: WrapPlan, token: ClaimToken, result: Any) -> None:
         t0 = self._t0()
@@ -328,6 +501,15 @@ class IdempotencyPort(IdempotencyBase):
                 token.key,
                 exc_info=True,
             )
+
+
+def _uncancel(task: asyncio.Task[Any] | None) -> bool:
+    """Take back our own cancellation of the body (claim lost); True if it was ours
+    alone (nobody else cancelled the task too)."""
+    uncancel = getattr(task, "uncancel", None)
+    if uncancel is None:  # Python 3.10: no count of cancellations to consult
+        return True
+    return bool(uncancel() == 0)
 
 
 class LockPort(LockBase):

@@ -13,13 +13,16 @@ from datetime import timedelta
 from typing import Any, TypeVar, cast
 
 from ._base import (
+    Attempt,
     CoordinatorBase,
+    Heartbeat,
     FenceBase,
     IdempotencyBase,
     LockBase,
     WrapPlan,
     check_token,
     enter_claim,
+    heartbeat_options,
     leave_claim,
     seconds,
     validated,
@@ -43,8 +46,16 @@ from ._core.types import (
     to_ms,
 )
 from ._drive import run_async
-from ._errors import ConfigurationError, FencedOut, LockLost, LockNotAcquired
+from ._errors import (
+    ConfigurationError,
+    FencedOut,
+    InFlightError,
+    LockLost,
+    LockNotAcquired,
+    StaleClaim,
+)
 from ._keyring import Keyring
+from ._renewer import AsyncRenewer
 from ._watchdog import AsyncWatchdog
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -97,6 +108,9 @@ class AsyncCoordinator(CoordinatorBase):
     def _make_watchdog(self, clock: Clock) -> AsyncWatchdog:
         return AsyncWatchdog(clock)
 
+    def _make_renewer(self, store: Any, clock: Clock) -> AsyncRenewer:
+        return AsyncRenewer(store, clock)
+
     def idempotency(self, spec: IdempotencySpec | str) -> AsyncIdempotencyPort:
         """The claim/complete port of one kind of operation."""
         return AsyncIdempotencyPort(self, self._idem_spec(spec))
@@ -132,11 +146,18 @@ class AsyncCoordinator(CoordinatorBase):
         wait: timedelta | float | None = None,
         *,
         replay_errors: tuple[type[BaseException], ...] = (),
+        heartbeat: bool = True,
+        renew_every: timedelta | float | None = None,
+        max_run: timedelta | float | None = None,
+        on_lost: Callable[[ClaimToken], object] | None = None,
     ) -> Callable[[F], F]:
-        """Make an ``async def`` function idempotent (see ``Coordinator.idempotent``)."""
+        """Make an ``async def`` function idempotent (see ``Coordinator.idempotent``,
+        heartbeats included: a lost claim cancels the body and the call raises
+        ``ClaimLost``)."""
         wrap_options(spec_or_name, key, on_in_flight, wait)
         port = self.idempotency(spec_or_name)
         wait_s = port._wait_for(wait) if on_in_flight == "wait" else None
+        every, limit = heartbeat_options(port, heartbeat, renew_every, max_run, on_lost)
 
         def decorate(fn: F) -> F:
             if not inspect.iscoroutinefunction(fn):
@@ -148,18 +169,37 @@ class AsyncCoordinator(CoordinatorBase):
 
             @functools.wraps(fn)
             async def wrapper(*args: Any, **kwargs: Any) -> Any:
-                claim = await port._begin(plan, args, kwargs, wait_s)
+                claim, sent = await port._begin_at(plan, args, kwargs, wait_s)
                 if isinstance(claim, Completed):
                     return plan.replay(claim)
-                mark = enter_claim(claim.token)
+                token = claim.token
+                cancels = _OwnCancels(asyncio.current_task())
+                hb = (
+                    None
+                    if every is None
+                    else port._heartbeat(token, sent, every, limit, on_lost, cancels.cancel)
+                )
+                mark = enter_claim(token)
                 try:
                     result = await fn(*args, **kwargs)
+                except asyncio.CancelledError as exc:
+                    if hb is not None:
+                        hb.stop()
+                    if cancels.absorb():
+                        await port._abandon_quietly(token)
+                        raise port._lost_claim(token, hb.reason if hb else "") from None
+                    await port._fail(plan, token, exc)
+                    raise
                 except BaseException as exc:
-                    await port._fail(plan, claim.token, exc)
+                    if hb is not None:
+                        hb.stop()
+                    await port._fail(plan, token, exc)
                     raise
                 finally:
                     leave_claim(mark)
-                await port._record(plan, claim.token, result)
+                if hb is not None:
+                    hb.stop()
+                await port._record_beat(plan, token, result, hb)
                 return result
 
             return cast(F, wrapper)
@@ -272,25 +312,126 @@ class AsyncIdempotencyPort(IdempotencyBase):
             raise
         return self._interpret(key, reply, None, t0, args[1])
 
+    @asynccontextmanager
+    async def run(
+        self,
+        key: str,
+        *,
+        payload: Any = None,
+        wait: timedelta | float | None = None,
+        heartbeat: bool = True,
+        renew_every: timedelta | float | None = None,
+        max_run: timedelta | float | None = None,
+        on_lost: Callable[[ClaimToken], object] | None = None,
+        cancel_on_lost: bool = True,
+    ) -> AsyncIterator[Attempt]:
+        """Claim or replay ``key`` for an ``async with`` block (see
+        ``IdempotencyPort.run``). A claim lost while the block runs also cancels the
+        block's task (unless ``cancel_on_lost=False``); leaving then raises
+        ``ClaimLost``, recording nothing."""
+        every, limit = heartbeat_options(self, heartbeat, renew_every, max_run, on_lost)
+        wait_s = None if wait is None else self._wait_for(wait)
+        claim, sent = await self._claim_at(key, payload, wait_s)
+        if isinstance(claim, Completed):
+            yield Attempt(key, None, claim.result)
+            return
+        if not isinstance(claim, Claimed):
+            raise InFlightError(key, claim.expires_at)
+        token = claim.token
+        cancels = _OwnCancels(asyncio.current_task() if cancel_on_lost else None)
+        hb = (
+            None
+            if every is None
+            else self._heartbeat(token, sent, every, limit, on_lost, cancels.cancel)
+        )
+        attempt = Attempt(key, token)
+        mark = enter_claim(token)
+        try:
+            yield attempt
+        except asyncio.CancelledError:
+            if hb is not None:
+                hb.stop()
+            await self._abandon_quietly(token)
+            if cancels.absorb():
+                raise self._lost_claim(token, hb.reason if hb else "") from None
+            raise
+        except BaseException:
+            if hb is not None:
+                hb.stop()
+            await self._abandon_quietly(token)
+            raise
+        finally:
+            leave_claim(mark)
+        if hb is not None:
+            hb.stop()
+        try:
+            await self.complete(token, attempt.result)
+        except StaleClaim:
+            if hb is None:
+                raise
+            raise self._lost_claim(token, hb.reason) from None
+
     # ---- the decorator's steps -------------------------------------------------
+
+    def _expire_callback(self, state: RenewState) -> Callable[[], None]:
+        # On the loop (the async watchdog): report at once.
+        return lambda: state.lose(state.expired_reason())
+
+    async def _claim_at(self, key: str, payload: Any, wait: float | None) -> tuple[Claim, float]:
+        t0 = self._t0()
+        cargs = self._claim_args(key, payload)
+        clock = self._coord.clock
+        try:
+            if wait is None:
+                sent = clock.monotonic()
+                reply = await self._store.claim(*cargs)
+            else:
+                stamp = [clock.monotonic()]
+                flow = claim_flow(*cargs, wait, clock, self._coord.poll_cap, stamp)
+                reply = await run_async(flow, self._store)
+                sent = stamp[0]
+        except Exception as exc:
+            self._failed("claim", exc, t0)
+            raise
+        return self._interpret(key, reply, None, t0, cargs[1]), sent
 
     async def _begin(
         self, plan: WrapPlan, args: Any, kwargs: Any, wait: float | None
     ) -> Claimed | Completed:
+        return (await self._begin_at(plan, args, kwargs, wait))[0]
+
+    async def _begin_at(
+        self, plan: WrapPlan, args: Any, kwargs: Any, wait: float | None
+    ) -> tuple[Claimed | Completed, float]:
         t0 = self._t0()
         key, payload = plan.key_payload(args, kwargs)
         _, load = plan.types()
         cargs = self._claim_args(key, payload)
+        clock = self._coord.clock
         try:
             if wait is None:
+                sent = clock.monotonic()
                 reply = await self._store.claim(*cargs)
             else:
-                flow = claim_flow(*cargs, wait, self._coord.clock, self._coord.poll_cap)
+                stamp = [clock.monotonic()]
+                flow = claim_flow(*cargs, wait, clock, self._coord.poll_cap, stamp)
                 reply = await run_async(flow, self._store)
+                sent = stamp[0]
         except Exception as exc:
             self._failed("claim", exc, t0)
             raise
-        return cast("Claimed | Completed", self._replay_or_raise(key, reply, load, t0, cargs[1]))
+        claim = self._replay_or_raise(key, reply, load, t0, cargs[1])
+        return cast("Claimed | Completed", claim), sent
+
+    async def _record_beat(
+        self, plan: WrapPlan, token: ClaimToken, result: Any, hb: Heartbeat | None
+    ) -> None:
+        try:
+            await self._record(plan, token, result)
+        except StaleClaim:
+            if hb is None:
+                raise
+            raise self._lost_claim(token, hb.reason) from None
 
     async def _record(self, plan: WrapPlan, token: ClaimToken, result: Any) -> None:
         t0 = self._t0()
@@ -552,6 +693,12 @@ class _OwnCancels:
     def __init__(self, body: asyncio.Task[Any] | None) -> None:
         self.body = body
         self.pending = False
+
+    def cancel(self, state: RenewState) -> None:
+        """Cancel the body because its claim was lost (on the loop), unless it ended."""
+        if self.body is not None and not state.ended:
+            self.pending = True
+            self.body.cancel()
 
     def absorb(self) -> bool:
         """A CancelledError reached the block: True if it was only ours (then it is

@@ -118,13 +118,18 @@ def claim_flow(
     wait: float | None,
     clock: Clock,
     poll_cap: float | None = None,
+    sent: list[float] | None = None,
 ) -> Generator[Request, Any, ClaimReply]:
     """Claim, and while the key is in flight wait up to ``wait`` seconds for it to be
-    completed (replay) or freed (then this caller claims it and runs)."""
+    completed (replay) or freed (then this caller claims it and runs). ``sent``, if
+    given, receives the clock's time of the last claim request (a heartbeat counts
+    the claim's local deadline from it)."""
     deadline = time.monotonic() + (wait or 0.0)
     sub = None
     attempt = 0
     while True:
+        if sent is not None:
+            sent[:] = [clock.monotonic()]
         reply: ClaimReply = yield Call("claim", (ns, key, fp, token, lease_ms))
         if not isinstance(reply, Busy):
             return reply
@@ -155,6 +160,8 @@ class RenewState:
     reason: str = ""
     #: the holder's lease, kept current so ``remaining()`` reflects each renewal
     lease: Lease | None = None
+    #: the claim token of a heartbeat-renewed claim (its ``lost`` flag is set on loss)
+    claim: Any = None
     #: told (outcome, seconds the attempt took, error type or None) after each renewal
     report: Callable[[str, float, str | None], None] | None = None
     #: reports the loss (event, ``on_lost``, cancelling the body)
@@ -181,9 +188,15 @@ class RenewState:
             if self.lost or self.ended:
                 return False
             self.lost, self.reason = True, reason
-            if self.lease is not None:
-                self.lease.lost = True
+            self._flag()
             return True
+
+    def _flag(self) -> None:
+        if self.lease is not None:
+            self.lease.lost = True
+        if self.claim is not None:
+            # ClaimToken is frozen; ``lost`` is outside its equality and hash.
+            object.__setattr__(self.claim, "lost", True)
 
     def report_lost(self) -> None:
         if self.notify is not None:
@@ -227,8 +240,7 @@ class RenewState:
             if not self.lost and not self.ended and now >= self.deadline():
                 late = True
                 self.lost, self.reason = True, self.expired_reason()
-                if self.lease is not None:
-                    self.lease.lost = True
+                self._flag()
             self.ended = True
             lost = self.lost
         if late:
@@ -290,3 +302,95 @@ def renew_flow(
             return state
         next_at = sent + every
     return state
+
+
+@dataclass(eq=False)
+class Renewal:
+    """One claim or lease a coordinator's renewer keeps alive.
+
+    ``args`` are the store arguments before the duration: ``(ns, key, token)`` for a
+    claim (``extend``), ``(ns, key, owner, token)`` for a lock (``renew``)."""
+
+    kind: str
+    args: tuple[Any, ...]
+    lease_ms: int
+    every: float
+    state: RenewState
+    #: when the next renewal is due (monotonic seconds on the coordinator's clock)
+    next_at: float
+    #: stop renewing at this time (``max_run`` / ``max_hold``); None: never
+    until: float | None = None
+    #: why renewal stops at ``until`` (the reason given once the lease runs out)
+    until_reason: str = ""
+    #: transient failures in a row (backoff)
+    attempt: int = 0
+    #: removed from the renewer (the block ended or the lease was lost)
+    done: bool = False
+
+    def store_call(self) -> tuple[str, tuple[Any, ...]]:
+        method = "extend" if self.kind == "claim" else "renew"
+        return method, (*self.args, self.lease_ms)
+
+    def batch_item(self) -> tuple[Any, ...]:
+        return (self.kind, *self.args, self.lease_ms)
+
+
+def _renew_failed(r: Renewal, exc: Exception, sent: float, clock: Clock) -> None:
+    now = clock.monotonic()
+    r.state.tell("error", now - sent, type(exc).__name__)
+    left = r.state.deadline() - now
+    if left <= 0:
+        r.state.lose(f"renewal failed: {exc}")
+        r.done = True
+        return
+    r.attempt += 1
+    r.next_at = now + min(_backoff(r.attempt, 0.25), left)
+
+
+def _renew_answered(r: Renewal, sent: float, new_exp: int | None, clock: Clock) -> None:
+    now = clock.monotonic()
+    r.attempt = 0
+    r.state.tell("failed" if new_exp is None else "ok", now - sent)
+    if new_exp is None:
+        what = "claim" if r.kind == "claim" else "lease"
+        r.state.lose(f"the store no longer holds this {what} (it expired or was taken over)")
+        r.done = True
+        return
+    if not r.state.adopt(sent, int(new_exp), now):
+        r.done = True
+        return
+    r.next_at = sent + r.every
+
+
+def renew_batch_flow(
+    batch: list[Renewal], batched: bool, clock: Clock
+) -> Generator[Request, Any, None]:
+    """Renew every item of ``batch`` (all due now): one ``renew_many`` call when the
+    store has a batched renewal, else one ``extend``/``renew`` call each. Each item's
+    state adopts its confirmed renewal, or is lost when the store says it is gone; a
+    transient failure is retried with backoff while the item's lease has time. The
+    watchdog, not this flow, decides a loss by time."""
+    from .._errors import StoreUnavailable
+
+    if batched:
+        sent = clock.monotonic()
+        try:
+            replies = yield Call("renew_many", ([r.batch_item() for r in batch],))
+        except StoreUnavailable as exc:
+            for r in batch:
+                _renew_failed(r, exc, sent, clock)
+            return
+        for r, reply in zip(batch, replies):
+            _renew_answered(r, sent, reply, clock)
+        return
+    for r in batch:
+        if r.state.lost or r.done:
+            continue
+        sent = clock.monotonic()
+        method, args = r.store_call()
+        try:
+            reply = yield Call(method, args)
+        except StoreUnavailable as exc:
+            _renew_failed(r, exc, sent, clock)
+            continue
+        _renew_answered(r, sent, reply, clock)

@@ -50,14 +50,14 @@ class IdempotencySpec:
 
     ``name`` is the namespace of its keys: keep it stable, it is never derived from
     code. ``ttl`` is how long a completed result is remembered and replayed.
-    ``lease`` is how long an unfinished claim stays reserved; after it, a retry may
-    take the key over (a crashed worker never blocks a key forever), so make it
-    longer than the operation takes.
+    ``lease`` is how long after a crash an unfinished claim frees itself: the
+    decorator, ``port.run()`` and the integrations renew it (heartbeats) while the
+    work runs, so it need not be longer than the operation takes.
     """
 
     name: str
     ttl: timedelta = timedelta(hours=24)
-    lease: timedelta = timedelta(minutes=5)
+    lease: timedelta = timedelta(seconds=30)
     encrypt_result: bool = False
 
     def __post_init__(self) -> None:
@@ -95,6 +95,8 @@ class ClaimToken:
     _ns: str = field(repr=False, compare=False, default="")
     #: the key as the store holds it (an HMAC when a keyring is set)
     _skey: str = field(repr=False, compare=False, default="")
+    #: True once a heartbeat-renewed claim is lost (see ``Coordinator.idempotent``)
+    lost: bool = field(compare=False, default=False)
 
 
 @dataclass(frozen=True, slots=True)

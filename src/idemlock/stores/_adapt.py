@@ -59,6 +59,13 @@ class _AsyncFace:
         self.poll_cap: float | None = getattr(sync, "poll_cap", None)
         #: the bound on one call (seconds), the sync store's
         self.timeout: float = float(getattr(sync, "timeout", 5.0))
+        if callable(getattr(sync, "renew_many", None)):
+            # The batched renewal of a coordinator's renewer, only where the sync store has it.
+            self.renew_many = self._renew_many
+
+    async def _renew_many(self, items: list[tuple[Any, ...]]) -> list[int | None]:
+        r: list[int | None] = await self._call(self.sync.renew_many, items)  # type: ignore[attr-defined]
+        return r
 
     async def _call(self, fn: Any, *args: Any) -> Any:
         raise NotImplementedError

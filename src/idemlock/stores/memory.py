@@ -153,6 +153,33 @@ class MemoryStore:
             rec.expires_ms = now + lease_ms
             return rec.expires_ms
 
+    def renew_many(self, items: list[tuple[Any, ...]]) -> list[int | None]:
+        """Renew many claims and leases in one critical section (the batched renewal of
+        a coordinator's renewer): ``("claim", ns, key, token, lease_ms)`` extends a
+        claim, ``("lock", ns, key, owner, token, ttl_ms)`` renews a lease. Each answer
+        is the new expiry (store ms) or None where the store no longer holds it."""
+        out: list[int | None] = []
+        with self._lock:
+            now = self._now()
+            for item in items:
+                if item[0] == "claim":
+                    _, ns, key, token, lease_ms = item
+                    rec = self._claims.get((ns, key))
+                    if rec is None or not T.holds(rec, token, now):
+                        out.append(None)
+                        continue
+                    rec.expires_ms = now + int(lease_ms)
+                    out.append(rec.expires_ms)
+                else:
+                    _, ns, key, owner, token, ttl_ms = item
+                    lrec = self._locks.get((ns, key))
+                    if lrec is None or not T.lock_held_by(lrec, owner, token, now):
+                        out.append(None)
+                        continue
+                    lrec.expires_ms = now + int(ttl_ms)
+                    out.append(lrec.expires_ms)
+        return out
+
     def record(self, ns: str, key: str) -> RecordRow | None:
         with self._lock:
             rec = self._claims.get((ns, key))
