@@ -21,7 +21,7 @@ from . import _conf
 from ._ops import WRITES, Op, Ops, Rpc, Waiter
 from ._pb.etcdserverpb import rpc_pb2 as _rpc_pb2
 from ._pb.etcdserverpb import rpc_pb2_grpc as _rpc_pb2_grpc
-from ._sync import CHANNEL_OPTIONS, _track_fork, leave_rpc, watch_range
+from ._sync import _STORES, CHANNEL_OPTIONS, INHERITED, _track_fork, leave_rpc, watch_range
 
 log = logging.getLogger("idemlock")
 pb: Any = _rpc_pb2  # generated without type information
@@ -63,6 +63,7 @@ class AsyncClient:
         _track_fork(self)
 
     def after_fork(self) -> None:
+        INHERITED.append((self._stubs, self._background))
         self._stubs, self._loop, self._background = {}, None, set()
 
     def stubs(self) -> _Stubs:
@@ -156,6 +157,24 @@ class AsyncClient:
             for s in chans:
                 with contextlib.suppress(Exception):
                     await s.channel.close()
+
+
+class _AsyncGateway:
+    """The gateway client (blocking HTTP) for a forked child's event loop."""
+
+    def __init__(self, sync: Any) -> None:
+        self.sync = sync
+        self.conf = sync.conf
+        self._background: set[asyncio.Task[Any]] = set()
+
+    async def call(self, rpc: Rpc, deadline: float) -> Any:
+        return await asyncio.to_thread(self.sync.call, rpc, deadline)
+
+    def background(self, rpc: Rpc) -> None:
+        self.sync.background(rpc)
+
+    async def close(self) -> None:
+        return None
 
 
 async def drive(client: AsyncClient, op: Op) -> Any:
@@ -368,6 +387,17 @@ class AsyncEtcdStore:
         self._watcher = AsyncWatcher(self.client, conf.root)
         # undo calls for cancelled claims/acquires, kept from being collected
         self._undoing: set[asyncio.Task[Any]] = set()
+        #: after os.fork(), the child's calls go over etcd's HTTP gateway (A6)
+        self._gateway: Any = None
+        _STORES.add(self)
+
+    def after_fork(self) -> None:
+        from ._gateway import GatewayClient, GatewayWatcher
+
+        INHERITED.append((self.client, self._watcher))
+        sync = GatewayClient(self.conf)
+        self.client = _AsyncGateway(sync)  # type: ignore[assignment]
+        self._gateway = GatewayWatcher(sync)
 
     async def _run(self, op: Op) -> Any:
         return await drive(self.client, op)
@@ -445,7 +475,11 @@ class AsyncEtcdStore:
             # Outcome unknown: free it if it is held by this owner (owners are per call).
             return self.ops.release_owner(ns, key, owner) if reply is None else None
 
-        waiter = self._watcher.waiting(K.lock_name(self.conf.root, ns, key))
+        waiter = (
+            None
+            if self._gateway is not None
+            else self._watcher.waiting(K.lock_name(self.conf.root, ns, key))
+        )
         r: Acquired | Held = await self._undoable(
             self.ops.acquire(ns, key, owner, ttl_ms, waiter), undo
         )
@@ -477,10 +511,17 @@ class AsyncEtcdStore:
     async def purge(self) -> int:
         return int(await self._run(self.ops.purge()))
 
-    async def subscribe(self, channel: Channel) -> AsyncSubscription:
+    async def subscribe(self, channel: Channel) -> Any:
         key, end = watch_range(self.conf.root, channel)
+        if self._gateway is not None:
+            from ._gateway import AsyncGatewaySubscription
+
+            sub = await asyncio.to_thread(self._gateway.subscribe, key, end, channel.kind == "lock")
+            return AsyncGatewaySubscription(sub)
         return await self._watcher.subscribe(key, end, channel)
 
     async def aclose(self) -> None:
+        if self._gateway is not None:
+            return  # a forked child: nothing of gRPC's may be touched
         await self._watcher.aclose()
         await self.client.close()

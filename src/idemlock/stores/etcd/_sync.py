@@ -95,7 +95,10 @@ class SyncClient:
                 self._current = (self._current + 1) % len(self.conf.endpoints)
 
     def after_fork(self) -> None:
-        # Drop (never close: the parent still uses them) what the parent opened.
+        # Drop (never close: the parent still uses them) what the parent opened, and
+        # keep it referenced: freeing a gRPC channel in the child would call into
+        # gRPC's core, whose state the fork copied mid-flight.
+        INHERITED.append((self._stubs, self._pending))
         self._lock = threading.Lock()
         self._stubs = {}
         self._pending = set()
@@ -173,6 +176,8 @@ def _far() -> float:
 
 
 _CLIENTS: weakref.WeakSet[Any] = weakref.WeakSet()
+#: what a forked child inherited from gRPC: kept referenced, never used nor freed
+INHERITED: list[Any] = []
 
 
 def _track_fork(client: Any) -> None:
@@ -282,6 +287,7 @@ class SyncWatcher:
         self._closed = False
 
     def after_fork(self) -> None:
+        INHERITED.append((self._groups, self._queue, self._call, self._thread))
         self._lock = threading.Lock()
         self._created = threading.Condition(self._lock)
         self._groups, self._by_id = {}, {}
@@ -426,6 +432,16 @@ class EtcdStore:
         self.ops = Ops(conf.root)
         self._watcher = SyncWatcher(self.client, conf.root)
         _WATCHERS.add(self._watcher)
+        #: after os.fork(), the child's calls go over etcd's HTTP gateway (A6)
+        self._gateway: Any = None
+        _STORES.add(self)
+
+    def after_fork(self) -> None:
+        from ._gateway import GatewayClient, GatewayWatcher
+
+        INHERITED.append(self.client)
+        self.client = GatewayClient(self.conf)  # type: ignore[assignment]
+        self._gateway = GatewayWatcher(self.client)  # type: ignore[arg-type]
 
     def _run(self, op: Op) -> Any:
         return drive(self.client, op)
@@ -456,7 +472,11 @@ class EtcdStore:
         return r
 
     def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
-        waiter = self._watcher.waiting(K.lock_name(self.conf.root, ns, key))
+        waiter = (
+            None
+            if self._gateway is not None
+            else self._watcher.waiting(K.lock_name(self.conf.root, ns, key))
+        )
         r: Acquired | Held = self._run(self.ops.acquire(ns, key, owner, ttl_ms, waiter))
         return r
 
@@ -486,11 +506,15 @@ class EtcdStore:
     def purge(self) -> int:
         return int(self._run(self.ops.purge()))
 
-    def subscribe(self, channel: Channel) -> SyncSubscription:
+    def subscribe(self, channel: Channel) -> Any:
         key, end = watch_range(self.conf.root, channel)
+        if self._gateway is not None:
+            return self._gateway.subscribe(key, end, channel.kind == "lock")
         return self._watcher.subscribe(key, end, channel)
 
     def close(self) -> None:
+        if self._gateway is not None:
+            return  # a forked child: nothing of gRPC's may be touched
         self._watcher.close()
         self.client.close()
 
@@ -514,9 +538,14 @@ def leave_rpc(root: bytes, channel: Channel, waiter: Waiter) -> Rpc:
 _WATCHERS: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
+_STORES: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
 def _watchers_after_fork() -> None:
     for w in list(_WATCHERS):
         w.after_fork()
+    for store in list(_STORES):
+        store.after_fork()
 
 
 if hasattr(os, "register_at_fork"):
