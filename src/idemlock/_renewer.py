@@ -14,6 +14,7 @@ watchdog fires at each local deadline, whatever a renewal in progress is doing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import os
@@ -160,10 +161,8 @@ class _LoopRenewer:
 
     async def _sleep(self, seconds: float) -> None:
         self.wake.clear()
-        try:
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.wake.wait(), max(0.0, seconds))
-        except asyncio.TimeoutError:
-            pass
 
     async def run(self) -> None:
         owner = self.owner

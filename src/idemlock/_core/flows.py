@@ -380,7 +380,7 @@ def renew_batch_flow(
             for r in batch:
                 _renew_failed(r, exc, sent, clock)
             return
-        for r, reply in zip(batch, replies):
+        for r, reply in zip(batch, replies, strict=True):
             _renew_answered(r, sent, reply, clock)
         return
     for r in batch:

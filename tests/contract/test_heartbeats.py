@@ -1,0 +1,347 @@
+"""Heartbeats (issue 11), on every store, sync and async: a claim that spans work is
+renewed by its coordinator's renewer, so the lease bounds how long a crashed worker
+blocks the key, not how long the work may run.
+
+* a body running 3x its lease keeps its key: a competitor sees InFlight all along and
+  the body runs once;
+* a worker SIGKILLed in a long body frees its key within lease + one renewal interval;
+* a worker SIGSTOPped past its lease loses the claim: a competitor takes the key over,
+  and the paused attempt's completion is refused (ClaimLost, nothing recorded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+
+from idemlock import (
+    Claimed,
+    ClaimLost,
+    Completed,
+    IdempotencySpec,
+    InFlight,
+    StaleClaim,
+    current_claim,
+)
+
+from .facade import Facade
+from .harness import Harness
+
+LEASE = 0.6
+EVERY = LEASE / 3
+SPEC = IdempotencySpec("beat", ttl=timedelta(seconds=60), lease=timedelta(seconds=LEASE))
+
+
+def _step(api: Facade) -> float:
+    """Let time pass for the store; returns how long to really sleep (a manual clock
+    is moved and the renewer, on real time, gets a moment to act)."""
+    h = api.harness
+    if h.clock is not None:
+        h.clock.advance(EVERY / 2)
+        return 0.05
+    return EVERY / 2
+
+
+async def _pause(api: Facade) -> None:
+    real = _step(api)
+    if api.mode == "sync":
+        time.sleep(real)  # noqa: ASYNC251  (a sync body blocks its caller, as users' do)
+    else:
+        await asyncio.sleep(real)
+
+
+async def test_body_running_three_leases_keeps_its_key(api: Facade) -> None:
+    competitor = api.harness.sync()
+    rival = competitor.idempotency(SPEC)
+    runs: list[str] = []
+    seen: list[str] = []
+    steps = 6 * 3  # 3 leases in steps of half an interval
+
+    def check(key: str) -> None:
+        seen.append(rival.claim(key, payload={"key": key}).kind)
+        claim = current_claim()
+        assert claim is not None and not claim.lost
+
+    if api.mode == "sync":
+
+        def work(key: str) -> str:
+            runs.append(key)
+            for _ in range(steps):
+                time.sleep(_step(api))
+                check(key)
+            return "done"
+
+    else:
+
+        async def work(key: str) -> str:  # type: ignore[misc]
+            runs.append(key)
+            for _ in range(steps):
+                await asyncio.sleep(_step(api))
+                check(key)
+            return "done"
+
+    call = api.wrap(SPEC, work, key=lambda key: key)
+    try:
+        assert await call("long") == "done"
+        assert len(seen) == steps and set(seen) == {"in_flight"}, seen
+        assert runs == ["long"]
+        replay = rival.claim("long", payload={"key": "long"})
+        assert isinstance(replay, Completed) and replay.result == "done"
+        assert await call("long") == "done"  # a retry replays, the body does not run
+        assert runs == ["long"]
+    finally:
+        competitor.close()
+
+
+async def test_without_heartbeat_a_long_body_loses_its_key(api: Facade) -> None:
+    """The test above can fail: with ``heartbeat=False`` a competitor takes over."""
+    competitor = api.harness.sync()
+    rival = competitor.idempotency(SPEC)
+    kinds: list[str] = []
+
+    def take(key: str) -> None:
+        claim = rival.claim(key, payload={"key": key})
+        kinds.append(claim.kind)
+        assert isinstance(claim, Claimed)
+        rival.complete(claim.token, "rival")
+
+    if api.mode == "sync":
+
+        def work(key: str) -> str:
+            for _ in range(12):
+                time.sleep(_step(api))
+            take(key)
+            return "late"
+
+    else:
+
+        async def work(key: str) -> str:  # type: ignore[misc]
+            for _ in range(12):
+                await asyncio.sleep(_step(api))
+            take(key)
+            return "late"
+
+    call = api.wrap(SPEC, work, key=lambda key: key, heartbeat=False)
+    try:
+        with pytest.raises(StaleClaim) as caught:
+            await call("k")
+        assert not isinstance(caught.value, ClaimLost)  # no heartbeat: the plain error
+        assert kinds == ["claimed"]
+    finally:
+        competitor.close()
+
+
+async def test_port_run_keeps_its_key_and_records(api: Facade) -> None:
+    competitor = api.harness.sync()
+    rival = competitor.idempotency(SPEC)
+    port = api.coord.idempotency(SPEC)
+    try:
+        if api.mode == "sync":
+            with port.run("blk", payload={"n": 1}) as attempt:
+                assert not attempt.replayed and attempt.fence is not None
+                for _ in range(6):
+                    await _pause(api)
+                    assert isinstance(rival.claim("blk", payload={"n": 1}), InFlight)
+                attempt.result = {"ok": 1}
+            with port.run("blk", payload={"n": 1}) as again:
+                assert again.replayed and again.result == {"ok": 1}
+            with pytest.raises(RuntimeError), port.run("err", payload={}):
+                raise RuntimeError("boom")
+        else:
+            async with port.run("blk", payload={"n": 1}) as attempt:
+                assert not attempt.replayed and attempt.fence is not None
+                for _ in range(6):
+                    await _pause(api)
+                    assert isinstance(rival.claim("blk", payload={"n": 1}), InFlight)
+                attempt.result = {"ok": 1}
+            async with port.run("blk", payload={"n": 1}) as again:
+                assert again.replayed and again.result == {"ok": 1}
+            with pytest.raises(RuntimeError):
+                async with port.run("err", payload={}):
+                    raise RuntimeError("boom")
+        replay = rival.claim("blk", payload={"n": 1})
+        assert isinstance(replay, Completed) and replay.result == {"ok": 1}
+        # An exception abandoned the claim: a retry runs.
+        assert isinstance(rival.claim("err", payload={}), Claimed)
+    finally:
+        competitor.close()
+
+
+# ---- real processes: SIGKILL and SIGSTOP -------------------------------------------
+
+CHILD = r"""
+import asyncio, sys, time
+import idemlock, idemlock.aio
+from datetime import timedelta
+from idemlock import IdempotencySpec, ClaimLost, current_claim
+
+url, prefix, mode, key, lease, body = sys.argv[1:]
+lease, body = float(lease), float(body)
+spec = IdempotencySpec("beat-proc", ttl=timedelta(seconds=60), lease=timedelta(seconds=lease))
+
+def say(*words):
+    print(*words, flush=True)
+
+if mode == "sync":
+    coord = idemlock.connect(url, key_prefix=prefix)
+
+    @coord.idempotent(spec, key=lambda: key)
+    def work() -> str:
+        say("started", current_claim().fence)
+        time.sleep(body)
+        say("returning", current_claim().lost)
+        return "child"
+
+    try:
+        work()
+        say("recorded")
+    except ClaimLost:
+        say("ClaimLost")
+else:
+    async def main():
+        coord = idemlock.aio.connect(url, key_prefix=prefix)
+
+        @coord.idempotent(spec, key=lambda: key)
+        async def work() -> str:
+            say("started", current_claim().fence)
+            await asyncio.sleep(body)
+            say("returning", current_claim().lost)
+            return "child"
+
+        try:
+            await work()
+            say("recorded")
+        except ClaimLost:
+            say("ClaimLost")
+        await coord.close()
+
+    asyncio.run(main())
+"""
+
+PROC_LEASE = 1.0
+
+
+def _spawn(h: Harness, mode: str, key: str, body: float) -> subprocess.Popen[str]:
+    assert h.url is not None
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, h.url, h.prefix, mode, key, str(PROC_LEASE), str(body)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _started(proc: subprocess.Popen[str]) -> int:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("started"), line
+    return int(line.split()[1])
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigkilled_worker_frees_its_key_within_lease_and_one_interval(
+    process_harness: Harness, mode: str
+) -> None:
+    h = process_harness
+    coord = h.sync()
+    port = coord.idempotency(
+        IdempotencySpec("beat-proc", ttl=timedelta(seconds=60), lease=timedelta(seconds=PROC_LEASE))
+    )
+    proc = _spawn(h, mode, "kill-me", 60.0)
+    try:
+        fence = _started(proc)
+        time.sleep(2.5 * PROC_LEASE)  # past its lease: still held, thanks to heartbeats
+        assert isinstance(port.claim("kill-me", payload={}), InFlight)
+        os.kill(proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        proc.wait(10)
+        while True:
+            claim = port.claim("kill-me", payload={})
+            if isinstance(claim, Claimed):
+                break
+            assert time.monotonic() - killed < 10 * PROC_LEASE, "the key never freed itself"
+            time.sleep(0.02)
+        freed = time.monotonic() - killed
+        # The last renewal confirmed at most one interval before the kill reserves the
+        # key for one lease from then (plus polling and scheduling slack).
+        assert freed <= PROC_LEASE + PROC_LEASE / 3 + 0.5, freed
+        assert claim.token.fence > fence
+        port.complete(claim.token, "after the crash")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        coord.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigstopped_worker_loses_its_claim_and_its_completion_is_refused(
+    process_harness: Harness, mode: str
+) -> None:
+    h = process_harness
+    coord = h.sync()
+    port = coord.idempotency(
+        IdempotencySpec("beat-proc", ttl=timedelta(seconds=60), lease=timedelta(seconds=PROC_LEASE))
+    )
+    proc = _spawn(h, mode, "pause-me", 0.5)
+    try:
+        fence = _started(proc)
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(2.5 * PROC_LEASE)
+        if h.name.startswith("etcd"):
+            h.advance(0.0)  # the harness ends the etcd leases that are due
+        taken = port.claim("pause-me", payload={})
+        assert isinstance(taken, Claimed) and taken.token.fence > fence
+        os.kill(proc.pid, signal.SIGCONT)
+        out, _ = proc.communicate(timeout=30)
+        assert "ClaimLost" in out.split(), out
+        assert "recorded" not in out.split(), out
+        # The paused attempt recorded nothing; the one that took over is intact.
+        assert isinstance(port.claim("pause-me", payload={}), InFlight)
+        port.complete(taken.token, "rival")
+        replay = port.claim("pause-me", payload={})
+        assert isinstance(replay, Completed) and replay.result == "rival"
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+        coord.close()
+
+
+def test_renewer_is_one_per_coordinator(harness: Harness) -> None:
+    """Many concurrent decorated calls share the coordinator's one renewer (one thread),
+    and renew in batches where the store has ``renew_many``."""
+    coord = harness.sync()
+    try:
+        import threading
+
+        before = {t.name for t in threading.enumerate() if t.name == "idemlock-renewer"}
+        assert coord._renewer is coord.for_tenant("x")._renewer
+        spec = IdempotencySpec("beat-many", lease=timedelta(seconds=LEASE))
+        gate = threading.Barrier(21)
+
+        @coord.idempotent(spec, key=lambda i: f"m{i}")
+        def work(i: int) -> int:
+            gate.wait(10)  # all 20 in flight at once
+            gate.wait(10)
+            return i
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(20)]
+        for t in threads:
+            t.start()
+        gate.wait(10)
+        renewers = [t for t in threading.enumerate() if t.name == "idemlock-renewer"]
+        assert len(renewers) - len(before) <= 1
+        gate.wait(10)
+        for t in threads:
+            t.join(10)
+        assert isinstance(coord.idempotency(spec).claim("m3", payload={"i": 3}), Completed)
+    finally:
+        coord.close()
