@@ -58,7 +58,17 @@ from ._sync import Coordinator, FenceGate, IdempotencyPort, LockPort
 # Quiet unless the application configures logging.
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
-__version__ = "0.1.0"
+def _version() -> str:
+    # From the installed distribution's metadata, so the package, the CLI and pip agree.
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("idemlock")
+    except PackageNotFoundError:  # imported from a source tree that was never installed
+        return "0+unknown"
+
+
+__version__ = _version()
 
 __all__ = [
     "Attempt",

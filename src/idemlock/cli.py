@@ -260,6 +260,12 @@ def _url_help() -> str:
     return f"store URL (default: $IDEMLOCK_URL, else {_shown_url(default_url())})"
 
 
+def _package_version() -> str:
+    from . import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
@@ -267,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Idempotent operations and fenced locks for retried work.",
         epilog=_epilog(),
         formatter_class=formatter,
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {_package_version()}"
     )
     parser.add_argument("--url", default=None, help=_url_help())
     parser.add_argument(
