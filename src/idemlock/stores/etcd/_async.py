@@ -373,6 +373,11 @@ class AsyncWatcher:
 # ---- the store -----------------------------------------------------------------------------
 
 
+def _none(reply: Any) -> None:
+    """Nothing to undo: the call frees what it touches (complete, abandon, release)."""
+    return None
+
+
 class AsyncEtcdStore:
     """The port on etcd v3 (3.4+), asyncio."""
 
@@ -448,10 +453,11 @@ class AsyncEtcdStore:
         return r
 
     async def complete(self, ns: str, key: str, token: str, result: bytes, ttl_ms: int) -> bool:
-        return bool(await self._run(self.ops.complete(ns, key, token, result, ttl_ms)))
+        # Runs to its end even if the caller is cancelled: a finished job's result is kept.
+        return bool(await self._undoable(self.ops.complete(ns, key, token, result, ttl_ms), _none))
 
     async def abandon(self, ns: str, key: str, token: str) -> bool:
-        return bool(await self._run(self.ops.abandon(ns, key, token)))
+        return bool(await self._undoable(self.ops.abandon(ns, key, token), _none))
 
     async def extend(self, ns: str, key: str, token: str, lease_ms: int) -> int | None:
         r: int | None = await self._run(self.ops.extend(ns, key, token, lease_ms))
@@ -486,7 +492,7 @@ class AsyncEtcdStore:
         return r
 
     async def release(self, ns: str, key: str, owner: str, token: int) -> bool:
-        return bool(await self._run(self.ops.release(ns, key, owner, token)))
+        return bool(await self._undoable(self.ops.release(ns, key, owner, token), _none))
 
     async def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
         r: int | None = await self._run(self.ops.renew(ns, key, owner, token, ttl_ms))
