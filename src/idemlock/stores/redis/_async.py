@@ -153,25 +153,69 @@ class AsyncRedisStore:
 
     # ---- plumbing ------------------------------------------------------------------------
 
-    async def _eval(self, script: C.Script, keys: tuple[bytes, ...], args: tuple[Any, ...]) -> Any:
+    async def _eval(
+        self,
+        script: C.Script,
+        keys: tuple[bytes, ...],
+        args: tuple[Any, ...],
+        *,
+        finish: bool = False,
+        undo: Callable[[Any], Any] | None = None,
+        undo_late: bool = False,
+    ) -> Any:
+        """Run one script within ``timeout``, queueing for a connection included.
+
+        The script runs in a task of its own and the caller waits on it through a
+        shield, so the deadline and the caller's cancellation always reach the caller
+        at once: redis-py waits with asyncio.wait_for, which on Python < 3.12 can
+        swallow a cancellation (then the script would go on to its socket timeouts).
+        What happens to the script when the caller stops waiting is the call's policy:
+        ``undo`` (claim, acquire: give back what it took once its reply is in),
+        ``finish`` (complete, abandon, release: run to the end, so the caller's token
+        still settles it), else it is cancelled. After the deadline the caller has
+        been told the call may have been applied and may repeat it (the same owner
+        re-acquiring gets the same lease), so only an undo that cannot hit such a
+        repetition (``undo_late``: a claim's token is never reused) still runs.
+        """
         st = self._last
         if st is None or st.loop() is not asyncio.get_running_loop():
             st = self._state()
-        task = asyncio.current_task()
-        before = _cancelling(task)
+        task = asyncio.ensure_future(self._run(st, script, keys, args))
         try:
-            reply = await _bounded(self._run(st, script, keys, args), self.timeout)
-        except asyncio.TimeoutError as exc:
+            return await _bounded(asyncio.shield(task), self.timeout)
+        except asyncio.TimeoutError:
+            late = undo if undo_late else None
+            keep = finish or late is not None  # runs on to its own socket timeouts
+            self._abandon_task(task, late, script.name, cancel=not keep)
             raise StoreUnavailable(
                 f"redis {script.name}: no reply within timeout={self.timeout:g}s (Redis or "
                 "the network is stalled, or more calls at once than the pool's "
-                f"max_connections queued that long); the call may have been applied"
-            ) from exc
-        if _cancelling(task) > before:
-            # On Python < 3.12 asyncio.wait_for (used by redis-py to open a connection)
-            # can swallow a cancellation that races with its completion; deliver it.
-            raise asyncio.CancelledError()
-        return reply
+                "max_connections queued that long); the call may have been applied"
+            ) from None
+        except asyncio.CancelledError:
+            keep = finish or undo is not None
+            self._abandon_task(task, undo, script.name, cancel=not keep)
+            raise
+
+    def _abandon_task(
+        self,
+        task: asyncio.Task[Any],
+        undo: Callable[[Any], Any] | None,
+        what: str,
+        cancel: bool,
+    ) -> None:
+        """The caller stopped waiting for ``task``: cancel it, let it finish, or undo
+        what it did once it ends."""
+        if task.done() and undo is None:
+            if not task.cancelled():
+                task.exception()  # retrieved: a failure nobody waits for is no error
+            return
+        if cancel:
+            task.cancel()
+        self._undoing.add(task)
+        if undo is not None:
+            task.add_done_callback(lambda t: self._undo_after(t, undo, what))
+        task.add_done_callback(self._undone)
 
     async def _run(
         self, st: _LoopState, script: C.Script, keys: tuple[bytes, ...], args: tuple[Any, ...]
@@ -189,57 +233,42 @@ class AsyncRedisStore:
             except _ERRORS as exc:
                 raise C.store_error(exc, script.name) from exc
 
-    async def _undoable(self, call: Any, undo: Callable[[Any], Any], what: str) -> Any:
-        """Run a call that may take a key (claim, acquire) so that a cancellation cannot
-        strand it: the script runs on in a task of its own (bounded by ``timeout``), and
-        what it took is given back once its reply is in (the fault contract)."""
-        task = asyncio.ensure_future(call)
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            task.add_done_callback(lambda t: self._undo_after(t, undo, what))
-            raise
-
-    async def _through(self, call: Any) -> Any:
-        """Run a call that frees or settles a key (complete, abandon, release) to its
-        end even if the caller is cancelled: half-sent, it would leave the record or the
-        lock to its lease; finished, the caller's token settles it (a retry of it is
-        recognised by its nonce). The call is bounded by ``timeout``."""
-        task = asyncio.ensure_future(call)
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            self._undoing.add(task)
-            task.add_done_callback(self._undone)
-            raise
-
     def _undo_after(self, task: asyncio.Task[Any], undo: Callable[[Any], Any], what: str) -> None:
         if task.cancelled():
-            C.log.warning(
-                "idemlock: a cancelled Redis %s was itself cancelled (event loop shutting "
-                "down?); if it was applied, it frees itself when its lease ends",
-                what,
-            )
+            # Cancelled by the deadline (or the loop shutting down): the outcome is
+            # unknown; undo what can be undone without the reply.
+            reply: Any = None
+        else:
+            exc = task.exception()
+            if exc is not None and not isinstance(exc, StoreUnavailable):
+                return  # refused: nothing was taken
+            # A StoreUnavailable (a timeout after the script was sent) leaves the
+            # outcome unknown too.
+            reply = None if exc is not None else task.result()
+        try:
+            aw = undo(reply)
+        except Exception:  # the store is closed, the loop is going away
             return
-        exc = task.exception()
-        if exc is not None and not isinstance(exc, StoreUnavailable):
-            return  # refused: nothing was taken
-        # A StoreUnavailable (a timeout after the script was sent) leaves the outcome
-        # unknown: undo what can be undone without the reply.
-        aw = undo(None if exc is not None else task.result())
         if aw is None:
             return
-        undo_task = asyncio.ensure_future(aw)
+        try:
+            undo_task = asyncio.ensure_future(aw)
+        except RuntimeError:  # the loop is closing
+            aw.close()
+            return
         self._undoing.add(undo_task)
         undo_task.add_done_callback(self._undone)
 
     def _undone(self, task: asyncio.Task[Any]) -> None:
         self._undoing.discard(task)
-        if not task.cancelled() and task.exception() is not None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and not isinstance(exc, StoreUnavailable):
             C.log.warning(
-                "idemlock: a cancelled Redis call could not be undone or finished; what it "
+                "idemlock: a Redis call its caller stopped waiting for failed; what it "
                 "holds frees itself when its lease ends",
-                exc_info=task.exception(),
+                exc_info=exc,
             )
 
     async def _unregister(self, channel: bytes, gid: bytes) -> None:
@@ -276,7 +305,7 @@ class AsyncRedisStore:
                 return self.abandon(ns, key, token)
             return None
 
-        reply = await self._undoable(self._eval(C.CLAIM, (n.claim,), args), undo, "claim")
+        reply = await self._eval(C.CLAIM, (n.claim,), args, undo=undo, undo_late=True)
         return C.claim_reply(reply, token)
 
     async def complete(self, ns: str, key: str, token: str, result: bytes, ttl_ms: int) -> bool:
@@ -298,13 +327,13 @@ class AsyncRedisStore:
         users = check_claim_slot(self.cluster, n.claim, writes)
         args = (C.pack_id(token), bytes(result), ttl_ms, n.claim_channel, C.nonce())
         values = tuple(bytes(v) for _, v in writes)
-        reply = await self._through(self._eval(C.COMPLETE, (n.claim, *users), args + values))
+        reply = await self._eval(C.COMPLETE, (n.claim, *users), args + values, finish=True)
         return bool(reply == 1)
 
     async def abandon(self, ns: str, key: str, token: str) -> bool:
         n = C.names(ns, key)
         args = (C.pack_id(token), self._keep, n.claim_channel, C.nonce())
-        return bool(await self._through(self._eval(C.ABANDON, (n.claim,), args)) == 1)
+        return bool(await self._eval(C.ABANDON, (n.claim,), args, finish=True) == 1)
 
     async def extend(self, ns: str, key: str, token: str, lease_ms: int) -> int | None:
         args = (C.pack_id(token), lease_ms, self._keep)
@@ -338,9 +367,7 @@ class AsyncRedisStore:
                 return self.release(ns, key, owner, int(raw[1]))
             return None
 
-        raw = await self._undoable(
-            self._eval(C.ACQUIRE, (n.lock, n.waiters), args), undo, "acquire"
-        )
+        raw = await self._eval(C.ACQUIRE, (n.lock, n.waiters), args, undo=undo)
         reply = C.lock_reply(raw)
         if g is not None:
             g.registered = isinstance(reply, Held)
@@ -349,7 +376,7 @@ class AsyncRedisStore:
     async def release(self, ns: str, key: str, owner: str, token: int) -> bool:
         n = C.names(ns, key)
         args = (owner, str(token), self._keep, self._handoff, n.lock_channel, C.nonce())
-        return bool(await self._through(self._eval(C.RELEASE, (n.lock, n.waiters), args)) == 1)
+        return bool(await self._eval(C.RELEASE, (n.lock, n.waiters), args, finish=True) == 1)
 
     async def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
         n = C.names(ns, key)
