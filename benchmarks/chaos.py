@@ -119,6 +119,8 @@ LOCK_KINDS = {
     "redis-cluster": ("kill", "stop", "cut", "blackhole"),
     "postgres": KINDS,
 }
+#: faults on the proxy: with nothing connected through it they are skipped, not retried
+NETWORK_KINDS = ("cut", "blackhole")
 WORKLOADS = ("jobs", "lock")
 LOCK_SPEC = "chaos-lock"
 #: slack for clock granularity when comparing times taken in different processes (one
@@ -1378,6 +1380,10 @@ class Run:
                     elif self.inject(order[0]):
                         order.pop(0)
                         gap = self.rng.expovariate(1 / opts.fault_every)
+                    elif order[0] in NETWORK_KINDS:
+                        # Nothing connected (plain mode never uses Redis): skip this round.
+                        order.pop(0)
+                        gap = 0.0
                     else:
                         gap = 0.01  # nobody to do it to yet: try again shortly
                     next_fault = time.monotonic() + gap
@@ -1639,6 +1645,9 @@ class LockRun(Run):
                     if self.inject(order[0]):
                         order.pop(0)
                         gap = self.rng.expovariate(1 / opts.fault_every)
+                    elif order[0] in NETWORK_KINDS:
+                        order.pop(0)  # nothing connected: skipped this round, not counted
+                        gap = 0.0
                     else:
                         gap = 0.01  # nobody holds a lock right now: try again shortly
                     next_fault = time.monotonic() + gap
