@@ -182,3 +182,30 @@ def test_async_coordinator_is_refused() -> None:
     coord = idemlock.aio.connect("memory://")
     with pytest.raises(ConfigurationError, match="blocking"):
         DistributedLock(coord)
+
+
+def test_late_mark_done_is_kept_when_nobody_took_over(
+    coord: idemlock.Coordinator, harness: Harness
+) -> None:
+    guard = IdempotencyGuard(coord, prefix="fk")
+    key = idempotency_key({"batch": 4}, namespace="jobs")
+    assert guard.try_begin(key, ttl=timedelta(seconds=1))
+    harness.advance(1.3)  # past the lease; nobody began the key meanwhile
+    guard.mark_done(key, result="late")
+    assert guard.get_result(key) == "late"
+
+
+def test_hooks_are_called(coord: idemlock.Coordinator) -> None:
+    seen: list[tuple[object, ...]] = []
+
+    class Hooks:
+        def lock_acquired(self, resource: str, token: int) -> None:
+            seen.append(("acquired", resource))
+
+        def lock_released(self, resource: str) -> None:
+            raise RuntimeError("a failing hook changes nothing")
+
+    lock = DistributedLock(coord, prefix="fk", hooks=Hooks())
+    lock.release(lock.acquire("h", ttl=TTL))
+    assert seen == [("acquired", "h")]
+    assert lock.acquire("h", ttl=TTL).token.value > 0  # the release took effect
