@@ -260,9 +260,11 @@ class ProxyHub:
             self.generation += 1
             gen = self.generation
             if share >= 1:
+                n = sum(len(p.conns) for p in self.proxies)
+                if not n:
+                    return ""  # nobody uses this store (plain mode on Redis)
                 self.full_generation = gen
                 self.open.clear()
-                n = sum(len(p.conns) for p in self.proxies)
 
                 def heal_full() -> None:
                     if self.full_generation == gen:
