@@ -1,0 +1,304 @@
+"""What the RQ, arq and Dramatiq integrations share: one decorated body per worker
+process, the decision to run the job later (another attempt holds the key, or the
+store failed before the body ran), and the opt-in refusal of duplicate sends.
+
+The claim, the heartbeats that keep it alive while the body runs, the replay, the
+abandon on failure and ``current_claim()`` are all the decorator's
+(``Coordinator.idempotent``): a queue adds only how its jobs come back later.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import logging
+import os
+import random
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from .._base import WrapPlan, current_claim
+from .._core.types import IdempotencySpec, LockSpec
+from .._errors import ConfigurationError, InFlightError, StoreFull, StoreUnavailable
+from .._sync import Coordinator
+
+log = logging.getLogger("idemlock.jobs")
+
+#: store failures before the body that make a job come back later
+STORE_ERRORS = (StoreUnavailable, StoreFull)
+
+# Set by the body's first line, so a failure can tell "before the body" from "in it".
+_STARTED: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(
+    "idemlock_job_started", default=None
+)
+
+
+class Later(Exception):
+    """The job must run again in ``delay`` seconds; nothing ran and nothing is held."""
+
+    def __init__(self, delay: float, reason: str, cause: BaseException) -> None:
+        super().__init__(reason)
+        self.delay = delay
+        self.reason = reason
+        self.cause = cause
+
+
+def current_fence() -> int:
+    """The fencing token of the idempotent job running in this thread or task."""
+    token = current_claim()
+    if token is None:
+        raise ConfigurationError(
+            "current_fence() is only available inside the body of an idempotent job "
+            "(and only while it holds its claim)"
+        )
+    return int(token.fence)
+
+
+def spec_name(spec: IdempotencySpec | str) -> str:
+    return spec if isinstance(spec, str) else spec.name
+
+
+class JobGuard:
+    """One job function made idempotent, resolved once per worker process.
+
+    ``coordinator`` is a Coordinator (an ``AsyncCoordinator`` for async jobs), a store
+    URL, a callable returning one, or None (``$IDEMLOCK_URL``). A URL or a callable is
+    opened lazily in each process, after a forking worker forked."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        spec: IdempotencySpec | str,
+        key: Callable[..., str] | None,
+        coordinator: Any,
+        replay_errors: tuple[type[BaseException], ...],
+        retry_every: float,
+        store_retry_backoff: float,
+        store_retry_max: float,
+        renew_every: timedelta | float | None,
+        max_run: timedelta | float | None,
+        skip: int = 0,
+    ) -> None:
+        if not isinstance(spec, (str, IdempotencySpec)):
+            raise ConfigurationError(f"spec must be an IdempotencySpec or a name, got {spec!r}")
+        if isinstance(spec, str):
+            IdempotencySpec(spec)  # validates the name at import, not per job
+        if key is not None and not callable(key):
+            raise ConfigurationError("key must be a callable of the job's arguments or None")
+        for name, value in (
+            ("retry_every", retry_every),
+            ("store_retry_backoff", store_retry_backoff),
+            ("store_retry_max", store_retry_max),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigurationError(f"{name} must be positive seconds, got {value!r}")
+        self.fn = fn
+        self.is_async = inspect.iscoroutinefunction(fn)
+        self.spec = spec
+        self.key = key
+        self.source = coordinator
+        self.replay_errors = tuple(replay_errors)
+        self.retry_every = float(retry_every)
+        self.store_retry_backoff = float(store_retry_backoff)
+        self.store_retry_max = float(store_retry_max)
+        self.renew_every = renew_every
+        self.max_run = max_run
+        # arq passes its ctx first: it is neither part of the key nor the payload.
+        self.skip = skip
+        self.plan = WrapPlan(_without_first(fn) if skip else fn, key, self.replay_errors)
+        self._lock = threading.Lock()
+        self._state: tuple[int, Any, Callable[..., Any]] | None = None
+
+    # ---- per process ---------------------------------------------------------------
+
+    def resolved(self) -> tuple[Any, Callable[..., Any]]:
+        """(coordinator, decorated body) of this process."""
+        state = self._state
+        pid = os.getpid()
+        if state is None or state[0] != pid:
+            with self._lock:
+                state = self._state
+                if state is None or state[0] != pid:
+                    coord = self._connect()
+                    body = self._decorate(coord)
+                    state = (pid, coord, body)
+                    self._state = state
+        return state[1], state[2]
+
+    def _connect(self) -> Any:
+        from ..aio import AsyncCoordinator
+
+        want: type = AsyncCoordinator if self.is_async else Coordinator
+        source = self.source
+        if isinstance(source, want):
+            return source
+        if source is None or isinstance(source, str):
+            if self.is_async:
+                import idemlock.aio
+
+                return idemlock.aio.connect(source)
+            import idemlock
+
+            return idemlock.connect(source)
+        if callable(source) and not isinstance(source, (Coordinator, AsyncCoordinator)):
+            made = source()
+            if isinstance(made, want):
+                return made
+            source = made
+        raise ConfigurationError(
+            f"job {self.fn.__qualname__}: coordinator must be an idemlock."
+            f"{want.__name__} (the job is {'async' if self.is_async else 'sync'}), a store "
+            f"URL or a callable returning one; got {source!r}"
+        )
+
+    def _decorate(self, coord: Any) -> Callable[..., Any]:
+        fn = self.fn
+        skip = self.skip
+        if self.is_async:
+
+            @functools.wraps(fn)
+            async def abody(*args: Any, **kwargs: Any) -> Any:
+                _mark_started()
+                return await fn(*args, **kwargs)
+
+            body: Callable[..., Any] = abody
+        else:
+
+            @functools.wraps(fn)
+            def sbody(*args: Any, **kwargs: Any) -> Any:
+                _mark_started()
+                return fn(*args, **kwargs)
+
+            body = sbody
+        key = self.key
+        if skip and self.is_async:
+            # The decorator sees the job's own arguments only (arq's ctx is neither key
+            # nor payload); the ctx is handed around it through a context variable.
+            inner = body
+
+            async def without_ctx(*args: Any, **kwargs: Any) -> Any:
+                return await inner(_CTX.get(), *args, **kwargs)
+
+            functools.update_wrapper(without_ctx, _without_first(fn))
+            body = without_ctx
+        decorate = coord.idempotent(
+            self.spec,
+            key,
+            "raise",
+            replay_errors=self.replay_errors,
+            renew_every=self.renew_every,
+            max_run=self.max_run,
+        )
+        decorated: Callable[..., Any] = decorate(body)
+        return decorated
+
+    # ---- one delivery --------------------------------------------------------------
+
+    def later(self, exc: BaseException, coord: Any, tries: int, what: str) -> Later:
+        """The Later for a failure before the body ran (InFlight or the store)."""
+        if isinstance(exc, InFlightError):
+            left = self.retry_every
+            if exc.expires_at is not None:
+                left = exc.expires_at.timestamp() - coord.clock.time()
+            # Just past the end of the holder's lease at the latest: the key is then
+            # free (a dead holder) or still renewed (a live one: come back again).
+            delay = round(min(self.retry_every, max(left, 0.0) + 0.05), 3)
+            return Later(delay, f"{exc}; {what} runs again in {delay}s", exc)
+        ceiling = min(self.store_retry_max, self.store_retry_backoff * 2.0 ** min(tries, 32))
+        # Full jitter (never nothing): workers hit by one outage do not return together.
+        delay = round(random.uniform(ceiling / 2, ceiling), 3)
+        log.warning(
+            "%s: the idempotency store failed before the job ran (%s); running it again in %ss",
+            what,
+            exc,
+            delay,
+        )
+        return Later(delay, f"idempotency store unavailable: {exc}; again in {delay}s", exc)
+
+    def call(self, args: tuple[Any, ...], kwargs: dict[str, Any], tries: int, what: str) -> Any:
+        """Run a sync job once: the result (run or replayed), its exception, or Later."""
+        coord, body = self.resolved()
+        started: list[bool] = []
+        mark = _STARTED.set(started)
+        try:
+            return body(*args, **kwargs)
+        except (InFlightError, *STORE_ERRORS) as exc:
+            if started:
+                raise
+            raise self.later(exc, coord, tries, what) from exc
+        finally:
+            _STARTED.reset(mark)
+
+    async def acall(
+        self, ctx: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tries: int, what: str
+    ) -> Any:
+        """Run an async job once (see :meth:`call`)."""
+        coord, body = self.resolved()
+        started: list[bool] = []
+        mark = _STARTED.set(started)
+        cmark = _CTX.set(ctx)
+        try:
+            return await body(*args, **kwargs)
+        except (InFlightError, *STORE_ERRORS) as exc:
+            if started:
+                raise
+            raise self.later(exc, coord, tries, what) from exc
+        finally:
+            _CTX.reset(cmark)
+            _STARTED.reset(mark)
+
+    # ---- duplicate sends -----------------------------------------------------------
+
+    def send_lock_spec(self, lease: float) -> LockSpec:
+        return LockSpec(f"{spec_name(self.spec)}.send", ttl=timedelta(seconds=lease))
+
+    def key_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        return self.plan.key_payload(args, kwargs)[0]
+
+    def reserve_send(self, coord: Coordinator, key: str, owner: str, lease: float) -> bool:
+        """Take the send lease of ``key`` for the job ``owner``; False when the key is
+        queued (another send holds its lease) or running (its claim is in flight)."""
+        status = coord.idempotency(self.spec).status(key)
+        if status is not None and status.state == "in_flight":
+            return False
+        held = coord.lock(self.send_lock_spec(lease)).acquire(key, owner=owner)
+        return held is not None and held.owner == owner
+
+    def free_send(self, coord: Coordinator, key: str, owner: str, lease: float) -> None:
+        """Release the send lease ``owner`` took (if it still holds it)."""
+        port = coord.lock(self.send_lock_spec(lease))
+        try:
+            held = port.acquire(key, owner=owner)
+            if held is not None:
+                port.release(held)
+        except STORE_ERRORS as exc:
+            # It ends with its lease: a duplicate is refused until then at worst.
+            log.warning("could not release the send lease of %r (%s)", key, exc)
+
+
+_CTX: contextvars.ContextVar[Any] = contextvars.ContextVar("idemlock_job_ctx", default=None)
+
+
+def _mark_started() -> None:
+    started = _STARTED.get()
+    if started is not None:
+        started.append(True)
+
+
+def _without_first(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A stand-in for ``fn`` without its first parameter (arq's ctx), for signatures."""
+    sig = inspect.signature(fn)
+    params = list(sig.parameters.values())[1:]
+
+    def stand_in(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("never called")
+
+    # __wrapped__ stays ``fn`` so its annotations resolve in its own module; the
+    # signature stops at this stand-in.
+    functools.update_wrapper(stand_in, fn)
+    stand_in.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    return stand_in

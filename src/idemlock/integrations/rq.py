@@ -1,0 +1,184 @@
+"""Idempotent RQ jobs: a retried, redelivered or duplicate job replays the recorded
+result instead of running again.
+
+::
+
+    from redis import Redis
+    from rq import Queue, Retry
+    from idemlock.integrations.rq import idempotent_job, current_fence
+
+    @idempotent_job(
+        "charge-order",
+        key=lambda order_id, amount: f"order-{order_id}",
+        coordinator="redis://localhost:6379/1",
+    )
+    def charge(order_id: str, amount: int) -> dict:
+        return {"charge_id": payments.charge(order_id, amount, fence=current_fence())}
+
+    queue = Queue(connection=Redis())
+    queue.enqueue(charge, "o-7", 1200, retry=Retry(max=3))
+
+Run the workers with the scheduler (``rq worker --with-scheduler``): a job that must
+come back later is scheduled, not run at once.
+
+What a job does when a worker runs it (the decorator ``Coordinator.idempotent`` does
+the claiming, so the rules are the same as everywhere in idemlock):
+
+* It **claims its key at execution**. A key completed within the spec's ``ttl``
+  replays the recorded result (the job succeeds with it; its body does not run).
+* While the body runs, the claim is **renewed** (heartbeats, every third of the
+  spec's ``lease``), so the lease is only how long the key stays reserved after a
+  worker died: a live job keeps its key however long it runs. ``max_run`` stops
+  renewing after that long (give it the job's ``job_timeout``).
+* ``idemlock.current_claim()`` / :func:`current_fence` give the claim's fence
+  inside the body: pass it to your writes so a dead attempt's late write is refused.
+* An exception abandons the claim and propagates, so RQ's ``Retry`` runs the job
+  again; exception classes listed in ``replay_errors`` are recorded and raised again
+  on every replay instead.
+* **Another attempt holds the key** (a duplicate, or a redelivery of a job whose
+  work horse was killed): the job returns ``rq.Retry`` and is scheduled again after
+  at most ``retry_every`` seconds, never later than just past the holder's lease, so
+  it replays once the holder completes, or runs once a dead holder's lease ends.
+* **The store fails before the body runs** (unreachable, timed out, full): nothing
+  ran and nothing is held, and the job is scheduled again with a backoff from
+  ``store_retry_backoff`` (1 s) doubling to ``store_retry_max`` (60 s), for as long
+  as the store is down. It is never failed or dropped for it.
+
+These reschedules return ``rq.Retry(max=2**31)``, so they never exhaust the job's
+own ``retry=Retry(max=...)``, which counts the body's failures. A job called
+directly (outside a worker) raises ``InFlightError`` or the store error instead.
+
+A work horse killed mid-body (SIGKILL, out of memory) is seen by its worker, which
+retries the job when it was enqueued with ``retry=Retry(...)``; the retry waits for
+the dead claim's lease to end, then claims with a higher fence and runs. A whole
+worker killed leaves its job in RQ's started registry until RQ's own clean-up
+(worker heartbeat + maintenance) retries it; the claim has long ended by then.
+
+**Duplicate sends** (opt-in): :func:`enqueue_once` refuses (returns None) to enqueue
+a job whose key is already queued or running. It takes a send lease on the key for
+``lease`` seconds, released when the job runs; a job lost before it ran (a flushed
+queue, a crashed enqueuer) frees its key when that lease ends, so nothing stays
+locked forever. Running is the claim itself, kept alive by heartbeats.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import uuid
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from typing import Any, TypeVar, cast
+
+from rq import Queue, Retry, get_current_job
+from rq.job import Job
+
+from .._core.types import IdempotencySpec
+from ._jobs import JobGuard, Later, current_fence
+
+__all__ = ["SEND_META", "current_fence", "enqueue_once", "idempotent_job"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: job.meta entry of a job sent by enqueue_once: the send lease's seconds
+SEND_META = "idemlock_send_lease"
+#: a reschedule for InFlight or a store failure must never use up the job's retries
+_FOREVER = 2**31
+
+
+def idempotent_job(
+    spec: IdempotencySpec | str,
+    key: Callable[..., str] | None = None,
+    *,
+    coordinator: Any = None,
+    replay_errors: Iterable[type[BaseException]] = (),
+    retry_every: float = 5.0,
+    store_retry_backoff: float = 1.0,
+    store_retry_max: float = 60.0,
+    renew_every: timedelta | float | None = None,
+    max_run: timedelta | float | None = None,
+) -> Callable[[F], F]:
+    """Make an RQ job function idempotent per key (see the module documentation).
+
+    ``key`` is a callable of the job's arguments returning its key (None: the
+    fingerprint of the canonical arguments, which are the payload either way).
+    ``coordinator`` is an :class:`idemlock.Coordinator`, a store URL, a callable
+    returning one, or None (``$IDEMLOCK_URL``); a URL or callable is opened in each
+    work horse, after RQ forked it."""
+
+    def decorate(fn: F) -> F:
+        guard = JobGuard(
+            fn,
+            spec=spec,
+            key=key,
+            coordinator=coordinator,
+            replay_errors=tuple(replay_errors),
+            retry_every=retry_every,
+            store_retry_backoff=store_retry_backoff,
+            store_retry_max=store_retry_max,
+            renew_every=renew_every,
+            max_run=max_run,
+        )
+
+        @functools.wraps(fn)
+        def job_function(*args: Any, **kwargs: Any) -> Any:
+            job = get_current_job()
+            if job is None:  # called directly: no queue to come back through
+                try:
+                    return guard.call(args, kwargs, 0, f"job {fn.__qualname__}")
+                except Later as later:
+                    raise later.cause from None
+            what = f"job {job.func_name}[{job.id}]"
+            send_lease = job.meta.get(SEND_META)
+            deferred = False
+            try:
+                return guard.call(args, kwargs, int(job.number_of_retries or 0), what)
+            except Later as exc:
+                deferred = True
+                # Still queued: the send lease (if any) keeps guarding the key.
+                return Retry(max=_FOREVER, interval=max(1, math.ceil(exc.delay)))
+            finally:
+                if send_lease is not None and not deferred:
+                    coord = guard.resolved()[0]
+                    guard.free_send(coord, guard.key_of(args, kwargs), job.id, send_lease)
+
+        job_function.idemlock_guard = guard  # type: ignore[attr-defined]
+        return cast(F, job_function)
+
+    return decorate
+
+
+def enqueue_once(
+    queue: Queue,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    lease: timedelta | float = 600.0,
+    **options: Any,
+) -> Job | None:
+    """Enqueue ``fn(*args, **kwargs)`` unless a job of its key is queued or running:
+    then return None. ``lease`` bounds how long a sent job that never runs keeps its
+    key reserved (a crash, a flushed queue). ``options`` go to ``queue.enqueue``
+    (``retry=``, ``job_timeout=``, ...)."""
+    guard: JobGuard | None = getattr(fn, "idemlock_guard", None)
+    if guard is None:
+        from .._errors import ConfigurationError
+
+        raise ConfigurationError(
+            f"enqueue_once() needs a function decorated with @idempotent_job, got {fn!r}"
+        )
+    seconds = lease.total_seconds() if isinstance(lease, timedelta) else float(lease)
+    kwargs = dict(kwargs or {})
+    coord = guard.resolved()[0]
+    key = guard.key_of(args, kwargs)
+    job_id = str(options.pop("job_id", None) or uuid.uuid4().hex)
+    if not guard.reserve_send(coord, key, job_id, seconds):
+        return None
+    meta = dict(options.pop("meta", None) or {})
+    meta[SEND_META] = seconds
+    try:
+        return queue.enqueue(fn, args=args, kwargs=kwargs, job_id=job_id, meta=meta, **options)
+    except BaseException:
+        guard.free_send(coord, key, job_id, seconds)
+        raise

@@ -1,0 +1,209 @@
+"""The RQ integration with real ``rq worker`` processes on a real Redis (the queue on
+db 0, the idemlock store on db 1). The jobs live in tests/queue_jobs.py and write what
+they do into a log file this test reads."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis import Redis
+from rq import Queue, Retry
+from rq.job import Job, JobStatus
+
+import idemlock
+from idemlock.integrations.rq import enqueue_once
+
+from .queue_jobs import LEASE, SPEC, read_log, rq_job
+from .servers.redis import RedisServer, free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Env:
+    def __init__(self, server: RedisServer, tmp: Path) -> None:
+        self.broker = server.url
+        self.store = server.url.rsplit("/", 1)[0] + "/1"
+        self.log = tmp / "jobs.log"
+        self.store_file = tmp / "store-url"
+        self.queue_name = f"q{uuid.uuid4().hex[:8]}"
+        self.redis = Redis.from_url(self.broker)
+        self.queue = Queue(self.queue_name, connection=self.redis)
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.vars = {
+            "IDEMLOCK_JOBS_LOG": str(self.log),
+            "IDEMLOCK_JOBS_STORE": self.store,
+            "IDEMLOCK_JOBS_STORE_FILE": str(self.store_file),
+        }
+
+    def worker(self) -> subprocess.Popen[bytes]:
+        env = {**os.environ, **self.vars, "PYTHONPATH": str(ROOT)}
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "rq.cli",
+                "worker",
+                "--with-scheduler",
+                "--url",
+                self.broker,
+                self.queue_name,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.log.with_suffix(".worker.err"), "ab"),  # noqa: SIM115
+            start_new_session=True,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def events(self, name: str, event: str | None = None) -> list[dict[str, Any]]:
+        return [
+            e
+            for e in read_log(self.log)
+            if e.get("name") == name and (event is None or e["event"] == event)
+        ]
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+@pytest.fixture
+def env(
+    redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Env]:
+    e = Env(redis_server, tmp_path)
+    for k, v in e.vars.items():
+        monkeypatch.setenv(k, v)
+    # The test process's own guard (enqueue_once) opens its coordinator from the env.
+    rq_job.idemlock_guard._state = None  # type: ignore[attr-defined]
+    try:
+        yield e
+    finally:
+        e.stop()
+
+
+def wait_for(what: Callable[[], Any], timeout: float = 30.0, step: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = what()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def finished(job: Job) -> Any:
+    status = job.get_status(refresh=True)
+    assert status != JobStatus.FAILED, job.latest_result()
+    return status == JobStatus.FINISHED
+
+
+def test_runs_once_and_a_duplicate_of_a_completed_job_is_replayed(env: Env) -> None:
+    env.worker()
+    first = env.queue.enqueue(rq_job, "a", 0.0)
+    wait_for(lambda: finished(first))
+    dup = env.queue.enqueue(rq_job, "a", 0.0)
+    wait_for(lambda: finished(dup))
+    assert dup.return_value() == first.return_value()
+    assert len(env.events("a", "start")) == 1
+    status = idemlock.connect(env.store).idempotency(SPEC).status("a")
+    assert status is not None and status.state == "completed"
+
+
+def test_a_failure_abandons_and_rqs_retry_runs_it_again_with_a_higher_fence(env: Env) -> None:
+    env.worker()
+    job = env.queue.enqueue(rq_job, "f", 0.0, True, retry=Retry(max=2))
+    wait_for(lambda: finished(job), timeout=30)
+    starts = env.events("f", "start")
+    assert len(starts) == 2 and len(env.events("f", "fail")) == 1
+    assert starts[1]["fence"] > starts[0]["fence"]
+    assert job.return_value()["fence"] == starts[1]["fence"]
+
+
+def test_work_horse_sigkilled_mid_job_reruns_only_after_the_lease_ends(env: Env) -> None:
+    env.worker()
+    job = env.queue.enqueue(rq_job, "k", 30.0, retry=Retry(max=2))
+    first = wait_for(lambda: env.events("k", "start"))[0]
+    # Let a few heartbeats pass: the claim is kept alive past its lease while it runs.
+    time.sleep(LEASE * 1.5)
+    coord = idemlock.connect(env.store)
+    status = coord.idempotency(SPEC).status("k")
+    assert status is not None and status.state == "in_flight"
+    os.kill(first["pid"], signal.SIGKILL)  # the work horse running the body
+    killed_at = time.time()
+    expires = coord.idempotency(SPEC).status("k").expires_at.timestamp()  # type: ignore[union-attr]
+    # The retried job meets the dead claim and waits for its lease; make it quick now.
+    second = wait_for(lambda: env.events("k", "start")[1:], timeout=40)[0]
+    assert second["t"] >= expires - 0.05, (second["t"] - killed_at, expires - killed_at)
+    assert second["fence"] > first["fence"]
+    # The rerun sleeps 30 s too; no third run happens meanwhile.
+    time.sleep(1.0)
+    assert len(env.events("k", "start")) == 2
+    job.cancel()
+
+
+def test_a_job_slower_than_its_lease_is_not_run_twice_by_a_duplicate(env: Env) -> None:
+    env.worker()
+    env.worker()
+    slow = env.queue.enqueue(rq_job, "s", LEASE * 3)
+    wait_for(lambda: env.events("s", "start"))
+    dup = env.queue.enqueue(rq_job, "s", LEASE * 3)
+    wait_for(lambda: finished(slow), timeout=40)
+    wait_for(lambda: finished(dup), timeout=40)
+    assert len(env.events("s", "start")) == 1
+    assert dup.return_value() == slow.return_value()
+
+
+def test_store_down_before_the_body_reschedules_never_fails(env: Env) -> None:
+    dead = f"redis://127.0.0.1:{free_port()}/1?timeout=0.5"
+    env.store_file.write_text(dead)
+    env.worker()
+    job = env.queue.enqueue(rq_job, "d", 0.0)
+    # Each horse fails to reach the store and the job is scheduled again.
+    wait_for(lambda: job.get_status(refresh=True) == JobStatus.SCHEDULED, timeout=20)
+    assert env.events("d") == []
+    env.store_file.unlink()  # the store is back
+    wait_for(lambda: finished(job), timeout=30)
+    assert len(env.events("d", "start")) == 1
+
+
+def test_called_directly_it_runs_and_replays(env: Env) -> None:
+    assert rq_job("direct") == rq_job("direct")
+    assert len(env.events("direct", "start")) == 1
+
+
+def test_enqueue_once_refuses_a_queued_or_running_key(env: Env) -> None:
+    first = enqueue_once(env.queue, rq_job, ("o", 2.0), lease=30)
+    assert first is not None
+    assert enqueue_once(env.queue, rq_job, ("o", 2.0), lease=30) is None  # queued
+    env.worker()
+    wait_for(lambda: env.events("o", "start"))
+    assert enqueue_once(env.queue, rq_job, ("o", 2.0), lease=30) is None  # running
+    wait_for(lambda: finished(first))
+    # Done: a new send is accepted (and replays).
+    again = enqueue_once(env.queue, rq_job, ("o", 2.0), lease=30)
+    assert again is not None
+    wait_for(lambda: finished(again))
+    assert len(env.events("o", "start")) == 1
+
+
+def test_enqueue_once_lease_frees_a_key_whose_job_was_lost(env: Env) -> None:
+    job = enqueue_once(env.queue, rq_job, ("lost",), lease=1.0)
+    assert job is not None
+    env.queue.empty()  # the job is lost before any worker ran it
+    assert enqueue_once(env.queue, rq_job, ("lost",), lease=1.0) is None
+    time.sleep(1.2)
+    assert enqueue_once(env.queue, rq_job, ("lost",), lease=1.0) is not None
