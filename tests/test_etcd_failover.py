@@ -213,3 +213,97 @@ def test_leader_kill_keeps_leases_tokens_and_exclusion(cluster: EtcdCluster) -> 
         assert lease is not None
         assert locks.release(lease) is True
     coord.close()
+
+
+def test_leader_kill_asyncio(cluster: EtcdCluster) -> None:
+    """The same through grpc.aio: tasks contend for locks and run claim+complete jobs
+    on one asyncio coordinator while the leader is SIGKILLed and restarted."""
+    import asyncio
+
+    import idemlock.aio
+
+    holdings: list[tuple[str, int, float, float]] = []
+    fences: list[tuple[str, int]] = []
+    errors: list[BaseException] = []
+    worst = [0.0]
+
+    async def timed(aw, allowance: float = 0.0):  # type: ignore[no-untyped-def]
+        t0 = time.monotonic()
+        try:
+            return await aw
+        finally:
+            worst[0] = max(worst[0], time.monotonic() - t0 - allowance)
+
+    async def main() -> None:
+        coord = idemlock.aio.connect(cluster.url, key_prefix="afailover")
+        locks, port = coord.lock(LOCK), coord.idempotency(SPEC)
+        held = await locks.acquire("held")
+        assert held is not None
+        stop = asyncio.Event()
+
+        async def locker(n: int) -> None:
+            key = f"c-{n % 2}"
+            while not stop.is_set():
+                try:
+                    lease = await timed(locks.acquire(key, wait=1), allowance=1)
+                    if lease is None:
+                        continue
+                    start = time.monotonic()
+                    await timed(coord.fence(f"g-{key}").check_and_advance(lease.token))
+                    await asyncio.sleep(0.005)
+                    end = time.monotonic()
+                    await timed(locks.release(lease))
+                    holdings.append((key, lease.token, start, end))
+                except StoreUnavailable:
+                    pass
+                except BaseException as exc:
+                    errors.append(exc)
+                    return
+
+        async def claimer(n: int) -> None:
+            i = 0
+            while not stop.is_set():
+                key = f"j-{n}-{i % 3}"
+                i += 1
+                try:
+                    got = await timed(port.claim(key))
+                    if isinstance(got, Claimed):
+                        fences.append((key, got.token.fence))
+                        await timed(port.abandon(got.token))
+                except StoreUnavailable:
+                    pass
+                except BaseException as exc:
+                    errors.append(exc)
+                    return
+
+        tasks = [asyncio.ensure_future(locker(n)) for n in range(3)]
+        tasks += [asyncio.ensure_future(claimer(n)) for n in range(2)]
+        await asyncio.sleep(1.0)
+        leader = await asyncio.to_thread(cluster.leader)
+        before = held.token
+        await asyncio.to_thread(cluster.kill, leader)
+        await asyncio.sleep(1.5)
+        await asyncio.to_thread(cluster.start_member, leader)
+        await asyncio.to_thread(cluster.wait_ready)
+        await asyncio.sleep(1.0)
+        stop.set()
+        await asyncio.gather(*tasks)
+        assert await locks.owner("held") == held.owner
+        assert await locks.renew(held) is True and held.token == before
+        after = await locks.acquire("after")
+        assert after is not None and after.token > max(t for _, t, _, _ in holdings)
+        assert await locks.release(held) is True
+        await coord.close()
+
+    asyncio.run(main())
+    assert not errors, errors
+    print(
+        f"\nasyncio: longest call {worst[0]:.2f}s; {len(holdings)} holdings, {len(fences)} claims"
+    )
+    assert worst[0] <= STALL_BOUND, f"a call stalled {worst[0]:.2f}s"
+    assert len(holdings) > 10 and len(fences) > 10
+    last: dict[str, int] = {}
+    for key, fence in fences:
+        assert fence > last.get(key, 0)
+        last[key] = fence
+    _no_overlap(holdings)
