@@ -57,6 +57,18 @@ async def test_begin_commit_replay(backend: Any) -> None:
         await _(idem.commit(first, {"charged": 6}))
 
 
+async def test_commit_keeps_the_specs_ttl(backend: Any, harness: Harness) -> None:
+    # A token carries only the spec's name: commit must still use the begun spec's ttl.
+    spec = IdempotencySpec("kept", ttl=timedelta(seconds=0.5), lease=timedelta(seconds=30))
+    idem = backend.idempotency
+    claim = await _(idem.begin(spec, "k"))
+    assert isinstance(claim, Claimed)
+    await _(idem.commit(claim, "once"))
+    assert isinstance(await _(idem.begin(spec, "k")), Completed)
+    harness.advance(0.8)  # past the spec's ttl (the default would be 24 h)
+    assert isinstance(await _(idem.begin(spec, "k")), Claimed)
+
+
 async def test_fail_lets_a_retry_run(backend: Any) -> None:
     idem = backend.idempotency
     first = await _(idem.begin(IDEM, "o-2"))

@@ -101,29 +101,48 @@ def _lock_spec(spec: DistributedLockSpec | str) -> DistributedLockSpec:
 # ---- idempotency ---------------------------------------------------------------------
 
 
+class _Specs:
+    """The spec each name was last begun with, so ``commit`` records for that spec's
+    ttl and sealing (a claim token carries only the spec's name). A token of a spec
+    this port never began (another process's) gets the spec of that name's defaults."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, IdempotencySpec] = {}
+
+    def seen(self, spec: IdempotencySpec | str) -> IdempotencySpec | str:
+        if isinstance(spec, IdempotencySpec):
+            self._by_name[spec.name] = spec
+            return spec
+        return self._by_name.get(spec, spec)
+
+    def of(self, token: ClaimToken) -> IdempotencySpec | str:
+        return self._by_name.get(token.spec, token.spec)
+
+
 class IdempotencyPort:
     """``begin`` claims (operation = spec name, key, payload hash); ``commit`` records
     the result; ``fail`` releases the claim so a retry runs again."""
 
     def __init__(self, coordinator: Coordinator) -> None:
         self._coord = _sync_coord(coordinator)
+        self._specs = _Specs()
 
     def begin(self, spec: IdempotencySpec | str, key: str, payload: Any = None) -> Claim:
         """``Claimed`` (run it, then commit or fail), ``InFlight`` (another attempt
         holds a live claim) or ``Completed`` (its ``result`` is the stored one).
         ``PayloadMismatch`` if the key is live with another payload."""
-        return self._coord.idempotency(spec).claim(key, payload=payload)
+        return self._coord.idempotency(self._specs.seen(spec)).claim(key, payload=payload)
 
     def commit(self, claimed: Claimed | ClaimToken, result: Any) -> None:
-        """Store ``result`` (JSON data; sealed if the spec has ``encrypt_result``).
-        ``StaleClaim`` if another attempt took the key over."""
+        """Store ``result`` (JSON data; sealed if the spec has ``encrypt_result``) for
+        the spec's ttl. ``StaleClaim`` if another attempt took the key over."""
         token = _token(claimed)
-        self._coord.idempotency(token.spec).complete(token, result)
+        self._coord.idempotency(self._specs.of(token)).complete(token, result)
 
     def fail(self, claimed: Claimed | ClaimToken) -> None:
         """Release the claim: the next ``begin`` of the key runs it again."""
         token = _token(claimed)
-        self._coord.idempotency(token.spec).abandon(token)
+        self._coord.idempotency(self._specs.of(token)).abandon(token)
 
 
 class AsyncIdempotencyPort:
@@ -131,17 +150,19 @@ class AsyncIdempotencyPort:
 
     def __init__(self, coordinator: AsyncCoordinator) -> None:
         self._coord = _async_coord(coordinator)
+        self._specs = _Specs()
 
     async def begin(self, spec: IdempotencySpec | str, key: str, payload: Any = None) -> Claim:
-        return await self._coord.idempotency(spec).claim(key, payload=payload)
+        port = self._coord.idempotency(self._specs.seen(spec))
+        return await port.claim(key, payload=payload)
 
     async def commit(self, claimed: Claimed | ClaimToken, result: Any) -> None:
         token = _token(claimed)
-        await self._coord.idempotency(token.spec).complete(token, result)
+        await self._coord.idempotency(self._specs.of(token)).complete(token, result)
 
     async def fail(self, claimed: Claimed | ClaimToken) -> None:
         token = _token(claimed)
-        await self._coord.idempotency(token.spec).abandon(token)
+        await self._coord.idempotency(self._specs.of(token)).abandon(token)
 
 
 # ---- locks ------------------------------------------------------------------------------
