@@ -1,0 +1,174 @@
+"""Idempotent Dramatiq actors: a retried, redelivered or duplicate message replays the
+recorded result instead of running the actor again.
+
+Put :func:`idempotent` under ``@dramatiq.actor``::
+
+    import dramatiq
+    from dramatiq.brokers.redis import RedisBroker
+    from dramatiq.middleware import CurrentMessage
+    from idemlock.integrations.dramatiq import idempotent, current_fence
+
+    broker = RedisBroker(url="redis://localhost:6379/0")
+    broker.add_middleware(CurrentMessage())   # for retry backoff and send_once
+    dramatiq.set_broker(broker)
+
+    @dramatiq.actor(max_retries=20)
+    @idempotent(
+        "charge-order",
+        key=lambda order_id, amount: f"order-{order_id}",
+        coordinator="redis://localhost:6379/1",
+    )
+    def charge(order_id: str, amount: int) -> dict:
+        return {"charge_id": payments.charge(order_id, amount, fence=current_fence())}
+
+What a message does when a worker runs it is what ``Coordinator.idempotent`` does
+(the same rules as the RQ and Celery integrations):
+
+* It **claims its key at execution**; a key completed within the spec's ``ttl``
+  replays the recorded result and the actor body does not run.
+* While the body runs the claim is **renewed** (heartbeats), so the spec's ``lease``
+  is only how long a dead worker's key stays reserved. ``max_run`` stops renewing
+  after that long (give it the actor's ``time_limit``).
+* ``idemlock.current_claim()`` / :func:`current_fence` is the fence in the body.
+* An exception abandons the claim and propagates to Dramatiq's ``Retries``
+  middleware (the message is retried with its backoff); exceptions in
+  ``replay_errors`` are recorded and raised again on every replay instead.
+* **Another attempt holds the key** or **the store fails before the body runs**:
+  nothing ran and nothing is held; the actor raises ``dramatiq.Retry(delay=...)``
+  (not logged as an error): for a held key at most ``retry_every`` seconds and never
+  later than just past the holder's lease; for a store failure a backoff from
+  ``store_retry_backoff`` doubling to ``store_retry_max``. These retries count
+  toward the actor's ``max_retries`` (Dramatiq has no uncounted retry): keep it
+  large enough for an outage, or give a ``retry_when`` that returns True for
+  ``dramatiq.Retry``.
+
+A worker killed mid-body (SIGKILL) leaves its message unacknowledged; the Redis
+broker gives it to another worker once the dead worker's heartbeat is older than
+``heartbeat_timeout``; the redelivered message waits for the dead claim's lease,
+then claims with a higher fence and runs.
+
+**Duplicate sends** (opt-in): :func:`send_once` refuses (returns None) to send a
+message whose key is already queued or running, with a send lease of ``lease``
+seconds released when the message runs (this needs the ``CurrentMessage``
+middleware); a message lost before it ran frees its key when the lease ends.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from typing import Any, TypeVar, cast
+
+import dramatiq
+from dramatiq.middleware import CurrentMessage
+
+from .._core.types import IdempotencySpec
+from .._errors import ConfigurationError
+from ._jobs import JobGuard, Later, current_fence
+
+__all__ = ["SEND_OPTION", "current_fence", "idempotent", "send_once"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: message option of a message sent by send_once: the send lease's seconds
+SEND_OPTION = "idemlock_send_lease"
+
+
+def idempotent(
+    spec: IdempotencySpec | str,
+    key: Callable[..., str] | None = None,
+    *,
+    coordinator: Any = None,
+    replay_errors: Iterable[type[BaseException]] = (),
+    retry_every: float = 5.0,
+    store_retry_backoff: float = 1.0,
+    store_retry_max: float = 60.0,
+    renew_every: timedelta | float | None = None,
+    max_run: timedelta | float | None = None,
+) -> Callable[[F], F]:
+    """Make a Dramatiq actor's function idempotent per key (put it under
+    ``@dramatiq.actor``; see the module documentation). ``coordinator`` is an
+    :class:`idemlock.Coordinator`, a store URL, a callable returning one, or None
+    (``$IDEMLOCK_URL``), opened lazily in each worker process."""
+
+    def decorate(fn: F) -> F:
+        guard = JobGuard(
+            fn,
+            spec=spec,
+            key=key,
+            coordinator=coordinator,
+            replay_errors=tuple(replay_errors),
+            retry_every=retry_every,
+            store_retry_backoff=store_retry_backoff,
+            store_retry_max=store_retry_max,
+            renew_every=renew_every,
+            max_run=max_run,
+        )
+        if guard.is_async:
+            raise ConfigurationError(
+                f"{fn.__qualname__}: idemlock.integrations.dramatiq takes plain functions "
+                "(Dramatiq runs actors in threads)"
+            )
+
+        @functools.wraps(fn)
+        def actor_function(*args: Any, **kwargs: Any) -> Any:
+            message = CurrentMessage.get_current_message()
+            options = message.options if message is not None else {}
+            tries = int(options.get("retries", 0) or 0)
+            what = f"actor {fn.__qualname__}" + (
+                f"[{message.message_id}]" if message is not None else ""
+            )
+            send_lease = options.get(SEND_OPTION)
+            deferred = False
+            try:
+                return guard.call(args, kwargs, tries, what)
+            except Later as later:
+                deferred = True
+                raise dramatiq.Retry(later.reason, delay=int(later.delay * 1000)) from None
+            finally:
+                if send_lease is not None and message is not None and not deferred:
+                    coord = guard.resolved()[0]
+                    key_ = guard.key_of(args, kwargs)
+                    guard.free_send(coord, key_, message.message_id, float(send_lease))
+
+        actor_function.idemlock_guard = guard  # type: ignore[attr-defined]
+        return cast(F, actor_function)
+
+    return decorate
+
+
+def send_once(
+    actor: dramatiq.Actor[Any, Any],
+    *args: Any,
+    lease: timedelta | float = 600.0,
+    delay: int | None = None,
+    **kwargs: Any,
+) -> dramatiq.Message[Any] | None:
+    """Send ``actor(*args, **kwargs)`` unless a message of its key is queued or
+    running: then return None. ``lease`` bounds how long a sent message that never
+    runs keeps its key reserved. The actor's broker needs ``CurrentMessage``."""
+    guard: JobGuard | None = getattr(actor.fn, "idemlock_guard", None)
+    if guard is None:
+        raise ConfigurationError(
+            f"send_once() needs an actor whose function is decorated with @idempotent, "
+            f"got {actor!r}"
+        )
+    if not any(isinstance(m, CurrentMessage) for m in actor.broker.middleware):
+        raise ConfigurationError(
+            "send_once() needs the CurrentMessage middleware on the broker "
+            "(broker.add_middleware(dramatiq.middleware.CurrentMessage())), so the "
+            "worker can release the send lease when the message runs"
+        )
+    seconds = lease.total_seconds() if isinstance(lease, timedelta) else float(lease)
+    message = actor.message_with_options(args=args, kwargs=kwargs, **{SEND_OPTION: seconds})
+    coord = guard.resolved()[0]
+    key = guard.key_of(args, kwargs)
+    if not guard.reserve_send(coord, key, message.message_id, seconds):
+        return None
+    try:
+        sent: dramatiq.Message[Any] = actor.broker.enqueue(message, delay=delay)
+    except BaseException:
+        guard.free_send(coord, key, message.message_id, seconds)
+        raise
+    return sent

@@ -1,0 +1,46 @@
+"""The Dramatiq app of tests/test_dramatiq.py: its workers run
+``dramatiq tests.dramatiq_app``; the broker URL is ``$IDEMLOCK_JOBS_BROKER``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import dramatiq
+from dramatiq.brokers.redis import RedisBroker
+from dramatiq.middleware import CurrentMessage
+from dramatiq.results import Results
+from dramatiq.results.backends import RedisBackend
+
+from idemlock.integrations.dramatiq import idempotent
+
+from .queue_jobs import SPEC, coordinator, work
+
+#: a dead worker's unacknowledged messages are given to others after this (ms)
+HEARTBEAT_TIMEOUT_MS = 3000
+
+broker = RedisBroker(
+    url=os.environ["IDEMLOCK_JOBS_BROKER"],
+    namespace=os.environ.get("IDEMLOCK_JOBS_NAMESPACE", "dramatiq"),
+    heartbeat_timeout=HEARTBEAT_TIMEOUT_MS,
+    # Maintenance (requeueing dead workers' messages) on every fetch, not 0.1% of them.
+    maintenance_chance=1_000_000,
+)
+broker.add_middleware(CurrentMessage())
+broker.add_middleware(
+    Results(backend=RedisBackend(url=os.environ["IDEMLOCK_JOBS_BROKER"]), result_ttl=600_000)
+)
+dramatiq.set_broker(broker)
+
+
+@dramatiq.actor(max_retries=50, min_backoff=100, max_backoff=1000, store_results=True)
+@idempotent(
+    SPEC,
+    key=lambda name, seconds=0.0, fail_first=False: name,
+    coordinator=coordinator,
+    retry_every=1.0,
+    store_retry_backoff=0.5,
+    store_retry_max=1.0,
+)
+def dq_job(name: str, seconds: float = 0.0, fail_first: bool = False) -> dict[str, Any]:
+    return work(name, seconds, fail_first)

@@ -1,0 +1,216 @@
+"""The Dramatiq integration with real ``dramatiq`` worker processes on a real Redis
+broker (the idemlock store on db 1 of the same server). The actor lives in
+tests/dramatiq_app.py and writes what it does into a log file this test reads."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+import idemlock
+from idemlock import ConfigurationError
+from idemlock.integrations.dramatiq import send_once
+
+from .queue_jobs import LEASE, SPEC, read_log
+from .servers.redis import RedisServer, free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+NAMESPACE = f"dq{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def app(redis_server: RedisServer) -> Iterator[ModuleType]:
+    os.environ["IDEMLOCK_JOBS_BROKER"] = redis_server.url
+    os.environ["IDEMLOCK_JOBS_NAMESPACE"] = NAMESPACE
+    module = importlib.import_module("tests.dramatiq_app")
+    yield module
+    module.broker.flush_all()
+
+
+class Env:
+    def __init__(self, server: RedisServer, tmp: Path, app: ModuleType) -> None:
+        self.app = app
+        self.store = server.url.rsplit("/", 1)[0] + "/1"
+        self.log = tmp / "jobs.log"
+        self.store_file = tmp / "store-url"
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.vars = {
+            "IDEMLOCK_JOBS_LOG": str(self.log),
+            "IDEMLOCK_JOBS_STORE": self.store,
+            "IDEMLOCK_JOBS_STORE_FILE": str(self.store_file),
+            "IDEMLOCK_JOBS_BROKER": server.url,
+            "IDEMLOCK_JOBS_NAMESPACE": NAMESPACE,
+        }
+
+    def worker(self) -> subprocess.Popen[bytes]:
+        env = {**os.environ, **self.vars, "PYTHONPATH": str(ROOT)}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dramatiq", "tests.dramatiq_app", "-p", "1", "-t", "2"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.log.with_suffix(".worker.err"), "ab"),  # noqa: SIM115
+            start_new_session=True,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def events(self, name: str, event: str | None = None) -> list[dict[str, Any]]:
+        return [
+            e
+            for e in read_log(self.log)
+            if e.get("name") == name and (event is None or e["event"] == event)
+        ]
+
+    def kill(self, proc: subprocess.Popen[bytes]) -> None:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            self.kill(proc)
+
+
+@pytest.fixture
+def env(
+    redis_server: RedisServer, tmp_path: Path, app: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Env]:
+    e = Env(redis_server, tmp_path, app)
+    for k, v in e.vars.items():
+        monkeypatch.setenv(k, v)
+    app.dq_job.fn.idemlock_guard._state = None  # this process's guard: reopen from the env
+    try:
+        yield e
+    finally:
+        e.stop()
+
+
+def wait_for(what: Callable[[], Any], timeout: float = 30.0, step: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = what()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def result(message: Any, timeout: float = 30.0) -> Any:
+    from dramatiq.results import ResultMissing
+
+    def ready() -> Any:
+        try:
+            return [message.get_result()]
+        except ResultMissing:
+            return None
+
+    return wait_for(ready, timeout=timeout, step=0.1)[0]
+
+
+def test_runs_once_and_a_duplicate_of_a_completed_message_is_replayed(env: Env) -> None:
+    env.worker()
+    first = env.app.dq_job.send("a", 0.0)
+    one = result(first)
+    dup = env.app.dq_job.send("a", 0.0)
+    assert result(dup) == one
+    assert len(env.events("a", "start")) == 1
+    status = idemlock.connect(env.store).idempotency(SPEC).status("a")
+    assert status is not None and status.state == "completed"
+
+
+def test_a_failure_abandons_and_dramatiqs_retry_runs_it_again(env: Env) -> None:
+    env.worker()
+    msg = env.app.dq_job.send("f", 0.0, True)
+    value = result(msg)
+    starts = env.events("f", "start")
+    assert len(starts) == 2 and len(env.events("f", "fail")) == 1
+    assert starts[1]["fence"] > starts[0]["fence"]
+    assert value["fence"] == starts[1]["fence"]
+
+
+def test_worker_sigkilled_mid_message_reruns_only_after_the_lease_ends(env: Env) -> None:
+    worker = env.worker()
+    msg = env.app.dq_job.send("k", LEASE * 3)
+    first = wait_for(lambda: env.events("k", "start"))[0]
+    time.sleep(LEASE * 1.2)  # renewed past its first lease while it runs
+    coord = idemlock.connect(env.store)
+    status = coord.idempotency(SPEC).status("k")
+    assert status is not None and status.state == "in_flight"
+    env.kill(worker)  # the whole worker: main process and the one running the body
+    expires = coord.idempotency(SPEC).status("k").expires_at.timestamp()  # type: ignore[union-attr]
+    env.worker()  # the broker gives it the dead worker's message
+    second = wait_for(lambda: env.events("k", "start")[1:], timeout=60)[0]
+    assert second["t"] >= expires - 0.05
+    assert second["fence"] > first["fence"]
+    assert result(msg, 60)["fence"] == second["fence"]
+    assert len(env.events("k", "start")) == 2
+
+
+def test_a_message_slower_than_its_lease_is_not_run_twice_by_a_duplicate(env: Env) -> None:
+    env.worker()
+    slow = env.app.dq_job.send("s", LEASE * 3)
+    wait_for(lambda: env.events("s", "start"))
+    dup = env.app.dq_job.send("s", LEASE * 3)
+    assert result(slow) == result(dup)
+    assert len(env.events("s", "start")) == 1
+
+
+def test_store_down_before_the_body_retries_never_fails(env: Env) -> None:
+    env.store_file.write_text(f"redis://127.0.0.1:{free_port()}/1?timeout=0.5")
+    env.worker()
+    msg = env.app.dq_job.send("d", 0.0)
+    time.sleep(3.0)  # several deliveries meet the dead store
+    assert env.events("d") == []
+    env.store_file.unlink()  # the store is back; the worker process reopens
+    env.stop()
+    env.worker()
+    assert result(msg)["name"] == "d"
+    assert len(env.events("d", "start")) == 1
+
+
+def test_send_once_refuses_a_queued_or_running_key(env: Env) -> None:
+    actor = env.app.dq_job
+    first = send_once(actor, "o", 2.0, lease=30)
+    assert first is not None
+    assert send_once(actor, "o", 2.0, lease=30) is None  # queued
+    env.worker()
+    wait_for(lambda: env.events("o", "start"))
+    assert send_once(actor, "o", 2.0, lease=30) is None  # running
+    result(first)
+    again = send_once(actor, "o", 2.0, lease=30)  # done: accepted (and replayed)
+    assert again is not None
+    assert result(again) == result(first)
+    assert len(env.events("o", "start")) == 1
+
+
+def test_send_once_lease_frees_a_key_whose_message_was_lost(env: Env) -> None:
+    actor = env.app.dq_job
+    assert send_once(actor, "lost", lease=1.0) is not None
+    env.app.broker.flush(actor.queue_name)  # lost before any worker ran it
+    assert send_once(actor, "lost", lease=1.0) is None
+    time.sleep(1.2)
+    assert send_once(actor, "lost", lease=1.0) is not None
+    env.app.broker.flush(actor.queue_name)
+
+
+def test_send_once_needs_an_idempotent_actor(app: ModuleType) -> None:
+    import dramatiq
+
+    @dramatiq.actor(broker=app.broker)
+    def plain() -> None:
+        pass
+
+    with pytest.raises(ConfigurationError, match="@idempotent"):
+        send_once(plain)
