@@ -44,9 +44,11 @@ ENV_DIR = "IDEMLOCK_TEST_DIR"
 #: keeps it longer than the lease; here the lease outlasts it on purpose, so the
 #: redelivered task meets the dead attempt's claim in flight)
 VISIBILITY_TIMEOUT = 2
-#: the "ship" task's hard time limit; its claim's lease is this plus the margin
+#: the "ship" task's hard time limit (its claim's max_run is this plus the margin)
 SHIP_TIME_LIMIT = 4.0
 LEASE_MARGIN = 1.0
+#: the "ship" spec's lease: how long after the kill the key frees itself
+SHIP_LEASE = 3.0
 
 BROKER_OPTIONS = {
     "visibility_timeout": VISIBILITY_TIMEOUT,
@@ -144,7 +146,7 @@ def pay(self: Any, order_id: str, amount: int) -> dict[str, Any]:
     base=IdempotentTask,
     name="idemlock_test.ship",
     idemlock_coordinator=_coordinator,
-    idemlock_spec="ship",
+    idemlock_spec=IdempotencySpec("ship", lease=timedelta(seconds=SHIP_LEASE)),
     idemlock_key=lambda order_id: f"ship-{order_id}",
     idemlock_lease_margin=LEASE_MARGIN,
     idemlock_retry_every=1.0,
@@ -208,6 +210,33 @@ def deposit_short(self: Any, account: str) -> dict[str, Any]:
     (_dir() / f"running-{account}").touch()
     wait_for((_dir() / f"go-{account}").exists, 60)
     return {"account": account, "fence": self.request.idemlock_fence}
+
+
+#: the "slow" spec's lease; its body runs several times as long
+SLOW_LEASE = 1.0
+
+
+@app.task(
+    bind=True,
+    base=IdempotentTask,
+    name="idemlock_test.slow",
+    idemlock_coordinator=_coordinator,
+    idemlock_spec=IdempotencySpec("slow", lease=timedelta(seconds=SLOW_LEASE)),
+    idemlock_key=lambda job: f"slow-{job}",
+    idemlock_retry_every=0.5,
+    time_limit=60,
+)
+def slow(self: Any, job: str) -> dict[str, Any]:
+    fence = self.request.idemlock_fence
+    with _db() as conn:
+        conn.execute("INSERT INTO runs VALUES ('slow', ?, ?, 'started')", (fence, 0))
+    (_dir() / f"slow-running-{job}").touch()
+    time.sleep(4 * SLOW_LEASE)  # heartbeats keep the claim all along
+    with _db() as conn:
+        conn.execute(
+            "UPDATE runs SET state = 'finished' WHERE task = 'slow' AND fence = ?", (fence,)
+        )
+    return {"job": job, "fence": fence}
 
 
 @worker_ready.connect
@@ -379,8 +408,9 @@ def test_killed_mid_body_one_finished_run_and_late_write_refused(env: Env) -> No
     result = sent.get(timeout=30)
     new_fence = result["fence"]
     assert new_fence > old_fence
-    # The redelivered task met the dead attempt's claim and waited for its lease.
-    assert time.monotonic() - killed_at >= SHIP_TIME_LIMIT - 0.5
+    # The redelivered task met the dead attempt's claim and waited for its lease (at
+    # most one renewal interval of which had passed at the kill).
+    assert time.monotonic() - killed_at >= SHIP_LEASE - SHIP_LEASE / 3 - 0.5
     assert "ship claim in_flight" in env.lines("events.log")
     assert env.runs("ship") == [
         (old_fence, 0, "started"),  # the killed attempt never finished
@@ -403,6 +433,25 @@ def test_killed_mid_body_one_finished_run_and_late_write_refused(env: Env) -> No
     assert len(env.runs("ship")) == 2
     wait_for(lambda: env.unacked() == 0, 10, w2.why)
     coord.close()
+
+
+def test_task_slower_than_its_lease_with_a_duplicate_runs_once(env: Env) -> None:
+    """Heartbeats (issue 11): a task running 4x its claim's lease keeps its key; a
+    duplicate sent meanwhile to another worker waits (in-flight retries) and then
+    replays the first run's result instead of running again."""
+    w1 = start_worker(env, "w1")
+    w2 = start_worker(env, "w2")
+    first = slow.apply_async(("J1",))
+    wait_for((env.dir / "slow-running-J1").exists, 20, w1.why)
+    time.sleep(1.5 * SLOW_LEASE)  # past the lease: only heartbeats keep the key now
+    duplicate = slow.apply_async(("J1",))
+    result = first.get(timeout=30)
+    assert duplicate.get(timeout=30) == result
+    assert env.runs("slow") == [(result["fence"], 0, "finished")]  # one run, ever
+    assert "slow claim in_flight" in env.lines("events.log")  # the duplicate met it
+    assert "slow claim replayed" in env.lines("events.log")
+    assert "slow lost lost" not in env.lines("events.log")
+    wait_for(lambda: env.unacked() == 0, 10, w2.why)
 
 
 # ---- with workers, against an idemlock store that goes down and comes back ---------------
@@ -562,9 +611,15 @@ def test_direct_call_runs_once_and_exposes_the_fence(
         current_fence()
 
 
-def test_lease_follows_the_time_limit(direct: tuple[Celery, idemlock.Coordinator]) -> None:
+def test_lease_is_the_specs_and_the_time_limit_is_max_run(
+    direct: tuple[Celery, idemlock.Coordinator],
+) -> None:
+    """The claim's lease no longer follows the time limit (heartbeats keep it); the
+    time limit plus margin is how long it is renewed."""
     capp, coord = direct
     leases: dict[str, float] = {}
+    lost: dict[str, bool] = {}
+    keys: dict[str, str] = {}
 
     def record(name: str) -> None:
         status = coord.idempotency(name).status(current_key())
@@ -574,16 +629,12 @@ def test_lease_follows_the_time_limit(direct: tuple[Celery, idemlock.Coordinator
     options: dict[str, Any] = {
         "base": IdempotentTask,
         "idemlock_coordinator": coord,
-        "idemlock_lease_margin": 5,
+        "idemlock_lease_margin": 0,
     }
 
     @capp.task(idemlock_spec="hard", time_limit=60, soft_time_limit=30, **options)
     def hard() -> None:
         record("hard")
-
-    @capp.task(idemlock_spec="soft", soft_time_limit=30, **options)
-    def soft() -> None:
-        record("soft")
 
     spec = IdempotencySpec("plain", lease=timedelta(seconds=123))
 
@@ -591,12 +642,31 @@ def test_lease_follows_the_time_limit(direct: tuple[Celery, idemlock.Coordinator
     def plain() -> None:
         record("plain")
 
+    short = IdempotencySpec("short", lease=timedelta(seconds=0.6))
+
+    @capp.task(idemlock_spec=short, soft_time_limit=0.5, **options)
+    def limited() -> None:
+        time.sleep(2.0)  # past max_run (0.5 s) + one lease: renewal stopped, lost
+        claim = idemlock.current_claim()
+        lost["limited"] = claim is not None and claim.lost
+        keys["limited"] = current_key()
+
+    @capp.task(idemlock_spec=IdempotencySpec("long", lease=short.lease), time_limit=60, **options)
+    def unlimited() -> None:
+        time.sleep(2.0)  # 3 leases: renewed all along
+        claim = idemlock.current_claim()
+        lost["unlimited"] = claim is not None and claim.lost
+
     hard()
-    soft()
     plain()
-    assert 64 < leases["hard"] <= 65
-    assert 34 < leases["soft"] <= 35
-    assert 122 < leases["plain"] <= 123  # no time limit: the spec's lease
+    limited()
+    unlimited()
+    assert 29 < leases["hard"] <= 30  # the spec's default lease, not the time limit
+    assert 122 < leases["plain"] <= 123
+    assert lost == {"limited": True, "unlimited": False}
+    # Nobody took the key over: the lost claim's result was still recorded.
+    status = coord.idempotency(short).status(keys["limited"])
+    assert status is not None and status.state == "completed"
 
 
 def test_in_flight_direct_call_raises(direct: tuple[Celery, idemlock.Coordinator]) -> None:

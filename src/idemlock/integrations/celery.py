@@ -73,17 +73,25 @@ Options (task options or class attributes of a subclass; every one is optional b
     (``task_always_eager``) raises ``InFlightError``.
 ``idemlock_retry_every``
     The longest countdown of an in-flight retry, in seconds (default 5).
+``idemlock_heartbeat``, ``idemlock_renew_every``
+    Heartbeats (default on): while the body runs, the claim is renewed every
+    ``idemlock_renew_every`` seconds (default: a third of the spec's lease) by the
+    worker process's one renewer. ``False`` never renews (then the lease must
+    outlast the body).
 ``idemlock_lease_margin``
-    Seconds added to the time limit to make the claim's lease (default 10).
+    Seconds added to the time limit to make the claim's ``max_run`` (default 10).
 
-**The lease follows the time limit.** The claim's lease is the task's hard time
-limit (``time_limit``, per call or task or ``task_time_limit``), else its soft time
-limit, plus ``idemlock_lease_margin``; with neither, the spec's ``lease``. A claim is
-never renewed, so the lease must outlast the body: a hard time limit guarantees
-that in the prefork pool, which kills the task's process at the limit (the gevent
-pool raises it in the task at its next cooperative switch). The solo, threads and
-eventlet pools do not enforce hard time limits: give those tasks a spec ``lease``
-longer than they can take, and no time limit.
+**The lease is the crash-recovery bound.** The claim's lease is the spec's
+``lease`` (default 30 s), however long the task runs: heartbeats keep a live task's
+claim, and a task whose worker died frees its key about one lease later. The task's
+hard time limit (``time_limit``, per call or task or ``task_time_limit``), else its
+soft time limit, plus ``idemlock_lease_margin``, is the claim's ``max_run``: renewal
+stops then (runaway protection), so a task stuck past its time limit in a pool that
+does not enforce it (solo, threads, eventlet) loses its key one lease later. A lost
+claim (renewal refused, or none confirmed in time: a stopped process, a silent
+store) sets ``current_claim().lost``; when the body returns, its outcome is still
+recorded if nobody took the key over, else the task fails with
+:class:`~idemlock.ClaimLost` and records nothing.
 
 **The fencing token.** While the body runs, ``self.request.idemlock_fence`` (with
 ``bind=True``; else ``current_task.request.idemlock_fence`` or
@@ -102,8 +110,9 @@ Recommended settings and what idemlock guarantees with them
   ``worker_prefetch_multiplier=1``.
 * ``reject_on_worker_lost=True``: a task whose pool process died is requeued instead
   of marked failed.
-* A hard ``time_limit``: it bounds the claim's lease (see above), hence how long a
-  redelivered task waits for a dead attempt's claim to end.
+* A hard ``time_limit``: it bounds how long a claim is renewed (``max_run``, see
+  above). How long a redelivered task waits for a dead attempt's claim to end is
+  the spec's ``lease``.
 * The broker's visibility timeout (Redis, SQS: ``broker_transport_options=
   {"visibility_timeout": ...}``) longer than the lease and than
   ``idemlock_retry_every``: a message unacknowledged for longer is redelivered while
@@ -119,18 +128,18 @@ With these settings:
 * A task that completed is never run again for its key within the spec's ``ttl``:
   a redelivery (the worker died after recording, before the broker got the ack) or a
   duplicate send returns the recorded result, and the task succeeds with it.
-* A task whose worker died mid-body leaves a claim that ends with its lease (time
-  limit plus margin); the redelivered task waits in-flight retries until then, then
+* A task whose worker died mid-body leaves a claim that ends with its lease (the
+  spec's, renewed no more); the redelivered task waits in-flight retries until then, then
   claims the key with a higher fence and runs. Exactly one run completes, and a write
   of the dead attempt that carries its fence to a fenced store cannot land over the
   new one's.
 * What no claim can close: a worker killed after its side effect and before the
   result was recorded runs the body again on redelivery. Make such effects keyed by
   the idempotency key and fenced, so the re-run replaces rather than duplicates.
-* A body that outlives its lease (a pool without enforced time limits, a process
-  stopped for longer than the margin) may run alongside a newer attempt; its
-  ``complete`` raises :class:`~idemlock.StaleClaim` (the task fails, the newer
-  attempt's result stands) and its fenced writes are refused.
+* A body whose claim was lost (it ran past ``max_run``, or its process was stopped
+  for longer than the lease) may run alongside a newer attempt; its ``complete``
+  raises :class:`~idemlock.ClaimLost`, a :class:`~idemlock.StaleClaim` (the task
+  fails, the newer attempt's result stands) and its fenced writes are refused.
 """
 
 from __future__ import annotations
@@ -149,7 +158,7 @@ from typing import Any, ClassVar
 from celery import Task, current_task  # type: ignore[import-untyped]
 from celery.exceptions import Reject, Retry, TaskPredicate  # type: ignore[import-untyped]
 
-from .._base import WrapPlan, seconds
+from .._base import Heartbeat, WrapPlan, enter_claim, leave_claim, seconds
 from .._core.types import ClaimToken, Completed, IdempotencySpec
 from .._errors import (
     ConfigurationError,
@@ -219,6 +228,8 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
     idemlock_on_in_flight: ClassVar[str] = "retry"
     idemlock_retry_every: ClassVar[float] = 5.0
     idemlock_lease_margin: ClassVar[float] = 10.0
+    idemlock_heartbeat: ClassVar[bool] = True
+    idemlock_renew_every: ClassVar[float | None] = None
     idemlock_store_retry_backoff: ClassVar[float] = 1.0
     idemlock_store_retry_max: ClassVar[float] = 60.0
 
@@ -263,6 +274,9 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
             raise ConfigurationError(f"{where}: idemlock_retry_every must be positive seconds")
         if seconds(cls.idemlock_lease_margin, "idemlock_lease_margin") is None:
             raise ConfigurationError(f"{where}: idemlock_lease_margin must be seconds (>= 0)")
+        if not isinstance(cls.idemlock_heartbeat, bool):
+            raise ConfigurationError(f"{where}: idemlock_heartbeat must be True or False")
+        seconds(cls.idemlock_renew_every, "idemlock_renew_every")
         for name in ("idemlock_store_retry_backoff", "idemlock_store_retry_max"):
             value = seconds(getattr(cls, name), name)
             if value is None or value <= 0:
@@ -314,8 +328,9 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
             port = state.ports[ms] = state.coord.idempotency(spec)
         return port
 
-    def _idemlock_lease(self) -> float | None:
-        """The hard time limit (else the soft one) in force for this call, plus margin."""
+    def _idemlock_max_run(self) -> float | None:
+        """The hard time limit (else the soft one) in force for this call, plus margin:
+        how long the claim is renewed."""
         hard, soft = self._idemlock_limits()
         limit = hard or soft
         if not limit:
@@ -354,9 +369,10 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
         try:
             state = self._idemlock()
             plan = state.plan
-            port = self._idemlock_port(state, self._idemlock_lease())
+            port = self._idemlock_port(state, None)
+            every = port._heartbeat_every(self.idemlock_renew_every)
             wait = port._wait_for(None) if self.idemlock_on_in_flight == "wait" else None
-            claim = port._begin(plan, args, kwargs, wait)
+            claim, sent = port._begin_at(plan, args, kwargs, wait)
         except InFlightError as exc:
             raise self._idemlock_in_flight(exc) from None
         except _STORE_ERRORS as exc:
@@ -371,16 +387,27 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
         request.idemlock_key = token.key
         request.idemlock_fence = token.fence
         request.idemlock_replayed = False
+        beat = None
+        if self.idemlock_heartbeat:
+            beat = port._heartbeat(token, sent, every, self._idemlock_max_run(), None)
+        mark = enter_claim(token)  # current_claim() in the body, with its ``lost`` flag
         try:
-            result = super().__call__(*args, **kwargs)
+            try:
+                result = super().__call__(*args, **kwargs)
+            finally:
+                leave_claim(mark)
+                if beat is not None:
+                    beat.stop()
         except TaskPredicate:
             # Retry/Reject/Ignore are control flow, never an outcome to replay.
             port._abandon_quietly(token)
             raise
         except BaseException as exc:
-            self._idemlock_settle(state, port, token, started, port._fail, plan, token, exc)
+            self._idemlock_settle(state, port, token, started, beat, port._fail, plan, token, exc)
             raise
-        self._idemlock_settle(state, port, token, started, port._record, plan, token, result)
+        self._idemlock_settle(
+            state, port, token, started, beat, port._record_beat, plan, token, result, beat
+        )
         return result
 
     def _idemlock_settle(
@@ -389,6 +416,7 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
         port: IdempotencyPort,
         token: ClaimToken,
         started: float,
+        beat: Heartbeat | None,
         write: Callable[..., None],
         *args: Any,
     ) -> None:
@@ -397,6 +425,9 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
         the claim: the body ran, so the key must stay reserved until its lease ends."""
         clock = state.coord.clock
         lease_end = token.expires_at.timestamp()
+        if beat is not None and beat.state.expires_ms:
+            # Renewed: the store holds the key until one lease after the last renewal.
+            lease_end = max(lease_end, beat.state.expires_ms / 1000)
         # Each call is bounded by the store's timeout: none may still run when the hard
         # time limit kills this process (a write that ends after the lease is still
         # accepted while no other attempt took the key over).
