@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -172,6 +173,31 @@ async def test_scope_raises_when_held(backend: Any) -> None:
         else:
             with scope:
                 pass
+
+
+async def test_scope_waits_for_the_release(backend: Any) -> None:
+    cmd = backend.commands(LOCK)
+    assert await _(cmd.acquire("handoff", "first")) is not None
+    scope = backend.scope(LOCK, "handoff", "second", wait=timedelta(seconds=10))
+    if isinstance(backend, ports.AsyncBackend):
+
+        async def release_soon() -> None:
+            await asyncio.sleep(0.3)
+            assert await cmd.release("handoff", "first")
+
+        task = asyncio.create_task(release_soon())
+        async with scope as lease:
+            assert lease.owner == "second"
+        await task
+    else:
+        timer = threading.Timer(0.3, lambda: cmd.release("handoff", "first"))
+        timer.start()
+        try:
+            with scope as lease:
+                assert lease.owner == "second"
+        finally:
+            timer.join()
+    assert await _(cmd.acquire("handoff", "third")) is not None
 
 
 async def test_scope_reports_a_lost_lease(backend: Any, harness: Harness) -> None:
