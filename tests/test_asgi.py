@@ -170,11 +170,16 @@ class Server:
 
 
 @contextmanager
-def running(factory: Callable[..., Any], db: Path, **options: Any) -> Iterator[Server]:
+def running(
+    factory: Callable[..., Any],
+    db: Path,
+    spec: idemlock.IdempotencySpec = SPEC,
+    **options: Any,
+) -> Iterator[Server]:
     url = f"sqlite:///{db}"
     coord = idemlock.aio.connect(url)
     calls: Counter[str] = Counter()
-    app = factory(calls, coordinator=coord, spec=SPEC, **options)
+    app = factory(calls, coordinator=coord, spec=spec, **options)
     try:
         with serve(app) as base:
             yield Server(base, calls, url)
@@ -290,6 +295,35 @@ async def test_concurrent_duplicates_run_the_handler_once(server: Server) -> Non
         late = await attempt()
     assert server.calls[t] == 1
     assert replayed(late) and late.content == originals[0].content
+
+
+SHORT = idemlock.IdempotencySpec("http-short", ttl=timedelta(hours=1), lease=timedelta(seconds=0.6))
+
+
+@pytest.mark.parametrize("heartbeat", [True, False])
+def test_handler_slower_than_its_lease_runs_once(tmp_path: Path, heartbeat: bool) -> None:
+    """Heartbeats (issue 11): a handler running 3x its claim's lease keeps its key, so
+    a duplicate meanwhile gets 409 and the handler runs once. Without heartbeats the
+    duplicate takes the key over and the handler runs twice (the test can fail)."""
+    db = tmp_path / "idemlock.db"
+    with running(starlette_app, db, spec=SHORT, heartbeat=heartbeat, **DEFAULTS) as server:
+        t, key = tag(), new_key()
+        body = {"tag": t, "amount": 5, "delay": 3 * 0.6}
+        h = {"Idempotency-Key": key}
+        with server.client() as c1, server.client() as c2, ThreadPoolExecutor(1) as pool:
+            first = pool.submit(c1.post, "/charges", json=body, headers=h)
+            time.sleep(2 * 0.6)  # two leases into the handler
+            duplicate = c2.post("/charges", json=body, headers=h)
+            original = first.result(timeout=30)
+            late = c2.post("/charges", json=body, headers=h)
+        assert original.status_code == 201 and not replayed(original)
+        if heartbeat:
+            assert_problem(duplicate, 409, "idempotency_key_in_use")
+            assert server.calls[t] == 1
+            assert replayed(late) and late.content == original.content
+        else:
+            assert duplicate.status_code == 201 and not replayed(duplicate)
+            assert server.calls[t] == 2
 
 
 def test_same_key_with_a_different_request_is_422(server: Server) -> None:

@@ -98,10 +98,16 @@ claim stays in flight until its lease ends. The ASGI ``pathsend``, ``zerocopysen
 ``trailers`` extensions are hidden from the application on keyed requests, so file
 responses send their bytes through the middleware.
 
-**Leases.** The claim's lease (``spec.lease``, default 5 minutes) must be longer than the
-slowest handler: when it ends, a retry takes the key over and runs again, and the first
-attempt's late ``complete`` is refused (``StaleClaim``, logged as a warning). Recorded
-responses are kept for ``spec.ttl`` (default 24 hours).
+**Leases and heartbeats.** While the handler runs, its claim is renewed (every
+``renew_every``, default a third of the lease) by the coordinator's one renewer, so a
+handler may be slower than the lease. The lease (``spec.lease``, default 30 seconds) is how
+long after a crash (a killed server process) the key frees itself. ``max_run`` stops
+renewing after that long (a handler stuck forever); ``heartbeat=False`` never renews (the
+lease must then outlast the slowest handler). A claim that is lost anyway (renewal
+refused or late: a stopped process, a silent store) is logged; the handler is not
+cancelled (part of its response may be out already); its response is still recorded if
+no other attempt took the key over, else its ``complete`` is refused (``ClaimLost``,
+logged as a warning). Recorded responses are kept for ``spec.ttl`` (default 24 hours).
 
 **Replays** carry the recorded status, headers (hop-by-hop headers dropped, Content-Length
 set to the body) and body, plus ``Idempotent-Replayed: true`` (``replay_header=``). The
@@ -128,7 +134,8 @@ from datetime import timedelta
 from http import HTTPStatus
 from typing import Any, Union
 
-from .._core.types import ClaimToken, Completed, IdempotencySpec, InFlight
+from .._base import Heartbeat, heartbeat_options
+from .._core.types import Claimed, ClaimToken, Completed, IdempotencySpec, InFlight
 from .._errors import (
     ConfigurationError,
     PayloadMismatch,
@@ -163,7 +170,7 @@ RouteFilter = Union[
     Callable[[Scope], bool], str, "re.Pattern[str]", Iterable["str | re.Pattern[str]"]
 ]
 
-DEFAULT_SPEC = IdempotencySpec("http", ttl=timedelta(hours=24), lease=timedelta(minutes=5))
+DEFAULT_SPEC = IdempotencySpec("http", ttl=timedelta(hours=24), lease=timedelta(seconds=30))
 
 #: statuses that mean "try again later or differently": never recorded by default
 _RETRYABLE_4XX = frozenset({401, 403, 408, 409, 423, 425, 429})
@@ -373,6 +380,19 @@ class _Capture:
     chunks: list[bytes] | None = field(default_factory=list)  # None: over the limit
     size: int = 0
     settled: bool = False  # completed or abandoned
+    beat: Heartbeat | None = None  # the claim's heartbeat while the handler runs
+
+
+def _stop(cap: _Capture) -> None:
+    if cap.beat is not None:
+        cap.beat.stop()
+
+
+def _lost(token: ClaimToken) -> None:
+    log.warning(
+        "the idempotency claim of a running request was lost (renewal refused or late); "
+        "its response is recorded only if no other attempt took the key over"
+    )
 
 
 async def _send_plain(
@@ -392,8 +412,9 @@ class IdempotencyMiddleware:
     :param app: the ASGI application to wrap (given by ``app.add_middleware``).
     :param coordinator: an :class:`idemlock.aio.AsyncCoordinator` (``idemlock.aio.connect``).
     :param spec: the :class:`~idemlock.IdempotencySpec` (or its name) of the records:
-        ``ttl`` is how long responses are replayed, ``lease`` how long a running request
-        reserves its key. Default ``DEFAULT_SPEC`` (``"http"``, 24 hours, 5 minutes).
+        ``ttl`` is how long responses are replayed, ``lease`` how long after a crash a
+        running request's key frees itself (renewed while the handler runs). Default
+        ``DEFAULT_SPEC`` (``"http"``, 24 hours, 30 seconds).
     :param methods: the methods that honour the header (default POST and PATCH).
     :param routes: None (every path), a glob (``"/payments/*"``), a compiled regex
         (full match), a list of those, or a predicate of the scope.
@@ -415,6 +436,9 @@ class IdempotencyMiddleware:
     :param docs_url: documentation of your idempotency policy, used as the problem type
         base and in a ``Link`` header.
     :param www_authenticate: the ``WWW-Authenticate`` value sent with the 401.
+    :param heartbeat: renew a running request's claim (default True).
+    :param renew_every: seconds between renewals (default: a third of the lease).
+    :param max_run: stop renewing a request's claim after this many seconds (None: never).
     """
 
     def __init__(
@@ -438,6 +462,9 @@ class IdempotencyMiddleware:
         record: Callable[[int], bool] = default_record,
         docs_url: str | None = None,
         www_authenticate: str = "Bearer",
+        heartbeat: bool = True,
+        renew_every: timedelta | float | None = None,
+        max_run: timedelta | float | None = None,
     ) -> None:
         if not isinstance(coordinator, AsyncCoordinator):
             raise ConfigurationError(
@@ -459,6 +486,9 @@ class IdempotencyMiddleware:
             raise ConfigurationError("record must be a function of the response status")
         self.app = app
         self.port: AsyncIdempotencyPort = coordinator.idempotency(spec)
+        self._every, self._max_run = heartbeat_options(
+            self.port, heartbeat, renew_every, max_run, None
+        )
         self.methods = frozenset(m.upper() for m in methods)
         self._route = _route_filter(routes)
         self.require_key = require_key
@@ -590,7 +620,7 @@ class IdempotencyMiddleware:
         self, scope: Scope, receive: Receive, send: Send, lookup: str, body: bytes
     ) -> None:
         try:
-            claim = await self.port.claim(lookup, payload=self._fingerprint(scope, body))
+            claim, sent = await self.port._claim_at(lookup, self._fingerprint(scope, body), None)
         except PayloadMismatch:
             await self._problem(send, self._mismatch())
             return
@@ -609,12 +639,19 @@ class IdempotencyMiddleware:
         if isinstance(claim, Completed):
             await self._replay(send, claim)
             return
-        await self._run(scope, receive, send, claim.token, body)
+        assert isinstance(claim, Claimed)
+        await self._run(scope, receive, send, claim.token, body, sent)
 
     # ---- running the application on a claim ----------------------------------------------
 
     async def _run(
-        self, scope: Scope, receive: Receive, send: Send, token: ClaimToken, body: bytes
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        token: ClaimToken,
+        body: bytes,
+        sent: float,
     ) -> None:
         scope = dict(scope)
         extensions = dict(scope.get("extensions") or {})
@@ -623,6 +660,8 @@ class IdempotencyMiddleware:
         scope["extensions"] = extensions
         pending = [body]
         cap = _Capture()
+        if self._every is not None:
+            cap.beat = self.port._heartbeat(token, sent, self._every, self._max_run, _lost)
 
         async def replay_receive() -> Message:
             if pending:
@@ -651,10 +690,12 @@ class IdempotencyMiddleware:
         try:
             await self.app(scope, replay_receive, capture_send)
         except BaseException:
+            _stop(cap)
             if not cap.settled:
                 cap.settled = True
                 await self._abandon(token)
             raise
+        _stop(cap)
         if not cap.settled:
             # The application returned without finishing a response.
             cap.settled = True
@@ -662,6 +703,7 @@ class IdempotencyMiddleware:
 
     async def _settle(self, token: ClaimToken, cap: _Capture) -> None:
         cap.settled = True
+        _stop(cap)
         status = cap.status
         if status is None or not self.record(status):
             await self._abandon(token)
@@ -686,9 +728,11 @@ class IdempotencyMiddleware:
             await self._complete(token, status, result)
         except StaleClaim:
             log.warning(
-                "the response was not recorded: the claim's lease (%s) ran out before the "
-                "request finished, so a retry may have run again; raise the spec's lease",
+                "the response was not recorded: the claim (lease %s) was lost before the "
+                "request finished (%s) and another attempt took the key over, so a retry "
+                "may have run again",
                 self.port.spec.lease,
+                cap.beat.reason if cap.beat is not None else "not renewed: heartbeat=False",
             )
         except Exception:
             # The handler ran and its response goes out, but the store did not take the
@@ -702,7 +746,10 @@ class IdempotencyMiddleware:
                 token.expires_at.isoformat(),
                 exc_info=True,
             )
-            self._record_later(token, status, result)
+            until = token.expires_at.timestamp()
+            if cap.beat is not None and cap.beat.state.expires_ms:
+                until = max(until, cap.beat.state.expires_ms / 1000)  # renewed since
+            self._record_later(token, status, result, until)
 
     async def _complete(self, token: ClaimToken, status: int, result: dict[str, Any]) -> None:
         try:
@@ -716,12 +763,18 @@ class IdempotencyMiddleware:
                 token, {"v": _RECORD_VERSION, "status": status, "replayable": False}
             )
 
-    def _record_later(self, token: ClaimToken, status: int, result: dict[str, Any]) -> None:
-        task = asyncio.get_running_loop().create_task(self._retry_record(token, status, result))
+    def _record_later(
+        self, token: ClaimToken, status: int, result: dict[str, Any], until: float
+    ) -> None:
+        task = asyncio.get_running_loop().create_task(
+            self._retry_record(token, status, result, until)
+        )
         self._background.add(task)  # a reference, so the task is not collected mid-way
         task.add_done_callback(self._background.discard)
 
-    async def _retry_record(self, token: ClaimToken, status: int, result: dict[str, Any]) -> None:
+    async def _retry_record(
+        self, token: ClaimToken, status: int, result: dict[str, Any], until: float
+    ) -> None:
         """Write a response's record again with backoff while its claim's lease lasts
         (the response is out already). A retry in the meantime gets 409, never a run."""
         clock = self.port._coord.clock
@@ -736,7 +789,7 @@ class IdempotencyMiddleware:
                 log.warning("the response's record was written or taken over meanwhile")
                 return
             except Exception as exc:
-                left = token.expires_at.timestamp() - clock.time()
+                left = until - clock.time()
                 if left <= pause:
                     log.error(
                         "gave up recording a %s response: the store still fails (%s: %s) "
