@@ -279,6 +279,24 @@ class JobGuard:
             # It ends with its lease: a duplicate is refused until then at worst.
             log.warning("could not release the send lease of %r (%s)", key, exc)
 
+    async def areserve_send(self, coord: Any, key: str, owner: str, lease: float) -> bool:
+        """:meth:`reserve_send` on an AsyncCoordinator."""
+        status = await coord.idempotency(self.spec).status(key)
+        if status is not None and status.state == "in_flight":
+            return False
+        held = await coord.lock(self.send_lock_spec(lease)).acquire(key, owner=owner)
+        return held is not None and bool(held.owner == owner)
+
+    async def afree_send(self, coord: Any, key: str, owner: str, lease: float) -> None:
+        """:meth:`free_send` on an AsyncCoordinator."""
+        port = coord.lock(self.send_lock_spec(lease))
+        try:
+            held = await port.acquire(key, owner=owner)
+            if held is not None:
+                await port.release(held)
+        except STORE_ERRORS as exc:
+            log.warning("could not release the send lease of %r (%s)", key, exc)
+
 
 _CTX: contextvars.ContextVar[Any] = contextvars.ContextVar("idemlock_job_ctx", default=None)
 

@@ -1,0 +1,184 @@
+"""Idempotent arq jobs: a retried, redelivered or duplicate job replays the recorded
+result instead of running again.
+
+::
+
+    from arq.connections import RedisSettings
+    from idemlock.integrations.arq import idempotent_job, current_fence
+
+    @idempotent_job(
+        "charge-order",
+        key=lambda order_id, amount: f"order-{order_id}",
+        coordinator="redis://localhost:6379/1",
+    )
+    async def charge(ctx, order_id: str, amount: int) -> dict:
+        return {"charge_id": await payments.charge(order_id, amount, fence=current_fence())}
+
+    class WorkerSettings:
+        functions = [charge]
+        redis_settings = RedisSettings()
+        max_tries = 1000          # in-flight and store-down retries count as tries
+
+    # elsewhere: await pool.enqueue_job("charge", "o-7", 1200)
+
+The key and the payload are the job's arguments after ``ctx``. What a job does when
+a worker runs it is what ``AsyncCoordinator.idempotent`` does (the rules of the RQ,
+Dramatiq and Celery integrations):
+
+* It **claims its key at execution**; a key completed within the spec's ``ttl``
+  replays the recorded result and the body does not run.
+* While the body runs the claim is **renewed** (heartbeats on the worker's event
+  loop, one renewer for all its jobs), so the spec's ``lease`` is only how long a
+  dead worker's key stays reserved; a lost claim cancels the body. ``max_run``
+  stops renewing after that long (give it the job's timeout).
+* ``idemlock.current_claim()`` / :func:`current_fence` is the fence in the body.
+* An exception abandons the claim and propagates (arq fails the job, or retries it
+  on ``arq.Retry``); exceptions in ``replay_errors`` are recorded and raised again
+  on every replay instead.
+* **Another attempt holds the key** or **the store fails before the body runs**:
+  nothing ran and nothing is held; the job raises ``arq.Retry(defer=...)``: for a
+  held key at most ``retry_every`` seconds and never later than just past the
+  holder's lease; for a store failure a backoff from ``store_retry_backoff``
+  doubling to ``store_retry_max``. arq counts these as tries: give the worker or the
+  function a ``max_tries`` large enough for an outage.
+
+A worker killed mid-job (SIGKILL) leaves the job in the queue with its in-progress
+marker, which ends after the job timeout plus 10 s; another worker then runs it: it
+waits for the dead claim's lease, claims with a higher fence and runs.
+
+**Duplicate sends** (opt-in): :func:`enqueue_once` refuses (returns None) to enqueue
+a job whose key is already queued or running, with a send lease of ``lease`` seconds
+released when the job runs; a job lost before it ran frees its key when the lease
+ends.
+"""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from collections.abc import Awaitable, Callable, Iterable
+from datetime import timedelta
+from typing import Any, TypeVar, cast
+
+from arq.jobs import Job
+from arq.worker import Retry
+
+from .._core.types import IdempotencySpec
+from .._errors import ConfigurationError
+from ._jobs import JobGuard, Later, current_fence
+
+__all__ = ["current_fence", "enqueue_once", "idempotent_job"]
+
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+#: Redis key (under arq's prefix style) naming the send lease of a job id
+_SEND_KEY = "idemlock:send-lease:"
+
+
+def idempotent_job(
+    spec: IdempotencySpec | str,
+    key: Callable[..., str] | None = None,
+    *,
+    coordinator: Any = None,
+    replay_errors: Iterable[type[BaseException]] = (),
+    retry_every: float = 5.0,
+    store_retry_backoff: float = 1.0,
+    store_retry_max: float = 60.0,
+    renew_every: timedelta | float | None = None,
+    max_run: timedelta | float | None = None,
+) -> Callable[[F], F]:
+    """Make an arq job (``async def job(ctx, ...)``) idempotent per key (see the module
+    documentation). ``coordinator`` is an :class:`idemlock.aio.AsyncCoordinator`, a
+    store URL, a callable returning one, or None (``$IDEMLOCK_URL``)."""
+
+    def decorate(fn: F) -> F:
+        guard = JobGuard(
+            fn,
+            spec=spec,
+            key=key,
+            coordinator=coordinator,
+            replay_errors=tuple(replay_errors),
+            retry_every=retry_every,
+            store_retry_backoff=store_retry_backoff,
+            store_retry_max=store_retry_max,
+            renew_every=renew_every,
+            max_run=max_run,
+            skip=1,
+        )
+        if not guard.is_async:
+            raise ConfigurationError(f"{fn.__qualname__}: an arq job must be an async def")
+
+        @functools.wraps(fn)
+        async def job_function(ctx: Any, *args: Any, **kwargs: Any) -> Any:
+            job_id = ctx.get("job_id") if isinstance(ctx, dict) else None
+            tries = int(ctx.get("job_try", 1) or 1) - 1 if isinstance(ctx, dict) else 0
+            what = f"job {fn.__qualname__}" + (f"[{job_id}]" if job_id else "")
+            deferred = False
+            try:
+                return await guard.acall(ctx, args, kwargs, tries, what)
+            except Later as later:
+                if job_id is None:  # called directly: no queue to come back through
+                    raise later.cause from None
+                deferred = True
+                raise Retry(defer=later.delay) from None
+            finally:
+                if job_id is not None and not deferred:
+                    await _free_send(guard, ctx, job_id, args, kwargs)
+
+        job_function.idemlock_guard = guard  # type: ignore[attr-defined]
+        return cast(F, job_function)
+
+    return decorate
+
+
+async def _free_send(
+    guard: JobGuard, ctx: dict[str, Any], job_id: str, args: Any, kwargs: Any
+) -> None:
+    redis = ctx.get("redis")
+    if redis is None:
+        return
+    lease = await redis.get(_SEND_KEY + job_id)
+    if lease is None:
+        return
+    coord = guard.resolved()[0]
+    await guard.afree_send(coord, guard.key_of(args, kwargs), job_id, float(lease))
+    await redis.delete(_SEND_KEY + job_id)
+
+
+async def enqueue_once(
+    pool: Any,
+    fn: Callable[..., Any],
+    *args: Any,
+    lease: timedelta | float = 600.0,
+    _job_id: str | None = None,
+    **kwargs: Any,
+) -> Job | None:
+    """Enqueue the job ``fn`` with ``args``/``kwargs`` on the ``ArqRedis`` ``pool``
+    unless a job of its key is queued or running: then return None. ``lease`` bounds
+    how long a sent job that never runs keeps its key reserved. Other ``_``-options
+    (``_defer_by``, ``_queue_name``, ...) go to ``pool.enqueue_job``; the job is sent
+    under ``fn.__qualname__`` (arq's default name)."""
+    guard: JobGuard | None = getattr(fn, "idemlock_guard", None)
+    if guard is None:
+        raise ConfigurationError(
+            f"enqueue_once() needs a job decorated with @idempotent_job, got {fn!r}"
+        )
+    seconds = lease.total_seconds() if isinstance(lease, timedelta) else float(lease)
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k.startswith("_")}
+    coord = guard.resolved()[0]
+    key = guard.key_of(args, kwargs)
+    job_id = _job_id or uuid.uuid4().hex
+    if not await guard.areserve_send(coord, key, job_id, seconds):
+        return None
+    try:
+        # Where the worker finds the lease to release: beside the job, as long-lived.
+        await pool.set(_SEND_KEY + job_id, str(seconds), px=max(1, int(seconds * 1000)))
+        job: Job | None = await pool.enqueue_job(
+            fn.__qualname__, *args, _job_id=job_id, **options, **kwargs
+        )
+    except BaseException:
+        await guard.afree_send(coord, key, job_id, seconds)
+        raise
+    if job is None:  # arq refused the id (a job with it exists)
+        await guard.afree_send(coord, key, job_id, seconds)
+    return job

@@ -1,0 +1,44 @@
+"""The arq app of tests/test_arq.py: its workers run ``arq tests.arq_app.WorkerSettings``;
+the Redis URL is ``$IDEMLOCK_JOBS_BROKER``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from arq.connections import RedisSettings
+
+from idemlock.integrations.arq import idempotent_job
+
+from .queue_jobs import SPEC, async_coordinator, awork
+
+#: the job timeout; a killed worker's job runs elsewhere once this + 10 s passed
+JOB_TIMEOUT = 8
+
+
+@idempotent_job(
+    SPEC,
+    key=lambda name, seconds=0.0, fail_first=False: name,
+    coordinator=async_coordinator,
+    retry_every=1.0,
+    store_retry_backoff=0.5,
+    store_retry_max=1.0,
+)
+async def arq_job(
+    ctx: dict[str, Any], name: str, seconds: float = 0.0, fail_first: bool = False
+) -> dict[str, Any]:
+    return await awork(name, seconds, fail_first)
+
+
+def redis_settings() -> RedisSettings:
+    return RedisSettings.from_dsn(os.environ.get("IDEMLOCK_JOBS_BROKER", "redis://127.0.0.1:1"))
+
+
+class WorkerSettings:
+    functions = [arq_job]  # noqa: RUF012
+    redis_settings = redis_settings()
+    queue_name = os.environ.get("IDEMLOCK_JOBS_NAMESPACE", "arq:queue")
+    job_timeout = JOB_TIMEOUT
+    max_tries = 100
+    poll_delay = 0.1
+    keep_result = 600

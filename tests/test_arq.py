@@ -1,0 +1,220 @@
+"""The arq integration with real ``arq`` worker processes on a real Redis (the queue on
+db 0, the idemlock store on db 1). The job lives in tests/arq_app.py and writes what it
+does into a log file this test reads."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from arq import create_pool
+from arq.connections import ArqRedis, RedisSettings
+from arq.jobs import Job, JobStatus
+
+import idemlock
+from idemlock import ConfigurationError
+from idemlock.integrations.arq import enqueue_once, idempotent_job
+
+from .arq_app import JOB_TIMEOUT, arq_job
+from .queue_jobs import LEASE, SPEC, read_log
+from .servers.redis import RedisServer, free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Env:
+    def __init__(self, server: RedisServer, tmp: Path, pool: ArqRedis, queue: str) -> None:
+        self.pool = pool
+        self.queue = queue
+        self.store = server.url.rsplit("/", 1)[0] + "/1"
+        self.log = tmp / "jobs.log"
+        self.store_file = tmp / "store-url"
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.vars = {
+            "IDEMLOCK_JOBS_LOG": str(self.log),
+            "IDEMLOCK_JOBS_STORE": self.store,
+            "IDEMLOCK_JOBS_STORE_FILE": str(self.store_file),
+            "IDEMLOCK_JOBS_BROKER": server.url,
+            "IDEMLOCK_JOBS_NAMESPACE": queue,
+        }
+
+    def worker(self) -> subprocess.Popen[bytes]:
+        env = {**os.environ, **self.vars, "PYTHONPATH": str(ROOT)}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "arq", "tests.arq_app.WorkerSettings"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.log.with_suffix(".worker.err"), "ab"),  # noqa: SIM115
+            start_new_session=True,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def events(self, name: str, event: str | None = None) -> list[dict[str, Any]]:
+        return [
+            e
+            for e in read_log(self.log)
+            if e.get("name") == name and (event is None or e["event"] == event)
+        ]
+
+    async def send(self, *args: Any, **options: Any) -> Job:
+        job = await self.pool.enqueue_job("arq_job", *args, _queue_name=self.queue, **options)
+        assert job is not None
+        return job
+
+    def kill(self, proc: subprocess.Popen[bytes]) -> None:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            self.kill(proc)
+
+
+@pytest.fixture
+async def env(
+    redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[Env]:
+    pool = await create_pool(RedisSettings.from_dsn(redis_server.url))
+    e = Env(redis_server, tmp_path, pool, f"arq:q{uuid.uuid4().hex[:8]}")
+    for k, v in e.vars.items():
+        monkeypatch.setenv(k, v)
+    arq_job.idemlock_guard._state = None  # type: ignore[attr-defined]
+    try:
+        yield e
+    finally:
+        e.stop()
+        await pool.aclose()
+
+
+async def wait_for(what: Callable[[], Any], timeout: float = 30.0, step: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = what()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        await asyncio.sleep(step)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def result(job: Job, timeout: float = 30.0) -> Any:
+    return await job.result(timeout=timeout, poll_delay=0.1)
+
+
+async def test_runs_once_and_a_duplicate_of_a_completed_job_is_replayed(env: Env) -> None:
+    env.worker()
+    first = await env.send("a", 0.0)
+    one = await result(first)
+    dup = await env.send("a", 0.0)
+    assert await result(dup) == one
+    assert len(env.events("a", "start")) == 1
+    status = idemlock.connect(env.store).idempotency(SPEC).status("a")
+    assert status is not None and status.state == "completed"
+
+
+async def test_a_failure_abandons_the_claim_so_a_retry_runs_with_a_higher_fence(
+    env: Env,
+) -> None:
+    env.worker()
+    failed = await env.send("f", 0.0, True)
+    with pytest.raises(RuntimeError, match="fails once"):
+        await result(failed)
+    status = idemlock.connect(env.store).idempotency(SPEC).status("f")
+    assert status is None or status.state != "in_flight"  # abandoned, not held
+    again = await env.send("f", 0.0, True)
+    value = await result(again)
+    starts = env.events("f", "start")
+    assert len(starts) == 2
+    assert starts[1]["fence"] > starts[0]["fence"] == starts[0]["fence"]
+    assert value["fence"] == starts[1]["fence"]
+
+
+async def test_worker_sigkilled_mid_job_reruns_only_after_the_lease_ends(env: Env) -> None:
+    worker = env.worker()
+    job = await env.send("k", LEASE * 2.5)
+    first = (await wait_for(lambda: env.events("k", "start")))[0]
+    await asyncio.sleep(LEASE * 1.2)  # renewed past its first lease while it runs
+    coord = idemlock.connect(env.store)
+    status = coord.idempotency(SPEC).status("k")
+    assert status is not None and status.state == "in_flight"
+    env.kill(worker)
+    expires = coord.idempotency(SPEC).status("k").expires_at.timestamp()  # type: ignore[union-attr]
+    env.worker()  # runs the job once its in-progress marker ends (timeout + 10 s)
+    second = (await wait_for(lambda: env.events("k", "start")[1:], timeout=JOB_TIMEOUT + 30))[0]
+    assert second["t"] >= expires - 0.05
+    assert second["fence"] > first["fence"]
+    assert (await result(job, 30))["fence"] == second["fence"]
+    assert len(env.events("k", "start")) == 2
+
+
+async def test_a_job_slower_than_its_lease_is_not_run_twice_by_a_duplicate(env: Env) -> None:
+    env.worker()
+    slow = await env.send("s", LEASE * 3)  # within the job timeout, 3 leases
+    await wait_for(lambda: env.events("s", "start"))
+    dup = await env.send("s", LEASE * 3)
+    assert await result(slow) == await result(dup)
+    assert len(env.events("s", "start")) == 1
+
+
+async def test_store_down_before_the_body_retries_never_fails(env: Env) -> None:
+    env.store_file.write_text(f"redis://127.0.0.1:{free_port()}/1?timeout=0.5")
+    env.worker()
+    job = await env.send("d", 0.0)
+    await asyncio.sleep(3.0)  # several tries meet the dead store
+    assert env.events("d") == []
+    assert await job.status() in (JobStatus.deferred, JobStatus.queued, JobStatus.in_progress)
+    env.store_file.unlink()  # the store is back; a new worker process opens it
+    env.stop()
+    env.worker()
+    assert (await result(job))["name"] == "d"
+    assert len(env.events("d", "start")) == 1
+
+
+async def test_called_directly_it_runs_and_replays(env: Env) -> None:
+    assert await arq_job({}, "direct") == await arq_job({}, "direct")
+    assert len(env.events("direct", "start")) == 1
+
+
+async def test_enqueue_once_refuses_a_queued_or_running_key(env: Env) -> None:
+    first = await enqueue_once(env.pool, arq_job, "o", 1.5, lease=30, _queue_name=env.queue)
+    assert first is not None
+    again = await enqueue_once(env.pool, arq_job, "o", 1.5, lease=30, _queue_name=env.queue)
+    assert again is None  # queued
+    env.worker()
+    await wait_for(lambda: env.events("o", "start"))
+    running = await enqueue_once(env.pool, arq_job, "o", 1.5, lease=30, _queue_name=env.queue)
+    assert running is None
+    value = await result(first)
+    later = await enqueue_once(env.pool, arq_job, "o", 1.5, lease=30, _queue_name=env.queue)
+    assert later is not None  # done: accepted, and replayed
+    assert await result(later) == value
+    assert len(env.events("o", "start")) == 1
+
+
+async def test_enqueue_once_lease_frees_a_key_whose_job_was_lost(env: Env) -> None:
+    job = await enqueue_once(env.pool, arq_job, "lost", lease=1.0, _queue_name=env.queue)
+    assert job is not None
+    await env.pool.delete(env.queue)  # lost before any worker ran it
+    assert await enqueue_once(env.pool, arq_job, "lost", lease=1.0, _queue_name=env.queue) is None
+    await asyncio.sleep(1.2)
+    assert (
+        await enqueue_once(env.pool, arq_job, "lost", lease=1.0, _queue_name=env.queue) is not None
+    )
+
+
+def test_a_sync_function_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="async def"):
+        idempotent_job("x")(lambda ctx: None)
