@@ -12,6 +12,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -403,6 +404,68 @@ def test_once_in_flight_elsewhere(
     assert finish(first)[0] == 0
     code, _, err = finish(waiter)
     assert code == 0 and "already ran" in err
+
+
+def test_once_cmd_running_three_leases_runs_once_and_exits_0(
+    url: str, tmp_path: Path, procs: list[subprocess.Popen[str]]
+) -> None:
+    """Heartbeats (issue 11): the claim is renewed while CMD runs, so a CMD taking 3x
+    --lease keeps KEY; a second run meanwhile is refused (76), and CMD runs once."""
+    log = tmp_path / "log"
+    slow = script(
+        "import pathlib, sys, time\n"
+        "d = pathlib.Path(sys.argv[1])\n"
+        "(d / 'ready').touch()\n"
+        "time.sleep(3.0)\n"
+        "open(d / 'log', 'a').write('ran\\n')\n"
+    )
+    cmd = ["run", "--once", "long-job", "--lease", "1s", "--", *slow, str(tmp_path)]
+    first = start(url, *cmd)
+    procs.append(first)
+    wait_for(tmp_path / "ready", first)
+    time.sleep(1.5)  # past the lease: only the renewals keep the key
+    busy = cli(url, *cmd)
+    assert busy.returncode == 76, busy.stderr
+    code, _, err = finish(first)
+    assert code == 0, err
+    assert log.read_text().splitlines() == ["ran"]
+    again = cli(url, *cmd)
+    assert again.returncode == 0 and "already ran" in again.stderr
+    assert log.read_text().splitlines() == ["ran"]
+
+
+def test_once_lost_claim_terminates_the_process_group_and_exits_77(
+    url: str, tmp_path: Path, procs: list[subprocess.Popen[str]]
+) -> None:
+    """idemlock paused past --lease: another run takes KEY over; when idemlock resumes
+    it learns the claim is lost, terminates CMD's group and exits 77, recording nothing."""
+    cmd = [*script(HOLD), str(tmp_path)]
+    holder = start(url, "run", "--once", "paused", "--lease", "1s", "--", *cmd)
+    procs.append(holder)
+    wait_for(tmp_path / "ready", holder)
+    child_pid = int((tmp_path / "ready").read_text().split()[1])
+    os.kill(holder.pid, signal.SIGSTOP)
+    try:
+        time.sleep(1.5)
+        with idemlock.connect(url) as coord:
+            port = coord.idempotency(
+                idemlock.IdempotencySpec("cli-once", lease=timedelta(seconds=30))
+            )
+            taken = port.claim("paused", payload={"argv": cmd})
+            assert isinstance(taken, idemlock.Claimed)
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+    code, _, err = finish(holder)
+    assert code == 77, err
+    assert "lost the claim" in err and "CMD was terminated" in err
+    assert gone_within(child_pid, 5)
+    with idemlock.connect(url) as coord:
+        status = coord.idempotency("cli-once").status("paused")
+        # Nothing recorded: the attempt that took over still holds it.
+        assert status is not None and (status.state, status.fence) == (
+            "in_flight",
+            taken.token.fence,
+        )
 
 
 # ---- other commands and errors -------------------------------------------------

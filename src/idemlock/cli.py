@@ -3,7 +3,7 @@
 Commands::
 
     idemlock run --lock NAME [--ttl 30s] [--wait 10s] -- CMD ARGS...
-    idemlock run --once KEY  [--ttl 24h] [--lease 5m] [--wait 0] -- CMD ARGS...
+    idemlock run --once KEY  [--ttl 24h] [--lease 30s] [--wait 0] -- CMD ARGS...
     idemlock status KEY [--spec NAME] [--tenant T]
     idemlock forget KEY [--spec NAME] [--tenant T]
     idemlock keys [--spec NAME] [--tenant T] [--json]
@@ -309,10 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
         "  ttl), CMD's process group gets SIGTERM, then SIGKILL after --grace, and\n"
         "  idemlock exits 77.\n"
         "--once: success (status 0) records KEY for --ttl; later runs skip CMD and exit\n"
-        "  0. A failed CMD frees KEY so a retry runs it again. The claim is NOT renewed:\n"
-        "  make --lease longer than CMD can take. If CMD outlives it, another run may\n"
-        "  take KEY over and this run's success is not recorded (exit 77). A run that\n"
-        "  is killed leaves KEY in flight until --lease ends.\n\n"
+        "  0. A failed CMD frees KEY so a retry runs it again. The claim is renewed\n"
+        "  every lease/3 while CMD runs, however long it takes: --lease is how long\n"
+        "  after a crash (idemlock killed) KEY frees itself. If the claim is lost\n"
+        "  anyway (the store unreachable, this process paused past --lease), CMD's\n"
+        "  process group gets SIGTERM, then SIGKILL after --grace, nothing is\n"
+        "  recorded, and idemlock exits 77.\n\n"
         "CMD runs in a session (process group) of its own (on a terminal: a process\n"
         "group made the terminal's foreground, so CMD can prompt and gets Ctrl-C).\n"
         "SIGINT, SIGTERM and SIGHUP are forwarded to that whole group, and idemlock\n"
@@ -345,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--lease",
         type=_positive_duration,
         default=None,
-        help="--once: how long the claim is reserved while CMD runs (5m)",
+        help="--once: how long after a crash KEY frees itself; renewed while CMD runs (30s)",
     )
     run.add_argument(
         "--grace",
@@ -789,7 +791,7 @@ def _run_once(args: argparse.Namespace, cmd: list[str]) -> int:
 
     key: str = args.once
     ttl = 86400.0 if args.ttl is None else args.ttl
-    lease = 300.0 if args.lease is None else args.lease
+    lease = 30.0 if args.lease is None else args.lease
     wait = 0.0 if args.wait is None else args.wait
     spec_name = args.spec or ONCE_SPEC
     spec = IdempotencySpec(spec_name, ttl=timedelta(seconds=ttl), lease=timedelta(seconds=lease))
@@ -798,10 +800,7 @@ def _run_once(args: argparse.Namespace, cmd: list[str]) -> int:
     with _connect(args) as coord:
         port = coord.idempotency(spec)
         try:
-            if wait:
-                claim = port.wait(key, payload=payload, timeout=wait)
-            else:
-                claim = port.claim(key, payload=payload)
+            claim, sent = port._claim_at(key, payload, wait or None)
         except PayloadMismatch:
             _say(
                 f"key {key!r} was already used to run a different command; use another "
@@ -823,13 +822,41 @@ def _run_once(args: argparse.Namespace, cmd: list[str]) -> int:
         assert isinstance(claim, Claimed)
         token = claim.token
         child = _Child(cmd, _child_env(token.fence, IDEMLOCK_ONCE_KEY=key), grace=args.grace)
+        lost = threading.Event()
+
+        def on_lost(_: Any) -> None:
+            lost.set()
+            running = child.proc is not None and child.status is None
+            what = (
+                f"terminating CMD and its processes (SIGTERM, then SIGKILL after "
+                f"{_human(args.grace)})"
+                if running
+                else "CMD is not running"
+            )
+            _say(f"lost the claim on {key!r} (fence {token.fence}); {what}")
+            child.terminate()
+
+        # Heartbeats: the claim is renewed while CMD runs, on the coordinator's renewer.
+        beat = port._heartbeat(token, sent, port._heartbeat_every(None), None, on_lost)
         started_wall = datetime.now(timezone.utc)
         started = time.monotonic()
         try:
-            status = child.run()
+            if not lost.is_set():  # lost before CMD even started: do not start it
+                status = child.run()
         except BaseException:
+            beat.stop()
             port._abandon_quietly(token)
             raise
+        if beat.stop() and (child.terminated or child.proc is None):
+            # CMD did not finish on its own: nothing to record. Free KEY if this claim
+            # still holds it (a retry runs CMD again; another run may hold it already).
+            port._abandon_quietly(token)
+            _say(
+                f"error: lost the claim on {key!r} while CMD ran ({beat.reason}); another "
+                f"run may have started it, nothing was recorded; {child.outcome()} "
+                f"(exit {EX_LEASE_LOST})"
+            )
+            return EX_LEASE_LOST
         took = time.monotonic() - started
         if status != 0:
             try:
@@ -856,11 +883,11 @@ def _run_once(args: argparse.Namespace, cmd: list[str]) -> int:
         try:
             port.complete(token, result)
         except StaleClaim:
+            why = beat.reason or f"its --lease {_human(lease)} ran out"
             _say(
-                f"error: CMD succeeded but took {_human(took)}, longer than --lease "
-                f"{_human(lease)}: the claim on {key!r} ran out, so another run may have "
-                f"started it too, and this success was not recorded; use a longer --lease "
-                f"(exit {EX_LEASE_LOST})"
+                f"error: CMD succeeded (in {_human(took)}) but the claim on {key!r} was lost "
+                f"({why}) and another run took it over, so it may have run CMD too, and "
+                f"this success was not recorded (exit {EX_LEASE_LOST})"
             )
             return EX_LEASE_LOST
         except StoreUnavailable as exc:
