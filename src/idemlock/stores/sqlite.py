@@ -39,7 +39,7 @@ import sqlite3
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl
@@ -591,6 +591,12 @@ class SQLiteStore:
     def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
         return self._write(_renew, ns, key, owner, token, ttl_ms)
 
+    def renew_many(self, items: Sequence[tuple[Any, ...]]) -> list[int | None]:
+        """Renew many claims (``("claim", ns, key, token, lease_ms)``) and leases
+        (``("lock", ns, key, owner, token, ttl_ms)``) in one transaction, for a
+        coordinator's renewer: one file lock and one commit for all of them."""
+        return self._write(_renew_many, list(items))
+
     def lock(self, ns: str, key: str) -> LockRow | None:
         rows = self._read(_LOCK_LIVE, (ns, key, _now_ms()))
         if not rows:
@@ -696,6 +702,16 @@ def _renew(
     if cur.execute(_RENEW, (expires, ns, key, owner, token, now)).rowcount == 1:
         return expires
     return None
+
+
+def _renew_many(cur: sqlite3.Cursor, items: list[tuple[Any, ...]]) -> list[int | None]:
+    out: list[int | None] = []
+    for item in items:
+        if item[0] == "claim":
+            out.append(_extend(cur, *item[1:]))
+        else:
+            out.append(_renew(cur, *item[1:]))
+    return out
 
 
 def _purge(cur: sqlite3.Cursor) -> int:

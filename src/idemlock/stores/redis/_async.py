@@ -17,7 +17,7 @@ from redis.exceptions import NoScriptError
 from ..._core.port import Acquired, Channel, ClaimReply, Held, LockRow, RecordRow
 from ..._errors import ConfigurationError, StoreUnavailable
 from . import _common as C
-from ._sync import IDLE_S, _now_ms, check_claim_slot, check_same_slot
+from ._sync import IDLE_S, RenewCall, _now_ms, check_claim_slot, check_same_slot, renew_calls
 
 _ND = {NEVER_DECODE: True}
 _ERRORS = C.redis_errors()
@@ -377,6 +377,46 @@ class AsyncRedisStore:
         n = C.names(ns, key)
         args = (owner, str(token), self._keep, self._handoff, n.lock_channel, C.nonce())
         return bool(await self._eval(C.RELEASE, (n.lock, n.waiters), args, finish=True) == 1)
+
+    async def renew_many(self, items: Sequence[tuple[Any, ...]]) -> list[int | None]:
+        """Renew many claims and leases in one round trip (a pipeline of EXTEND/RENEW
+        scripts; one script per item on a Cluster), for a coordinator's renewer; see
+        ``RedisStore.renew_many``. Bounded by ``timeout``; a cancelled batch is moot."""
+        calls = renew_calls(items, self._keep)
+        if self.cluster:
+            replies = [await self._eval(*call) for call in calls]
+        else:
+            st = self._last
+            if st is None or st.loop() is not asyncio.get_running_loop():
+                st = self._state()
+            try:
+                replies = await asyncio.wait_for(self._pipelined(st, calls), self.timeout)
+            except asyncio.TimeoutError:
+                raise StoreUnavailable(
+                    f"redis renew_many: no reply within timeout={self.timeout:g}s (Redis or "
+                    "the network is stalled)"
+                ) from None
+        return [None if r == -1 else int(r) for r in replies]
+
+    async def _pipelined(self, st: _LoopState, calls: list[RenewCall]) -> list[Any]:
+        if not st.ready:
+            await self._prepare(st)
+        async with st.slots:
+            for attempt in range(2):
+                try:
+                    pipe = st.client.pipeline(transaction=False)
+                    for script, keys, args in calls:
+                        pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args, **_ND)
+                    replies = await pipe.execute(raise_on_error=False)
+                    if attempt == 0 and any(isinstance(r, NoScriptError) for r in replies):
+                        for script in {c[0] for c in calls}:
+                            await st.client.script_load(script.text)
+                        continue
+                except _ERRORS as exc:
+                    raise C.store_error(exc, "renew_many") from exc
+                # A script error concerns its one key (a corrupt value): refused.
+                return [-1 if isinstance(r, Exception) else r for r in replies]
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
         n = C.names(ns, key)

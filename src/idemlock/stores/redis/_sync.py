@@ -27,6 +27,24 @@ _ERRORS = C.redis_errors()
 IDLE_S = 15.0
 
 
+RenewCall = tuple[C.Script, tuple[bytes, ...], tuple[Any, ...]]
+
+
+def renew_calls(items: Sequence[tuple[Any, ...]], keep: int) -> list[RenewCall]:
+    """The EXTEND/RENEW script calls of a batched renewal."""
+    calls: list[RenewCall] = []
+    for item in items:
+        if item[0] == "claim":
+            _, ns, key, token, lease_ms = item
+            args: tuple[Any, ...] = (C.pack_id(token), lease_ms, keep)
+            calls.append((C.EXTEND, (C.names(ns, key).claim,), args))
+        else:
+            _, ns, key, owner, token, ttl_ms = item
+            args = (owner, str(token), ttl_ms, keep)
+            calls.append((C.RENEW, (C.names(ns, key).lock,), args))
+    return calls
+
+
 class RedisStore:
     """The port on a blocking ``redis.Redis`` or ``redis.cluster.RedisCluster``."""
 
@@ -132,6 +150,39 @@ class RedisStore:
         args = (C.pack_id(token), lease_ms, self._keep)
         exp = self._eval(C.EXTEND, (C.names(ns, key).claim,), args)
         return None if exp == -1 else int(exp)
+
+    def renew_many(self, items: Sequence[tuple[Any, ...]]) -> list[int | None]:
+        """Renew many claims (``("claim", ns, key, token, lease_ms)``) and leases
+        (``("lock", ns, key, owner, token, ttl_ms)``) in one round trip: a pipeline of
+        the EXTEND/RENEW scripts (each atomic on its key), for a coordinator's renewer.
+        On a Cluster, where keys live on many nodes, one script per item."""
+        calls = renew_calls(items, self._keep)
+        # A Cluster spreads the keys over nodes: one script per item there.
+        replies = [self._eval(*call) for call in calls] if self.cluster else self._pipelined(calls)
+        return [None if r == -1 else int(r) for r in replies]
+
+    def _pipelined(self, calls: list[RenewCall]) -> list[Any]:
+        for attempt in range(2):
+            try:
+                pipe = self.client.pipeline(transaction=False)
+                for script, keys, args in calls:
+                    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args, **_ND)
+                replies = pipe.execute(raise_on_error=False)
+            except _ERRORS as exc:
+                raise C.store_error(exc, "renew_many") from exc
+            if attempt == 0 and any(isinstance(r, NoScriptError) for r in replies):
+                # Scripts flushed (restart, failover): load them and renew again (a
+                # renewal repeated is harmless).
+                try:
+                    for script in {c[0] for c in calls}:
+                        self.client.script_load(script.text)
+                except _ERRORS as exc:
+                    raise C.store_error(exc, "renew_many") from exc
+                continue
+            # A script error is about its one key (say, a corrupt value): that renewal
+            # is refused (the holder learns it lost it), the others stand.
+            return [-1 if isinstance(r, Exception) else r for r in replies]
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def record(self, ns: str, key: str) -> RecordRow | None:
         reply = self._eval(C.PEEK_CLAIM, (C.names(ns, key).claim,), ())
