@@ -1,0 +1,205 @@
+"""The WSGI Idempotency-Key middleware on a Flask app served by a real gunicorn with
+several worker processes, its records in a shared SQLite file; the handler counts its
+runs in a file, so runs in any worker are seen."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def create_app() -> Any:
+    """The gunicorn entry point (``tests.test_wsgi:create_app()``)."""
+    from datetime import timedelta
+
+    from flask import Flask, request
+
+    import idemlock
+    from idemlock.integrations.wsgi import IdempotencyMiddleware, environ_header_identity
+
+    runs = Path(os.environ["WSGI_TEST_RUNS"])
+    app = Flask(__name__)
+
+    @app.post("/charges")
+    def charges() -> Any:
+        data = request.get_json()
+        with runs.open("a") as f:  # O_APPEND: one whole line per run, any worker
+            f.write(f"{data['tag']}\n")
+        time.sleep(float(data.get("sleep", 0)))
+        status = int(data.get("status", 201))
+        return {"tag": data["tag"], "pid": os.getpid(), "id": uuid.uuid4().hex}, status
+
+    spec = idemlock.IdempotencySpec("http", ttl=timedelta(hours=1), lease=timedelta(seconds=30))
+    app.wsgi_app = IdempotencyMiddleware(  # type: ignore[method-assign]
+        app.wsgi_app,
+        coordinator=idemlock.connect(os.environ["WSGI_TEST_STORE"]),
+        spec=spec,
+        identity=environ_header_identity("x-client"),
+        max_body=64 * 1024,
+    )
+    return app
+
+
+@dataclass
+class Gunicorn:
+    url: str
+    runs: Path
+
+    def count(self, tag: str) -> int:
+        if not self.runs.exists():
+            return 0
+        return self.runs.read_text().split().count(tag)
+
+    def post(
+        self, key: str | None, body: dict[str, Any], client: str | None = None
+    ) -> httpx.Response:
+        headers = {} if client is None else {"x-client": client}
+        if key is not None:
+            headers["Idempotency-Key"] = f'"{key}"'
+        return httpx.post(f"{self.url}/charges", json=body, headers=headers, timeout=20)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_gunicorn(store: str, runs: Path, workers: int = 3) -> Iterator[Gunicorn]:
+    port = free_port()
+    env = dict(os.environ, WSGI_TEST_STORE=store, WSGI_TEST_RUNS=str(runs))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "--bind",
+            f"127.0.0.1:{port}",
+            "--workers",
+            str(workers),
+            "--threads",
+            "4",
+            "--log-level",
+            "warning",
+            "tests.test_wsgi:create_app()",
+        ],
+        cwd=ROOT,
+        env=env,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while True:
+        assert proc.poll() is None, "gunicorn exited"
+        try:
+            httpx.get(f"{url}/", timeout=1)
+            break
+        except httpx.TransportError:
+            assert time.monotonic() < deadline, "gunicorn did not start"
+            time.sleep(0.1)
+    try:
+        yield Gunicorn(url, runs)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gunicorn]:
+    tmp = tmp_path_factory.mktemp("wsgi")
+    yield from start_gunicorn(f"sqlite:///{tmp / 'idemlock.db'}", tmp / "runs")
+
+
+def problem(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    doc: dict[str, Any] = response.json()
+    assert doc["status"] == status and doc["code"] == code
+    return doc
+
+
+def test_concurrent_duplicates_across_workers_run_the_handler_once(server: Gunicorn) -> None:
+    key, tag = uuid.uuid4().hex, uuid.uuid4().hex
+    body = {"tag": tag, "sleep": 1.0}
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda _: server.post(key, body, client="a"), range(8)))
+    assert server.count(tag) == 1
+    firsts = [
+        r for r in responses if r.status_code == 201 and "idempotent-replayed" not in r.headers
+    ]
+    assert len(firsts) == 1
+    for r in responses:
+        if r is firsts[0]:
+            continue
+        if r.status_code == 409:
+            problem(r, 409, "idempotency_key_in_use")
+            assert r.headers["retry-after"] == "1"
+        else:
+            assert r.status_code == 201 and r.headers["idempotent-replayed"] == "true"
+            assert r.content == firsts[0].content
+    assert any(r.status_code == 409 for r in responses)
+    # After completion every retry is the replay, byte for byte.
+    again = server.post(key, body, client="a")
+    assert again.status_code == 201 and again.headers["idempotent-replayed"] == "true"
+    assert again.content == firsts[0].content
+    assert server.count(tag) == 1
+
+
+def test_different_body_with_the_same_key_is_422(server: Gunicorn) -> None:
+    key, tag = uuid.uuid4().hex, uuid.uuid4().hex
+    assert server.post(key, {"tag": tag}, client="a").status_code == 201
+    problem(server.post(key, {"tag": tag, "extra": 1}, client="a"), 422, "idempotency_key_reused")
+    assert server.count(tag) == 1
+
+
+def test_keys_are_per_identity(server: Gunicorn) -> None:
+    key, tag = uuid.uuid4().hex, uuid.uuid4().hex
+    a = server.post(key, {"tag": tag}, client="a")
+    b = server.post(key, {"tag": tag}, client="b")
+    assert a.status_code == b.status_code == 201
+    assert "idempotent-replayed" not in b.headers and a.json()["id"] != b.json()["id"]
+    assert server.count(tag) == 2
+
+
+def test_5xx_is_not_recorded_and_a_retry_runs_again(server: Gunicorn) -> None:
+    key, tag = uuid.uuid4().hex, uuid.uuid4().hex
+    body = {"tag": tag, "status": 500}
+    assert server.post(key, body).status_code == 500
+    assert server.post(key, body).status_code == 500
+    assert server.count(tag) == 2
+
+
+def test_malformed_key_is_400_and_no_key_passes_through(server: Gunicorn) -> None:
+    tag = uuid.uuid4().hex
+    bad = httpx.post(
+        f"{server.url}/charges", json={"tag": tag}, headers={"Idempotency-Key": "unquoted"}
+    )
+    problem(bad, 400, "idempotency_key_malformed")
+    assert server.count(tag) == 0
+    assert server.post(None, {"tag": tag}).status_code == 201
+    assert server.post(None, {"tag": tag}).status_code == 201
+    assert server.count(tag) == 2
+
+
+def test_a_store_that_is_down_is_503_and_the_handler_does_not_run(tmp_path: Path) -> None:
+    # A Redis URL on a port nobody listens on: every store call fails.
+    store = f"redis://127.0.0.1:{free_port()}/0?timeout=0.5"
+    for srv in start_gunicorn(store, tmp_path / "runs", workers=1):
+        tag = uuid.uuid4().hex
+        r = srv.post(uuid.uuid4().hex, {"tag": tag})
+        problem(r, 503, "idempotency_store_unavailable")
+        assert r.headers["retry-after"] == "1"
+        assert srv.count(tag) == 0
