@@ -1,0 +1,271 @@
+"""HTTP ``Idempotency-Key`` for Django: a middleware for whole route sets and a view
+decorator for single views, configured from ``settings.IDEMLOCK``::
+
+    IDEMLOCK = {
+        "url": "postgresql://app@db/app",   # or "sqlite:///...", "redis://..."
+        "spec": {"name": "http", "ttl": 86400, "lease": 30},   # seconds; or a name
+        "identity": "user",                 # request.user.pk; or "header:X-Api-Key",
+                                            # or a function of the request
+        "routes": ["/api/payments/*"],      # the middleware's route set (default all)
+        # any other option of idemlock.integrations.asgi.IdempotencyMiddleware:
+        # methods, require_key, allow_anonymous, max_body, record, docs_url, ...
+    }
+    MIDDLEWARE = [..., "django.contrib.auth.middleware.AuthenticationMiddleware",
+                  "idemlock.integrations.django.IdempotencyMiddleware", ...]
+
+    @idempotent_view(spec={"name": "refunds", "ttl": 3600, "lease": 60})
+    def refund(request): ...
+
+The table is the ASGI middleware's (same code, see :mod:`idemlock.integrations._http`):
+400/401/409/413/422/503 as ``application/problem+json``, the replay with
+``Idempotent-Replayed: true``, keys per identity, 5xx (Django turns a view's exception
+into one) and retryable 4xx not recorded. Put the middleware after
+``AuthenticationMiddleware`` when the identity is ``"user"``. A view protected by both
+the middleware and the decorator is handled once, by the middleware.
+
+The coordinator is connected once per process and URL (after a fork, the store opens
+fresh connections itself).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from http.cookies import SimpleCookie
+from typing import Any, TypeVar, cast, overload
+
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
+
+from .._core.types import IdempotencySpec
+from .._errors import ConfigurationError
+from .._sync import Coordinator
+from ._http import Answer, Pass, Run, SyncHttp
+
+__all__ = ["IdempotencyMiddleware", "idempotent_view"]
+
+View = TypeVar("View", bound=Callable[..., HttpResponseBase])
+_HANDLED = "_idemlock_handled"
+
+_coordinators: dict[str, Coordinator] = {}
+_lock = threading.Lock()
+
+
+def _coordinator(url: str) -> Coordinator:
+    with _lock:
+        coord = _coordinators.get(url)
+        if coord is None:
+            import idemlock
+
+            coord = _coordinators[url] = idemlock.connect(url)
+        return coord
+
+
+def _spec(value: Any) -> IdempotencySpec | str:
+    if isinstance(value, (IdempotencySpec, str)):
+        return value
+    if isinstance(value, dict):
+        opts = dict(value)
+        name = opts.pop("name", "http")
+        for k in ("ttl", "lease"):
+            if isinstance(opts.get(k), (int, float)):
+                opts[k] = timedelta(seconds=opts[k])
+        return IdempotencySpec(name, **opts)
+    raise ConfigurationError(
+        f"IDEMLOCK['spec'] must be a spec name, an IdempotencySpec or a dict of name/ttl/"
+        f"lease, got {value!r}"
+    )
+
+
+def _identity(value: Any) -> Callable[[HttpRequest], str | None] | None:
+    if value is None:
+        return None
+    if callable(value):
+        return cast(Callable[[HttpRequest], "str | None"], value)
+    if value == "user":
+
+        def user(request: HttpRequest) -> str | None:
+            u = getattr(request, "user", None)
+            if u is None or not getattr(u, "is_authenticated", False):
+                return None
+            return str(u.pk)
+
+        return user
+    if isinstance(value, str) and value.startswith("header:"):
+        name = value[len("header:") :]
+
+        def header(request: HttpRequest) -> str | None:
+            return request.headers.get(name) or None
+
+        return header
+    raise ConfigurationError(
+        f"IDEMLOCK['identity'] must be 'user', 'header:<Name>' or a function of the "
+        f"request, got {value!r}"
+    )
+
+
+class _Setup:
+    """The core and identity built from ``settings.IDEMLOCK`` plus overrides."""
+
+    def __init__(self, overrides: dict[str, Any]) -> None:
+        conf = dict(getattr(settings, "IDEMLOCK", None) or {})
+        conf.update(overrides)
+        url = conf.pop("url", None)
+        coordinator = conf.pop("coordinator", None)
+        if coordinator is None:
+            if not isinstance(url, str):
+                raise ConfigurationError(
+                    "settings.IDEMLOCK needs 'url' (a store URL such as "
+                    "'sqlite:///var/lib/app/idemlock.db') or 'coordinator'"
+                )
+            coordinator = _coordinator(url)
+        self.identity = _identity(conf.pop("identity", None))
+        if "spec" in conf:
+            conf["spec"] = _spec(conf["spec"])
+        self.core = SyncHttp(coordinator, **conf)
+
+
+def _scope(request: HttpRequest) -> dict[str, Any]:
+    return {
+        "method": request.method or "GET",
+        "path": request.path,
+        "query_string": request.META.get("QUERY_STRING", "").encode("latin-1"),
+        "headers": [
+            (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in request.headers.items()
+        ],
+    }
+
+
+def _answer(answer: Answer) -> HttpResponse:
+    response = HttpResponse(answer.body, status=answer.status)
+    del response.headers["Content-Type"]
+    for name, value in answer.headers:
+        k, v = name.decode("latin-1"), value.decode("latin-1")
+        if k.lower() == "set-cookie":
+            response.cookies.load(v)
+        else:
+            response.headers[k] = v
+    return response
+
+
+def _headers(response: HttpResponseBase) -> list[tuple[bytes, bytes]]:
+    out = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in response.items()]
+    cookies: SimpleCookie = response.cookies
+    for morsel in cookies.values():
+        out.append((b"set-cookie", morsel.OutputString().encode("latin-1")))
+    return out
+
+
+def _handle(
+    setup: _Setup, request: HttpRequest, call: Callable[[HttpRequest], HttpResponseBase]
+) -> HttpResponseBase:
+    core = setup.core
+    scope = _scope(request)
+    if getattr(request, _HANDLED, False) or not core.covers(scope["method"], scope):
+        return call(request)
+    setattr(request, _HANDLED, True)
+
+    def ident() -> str | None:
+        if setup.identity is None:
+            return None
+        value = setup.identity(request)
+        if value is not None and not isinstance(value, str):
+            raise ConfigurationError(
+                f"the identity function must return a str or None, got {type(value).__name__}"
+            )
+        return value
+
+    body: bytes | None = None
+    pos = [0]
+
+    def read(n: int) -> bytes:
+        nonlocal body
+        if body is None:
+            body = request.body  # Django reads and caches it; the view reads it again
+            pos[0] = 0
+        chunk = body[pos[0] : pos[0] + n]
+        pos[0] += len(chunk)
+        return chunk
+
+    decision = core.begin(scope, ident, read)
+    if isinstance(decision, Answer):
+        return _answer(decision)
+    if isinstance(decision, Pass):
+        return call(request)
+    try:
+        response = call(request)
+    except BaseException:
+        core.fail(decision)
+        raise
+    if isinstance(response, StreamingHttpResponse):
+        response.streaming_content = _stream(core, decision, response)
+        return response
+    content = cast(HttpResponse, response).content
+    chunks = None if len(content) > core.max_response_body else [content]
+    # Recorded before Django sends the response: an immediate retry finds the record.
+    core.finish(decision, response.status_code, _headers(response), chunks)
+    return response
+
+
+def _stream(core: SyncHttp, run: Run, response: StreamingHttpResponse) -> Iterator[bytes]:
+    chunks: list[bytes] | None = []
+    size = 0
+    held: bytes | None = None
+    try:
+        for chunk in response.streaming_content:
+            if held is not None:
+                yield held
+            chunk = bytes(chunk)
+            size += len(chunk)
+            if chunks is not None:
+                if size > core.max_response_body:
+                    chunks = None
+                else:
+                    chunks.append(chunk)
+            held = chunk
+        core.finish(run, response.status_code, _headers(response), chunks)
+        if held is not None:
+            yield held
+    except BaseException:
+        core.fail(run)
+        raise
+
+
+class IdempotencyMiddleware:
+    """Django middleware applying ``settings.IDEMLOCK`` to its ``routes`` (default all)
+    for its ``methods`` (default POST and PATCH)."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponseBase]) -> None:
+        self.get_response = get_response
+        self._setup = _Setup({})
+
+    def __call__(self, request: HttpRequest) -> HttpResponseBase:
+        return _handle(self._setup, request, self.get_response)
+
+
+@overload
+def idempotent_view(view: View) -> View: ...
+@overload
+def idempotent_view(view: None = None, **overrides: Any) -> Callable[[View], View]: ...
+def idempotent_view(view: View | None = None, **overrides: Any) -> Any:
+    """Protect one view (``@idempotent_view`` or ``@idempotent_view(spec=..., ...)``);
+    ``overrides`` replace entries of ``settings.IDEMLOCK`` for this view. The route
+    filter does not apply (the view is the route)."""
+
+    def wrap(fn: View) -> View:
+        setup: list[_Setup] = []
+        init = threading.Lock()
+
+        @functools.wraps(fn)
+        def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
+            if not setup:
+                with init:
+                    if not setup:
+                        setup.append(_Setup({"routes": None, **overrides}))
+            return _handle(setup[0], request, lambda r: fn(r, *args, **kwargs))
+
+        return cast(View, wrapper)
+
+    return wrap if view is None else wrap(view)

@@ -1,0 +1,8 @@
+from django.urls import path
+
+from . import views
+
+urlpatterns = [
+    path("mw/charges", views.charges),
+    path("single", views.single),
+]

@@ -1,0 +1,54 @@
+"""Views that count their runs (one line per run in a file, so every worker is seen)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
+
+from idemlock.integrations.django import idempotent_view
+
+
+@dataclass
+class HeaderUser:
+    pk: str
+    is_authenticated: bool = True
+
+
+class HeaderUserMiddleware:
+    """Sets ``request.user`` from ``X-User`` (what an authentication middleware does)."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponseBase]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponseBase:
+        name = request.headers.get("X-User")
+        request.user = HeaderUser(name) if name else None
+        return self.get_response(request)
+
+
+def _run(request: HttpRequest) -> HttpResponse:
+    data = json.loads(request.body)
+    runs = Path(os.environ["DJANGO_TEST_RUNS"])
+    with runs.open("a") as f:
+        f.write(f"{data['tag']}\n")
+    time.sleep(float(data.get("sleep", 0)))
+    if data.get("raise"):
+        raise RuntimeError("the view failed")
+    status = int(data.get("status", 201))
+    return JsonResponse({"tag": data["tag"], "id": uuid.uuid4().hex}, status=status)
+
+
+def charges(request: HttpRequest) -> HttpResponse:
+    return _run(request)
+
+
+@idempotent_view(identity="header:X-Api-Key", spec={"name": "single", "ttl": 60, "lease": 10})
+def single(request: HttpRequest) -> HttpResponse:
+    return _run(request)

@@ -1,0 +1,185 @@
+"""The Django middleware and view decorator, configured by settings.IDEMLOCK of the
+project in tests/django_app: with Django's test client, and under a real gunicorn with
+two worker processes and concurrent duplicates; records in a shared SQLite file."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+_TMP = Path(tempfile.mkdtemp(prefix="idemlock-django-"))
+os.environ["DJANGO_SETTINGS_MODULE"] = "tests.django_app.settings"
+os.environ["DJANGO_TEST_STORE"] = f"sqlite:///{_TMP / 'idemlock.db'}"
+os.environ["DJANGO_TEST_RUNS"] = str(_TMP / "runs")
+
+import django  # noqa: E402
+
+django.setup()
+
+from django.test import Client  # noqa: E402
+
+from .test_wsgi import free_port  # noqa: E402
+
+RUNS = _TMP / "runs"
+
+
+def count(tag: str) -> int:
+    return RUNS.read_text().split().count(tag) if RUNS.exists() else 0
+
+
+def post(client: Client, path: str, key: str | None, body: dict[str, Any], **headers: str) -> Any:
+    if key is not None:
+        headers["Idempotency-Key"] = f'"{key}"'
+    return client.post(path, body, content_type="application/json", headers=headers)
+
+
+def problem(response: Any, status: int, code: str) -> dict[str, Any]:
+    assert response.status_code == status, response.content
+    assert response["Content-Type"] == "application/problem+json"
+    doc: dict[str, Any] = response.json()
+    assert doc["status"] == status and doc["code"] == code
+    return doc
+
+
+@pytest.fixture
+def client() -> Client:
+    return Client()
+
+
+def test_middleware_replays_and_refuses_another_body(client: Client) -> None:
+    key, tag = uuid.uuid4().hex, uuid.uuid4().hex
+    first = post(client, "/mw/charges", key, {"tag": tag}, x_user="alice")
+    assert first.status_code == 201 and "Idempotent-Replayed" not in first
+    again = post(client, "/mw/charges", key, {"tag": tag}, x_user="alice")
+    assert again.status_code == 201 and again["Idempotent-Replayed"] == "true"
+    assert again.content == first.content
+    problem(
+        post(client, "/mw/charges", key, {"tag": tag, "x": 1}, x_user="alice"),
+        422,
+        "idempotency_key_reused",
+    )
+    assert count(tag) == 1
+
+
+def test_middleware_keys_are_per_request_user(client: Client) -> None:
+    key, tag = uuid.uuid4().hex, uuid.uuid4().hex
+    a = post(client, "/mw/charges", key, {"tag": tag}, x_user="alice")
+    b = post(client, "/mw/charges", key, {"tag": tag}, x_user="bob")
+    assert a.status_code == b.status_code == 201 and "Idempotent-Replayed" not in b
+    assert count(tag) == 2
+
+
+def test_middleware_does_not_record_5xx_and_passes_routes_outside_its_set(
+    client: Client,
+) -> None:
+    key, tag = uuid.uuid4().hex, uuid.uuid4().hex
+    for _ in range(2):
+        assert post(client, "/mw/charges", key, {"tag": tag, "status": 503}).status_code == 503
+    assert count(tag) == 2
+    problem(
+        client.post(
+            "/mw/charges",
+            {},
+            content_type="application/json",
+            headers={"Idempotency-Key": "no quotes"},
+        ),
+        400,
+        "idempotency_key_malformed",
+    )
+
+
+def test_view_decorator_uses_its_api_key_identity_and_abandons_on_exception(
+    client: Client,
+) -> None:
+    key, tag = uuid.uuid4().hex, uuid.uuid4().hex
+    first = post(client, "/single", key, {"tag": tag}, x_api_key="k1")
+    assert first.status_code == 201
+    again = post(client, "/single", key, {"tag": tag}, x_api_key="k1")
+    assert again["Idempotent-Replayed"] == "true" and again.content == first.content
+    other = post(client, "/single", key, {"tag": tag}, x_api_key="k2")
+    assert "Idempotent-Replayed" not in other
+    assert count(tag) == 2
+    key, tag = uuid.uuid4().hex, uuid.uuid4().hex
+    client.raise_request_exception = True
+    for _ in range(2):
+        with pytest.raises(RuntimeError):
+            post(client, "/single", key, {"tag": tag, "raise": True}, x_api_key="k1")
+    assert count(tag) == 2  # abandoned, so the retry ran
+
+
+@pytest.fixture(scope="module")
+def gunicorn() -> Iterator[str]:
+    import subprocess
+    import sys
+    import time
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "--bind",
+            f"127.0.0.1:{port}",
+            "--workers",
+            "2",
+            "--threads",
+            "4",
+            "--log-level",
+            "warning",
+            "tests.django_app.wsgi:application",
+        ],
+        cwd=Path(__file__).resolve().parent.parent,
+        env=dict(os.environ),
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while True:
+        assert proc.poll() is None, "gunicorn exited"
+        try:
+            httpx.get(f"{url}/", timeout=1)
+            break
+        except httpx.TransportError:
+            assert time.monotonic() < deadline, "gunicorn did not start"
+            time.sleep(0.1)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.mark.parametrize(("path", "who"), [("/mw/charges", "x-user"), ("/single", "x-api-key")])
+def test_concurrent_duplicates_under_gunicorn_run_once(gunicorn: str, path: str, who: str) -> None:
+    key, tag = uuid.uuid4().hex, uuid.uuid4().hex
+    headers = {"Idempotency-Key": f'"{key}"', who: "alice"}
+    body = {"tag": tag, "sleep": 1.0}
+
+    def send(_: int) -> httpx.Response:
+        return httpx.post(gunicorn + path, json=body, headers=headers, timeout=20)
+
+    with ThreadPoolExecutor(6) as pool:
+        responses = list(pool.map(send, range(6)))
+    assert count(tag) == 1
+    firsts = [
+        r for r in responses if r.status_code == 201 and "idempotent-replayed" not in r.headers
+    ]
+    assert len(firsts) == 1
+    assert any(r.status_code == 409 for r in responses)
+    for r in responses:
+        assert r.status_code in (201, 409)
+        if r.status_code == 409:
+            assert r.json()["code"] == "idempotency_key_in_use"
+        elif r is not firsts[0]:
+            assert r.content == firsts[0].content
+    after = send(0)
+    assert after.headers["idempotent-replayed"] == "true" and after.content == firsts[0].content
+    assert count(tag) == 1
