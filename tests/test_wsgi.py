@@ -19,6 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
+from .servers.proxy import TcpProxy
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -43,6 +45,19 @@ def create_app() -> Any:
         status = int(data.get("status", 201))
         return {"tag": data["tag"], "pid": os.getpid(), "id": uuid.uuid4().hex}, status
 
+    @app.post("/stream")
+    def stream() -> Any:
+        data = request.get_json()
+        with runs.open("a") as f:
+            f.write(f"{data['tag']}\n")
+        size = int(data["size"])
+
+        def chunks() -> Iterator[bytes]:
+            for _ in range(size // 1000):
+                yield b"x" * 1000
+
+        return app.response_class(chunks(), status=201, mimetype="text/plain")
+
     spec = idemlock.IdempotencySpec("http", ttl=timedelta(hours=1), lease=timedelta(seconds=30))
     app.wsgi_app = IdempotencyMiddleware(  # type: ignore[method-assign]
         app.wsgi_app,
@@ -50,6 +65,7 @@ def create_app() -> Any:
         spec=spec,
         identity=environ_header_identity("x-client"),
         max_body=64 * 1024,
+        max_response_body=16 * 1000,
     )
     return app
 
@@ -203,3 +219,57 @@ def test_a_store_that_is_down_is_503_and_the_handler_does_not_run(tmp_path: Path
         problem(r, 503, "idempotency_store_unavailable")
         assert r.headers["retry-after"] == "1"
         assert srv.count(tag) == 0
+
+
+def test_a_streamed_response_is_replayed_whole_and_one_over_the_limit_is_not(
+    server: Gunicorn,
+) -> None:
+    key, tag = uuid.uuid4().hex, uuid.uuid4().hex
+    url = f"{server.url}/stream"
+    headers = {"Idempotency-Key": f'"{key}"'}
+    first = httpx.post(url, json={"tag": tag, "size": 10_000}, headers=headers)
+    again = httpx.post(url, json={"tag": tag, "size": 10_000}, headers=headers)
+    assert first.status_code == again.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true" and again.content == b"x" * 10_000
+    big_key, big = uuid.uuid4().hex, uuid.uuid4().hex
+    headers = {"Idempotency-Key": f'"{big_key}"'}
+    first = httpx.post(url, json={"tag": big, "size": 20_000}, headers=headers)
+    assert first.status_code == 201 and first.content == b"x" * 20_000  # delivered whole
+    doc = problem(
+        httpx.post(url, json={"tag": big, "size": 20_000}, headers=headers),
+        409,
+        "idempotency_response_unavailable",
+    )
+    assert doc["original_status"] == 201
+    assert server.count(tag) == server.count(big) == 1
+
+
+def test_a_failure_to_record_keeps_the_claim_and_the_record_is_written_later(
+    tmp_path: Path, redis_server: Any
+) -> None:
+    with TcpProxy(redis_server.port) as proxy:
+        store = f"redis://127.0.0.1:{proxy.port}/0?timeout=0.5"
+        for srv in start_gunicorn(store, tmp_path / "runs", workers=1):
+            key, tag = uuid.uuid4().hex, uuid.uuid4().hex
+            body = {"tag": tag, "sleep": 1.0}
+            with ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(srv.post, key, body)
+                deadline = time.monotonic() + 10
+                while srv.count(tag) == 0:  # the handler runs: the claim is taken
+                    assert time.monotonic() < deadline
+                    time.sleep(0.02)
+                proxy.blackhole()  # the store goes silent before the record is written
+                first = pending.result()
+            assert first.status_code == 201  # delivered although not recorded
+            problem(srv.post(key, body), 503, "idempotency_store_unavailable")
+            proxy.heal()
+            deadline = time.monotonic() + 10
+            while True:
+                r = srv.post(key, body)
+                if r.status_code == 201:
+                    break
+                problem(r, 409, "idempotency_key_in_use")  # the claim is kept meanwhile
+                assert time.monotonic() < deadline, "the record was never written"
+                time.sleep(0.1)
+            assert r.headers["idempotent-replayed"] == "true" and r.content == first.content
+            assert srv.count(tag) == 1
