@@ -2,7 +2,8 @@
 
 Every job appends what it does to the file ``$IDEMLOCK_JOBS_LOG`` (one JSON line per
 event), so a test counts runs and reads fences from outside the worker processes.
-The idemlock store is ``$IDEMLOCK_JOBS_STORE``, read again in every process (a file
+The idemlock store is ``$IDEMLOCK_JOBS_STORE`` under the key prefix
+``$IDEMLOCK_JOBS_PREFIX``, read again in every process (a file
 named by ``$IDEMLOCK_JOBS_STORE_FILE`` overrides it, so a test can point the jobs at
 a dead store and back).
 """
@@ -32,12 +33,17 @@ def store_url() -> str:
     return os.environ["IDEMLOCK_JOBS_STORE"]
 
 
+def prefix() -> str:
+    # Each test has its own: keys of one test (or queue) never meet another's.
+    return os.environ.get("IDEMLOCK_JOBS_PREFIX", "idemlock")
+
+
 def coordinator() -> idemlock.Coordinator:
-    return idemlock.connect(store_url())
+    return idemlock.connect(store_url(), key_prefix=prefix())
 
 
 def async_coordinator() -> idemlock.aio.AsyncCoordinator:
-    return idemlock.aio.connect(store_url())
+    return idemlock.aio.connect(store_url(), key_prefix=prefix())
 
 
 def note(event: str, **fields: Any) -> None:

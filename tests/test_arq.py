@@ -20,12 +20,11 @@ from arq import create_pool
 from arq.connections import ArqRedis, RedisSettings
 from arq.jobs import Job, JobStatus
 
-import idemlock
 from idemlock import ConfigurationError
 from idemlock.integrations.arq import enqueue_once, idempotent_job
 
 from .arq_app import JOB_TIMEOUT, arq_job
-from .queue_jobs import LEASE, SPEC, read_log
+from .queue_jobs import LEASE, SPEC, coordinator, read_log
 from .servers.redis import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +42,7 @@ class Env:
             "IDEMLOCK_JOBS_LOG": str(self.log),
             "IDEMLOCK_JOBS_STORE": self.store,
             "IDEMLOCK_JOBS_STORE_FILE": str(self.store_file),
+            "IDEMLOCK_JOBS_PREFIX": f"t{uuid.uuid4().hex[:12]}",
             "IDEMLOCK_JOBS_BROKER": server.url,
             "IDEMLOCK_JOBS_NAMESPACE": queue,
         }
@@ -121,7 +121,7 @@ async def test_runs_once_and_a_duplicate_of_a_completed_job_is_replayed(env: Env
     dup = await env.send("a", 0.0)
     assert await result(dup) == one
     assert len(env.events("a", "start")) == 1
-    status = idemlock.connect(env.store).idempotency(SPEC).status("a")
+    status = coordinator().idempotency(SPEC).status("a")
     assert status is not None and status.state == "completed"
 
 
@@ -132,7 +132,7 @@ async def test_a_failure_abandons_the_claim_so_a_retry_runs_with_a_higher_fence(
     failed = await env.send("f", 0.0, True)
     with pytest.raises(RuntimeError, match="fails once"):
         await result(failed)
-    status = idemlock.connect(env.store).idempotency(SPEC).status("f")
+    status = coordinator().idempotency(SPEC).status("f")
     assert status is None or status.state != "in_flight"  # abandoned, not held
     again = await env.send("f", 0.0, True)
     value = await result(again)
@@ -147,7 +147,7 @@ async def test_worker_sigkilled_mid_job_reruns_only_after_the_lease_ends(env: En
     job = await env.send("k", LEASE * 2.5)
     first = (await wait_for(lambda: env.events("k", "start")))[0]
     await asyncio.sleep(LEASE * 1.2)  # renewed past its first lease while it runs
-    coord = idemlock.connect(env.store)
+    coord = coordinator()
     status = coord.idempotency(SPEC).status("k")
     assert status is not None and status.state == "in_flight"
     env.kill(worker)

@@ -18,11 +18,10 @@ from typing import Any
 
 import pytest
 
-import idemlock
 from idemlock import ConfigurationError
 from idemlock.integrations.dramatiq import send_once
 
-from .queue_jobs import LEASE, SPEC, read_log
+from .queue_jobs import LEASE, SPEC, coordinator, read_log
 from .servers.redis import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +48,7 @@ class Env:
             "IDEMLOCK_JOBS_LOG": str(self.log),
             "IDEMLOCK_JOBS_STORE": self.store,
             "IDEMLOCK_JOBS_STORE_FILE": str(self.store_file),
+            "IDEMLOCK_JOBS_PREFIX": f"t{uuid.uuid4().hex[:12]}",
             "IDEMLOCK_JOBS_BROKER": server.url,
             "IDEMLOCK_JOBS_NAMESPACE": NAMESPACE,
         }
@@ -126,7 +126,7 @@ def test_runs_once_and_a_duplicate_of_a_completed_message_is_replayed(env: Env) 
     dup = env.app.dq_job.send("a", 0.0)
     assert result(dup) == one
     assert len(env.events("a", "start")) == 1
-    status = idemlock.connect(env.store).idempotency(SPEC).status("a")
+    status = coordinator().idempotency(SPEC).status("a")
     assert status is not None and status.state == "completed"
 
 
@@ -145,7 +145,7 @@ def test_worker_sigkilled_mid_message_reruns_only_after_the_lease_ends(env: Env)
     msg = env.app.dq_job.send("k", LEASE * 3)
     first = wait_for(lambda: env.events("k", "start"))[0]
     time.sleep(LEASE * 1.2)  # renewed past its first lease while it runs
-    coord = idemlock.connect(env.store)
+    coord = coordinator()
     status = coord.idempotency(SPEC).status("k")
     assert status is not None and status.state == "in_flight"
     env.kill(worker)  # the whole worker: main process and the one running the body

@@ -19,10 +19,9 @@ from redis import Redis
 from rq import Queue, Retry
 from rq.job import Job, JobStatus
 
-import idemlock
 from idemlock.integrations.rq import enqueue_once
 
-from .queue_jobs import LEASE, SPEC, read_log, rq_job
+from .queue_jobs import LEASE, SPEC, coordinator, read_log, rq_job
 from .servers.redis import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +41,7 @@ class Env:
             "IDEMLOCK_JOBS_LOG": str(self.log),
             "IDEMLOCK_JOBS_STORE": self.store,
             "IDEMLOCK_JOBS_STORE_FILE": str(self.store_file),
+            "IDEMLOCK_JOBS_PREFIX": f"t{uuid.uuid4().hex[:12]}",
         }
 
     def worker(self) -> subprocess.Popen[bytes]:
@@ -119,7 +119,7 @@ def test_runs_once_and_a_duplicate_of_a_completed_job_is_replayed(env: Env) -> N
     wait_for(lambda: finished(dup))
     assert dup.return_value() == first.return_value()
     assert len(env.events("a", "start")) == 1
-    status = idemlock.connect(env.store).idempotency(SPEC).status("a")
+    status = coordinator().idempotency(SPEC).status("a")
     assert status is not None and status.state == "completed"
 
 
@@ -139,7 +139,7 @@ def test_work_horse_sigkilled_mid_job_reruns_only_after_the_lease_ends(env: Env)
     first = wait_for(lambda: env.events("k", "start"))[0]
     # Let a few heartbeats pass: the claim is kept alive past its lease while it runs.
     time.sleep(LEASE * 1.5)
-    coord = idemlock.connect(env.store)
+    coord = coordinator()
     status = coord.idempotency(SPEC).status("k")
     assert status is not None and status.state == "in_flight"
     os.kill(first["pid"], signal.SIGKILL)  # the work horse running the body
