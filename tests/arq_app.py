@@ -10,7 +10,7 @@ from arq.connections import RedisSettings
 
 from idemlock.integrations.arq import idempotent_job
 
-from .queue_jobs import SPEC, async_coordinator, awork
+from .queue_jobs import SPEC, async_coordinator, awork, long_spec
 
 #: the job timeout; a killed worker's job runs elsewhere once this + 10 s passed
 JOB_TIMEOUT = 8
@@ -30,12 +30,27 @@ async def arq_job(
     return await awork(name, seconds, fail_first)
 
 
+#: longer than a killed worker's in-progress marker (JOB_TIMEOUT + 10 s), so the rerun
+#: meets the dead attempt's claim still in flight and must wait for its lease
+LONG_LEASE = 22.0
+
+
+@idempotent_job(
+    long_spec(LONG_LEASE),
+    key=lambda name, seconds=0.0: name,
+    coordinator=async_coordinator,
+    retry_every=1.0,
+)
+async def arq_long_job(ctx: dict[str, Any], name: str, seconds: float = 0.0) -> dict[str, Any]:
+    return await awork(name, seconds, False)
+
+
 def redis_settings() -> RedisSettings:
     return RedisSettings.from_dsn(os.environ.get("IDEMLOCK_JOBS_BROKER", "redis://127.0.0.1:1"))
 
 
 class WorkerSettings:
-    functions = [arq_job]  # noqa: RUF012
+    functions = [arq_job, arq_long_job]  # noqa: RUF012
     redis_settings = redis_settings()
     queue_name = os.environ.get("IDEMLOCK_JOBS_NAMESPACE", "arq:queue")
     job_timeout = JOB_TIMEOUT

@@ -14,7 +14,7 @@ from dramatiq.results.backends import RedisBackend
 
 from idemlock.integrations.dramatiq import idempotent
 
-from .queue_jobs import SPEC, coordinator, work
+from .queue_jobs import SPEC, coordinator, long_spec, work
 
 #: a dead worker's unacknowledged messages are given to others after this (ms)
 HEARTBEAT_TIMEOUT_MS = 3000
@@ -44,3 +44,19 @@ dramatiq.set_broker(broker)
 )
 def dq_job(name: str, seconds: float = 0.0, fail_first: bool = False) -> dict[str, Any]:
     return work(name, seconds, fail_first)
+
+
+#: longer than the broker takes to hand a dead worker's message to another, so the
+#: redelivered message meets the dead attempt's claim in flight and must wait
+LONG_LEASE = 9.0
+
+
+@dramatiq.actor(max_retries=50, min_backoff=100, max_backoff=1000, store_results=True)
+@idempotent(
+    long_spec(LONG_LEASE),
+    key=lambda name, seconds=0.0: name,
+    coordinator=coordinator,
+    retry_every=1.0,
+)
+def dq_long_job(name: str, seconds: float = 0.0) -> dict[str, Any]:
+    return work(name, seconds, False)

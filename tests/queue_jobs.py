@@ -26,6 +26,10 @@ LEASE = 2.0
 SPEC = IdempotencySpec("jobs", lease=timedelta(seconds=LEASE))
 
 
+def long_spec(lease: float) -> IdempotencySpec:
+    return IdempotencySpec("jobs-long", lease=timedelta(seconds=lease))
+
+
 def store_url() -> str:
     override = os.environ.get("IDEMLOCK_JOBS_STORE_FILE")
     if override and Path(override).exists():

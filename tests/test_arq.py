@@ -23,8 +23,8 @@ from arq.jobs import Job, JobStatus
 from idemlock import ConfigurationError
 from idemlock.integrations.arq import enqueue_once, idempotent_job
 
-from .arq_app import JOB_TIMEOUT, arq_job
-from .queue_jobs import LEASE, SPEC, coordinator, read_log
+from .arq_app import JOB_TIMEOUT, LONG_LEASE, arq_job
+from .queue_jobs import LEASE, SPEC, coordinator, long_spec, read_log
 from .servers.redis import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,7 +138,7 @@ async def test_a_failure_abandons_the_claim_so_a_retry_runs_with_a_higher_fence(
     value = await result(again)
     starts = env.events("f", "start")
     assert len(starts) == 2
-    assert starts[1]["fence"] > starts[0]["fence"] == starts[0]["fence"]
+    assert starts[1]["fence"] > starts[0]["fence"]
     assert value["fence"] == starts[1]["fence"]
 
 
@@ -158,6 +158,26 @@ async def test_worker_sigkilled_mid_job_reruns_only_after_the_lease_ends(env: En
     assert second["fence"] > first["fence"]
     assert (await result(job, 30))["fence"] == second["fence"]
     assert len(env.events("k", "start")) == 2
+
+
+async def test_a_rerun_that_meets_the_dead_claim_waits_for_its_lease(env: Env) -> None:
+    worker = env.worker()
+    job = await env.pool.enqueue_job("arq_long_job", "w", 3.0, _queue_name=env.queue)
+    assert job is not None
+    first = (await wait_for(lambda: env.events("w", "start")))[0]
+    await asyncio.sleep(0.5)
+    env.kill(worker)
+    status = coordinator().idempotency(long_spec(LONG_LEASE)).status("w")
+    assert status is not None and status.state == "in_flight"
+    expires = status.expires_at.timestamp()
+    env.worker()
+    second = (await wait_for(lambda: env.events("w", "start")[1:], timeout=LONG_LEASE + 20))[0]
+    # arq handed the job out again (its in-progress marker ended) before the lease did:
+    # the rerun waited in flight for the lease, and only then ran.
+    assert expires - first["t"] > JOB_TIMEOUT + 10
+    assert second["t"] >= expires - 0.05
+    assert second["fence"] > first["fence"]
+    assert (await result(job, 30))["fence"] == second["fence"]
 
 
 async def test_a_job_slower_than_its_lease_is_not_run_twice_by_a_duplicate(env: Env) -> None:

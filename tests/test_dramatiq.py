@@ -21,7 +21,7 @@ import pytest
 from idemlock import ConfigurationError
 from idemlock.integrations.dramatiq import send_once
 
-from .queue_jobs import LEASE, SPEC, coordinator, read_log
+from .queue_jobs import LEASE, SPEC, coordinator, long_spec, read_log
 from .servers.redis import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,6 +156,23 @@ def test_worker_sigkilled_mid_message_reruns_only_after_the_lease_ends(env: Env)
     assert second["fence"] > first["fence"]
     assert result(msg, 60)["fence"] == second["fence"]
     assert len(env.events("k", "start")) == 2
+
+
+def test_a_redelivery_that_meets_the_dead_claim_waits_for_its_lease(env: Env) -> None:
+    worker = env.worker()
+    msg = env.app.dq_long_job.send("w", 3.0)
+    first = wait_for(lambda: env.events("w", "start"))[0]
+    time.sleep(0.5)
+    env.kill(worker)
+    status = coordinator().idempotency(long_spec(env.app.LONG_LEASE)).status("w")
+    assert status is not None and status.state == "in_flight"
+    expires = status.expires_at.timestamp()
+    env.worker()
+    second = wait_for(lambda: env.events("w", "start")[1:], timeout=env.app.LONG_LEASE + 20)[0]
+    assert second["t"] >= expires - 0.05
+    assert second["fence"] > first["fence"]
+    assert result(msg, 30)["fence"] == second["fence"]
+    assert len(env.events("w", "start")) == 2
 
 
 def test_a_message_slower_than_its_lease_is_not_run_twice_by_a_duplicate(env: Env) -> None:
