@@ -183,3 +183,99 @@ def test_concurrent_duplicates_under_gunicorn_run_once(gunicorn: str, path: str,
     after = send(0)
     assert after.headers["idempotent-replayed"] == "true" and after.content == firsts[0].content
     assert count(tag) == 1
+
+
+# ---- transaction.atomic(): the view's writes and the record commit together --------------
+
+
+@pytest.fixture(scope="module")
+def atomic_path(postgres_server: Any) -> Iterator[str]:
+    from urllib.parse import urlsplit
+
+    from django.db import connections
+    from django.http import HttpRequest, JsonResponse
+    from django.urls import clear_url_caches, path
+
+    from idemlock.integrations.django import idempotent_view
+
+    from .django_app import urls
+
+    dsn = postgres_server.dsn
+    parts = urlsplit(dsn)
+    connections.settings["pg"] = connections.configure_settings(
+        {
+            "default": {"ENGINE": "django.db.backends.dummy"},
+            "pg": {
+                "ENGINE": "django.db.backends.postgresql",
+                "NAME": parts.path.lstrip("/"),
+                "USER": parts.username,
+                "HOST": parts.hostname,
+                "PORT": parts.port,
+            },
+        }
+    )["pg"]
+    with connections["pg"].cursor() as cur:
+        cur.execute("CREATE TABLE IF NOT EXISTS django_charges (tag text, run text)")
+    spec = {"name": "atomic", "ttl": 600, "lease": 1}
+
+    @idempotent_view(url=dsn, atomic="pg", spec=spec, identity="header:X-Api-Key", heartbeat=False)
+    def atomic_charge(request: HttpRequest) -> JsonResponse:
+        import json
+        import time
+
+        data = json.loads(request.body)
+        run = uuid.uuid4().hex
+        with connections["pg"].cursor() as cur:
+            cur.execute("INSERT INTO django_charges VALUES (%s, %s)", [data["tag"], run])
+        with RUNS.open("a") as f:
+            f.write(f"{data['tag']}\n")
+        time.sleep(float(data.get("sleep", 0)))
+        return JsonResponse({"run": run}, status=201)
+
+    urls.urlpatterns.append(path("atomic", atomic_charge))
+    clear_url_caches()
+    yield "/atomic"
+    connections["pg"].close()
+
+
+def rows(tag: str) -> list[str]:
+    from django.db import connections
+
+    with connections["pg"].cursor() as cur:
+        cur.execute("SELECT run FROM django_charges WHERE tag = %s", [tag])
+        return [r[0] for r in cur.fetchall()]
+
+
+def test_atomic_view_records_in_its_transaction(client: Client, atomic_path: str) -> None:
+    key, tag = uuid.uuid4().hex, uuid.uuid4().hex
+    first = post(client, atomic_path, key, {"tag": tag}, x_api_key="k")
+    assert first.status_code == 201
+    again = post(client, atomic_path, key, {"tag": tag}, x_api_key="k")
+    assert again["Idempotent-Replayed"] == "true" and again.content == first.content
+    assert rows(tag) == [first.json()["run"]]
+
+
+def test_atomic_view_whose_claim_was_taken_over_rolls_its_writes_back(
+    atomic_path: str,
+) -> None:
+    # A's lease (1 s, no heartbeat) ends while it sleeps; B takes the key over and runs.
+    # A's record is refused in A's transaction, so A's row goes with it: one row, B's.
+    key, tag = uuid.uuid4().hex, uuid.uuid4().hex
+    body = {"tag": tag, "sleep": 1.6}
+    with ThreadPoolExecutor(2) as pool:
+        a = pool.submit(post, Client(), atomic_path, key, body, x_api_key="k")
+        import time
+
+        deadline = time.monotonic() + 10
+        while count(tag) == 0:  # A's view runs: its claim is taken
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(1.2)  # past A's lease
+        b = pool.submit(post, Client(), atomic_path, key, body, x_api_key="k")
+        ra, rb = a.result(), b.result()
+    assert count(tag) == 2  # both views ran
+    problem(ra, 409, "idempotency_key_in_use")
+    assert rb.status_code == 201
+    assert rows(tag) == [rb.json()["run"]]
+    replay = post(Client(), atomic_path, key, body, x_api_key="k")
+    assert replay["Idempotent-Replayed"] == "true" and replay.content == rb.content

@@ -17,6 +17,7 @@ calls :meth:`SyncHttp.fail` if the handler raised).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from datetime import timedelta
 from typing import Any, TypeVar, cast
 
 from .._core.types import Claim, ClaimToken, IdempotencySpec
-from .._errors import ConfigurationError
+from .._errors import ConfigurationError, ResultTooLarge
 from .._sync import Coordinator, IdempotencyPort
 from ..aio import AsyncIdempotencyPort
 from .asgi import (
@@ -40,7 +41,7 @@ from .asgi import (
     default_record,
 )
 
-__all__ = ["Answer", "Pass", "Run", "SyncHttp"]
+__all__ = ["Answer", "Pass", "Run", "SyncHttp", "TransactionFailed"]
 
 T = TypeVar("T")
 
@@ -58,6 +59,20 @@ def _drive(coro: Coroutine[Any, Any, T]) -> T:
     raise RuntimeError("an idemlock HTTP step suspended on a blocking server")  # pragma: no cover
 
 
+#: the caller's open transaction (a psycopg connection) in which to record a response
+_TX: contextvars.ContextVar[Any] = contextvars.ContextVar("idemlock_http_tx", default=None)
+
+
+class TransactionFailed(BaseException):
+    """Recording in the caller's transaction failed (``cause``): the transaction must
+    roll back. A BaseException so the ASGI steps' store-failure handling, which keeps
+    the claim and records later outside the transaction, does not apply."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(cause)
+        self.cause = cause
+
+
 class _Blocking:
     """The face of an async port that the ASGI steps await, over a blocking port: each
     coroutine makes its blocking call and returns without suspending."""
@@ -71,7 +86,18 @@ class _Blocking:
         return self._sync._claim_at(key, payload, wait)
 
     async def complete(self, token: ClaimToken, result: Any) -> None:
-        self._sync.complete(token, result)
+        conn = _TX.get()
+        if conn is None:
+            self._sync.complete(token, result)
+            return
+        from ..stores.postgres.fenced import complete_in_transaction
+
+        try:
+            complete_in_transaction(conn, self._sync, token, result)
+        except ResultTooLarge:
+            raise  # refused before any SQL: the steps record it as not replayable
+        except Exception as exc:
+            raise TransactionFailed(exc) from exc
 
     async def abandon(self, token: ClaimToken) -> None:
         self._sync.abandon(token)
@@ -263,15 +289,42 @@ class SyncHttp:
         status: int,
         headers: Iterable[tuple[bytes, bytes]],
         chunks: list[bytes] | None,
+        transaction: Any = None,
     ) -> None:
         """Record (or abandon) the handler's response before its last bytes go out.
-        ``chunks`` is None when the body was over ``max_response_body``."""
+        ``chunks`` is None when the body was over ``max_response_body``. With
+        ``transaction`` (a psycopg connection inside the caller's open transaction, on
+        the PostgreSQL store's database) the record is written in that transaction;
+        then :class:`TransactionFailed` means: roll back, then :meth:`abandon`."""
         if run.cap.settled:
             return
         run.cap.status = status
         run.cap.headers = [(k.lower(), v) for k, v in headers]
         run.cap.chunks = chunks
-        _drive(self._steps._settle(run.token, run.cap))
+        reset = _TX.set(transaction)
+        try:
+            _drive(self._steps._settle(run.token, run.cap))
+        finally:
+            _TX.reset(reset)
+
+    def abandon(self, run: Run) -> None:
+        """Abandon the claim even though its response was settled (its record was
+        rolled back with the caller's transaction)."""
+        run.cap.settled = True
+        _drive(self._steps._abandon(run.token))
+
+    def problem(self, kind: str) -> Answer:
+        """The middleware's own problem response ``kind``: "in_flight" or "unavailable"."""
+        steps = self._steps
+        p = steps._in_flight() if kind == "in_flight" else steps._unavailable()
+        sent: list[Message] = []
+
+        async def send(message: Message) -> None:
+            sent.append(message)
+
+        _drive(steps._problem(send, p))
+        start, end = sent
+        return Answer(int(start["status"]), list(start["headers"]), bytes(end["body"]))
 
     def fail(self, run: Run) -> None:
         """The handler raised or gave up without a whole response: abandon the claim."""

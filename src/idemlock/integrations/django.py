@@ -30,6 +30,7 @@ fresh connections itself).
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -40,12 +41,13 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
 
 from .._core.types import IdempotencySpec
-from .._errors import ConfigurationError
+from .._errors import ConfigurationError, StaleClaim
 from .._sync import Coordinator
-from ._http import Answer, Pass, Run, SyncHttp
+from ._http import Answer, Pass, Run, SyncHttp, TransactionFailed
 
 __all__ = ["IdempotencyMiddleware", "idempotent_view"]
 
+log = logging.getLogger("idemlock.django")
 View = TypeVar("View", bound=Callable[..., HttpResponseBase])
 _HANDLED = "_idemlock_handled"
 
@@ -122,6 +124,15 @@ class _Setup:
                 )
             coordinator = _coordinator(url)
         self.identity = _identity(conf.pop("identity", None))
+        atomic = conf.pop("atomic", None)
+        if atomic is True:
+            atomic = "default"
+        if atomic not in (None, False) and not isinstance(atomic, str):
+            raise ConfigurationError(
+                f"'atomic' must be True, False or a database alias, got {atomic!r}"
+            )
+        #: the database alias whose transaction also holds the record, or None
+        self.atomic: str | None = atomic or None
         if "spec" in conf:
             conf["spec"] = _spec(conf["spec"])
         self.core = SyncHttp(coordinator, **conf)
@@ -194,6 +205,8 @@ def _handle(
         return _answer(decision)
     if isinstance(decision, Pass):
         return call(request)
+    if setup.atomic is not None:
+        return _atomic(setup, setup.atomic, request, call, decision)
     try:
         response = call(request)
     except BaseException:
@@ -206,6 +219,48 @@ def _handle(
     chunks = None if len(content) > core.max_response_body else [content]
     # Recorded before Django sends the response: an immediate retry finds the record.
     core.finish(decision, response.status_code, _headers(response), chunks)
+    return response
+
+
+def _atomic(
+    setup: _Setup,
+    alias: str,
+    request: HttpRequest,
+    call: Callable[[HttpRequest], HttpResponseBase],
+    run: Run,
+) -> HttpResponseBase:
+    """Run the view in ``transaction.atomic(using=alias)`` and record its response in
+    that transaction (``complete_in_transaction``): the view's writes and the record
+    commit together or not at all."""
+    from django.db import connections, transaction
+
+    core = setup.core
+    try:
+        with transaction.atomic(using=alias):
+            response = call(request)
+            if isinstance(response, StreamingHttpResponse):
+                raise ConfigurationError(
+                    "a view with atomic idempotency must not stream its response"
+                )
+            content = cast(HttpResponse, response).content
+            chunks = None if len(content) > core.max_response_body else [content]
+            db = connections[alias]
+            db.ensure_connection()
+            core.finish(run, response.status_code, _headers(response), chunks, db.connection)
+    except TransactionFailed as failed:
+        # Rolled back: the view's writes and the record alike. Free the key so a retry
+        # runs again (refused, and logged, if another attempt took it over).
+        core.abandon(run)
+        if isinstance(failed.cause, StaleClaim):
+            return _answer(core.problem("in_flight"))
+        log.warning("recording in the transaction failed; answering 503: %r", failed.cause)
+        return _answer(core.problem("unavailable"))
+    except BaseException:
+        if run.cap.settled:
+            core.abandon(run)  # the commit failed: the record went with it
+        else:
+            core.fail(run)
+        raise
     return response
 
 
