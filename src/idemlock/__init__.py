@@ -58,6 +58,7 @@ from ._sync import Coordinator, FenceGate, IdempotencyPort, LockPort
 # Quiet unless the application configures logging.
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
+
 def _version() -> str:
     # From the installed distribution's metadata, so the package, the CLI and pip agree.
     from importlib.metadata import PackageNotFoundError, version

@@ -274,9 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_epilog(),
         formatter_class=formatter,
     )
-    parser.add_argument(
-        "--version", action="version", version=f"%(prog)s {_package_version()}"
-    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_package_version()}")
     parser.add_argument("--url", default=None, help=_url_help())
     parser.add_argument(
         "--prefix", default="idemlock", help="key prefix that namespaces everything (idemlock)"
