@@ -764,6 +764,23 @@ class LockBase(Emitter):
         state.notify = lost
         return state
 
+    def _renewal(
+        self, lease: Lease, every: float, max_hold: float | None, state: RenewState
+    ) -> Renewal:
+        """What the coordinator's renewer keeps alive for a ``hold()`` block."""
+        assert lease.token is not None
+        until = None if max_hold is None else self._coord.clock.monotonic() + max_hold
+        return Renewal(
+            "lock",
+            (self._ns, lease.key, lease.owner, lease.token),
+            lease._ttl_ms,
+            every,
+            state,
+            lease._sent + every,
+            until,
+            f"max_hold of {max_hold}s reached" if max_hold is not None else "",
+        )
+
     def _renewed(
         self, lease: Lease, sent: float, ttl_ms: int, new_exp: int | None, t0: float = 0.0
     ) -> bool:

@@ -16,8 +16,8 @@ from typing import Any, TypeVar, cast
 from ._base import (
     Attempt,
     CoordinatorBase,
-    Heartbeat,
     FenceBase,
+    Heartbeat,
     IdempotencyBase,
     LockBase,
     WrapPlan,
@@ -30,7 +30,7 @@ from ._base import (
     wrap_options,
 )
 from ._core.clock import Clock
-from ._core.flows import RenewState, acquire_flow, claim_flow, renew_flow
+from ._core.flows import Renewal, RenewState, acquire_flow, claim_flow
 from ._core.port import SyncStore
 from ._core.types import (
     Claim,
@@ -614,21 +614,8 @@ class LockPort(LockBase):
         if lease is None:
             raise LockNotAcquired(self._not_acquired(key, wait))
         assert lease.token is not None
-        clock = self._coord.clock
         state = self._renew_state(lease, on_lost)
-        stop = threading.Event()
         reporters: list[threading.Thread] = []
-        flow = renew_flow(
-            self._ns,
-            key,
-            lease.owner,
-            lease.token,
-            lease._ttl_ms,
-            every,
-            max_hold_s,
-            state,
-            clock,
-        )
 
         def expire() -> None:
             # On the watchdog's thread: mark at once, report on a thread of its own so
@@ -637,56 +624,55 @@ class LockPort(LockBase):
                 reporter = threading.Thread(
                     target=state.report_lost, name=f"idemlock-lost-{key}", daemon=True
                 )
-                reporters.append(reporter)
+                # Started before it is listed: _leave() may join it at once.
                 reporter.start()
+                reporters.append(reporter)
 
         watchdog: Watchdog = self._coord._watchdog
         entry = watchdog.watch(state.deadline(), expire)
         state.moved = lambda at: watchdog.move(entry, at)
-
-        def renewer() -> None:
-            try:
-                run_sync(flow, self._store, stop)
-            except Exception as exc:  # an unexpected failure of the loop loses the lease
-                state.lose(f"renewal crashed: {exc!r}")
-            # The release is this thread's last step, so leaving the block can stop
-            # waiting for it after the store's bound (a renewal stuck in a hung call).
-            stop.wait()
-            self._release_quietly(lease)
-
-        thread = threading.Thread(target=renewer, name=f"idemlock-renew-{key}", daemon=True)
-        thread.start()
+        # Renewed by the coordinator's one renewer, with every claim and lease it keeps.
+        renewal = self._renewal(lease, every, max_hold_s, state)
+        self._coord._renewer.add(renewal)
         try:
             yield lease
         except BaseException:
-            self._leave(state, entry, stop, thread, reporters)
+            self._leave(state, entry, renewal, reporters)
             raise
-        if self._leave(state, entry, stop, thread, reporters):
+        if self._leave(state, entry, renewal, reporters):
             raise LockLost(self._lost_message(lease, state.reason))
 
     def _leave(
         self,
         state: RenewState,
         entry: Any,
-        stop: threading.Event,
-        thread: threading.Thread,
+        renewal: Renewal,
         reporters: list[threading.Thread],
     ) -> bool:
         """End a hold: stop renewing, release, and return whether the lease was lost.
-        Waits at most the store's bound for the renewer (which releases)."""
+        Waits at most the store's bound for the release (a store gone silent)."""
         lost = state.end(self._coord.clock.monotonic())
+        self._coord._renewer.remove(renewal)
         self._coord._watchdog.cancel(entry)
-        stop.set()
+        lease = state.lease
+        assert lease is not None
         bound = self._bound()
         until = time.monotonic() + bound
-        thread.join(bound)
-        if thread.is_alive():
+        releaser = threading.Thread(
+            target=self._release_quietly,
+            args=(lease,),
+            name=f"idemlock-release-{lease.key}",
+            daemon=True,
+        )
+        releaser.start()
+        releaser.join(bound)
+        if releaser.is_alive():
             log.warning(
                 "leaving hold() of lock %s:%s without its release: the store did not "
                 "answer within %gs (its timeout); the lock is released when it answers, "
                 "or frees itself when its lease ends",
                 self.spec.name,
-                state.lease.key if state.lease is not None else "?",
+                lease.key,
                 bound,
             )
         for reporter in list(reporters):

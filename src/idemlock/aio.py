@@ -15,8 +15,8 @@ from typing import Any, TypeVar, cast
 from ._base import (
     Attempt,
     CoordinatorBase,
-    Heartbeat,
     FenceBase,
+    Heartbeat,
     IdempotencyBase,
     LockBase,
     WrapPlan,
@@ -31,7 +31,7 @@ from ._base import (
 from ._core.clock import Clock
 from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES
 from ._core.events import Hook
-from ._core.flows import RenewState, acquire_flow, claim_flow, renew_flow
+from ._core.flows import Renewal, RenewState, acquire_flow, claim_flow
 from ._core.port import AsyncStore
 from ._core.types import (
     Claim,
@@ -578,35 +578,13 @@ class AsyncLockPort(LockBase):
             raise LockNotAcquired(self._not_acquired(key, wait))
         assert lease.token is not None
         state = self._renew_state(lease, on_lost)
-        stop = asyncio.Event()
         body = asyncio.current_task()
         cancels = _OwnCancels(body)
-        flow = renew_flow(
-            self._ns,
-            key,
-            lease.owner,
-            lease.token,
-            lease._ttl_ms,
-            every,
-            max_hold_s,
-            state,
-            self._coord.clock,
-        )
-
-        async def renewer() -> None:
-            try:
-                await run_async(flow, self._store, stop)
-            except Exception as exc:  # an unexpected failure of the loop loses the lease
-                state.lose(f"renewal crashed: {exc!r}")
-
-        task = asyncio.create_task(renewer(), name=f"idemlock-renew-{key}")
         report = state.notify
         assert report is not None
 
         def notify() -> None:
             report()
-            if asyncio.current_task() is not task:
-                task.cancel()  # a renewal still waiting on a silent store is moot now
             if cancel_on_lost and body is not None and not state.ended:
                 cancels.pending = True
                 body.cancel()
@@ -615,25 +593,28 @@ class AsyncLockPort(LockBase):
         watchdog: AsyncWatchdog = self._coord._watchdog
         entry = watchdog.watch(state.deadline(), lambda: state.lose(state.expired_reason()))
         state.moved = lambda at: watchdog.move(entry, at)
+        # Renewed by the coordinator's one renewer (a task per loop), with every claim
+        # and lease it keeps.
+        renewal = self._renewal(lease, every, max_hold_s, state)
+        self._coord._renewer.add(renewal)
         try:
             yield lease
         except asyncio.CancelledError:
-            await self._leave(state, entry, stop, task, cancels)
+            await self._leave(state, entry, renewal, cancels)
             if cancels.absorb():
                 raise LockLost(self._lost_message(lease, state.reason)) from None
             raise
         except BaseException:
-            await self._leave(state, entry, stop, task, cancels)
+            await self._leave(state, entry, renewal, cancels)
             raise
-        if await self._leave(state, entry, stop, task, cancels):
+        if await self._leave(state, entry, renewal, cancels):
             raise LockLost(self._lost_message(lease, state.reason))
 
     async def _leave(
         self,
         state: RenewState,
         entry: Any,
-        stop: asyncio.Event,
-        task: asyncio.Task[None],
+        renewal: Renewal,
         cancels: _OwnCancels,
     ) -> bool:
         """End a hold: stop renewing, release (bounded by the store's timeout) and
@@ -641,10 +622,9 @@ class AsyncLockPort(LockBase):
         propagates; the release carries on in the background."""
         lost = state.end(self._coord.clock.monotonic())
         self._coord._watchdog.cancel(entry)
-        stop.set()
-        task.cancel()  # no renewal is needed any more, and one may be stuck
+        self._coord._renewer.remove(renewal)
         assert state.lease is not None
-        finisher = asyncio.ensure_future(self._finish(task, state.lease))
+        finisher = asyncio.ensure_future(self._finish(state.lease))
         _BACKGROUND.add(finisher)
         finisher.add_done_callback(_BACKGROUND.discard)
         while True:
@@ -656,10 +636,10 @@ class AsyncLockPort(LockBase):
                     continue  # our own cancellation of the body, delivered only here
                 raise
 
-    async def _finish(self, task: asyncio.Task[None], lease: Lease) -> None:
+    async def _finish(self, lease: Lease) -> None:
         bound = self._bound()
         try:
-            await asyncio.wait_for(self._wind_down(task, lease), bound)
+            await asyncio.wait_for(self._wind_down(lease), bound)
         except asyncio.TimeoutError:
             log.warning(
                 "leaving hold() of lock %s:%s without its release: the store did not "
@@ -669,8 +649,7 @@ class AsyncLockPort(LockBase):
                 bound,
             )
 
-    async def _wind_down(self, task: asyncio.Task[None], lease: Lease) -> None:
-        await asyncio.wait([task])
+    async def _wind_down(self, lease: Lease) -> None:
         try:
             await self.release(lease)
         except Exception:

@@ -248,62 +248,6 @@ class RenewState:
         return lost
 
 
-def renew_flow(
-    ns: str,
-    key: str,
-    owner: str,
-    token: int,
-    ttl_ms: int,
-    every: float,
-    max_hold: float | None,
-    state: RenewState,
-    clock: Clock,
-) -> Generator[Request, Any, RenewState]:
-    """Renew every ``every`` seconds until the driver's stop signal. A renewal that
-    fails transiently is retried while the lease still has time. The loop does not
-    decide on time itself: the lease's watchdog marks it lost at its deadline, and the
-    loop ends when it sees that (or when the store says the lease is gone)."""
-    from .._errors import StoreUnavailable
-
-    def left() -> float:
-        return state.deadline() - clock.monotonic()
-
-    started = clock.monotonic()
-    next_at = state.sent + every
-    while not state.lost:
-        if max_hold is not None and clock.monotonic() - started >= max_hold:
-            # Stop renewing; the lease runs out on its own and the watchdog says so.
-            state.stopped = f"max_hold of {max_hold}s reached"
-            return state
-        stopped = yield Sleep(max(0.0, next_at - clock.monotonic()))
-        if stopped or state.lost:
-            return state
-        attempt = 0
-        while True:
-            sent = clock.monotonic()
-            try:
-                new_exp = yield Call("renew", (ns, key, owner, token, ttl_ms))
-            except StoreUnavailable as exc:
-                state.tell("error", clock.monotonic() - sent, type(exc).__name__)
-                if left() <= 0:
-                    state.lose(f"renewal failed: {exc}")
-                    return state
-                attempt += 1
-                stopped = yield Sleep(min(_backoff(attempt, 0.25), max(0.0, left())))
-                if stopped or state.lost:
-                    return state
-                continue
-            break
-        state.tell("failed" if new_exp is None else "ok", clock.monotonic() - sent)
-        if new_exp is None:
-            state.lose("the store no longer has this lease (it expired)")
-            return state
-        if not state.adopt(sent, int(new_exp), clock.monotonic()):
-            return state
-        next_at = sent + every
-    return state
-
-
 @dataclass(eq=False)
 class Renewal:
     """One claim or lease a coordinator's renewer keeps alive.
