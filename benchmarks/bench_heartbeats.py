@@ -11,7 +11,9 @@ every lease/3) for ``--seconds`` and count:
 * client round trips per second (the renewer counts its batches; a loop makes one
   ``extend`` call per renewal),
 * for Redis, the commands the server processed per second (``INFO stats``),
-* client CPU (process time per wall second, so 1.0 = one core busy).
+* client CPU (process time per wall second, so 1.0 = one core busy),
+* claims lost: a renewal refused (the key was taken over) or, for the loops, none got
+  through in time (1,000 threads share one connection pool).
 
 ``renewer`` is ``port.run()`` blocks (the renewer renews everything due in one
 ``renew_many``); ``loops`` is the baseline: per claim, a task or a thread sleeping
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import sys
 import tempfile
@@ -45,7 +48,7 @@ from tests.servers.redis import start_redis  # noqa: E402
 
 import idemlock  # noqa: E402
 import idemlock.aio  # noqa: E402
-from idemlock import Claimed, IdempotencySpec  # noqa: E402
+from idemlock import Claimed, IdempotencySpec, StaleClaim, StoreUnavailable  # noqa: E402
 
 
 @dataclass
@@ -53,6 +56,13 @@ class Sample:
     trips: float  # client round trips per second
     server: float  # server commands per second (Redis only, else 0)
     cpu: float  # client CPU seconds per wall second
+    lost: int = 0  # claims whose renewal failed or was refused (their key was at risk)
+
+
+@dataclass
+class Outcome:
+    trips: int
+    lost: int
 
 
 class Counter:
@@ -71,12 +81,12 @@ class Counter:
         return int(self.client.info("stats")["total_commands_processed"])
 
 
-def measure(run: Callable[[], int], seconds: float, counter: Counter) -> Sample:
+def measure(run: Callable[[], Outcome], seconds: float, counter: Counter) -> Sample:
     c0, t0, p0 = counter.read(), time.monotonic(), time.process_time()
-    trips = run()
+    out = run()
     wall = time.monotonic() - t0
     cpu = time.process_time() - p0
-    return Sample(trips / wall, (counter.read() - c0) / wall, cpu / wall)
+    return Sample(out.trips / wall, (counter.read() - c0) / wall, cpu / wall, out.lost)
 
 
 def spec_for(lease: float) -> IdempotencySpec:
@@ -86,23 +96,24 @@ def spec_for(lease: float) -> IdempotencySpec:
 # ---- asyncio ----------------------------------------------------------------------------
 
 
-def async_renewer(url: str, n: int, seconds: float, lease: float) -> Callable[[], int]:
-    def run() -> int:
-        async def main() -> int:
+def async_renewer(url: str, n: int, seconds: float, lease: float) -> Callable[[], Outcome]:
+    def run() -> Outcome:
+        async def main() -> Outcome:
             coord = idemlock.aio.connect(url, key_prefix="hb" + uuid.uuid4().hex[:8])
             port = coord.idempotency(spec_for(lease))
+            lost = 0
             try:
 
                 async def one(i: int) -> None:
-                    async with port.run(f"k{i}", payload={}) as attempt:
+                    nonlocal lost
+                    async with port.run(f"k{i}", payload={}, cancel_on_lost=False) as attempt:
                         await asyncio.sleep(seconds)
-                        assert not attempt.lost
+                        lost += attempt.lost
                         attempt.result = i
 
-                await asyncio.gather(*(one(i) for i in range(n)))
-                trips: int = coord._renewer.round_trips
+                await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
                 # claims and completes are the same on both sides: count renewals only
-                return trips
+                return Outcome(coord._renewer.round_trips, lost)
             finally:
                 await coord.close()
 
@@ -111,17 +122,18 @@ def async_renewer(url: str, n: int, seconds: float, lease: float) -> Callable[[]
     return run
 
 
-def async_loops(url: str, n: int, seconds: float, lease: float) -> Callable[[], int]:
-    def run() -> int:
-        async def main() -> int:
+def async_loops(url: str, n: int, seconds: float, lease: float) -> Callable[[], Outcome]:
+    def run() -> Outcome:
+        async def main() -> Outcome:
             coord = idemlock.aio.connect(url, key_prefix="hb" + uuid.uuid4().hex[:8])
             port = coord.idempotency(spec_for(lease))
             every = lease / 3
             trips = 0
+            lost = 0
             try:
 
                 async def one(i: int) -> None:
-                    nonlocal trips
+                    nonlocal trips, lost
                     claim = await port.claim(f"k{i}", payload={})
                     assert isinstance(claim, Claimed)
                     token = claim.token
@@ -132,12 +144,19 @@ def async_loops(url: str, n: int, seconds: float, lease: float) -> Callable[[], 
                             break
                         await asyncio.sleep(min(every, left))
                         if time.monotonic() < end:
-                            token = await port.extend(token)
                             trips += 1
-                    await port.complete(token, i)
+                            try:
+                                token = await port.extend(token)
+                            except StoreUnavailable:
+                                continue  # retried at the next interval
+                            except StaleClaim:
+                                lost += 1
+                                return
+                    with contextlib.suppress(StaleClaim, StoreUnavailable):
+                        await port.complete(token, i)
 
                 await asyncio.gather(*(one(i) for i in range(n)))
-                return trips
+                return Outcome(trips, lost)
             finally:
                 await coord.close()
 
@@ -149,31 +168,32 @@ def async_loops(url: str, n: int, seconds: float, lease: float) -> Callable[[], 
 # ---- threads ----------------------------------------------------------------------------
 
 
-def sync_renewer(url: str, n: int, seconds: float, lease: float) -> Callable[[], int]:
-    def run() -> int:
+def sync_renewer(url: str, n: int, seconds: float, lease: float) -> Callable[[], Outcome]:
+    def run() -> Outcome:
         coord = idemlock.connect(url, key_prefix="hb" + uuid.uuid4().hex[:8])
         port = coord.idempotency(spec_for(lease))
+        lost = 0
         try:
             with ExitStack() as stack:
                 attempts = [stack.enter_context(port.run(f"k{i}", payload={})) for i in range(n)]
                 time.sleep(seconds)
                 for i, attempt in enumerate(attempts):
-                    assert not attempt.lost
+                    lost += attempt.lost
                     attempt.result = i
-            trips: int = coord._renewer.round_trips
-            return trips
+            return Outcome(coord._renewer.round_trips, lost)
         finally:
             coord.close()
 
     return run
 
 
-def sync_loops(url: str, n: int, seconds: float, lease: float) -> Callable[[], int]:
-    def run() -> int:
+def sync_loops(url: str, n: int, seconds: float, lease: float) -> Callable[[], Outcome]:
+    def run() -> Outcome:
         coord = idemlock.connect(url, key_prefix="hb" + uuid.uuid4().hex[:8])
         port = coord.idempotency(spec_for(lease))
         every = lease / 3
         trips = [0] * n
+        lost = [0] * n
         try:
             claims = []
             for i in range(n):
@@ -188,8 +208,14 @@ def sync_loops(url: str, n: int, seconds: float, lease: float) -> Callable[[], i
                 while not stop.wait(min(every, max(0.0, end - time.monotonic()))):
                     if time.monotonic() >= end:
                         break
-                    token = port.extend(token)
                     trips[i] += 1
+                    try:
+                        token = port.extend(token)
+                    except StoreUnavailable:
+                        continue  # (the pool ran out of connections) retried next interval
+                    except StaleClaim:
+                        lost[i] = 1
+                        break
                 claims[i] = token
 
             threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(n)]
@@ -198,8 +224,9 @@ def sync_loops(url: str, n: int, seconds: float, lease: float) -> Callable[[], i
             for t in threads:
                 t.join()
             for i, token in enumerate(claims):
-                port.complete(token, i)
-            return sum(trips)
+                with contextlib.suppress(StaleClaim, StoreUnavailable):
+                    port.complete(token, i)
+            return Outcome(sum(trips), sum(lost))
         finally:
             coord.close()
 
@@ -214,6 +241,7 @@ def median(samples: list[Sample]) -> Sample:
         statistics.median(s.trips for s in samples),
         statistics.median(s.server for s in samples),
         statistics.median(s.cpu for s in samples),
+        max(s.lost for s in samples),
     )
 
 
@@ -247,7 +275,7 @@ def main() -> None:
         )
         print(
             f"{'store':8} {'face':8} {'side':9} {'trips/s':>10} {'server cmd/s':>13} "
-            f"{'client CPU':>11}"
+            f"{'client CPU':>11} {'lost':>5}"
         )
         try:
             for name, url in urls.items():
@@ -264,7 +292,7 @@ def main() -> None:
                     for side, s in (("renewer", r), ("loops", b)):
                         print(
                             f"{name:8} {face:8} {side:9} {s.trips:10.1f} {s.server:13.1f} "
-                            f"{s.cpu:10.2f}"
+                            f"{s.cpu:10.2f} {s.lost:5d}"
                         )
                     print(
                         f"{name:8} {face:8} {'loops/ours':9} {ratio(b.trips, r.trips):>10} "
