@@ -348,3 +348,57 @@ def test_renewer_is_one_per_coordinator(harness: Harness) -> None:
         assert isinstance(coord.idempotency(spec).claim("m3", payload={"i": 3}), Completed)
     finally:
         coord.close()
+
+
+async def test_a_refused_renewal_is_loud(api: Facade) -> None:
+    """Another party ends the claim mid-body (an operator's forget, then a new claim):
+    the next renewal is refused, ``current_claim().lost`` turns True, ``on_lost`` runs,
+    an async body is cancelled, and the call raises ClaimLost recording nothing."""
+    competitor = api.harness.sync()
+    rival = competitor.idempotency(SPEC)
+    told: list[int] = []
+    after: list[bool] = []
+    taken: list[int] = []
+
+    def take_over(key: str) -> None:
+        assert rival.forget(key)
+        claim = rival.claim(key, payload={"key": key})
+        assert isinstance(claim, Claimed)
+        taken.append(claim.token.fence)
+
+    if api.mode == "sync":
+
+        def work(key: str) -> str:
+            take_over(key)
+            for _ in range(40):
+                time.sleep(_step(api))
+                claim = current_claim()
+                assert claim is not None
+                if claim.lost and told:  # on_lost runs right after the flag is set
+                    break
+            after.append(bool(current_claim() and current_claim().lost))  # type: ignore[union-attr]
+            return "late"
+
+    else:
+
+        async def work(key: str) -> str:  # type: ignore[misc]
+            take_over(key)
+            try:
+                for _ in range(40):
+                    await asyncio.sleep(_step(api))
+            except asyncio.CancelledError:
+                after.append(True)
+                raise
+            after.append(False)
+            return "late"
+
+    call = api.wrap(SPEC, work, key=lambda key: key, on_lost=lambda token: told.append(token.fence))
+    try:
+        with pytest.raises(ClaimLost, match="lost the claim"):
+            await call("gone")
+        assert len(told) == 1 and after == [True]
+        status = rival.status("gone")
+        # The attempt that took over is untouched: nothing of the lost one was recorded.
+        assert status is not None and (status.state, status.fence) == ("in_flight", taken[0])
+    finally:
+        competitor.close()
