@@ -16,9 +16,12 @@ PAIRS = [
     (idemlock.FenceGate, idemlock.aio.AsyncFenceGate),
 ]
 # Methods that exist on one side only, with the reason.
-ONLY_ASYNC_PARAMS = {("hold", "cancel_on_lost")}  # only a task can be cancelled for the body
+# only a task can be cancelled for the body
+ONLY_ASYNC_PARAMS = {("hold", "cancel_on_lost"), ("run", "cancel_on_lost")}
 PROTOCOL = {"__enter__", "__exit__", "__aenter__", "__aexit__"}
-NOT_IO = {"idempotency", "lock", "fence", "idempotent", "hold", "store", "for_tenant", "add_hook"}
+NOT_IO = {
+    "idempotency", "lock", "fence", "idempotent", "hold", "run", "store", "for_tenant", "add_hook"
+}  # fmt: skip
 
 
 def public(cls: type) -> dict[str, object]:
