@@ -18,6 +18,8 @@ import pytest
 from redis import Redis
 from rq import Queue, Retry
 from rq.job import Job, JobStatus
+from rq.registry import StartedJobRegistry
+from rq.scheduler import SCHEDULER_LOCKING_KEY_TEMPLATE
 
 from idemlock.integrations.rq import enqueue_once
 
@@ -152,6 +154,34 @@ def test_work_horse_sigkilled_mid_job_reruns_only_after_the_lease_ends(env: Env)
     # The rerun sleeps 30 s too; no third run happens meanwhile.
     time.sleep(1.0)
     assert len(env.events("k", "start")) == 2
+    job.cancel()
+
+
+def test_whole_worker_sigkilled_its_abandoned_job_reruns_only_after_the_lease_ends(
+    env: Env,
+) -> None:
+    worker = env.worker()
+    job = env.queue.enqueue(rq_job, "w", 30.0, retry=Retry(max=2))
+    first = wait_for(lambda: env.events("w", "start"))[0]
+    time.sleep(LEASE * 1.2)
+    # The worker and its work horse (which RQ puts in a process group of its own).
+    os.killpg(worker.pid, signal.SIGKILL)
+    os.kill(first["pid"], signal.SIGKILL)
+    worker.wait(10)
+    status = coordinator().idempotency(SPEC).status("w")
+    assert status is not None and status.state == "in_flight"
+    expires = status.expires_at.timestamp()
+    # RQ's own maintenance finds the abandoned job once the dead worker's heartbeat is
+    # old (a minute at least), when the dead worker's scheduler lock (as long) has
+    # expired too; bring both about now, as a minute's wait would.
+    StartedJobRegistry(queue=env.queue).cleanup(timestamp=time.time() + 3600)
+    env.redis.delete(SCHEDULER_LOCKING_KEY_TEMPLATE % env.queue_name)
+    env.worker()
+    second = wait_for(lambda: env.events("w", "start")[1:], timeout=40)[0]
+    assert second["t"] >= expires - 0.05
+    assert second["fence"] > first["fence"]
+    time.sleep(1.0)
+    assert len(env.events("w", "start")) == 2
     job.cancel()
 
 

@@ -52,7 +52,8 @@ A work horse killed mid-body (SIGKILL, out of memory) is seen by its worker, whi
 retries the job when it was enqueued with ``retry=Retry(...)``; the retry waits for
 the dead claim's lease to end, then claims with a higher fence and runs. A whole
 worker killed leaves its job in RQ's started registry until RQ's own clean-up
-(worker heartbeat + maintenance) retries it; the claim has long ended by then.
+(a minute or more: the dead worker's heartbeat TTL, then maintenance) retries it, and
+its scheduler lock ends about as late; the retry then meets the claim as above.
 
 **Duplicate sends** (opt-in): :func:`enqueue_once` refuses (returns None) to enqueue
 a job whose key is already queued or running. It takes a send lease on the key for
