@@ -10,8 +10,9 @@ It is a registry of deadlines, not a lease manager, so that everything a coordin
 holds (leases in ``hold()``, claims kept alive by heartbeats) shares one timer; the
 renewals themselves are the coordinator's renewer's (:mod:`idemlock._renewer`). The
 sync face runs one daemon thread over a heap, the async face schedules
-``loop.call_at`` on the holder's loop. Deadlines are read on the coordinator's clock; when that is not the machine's
-clock (a ``ManualClock`` in tests) the timer re-checks every :data:`POLL` seconds.
+``loop.call_at`` on the holder's loop. Deadlines are read on the coordinator's clock;
+when that is not the machine's clock (a ``ManualClock`` in tests) the timer re-checks
+every :data:`POLL` seconds.
 """
 
 from __future__ import annotations
