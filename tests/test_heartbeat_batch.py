@@ -1,7 +1,7 @@
 """The batched renewal of a coordinator's renewer (issue 11): ``renew_many`` renews many
 claims and leases in one round trip (memory: one critical section; SQLite: one
-transaction; Redis: one pipeline), refuses what the caller no longer holds, and the
-renewer uses it, sync and async."""
+transaction; Redis: one pipeline; PostgreSQL: one statement), refuses what the caller no
+longer holds, and the renewer uses it, sync and async."""
 
 from __future__ import annotations
 
@@ -22,12 +22,14 @@ from .servers.redis import RedisServer
 SPEC = IdempotencySpec("batch", lease=timedelta(seconds=30))
 
 
-@pytest.fixture(params=["memory", "sqlite", "redis"])
+@pytest.fixture(params=["memory", "sqlite", "redis", "postgres"])
 def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "memory":
         return "memory://"
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'b.db'}"
+    if request.param == "postgres":
+        return str(request.getfixturevalue("postgres_dsn"))
     server: RedisServer = request.getfixturevalue("redis_server")
     return str(server.url)
 

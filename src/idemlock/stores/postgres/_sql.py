@@ -195,6 +195,32 @@ WHERE l.ns = %(ns)s::text AND l.key = %(key)s::text AND l.owner = %(owner)s::tex
 RETURNING l.expires_ms
 """
 
+# The batched renewal of a coordinator's renewer: many claims and leases in one
+# statement (each row's check as in EXTEND and RENEW). Replies: (kind, position, expiry)
+# for each renewed item; an item missing from the reply was refused.
+RENEW_MANY = """
+WITH n AS MATERIALIZED (SELECT {now} AS ms),
+c AS (
+    UPDATE {s}.claims AS c SET expires_ms = n.ms + i.lease
+    FROM n, unnest(%(cns)s::text[], %(ckey)s::text[], %(ctoken)s::text[], %(clease)s::int8[])
+        WITH ORDINALITY AS i(ns, key, token, lease, pos)
+    WHERE c.ns = i.ns AND c.key = i.key AND c.token = i.token
+      AND c.state = 'in_flight' AND c.expires_ms > n.ms
+    RETURNING i.pos, c.expires_ms
+),
+l AS (
+    UPDATE {s}.locks AS l SET expires_ms = n.ms + i.ttl
+    FROM n, unnest(%(lns)s::text[], %(lkey)s::text[], %(lowner)s::text[], %(ltoken)s::int8[],
+                   %(lttl)s::int8[]) WITH ORDINALITY AS i(ns, key, owner, token, ttl, pos)
+    WHERE l.ns = i.ns AND l.key = i.key AND l.owner = i.owner AND l.token = i.token
+      AND l.expires_ms > n.ms
+    RETURNING i.pos, l.expires_ms
+)
+SELECT 'c', pos, expires_ms FROM c
+UNION ALL
+SELECT 'l', pos, expires_ms FROM l
+"""
+
 LOCK = """
 SELECT l.owner, l.token, l.expires_ms
 FROM {s}.locks l, (SELECT {now} AS ms) AS n

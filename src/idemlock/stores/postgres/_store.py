@@ -44,7 +44,7 @@ from ..._core.port import (
 from ..._errors import ConfigurationError, StoreCorrupt, StoreUnavailable
 from . import _schema, _watchdog
 from ._listen import AsyncListenSubscription, Listener, ListenSubscription
-from ._sql import Statements, Stmt
+from ._sql import RENEW_MANY, Statements, Stmt
 
 Row = tuple[Any, ...]
 
@@ -72,6 +72,43 @@ _RETRY = _Retry()
 
 
 _I8_MAX = 2**63 - 1
+
+
+def _renew_many(
+    store: Any, items: Sequence[tuple[Any, ...]]
+) -> tuple[Stmt, dict[str, Any], dict[tuple[str, int], int]]:
+    """The batched renewal statement (rendered once per store), its array parameters,
+    and where each reply row (kind, position) goes in the answer."""
+    stmt = getattr(store, "_renew_many_stmt", None)
+    if stmt is None:
+        stmt = store._renew_many_stmt = Stmt.render(RENEW_MANY, store.statements.schema)
+    names = ("cns", "ckey", "ctoken", "clease", "lns", "lkey", "lowner", "ltoken", "lttl")
+    cols: dict[str, list[Any]] = {k: [] for k in names}
+    where: dict[tuple[str, int], int] = {}
+    for i, item in enumerate(items):
+        if item[0] == "claim":
+            _, ns, key, token, lease_ms = item
+            for name, value in zip(("cns", "ckey", "ctoken"), (ns, key, token), strict=True):
+                cols[name].append(value)
+            cols["clease"].append(int(_i8(lease_ms)))
+            where[("c", len(cols["cns"]))] = i
+        else:
+            _, ns, key, owner, token, ttl_ms = item
+            for name, value in zip(("lns", "lkey", "lowner"), (ns, key, owner), strict=True):
+                cols[name].append(value)
+            cols["ltoken"].append(int(_i8(token)))
+            cols["lttl"].append(int(_i8(ttl_ms)))
+            where[("l", len(cols["lns"]))] = i
+    return stmt, cols, where
+
+
+def _renewed_many(
+    rows: Sequence[Any], where: dict[tuple[str, int], int], count: int
+) -> list[int | None]:
+    out: list[int | None] = [None] * count
+    for kind, pos, expires in rows:
+        out[where[(str(kind), int(pos))]] = int(expires)
+    return out
 
 
 def _i8(value: int) -> Int8:
@@ -802,6 +839,14 @@ class PostgresStore(_Base):
         rows = self._rows(self.statements.renew, params, "renew", True)
         return int(rows[0][0]) if rows else None
 
+    def renew_many(self, items: Sequence[tuple[Any, ...]]) -> list[int | None]:
+        """Renew many claims (``("claim", ns, key, token, lease_ms)``) and leases
+        (``("lock", ns, key, owner, token, ttl_ms)``) in one statement, for a
+        coordinator's renewer; None where the store no longer holds the item."""
+        stmt, params, where = _renew_many(self, items)
+        rows = self._rows(stmt, params, "renew_many", True)
+        return _renewed_many(rows, where, len(items))
+
     def lock(self, ns: str, key: str) -> LockRow | None:
         rows = self._rows(self.statements.lock, {"ns": ns, "key": key}, "lock", True)
         if not rows:
@@ -1225,6 +1270,12 @@ class AsyncPostgresStore(_Base):
         params = {"ns": ns, "key": key, "owner": owner, "token": _i8(token), "ttl": _i8(ttl_ms)}
         rows = await self._rows(self.statements.renew, params, "renew", True)
         return int(rows[0][0]) if rows else None
+
+    async def renew_many(self, items: Sequence[tuple[Any, ...]]) -> list[int | None]:
+        """Renew many claims and leases in one statement (see ``PostgresStore.renew_many``)."""
+        stmt, params, where = _renew_many(self, items)
+        rows = await self._rows(stmt, params, "renew_many", True)
+        return _renewed_many(rows, where, len(items))
 
     async def lock(self, ns: str, key: str) -> LockRow | None:
         rows = await self._rows(self.statements.lock, {"ns": ns, "key": key}, "lock", True)
