@@ -538,6 +538,49 @@ def test_a_forked_child_opens_its_own_connections(db: Path) -> None:
     store.close()
 
 
+def test_a_fork_during_another_threads_transaction_leaves_the_child_a_usable_file(
+    db: Path,
+) -> None:
+    # SQLite keeps a process's file-lock state in memory shared by its connections: a
+    # child forked while another thread is inside BEGIN IMMEDIATE inherits a lock that
+    # nobody in the child releases, and finds the database locked for good. The store
+    # makes fork() wait for the transaction instead.
+    store = open_store(db, busy_timeout=1.0)
+    inside, leave = threading.Event(), threading.Event()
+
+    def slow(cur: sqlite3.Cursor) -> None:
+        inside.set()
+        leave.wait(5)
+
+    writer = threading.Thread(target=store._write, args=(slow,))
+    writer.start()
+    assert inside.wait(5)
+    threading.Timer(0.3, leave.set).start()  # the fork below waits for this
+    read, write = os.pipe()
+    started = time.monotonic()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        status = 1
+        try:
+            reply = store.claim(NS, "child", None, "t", LONG)
+            os.write(write, str(reply.fence if isinstance(reply, Granted) else -1).encode())
+            status = 0
+        except BaseException as exc:
+            os.write(write, repr(exc).encode())
+        finally:
+            os._exit(status)
+    forked_after = time.monotonic() - started
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        answer = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    writer.join(5)
+    assert os.waitstatus_to_exitcode(status) == 0, answer
+    assert int(answer) > 0
+    assert forked_after >= 0.2  # fork() waited for the transaction to end
+    store.close()
+
+
 # ---- failures ------------------------------------------------------------------------
 
 

@@ -365,42 +365,50 @@ class SQLiteStore:
     def _write(self, body: Callable[..., R], *args: Any) -> R:
         """Run ``body(cursor, *args)`` in one BEGIN IMMEDIATE transaction."""
         # The hot path: checkout and checkin are inlined.
-        idle = self._idle
+        _GATE.enter()
         try:
-            pair = idle.pop()
-        except IndexError:
-            pair = self._connect()
-        cur = pair[1]
-        try:
-            cur.execute(_BEGIN)
-            result = body(cur, *args)
-            cur.execute(_COMMIT)
-        except BaseException as exc:
-            err = self._abort(pair, exc)
-            if err is None:
-                raise
-            raise err from exc
-        if len(idle) < MAX_IDLE:
-            idle.append(pair)
-            if self._closed:
-                self._drain()
-        else:
-            pair[0].close()
-        return result
+            idle = self._idle
+            try:
+                pair = idle.pop()
+            except IndexError:
+                pair = self._connect()
+            cur = pair[1]
+            try:
+                cur.execute(_BEGIN)
+                result = body(cur, *args)
+                cur.execute(_COMMIT)
+            except BaseException as exc:
+                err = self._abort(pair, exc)
+                if err is None:
+                    raise
+                raise err from exc
+            if len(idle) < MAX_IDLE:
+                idle.append(pair)
+                if self._closed:
+                    self._drain()
+            else:
+                pair[0].close()
+            return result
+        finally:
+            _GATE.leave()
 
     def _read(self, sql: str, args: tuple[Any, ...]) -> list[Any]:
         """One SELECT (its own read transaction), fetched whole so that no read
         snapshot stays open on an idle connection."""
-        pair = self._checkout()
+        _GATE.enter()
         try:
-            rows = pair[1].execute(sql, args).fetchall()
-        except BaseException as exc:
-            err = self._abort(pair, exc)
-            if err is None:
-                raise
-            raise err from exc
-        self._checkin(pair)
-        return rows
+            pair = self._checkout()
+            try:
+                rows = pair[1].execute(sql, args).fetchall()
+            except BaseException as exc:
+                err = self._abort(pair, exc)
+                if err is None:
+                    raise
+                raise err from exc
+            self._checkin(pair)
+            return rows
+        finally:
+            _GATE.leave()
 
     def _abort(self, pair: _Pair, exc: BaseException) -> Exception | None:
         """Roll back, give the connection back if it is sound, and return the error
@@ -739,14 +747,74 @@ _STORES: weakref.WeakSet[SQLiteStore] = weakref.WeakSet()
 _INHERITED: list[_Pair] = []
 
 
+class _ForkGate:
+    """Keeps fork() out of SQLite calls in progress. SQLite tracks the file locks of a
+    process in memory shared by all its connections; a child forked while another
+    thread was inside a transaction inherits that record of a lock nobody in the child
+    will ever release, and every connection it opens then gets "database is locked".
+    So fork waits (at most ``FORK_WAIT`` seconds) for calls in progress, and calls wait
+    while a fork is under way."""
+
+    __slots__ = ("_active", "_cond", "_forking")
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._active = 0
+        self._forking = False
+
+    def enter(self) -> None:
+        with self._cond:
+            while self._forking:
+                self._cond.wait()
+            self._active += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self._active -= 1
+            if self._forking and self._active == 0:
+                self._cond.notify_all()
+
+    def before_fork(self) -> None:
+        self._cond.acquire()
+        self._forking = True
+        if not self._cond.wait_for(lambda: self._active == 0, FORK_WAIT):
+            log.warning(
+                "fork() while a SQLite call was still running after %gs: the child may "
+                "find the database locked",
+                FORK_WAIT,
+            )
+        # The lock stays held across fork: no call can start until it is released.
+
+    def after_fork_in_parent(self) -> None:
+        self._forking = False
+        self._cond.notify_all()
+        self._cond.release()
+
+    def after_fork_in_child(self) -> None:
+        # Calls of the parent's other threads do not exist here.
+        self._cond = threading.Condition(threading.Lock())
+        self._active = 0
+        self._forking = False
+
+
+#: how long fork() waits for SQLite calls in progress to end
+FORK_WAIT = 5.0
+_GATE = _ForkGate()
+
+
 def _after_fork_in_child() -> None:
+    _GATE.after_fork_in_child()
     for store in list(_STORES):
         _INHERITED.extend(store._idle)
         store._idle = []
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(
+        before=_GATE.before_fork,
+        after_in_parent=_GATE.after_fork_in_parent,
+        after_in_child=_after_fork_in_child,
+    )
 
 
 # ---- async face -------------------------------------------------------------------
