@@ -157,7 +157,10 @@ def gunicorn() -> Iterator[str]:
         proc.wait(10)
 
 
-@pytest.mark.parametrize(("path", "who"), [("/mw/charges", "x-user"), ("/single", "x-api-key")])
+@pytest.mark.parametrize(
+    ("path", "who"),
+    [("/mw/charges", "x-user"), ("/single", "x-api-key"), ("/drf/charges", "x-token")],
+)
 def test_concurrent_duplicates_under_gunicorn_run_once(gunicorn: str, path: str, who: str) -> None:
     key, tag = uuid.uuid4().hex, uuid.uuid4().hex
     headers = {"Idempotency-Key": f'"{key}"', who: "alice"}
@@ -279,3 +282,34 @@ def test_atomic_view_whose_claim_was_taken_over_rolls_its_writes_back(
     assert rows(tag) == [rb.json()["run"]]
     replay = post(Client(), atomic_path, key, body, x_api_key="k")
     assert replay["Idempotent-Replayed"] == "true" and replay.content == rb.content
+
+
+# ---- Django REST framework: IdempotencyMixin ----------------------------------------------
+
+
+def test_drf_mixin_replays_per_drf_user_and_never_records_drfs_own_401(client: Client) -> None:
+    key, tag = uuid.uuid4().hex, uuid.uuid4().hex
+    first = post(client, "/drf/charges", key, {"tag": tag}, x_token="alice")
+    assert first.status_code == 201
+    again = post(client, "/drf/charges", key, {"tag": tag}, x_token="alice")
+    assert again["Idempotent-Replayed"] == "true" and again.content == first.content
+    bob = post(client, "/drf/charges", key, {"tag": tag}, x_token="bob")
+    assert bob.status_code == 201 and "Idempotent-Replayed" not in bob
+    problem(
+        post(client, "/drf/charges", key, {"tag": tag, "x": 1}, x_token="alice"),
+        422,
+        "idempotency_key_reused",
+    )
+    # DRF refuses before the handler: nothing claimed, nothing recorded.
+    assert post(client, "/drf/charges", key, {"tag": tag}).status_code == 401
+    assert count(tag) == 2
+
+
+def test_drf_mixin_records_a_validation_error_raised_by_the_handler(client: Client) -> None:
+    key, tag = uuid.uuid4().hex, uuid.uuid4().hex
+    body = {"tag": tag, "invalid": True}
+    first = post(client, "/drf/charges", key, body, x_token="alice")
+    assert first.status_code == 400
+    again = post(client, "/drf/charges", key, body, x_token="alice")
+    assert again.status_code == 400 and again["Idempotent-Replayed"] == "true"
+    assert count(tag) == 1

@@ -20,3 +20,8 @@ IDEMLOCK = {
     "identity": "user",
     "routes": ["/mw/*"],
 }
+REST_FRAMEWORK: dict[str, object] = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [],
+    "DEFAULT_PERMISSION_CLASSES": [],
+    "UNAUTHENTICATED_USER": None,
+}

@@ -5,4 +5,5 @@ from . import views
 urlpatterns = [
     path("mw/charges", views.charges),
     path("single", views.single),
+    path("drf/charges", views.DrfCharges.as_view()),
 ]

@@ -9,10 +9,16 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, ClassVar
 
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
+from rest_framework.authentication import BaseAuthentication
+from rest_framework.exceptions import ValidationError
+from rest_framework.permissions import IsAuthenticated
+from rest_framework.response import Response
+from rest_framework.views import APIView
 
-from idemlock.integrations.django import idempotent_view
+from idemlock.integrations.django import IdempotencyMixin, idempotent_view
 
 
 @dataclass
@@ -52,3 +58,30 @@ def charges(request: HttpRequest) -> HttpResponse:
 @idempotent_view(identity="header:X-Api-Key", spec={"name": "single", "ttl": 60, "lease": 10})
 def single(request: HttpRequest) -> HttpResponse:
     return _run(request)
+
+
+class HeaderAuthentication(BaseAuthentication):  # type: ignore[misc]
+    """DRF authentication from ``X-Token: <name>`` (what a token scheme does)."""
+
+    def authenticate(self, request: Any) -> tuple[HeaderUser, None] | None:
+        name = request.headers.get("X-Token")
+        return (HeaderUser("drf:" + name), None) if name else None
+
+    def authenticate_header(self, request: Any) -> str:
+        return "Token"
+
+
+class DrfCharges(IdempotencyMixin, APIView):  # type: ignore[misc]
+    idempotency: ClassVar[dict[str, Any]] = {"identity": "user"}
+    authentication_classes: ClassVar[list[type]] = [HeaderAuthentication]
+    permission_classes: ClassVar[list[type]] = [IsAuthenticated]
+
+    def post(self, request: Any) -> Response:
+        tag = request.data["tag"]
+        runs = Path(os.environ["DJANGO_TEST_RUNS"])
+        with runs.open("a") as f:
+            f.write(f"{tag}\n")
+        if request.data.get("invalid"):
+            raise ValidationError({"tag": "rejected"})
+        time.sleep(float(request.data.get("sleep", 0)))
+        return Response({"tag": tag, "id": uuid.uuid4().hex}, status=201)

@@ -30,12 +30,13 @@ fresh connections itself).
 from __future__ import annotations
 
 import functools
+import io
 import logging
 import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from http.cookies import SimpleCookie
-from typing import Any, TypeVar, cast, overload
+from typing import Any, ClassVar, TypeVar, cast, overload
 
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
@@ -45,14 +46,14 @@ from .._errors import ConfigurationError, StaleClaim
 from .._sync import Coordinator
 from ._http import Answer, Pass, Run, SyncHttp, TransactionFailed
 
-__all__ = ["IdempotencyMiddleware", "idempotent_view"]
+__all__ = ["IdempotencyMiddleware", "IdempotencyMixin", "idempotent_view"]
 
 log = logging.getLogger("idemlock.django")
 View = TypeVar("View", bound=Callable[..., HttpResponseBase])
 _HANDLED = "_idemlock_handled"
 
 _coordinators: dict[str, Coordinator] = {}
-_lock = threading.Lock()
+_lock = threading.RLock()  # a mixin's setup connects its coordinator while holding it
 
 
 def _coordinator(url: str) -> Coordinator:
@@ -324,3 +325,89 @@ def idempotent_view(view: View | None = None, **overrides: Any) -> Any:
         return cast(View, wrapper)
 
     return wrap if view is None else wrap(view)
+
+
+_mixin_setups: dict[type, _Setup] = {}
+
+
+class _Answered(Exception):
+    """Carries the middleware's own response out of DRF's ``initial``."""
+
+    def __init__(self, response: HttpResponse) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+class IdempotencyMixin:
+    """For Django REST framework views (put it before ``APIView`` or a generic view):
+    ``class Charges(IdempotencyMixin, APIView): idempotency = {"spec": ...}``.
+
+    The decision is taken after DRF's authentication, permission and throttling checks
+    (so the identity ``"user"`` is DRF's authenticated ``request.user``, and a 401, 403
+    or 429 DRF answers before the handler is never recorded), and the response is
+    recorded once DRF rendered it. ``idempotency`` overrides ``settings.IDEMLOCK`` for
+    the view; the route filter does not apply."""
+
+    idempotency: ClassVar[dict[str, Any]] = {}
+    _idemlock_run: Run | None = None
+
+    @classmethod
+    def _idemlock_setup(cls) -> _Setup:
+        with _lock:
+            setup = _mixin_setups.get(cls)
+            if setup is None:
+                setup = _mixin_setups[cls] = _Setup({"routes": None, **cls.idempotency})
+            return setup
+
+    def initial(self, request: Any, *args: Any, **kwargs: Any) -> None:
+        super().initial(request, *args, **kwargs)  # type: ignore[misc]
+        setup = self._idemlock_setup()
+        raw: HttpRequest = request._request
+        scope = _scope(raw)
+        if getattr(raw, _HANDLED, False) or not setup.core.covers(scope["method"], scope):
+            return
+        setattr(raw, _HANDLED, True)
+
+        def ident() -> str | None:
+            value = None if setup.identity is None else setup.identity(request)
+            if value is not None and not isinstance(value, str):
+                raise ConfigurationError(
+                    f"the identity function must return a str or None, got {type(value).__name__}"
+                )
+            return value
+
+        stream = io.BytesIO(raw.body)
+        decision = setup.core.begin(scope, ident, stream.read)
+        if isinstance(decision, Answer):
+            raise _Answered(_answer(decision))
+        if isinstance(decision, Run):
+            self._idemlock_run = decision
+
+    def handle_exception(self, exc: Exception) -> Any:
+        if isinstance(exc, _Answered):
+            return exc.response
+        return super().handle_exception(exc)  # type: ignore[misc]
+
+    def finalize_response(self, request: Any, response: Any, *args: Any, **kwargs: Any) -> Any:
+        response = super().finalize_response(request, response, *args, **kwargs)  # type: ignore[misc]
+        run, self._idemlock_run = self._idemlock_run, None
+        if run is not None:
+            if callable(getattr(response, "render", None)) and not response.is_rendered:
+                response.render()  # the bytes to record are the bytes sent
+            content = response.content
+            chunks = (
+                None if len(content) > self._idemlock_setup().core.max_response_body else [content]
+            )
+            self._idemlock_setup().core.finish(
+                run, response.status_code, _headers(response), chunks
+            )
+        return response
+
+    def dispatch(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().dispatch(request, *args, **kwargs)  # type: ignore[misc]
+        except BaseException:
+            run, self._idemlock_run = self._idemlock_run, None
+            if run is not None:
+                self._idemlock_setup().core.fail(run)
+            raise
