@@ -273,3 +273,16 @@ def test_a_failure_to_record_keeps_the_claim_and_the_record_is_written_later(
                 time.sleep(0.1)
             assert r.headers["idempotent-replayed"] == "true" and r.content == first.content
             assert srv.count(tag) == 1
+
+
+def test_an_unknown_option_is_a_configuration_error_naming_the_options() -> None:
+    import idemlock
+    from idemlock.integrations.wsgi import IdempotencyMiddleware
+
+    coord = idemlock.connect("memory://")
+    with pytest.raises(idemlock.ConfigurationError, match=r"max_bdy.*allow_anonymous"):
+        IdempotencyMiddleware(lambda e, s: [], coordinator=coord, max_bdy=10)
+    with pytest.raises(idemlock.ConfigurationError, match="max_body must be a positive int"):
+        IdempotencyMiddleware(lambda e, s: [], coordinator=coord, max_body=0)
+    with pytest.raises(idemlock.ConfigurationError, match=r"blocking idemlock\.Coordinator"):
+        IdempotencyMiddleware(lambda e, s: [], coordinator=object())  # type: ignore[arg-type]

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import inspect
 import threading
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, TypeVar, cast
 
 from .._core.types import Claim, ClaimToken, IdempotencySpec
@@ -29,7 +29,6 @@ from .._errors import ConfigurationError, ResultTooLarge
 from .._sync import Coordinator, IdempotencyPort
 from ..aio import AsyncIdempotencyPort
 from .asgi import (
-    DEFAULT_SPEC,
     IdempotencyMiddleware,
     Message,
     Receive,
@@ -38,7 +37,6 @@ from .asgi import (
     Send,
     _Capture,
     _lost,
-    default_record,
 )
 
 __all__ = ["Answer", "Pass", "Run", "SyncHttp", "TransactionFailed"]
@@ -171,29 +169,22 @@ class SyncHttp:
     are those of :class:`~idemlock.integrations.asgi.IdempotencyMiddleware` (``identity``
     is the adapter's: it passes the caller's identity to :meth:`begin`)."""
 
-    def __init__(
-        self,
-        coordinator: Coordinator,
-        *,
-        spec: IdempotencySpec | str = DEFAULT_SPEC,
-        methods: Iterable[str] = ("POST", "PATCH"),
-        routes: RouteFilter | None = None,
-        require_key: bool = False,
-        allow_anonymous: bool = True,
-        fingerprint_headers: Iterable[str] = ("content-type",),
-        stripe_compatible: bool = False,
-        max_body: int = 1 << 20,
-        max_response_body: int = 512 * 1024,
-        max_key_length: int = 255,
-        header: str = "Idempotency-Key",
-        replay_header: str | None = "Idempotent-Replayed",
-        record: Callable[[int], bool] = default_record,
-        docs_url: str | None = None,
-        www_authenticate: str = "Bearer",
-        heartbeat: bool = True,
-        renew_every: timedelta | float | None = None,
-        max_run: timedelta | float | None = None,
-    ) -> None:
+    def __init__(self, coordinator: Coordinator, **options: Any) -> None:
+        known = _asgi_options()
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise ConfigurationError(
+                f"unknown idempotency option(s) {', '.join(unknown)}; the options are "
+                f"those of the ASGI middleware: {', '.join(sorted(known))}"
+            )
+        # The defaults are the ASGI middleware's own, read from its signature.
+        o = {**known, **options}
+        spec: IdempotencySpec | str = o["spec"]
+        methods: Iterable[str] = o["methods"]
+        routes: RouteFilter | None = o["routes"]
+        max_body, max_response_body = o["max_body"], o["max_response_body"]
+        max_key_length, header, replay_header = o["max_key_length"], o["header"], o["replay_header"]
+        record: Callable[[int], bool] = o["record"]
         if not isinstance(coordinator, Coordinator):
             raise ConfigurationError(
                 "the WSGI/Django idempotency middleware needs a blocking idemlock.Coordinator "
@@ -214,7 +205,9 @@ class SyncHttp:
         from .asgi import _route_filter
 
         self.port = coordinator.idempotency(spec)
-        every, limit_run = heartbeat_options(self.port, heartbeat, renew_every, max_run, None)
+        every, limit_run = heartbeat_options(
+            self.port, o["heartbeat"], o["renew_every"], o["max_run"], None
+        )
         self.methods = frozenset(m.upper() for m in methods)
         self._route = _route_filter(routes)
         self._steps = _Steps(
@@ -223,11 +216,13 @@ class SyncHttp:
             _max_run=limit_run,
             methods=self.methods,
             _route=self._route,
-            require_key=require_key,
+            require_key=o["require_key"],
             identity=_scope_identity,
-            allow_anonymous=allow_anonymous,
-            fingerprint_headers=tuple(h.lower().encode("latin-1") for h in fingerprint_headers),
-            stripe_compatible=stripe_compatible,
+            allow_anonymous=o["allow_anonymous"],
+            fingerprint_headers=tuple(
+                h.lower().encode("latin-1") for h in o["fingerprint_headers"]
+            ),
+            stripe_compatible=o["stripe_compatible"],
             max_body=max_body,
             max_response_body=max_response_body,
             max_key_length=max_key_length,
@@ -239,8 +234,8 @@ class SyncHttp:
                 else (replay_header.lower().encode("latin-1"), b"true")
             ),
             record=record,
-            docs_url=docs_url,
-            www_authenticate=www_authenticate,
+            docs_url=o["docs_url"],
+            www_authenticate=o["www_authenticate"],
         )
         self.max_body = max_body
         self.max_response_body = max_response_body
@@ -333,6 +328,17 @@ class SyncHttp:
         if not run.cap.settled:
             run.cap.settled = True
             _drive(self._steps._abandon(run.token))
+
+
+def _asgi_options() -> dict[str, Any]:
+    """The ASGI middleware's keyword options and their defaults (not ``coordinator``
+    and ``identity``, which each adapter takes its own way)."""
+    params = inspect.signature(IdempotencyMiddleware.__init__).parameters
+    return {
+        name: p.default
+        for name, p in params.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in ("coordinator", "identity")
+    }
 
 
 def _scope_identity(scope: Scope) -> str | None:
