@@ -19,6 +19,10 @@ _TMP = Path(tempfile.mkdtemp(prefix="idemlock-django-"))
 os.environ["DJANGO_SETTINGS_MODULE"] = "tests.django_app.settings"
 os.environ["DJANGO_TEST_STORE"] = f"sqlite:///{_TMP / 'idemlock.db'}"
 os.environ["DJANGO_TEST_RUNS"] = str(_TMP / "runs")
+# A Redis URL on a port nobody listens on (bound, never listening): every call fails.
+_DEAD = __import__("socket").socket()
+_DEAD.bind(("127.0.0.1", 0))
+os.environ["DJANGO_TEST_DEAD_STORE"] = f"redis://127.0.0.1:{_DEAD.getsockname()[1]}/0?timeout=0.5"
 
 import django  # noqa: E402
 
@@ -113,6 +117,18 @@ def test_view_decorator_uses_its_api_key_identity_and_abandons_on_exception(
         with pytest.raises(RuntimeError):
             post(client, "/single", key, {"tag": tag, "raise": True}, x_api_key="k1")
     assert count(tag) == 2  # abandoned, so the retry ran
+
+
+def test_anonymous_is_401_when_refused_and_a_down_store_is_503(client: Client) -> None:
+    tag = uuid.uuid4().hex
+    r = post(client, "/strict", uuid.uuid4().hex, {"tag": tag})
+    problem(r, 401, "idempotency_identity_missing")
+    assert r["WWW-Authenticate"] == "Bearer"
+    assert post(client, "/strict", uuid.uuid4().hex, {"tag": tag}, x_api_key="k").status_code == 201
+    r = post(client, "/down", uuid.uuid4().hex, {"tag": tag})
+    problem(r, 503, "idempotency_store_unavailable")
+    assert r["Retry-After"] == "1"
+    assert count(tag) == 1  # the 401 and the 503 did not run the view
 
 
 @pytest.fixture(scope="module")

@@ -5,5 +5,7 @@ from . import views
 urlpatterns = [
     path("mw/charges", views.charges),
     path("single", views.single),
+    path("strict", views.strict),
+    path("down", views.down),
     path("drf/charges", views.DrfCharges.as_view()),
 ]

@@ -60,6 +60,16 @@ def single(request: HttpRequest) -> HttpResponse:
     return _run(request)
 
 
+@idempotent_view(identity="header:X-Api-Key", allow_anonymous=False)
+def strict(request: HttpRequest) -> HttpResponse:
+    return _run(request)
+
+
+@idempotent_view(url=os.environ.get("DJANGO_TEST_DEAD_STORE", "memory://"))
+def down(request: HttpRequest) -> HttpResponse:
+    return _run(request)
+
+
 class HeaderAuthentication(BaseAuthentication):  # type: ignore[misc]
     """DRF authentication from ``X-Token: <name>`` (what a token scheme does)."""
 
