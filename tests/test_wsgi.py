@@ -59,8 +59,21 @@ def create_app() -> Any:
         return app.response_class(chunks(), status=201, mimetype="text/plain")
 
     spec = idemlock.IdempotencySpec("http", ttl=timedelta(hours=1), lease=timedelta(seconds=30))
+    flask_app = app.wsgi_app
+
+    def dispatch(environ: dict[str, Any], start_response: Any) -> Any:
+        if environ["PATH_INFO"] != "/raw-write":
+            return flask_app(environ, start_response)
+        # A plain WSGI app using PEP 3333's legacy write() before its iterable.
+        tag = environ["wsgi.input"].read(int(environ["CONTENT_LENGTH"])).decode()
+        with runs.open("a") as f:
+            f.write(f"{tag}\n")
+        write = start_response("201 Created", [("Content-Type", "text/plain")])
+        write(b"written-")
+        return [b"iterated-", uuid.uuid4().hex.encode()]
+
     app.wsgi_app = IdempotencyMiddleware(  # type: ignore[method-assign]
-        app.wsgi_app,
+        dispatch,
         coordinator=idemlock.connect(os.environ["WSGI_TEST_STORE"]),
         spec=spec,
         identity=environ_header_identity("x-client"),
@@ -286,3 +299,13 @@ def test_an_unknown_option_is_a_configuration_error_naming_the_options() -> None
         IdempotencyMiddleware(lambda e, s: [], coordinator=coord, max_body=0)
     with pytest.raises(idemlock.ConfigurationError, match=r"blocking idemlock\.Coordinator"):
         IdempotencyMiddleware(lambda e, s: [], coordinator=object())  # type: ignore[arg-type]
+
+
+def test_bytes_sent_with_the_legacy_write_callable_are_recorded(server: Gunicorn) -> None:
+    key, tag = uuid.uuid4().hex, uuid.uuid4().hex
+    headers = {"Idempotency-Key": f'"{key}"', "Content-Type": "text/plain"}
+    first = httpx.post(f"{server.url}/raw-write", content=tag, headers=headers)
+    assert first.status_code == 201 and first.content.startswith(b"written-iterated-")
+    again = httpx.post(f"{server.url}/raw-write", content=tag, headers=headers)
+    assert again.headers["idempotent-replayed"] == "true" and again.content == first.content
+    assert server.count(tag) == 1

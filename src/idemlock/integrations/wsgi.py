@@ -159,13 +159,22 @@ class IdempotencyMiddleware:
         core = self.core
         head: list[Any] = []
 
+        written: list[bytes] = []
+
         def capture(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
             head[:] = [status, headers]
-            return (
+            server_write = (
                 start_response(status, headers, exc_info)
                 if exc_info
                 else start_response(status, headers)
             )
+
+            def write(data: bytes) -> None:
+                # PEP 3333's legacy write(): these bytes precede the iterable's.
+                written.append(bytes(data))
+                server_write(data)
+
+            return write
 
         try:
             body = self.app(environ, capture)
@@ -191,6 +200,10 @@ class IdempotencyMiddleware:
                 raise RuntimeError("the WSGI application did not call start_response")
             # Record before the last chunk leaves: a client that has its whole response
             # and retries at once finds the record, never a 409.
+            if chunks is not None and written:
+                chunks[:0] = written
+                if size + sum(map(len, written)) > core.max_response_body:
+                    chunks = None
             status = int(str(head[0]).split(" ", 1)[0])
             headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in head[1]]
             core.finish(run, status, headers, chunks)
