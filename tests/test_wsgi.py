@@ -108,7 +108,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_gunicorn(store: str, runs: Path, workers: int = 3) -> Iterator[Gunicorn]:
+def start_gunicorn(
+    store: str, runs: Path, workers: int = 3, preload: bool = False
+) -> Iterator[Gunicorn]:
     port = free_port()
     env = dict(os.environ, WSGI_TEST_STORE=store, WSGI_TEST_RUNS=str(runs))
     proc = subprocess.Popen(
@@ -124,6 +126,7 @@ def start_gunicorn(store: str, runs: Path, workers: int = 3) -> Iterator[Gunicor
             "4",
             "--log-level",
             "warning",
+            *(["--preload"] if preload else []),
             "tests.test_wsgi:create_app()",
         ],
         cwd=ROOT,
@@ -146,10 +149,15 @@ def start_gunicorn(store: str, runs: Path, workers: int = 3) -> Iterator[Gunicor
         proc.wait(10)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gunicorn]:
+@pytest.fixture(scope="module", params=["app-per-worker", "preload"])
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Gunicorn]:
+    # "preload": the app and its coordinator are made in the master, then forked.
     tmp = tmp_path_factory.mktemp("wsgi")
-    yield from start_gunicorn(f"sqlite:///{tmp / 'idemlock.db'}", tmp / "runs")
+    yield from start_gunicorn(
+        f"sqlite:///{tmp / 'idemlock.db'}", tmp / "runs", preload=request.param == "preload"
+    )
 
 
 def problem(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
