@@ -73,6 +73,16 @@ def test_middleware_replays_and_refuses_another_body(client: Client) -> None:
     assert count(tag) == 1
 
 
+def test_middleware_records_a_streamed_response_and_replays_it_whole(client: Client) -> None:
+    key, tag = uuid.uuid4().hex, uuid.uuid4().hex
+    first = post(client, "/mw/stream", key, {"tag": tag}, x_user="alice")
+    body = b"".join(first.streaming_content)
+    assert first.status_code == 201 and body.startswith(b"part-1-part-2-")
+    again = post(client, "/mw/stream", key, {"tag": tag}, x_user="alice")
+    assert again["Idempotent-Replayed"] == "true" and again.content == body
+    assert count(tag) == 1
+
+
 def test_middleware_keys_are_per_request_user(client: Client) -> None:
     key, tag = uuid.uuid4().hex, uuid.uuid4().hex
     a = post(client, "/mw/charges", key, {"tag": tag}, x_user="alice")

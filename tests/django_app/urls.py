@@ -4,6 +4,7 @@ from . import views
 
 urlpatterns = [
     path("mw/charges", views.charges),
+    path("mw/stream", views.stream),
     path("single", views.single),
     path("strict", views.strict),
     path("down", views.down),

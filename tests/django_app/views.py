@@ -11,7 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
+from django.http import (
+    HttpRequest,
+    HttpResponse,
+    HttpResponseBase,
+    JsonResponse,
+    StreamingHttpResponse,
+)
 from rest_framework.authentication import BaseAuthentication
 from rest_framework.exceptions import ValidationError
 from rest_framework.permissions import IsAuthenticated
@@ -53,6 +59,12 @@ def _run(request: HttpRequest) -> HttpResponse:
 
 def charges(request: HttpRequest) -> HttpResponse:
     return _run(request)
+
+
+def stream(request: HttpRequest) -> StreamingHttpResponse:
+    _run(request)
+    run = uuid.uuid4().hex.encode()
+    return StreamingHttpResponse(iter([b"part-1-", b"part-2-", run]), status=201)
 
 
 @idempotent_view(identity="header:X-Api-Key", spec={"name": "single", "ttl": 60, "lease": 10})

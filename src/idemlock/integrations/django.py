@@ -33,7 +33,7 @@ import functools
 import io
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from http.cookies import SimpleCookie
 from typing import Any, ClassVar, TypeVar, cast, overload
@@ -214,7 +214,8 @@ def _handle(
         core.fail(decision)
         raise
     if isinstance(response, StreamingHttpResponse):
-        response.streaming_content = _stream(core, decision, response)
+        source = response.streaming_content  # read before it is replaced by our wrapper
+        response.streaming_content = _stream(core, decision, response, source)
         return response
     content = cast(HttpResponse, response).content
     chunks = None if len(content) > core.max_response_body else [content]
@@ -265,12 +266,14 @@ def _atomic(
     return response
 
 
-def _stream(core: SyncHttp, run: Run, response: StreamingHttpResponse) -> Iterator[bytes]:
+def _stream(
+    core: SyncHttp, run: Run, response: StreamingHttpResponse, source: Iterable[Any]
+) -> Iterator[bytes]:
     chunks: list[bytes] | None = []
     size = 0
     held: bytes | None = None
     try:
-        for chunk in response.streaming_content:
+        for chunk in source:
             if held is not None:
                 yield held
             chunk = bytes(chunk)
