@@ -317,3 +317,43 @@ def test_bytes_sent_with_the_legacy_write_callable_are_recorded(server: Gunicorn
     again = httpx.post(f"{server.url}/raw-write", content=tag, headers=headers)
     assert again.headers["idempotent-replayed"] == "true" and again.content == first.content
     assert server.count(tag) == 1
+
+
+def test_a_response_closed_before_it_was_iterated_frees_its_key(tmp_path: Path) -> None:
+    # What a server does when the client left before the body was read: close() only.
+    import io
+
+    import idemlock
+    from idemlock.integrations.wsgi import IdempotencyMiddleware
+
+    ran: list[int] = []
+
+    def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        ran.append(1)
+        start_response("201 Created", [("Content-Type", "text/plain")])
+        return [b"done"]
+
+    coord = idemlock.connect(f"sqlite:///{tmp_path / 'idemlock.db'}")
+    mw = IdempotencyMiddleware(app, coordinator=coord)
+
+    def call() -> Any:
+        environ = {
+            "REQUEST_METHOD": "POST",
+            "PATH_INFO": "/x",
+            "CONTENT_LENGTH": "2",
+            "wsgi.input": io.BytesIO(b"{}"),
+            "HTTP_IDEMPOTENCY_KEY": '"k"',
+        }
+        got: list[str] = []
+        body = mw(environ, lambda status, headers, exc=None: got.append(status))
+        return body, got
+
+    body, _ = call()
+    body.close()  # never iterated: the claim must not stay in flight
+    body, got = call()
+    assert b"".join(body) == b"done" and got == ["201 Created"]
+    body.close()
+    assert ran == [1]
+    body, got = call()
+    assert b"".join(body) == b"done" and ran == [1]  # the replay
+    coord.close()

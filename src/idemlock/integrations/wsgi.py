@@ -26,7 +26,7 @@ responses pass through the middleware. Works under any WSGI server, across proce
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from http import HTTPStatus
 from typing import Any
 
@@ -102,6 +102,24 @@ def _answer(start_response: StartResponse, answer: Answer) -> list[bytes]:
     return [answer.body]
 
 
+class _Closing:
+    """The keyed response iterable. A server that closes it without iterating (the
+    client left first) never starts the generator, so its cleanup would not run: close
+    abandons the claim (and stops its heartbeat) unless the response was settled."""
+
+    def __init__(self, body: Generator[bytes, None, None], core: SyncHttp, run: Run) -> None:
+        self._body, self._core, self._run = body, core, run
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self._body
+
+    def close(self) -> None:
+        try:
+            self._body.close()
+        finally:
+            self._core.fail(self._run)
+
+
 class IdempotencyMiddleware:
     """WSGI middleware implementing the ``Idempotency-Key`` request header.
 
@@ -153,9 +171,11 @@ class IdempotencyMiddleware:
         environ["CONTENT_LENGTH"] = str(len(decision.body))
         environ.pop("HTTP_TRANSFER_ENCODING", None)
         environ.pop("wsgi.file_wrapper", None)
-        return self._run(environ, start_response, decision)
+        return _Closing(self._run(environ, start_response, decision), self.core, decision)
 
-    def _run(self, environ: Environ, start_response: StartResponse, run: Run) -> Iterator[bytes]:
+    def _run(
+        self, environ: Environ, start_response: StartResponse, run: Run
+    ) -> Generator[bytes, None, None]:
         core = self.core
         head: list[Any] = []
 
