@@ -83,6 +83,15 @@ def test_middleware_records_a_streamed_response_and_replays_it_whole(client: Cli
     assert count(tag) == 1
 
 
+def test_a_streamed_response_closed_unread_frees_its_key(client: Client) -> None:
+    key, tag = uuid.uuid4().hex, uuid.uuid4().hex
+    post(client, "/mw/stream", key, {"tag": tag}, x_user="alice").close()  # never read
+    again = post(client, "/mw/stream", key, {"tag": tag}, x_user="alice")
+    assert again.status_code == 201 and "Idempotent-Replayed" not in again
+    assert b"".join(again.streaming_content).startswith(b"part-1-")
+    assert count(tag) == 2
+
+
 def test_middleware_keys_are_per_request_user(client: Client) -> None:
     key, tag = uuid.uuid4().hex, uuid.uuid4().hex
     a = post(client, "/mw/charges", key, {"tag": tag}, x_user="alice")

@@ -216,6 +216,9 @@ def _handle(
     if isinstance(response, StreamingHttpResponse):
         source = response.streaming_content  # read before it is replaced by our wrapper
         response.streaming_content = _stream(core, decision, response, source)
+        # Closed without being iterated (the client left): the generator never starts,
+        # so free the claim here (a no-op once the stream settled it).
+        response._resource_closers.append(lambda: core.fail(decision))
         return response
     content = cast(HttpResponse, response).content
     chunks = None if len(content) > core.max_response_body else [content]
