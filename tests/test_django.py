@@ -19,6 +19,7 @@ _TMP = Path(tempfile.mkdtemp(prefix="idemlock-django-"))
 os.environ["DJANGO_SETTINGS_MODULE"] = "tests.django_app.settings"
 os.environ["DJANGO_TEST_STORE"] = f"sqlite:///{_TMP / 'idemlock.db'}"
 os.environ["DJANGO_TEST_RUNS"] = str(_TMP / "runs")
+os.environ["DJANGO_TEST_DB"] = str(_TMP / "django.sqlite3")
 # A Redis URL on a port nobody listens on (bound, never listening): every call fails.
 _DEAD = __import__("socket").socket()
 _DEAD.bind(("127.0.0.1", 0))
@@ -90,6 +91,31 @@ def test_a_streamed_response_closed_unread_frees_its_key(client: Client) -> None
     assert again.status_code == 201 and "Idempotent-Replayed" not in again
     assert b"".join(again.streaming_content).startswith(b"part-1-")
     assert count(tag) == 2
+
+
+@pytest.fixture(scope="module")
+def users() -> list[Any]:
+    from django.contrib.auth.models import User
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+    return [User.objects.create_user(f"user-{uuid.uuid4().hex[:8]}") for _ in range(2)]
+
+
+def test_identity_is_the_logged_in_django_user(users: list[Any]) -> None:
+    key, tag = uuid.uuid4().hex, uuid.uuid4().hex
+    alice, bob = Client(), Client()
+    alice.force_login(users[0])
+    bob.force_login(users[1])
+    first = post(alice, "/mw/charges", key, {"tag": tag})
+    assert first.status_code == 201
+    again = post(alice, "/mw/charges", key, {"tag": tag})
+    assert again["Idempotent-Replayed"] == "true" and again.content == first.content
+    other = post(bob, "/mw/charges", key, {"tag": tag})
+    assert other.status_code == 201 and "Idempotent-Replayed" not in other
+    anonymous = post(Client(), "/mw/charges", key, {"tag": tag})
+    assert "Idempotent-Replayed" not in anonymous  # the anonymous space is its own
+    assert count(tag) == 3
 
 
 def test_middleware_keys_are_per_request_user(client: Client) -> None:

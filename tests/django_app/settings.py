@@ -1,5 +1,5 @@
-"""A tiny Django project for tests/test_django.py (no database: identities come from
-a header-driven ``request.user``)."""
+"""A tiny Django project for tests/test_django.py: Django's own sessions and
+authentication, and a header-driven ``request.user`` for tests without logins."""
 
 import os
 
@@ -7,10 +7,17 @@ SECRET_KEY = "test-only-not-secret"
 DEBUG = False
 ALLOWED_HOSTS = ["*"]
 ROOT_URLCONF = "tests.django_app.urls"
-INSTALLED_APPS: list[str] = []
-DATABASES: dict[str, object] = {}
+INSTALLED_APPS = ["django.contrib.auth", "django.contrib.contenttypes", "django.contrib.sessions"]
+DATABASES = {
+    "default": {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": os.environ.get("DJANGO_TEST_DB", ":memory:"),
+    }
+}
 USE_TZ = True
 MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
     "tests.django_app.views.HeaderUserMiddleware",
     "idemlock.integrations.django.IdempotencyMiddleware",
 ]

@@ -41,7 +41,8 @@ class HeaderUserMiddleware:
 
     def __call__(self, request: HttpRequest) -> HttpResponseBase:
         name = request.headers.get("X-User")
-        request.user = HeaderUser(name) if name else None
+        if name:  # else request.user stays Django's (AuthenticationMiddleware)
+            request.user = HeaderUser(name)
         return self.get_response(request)
 
 
