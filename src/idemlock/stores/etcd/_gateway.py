@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import logging
 import socket
 import ssl
 import threading
@@ -27,6 +28,8 @@ from ..._errors import StoreUnavailable
 from . import _conf
 from ._ops import Rpc
 from ._pb.etcdserverpb import rpc_pb2 as _rpc_pb2
+
+log = logging.getLogger("idemlock")
 
 pb: Any = _rpc_pb2
 
@@ -284,7 +287,9 @@ class _Watch:
                         self._fire()
                     backoff = 0.05
             except Exception:
-                pass
+                # The watch is only a hint: waiters re-check the store, so a broken
+                # stream is logged and opened again on the next member.
+                log.debug("etcd watch stream ended; reconnecting", exc_info=True)
             self.created.clear()
             self._fire()  # something may have been missed: waiters re-check
             if self.closed:
