@@ -1,6 +1,6 @@
 """Fault injection: do effects stay exactly-once-in-effect while everything breaks?
 
-    python benchmarks/chaos.py --store sqlite|redis|redis-cluster|postgres
+    python benchmarks/chaos.py --store sqlite|redis|redis-cluster|postgres|etcd
         [--same-transaction] [--mode idemlock|plain|both]
         [--jobs N --workers W --duration S --seed X --fault-every S --lease S ...]
     python benchmarks/chaos.py --all [--mode both]      # every store (the long run)
@@ -64,6 +64,17 @@ no write was decided while ``remaining()`` still showed time on a lease another 
 had been granted. ``--mode plain`` writes without the fence: the negative control,
 whose stale and interleaved writes are reported, not failures.
 
+**etcd** (``--store etcd``): a 3-member cluster on free loopback ports, each member
+behind its own proxy (the workers' URL names the three proxies). Its "restart" is, at
+random, a SIGKILL of the current leader followed by its restart (same ports and data;
+the supervisor waits for the member to answer again) or a SIGSTOP of one member for
+0.5-3 leases, then SIGCONT (a pause; at most one member paused at a time); the report's
+``etcd_faults`` counts each. A cut aborts the connections of one member's proxy or of
+all; a blackhole silences everything or every connection of one member's proxy. The
+effects database is a local SQLite file; the lock workload's write is
+``FenceGate.check_and_advance`` on the workers' own coordinator, logged to that file
+afterwards with the times around it (judged as the Redis gate's writes are).
+
 Exits 1 on any violation (plain mode: duplicates and stale overwrites are reported,
 not violations; only harness failures fail it).
 """
@@ -102,7 +113,7 @@ for _p in (str(HERE), str(ROOT / "src")):
 import _servers  # noqa: E402
 
 HOST = _servers.HOST
-STORES = ("sqlite", "redis", "redis-cluster", "postgres")
+STORES = ("sqlite", "redis", "redis-cluster", "postgres", "etcd")
 KINDS = ("kill", "stop", "restart", "cut", "blackhole")
 #: which faults apply: SQLite has no server to restart and no connection to cut.
 STORE_KINDS = {
@@ -110,6 +121,7 @@ STORE_KINDS = {
     "redis": KINDS,
     "redis-cluster": KINDS,
     "postgres": KINDS,
+    "etcd": KINDS,
 }
 #: the lock workload's faults: no Redis restarts there (an empty Redis forgets its leases
 #: and gates: data loss the job workload already measures, not a failure of the lock)
@@ -118,6 +130,8 @@ LOCK_KINDS = {
     "redis": ("kill", "stop", "cut", "blackhole"),
     "redis-cluster": ("kill", "stop", "cut", "blackhole"),
     "postgres": KINDS,
+    # etcd keeps its leases and fences through a leader's crash: restarts apply
+    "etcd": KINDS,
 }
 #: faults on the proxy: with nothing connected through it they are skipped, not retried
 NETWORK_KINDS = ("cut", "blackhole")
@@ -129,6 +143,8 @@ SLACK = 0.02
 #: stores whose restart loses data (their records are not expected to survive)
 LOSSY = ("redis", "redis-cluster")
 SPEC = "chaos"
+#: stores whose lock write is the store's own gate (timed log, not acceptance order)
+GATED = ("redis", "redis-cluster", "etcd")
 PRESETS: dict[str, dict[str, Any]] = {
     # CI: ~15-25 s per store on a 2-core machine, servers included.
     "short": {"jobs": 120, "workers": 4, "duration": 8.0, "fault_every": 0.25},
@@ -244,17 +260,20 @@ class ProxyHub:
         self.proxies.append(proxy)
         return proxy
 
-    def cut(self) -> int:
+    def cut(self, only: Proxy | None = None) -> int:
         async def cut_all() -> int:
-            return sum(p.cut() for p in self.proxies)
+            return sum(p.cut() for p in self.proxies if only is None or p is only)
 
         return int(self._call(cut_all()))
 
-    def blackhole(self, seconds: float, share: float, rng: random.Random) -> str:
+    def blackhole(
+        self, seconds: float, share: float, rng: random.Random, only: Proxy | None = None
+    ) -> str:
         """Stop forwarding for ``seconds``: everything (``share`` >= 1: every
         connection, and new ones hang after the kernel's accept) or a random ``share``
         of the open connections (at least one; the rest and new ones keep working, as
-        when one path through the network dies). "" if there was nothing to silence."""
+        when one path through the network dies); with ``only``, every open connection
+        of that proxy (one member cut off). "" if there was nothing to silence."""
 
         async def go() -> str:
             self.generation += 1
@@ -275,7 +294,12 @@ class ProxyHub:
             conns = [c for p in self.proxies for c in p.conns if c.flowing.is_set()]
             if not conns or not self.open.is_set():
                 return ""  # nothing to silence (or everything is silent already)
-            chosen = [c for c in conns if rng.random() < share] or conns[:1]
+            if only is not None:
+                chosen = [c for c in conns if c in only.conns]
+                if not chosen:
+                    return ""
+            else:
+                chosen = [c for c in conns if rng.random() < share] or conns[:1]
             for c in chosen:
                 c.generation = gen
                 c.flowing.clear()
@@ -286,7 +310,8 @@ class ProxyHub:
                         c.flowing.set()
 
             self.loop.call_later(seconds, heal_some)
-            return f"{len(chosen)} of {len(conns)} connections for {seconds:.2f}s"
+            where = f" of :{only.target}" if only is not None else ""
+            return f"{len(chosen)} of {len(conns)} connections{where} for {seconds:.2f}s"
 
         return str(self._call(go()))
 
@@ -990,7 +1015,9 @@ def lock_worker_main(cfg: WorkerConfig) -> None:
     # in one script); SQL stores: a fenced upsert in the effects database.
     # Plain mode: an unfenced upsert in the effects database (the negative control).
     redis = cfg.store_url.startswith("redis") and cfg.mode == "idemlock"
-    gates = {r: coord.fence(r) for r in resources} if redis else {}
+    # etcd: the gate's check_and_advance (one Txn), logged afterwards as Redis's is
+    etcd = cfg.store_url.startswith("etcd") and cfg.mode == "idemlock"
+    gates = {r: coord.fence(r) for r in resources} if redis or etcd else {}
 
     def write(res: str, holder: str, lease: Any, seq: int) -> None:
         # What the holder knows when it decides to write; then it prepares the write
@@ -1007,7 +1034,10 @@ def lock_worker_main(cfg: WorkerConfig) -> None:
             return
         accepted: bool | None
         try:
-            gates[res].set_if_fresh(token, res, f"{holder}/{token}/{seq}")
+            if etcd:
+                gates[res].check_and_advance(token)
+            else:
+                gates[res].set_if_fresh(token, res, f"{holder}/{token}/{seq}")
             accepted = True
         except FencedOut:
             accepted = False
@@ -1144,6 +1174,11 @@ class Run:
         self.cluster: _servers.RedisCluster | None = None
         self.pg: _servers.PgServer | None = None  # the store's PostgreSQL
         self.fx_pg: _servers.PgServer | None = None  # the effects' PostgreSQL (Redis runs)
+        self.etcd: Any = None  # tests.servers.etcd.EtcdCluster
+        self.etcd_proxies: list[Proxy] = []
+        #: (member, until) of the one paused etcd member
+        self.member_paused: tuple[int, float] | None = None
+        self.etcd_faults: Counter[str] = Counter()
         self.store_url = ""
         self.fx_kind = ""
         self.fx_worker_dsn = ""
@@ -1168,6 +1203,17 @@ class Run:
             return
         assert self.hub is not None
         hub = self.hub
+        if self.store == "etcd":
+            if str(ROOT) not in sys.path:
+                sys.path.insert(0, str(ROOT))
+            from tests.servers.etcd import start_etcd
+
+            self.etcd = start_etcd(3)
+            self.etcd_proxies = [hub.add(port) for port in self.etcd.client_ports]
+            self.store_url = "etcd://" + ",".join(f"{HOST}:{p.port}" for p in self.etcd_proxies)
+            self.fx_kind, self.fx_worker_dsn = "sqlite", str(self.root / "effects.db")
+            self.fx = SqliteFx(self.fx_worker_dsn, supervisor=True)
+            return
         if self.store == "postgres":
             # Crashed by the restarts: every acknowledged commit must come back.
             self.pg = _servers.start_postgres({"synchronous_commit": "on"})
@@ -1189,6 +1235,8 @@ class Run:
         self.fx = PgFx(self.fx_pg.dsn, supervisor=True)
 
     def restart_store(self) -> str:
+        if self.etcd is not None:
+            return self.etcd_member_fault()
         if self.redis is not None:
             self.redis.restart()
             return "redis-server restarted empty"
@@ -1200,9 +1248,46 @@ class Run:
         self.pg.restart("immediate")
         return "postgres crashed and restarted"
 
+    def etcd_member_fault(self) -> str:
+        """A SIGKILL of the leader and its restart, or a pause (SIGSTOP) of a member."""
+        cluster = self.etcd
+        self.wake_member(force=True)  # one member fault at a time: quorum stays
+        if self.rng.random() < 0.5:
+            i = self.rng.randrange(cluster.size)
+            pause = self.opts.lease * self.rng.uniform(0.5, 3.0)
+            os.kill(cluster.procs[i].pid, signal.SIGSTOP)
+            self.member_paused = (i, time.monotonic() + pause)
+            self.etcd_faults["member_pause"] += 1
+            return f"etcd member {cluster.names[i]} paused for {pause:.2f}s"
+        leader = cluster.leader()
+        cluster.kill(leader)
+        cluster.start_member(leader)
+        cluster.wait_ready()
+        self.etcd_faults["leader_kill"] += 1
+        return f"etcd leader {cluster.names[leader]} killed and restarted"
+
+    def wake_member(self, force: bool = False) -> None:
+        if self.member_paused is None:
+            return
+        i, until = self.member_paused
+        if force or time.monotonic() >= until:
+            proc = self.etcd.procs[i]
+            if proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGCONT)
+            self.member_paused = None
+
+    def heal_store(self) -> None:
+        """End every network fault and member pause (the fault window is over)."""
+        if self.hub is not None:
+            self.hub.heal()
+        self.wake_member(force=True)
+
     def stop_servers(self) -> None:
         if self.hub is not None:
             self.hub.close()
+        if self.etcd is not None:
+            self.etcd.destroy()  # SIGCONTs a paused member, kills all by pid
         for server in (self.redis, self.cluster):
             if server is not None:
                 with contextlib.suppress(Exception):
@@ -1290,7 +1375,10 @@ class Run:
             detail = self.restart_store()
         elif kind == "cut":
             assert self.hub is not None
-            cut = self.hub.cut()
+            only = None
+            if self.etcd is not None and self.rng.random() < 0.5:
+                only = self.rng.choice(self.etcd_proxies)  # one member's connections
+            cut = self.hub.cut(only)
             if not cut:
                 return False  # nothing connected (e.g. during a blackhole): not a fault
             detail = f"{cut} connections"
@@ -1300,7 +1388,12 @@ class Run:
             # half of the open connections (one path dies; others and new ones work).
             share = 1.0 if self.rng.random() < 0.5 else 0.5
             seconds = self.opts.lease * self.rng.uniform(0.5, 4.0)
-            detail = self.hub.blackhole(seconds, share, self.rng)
+            only = None
+            if self.etcd is not None and share < 1:
+                # etcd: one member cut off (of those the clients use)
+                used = [p for p in self.etcd_proxies if p.conns]
+                only = self.rng.choice(used) if used else None
+            detail = self.hub.blackhole(seconds, share, self.rng, only)
             if not detail:
                 return False
         self.outcome.faults[kind] += 1
@@ -1316,6 +1409,7 @@ class Run:
             self.fx.release(slot.worker)
 
     def wake_due(self, force: bool = False) -> None:
+        self.wake_member(force)
         now = time.monotonic()
         for slot in self.slots:
             if slot.stopped_until is not None and (force or now >= slot.stopped_until):
@@ -1398,8 +1492,7 @@ class Run:
                     break
                 time.sleep(0.005)
             self.outcome.seconds = time.monotonic() - start
-            if self.hub is not None:
-                self.hub.heal()
+            self.heal_store()
             # Let paused workers wake and finish what they were doing (their late
             # writes are part of the test), then end every worker.
             while any(s.stopped_until is not None for s in self.slots):
@@ -1495,6 +1588,7 @@ class Run:
             "stale_writes_refused": refused,
             "stale_writes_accepted": stale_accepted,
             "records_lost_with_data": lost,
+            **({"etcd_faults": dict(self.etcd_faults)} if self.etcd is not None else {}),
             "worker_events": dict(sorted(events.items())),
             "violations": dict(violations),
             "violations_total": sum(violations.values()),
@@ -1655,8 +1749,7 @@ class LockRun(Run):
                     next_fault = time.monotonic() + gap
                 time.sleep(0.005)
             self.outcome.seconds = time.monotonic() - start
-            if self.hub is not None:
-                self.hub.heal()
+            self.heal_store()
             # Paused holders wake and try their late writes (the fence must refuse
             # them); then the workers are ended wherever they are.
             while any(s.stopped_until is not None for s in self.slots):
@@ -1682,7 +1775,7 @@ class LockRun(Run):
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
-        exact = self.store not in ("redis", "redis-cluster") or self.mode == "plain"
+        exact = self.store not in GATED or self.mode == "plain"
         found = check_lock_history(snap["holds"], snap["log"], exact=exact)
         violations: Counter[str] = found.pop("violations")
         examples: list[str] = found.pop("examples")
@@ -1725,7 +1818,14 @@ class LockRun(Run):
             "resources": self.opts.resources,
             "seconds": round(self.outcome.seconds, 1),
             "ttl_s": self.opts.lease,
-            "fence": "none" if self.mode == "plain" else "sql" if exact else "set_if_fresh",
+            "fence": "none"
+            if self.mode == "plain"
+            else "sql"
+            if exact
+            else "check_and_advance"
+            if self.store == "etcd"
+            else "set_if_fresh",
+            **({"etcd_faults": dict(self.etcd_faults)} if self.etcd is not None else {}),
             "unfenced_findings": unfenced,
             "faults": {k: self.outcome.faults.get(k, 0) for k in KINDS},
             **found,

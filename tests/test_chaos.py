@@ -40,6 +40,8 @@ KINDS = {
     "redis": ("kill", "stop", "restart", "cut", "blackhole"),
     "redis-cluster": ("kill", "stop", "restart", "cut", "blackhole"),
     "postgres": ("kill", "stop", "restart", "cut", "blackhole"),
+    # etcd's "restart": a SIGKILL of the leader and its restart, or a member paused
+    "etcd": ("kill", "stop", "restart", "cut", "blackhole"),
 }
 #: the lock workload's faults (no Redis restarts: an empty Redis forgets its leases)
 LOCK_KINDS = {
@@ -47,7 +49,10 @@ LOCK_KINDS = {
     "redis": ("kill", "stop", "cut", "blackhole"),
     "redis-cluster": ("kill", "stop", "cut", "blackhole"),
     "postgres": ("kill", "stop", "restart", "cut", "blackhole"),
+    "etcd": ("kill", "stop", "restart", "cut", "blackhole"),
 }
+#: every store the runner drives (etcd: a 3-member cluster, each member behind a proxy)
+STORES = ["sqlite", "redis", "redis-cluster", "postgres", "etcd"]
 SEED = "20261129"
 
 
@@ -76,8 +81,15 @@ def assert_ran_under_faults(run: dict[str, Any], store: str) -> None:
     assert run["effects_run"] == run["jobs"] + run["repeated_effects"]
 
 
+def assert_etcd_member_faults(run: dict[str, Any]) -> None:
+    # Every etcd "restart" was a leader's SIGKILL and restart or a member's pause.
+    etcd = run["etcd_faults"]
+    assert sum(etcd.values()) == run["faults"]["restart"] > 0, etcd
+    assert set(etcd) <= {"leader_kill", "member_pause"}, etcd
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("store", ["sqlite", "redis", "redis-cluster", "postgres"])
+@pytest.mark.parametrize("store", STORES)
 def test_idemlock_effects_hold_under_faults(store: str) -> None:
     code, run = run_chaos("--store", store)
     assert run["violations_total"] == 0, "\n".join(run["examples"])
@@ -90,6 +102,8 @@ def test_idemlock_effects_hold_under_faults(store: str) -> None:
         assert run["records_lost_with_data"] >= 0
     else:
         assert run["records_lost_with_data"] == 0
+    if store == "etcd":
+        assert_etcd_member_faults(run)
 
 
 @pytest.mark.timeout(300)
@@ -122,7 +136,7 @@ def test_plain_mode_completes_and_reports_duplicates() -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("store", ["sqlite", "redis", "redis-cluster", "postgres"])
+@pytest.mark.parametrize("store", STORES)
 def test_lock_writes_stay_fenced_under_faults(store: str) -> None:
     code, run = run_chaos("--store", store, "--workload", "lock")
     assert run["violations_total"] == 0, "\n".join(run["examples"])
@@ -141,7 +155,10 @@ def test_lock_writes_stay_fenced_under_faults(store: str) -> None:
     assert run["leases_lost"] == ev.get("lock_lost", 0)
     if store != "postgres":
         assert run["leases_lost"] > 0 and run["on_lost_calls"] > 0, ev
-    assert run["fence"] == ("set_if_fresh" if store.startswith("redis") else "sql")
+    fence = {"etcd": "check_and_advance"}.get(store, "sql")
+    assert run["fence"] == ("set_if_fresh" if store.startswith("redis") else fence)
+    if store == "etcd":
+        assert_etcd_member_faults(run)
 
 
 @pytest.mark.timeout(300)
