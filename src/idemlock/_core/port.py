@@ -213,6 +213,11 @@ class SyncStore(Protocol):
     def release(self, ns: str, key: str, owner: str, token: int) -> bool:
         """Held by (owner, token) -> free. Else False, no change."""
 
+    def break_lock(self, ns: str, key: str) -> bool:
+        """Held by anyone -> free (an operator's forced unlock). True if it was held.
+        The token counter stays, so the next acquire gets a higher token and the old
+        holder's renew and release fail."""
+
     def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
         """Held by (owner, token), not expired -> expiry = now + ttl_ms; returns new
         expires_ms. Else None, no change (an expired lease is never revived)."""
@@ -269,6 +274,8 @@ class AsyncStore(Protocol):
     async def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held: ...
 
     async def release(self, ns: str, key: str, owner: str, token: int) -> bool: ...
+
+    async def break_lock(self, ns: str, key: str) -> bool: ...
 
     async def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None: ...
 

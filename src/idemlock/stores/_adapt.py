@@ -104,6 +104,9 @@ class _AsyncFace:
     async def release(self, ns: str, key: str, owner: str, token: int) -> bool:
         return bool(await self._call(self.sync.release, ns, key, owner, token))
 
+    async def break_lock(self, ns: str, key: str) -> bool:
+        return bool(await self._call(self.sync.break_lock, ns, key))
+
     async def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
         r: int | None = await self._call(self.sync.renew, ns, key, owner, token, ttl_ms)
         return r
@@ -174,6 +177,9 @@ class ThreadedAsyncStore(_AsyncFace):
 
     async def release(self, ns: str, key: str, owner: str, token: int) -> bool:
         return bool(await self._undoable(self.sync.release, _no_undo, ns, key, owner, token))
+
+    async def break_lock(self, ns: str, key: str) -> bool:
+        return bool(await self._undoable(self.sync.break_lock, _no_undo, ns, key))
 
     async def claim(
         self, ns: str, key: str, fp: str | None, token: str, lease_ms: int

@@ -224,6 +224,18 @@ class MemoryStore:
             self._hub.notify(("lock", ns, key))
             return True
 
+    def break_lock(self, ns: str, key: str) -> bool:
+        """State table row ``lock.break``: held by anyone -> free. The counter stays,
+        so the next acquire gets a higher token; the old holder's renew and release
+        find another token (or none) and fail."""
+        k = (ns, key)
+        with self._lock:
+            rec = self._locks.pop(k, None)
+            if rec is None:
+                return False
+            self._hub.notify(("lock", ns, key))
+            return T.live(rec, self._now())
+
     def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
         k = (ns, key)
         with self._lock:

@@ -187,6 +187,12 @@ _RENEW = """
 UPDATE locks SET expires_ms = ?1
 WHERE ns = ?2 AND key = ?3 AND owner = ?4 AND token = ?5 AND expires_ms > ?6
 """
+# State table row lock.break: held by anyone -> free. The tombstone keeps the token, so
+# the next acquire counts on from it and the old holder's (owner, token) matches nothing.
+_BREAK = """
+UPDATE locks SET expires_ms = 0
+WHERE ns = ?1 AND key = ?2 AND expires_ms > ?3
+"""
 _LOCKS = """
 SELECT ns, key, owner, token, expires_ms FROM locks
 WHERE substr(ns, 1, ?1) = ?2 AND expires_ms > ?3 ORDER BY ns, key
@@ -596,6 +602,13 @@ class SQLiteStore:
             return True
         return False
 
+    def break_lock(self, ns: str, key: str) -> bool:
+        """Free the lock whoever holds it (``lock.break``); True if it was held."""
+        if self._write(_break, ns, key):
+            _HUB.notify((self.path, "lock", ns, key))
+            return True
+        return False
+
     def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
         return self._write(_renew, ns, key, owner, token, ttl_ms)
 
@@ -700,6 +713,10 @@ def _forget(cur: sqlite3.Cursor, ns: str, key: str) -> bool:
 
 def _release(cur: sqlite3.Cursor, ns: str, key: str, owner: str, token: int) -> bool:
     return cur.execute(_RELEASE, (ns, key, owner, token, _now_ms())).rowcount == 1
+
+
+def _break(cur: sqlite3.Cursor, ns: str, key: str) -> bool:
+    return cur.execute(_BREAK, (ns, key, _now_ms())).rowcount == 1
 
 
 def _renew(

@@ -494,6 +494,9 @@ class AsyncEtcdStore:
     async def release(self, ns: str, key: str, owner: str, token: int) -> bool:
         return bool(await self._undoable(self.ops.release(ns, key, owner, token), _none))
 
+    async def break_lock(self, ns: str, key: str) -> bool:
+        return bool(await self._undoable(self.ops.break_lock(ns, key), _none))
+
     async def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
         r: int | None = await self._run(self.ops.renew(ns, key, owner, token, ttl_ms))
         return r

@@ -403,6 +403,18 @@ class Ops:
             return True
         return rpc.retried and not K.kvs(resp.responses[0])
 
+    def break_lock(self, ns: str, key: str) -> Op:
+        """State table row ``lock.break``: held by anyone -> free, in one DeleteRange.
+        The next acquire creates the key again at a later revision (a higher token);
+        the old holder's compares on its create revision fail. A re-sent call whose
+        first attempt went through finds nothing and answers False."""
+        name = K.lock_name(self.root, ns, key)
+        resp = yield Rpc("DeleteRange", pb.DeleteRangeRequest(key=name, prev_kv=True))
+        for prev in resp.prev_kvs:
+            if prev.lease:
+                yield _revoke(prev.lease)
+        return bool(resp.deleted)
+
     def release_owner(self, ns: str, key: str, owner: str) -> Op:
         """Free the lock if ``owner`` holds it (undo of an acquire whose reply is lost)."""
         name = K.lock_name(self.root, ns, key)

@@ -483,6 +483,9 @@ class EtcdStore:
     def release(self, ns: str, key: str, owner: str, token: int) -> bool:
         return bool(self._run(self.ops.release(ns, key, owner, token)))
 
+    def break_lock(self, ns: str, key: str) -> bool:
+        return bool(self._run(self.ops.break_lock(ns, key)))
+
     def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
         r: int | None = self._run(self.ops.renew(ns, key, owner, token, ttl_ms))
         return r

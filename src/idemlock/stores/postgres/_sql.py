@@ -187,6 +187,16 @@ WHERE l.ns = %(ns)s::text AND l.key = %(key)s::text AND l.owner = %(owner)s::tex
 RETURNING pg_notify(%(chan)s::text, '')
 """
 
+# State table row lock.break: held by anyone -> free. The row keeps its token and the
+# next acquire draws a new one from fence_seq, so the old holder's (owner, token) stops
+# matching: its renew and release fail.
+BREAK = """
+UPDATE {s}.locks AS l SET expires_ms = 0
+FROM (SELECT {now} AS ms) AS n
+WHERE l.ns = %(ns)s::text AND l.key = %(key)s::text AND l.expires_ms > n.ms
+RETURNING pg_notify(%(chan)s::text, '')
+"""
+
 RENEW = """
 UPDATE {s}.locks AS l SET expires_ms = n.ms + %(ttl)s
 FROM (SELECT {now} AS ms) AS n
@@ -324,6 +334,7 @@ class Statements:
     records: Stmt
     acquire: Stmt
     release: Stmt
+    break_lock: Stmt
     renew: Stmt
     lock: Stmt
     locks: Stmt
@@ -347,6 +358,7 @@ class Statements:
             records=r(RECORDS, schema),
             acquire=r(ACQUIRE, schema),
             release=r(RELEASE, schema),
+            break_lock=r(BREAK, schema),
             renew=r(RENEW, schema),
             lock=r(LOCK, schema),
             locks=r(LOCKS, schema),

@@ -378,6 +378,11 @@ class AsyncRedisStore:
         args = (owner, str(token), self._keep, self._handoff, n.lock_channel, C.nonce())
         return bool(await self._eval(C.RELEASE, (n.lock, n.waiters), args, finish=True) == 1)
 
+    async def break_lock(self, ns: str, key: str) -> bool:
+        n = C.names(ns, key)
+        args = (self._keep, n.lock_channel)
+        return bool(await self._eval(C.BREAK, (n.lock,), args, finish=True) == 1)
+
     async def renew_many(self, items: Sequence[tuple[Any, ...]]) -> list[int | None]:
         """Renew many claims and leases in one round trip (a pipeline of EXTEND/RENEW
         scripts; one script per item on a Cluster), for a coordinator's renewer; see

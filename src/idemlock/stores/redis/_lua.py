@@ -319,6 +319,25 @@ return 0
 """
 )
 
+# State table row lock.break: held by anyone -> free, whatever owner and token.
+# KEYS[1] record. ARGV: keep_ms, channel. Reply: 1 if it was held, else 0.
+# The counter 't' stays (the next acquire issues a higher token); dropping 'o' and 'x'
+# makes the old holder's RENEW and RELEASE find no lease of theirs. Every waiter is
+# woken ('*'): no hand-off window is reserved, as nobody chose to hand the lock over.
+BREAK = (
+    _PRELUDE
+    + _READ_LOCK
+    + """
+local l, why = read_lock(KEYS[1])
+if not l then return corrupt(why) end
+if not held(l) then return 0 end
+redis.call('HDEL', KEYS[1], 'o', 'x', 'y', 'g', 'n')
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+redis.call('PUBLISH', ARGV[2], '*')
+return 1
+"""
+)
+
 # KEYS[1] waiters. ARGV: gid. A process stopped waiting without getting the lock.
 UNREGISTER = """
 redis.pcall('HDEL', KEYS[1], ARGV[1])

@@ -212,6 +212,10 @@ class RedisStore:
         args = (owner, str(token), self._keep, self._handoff, n.lock_channel, C.nonce())
         return bool(self._eval(C.RELEASE, (n.lock, n.waiters), args) == 1)
 
+    def break_lock(self, ns: str, key: str) -> bool:
+        n = C.names(ns, key)
+        return bool(self._eval(C.BREAK, (n.lock,), (self._keep, n.lock_channel)) == 1)
+
     def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
         n = C.names(ns, key)
         exp = self._eval(C.RENEW, (n.lock,), (owner, str(token), ttl_ms, self._keep))
