@@ -50,6 +50,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from ..._errors import ConfigurationError
 from ..._urls import redact
+from ._pool import CancellableAsyncPool
 from ._schema import amigrate, migrate
 from ._sql import SCHEMA_VERSION
 from ._store import (
@@ -196,7 +197,9 @@ def _make_pool(
     cls: Any, url: str, timeout: float, min_size: int, max_size: int, health: Health
 ) -> Any:
     base = (
-        psycopg.AsyncConnection if cls is psycopg_pool.AsyncConnectionPool else psycopg.Connection
+        psycopg.AsyncConnection
+        if issubclass(cls, psycopg_pool.AsyncConnectionPool)
+        else psycopg.Connection
     )
     return cls(
         url,
@@ -263,7 +266,7 @@ def open_async(
 
     def factory() -> psycopg_pool.AsyncConnectionPool[Any]:
         pool: psycopg_pool.AsyncConnectionPool[Any] = _make_pool(
-            psycopg_pool.AsyncConnectionPool, url, secs, min_size, max_size, health
+            CancellableAsyncPool, url, secs, min_size, max_size, health
         )
         return pool
 

@@ -44,6 +44,7 @@ from ..._core.port import (
 from ..._errors import ConfigurationError, StoreCorrupt, StoreUnavailable
 from . import _schema, _watchdog
 from ._listen import AsyncListenSubscription, Listener, ListenSubscription
+from ._pool import CancellableAsyncPool
 from ._sql import RENEW_MANY, Statements, Stmt
 
 Row = tuple[Any, ...]
@@ -147,7 +148,7 @@ def clone_pool(pool: Any, health: Health) -> Any:
     the parent's: its connections are shared with the parent and its threads are
     gone). Its connection attempts are recorded in ``health``."""
     cls = (
-        psycopg_pool.AsyncConnectionPool
+        CancellableAsyncPool
         if isinstance(pool, psycopg_pool.AsyncConnectionPool)
         else psycopg_pool.ConnectionPool
     )
