@@ -1540,7 +1540,7 @@ def lock_pair(
 
 def critical_sections(
     acquire: Callable[[str], Any], release: Callable[[Any], Any], start: float, seconds: float,
-    hold: float,
+    hold: float, pause: float = 0.0,
 ) -> list[tuple[float, float, float]]:  # fmt: skip
     """Take the lock, hold it, release, again, from ``start`` for ``seconds``:
     (called, acquired, released) of each, on the machine's monotonic clock."""
@@ -1555,11 +1555,13 @@ def critical_sections(
         released = time.monotonic()
         release(held)
         events.append((called, acquired, released))
+        if pause:  # off the lock for a moment: the other contender is then always waiting
+            time.sleep(pause)
     return events
 
 
 def _contend(
-    store: str, kind: str, t: dict[str, Any], seconds: float, hold: float
+    store: str, kind: str, t: dict[str, Any], seconds: float, hold: float, pause: float = 0.0
 ) -> list[tuple[float, float, float]]:
     try:
         acquire, release, close = lock_pair(store, kind, t)
@@ -1575,7 +1577,7 @@ def _contend(
         _W["ready"].put(("ready", os.getpid()))
         if not _W["go"].wait(180):
             raise RuntimeError("no start signal")
-        return critical_sections(acquire, release, _W["start_at"].value, seconds, hold)
+        return critical_sections(acquire, release, _W["start_at"].value, seconds, hold, pause)
     finally:
         close()
 
@@ -1597,14 +1599,15 @@ class Contenders:
             self.ready.get(timeout=120)
 
     def run(
-        self, store: str, kind: str, t: dict[str, Any], seconds: float, hold: float = 0.001
-    ) -> dict[str, float]:
+        self, store: str, kind: str, t: dict[str, Any], seconds: float, hold: float = 0.001,
+        procs: int = PROCS, pause: float = 0.0,
+    ) -> dict[str, float]:  # fmt: skip
         self.go.clear()
         job = self.pool.starmap_async(
-            _contend, [(store, kind, t, seconds, hold)] * self.PROCS, chunksize=1
+            _contend, [(store, kind, t, seconds, hold, pause)] * procs, chunksize=1
         )
         errors = []
-        for _ in range(self.PROCS):
+        for _ in range(procs):
             what, detail = self.ready.get(timeout=150)
             if what == "error":
                 errors.append(detail)
