@@ -263,3 +263,121 @@ def test_a_broken_hook_warns_and_changes_nothing(caplog: pytest.LogCaptureFixtur
     assert isinstance(port.claim("k"), idemlock.Completed)
     warnings = [r for r in caplog.records if r.name == "idemlock"]
     assert warnings and all(r.levelname == "WARNING" for r in warnings)
+
+
+# ---- gauges of what this process holds ---------------------------------------------
+
+
+def test_prometheus_gauges_follow_claims_and_locks_of_this_process(url: str) -> None:
+    registry = CollectorRegistry()
+    coord = idemlock.connect(url, hooks=[PrometheusHook(registry=registry)])
+    store = coord.store.kind
+    c = {"spec": "charge", "store": store}
+    r = {"spec": "report", "store": store}
+
+    def in_flight(spec: str = "charge") -> float:
+        return sample(registry, "idemlock_claims_in_flight", spec=spec, store=store)
+
+    def held() -> float:
+        return sample(registry, "idemlock_locks_held", **r)
+
+    port = coord.idempotency(IdempotencySpec("charge", lease=timedelta(seconds=30)))
+    first = port.claim("a")
+    second = port.claim("b")
+    assert isinstance(first, Claimed) and isinstance(second, Claimed)
+    assert in_flight() == 2
+    # A busy or replayed claim is not this process's: no change.
+    assert isinstance(port.claim("a"), idemlock.InFlight)
+    assert in_flight() == 2
+    port.complete(first.token, 1)
+    assert in_flight() == 1
+    assert isinstance(port.claim("a"), idemlock.Completed)
+    assert in_flight() == 1
+    port.abandon(second.token)
+    assert in_flight() == 0
+    other = coord.idempotency("other").claim("a")
+    assert isinstance(other, Claimed)
+    assert in_flight("other") == 1 and in_flight() == 0
+
+    locks = coord.lock(LockSpec("report", ttl=timedelta(seconds=5)))
+    one = locks.acquire("x")
+    two = locks.acquire("y")
+    assert one is not None and two is not None
+    assert held() == 2
+    assert locks.acquire("x", wait=0.02) is None  # timed out: not held
+    assert held() == 2
+    locks.release(one)
+    assert held() == 1
+    with locks.hold("z"):
+        assert held() == 2
+    assert held() == 1
+    locks.release(two)
+    assert held() == 0
+    assert registry.get_sample_value("idemlock_locks_held", c) is None  # no lock of that spec
+    coord.close()
+
+
+def test_prometheus_gauges_drop_a_lost_lease_once() -> None:
+    registry = CollectorRegistry()
+    coord = idemlock.connect("memory://", hooks=[PrometheusHook(registry=registry)])
+    j = {"spec": "job", "store": "memory"}
+    locks = coord.lock(LockSpec("job", ttl=timedelta(seconds=0.3)))
+    keep = locks.acquire("other")
+    assert keep is not None
+    with pytest.raises(idemlock.LockLost), locks.hold("k") as lease:
+        assert sample(registry, "idemlock_locks_held", **j) == 2
+        # Freed behind the holder's back (as another process's expiry takeover would).
+        assert coord.store.release(lease._ns, lease.key, lease.owner, lease.token)
+        deadline = time.monotonic() + 5
+        while not lease.lost and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # Counted down when the loss was detected, before the block ends.
+        assert sample(registry, "idemlock_locks_held", **j) == 1
+    # Leaving the block released (not_held): not counted down a second time.
+    assert sample(registry, "idemlock_lock_releases_total", **j, outcome="not_held") == 1
+    assert sample(registry, "idemlock_locks_held", **j) == 1
+    locks.release(keep)
+    assert sample(registry, "idemlock_locks_held", **j) == 0
+    coord.close()
+
+
+def test_otel_gauges_follow_claims_and_locks() -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    coord = idemlock.connect("memory://", hooks=[OpenTelemetryHook(meter_provider=provider)])
+
+    def values() -> dict[tuple[str, str], int]:
+        data = reader.get_metrics_data()
+        out: dict[tuple[str, str], int] = {}
+        assert data is not None
+        for rm in data.resource_metrics:
+            for sm in rm.scope_metrics:
+                for metric in sm.metrics:
+                    for point in metric.data.data_points:
+                        assert point.attributes is not None
+                        assert set(point.attributes) == {"idemlock.spec", "idemlock.store"}
+                        spec = str(point.attributes["idemlock.spec"])
+                        out[(metric.name, spec)] = int(point.value)  # type: ignore[union-attr]
+        return out
+
+    port = coord.idempotency("pay")
+    claim = port.claim(SECRET_KEY, payload={"email": SECRET_PAYLOAD})
+    assert isinstance(claim, Claimed)
+    locks = coord.lock(LockSpec("nightly", ttl=timedelta(seconds=5)))
+    lease = locks.acquire("report")
+    assert lease is not None
+    assert values() == {
+        ("idemlock.claims.in_flight", "pay"): 1,
+        ("idemlock.locks.held", "nightly"): 1,
+    }
+    port.complete(claim.token, 1)
+    locks.release(lease)
+    assert values() == {
+        ("idemlock.claims.in_flight", "pay"): 0,
+        ("idemlock.locks.held", "nightly"): 0,
+    }
+    coord.close()
+    provider.shutdown()

@@ -19,17 +19,27 @@ went wrong (``stale``, ``mismatch``, ``failed``, ``lost``, ``error``) set the sp
 status to ERROR; a store call that raised (outcome ``error``) also carries
 ``idemlock.error``, the exception's type name (``StoreUnavailable``).
 
-Without an SDK configured the API's tracer is a no-op, so the hook costs little.
+Two up-down counters (OpenTelemetry's gauges of a count) with the attributes
+``idemlock.spec`` and ``idemlock.store``: ``idemlock.claims.in_flight``, the claims this
+process took and has not completed or abandoned yet, and ``idemlock.locks.held``, the
+locks it acquired and has not released (nor lost) yet. They are this process's view,
+derived from its own events (see :mod:`idemlock.integrations._gauges`): sum them over
+your processes for the whole picture.
+
+Without an SDK configured the API's tracer and meter are no-ops, so the hook costs
+little.
 """
 
 from __future__ import annotations
 
 import time
 
-from opentelemetry import trace
+from opentelemetry import metrics, trace
+from opentelemetry.metrics import Meter, MeterProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer, TracerProvider
 
 from .._core.events import Event
+from ._gauges import CLAIMS, LOCKS, HeldTally
 
 __all__ = ["ERROR_OUTCOMES", "OpenTelemetryHook"]
 
@@ -41,17 +51,39 @@ class OpenTelemetryHook:
     """An event hook that records every idemlock outcome as a span.
 
     ``tracer_provider`` defaults to the global one (``trace.set_tracer_provider``);
-    or pass a ``tracer`` directly.
+    or pass a ``tracer`` directly. Likewise ``meter_provider`` (default: the global
+    one, ``metrics.set_meter_provider``) or ``meter``, for the two gauges.
     """
 
     def __init__(
-        self, tracer_provider: TracerProvider | None = None, *, tracer: Tracer | None = None
+        self,
+        tracer_provider: TracerProvider | None = None,
+        *,
+        tracer: Tracer | None = None,
+        meter_provider: MeterProvider | None = None,
+        meter: Meter | None = None,
     ) -> None:
-        if tracer is None:
-            from .. import __version__
+        from .. import __version__
 
+        if tracer is None:
             tracer = trace.get_tracer("idemlock", __version__, tracer_provider=tracer_provider)
         self.tracer = tracer
+        if meter is None:
+            meter = metrics.get_meter("idemlock", __version__, meter_provider=meter_provider)
+        self.meter = meter
+        self._held = {
+            CLAIMS: meter.create_up_down_counter(
+                "idemlock.claims.in_flight",
+                unit="{claim}",
+                description="Claims this process took and has not completed or abandoned yet.",
+            ),
+            LOCKS: meter.create_up_down_counter(
+                "idemlock.locks.held",
+                unit="{lock}",
+                description="Locks this process acquired and has not released (nor lost) yet.",
+            ),
+        }
+        self._tally = HeldTally()
 
     def __call__(self, event: Event) -> None:
         end = time.time_ns()
@@ -72,3 +104,10 @@ class OpenTelemetryHook:
             detail = event.outcome if event.error is None else f"{event.outcome} ({event.error})"
             span.set_status(Status(StatusCode.ERROR, f"{event.name}: {detail}"))
         span.end(end_time=end)
+        attributes = {"idemlock.spec": event.spec, "idemlock.store": event.store}
+
+        def publish(gauge: str, before: int, after: int) -> None:
+            if after != before:
+                self._held[gauge].add(after - before, attributes)
+
+        self._tally.apply(event, publish)

@@ -24,8 +24,15 @@ the payload, the owner or the tenant, which are unbounded and may be private):
 ``idemlock_renewals_total``                 lease renewals by ``outcome``: ok, failed,
                                             error
 ``idemlock_leases_lost_total``              leases lost while held (``hold()``)
+``idemlock_lock_breaks_total``              ``break_lock`` calls by ``outcome``: broken,
+                                            not_held, error
+``idemlock_claims_in_flight``               gauge: claims this process took and has not
+                                            completed or abandoned yet
+``idemlock_locks_held``                     gauge: locks this process acquired and has
+                                            not released (nor lost) yet
 ``idemlock_operation_duration_seconds``     histogram by ``operation`` (claim, complete,
-                                            abandon, acquire, release, renew); an
+                                            abandon, acquire, release, renew,
+                                            break); an
                                             ``acquire`` includes its wait
 ==========================================  =========================================
 
@@ -35,6 +42,13 @@ metric has the ``spec`` and ``store`` labels (``store`` is the store kind:
 memory, sqlite, redis, postgres). The metrics are registered once per registry, so
 several coordinators (or tenant views) can each add a ``PrometheusHook`` on the same
 registry.
+
+The two gauges are **this process's view**, derived from its own events (see
+:mod:`idemlock.integrations._gauges`): a claim or lock held by another process is not
+in them, so sum them over your processes (``sum by (spec)``) for the whole picture. A
+lost claim or lease leaves the gauge when the loss is detected; one that expires
+unnoticed (no heartbeat, never completed, abandoned or released) stays counted.
+Hooks sharing a registry count every event once each, as the counters do.
 """
 
 from __future__ import annotations
@@ -43,9 +57,10 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from .._core.events import Event
+from ._gauges import CLAIMS, LOCKS, HeldTally
 
 __all__ = ["DEFAULT_BUCKETS", "PrometheusHook"]
 
@@ -63,6 +78,7 @@ _COUNTERS: dict[str, tuple[str, str]] = {
     "acquire": ("idemlock_lock_acquisitions_total", "Lock acquisitions by outcome."),
     "release": ("idemlock_lock_releases_total", "Lock releases by outcome."),
     "renew": ("idemlock_renewals_total", "Lease renewals by outcome."),
+    "break": ("idemlock_lock_breaks_total", "Locks broken (break_lock) by outcome."),
 }
 
 
@@ -86,6 +102,22 @@ class _Metrics:
             registry=registry,
             buckets=tuple(buckets),
         )
+        self.held = {
+            CLAIMS: Gauge(
+                "idemlock_claims_in_flight",
+                "Claims this process took and has not completed or abandoned yet.",
+                ("spec", "store"),
+                registry=registry,
+            ),
+            LOCKS: Gauge(
+                "idemlock_locks_held",
+                "Locks this process acquired and has not released (nor lost) yet.",
+                ("spec", "store"),
+                registry=registry,
+            ),
+        }
+        #: shared by every hook on the registry, like the metrics themselves
+        self.tally = HeldTally()
 
 
 _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, _Metrics] = weakref.WeakKeyDictionary()
@@ -127,6 +159,10 @@ class PrometheusHook:
         if record is None:
             record = self._record[combo] = self._bind(*combo)
         record(event.duration)
+        held = self._metrics.held
+        self._metrics.tally.apply(
+            event, lambda gauge, _, value: held[gauge].labels(event.spec, event.store).set(value)
+        )
 
     def _bind(self, name: str, outcome: str, spec: str, store: str) -> Callable[[float], None]:
         m = self._metrics
