@@ -1,9 +1,9 @@
 """The in-memory store: one process, thread- and task-safe, for tests and single workers.
 
-Every transition is one critical section under a lock, applying the pure state
-machine of :mod:`idemlock._core.transitions`. Waiters are woken by an in-process
-hub. Time comes from an injectable :class:`~idemlock.Clock`, so tests can cross an
-expiry without sleeping.
+Every transition is one critical section under a lock, applying the rows of the state
+table (:mod:`idemlock._core.table`, ``docs/states.md``) to the current record.
+Waiters are woken by an in-process hub. Time comes from an injectable
+:class:`~idemlock.Clock`, so tests can cross an expiry without sleeping.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 import threading
 from typing import Any
 
-from .._core import transitions as T
+from .._core import table as T
 from .._core.clock import SYSTEM_CLOCK, Clock
 from .._core.port import Acquired, Channel, ClaimReply, Held, LockRow, RecordRow
 from .._errors import ConfigurationError, StoreFull, StoreUnavailable
@@ -21,6 +21,13 @@ from ._adapt import ThreadedAsyncStore
 from ._local import LocalHub, LocalSubscription
 
 __all__ = ["MemoryStore"]
+
+#: rows that free a key: their waiters are woken (a hint; they re-check). forget
+#: notifies whatever it found, as the other stores do
+_FREES_CLAIM = frozenset(
+    {"complete.ok", "complete.late", "abandon.ok", "abandon.late", "forget.live", "forget.dead"}
+)
+_FREES_LOCK = frozenset({"lock.release", "lock.break"})
 
 #: seconds, agreement A1's default bound on one store call
 DEFAULT_TIMEOUT = 5.0
@@ -111,47 +118,40 @@ class MemoryStore:
 
     # ---- idempotency -----------------------------------------------------------
 
-    def claim(self, ns: str, key: str, fp: str | None, token: str, lease_ms: int) -> ClaimReply:
+    def _claim_op(self, op: str, ns: str, key: str, **args: Any) -> Any:
+        """Apply the table's row for ``op`` to the record of (ns, key); notify waiters
+        when it freed the key."""
         k = (ns, key)
         with self._lock:
             now = self._now()
             rec = self._claims.get(k)
-            if not T.live(rec, now):
+            if op == "claim" and not T.live(rec, now):
                 self._make_room(now)
-            new, reply = T.claim(rec, now, fp, token, lease_ms, self._next_fence)
-            if new is not rec and new is not None:
-                self._claims[k] = new
+            row, new, reply = T.apply_claim(op, rec, now, args, self._next_fence)
+            if new is not rec:
+                if new is None:
+                    self._claims.pop(k, None)
+                else:
+                    self._claims[k] = new
+            if row.id in _FREES_CLAIM:
+                self._hub.notify(("claim", ns, key))
             return reply
 
+    def claim(self, ns: str, key: str, fp: str | None, token: str, lease_ms: int) -> ClaimReply:
+        reply: ClaimReply = self._claim_op("claim", ns, key, fp=fp, token=token, lease_ms=lease_ms)
+        return reply
+
     def complete(self, ns: str, key: str, token: str, result: bytes, ttl_ms: int) -> bool:
-        k = (ns, key)
-        with self._lock:
-            now = self._now()
-            rec = self._claims.get(k)
-            # Also after the lease ended, unless another attempt took the key over.
-            if rec is None or not T.owns(rec, token):
-                return False
-            self._claims[k] = T.complete(rec, now, bytes(result), ttl_ms)
-            self._hub.notify(("claim", ns, key))
-            return True
+        return bool(
+            self._claim_op("complete", ns, key, token=token, result=bytes(result), ttl_ms=ttl_ms)
+        )
 
     def abandon(self, ns: str, key: str, token: str) -> bool:
-        k = (ns, key)
-        with self._lock:
-            if not T.owns(self._claims.get(k), token):
-                return False
-            del self._claims[k]
-            self._hub.notify(("claim", ns, key))
-            return True
+        return bool(self._claim_op("abandon", ns, key, token=token))
 
     def extend(self, ns: str, key: str, token: str, lease_ms: int) -> int | None:
-        with self._lock:
-            now = self._now()
-            rec = self._claims.get((ns, key))
-            if rec is None or not T.holds(rec, token, now):
-                return None
-            rec.expires_ms = now + lease_ms
-            return rec.expires_ms
+        exp: int | None = self._claim_op("extend", ns, key, token=token, lease_ms=lease_ms)
+        return exp
 
     def renew_many(self, items: list[tuple[Any, ...]]) -> list[int | None]:
         """Renew many claims and leases in one critical section (the batched renewal of
@@ -164,20 +164,21 @@ class MemoryStore:
             for item in items:
                 if item[0] == "claim":
                     _, ns, key, token, lease_ms = item
-                    rec = self._claims.get((ns, key))
-                    if rec is None or not T.holds(rec, token, now):
-                        out.append(None)
-                        continue
-                    rec.expires_ms = now + int(lease_ms)
-                    out.append(rec.expires_ms)
+                    args = {"token": token, "lease_ms": int(lease_ms)}
+                    row, new, exp = T.apply_claim(
+                        "extend", self._claims.get((ns, key)), now, args, self._next_fence
+                    )
+                    if row.reply is T.OK and new is not None:
+                        self._claims[(ns, key)] = new
                 else:
                     _, ns, key, owner, token, ttl_ms = item
-                    lrec = self._locks.get((ns, key))
-                    if lrec is None or not T.lock_held_by(lrec, owner, token, now):
-                        out.append(None)
-                        continue
-                    lrec.expires_ms = now + int(ttl_ms)
-                    out.append(lrec.expires_ms)
+                    args = {"owner": owner, "token": token, "ttl_ms": int(ttl_ms)}
+                    row, lnew, exp = T.apply_lock(
+                        "renew", self._locks.get((ns, key)), now, args, self._next_fence
+                    )
+                    if row.reply is T.OK and lnew is not None:
+                        self._locks[(ns, key)] = lnew
+                out.append(exp)
         return out
 
     def record(self, ns: str, key: str) -> RecordRow | None:
@@ -188,10 +189,7 @@ class MemoryStore:
             return RecordRow(ns, key, rec.state, rec.fence, rec.expires_ms)
 
     def forget(self, ns: str, key: str) -> bool:
-        with self._lock:
-            rec = self._claims.pop((ns, key), None)
-            self._hub.notify(("claim", ns, key))
-            return rec is not None and T.live(rec, self._now())
+        return bool(self._claim_op("forget", ns, key))
 
     def records(self, ns_prefix: str) -> list[RecordRow]:
         with self._lock:
@@ -204,47 +202,38 @@ class MemoryStore:
 
     # ---- locks -----------------------------------------------------------------
 
-    def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
+    def _lock_op(self, op: str, ns: str, key: str, **args: Any) -> Any:
         k = (ns, key)
         with self._lock:
             now = self._now()
             rec = self._locks.get(k)
-            if not T.live(rec, now):
+            if op == "acquire" and not T.live(rec, now):
                 self._make_room(now)
-            new, reply = T.acquire(rec, now, owner, ttl_ms, self._next_fence)
-            self._locks[k] = new
+            row, new, reply = T.apply_lock(op, rec, now, args, self._next_fence)
+            if new is not rec:
+                if new is None:
+                    self._locks.pop(k, None)
+                else:
+                    self._locks[k] = new
+            if row.id in _FREES_LOCK:
+                self._hub.notify(("lock", ns, key))
             return reply
 
-    def release(self, ns: str, key: str, owner: str, token: int) -> bool:
-        k = (ns, key)
-        with self._lock:
-            if not T.lock_held_by(self._locks.get(k), owner, token, self._now()):
-                return False
-            del self._locks[k]
-            self._hub.notify(("lock", ns, key))
-            return True
+    def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
+        reply: Acquired | Held = self._lock_op("acquire", ns, key, owner=owner, ttl_ms=ttl_ms)
+        return reply
 
-    def break_lock(self, ns: str, key: str) -> bool:
-        """State table row ``lock.break``: held by anyone -> free. The counter stays,
-        so the next acquire gets a higher token; the old holder's renew and release
-        find another token (or none) and fail."""
-        k = (ns, key)
-        with self._lock:
-            rec = self._locks.pop(k, None)
-            if rec is None:
-                return False
-            self._hub.notify(("lock", ns, key))
-            return T.live(rec, self._now())
+    def release(self, ns: str, key: str, owner: str, token: int) -> bool:
+        return bool(self._lock_op("release", ns, key, owner=owner, token=token))
 
     def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
-        k = (ns, key)
-        with self._lock:
-            now = self._now()
-            rec = self._locks.get(k)
-            if rec is None or not T.lock_held_by(rec, owner, token, now):
-                return None
-            rec.expires_ms = now + ttl_ms
-            return rec.expires_ms
+        exp: int | None = self._lock_op("renew", ns, key, owner=owner, token=token, ttl_ms=ttl_ms)
+        return exp
+
+    def break_lock(self, ns: str, key: str) -> bool:
+        """Free the lock whoever holds it (row lock.break; the token counter is kept).
+        True if it was held."""
+        return bool(self._lock_op("break", ns, key))
 
     def lock(self, ns: str, key: str) -> LockRow | None:
         with self._lock:
@@ -267,7 +256,7 @@ class MemoryStore:
     def fence_advance(self, ns: str, resource: str, token: int) -> tuple[bool, int]:
         k = (ns, resource)
         with self._lock:
-            ok, highest = T.fence_advance(self._fences.get(k), token)
+            _, (ok, highest) = T.apply_fence(self._fences.get(k), token)
             self._fences[k] = highest
             return ok, highest
 
