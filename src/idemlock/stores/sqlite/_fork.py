@@ -1,0 +1,89 @@
+"""Fork safety of the SQLite store: fork() waits for SQLite calls in progress, and a
+child drops the connections it inherited."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from typing import Any
+
+log = logging.getLogger("idemlock")
+
+
+#: every open store: a forked child drops their pooled connections
+STORES: weakref.WeakSet[Any] = weakref.WeakSet()
+#: connections inherited through fork(): never used nor closed in the child (closing
+#: them could disturb the parent's locks), only kept from being garbage collected
+_INHERITED: list[Any] = []
+
+
+class _ForkGate:
+    """Keeps fork() out of SQLite calls in progress. SQLite tracks the file locks of a
+    process in memory shared by all its connections; a child forked while another
+    thread was inside a transaction inherits that record of a lock nobody in the child
+    will ever release, and every connection it opens then gets "database is locked".
+    So fork waits (at most ``FORK_WAIT`` seconds) for calls in progress, and calls wait
+    while a fork is under way."""
+
+    __slots__ = ("_active", "_cond", "_forking")
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._active = 0
+        self._forking = False
+
+    def enter(self) -> None:
+        with self._cond:
+            while self._forking:
+                self._cond.wait()
+            self._active += 1
+
+    def leave(self) -> None:
+        with self._cond:
+            self._active -= 1
+            if self._forking and self._active == 0:
+                self._cond.notify_all()
+
+    def before_fork(self) -> None:
+        self._cond.acquire()
+        self._forking = True
+        if not self._cond.wait_for(lambda: self._active == 0, FORK_WAIT):
+            log.warning(
+                "fork() while a SQLite call was still running after %gs: the child may "
+                "find the database locked",
+                FORK_WAIT,
+            )
+        # The lock stays held across fork: no call can start until it is released.
+
+    def after_fork_in_parent(self) -> None:
+        self._forking = False
+        self._cond.notify_all()
+        self._cond.release()
+
+    def after_fork_in_child(self) -> None:
+        # Calls of the parent's other threads do not exist here.
+        self._cond = threading.Condition(threading.Lock())
+        self._active = 0
+        self._forking = False
+
+
+#: how long fork() waits for SQLite calls in progress to end
+FORK_WAIT = 5.0
+GATE = _ForkGate()
+
+
+def _after_fork_in_child() -> None:
+    GATE.after_fork_in_child()
+    for store in list(STORES):
+        _INHERITED.extend(store._idle)
+        store._idle = []
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(
+        before=GATE.before_fork,
+        after_in_parent=GATE.after_fork_in_parent,
+        after_in_child=_after_fork_in_child,
+    )

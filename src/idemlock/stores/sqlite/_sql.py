@@ -1,0 +1,180 @@
+"""The SQL of the SQLite store: its schema and one statement per transition.
+
+Each statement names the rows of the state table (:mod:`idemlock._core.table`) it
+implements.
+"""
+
+from __future__ import annotations
+
+SCHEMA_VERSION = 1
+DEFAULT_BUSY_TIMEOUT = 5.0
+#: idle connections kept per store; more concurrent callers get a connection each,
+#: closed when they are done
+MAX_IDLE = 16
+
+# ---- SQL ------------------------------------------------------------------------
+# Module constants: the sqlite3 statement cache keys on the text, so each statement is
+# prepared once per connection.
+
+_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS meta (
+        name TEXT PRIMARY KEY NOT NULL,
+        value INTEGER NOT NULL
+    ) WITHOUT ROWID""",
+    """CREATE TABLE IF NOT EXISTS claims (
+        ns TEXT NOT NULL,
+        key TEXT NOT NULL,
+        state TEXT NOT NULL,
+        token TEXT NOT NULL,
+        fence INTEGER NOT NULL,
+        fp TEXT,
+        expires_ms INTEGER NOT NULL,
+        result BLOB,
+        PRIMARY KEY (ns, key)
+    ) WITHOUT ROWID""",
+    "CREATE INDEX IF NOT EXISTS claims_expires ON claims (expires_ms)",
+    """CREATE TABLE IF NOT EXISTS locks (
+        ns TEXT NOT NULL,
+        key TEXT NOT NULL,
+        owner TEXT NOT NULL,
+        token INTEGER NOT NULL,
+        expires_ms INTEGER NOT NULL,
+        PRIMARY KEY (ns, key)
+    ) WITHOUT ROWID""",
+    "CREATE INDEX IF NOT EXISTS locks_expires ON locks (expires_ms)",
+    """CREATE TABLE IF NOT EXISTS fences (
+        ns TEXT NOT NULL,
+        resource TEXT NOT NULL,
+        highest INTEGER NOT NULL,
+        PRIMARY KEY (ns, resource)
+    ) WITHOUT ROWID""",
+    # 'floor' is at least every fence and token of a row that purge deleted, so a key
+    # created again starts above all it ever had; 'schema' is the layout version.
+    "INSERT OR IGNORE INTO meta (name, value) VALUES ('schema', 1), ('floor', 0)",
+)
+_SCHEMA_GET = "SELECT value FROM meta WHERE name = 'schema'"
+assert _SCHEMA[0].startswith("CREATE TABLE IF NOT EXISTS meta")
+
+_BEGIN = "BEGIN IMMEDIATE"
+_COMMIT = "COMMIT"
+_ROLLBACK = "ROLLBACK"
+
+# Row claim.new: absent or expired -> in flight with the next fence, in one statement.
+# Fences are per key: a dead row (expired, abandoned, forgotten) stays as a tombstone that keeps its
+# fence, so the next claim of the key counts on from it; a brand-new key starts above the
+# purge floor. Writing no shared counter row keeps a claim to the pages of its own row.
+# Nothing is returned when a live record is in the way; the caller then reads it.
+_CLAIM_NEW = """
+INSERT INTO claims (ns, key, state, token, fence, fp, expires_ms, result)
+VALUES (?1, ?2, 'in_flight', ?3, (SELECT value FROM meta WHERE name = 'floor') + 1, ?4, ?5,
+        NULL)
+ON CONFLICT (ns, key) DO UPDATE SET
+    state = 'in_flight', token = excluded.token, fence = claims.fence + 1, fp = excluded.fp,
+    expires_ms = excluded.expires_ms, result = NULL
+WHERE claims.expires_ms <= ?6
+RETURNING fence
+"""
+# Rows claim.resend, claim.mismatch, claim.busy, claim.replay: the record in the way,
+# read back for the table to decide (SQLiteStore._claim).
+_CLAIM_GET = (
+    "SELECT state, token, fence, fp, expires_ms, result FROM claims WHERE ns = ?1 AND key = ?2"
+)
+# Rows complete.ok, complete.late, complete.resend. Complete and abandon are accepted
+# after the lease ended while the record still holds this token (nobody took the key
+# over) and is no tombstone (expires_ms = 0: abandoned or forgotten): refusing would
+# throw finished work away and run it again. A completion re-sent after a lost reply
+# (completed, same token, same result, ttl running) matches and changes nothing.
+_COMPLETE = """
+UPDATE claims SET state = 'completed', result = ?1,
+    expires_ms = CASE WHEN state = 'in_flight' THEN ?2 ELSE expires_ms END
+WHERE ns = ?3 AND key = ?4 AND token = ?5 AND (
+    (state = 'in_flight' AND expires_ms > 0)
+    OR (state = 'completed' AND result = ?1 AND expires_ms > ?6))
+"""
+# Rows abandon.ok, abandon.late. Freeing a key leaves a tombstone (expires_ms = 0)
+# that keeps the fence.
+_ABANDON = """
+UPDATE claims SET expires_ms = 0, result = NULL
+WHERE ns = ?1 AND key = ?2 AND token = ?3 AND state = 'in_flight' AND expires_ms > 0
+"""
+# Row extend.ok (a lapsed lease is never revived: extend.stale)
+_EXTEND = """
+UPDATE claims SET expires_ms = ?1
+WHERE ns = ?2 AND key = ?3 AND token = ?4 AND state = 'in_flight' AND expires_ms > ?5
+"""
+# Rows forget.live (one row changed), forget.dead (none)
+_FORGET = """
+UPDATE claims SET expires_ms = 0, result = NULL
+WHERE ns = ?1 AND key = ?2 AND expires_ms > ?3
+"""
+_RECORD_GET = """
+SELECT state, fence, expires_ms FROM claims WHERE ns = ?1 AND key = ?2 AND expires_ms > ?3
+"""
+# substr() rather than LIKE: namespaces contain '%' (the escape of keys.namespace).
+_RECORDS = """
+SELECT ns, key, state, fence, expires_ms FROM claims
+WHERE substr(ns, 1, ?1) = ?2 AND expires_ms > ?3 ORDER BY ns, key
+"""
+
+# Rows lock.acquire, lock.reacquire (lock.busy: nothing returned). Free or expired ->
+# next token of the key; held by the same owner -> same token, new
+# expiry. Released locks stay as tombstones (expires_ms = 0) that keep their token.
+_ACQUIRE = """
+INSERT INTO locks (ns, key, owner, token, expires_ms)
+VALUES (?1, ?2, ?3, (SELECT value FROM meta WHERE name = 'floor') + 1, ?4)
+ON CONFLICT (ns, key) DO UPDATE SET
+    token = CASE WHEN locks.expires_ms > ?5 THEN locks.token ELSE locks.token + 1 END,
+    owner = excluded.owner, expires_ms = excluded.expires_ms
+WHERE locks.expires_ms <= ?5 OR locks.owner = excluded.owner
+RETURNING token
+"""
+_LOCK_GET = "SELECT owner, token, expires_ms FROM locks WHERE ns = ?1 AND key = ?2"
+_LOCK_LIVE = (
+    "SELECT owner, token, expires_ms FROM locks WHERE ns = ?1 AND key = ?2 AND expires_ms > ?3"
+)
+# Row lock.release (lock.release.stale: no row changed)
+_RELEASE = """
+UPDATE locks SET expires_ms = 0
+WHERE ns = ?1 AND key = ?2 AND owner = ?3 AND token = ?4 AND expires_ms > ?5
+"""
+# Row lock.renew (lock.renew.stale: no row changed)
+_RENEW = """
+UPDATE locks SET expires_ms = ?1
+WHERE ns = ?2 AND key = ?3 AND owner = ?4 AND token = ?5 AND expires_ms > ?6
+"""
+# State table row lock.break: held by anyone -> free. The tombstone keeps the token, so
+# the next acquire counts on from it and the old holder's (owner, token) matches nothing.
+_BREAK = """
+UPDATE locks SET expires_ms = 0
+WHERE ns = ?1 AND key = ?2 AND expires_ms > ?3
+"""
+_LOCKS = """
+SELECT ns, key, owner, token, expires_ms FROM locks
+WHERE substr(ns, 1, ?1) = ?2 AND expires_ms > ?3 ORDER BY ns, key
+"""
+
+# Row fence.advance (fence.stale: nothing returned, the caller reads the gate)
+_FENCE_ADVANCE = """
+INSERT INTO fences (ns, resource, highest) VALUES (?1, ?2, ?3)
+ON CONFLICT (ns, resource) DO UPDATE SET highest = excluded.highest
+WHERE excluded.highest >= fences.highest
+RETURNING highest
+"""
+_FENCE_GET = "SELECT highest FROM fences WHERE ns = ?1 AND resource = ?2"
+
+# Raise the floor over every fence and token about to go, then delete the dead rows.
+_PURGE_FLOOR = """
+UPDATE meta SET value = max(
+    value,
+    coalesce((SELECT max(fence) FROM claims WHERE expires_ms <= ?1), 0),
+    coalesce((SELECT max(token) FROM locks WHERE expires_ms <= ?1), 0)
+) WHERE name = 'floor'
+"""
+_PURGE_CLAIMS = "DELETE FROM claims WHERE expires_ms <= ?1"
+_PURGE_LOCKS = "DELETE FROM locks WHERE expires_ms <= ?1"
+
+_STATES = ("in_flight", "completed")
+
+# SQLite result codes (sqlite3.SQLITE_* exist from Python 3.11 only).
+_SQLITE_CORRUPT = 11
+_SQLITE_NOTADB = 26

@@ -1,0 +1,95 @@
+"""SQLite store URLs and options."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from datetime import timedelta
+from typing import Any
+from urllib.parse import parse_qsl
+
+from ..._errors import ConfigurationError
+from ._sql import DEFAULT_BUSY_TIMEOUT
+
+_ACCEPTED = (
+    "sqlite:///relative/path.db or sqlite:////absolute/path.db, optionally with "
+    "?timeout=SECONDS and/or ?busy_timeout=SECONDS"
+)
+_OPTIONS = ("timeout", "busy_timeout")
+_OPTIONS_TEXT = (
+    "accepted: timeout (seconds, the bound on one call) and busy_timeout (seconds to "
+    "wait for another writer; default: timeout)"
+)
+
+
+def parse(url: str, options: dict[str, Any]) -> tuple[str, float, float]:
+    head, sep, rest = url.partition("://")
+    if not sep or head.lower() != "sqlite":
+        raise ConfigurationError(f"not an SQLite URL: {url!r}; use {_ACCEPTED}")
+    location, _, query = rest.partition("?")
+    if not location.startswith("/"):
+        where = "no path" if not location else f"a host ({location.split('/', 1)[0]!r})"
+        raise ConfigurationError(
+            f"SQLite URL {url!r} has {where}; an SQLite file has no host: use {_ACCEPTED}"
+        )
+    path = location[1:]
+    if not path or path.endswith("/"):
+        raise ConfigurationError(
+            f"SQLite URL {url!r} names no file; use {_ACCEPTED} (for example "
+            "sqlite:////var/lib/app/idemlock.db)"
+        )
+    if path == ":memory:" or path.startswith("file:"):
+        raise ConfigurationError(
+            f"SQLite URL {url!r}: only a plain file path is accepted (an in-memory SQLite "
+            "database is private to one connection); use memory:// for an in-process store"
+        )
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise ConfigurationError(
+            f"unknown SQLite store option(s) {', '.join(unknown)}; {_OPTIONS_TEXT}"
+        )
+    given: dict[str, Any] = {k: v for k, v in options.items() if v is not None}
+    if query:
+        try:
+            pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=True)
+        except ValueError as exc:
+            raise ConfigurationError(
+                f"SQLite URL {url!r} has a malformed query ({exc}); use {_ACCEPTED}"
+            ) from exc
+        for name, value in pairs:
+            if name not in _OPTIONS:
+                raise ConfigurationError(
+                    f"SQLite URL {url!r} has unknown option {name!r}; {_OPTIONS_TEXT}"
+                )
+            if name in given:
+                raise ConfigurationError(
+                    f"{name} is given twice (in {url!r} and/or as a keyword); give it once"
+                )
+            given[name] = value
+    timeout = _timeout(given.get("timeout"), "timeout")
+    busy = _timeout(given["busy_timeout"], "busy_timeout") if "busy_timeout" in given else timeout
+    # realpath: one file reached by two URLs (a symlink) shares its waiters' hub.
+    return os.path.realpath(path), busy, timeout
+
+
+def _timeout(given: Any, name: str) -> float:
+    if given is None:
+        return DEFAULT_BUSY_TIMEOUT
+    value = given
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    elif isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            value = float(value)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ConfigurationError(
+            f"the SQLite store option {name} must be a non-negative number of "
+            f"seconds (or a timedelta), got {given!r}"
+        )
+    return float(value)
