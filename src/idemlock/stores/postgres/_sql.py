@@ -70,12 +70,17 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
 # ---- statement templates ----------------------------------------------------------
 # Parameters are always bound (never formatted in); ints are sent as int8.
 
+# Each statement names the rows of the state table (idemlock._core.table,
+# docs/states.md) it implements.
+#
 # claim/acquire/fence_advance first read the row (statement snapshot). When it is live
 # and in the way, the reply comes from that read alone: no row lock, no write, no
 # transaction id (replays and waiting re-checks stay cheap). Otherwise the upsert
 # runs; it re-checks against the latest row version under the row lock. If that
 # version is newer than the snapshot (a concurrent commit) and in the way, nothing is
 # written and nothing usable is returned: the caller runs the statement again.
+# Rows claim.new (the upsert), claim.resend, claim.mismatch, claim.busy, claim.replay
+# (decided from the read by the table: _replies.claim_reply).
 CLAIM = """
 WITH n AS MATERIALIZED (SELECT {now} AS ms),
 cur AS MATERIALIZED (
@@ -104,18 +109,24 @@ FROM cur, n
 WHERE NOT EXISTS (SELECT FROM up)
 """
 
-# Complete and abandon are accepted after the lease ended, as long as the record still
-# holds this token (nobody took the key over) and is not a tombstone (expires_ms = 0:
+# Rows complete.ok, complete.late, complete.resend (no row: complete.stale). Complete
+# and abandon are accepted after the lease ended, as long as the record still holds
+# this token (nobody took the key over) and is not a tombstone (expires_ms = 0:
 # abandoned or forgotten): refusing would throw finished work away and run it again.
+# A completion re-sent after a lost reply (completed, same token and result, ttl
+# running) matches and keeps its expiry.
 COMPLETE = """
 UPDATE {s}.claims AS c
-SET state = 'completed', result = %(result)s::bytea, expires_ms = n.ms + %(ttl)s
+SET state = 'completed', result = %(result)s::bytea,
+    expires_ms = CASE WHEN c.state = 'in_flight' THEN n.ms + %(ttl)s ELSE c.expires_ms END
 FROM (SELECT {now} AS ms) AS n
 WHERE c.ns = %(ns)s::text AND c.key = %(key)s::text AND c.token = %(token)s::text
-  AND c.state = 'in_flight' AND c.expires_ms > 0
+  AND ((c.state = 'in_flight' AND c.expires_ms > 0)
+       OR (c.state = 'completed' AND c.result = %(result)s::bytea AND c.expires_ms > n.ms))
 RETURNING pg_notify(%(chan)s::text, '')
 """
 
+# Rows abandon.ok, abandon.late (no row: abandon.stale)
 ABANDON = """
 UPDATE {s}.claims AS c SET expires_ms = 0, result = NULL
 FROM (SELECT {now} AS ms) AS n
@@ -124,6 +135,7 @@ WHERE c.ns = %(ns)s::text AND c.key = %(key)s::text AND c.token = %(token)s::tex
 RETURNING pg_notify(%(chan)s::text, '')
 """
 
+# Row extend.ok (no row: extend.stale; a lapsed lease is never revived)
 EXTEND = """
 UPDATE {s}.claims AS c SET expires_ms = n.ms + %(lease)s
 FROM (SELECT {now} AS ms) AS n
@@ -132,6 +144,7 @@ WHERE c.ns = %(ns)s::text AND c.key = %(key)s::text AND c.token = %(token)s::tex
 RETURNING c.expires_ms
 """
 
+# Rows forget.live (a row), forget.dead (none)
 FORGET = """
 UPDATE {s}.claims AS c SET expires_ms = 0, result = NULL
 FROM (SELECT {now} AS ms) AS n
@@ -152,6 +165,7 @@ WHERE starts_with(c.ns, %(prefix)s::text) AND c.expires_ms > n.ms
 ORDER BY c.ns, c.key
 """
 
+# Rows lock.acquire, lock.reacquire (the upsert), lock.busy (the read)
 ACQUIRE = """
 WITH n AS MATERIALIZED (SELECT {now} AS ms),
 cur AS MATERIALIZED (
@@ -179,6 +193,7 @@ FROM cur, n
 WHERE NOT EXISTS (SELECT FROM up)
 """
 
+# Row lock.release (no row: lock.release.stale)
 RELEASE = """
 UPDATE {s}.locks AS l SET expires_ms = 0
 FROM (SELECT {now} AS ms) AS n
@@ -197,6 +212,7 @@ WHERE l.ns = %(ns)s::text AND l.key = %(key)s::text AND l.expires_ms > n.ms
 RETURNING pg_notify(%(chan)s::text, '')
 """
 
+# Row lock.renew (no row: lock.renew.stale)
 RENEW = """
 UPDATE {s}.locks AS l SET expires_ms = n.ms + %(ttl)s
 FROM (SELECT {now} AS ms) AS n
@@ -244,6 +260,7 @@ WHERE starts_with(l.ns, %(prefix)s::text) AND l.expires_ms > n.ms
 ORDER BY l.ns, l.key
 """
 
+# Rows fence.advance (the upsert), fence.stale (the read)
 FENCE_ADVANCE = """
 WITH cur AS MATERIALIZED (
     SELECT f.token FROM {s}.fences f
