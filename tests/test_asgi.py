@@ -189,6 +189,7 @@ def running(
 
 DEFAULTS: dict[str, Any] = {
     "identity": header_identity("x-client"),
+    "allow_anonymous": True,  # the requests without X-Client share the anonymous space
     "max_body": MAX_BODY,
     "max_response_body": MAX_RESPONSE,
 }
@@ -629,7 +630,7 @@ def test_store_restarted_while_recording_keeps_the_key_reserved(
     """The store restarts while the handler runs, so recording its 201 fails: the
     response is delivered, the claim is kept (a retry gets 409, never a second run and
     charge) and the record is written again once the store answers: retries replay."""
-    caplog.set_level("INFO", logger="idemlock.asgi")
+    caplog.set_level("INFO", logger="idemlock.http")
     calls: Counter[str] = Counter()
     release = threading.Event()
 
@@ -681,7 +682,7 @@ def test_store_restarted_while_recording_keeps_the_key_reserved(
         assert retry.status_code == 201 and replayed(retry), retry.text
         assert retry.content == response.content
     assert calls[t] == 1  # charged once
-    logged = [r.getMessage() for r in caplog.records if r.name == "idemlock.asgi"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "idemlock.http"]
     assert any("failed while recording a 201 response" in m for m in logged), logged
     assert any("recorded a 201 response on a later attempt" in m for m in logged), logged
     # (coord is not closed here: its pool lived on uvicorn's loop, which is gone; the
@@ -706,7 +707,7 @@ def test_store_down_is_a_logged_503(pg: PgServer, caplog: pytest.LogCaptureFixtu
     with serve(app) as base, httpx.Client(base_url=base, timeout=30) as c:
         pg.stop()
         try:
-            with caplog.at_level("WARNING", logger="idemlock.asgi"):
+            with caplog.at_level("WARNING", logger="idemlock.http"):
                 down = c.post("/charge", json={}, headers=h)
         finally:
             pg.start()

@@ -113,9 +113,11 @@ def test_identity_is_the_logged_in_django_user(users: list[Any]) -> None:
     assert again["Idempotent-Replayed"] == "true" and again.content == first.content
     other = post(bob, "/mw/charges", key, {"tag": tag})
     assert other.status_code == 201 and "Idempotent-Replayed" not in other
+    # With an identity configured, a request without one is refused (no shared
+    # anonymous key space by default), and the view does not run.
     anonymous = post(Client(), "/mw/charges", key, {"tag": tag})
-    assert "Idempotent-Replayed" not in anonymous  # the anonymous space is its own
-    assert count(tag) == 3
+    problem(anonymous, 401, "idempotency_identity_missing")
+    assert count(tag) == 2
 
 
 def test_middleware_keys_are_per_request_user(client: Client) -> None:
@@ -131,7 +133,8 @@ def test_middleware_does_not_record_5xx_and_passes_routes_outside_its_set(
 ) -> None:
     key, tag = uuid.uuid4().hex, uuid.uuid4().hex
     for _ in range(2):
-        assert post(client, "/mw/charges", key, {"tag": tag, "status": 503}).status_code == 503
+        r = post(client, "/mw/charges", key, {"tag": tag, "status": 503}, x_user="alice")
+        assert r.status_code == 503
     assert count(tag) == 2
     problem(
         client.post(
@@ -164,7 +167,9 @@ def test_view_decorator_uses_its_api_key_identity_and_abandons_on_exception(
     assert count(tag) == 2  # abandoned, so the retry ran
 
 
-def test_anonymous_is_401_when_refused_and_a_down_store_is_503(client: Client) -> None:
+def test_anonymous_is_401_by_default_with_an_identity_and_a_down_store_is_503(
+    client: Client,
+) -> None:
     tag = uuid.uuid4().hex
     r = post(client, "/strict", uuid.uuid4().hex, {"tag": tag})
     problem(r, 401, "idempotency_identity_missing")

@@ -77,6 +77,7 @@ def create_app() -> Any:
         coordinator=idemlock.connect(os.environ["WSGI_TEST_STORE"]),
         spec=spec,
         identity=environ_header_identity("x-client"),
+        allow_anonymous=True,  # requests without X-Client share the anonymous space
         max_body=64 * 1024,
         max_response_body=16 * 1000,
     )

@@ -8,7 +8,7 @@ decorator for single views, configured from ``settings.IDEMLOCK``::
                                             # or a function of the request
         "routes": ["/api/payments/*"],      # the middleware's route set (default all)
         # any other option of idemlock.integrations.asgi.IdempotencyMiddleware:
-        # methods, require_key, allow_anonymous, max_body, record, docs_url, ...
+        # methods, require_key, allow_anonymous, fingerprint, mismatch_status, ...
     }
     MIDDLEWARE = [..., "django.contrib.auth.middleware.AuthenticationMiddleware",
                   "idemlock.integrations.django.IdempotencyMiddleware", ...]
@@ -18,8 +18,9 @@ decorator for single views, configured from ``settings.IDEMLOCK``::
 
 The table is the ASGI middleware's (same code, see :mod:`idemlock.integrations._http`):
 400/401/409/413/422/503 as ``application/problem+json``, the replay with
-``Idempotent-Replayed: true``, keys per identity, 5xx (Django turns a view's exception
-into one) and retryable 4xx not recorded. Put the middleware after
+``Idempotent-Replayed: true``, keys per identity (with an ``identity`` configured, a
+request without one is 401 unless ``allow_anonymous`` is True), 5xx (Django turns a
+view's exception into one) and retryable 4xx not recorded. Put the middleware after
 ``AuthenticationMiddleware`` when the identity is ``"user"``. A view protected by both
 the middleware and the decorator is handled once, by the middleware.
 
@@ -44,7 +45,9 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHt
 from .._core.types import IdempotencySpec
 from .._errors import ConfigurationError, StaleClaim
 from .._sync import Coordinator
-from ._http import Answer, Pass, Run, SyncHttp, TransactionFailed
+from ._http import Pass, Run
+from ._http_blocking import SyncHttp, TransactionFailed
+from ._problem_json import Answer
 
 __all__ = ["IdempotencyMiddleware", "IdempotencyMixin", "idempotent_view"]
 
@@ -136,7 +139,7 @@ class _Setup:
         self.atomic: str | None = atomic or None
         if "spec" in conf:
             conf["spec"] = _spec(conf["spec"])
-        self.core = SyncHttp(coordinator, **conf)
+        self.core = SyncHttp(coordinator, has_identity=self.identity is not None, **conf)
 
 
 def _scope(request: HttpRequest) -> dict[str, Any]:
@@ -175,19 +178,12 @@ def _handle(
 ) -> HttpResponseBase:
     core = setup.core
     scope = _scope(request)
-    if getattr(request, _HANDLED, False) or not core.covers(scope["method"], scope):
+    if getattr(request, _HANDLED, False) or not core.covers(scope):
         return call(request)
     setattr(request, _HANDLED, True)
 
     def ident() -> str | None:
-        if setup.identity is None:
-            return None
-        value = setup.identity(request)
-        if value is not None and not isinstance(value, str):
-            raise ConfigurationError(
-                f"the identity function must return a str or None, got {type(value).__name__}"
-            )
-        return value
+        return None if setup.identity is None else setup.identity(request)
 
     body: bytes | None = None
     pos = [0]
@@ -220,10 +216,9 @@ def _handle(
         # so free the claim here (a no-op once the stream settled it).
         response._resource_closers.append(lambda: core.fail(decision))
         return response
-    content = cast(HttpResponse, response).content
-    chunks = None if len(content) > core.max_response_body else [content]
+    decision.copy.add(cast(HttpResponse, response).content)
     # Recorded before Django sends the response: an immediate retry finds the record.
-    core.finish(decision, response.status_code, _headers(response), chunks)
+    core.finish(decision, response.status_code, _headers(response))
     return response
 
 
@@ -247,21 +242,20 @@ def _atomic(
                 raise ConfigurationError(
                     "a view with atomic idempotency must not stream its response"
                 )
-            content = cast(HttpResponse, response).content
-            chunks = None if len(content) > core.max_response_body else [content]
+            run.copy.add(cast(HttpResponse, response).content)
             db = connections[alias]
             db.ensure_connection()
-            core.finish(run, response.status_code, _headers(response), chunks, db.connection)
+            core.finish(run, response.status_code, _headers(response), db.connection)
     except TransactionFailed as failed:
         # Rolled back: the view's writes and the record alike. Free the key so a retry
         # runs again (refused, and logged, if another attempt took it over).
         core.abandon(run)
         if isinstance(failed.cause, StaleClaim):
-            return _answer(core.problem("in_flight"))
+            return _answer(core.core.problems.in_flight())
         log.warning("recording in the transaction failed; answering 503: %r", failed.cause)
-        return _answer(core.problem("unavailable"))
+        return _answer(core.core.problems.unavailable())
     except BaseException:
-        if run.cap.settled:
+        if run.settled:
             core.abandon(run)  # the commit failed: the record went with it
         else:
             core.fail(run)
@@ -272,22 +266,14 @@ def _atomic(
 def _stream(
     core: SyncHttp, run: Run, response: StreamingHttpResponse, source: Iterable[Any]
 ) -> Iterator[bytes]:
-    chunks: list[bytes] | None = []
-    size = 0
     held: bytes | None = None
     try:
         for chunk in source:
             if held is not None:
                 yield held
-            chunk = bytes(chunk)
-            size += len(chunk)
-            if chunks is not None:
-                if size > core.max_response_body:
-                    chunks = None
-                else:
-                    chunks.append(chunk)
-            held = chunk
-        core.finish(run, response.status_code, _headers(response), chunks)
+            held = bytes(chunk)
+            run.copy.add(held)
+        core.finish(run, response.status_code, _headers(response))
         if held is not None:
             yield held
     except BaseException:
@@ -370,17 +356,12 @@ class IdempotencyMixin:
         setup = self._idemlock_setup()
         raw: HttpRequest = request._request
         scope = _scope(raw)
-        if getattr(raw, _HANDLED, False) or not setup.core.covers(scope["method"], scope):
+        if getattr(raw, _HANDLED, False) or not setup.core.covers(scope):
             return
         setattr(raw, _HANDLED, True)
 
         def ident() -> str | None:
-            value = None if setup.identity is None else setup.identity(request)
-            if value is not None and not isinstance(value, str):
-                raise ConfigurationError(
-                    f"the identity function must return a str or None, got {type(value).__name__}"
-                )
-            return value
+            return None if setup.identity is None else setup.identity(request)
 
         stream = io.BytesIO(raw.body)
         decision = setup.core.begin(scope, ident, stream.read)
@@ -400,13 +381,8 @@ class IdempotencyMixin:
         if run is not None:
             if callable(getattr(response, "render", None)) and not response.is_rendered:
                 response.render()  # the bytes to record are the bytes sent
-            content = response.content
-            chunks = (
-                None if len(content) > self._idemlock_setup().core.max_response_body else [content]
-            )
-            self._idemlock_setup().core.finish(
-                run, response.status_code, _headers(response), chunks
-            )
+            run.copy.add(response.content)
+            self._idemlock_setup().core.finish(run, response.status_code, _headers(response))
         return response
 
     def dispatch(self, request: Any, *args: Any, **kwargs: Any) -> Any:

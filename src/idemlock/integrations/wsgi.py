@@ -9,7 +9,8 @@ handler, Pyramid, Bottle, ...), on a blocking :class:`idemlock.Coordinator`::
 
 It answers exactly as the ASGI middleware (:mod:`idemlock.integrations.asgi`, whose
 documentation has the whole table): 400 for a missing (``require_key``) or malformed
-key, 401 without identity when ``allow_anonymous=False``, 413 over ``max_body``, 409 while
+key, 401 when the identity function gives None (unless ``allow_anonymous=True``), 413
+over ``max_body``, 409 while
 the first request runs, 422 for the key reused on another request, the recorded response
 plus ``Idempotent-Replayed: true`` for a retry, 503 when the store fails (the request does
 not run), every error ``application/problem+json``. 5xx, the retryable 4xx and a handler
@@ -32,7 +33,9 @@ from typing import Any
 
 from .._errors import ConfigurationError
 from .._sync import Coordinator
-from ._http import Answer, Pass, Run, SyncHttp
+from ._http import Pass, Run
+from ._http_blocking import SyncHttp
+from ._problem_json import Answer
 
 __all__ = ["IdempotencyMiddleware", "environ_header_identity"]
 
@@ -128,8 +131,9 @@ class IdempotencyMiddleware:
     :param identity: function of the WSGI environ naming the caller (a str) or None.
     :param options: the options of :class:`idemlock.integrations.asgi.IdempotencyMiddleware`
         (``spec``, ``methods``, ``routes``, ``require_key``, ``allow_anonymous``,
-        ``max_body``, ``max_response_body``, ``record``, ``heartbeat``, ...); a ``routes``
-        predicate receives an ASGI-like scope with ``path`` and ``method``.
+        ``fingerprint``, ``mismatch_status``, ``max_body``, ``record``, ``heartbeat``,
+        ...); a ``routes`` predicate receives an ASGI-like scope with ``path`` and
+        ``method``.
     """
 
     def __init__(
@@ -144,22 +148,15 @@ class IdempotencyMiddleware:
             raise ConfigurationError("identity must be a function of the WSGI environ")
         self.app = app
         self.identity = identity
-        self.core = SyncHttp(coordinator, **options)
+        self.core = SyncHttp(coordinator, has_identity=identity is not None, **options)
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
         scope = _scope(environ)
-        if not self.core.covers(scope["method"], scope):
+        if not self.core.covers(scope):
             return self.app(environ, start_response)
 
         def ident() -> str | None:
-            if self.identity is None:
-                return None
-            value = self.identity(environ)
-            if value is not None and not isinstance(value, str):
-                raise ConfigurationError(
-                    f"the identity function must return a str or None, got {type(value).__name__}"
-                )
-            return value
+            return None if self.identity is None else self.identity(environ)
 
         decision = self.core.begin(scope, ident, _reader(environ))
         if isinstance(decision, Answer):
@@ -201,32 +198,21 @@ class IdempotencyMiddleware:
         except BaseException:
             core.fail(run)
             raise
-        chunks: list[bytes] | None = []
-        size = 0
         held: bytes | None = None
         try:
             for chunk in body:
                 if held is not None:
                     yield held
-                chunk = bytes(chunk)
-                size += len(chunk)
-                if chunks is not None:
-                    if size > core.max_response_body:
-                        chunks = None  # stop copying; keep forwarding
-                    else:
-                        chunks.append(chunk)
-                held = chunk
+                held = bytes(chunk)
+                run.copy.add(held)
             if not head:
                 raise RuntimeError("the WSGI application did not call start_response")
             # Record before the last chunk leaves: a client that has its whole response
             # and retries at once finds the record, never a 409.
-            if chunks is not None and written:
-                chunks[:0] = written
-                if size + sum(map(len, written)) > core.max_response_body:
-                    chunks = None
+            run.copy.prepend(written)
             status = int(str(head[0]).split(" ", 1)[0])
             headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in head[1]]
-            core.finish(run, status, headers, chunks)
+            core.finish(run, status, headers)
             if held is not None:
                 yield held
         except BaseException:
