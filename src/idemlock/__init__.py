@@ -53,10 +53,12 @@ from ._errors import (
     StoreUnavailable,
 )
 from ._keyring import Keyring
+from ._log_fallback import FallbackHandler
 from ._sync import Coordinator, FenceGate, IdempotencyPort, LockPort
 
-# Quiet unless the application configures logging.
-logging.getLogger(__name__).addHandler(logging.NullHandler())
+# Warnings reach stderr while the application configures no logging (uvicorn's and
+# gunicorn's defaults configure only their own loggers); silent once it does.
+logging.getLogger(__name__).addHandler(FallbackHandler())
 
 
 def _version() -> str:
