@@ -82,7 +82,7 @@ def check_cost(loops: int = 200_000) -> float:
 
 
 def variants() -> dict[str, Callable[[int, str], float]]:
-    from idemlock._base import new_token
+    from idemlock._tokens import new_token
     from idemlock.integrations.otel import OpenTelemetryHook
     from idemlock.integrations.prometheus import PrometheusHook
 

@@ -86,7 +86,6 @@ import asyncio
 import bisect
 import contextlib
 import json
-import multiprocessing
 import os
 import random
 import shutil
@@ -106,13 +105,18 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-for _p in (str(HERE), str(ROOT / "src")):
+for _p in (str(HERE), str(ROOT / "src"), str(ROOT)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import _servers  # noqa: E402
+# The servers are the tests' own (tests/servers/), one module for both.
+from tests.servers.postgres import PgServer, start_postgres  # noqa: E402
+from tests.servers.redis import RedisCluster, RedisServer, start_cluster, start_redis  # noqa: E402
 
-HOST = _servers.HOST
+from idemlock._faults.queue import JOBS_PG, JOBS_SQLITE, statements  # noqa: E402
+from idemlock._faults.workers import Slot, Workers, context, redirect  # noqa: E402
+
+HOST = "127.0.0.1"
 STORES = ("sqlite", "redis", "redis-cluster", "postgres", "etcd")
 KINDS = ("kill", "stop", "restart", "cut", "blackhole")
 #: which faults apply: SQLite has no server to restart and no connection to cut.
@@ -344,15 +348,9 @@ class ProxyHub:
 
 # ---- the effects database: queue, effects, log ------------------------------------------
 
-PG_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    id integer PRIMARY KEY,
-    state text NOT NULL DEFAULT 'ready',           -- ready | done
-    worker text,
-    visible_at double precision NOT NULL,          -- epoch seconds; invisible until then
-    deliveries integer NOT NULL DEFAULT 0
-);
-CREATE INDEX IF NOT EXISTS jobs_ready ON jobs (visible_at) WHERE state = 'ready';
+PG_SCHEMA = (
+    JOBS_PG
+    + """
 CREATE TABLE IF NOT EXISTS effects (
     job_id integer PRIMARY KEY,
     fence bigint NOT NULL,
@@ -367,16 +365,11 @@ CREATE TABLE IF NOT EXISTS effect_log (
     accepted boolean NOT NULL
 );
 """
+)
 
-SQLITE_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    id INTEGER PRIMARY KEY,
-    state TEXT NOT NULL DEFAULT 'ready',
-    worker TEXT,
-    visible_at REAL NOT NULL,
-    deliveries INTEGER NOT NULL DEFAULT 0
-);
-CREATE INDEX IF NOT EXISTS jobs_ready ON jobs (state, visible_at);
+SQLITE_SCHEMA = (
+    JOBS_SQLITE
+    + """
 CREATE TABLE IF NOT EXISTS effects (
     job_id INTEGER PRIMARY KEY,
     fence INTEGER NOT NULL,
@@ -391,6 +384,7 @@ CREATE TABLE IF NOT EXISTS effect_log (
     accepted INTEGER NOT NULL
 );
 """
+)
 
 LOCK_PG_SCHEMA = """
 CREATE TABLE IF NOT EXISTS lock_fence (
@@ -467,6 +461,13 @@ LOCK_UPSERT = (
 )
 LOCK_FENCED = LOCK_UPSERT.format(p="?", where=" WHERE f.token <= excluded.token")
 
+UPSERT = (
+    "INSERT INTO lock_fence AS f (resource, token, holder, seq) VALUES ({p}, {p}, {p}, {p}) "
+    "ON CONFLICT (resource) DO UPDATE SET token = excluded.token, holder = excluded.holder, "
+    "seq = excluded.seq{where} RETURNING 1"
+)
+LOCK_FENCED = LOCK_UPSERT.format(p="?", where=" WHERE f.token <= excluded.token")
+
 TAKE = (
     "UPDATE jobs SET worker = {p}, deliveries = deliveries + 1, visible_at = {p} "
     "WHERE id = (SELECT id FROM jobs WHERE state = 'ready' AND visible_at <= {p} "
@@ -506,14 +507,10 @@ class Fx:
         #: the supervisor never waits long for a lock a paused worker holds
         self.supervisor = supervisor
         self._conn: Any = None
-        self.sql = {
-            name: text.format(p=self.p, lock=self.skip_locked, where="{where}")
+        # the queue's statements are the fault harness's, shared with `idemlock demo`
+        self.sql = statements(self.p, self.skip_locked) | {
+            name: text.format(p=self.p, where="{where}")
             for name, text in {
-                "take": TAKE,
-                "ack": ACK,
-                "nack": NACK,
-                "release": RELEASE,
-                "busy": BUSY,
                 "upsert": UPSERT,
                 "log": LOG,
                 "lock_log": LOCK_LOG,
@@ -586,7 +583,7 @@ class Fx:
 
     def undone(self) -> int:
         with self.guard(), self.read() as c:
-            return int(c.execute("SELECT COUNT(*) FROM jobs WHERE state != 'done'").fetchone()[0])
+            return int(c.execute(self.sql["undone"]).fetchone()[0])
 
     # the side effect and its log row, in one transaction
     def _write(self, c: Any, job: int, fence: int, value: str, worker: str, fenced: bool) -> bool:
@@ -708,7 +705,7 @@ class SqliteFx(Fx):
         c.executescript(SQLITE_SCHEMA)
         with self.tx():
             c.executemany(
-                "INSERT INTO jobs (id, visible_at) VALUES (?, ?)",
+                self.sql["create"],
                 [(i + 1, t) for i, t in enumerate(visible)],
             )
 
@@ -742,7 +739,7 @@ class PgFx(Fx):
             self.conn.execute(PG_SCHEMA)
             with self.tx() as c, c.cursor() as cur:
                 cur.executemany(
-                    "INSERT INTO jobs (id, visible_at) VALUES (%s, %s)",
+                    self.sql["create"],
                     [(i + 1, t) for i, t in enumerate(visible)],
                 )
 
@@ -1099,23 +1096,14 @@ def lock_worker_main(cfg: WorkerConfig) -> None:
 
 
 def _worker_entry(raw: dict[str, Any], log: str) -> None:
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor ends us
+    redirect(log, append=True)
     raw["step_ms"] = tuple(raw["step_ms"])
     cfg = WorkerConfig(**raw)
     (lock_worker_main if cfg.workload == "lock" else worker_main)(cfg)
 
 
-def _context() -> Any:
-    """Workers come from a fork server with the drivers imported, so a replacement
-    for a killed worker starts in milliseconds."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["idemlock", "idemlock.stores.postgres", "redis", "psycopg"])
-    return ctx
+#: what the workers' fork server imports once, so a replacement starts in milliseconds
+PRELOAD = ["idemlock", "idemlock.stores.postgres", "redis", "psycopg"]
 
 
 # ---- the supervisor: servers, workers, faults ------------------------------------------
@@ -1134,16 +1122,6 @@ class Options:
     keep: bool = False
     verbose: bool = False
     resources: int = 3
-
-
-@dataclass
-class Slot:
-    index: int
-    incarnation: int = 0
-    worker: str = ""
-    proc: Any = None
-    stopped_until: float | None = None
-    log: Path | None = None
 
 
 @dataclass
@@ -1170,10 +1148,10 @@ class Run:
         self.rng = random.Random(f"{opts.seed}:{store}:{mode}:{same_tx}:{self.workload}:faults")
         self.root = Path(tempfile.mkdtemp(prefix=f"idemlock-chaos-{store}-"))
         self.hub: ProxyHub | None = None
-        self.redis: _servers.RedisServer | None = None
-        self.cluster: _servers.RedisCluster | None = None
-        self.pg: _servers.PgServer | None = None  # the store's PostgreSQL
-        self.fx_pg: _servers.PgServer | None = None  # the effects' PostgreSQL (Redis runs)
+        self.redis: RedisServer | None = None
+        self.cluster: RedisCluster | None = None
+        self.pg: PgServer | None = None  # the store's PostgreSQL
+        self.fx_pg: PgServer | None = None  # the effects' PostgreSQL (Redis runs)
         self.etcd: Any = None  # tests.servers.etcd.EtcdCluster
         self.etcd_proxies: list[Proxy] = []
         #: (member, until) of the one paused etcd member
@@ -1183,8 +1161,7 @@ class Run:
         self.fx_kind = ""
         self.fx_worker_dsn = ""
         self.fx: Fx | None = None  # the supervisor's own view (never through the proxy)
-        self.slots: list[Slot] = []
-        self.ctx: Any = None
+        self.workers: Workers | None = None
         self.outcome = Outcome()
 
     @property
@@ -1204,8 +1181,6 @@ class Run:
         assert self.hub is not None
         hub = self.hub
         if self.store == "etcd":
-            if str(ROOT) not in sys.path:
-                sys.path.insert(0, str(ROOT))
             from tests.servers.etcd import start_etcd
 
             self.etcd = start_etcd(3)
@@ -1216,21 +1191,21 @@ class Run:
             return
         if self.store == "postgres":
             # Crashed by the restarts: every acknowledged commit must come back.
-            self.pg = _servers.start_postgres({"synchronous_commit": "on"})
+            self.pg = start_postgres({"synchronous_commit": "on"})
             proxy = hub.add(self.pg.port)
             self.store_url = self.pg.dsn_at(proxy.port)
             self.fx_kind, self.fx_worker_dsn = "postgres", self.store_url
             self.fx = PgFx(self.pg.dsn, supervisor=True)
             return
         if self.store == "redis":
-            self.redis = _servers.start_redis(self.root / "redis")
+            self.redis = start_redis(self.root / "redis")
             self.store_url = f"redis://{HOST}:{hub.add(self.redis.port).port}/0"
         else:
-            self.cluster = _servers.start_cluster(
+            self.cluster = start_cluster(
                 self.root / "cluster", announce=lambda port: hub.add(port).port
             )
             self.store_url = self.cluster.url
-        self.fx_pg = _servers.start_postgres()
+        self.fx_pg = start_postgres()
         self.fx_kind, self.fx_worker_dsn = "postgres", self.fx_pg.dsn
         self.fx = PgFx(self.fx_pg.dsn, supervisor=True)
 
@@ -1302,11 +1277,11 @@ class Run:
 
     # -- workers --------------------------------------------------------------------------
 
-    def spawn(self, slot: Slot) -> None:
-        slot.incarnation += 1
-        slot.worker = f"w{slot.index}.{slot.incarnation}"
-        slot.log = self.root / "logs" / f"{slot.worker}.log"
-        slot.stopped_until = None
+    @property
+    def slots(self) -> list[Slot]:
+        return self.workers.slots if self.workers is not None else []
+
+    def config(self, slot: Slot) -> dict[str, Any]:
         cfg = WorkerConfig(
             worker=slot.worker,
             mode=self.mode,
@@ -1322,22 +1297,22 @@ class Run:
             resources=self.opts.resources,
             state=str(self.root / "stats" / f"{slot.worker}.state"),
         )
-        slot.proc = self.ctx.Process(
-            target=_worker_entry, args=(asdict(cfg), str(slot.log)), daemon=True
-        )
-        slot.proc.start()
+        return asdict(cfg)
 
-    def kill(self, slot: Slot) -> None:
-        slot.proc.kill()
-        slot.proc.join()
-        slot.stopped_until = None
+    def start_workers(self) -> Workers:
+        (self.root / "stats").mkdir()
+        self.workers = Workers(
+            context(PRELOAD), _worker_entry, self.config, self.root / "logs", self.opts.workers
+        )
+        self.workers.start()
+        return self.workers
 
     def candidates(self) -> list[Slot]:
         """Live, running workers that hold a job (a fault on an idle worker tests
         nothing; the fault waits for a busy one). If the queue cannot be read (its
         database is restarting), any live worker."""
-        live = [s for s in self.slots if s.stopped_until is None and s.proc.is_alive()]
-        assert self.fx is not None
+        assert self.fx is not None and self.workers is not None
+        live = self.workers.live()
         try:
             busy = self.fx.busy()
         except FxError:
@@ -1359,15 +1334,13 @@ class Run:
             if not pool:
                 return False
             slot = self.rng.choice(pool)
+            assert self.workers is not None
             if kind == "kill":
-                self.kill(slot)
-                self.after_kill(slot)
-                self.spawn(slot)
+                self.workers.kill_and_replace(slot, self.redeliver)
                 detail = slot.worker
             else:
-                os.kill(slot.proc.pid, signal.SIGSTOP)
                 pause = self.opts.lease * self.rng.uniform(1.3, 2.5)
-                slot.stopped_until = now + pause
+                self.workers.stop(slot, pause)
                 # (woken by a poll every few ms: a little later than planned)
                 self.outcome.stops.append((slot.worker, now, now + pause + 0.1))
                 detail = f"{slot.worker} for {pause:.2f}s"
@@ -1402,20 +1375,16 @@ class Run:
             self.say(f"  {time.time():.3f} {kind}: {detail} ({took:.3f}s)")
         return True
 
-    def after_kill(self, slot: Slot) -> None:
+    def redeliver(self, worker: str) -> None:
         assert self.fx is not None
         # As a broker does when the consumer's connection drops.
         with contextlib.suppress(FxError):
-            self.fx.release(slot.worker)
+            self.fx.release(worker)
 
     def wake_due(self, force: bool = False) -> None:
         self.wake_member(force)
-        now = time.monotonic()
-        for slot in self.slots:
-            if slot.stopped_until is not None and (force or now >= slot.stopped_until):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(slot.proc.pid, signal.SIGCONT)
-                slot.stopped_until = None
+        if self.workers is not None:
+            self.workers.wake_due(force)
 
     def reap(self) -> None:
         """A worker that exited without being killed by us: note it, replace it."""
@@ -1425,7 +1394,8 @@ class Run:
                 continue
             tail = slot.log.read_text(errors="replace")[-2000:] if slot.log else ""
             self.outcome.worker_exits.append(f"{slot.worker} exited with {code}: {tail}")
-            self.spawn(slot)
+            assert self.workers is not None
+            self.workers.spawn(slot)
 
     def undone(self) -> int | None:
         assert self.fx is not None
@@ -1436,8 +1406,6 @@ class Run:
 
     def drive(self) -> None:
         opts = self.opts
-        (self.root / "logs").mkdir()
-        (self.root / "stats").mkdir()
         assert self.fx is not None
         t0 = time.time() + 0.5
         visible = [t0 + opts.duration * i / opts.jobs for i in range(opts.jobs)]
@@ -1448,10 +1416,7 @@ class Run:
             # Create the store's schema once, before the workers race to.
             with idemlock.connect(self.store_url, **store_options(self.store_url)) as coord:
                 coord.keys()
-        self.ctx = _context()
-        self.slots = [Slot(i + 1) for i in range(opts.workers)]
-        for slot in self.slots:
-            self.spawn(slot)
+        workers = self.start_workers()
         start = time.monotonic()
         faults_until = start + 0.5 + opts.duration
         # A restart of Redis deletes every record: they stop for the last quarter of
@@ -1501,10 +1466,8 @@ class Run:
             time.sleep(0.5)
             self.reap()
         finally:
-            self.wake_due(force=True)
-            for slot in self.slots:
-                if slot.proc is not None and slot.proc.is_alive():
-                    self.kill(slot)
+            self.wake_member(force=True)
+            workers.close()
 
     # -- checks ---------------------------------------------------------------------------
 
@@ -1705,27 +1668,21 @@ class LockRun(Run):
     def candidates(self) -> list[Slot]:
         """Live, running workers inside a ``hold()`` block (a fault on a waiting
         worker tests little)."""
-        live = [s for s in self.slots if s.stopped_until is None and s.proc.is_alive()]
-        return [s for s in live if self.holding(s)]
+        return [s for s in self.workers.live() if self.holding(s)] if self.workers else []
 
-    def after_kill(self, slot: Slot) -> None:
+    def redeliver(self, worker: str) -> None:
         pass  # its lease runs out on its own: that is what is being tested
 
     def drive(self) -> None:
         import idemlock
 
         opts = self.opts
-        (self.root / "logs").mkdir()
-        (self.root / "stats").mkdir()
         assert self.fx is not None
         self.fx.lock_create()
         # Create the store's schema once, before the workers race to.
         with idemlock.connect(self.store_url, **store_options(self.store_url)) as coord:
             coord.locks()
-        self.ctx = _context()
-        self.slots = [Slot(i + 1) for i in range(opts.workers)]
-        for slot in self.slots:
-            self.spawn(slot)
+        workers = self.start_workers()
         start = time.monotonic()
         faults_until = start + 0.5 + opts.duration
         order: list[str] = []
@@ -1759,10 +1716,8 @@ class LockRun(Run):
             self.reap()
             self.outcome.drained = True
         finally:
-            self.wake_due(force=True)
-            for slot in self.slots:
-                if slot.proc is not None and slot.proc.is_alive():
-                    self.kill(slot)
+            self.wake_member(force=True)
+            workers.close()
 
     def check(self) -> dict[str, Any]:
         assert self.fx is not None

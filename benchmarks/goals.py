@@ -40,16 +40,51 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+for _path in (str(HERE.parent), str(HERE)):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
-import report as B  # noqa: E402  (stores, subjects, contenders: shared with the full report)
+import redis  # noqa: E402
+import redis.asyncio  # noqa: E402
+from common import (  # noqa: E402
+    BASE,
+    CLAIM_OP,
+    CLIENT,
+    LOCK_OP,
+    OURS,
+    RESULT_BYTES,
+    RPY,
+    Rates,
+    Results,
+    X,
+    _why,
+    ainterleave,
+    fan_out,
+    interleave,
+    new_prefix,
+    version,
+)
+from render import (  # noqa: E402
+    fmt_rate,
+)
+from scenarios import (  # noqa: E402
+    Contenders,
+    contend_threads,
+)
+from subjects import (  # noqa: E402
+    PgBench,
+    RedisBench,
+    SqliteBench,
+    aio_lock,
+    fencekit_job,
+    ours_claim_pairs,
+    ours_job,
+    ours_job_together,
+    ours_lock_pairs,
+)
 
 import idemlock  # noqa: E402
 import idemlock.aio  # noqa: E402
-
-R = B.R
-X = B.X
 
 #: SET NX PX the lock and INCR its fence counter: a user's smallest fenced acquire.
 ACQUIRE_LUA = """\
@@ -121,14 +156,14 @@ def at_most(value: float, goal: float, unit: str, what: str = "") -> list[str]:
 
 
 def rate(v: float) -> str:
-    return B.fmt_rate(v) + "/s"
+    return fmt_rate(v) + "/s"
 
 
-def ratios(rates: R.Rates, num: str, den: str) -> float:
+def ratios(rates: Rates, num: str, den: str) -> float:
     return statistics.median(a / b for a, b in zip(rates[num], rates[den], strict=True))
 
 
-def median(rates: R.Rates, name: str) -> float:
+def median(rates: Rates, name: str) -> float:
     return statistics.median(rates[name])
 
 
@@ -156,7 +191,7 @@ class Minimal:
             key, token = f"{self.ns}:c:{tag}-{i}", uuid.uuid4().hex
             if r.evalsha(self.acq, 2, key, key + ":f", token, 300_000) is None:
                 raise RuntimeError("minimal baseline: key already claimed")
-            r.evalsha(self.com, 1, key, token, B.RESULT_BYTES, 3_600_000)
+            r.evalsha(self.com, 1, key, token, RESULT_BYTES, 3_600_000)
 
 
 def resp(*parts: str | bytes | int) -> bytes:
@@ -196,7 +231,7 @@ class Socket:
         for i in range(count):
             key, token = f"{m.ns}:sc:{tag}-{i}", uuid.uuid4().hex
             self._call(resp("EVALSHA", m.acq, 2, key, key + ":f", token, 300_000))
-            self._call(resp("EVALSHA", m.com, 1, key, token, B.RESULT_BYTES, 3_600_000))
+            self._call(resp("EVALSHA", m.com, 1, key, token, RESULT_BYTES, 3_600_000))
 
     def close(self) -> None:
         self.sock.close()
@@ -207,18 +242,18 @@ class Socket:
 
 def redis_sync(url: str, port: int, cfg: Config) -> list[Row]:
     with contextlib.ExitStack() as stack:
-        r = B.redis.Redis(port=port, **R.CLIENT)
+        r = redis.Redis(port=port, **CLIENT)
         stack.callback(r.close)
-        coord = idemlock.connect(url, key_prefix=B.new_prefix())
+        coord = idemlock.connect(url, key_prefix=new_prefix())
         stack.callback(coord.close)
         m = Minimal(r)
         s = Socket(port, m)
         stack.callback(s.close)
-        rates = R.interleave(
+        rates = interleave(
             {
-                "raw lock": m.lock_pairs, "idemlock lock": R.ours_lock_pairs(coord),
+                "raw lock": m.lock_pairs, "idemlock lock": ours_lock_pairs(coord),
                 "socket lock": s.lock_pairs, "raw claim": m.claim_pairs,
-                "idemlock claim": R.ours_claim_pairs(coord), "socket claim": s.claim_pairs,
+                "idemlock claim": ours_claim_pairs(coord), "socket claim": s.claim_pairs,
             },
             cfg.n, cfg.rounds,
         )  # fmt: skip
@@ -262,7 +297,7 @@ async def _alt_clients(port: int, stack: contextlib.AsyncExitStack) -> dict[str,
         await coredis_pair(0, 2)
         out["coredis " + coredis.__version__] = coredis_pair
     except Exception as exc:  # reported, not fatal: the row says why
-        out["coredis"] = f"could not run: {B._why(exc)}"
+        out["coredis"] = f"could not run: {_why(exc)}"
     try:
         from glide import (
             ConditionalChange,
@@ -286,17 +321,17 @@ async def _alt_clients(port: int, stack: contextlib.AsyncExitStack) -> dict[str,
                 await gc.delete([key])
 
         await glide_pair(0, 2)
-        out["valkey-glide " + (B.version("valkey-glide") or "?")] = glide_pair
+        out["valkey-glide " + (version("valkey-glide") or "?")] = glide_pair
     except Exception as exc:
-        out["valkey-glide"] = f"could not run: {B._why(exc)}"
+        out["valkey-glide"] = f"could not run: {_why(exc)}"
     return out
 
 
 async def redis_async(url: str, port: int, cfg: Config) -> list[Row]:
     async with contextlib.AsyncExitStack() as stack:
-        ar = B.redis.asyncio.Redis(port=port, **R.CLIENT)
+        ar = redis.asyncio.Redis(port=port, **CLIENT)
         stack.push_async_callback(ar.aclose)
-        coord = idemlock.aio.connect(url, key_prefix=B.new_prefix())
+        coord = idemlock.aio.connect(url, key_prefix=new_prefix())
         stack.push_async_callback(coord.close)
 
         async def raw_pair(t: int, count: int) -> None:
@@ -307,14 +342,14 @@ async def redis_async(url: str, port: int, cfg: Config) -> list[Row]:
 
         makes: dict[str, Callable[[int, int], Awaitable[None]]] = {
             "redis.asyncio": raw_pair,
-            "idemlock": B.aio_lock(coord),
+            "idemlock": aio_lock(coord),
         }
         alts = await _alt_clients(port, stack)
         makes.update((k, v) for k, v in alts.items() if not isinstance(v, str))
         for make in makes.values():
             await make(0, 1)
-        rates = await R.ainterleave(
-            {k: R.fan_out(mk, 100) for k, mk in makes.items()}, cfg.n, cfg.rounds
+        rates = await ainterleave(
+            {k: fan_out(mk, 100) for k, mk in makes.items()}, cfg.n, cfg.rounds
         )
     v = ratios(rates, "idemlock", "redis.asyncio")
     rows = [Row(
@@ -338,19 +373,19 @@ async def redis_async(url: str, port: int, cfg: Config) -> list[Row]:
 
 def redis_job(url: str, port: int, cfg: Config) -> list[Row]:
     with contextlib.ExitStack() as stack:
-        r = B.redis.Redis(port=port, **R.CLIENT)
+        r = redis.Redis(port=port, **CLIENT)
         stack.callback(r.close)
-        coord = idemlock.connect(url, key_prefix=B.new_prefix())
+        coord = idemlock.connect(url, key_prefix=new_prefix())
         stack.callback(coord.close)
-        fns = {"idemlock": R.ours_job(coord), "idemlock (write in complete)":
-               R.ours_job_together(coord)}  # fmt: skip
+        fns = {"idemlock": ours_job(coord), "idemlock (write in complete)":
+               ours_job_together(coord)}  # fmt: skip
         try:
-            fns["fencekit"] = R.fencekit_job(r, prefix=B.new_prefix("fkj"))
+            fns["fencekit"] = fencekit_job(r, prefix=new_prefix("fkj"))
             fns["fencekit"](1)
         except Exception as exc:  # not installed or broken: said in the row
             fns.pop("fencekit", None)
-            why = B._why(exc)
-        rates = R.interleave(fns, cfg.job_n, cfg.rounds)
+            why = _why(exc)
+        rates = interleave(fns, cfg.job_n, cfg.rounds)
     if "fencekit" not in rates:
         return [Row("crash-safe job (claim, fenced write, complete)", "fencekit's job",
                     f"not measured: fencekit could not run ({why}; pip install fencekit)",
@@ -369,13 +404,13 @@ def redis_job(url: str, port: int, cfg: Config) -> list[Row]:
     return rows
 
 
-def contention(cs: B.Contenders, targets: dict[str, dict[str, Any]], cfg: Config) -> list[Row]:
+def contention(cs: Contenders, targets: dict[str, dict[str, Any]], cfg: Config) -> list[Row]:
     def run(store: str, kind: str, **kw: Any) -> dict[str, float]:
-        t = {**targets[store], "prefix": B.new_prefix("ct")}
+        t = {**targets[store], "prefix": new_prefix("ct")}
         return cs.run(store, kind, t, cfg.seconds, **kw)
 
     rows = []
-    ours, rpy = run("redis", B.OURS), run("redis", B.RPY)
+    ours, rpy = run("redis", OURS), run("redis", RPY)
     v = ours["cs_per_s"] / rpy["cs_per_s"]
     rows.append(Row(
         "contention, Redis, 4 processes, 1 ms holds: critical sections/s", "redis-py's Lock",
@@ -386,21 +421,21 @@ def contention(cs: B.Contenders, targets: dict[str, dict[str, Any]], cfg: Config
         at_least(v, 1.0) + at_least(ours["handoff_share"] * 100, 90, "%", "hand-offs")
         + at_most(ours["worst_wait_ms"], 50, "ms", "worst wait"),
     ))  # fmt: skip
-    one = run("redis", B.OURS, hold=0.002, procs=2, pause=0.0005)
+    one = run("redis", OURS, hold=0.002, procs=2, pause=0.0005)
     gap = one["handoff_gap_median_ms"]
     rows.append(Row(
         "single waiter (Redis): median gap from release to acquire", "—",
         f"{gap:.2f} ms ({one['count']:.0f} acquisitions)", "≤ 1 ms", "1.2 ms",
         at_most(gap, 1.0, "ms"),
     ))  # fmt: skip
-    ours, base = run("redis-cluster", B.OURS), run("redis-cluster", B.BASE)
+    ours, base = run("redis-cluster", OURS), run("redis-cluster", BASE)
     v = ours["cs_per_s"] / base["cs_per_s"]
     rows.append(Row(
         "contention, Redis Cluster: critical sections/s", "SET NX PX retried every 1 ms",
         f"{v:.2f}{X} ({ours['cs_per_s']:.0f} vs {base['cs_per_s']:.0f}/s)", f"≥ 0.8{X}",
         f"0.30{X}", at_least(v, 0.8),
     ))  # fmt: skip
-    ours, adv = run("postgres", B.OURS), run("postgres", B.BASE)
+    ours, adv = run("postgres", OURS), run("postgres", BASE)
     rows.append(Row(
         "contention, PostgreSQL: hand-offs, worst wait", "pg_advisory_lock",
         f"{ours['handoff_share']:.0%}, {ours['worst_wait_ms']:.1f} ms, "
@@ -409,8 +444,8 @@ def contention(cs: B.Contenders, targets: dict[str, dict[str, Any]], cfg: Config
         "46%, 274 ms", at_least(ours["handoff_share"] * 100, 90, "%", "hand-offs")
         + at_most(ours["worst_wait_ms"], 50, "ms", "worst wait"),
     ))  # fmt: skip
-    for store, m in (("memory", B.contend_threads(B.OURS, cfg.seconds)),
-                     ("SQLite", run("sqlite", B.OURS))):  # fmt: skip
+    for store, m in (("memory", contend_threads(OURS, cfg.seconds)),
+                     ("SQLite", run("sqlite", OURS))):  # fmt: skip
         rows.append(Row(
             f"fairness, {store}, 4 contenders: worst wait", "FIFO",
             f"{m['worst_wait_ms']:.1f} ms, hand-offs {m['handoff_share']:.0%}",
@@ -421,10 +456,10 @@ def contention(cs: B.Contenders, targets: dict[str, dict[str, Any]], cfg: Config
 
 #: the issue's figures at filing
 SQL_FILED = {
-    ("PostgreSQL", B.CLAIM_OP): 0.70,
-    ("PostgreSQL", B.LOCK_OP): 0.76,
-    ("SQLite", B.CLAIM_OP): 0.54,
-    ("SQLite", B.LOCK_OP): 0.83,
+    ("PostgreSQL", CLAIM_OP): 0.70,
+    ("PostgreSQL", LOCK_OP): 0.76,
+    ("SQLite", CLAIM_OP): 0.54,
+    ("SQLite", LOCK_OP): 0.83,
 }
 
 
@@ -434,14 +469,14 @@ def sql_stores(benches: dict[str, Any], cfg: Config) -> list[Row]:
         ("PostgreSQL", benches["postgres"], "2 raw psycopg INSERT … ON CONFLICT"),
         ("SQLite", benches["sqlite"], "2 raw sqlite3 transactions"),
     ):
-        for op in (B.CLAIM_OP, B.LOCK_OP):
+        for op in (CLAIM_OP, LOCK_OP):
             with contextlib.ExitStack() as stack:
-                fns = bench.sync_fns(op, bench.target(), stack, B.Results())
-                rates = R.interleave({k: fns[k] for k in (B.BASE, B.OURS)}, cfg.n, cfg.rounds)
-            v = ratios(rates, B.OURS, B.BASE)
+                fns = bench.sync_fns(op, bench.target(), stack, Results())
+                rates = interleave({k: fns[k] for k in (BASE, OURS)}, cfg.n, cfg.rounds)
+            v = ratios(rates, OURS, BASE)
             rows.append(Row(
                 f"{title} {op}, sync", base,
-                f"{v:.2f}{X} ({rate(median(rates, B.OURS))} vs {rate(median(rates, B.BASE))})",
+                f"{v:.2f}{X} ({rate(median(rates, OURS))} vs {rate(median(rates, BASE))})",
                 f"≥ 0.9{X}", f"{SQL_FILED[title, op]:.2f}{X}", at_least(v, 0.9),
             ))  # fmt: skip
     return rows
@@ -495,11 +530,11 @@ def main(argv: list[str] | None = None) -> int:
         stack.callback(cluster.stop)
         pg = start_postgres()
         stack.callback(pg.destroy)
-        cs = B.Contenders()
+        cs = Contenders()
         stack.callback(cs.close)
-        benches = {"sqlite": B.SqliteBench(tmp), "postgres": B.PgBench(pg.dsn, pg.port)}
-        rb = B.RedisBench(server.url, [server.port], cluster=False)
-        cb = B.RedisBench(cluster.url, cluster.ports, cluster=True)
+        benches = {"sqlite": SqliteBench(tmp), "postgres": PgBench(pg.dsn, pg.port)}
+        rb = RedisBench(server.url, [server.port], cluster=False)
+        cb = RedisBench(cluster.url, cluster.ports, cluster=True)
         targets = {"redis": rb.target(), "redis-cluster": cb.target(),
                    "postgres": benches["postgres"].target(),
                    "sqlite": benches["sqlite"].contention_target()}  # fmt: skip

@@ -85,6 +85,18 @@ def test_json_has_every_scenario_for_every_store(report: dict[str, Path]) -> Non
         assert miss["why"], miss
     meta = data["meta"]
     assert meta["cpu_count"] >= 1 and len(meta["load_average_start"]) == 3
+    # The store port alone, next to the API, on every store; the single waiter on every
+    # store with processes; Redis memory per key.
+    for store in STORES:
+        subjects = {
+            r["subject"] for r in rows if (r["store"], r["scenario"]) == (store, "uncontended")
+        }
+        assert "idemlock (store port)" in subjects, (store, subjects)
+    assert set(data["single_waiter"]) == set(STORES) - {"memory"}
+    for m in data["single_waiter"].values():
+        assert m["count"] > 0, m
+    memory = dict(data["redis_memory"])
+    assert memory["idemlock held lock"].endswith("B)"), memory
 
 
 @pytest.mark.timeout(300)
@@ -98,6 +110,8 @@ def test_markdown_has_the_tables_and_the_chart(report: dict[str, Path]) -> None:
         "## asyncio: 1 task and 100 concurrent tasks",
         "## Contended hand-off",
         "## Idempotent job, end to end",
+        "## Single waiter",
+        "## Redis memory per key",
         "## Reproduce",
     ):
         assert heading in md, heading

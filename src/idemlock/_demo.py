@@ -1,9 +1,11 @@
 """``idemlock demo``: duplicate side effects under at-least-once delivery, measured.
 
 Worker processes consume the same jobs from a small SQLite queue that behaves like a
-broker with at-least-once delivery: a job is leased to one worker and deleted only
-when that worker acknowledges it; when a worker dies, its unacknowledged jobs are
-delivered again. A killer SIGKILLs busy workers at random and starts replacements.
+broker with at-least-once delivery: a job is leased to one worker and done only when
+that worker acknowledges it; when a worker dies, its unacknowledged jobs are delivered
+again. A killer SIGKILLs busy workers at random and starts replacements. The queue,
+the workers and the killer are the fault harness's (``idemlock._faults``), shared with
+``benchmarks/chaos.py``.
 
 Each job's side effect is one row inserted into an effects table. The demo runs
 twice, with plain retries and with idemlock claim/complete, and counts duplicate
@@ -15,8 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import multiprocessing
-import os
 import random
 import secrets
 import shutil
@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from ._errors import ConfigurationError, IdemlockError, StaleClaim
+from ._faults.queue import SqliteQueue
+from ._faults.workers import Slot, Workers, context, redirect
 
 #: A killed worker's claim stays reserved this long; jobs take ~20-100 ms.
 DEMO_LEASE_MS = 1000
@@ -68,6 +70,10 @@ class WorkerConfig:
 
 # ---- the two databases ---------------------------------------------------------
 
+#: a taken job stays invisible this long unless its worker acks, hands it back or is
+#: killed (then it is visible again at once): in the demo, only kills redeliver
+VISIBILITY_S = 3600.0
+
 
 def _open(path: str) -> sqlite3.Connection:
     # Autocommit mode: every transaction below is an explicit BEGIN IMMEDIATE.
@@ -88,23 +94,9 @@ def _tx(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
 
 
 def _create(queue: str, effects: str, jobs: int) -> None:
-    q = _open(queue)
-    q.execute("PRAGMA journal_mode=WAL")
-    q.executescript(
-        """
-        CREATE TABLE jobs (
-            id INTEGER PRIMARY KEY,
-            state TEXT NOT NULL DEFAULT 'ready',     -- ready | leased | done
-            worker TEXT,
-            available_at REAL NOT NULL DEFAULT 0,
-            deliveries INTEGER NOT NULL DEFAULT 0
-        );
-        CREATE INDEX jobs_ready ON jobs (state, available_at);
-        CREATE TABLE events (job_id INTEGER, worker TEXT, kind TEXT, at REAL);
-        """
-    )
-    with _tx(q):
-        q.executemany("INSERT INTO jobs (id) VALUES (?)", [(i,) for i in range(1, jobs + 1)])
+    q = SqliteQueue(queue)
+    q.create([0.0] * jobs)
+    q.conn.execute("CREATE TABLE events (job_id INTEGER, worker TEXT, kind TEXT, at REAL)")
     q.close()
     fx = _open(effects)
     fx.execute("PRAGMA journal_mode=WAL")
@@ -120,44 +112,16 @@ def _create(queue: str, effects: str, jobs: int) -> None:
     fx.close()
 
 
-def _take(q: sqlite3.Connection, worker: str) -> int | None:
-    with _tx(q):
-        row = q.execute(
-            "SELECT id FROM jobs WHERE state = 'ready' AND available_at <= ? "
-            "ORDER BY available_at, id LIMIT 1",
-            (time.time(),),
-        ).fetchone()
-        if row is None:
-            return None
-        q.execute(
-            "UPDATE jobs SET state = 'leased', worker = ?, deliveries = deliveries + 1 "
-            "WHERE id = ?",
-            (worker, row[0]),
-        )
-        return int(row[0])
+def _ack(q: SqliteQueue, job: int, worker: str, kind: str) -> None:
+    with q.tx() as c:  # the job and what became of it, together
+        c.execute(q.sql["ack"], (job,))
+        c.execute("INSERT INTO events VALUES (?, ?, ?, ?)", (job, worker, kind, time.time()))
 
 
-def _ack(q: sqlite3.Connection, job: int, worker: str, kind: str) -> None:
-    with _tx(q):
-        q.execute(
-            "UPDATE jobs SET state = 'done' WHERE id = ? AND state = 'leased' AND worker = ?",
-            (job, worker),
-        )
-        q.execute("INSERT INTO events VALUES (?, ?, ?, ?)", (job, worker, kind, time.time()))
-
-
-def _nack(q: sqlite3.Connection, job: int, worker: str, until: float) -> None:
-    with _tx(q):
-        q.execute(
-            "UPDATE jobs SET state = 'ready', worker = NULL, available_at = ? "
-            "WHERE id = ? AND worker = ?",
-            (until, job, worker),
-        )
-        q.execute("INSERT INTO events VALUES (?, ?, 'in_flight', ?)", (job, worker, time.time()))
-
-
-def _unfinished(q: sqlite3.Connection) -> int:
-    return int(q.execute("SELECT COUNT(*) FROM jobs WHERE state != 'done'").fetchone()[0])
+def _nack(q: SqliteQueue, job: int, worker: str, delivery: int, until: float) -> None:
+    with q.tx() as c:
+        c.execute(q.sql["nack"], (until, job, worker, delivery))
+        c.execute("INSERT INTO events VALUES (?, ?, 'in_flight', ?)", (job, worker, time.time()))
 
 
 def _effect(fx: sqlite3.Connection, job: int, worker: str, fence: int | None, keyed: bool) -> None:
@@ -186,7 +150,7 @@ def worker_main(cfg: WorkerConfig) -> int:
     import idemlock
 
     rng = random.Random(f"{cfg.seed}:{cfg.worker}")
-    q = _open(cfg.queue)
+    q = SqliteQueue(cfg.queue)
     fx = _open(cfg.effects)
 
     def step() -> None:
@@ -200,12 +164,13 @@ def worker_main(cfg: WorkerConfig) -> int:
         )
         port = coord.idempotency(spec)
     while True:
-        job = _take(q, cfg.worker)
-        if job is None:
-            if _unfinished(q) == 0:
+        got = q.take(cfg.worker, VISIBILITY_S)
+        if got is None:
+            if q.undone() == 0:
                 return 0
             time.sleep(0.005)
             continue
+        job, delivery = got
         if port is None:
             step()  # prepare
             _effect(fx, job, cfg.worker, None, keyed=False)
@@ -219,7 +184,7 @@ def worker_main(cfg: WorkerConfig) -> int:
             continue
         if isinstance(claim, idemlock.InFlight):
             # Held by a killed worker: deliver again once its lease is over.
-            _nack(q, job, cfg.worker, claim.expires_at.timestamp() + 0.005)
+            _nack(q, job, cfg.worker, delivery, claim.expires_at.timestamp() + 0.005)
             continue
         try:
             step()
@@ -240,15 +205,6 @@ def worker_main(cfg: WorkerConfig) -> int:
 
 
 @dataclass
-class _Slot:
-    index: int
-    incarnation: int = 0
-    worker: str = ""
-    proc: Any = None  # a multiprocessing Process
-    log: Path | None = None
-
-
-@dataclass
 class _Phase:
     mode: str
     seconds: float = 0.0
@@ -256,57 +212,37 @@ class _Phase:
     measured: dict[str, Any] = field(default_factory=dict)
 
 
-def _context() -> Any:
-    """Worker processes come from a fork server that has idemlock imported already, so
-    a replacement for a killed worker starts in milliseconds; spawn where there is none."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["idemlock", "idemlock._demo", "sqlite3"])
-    return ctx
-
-
 def _worker_entry(raw: dict[str, Any], log: str) -> None:
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
+    redirect(log)
     raw["step_ms"] = tuple(raw["step_ms"])
     sys.exit(worker_main(WorkerConfig(**raw)))
 
 
-def _spawn(slot: _Slot, base: WorkerConfig, logs: Path, ctx: Any) -> None:
-    slot.incarnation += 1
-    slot.worker = f"w{slot.index}.{slot.incarnation}"
-    slot.log = logs / f"{base.mode}-{slot.worker}.log"
-    cfg = asdict(base) | {"worker": slot.worker}
-    slot.proc = ctx.Process(target=_worker_entry, args=(cfg, str(slot.log)), daemon=True)
-    slot.proc.start()
-
-
-def _failed(slot: _Slot) -> DemoFailed:
-    text = slot.log.read_text(errors="replace").strip() if slot.log else ""
-    tail = "\n".join(text.splitlines()[-15:])
-    code = slot.proc.exitcode if slot.proc else None
-    return DemoFailed(f"demo worker {slot.worker} exited with status {code}:\n{tail}")
+def _failed(slot: Slot) -> DemoFailed:
+    return DemoFailed(f"demo {slot.tail()}")
 
 
 def _run_phase(base: WorkerConfig, args: argparse.Namespace, dirpath: Path, seed: int) -> _Phase:
-    logs = dirpath / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
     _create(base.queue, base.effects, args.jobs)
-    q = _open(base.queue)
-    ctx = _context()
+    q = SqliteQueue(base.queue)
+    ctx = context(["idemlock", "idemlock._demo", "sqlite3"])
     rng = random.Random(f"{seed}:killer")
     phase = _Phase(base.mode)
-    slots = [_Slot(i + 1) for i in range(args.workers)]
+    workers = Workers(
+        ctx,
+        _worker_entry,
+        lambda slot: asdict(base) | {"worker": slot.worker},
+        dirpath / "logs",
+        args.workers,
+        prefix=f"{base.mode}-",
+    )
     deadline = time.monotonic() + 60 + args.jobs * 0.5
     started = time.monotonic()
     try:
-        for slot in slots:
-            _spawn(slot, base, logs, ctx)
+        workers.start()
         next_kill = started + rng.expovariate(1 / args.kill_every)
-        while _unfinished(q):
-            for slot in slots:
+        while q.undone():
+            for slot in workers.slots:
                 if slot.proc is not None and slot.proc.exitcode not in (None, 0):
                     raise _failed(slot)
             now = time.monotonic()
@@ -314,53 +250,34 @@ def _run_phase(base: WorkerConfig, args: argparse.Namespace, dirpath: Path, seed
                 raise DemoFailed(f"the {base.mode} run did not finish in {deadline - started:.0f}s")
             if now >= next_kill:
                 next_kill = now + rng.expovariate(1 / args.kill_every)
-                _kill_one(q, slots, rng, phase, base, logs, ctx)
+                _kill_one(q, workers, rng, phase)
             time.sleep(min(0.005, max(0.0, next_kill - time.monotonic())))
         phase.seconds = time.monotonic() - started
-        for slot in slots:  # each exits by itself once every job is done
+        for slot in workers.slots:  # each exits by itself once every job is done
             slot.proc.join(timeout=30)
             if slot.proc.exitcode is None:
                 raise DemoFailed(f"demo worker {slot.worker} did not exit")
             if slot.proc.exitcode != 0:
                 raise _failed(slot)
     finally:
-        for slot in slots:
-            if slot.proc is not None and slot.proc.is_alive():
-                slot.proc.kill()
-                slot.proc.join()
+        workers.close()
         q.close()
     phase.measured = _measure(base, args.jobs)
     return phase
 
 
-def _kill_one(
-    q: sqlite3.Connection,
-    slots: list[_Slot],
-    rng: random.Random,
-    phase: _Phase,
-    base: WorkerConfig,
-    logs: Path,
-    ctx: Any,
-) -> None:
-    """Pick a random worker and, if it holds a job, SIGKILL it; redeliver its jobs as a
-    broker does when a consumer's connection drops; start a replacement. (Idle workers
-    are spared, so every job runs the same risk, also the last ones.)"""
-    slot = rng.choice(slots)
-    busy = q.execute("SELECT 1 FROM jobs WHERE state = 'leased' AND worker = ?", (slot.worker,))
-    if busy.fetchone() is None or not slot.proc.is_alive():
+def _kill_one(q: SqliteQueue, workers: Workers, rng: random.Random, phase: _Phase) -> None:
+    """Pick a random worker and, if it holds a job, SIGKILL it, redeliver its jobs and
+    start a replacement. (Idle workers are spared, so every job runs the same risk,
+    also the last ones.)"""
+    slot = rng.choice(workers.slots)
+    if slot.worker not in q.busy() or not slot.proc.is_alive():
         return
-    slot.proc.kill()  # SIGKILL: no cleanup, no goodbye, like a crash or an OOM kill
-    slot.proc.join()
-    if slot.proc.exitcode == -signal.SIGKILL:
+    code = workers.kill_and_replace(slot, q.release)
+    if code == -signal.SIGKILL:
         phase.kills += 1
-    elif slot.proc.exitcode != 0:
-        raise _failed(slot)
-    with _tx(q):
-        q.execute(
-            "UPDATE jobs SET state = 'ready', worker = NULL WHERE state = 'leased' AND worker = ?",
-            (slot.worker,),
-        )
-    _spawn(slot, base, logs, ctx)
+    elif code != 0:
+        raise DemoFailed(f"demo worker {slot.worker} exited with status {code}")
 
 
 def _measure(base: WorkerConfig, jobs: int) -> dict[str, Any]:

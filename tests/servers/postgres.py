@@ -78,6 +78,10 @@ class PgServer:
         self.dsn = f"postgresql://{OS_USER}@127.0.0.1:{port}/{DATABASE}"
         self.admin_dsn = f"postgresql://{OS_USER}@127.0.0.1:{port}/postgres"
 
+    def dsn_at(self, port: int | None = None, database: str = DATABASE) -> str:
+        """The DSN of ``database`` on this server, or through ``port`` (a proxy in front)."""
+        return f"postgresql://{OS_USER}@127.0.0.1:{port or self.port}/{database}"
+
     def _run(self, *args: str) -> None:
         cmd = [str(self.bindir / args[0]), *args[1:]]
         if os.geteuid() == 0:

@@ -21,7 +21,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -50,8 +50,12 @@ def find_redis() -> tuple[str, str]:
     return server, cli
 
 
-def _port_free(port: int) -> bool:
+def _port_free(port: int, reuse: bool = False) -> bool:
+    """Whether ``port`` can be bound; ``reuse`` as servers do (SO_REUSEADDR: sockets of
+    closed connections lingering in TIME_WAIT do not count)."""
     with socket.socket() as s:
+        if reuse:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -131,8 +135,8 @@ class RedisServer:
     def restart(self) -> None:
         """Kill the server and start it again on the same port: every key is lost."""
         self.stop()
-        for _ in range(100):
-            if _port_free(self.port):
+        for _ in range(250):
+            if _port_free(self.port, reuse=True):
                 break
             time.sleep(0.02)
         self.start()
@@ -159,14 +163,17 @@ def start_unix_redis(root: Path) -> tuple[RedisServer, str]:
 
 
 class RedisCluster:
-    """Three masters, no replicas, every slot assigned."""
+    """Three masters, no replicas, every slot assigned. ``announced``: the port each node
+    tells clients to use (a proxy in front of it; by default its own)."""
 
-    def __init__(self, nodes: list[RedisServer]) -> None:
+    def __init__(self, nodes: list[RedisServer], announced: list[int] | None = None) -> None:
         self.nodes = nodes
+        self.announced = announced or [n.port for n in nodes]
 
     @property
     def url(self) -> str:
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+        """The cluster as clients see it (the announced ports)."""
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.announced)
 
     @property
     def ports(self) -> list[int]:
@@ -177,24 +184,38 @@ class RedisCluster:
             n.stop()
 
 
-def start_cluster(root: Path, masters: int = 3, node_timeout_ms: int = 2000) -> RedisCluster:
+def start_cluster(
+    root: Path,
+    masters: int = 3,
+    node_timeout_ms: int = 2000,
+    announce: Callable[[int], int] | None = None,
+) -> RedisCluster:
+    """``announce(node_port)`` returns the port the node tells clients to use (a proxy
+    in front of it, already accepting connections); by default the node's own."""
     import redis
 
     _, cli = find_redis()
     nodes = []
+    announced = []
     try:
         for i in range(masters):
-            node = RedisServer(
-                root / f"node{i}",
-                free_port(cluster_bus=True),
-                (
-                    "--cluster-enabled", "yes",
-                    "--cluster-config-file", "nodes.conf",
-                    "--cluster-node-timeout", str(node_timeout_ms),
-                ),
-            )  # fmt: skip
+            port = free_port(cluster_bus=True)
+            extra = [
+                "--cluster-enabled", "yes",
+                "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", str(node_timeout_ms),
+            ]  # fmt: skip
+            shown = announce(port) if announce is not None else port
+            if shown != port:
+                extra += [
+                    "--cluster-announce-ip", "127.0.0.1",
+                    "--cluster-announce-port", str(shown),
+                    "--cluster-announce-bus-port", str(port + 10000),
+                ]  # fmt: skip
+            node = RedisServer(root / f"node{i}", port, tuple(extra))
             node.start()
             nodes.append(node)
+            announced.append(shown)
         addrs = [f"127.0.0.1:{n.port}" for n in nodes]
         proc = subprocess.run(
             [cli, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
@@ -223,7 +244,7 @@ def start_cluster(root: Path, masters: int = 3, node_timeout_ms: int = 2000) -> 
         for n in nodes:
             n.stop()
         raise
-    return RedisCluster(nodes)
+    return RedisCluster(nodes, announced)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,444 @@
+"""What every benchmark shares: the names of scenarios and subjects, the peers, the
+results table, and the interleaved rounds that make every ratio a same-round ratio.
+
+A throughput subject is a function ``fn(count)`` doing ``count`` operations (an asyncio
+one: ``make(task, count)``, fanned out over tasks). ``interleave`` runs every subject
+once per round, round after round (A, B, C, A, B, C, ...), so the drift of a shared
+machine moves every side alike; a ratio is the median of the per-round ratios.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import importlib.util
+import itertools
+import statistics
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import idemlock
+from idemlock import IdempotencySpec, LockSpec
+
+SPEC = IdempotencySpec("orders", ttl=timedelta(hours=1))
+LOCK = LockSpec("jobs", ttl=timedelta(seconds=30))
+RESULT = {"charge": "ch_" + "x" * 20, "amount": 1200}
+KEEP = 60_000
+#: Every raw and peer client is configured like idemlock's own (bounded waits): with a
+#: socket_timeout, redis-py's asyncio client wraps each send and read in a timeout,
+#: which costs a few microseconds a call that the baseline must pay too.
+CLIENT = {"socket_timeout": 5.0, "socket_connect_timeout": 5.0}
+
+STORES = ("memory", "sqlite", "redis", "redis-cluster", "postgres")
+TITLE = {
+    "memory": "memory",
+    "sqlite": "SQLite",
+    "redis": "Redis",
+    "redis-cluster": "Redis Cluster",
+    "postgres": "PostgreSQL",
+}
+UNC, AIO1, AIO100, HAND, JOB = (
+    "uncontended",
+    "asyncio, 1 task",
+    "asyncio, 100 tasks",
+    "contended hand-off",
+    "idempotent job",
+)
+LOCK_OP, CLAIM_OP = "acquire+release", "claim+complete"
+HAND_OP = "4 contenders, hold ~1 ms"
+JOB_OP = "claim + fenced write + complete"
+SCENARIOS = [
+    (UNC, LOCK_OP),
+    (UNC, CLAIM_OP),
+    (AIO1, LOCK_OP),
+    (AIO1, CLAIM_OP),
+    (AIO100, LOCK_OP),
+    (AIO100, CLAIM_OP),
+    (HAND, HAND_OP),
+    (JOB, JOB_OP),
+]
+
+BASE, OURS = "baseline", "idemlock"
+OURS_AIO, OURS_TX, OURS_W, OURS_PORT = (
+    "idemlock (asyncio)",
+    "idemlock (same transaction)",
+    "idemlock (write in complete)",
+    "idemlock (store port)",
+)
+RPY, PRL, FK, IK, PT = "redis-py Lock", "python-redis-lock", "fencekit", "idemkit", "Powertools"
+SUBJECTS = (BASE, OURS, OURS_PORT, OURS_AIO, OURS_W, OURS_TX, RPY, PRL, FK, IK, PT)
+
+#: peer -> (distribution, module, what is measured)
+PEERS: dict[str, tuple[str, str, str]] = {
+    RPY: ("redis", "redis", "redis-py's Lock: SET NX PX, Lua release; sync and asyncio"),
+    PRL: ("python-redis-lock", "redis_lock", "Lock with a signal list (BLPOP wake-up); sync"),
+    FK: (
+        "fencekit",
+        "fencekit",
+        "DistributedLock with fencing tokens, IdempotencyGuard, FenceGate; sync",
+    ),
+    IK: (
+        "idemkit",
+        "idemkit",
+        "idempotency backends (Redis, PostgreSQL via asyncpg); asyncio only",
+    ),
+    PT: (
+        "aws-lambda-powertools",
+        "aws_lambda_powertools",
+        "idempotent_function with the Redis (cache) persistence layer; sync",
+    ),
+}
+
+BASELINES = {
+    "memory": (
+        "a dict under a threading.Lock doing the same critical sections (claim: insert; "
+        "complete: update; acquire: insert; release: delete; the job adds the same fenced "
+        "write); contended: a threading.Lock shared by 4 threads"
+    ),
+    "sqlite": (
+        "raw sqlite3 on a file with the store's schema, WAL + synchronous=NORMAL, the same "
+        "number of transactions (BEGIN IMMEDIATE, one statement, COMMIT); asyncio: each "
+        "transaction in asyncio.to_thread, as the store runs its calls; contended: a lock "
+        "row INSERTed by 4 processes, retried every 1 ms, DELETEd on release"
+    ),
+    "redis": (
+        "raw redis-py (hiredis) calling EVALSHA on idemlock's own scripts with the same "
+        "arguments: the same round trips; contended: SET NX PX retried every 1 ms, "
+        "compare-and-delete on release"
+    ),
+    "redis-cluster": (
+        "as for Redis, through redis-py's RedisCluster client (3 masters, no replicas)"
+    ),
+    "postgres": (
+        "raw psycopg, prepared statements, autocommit: one comparable statement per round "
+        "trip on tables with the same columns and indexes; asyncio, 100 tasks: through a "
+        "psycopg_pool of 10 connections (idemlock's default pool size); contended: "
+        "pg_advisory_lock / pg_advisory_unlock (the server queues the waiters)"
+    ),
+}
+
+JOB_DESC = {
+    BASE: "the raw driver doing the same 3 round trips",
+    OURS: "claim -> fenced write with the claim's fence -> complete",
+    OURS_AIO: "as idemlock, on the asyncio API (1 task)",
+    OURS_W: "claim -> complete(writes=...): record and write in one script",
+    OURS_TX: "claim -> one transaction: fenced upsert + complete_in_transaction",
+    FK: "try_begin -> lock acquire -> fenced set -> mark_done -> release",
+    RPY: "lock acquire -> GET done -> SET effect -> SET done -> release",
+    PRL: "lock acquire -> GET done -> SET effect -> SET done -> release",
+    PT: "idempotent_function: SET NX in progress -> SET effect -> SET result",
+    IK: "claim -> write -> complete (asyncio, 1 task)",
+}
+BASE_JOB = {
+    "memory": "the same 3 steps on the dict (claim, fenced write, complete)",
+    "sqlite": "raw sqlite3: the same 3 transactions (claim, fenced upsert, complete)",
+    "redis": "raw EVALSHA of idemlock's claim, fence_set and complete scripts",
+    "redis-cluster": "raw EVALSHA of idemlock's claim, fence_set and complete scripts",
+    "postgres": "raw psycopg: claim INSERT, fenced upsert, complete UPDATE",
+}
+JOB_FENCED = {
+    BASE: "yes",
+    OURS: "yes",
+    OURS_AIO: "yes",
+    OURS_W: "yes (claim token)",
+    OURS_TX: "yes (+ same transaction)",
+    FK: "yes",
+    RPY: "no",
+    PRL: "no",
+    PT: "no",
+    IK: "no",
+}
+
+HAVE = {name: importlib.util.find_spec(mod) is not None for name, (_, mod, _) in PEERS.items()}
+HAVE_ASYNCPG = importlib.util.find_spec("asyncpg") is not None
+
+RESULT_BYTES = b"J" + b"x" * 40  # what the raw baselines store as a result
+LEASE_MS, TTL_MS = 300_000, 3_600_000
+
+X = "\u00d7"  # the multiplication sign of the ratios
+SyncFn = Callable[[int], Any]
+Make = Callable[[int, int], Awaitable[None]]  # (task index, pairs) -> coroutine
+
+
+#: rounds of the in-process stores are longer (their operations take microseconds), so
+#: that a scheduler hiccup on a busy machine averages out
+SCALE = {"memory": 10, "sqlite": 2, "redis": 1, "redis-cluster": 1, "postgres": 1}
+
+
+@dataclass(frozen=True)
+class Config:
+    n: int  # pairs per round (sync and asyncio; a multiple of 100 for the 100-task runs)
+    rounds: int  # interleaved rounds
+    job_n: int  # jobs per round
+    seconds: float  # length of each contention run
+    count: int  # operations run to count round trips
+    scaled: bool  # longer rounds for the in-process stores (SCALE)
+
+
+def role(subject: str) -> str:
+    if subject == BASE:
+        return "baseline"
+    return "idemlock" if subject.startswith(OURS) else "peer"
+
+
+# ---- results -----------------------------------------------------------------------------
+
+
+class Results:
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.not_run: list[dict[str, str]] = []
+
+    def rates(
+        self,
+        scenario: str,
+        op: str,
+        store: str,
+        rates: Rates,
+        unit: str,
+        extra: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
+        base = rates[BASE]
+        for name, series in rates.items():
+            ratio = statistics.median(a / b for a, b in zip(series, base, strict=True))
+            row = {
+                "scenario": scenario,
+                "operation": op,
+                "store": store,
+                "subject": name,
+                "role": role(name),
+                "value": statistics.median(series),
+                "unit": unit,
+                "ratio": ratio,
+                "rounds": len(series),
+            }
+            row.update((extra or {}).get(name, {}))
+            self.rows.append(row)
+
+    def skip(self, where: tuple[str, str, str], subject: str, status: str, why: str) -> None:
+        scenario, op, store = where
+        self.not_run.append(
+            {"scenario": scenario, "operation": op, "store": store, "subject": subject,
+             "status": status, "why": why}
+        )  # fmt: skip
+
+    def get(self, scenario: str, op: str, store: str, subject: str) -> dict[str, Any] | None:
+        for row in self.rows:
+            if (row["scenario"], row["operation"], row["store"], row["subject"]) == (
+                scenario,
+                op,
+                store,
+                subject,
+            ):
+                return row
+        return None
+
+    def missing(self, scenario: str, op: str, store: str, subject: str) -> str | None:
+        for row in self.not_run:
+            if (row["scenario"], row["operation"], row["store"], row["subject"]) == (
+                scenario,
+                op,
+                store,
+                subject,
+            ):
+                return row["status"]
+        return None
+
+
+def _why(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    return text if len(text) <= 240 else text[:237] + "..."
+
+
+def peer(
+    res: Results, where: tuple[str, str, str], name: str, build: Callable[[], SyncFn]
+) -> SyncFn | None:
+    """A peer's measured function, tried once; None (and why, in ``res``) if it cannot run."""
+    if name in HAVE and not HAVE[name]:
+        res.skip(where, name, "not installed", f"pip install {PEERS[name][0]}")
+        return None
+    try:
+        fn = build()
+        fn(2)
+    except idemlock.ConfigurationError as exc:
+        res.skip(where, name, "not supported", _why(exc))
+        return None
+    except Exception as exc:
+        res.skip(where, name, "failed", _why(exc))
+        return None
+    return fn
+
+
+async def apeer(
+    res: Results, where: tuple[str, str, str], name: str, build: Callable[[], Awaitable[Make]]
+) -> Make | None:
+    if name in HAVE and not HAVE[name]:
+        res.skip(where, name, "not installed", f"pip install {PEERS[name][0]}")
+        return None
+    try:
+        make = await build()
+        await make(0, 2)
+    except Exception as exc:
+        res.skip(where, name, "failed", _why(exc))
+        return None
+    return make
+
+
+def _fail() -> Any:
+    raise RuntimeError("lock not acquired")
+
+
+class PeerFailed(Exception):
+    """A peer raised while it was measured: it is dropped, the others measured again."""
+
+    def __init__(self, name: str, cause: BaseException) -> None:
+        super().__init__(f"{name}: {_why(cause)}")
+        self.name, self.cause = name, cause
+
+
+def guarded(fns: dict[str, Any]) -> dict[str, Any]:
+    """Peers' functions (sync ones taking n, asyncio makes taking (t, n)) raising
+    ``PeerFailed`` instead of whatever they raise; idemlock's and the baseline's raise."""
+    out = dict(fns)
+    for name, fn in fns.items():
+        if role(name) != "peer":
+            continue
+        if asyncio.iscoroutinefunction(fn):
+
+            async def amake(t: int, n: int, fn: Any = fn, name: str = name) -> None:
+                try:
+                    await fn(t, n)
+                except Exception as exc:
+                    raise PeerFailed(name, exc) from exc
+
+            out[name] = amake
+        else:
+
+            def run(n: int, fn: Any = fn, name: str = name) -> Any:
+                try:
+                    return fn(n)
+                except Exception as exc:
+                    raise PeerFailed(name, exc) from exc
+
+            out[name] = run
+    return out
+
+
+def new_prefix(tag: str = "b") -> str:
+    return tag + uuid.uuid4().hex[:8]
+
+
+# ---- rounds ------------------------------------------------------------------------------
+
+Rates = dict[str, list[float]]
+
+
+def interleave(fns: dict[str, Callable[[int], Any]], n: int, rounds: int) -> Rates:
+    """Operations per second of each function in every round; rounds run A, B, A, B, ..."""
+    rates: Rates = {k: [] for k in fns}
+    for fn in fns.values():  # warm up: connections, script cache, imports
+        fn(max(50, n // 20))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn(n)
+            rates[name].append(n / (time.perf_counter() - start))
+    return rates
+
+
+async def ainterleave(
+    fns: dict[str, Callable[[int], Awaitable[Any]]], n: int, rounds: int
+) -> Rates:
+    rates: Rates = {k: [] for k in fns}
+    for fn in fns.values():
+        await fn(max(100, n // 20))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            await fn(n)
+            rates[name].append(n / (time.perf_counter() - start))
+    return rates
+
+
+def fan_out(
+    make: Callable[[int, int], Awaitable[None]], tasks: int
+) -> Callable[[int], Awaitable[None]]:
+    """Split ``count`` operations over ``tasks`` concurrent tasks (task index, share)."""
+
+    async def run(count: int) -> None:
+        share = max(1, count // tasks)
+        await asyncio.gather(*(make(t, share) for t in range(tasks)))
+
+    return run
+
+
+def ratio(rates: Rates, num: str, den: str) -> float:
+    """The median of the per-round ratios of two subjects."""
+    return statistics.median(a / b for a, b in zip(rates[num], rates[den], strict=True))
+
+
+def summarize(events: list[tuple[float, float, float, int]], seconds: float) -> dict[str, float]:
+    """Contention figures from (called, acquired, released, process) of every critical
+    section on one shared monotonic clock."""
+    events = sorted(events, key=lambda e: e[1])
+    gaps, handoff_gaps, handoffs = [], [], 0
+    for prev, cur in itertools.pairwise(events):
+        gap = cur[1] - prev[2]
+        gaps.append(gap)
+        if cur[0] < prev[2]:  # it was already waiting when the lock was released
+            handoffs += 1
+            handoff_gaps.append(gap)
+    waits = [a - c for c, a, _, _ in events]
+    return {
+        "cs_per_s": len(events) / seconds,
+        "handoff_share": handoffs / max(1, len(events) - 1),
+        "gap_median_ms": statistics.median(gaps) * 1000 if gaps else float("nan"),
+        "handoff_gap_median_ms": (
+            statistics.median(handoff_gaps) * 1000 if handoff_gaps else float("nan")
+        ),
+        "worst_wait_ms": max(waits) * 1000 if waits else float("nan"),
+        "count": len(events),
+    }
+
+
+def version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def peer_status(res: Results) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name, (dist, _, what) in PEERS.items():
+        ran = sorted({(r["store"]) for r in res.rows if r["subject"] == name}, key=STORES.index)
+        failed = [n for n in res.not_run if n["subject"] == name and n["status"] == "failed"]
+        if not HAVE[name]:
+            status = "not installed"
+        elif ran:
+            status = "ran"
+        else:
+            status = "could not run"
+        notes = what
+        if name == PT and HAVE[name]:
+            notes += (
+                ". Runs outside Lambda through idempotent_function (no Lambda context): it "
+                "then sets no in-progress expiry, so a key whose worker died stays blocked "
+                "until the record's whole expiry (1 h by default) instead of a lease; it "
+                "issues no fencing token and its completion is an unconditional SET"
+            )
+        if name == IK and HAVE[name] and not HAVE_ASYNCPG:
+            notes += ". Its PostgreSQL backend needs asyncpg, which is not installed"
+        out[name] = {
+            "distribution": dist,
+            "version": version(dist),
+            "status": status,
+            "stores": ran,
+            "failures": [f"{f['store']}, {f['scenario']}: {f['why']}" for f in failed],
+            "notes": notes,
+        }
+    return out

@@ -1,0 +1,380 @@
+"""The scenarios, each written once, run on every store's subjects.
+
+* uncontended and asyncio pairs (``run_store``): every subject interleaved round by round;
+* the crash-safe job, with its round trips counted (``count_trips``);
+* contention (``Contenders``): processes (threads for the in-process store) taking turns
+  on one lock: critical sections/s, hand-offs, gap, worst wait (``summarize``); the
+  same machinery with 2 processes is the single-waiter scenario;
+* Redis memory per key (``redis_memory``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing as mp
+import os
+import statistics
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import Any
+
+import redis
+from common import (
+    AIO1,
+    AIO100,
+    BASE,
+    CLAIM_OP,
+    CLIENT,
+    FK,
+    HAND,
+    HAND_OP,
+    HAVE,
+    JOB,
+    JOB_OP,
+    LOCK,
+    LOCK_OP,
+    OURS,
+    PEERS,
+    SPEC,
+    UNC,
+    Config,
+    PeerFailed,
+    Rates,
+    Results,
+    SyncFn,
+    _why,
+    ainterleave,
+    fan_out,
+    guarded,
+    interleave,
+    new_prefix,
+    role,
+    summarize,
+)
+from subjects import lock_pair
+
+import idemlock
+from idemlock import Claimed, IdempotencySpec
+from idemlock.stores.redis import _common as C
+
+_W: dict[str, Any] = {}
+
+
+def _worker_init(ready: Any, go: Any, start_at: Any) -> None:
+    _W.update(ready=ready, go=go, start_at=start_at)
+    ready.put(("started", os.getpid()))
+
+
+def critical_sections(
+    acquire: Callable[[str], Any], release: Callable[[Any], Any], start: float, seconds: float,
+    hold: float, pause: float = 0.0,
+) -> list[tuple[float, float, float]]:  # fmt: skip
+    """Take the lock, hold it, release, again, from ``start`` for ``seconds``:
+    (called, acquired, released) of each, on the machine's monotonic clock."""
+    while time.monotonic() < start:
+        time.sleep(0.0005)
+    end, events = start + seconds, []
+    while time.monotonic() < end:
+        called = time.monotonic()
+        held = acquire("hot")
+        acquired = time.monotonic()
+        time.sleep(hold)
+        released = time.monotonic()
+        release(held)
+        events.append((called, acquired, released))
+        if pause:  # off the lock for a moment: the other contender is then always waiting
+            time.sleep(pause)
+    return events
+
+
+def _contend(
+    store: str, kind: str, t: dict[str, Any], seconds: float, hold: float, pause: float = 0.0
+) -> list[tuple[float, float, float]]:
+    try:
+        acquire, release, close = lock_pair(store, kind, t)
+    except BaseException as exc:
+        _W["ready"].put(("error", _why(exc)))
+        raise
+    try:
+        try:
+            release(acquire(f"warm-{os.getpid()}"))  # connections, scripts, subscriptions
+        except BaseException as exc:
+            _W["ready"].put(("error", _why(exc)))
+            raise
+        _W["ready"].put(("ready", os.getpid()))
+        if not _W["go"].wait(180):
+            raise RuntimeError("no start signal")
+        return critical_sections(acquire, release, _W["start_at"].value, seconds, hold, pause)
+    finally:
+        close()
+
+
+class Contenders:
+    """Four worker processes, started once and reused for every contention run."""
+
+    PROCS = 4
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.ready, self.go, self.start_at = ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0)
+        self.pool = ctx.Pool(
+            self.PROCS, initializer=_worker_init, initargs=(self.ready, self.go, self.start_at)
+        )
+        # Wait until every worker has imported everything: starting 4 interpreters
+        # takes both cores for a few seconds, which must not fall on a measurement.
+        for _ in range(self.PROCS):
+            self.ready.get(timeout=120)
+
+    def run(
+        self, store: str, kind: str, t: dict[str, Any], seconds: float, hold: float = 0.001,
+        procs: int = PROCS, pause: float = 0.0,
+    ) -> dict[str, float]:  # fmt: skip
+        self.go.clear()
+        job = self.pool.starmap_async(
+            _contend, [(store, kind, t, seconds, hold, pause)] * procs, chunksize=1
+        )
+        errors = []
+        for _ in range(procs):
+            what, detail = self.ready.get(timeout=150)
+            if what == "error":
+                errors.append(detail)
+        self.start_at.value = time.monotonic() + 0.05
+        self.go.set()  # also when one failed: the others then finish their run
+        per_proc = job.get(timeout=seconds + 150)
+        if errors:
+            raise RuntimeError(errors[0])
+        events = [(c, a, r, i) for i, evs in enumerate(per_proc) for c, a, r in evs]
+        return summarize(events, seconds)
+
+    def close(self) -> None:
+        self.pool.close()
+        self.pool.join()
+
+
+def contend_threads(kind: str, seconds: float, hold: float = 0.001) -> dict[str, float]:
+    """The memory store lives in one process: its contenders are 4 threads."""
+    close: Callable[[], Any] = lambda: None  # noqa: E731
+    if kind == BASE:
+        mu = threading.Lock()
+
+        def acquire(key: str) -> Any:
+            mu.acquire()
+
+        def release(_: Any) -> None:
+            mu.release()
+    else:
+        coord = idemlock.connect("memory://", key_prefix=new_prefix())
+        locks = coord.lock(LOCK)
+        close = coord.close
+
+        def acquire(key: str) -> Any:
+            return locks.acquire(key, wait=30)
+
+        release = locks.release
+    start = time.monotonic() + 0.05
+    out: list[list[tuple[float, float, float]]] = [[] for _ in range(4)]
+
+    def body(i: int) -> None:
+        out[i] = critical_sections(acquire, release, start, seconds, hold)
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    close()
+    return summarize([(c, a, r, i) for i, evs in enumerate(out) for c, a, r in evs], seconds)
+
+
+# ---- running one store -------------------------------------------------------------------------
+
+
+def count_trips(
+    bench: Any,
+    build: Callable[[dict[str, Any], contextlib.ExitStack, Results], dict[str, SyncFn]],
+    k: int,
+) -> dict[str, dict[str, Any]]:
+    """Round trips per operation of each subject, counted on fresh clients."""
+    if bench.counting is None:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    with bench.counting() as (count, t), contextlib.ExitStack() as stack:
+        for name, fn in build(t, stack, Results()).items():
+            try:
+                fn(k)  # connections, scripts, prepared statements, a Cluster's nodes
+                before = count()
+                fn(k)
+            except Exception:
+                if role(name) != "peer":
+                    raise
+                continue  # measured (or reported as failed) by the timed run
+            out[name] = {"round_trips": round((count() - before) / k, 2)}
+    return out
+
+
+def run_store(bench: Any, cfg: Config, res: Results, contenders: Contenders) -> None:
+    name = bench.name
+    scale = bench.scale if cfg.scaled else 1
+    n, job_n = cfg.n * scale, cfg.job_n * scale
+
+    def measure(fns: dict[str, SyncFn], count: int, where: tuple[str, str, str]) -> Rates:
+        fns = guarded(fns)
+        while True:
+            try:
+                return interleave(fns, count, cfg.rounds)
+            except PeerFailed as exc:
+                res.skip(where, exc.name, "failed", _why(exc.cause))
+                del fns[exc.name]
+
+    async def ameasure(
+        fns: dict[str, Callable[[int], Awaitable[Any]]], where: tuple[str, str, str]
+    ) -> Rates:
+        while True:
+            try:
+                return await ainterleave(fns, n, cfg.rounds)
+            except PeerFailed as exc:
+                res.skip(where, exc.name, "failed", _why(exc.cause))
+                del fns[exc.name]
+
+    for op in (LOCK_OP, CLAIM_OP):
+        with contextlib.ExitStack() as stack:
+            fns = bench.sync_fns(op, bench.target(), stack, res)
+            rates = measure(fns, n, (UNC, op, name))
+        trips = count_trips(bench, lambda t, st, r, op=op: bench.sync_fns(op, t, st, r), cfg.count)
+        res.rates(UNC, op, name, rates, "pairs/s", trips)
+        print(f"  {UNC} {op}: " + ", ".join(
+            f"{k} {statistics.median(v):.0f}/s" for k, v in rates.items()))  # fmt: skip
+
+    async def aio() -> None:
+        for tasks, scenario in ((1, AIO1), (100, AIO100)):
+            for op in (LOCK_OP, CLAIM_OP):
+                async with contextlib.AsyncExitStack() as stack:
+                    where = (scenario, op, name)
+                    makes = guarded(await bench.async_fns(op, tasks, stack, res, where))
+                    for key, make in list(makes.items()):
+                        # One task first: connections, scripts, a Cluster client's slot
+                        # map (redis-py's asyncio RedisCluster drops connections in use if
+                        # many tasks trigger its first discovery at once).
+                        try:
+                            await make(0, 1)
+                        except PeerFailed as exc:
+                            res.skip(where, exc.name, "failed", _why(exc.cause))
+                            del makes[key]
+                    fns = {k: fan_out(m, tasks) for k, m in makes.items()}
+                    rates = await ameasure(fns, where)
+                res.rates(scenario, op, name, rates, "pairs/s")
+                print(f"  {scenario} {op}: " + ", ".join(
+                    f"{k} {statistics.median(v):.0f}/s" for k, v in rates.items()))  # fmt: skip
+
+    asyncio.run(aio())
+
+    with contextlib.ExitStack() as stack:
+        fns = bench.job_fns(bench.target(), stack, res)
+        rates = measure(fns, job_n, (JOB, JOB_OP, name))
+    trips = count_trips(bench, bench.job_fns, cfg.count)
+    res.rates(JOB, JOB_OP, name, rates, "jobs/s", trips)
+    print(f"  {JOB}: " + ", ".join(
+        f"{k} {statistics.median(v):.0f}/s ({trips.get(k, {}).get('round_trips', '-')} trips)"
+        for k, v in rates.items()))  # fmt: skip
+
+    where = (HAND, HAND_OP, name)
+    base_cs = None
+    for kind in bench.kinds:
+        if kind in HAVE and not HAVE[kind]:
+            res.skip(where, kind, "not installed", f"pip install {PEERS[kind][0]}")
+            continue
+        try:
+            if name == "memory":
+                m = contend_threads(kind, cfg.seconds)
+            else:
+                target = getattr(bench, "contention_target", bench.target)
+                t = {**target(), "prefix": new_prefix("ct")}
+                m = contenders.run(name, kind, t, cfg.seconds)
+        except Exception as exc:
+            if kind in (BASE, OURS):
+                raise
+            res.skip(where, kind, "failed", _why(exc))
+            continue
+        if kind == BASE:
+            base_cs = m["cs_per_s"]
+        assert base_cs is not None
+        res.rows.append({
+            "scenario": HAND, "operation": HAND_OP, "store": name, "subject": kind,
+            "role": role(kind), "value": m["cs_per_s"], "unit": "critical sections/s",
+            "ratio": m["cs_per_s"] / base_cs, "rounds": 1,
+            "handoff_share": m["handoff_share"], "gap_median_ms": m["gap_median_ms"],
+            "handoff_gap_median_ms": m["handoff_gap_median_ms"],
+            "worst_wait_ms": m["worst_wait_ms"], "count": m["count"],
+        })  # fmt: skip
+        print(
+            f"  {HAND} {kind}: {m['cs_per_s']:.0f} cs/s, hand-offs {m['handoff_share']:.0%}, "
+            f"gap median {m['gap_median_ms']:.2f} ms, worst wait {m['worst_wait_ms']:.1f} ms"
+        )
+
+
+def single_waiter(
+    bench: Any, cfg: Config, contenders: Contenders, kind: str = OURS
+) -> dict[str, float]:
+    """One holder, one waiter (2 processes; each holds 2 ms, then stays off the lock for
+    0.5 ms, so the other is always already waiting): the release -> acquire gap."""
+    target = getattr(bench, "contention_target", bench.target)
+    t = {**target(), "prefix": new_prefix("sw")}
+    return contenders.run(
+        bench.name, kind, t, min(cfg.seconds, 3.0), hold=0.002, procs=2, pause=0.0005
+    )
+
+
+def redis_memory(url: str, port: int) -> list[tuple[str, str]]:
+    """MEMORY USAGE of idemlock's records and locks, and of the peers' (Redis)."""
+    r = redis.Redis(port=port, **CLIENT)
+    rows = []
+
+    def size(key: str | bytes) -> str:
+        return f"{r.memory_usage(key, samples=0)} B (key name {len(key)} B)"
+
+    coord = idemlock.connect(url, key_prefix="mem")
+    port_ = coord.idempotency(SPEC)
+    ns = port_._ns
+    claim = port_.claim("order-000001")
+    assert isinstance(claim, Claimed)
+    k = C.names(ns, "order-000001").claim
+    rows.append(("idemlock claim in flight", size(k)))
+    port_.complete(claim.token, "x" * 98)  # 100 bytes of JSON
+    rows.append(("idemlock completed record, 100-byte result", size(k)))
+    locks = coord.lock(LOCK)
+    lease = locks.acquire("job-000001")
+    assert lease is not None
+    lk = C.names(locks._ns, "job-000001").lock
+    rows.append(("idemlock held lock", size(lk)))
+    locks.release(lease)
+    rows.append(("idemlock after release", f"{r.memory_usage(lk, samples=0)} B for "
+                 f"counter_ttl ({r.pttl(lk) / 1000:.0f} s), then nothing"))  # fmt: skip
+    short = coord.idempotency(IdempotencySpec("short", ttl=timedelta(seconds=0.2)))
+    c3 = short.claim("order-000003")
+    assert isinstance(c3, Claimed)
+    short.complete(c3.token, "x" * 90)
+    time.sleep(0.3)
+    k3 = C.names(short._ns, "order-000003").claim
+    rows.append(("idemlock completed record after its ttl",
+                 f"{r.memory_usage(k3) if r.exists(k3) else 0} B"))  # fmt: skip
+    coord.close()
+    lock = r.lock("peer:mem-redis-py-000001", timeout=30)
+    lock.acquire(blocking=False)
+    rows.append(("redis-py Lock held", size("peer:mem-redis-py-000001")))
+    lock.release()
+    if HAVE[FK]:
+        import fencekit
+
+        dl = fencekit.DistributedLock(r, prefix="fkm")
+        h = dl.acquire("job-000001", ttl=timedelta(seconds=30))
+        keys = r.keys("fkm*")
+        rows.append(("fencekit lock held", f"{sum(r.memory_usage(k, samples=0) for k in keys)} B "
+                     f"({len(keys)} keys)"))  # fmt: skip
+        dl.release(h)
+        left = sum(r.memory_usage(k, samples=0) for k in r.keys("fkm*"))
+        rows.append(("fencekit after release", f"{left} B (fence counter, never expires)"))
+    r.close()
+    return rows
