@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
 
+from ..._core import table as T
 from ..._core.port import (
     Acquired,
     Busy,
@@ -246,20 +247,22 @@ def _int(v: Any) -> int:
 
 
 def claim_reply(reply: Any, token: str) -> ClaimReply:
+    """The port reply of the CLAIM script: its first element is a claim reply code of
+    the state table."""
     code = reply[0]
-    if code == 1:
+    if code == T.GRANTED.code:
         return Granted(token, _int(reply[1]), _int(reply[2]), _int(reply[3]))
-    if code == 2:
+    if code == T.BUSY.code:
         return Busy(_int(reply[1]), _int(reply[2]))
-    if code == 3:
+    if code == T.DONE.code:
         return Done(bytes(reply[2]), _int(reply[1]))
-    if code == 4:
+    if code == T.MISMATCH.code:
         return Mismatch("in_flight" if reply[1] in (b"I", "I") else "completed")
     raise StoreCorrupt(f"unexpected reply from the claim script: {reply!r}")
 
 
 def lock_reply(reply: Any) -> Acquired | Held:
-    if reply[0] == 1:
+    if reply[0] == T.ACQUIRED.code:
         return Acquired(_int(reply[1]), _int(reply[2]), _int(reply[3]))
     return Held(_int(reply[1]), _int(reply[2]))
 
@@ -283,7 +286,7 @@ def lock_row(ns: str, key: str, reply: Any) -> LockRow | None:
 
 
 def fence_reply(reply: Any) -> tuple[bool, int]:
-    return bool(reply[0]), int(reply[1])
+    return reply[0] == T.OK.code, int(reply[1])
 
 
 def text(v: Any) -> str:

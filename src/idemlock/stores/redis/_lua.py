@@ -29,15 +29,28 @@ Waiters of a lock (a hash beside it, same slot): gid -> "first:until" (ms).
 
 Fence gate: a string holding the highest accepted token in decimal.
 
-Replies are arrays whose first element says which case happened; numbers are
-integers (Lua numbers stay exact below 2**53: microsecond counters do until 2255).
+Replies are arrays whose first element says which case happened, or a bare code; the
+codes are the state table's (:mod:`idemlock._core.table`), interpolated below, and each
+script names the rows it implements. Numbers are integers (Lua numbers stay exact
+below 2**53: microsecond counters do until 2255).
 """
 
 from __future__ import annotations
 
+from ..._core import table as T
+
+# The reply codes, from the one vocabulary of the state table (never typed here).
+_CODES = f"""
+local GRANTED, BUSY, DONE, MISMATCH = {T.GRANTED.code}, {T.BUSY.code}, {T.DONE.code}, {T.MISMATCH.code}
+local ACQUIRED, HELD = {T.ACQUIRED.code}, {T.HELD.code}
+local OK, STALE, NO_EXPIRY = {T.OK.code}, {T.STALE.code}, {T.NO_EXPIRY}
+"""  # noqa: E501
+
 # Redis's clock: TIME in microseconds, and ms for expiries. Counters are seeded from
 # now_us so a counter lost with its data restarts above every token it issued.
-_PRELUDE = """
+_PRELUDE = (
+    _CODES
+    + """
 local tm = redis.call('TIME')
 local now_us = tonumber(tm[1]) * 1000000 + tonumber(tm[2])
 local now = math.floor(now_us / 1000)
@@ -51,6 +64,7 @@ local function too_long(x)
   return redis.error_reply('IDEMLOCK_RANGE an expiry ' .. S(x - now) .. ' ms from now')
 end
 """
+)
 
 _READ_CLAIM = """
 local FMT = '>c1I7I6Bc0Bc0Bc0'
@@ -107,6 +121,7 @@ end
 """
 
 # ---- claims ------------------------------------------------------------------------
+# Rows claim.new, claim.resend, claim.mismatch, claim.replay, claim.busy.
 # KEYS[1] record. ARGV: fp, token, lease_ms, keep_ms
 CLAIM = (
     _PRELUDE
@@ -115,10 +130,10 @@ CLAIM = (
 local c, why = read_claim(KEYS[1])
 if not c then return corrupt(why) end
 if live(c) then
-  if c.s == 'I' and c.t == ARGV[2] then return {1, c.f, c.x, c.x - now} end
-  if c.p ~= ARGV[1] then return {4, c.s} end
-  if c.s == 'C' then return {3, c.x, c.r} end
-  return {2, c.x, c.x - now}
+  if c.s == 'I' and c.t == ARGV[2] then return {GRANTED, c.f, c.x, c.x - now} end
+  if c.p ~= ARGV[1] then return {MISMATCH, c.s} end
+  if c.s == 'C' then return {DONE, c.x, c.r} end
+  return {BUSY, c.x, c.x - now}
 end
 local f = next_fence(c.f)
 local lease = tonumber(ARGV[3])
@@ -126,11 +141,12 @@ local x = now + lease
 if x > MAX_MS then return too_long(x) end
 local v = pack_claim('I', f, x, ARGV[2], ARGV[1], '', '')
 redis.call('SET', KEYS[1], v, 'PXAT', S(x + tonumber(ARGV[4])))
-return {1, f, x, lease}
+return {GRANTED, f, x, lease}
 """
 )
 
-# KEYS[1] record. ARGV: token, lease_ms, keep_ms. Reply: the new lease end, or -1.
+# Rows extend.ok, extend.stale.
+# KEYS[1] record. ARGV: token, lease_ms, keep_ms. Reply: the new lease end, or NO_EXPIRY.
 EXTEND = (
     _PRELUDE
     + _READ_CLAIM
@@ -144,16 +160,26 @@ if c.s == 'I' and c.t == ARGV[1] and c.x > now then
              'PXAT', S(x + tonumber(ARGV[3])))
   return x
 end
-return -1
+return NO_EXPIRY
 """
 )
 
+# Rows complete.ok, complete.late, complete.resend, complete.stale.
 # KEYS[1] record, KEYS[2..] the caller's keys to write with the completion.
-# ARGV: token, result, ttl_ms, channel, nonce, then one value per caller's key.
+# ARGV: token, result, ttl_ms, channel, nonce (unused: the token's tag recognises a
+# re-send), then one value per caller's key.
 COMPLETE = (
     _PRELUDE
     + _READ_CLAIM
     + """
+-- 4 bytes of the token's SHA-1 kept as the completed record's nonce: a completion
+-- re-sent after a lost reply (same token, same result) is recognised, for 4 bytes
+-- rather than the whole token.
+local function tag(t)
+  local h = redis.sha1hex(t)
+  return string.char(tonumber(string.sub(h, 1, 2), 16), tonumber(string.sub(h, 3, 4), 16),
+                     tonumber(string.sub(h, 5, 6), 16), tonumber(string.sub(h, 7, 8), 16))
+end
 local c, why = read_claim(KEYS[1])
 if not c then return corrupt(why) end
 -- Accepted after the lease ended too, while no other attempt took the key over
@@ -163,17 +189,20 @@ if c.s == 'I' and c.t == ARGV[1] then
   if x > MAX_MS then return too_long(x) end
   -- A completed record lives exactly its ttl: once it is gone, the next fence is
   -- seeded from the clock, far above this one.
-  redis.call('SET', KEYS[1], pack_claim('C', c.f, x, '', c.p, ARGV[5], ARGV[2]), 'PXAT', S(x))
+  redis.call('SET', KEYS[1], pack_claim('C', c.f, x, '', c.p, tag(ARGV[1]), ARGV[2]),
+             'PXAT', S(x))
   -- The job's own effects commit with its record, or not at all (same script).
   for i = 2, #KEYS do redis.call('SET', KEYS[i], ARGV[i + 4]) end
   redis.call('PUBLISH', ARGV[4], '*')
-  return 1
+  return OK
 end
-if c.s == 'C' and c.n == ARGV[5] then return 1 end
-return 0
+if c.s == 'C' and c.x > now and c.n == tag(ARGV[1]) and c.r == ARGV[2] then return OK end
+return STALE
 """
 )
 
+# Rows abandon.ok, abandon.late, abandon.stale. The nonce recognises the driver's own
+# retry of this call after a lost reply (its first attempt's answer), not a new call.
 # KEYS[1] record. ARGV: token, keep_ms, channel, nonce
 ABANDON = (
     _PRELUDE
@@ -184,21 +213,21 @@ if not c then return corrupt(why) end
 if c.s == 'I' and c.t == ARGV[1] then  -- late abandon too, as for complete
   redis.call('SET', KEYS[1], pack_claim('A', c.f, 0, '', '', ARGV[4], ''), 'PX', ARGV[2])
   redis.call('PUBLISH', ARGV[3], '*')
-  return 1
+  return OK
 end
-if c.s == 'A' and c.n == ARGV[4] then return 1 end
-return 0
+if c.s == 'A' and c.n == ARGV[4] then return OK end
+return STALE
 """
 )
 
-# KEYS[1] record. ARGV: keep_ms, channel, nonce
+# Rows forget.live, forget.dead. KEYS[1] record. ARGV: keep_ms, channel, nonce
 FORGET = (
     _PRELUDE
     + _READ_CLAIM
     + """
 local c, why = read_claim(KEYS[1])
 if not c then return corrupt(why) end
-if c.s == 'F' and c.n == ARGV[3] then return 1 end
+if c.s == 'F' and c.n == ARGV[3] then return OK end
 local was = live(c)
 if c.s then
   -- only the counter stays
@@ -207,8 +236,8 @@ if c.s then
   redis.call('SET', KEYS[1], pack_claim('F', c.f, 0, '', '', n, ''), 'PX', ARGV[1])
 end
 redis.call('PUBLISH', ARGV[2], '*')
-if was then return 1 end
-return 0
+if was then return OK end
+return STALE
 """
 )
 
@@ -246,6 +275,7 @@ local function register()
 end
 """
 
+# Rows lock.acquire, lock.reacquire, lock.busy, lock.handoff, lock.handoff.take.
 # KEYS[1] record, KEYS[2] waiters. ARGV: owner, ttl_ms, keep_ms, gid, register_ms
 ACQUIRE = (
     _PRELUDE
@@ -261,14 +291,14 @@ if held(l) then
     local x = now + ttl
     redis.call('HSET', KEYS[1], 'x', S(x))
     redis.call('PEXPIREAT', KEYS[1], S(x + tonumber(ARGV[3])))
-    return {1, l.t, x, ttl, 0}  -- 0: the owner held it already
+    return {ACQUIRED, l.t, x, ttl, 0}  -- 0: the owner held it already
   end
   register()
-  return {2, l.x, l.x - now}
+  return {HELD, l.x, l.x - now}
 end
 if l.y and l.y > now and ARGV[4] ~= l.g then
   register()
-  return {2, l.y, l.y - now}
+  return {HELD, l.y, l.y - now}
 end
 local t = next_fence(l.t)
 local x = now + ttl
@@ -276,10 +306,11 @@ redis.call('HSET', KEYS[1], 'o', ARGV[1], 't', S(t), 'x', S(x))
 if l.y or l.n then redis.call('HDEL', KEYS[1], 'y', 'g', 'n') end
 if ARGV[4] ~= '' then redis.call('HDEL', KEYS[2], ARGV[4]) end
 redis.call('PEXPIREAT', KEYS[1], S(x + tonumber(ARGV[3])))
-return {1, t, x, ttl, 1}  -- 1: taken by this call
+return {ACQUIRED, t, x, ttl, 1}  -- 1: taken by this call
 """
 )
 
+# Rows lock.release (opening the hand-off window: state reserved), lock.release.stale.
 # KEYS[1] record, KEYS[2] waiters. ARGV: owner, token, keep_ms, handoff_ms, channel, nonce
 # Publishes the chosen waiter's gid, or '*' (wake every waiter) when there is none.
 RELEASE = (
@@ -312,10 +343,10 @@ if held(l) and l.o == ARGV[1] and l.ts == ARGV[2] then
   end
   redis.call('PEXPIRE', KEYS[1], S(keep))
   redis.call('PUBLISH', ARGV[5], chosen or '*')
-  return 1
+  return OK
 end
-if not l.o and l.ts == ARGV[2] and l.n == ARGV[6] then return 1 end
-return 0
+if not l.o and l.ts == ARGV[2] and l.n == ARGV[6] then return OK end
+return STALE
 """
 )
 
@@ -324,27 +355,32 @@ return 0
 # The counter 't' stays (the next acquire issues a higher token); dropping 'o' and 'x'
 # makes the old holder's RENEW and RELEASE find no lease of theirs. Every waiter is
 # woken ('*'): no hand-off window is reserved, as nobody chose to hand the lock over.
+# Rows lock.break, lock.break.free.
 BREAK = (
     _PRELUDE
     + _READ_LOCK
     + """
 local l, why = read_lock(KEYS[1])
 if not l then return corrupt(why) end
-if not held(l) then return 0 end
+if not held(l) then return STALE end
 redis.call('HDEL', KEYS[1], 'o', 'x', 'y', 'g', 'n')
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 redis.call('PUBLISH', ARGV[2], '*')
-return 1
+return OK
 """
 )
 
 # KEYS[1] waiters. ARGV: gid. A process stopped waiting without getting the lock.
-UNREGISTER = """
+UNREGISTER = (
+    _CODES
+    + """
 redis.pcall('HDEL', KEYS[1], ARGV[1])
-return 1
+return OK
 """
+)
 
-# KEYS[1] record. ARGV: owner, token, ttl_ms, keep_ms. Reply: new expiry or -1
+# Rows lock.renew, lock.renew.stale.
+# KEYS[1] record. ARGV: owner, token, ttl_ms, keep_ms. Reply: new expiry or NO_EXPIRY
 RENEW = (
     _PRELUDE
     + _READ_LOCK
@@ -358,7 +394,7 @@ if held(l) and l.o == ARGV[1] and l.ts == ARGV[2] then
   redis.call('PEXPIREAT', KEYS[1], S(x + tonumber(ARGV[4])))
   return x
 end
-return -1
+return NO_EXPIRY
 """
 )
 
@@ -375,28 +411,31 @@ return {}
 )
 
 # ---- fence gates -------------------------------------------------------------------
-# KEYS[1] gate. ARGV: token. Reply: {accepted 0/1, highest (decimal string)}
+# Rows fence.advance, fence.stale.
+# KEYS[1] gate. ARGV: token. Reply: {OK or STALE, highest (decimal string)}
 FENCE_ADVANCE = (
-    _READ_GATE
+    _CODES
+    + _READ_GATE
     + """
 local cur, why = read_gate(KEYS[1])
 if cur == nil then return redis.error_reply('IDEMLOCK_CORRUPT ' .. why) end
-if cur and not ge(ARGV[1], cur) then return {0, cur} end
+if cur and not ge(ARGV[1], cur) then return {STALE, cur} end
 if cur ~= ARGV[1] then redis.call('SET', KEYS[1], ARGV[1]) end
-return {1, ARGV[1]}
+return {OK, ARGV[1]}
 """
 )
 
 # KEYS[1] gate, KEYS[2] the user's key. ARGV: token, value
 FENCE_SET = (
-    _READ_GATE
+    _CODES
+    + _READ_GATE
     + """
 local cur, why = read_gate(KEYS[1])
 if cur == nil then return redis.error_reply('IDEMLOCK_CORRUPT ' .. why) end
-if cur and not ge(ARGV[1], cur) then return {0, cur} end
+if cur and not ge(ARGV[1], cur) then return {STALE, cur} end
 if cur ~= ARGV[1] then redis.call('SET', KEYS[1], ARGV[1]) end
 redis.call('SET', KEYS[2], ARGV[2])
-return {1, ARGV[1]}
+return {OK, ARGV[1]}
 """
 )
 
