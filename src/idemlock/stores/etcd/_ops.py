@@ -109,6 +109,8 @@ class Ops:
     # ---- idempotency records ---------------------------------------------------------
 
     def claim(self, ns: str, key: str, fp: str | None, token: str, lease_ms: int) -> Op:
+        # Rows claim.new (absent, or lapsed: the lease marker is gone), claim.resend,
+        # claim.mismatch, claim.busy, claim.replay.
         n = K.claim_names(self.root, ns, key)
         g = yield _grant(lease_ms)
         written = K.now_ms()
@@ -158,6 +160,8 @@ class Ops:
         return Done(val.result, val.times.expires_ms)
 
     def complete(self, ns: str, key: str, token: str, result: bytes, ttl_ms: int) -> Op:
+        # Rows complete.ok, complete.late (the record outlives its lease marker),
+        # complete.resend, complete.stale.
         n = K.claim_names(self.root, ns, key)
         known = self._claims.get((ns, key, token))
         if known is None:
@@ -168,8 +172,16 @@ class Ops:
                 val = K.parse_record(resp.kvs[0].value)
             except _BAD as exc:
                 raise K.corrupt(n.record, exc) from exc
-            if not isinstance(val, K.InFlightVal) or val.token != token:
-                return False
+            if isinstance(val, K.DoneVal):
+                # Row complete.resend: completed by this attempt with this result (a
+                # lost reply re-sent) -> nothing changes, and the call succeeds.
+                return (
+                    val.token == token
+                    and val.result == bytes(result)
+                    and val.times.expires_ms > K.now_ms()
+                )
+            if val.token != token:
+                return False  # row complete.stale: another attempt took the key over
             known = (int(resp.kvs[0].mod_revision), val.fp)
         fence, fp = known
         g = yield _grant(ttl_ms)
@@ -196,6 +208,7 @@ class Ops:
         return rpc.retried and bool(kv) and kv[0].value.startswith(K.done_prefix(token) + b"\0")
 
     def abandon(self, ns: str, key: str, token: str) -> Op:
+        # Rows abandon.ok, abandon.late, abandon.stale.
         n = K.claim_names(self.root, ns, key)
         rpc = Rpc(
             "Txn",
@@ -216,6 +229,7 @@ class Ops:
         return rpc.retried and not K.kvs(resp.responses[0])
 
     def extend(self, ns: str, key: str, token: str, lease_ms: int) -> Op:
+        # Rows extend.ok (the marker still exists), extend.stale.
         n = K.claim_names(self.root, ns, key)
         g = yield _grant(lease_ms)
         written = K.now_ms()
@@ -252,6 +266,7 @@ class Ops:
             raise K.corrupt(n.record, exc) from exc
 
     def forget(self, ns: str, key: str) -> Op:
+        # Rows forget.live, forget.dead.
         n = K.claim_names(self.root, ns, key)
         resp = yield Rpc(
             "Txn",
@@ -301,6 +316,8 @@ class Ops:
         self, ns: str, key: str, owner: str, ttl_ms: int, waiter: Waiter | None = None
     ) -> Op:
         """``waiter``: this process has callers waiting for the lock; they queue up."""
+        # Rows lock.acquire, lock.reacquire, lock.busy; the waiters' queue is etcd's
+        # hand-off (lock.handoff: a free lock another process waited longer for).
         name = K.lock_name(self.root, ns, key)
         qp = K.queue_prefix(self.root, ns, key)
         queue_end = K.prefix_end(qp)
@@ -390,6 +407,7 @@ class Ops:
         return [K.cmp_create(name, token), *K.cmp_starts(name, K.owner_prefix(owner))]
 
     def release(self, ns: str, key: str, owner: str, token: int) -> Op:
+        # Rows lock.release, lock.release.stale.
         name = K.lock_name(self.root, ns, key)
         rpc = Rpc(
             "Txn",
@@ -428,6 +446,7 @@ class Ops:
         return bool(resp.succeeded)
 
     def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> Op:
+        # Rows lock.renew, lock.renew.stale.
         name = K.lock_name(self.root, ns, key)
         g = yield _grant(ttl_ms)
         written = K.now_ms()
@@ -479,6 +498,7 @@ class Ops:
     # ---- fences ----------------------------------------------------------------------
 
     def fence_advance(self, ns: str, resource: str, token: int) -> Op:
+        # Rows fence.advance, fence.stale.
         gate = K.gate_name(self.root, ns, resource)
         mine = K.gate_value(token)
         # A higher token is on the gate -> refuse (and read it); else (lower, equal or
