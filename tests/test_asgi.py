@@ -721,3 +721,91 @@ def test_store_down_is_a_logged_503(pg: PgServer, caplog: pytest.LogCaptureFixtu
         # Back up: the same key now runs (nothing was claimed while the store was down).
         assert c.post("/charge", json={}, headers=h).status_code == 201
     assert calls["runs"] == 1
+
+
+# ---- the defaults of this release ------------------------------------------------------
+
+
+def test_with_an_identity_a_request_without_one_is_401_by_default(tmp_path: Path) -> None:
+    with (
+        running(
+            starlette_app, tmp_path / "idemlock.db", identity=header_identity("x-client")
+        ) as srv,
+        srv.client() as c,
+    ):
+        t = tag()
+        r = c.post("/charges", json={"tag": t}, headers={"Idempotency-Key": new_key()})
+        assert_problem(r, 401, "idempotency_identity_missing")
+        ok = c.post(
+            "/charges", json={"tag": t}, headers={"Idempotency-Key": new_key(), "X-Client": "a"}
+        )
+        assert ok.status_code == 201
+        assert srv.calls[t] == 1  # the 401 did not run the handler
+
+
+def test_a_framework_response_before_the_handler_started_is_not_recorded(
+    tmp_path: Path,
+) -> None:
+    """The rule for plain ASGI: once the application calls expect_handler, a response
+    it sends before handler_started (here a framework's validation 422) abandons the
+    claim, so the client that fixes its body reuses its key."""
+    from idemlock.integrations.asgi import expect_handler, handler_started
+
+    calls: Counter[str] = Counter()
+
+    async def charge(request: Request) -> Response:
+        data = await request.json()
+        calls[data["tag"]] += 1
+        return JSONResponse({"run": calls[data["tag"]], "id": uuid.uuid4().hex}, 201)
+
+    inner = Starlette(routes=[Route("/charge", charge, methods=["POST"])])
+
+    async def framework(scope: Any, receive: Any, send: Any) -> None:
+        # A framework that validates the body before it calls the handler.
+        expect_handler(scope)
+        body = (await receive())["body"]
+        if b'"amount"' not in body:
+            await JSONResponse({"detail": "amount is required"}, 422)(scope, receive, send)
+            return
+        handler_started(scope)
+        pending = [body]
+
+        async def again() -> Any:
+            return {"type": "http.request", "body": pending.pop(), "more_body": False}
+
+        await inner(scope, again, send)
+
+    coord = idemlock.aio.connect(f"sqlite:///{tmp_path / 'idemlock.db'}")
+    app = IdempotencyMiddleware(framework, coordinator=coord, spec=SPEC)
+    t, k = tag(), new_key()
+    with serve(app) as base, httpx.Client(base_url=base, timeout=10) as c:
+        bad = c.post("/charge", json={"tag": t}, headers={"Idempotency-Key": k})
+        assert bad.status_code == 422 and bad.json() == {"detail": "amount is required"}
+        fixed = c.post("/charge", json={"tag": t, "amount": 3}, headers={"Idempotency-Key": k})
+        assert fixed.status_code == 201 and not replayed(fixed)
+        again = c.post("/charge", json={"tag": t, "amount": 3}, headers={"Idempotency-Key": k})
+        assert replayed(again) and again.content == fixed.content
+    assert calls[t] == 1
+    asyncio.run(coord.close())
+
+
+def test_the_same_json_with_other_spacing_and_key_order_is_the_same_request(
+    server: Server,
+) -> None:
+    t, key = tag(), new_key()
+    h = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    with server.client() as c:
+        first = c.post("/charges", content=f'{{"tag":"{t}","amount":5}}', headers=h)
+        again = c.post("/charges", content=f'{{ "amount": 5,\n "tag": "{t}" }}', headers=h)
+        other = c.post("/charges", content=f'{{"tag":"{t}","amount":6}}', headers=h)
+    assert first.status_code == 201 and replayed(again) and again.content == first.content
+    assert_problem(other, 422, "idempotency_key_reused")
+    assert server.calls[t] == 1
+
+
+def test_an_unknown_option_names_the_known_ones(tmp_path: Path) -> None:
+    coord = idemlock.aio.connect("memory://")
+    with pytest.raises(idemlock.ConfigurationError, match=r"stripe_compat\b.*allow_unquoted_key"):
+        IdempotencyMiddleware(starlette_app(Counter()), coordinator=coord, stripe_compat=True)
+    with pytest.raises(idemlock.ConfigurationError, match="mismatch_status must be"):
+        IdempotencyMiddleware(starlette_app(Counter()), coordinator=coord, mismatch_status=418)

@@ -358,3 +358,47 @@ def test_a_response_closed_before_it_was_iterated_frees_its_key(tmp_path: Path) 
     body, got = call()
     assert b"".join(body) == b"done" and ran == [1]  # the replay
     coord.close()
+
+
+def test_the_same_json_in_another_layout_is_the_same_request(server: Gunicorn) -> None:
+    key, tag = uuid.uuid4().hex, uuid.uuid4().hex
+    h = {"Idempotency-Key": f'"{key}"', "Content-Type": "application/json", "X-Client": "a"}
+
+    def post(body: str) -> httpx.Response:
+        return httpx.post(f"{server.url}/charges", content=body, headers=h, timeout=20)
+
+    first = post(f'{{"tag":"{tag}","status":201}}')
+    again = post(f'{{\n  "status": 201,\n  "tag": "{tag}"\n}}')
+    assert first.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true" and again.content == first.content
+    problem(post(f'{{"tag":"{tag}","status":202}}'), 422, "idempotency_key_reused")
+    assert server.count(tag) == 1
+
+
+def test_with_an_identity_a_request_without_one_is_401_by_default() -> None:
+    import io
+
+    import idemlock
+    from idemlock.integrations.wsgi import IdempotencyMiddleware, environ_header_identity
+
+    ran: list[int] = []
+
+    def app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        ran.append(1)
+        start_response("201 Created", [("Content-Type", "text/plain")])
+        return [b"done"]
+
+    coord = idemlock.connect("memory://")
+    mw = IdempotencyMiddleware(app, coordinator=coord, identity=environ_header_identity("x-c"))
+    got: list[str] = []
+    environ = {
+        "REQUEST_METHOD": "POST",
+        "PATH_INFO": "/x",
+        "CONTENT_LENGTH": "2",
+        "wsgi.input": io.BytesIO(b"{}"),
+        "HTTP_IDEMPOTENCY_KEY": '"k"',
+    }
+    body = b"".join(mw(environ, lambda status, headers, exc=None: got.append(status)))
+    assert got == ["401 Unauthorized"] and b"idempotency_identity_missing" in body
+    assert ran == []
+    coord.close()

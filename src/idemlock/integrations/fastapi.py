@@ -1,0 +1,428 @@
+"""``Idempotency-Key`` for FastAPI, natively: per-route specs, the identity from a
+FastAPI dependency, the header and the problem responses in the OpenAPI document, and a
+lifespan that opens and closes the coordinator::
+
+    from idemlock.integrations.fastapi import Idempotency
+
+    async def caller(user: User = Depends(current_user)) -> str:
+        return str(user.id)
+
+    idem = Idempotency("postgresql://app@db/app", identity=caller)
+    app = FastAPI(lifespan=idem.lifespan)
+    idem.install(app)
+
+    @app.post("/charges", status_code=201)
+    @idem.protect(ttl=3600, lease=60)          # under the route decorator
+    async def charge(order: Order) -> Receipt: ...
+
+The decision is taken *inside* the endpoint, after FastAPI resolved its dependencies and
+validated the request: so the identity is whatever your dependency returns (with an
+``identity`` configured, None is 401 unless ``allow_anonymous=True``), and FastAPI's
+request-validation 422s, like the 401/403 your own dependencies raise, are never
+recorded: a client that fixes its body can reuse its key. The table is the ASGI
+middleware's (:mod:`idemlock.integrations.asgi`): replay with ``Idempotent-Replayed:
+true``, 409 while the first request runs, 422 for a key reused on another request, 503
+when the store fails, every refusal ``application/problem+json``. What the endpoint
+returns is recorded as FastAPI sends it (status, headers, serialised body).
+
+``install(app)`` adds the small ASGI layer that copies a protected endpoint's response
+(it touches nothing else) and documents each protected route in ``app.openapi()``: the
+``Idempotency-Key`` header parameter and the 400, 409, 422 and 503 (with an identity, 401)
+problem responses. ``lifespan`` opens the coordinator from the URL at startup and closes
+it at shutdown; use it as ``FastAPI(lifespan=idem.lifespan)`` or inside your own
+lifespan (``async with idem.lifespan(app): yield``). A coordinator you pass yourself
+(``coordinator=``) is yours to close.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from datetime import timedelta
+from typing import Any, TypeVar, cast
+
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.routing import APIRoute
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import Response
+
+from .._core.types import IdempotencySpec
+from .._errors import ConfigurationError
+from ..aio import AsyncCoordinator
+from ._http import AsyncPortFace, HttpCore, HttpOptions, Run
+from ._problem_json import PROBLEM_CODES, Answer
+from .asgi import ASGIApp, Message, Receive, Scope, Send, send_captured
+
+__all__ = ["Idempotency", "IdempotencyCapture"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: the scope key of a request's :class:`_Slot`
+_SLOT = "idemlock.fastapi"
+#: the attribute marking a protected endpoint (its settings), for the OpenAPI document
+_MARK = "__idemlock_route__"
+_REQUEST, _KEY, _IDENTITY = "idemlock_request__", "idemlock_key__", "idemlock_identity__"
+_UNSET: Any = object()
+
+_PROBLEM_SCHEMA: dict[str, Any] = {
+    "title": "IdempotencyProblem",
+    "type": "object",
+    "description": "An RFC 9457 problem document; `code` is a stable machine-readable name.",
+    "properties": {
+        "type": {"type": "string"},
+        "title": {"type": "string"},
+        "status": {"type": "integer"},
+        "detail": {"type": "string"},
+        "code": {"type": "string"},
+        "original_status": {"type": "integer"},
+    },
+    "required": ["type", "title", "status", "detail", "code"],
+}
+_DESCRIPTIONS = {
+    400: "Idempotency-Key missing or malformed",
+    401: "The request has no identity (Idempotency-Key requires one)",
+    409: "A request with this Idempotency-Key is still running, or its response cannot be replayed",
+    413: "Request body too large for an idempotent request",
+    422: "This Idempotency-Key was used with a different request",
+    503: "The idempotency store is unavailable; retry with the same key",
+}
+
+
+class _Slot:
+    """One request's state between the capture layer and a protected endpoint: a copy
+    of the request body as it is read (at most ``limit`` bytes), then the claim."""
+
+    __slots__ = ("chunks", "complete", "core", "limit", "over", "run", "size")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.over = False
+        self.complete = False
+        self.core: HttpCore | None = None
+        self.run: Run | None = None
+
+    def add(self, message: Message) -> None:
+        chunk = bytes(message.get("body", b""))
+        self.size += len(chunk)
+        if self.size > self.limit:
+            self.over, self.chunks = True, []
+        elif not self.over:
+            self.chunks.append(chunk)
+        if not message.get("more_body", False):
+            self.complete = True
+
+
+class IdempotencyCapture:
+    """The ASGI layer :meth:`Idempotency.install` adds: it keeps a bounded copy of each
+    request body and copies the response of a request a protected endpoint claimed.
+    Other requests pass through unchanged."""
+
+    def __init__(self, app: ASGIApp, *, max_body: int) -> None:
+        self.app = app
+        self.max_body = max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        slot = _Slot(self.max_body)
+        scope[_SLOT] = slot
+
+        async def tee_receive() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                slot.add(message)
+            return message
+
+        async def capture_send(message: Message) -> None:
+            if slot.run is None or slot.core is None:
+                await send(message)
+            else:
+                await send_captured(slot.core, slot.run, message, send)
+
+        try:
+            await self.app(scope, tee_receive, capture_send)
+        finally:
+            if slot.run is not None and slot.core is not None:
+                # A no-op once settled; else the endpoint raised or no whole response
+                # was sent: abandon, so a retry runs again.
+                await slot.core.fail(slot.run)
+
+
+def _seconds(value: timedelta | float | None, what: str) -> timedelta | None:
+    if value is None or isinstance(value, timedelta):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigurationError(f"{what} must be seconds or a timedelta, got {value!r}")
+    return timedelta(seconds=value)
+
+
+class Idempotency:
+    """The Idempotency-Key table for a FastAPI application.
+
+    :param url: the store URL the lifespan connects (``idemlock.aio.connect``).
+    :param coordinator: an open :class:`idemlock.aio.AsyncCoordinator` instead of ``url``.
+    :param identity: a FastAPI dependency (a function FastAPI can call with its own
+        parameters and ``Depends``) returning the caller's identity as a str, or None.
+    :param options: the options of :class:`idemlock.integrations.asgi.IdempotencyMiddleware`
+        (``spec``, ``require_key``, ``allow_anonymous``, ``fingerprint``,
+        ``mismatch_status``, ``max_body``, ``record``, ...), the defaults of every
+        protected route. ``methods`` and ``routes`` do not apply: the decorated endpoint
+        is the route.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        coordinator: AsyncCoordinator | None = None,
+        identity: Callable[..., Any] | None = None,
+        **options: Any,
+    ) -> None:
+        if (url is None) == (coordinator is None):
+            raise ConfigurationError("Idempotency needs a store url or a coordinator (one)")
+        if coordinator is not None and not isinstance(coordinator, AsyncCoordinator):
+            raise ConfigurationError(
+                "Idempotency needs an idemlock.aio.AsyncCoordinator (idemlock.aio.connect), "
+                f"got {type(coordinator).__name__}"
+            )
+        if identity is not None and not callable(identity):
+            raise ConfigurationError("identity must be a FastAPI dependency (a callable)")
+        for name in ("methods", "routes"):
+            if name in options:
+                raise ConfigurationError(
+                    f"{name!r} does not apply to FastAPI: protect each endpoint with "
+                    "@idem.protect(...)"
+                )
+        self.url = url
+        self.identity = identity
+        self.options = HttpOptions.of(options)
+        self._coordinator = coordinator
+
+    @property
+    def coordinator(self) -> AsyncCoordinator:
+        if self._coordinator is None:
+            raise ConfigurationError(
+                "the idempotency coordinator is not open: give FastAPI the lifespan "
+                "(FastAPI(lifespan=idem.lifespan), or async with idem.lifespan(app) in yours)"
+            )
+        return self._coordinator
+
+    @asynccontextmanager
+    async def lifespan(self, app: Any = None) -> AsyncIterator[None]:
+        """Open the coordinator from ``url`` for the application's life, then close it."""
+        if self.url is None:
+            yield  # a coordinator given by the caller: theirs to open and close
+            return
+        import idemlock.aio
+
+        self._coordinator = idemlock.aio.connect(self.url)
+        try:
+            yield
+        finally:
+            coord, self._coordinator = self._coordinator, None
+            await coord.close()
+
+    def install(self, app: FastAPI) -> None:
+        """Add the response-copying layer and document the protected routes in
+        ``app.openapi()``. Call it once, before the application serves."""
+        app.add_middleware(IdempotencyCapture, max_body=self.options.max_body)
+        generate = app.openapi
+
+        def openapi() -> dict[str, Any]:
+            if app.openapi_schema is None:
+                _document(generate(), app.routes)
+            return cast(dict[str, Any], app.openapi_schema)
+
+        app.openapi = openapi  # type: ignore[method-assign]
+
+    def protect(
+        self,
+        endpoint: F | None = None,
+        *,
+        spec: IdempotencySpec | str | None = None,
+        ttl: timedelta | float | None = None,
+        lease: timedelta | float | None = None,
+        identity: Callable[..., Any] | None = _UNSET,
+        **overrides: Any,
+    ) -> Any:
+        """Protect one endpoint (put it *under* ``@app.post(...)``). ``spec``, or
+        ``ttl`` and ``lease`` over the default spec, say how long this route's
+        responses are replayed and how long a crashed request holds its key;
+        ``identity`` and ``overrides`` replace the :class:`Idempotency` defaults for
+        this route."""
+        ident = self.identity if identity is _UNSET else identity
+        if ident is not None and not callable(ident):
+            raise ConfigurationError("identity must be a FastAPI dependency (a callable)")
+        opts = self.options.with_changes(**overrides) if overrides else self.options
+        base = opts.spec if spec is None else spec
+        ttl_td, lease_td = _seconds(ttl, "ttl"), _seconds(lease, "lease")
+        if ttl_td is not None or lease_td is not None:
+            if not isinstance(base, IdempotencySpec):
+                base = IdempotencySpec(base)
+            base = dataclasses.replace(base, ttl=ttl_td or base.ttl, lease=lease_td or base.lease)
+        opts = opts.with_changes(spec=base)
+
+        def wrap(fn: F) -> F:
+            return cast(F, _ProtectedEndpoint(self, fn, opts, ident).endpoint)
+
+        return wrap if endpoint is None else wrap(endpoint)
+
+
+class _ProtectedEndpoint:
+    """One protected endpoint: the wrapper FastAPI calls, and its core (made at the
+    first request, on the coordinator the lifespan opened)."""
+
+    def __init__(
+        self,
+        owner: Idempotency,
+        fn: Callable[..., Any],
+        options: HttpOptions,
+        identity: Callable[..., Any] | None,
+    ) -> None:
+        self.owner, self.fn, self.options, self.identity = owner, fn, options, identity
+        self._cores: dict[int, HttpCore] = {}
+        self._is_async = inspect.iscoroutinefunction(fn)
+        self.endpoint = self._wrapper()
+
+    def core(self) -> HttpCore:
+        coord = self.owner.coordinator
+        core = self._cores.get(id(coord))
+        if core is None:
+            port = coord.idempotency(self.options.spec)
+            core = HttpCore(
+                AsyncPortFace(port), self.options, has_identity=self.identity is not None
+            )
+            self._cores = {id(coord): core}  # a new coordinator (a new lifespan) replaces it
+        return core
+
+    def _wrapper(self) -> Callable[..., Any]:
+        fn, options = self.fn, self.options
+        sig = inspect.signature(fn, eval_str=True)
+        params = list(sig.parameters.values())
+        clash = {_REQUEST, _KEY, _IDENTITY} & set(sig.parameters)
+        if clash:
+            raise ConfigurationError(f"the endpoint has a parameter idemlock needs: {clash}")
+        extra = [
+            inspect.Parameter(_REQUEST, inspect.Parameter.KEYWORD_ONLY, annotation=Request),
+            inspect.Parameter(
+                _KEY,
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=str | None,
+                default=Header(
+                    None,
+                    alias=options.header,
+                    description=(
+                        "A unique key for this operation, as a quoted string "
+                        '(`"8e03978e-40d5-43e8-bc93-6894a57f9324"`). A retry with the same '
+                        "key and request gets the first response back (marked "
+                        f"`{options.replay_header}: true`) and the operation does not run "
+                        "again." + (" Required." if options.require_key else "")
+                    ),
+                ),
+            ),
+        ]
+        if self.identity is not None:
+            extra.append(
+                inspect.Parameter(
+                    _IDENTITY,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    annotation=Any,
+                    default=Depends(self.identity),
+                )
+            )
+        at = next(
+            (i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD),
+            len(params),
+        )
+        params[at:at] = extra
+
+        @functools.wraps(fn)
+        async def endpoint(*args: Any, **kwargs: Any) -> Any:
+            request: Request = kwargs.pop(_REQUEST)
+            kwargs.pop(_KEY, None)  # read from the raw headers: two fields are a 400
+            ident = kwargs.pop(_IDENTITY, None)
+            decided = await self._decide(request, ident)
+            if isinstance(decided, Answer):
+                return _response(decided)
+            if self._is_async:
+                return await fn(*args, **kwargs)
+            return await run_in_threadpool(fn, *args, **kwargs)
+
+        endpoint.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+        setattr(endpoint, _MARK, self)
+        return endpoint
+
+    async def _decide(self, request: Request, ident: Any) -> Answer | None:
+        slot = request.scope.get(_SLOT)
+        if not isinstance(slot, _Slot):
+            raise ConfigurationError(
+                "this endpoint is protected with @idem.protect, but idem.install(app) was "
+                "not called: call it once after creating the FastAPI app"
+            )
+        core = self.core()
+        key = core.key_of(request.scope.get("headers") or ())
+        if key is None or isinstance(key, Answer):
+            return key
+        refused = core.refuse_identity(ident)
+        if refused is not None:
+            return refused
+        if core.declared_too_large(request.scope.get("headers") or ()):
+            return core.problems.too_large()
+        try:
+            body = await request.body()  # FastAPI's copy, or read now
+        except RuntimeError:
+            # A form endpoint: FastAPI parsed the stream without keeping its bytes,
+            # which the capture layer copied on the way.
+            body = b"" if slot.over else b"".join(slot.chunks)
+        if slot.over or len(body) > core.max_body:
+            return core.problems.too_large()
+        decided = await core.claim(request.scope, ident, key, body)
+        if isinstance(decided, Run):
+            slot.core, slot.run = core, decided
+            return None
+        return decided
+
+
+def _response(answer: Answer) -> Response:
+    response = Response(answer.body, status_code=answer.status)
+    response.raw_headers = list(answer.headers)  # repeated fields (Set-Cookie) kept
+    return response
+
+
+def _document(schema: dict[str, Any], routes: list[Any]) -> None:
+    """Add the Idempotency-Key problem responses to each protected operation."""
+    paths = schema.get("paths", {})
+    used = False
+    for route in routes:
+        protected = getattr(getattr(route, "endpoint", None), _MARK, None)
+        if not isinstance(route, APIRoute) or not isinstance(protected, _ProtectedEndpoint):
+            continue
+        for method in route.methods or ():
+            operation = paths.get(route.path_format, {}).get(method.lower())
+            if operation is None:
+                continue
+            used = True
+            statuses = [400, 409, 413, 503]
+            statuses.append(protected.options.mismatch_status or 422)
+            if protected.identity is not None or protected.options.allow_anonymous is False:
+                statuses.append(401)
+            responses = operation.setdefault("responses", {})
+            for status in sorted(set(statuses)):
+                entry = responses.setdefault(str(status), {})
+                codes = ", ".join(f"`{c}`" for c in PROBLEM_CODES.get(status, ()))
+                described = _DESCRIPTIONS[status] + (f" (code {codes})" if codes else "")
+                old = entry.get("description")
+                entry["description"] = described if not old else f"{old}; or: {described}"
+                entry.setdefault("content", {})["application/problem+json"] = {
+                    "schema": {"$ref": "#/components/schemas/IdempotencyProblem"}
+                }
+    if used:
+        schema.setdefault("components", {}).setdefault("schemas", {})["IdempotencyProblem"] = (
+            _PROBLEM_SCHEMA
+        )
