@@ -51,7 +51,8 @@ from psycopg.conninfo import conninfo_to_dict
 from ..._errors import ConfigurationError
 from ..._urls import redact
 from ._pool import CancellableAsyncPool
-from ._schema import amigrate, migrate
+from ._schema_async import amigrate
+from ._schema_sync import migrate
 from ._sql import SCHEMA_VERSION
 from ._store import (
     DEFAULT_SCHEMA,

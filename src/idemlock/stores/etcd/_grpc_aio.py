@@ -1,0 +1,451 @@
+"""The asyncio etcd store's I/O: the ops of :mod:`._ops` driven on ``grpc.aio``
+(client, watcher), and :class:`_AsyncRunner`, the half of
+:class:`~._async.AsyncEtcdStore` that differs from the sync store's."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from ..._core.port import Channel
+from ..._errors import IdemlockError, StoreUnavailable
+from . import _conf
+from ._grpc_sync import _STORES, CHANNEL_OPTIONS, INHERITED, _track_fork, leave_rpc, watch_range
+from ._ops import WRITES, Op, Ops, Rpc, Waiter
+from ._pb.etcdserverpb import rpc_pb2 as _rpc_pb2
+from ._pb.etcdserverpb import rpc_pb2_grpc as _rpc_pb2_grpc
+
+log = logging.getLogger("idemlock")
+pb: Any = _rpc_pb2  # generated without type information
+stubs: Any = _rpc_pb2_grpc
+
+
+class _Stubs:
+    __slots__ = ("channel", "endpoint", "methods", "watch")
+
+    def __init__(self, channel: grpc.aio.Channel, endpoint: str) -> None:
+        self.channel = channel
+        self.endpoint = endpoint
+        kv, lease = stubs.KVStub(channel), stubs.LeaseStub(channel)
+        self.methods: dict[str, Any] = {
+            "Range": kv.Range,
+            "Txn": kv.Txn,
+            "DeleteRange": kv.DeleteRange,
+            "Put": kv.Put,
+            "LeaseGrant": lease.LeaseGrant,
+            "LeaseRevoke": lease.LeaseRevoke,
+            "LeaseTimeToLive": lease.LeaseTimeToLive,
+            "Authenticate": stubs.AuthStub(channel).Authenticate,
+        }
+        self.watch = stubs.WatchStub(channel).Watch
+
+
+class AsyncClient:
+    """grpc.aio channels to the endpoints, made on the event loop that uses them (a new
+    loop gets new channels); every call has a deadline and fails over."""
+
+    def __init__(self, conf: _conf.Config) -> None:
+        self.conf = conf
+        self._stubs: dict[int, _Stubs] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._current = random.randrange(len(conf.endpoints))
+        self._token: str | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        self._closed = False
+        _track_fork(self)
+
+    def after_fork(self) -> None:
+        INHERITED.append((self._stubs, self._background))
+        self._stubs, self._loop, self._background = {}, None, set()
+
+    def stubs(self) -> _Stubs:
+        if self._closed:
+            raise StoreUnavailable("the etcd store is closed")
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            # Channels belong to the loop that made them; a closed loop's are dropped.
+            self._stubs, self._loop, self._background = {}, loop, set()
+        i = self._current
+        s = self._stubs.get(i)
+        if s is None:
+            target = self.conf.endpoints[i]
+            if self.conf.tls:
+                ch = grpc.aio.secure_channel(target, self.conf.credentials(), CHANNEL_OPTIONS)
+            else:
+                ch = grpc.aio.insecure_channel(target, CHANNEL_OPTIONS)
+            s = self._stubs[i] = _Stubs(ch, target)
+        return s
+
+    def failover(self, seen: _Stubs) -> None:
+        if self._stubs.get(self._current) is seen and len(self.conf.endpoints) > 1:
+            self._current = (self._current + 1) % len(self.conf.endpoints)
+
+    async def metadata(self, s: _Stubs, deadline: float) -> tuple[tuple[str, str], ...] | None:
+        if self.conf.user is None:
+            return None
+        token = self._token
+        if token is None:
+            left = deadline - time.monotonic()
+            resp = await s.methods["Authenticate"](
+                pb.AuthenticateRequest(name=self.conf.user, password=self.conf.password or ""),
+                timeout=max(0.01, min(left, self.conf.per_try)),
+            )
+            token = self._token = str(resp.token)
+        return (("token", token),)
+
+    async def call(self, rpc: Rpc, deadline: float) -> Any:
+        attempt = 0
+        last: Exception | None = None
+        while True:
+            s = self.stubs()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                why = f": {last}" if last is not None else ""
+                raise StoreUnavailable(
+                    f"etcd {rpc.method}: no answer within the store's timeout of "
+                    f"{self.conf.timeout}s{why}"
+                ) from last
+            try:
+                md = await self.metadata(s, deadline)
+                return await s.methods[rpc.method](
+                    rpc.request, timeout=self.conf.try_timeout(attempt, left), metadata=md
+                )
+            except grpc.aio.AioRpcError as exc:
+                action = _conf.classify(exc)
+                if action == _conf.FAIL:
+                    raise _conf.error(exc, rpc.method, s.endpoint) from exc
+                last = _conf.error(exc, rpc.method, s.endpoint)
+                if action == _conf.REAUTH:
+                    self._token = None
+                    if attempt > 2:
+                        raise last from exc
+                elif rpc.method in WRITES:
+                    rpc.retried = True
+                self.failover(s)
+                attempt += 1
+                await asyncio.sleep(
+                    min(0.2, 0.01 * 2**attempt, max(0.0, deadline - time.monotonic()))
+                )
+
+    def background(self, rpc: Rpc) -> None:
+        async def send() -> None:
+            with contextlib.suppress(grpc.aio.AioRpcError, IdemlockError, asyncio.CancelledError):
+                s = self.stubs()
+                md = await self.metadata(s, time.monotonic() + self.conf.timeout)
+                await s.methods[rpc.method](rpc.request, timeout=self.conf.timeout, metadata=md)
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        self._closed = True
+        chans, self._stubs = list(self._stubs.values()), {}
+        same_loop = self._loop is asyncio.get_running_loop()
+        if same_loop:
+            pending = list(self._background)
+            if pending:
+                await asyncio.wait(pending, timeout=1.0)
+            for s in chans:
+                with contextlib.suppress(Exception):
+                    await s.channel.close()
+
+
+class _AsyncGateway:
+    """The gateway client (blocking HTTP) for a forked child's event loop."""
+
+    def __init__(self, sync: Any) -> None:
+        self.sync = sync
+        self.conf = sync.conf
+        self._background: set[asyncio.Task[Any]] = set()
+
+    async def call(self, rpc: Rpc, deadline: float) -> Any:
+        return await asyncio.to_thread(self.sync.call, rpc, deadline)
+
+    def background(self, rpc: Rpc) -> None:
+        self.sync.background(rpc)
+
+    async def close(self) -> None:
+        return None
+
+
+async def drive(client: AsyncClient, op: Op) -> Any:
+    deadline = time.monotonic() + client.conf.timeout
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            rpc = op.throw(error) if error is not None else op.send(value)
+        except StopIteration as stop:
+            return stop.value
+        error, value = None, None
+        if rpc.background:
+            client.background(rpc)
+            continue
+        try:
+            value = await client.call(rpc, deadline)
+        except IdemlockError as exc:
+            error = exc
+
+
+# ---- watches -----------------------------------------------------------------------------
+
+
+class _Group:
+    __slots__ = ("channel", "created", "end", "id", "key", "no_put", "subs", "waiter")
+
+    def __init__(self, wid: int, key: bytes, end: bytes, channel: Channel) -> None:
+        self.id = wid
+        self.key = key
+        self.end = end
+        self.channel = channel
+        self.no_put = channel.kind == "lock"  # a lock is freed by a deletion only
+        #: this process's place in the lock's queue while its callers wait
+        self.waiter = Waiter() if channel.kind == "lock" else None
+        self.subs: set[AsyncSubscription] = set()
+        self.created = asyncio.Event()
+
+    def create(self) -> Any:
+        filters = [pb.WatchCreateRequest.NOPUT] if self.no_put else []
+        return pb.WatchRequest(
+            create_request=pb.WatchCreateRequest(
+                key=self.key, range_end=self.end, watch_id=self.id, filters=filters
+            )
+        )
+
+
+class AsyncSubscription:
+    __slots__ = ("_event", "_group", "_watcher")
+
+    def __init__(self, watcher: AsyncWatcher, group: _Group) -> None:
+        self._watcher = watcher
+        self._group = group
+        self._event = asyncio.Event()
+
+    async def wait(self, timeout: float) -> bool:
+        if not self._event.is_set() and timeout > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._event.wait(), timeout)
+        fired = self._event.is_set()
+        self._event.clear()
+        return fired
+
+    async def aclose(self) -> None:
+        self._watcher.remove(self)
+
+
+class AsyncWatcher:
+    """One Watch stream per store and event loop, read by a task; see SyncWatcher."""
+
+    def __init__(self, client: AsyncClient, root: bytes) -> None:
+        self._client = client
+        self._root = root
+        self._groups: dict[tuple[bytes, bytes], _Group] = {}
+        self._by_id: dict[int, _Group] = {}
+        self._ids = itertools.count(1)
+        self._call: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+
+    async def subscribe(self, key: bytes, end: bytes, channel: Channel) -> AsyncSubscription:
+        if self._closed:
+            raise StoreUnavailable("the etcd store is closed")
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._groups, self._by_id, self._call, self._task = {}, {}, None, None
+            self._loop = loop
+        g = self._groups.get((key, end))
+        if g is None:
+            g = _Group(next(self._ids), key, end, channel)
+            self._groups[(key, end)] = g
+            self._by_id[g.id] = g
+            await self._send(g.create())
+        sub = AsyncSubscription(self, g)
+        g.subs.add(sub)
+        if self._task is None or self._task.done():
+            self._task = loop.create_task(self._run())
+        if not g.created.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(g.created.wait(), min(1.0, self._client.conf.timeout))
+        return sub
+
+    async def _send(self, req: Any) -> None:
+        call = self._call
+        if call is None:
+            return  # the reader sends every create when it (re)connects
+        with contextlib.suppress(Exception):
+            await call.write(req)
+
+    def waiting(self, key: bytes) -> Waiter | None:
+        g = self._groups.get((key, b""))
+        return g.waiter if g is not None and g.subs else None
+
+    def remove(self, sub: AsyncSubscription) -> None:
+        g = sub._group
+        g.subs.discard(sub)
+        if g.subs or self._groups.get((g.key, g.end)) is not g:
+            return
+        if g.waiter is not None and g.waiter.rev:
+            self._client.background(leave_rpc(self._root, g.channel, g.waiter))
+        del self._groups[(g.key, g.end)]
+        self._by_id.pop(g.id, None)
+        call = self._call
+        if call is not None and g.created.is_set() and self._loop is not None:
+            req = pb.WatchRequest(cancel_request=pb.WatchCancelRequest(watch_id=g.id))
+            task = self._loop.create_task(self._send(req))
+            self._client._background.add(task)
+            task.add_done_callback(self._client._background.discard)
+
+    def _handle(self, resp: Any) -> None:
+        g = self._by_id.get(resp.watch_id)
+        if g is None:
+            return
+        if resp.created:
+            g.created.set()
+        if resp.events or resp.canceled:
+            for s in g.subs:
+                s._event.set()
+        if resp.canceled:
+            g.created = asyncio.Event()
+            task = asyncio.get_running_loop().create_task(self._send(g.create()))
+            self._client._background.add(task)
+            task.add_done_callback(self._client._background.discard)
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while not self._closed:
+            s = None
+            try:
+                s = self._client.stubs()
+                md = await self._client.metadata(s, time.monotonic() + self._client.conf.timeout)
+                call = s.watch(metadata=md)
+                self._call = call
+                for g in list(self._groups.values()):
+                    await call.write(g.create())
+                while True:
+                    resp = await call.read()
+                    if resp is grpc.aio.EOF:
+                        break
+                    backoff = 0.05
+                    self._handle(resp)
+            except asyncio.CancelledError:
+                raise
+            except (grpc.aio.AioRpcError, IdemlockError, ValueError, RuntimeError):
+                pass
+            call, self._call = self._call, None
+            if call is not None:
+                call.cancel()
+            if self._closed:
+                return
+            for g in self._groups.values():
+                g.created = asyncio.Event()
+                for sub in g.subs:
+                    sub._event.set()
+            if s is not None:
+                self._client.failover(s)
+            await asyncio.sleep(backoff)
+            backoff = min(1.0, backoff * 2)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for g in self._groups.values():
+            for s in g.subs:
+                s._event.set()
+        call, self._call = self._call, None
+        if call is not None:
+            call.cancel()
+        task, self._task = self._task, None
+        if task is not None and not task.done() and self._loop is asyncio.get_running_loop():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
+# ---- the store's own half ------------------------------------------------------------------
+
+
+class _AsyncRunner:
+    """What :class:`~._async.AsyncEtcdStore` does its own way: its client and watcher,
+    the fork hand-over, running an op so that a cancellation strands nothing, waiting
+    and closing."""
+
+    def __init__(self, conf: _conf.Config) -> None:
+        self.conf = conf
+        self.timeout = conf.timeout
+        self.client = AsyncClient(conf)
+        self.ops = Ops(conf.root)
+        self._watcher = AsyncWatcher(self.client, conf.root)
+        # undo calls for cancelled claims/acquires, kept from being collected
+        self._undoing: set[asyncio.Task[Any]] = set()
+        #: after os.fork(), the child's calls go over etcd's HTTP gateway (A6)
+        self._gateway: Any = None
+        _STORES.add(self)
+
+    def after_fork(self) -> None:
+        from ._gateway import GatewayClient, GatewayWatcher
+
+        INHERITED.append((self.client, self._watcher))
+        sync = GatewayClient(self.conf)
+        self.client = _AsyncGateway(sync)  # type: ignore[assignment]
+        self._gateway = GatewayWatcher(sync)
+
+    async def _run(self, op: Op) -> Any:
+        return await drive(self.client, op)
+
+    async def _undoable(self, op: Op, undo: Callable[[Any], Op | None]) -> Any:
+        """Run an op that may take a key (claim, acquire) so that a cancellation cannot
+        strand it: the op runs on in a task of its own (bounded by ``timeout``) and what
+        it took is given back as soon as it ends."""
+        task = asyncio.ensure_future(self._run(op))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda t: self._undo_after(t, undo))
+            raise
+
+    def _undo_after(self, task: asyncio.Task[Any], undo: Callable[[Any], Op | None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and not isinstance(exc, StoreUnavailable):
+            return  # refused: nothing was taken
+        op = undo(None if exc is not None else task.result())
+        if op is None:
+            return
+        t = asyncio.ensure_future(self._run(op))
+        self._undoing.add(t)
+        t.add_done_callback(self._undone)
+
+    def _undone(self, task: asyncio.Task[Any]) -> None:
+        self._undoing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning(
+                "idemlock: could not undo a cancelled etcd call; what it took frees "
+                "itself when its lease ends",
+                exc_info=task.exception(),
+            )
+
+    async def subscribe(self, channel: Channel) -> Any:
+        key, end = watch_range(self.conf.root, channel)
+        if self._gateway is not None:
+            from ._gateway import AsyncGatewaySubscription
+
+            sub = await asyncio.to_thread(self._gateway.subscribe, key, end, channel.kind == "lock")
+            return AsyncGatewaySubscription(sub)
+        return await self._watcher.subscribe(key, end, channel)
+
+    async def aclose(self) -> None:
+        if self._gateway is not None:
+            return  # a forked child: nothing of gRPC's may be touched
+        await self._watcher.aclose()
+        await self.client.close()

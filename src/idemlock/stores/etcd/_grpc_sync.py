@@ -1,0 +1,496 @@
+"""The blocking etcd store's I/O: the ops of :mod:`._ops` driven on ``grpc.Channel``
+(client, watcher, fork hook), and :class:`_SyncRunner`, the half of
+:class:`~._sync.EtcdStore` that differs from the async store's."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import random
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from ..._core.port import Channel
+from ..._errors import IdemlockError, StoreUnavailable
+from . import _codec as K
+from . import _conf
+from ._ops import WRITES, Op, Ops, Rpc, Waiter
+from ._pb.etcdserverpb import rpc_pb2 as _rpc_pb2
+from ._pb.etcdserverpb import rpc_pb2_grpc as _rpc_pb2_grpc
+
+pb: Any = _rpc_pb2  # generated without type information
+stubs: Any = _rpc_pb2_grpc
+
+#: channel options: find a dead connection by itself (etcd allows pings every 5 s)
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+class _Stubs:
+    __slots__ = ("channel", "endpoint", "methods", "watch")
+
+    def __init__(self, channel: grpc.Channel, endpoint: str) -> None:
+        self.channel = channel
+        self.endpoint = endpoint
+        kv, lease = stubs.KVStub(channel), stubs.LeaseStub(channel)
+        auth = stubs.AuthStub(channel)
+        self.methods: dict[str, Any] = {
+            "Range": kv.Range,
+            "Txn": kv.Txn,
+            "DeleteRange": kv.DeleteRange,
+            "Put": kv.Put,
+            "LeaseGrant": lease.LeaseGrant,
+            "LeaseRevoke": lease.LeaseRevoke,
+            "LeaseTimeToLive": lease.LeaseTimeToLive,
+            "Authenticate": auth.Authenticate,
+            "Status": stubs.MaintenanceStub(channel).Status,
+        }
+        self.watch = stubs.WatchStub(channel).Watch
+
+
+class SyncClient:
+    """Channels to the endpoints; every call has a deadline and fails over."""
+
+    def __init__(self, conf: _conf.Config) -> None:
+        self.conf = conf
+        self._lock = threading.Lock()
+        self._stubs: dict[int, _Stubs] = {}
+        self._current = random.randrange(len(conf.endpoints))
+        self._token: str | None = None
+        self._pending: set[Any] = set()
+        self._closed = False
+        _track_fork(self)
+
+    # -- channels ------------------------------------------------------------------------
+
+    def stubs(self) -> _Stubs:
+        with self._lock:
+            if self._closed:
+                raise StoreUnavailable("the etcd store is closed")
+            i = self._current
+            s = self._stubs.get(i)
+            if s is None:
+                target = self.conf.endpoints[i]
+                if self.conf.tls:
+                    ch = grpc.secure_channel(target, self.conf.credentials(), CHANNEL_OPTIONS)
+                else:
+                    ch = grpc.insecure_channel(target, CHANNEL_OPTIONS)
+                s = self._stubs[i] = _Stubs(ch, target)
+            return s
+
+    def failover(self, seen: _Stubs) -> None:
+        """Move to the next endpoint, unless another caller already did."""
+        with self._lock:
+            if self._stubs.get(self._current) is seen and len(self.conf.endpoints) > 1:
+                self._current = (self._current + 1) % len(self.conf.endpoints)
+
+    def after_fork(self) -> None:
+        # Drop (never close: the parent still uses them) what the parent opened, and
+        # keep it referenced: freeing a gRPC channel in the child would call into
+        # gRPC's core, whose state the fork copied mid-flight.
+        INHERITED.append((self._stubs, self._pending))
+        self._lock = threading.Lock()
+        self._stubs = {}
+        self._pending = set()
+
+    def metadata(self, s: _Stubs, deadline: float) -> tuple[tuple[str, str], ...] | None:
+        if self.conf.user is None:
+            return None
+        token = self._token
+        if token is None:
+            left = deadline - time.monotonic()
+            resp = s.methods["Authenticate"](
+                pb.AuthenticateRequest(name=self.conf.user, password=self.conf.password or ""),
+                timeout=max(0.01, min(left, self.conf.per_try)),
+            )
+            token = self._token = str(resp.token)
+        return (("token", token),)
+
+    # -- calls ---------------------------------------------------------------------------
+
+    def call(self, rpc: Rpc, deadline: float) -> Any:
+        attempt = 0
+        last: Exception | None = None
+        while True:
+            s = self.stubs()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                why = f": {last}" if last is not None else ""
+                raise StoreUnavailable(
+                    f"etcd {rpc.method}: no answer within the store's timeout of "
+                    f"{self.conf.timeout}s{why}"
+                ) from last
+            try:
+                md = self.metadata(s, deadline)
+                return s.methods[rpc.method](
+                    rpc.request, timeout=self.conf.try_timeout(attempt, left), metadata=md
+                )
+            except grpc.RpcError as exc:
+                action = _conf.classify(exc)
+                if action == _conf.FAIL:
+                    raise _conf.error(exc, rpc.method, s.endpoint) from exc
+                last = _conf.error(exc, rpc.method, s.endpoint)
+                if action == _conf.REAUTH:
+                    self._token = None
+                    if attempt > 2:
+                        raise last from exc
+                elif rpc.method in WRITES:
+                    rpc.retried = True
+                self.failover(s)
+                attempt += 1
+                time.sleep(min(0.2, 0.01 * 2**attempt, max(0.0, deadline - time.monotonic())))
+
+    def background(self, rpc: Rpc) -> None:
+        """Send and forget (a lease revoke): nothing waits for it, a failure is harmless."""
+        try:
+            s = self.stubs()
+            fut = s.methods[rpc.method].future(
+                rpc.request, timeout=self.conf.timeout, metadata=self.metadata(s, _far())
+            )
+        except (grpc.RpcError, IdemlockError):
+            return
+        with self._lock:
+            self._pending.add(fut)
+        fut.add_done_callback(self._pending.discard)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            chans, self._stubs = list(self._stubs.values()), {}
+        for s in chans:
+            s.channel.close()
+
+
+def _far() -> float:
+    return time.monotonic() + 5.0
+
+
+_CLIENTS: weakref.WeakSet[Any] = weakref.WeakSet()
+#: what a forked child inherited from gRPC: kept referenced, never used nor freed
+INHERITED: list[Any] = []
+
+
+def _track_fork(client: Any) -> None:
+    _CLIENTS.add(client)
+
+
+def _after_fork_in_child() -> None:
+    for c in list(_CLIENTS):
+        c.after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def drive(client: SyncClient, op: Op) -> Any:
+    """Run an op to its end: each Rpc it yields is one bounded call."""
+    deadline = time.monotonic() + client.conf.timeout
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            rpc = op.throw(error) if error is not None else op.send(value)
+        except StopIteration as stop:
+            return stop.value
+        error, value = None, None
+        if rpc.background:
+            client.background(rpc)
+            continue
+        try:
+            value = client.call(rpc, deadline)
+        except IdemlockError as exc:
+            error = exc
+
+
+# ---- watches -----------------------------------------------------------------------------
+
+
+class _Group:
+    """One etcd watch (one channel), shared by this store's waiters on it."""
+
+    __slots__ = ("channel", "created", "end", "id", "key", "no_put", "subs", "waiter")
+
+    def __init__(self, wid: int, key: bytes, end: bytes, channel: Channel) -> None:
+        self.id = wid
+        self.key = key
+        self.end = end
+        self.channel = channel
+        self.no_put = channel.kind == "lock"  # a lock is freed by a deletion only
+        #: this process's place in the lock's queue while its callers wait
+        self.waiter = Waiter() if channel.kind == "lock" else None
+        self.subs: set[SyncSubscription] = set()
+        self.created = False
+
+    def create(self) -> Any:
+        filters = [pb.WatchCreateRequest.NOPUT] if self.no_put else []
+        return pb.WatchRequest(
+            create_request=pb.WatchCreateRequest(
+                key=self.key, range_end=self.end, watch_id=self.id, filters=filters
+            )
+        )
+
+
+class SyncSubscription:
+    __slots__ = ("_cond", "_flag", "_group", "_watcher")
+
+    def __init__(self, watcher: SyncWatcher, group: _Group) -> None:
+        self._watcher = watcher
+        self._group = group
+        self._flag = False
+        self._cond = threading.Condition(watcher._lock)
+
+    def _fire(self) -> None:  # with the watcher's lock held
+        self._flag = True
+        self._cond.notify()
+
+    def wait(self, timeout: float) -> bool:
+        with self._cond:
+            if not self._flag and timeout > 0:
+                self._cond.wait(timeout)
+            fired, self._flag = self._flag, False
+            return fired
+
+    def close(self) -> None:
+        self._watcher.remove(self)
+
+
+_STOP = object()
+
+
+class SyncWatcher:
+    """One Watch stream per store, read by a daemon thread; an event on a watched key
+    wakes that key's local waiters. When the stream breaks, every waiter is woken
+    once (it re-checks the store) and the watches are created again."""
+
+    def __init__(self, client: SyncClient, root: bytes) -> None:
+        self._client = client
+        self._root = root
+        self._lock = threading.Lock()
+        self._created = threading.Condition(self._lock)
+        self._groups: dict[tuple[bytes, bytes], _Group] = {}
+        self._by_id: dict[int, _Group] = {}
+        self._ids = itertools.count(1)
+        self._queue: queue.Queue[Any] | None = None
+        self._thread: threading.Thread | None = None
+        self._call: Any = None
+        self._closed = False
+
+    def after_fork(self) -> None:
+        INHERITED.append((self._groups, self._queue, self._call, self._thread))
+        self._lock = threading.Lock()
+        self._created = threading.Condition(self._lock)
+        self._groups, self._by_id = {}, {}
+        self._queue, self._thread, self._call = None, None, None
+
+    def subscribe(self, key: bytes, end: bytes, channel: Channel) -> SyncSubscription:
+        with self._lock:
+            if self._closed:
+                raise StoreUnavailable("the etcd store is closed")
+            g = self._groups.get((key, end))
+            if g is None:
+                g = _Group(next(self._ids), key, end, channel)
+                self._groups[(key, end)] = g
+                self._by_id[g.id] = g
+                if self._queue is not None:
+                    self._queue.put(g.create())
+            sub = SyncSubscription(self, g)
+            g.subs.add(sub)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="idemlock-etcd-watch", daemon=True
+                )
+                self._thread.start()
+            if not g.created:
+                # Bounded: a waiter re-checks the store at least every second anyway.
+                self._created.wait_for(lambda: g.created, min(1.0, self._client.conf.timeout))
+        return sub
+
+    def waiting(self, key: bytes) -> Waiter | None:
+        """This process's place in the queue of the lock named ``key``, if a caller of
+        this store waits for it."""
+        g = self._groups.get((key, b""))
+        return g.waiter if g is not None and g.subs else None
+
+    def remove(self, sub: SyncSubscription) -> None:
+        g = sub._group
+        with self._lock:
+            g.subs.discard(sub)
+            if g.subs or self._groups.get((g.key, g.end)) is not g:
+                return
+            if g.waiter is not None and g.waiter.rev:
+                self._client.background(leave_rpc(self._root, g.channel, g.waiter))
+            del self._groups[(g.key, g.end)]
+            self._by_id.pop(g.id, None)
+            if self._queue is not None and g.created:
+                self._queue.put(
+                    pb.WatchRequest(cancel_request=pb.WatchCancelRequest(watch_id=g.id))
+                )
+
+    def _fire_all(self) -> None:  # with the lock held
+        for g in self._groups.values():
+            g.created = False
+            for s in g.subs:
+                s._fire()
+        self._created.notify_all()
+
+    def _handle(self, resp: Any) -> None:
+        with self._lock:
+            g = self._by_id.get(resp.watch_id)
+            if g is None:
+                return
+            if resp.created:
+                g.created = True
+                self._created.notify_all()
+            if resp.events or resp.canceled:
+                for s in g.subs:
+                    s._fire()
+            if resp.canceled and self._queue is not None:
+                g.created = False
+                self._queue.put(g.create())  # compaction or a server-side cancel
+
+    def _requests(self, q: queue.Queue[Any]) -> Iterator[Any]:
+        while True:
+            item = q.get()
+            if item is _STOP:
+                return
+            yield item
+
+    def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                q: queue.Queue[Any] = queue.Queue()
+                self._queue = q
+                for g in self._groups.values():
+                    q.put(g.create())
+            s = None
+            try:
+                s = self._client.stubs()
+                md = self._client.metadata(s, time.monotonic() + self._client.conf.timeout)
+                call = s.watch(self._requests(q), metadata=md)
+                with self._lock:
+                    self._call = call
+                for resp in call:
+                    backoff = 0.05
+                    self._handle(resp)
+            except (grpc.RpcError, IdemlockError, ValueError):
+                pass
+            with self._lock:
+                q.put(_STOP)
+                self._queue = None
+                self._call = None
+                if self._closed:
+                    return
+                self._fire_all()
+            if s is not None:
+                self._client.failover(s)
+            time.sleep(backoff)
+            backoff = min(1.0, backoff * 2)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            call, self._call = self._call, None
+            if self._queue is not None:
+                self._queue.put(_STOP)
+            for g in self._groups.values():
+                for s in g.subs:
+                    s._fire()
+        if call is not None:
+            call.cancel()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=2.0)
+
+
+# ---- the store's own half ------------------------------------------------------------------
+
+
+class _SyncRunner:
+    """What :class:`~._sync.EtcdStore` does its own way: its client and watcher, the
+    fork hand-over, running an op, waiting and closing."""
+
+    def __init__(self, conf: _conf.Config) -> None:
+        self.conf = conf
+        self.timeout = conf.timeout
+        self.client = SyncClient(conf)
+        self.ops = Ops(conf.root)
+        self._watcher = SyncWatcher(self.client, conf.root)
+        _WATCHERS.add(self._watcher)
+        #: after os.fork(), the child's calls go over etcd's HTTP gateway (A6)
+        self._gateway: Any = None
+        _STORES.add(self)
+
+    def after_fork(self) -> None:
+        from ._gateway import GatewayClient, GatewayWatcher
+
+        INHERITED.append(self.client)
+        self.client = GatewayClient(self.conf)  # type: ignore[assignment]
+        self._gateway = GatewayWatcher(self.client)  # type: ignore[arg-type]
+
+    def _run(self, op: Op) -> Any:
+        return drive(self.client, op)
+
+    def _undoable(self, op: Op, undo: Callable[[Any], Op | None]) -> Any:
+        """Run the op: a thread is not cancelled in the middle of one."""
+        return self._run(op)
+
+    def subscribe(self, channel: Channel) -> Any:
+        key, end = watch_range(self.conf.root, channel)
+        if self._gateway is not None:
+            return self._gateway.subscribe(key, end, channel.kind == "lock")
+        return self._watcher.subscribe(key, end, channel)
+
+    def close(self) -> None:
+        if self._gateway is not None:
+            return  # a forked child: nothing of gRPC's may be touched
+        self._watcher.close()
+        self.client.close()
+
+
+def watch_range(root: bytes, channel: Channel) -> tuple[bytes, bytes]:
+    """(key, range_end) watched for a channel: a lock is freed by the deletion of its
+    key; a claim by a change of its record or the end of its lease marker."""
+    if channel.kind == "lock":
+        return K.lock_name(root, channel.ns, channel.key), b""
+    base = K.claim_names(root, channel.ns, channel.key).base
+    return base, K.prefix_end(base)
+
+
+def leave_rpc(root: bytes, channel: Channel, waiter: Waiter) -> Rpc:
+    """Give up this process's place in a lock's queue (sent in the background)."""
+    key = K.queue_prefix(root, channel.ns, channel.key) + waiter.wid
+    waiter.rev = 0
+    return Rpc("DeleteRange", pb.DeleteRangeRequest(key=key), background=True)
+
+
+_WATCHERS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+_STORES: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _watchers_after_fork() -> None:
+    for w in list(_WATCHERS):
+        w.after_fork()
+    for store in list(_STORES):
+        store.after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_watchers_after_fork)

@@ -1,0 +1,275 @@
+"""The asyncio PostgreSQL store, :class:`AsyncPostgresStore`: the statements it runs
+and how it reads their replies. It is the source of :mod:`._sync`
+(:class:`PostgresStore`), which tools/async_to_sync.py generates from it; what differs
+between the two (connections, set-up, cancellation, waiting, closing) is hand-written
+in :mod:`._runner_async` and :mod:`._runner_sync`.
+
+Every port method is one statement run in autocommit on a pooled connection (see
+:mod:`._sql`). A cancelled call that took something (a claim, a lease) gives it back
+once it ends; a settling call (complete, abandon, release) still takes effect.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import psycopg
+from psycopg.rows import tuple_row
+
+from ..._core.port import Acquired, ClaimReply, Granted, Held, LockRow, RecordRow
+from ..._errors import StoreUnavailable
+from . import _watchdog
+from ._replies import (
+    _RETRY,
+    Row,
+    _acquire_reply,
+    _claim_reply,
+    _fence_reply,
+    _i8,
+    _lock_rows,
+    _nothing,
+    _record_rows,
+    _renew_many,
+    _renewed_many,
+    _state,
+)
+from ._runner_async import _AsyncRunner
+from ._shared import MAX_RACE_RETRIES, PURGE_BATCH, _is_disconnect
+from ._sql import Stmt
+
+
+class AsyncPostgresStore(_AsyncRunner):
+    """A PostgreSQL store on a psycopg_pool AsyncConnectionPool. Every call borrows a
+    connection from the pool; waiters share the store's one listener thread."""
+
+    async def _fetch(
+        self, conn: psycopg.AsyncConnection[Any], stmt: Stmt, params: dict[str, Any]
+    ) -> list[Row]:
+        # tuple_row: a user's pool may have another row factory (dict_row...).
+        cur = psycopg.AsyncRawCursor(conn, row_factory=tuple_row)
+        await cur.execute(stmt.sql, stmt.args(params), prepare=self._prepare, binary=True)
+        rows: list[Row] = await cur.fetchall()
+        return rows
+
+    async def _rows(
+        self,
+        stmt: Stmt,
+        params: dict[str, Any],
+        what: str,
+        safe: bool,
+        deadline: float | None = None,
+    ) -> list[Row]:
+        """Run one statement. ``safe`` ones (repeatable without harm: the same claim token
+        or lock owner gets the same answer) are run once more on a fresh connection when
+        the pooled one turns out dead. Others are not: a statement that failed with its
+        connection may have committed, and running it again could report a false
+        failure (complete, abandon, release...). The whole call, retry included, ends
+        by ``deadline`` (default: ``timeout`` from now), even on a silent network."""
+        await self._ensure_ready()
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout
+        wd = _watchdog.WATCHDOG
+        for attempt in (0, 1):
+            conn: Any = None
+            armed: Any = None
+            try:
+                conn, lane = await self._take(deadline, what)
+                # Shutting the socket down makes it readable: the waiting call fails at once.
+                armed = wd.arm(conn, deadline)
+                try:
+                    if conn.autocommit:
+                        return await self._fetch(conn, stmt, params)
+                    # A user's pool without autocommit: one statement needs no BEGIN/COMMIT
+                    # round trips, and the pool gets the connection back as it lent it.
+                    await self._autocommit(conn, True)
+                    try:
+                        return await self._fetch(conn, stmt, params)
+                    finally:
+                        if not conn.closed:
+                            await self._autocommit(conn, False)
+                finally:
+                    wd.disarm(armed)
+                    await self._give(conn, lane)
+            except psycopg.Error as exc:
+                if armed is not None and armed.fired:
+                    # Not pool.check(): the other pooled connections may be as silent.
+                    raise self._timed_out(what) from exc
+                if _is_disconnect(exc, conn):
+                    # The server restarted or ended our sessions: every idle pooled
+                    # connection is likely dead too. Replace them now, so that only this
+                    # call fails (or none: a call safe to repeat is run again).
+                    await self._check_pool(deadline)
+                    if attempt == 0 and safe and time.monotonic() < deadline:
+                        continue
+                raise self._unavailable(exc, what) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _until(
+        self, stmt: Stmt, params: dict[str, Any], what: str, parse: Callable[[list[Row]], Any]
+    ) -> Any:
+        deadline = time.monotonic() + self.timeout
+        for _ in range(MAX_RACE_RETRIES):
+            reply = parse(await self._rows(stmt, params, what, True, deadline))
+            if reply is not _RETRY:
+                return reply
+        raise StoreUnavailable(f"{what} kept racing concurrent writers; try again")
+
+    # ---- idempotency records -----------------------------------------------------------
+
+    async def claim(
+        self, ns: str, key: str, fp: str | None, token: str, lease_ms: int
+    ) -> ClaimReply:
+        params = {"ns": ns, "key": key, "token": token, "fp": fp, "lease": _i8(lease_ms)}
+
+        def undo(reply: ClaimReply | None) -> Any:
+            # Our own token only: abandoning a claim that never happened changes nothing.
+            return (
+                self.abandon(ns, key, token)
+                if reply is None or isinstance(reply, Granted)
+                else None
+            )
+
+        reply: ClaimReply = await self._undoable(
+            self._until(
+                self.statements.claim,
+                params,
+                "claim",
+                lambda rows: _claim_reply(rows, ns, key, token),
+            ),
+            undo,
+            "claim",
+        )
+        return reply
+
+    async def complete(self, ns: str, key: str, token: str, result: bytes, ttl_ms: int) -> bool:
+        params = self._complete_params(ns, key, token, result, ttl_ms)
+        rows = await self._undoable(
+            self._rows(self.statements.complete, params, "complete", False), _nothing, "complete"
+        )
+        return bool(rows)
+
+    async def abandon(self, ns: str, key: str, token: str) -> bool:
+        params = {"ns": ns, "key": key, "token": token, "chan": self._chan("claim", ns, key)}
+        rows = await self._undoable(
+            self._rows(self.statements.abandon, params, "abandon", False), _nothing, "abandon"
+        )
+        return bool(rows)
+
+    async def extend(self, ns: str, key: str, token: str, lease_ms: int) -> int | None:
+        params = {"ns": ns, "key": key, "token": token, "lease": _i8(lease_ms)}
+        rows = await self._rows(self.statements.extend, params, "extend", True)
+        return int(rows[0][0]) if rows else None
+
+    async def record(self, ns: str, key: str) -> RecordRow | None:
+        rows = await self._rows(self.statements.record, {"ns": ns, "key": key}, "record", True)
+        if not rows:
+            return None
+        state, fence, exp = rows[0]
+        return RecordRow(ns, key, _state(state, ns, key), fence, exp)
+
+    async def forget(self, ns: str, key: str) -> bool:
+        params = {"ns": ns, "key": key, "chan": self._chan("claim", ns, key)}
+        return bool(await self._rows(self.statements.forget, params, "forget", False))
+
+    async def records(self, ns_prefix: str) -> list[RecordRow]:
+        rows = await self._rows(self.statements.records, {"prefix": ns_prefix}, "records", True)
+        return _record_rows(rows, self.schema)
+
+    # ---- locks -----------------------------------------------------------------------
+
+    async def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
+        params = {"ns": ns, "key": key, "owner": owner, "ttl": _i8(ttl_ms)}
+
+        def undo(reply: Acquired | Held | None) -> Any:
+            # Without the reply the token is unknown: that lease ends with its ttl.
+            if isinstance(reply, Acquired):
+                return self.release(ns, key, owner, reply.token)
+            return None
+
+        reply: Acquired | Held = await self._undoable(
+            self._until(
+                self.statements.acquire,
+                params,
+                "acquire",
+                lambda rows: _acquire_reply(rows, owner),
+            ),
+            undo,
+            "acquire",
+        )
+        return reply
+
+    async def release(self, ns: str, key: str, owner: str, token: int) -> bool:
+        params = {
+            "ns": ns,
+            "key": key,
+            "owner": owner,
+            "token": _i8(token),
+            "chan": self._chan("lock", ns, key),
+        }
+        rows = await self._undoable(
+            self._rows(self.statements.release, params, "release", False), _nothing, "release"
+        )
+        return bool(rows)
+
+    async def break_lock(self, ns: str, key: str) -> bool:
+        params = {"ns": ns, "key": key, "chan": self._chan("lock", ns, key)}
+        rows = await self._undoable(
+            self._rows(self.statements.break_lock, params, "break_lock", False),
+            _nothing,
+            "break_lock",
+        )
+        return bool(rows)
+
+    async def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
+        params = {"ns": ns, "key": key, "owner": owner, "token": _i8(token), "ttl": _i8(ttl_ms)}
+        rows = await self._rows(self.statements.renew, params, "renew", True)
+        return int(rows[0][0]) if rows else None
+
+    async def renew_many(self, items: Sequence[tuple[Any, ...]]) -> list[int | None]:
+        """Renew many claims (``("claim", ns, key, token, lease_ms)``) and leases
+        (``("lock", ns, key, owner, token, ttl_ms)``) in one statement, for a
+        coordinator's renewer; None where the store no longer holds the item."""
+        stmt, params, where = _renew_many(self, items)
+        rows = await self._rows(stmt, params, "renew_many", True)
+        return _renewed_many(rows, where, len(items))
+
+    async def lock(self, ns: str, key: str) -> LockRow | None:
+        rows = await self._rows(self.statements.lock, {"ns": ns, "key": key}, "lock", True)
+        if not rows:
+            return None
+        owner, token, exp = rows[0]
+        return LockRow(ns, key, owner, token, exp)
+
+    async def locks(self, ns_prefix: str) -> list[LockRow]:
+        rows = await self._rows(self.statements.locks, {"prefix": ns_prefix}, "locks", True)
+        return _lock_rows(rows)
+
+    # ---- fences ------------------------------------------------------------------------
+
+    async def fence_advance(self, ns: str, resource: str, token: int) -> tuple[bool, int]:
+        params = {"ns": ns, "resource": resource, "token": _i8(token)}
+        reply: tuple[bool, int] = await self._until(
+            self.statements.fence_advance,
+            params,
+            "fence_advance",
+            lambda rows: _fence_reply(rows, token),
+        )
+        return reply
+
+    async def fence_current(self, ns: str, resource: str) -> int | None:
+        params = {"ns": ns, "resource": resource}
+        rows = await self._rows(self.statements.fence_current, params, "fence_current", True)
+        return int(rows[0][0]) if rows else None
+
+    async def purge(self) -> int:
+        removed = 0
+        for stmt in (self.statements.purge_claims, self.statements.purge_locks):
+            while True:
+                rows = await self._rows(stmt, {"batch": _i8(PURGE_BATCH)}, "purge", True)
+                n = int(rows[0][0])
+                removed += n
+                if n < PURGE_BATCH:
+                    break
+        return removed

@@ -1,0 +1,178 @@
+"""Reading the PostgreSQL store's replies, and the parameters of the batched renewal.
+
+One function per statement turns its rows into the store port's reply; the sync and
+async stores share them, so they answer alike by construction.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Literal, cast
+
+from psycopg.types.numeric import Int8
+
+from ..._core.port import (
+    Acquired,
+    Busy,
+    ClaimReply,
+    Done,
+    Granted,
+    Held,
+    LockRow,
+    Mismatch,
+    RecordRow,
+)
+from ..._errors import ConfigurationError, StoreCorrupt
+from ._sql import RENEW_MANY, Stmt
+
+Row = tuple[Any, ...]
+
+log = logging.getLogger("idemlock")
+
+_STATES = ("in_flight", "completed")
+
+
+class _Retry:
+    """Marker: the statement's snapshot and the row version its upsert conflicted with
+    disagree (a concurrent commit in between); it changed nothing, and running it
+    again gives a consistent answer."""
+
+
+_RETRY = _Retry()
+
+
+_I8_MAX = 2**63 - 1
+
+
+def _renew_many(
+    store: Any, items: Sequence[tuple[Any, ...]]
+) -> tuple[Stmt, dict[str, Any], dict[tuple[str, int], int]]:
+    """The batched renewal statement (rendered once per store), its array parameters,
+    and where each reply row (kind, position) goes in the answer."""
+    stmt = getattr(store, "_renew_many_stmt", None)
+    if stmt is None:
+        stmt = store._renew_many_stmt = Stmt.render(RENEW_MANY, store.statements.schema)
+    names = ("cns", "ckey", "ctoken", "clease", "lns", "lkey", "lowner", "ltoken", "lttl")
+    cols: dict[str, list[Any]] = {k: [] for k in names}
+    where: dict[tuple[str, int], int] = {}
+    for i, item in enumerate(items):
+        if item[0] == "claim":
+            _, ns, key, token, lease_ms = item
+            for name, value in zip(("cns", "ckey", "ctoken"), (ns, key, token), strict=True):
+                cols[name].append(value)
+            cols["clease"].append(int(_i8(lease_ms)))
+            where[("c", len(cols["cns"]))] = i
+        else:
+            _, ns, key, owner, token, ttl_ms = item
+            for name, value in zip(("lns", "lkey", "lowner"), (ns, key, owner), strict=True):
+                cols[name].append(value)
+            cols["ltoken"].append(int(_i8(token)))
+            cols["lttl"].append(int(_i8(ttl_ms)))
+            where[("l", len(cols["lns"]))] = i
+    return stmt, cols, where
+
+
+def _renewed_many(
+    rows: Sequence[Any], where: dict[tuple[str, int], int], count: int
+) -> list[int | None]:
+    out: list[int | None] = [None] * count
+    for kind, pos, expires in rows:
+        out[where[(str(kind), int(pos))]] = int(expires)
+    return out
+
+
+def _i8(value: int) -> Int8:
+    """An int sent as bigint; out of range is the caller's error, not a bare
+    OverflowError from inside psycopg."""
+    if not -_I8_MAX - 1 <= value <= _I8_MAX:
+        raise ConfigurationError(
+            f"a value passed to the PostgreSQL store does not fit a 64-bit integer "
+            f"({value!r}); fencing tokens, and leases and ttls in milliseconds, must be "
+            "below 2**63"
+        )
+    return Int8(value)
+
+
+def _state(value: object, ns: str, key: str) -> Literal["in_flight", "completed"]:
+    if value not in _STATES:
+        raise StoreCorrupt(
+            f"the claim record {key!r} in {ns!r} has state {value!r}, which idemlock never "
+            "writes; the row was changed by something else: forget the key"
+        )
+    return cast('Literal["in_flight", "completed"]', value)
+
+
+def _claim_reply(rows: list[Row], ns: str, key: str, token: str) -> ClaimReply | _Retry:
+    if not rows:
+        return _RETRY
+    granted, fence, exp, now, state, result, same_token, same_fp = rows[0]
+    if granted:
+        return Granted(token, fence, exp, exp - now)
+    if exp <= now:
+        return _RETRY
+    st = _state(state, ns, key)
+    if st == "in_flight" and same_token:
+        return Granted(token, fence, exp, exp - now)
+    if not same_fp:
+        return Mismatch(st)
+    if st == "completed":
+        if result is None:
+            raise StoreCorrupt(f"the completed record {key!r} in {ns!r} has no result")
+        return Done(bytes(result), exp)
+    return Busy(exp, exp - now)
+
+
+def _acquire_reply(rows: list[Row], owner: str) -> Acquired | Held | _Retry:
+    if not rows:
+        return _RETRY
+    acquired, token, exp, now, holder = rows[0]
+    if acquired:
+        return Acquired(token, exp, exp - now)
+    if exp <= now or holder == owner:
+        return _RETRY
+    return Held(exp, exp - now)
+
+
+def _fence_reply(rows: list[Row], token: int) -> tuple[bool, int] | _Retry:
+    if not rows:
+        return _RETRY
+    accepted, highest = rows[0]
+    if accepted:
+        return True, int(highest)
+    if highest <= token:
+        return _RETRY
+    return False, int(highest)
+
+
+def _record_rows(rows: list[Row], schema: str) -> list[RecordRow]:
+    out: list[RecordRow] = []
+    bad: list[Row] = []
+    for row in rows:
+        ns, key, st, fence, exp = row
+        if st in _STATES:
+            out.append(RecordRow(ns, key, st, fence, exp))
+        else:
+            # A listing shows a row it cannot read instead of failing for all (A3).
+            bad.append(row)
+            out.append(RecordRow(ns, key, "corrupt", fence, exp))
+    if bad:
+        shown = repr(bad[0])[:300]
+        log.warning(
+            "idemlock: PostgreSQL table %s.claims holds %d row(s) with a state idemlock "
+            "never writes, listed as corrupt (first: %s); forget those keys to recover",
+            schema,
+            len(bad),
+            shown,
+        )
+    return out
+
+
+def _lock_rows(rows: list[Row]) -> list[LockRow]:
+    # Every column is typed and NOT NULL: a lock row is always readable.
+    return [LockRow(ns, key, owner, token, exp) for ns, key, owner, token, exp in rows]
+
+
+def _nothing(reply: Any) -> None:
+    """No undo: a settling call (complete, abandon, release) may take effect."""
+    return None

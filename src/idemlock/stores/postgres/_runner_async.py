@@ -1,0 +1,266 @@
+"""How the asyncio PostgreSQL store runs a statement: setting up per event loop,
+borrowing and giving back connections (with the lane), probing an unreachable server,
+making a cancelled call's outcome known, and its life cycle. The statements and
+replies are in :mod:`._async`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import psycopg_pool
+
+from ..._core.port import (
+    Channel,
+)
+from ..._errors import StoreUnavailable
+from . import _schema_async, _watchdog
+from ._listen import AsyncListenSubscription
+from ._shared import (
+    _STORES,
+    DEFAULT_SCHEMA,
+    DEFAULT_TIMEOUT,
+    Health,
+    _Base,
+    _lane_spent,
+    _wait,
+    clone_pool,
+)
+
+log = logging.getLogger("idemlock")
+
+
+class _AsyncRunner(_Base):
+    """The half of :class:`AsyncPostgresStore` that differs from the sync store's."""
+
+    def __init__(
+        self,
+        pool: psycopg_pool.AsyncConnectionPool[Any],
+        *,
+        schema: str = DEFAULT_SCHEMA,
+        prepare: bool = True,
+        auto_migrate: bool = True,
+        owns_pool: bool = False,
+        timeout: float = DEFAULT_TIMEOUT,
+        pool_factory: Callable[[], psycopg_pool.AsyncConnectionPool[Any]] | None = None,
+        health: Health | None = None,
+    ) -> None:
+        health = health or Health()
+        self.pool = pool
+        super().__init__(
+            schema=schema,
+            prepare=prepare,
+            auto_migrate=auto_migrate,
+            owns_pool=owns_pool,
+            conninfo=pool.conninfo,
+            conn_kwargs=pool.kwargs,
+            timeout=timeout,
+            pool_factory=pool_factory or (lambda: clone_pool(pool, health)),
+            health=health,
+        )
+        self._setup_lock: asyncio.Lock | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lane_busy = False
+        self._lane: psycopg.AsyncConnection[Any] | None = None
+        self._lane_since = 0.0
+        # undo calls for cancelled claims/acquires, kept from being collected
+        self._undoing: set[asyncio.Task[Any]] = set()
+
+    def _fork_reset(self) -> None:
+        super()._fork_reset()
+        self._reset_loop_state()
+
+    def _reset_loop_state(self) -> None:
+        self._setup_lock = None
+        self._loop = None
+        self._lane_busy = False
+        self._lane = None
+        self._undoing = set()
+
+    def _check_loop(self) -> None:
+        """A pool of our own is bound to the event loop it was opened on: on another
+        loop (a second ``asyncio.run``), start a fresh pool (A7)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is None or self._loop is loop:
+            return
+        if not self._owns_pool:
+            return  # the caller's pool, on the caller's loops
+        # The old loop is gone or elsewhere: its pool cannot be closed from here; its
+        # connections are closed when it is collected.
+        self.pool = self._pool_factory()
+        self._ready = False
+        self._reset_loop_state()
+
+    async def _setup(self) -> None:
+        self._check_loop()
+        if self._ready:  # the caller's pool, on another loop
+            self._loop = asyncio.get_running_loop()
+            return
+        if self._setup_lock is None:
+            self._setup_lock = asyncio.Lock()
+        try:
+            await asyncio.wait_for(self._setup_lock.acquire(), self.timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            raise StoreUnavailable(
+                f"the PostgreSQL store was still being set up after timeout={self.timeout:g}s; "
+                "try again"
+            ) from None
+        try:
+            if self._ready:
+                return
+            if self._owns_pool:
+                try:
+                    await self.pool.open(wait=False)
+                except psycopg.Error as exc:
+                    raise self._unavailable(exc, "opening the pool") from exc
+            # A connection of its own: a failure to connect is reported now, with its cause.
+            deadline = time.monotonic() + self.timeout
+            conn: Any = None
+            armed: Any = None
+            try:
+                conn = await self._adirect_connect()
+                armed = _watchdog.WATCHDOG.arm(conn, deadline)
+                await _schema_async.aensure(conn, self.schema, migrate=self._auto_migrate)
+            except psycopg.Error as exc:
+                if armed is not None and armed.fired:
+                    raise self._timed_out("checking the schema") from exc
+                raise self._unavailable(exc, "checking the schema") from exc
+            finally:
+                if armed is not None:
+                    _watchdog.WATCHDOG.disarm(armed)
+                if conn is not None:
+                    await conn.close()
+            self._loop = asyncio.get_running_loop()
+            self._ready = True
+        finally:
+            self._setup_lock.release()
+
+    async def _ensure_ready(self) -> None:
+        if not self._ready or self._loop is not asyncio.get_running_loop():
+            await self._setup()
+
+    @staticmethod
+    async def _autocommit(conn: psycopg.AsyncConnection[Any], on: bool) -> None:
+        await conn.set_autocommit(on)
+
+    async def _probe(self, deadline: float, what: str) -> None:
+        # As the sync store's; concurrent callers each probe (a refused connection
+        # costs nothing, and each call stays bounded by its own deadline).
+        try:
+            conn = await asyncio.wait_for(
+                self._adirect_connect(), max(0.0, deadline - time.monotonic())
+            )
+        except (psycopg.Error, TimeoutError, asyncio.TimeoutError) as exc:
+            if isinstance(exc, psycopg.Error):
+                self._health.down = exc
+            raise self._pool_timeout(exc, what) from exc
+        await conn.close()
+        self._health.down = None
+
+    async def _take(self, deadline: float, what: str) -> tuple[psycopg.AsyncConnection[Any], bool]:
+        if self._health.down is not None:
+            await self._probe(deadline, what)
+        try:
+            if self._owns_pool and not self._lane_busy:
+                self._lane_busy = True
+                try:
+                    if self._lane is None:
+                        self._lane = await self.pool.getconn(_wait(deadline))
+                        self._lane_since = time.monotonic()
+                    return self._lane, True
+                except BaseException:
+                    self._lane_busy = False
+                    raise
+            return await self.pool.getconn(_wait(deadline)), False
+        except psycopg_pool.PoolTimeout as exc:
+            raise self._pool_timeout(exc, what) from exc
+
+    async def _give(self, conn: psycopg.AsyncConnection[Any], lane: bool) -> None:
+        if not lane:
+            await self.pool.putconn(conn)
+            return
+        try:
+            if self.pool.closed or _lane_spent(conn, self._lane_since):
+                self._lane = None
+                await self.pool.putconn(conn)
+        finally:
+            self._lane_busy = False
+
+    async def _check_pool(self, deadline: float) -> None:
+        # As the sync store's: the check goes on in its own task past the deadline.
+        async def check() -> None:
+            with contextlib.suppress(psycopg.Error):
+                await self.pool.check()
+
+        task = asyncio.ensure_future(check())
+        with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
+            await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - time.monotonic()))
+
+    async def _undoable(self, call: Any, undo: Callable[[Any], Any], what: str) -> Any:
+        """Run a call so that a cancellation cannot leave its outcome unknown: the
+        statement runs on in a task of its own (bounded by ``timeout``); what a claim or
+        an acquire took is given back as soon as it ends (issue 10 item 7), and a
+        complete, abandon or release simply takes effect. The caller still sees the
+        CancelledError."""
+        task = asyncio.ensure_future(call)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda t: self._undo_after(t, undo, what))
+            raise
+
+    def _undo_after(self, task: asyncio.Task[Any], undo: Callable[[Any], Any], what: str) -> None:
+        if task.cancelled():
+            log.warning(
+                "idemlock: a cancelled PostgreSQL %s was itself cancelled (event loop "
+                "shutting down?); if it was applied, it frees itself when its lease ends",
+                what,
+            )
+            return
+        exc = task.exception()
+        if exc is not None and not isinstance(exc, StoreUnavailable):
+            return  # refused before anything was sent
+        # A StoreUnavailable (e.g. a timeout after the statement was sent) leaves the
+        # outcome unknown: undo what can be undone without the reply (None).
+        aw = undo(None if exc is not None else task.result())
+        if aw is None:
+            return
+        undo_task = asyncio.ensure_future(aw)
+        self._undoing.add(undo_task)
+        undo_task.add_done_callback(self._undone)
+
+    def _undone(self, task: asyncio.Task[Any]) -> None:
+        self._undoing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning(
+                "idemlock: could not undo a cancelled PostgreSQL call; what it took frees "
+                "itself when its lease ends",
+                exc_info=task.exception(),
+            )
+
+    async def subscribe(self, channel: Channel) -> AsyncListenSubscription:
+        if not self._ready:
+            await self._setup()
+        name = self._chan(*channel)
+        # Already listening: no I/O, no thread hop. Otherwise the LISTEN round trip
+        # runs in a worker thread so the event loop never blocks on it.
+        sub = self.listener.try_subscribe(name)
+        if sub is None:
+            sub = await asyncio.to_thread(self.listener.subscribe, name)
+        return AsyncListenSubscription(sub)
+
+    async def aclose(self) -> None:
+        _STORES.discard(self)
+        self._check_loop()  # a pool opened on a loop that is gone cannot be awaited here
+        await asyncio.to_thread(self.listener.close)
+        if self._owns_pool:
+            if self._lane is not None and not self._lane_busy:
+                lane, self._lane = self._lane, None
+                await self.pool.putconn(lane)
+            await self.pool.close()

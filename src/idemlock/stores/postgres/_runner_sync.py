@@ -1,0 +1,229 @@
+"""How the sync PostgreSQL store runs a statement: setting up, borrowing and giving
+back connections (with the lane), probing an unreachable server, and its life cycle.
+The statements and replies are in :mod:`._async`, from which :mod:`._sync` is generated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import psycopg
+import psycopg_pool
+
+from ..._core.port import (
+    Channel,
+)
+from ..._errors import StoreUnavailable
+from . import _schema_sync, _watchdog
+from ._listen import ListenSubscription
+from ._shared import (
+    _STORES,
+    DEFAULT_SCHEMA,
+    DEFAULT_TIMEOUT,
+    Health,
+    _Base,
+    _lane_spent,
+    _wait,
+    clone_pool,
+)
+
+T = TypeVar("T")
+
+
+class _SyncRunner(_Base):
+    """The half of :class:`PostgresStore` that differs from the async store's."""
+
+    def __init__(
+        self,
+        pool: psycopg_pool.ConnectionPool[Any],
+        *,
+        schema: str = DEFAULT_SCHEMA,
+        prepare: bool = True,
+        auto_migrate: bool = True,
+        owns_pool: bool = False,
+        timeout: float = DEFAULT_TIMEOUT,
+        pool_factory: Callable[[], psycopg_pool.ConnectionPool[Any]] | None = None,
+        health: Health | None = None,
+    ) -> None:
+        health = health or Health()
+        self.pool = pool
+        super().__init__(
+            schema=schema,
+            prepare=prepare,
+            auto_migrate=auto_migrate,
+            owns_pool=owns_pool,
+            conninfo=pool.conninfo,
+            conn_kwargs=pool.kwargs,
+            timeout=timeout,
+            pool_factory=pool_factory or (lambda: clone_pool(pool, health)),
+            health=health,
+        )
+        self._setup_lock = threading.Lock()
+        self._probe_lock = threading.Lock()
+        self._probing = False
+        self._lane_lock = threading.Lock()
+        self._lane: psycopg.Connection[Any] | None = None
+        self._lane_since = 0.0
+
+    def _fork_reset(self) -> None:
+        super()._fork_reset()
+        self._setup_lock = threading.Lock()
+        self._probe_lock = threading.Lock()
+        self._probing = False
+        self._lane_lock = threading.Lock()
+        self._lane = None
+
+    # ---- running statements ------------------------------------------------------------
+
+    def _setup(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        if not self._setup_lock.acquire(timeout=self.timeout):
+            raise StoreUnavailable(
+                f"the PostgreSQL store was still being set up by another thread after "
+                f"timeout={self.timeout:g}s; try again"
+            )
+        try:
+            if self._ready:
+                return
+            if self._owns_pool:
+                try:
+                    self.pool.open(wait=False)
+                except psycopg.Error as exc:
+                    raise self._unavailable(exc, "opening the pool") from exc
+            # On a connection of its own, not the pool's: a refused connection, a bad
+            # password or a missing database is reported now, with its cause.
+            conn: Any = None
+            armed: Any = None
+            try:
+                conn = self._direct_connect()
+                armed = _watchdog.WATCHDOG.arm(conn, deadline)
+                _schema_sync.ensure(conn, self.schema, migrate=self._auto_migrate)
+            except psycopg.Error as exc:
+                if armed is not None and armed.fired:
+                    raise self._timed_out("checking the schema") from exc
+                raise self._unavailable(exc, "checking the schema") from exc
+            finally:
+                if armed is not None:
+                    _watchdog.WATCHDOG.disarm(armed)
+                if conn is not None:
+                    conn.close()
+            self._ready = True
+        finally:
+            self._setup_lock.release()
+
+    def _ensure_ready(self) -> None:
+        if not self._ready:
+            self._setup()
+
+    @staticmethod
+    def _autocommit(conn: psycopg.Connection[Any], on: bool) -> None:
+        conn.autocommit = on
+
+    def _undoable(self, result: T, undo: Callable[[Any], Any], what: str) -> T:
+        """The call has run: a thread is not cancelled in the middle of one."""
+        return result
+
+    def _probe(self, deadline: float, what: str) -> None:
+        """The pool's last connection attempt failed: connect once ourselves, so the
+        call fails now with the cause (refused, bad password, missing database...)
+        instead of waiting for a connection that is not coming."""
+        if not self._probe_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise self._pool_timeout(psycopg_pool.PoolTimeout("no connection"), what) from (
+                self._health.down
+            )
+        try:
+            if self._health.down is None:
+                return
+            # psycopg's connect timeout is whole seconds, at least 2: with less time
+            # left, report the cause last met now and probe in the background.
+            left = int(deadline - time.monotonic())
+            if left < 2:
+                self._probe_later()
+                raise self._pool_timeout(psycopg_pool.PoolTimeout("no connection"), what) from (
+                    self._health.down
+                )
+            try:
+                self._direct_connect(left).close()
+            except psycopg.Error as exc:
+                self._health.down = exc
+                raise self._pool_timeout(exc, what) from exc
+            self._health.down = None  # reachable again: the pool reconnects soon
+        finally:
+            self._probe_lock.release()
+
+    def _probe_later(self) -> None:
+        if self._probing:
+            return
+        self._probing = True
+
+        def probe() -> None:
+            try:
+                self._direct_connect().close()
+                self._health.down = None
+            except psycopg.Error as exc:
+                self._health.down = exc
+            finally:
+                self._probing = False
+
+        threading.Thread(target=probe, name="idemlock-pg-probe", daemon=True).start()
+
+    def _take(self, deadline: float, what: str) -> tuple[psycopg.Connection[Any], bool]:
+        if self._health.down is not None:
+            self._probe(deadline, what)
+        try:
+            if self._owns_pool and self._lane_lock.acquire(blocking=False):
+                try:
+                    if self._lane is None:
+                        self._lane = self.pool.getconn(_wait(deadline))
+                        self._lane_since = time.monotonic()
+                    return self._lane, True
+                except BaseException:
+                    self._lane_lock.release()
+                    raise
+            return self.pool.getconn(_wait(deadline)), False
+        except psycopg_pool.PoolTimeout as exc:
+            raise self._pool_timeout(exc, what) from exc
+
+    def _give(self, conn: psycopg.Connection[Any], lane: bool) -> None:
+        if not lane:
+            self.pool.putconn(conn)
+            return
+        try:
+            if self.pool.closed or _lane_spent(conn, self._lane_since):
+                self._lane = None
+                self.pool.putconn(conn)
+        finally:
+            self._lane_lock.release()
+
+    def _check_pool(self, deadline: float) -> None:
+        """pool.check() runs a round trip per idle connection in the calling thread,
+        with no bound of its own: run it aside and wait for it until the deadline."""
+
+        def check() -> None:
+            with contextlib.suppress(psycopg.Error):
+                self.pool.check()
+
+        th = threading.Thread(target=check, name="idemlock-pg-check", daemon=True)
+        th.start()
+        th.join(max(0.0, deadline - time.monotonic()))
+
+    # ---- waiting and life cycle ----------------------------------------------------------
+
+    def subscribe(self, channel: Channel) -> ListenSubscription:
+        if not self._ready:
+            self._setup()
+        return self.listener.subscribe(self._chan(*channel))
+
+    def close(self) -> None:
+        _STORES.discard(self)
+        self.listener.close()
+        if self._owns_pool:
+            with self._lane_lock:
+                if self._lane is not None:
+                    self.pool.putconn(self._lane)
+                    self._lane = None
+            self.pool.close()

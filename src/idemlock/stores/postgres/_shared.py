@@ -1,0 +1,377 @@
+"""What the sync and async PostgreSQL stores share: settings, error messages, the
+pool's health, the fork hook, and :class:`_Base`, the half of a store that runs no
+statement itself."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+import os
+import re
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import psycopg_pool
+from psycopg.conninfo import conninfo_to_dict
+from psycopg.pq import TransactionStatus
+from psycopg.rows import tuple_row
+
+from ... import _urls
+from ..._errors import ConfigurationError, StoreUnavailable
+from ._listen import Listener
+from ._pool import CancellableAsyncPool
+from ._replies import _i8
+from ._sql import Statements
+
+log = logging.getLogger("idemlock")
+
+DEFAULT_SCHEMA = "idemlock"
+#: rows deleted per purge statement
+PURGE_BATCH = 5000
+#: seconds a store keeps its lane connection before handing it back to its pool
+LANE_SECONDS = 60.0
+#: re-runs of a claim/acquire/fence statement that raced a concurrent commit (see _RETRY)
+MAX_RACE_RETRIES = 100
+
+
+_SCHEMA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
+
+
+#: seconds one call may take, connection wait included (A1)
+DEFAULT_TIMEOUT = 5.0
+
+
+def _secrets_of(conninfo: Any) -> list[str]:
+    """The secret values a conninfo string holds (userinfo password, ``?password=``),
+    to mask them in messages; the shared helper lives in idemlock._urls."""
+    find = getattr(_urls, "secrets_in", None)
+    if not isinstance(conninfo, str) or find is None:
+        return []
+    found: list[str] = find(conninfo)
+    return found
+
+
+def _wait(deadline: float) -> float:
+    """Seconds left to wait for a pooled connection (psycopg_pool needs > 0)."""
+    return max(0.001, deadline - time.monotonic())
+
+
+def clone_pool(pool: Any, health: Health) -> Any:
+    """A new, unopened pool with the settings of ``pool`` (a forked child cannot use
+    the parent's: its connections are shared with the parent and its threads are
+    gone). Its connection attempts are recorded in ``health``."""
+    cls = (
+        CancellableAsyncPool
+        if isinstance(pool, psycopg_pool.AsyncConnectionPool)
+        else psycopg_pool.ConnectionPool
+    )
+    options: dict[str, Any] = {}
+    for name in ("configure", "reset"):
+        value = getattr(pool, "_" + name, None)
+        if value is not None:
+            options[name] = value
+    return cls(
+        pool.conninfo,
+        kwargs=pool.kwargs,
+        min_size=pool.min_size,
+        max_size=pool.max_size,
+        timeout=pool.timeout,
+        max_idle=pool.max_idle,
+        max_lifetime=pool.max_lifetime,
+        reconnect_timeout=pool.reconnect_timeout,
+        connection_class=recording_class(pool.connection_class, health),
+        name=pool.name,
+        open=False,
+        **options,
+    )
+
+
+def check_schema(schema: object) -> str:
+    if not isinstance(schema, str) or not _SCHEMA_NAME.fullmatch(schema):
+        raise ConfigurationError(
+            f"schema must be a plain PostgreSQL identifier (letters, digits, underscores, "
+            f"at most 63 characters, not starting with a digit), got {schema!r}"
+        )
+    return schema
+
+
+def unavailable(exc: BaseException, what: str) -> StoreUnavailable:
+    """A driver error as StoreUnavailable (the caller chains the cause)."""
+    if isinstance(exc, psycopg_pool.PoolTimeout):
+        msg = f"no PostgreSQL connection became free in time for {what}: {exc}"
+    elif isinstance(exc, psycopg.errors.UndefinedTable):
+        msg = (
+            f"the idemlock tables are missing ({exc}); run `idemlock migrate --url ...` "
+            "or let the store create them (auto_migrate=True)"
+        )
+    else:
+        msg = f"PostgreSQL failed during {what}: {type(exc).__name__}: {exc}"
+    return StoreUnavailable(msg.strip())
+
+
+def _resolve(value: Any) -> Any:
+    """A pool setting that may be a value, a function or an async function (psycopg_pool
+    allows all three for conninfo and kwargs). Runs in the listener's thread, which has
+    no event loop of its own."""
+    if callable(value):
+        value = value()
+        if inspect.isawaitable(value):
+            value = asyncio.run(_awaited(value))
+    return value
+
+
+async def _awaited(aw: Any) -> Any:
+    return await aw
+
+
+def _lane_spent(conn: Any, since: float) -> bool:
+    """Whether the lane connection must go back to the pool now."""
+    return bool(
+        conn.closed
+        or getattr(conn, "broken", False)
+        or conn.info.transaction_status != TransactionStatus.IDLE
+        or time.monotonic() - since > LANE_SECONDS
+    )
+
+
+def _is_disconnect(exc: BaseException, conn: Any) -> bool:
+    """Whether a statement failed because its pooled connection was dead (None: no
+    connection was borrowed, e.g. a pool timeout, which a retry would not help)."""
+    return (
+        isinstance(exc, psycopg.OperationalError)
+        and conn is not None
+        and (conn.closed or bool(getattr(conn, "broken", False)))
+    )
+
+
+class Health:
+    """What the pool's own connection attempts found: the last failure (None once one
+    succeeds). Calls read it to name the cause of an outage at once instead of
+    waiting for a connection that is not coming (issue 10 item 19)."""
+
+    __slots__ = ("down",)
+
+    def __init__(self) -> None:
+        self.down: BaseException | None = None
+
+
+def recording_class(base: type[Any], health: Health) -> type[Any]:
+    """A connection class for psycopg_pool that records each connection attempt's
+    outcome in ``health`` (the pool only logs its failures)."""
+    if issubclass(base, psycopg.AsyncConnection):
+
+        class _AsyncRecording(base):  # type: ignore[misc]
+            @classmethod
+            async def connect(cls, *args: Any, **kwargs: Any) -> Any:
+                try:
+                    conn = await super().connect(*args, **kwargs)
+                except BaseException as exc:
+                    health.down = exc
+                    raise
+                health.down = None
+                return conn
+
+        return _AsyncRecording
+
+    class _Recording(base):  # type: ignore[misc]
+        @classmethod
+        def connect(cls, *args: Any, **kwargs: Any) -> Any:
+            try:
+                conn = super().connect(*args, **kwargs)
+            except BaseException as exc:
+                health.down = exc
+                raise
+            health.down = None
+            return conn
+
+    return _Recording
+
+
+def connect_kwargs(conninfo: Any, kwargs: Any, timeout: float) -> dict[str, Any]:
+    """Connection settings for a connection the store opens itself (schema check,
+    notifications, probes): the pool's, with a connect timeout unless one is set."""
+    kw = {k: v for k, v in (kwargs or {}).items() if k not in ("autocommit", "row_factory")}
+    if "connect_timeout" not in kw and "connect_timeout" not in conninfo_to_dict(conninfo):
+        # libpq waits forever by default; psycopg's floor is 2 s.
+        kw["connect_timeout"] = max(2, math.ceil(timeout))
+    return kw
+
+
+async def _aresolve(value: Any) -> Any:
+    if callable(value):
+        value = value()
+        if inspect.isawaitable(value):
+            value = await value
+    return value
+
+
+class _Base:
+    pool: Any
+    kind = "postgres"
+    issues_fence_tokens = True
+    #: notifications cross processes, so waiters need no polling cap
+    poll_cap: float | None = None
+
+    def __init__(
+        self,
+        *,
+        schema: str,
+        prepare: bool,
+        auto_migrate: bool,
+        owns_pool: bool,
+        conninfo: Any,
+        conn_kwargs: Any,
+        timeout: float,
+        pool_factory: Callable[[], Any],
+        health: Health,
+    ) -> None:
+        self.schema = check_schema(schema)
+        self.statements = Statements.for_schema(self.schema)
+        #: the bound on one call, in seconds (A1)
+        self.timeout = float(timeout)
+        self._prepare = prepare
+        self._auto_migrate = auto_migrate
+        self._owns_pool = owns_pool
+        self._ready = False
+        self._conninfo = conninfo
+        self._secrets = _secrets_of(conninfo)
+        self._conn_kwargs = conn_kwargs
+        # Builds a fresh pool of the same settings: a forked child uses it (A6).
+        self._pool_factory = pool_factory
+        self._health = health
+        self.listener = Listener(self._direct_connect, self.timeout)
+        _STORES.add(self)
+
+    def _direct_connect(self, connect_timeout: int | None = None) -> psycopg.Connection[Any]:
+        """A connection of its own, on the pool's settings (which may be computed per
+        connection). Runs in threads without an event loop."""
+        info = _resolve(self._conninfo)
+        kwargs = connect_kwargs(info, _resolve(self._conn_kwargs), self.timeout)
+        if connect_timeout is not None:
+            kwargs["connect_timeout"] = connect_timeout
+        return psycopg.connect(info, autocommit=True, **kwargs)
+
+    async def _adirect_connect(self) -> psycopg.AsyncConnection[Any]:
+        info = await _aresolve(self._conninfo)
+        kwargs = connect_kwargs(info, await _aresolve(self._conn_kwargs), self.timeout)
+        return await psycopg.AsyncConnection.connect(info, autocommit=True, **kwargs)
+
+    def _scrub(self, err: StoreUnavailable) -> StoreUnavailable:
+        """No secret of the URL (a ``?password=``...) leaves in a message (item 17)."""
+        msg = str(err)
+        for secret in self._secrets:
+            msg = msg.replace(secret, "***")
+        return err if msg == str(err) else StoreUnavailable(msg)
+
+    def _unavailable(self, exc: BaseException, what: str) -> StoreUnavailable:
+        return self._scrub(unavailable(exc, what))
+
+    def _timed_out(self, what: str) -> StoreUnavailable:
+        return StoreUnavailable(
+            f"PostgreSQL did not answer {what} within timeout={self.timeout:g}s (the server "
+            "or the network is stuck or silent); the connection was dropped. The call may or "
+            "may not have been applied; retrying it is safe"
+        )
+
+    def _pool_timeout(self, exc: BaseException, what: str) -> StoreUnavailable:
+        down = self._health.down
+        if down is not None:
+            return self._scrub(
+                StoreUnavailable(
+                    f"cannot connect to PostgreSQL for {what}: {type(down).__name__}: "
+                    f"{str(down).strip()}"
+                )
+            )
+        return StoreUnavailable(
+            f"no PostgreSQL connection became free within timeout={self.timeout:g}s for "
+            f"{what} (every pooled connection was busy: raise max_size or timeout): {exc}"
+        )
+
+    def _fork_reset(self) -> None:
+        """In a forked child: keep what was inherited from being used, closed or
+        collected (closing would end the parent's sessions), and start afresh."""
+        _INHERITED.append((self.pool, self.listener, getattr(self, "_lane", None)))
+        self.pool = self._pool_factory()
+        self._owns_pool = True
+        self._ready = False
+        self._health.down = None
+        self.listener = Listener(self._direct_connect, self.timeout)
+
+    def _chan(self, kind: str, ns: str, key: str) -> str:
+        return self.statements.channel(kind, ns, key)
+
+    def _complete_params(
+        self, ns: str, key: str, token: str, result: bytes, ttl_ms: int
+    ) -> dict[str, Any]:
+        return {
+            "ns": ns,
+            "key": key,
+            "token": token,
+            "result": bytes(result),
+            "ttl": _i8(ttl_ms),
+            "chan": self._chan("claim", ns, key),
+        }
+
+    # Completing on the caller's connection, inside the caller's transaction, so it
+    # commits or rolls back with the caller's writes (waiters are notified at commit).
+    # The claim came first, so the schema exists. See fenced.complete_in_transaction.
+
+    def complete_in(
+        self,
+        conn: psycopg.Connection[Any],
+        ns: str,
+        key: str,
+        token: str,
+        result: bytes,
+        ttl_ms: int,
+    ) -> bool:
+        stmt = self.statements.complete
+        args = stmt.args(self._complete_params(ns, key, token, result, ttl_ms))
+        try:
+            return bool(
+                psycopg.RawCursor(conn, row_factory=tuple_row)
+                .execute(stmt.sql, args, binary=True)
+                .fetchall()
+            )
+        except psycopg.Error as exc:
+            raise self._unavailable(exc, "complete") from exc
+
+    async def acomplete_in(
+        self,
+        conn: psycopg.AsyncConnection[Any],
+        ns: str,
+        key: str,
+        token: str,
+        result: bytes,
+        ttl_ms: int,
+    ) -> bool:
+        stmt = self.statements.complete
+        args = stmt.args(self._complete_params(ns, key, token, result, ttl_ms))
+        try:
+            cur = psycopg.AsyncRawCursor(conn, row_factory=tuple_row)
+            await cur.execute(stmt.sql, args, binary=True)
+            return bool(await cur.fetchall())
+        except psycopg.Error as exc:
+            raise self._unavailable(exc, "complete") from exc
+
+
+# ---- fork safety (A6) -------------------------------------------------------------------
+
+_STORES: weakref.WeakSet[_Base] = weakref.WeakSet()
+#: pools, listeners and connections inherited through fork(): never used nor closed in
+#: the child (closing would end the parent's sessions), only kept from being collected
+_INHERITED: list[Any] = []
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_STORES):
+        store._fork_reset()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
