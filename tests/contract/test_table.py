@@ -1,0 +1,391 @@
+"""One contract test per row of the state table (``idemlock._core.table``), run on every
+store at the port level, sync and async: the test id names the row.
+
+Each scenario brings a key into the row's state, makes the row's call and checks the
+reply against the row's reply and the state after it against the row's next state.
+Rows that need time to pass use short leases and ``harness.advance`` (a manual clock
+where the store has one)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from idemlock._core import table as T
+from idemlock._core.port import Acquired, Busy, Channel, Done, Granted, Held, Mismatch
+
+from .facade import Facade, Proxy
+
+LONG = 60_000
+SHORT = 300  # ms; crossed by advance(PAST)
+PAST = 0.5
+#: stores that keep a hand-off window after a release with a waiter (state reserved)
+HANDOFF = {"redis", "redis_cluster", "etcd", "etcd_cluster"}
+
+_REPLY_TYPES: dict[str, type] = {
+    "granted": Granted,
+    "busy": Busy,
+    "done": Done,
+    "mismatch": Mismatch,
+    "acquired": Acquired,
+    "held": Held,
+}
+
+
+class Ctx:
+    def __init__(self, api: Facade, row: str) -> None:
+        self.api = api
+        self.row = T.BY_ID[row]
+        self.store = Proxy(api.coord.store, api.mode)
+        self.ns = f"{api.harness.prefix}|tbl"
+        self.key = "k" + uuid.uuid4().hex[:8]
+
+    def token(self) -> str:
+        return uuid.uuid4().hex
+
+    def expect(self, reply: Any, row: str | None = None) -> Any:
+        """Assert ``reply`` is the reply of ``row`` (default: the row under test)."""
+        r = T.BY_ID[row] if row else self.row
+        assert r.reply is not None
+        name = r.reply.name
+        if name in _REPLY_TYPES:
+            assert isinstance(reply, _REPLY_TYPES[name]), (r.id, reply)
+        elif r.op in ("extend", "renew"):
+            assert (type(reply) is int) is (name == "ok"), (r.id, reply)
+        elif r.op == "fence":
+            assert reply[0] is (name == "ok"), (r.id, reply)
+        else:
+            assert reply is (name == "ok"), (r.id, reply)
+        return reply
+
+    async def claim(self, token: str, fp: str | None = None, lease: int = LONG) -> Any:
+        return await self.store.claim(self.ns, self.key, fp, token, lease)
+
+    async def record_state(self) -> str | None:
+        row = await self.store.record(self.ns, self.key)
+        return None if row is None else row.state
+
+    async def lock_owner(self) -> str | None:
+        row = await self.store.lock(self.ns, self.key)
+        return None if row is None else row.owner
+
+
+Scenario = Callable[[Ctx], Awaitable[None]]
+SCENARIOS: dict[str, Scenario] = {}
+
+
+def rows(*ids: str) -> Callable[[Scenario], Scenario]:
+    def register(fn: Scenario) -> Scenario:
+        for rid in ids:
+            assert rid in T.BY_ID, rid
+            SCENARIOS[rid] = fn
+        return fn
+
+    return register
+
+
+# ---- claims ----------------------------------------------------------------------
+
+
+@rows("claim.new")
+async def _claim_new(c: Ctx) -> None:
+    first = c.expect(await c.claim(c.token(), lease=SHORT))
+    assert await c.record_state() == "in_flight"
+    c.api.harness.advance(PAST)  # lapsed: taken over with a new fence
+    again = c.expect(await c.claim(c.token()))
+    assert again.fence > first.fence
+
+
+@rows("claim.resend")
+async def _claim_resend(c: Ctx) -> None:
+    t = c.token()
+    first = await c.claim(t)
+    again = c.expect(await c.claim(t))
+    assert again.fence == first.fence
+
+
+@rows("claim.mismatch")
+async def _claim_mismatch(c: Ctx) -> None:
+    t = c.token()
+    await c.claim(t, fp="a")
+    assert c.expect(await c.claim(c.token(), fp="b")).state == "in_flight"
+    assert await c.store.complete(c.ns, c.key, t, b"r", LONG)
+    assert c.expect(await c.claim(c.token(), fp=None)).state == "completed"
+
+
+@rows("claim.busy")
+async def _claim_busy(c: Ctx) -> None:
+    await c.claim(c.token(), fp="a")
+    c.expect(await c.claim(c.token(), fp="a"))
+    assert await c.record_state() == "in_flight"
+
+
+@rows("claim.replay")
+async def _claim_replay(c: Ctx) -> None:
+    t = c.token()
+    await c.claim(t)
+    assert await c.store.complete(c.ns, c.key, t, b"result", LONG)
+    assert c.expect(await c.claim(c.token())).result == b"result"
+
+
+@rows("claim.expiry")
+async def _claim_expiry(c: Ctx) -> None:
+    t = c.token()
+    await c.claim(t, lease=SHORT)
+    c.api.harness.advance(PAST)
+    assert await c.record_state() is None  # not live: listed nowhere
+    # lapsed, not absent: the late completion still lands
+    assert await c.store.complete(c.ns, c.key, t, b"late", LONG)
+
+
+@rows("claim.ttl")
+async def _claim_ttl(c: Ctx) -> None:
+    t = c.token()
+    first = await c.claim(t)
+    assert await c.store.complete(c.ns, c.key, t, b"r", SHORT)
+    c.api.harness.advance(PAST)
+    assert await c.record_state() is None
+    again = await c.claim(c.token())
+    assert isinstance(again, Granted) and again.fence > first.fence
+
+
+@rows("complete.ok")
+async def _complete_ok(c: Ctx) -> None:
+    t = c.token()
+    await c.claim(t)
+    c.expect(await c.store.complete(c.ns, c.key, t, b"r", LONG))
+    assert await c.record_state() == "completed"
+
+
+@rows("complete.late", "abandon.late")
+async def _late(c: Ctx) -> None:
+    t = c.token()
+    await c.claim(t, lease=SHORT)
+    c.api.harness.advance(PAST)
+    if c.row.op == "complete":
+        c.expect(await c.store.complete(c.ns, c.key, t, b"r", LONG))
+        assert await c.record_state() == "completed"
+    else:
+        c.expect(await c.store.abandon(c.ns, c.key, t))
+        assert await c.record_state() is None
+
+
+@rows("complete.resend")
+async def _complete_resend(c: Ctx) -> None:
+    t = c.token()
+    await c.claim(t)
+    assert await c.store.complete(c.ns, c.key, t, b"r", LONG)
+    before = await c.store.record(c.ns, c.key)
+    c.expect(await c.store.complete(c.ns, c.key, t, b"r", LONG))
+    assert await c.store.record(c.ns, c.key) == before  # nothing changed
+    # Another result is no re-send: complete.stale
+    c.expect(await c.store.complete(c.ns, c.key, t, b"other", LONG), "complete.stale")
+
+
+@rows("complete.stale", "abandon.stale")
+async def _stale(c: Ctx) -> None:
+    def call(token: str) -> Any:
+        if c.row.op == "complete":
+            return c.store.complete(c.ns, c.key, token, b"r", LONG)
+        return c.store.abandon(c.ns, c.key, token)
+
+    c.expect(await call(c.token()))  # absent
+    first = c.token()
+    await c.claim(first, lease=SHORT)
+    c.expect(await call(c.token()))  # in flight with another token
+    c.api.harness.advance(PAST)
+    second = c.token()
+    assert isinstance(await c.claim(second), Granted)  # taken over
+    c.expect(await call(first))
+    assert await c.record_state() == "in_flight"
+    assert await c.store.abandon(c.ns, c.key, second)
+    c.expect(await c.store.abandon(c.ns, c.key, second), "abandon.stale")  # re-sent
+
+
+@rows("abandon.ok")
+async def _abandon_ok(c: Ctx) -> None:
+    t = c.token()
+    first = await c.claim(t)
+    c.expect(await c.store.abandon(c.ns, c.key, t))
+    assert await c.record_state() is None
+    again = await c.claim(c.token())
+    assert isinstance(again, Granted) and again.fence > first.fence  # counter kept
+
+
+@rows("extend.ok")
+async def _extend_ok(c: Ctx) -> None:
+    t = c.token()
+    first = await c.claim(t, lease=SHORT)
+    exp = c.expect(await c.store.extend(c.ns, c.key, t, LONG))
+    assert exp > first.expires_ms
+    c.api.harness.advance(PAST)
+    assert await c.record_state() == "in_flight"
+
+
+@rows("extend.stale")
+async def _extend_stale(c: Ctx) -> None:
+    t = c.token()
+    await c.claim(t, lease=SHORT)
+    c.expect(await c.store.extend(c.ns, c.key, c.token(), LONG))  # another token
+    c.api.harness.advance(PAST)
+    c.expect(await c.store.extend(c.ns, c.key, t, LONG))  # lapsed: never revived
+    assert await c.record_state() is None
+
+
+@rows("forget.live")
+async def _forget_live(c: Ctx) -> None:
+    first = await c.claim(c.token())
+    c.expect(await c.store.forget(c.ns, c.key))
+    assert await c.record_state() is None
+    again = await c.claim(c.token())
+    assert isinstance(again, Granted) and again.fence > first.fence
+
+
+@rows("forget.dead")
+async def _forget_dead(c: Ctx) -> None:
+    c.expect(await c.store.forget(c.ns, c.key))  # absent
+    await c.claim(c.token(), lease=SHORT)
+    c.api.harness.advance(PAST)
+    c.expect(await c.store.forget(c.ns, c.key))  # lapsed
+    assert await c.record_state() is None
+
+
+# ---- locks -----------------------------------------------------------------------
+
+
+@rows("lock.acquire")
+async def _lock_acquire(c: Ctx) -> None:
+    got = c.expect(await c.store.acquire(c.ns, c.key, "a", LONG))
+    assert got.token > 0 and await c.lock_owner() == "a"
+
+
+@rows("lock.reacquire")
+async def _lock_reacquire(c: Ctx) -> None:
+    first = await c.store.acquire(c.ns, c.key, "a", LONG)
+    again = c.expect(await c.store.acquire(c.ns, c.key, "a", LONG))
+    assert again.token == first.token
+
+
+@rows("lock.busy")
+async def _lock_busy(c: Ctx) -> None:
+    await c.store.acquire(c.ns, c.key, "a", LONG)
+    c.expect(await c.store.acquire(c.ns, c.key, "b", LONG))
+    assert await c.lock_owner() == "a"
+
+
+@rows("lock.handoff", "lock.handoff.take")
+async def _lock_handoff(c: Ctx) -> None:
+    # A waiter of another store object (another process's gid) registers by failing
+    # while subscribed; the release then keeps a window for it where the store has one.
+    other = c.api.other()
+    try:
+        waiter = Proxy(other.coord.store, c.api.mode)
+        held = await c.store.acquire(c.ns, c.key, "a", LONG)
+        sub = await waiter.subscribe(Channel("lock", c.ns, c.key))
+        assert isinstance(await waiter.acquire(c.ns, c.key, "w", LONG), Held)
+        assert await c.store.release(c.ns, c.key, "a", held.token)
+        newcomer = await c.store.acquire(c.ns, c.key, "n", LONG)
+        if c.api.harness.name in HANDOFF:
+            c.expect(newcomer, "lock.handoff")  # reserved for the waiter
+        else:
+            # no window: the state is free, not reserved (row lock.acquire)
+            c.expect(newcomer, "lock.acquire")
+            assert await c.store.release(c.ns, c.key, "n", newcomer.token)
+        got = c.expect(await waiter.acquire(c.ns, c.key, "w", LONG), "lock.handoff.take")
+        assert got.token > held.token
+        if c.api.mode == "sync":
+            sub.close()
+        else:
+            await sub.aclose()
+    finally:
+        await other.close()
+
+
+@rows("lock.release")
+async def _lock_release(c: Ctx) -> None:
+    first = await c.store.acquire(c.ns, c.key, "a", LONG)
+    c.expect(await c.store.release(c.ns, c.key, "a", first.token))
+    assert await c.lock_owner() is None
+    again = await c.store.acquire(c.ns, c.key, "b", LONG)
+    assert again.token > first.token  # counter kept
+
+
+@rows("lock.release.stale")
+async def _lock_release_stale(c: Ctx) -> None:
+    c.expect(await c.store.release(c.ns, c.key, "a", 1))  # free
+    held = await c.store.acquire(c.ns, c.key, "a", LONG)
+    c.expect(await c.store.release(c.ns, c.key, "b", held.token))  # another owner
+    c.expect(await c.store.release(c.ns, c.key, "a", held.token + 1))  # another token
+    assert await c.lock_owner() == "a"
+
+
+@rows("lock.renew")
+async def _lock_renew(c: Ctx) -> None:
+    held = await c.store.acquire(c.ns, c.key, "a", SHORT)
+    exp = c.expect(await c.store.renew(c.ns, c.key, "a", held.token, LONG))
+    assert exp > held.expires_ms
+    c.api.harness.advance(PAST)
+    assert await c.lock_owner() == "a"
+
+
+@rows("lock.renew.stale")
+async def _lock_renew_stale(c: Ctx) -> None:
+    held = await c.store.acquire(c.ns, c.key, "a", SHORT)
+    c.expect(await c.store.renew(c.ns, c.key, "b", held.token, LONG))
+    c.api.harness.advance(PAST)
+    c.expect(await c.store.renew(c.ns, c.key, "a", held.token, LONG))  # never revived
+    assert await c.lock_owner() is None
+
+
+@rows("lock.break")
+async def _lock_break(c: Ctx) -> None:
+    held = await c.store.acquire(c.ns, c.key, "a", LONG)
+    c.expect(await c.store.break_lock(c.ns, c.key))
+    assert await c.lock_owner() is None
+    assert await c.store.renew(c.ns, c.key, "a", held.token, LONG) is None
+    again = await c.store.acquire(c.ns, c.key, "b", LONG)
+    assert again.token > held.token  # counter kept
+
+
+@rows("lock.break.free")
+async def _lock_break_free(c: Ctx) -> None:
+    c.expect(await c.store.break_lock(c.ns, c.key))
+
+
+@rows("lock.expiry")
+async def _lock_expiry(c: Ctx) -> None:
+    held = await c.store.acquire(c.ns, c.key, "a", SHORT)
+    c.api.harness.advance(PAST)
+    assert await c.lock_owner() is None
+    again = await c.store.acquire(c.ns, c.key, "b", LONG)
+    assert isinstance(again, Acquired) and again.token > held.token
+
+
+# ---- fences ----------------------------------------------------------------------
+
+
+@rows("fence.advance")
+async def _fence_advance(c: Ctx) -> None:
+    assert c.expect(await c.store.fence_advance(c.ns, c.key, 5)) == (True, 5)
+    assert c.expect(await c.store.fence_advance(c.ns, c.key, 5)) == (True, 5)  # equal
+    assert c.expect(await c.store.fence_advance(c.ns, c.key, 7)) == (True, 7)
+    assert await c.store.fence_current(c.ns, c.key) == 7
+
+
+@rows("fence.stale")
+async def _fence_stale(c: Ctx) -> None:
+    await c.store.fence_advance(c.ns, c.key, 7)
+    assert c.expect(await c.store.fence_advance(c.ns, c.key, 6)) == (False, 7)
+    assert await c.store.fence_current(c.ns, c.key) == 7
+
+
+def test_every_row_has_a_scenario() -> None:
+    assert set(SCENARIOS) == set(T.BY_ID)
+
+
+@pytest.mark.parametrize("row", [r.id for r in T.ROWS])
+async def test_row(api: Facade, row: str) -> None:
+    await SCENARIOS[row](Ctx(api, row))
