@@ -55,6 +55,8 @@ class Pair:
     renames: dict[str, str] = field(default_factory=dict)
     #: the target's module docstring, when the source's (mapped) would not fit it
     docstring: str | None = None
+    #: phrases replaced in this pair's docstrings and comments, before DOC_PHRASES
+    phrases: list[tuple[str, str]] = field(default_factory=list)
 
 
 #: Every generated module: add a line here to generate one more.
@@ -152,16 +154,10 @@ RENAMES: dict[str, str] = {
 #: Phrases replaced in docstrings and comments (after the word mapping).
 DOC_PHRASES: list[tuple[str, str]] = [
     ("``await ", "``"),
+    ("``async with ", "``with "),
+    ("``async for ", "``for "),
     ("an async ", "a "),
     ("An async ", "A "),
-    ("async ", ""),
-    ("Async ", ""),
-    ("awaitable", "callable"),
-    ("awaits", "waits for"),
-    ("await ", ""),
-    ("the event loop", "the thread"),
-    ("event loop", "thread"),
-    ("a task", "a thread"),
 ]
 
 ASYNC_ONLY = "# async-only"
@@ -208,8 +204,8 @@ def replace_words(text: str, table: dict[str, str]) -> str:
     return "".join(out)
 
 
-def replace_phrases(text: str) -> str:
-    for old, new in DOC_PHRASES:
+def replace_phrases(text: str, extra: list[tuple[str, str]] | None = None) -> str:
+    for old, new in [*(extra or []), *DOC_PHRASES]:
         text = _replace_at_word_start(text, old, new)
     return text
 
@@ -270,10 +266,17 @@ class _Source:
 
 
 class Transformer(ast.NodeVisitor):
-    def __init__(self, src: _Source, renames: dict[str, str], docstring: str | None) -> None:
+    def __init__(
+        self,
+        src: _Source,
+        renames: dict[str, str],
+        docstring: str | None,
+        phrases: list[tuple[str, str]],
+    ) -> None:
         self.src = src
         self.renames = renames
         self.module_docstring = docstring
+        self.phrases = phrases
         self.edits: list[Edit] = []
         self.claimed: set[int] = set()  # ids of Attribute nodes mapped as a chain
 
@@ -301,7 +304,8 @@ class Transformer(ast.NodeVisitor):
         ):
             start, end = self.src.span(body[0].value)
             old = self.src.text[start:end]
-            new = replace_phrases(replace_words(old, self.renames))
+            new = replace_words(replace_phrases(old, self.phrases), self.renames)
+            new = replace_phrases(new)
             if new != old:
                 self._edit(start, end, new)
 
@@ -358,6 +362,30 @@ class Transformer(ast.NodeVisitor):
         self._drop_keyword(node, "await")
         self.generic_visit(node)
 
+    def _unparen(self, inner: ast.expr) -> None:
+        """``(await x)[0]`` needs its parentheses, ``x()[0]`` does not."""
+        if not isinstance(inner, ast.Await):
+            return
+        start, end = self.src.span(inner)
+        text = self.src.text
+        before = start - 1
+        while before >= 0 and text[before] in " \t\n":
+            before -= 1
+        after = end
+        while after < len(text) and text[after] in " \t\n":
+            after += 1
+        if before >= 0 and text[before] == "(" and after < len(text) and text[after] == ")":
+            self._edit(before, before + 1, "")
+            self._edit(after, after + 1, "")
+
+    def visit_Subscript(self, node: ast.Subscript) -> None:
+        self._unparen(node.value)
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        self._unparen(node.func)
+        self.generic_visit(node)
+
     def visit_comprehension(self, node: ast.comprehension) -> None:
         if node.is_async:
             raise Unsupported(f"async comprehension at line {node.target.lineno}")
@@ -370,6 +398,7 @@ class Transformer(ast.NodeVisitor):
             self._edit(start, end, new)
 
     def visit_Attribute(self, node: ast.Attribute) -> None:
+        self._unparen(node.value)
         dotted = _dotted(node)
         if dotted is not None and dotted in self.renames and "." in dotted:
             start, end = self.src.span(node)
@@ -422,7 +451,9 @@ class Transformer(ast.NodeVisitor):
                 self._edit(start, end, new)
 
 
-def _comment_edits(src: _Source, renames: dict[str, str]) -> Iterator[Edit]:
+def _comment_edits(
+    src: _Source, renames: dict[str, str], phrases: list[tuple[str, str]]
+) -> Iterator[Edit]:
     tokens = tokenize.generate_tokens(io.StringIO(src.text).readline)
     for tok in tokens:
         if tok.type != tokenize.COMMENT:
@@ -434,7 +465,7 @@ def _comment_edits(src: _Source, renames: dict[str, str]) -> Iterator[Edit]:
             continue
         if tok.string.rstrip() == ASYNC_ONLY:
             continue
-        new = replace_phrases(replace_words(tok.string, renames))
+        new = replace_phrases(replace_words(replace_phrases(tok.string, phrases), renames))
         if new != tok.string:
             yield Edit(start, end, new)
 
@@ -476,13 +507,19 @@ def _apply(text: str, edits: list[Edit]) -> str:
     return "".join(out)
 
 
-def convert(text: str, renames: dict[str, str], docstring: str | None = None) -> str:
+def convert(
+    text: str,
+    renames: dict[str, str],
+    docstring: str | None = None,
+    phrases: list[tuple[str, str]] | None = None,
+) -> str:
     """The sync twin of the async module ``text``, before formatting."""
     src = _Source(text)
     tree = ast.parse(text)
-    tr = Transformer(src, renames, docstring)
+    tr = Transformer(src, renames, docstring, phrases or [])
     tr.visit(tree)
-    edits = tr.edits + list(_comment_edits(src, renames)) + list(_async_only_edits(src, tree))
+    edits = tr.edits + list(_comment_edits(src, renames, phrases or []))
+    edits += list(_async_only_edits(src, tree))
     return _apply(text, edits)
 
 
@@ -505,14 +542,20 @@ def _ruff(args: list[str], text: str, target: Path) -> str:
 def generate(pair: Pair, root: Path = ROOT) -> str:
     """The full text of the target of ``pair``."""
     source = root / pair.source
-    body = convert(source.read_text(), {**RENAMES, **pair.renames}, pair.docstring)
+    body = convert(source.read_text(), {**RENAMES, **pair.renames}, pair.docstring, pair.phrases)
     text = header(pair.source) + body
     tree = ast.parse(text)  # the twin must be valid Python ...
     for node in ast.walk(tree):  # ... with nothing async left
         if isinstance(node, (ast.AsyncFunctionDef, ast.AsyncWith, ast.AsyncFor, ast.Await)):
             raise Unsupported(f"{pair.target}:{node.lineno}: async construct left")
     target = root / pair.target
-    text = _ruff(["check", "--fix", "--exit-zero", "--select", "I", "--quiet"], text, target)
+    # imports only the async side used (by an async-only statement) go; order is redone
+    text = _ruff(["check", "--fix", "--exit-zero", "--select", "I,F401", "--quiet"], text, target)
+    # once without magic trailing commas (a removed import leaves one behind), then as
+    # the project formats
+    text = _ruff(
+        ["format", "--quiet", "--config", "format.skip-magic-trailing-comma=true"], text, target
+    )
     return _ruff(["format", "--quiet"], text, target)
 
 

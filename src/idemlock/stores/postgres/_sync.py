@@ -183,10 +183,7 @@ class PostgresStore(_SyncRunner):
 
         reply: Acquired | Held = self._undoable(
             self._until(
-                self.statements.acquire,
-                params,
-                "acquire",
-                lambda rows: _acquire_reply(rows, owner),
+                self.statements.acquire, params, "acquire", lambda rows: _acquire_reply(rows, owner)
             ),
             undo,
             "acquire",
