@@ -43,6 +43,8 @@ from .._errors import (
     StoreFull,
     StoreUnavailable,
 )
+from .._logfields import fields as log_fields
+from .._logfields import port_fields
 from .._ports import Heartbeat, IdempotencyBase
 from ..aio import AsyncIdempotencyPort
 from ._fingerprint import Fingerprint, RequestView, fingerprint_of
@@ -255,7 +257,10 @@ class AsyncPortFace:
 def _lost(token: ClaimToken) -> None:
     log.warning(
         "the idempotency claim of a running request was lost (renewal refused or late); "
-        "its response is recorded only if no other attempt took the key over"
+        "its response is recorded only if no other attempt took the key over",
+        extra=log_fields(
+            spec=token.spec, operation="heartbeat", outcome="lost", kind="idempotency"
+        ),
     )
 
 
@@ -399,10 +404,19 @@ class HttpCore:
             return self.problems.mismatch()
         except (StoreUnavailable, StoreFull, OSError, TimeoutError) as exc:
             # Fail closed: the request never runs unprotected.
-            log.warning("idempotency store failed; answering 503: %s: %s", type(exc).__name__, exc)
+            log.warning(
+                "idempotency store failed; answering 503: %s: %s",
+                type(exc).__name__,
+                exc,
+                extra=self._fields("claim", "error"),
+            )
             return self.problems.unavailable()
         except ResultDecodeError:
-            log.error("cannot read the recorded response of a request", exc_info=True)
+            log.error(
+                "cannot read the recorded response of a request",
+                exc_info=True,
+                extra=self._fields("claim", "unreadable"),
+            )
             return self.problems.unreadable()
         if isinstance(claim, InFlight):
             return self.problems.in_flight()
@@ -414,10 +428,20 @@ class HttpCore:
             run.beat = self.face.heartbeat(claim.token, sent, self.every, self.max_run, _lost)
         return run
 
+    def _fields(self, operation: str, outcome: str) -> dict[str, str]:
+        """Log record fields (spec, store kind, operation, outcome; never the key)."""
+        extra = port_fields(getattr(self.face, "port", None), operation, outcome)
+        return extra | log_fields(spec=self.spec.name, kind="idempotency")
+
     def replay(self, rec: Any) -> Answer:
         parsed = parse_record(rec)
         if parsed is None:
-            log.error("stored idempotency record is not a recorded response: %.200r", rec)
+            # The record is the response itself (a payload): only its type is logged.
+            log.error(
+                "stored idempotency record is not a recorded response (a %s)",
+                type(rec).__name__,
+                extra=self._fields("replay", "unreadable"),
+            )
             return self.problems.unreadable()
         status, headers, body = parsed
         if body is None:
@@ -447,6 +471,7 @@ class HttpCore:
                 "not replayable",
                 run.copy.size,
                 self.max_response_body,
+                extra=self._fields("complete", "unreplayable"),
             )
         result = record_of(status, run.headers, run.copy.chunks)
         try:
@@ -458,6 +483,7 @@ class HttpCore:
                 "may have run again",
                 self.spec.lease,
                 run.beat.reason if run.beat is not None else "not renewed: heartbeat=False",
+                extra=self._fields("complete", "stale"),
             )
         except Exception:
             # The handler ran and its response goes out, but the store did not take the
@@ -471,6 +497,7 @@ class HttpCore:
                 status,
                 token.expires_at.isoformat(),
                 exc_info=True,
+                extra=self._fields("complete", "error"),
             )
             until = token.expires_at.timestamp()
             if run.beat is not None and run.beat.state.expires_ms:
@@ -490,7 +517,8 @@ class HttpCore:
         except ResultTooLarge:
             log.warning(
                 "response is too large for the store (max_result_bytes): delivered, "
-                "recorded as not replayable"
+                "recorded as not replayable",
+                extra=self._fields("complete", "unreplayable"),
             )
             await self.face.complete(token, unreplayable_record(status))
 
@@ -507,7 +535,10 @@ class HttpCore:
             except StaleClaim:
                 # Our failed attempt reached the store after all, or the lease ran out
                 # and another attempt took over: either way nothing is left to write.
-                log.warning("the response's record was written or taken over meanwhile")
+                log.warning(
+                    "the response's record was written or taken over meanwhile",
+                    extra=self._fields("complete", "stale"),
+                )
                 return
             except Exception as exc:
                 if until - self.face.now() <= pause:
@@ -517,11 +548,16 @@ class HttpCore:
                         status,
                         type(exc).__name__,
                         exc,
+                        extra=self._fields("complete", "error"),
                     )
                     return
                 pause = min(pause * 2, _RECORD_RETRY_MAX)
                 continue
-            log.warning("recorded a %s response on a later attempt; retries replay it", status)
+            log.warning(
+                "recorded a %s response on a later attempt; retries replay it",
+                status,
+                extra=self._fields("complete", "ok"),
+            )
             return
 
     async def abandon(self, token: ClaimToken) -> None:
@@ -529,7 +565,10 @@ class HttpCore:
             await self.face.abandon(token)
         except StaleClaim:
             # The lease ran out and another attempt may hold the key: nothing to undo.
-            log.info("the idempotency claim to abandon had already ended")
+            log.info(
+                "the idempotency claim to abandon had already ended",
+                extra=self._fields("abandon", "stale"),
+            )
         except Exception:
             # Store down: the claim frees itself when its lease ends; until then retries
             # get 409. Cancellation propagates; the lease covers that case too.
@@ -537,4 +576,5 @@ class HttpCore:
                 "could not abandon an idempotency claim; its key stays reserved until %s",
                 token.expires_at.isoformat(),
                 exc_info=True,
+                extra=self._fields("abandon", "error"),
             )
