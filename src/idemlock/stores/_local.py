@@ -1,39 +1,47 @@
 """In-process notification of freed keys, usable from threads and from asyncio.
 
 The memory store uses it for every hand-off; the SQLite store uses it for waiters
-in the same process (other processes fall back to a short jittered backoff).
+in the same process (other processes fall back to a short jittered backoff). A
+:class:`LocalSubscription` is also the mailbox the listeners of the Redis (sync) and
+PostgreSQL stores fire.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from functools import partial
 
 
 class LocalSubscription:
-    """One waiter's mailbox. ``notify`` before ``wait`` is remembered (no lost wake-up)."""
+    """One waiter's mailbox. A fire before ``wait`` is remembered (no lost wake-up).
 
-    __slots__ = ("_async", "_cond", "_flag", "_hub", "_key")
+    ``lock`` is its owner's lock, held by whoever fires it; ``on_close`` tells the
+    owner the waiter left (it may be called more than once).
+    """
 
-    def __init__(self, hub: LocalHub, key: Hashable) -> None:
-        self._hub = hub
-        self._key = key
+    __slots__ = ("_async", "_cond", "_flag", "_lock", "_on_close")
+
+    def __init__(self, lock: threading.Lock, on_close: Callable[[LocalSubscription], None]) -> None:
+        self._lock = lock
+        self._on_close = on_close
         self._flag = False
-        self._cond = threading.Condition(hub._lock)
+        self._cond = threading.Condition(lock)
         self._async: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
 
-    # called by the hub with hub._lock held
-    def _fire(self) -> None:
+    def _fire(self) -> None:  # with the owner's lock held
         self._flag = True
         self._cond.notify_all()
         if self._async is not None:
             loop, fut = self._async
             self._async = None
-            loop.call_soon_threadsafe(_resolve, fut)
+            with contextlib.suppress(RuntimeError):  # its loop closed: nobody waits there
+                loop.call_soon_threadsafe(_resolve, fut)
 
     def wait(self, timeout: float) -> bool:
-        with self._hub._lock:
+        with self._lock:
             if not self._flag and timeout > 0:
                 self._cond.wait(timeout)
             fired, self._flag = self._flag, False
@@ -41,7 +49,7 @@ class LocalSubscription:
 
     async def wait_async(self, timeout: float) -> bool:
         loop = asyncio.get_running_loop()
-        with self._hub._lock:
+        with self._lock:
             if self._flag:
                 self._flag = False
                 return True
@@ -54,14 +62,14 @@ class LocalSubscription:
             await fut
         finally:
             timer.cancel()
-            with self._hub._lock:
+            with self._lock:
                 self._async = None
-        with self._hub._lock:
+        with self._lock:
             fired, self._flag = self._flag, False
             return fired
 
     def close(self) -> None:
-        self._hub._remove(self._key, self)
+        self._on_close(self)
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:
@@ -77,7 +85,7 @@ class LocalHub:
         self._subs: dict[Hashable, set[LocalSubscription]] = {}
 
     def subscribe(self, key: Hashable) -> LocalSubscription:
-        sub = LocalSubscription(self, key)
+        sub = LocalSubscription(self._lock, partial(self._remove, key))
         with self._lock:
             self._subs.setdefault(key, set()).add(sub)
         return sub

@@ -6,12 +6,14 @@ server only sends this process the notifications it waits for. Freeing statement
 call ``pg_notify`` in the same statement, so the notification is sent exactly when
 the change commits.
 
-A background thread reads the socket and wakes subscriptions through a
-:class:`~idemlock.stores._local.LocalHub`, which serves threads and asyncio alike
-(the async store uses the same listener). ``subscribe`` registers the waiter first and
-returns only once the server has confirmed the LISTEN, so a notification sent after
-``subscribe`` returned is never missed. If the connection drops, every waiter is
-woken to re-check the store and the thread reconnects and LISTENs again.
+The state (reference counts, linger, reconnects) is :class:`idemlock._core.wakeups.Wakeups`;
+this module is its driver: a background thread reads the socket and fires the
+waiters' :class:`~idemlock.stores._local.LocalSubscription` mailboxes, which serve
+threads and asyncio alike (the async store uses the same listener). ``subscribe``
+registers the waiter first and returns only once the server has confirmed the
+LISTEN, so a notification sent after ``subscribe`` returned is never missed. If the
+connection drops, every waiter is woken to re-check the store and the thread
+reconnects and LISTENs again.
 """
 
 from __future__ import annotations
@@ -23,13 +25,15 @@ import select
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
+from ..._core.wakeups import Command, Wakeups
 from ..._errors import StoreUnavailable
-from .._local import LocalHub, LocalSubscription
+from .._local import AsyncLocalSubscription, LocalSubscription
 from . import _watchdog
 
 log = logging.getLogger("idemlock")
@@ -42,22 +46,29 @@ LINGER = 2.0
 MAX_LINGERING = 1000
 
 
+#: A waiter on one channel: ``wait`` from threads, ``wait_async`` from asyncio; a
+#: notification before the wait is remembered.
+ListenSubscription = LocalSubscription
+#: The asyncio face of a :class:`ListenSubscription`.
+AsyncListenSubscription = AsyncLocalSubscription
+
+
 class Listener:
     def __init__(self, connect: Callable[[], psycopg.Connection[Any]], timeout: float) -> None:
         self._connect = connect
         #: the bound on one LISTEN/UNLISTEN round trip (seconds), even on a silent network
         self._timeout = timeout
-        self._hub = LocalHub()
-        # _io serializes every use of the connection (LISTEN, UNLISTEN, reading);
-        # _state guards the reference counts, and is never held across I/O.
+        # _io serializes every use of the connection (LISTEN, UNLISTEN, reading) and
+        # every decision that leads to a command, so commands reach the server in the
+        # order the state machine produced them. _state guards the state machine and
+        # the mailboxes, and is never held across I/O.
         self._io = threading.Lock()
         self._state = threading.Lock()
+        self._core: Wakeups[str, LocalSubscription] = Wakeups(
+            linger=LINGER, max_lingering=MAX_LINGERING
+        )
         self._conn: psycopg.Connection[Any] | None = None
-        self._refs: dict[str, int] = {}
-        self._listening: set[str] = set()  # channels LISTENed on the current connection
-        # Channels nobody waits on any more, since when: they stay LISTENed for LINGER
-        # seconds, so waiting again on a busy key subscribes without a round trip.
-        self._idle: dict[str, float] = {}
+        self._deadline: float | None = None  # when the reader must tick next
         self._thread: threading.Thread | None = None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)  # a full pipe already means "wake up"
@@ -67,38 +78,41 @@ class Listener:
 
     # ---- subscriptions ------------------------------------------------------------
 
-    def subscribe(self, channel: str) -> ListenSubscription:
+    def subscribe(self, channel: str) -> LocalSubscription:
         """Listen on ``channel`` (one server round trip unless already listening)."""
-        sub = self._hub.subscribe(channel)  # before LISTEN: nothing received after it is lost
-        with self._state:
-            self._refs[channel] = self._refs.get(channel, 0) + 1
+        sub = LocalSubscription(self._state, partial(self._release, channel))
         try:
             with self._io:
                 if self._closed:
                     raise StoreUnavailable("the PostgreSQL store is closed")
-                conn = self._ensure_conn()
-                if channel not in self._listening:
-                    self._run(conn, "LISTEN", channel)
-                    self._listening.add(channel)
+                # Registered before LISTEN: nothing received after it is lost.
+                with self._state:
+                    commands = self._core.subscribe(channel, sub)
+                if self._conn is None or self._conn.closed:
+                    self._ensure_conn()
+                else:
+                    self._perform(self._conn, commands)
         except BaseException:
-            self._release(channel)
-            sub.close()
+            with self._state:
+                self._core.discard(channel, sub)
             raise
         self._start_thread()
-        return ListenSubscription(self, channel, sub)
+        return sub
 
-    def try_subscribe(self, channel: str) -> ListenSubscription | None:
+    def try_subscribe(self, channel: str) -> LocalSubscription | None:
         """Subscribe without I/O and without blocking, if the channel is already listened
         on; else None (the caller then calls ``subscribe`` from a worker thread)."""
         if not self._io.acquire(blocking=False):
             return None
         try:
-            if self._closed or self._conn is None or channel not in self._listening:
+            if self._closed or self._conn is None or self._conn.closed:
                 return None
-            sub = self._hub.subscribe(channel)
             with self._state:
-                self._refs[channel] = self._refs.get(channel, 0) + 1
-            return ListenSubscription(self, channel, sub)
+                if not self._core.confirmed(channel):
+                    return None
+                sub = LocalSubscription(self._state, partial(self._release, channel))
+                self._core.subscribe(channel, sub)  # no command: already listening
+            return sub
         finally:
             self._io.release()
 
@@ -106,16 +120,11 @@ class Listener:
         """Whether ``channel`` is LISTENed on a live connection (for tests and health
         checks; False while reconnecting)."""
         conn = self._conn
-        return conn is not None and not conn.closed and channel in self._listening
+        return conn is not None and not conn.closed and self._core.confirmed(channel)
 
-    def _release(self, channel: str) -> None:
+    def _release(self, channel: str, sub: LocalSubscription) -> None:
         with self._state:
-            left = self._refs.get(channel, 0) - 1
-            if left > 0:
-                self._refs[channel] = left
-                return
-            self._refs.pop(channel, None)
-            self._idle[channel] = time.monotonic()
+            self._core.unsubscribe(channel, sub, time.monotonic(), LINGER)
         # The reader thread UNLISTENs later (LINGER), so closing never waits on I/O.
         self._nudge()
 
@@ -140,17 +149,20 @@ class Listener:
             ) from exc
         conn.add_notify_handler(self._on_notify)
         self._conn = conn
-        self._listening = set()
         with self._state:
-            wanted = list(self._refs)
-        try:
-            for channel in wanted:
-                self._run(conn, "LISTEN", channel)
-                self._listening.add(channel)
-        except StoreUnavailable:
-            self._drop()
-            raise
+            up = self._core.on_connect()  # LISTEN every channel waited on
+            self._fire(up.wakes)
+        self._perform(conn, up.commands)
         return conn
+
+    def _perform(self, conn: psycopg.Connection[Any], commands: list[Command[str]]) -> None:
+        # Called with _io held. LISTEN answers before the next statement: confirmed.
+        for cmd in commands:
+            verb = "LISTEN" if cmd.verb == "subscribe" else "UNLISTEN"
+            for channel in cmd.channels:
+                self._run(conn, verb, channel)
+                with self._state:
+                    self._core.on_confirm(cmd.verb, channel)
 
     def _run(self, conn: psycopg.Connection[Any], verb: str, channel: str) -> None:
         query = sql.SQL(verb + " {}").format(sql.Identifier(channel))
@@ -181,28 +193,21 @@ class Listener:
 
     def _dispatch(self, channel: str) -> None:
         self.received += 1
-        self._wake(channel)
+        with self._state:
+            self._fire(self._core.on_message(channel, None, time.monotonic()))
 
-    def _wake(self, channel: str) -> None:
-        try:
-            self._hub.notify(channel)
-        except Exception:  # e.g. a waiter's event loop closed: never kill the reader
-            log.warning("idemlock: could not wake a waiter", exc_info=True)
+    def _fire(self, wakes: list[LocalSubscription]) -> None:  # with _state held
+        for sub in wakes:
+            sub._fire()
 
     def _drop(self) -> None:
         """Forget a broken connection and wake every waiter to re-check the store."""
         conn, self._conn = self._conn, None
-        self._listening = set()
         if conn is not None:
             with contextlib.suppress(Exception):
                 conn.close()
-        self._wake_all()
-
-    def _wake_all(self) -> None:
         with self._state:
-            channels = list(self._refs)
-        for channel in channels:
-            self._wake(channel)
+            self._fire(self._core.on_disconnect())
 
     # ---- the reader thread --------------------------------------------------------
 
@@ -227,16 +232,17 @@ class Listener:
                 time.sleep(delay)
 
     def _step(self, delay: float) -> float:
-        """Wait for the socket or a nudge, then read notifications, reconnect or
-        UNLISTEN idle channels. Returns the next reconnection delay."""
+        """Wait for the socket, a nudge or the next deadline, then read notifications,
+        reconnect or UNLISTEN idle channels. Returns the next reconnection delay."""
         conn = self._conn
         fd = -1
         if conn is not None:
             with contextlib.suppress(Exception):
                 fd = conn.fileno()
         with self._state:
-            want = bool(self._refs)
+            want = self._core.has_waiters()
             wake = self._wake_r
+            deadline = self._deadline
         if wake < 0:
             return delay  # closed
         poller = select.poll()  # not select(): it fails on descriptors above 1023
@@ -244,14 +250,12 @@ class Listener:
         if fd >= 0:
             poller.register(fd, select.POLLIN)
         # While away (no connection) and someone waits, retry the connection soon; else
-        # wake up when the first lingering channel is due for UNLISTEN.
+        # wake up when the state machine is due (a lingering channel to UNLISTEN).
         timeout: float | None = delay if fd < 0 and want else None
-        with self._state:
-            if self._idle and fd >= 0:
-                due = min(self._idle.values()) + LINGER - time.monotonic()
-                timeout = max(0.0, due) if timeout is None else min(timeout, max(0.0, due))
-        timeout_ms = None if timeout is None else timeout * 1000
-        ready = {f for f, _ in poller.poll(timeout_ms)}
+        if deadline is not None and fd >= 0:
+            due = max(0.0, deadline - time.monotonic())
+            timeout = due if timeout is None else min(timeout, due)
+        ready = {f for f, _ in poller.poll(None if timeout is None else timeout * 1000)}
         if wake in ready:
             with contextlib.suppress(OSError):
                 os.read(wake, 4096)
@@ -262,38 +266,26 @@ class Listener:
                 if not want:
                     return delay
                 try:
-                    self._ensure_conn()
+                    self._ensure_conn()  # wakes every waiter: notifications may be lost
                 except StoreUnavailable:
                     return min(delay * 2, RECONNECT_MAX)
-                self._wake_all()  # notifications may have been lost while away
                 return 0.05
             conn = self._conn
             try:
                 if fd in ready:
                     conn.pgconn.consume_input()
                     self._drain(conn)
-                self._unlisten_idle(conn)
+                with self._state:
+                    due_now = self._core.tick(time.monotonic())
+                    self._fire(due_now.wakes)
+                    self._deadline = due_now.deadline
+                self._perform(conn, due_now.commands)
             except (psycopg.Error, OSError) as exc:
                 log.warning("idemlock: PostgreSQL notification connection lost: %s", exc)
                 self._drop()
+            except StoreUnavailable as exc:  # an UNLISTEN failed (already dropped)
+                log.warning("idemlock: PostgreSQL notification connection lost: %s", exc)
         return delay
-
-    def _unlisten_idle(self, conn: psycopg.Connection[Any]) -> None:
-        now = time.monotonic()
-        with self._state:
-            for channel in [c for c in self._idle if c in self._refs]:
-                del self._idle[channel]  # waited on again
-            # Past their linger, or too many lingering: oldest first.
-            ordered = sorted(self._idle, key=self._idle.__getitem__)
-            excess = max(0, len(ordered) - MAX_LINGERING)
-            due = [c for i, c in enumerate(ordered) if i < excess or now - self._idle[c] >= LINGER]
-        for channel in due:
-            if channel in self._listening:
-                self._run(conn, "UNLISTEN", channel)
-                self._listening.discard(channel)
-            with self._state:
-                if channel not in self._refs:
-                    self._idle.pop(channel, None)
 
     def close(self) -> None:
         with self._state:
@@ -307,51 +299,10 @@ class Listener:
             if conn is not None:
                 with contextlib.suppress(Exception):
                     conn.close()
-        self._wake_all()
         with self._state:
+            self._fire(self._core.close())
             fds, (self._wake_r, self._wake_w) = (self._wake_r, self._wake_w), (-1, -1)
         for fd in fds:
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-
-
-class ListenSubscription:
-    """One waiter on one channel; works from threads (``wait``) and asyncio
-    (``wait_async``). A notification before ``wait`` is remembered."""
-
-    __slots__ = ("_channel", "_closed", "_listener", "_sub")
-
-    def __init__(self, listener: Listener, channel: str, sub: LocalSubscription) -> None:
-        self._listener = listener
-        self._channel = channel
-        self._sub = sub
-        self._closed = False
-
-    def wait(self, timeout: float) -> bool:
-        return self._sub.wait(timeout)
-
-    async def wait_async(self, timeout: float) -> bool:
-        return await self._sub.wait_async(timeout)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._sub.close()
-        self._listener._release(self._channel)
-
-
-class AsyncListenSubscription:
-    """The asyncio face of a :class:`ListenSubscription`."""
-
-    __slots__ = ("_sub",)
-
-    def __init__(self, sub: ListenSubscription) -> None:
-        self._sub = sub
-
-    async def wait(self, timeout: float) -> bool:
-        return await self._sub.wait_async(timeout)
-
-    async def aclose(self) -> None:
-        self._sub.close()

@@ -1,0 +1,75 @@
+"""Pure helpers of the Redis store's script calls, shared by the blocking and the
+asyncio store: the batch of a renewal, Cluster slot checks and ``TIME`` replies."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from redis.client import NEVER_DECODE
+
+from ..._errors import ConfigurationError
+from . import _common as C
+
+#: keyword of redis-py's execute_command: raw bytes back, whatever the client decodes
+ND = {NEVER_DECODE: True}
+
+RenewCall = tuple[C.Script, tuple[bytes, ...], tuple[Any, ...]]
+
+
+def renew_calls(items: Sequence[tuple[Any, ...]], keep: int) -> list[RenewCall]:
+    """The EXTEND/RENEW script calls of a batched renewal."""
+    calls: list[RenewCall] = []
+    for item in items:
+        if item[0] == "claim":
+            _, ns, key, token, lease_ms = item
+            args: tuple[Any, ...] = (C.pack_id(token), lease_ms, keep)
+            calls.append((C.EXTEND, (C.names(ns, key).claim,), args))
+        else:
+            _, ns, key, owner, token, ttl_ms = item
+            args = (owner, str(token), ttl_ms, keep)
+            calls.append((C.RENEW, (C.names(ns, key).lock,), args))
+    return calls
+
+
+def now_ms(reply: Any) -> int:
+    if isinstance(reply, dict):  # a cluster answers per node
+        reply = next(iter(reply.values()))
+    sec, usec = reply
+    return int(sec) * 1000 + int(usec) // 1000
+
+
+def check_claim_slot(
+    cluster: bool, claim: bytes, writes: Sequence[tuple[str, bytes]]
+) -> tuple[bytes, ...]:
+    users = tuple(k.encode("utf-8", "surrogatepass") for k, _ in writes)
+    if cluster and users:
+        from redis.crc import key_slot
+
+        slot = key_slot(claim)
+        for name, raw in zip((k for k, _ in writes), users, strict=True):
+            if key_slot(raw) != slot:
+                tag = claim[claim.index(b"{") + 1 : claim.index(b"}")].decode()
+                raise ConfigurationError(
+                    f"on Redis Cluster, writes completed with a claim must hash to the "
+                    f"claim's slot, and {name!r} does not: put the claim's hash tag in its "
+                    f"name, e.g. '{{{tag}}}:{name}'"
+                )
+    return users
+
+
+def check_same_slot(cluster: bool, resource: str, key: str, gate: bytes, user: bytes) -> None:
+    if not cluster:
+        return
+    from redis.crc import key_slot
+
+    if key_slot(gate) != key_slot(user):
+        raise ConfigurationError(
+            f"on Redis Cluster, set_if_fresh writes {key!r} in the same script as the "
+            f"fence of {resource!r}, so both must hash to one slot: use the resource name "
+            f"as the key, or give both the same hash tag (resource '{{{resource}}}' and "
+            f"key '{{{resource}}}:...')"
+        )
+
+
+# ---- fork ------------------------------------------------------------------------------

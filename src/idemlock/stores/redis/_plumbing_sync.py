@@ -1,0 +1,138 @@
+"""How the blocking Redis store reaches Redis: its client, its listener thread, and
+closing. The port methods are :class:`~idemlock.stores.redis._sync.RedisStore`'s,
+generated from the asyncio store's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from redis.exceptions import NoScriptError
+
+from ..._core.port import Channel
+from ..._core.wakeups import Group
+from ..._errors import StoreUnavailable
+from .._local import LocalSubscription
+from . import _common as C
+from ._calls import ND
+from ._listen import SyncListener
+
+_ERRORS = C.redis_errors()
+
+
+class SyncPlumbing:
+    """The store on a blocking ``redis.Redis`` or ``redis.cluster.RedisCluster``."""
+
+    def __init__(self, client: Any, *, cluster: bool, options: C.Options, owned: bool) -> None:
+        self.client = client
+        self.cluster = cluster
+        self._owned = owned
+        self._keep = options.keep_ms
+        self._handoff = options.handoff_ms
+        self._exec = client.execute_command
+        #: the bound (seconds) on one call: socket and connect timeouts (agreement A1)
+        self.timeout = options.timeout
+        self._listener = self._new_listener()
+        _STORES.add(self)
+
+    def _new_listener(self) -> SyncListener:
+        # Other processes' waiters wake a little after the hand-off window if the
+        # chosen process did not take the lock (it may have died).
+        return SyncListener(
+            self._listener_connection,
+            self._unregister,
+            self._handoff / 1000 + 0.005,
+            self.timeout,
+        )
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child never touches the parent's listener: its thread did not
+        survive the fork and its socket is the parent's. Drop it unclosed (closing
+        our copy of the descriptor later sends nothing); the child subscribes on a
+        connection of its own on first wait. redis-py's pools notice the new pid
+        themselves and open fresh connections."""
+        self._listener = self._new_listener()
+
+    # ---- plumbing ----------------------------------------------------------------------
+
+    def _eval(
+        self,
+        script: C.Script,
+        keys: tuple[bytes, ...],
+        args: tuple[Any, ...],
+        *,
+        finish: bool = False,
+        undo: Callable[[Any], Any] | None = None,
+        undo_late: bool = False,
+    ) -> Any:
+        """Run one script, within the socket timeouts. A blocking call cannot be
+        abandoned halfway, so the asyncio store's policies for a caller that stops
+        waiting (``finish``, ``undo``) have nothing to act on here."""
+        try:
+            try:
+                return self._exec("EVALSHA", script.sha, len(keys), *keys, *args, **ND)
+            except NoScriptError:
+                # Redis restarted or failed over, or SCRIPT FLUSH: load it (on every
+                # primary of a cluster) and run it once more.
+                self.client.script_load(script.text)
+                return self._exec("EVALSHA", script.sha, len(keys), *keys, *args, **ND)
+        except _ERRORS as exc:
+            raise C.store_error(exc, script.name) from exc
+
+    def _unregister(self, channel: bytes, gid: bytes) -> None:
+        # This process stopped waiting without the lock: a release need not hold the
+        # lock back for it. Best effort; the registration expires anyway.
+        with contextlib.suppress(StoreUnavailable):
+            self._eval(C.UNREGISTER, (C.waiters_of(channel),), (gid,))
+
+    @contextlib.contextmanager
+    def _client(self) -> Iterator[Any]:
+        """The client (listings, pipelines); redis-py's pool hands out connections."""
+        yield self.client
+
+    def _bounded(self, value: Any, what: str) -> Any:
+        """The twin of the asyncio store's bound on a batch: socket timeouts bound
+        each of its round trips here, so ``value`` has already arrived."""
+        return value
+
+    def _waiting(self, channel: bytes) -> Group[bytes, Any] | None:
+        """This process's waiters on ``channel``, if a caller waits on it."""
+        return self._listener.waiting(channel)
+
+    def _listener_connection(self) -> Any:
+        if self.cluster:
+            nodes = self.client.get_primaries() or self.client.get_nodes()
+            pool = random.choice(nodes).redis_connection.connection_pool
+        else:
+            pool = self.client.connection_pool
+        conn = pool.connection_class(**C.listener_kwargs(pool.connection_kwargs))
+        conn.connect()
+        return conn
+
+    # ---- waiting and life cycle ----------------------------------------------------------
+
+    def subscribe(self, channel: Channel) -> LocalSubscription:
+        return self._listener.subscribe(C.channel_name(channel.kind, channel.ns, channel.key))
+
+    def close(self) -> None:
+        self._listener.close()
+        if self._owned:
+            with contextlib.suppress(*_ERRORS):
+                self.client.close()
+
+
+_STORES: weakref.WeakSet[SyncPlumbing] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_STORES):
+        store._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
