@@ -14,7 +14,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from ._base import Attempt, current_claim
+from ._context import current_claim
 from ._core.canonical import canonicalize, fingerprint
 from ._core.clock import MAX_TTL, Clock, ManualClock, SystemClock
 from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES, RecordedError
@@ -54,6 +54,7 @@ from ._errors import (
 )
 from ._keyring import Keyring
 from ._log_fallback import FallbackHandler
+from ._ports import Attempt
 from ._sync import Coordinator, FenceGate, IdempotencyPort, LockPort
 
 # Warnings reach stderr while the application configures no logging (uvicorn's and

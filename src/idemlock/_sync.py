@@ -13,24 +13,11 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
-from ._base import (
-    Attempt,
-    CoordinatorBase,
-    FenceBase,
-    Heartbeat,
-    IdempotencyBase,
-    LockBase,
-    WrapPlan,
-    check_token,
-    enter_claim,
-    heartbeat_options,
-    leave_claim,
-    seconds,
-    validated,
-    wrap_options,
-)
+from ._context import enter_claim, leave_claim
+from ._coordinator import CoordinatorBase
 from ._core.clock import Clock
 from ._core.flows import Renewal, RenewState, acquire_flow, claim_flow
+from ._core.keys import validate_key
 from ._core.port import SyncStore
 from ._core.types import (
     Claim,
@@ -44,9 +31,13 @@ from ._core.types import (
     RecordStatus,
     to_ms,
 )
+from ._decorator import WrapPlan, heartbeat_options, wrap_options
 from ._drive import run_sync
+from ._durations import seconds
 from ._errors import FencedOut, InFlightError, LockLost, LockNotAcquired, StaleClaim
+from ._ports import Attempt, FenceBase, Heartbeat, IdempotencyBase, LockBase
 from ._renewer import Renewer
+from ._tokens import check_token
 from ._watchdog import Watchdog
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -252,7 +243,7 @@ class IdempotencyPort(IdempotencyBase):
         try:
             reply = self._store.claim(*args)
         except Exception as exc:
-            self._failed("claim", exc, t0)
+            self._emit_error("claim", exc, t0)
             raise
         return self._interpret(key, reply, None, t0, args[1])
 
@@ -280,9 +271,9 @@ class IdempotencyPort(IdempotencyBase):
             else:
                 ok = self._store.complete(*args, data, self._ttl_ms)
         except Exception as exc:
-            self._failed("complete", exc, t0)
+            self._emit_error("complete", exc, t0)
             raise
-        self._done(token, ok, "complete", t0)
+        self._finish_claim(token, ok, "complete", t0)
 
     def abandon(self, token: ClaimToken) -> None:
         """Release the claim so a retry runs the operation again."""
@@ -291,9 +282,9 @@ class IdempotencyPort(IdempotencyBase):
         try:
             ok = self._store.abandon(*args)
         except Exception as exc:
-            self._failed("abandon", exc, t0)
+            self._emit_error("abandon", exc, t0)
             raise
-        self._done(token, ok, "abandon", t0)
+        self._finish_claim(token, ok, "abandon", t0)
 
     def extend(self, token: ClaimToken, lease: timedelta | float | None = None) -> ClaimToken:
         """Push the end of a running claim's lease to ``lease`` (default: the spec's)
@@ -302,7 +293,7 @@ class IdempotencyPort(IdempotencyBase):
         its key (an expired claim is never revived)."""
         args = self._token_args(token)
         lease_ms = self._lease_ms if lease is None else to_ms(lease, "lease")
-        return self._extended(token, self._store.extend(*args, lease_ms))
+        return self._extend_token(token, self._store.extend(*args, lease_ms))
 
     def status(self, key: str) -> RecordStatus | None:
         """What the store holds for ``key``: None, in flight or completed, with expiry."""
@@ -324,7 +315,7 @@ class IdempotencyPort(IdempotencyBase):
         try:
             reply = run_sync(flow, self._store)
         except Exception as exc:
-            self._failed("claim", exc, t0)
+            self._emit_error("claim", exc, t0)
             raise
         return self._interpret(key, reply, None, t0, args[1])
 
@@ -414,7 +405,7 @@ class IdempotencyPort(IdempotencyBase):
                 reply = run_sync(flow, self._store)
                 sent = stamp[0]
         except Exception as exc:
-            self._failed("claim", exc, t0)
+            self._emit_error("claim", exc, t0)
             raise
         return self._interpret(key, reply, None, t0, cargs[1]), sent
 
@@ -441,7 +432,7 @@ class IdempotencyPort(IdempotencyBase):
                 reply = run_sync(flow, self._store)
                 sent = stamp[0]
         except Exception as exc:
-            self._failed("claim", exc, t0)
+            self._emit_error("claim", exc, t0)
             raise
         claim = self._replay_or_raise(key, reply, load, t0, cargs[1])
         return cast("Claimed | Completed", claim), sent
@@ -468,9 +459,9 @@ class IdempotencyPort(IdempotencyBase):
         try:
             ok = self._store.complete(*self._token_args(token), data, self._ttl_ms)
         except Exception as exc:
-            self._failed("complete", exc, t0)
+            self._emit_error("complete", exc, t0)
             raise
-        self._done(token, ok, "complete", t0)
+        self._finish_claim(token, ok, "complete", t0)
 
     def _fail(self, plan: WrapPlan, token: ClaimToken, exc: BaseException) -> None:
         data = self._error_record(plan, token, exc)
@@ -481,7 +472,7 @@ class IdempotencyPort(IdempotencyBase):
         try:
             ok = self._store.complete(*self._token_args(token), data, self._ttl_ms)
         except Exception as exc:
-            self._failed("complete", exc, t0)
+            self._emit_error("complete", exc, t0)
             raise
         self._emit("complete", "ok" if ok else "stale", t0)
         if not ok:
@@ -495,7 +486,7 @@ class IdempotencyPort(IdempotencyBase):
             ok = self._store.abandon(*self._token_args(token))
             self._emit("abandon", "ok" if ok else "stale", t0)
         except Exception as exc:
-            self._failed("abandon", exc, t0)
+            self._emit_error("abandon", exc, t0)
             log.warning(
                 "could not abandon claim on %r; it frees itself when its lease ends",
                 token.key,
@@ -529,14 +520,14 @@ class LockPort(LockBase):
             # No waiting: one call, no flow to drive.
             sent = self._coord.clock.monotonic()
             try:
-                reply = self._store.acquire(self._ns, validated(key), who, self._ttl_ms)
+                reply = self._store.acquire(self._ns, validate_key(key), who, self._ttl_ms)
             except Exception as exc:
-                self._failed("acquire", exc, t0)
+                self._emit_error("acquire", exc, t0)
                 raise
-            return self._acquired(key, who, (reply, sent, 1), t0)
+            return self._finish_acquire(key, who, (reply, sent, 1), t0)
         flow = acquire_flow(
             self._ns,
-            validated(key),
+            validate_key(key),
             who,
             self._ttl_ms,
             wait_s,
@@ -546,9 +537,9 @@ class LockPort(LockBase):
         try:
             result = run_sync(flow, self._store)
         except Exception as exc:
-            self._failed("acquire", exc, t0)
+            self._emit_error("acquire", exc, t0)
             raise
-        return self._acquired(key, who, result, t0)
+        return self._finish_acquire(key, who, result, t0)
 
     def release(self, lease: Lease) -> bool:
         """Free the lock if this lease still holds it; False if it had expired or was
@@ -556,13 +547,13 @@ class LockPort(LockBase):
         t0 = self._t0()
         args = self._release_args(lease)
         if args is None:
-            return self._released(lease, False, t0)
+            return self._finish_release(lease, False, t0)
         try:
             ok = self._store.release(*args)
         except Exception as exc:
-            self._failed("release", exc, t0)
+            self._emit_error("release", exc, t0)
             raise
-        return self._released(lease, ok, t0)
+        return self._finish_release(lease, ok, t0)
 
     def renew(self, lease: Lease, ttl: timedelta | float | None = None) -> bool:
         """Reset the lease to ``ttl`` (default: the spec's) from now; the token stays.
@@ -574,19 +565,19 @@ class LockPort(LockBase):
         try:
             new_exp = self._store.renew(*args, ttl_ms)
         except Exception as exc:
-            self._failed("renew", exc, t0)
+            self._emit_error("renew", exc, t0)
             raise
-        return self._renewed(lease, sent, ttl_ms, new_exp, t0)
+        return self._finish_renew(lease, sent, ttl_ms, new_exp, t0)
 
     def is_locked(self, key: str) -> bool:
-        return self._store.lock(self._ns, validated(key)) is not None
+        return self._store.lock(self._ns, validate_key(key)) is not None
 
     def owner(self, key: str) -> str | None:
-        return self._row_owner(self._store.lock(self._ns, validated(key)))
+        return self._row_owner(self._store.lock(self._ns, validate_key(key)))
 
     def ttl(self, key: str) -> timedelta | None:
         """Time left on the current holder's lease (None if free)."""
-        return self._row_ttl(self._store.lock(self._ns, validated(key)))
+        return self._row_ttl(self._store.lock(self._ns, validate_key(key)))
 
     @contextmanager
     def hold(

@@ -12,26 +12,13 @@ from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
-from ._base import (
-    Attempt,
-    CoordinatorBase,
-    FenceBase,
-    Heartbeat,
-    IdempotencyBase,
-    LockBase,
-    WrapPlan,
-    check_token,
-    enter_claim,
-    heartbeat_options,
-    leave_claim,
-    seconds,
-    validated,
-    wrap_options,
-)
+from ._context import enter_claim, leave_claim
+from ._coordinator import CoordinatorBase
 from ._core.clock import Clock
 from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES
 from ._core.events import Hook
 from ._core.flows import Renewal, RenewState, acquire_flow, claim_flow
+from ._core.keys import validate_key
 from ._core.port import AsyncStore
 from ._core.types import (
     Claim,
@@ -45,7 +32,9 @@ from ._core.types import (
     RecordStatus,
     to_ms,
 )
+from ._decorator import WrapPlan, heartbeat_options, wrap_options
 from ._drive import run_async
+from ._durations import seconds
 from ._errors import (
     ConfigurationError,
     FencedOut,
@@ -55,7 +44,9 @@ from ._errors import (
     StaleClaim,
 )
 from ._keyring import Keyring
+from ._ports import Attempt, FenceBase, Heartbeat, IdempotencyBase, LockBase
 from ._renewer import AsyncRenewer
+from ._tokens import check_token
 from ._watchdog import AsyncWatchdog
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -238,7 +229,7 @@ class AsyncIdempotencyPort(IdempotencyBase):
         try:
             reply = await self._store.claim(*args)
         except Exception as exc:
-            self._failed("claim", exc, t0)
+            self._emit_error("claim", exc, t0)
             raise
         return self._interpret(key, reply, None, t0, args[1])
 
@@ -266,9 +257,9 @@ class AsyncIdempotencyPort(IdempotencyBase):
             else:
                 ok = await self._store.complete(*args, data, self._ttl_ms)
         except Exception as exc:
-            self._failed("complete", exc, t0)
+            self._emit_error("complete", exc, t0)
             raise
-        self._done(token, ok, "complete", t0)
+        self._finish_claim(token, ok, "complete", t0)
 
     async def abandon(self, token: ClaimToken) -> None:
         """Release the claim so a retry runs the operation again."""
@@ -277,9 +268,9 @@ class AsyncIdempotencyPort(IdempotencyBase):
         try:
             ok = await self._store.abandon(*args)
         except Exception as exc:
-            self._failed("abandon", exc, t0)
+            self._emit_error("abandon", exc, t0)
             raise
-        self._done(token, ok, "abandon", t0)
+        self._finish_claim(token, ok, "abandon", t0)
 
     async def extend(self, token: ClaimToken, lease: timedelta | float | None = None) -> ClaimToken:
         """Push the end of a running claim's lease to ``lease`` (default: the spec's)
@@ -288,7 +279,7 @@ class AsyncIdempotencyPort(IdempotencyBase):
         its key (an expired claim is never revived)."""
         args = self._token_args(token)
         lease_ms = self._lease_ms if lease is None else to_ms(lease, "lease")
-        return self._extended(token, await self._store.extend(*args, lease_ms))
+        return self._extend_token(token, await self._store.extend(*args, lease_ms))
 
     async def status(self, key: str) -> RecordStatus | None:
         """What the store holds for ``key``."""
@@ -308,7 +299,7 @@ class AsyncIdempotencyPort(IdempotencyBase):
         try:
             reply = await run_async(flow, self._store)
         except Exception as exc:
-            self._failed("claim", exc, t0)
+            self._emit_error("claim", exc, t0)
             raise
         return self._interpret(key, reply, None, t0, args[1])
 
@@ -391,7 +382,7 @@ class AsyncIdempotencyPort(IdempotencyBase):
                 reply = await run_async(flow, self._store)
                 sent = stamp[0]
         except Exception as exc:
-            self._failed("claim", exc, t0)
+            self._emit_error("claim", exc, t0)
             raise
         return self._interpret(key, reply, None, t0, cargs[1]), sent
 
@@ -418,7 +409,7 @@ class AsyncIdempotencyPort(IdempotencyBase):
                 reply = await run_async(flow, self._store)
                 sent = stamp[0]
         except Exception as exc:
-            self._failed("claim", exc, t0)
+            self._emit_error("claim", exc, t0)
             raise
         claim = self._replay_or_raise(key, reply, load, t0, cargs[1])
         return cast("Claimed | Completed", claim), sent
@@ -443,9 +434,9 @@ class AsyncIdempotencyPort(IdempotencyBase):
         try:
             ok = await self._store.complete(*self._token_args(token), data, self._ttl_ms)
         except Exception as exc:
-            self._failed("complete", exc, t0)
+            self._emit_error("complete", exc, t0)
             raise
-        self._done(token, ok, "complete", t0)
+        self._finish_claim(token, ok, "complete", t0)
 
     async def _fail(self, plan: WrapPlan, token: ClaimToken, exc: BaseException) -> None:
         data = self._error_record(plan, token, exc)
@@ -456,7 +447,7 @@ class AsyncIdempotencyPort(IdempotencyBase):
         try:
             ok = await self._store.complete(*self._token_args(token), data, self._ttl_ms)
         except Exception as exc:
-            self._failed("complete", exc, t0)
+            self._emit_error("complete", exc, t0)
             raise
         self._emit("complete", "ok" if ok else "stale", t0)
         if not ok:
@@ -468,7 +459,7 @@ class AsyncIdempotencyPort(IdempotencyBase):
             ok = await self._store.abandon(*self._token_args(token))
             self._emit("abandon", "ok" if ok else "stale", t0)
         except Exception as exc:
-            self._failed("abandon", exc, t0)
+            self._emit_error("abandon", exc, t0)
             log.warning(
                 "could not abandon claim on %r; it frees itself when its lease ends",
                 token.key,
@@ -492,14 +483,14 @@ class AsyncLockPort(LockBase):
             # No waiting: one call, no flow to drive.
             sent = self._coord.clock.monotonic()
             try:
-                reply = await self._store.acquire(self._ns, validated(key), who, self._ttl_ms)
+                reply = await self._store.acquire(self._ns, validate_key(key), who, self._ttl_ms)
             except Exception as exc:
-                self._failed("acquire", exc, t0)
+                self._emit_error("acquire", exc, t0)
                 raise
-            return self._acquired(key, who, (reply, sent, 1), t0)
+            return self._finish_acquire(key, who, (reply, sent, 1), t0)
         flow = acquire_flow(
             self._ns,
-            validated(key),
+            validate_key(key),
             who,
             self._ttl_ms,
             wait_s,
@@ -509,9 +500,9 @@ class AsyncLockPort(LockBase):
         try:
             result = await run_async(flow, self._store)
         except Exception as exc:
-            self._failed("acquire", exc, t0)
+            self._emit_error("acquire", exc, t0)
             raise
-        return self._acquired(key, who, result, t0)
+        return self._finish_acquire(key, who, result, t0)
 
     async def release(self, lease: Lease) -> bool:
         """Free the lock if this lease still holds it; False if it had expired or was
@@ -519,13 +510,13 @@ class AsyncLockPort(LockBase):
         t0 = self._t0()
         args = self._release_args(lease)
         if args is None:
-            return self._released(lease, False, t0)
+            return self._finish_release(lease, False, t0)
         try:
             ok = await self._store.release(*args)
         except Exception as exc:
-            self._failed("release", exc, t0)
+            self._emit_error("release", exc, t0)
             raise
-        return self._released(lease, ok, t0)
+        return self._finish_release(lease, ok, t0)
 
     async def renew(self, lease: Lease, ttl: timedelta | float | None = None) -> bool:
         """Reset the lease to ``ttl`` from now; the token stays. False if it had expired."""
@@ -536,19 +527,19 @@ class AsyncLockPort(LockBase):
         try:
             new_exp = await self._store.renew(*args, ttl_ms)
         except Exception as exc:
-            self._failed("renew", exc, t0)
+            self._emit_error("renew", exc, t0)
             raise
-        return self._renewed(lease, sent, ttl_ms, new_exp, t0)
+        return self._finish_renew(lease, sent, ttl_ms, new_exp, t0)
 
     async def is_locked(self, key: str) -> bool:
-        return await self._store.lock(self._ns, validated(key)) is not None
+        return await self._store.lock(self._ns, validate_key(key)) is not None
 
     async def owner(self, key: str) -> str | None:
-        return self._row_owner(await self._store.lock(self._ns, validated(key)))
+        return self._row_owner(await self._store.lock(self._ns, validate_key(key)))
 
     async def ttl(self, key: str) -> timedelta | None:
         """Time left on the current holder's lease (None if free)."""
-        return self._row_ttl(await self._store.lock(self._ns, validated(key)))
+        return self._row_ttl(await self._store.lock(self._ns, validate_key(key)))
 
     @asynccontextmanager
     async def hold(

@@ -20,8 +20,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from .._base import WrapPlan, current_claim
+from .._context import current_claim
 from .._core.types import IdempotencySpec, LockSpec
+from .._decorator import WrapPlan
 from .._errors import ConfigurationError, InFlightError, StoreFull, StoreUnavailable
 from .._sync import Coordinator
 

@@ -158,8 +158,10 @@ from typing import Any, ClassVar
 from celery import Task, current_task  # type: ignore[import-untyped]
 from celery.exceptions import Reject, Retry, TaskPredicate  # type: ignore[import-untyped]
 
-from .._base import Heartbeat, WrapPlan, enter_claim, leave_claim, seconds
+from .._context import enter_claim, leave_claim
 from .._core.types import ClaimToken, Completed, IdempotencySpec
+from .._decorator import WrapPlan
+from .._durations import seconds
 from .._errors import (
     ConfigurationError,
     InFlightError,
@@ -167,6 +169,7 @@ from .._errors import (
     StoreFull,
     StoreUnavailable,
 )
+from .._ports import Heartbeat
 from .._sync import Coordinator, IdempotencyPort
 
 __all__ = ["IN_FLIGHT_MODES", "IdempotentTask", "current_fence"]

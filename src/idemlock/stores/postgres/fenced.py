@@ -79,7 +79,7 @@ TableName = str | Sequence[str] | sql.Composable
 
 def _token(token: object) -> int:
     # The one token check (A4): bigint range, so psycopg never sees a larger int.
-    from ..._base import check_token
+    from ..._tokens import check_token
 
     return check_token(token)
 

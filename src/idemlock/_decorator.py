@@ -1,0 +1,121 @@
+"""The decorator engine shared by ``@port.idempotent`` (sync and async) and the queue
+integrations: what a decorated function needs on every call, and the checks of the
+decorator's options."""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from ._core.canonical import fingerprint
+from ._core.codec import type_name
+from ._core.keys import validate_key
+from ._core.types import ClaimToken, Completed, IdempotencySpec
+from ._durations import seconds
+from ._errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from ._ports import IdempotencyBase
+
+IN_FLIGHT_MODES = ("raise", "wait")
+
+
+class WrapPlan:
+    """What a decorated function needs on every call: its key, payload, result types
+    and the exceptions whose outcome is recorded and replayed."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        key: Callable[..., str] | None,
+        replay_errors: tuple[type[BaseException], ...],
+    ) -> None:
+        self.fn = fn
+        self.key = key
+        self.sig = inspect.signature(fn)
+        if isinstance(replay_errors, type):
+            replay_errors = (replay_errors,)
+        for tp in replay_errors:
+            if not (isinstance(tp, type) and issubclass(tp, Exception)):
+                raise ConfigurationError(f"replay_errors must be exception classes, got {tp!r}")
+        self.errors = tuple(replay_errors)
+        # Types are resolved only from this allow-list, never imported by stored name.
+        self.by_name = {type_name(tp): tp for tp in self.errors}
+        self._types: tuple[Any, Any] | None = None
+
+    def types(self) -> tuple[Any, Any]:
+        """(dump, load) for the declared return type, resolved on first use so forward
+        references defined later in the module work."""
+        if self._types is None:
+            from ._core.typed import TypedError, dumper, loader
+
+            try:
+                hints = typing.get_type_hints(self.fn)
+            except Exception as exc:
+                raise ConfigurationError(
+                    f"cannot resolve the return annotation of {self.fn.__qualname__}: {exc}"
+                ) from None
+            tp = hints.get("return", Any)
+            try:
+                self._types = (dumper(tp), loader(tp))
+            except TypedError as exc:
+                raise ConfigurationError(f"{self.fn.__qualname__}: {exc}") from None
+        return self._types
+
+    def key_payload(self, args: Any, kwargs: Any) -> tuple[str, dict[str, Any]]:
+        bound = self.sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        payload = dict(bound.arguments)
+        if self.key is None:
+            return fingerprint(payload), payload
+        return validate_key(self.key(*args, **kwargs)), payload
+
+    def replay(self, claim: Completed) -> Any:
+        if claim.error is None:
+            return claim.result
+        tp = self.by_name.get(claim.error.type)
+        if tp is None:
+            from ._errors import ResultDecodeError
+
+            raise ResultDecodeError(
+                f"the recorded outcome is an exception of type {claim.error.type}, which is "
+                "not in replay_errors of this function; add it, or forget the key"
+            )
+        raise tp(*claim.error.args)
+
+
+def wrap_options(
+    spec_or_name: IdempotencySpec | str,
+    key: Callable[..., str] | None,
+    on_in_flight: str,
+    wait: timedelta | float | None,
+) -> None:
+    if on_in_flight not in IN_FLIGHT_MODES:
+        raise ConfigurationError(
+            f"on_in_flight must be one of {IN_FLIGHT_MODES}, got {on_in_flight!r}"
+        )
+    if key is not None and not callable(key):
+        raise ConfigurationError("key must be a callable of the call's arguments, or None")
+    seconds(wait, "wait")
+
+
+def heartbeat_options(
+    port: IdempotencyBase,
+    heartbeat: bool,
+    renew_every: timedelta | float | None,
+    max_run: timedelta | float | None,
+    on_lost: Callable[[ClaimToken], object] | None,
+) -> tuple[float | None, float | None]:
+    """(renewal interval or None for no heartbeat, max_run seconds or None)."""
+    if not isinstance(heartbeat, bool):
+        raise ConfigurationError(f"heartbeat must be True or False, got {heartbeat!r}")
+    if on_lost is not None and not callable(on_lost):
+        raise ConfigurationError(f"on_lost must be a callable of the claim token, got {on_lost!r}")
+    every = port._heartbeat_every(renew_every)
+    limit = seconds(max_run, "max_run")
+    if limit is not None and limit <= 0:
+        raise ConfigurationError(f"max_run must be positive, got {limit}s")
+    return (every if heartbeat else None), limit

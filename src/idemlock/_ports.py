@@ -1,0 +1,417 @@
+"""The port bases the sync and async faces share: validation, request building and
+what a port keeps for one spec (idempotency), one lock spec or one fence resource.
+The sync and async classes only add the calls."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from ._coordinator import CoordinatorBase
+from ._core.flows import Renewal, RenewState
+from ._core.keys import validate_key
+from ._core.port import Acquired, Held, LockRow
+from ._core.types import ClaimToken, IdempotencySpec, Lease, LockSpec, from_ms, to_ms
+from ._durations import seconds
+from ._errors import ConfigurationError, LockNotHeld
+from ._events import Emitter, log
+from ._replies import ClaimReplies
+from ._tokens import new_token
+
+if TYPE_CHECKING:
+    from ._decorator import WrapPlan
+
+
+class Heartbeat:
+    """One claim kept alive by its coordinator's renewer (see ``port.run()`` and the
+    decorator's ``heartbeat``)."""
+
+    __slots__ = ("_coord", "_entry", "renewal", "state")
+
+    def __init__(self, coord: Any, state: RenewState, renewal: Renewal, entry: Any) -> None:
+        self._coord = coord
+        self.state = state
+        self.renewal = renewal
+        self._entry = entry
+
+    @property
+    def lost(self) -> bool:
+        return self.state.lost
+
+    @property
+    def reason(self) -> str:
+        return self.state.reason
+
+    def stop(self) -> bool:
+        """Stop renewing; True if the claim was lost (a deadline that passed
+        unnoticed counts: it is reported now)."""
+        lost = self.state.end(self._coord.clock.monotonic())
+        self._coord._renewer.remove(self.renewal)
+        self._coord._watchdog.cancel(self._entry)
+        return lost
+
+
+class Attempt:
+    """What ``with port.run(key, payload=...) as attempt:`` gives the block.
+
+    ``attempt.replayed`` is True when the key had completed already: ``result`` is
+    then the recorded result, the block must not do the work again, and nothing is
+    recorded on exit. Otherwise this attempt holds the claim (renewed while the block
+    runs): do the work, set ``attempt.result``, and leaving the block records it
+    (``None`` if never set); an exception abandons the claim instead."""
+
+    __slots__ = ("key", "replayed", "result", "token")
+
+    def __init__(self, key: str, token: ClaimToken | None, result: Any = None) -> None:
+        self.key = key
+        self.token = token
+        self.replayed = token is None
+        self.result = result
+
+    @property
+    def fence(self) -> int | None:
+        """The fencing token for this attempt's writes (None on a replay)."""
+        return None if self.token is None else self.token.fence
+
+    @property
+    def lost(self) -> bool:
+        """True once the claim was lost while the block ran."""
+        return self.token is not None and self.token.lost
+
+    def __repr__(self) -> str:
+        what = "replayed" if self.replayed else f"fence={self.fence}"
+        return f"Attempt({self.key!r}, {what}, lost={self.lost})"
+
+
+class IdempotencyBase(ClaimReplies):
+    _kind = "idempotency"
+
+    def __init__(self, coord: CoordinatorBase, spec: IdempotencySpec) -> None:
+        self._coord = coord
+        self._spec_name = spec.name
+        self._store = coord._store
+        self.spec = spec
+        self._ns = coord._ns(spec.name)
+        self._lease_ms = to_ms(spec.lease, "lease")
+        self._ttl_ms = to_ms(spec.ttl, "ttl")
+        self._format = coord.result_format
+        self._keyring = coord.keyring
+        self._seal = spec.encrypt_result
+
+    def _claim_args(
+        self, key: str, payload: Any, lease: timedelta | float | None = None
+    ) -> tuple[str, str, str | None, str, int]:
+        lease_ms = self._lease_ms if lease is None else to_ms(lease, "lease")
+        return (self._ns, self._skey(key), self._fp(payload), new_token(), lease_ms)
+
+    # ---- heartbeats -------------------------------------------------------------
+
+    def _heartbeat_every(self, renew_every: timedelta | float | None) -> float:
+        s = seconds(renew_every, "renew_every")
+        if s is None:
+            return self._lease_ms / 3000
+        if s <= 0 or s * 1000 >= self._lease_ms:
+            raise ConfigurationError(
+                f"renew_every must be positive and shorter than the lease of spec "
+                f"{self.spec.name!r} ({self._lease_ms / 1000:g}s), got {s}s"
+            )
+        return s
+
+    def _heartbeat(
+        self,
+        token: ClaimToken,
+        sent: float,
+        every: float,
+        max_run: float | None,
+        on_lost: Callable[[ClaimToken], object] | None,
+        also: Callable[[RenewState], None] | None = None,
+    ) -> Heartbeat:
+        """Keep ``token``'s claim alive on the coordinator's renewer until
+        :meth:`Heartbeat.stop`. Its local deadline (``sent`` + lease, moved by each
+        confirmed renewal) is watched by the coordinator's watchdog; on loss the
+        ``lost`` event is emitted, ``token.lost`` set, ``on_lost(token)`` called (its
+        error logged) and then ``also(state)`` (the async faces cancel the body)."""
+        coord = self._coord
+        state = RenewState(0, sent, ttl_ms=self._lease_ms, claim=token)
+        if coord._hooks:
+            state.report = lambda outcome, took, error: self._deliver("renew", outcome, took, error)
+
+        def lost() -> None:
+            if coord._hooks:
+                self._deliver("lost", "lost", 0.0)
+            if on_lost is not None:
+                try:
+                    on_lost(token)
+                except Exception:
+                    log.warning(
+                        "on_lost callback %r for claim %s:%s raised; the claim is lost all "
+                        "the same",
+                        on_lost,
+                        self.spec.name,
+                        token.key,
+                        exc_info=True,
+                    )
+            if also is not None:
+                also(state)
+
+        state.notify = lost
+        watchdog = coord._watchdog
+        entry = watchdog.watch(state.deadline(), self._expire_callback(state))
+        state.moved = lambda at: watchdog.move(entry, at)
+        until = None if max_run is None else coord.clock.monotonic() + max_run
+        renewal = Renewal(
+            "claim",
+            (self._ns, token._skey or self._skey(token.key), token.token),
+            self._lease_ms,
+            every,
+            state,
+            sent + every,
+            until,
+            f"max_run of {max_run}s reached" if max_run is not None else "",
+        )
+        coord._renewer.add(renewal)
+        return Heartbeat(coord, state, renewal, entry)
+
+    def _expire_callback(self, state: RenewState) -> Callable[[], None]:
+        raise NotImplementedError
+
+    def _token_args(self, token: ClaimToken) -> tuple[str, str, str]:
+        if not isinstance(token, ClaimToken):
+            raise ConfigurationError(
+                f"expected the ClaimToken from Claimed.token, got {type(token).__name__}"
+            )
+        if token._ns != self._ns:
+            raise ConfigurationError(
+                f"this claim token belongs to spec {token.spec!r} (or another tenant), not "
+                f"{self.spec.name!r}; complete or abandon it through the port that claimed it"
+            )
+        return (self._ns, token._skey or self._skey(token.key), token.token)
+
+    def _complete_with(self) -> Any:
+        fn = getattr(self._store, "complete_with", None)
+        if fn is None:
+            raise ConfigurationError(
+                f"complete(writes=...) writes into the store itself, which the "
+                f"{self._store.kind} store does not hold user data for; on PostgreSQL use "
+                "complete_in_transaction with your own write, elsewhere write first with "
+                "the claim's fence"
+            )
+        return fn
+
+    @staticmethod
+    def _writes(writes: Mapping[str, bytes | str]) -> list[tuple[str, bytes]]:
+        out = []
+        for name, value in writes.items():
+            validate_key(name, "write key")
+            out.append((name, value.encode("utf-8") if isinstance(value, str) else bytes(value)))
+        return out
+
+    def _wait_for(self, wait: timedelta | float | None) -> float:
+        s = seconds(wait, "wait")
+        return self._lease_ms / 1000 if s is None else s
+
+    def _error_record(self, plan: WrapPlan, token: ClaimToken, exc: BaseException) -> bytes | None:
+        """The stored form of a listed exception, or None to abandon the claim."""
+        if not plan.errors or not isinstance(exc, plan.errors):
+            return None
+        try:
+            return self._encode_error(token.key, exc)
+        except Exception:
+            log.warning(
+                "cannot record %s for %r (its args are not JSON data); abandoning the "
+                "claim instead",
+                type(exc).__name__,
+                token.key,
+                exc_info=True,
+            )
+            return None
+
+
+class LockBase(Emitter):
+    _kind = "lock"
+
+    def __init__(self, coord: CoordinatorBase, spec: LockSpec) -> None:
+        self._coord = coord
+        self._spec_name = spec.name
+        self._store = coord._store
+        self.spec = spec
+        self._ns = coord._ns(spec.name)
+        self._ttl_ms = to_ms(spec.ttl, "ttl")
+
+    def _owner(self, owner: str | None) -> str:
+        return new_token() if owner is None else validate_key(owner, "owner")
+
+    def _finish_acquire(
+        self, key: str, owner: str, result: tuple[Acquired | Held, float, int], t0: float
+    ) -> Lease | None:
+        reply, sent, tries = result
+        if not isinstance(reply, Acquired):
+            self._emit("acquire", "timeout", t0)
+            return None
+        self._emit("acquire", "acquired" if tries == 1 else "waited", t0)
+        return self._lease(key, owner, reply, sent, self._ttl_ms)
+
+    def _lease(self, key: str, owner: str, reply: Acquired, sent: float, ttl_ms: int) -> Lease:
+        return Lease(
+            key=key,
+            owner=owner,
+            token=reply.token,
+            expires_at=from_ms(reply.expires_ms),
+            spec=self.spec.name,
+            _ns=self._ns,
+            _ttl_ms=ttl_ms,
+            _sent=sent,
+            _clock=self._coord.clock,
+        )
+
+    def _check_lease(self, lease: Lease, what: str) -> tuple[str, str, str, int]:
+        self._check_lease_object(lease)
+        if lease._released:
+            raise LockNotHeld(
+                f"cannot {what} the lease on {lease.key!r}: it was already released; "
+                "acquire the lock again"
+            )
+        assert lease.token is not None
+        return (self._ns, lease.key, lease.owner, lease.token)
+
+    def _check_lease_object(self, lease: Lease) -> None:
+        if not isinstance(lease, Lease):
+            raise ConfigurationError(f"expected a Lease from acquire(), got {type(lease).__name__}")
+        if lease._ns != self._ns:
+            raise ConfigurationError(
+                f"this lease belongs to lock spec {lease.spec!r}, not {self.spec.name!r}"
+            )
+
+    def _release_args(self, lease: Lease) -> tuple[str, str, str, int] | None:
+        """The store arguments of a release, or None for a lease released already: a
+        second release answers False ("not held"), so a release in ``finally`` never
+        masks the body's own error."""
+        self._check_lease_object(lease)
+        if lease._released:
+            return None
+        assert lease.token is not None
+        return (self._ns, lease.key, lease.owner, lease.token)
+
+    def _renew_ttl(self, ttl: timedelta | float | None) -> int:
+        return self._ttl_ms if ttl is None else to_ms(ttl, "ttl")
+
+    def _renew_every(self, renew_every: timedelta | float | None) -> float:
+        s = seconds(renew_every, "renew_every")
+        if s is None:
+            return self._ttl_ms / 3000
+        if s <= 0 or s * 1000 >= self._ttl_ms:
+            raise ConfigurationError(
+                f"renew_every must be positive and shorter than the lock ttl "
+                f"({self._ttl_ms / 1000}s), got {s}s"
+            )
+        return s
+
+    @staticmethod
+    def _mark_released(lease: Lease) -> None:
+        lease._released = True  # the object is spent
+
+    def _finish_release(self, lease: Lease, ok: bool, t0: float) -> bool:
+        self._mark_released(lease)
+        self._emit("release", "ok" if ok else "not_held", t0)
+        return ok
+
+    def _renew_state(self, lease: Lease, on_lost: Callable[[Lease], object] | None) -> RenewState:
+        """The state shared by the renew loop, the watchdog and the block; its
+        ``notify`` reports a loss: the ``lost`` event, then ``on_lost``."""
+        state = RenewState(0, lease._sent, ttl_ms=lease._ttl_ms, lease=lease)
+        if self._coord._hooks:
+            state.report = lambda outcome, took, error: self._deliver("renew", outcome, took, error)
+
+        def lost() -> None:
+            lease.lost = True
+            if self._coord._hooks:
+                self._deliver("lost", "lost", 0.0)
+            if on_lost is not None:
+                try:
+                    on_lost(lease)
+                except Exception:
+                    # The loss is what matters: the block still raises LockLost (and an
+                    # async body is still cancelled) whatever the callback did.
+                    log.warning(
+                        "on_lost callback %r for lock %s:%s raised; the lease is lost all the same",
+                        on_lost,
+                        self.spec.name,
+                        lease.key,
+                        exc_info=True,
+                    )
+
+        state.notify = lost
+        return state
+
+    def _renewal(
+        self, lease: Lease, every: float, max_hold: float | None, state: RenewState
+    ) -> Renewal:
+        """What the coordinator's renewer keeps alive for a ``hold()`` block."""
+        assert lease.token is not None
+        until = None if max_hold is None else self._coord.clock.monotonic() + max_hold
+        return Renewal(
+            "lock",
+            (self._ns, lease.key, lease.owner, lease.token),
+            lease._ttl_ms,
+            every,
+            state,
+            lease._sent + every,
+            until,
+            f"max_hold of {max_hold}s reached" if max_hold is not None else "",
+        )
+
+    def _finish_renew(
+        self, lease: Lease, sent: float, ttl_ms: int, new_exp: int | None, t0: float = 0.0
+    ) -> bool:
+        self._emit("renew", "failed" if new_exp is None else "ok", t0)
+        if new_exp is None:
+            lease.lost = True
+            return False
+        lease._sent, lease._ttl_ms, lease.expires_at = sent, ttl_ms, from_ms(new_exp)
+        return True
+
+    @staticmethod
+    def _row_owner(row: LockRow | None) -> str | None:
+        return None if row is None else row.owner
+
+    def _row_ttl(self, row: LockRow | None) -> timedelta | None:
+        if row is None:
+            return None
+        left = row.expires_ms / 1000 - self._coord.clock.time()
+        return timedelta(seconds=max(0.0, left))
+
+    def _not_acquired(self, key: str, wait: timedelta | float | None) -> str:
+        return (
+            f"lock {self.spec.name}:{key} is held by another owner and was not released "
+            f"within wait={seconds(wait, 'wait') or 0}s; retry later or wait longer"
+        )
+
+    def _lost_message(self, lease: Lease, reason: str) -> str:
+        return (
+            f"lost the lock {self.spec.name}:{lease.key} (token {lease.token}) while the "
+            f"block ran: {reason or 'lease expired'}; another holder may have acted, so "
+            "check fenced writes before relying on this block's work"
+        )
+
+    def _bound(self) -> float:
+        """The longest one store call may take (agreement A1: ``store.timeout``):
+        leaving a ``hold()`` block never waits longer for the store than this."""
+        return self._coord._call_bound()
+
+
+class FenceBase:
+    def __init__(self, coord: CoordinatorBase, resource: str) -> None:
+        self._store = coord._store
+        self.resource = validate_key(resource, "resource")
+        self._ns = coord._ns("fence")
+
+    def _fence_set(self) -> Any:
+        fence_set = getattr(self._store, "fence_set", None)
+        if fence_set is None:
+            raise ConfigurationError(
+                f"set_if_fresh writes into the store itself, which the {self._store.kind} "
+                "store does not hold user data for; use check_and_advance and guard your "
+                "own write, or use the Redis store"
+            )
+        return fence_set

@@ -1,0 +1,116 @@
+"""The meaning of store replies for claims: a claim reply becomes a public outcome
+(and its event), a refused complete/abandon/extend becomes ``StaleClaim``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._core.port import Busy, ClaimReply, Done, Granted, Mismatch, RecordRow
+from ._core.types import (
+    Claim,
+    Claimed,
+    ClaimToken,
+    Completed,
+    InFlight,
+    RecordStatus,
+    from_ms,
+)
+from ._errors import InFlightError, PayloadMismatch
+from ._events import Emitter
+from ._sealing import RecordSealing
+
+_CLAIM_OUTCOME = {"claimed": "claimed", "in_flight": "in_flight", "completed": "replayed"}
+
+
+class ClaimReplies(Emitter, RecordSealing):
+    """Turns one spec's store replies into outcomes, events and errors."""
+
+    def _interpret(
+        self, key: str, reply: ClaimReply, load: Any = None, t0: float = 0.0, skey: str = ""
+    ) -> Claim:
+        if self._coord._hooks:
+            try:
+                claim = self._interpret_reply(key, reply, load, skey)
+            except PayloadMismatch:
+                self._emit("claim", "mismatch", t0)
+                raise
+            self._emit("claim", _CLAIM_OUTCOME[claim.kind], t0)
+            return claim
+        return self._interpret_reply(key, reply, load, skey)
+
+    def _interpret_reply(self, key: str, reply: ClaimReply, load: Any, skey: str) -> Claim:
+        if isinstance(reply, Granted):
+            return Claimed(
+                ClaimToken(
+                    key,
+                    reply.token,
+                    reply.fence,
+                    from_ms(reply.expires_ms),
+                    self.spec.name,
+                    self._ns,
+                    skey or self._skey(key),
+                )
+            )
+        if isinstance(reply, Busy):
+            return InFlight(from_ms(reply.expires_ms))
+        if isinstance(reply, Done):
+            result, error = self._decode(key, reply.result, load)
+            return Completed(result, from_ms(reply.expires_ms), error)
+        if isinstance(reply, Mismatch):
+            raise PayloadMismatch(key)
+        raise TypeError(f"unexpected store reply {reply!r}")  # pragma: no cover
+
+    def _lost_claim(self, token: ClaimToken, reason: str) -> Exception:
+        from ._errors import ClaimLost
+
+        return ClaimLost(
+            f"lost the claim on key {token.key!r} (fence {token.fence}) of spec "
+            f"{self.spec.name!r} while its work ran: {reason or 'its lease ran out'}; "
+            "another attempt took the key over, so nothing was recorded and a retry "
+            "runs again with a higher fence (check fenced writes before relying on this "
+            "attempt's work)"
+        )
+
+    def _finish_claim(self, token: ClaimToken, ok: bool, what: str, t0: float) -> None:
+        """Report a complete/abandon; raise StaleClaim if the store refused it."""
+        self._emit(what, "ok" if ok else "stale", t0)
+        if not ok:
+            raise self._stale(token, what)
+
+    def _extend_token(self, token: ClaimToken, new_exp: int | None) -> ClaimToken:
+        if new_exp is None:
+            raise self._stale(token, "extend")
+        return ClaimToken(
+            token.key,
+            token.token,
+            token.fence,
+            from_ms(new_exp),
+            token.spec,
+            token._ns,
+            token._skey,
+        )
+
+    def _stale(self, token: ClaimToken, what: str) -> Exception:
+        from ._errors import StaleClaim
+
+        return StaleClaim(
+            f"cannot {what} key {token.key!r} (fence {token.fence}): this claim no longer "
+            "holds the key (its lease ran out and another attempt took over, it was "
+            "completed or abandoned already, or the record was forgotten); nothing changed"
+        )
+
+    def _status(self, key: str, row: RecordRow | None) -> RecordStatus | None:
+        if row is None:
+            return None
+        status = self._coord._record_status(row)
+        return RecordStatus(
+            key, status.state, status.fence, status.expires_at, status.spec, status.tenant
+        )
+
+    def _replay_or_raise(
+        self, key: str, reply: ClaimReply, load: Any = None, t0: float = 0.0, skey: str = ""
+    ) -> Claim:
+        claim = self._interpret(key, reply, load, t0, skey)
+        if isinstance(claim, InFlight):
+            raise InFlightError(key, claim.expires_at)
+        return claim

@@ -1,0 +1,76 @@
+"""How a record's key, payload and result look in the store: the key and the payload
+fingerprint as HMACs under a keyring, the result framed by the result format and
+sealed (encrypted and bound to its key) when the spec says so."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._core.canonical import canonicalize, fingerprint
+from ._core.codec import RecordedError, ResultFormat
+from ._core.keys import validate_key
+from ._core.types import IdempotencySpec
+from ._keyring import Keyring
+
+
+class RecordSealing:
+    """The store-side form of keys, payloads and results for one spec's namespace."""
+
+    spec: IdempotencySpec
+    _ns: str
+    _format: ResultFormat
+    _keyring: Keyring | None
+    _seal: bool
+
+    def _skey(self, key: str) -> str:
+        """The key as stored: the key itself, or its HMAC when a keyring is set (the
+        store then never sees callers' keys)."""
+        validate_key(key)
+        if self._keyring is None:
+            return key
+        return self._keyring.lookup("key", self._ns.encode() + b"\0" + key.encode())
+
+    def _fp(self, payload: Any) -> str | None:
+        if payload is None:
+            return None
+        if self._keyring is None:
+            return fingerprint(payload)
+        # An HMAC, not a bare hash: guessable payloads cannot be brute-forced from it.
+        return self._keyring.lookup("fp", canonicalize(payload))
+
+    def _ad(self, key: str) -> bytes:
+        # Associated data: the record only opens under this prefix, tenant, spec and key.
+        return b"idemlock/1\0" + self._ns.encode() + b"\0" + key.encode()
+
+    # ---- results ---------------------------------------------------------------------
+
+    def _encode(self, key: str, value: Any, dump: Any = None, load: Any = None) -> bytes:
+        if dump is None:
+            framed = self._format.encode(value)
+        else:
+            framed = self._format.encode(value, dump, load)
+        return self._seal_framed(key, framed)
+
+    def _encode_error(self, key: str, exc: BaseException) -> bytes:
+        return self._seal_framed(key, self._format.encode_error(exc))
+
+    def _seal_framed(self, key: str, framed: bytes) -> bytes:
+        if not self._seal:
+            return framed
+        assert self._keyring is not None
+        return self._keyring.seal(framed, self._ad(key))
+
+    def _decode(self, key: str, data: bytes, load: Any = None) -> tuple[Any, RecordedError | None]:
+        if self._seal:
+            assert self._keyring is not None
+            data = self._keyring.open(bytes(data), self._ad(key))
+        elif data[:1] == b"s":
+            from ._errors import SealError
+
+            raise SealError(
+                f"the stored result of {key!r} is sealed but spec {self.spec.name!r} does not "
+                "use encrypt_result; set encrypt_result=True with the keyring that sealed it"
+            )
+        if load is None:
+            return self._format.decode(data)
+        return self._format.decode(data, load)
