@@ -195,6 +195,19 @@ def lock_state(rec: LockRec | None, now_ms: int) -> str:
     return "held" if live(rec, now_ms) else "free"
 
 
+#: guard name -> what it means, for docs/states.md
+GUARD_TEXT: dict[str, str] = {
+    "same_token": "the record holds the caller's token",
+    "same_token_result": "the caller's token, and the stored result equals the one sent",
+    "other_fp": "the record's fingerprint differs from the caller's",
+    "same_owner": "the caller's owner holds it",
+    "same_holder": "the caller's owner and token hold it",
+    "not_lower": "the token is at least the highest accepted (or none was)",
+    "not_chosen": "the caller is not the waiter the window is kept for",
+    "lease_over": "the lease ended (no call: the clock)",
+    "ttl_over": "the ttl or lease ended (no call: the clock)",
+}
+
 #: guard name -> (record, call arguments) -> whether it holds
 GUARDS: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
     "same_token": lambda r, a: r.token == a["token"],

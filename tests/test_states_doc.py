@@ -1,0 +1,55 @@
+"""docs/states.md is what tools/gen_states.py generates from the state table."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+from idemlock._core import table as T
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOL = ROOT / "tools" / "gen_states.py"
+
+
+def _tool() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gen_states", TOOL)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_states_doc_is_current() -> None:
+    text = (ROOT / "docs" / "states.md").read_text()
+    assert text == _tool().render(), "docs/states.md is stale: run python tools/gen_states.py"
+
+
+def test_every_row_is_in_the_doc() -> None:
+    text = (ROOT / "docs" / "states.md").read_text()
+    for row in T.ROWS:
+        assert f"| `{row.id}` |" in text, row.id
+
+
+def test_check_fails_on_a_stale_doc(tmp_path: Path) -> None:
+    tool = _tool()
+    tool.TARGET = tmp_path / "states.md"
+    tool.TARGET.write_text("stale\n")
+    assert tool.main(["--check"]) == 1
+    assert tool.main([]) == 0
+    assert tool.main(["--check"]) == 0
+
+
+def test_check_runs_as_a_command() -> None:
+    done = subprocess.run(
+        [sys.executable, str(TOOL), "--check"], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_event_outcomes_come_from_the_table() -> None:
+    from idemlock._core.events import EVENTS
+
+    assert T.events() == EVENTS
