@@ -171,6 +171,7 @@ def test_openapi_documents_the_header_and_the_problem_responses(tmp_path: Path) 
     open_op = doc["paths"]["/open"]["post"]
     assert all(p["name"] != "Idempotency-Key" for p in open_op.get("parameters", []))
     assert set(open_op["responses"]) == {"200", "422"}
+    assert "x-idemlock" not in repr(doc)  # the marker that found the routes is gone
 
 
 # ---- the table, through the ASGI transport ---------------------------------------------
@@ -453,3 +454,36 @@ def test_the_fallback_stays_silent_once_the_application_configures_logging(
         logging.getLogger("idemlock.http").warning("seen by the application's handler")
     assert "seen by the application's handler" in caplog.text
     assert "seen by the application" not in capsys.readouterr().err
+
+
+async def test_routers_and_a_second_lifespan(tmp_path: Path) -> None:
+    """A protected endpoint of an included APIRouter is documented and served; after the
+    lifespan ended and started again (a new coordinator), it works on the new one."""
+    from fastapi import APIRouter
+
+    idem = Idempotency(f"sqlite:///{tmp_path / 'idemlock.db'}")
+    app = FastAPI(lifespan=idem.lifespan)
+    idem.install(app)
+    router = APIRouter(prefix="/v1")
+    runs: Counter[str] = Counter()
+
+    @router.post("/items/{item}")
+    @idem.protect(ttl=60)
+    async def item(item: str) -> dict[str, Any]:
+        runs[item] += 1
+        return {"item": item, "id": uuid.uuid4().hex}
+
+    app.include_router(router)
+    op = app.openapi()["paths"]["/v1/items/{item}"]["post"]
+    assert any(p["name"] == "Idempotency-Key" for p in op["parameters"])
+    assert "application/problem+json" in op["responses"]["409"]["content"]
+    k, name = key(), tag()
+    bodies = []
+    for _ in range(2):
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+                r = await c.post(f"/v1/items/{name}", headers={"Idempotency-Key": k})
+                assert r.status_code == 200
+                bodies.append(r.content)
+    assert bodies[0] == bodies[1] and runs[name] == 1  # the second run replayed

@@ -39,13 +39,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
 from fastapi import Depends, FastAPI, Header, Request
-from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
@@ -62,8 +63,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 #: the scope key of a request's :class:`_Slot`
 _SLOT = "idemlock.fastapi"
-#: the attribute marking a protected endpoint (its settings), for the OpenAPI document
-_MARK = "__idemlock_route__"
+#: the marker a protected endpoint's key parameter carries into the OpenAPI document
+#: (removed there once read), and the protected endpoints by marker
+_OPENAPI_MARK = "x-idemlock-route"
+_PROTECTED: weakref.WeakValueDictionary[str, _ProtectedEndpoint] = weakref.WeakValueDictionary()
 _REQUEST, _KEY, _IDENTITY = "idemlock_request__", "idemlock_key__", "idemlock_identity__"
 _UNSET: Any = object()
 
@@ -236,7 +239,7 @@ class Idempotency:
 
         def openapi() -> dict[str, Any]:
             if app.openapi_schema is None:
-                _document(generate(), app.routes)
+                _document(generate())
             return cast(dict[str, Any], app.openapi_schema)
 
         app.openapi = openapi  # type: ignore[method-assign]
@@ -286,20 +289,23 @@ class _ProtectedEndpoint:
         identity: Callable[..., Any] | None,
     ) -> None:
         self.owner, self.fn, self.options, self.identity = owner, fn, options, identity
-        self._cores: dict[int, HttpCore] = {}
+        self._made: tuple[AsyncCoordinator, HttpCore] | None = None
         self._is_async = inspect.iscoroutinefunction(fn)
+        self.mark = uuid.uuid4().hex
+        _PROTECTED[self.mark] = self
         self.endpoint = self._wrapper()
 
     def core(self) -> HttpCore:
         coord = self.owner.coordinator
-        core = self._cores.get(id(coord))
-        if core is None:
+        made = self._made
+        if made is None or made[0] is not coord:
+            # First request, or a new coordinator (a new lifespan): a core on it.
             port = coord.idempotency(self.options.spec)
             core = HttpCore(
                 AsyncPortFace(port), self.options, has_identity=self.identity is not None
             )
-            self._cores = {id(coord): core}  # a new coordinator (a new lifespan) replaces it
-        return core
+            made = self._made = (coord, core)
+        return made[1]
 
     def _wrapper(self) -> Callable[..., Any]:
         fn, options = self.fn, self.options
@@ -324,6 +330,7 @@ class _ProtectedEndpoint:
                         f"`{options.replay_header}: true`) and the operation does not run "
                         "again." + (" Required." if options.require_key else "")
                     ),
+                    json_schema_extra={_OPENAPI_MARK: self.mark},
                 ),
             ),
         ]
@@ -355,7 +362,7 @@ class _ProtectedEndpoint:
             return await run_in_threadpool(fn, *args, **kwargs)
 
         endpoint.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
-        setattr(endpoint, _MARK, self)
+        endpoint.__idemlock_route__ = self  # type: ignore[attr-defined]  # keeps it alive
         return endpoint
 
     async def _decide(self, request: Request, ident: Any) -> Answer | None:
@@ -395,34 +402,41 @@ def _response(answer: Answer) -> Response:
     return response
 
 
-def _document(schema: dict[str, Any], routes: list[Any]) -> None:
-    """Add the Idempotency-Key problem responses to each protected operation."""
-    paths = schema.get("paths", {})
+def _document(schema: dict[str, Any]) -> None:
+    """Add the Idempotency-Key problem responses to each protected operation, found by
+    the marker its key parameter carries (whatever way FastAPI nests its routers)."""
     used = False
-    for route in routes:
-        protected = getattr(getattr(route, "endpoint", None), _MARK, None)
-        if not isinstance(route, APIRoute) or not isinstance(protected, _ProtectedEndpoint):
-            continue
-        for method in route.methods or ():
-            operation = paths.get(route.path_format, {}).get(method.lower())
-            if operation is None:
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            if not isinstance(operation, dict):
+                continue
+            marks = [
+                p["schema"].pop(_OPENAPI_MARK)
+                for p in operation.get("parameters", ())
+                if isinstance(p.get("schema"), dict) and _OPENAPI_MARK in p["schema"]
+            ]
+            protected = next((_PROTECTED[m] for m in marks if m in _PROTECTED), None)
+            if protected is None:
                 continue
             used = True
-            statuses = [400, 409, 413, 503]
-            statuses.append(protected.options.mismatch_status or 422)
-            if protected.identity is not None or protected.options.allow_anonymous is False:
-                statuses.append(401)
-            responses = operation.setdefault("responses", {})
-            for status in sorted(set(statuses)):
-                entry = responses.setdefault(str(status), {})
-                codes = ", ".join(f"`{c}`" for c in PROBLEM_CODES.get(status, ()))
-                described = _DESCRIPTIONS[status] + (f" (code {codes})" if codes else "")
-                old = entry.get("description")
-                entry["description"] = described if not old else f"{old}; or: {described}"
-                entry.setdefault("content", {})["application/problem+json"] = {
-                    "schema": {"$ref": "#/components/schemas/IdempotencyProblem"}
-                }
+            _add_problems(operation, protected)
     if used:
         schema.setdefault("components", {}).setdefault("schemas", {})["IdempotencyProblem"] = (
             _PROBLEM_SCHEMA
         )
+
+
+def _add_problems(operation: dict[str, Any], protected: _ProtectedEndpoint) -> None:
+    statuses = {400, 409, 413, 503, protected.options.mismatch_status or 422}
+    if protected.identity is not None or protected.options.allow_anonymous is False:
+        statuses.add(401)
+    responses = operation.setdefault("responses", {})
+    for status in sorted(statuses):
+        entry = responses.setdefault(str(status), {})
+        codes = ", ".join(f"`{c}`" for c in PROBLEM_CODES.get(status, ()))
+        described = _DESCRIPTIONS[status] + (f" (code {codes})" if codes else "")
+        old = entry.get("description")
+        entry["description"] = described if not old else f"{old}; or: {described}"
+        entry.setdefault("content", {})["application/problem+json"] = {
+            "schema": {"$ref": "#/components/schemas/IdempotencyProblem"}
+        }
