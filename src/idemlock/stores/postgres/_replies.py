@@ -12,6 +12,7 @@ from typing import Any, Literal, cast
 
 from psycopg.types.numeric import Int8
 
+from ..._core import table as T
 from ..._core.port import (
     Acquired,
     Busy,
@@ -112,11 +113,14 @@ def _claim_reply(rows: list[Row], ns: str, key: str, token: str) -> ClaimReply |
     if exp <= now:
         return _RETRY
     st = _state(state, ns, key)
-    if st == "in_flight" and same_token:
+    # A live record in the way: the state table picks the row (claim.resend,
+    # claim.mismatch, claim.replay or claim.busy) from what the statement compared.
+    reply = T.claim_row(st, bool(same_token), bool(same_fp)).reply
+    if reply is T.GRANTED:
         return Granted(token, fence, exp, exp - now)
-    if not same_fp:
+    if reply is T.MISMATCH:
         return Mismatch(st)
-    if st == "completed":
+    if reply is T.DONE:
         if result is None:
             raise StoreCorrupt(f"the completed record {key!r} in {ns!r} has no result")
         return Done(bytes(result), exp)
