@@ -17,7 +17,7 @@ from ._durations import seconds
 from ._errors import ConfigurationError, LockNotHeld
 from ._events import Emitter, log
 from ._replies import ClaimReplies
-from ._tokens import new_token
+from ._tokens import check_token, new_token
 
 if TYPE_CHECKING:
     from ._decorator import WrapPlan
@@ -314,6 +314,21 @@ class LockBase(Emitter):
     def _finish_release(self, lease: Lease, ok: bool, t0: float) -> bool:
         self._mark_released(lease)
         self._emit("release", "ok" if ok else "not_held", t0)
+        return ok
+
+    def _break_args(self, key: str, token: int | None) -> tuple[str, str, int | None]:
+        return (self._ns, validate_key(key), None if token is None else check_token(token))
+
+    @staticmethod
+    def _break_guarded(row: LockRow | None, token: int) -> tuple[str, int] | None:
+        """The (owner, token) to release for a break guarded by ``token``: only the
+        holder that still has that token (a new holder meanwhile is left alone)."""
+        if row is None or row.corrupt or row.token != token:
+            return None
+        return row.owner, token
+
+    def _finish_break(self, ok: bool, t0: float) -> bool:
+        self._emit("break", "broken" if ok else "not_held", t0)
         return ok
 
     def _renew_state(self, lease: Lease, on_lost: Callable[[Lease], object] | None) -> RenewState:

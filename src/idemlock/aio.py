@@ -518,6 +518,29 @@ class AsyncLockPort(LockBase):
             raise
         return self._finish_release(lease, ok, t0)
 
+    async def break_lock(self, key: str, *, token: int | None = None) -> bool:
+        """Free the lock whoever holds it (an operator's forced unlock, like
+        python-redis-lock's ``reset`` or Redisson's ``forceUnlock``); True if it was held.
+
+        The token counter is kept, so the next acquire gets a higher token: wherever the
+        new holder writes through a fence gate, the old holder's late writes are refused
+        (FencedOut). The old holder's renew and release fail, and its ``hold()`` block
+        reports the loss (``LockLost``). With ``token``, only a holder that still has
+        that token is freed (the one you saw in ``locks()``), never one that took the
+        lock over meanwhile. Emits the ``break`` event (broken, not_held, error)."""
+        t0 = self._t0()
+        ns, skey, guard = self._break_args(key, token)
+        try:
+            if guard is None:
+                ok = await self._store.break_lock(ns, skey)
+            else:
+                held = self._break_guarded(await self._store.lock(ns, skey), guard)
+                ok = held is not None and await self._store.release(ns, skey, *held)
+        except Exception as exc:
+            self._emit_error("break", exc, t0)
+            raise
+        return self._finish_break(ok, t0)
+
     async def renew(self, lease: Lease, ttl: timedelta | float | None = None) -> bool:
         """Reset the lease to ``ttl`` from now; the token stays. False if it had expired."""
         t0 = self._t0()

@@ -18,6 +18,7 @@ EVENTS: dict[str, tuple[str, ...]] = {
     "acquire": ("acquired", "waited", "timeout", "error"),
     "release": ("ok", "not_held", "error"),
     "renew": ("ok", "failed", "error"),
+    "break": ("broken", "not_held", "error"),
     "lost": ("lost",),
 }
 
