@@ -53,3 +53,22 @@ def test_event_outcomes_come_from_the_table() -> None:
     from idemlock._core.events import EVENTS
 
     assert T.events() == EVENTS
+
+
+def test_every_operation_answers_in_every_state() -> None:
+    # Each call has a row without a guard for every state it can meet: the table never
+    # leaves a store to improvise.
+    kinds = {"claim": T.CLAIM_STATES, "lock": T.LOCK_STATES, "fence": ("gate",)}
+    for row in T.ROWS:
+        if row.op == "expire":
+            continue
+        family = row.id.split(".")[0]
+        states = kinds.get(family, T.CLAIM_STATES)
+        for state in states:
+            fallback = [r for r in T.ROWS if r.op == row.op and state in r.states and not r.guard]
+            assert fallback, (row.op, state)
+
+
+def test_row_ids_are_unique_and_replies_named_once() -> None:
+    assert len(T.BY_ID) == len(T.ROWS)
+    assert set(T.REPLIES) == {r.reply.name for r in T.ROWS if r.reply is not None}

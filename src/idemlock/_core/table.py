@@ -10,8 +10,9 @@ on their server and read their replies back through :data:`REPLIES`.
 States. Claims: ``absent`` (no record, or a completed record past its ttl),
 ``in_flight`` (lease running), ``lapsed`` (in flight, lease over, nobody took the key
 over: a late complete or abandon is still accepted), ``completed`` (ttl running).
-Locks: ``free``, ``held``, ``reserved`` (a Redis hand-off window kept for the oldest
-waiter after a release). Fence gates: ``gate``.
+Locks: ``free``, ``held``, ``reserved`` (after a release with a waiter, the hand-off
+window kept for the oldest waiter: Redis, and etcd through its waiters' queue; the
+other stores go straight to ``free``). Fence gates: ``gate``.
 """
 
 from __future__ import annotations
@@ -66,9 +67,16 @@ EVENT_OUTCOMES: dict[tuple[str, str], str] = {
     ("release", "stale"): "not_held",
     ("renew", "ok"): "ok",
     ("renew", "stale"): "failed",
+    ("break", "ok"): "broken",
+    ("break", "stale"): "not_held",
 }
 #: outcomes the coordinator adds around a reply (waiting, giving up, a store error)
 EXTRA_OUTCOMES: dict[str, tuple[str, ...]] = {"acquire": ("waited", "timeout"), "lost": ("lost",)}
+
+
+def outcome(op: str, reply: Reply) -> str:
+    """The event outcome of ``op`` answered with ``reply``."""
+    return EVENT_OUTCOMES[(op, reply.name)]
 
 
 def events() -> dict[str, tuple[str, ...]]:
