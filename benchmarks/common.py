@@ -442,3 +442,13 @@ def peer_status(res: Results) -> dict[str, dict[str, Any]]:
             "notes": notes,
         }
     return out
+
+
+#: the goals section of docs/benchmarks.md (written by goals.py, kept by report.py)
+GOALS_START, GOALS_END = "<!-- goals.py -->", "<!-- /goals.py -->"
+
+
+def goals_section(text: str) -> str:
+    """The goals section of a Markdown file's text, markers included ("" if none)."""
+    start, end = text.find(GOALS_START), text.find(GOALS_END)
+    return text[start : end + len(GOALS_END)] if 0 <= start < end else ""

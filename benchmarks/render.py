@@ -310,13 +310,26 @@ def markdown(data: dict[str, Any], png_name: str | None) -> str:
         "",
         "```sh",
         'pip install -e ".[test]" matplotlib python-redis-lock fencekit idemkit asyncpg '
-        '"aws-lambda-powertools[redis]"',
-        "python benchmarks/report.py            # full run, a few minutes; --quick for CI",
+        '"aws-lambda-powertools[redis]" coredis valkey-glide',
+        "python benchmarks/report.py            # this page, a few minutes; --quick for CI",
+        "python benchmarks/report.py --stores redis,postgres   # a subset of the stores",
+        "python benchmarks/goals.py --doc docs/benchmarks.md   # issue 13's goal table",
+        "python benchmarks/chaos.py --all --short              # the fault injection (CI)",
         "```",
         "",
         "It needs `redis-server`, `redis-cli` and the PostgreSQL server binaries (as the "
-        "tests do); it starts and removes its own servers. The figures above are in "
-        "`docs/benchmarks.json`.",
+        "tests do); it starts and removes its own servers (`tests/servers/`, the tests' "
+        "own). The figures above are in `docs/benchmarks.json`.",
+        "",
+        "Layout of `benchmarks/`: `subjects.py` has one adapter per store (its raw "
+        "baseline, idemlock's API and store port, the peers); `scenarios.py` has each "
+        "scenario once (pairs, asyncio fan-out, the job, contention, single waiter, Redis "
+        "memory); `report.py` runs them interleaved and writes the JSON; `render.py` turns "
+        "it into this page and the chart; `goals.py` measures issue 13's goals; "
+        "`chaos.py` is the fault injector's command over `faults/`, whose queue, workers "
+        "and killer are `idemlock._faults`, shared with `idemlock demo`; `bench_etcd.py`, "
+        "`bench_heartbeats.py`, `bench_hooks.py` and `bench_results.py` measure one thing "
+        "each.",
         "",
     ]
     return "\n".join(out)

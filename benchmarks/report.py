@@ -51,7 +51,17 @@ for _path in (str(ROOT), str(HERE)):
 
 import psycopg  # noqa: E402
 import redis  # noqa: E402
-from common import BASELINES, SCENARIOS, STORES, TITLE, Config, Results, peer_status, version  # noqa: E402
+from common import (  # noqa: E402
+    BASELINES,
+    SCENARIOS,
+    STORES,
+    TITLE,
+    Config,
+    Results,
+    goals_section,
+    peer_status,
+    version,
+)
 from render import chart, markdown  # noqa: E402
 from scenarios import Contenders, redis_memory, run_store, single_waiter  # noqa: E402
 from subjects import MemoryBench, PgBench, RedisBench, SqliteBench  # noqa: E402
@@ -176,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     chart(data, args.png)
     png_name = os.path.relpath(args.png, args.out.parent)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(markdown(data, png_name))
+    # The goals table (goals.py --doc) is kept where it was.
+    kept = goals_section(args.out.read_text()) if args.out.exists() else ""
+    args.out.write_text(markdown(data, png_name) + (f"\n{kept}\n" if kept else ""))
     print(f"wrote {args.json}, {args.out}, {args.png} in {data['meta']['wall_seconds']:.0f} s; "
           f"load average {load_end[0]:.2f}")  # fmt: skip
     return 0

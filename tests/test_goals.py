@@ -38,9 +38,11 @@ GOALS = [
 
 @pytest.mark.timeout(300)
 def test_goals_quick_prints_every_goal_with_a_verdict(tmp_path: Path) -> None:
-    out = tmp_path / "goals.json"
+    out, doc = tmp_path / "goals.json", tmp_path / "benchmarks.md"
+    doc.write_text("# the report\n\n<!-- goals.py -->\nan older table\n<!-- /goals.py -->\n")
+    args = ["--quick", "--json", str(out), "--doc", str(doc)]
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "goals.py"), "--quick", "--json", str(out)],
+        [sys.executable, str(ROOT / "benchmarks" / "goals.py"), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -59,3 +61,8 @@ def test_goals_quick_prints_every_goal_with_a_verdict(tmp_path: Path) -> None:
     assert sum("physical limit" in f for f in reference) == 2, reference
     assert any("coredis" in f for f in reference) and any("valkey-glide" in f for f in reference)
     assert f"of {len([r for r in rows if not r['reference']])} goals met" in proc.stdout
+    # --doc replaced the goals section of the report, and only it.
+    text = doc.read_text()
+    assert text.startswith("# the report\n") and "an older table" not in text
+    assert text.count("<!-- goals.py -->") == 1 and "## Issue 13's goals" in text
+    assert all(line in text for line in table)

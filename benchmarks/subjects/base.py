@@ -1,0 +1,309 @@
+"""idemlock's own subjects on any store (its API and its store port), the helpers
+every adapter uses, and the counters of round trips (Redis requests, SQLite
+transactions, PostgreSQL turns through a relay)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import selectors
+import socket
+import sqlite3
+import threading
+import uuid
+import warnings
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+from common import (
+    LOCK,
+    RESULT,
+    SPEC,
+    Make,
+    SyncFn,
+)
+
+import idemlock
+import idemlock.aio
+from idemlock import Claimed
+
+# Powertools warns on every call outside Lambda that it cannot tell the time left (no
+# Lambda context); its Redis layer's class is marked deprecated in favour of an alias.
+warnings.filterwarnings("ignore", message="Couldn't determine the remaining time")
+
+
+warnings.filterwarnings("ignore", message="RedisCachePersistenceLayer will be removed")
+
+
+RESULT_BYTES = b"J" + b"x" * 40  # what the raw baselines store as a result
+
+
+LEASE_MS, TTL_MS = 300_000, 3_600_000
+
+
+def ours_lock_pairs(coord: idemlock.Coordinator) -> Callable[[int], None]:
+    locks = coord.lock(LOCK)
+
+    def run(count: int) -> None:
+        for _ in range(count):
+            lease = locks.acquire("k")
+            assert lease is not None
+            locks.release(lease)
+
+    return run
+
+
+def ours_claim_pairs(coord: idemlock.Coordinator) -> Callable[[int], None]:
+    port = coord.idempotency(SPEC)
+
+    def run(count: int) -> None:
+        tag = uuid.uuid4().hex[:6]
+        for i in range(count):
+            claim = port.claim(f"{tag}-{i}")
+            assert isinstance(claim, Claimed)
+            port.complete(claim.token, RESULT)
+
+    return run
+
+
+def ours_job(coord: idemlock.Coordinator) -> Callable[[int], None]:
+    port = coord.idempotency(SPEC)
+
+    def run(count: int) -> None:
+        tag = uuid.uuid4().hex[:6]
+        for i in range(count):
+            key = f"{tag}-{i}"
+            claim = port.claim(key)
+            assert isinstance(claim, Claimed)
+            coord.fence(f"out:{key}").set_if_fresh(claim.fence, f"out:{key}", b"done")
+            port.complete(claim.token, RESULT)
+
+    return run
+
+
+def ours_job_together(coord: idemlock.Coordinator) -> Callable[[int], None]:
+    """The same job with its effect written by the completing script: the effect and
+    the record commit together (2 round trips), and no late write can land after it."""
+    port = coord.idempotency(SPEC)
+
+    def run(count: int) -> None:
+        tag = uuid.uuid4().hex[:6]
+        for i in range(count):
+            key = f"{tag}-{i}"
+            claim = port.claim(key)
+            assert isinstance(claim, Claimed)
+            port.complete(claim.token, RESULT, writes={f"out:{key}": b"done"})
+
+    return run
+
+
+def port_lock_pairs(coord: idemlock.Coordinator) -> SyncFn:
+    """The store port alone: what the store adapter costs, without the API's own work
+    per call (key checks, fingerprint, result encoding, typed outcomes)."""
+    store, owner = coord.store, uuid.uuid4().hex
+
+    def run(count: int) -> None:
+        for _ in range(count):
+            reply = store.acquire("bench", "k", owner, 30_000)
+            store.release("bench", "k", owner, reply.token)
+
+    return run
+
+
+def port_claim_pairs(coord: idemlock.Coordinator) -> SyncFn:
+    store = coord.store
+
+    def run(count: int) -> None:
+        tag = uuid.uuid4().hex[:6]
+        for i in range(count):
+            token = uuid.uuid4().hex
+            store.claim("bench", f"{tag}-{i}", "fp", token, LEASE_MS)
+            store.complete("bench", f"{tag}-{i}", token, RESULT_BYTES, TTL_MS)
+
+    return run
+
+
+@contextlib.contextmanager
+def count_redis_requests() -> Iterator[Callable[[], int]]:
+    """Requests redis-py writes to its sockets (sync and asyncio): one per command, one
+    per pipeline. Counted on the client because the server's INFO commandstats also
+    counts every command a Lua script calls, which is no round trip."""
+    import redis.asyncio.connection as aconn
+    import redis.connection as sconn
+
+    box = [0]
+    s_orig = sconn.AbstractConnection.send_packed_command
+    a_orig = aconn.AbstractConnection.send_packed_command
+
+    def s_send(self: Any, command: Any, check_health: bool = True) -> Any:
+        box[0] += 1
+        return s_orig(self, command, check_health)
+
+    async def a_send(self: Any, command: Any, check_health: bool = True) -> Any:
+        box[0] += 1
+        return await a_orig(self, command, check_health)
+
+    sconn.AbstractConnection.send_packed_command = s_send  # type: ignore[method-assign]
+    aconn.AbstractConnection.send_packed_command = a_send  # type: ignore[method-assign]
+    try:
+        yield lambda: box[0]
+    finally:
+        sconn.AbstractConnection.send_packed_command = s_orig  # type: ignore[method-assign]
+        aconn.AbstractConnection.send_packed_command = a_orig  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def count_sqlite_transactions() -> Iterator[Callable[[], int]]:
+    """Transactions run on SQLite connections opened meanwhile (every BEGIN, and every
+    statement run outside one, which SQLite runs as a transaction of its own)."""
+    real = sqlite3.connect
+    box = [0]
+
+    def connect(*args: Any, **kwargs: Any) -> sqlite3.Connection:
+        conn = real(*args, **kwargs)
+        inside = [False]
+
+        def trace(sql: str) -> None:
+            head = sql.lstrip()[:8].upper()
+            if head.startswith("BEGIN"):
+                box[0] += 1
+                inside[0] = True
+            elif head.startswith(("COMMIT", "END", "ROLLBACK")):
+                inside[0] = False
+            elif not inside[0]:
+                box[0] += 1
+
+        conn.set_trace_callback(trace)
+        return conn
+
+    sqlite3.connect = connect  # type: ignore[assignment]
+    try:
+        yield lambda: box[0]
+    finally:
+        sqlite3.connect = real  # type: ignore[assignment]
+
+
+class TurnProxy:
+    """A loopback TCP relay that counts round trips whatever the driver (psycopg,
+    asyncpg): one each time a client sends after the server has answered."""
+
+    def __init__(self, upstream: int) -> None:
+        self.upstream = upstream
+        self.turns = 0
+        self._listen = socket.socket()
+        self._listen.bind(("127.0.0.1", 0))
+        self._listen.listen(128)
+        self.port: int = self._listen.getsockname()[1]
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._listen, selectors.EVENT_READ, None)
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="turn-proxy", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop:
+            for key, _ in self._sel.select(0.05):
+                if key.data is None:
+                    self._accept()
+                    continue
+                sock, (other, side, state) = key.fileobj, key.data
+                try:
+                    data = sock.recv(65536)  # type: ignore[union-attr]
+                except OSError:
+                    data = b""
+                if not data:
+                    self._drop(sock, other)
+                    continue
+                if side == "c" and state[0] != "c":
+                    self.turns += 1
+                state[0] = side
+                try:
+                    other.sendall(data)
+                except OSError:
+                    self._drop(sock, other)
+
+    def _accept(self) -> None:
+        client, _ = self._listen.accept()
+        server = socket.create_connection(("127.0.0.1", self.upstream))
+        for s in (client, server):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        state = [""]
+        self._sel.register(client, selectors.EVENT_READ, (server, "c", state))
+        self._sel.register(server, selectors.EVENT_READ, (client, "s", state))
+
+    def _drop(self, *socks: Any) -> None:
+        for s in socks:
+            with contextlib.suppress(Exception):
+                self._sel.unregister(s)
+            with contextlib.suppress(Exception):
+                s.close()
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(timeout=2)
+        for key in list(self._sel.get_map().values()):
+            self._drop(key.fileobj)
+        self._sel.close()
+
+
+def aio_lock(coord: idemlock.aio.AsyncCoordinator) -> Make:
+    locks = coord.lock(LOCK)
+
+    async def make(t: int, count: int) -> None:
+        for _ in range(count):
+            lease = await locks.acquire(f"k{t}")
+            assert lease is not None
+            await locks.release(lease)
+
+    return make
+
+
+def aio_claim(coord: idemlock.aio.AsyncCoordinator) -> Make:
+    port = coord.idempotency(SPEC)
+
+    async def make(t: int, count: int) -> None:
+        tag = uuid.uuid4().hex[:6]
+        for i in range(count):
+            claim = await port.claim(f"{tag}-{t}-{i}")
+            assert isinstance(claim, Claimed)
+            await port.complete(claim.token, RESULT)
+
+    return make
+
+
+def ik_claim(backend: Any) -> Make:
+    """idemkit's backend claim + complete, the calls its middleware makes per request."""
+
+    async def make(t: int, count: int) -> None:
+        tag = uuid.uuid4().hex[:6]
+        for i in range(count):
+            key = f"{tag}-{t}-{i}"
+            res = await backend.claim(key, "f" * 64, 1, 300.0)
+            await backend.complete(key, res.our_claim_token, 200, {}, b"x" * 40, 3600.0)
+
+    return make
+
+
+def ik_job(
+    backend: Any, write: Callable[[str], Awaitable[Any]]
+) -> Callable[[int], Awaitable[None]]:
+    async def run(count: int) -> None:
+        tag = uuid.uuid4().hex[:6]
+        for i in range(count):
+            key = f"{tag}-{i}"
+            res = await backend.claim(key, "f" * 64, 1, 300.0)
+            await write(key)
+            await backend.complete(key, res.our_claim_token, 200, {}, b"x" * 40, 3600.0)
+
+    return run
+
+
+def on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[int], Awaitable[None]]) -> SyncFn:
+    """An asyncio subject measured among sync ones (1 task, its loop kept between calls)."""
+    return lambda n: loop.run_until_complete(fn(n))
+
+
+def new_loop(stack: contextlib.ExitStack) -> asyncio.AbstractEventLoop:
+    loop = asyncio.new_event_loop()
+    stack.callback(loop.close)
+    return loop
