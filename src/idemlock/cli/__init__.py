@@ -1,0 +1,163 @@
+"""The ``idemlock`` command line (also ``python -m idemlock``).
+
+Commands::
+
+    idemlock run --lock NAME [--ttl 30s] [--wait 10s] -- CMD ARGS...
+    idemlock run --once KEY  [--ttl 24h] [--lease 30s] [--wait 0] -- CMD ARGS...
+    idemlock status KEY [--spec NAME] [--tenant T]
+    idemlock forget KEY [--spec NAME] [--tenant T]
+    idemlock keys [--spec NAME] [--tenant T] [--json]
+    idemlock locks [--spec NAME] [--tenant T] [--json]
+    idemlock purge                         idemlock migrate
+    idemlock demo [--jobs 200] [--workers 4] [--seed N]
+
+Global options (before or after the command): ``--url`` (default ``$IDEMLOCK_URL``,
+else SQLite in the user's state directory) and ``--prefix`` (default ``idemlock``).
+
+Exit statuses
+-------------
+======  ==========================================================================
+0       success; ``run``: CMD exited 0, or ``--once`` KEY already ran (skipped)
+1       ``status``: KEY has no live record
+2       usage error: bad arguments, a bad duration, an invalid key
+65      ``run --once``: KEY was already used with a different command (EX_DATAERR)
+69      the store is unavailable: unreachable, locked, corrupt (EX_UNAVAILABLE)
+70      any other idemlock error (EX_SOFTWARE)
+75      ``run --lock``: the lock was held elsewhere for all of ``--wait`` (EX_TEMPFAIL)
+76      ``run --once``: KEY is being run elsewhere right now (its claim is live)
+77      ``run``: the lock's lease (or the ``--once`` claim's lease) was lost while CMD
+        ran, so another run may have started; stderr says whether CMD was still
+        running and terminated (with its whole process group) or had exited
+78      configuration error: bad store URL, missing driver (EX_CONFIG)
+126     ``run``: CMD could not be executed (permission denied)
+127     ``run``: CMD was not found
+128+N   ``run``: CMD was killed by signal N
+other   ``run``: CMD's own exit status
+======  ==========================================================================
+
+As with flock(1), a CMD that itself exits with one of idemlock's statuses cannot be
+told apart by the status alone; idemlock always says what happened on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from collections.abc import Callable, Sequence
+
+from .._errors import (
+    CanonicalizeError,
+    ConfigurationError,
+    IdemlockError,
+    InFlightError,
+    InvalidKey,
+    LockLost,
+    LockNotAcquired,
+    PayloadMismatch,
+    StaleClaim,
+    StoreUnavailable,
+)
+from . import _cmd_demo, _cmd_records, _cmd_run
+from ._common import (
+    _SECRETS,
+    EX_CONFIG,
+    EX_IN_FLIGHT,
+    EX_LEASE_LOST,
+    EX_LOCK_NOT_ACQUIRED,
+    EX_PAYLOAD_MISMATCH,
+    EX_SOFTWARE,
+    EX_UNAVAILABLE,
+    EX_USAGE,
+    EXIT_STATUSES,
+    _epilog,
+    _package_version,
+    _say,
+    _secrets_of,
+    _url_help,
+    parse_duration,
+)
+
+__all__ = ["EXIT_STATUSES", "main", "parse_duration"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="idemlock",
+        description="Idempotent operations and fenced locks for retried work.",
+        epilog=_epilog(),
+        formatter_class=formatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_package_version()}")
+    parser.add_argument("--url", default=None, help=_url_help())
+    parser.add_argument(
+        "--prefix", default="idemlock", help="key prefix that namespaces everything (idemlock)"
+    )
+    # The same options after the command; SUPPRESS keeps a value given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--url", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    common.add_argument("--prefix", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    def add(name: str, help: str, description: str = "") -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name,
+            help=help,
+            description=description or help,
+            parents=[common],
+            epilog=_epilog(),
+            formatter_class=formatter,
+        )
+
+    for module in (_cmd_run, _cmd_records, _cmd_demo):
+        module.add_commands(add)
+    return parser
+
+
+# ---- main ----------------------------------------------------------------------
+
+
+def _status_for(exc: IdemlockError) -> int:
+    # Most specific first: several errors also derive from ValueError/TypeError.
+    table: list[tuple[type[IdemlockError], int]] = [
+        (PayloadMismatch, EX_PAYLOAD_MISMATCH),
+        (InFlightError, EX_IN_FLIGHT),
+        (LockNotAcquired, EX_LOCK_NOT_ACQUIRED),
+        (LockLost, EX_LEASE_LOST),
+        (StaleClaim, EX_LEASE_LOST),
+        (StoreUnavailable, EX_UNAVAILABLE),
+        (InvalidKey, EX_USAGE),
+        (CanonicalizeError, EX_USAGE),
+        (ConfigurationError, EX_CONFIG),
+    ]
+    for cls, status in table:
+        if isinstance(exc, cls):
+            return status
+    return EX_SOFTWARE
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (see the module docstring)."""
+    _SECRETS[:] = _secrets_of(os.environ.get("IDEMLOCK_URL"))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _SECRETS[:] = sorted(
+        {*_SECRETS, *_secrets_of(getattr(args, "url", None))}, key=len, reverse=True
+    )
+    handler: Callable[[argparse.Namespace, argparse.ArgumentParser], int] = args.handler
+    try:
+        return handler(args, parser)
+    except IdemlockError as exc:
+        _say(f"error: {exc}")
+        return _status_for(exc)
+    except KeyboardInterrupt:
+        _say("interrupted")
+        return 128 + signal.SIGINT
+    except Exception:
+        # A bug or a driver error idemlock did not wrap: still never print a password.
+        import traceback
+
+        _say(f"internal error (please report it):\n{traceback.format_exc()}")
+        return EX_SOFTWARE

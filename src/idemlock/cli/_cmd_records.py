@@ -1,0 +1,255 @@
+"""The commands on records and locks: ``status``, ``forget``, ``keys``, ``locks``,
+``purge`` and ``migrate``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from .._errors import (
+    ConfigurationError,
+)
+from ._common import (
+    EX_NO_RECORD,
+    EX_OK,
+    ONCE_SPEC,
+    AddCommand,
+    _connect,
+    _human,
+    _iso,
+    _out,
+    _print_json,
+    _say,
+    _shown_url,
+    _table,
+    tenant_option,
+)
+
+
+def add_commands(add: AddCommand) -> None:
+    status = add("status", "show the record of an idempotency key")
+    status.add_argument("key", metavar="KEY")
+    status.add_argument("--spec", default=ONCE_SPEC, help=f"spec name ({ONCE_SPEC})")
+    tenant_option(status, "the tenant whose record it is (as listed by `keys`)")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    status.set_defaults(handler=cmd_status)
+
+    forget = add("forget", "delete the record of an idempotency key (a retry runs again)")
+    forget.add_argument("key", metavar="KEY")
+    forget.add_argument("--spec", default=ONCE_SPEC, help=f"spec name ({ONCE_SPEC})")
+    tenant_option(forget, "the tenant whose record it is (as listed by `keys`)")
+    forget.set_defaults(handler=cmd_forget)
+
+    keys = add(
+        "keys",
+        "list live idempotency records",
+        "List live idempotency records: the root's own and every tenant's (TENANT '-'\n"
+        "is the root); act on one with status/forget KEY --spec SPEC [--tenant TENANT].\n"
+        "A value under the prefix that idemlock cannot read is listed as CORRUPT, with a\n"
+        "warning on stderr, and the rest is listed as usual.",
+    )
+    keys.add_argument("--spec", default=None, help="only this spec")
+    tenant_option(keys, "only this tenant's records")
+    keys.add_argument("--json", action="store_true", help="print JSON")
+    keys.set_defaults(handler=cmd_keys)
+
+    locks = add(
+        "locks",
+        "list held locks",
+        "List held locks: the root's own and every tenant's (TENANT '-' is the root).\n"
+        "A value idemlock cannot read is listed as CORRUPT, with a warning on stderr.",
+    )
+    locks.add_argument("--spec", default=None, help="only this spec")
+    tenant_option(locks, "only this tenant's locks")
+    locks.add_argument("--json", action="store_true", help="print JSON")
+    locks.set_defaults(handler=cmd_locks)
+
+    purge = add("purge", "delete expired records and locks from the store")
+    purge.add_argument("--json", action="store_true", help="print JSON")
+    purge.set_defaults(handler=cmd_purge)
+
+    migrate = add("migrate", "create or upgrade the store's schema (PostgreSQL)")
+    migrate.set_defaults(handler=cmd_migrate)
+
+
+# ---- records and locks ---------------------------------------------------------
+
+
+def _record_json(rec: Any, now: float) -> dict[str, Any]:
+    corrupt = rec.state == "corrupt"
+    return {
+        "tenant": rec.tenant,
+        "spec": rec.spec,
+        "key": rec.key,
+        "state": rec.state,
+        "fence": None if corrupt else rec.fence,
+        "expires_at": None if corrupt else _iso(rec.expires_at),
+        "expires_in_s": None if corrupt else round(max(0.0, rec.expires_at.timestamp() - now), 3),
+    }
+
+
+def _record_row(rec: Any, now: float) -> list[object]:
+    tenant = "-" if rec.tenant is None else rec.tenant
+    if rec.state == "corrupt":
+        # Nothing of it can be trusted but where it is.
+        return [tenant, rec.spec, rec.key, "CORRUPT", "-", "-"]
+    left = max(0.0, rec.expires_at.timestamp() - now)
+    state = rec.state.replace("_", " ")
+    expires = f"{_iso(rec.expires_at)} (in {_human(left)})"
+    return [tenant, rec.spec, rec.key, state, rec.fence, expires]
+
+
+_RECORD_HEADERS = ["TENANT", "SPEC", "KEY", "STATE", "FENCE", "EXPIRES"]
+
+
+def _where(tenant: str | None) -> str:
+    return "" if tenant is None else f" of tenant {tenant!r}"
+
+
+def _scoped(coord: Any, args: argparse.Namespace) -> Any:
+    """The coordinator, or its view of ``--tenant``: where a listed record is acted on."""
+    tenant = getattr(args, "tenant", None)
+    return coord if tenant is None else coord.for_tenant(tenant)
+
+
+def _warn_corrupt(what: str, count: int) -> None:
+    if count:
+        _say(
+            f"warning: {count} {what} under the prefix could not be read (data idemlock did "
+            "not write, or damaged); listed as CORRUPT. Delete them in the store, or use "
+            "another --prefix for idemlock"
+        )
+
+
+def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    with _connect(args) as coord:
+        rec = _scoped(coord, args).idempotency(args.spec).status(args.key)
+        now = coord.clock.time()
+    where = f"spec {args.spec!r}{_where(args.tenant)}"
+    if rec is None:
+        if args.json:
+            _print_json(None)
+        else:
+            _say(f"no live record for key {args.key!r} in {where}")
+        return EX_NO_RECORD
+    if args.json:
+        _print_json(_record_json(rec, now))
+    else:
+        _out(_table(_RECORD_HEADERS, [_record_row(rec, now)]))
+    if rec.state == "corrupt":
+        _warn_corrupt("record", 1)
+    return EX_OK
+
+
+def cmd_forget(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    with _connect(args) as coord:
+        gone = _scoped(coord, args).idempotency(args.spec).forget(args.key)
+    where = f"spec {args.spec!r}{_where(args.tenant)}"
+    if gone:
+        _say(f"forgot key {args.key!r} in {where}; the next run will run it again")
+    else:
+        _say(f"nothing to forget: no live record for key {args.key!r} in {where}")
+    return EX_OK
+
+
+def cmd_keys(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    with _connect(args) as coord:
+        records = _scoped(coord, args).keys()
+        now = coord.clock.time()
+        where = coord.url
+    records = [r for r in records if args.spec is None or r.spec == args.spec]
+    records.sort(key=lambda r: (r.tenant or "", r.spec, r.key))
+    if args.json:
+        _print_json([_record_json(r, now) for r in records])
+    elif not records:
+        _say(
+            f"no live records under prefix {args.prefix!r}{_where(args.tenant)} in "
+            f"{_shown_url(where)}"
+        )
+    else:
+        _out(_table(_RECORD_HEADERS, [_record_row(r, now) for r in records]))
+    _warn_corrupt("record(s)", sum(r.state == "corrupt" for r in records))
+    return EX_OK
+
+
+def cmd_locks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    with _connect(args) as coord:
+        held = _scoped(coord, args).locks()
+        now = coord.clock.time()
+        where = coord.url
+    held = [h for h in held if args.spec is None or h.spec == args.spec]
+    held.sort(key=lambda h: (h.tenant or "", h.spec, h.key))
+
+    def left(h: Any) -> float:
+        return max(0.0, float(h.expires_at.timestamp() - now))
+
+    if args.json:
+        _print_json(
+            [
+                {
+                    "tenant": h.tenant,
+                    "spec": h.spec,
+                    "key": h.key,
+                    "owner": None if h.corrupt else h.owner,
+                    "token": None if h.corrupt else h.token,
+                    "expires_at": None if h.corrupt else _iso(h.expires_at),
+                    "time_left_s": None if h.corrupt else round(left(h), 3),
+                    "corrupt": h.corrupt,
+                }
+                for h in held
+            ]
+        )
+    elif not held:
+        _say(
+            f"no held locks under prefix {args.prefix!r}{_where(args.tenant)} in "
+            f"{_shown_url(where)}"
+        )
+    else:
+        rows = [
+            [
+                "-" if h.tenant is None else h.tenant,
+                h.spec,
+                h.key,
+                "CORRUPT" if h.corrupt else h.owner,
+                "-" if h.corrupt or h.token is None else h.token,
+                "-" if h.corrupt else _human(left(h)),
+            ]
+            for h in held
+        ]
+        _out(_table(["TENANT", "SPEC", "KEY", "OWNER", "TOKEN", "TIME LEFT"], rows))
+    _warn_corrupt("lock(s)", sum(bool(h.corrupt) for h in held))
+    return EX_OK
+
+
+def cmd_purge(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    with _connect(args) as coord:
+        count = coord.purge()
+        where = coord.url
+    if args.json:
+        _print_json({"purged": count})
+    else:
+        _out(f"purged {count} expired record(s) and lock(s) from {_shown_url(where)}")
+    return EX_OK
+
+
+def cmd_migrate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import importlib
+
+    from .._urls import default_url
+
+    url: str = args.url or default_url()
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme not in ("postgresql", "postgres"):
+        _out(f"nothing to migrate: the {scheme or 'given'} store creates its schema on first use")
+        return EX_OK
+    try:
+        # Lazily: the PostgreSQL driver is an optional extra.
+        postgres = importlib.import_module("idemlock.stores.postgres")
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"the postgres store needs its driver: pip install 'idemlock[postgres]' ({exc})"
+        ) from exc
+    outcome = postgres.migrate(url)
+    detail = f": {outcome}" if outcome not in (None, True) else ""
+    _out(f"migrated {_shown_url(url)}{detail}")
+    return EX_OK

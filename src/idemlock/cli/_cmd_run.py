@@ -1,0 +1,298 @@
+"""``idemlock run``: CMD under a fenced lock (``--lock``) or at most once per key
+(``--once``)."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from .._errors import (
+    LockLost,
+    LockNotAcquired,
+    PayloadMismatch,
+    StaleClaim,
+    StoreUnavailable,
+)
+from ._common import (
+    DEFAULT_GRACE,
+    EX_IN_FLIGHT,
+    EX_LEASE_LOST,
+    EX_LOCK_NOT_ACQUIRED,
+    EX_OK,
+    EX_PAYLOAD_MISMATCH,
+    EX_UNAVAILABLE,
+    LOCK_SPEC,
+    ONCE_SPEC,
+    AddCommand,
+    _connect,
+    _human,
+    _iso,
+    _positive_duration,
+    _say,
+    parse_duration,
+)
+from ._process import _Child, _child_env, _owner
+
+
+def add_commands(add: AddCommand) -> None:
+    run = add(
+        "run",
+        "run a command under a lock or at most once per key",
+        "Run CMD exclusively under a fenced lock (--lock) or at most once per KEY (--once).\n"
+        "The child gets IDEMLOCK_FENCE_TOKEN (the lock's token or the claim's fence;\n"
+        "it strictly increases, so pass it to writes that must refuse stale holders).\n\n"
+        "--lock: the lease is renewed every ttl/3 while CMD runs; if it is lost\n"
+        "  anyway (the store became unreachable, or this process was paused past the\n"
+        "  ttl), CMD's process group gets SIGTERM, then SIGKILL after --grace, and\n"
+        "  idemlock exits 77.\n"
+        "--once: success (status 0) records KEY for --ttl; later runs skip CMD and exit\n"
+        "  0. A failed CMD frees KEY so a retry runs it again. The claim is renewed\n"
+        "  every lease/3 while CMD runs, however long it takes: --lease is how long\n"
+        "  after a crash (idemlock killed) KEY frees itself. If the claim is lost\n"
+        "  anyway (the store unreachable, this process paused past --lease), CMD's\n"
+        "  process group gets SIGTERM, then SIGKILL after --grace, nothing is\n"
+        "  recorded, and idemlock exits 77.\n\n"
+        "CMD runs in a session (process group) of its own (on a terminal: a process\n"
+        "group made the terminal's foreground, so CMD can prompt and gets Ctrl-C).\n"
+        "SIGINT, SIGTERM and SIGHUP are forwarded to that whole group, and idemlock\n"
+        "returns only when no process of the group runs anymore: processes CMD left\n"
+        "behind get SIGTERM, then SIGKILL after --grace, so nothing of CMD runs on\n"
+        "without the lock or the claim.",
+    )
+    mode = run.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--lock", metavar="NAME", help="run CMD while holding lock NAME")
+    mode.add_argument("--once", metavar="KEY", help="run CMD at most once for KEY")
+    run.add_argument(
+        "--spec",
+        default=None,
+        help=f"spec name (default: {LOCK_SPEC} for --lock, {ONCE_SPEC} for --once)",
+    )
+    run.add_argument(
+        "--ttl",
+        type=_positive_duration,
+        default=None,
+        help="--lock: lease length (30s); --once: how long success is remembered (24h)",
+    )
+    run.add_argument(
+        "--wait",
+        type=parse_duration,
+        default=None,
+        help="--lock: how long to wait for the lock (10s; 0 fails at once); "
+        "--once: how long to wait for a run in flight elsewhere to finish (0)",
+    )
+    run.add_argument(
+        "--lease",
+        type=_positive_duration,
+        default=None,
+        help="--once: how long after a crash KEY frees itself; renewed while CMD runs (30s)",
+    )
+    run.add_argument(
+        "--grace",
+        type=parse_duration,
+        default=DEFAULT_GRACE,
+        help="time between SIGTERM and SIGKILL of CMD's process group (10s)",
+    )
+    run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS...")
+    run.set_defaults(handler=cmd_run)
+
+
+# ---- run -----------------------------------------------------------------------
+
+
+def _command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        parser.error("run: give the command after '--', e.g. idemlock run --lock x -- make")
+    return cmd
+
+
+def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    cmd = _command(args, parser)
+    if args.lock is not None:
+        if args.lease is not None:
+            parser.error("run: --lease applies to --once; a lock's lease length is --ttl")
+        return _run_locked(args, cmd)
+    return _run_once(args, cmd)
+
+
+def _run_locked(args: argparse.Namespace, cmd: list[str]) -> int:
+    from .._core.types import LockSpec
+
+    name: str = args.lock
+    ttl = 30.0 if args.ttl is None else args.ttl
+    wait = 10.0 if args.wait is None else args.wait
+    with _connect(args) as coord:
+        lock = coord.lock(LockSpec(args.spec or LOCK_SPEC, ttl=timedelta(seconds=ttl)))
+        child = _Child(cmd, {}, grace=args.grace)
+        lost = threading.Event()
+
+        def on_lost(lease: Any) -> None:
+            lost.set()
+            running = child.proc is not None and child.status is None
+            what = (
+                f"terminating CMD and its processes (SIGTERM, then SIGKILL after "
+                f"{_human(args.grace)})"
+                if running
+                else "CMD is not running"
+            )
+            _say(f"lost the lease on lock {name!r} (token {lease.token}); {what}")
+            child.terminate()
+
+        try:
+            with lock.hold(name, wait=wait, owner=_owner(), on_lost=on_lost) as lease:
+                child.env = _child_env(lease.token, IDEMLOCK_LOCK_KEY=name)
+                if lost.is_set():  # lost before CMD even started: do not start it
+                    raise LockLost(f"lost the lease on lock {name!r} before CMD started")
+                status = child.run()
+        except LockNotAcquired:
+            holder = lock.owner(name)
+            left = lock.ttl(name)
+            who = f" by {holder}" if holder else ""
+            until = f" ({_human(left.total_seconds())} left on its lease)" if left else ""
+            _say(
+                f"lock {name!r} is held{who}{until} and was not released within "
+                f"--wait {_human(wait)}; CMD was not run (exit {EX_LOCK_NOT_ACQUIRED})"
+            )
+            return EX_LOCK_NOT_ACQUIRED
+        except LockLost as exc:
+            if child.proc is not None and child.status is None:
+                child.wait()  # left by an exception: still make sure the group ends
+            _say(f"error: {exc}; {child.outcome()} (exit {EX_LEASE_LOST})")
+            return EX_LEASE_LOST
+        return status
+
+
+def _describe_run(result: Any) -> str:
+    if not isinstance(result, dict):
+        return "already ran"
+    parts = []
+    if "ran_at" in result:
+        parts.append(f"ran at {result['ran_at']}")
+    if "host" in result:
+        parts.append(f"on {result['host']}")
+    if "duration_s" in result:
+        parts.append(f"took {_human(float(result['duration_s']))}")
+    if "exit_status" in result:
+        parts.append(f"exit status {result['exit_status']}")
+    return "already ran (" + ", ".join(parts) + ")" if parts else "already ran"
+
+
+def _run_once(args: argparse.Namespace, cmd: list[str]) -> int:
+    from .._core.types import Claimed, Completed, IdempotencySpec, InFlight
+
+    key: str = args.once
+    ttl = 86400.0 if args.ttl is None else args.ttl
+    lease = 30.0 if args.lease is None else args.lease
+    wait = 0.0 if args.wait is None else args.wait
+    spec_name = args.spec or ONCE_SPEC
+    spec = IdempotencySpec(spec_name, ttl=timedelta(seconds=ttl), lease=timedelta(seconds=lease))
+    # The command is the payload: the same KEY with another command is refused.
+    payload = {"argv": cmd}
+    with _connect(args) as coord:
+        port = coord.idempotency(spec)
+        try:
+            claim, sent = port._claim_at(key, payload, wait or None)
+        except PayloadMismatch:
+            _say(
+                f"key {key!r} was already used to run a different command; use another "
+                f"key for this command, or `idemlock forget {key} --spec {spec_name}` "
+                f"to drop the old record (exit {EX_PAYLOAD_MISMATCH})"
+            )
+            return EX_PAYLOAD_MISMATCH
+        if isinstance(claim, Completed):
+            _say(f"{key!r} {_describe_run(claim.result)}; not running it again")
+            return EX_OK
+        if isinstance(claim, InFlight):
+            left = claim.expires_at.timestamp() - coord.clock.time()
+            _say(
+                f"{key!r} is being run elsewhere right now (its claim ends at "
+                f"{_iso(claim.expires_at)}, in {_human(max(0.0, left))}, unless it "
+                f"finishes first); not running it (exit {EX_IN_FLIGHT})"
+            )
+            return EX_IN_FLIGHT
+        assert isinstance(claim, Claimed)
+        token = claim.token
+        child = _Child(cmd, _child_env(token.fence, IDEMLOCK_ONCE_KEY=key), grace=args.grace)
+        lost = threading.Event()
+
+        def on_lost(_: Any) -> None:
+            lost.set()
+            running = child.proc is not None and child.status is None
+            what = (
+                f"terminating CMD and its processes (SIGTERM, then SIGKILL after "
+                f"{_human(args.grace)})"
+                if running
+                else "CMD is not running"
+            )
+            _say(f"lost the claim on {key!r} (fence {token.fence}); {what}")
+            child.terminate()
+
+        # Heartbeats: the claim is renewed while CMD runs, on the coordinator's renewer.
+        beat = port._heartbeat(token, sent, port._heartbeat_every(None), None, on_lost)
+        started_wall = datetime.now(timezone.utc)
+        started = time.monotonic()
+        try:
+            if not lost.is_set():  # lost before CMD even started: do not start it
+                status = child.run()
+        except BaseException:
+            beat.stop()
+            port._abandon_quietly(token)
+            raise
+        if beat.stop() and (child.terminated or child.proc is None):
+            # CMD did not finish on its own: nothing to record. Free KEY if this claim
+            # still holds it (a retry runs CMD again; another run may hold it already).
+            port._abandon_quietly(token)
+            _say(
+                f"error: lost the claim on {key!r} while CMD ran ({beat.reason}); another "
+                f"run may have started it, nothing was recorded; {child.outcome()} "
+                f"(exit {EX_LEASE_LOST})"
+            )
+            return EX_LEASE_LOST
+        took = time.monotonic() - started
+        if status != 0:
+            try:
+                port.abandon(token)
+            except StaleClaim:
+                pass  # the lease ran out already, so the key is free for a retry anyway
+            except StoreUnavailable as exc:
+                # CMD's status matters more; the claim ends with its lease.
+                _say(
+                    f"CMD failed with status {status}, and the store failed to free {key!r} "
+                    f"({exc}); a retry can run it once the claim ends at "
+                    f"{_iso(token.expires_at)}"
+                )
+                return status
+            _say(f"CMD failed with status {status}; {key!r} stays unclaimed so a retry runs it")
+            return status
+        result = {
+            "exit_status": status,
+            "ran_at": _iso(started_wall),
+            "duration_s": round(took, 3),
+            "host": socket.gethostname(),
+            "argv": cmd,
+        }
+        try:
+            port.complete(token, result)
+        except StaleClaim:
+            why = beat.reason or f"its --lease {_human(lease)} ran out"
+            _say(
+                f"error: CMD succeeded (in {_human(took)}) but the claim on {key!r} was lost "
+                f"({why}) and another run took it over, so it may have run CMD too, and "
+                f"this success was not recorded (exit {EX_LEASE_LOST})"
+            )
+            return EX_LEASE_LOST
+        except StoreUnavailable as exc:
+            # The claim is kept (never abandoned): a retry must not run CMD again at once.
+            _say(
+                f"error: CMD succeeded, but the store failed to record it ({exc}); {key!r} "
+                f"stays reserved until its claim ends at {_iso(token.expires_at)}, after "
+                f"which a retry runs CMD again (exit {EX_UNAVAILABLE})"
+            )
+            return EX_UNAVAILABLE
+        return EX_OK
