@@ -25,7 +25,7 @@ request                                        response
 no key, ``require_key=False``                  passes through (no idempotency)
 no key, ``require_key=True``                   400
 malformed key, or more than one key header     400
-identity function configured, it gives None  401 (``allow_anonymous=True``: runs in the
+identity function configured, it gives None    401 (``allow_anonymous=True``: runs in the
                                                shared anonymous key space)
 request body over ``max_body``                 413 (the application is not called)
 first request with the key                     the application runs; its response is
