@@ -230,10 +230,17 @@ GUARDS: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
 
 def decide(op: str, state: str, rec: Any, args: dict[str, Any]) -> Row:
     """The row that happens for ``op`` on a record in ``state``."""
-    for row in ROWS:
-        if row.op == op and state in row.states and (not row.guard or GUARDS[row.guard](rec, args)):
+    for row in _CANDIDATES.get((op, state), ()):
+        if not row.guard or GUARDS[row.guard](rec, args):
             return row
     raise AssertionError(f"the table has no row for {op} in state {state}")  # pragma: no cover
+
+
+#: (operation, state) -> its rows in table order (decide() is on the memory store's hot path)
+_CANDIDATES: dict[tuple[str, str], tuple[Row, ...]] = {}
+for _row in ROWS:
+    for _state in _row.states:
+        _CANDIDATES[(_row.op, _state)] = (*_CANDIDATES.get((_row.op, _state), ()), _row)
 
 
 # ---- applying it (the memory store; the model test's oracle) ----------------------
