@@ -222,7 +222,8 @@ RETURNING l.expires_ms
 """
 
 # The batched renewal of a coordinator's renewer: many claims and leases in one
-# statement (each row's check as in EXTEND and RENEW). Replies: (kind, position, expiry)
+# statement (each row's check as in EXTEND and RENEW: rows extend.ok, extend.stale,
+# lock.renew, lock.renew.stale). Replies: (kind, position, expiry)
 # for each renewed item; an item missing from the reply was refused.
 RENEW_MANY = """
 WITH n AS MATERIALIZED (SELECT {now} AS ms),
@@ -283,8 +284,9 @@ FENCE_CURRENT = """
 SELECT f.token FROM {s}.fences f WHERE f.ns = %(ns)s::text AND f.resource = %(resource)s::text
 """
 
-# Purge in batches so no statement holds many row locks for long. The outer condition
-# is re-checked on the latest row version, so a row re-claimed meanwhile is kept.
+# Purge in batches so no statement holds many row locks for long; it deletes the rows
+# that claim.ttl, claim.expiry and lock.expiry left dead. The outer condition is
+# re-checked on the latest row version, so a row re-claimed meanwhile is kept.
 PURGE = """
 WITH n AS MATERIALIZED (SELECT {now} AS ms),
 d AS (
