@@ -297,7 +297,12 @@ def test_sigstopped_worker_loses_its_claim_and_its_completion_is_refused(
         time.sleep(2.5 * PROC_LEASE)
         if h.name.startswith("etcd"):
             h.advance(0.0)  # the harness ends the etcd leases that are due
-        taken = port.claim("pause-me", payload={})
+        # The rival's own lease is long: the paused worker's shutdown may take a while
+        # on a loaded machine, and the rival must still hold the key after it.
+        rival = coord.idempotency(
+            IdempotencySpec("beat-proc", ttl=timedelta(seconds=60), lease=timedelta(seconds=60))
+        )
+        taken = rival.claim("pause-me", payload={})
         assert isinstance(taken, Claimed) and taken.token.fence > fence
         os.kill(proc.pid, signal.SIGCONT)
         out, _ = proc.communicate(timeout=30)
