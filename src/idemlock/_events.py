@@ -7,6 +7,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING
 
 from ._core.events import Event
+from ._logfields import port_fields
 
 if TYPE_CHECKING:
     from ._coordinator import CoordinatorBase
@@ -41,7 +42,7 @@ class Emitter:
             outcome,
             self._kind,
             self._spec_name,
-            self._coord._store.kind,
+            self._coord.store.kind,
             duration,
             self._coord.tenant,
             error,
@@ -51,4 +52,9 @@ class Emitter:
                 hook(event)
             except Exception:
                 # A broken metrics hook must never break the operation it observes.
-                log.warning("event hook %r failed", hook, exc_info=True)
+                log.warning(
+                    "event hook %r failed",
+                    hook,
+                    exc_info=True,
+                    extra=port_fields(self, name, outcome),
+                )

@@ -16,6 +16,7 @@ from ._core.types import ClaimToken, IdempotencySpec, Lease, LockSpec, from_ms, 
 from ._durations import seconds
 from ._errors import ConfigurationError, LockNotHeld
 from ._events import Emitter, log
+from ._logfields import port_fields
 from ._replies import ClaimReplies
 from ._tokens import check_token, new_token
 
@@ -145,12 +146,12 @@ class IdempotencyBase(ClaimReplies):
                     on_lost(token)
                 except Exception:
                     log.warning(
-                        "on_lost callback %r for claim %s:%s raised; the claim is lost all "
-                        "the same",
+                        "on_lost callback %r for a claim of spec %s raised; the claim is "
+                        "lost all the same",
                         on_lost,
                         self.spec.name,
-                        token.key,
                         exc_info=True,
+                        extra=port_fields(self, "on_lost", "error"),
                     )
             if also is not None:
                 also(state)
@@ -188,6 +189,16 @@ class IdempotencyBase(ClaimReplies):
             )
         return (self._ns, token._skey or self._skey(token.key), token.token)
 
+    def _completion(
+        self, token: ClaimToken, result: Any
+    ) -> tuple[Any, tuple[str, str, str, bytes, int]]:
+        """(the store, the arguments of its ``complete``) for ``result`` on ``token``."""
+        return self._store, (
+            *self._token_args(token),
+            self._encode(token.key, result),
+            self._ttl_ms,
+        )
+
     def _complete_with(self) -> Any:
         fn = getattr(self._store, "complete_with", None)
         if fn is None:
@@ -219,11 +230,12 @@ class IdempotencyBase(ClaimReplies):
             return self._encode_error(token.key, exc)
         except Exception:
             log.warning(
-                "cannot record %s for %r (its args are not JSON data); abandoning the "
-                "claim instead",
+                "cannot record %s for a %s call (its args are not JSON data); abandoning "
+                "the claim instead",
                 type(exc).__name__,
-                token.key,
+                self.spec.name,
                 exc_info=True,
+                extra=port_fields(self, "complete", "unrecordable"),
             )
             return None
 
@@ -349,11 +361,12 @@ class LockBase(Emitter):
                     # The loss is what matters: the block still raises LockLost (and an
                     # async body is still cancelled) whatever the callback did.
                     log.warning(
-                        "on_lost callback %r for lock %s:%s raised; the lease is lost all the same",
+                        "on_lost callback %r for a lock of spec %s raised; the lease is lost "
+                        "all the same",
                         on_lost,
                         self.spec.name,
-                        lease.key,
                         exc_info=True,
+                        extra=port_fields(self, "on_lost", "error"),
                     )
 
         state.notify = lost

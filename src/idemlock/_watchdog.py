@@ -26,6 +26,7 @@ import threading
 from collections.abc import Callable
 
 from ._core.clock import Clock, SystemClock
+from ._logfields import fields
 
 __all__ = ["AsyncWatchdog", "Entry", "Watchdog"]
 
@@ -55,7 +56,12 @@ def _fire(entry: Entry) -> None:
         entry.fire()
     except Exception:
         # One broken callback must not stop the timer for everything else it watches.
-        log.warning("idemlock watchdog callback %r failed", entry.fire, exc_info=True)
+        log.warning(
+            "idemlock watchdog callback %r failed",
+            entry.fire,
+            exc_info=True,
+            extra=fields(operation="watchdog", outcome="error"),
+        )
 
 
 def _cap(clock: Clock) -> float | None:

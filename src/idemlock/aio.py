@@ -3,21 +3,16 @@ same surface as :class:`idemlock.Coordinator`, its I/O methods being coroutines.
 
 from __future__ import annotations
 
-import asyncio
-import functools
-import inspect
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
-from ._context import enter_claim, leave_claim
 from ._coordinator import CoordinatorBase
 from ._core.clock import Clock
 from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES
 from ._core.events import Hook
-from ._core.flows import Renewal, RenewState, acquire_flow, claim_flow
+from ._core.flows import acquire_flow, claim_flow
 from ._core.keys import validate_key
 from ._core.port import AsyncStore
 from ._core.types import (
@@ -36,22 +31,21 @@ from ._decorator import WrapPlan, heartbeat_options, wrap_options
 from ._drive import run_async
 from ._durations import seconds
 from ._errors import (
-    ConfigurationError,
     FencedOut,
-    InFlightError,
-    LockLost,
-    LockNotAcquired,
     StaleClaim,
 )
 from ._keyring import Keyring
-from ._ports import Attempt, FenceBase, Heartbeat, IdempotencyBase, LockBase
+from ._logfields import port_fields
+from ._ports import FenceBase, Heartbeat
 from ._renewer import AsyncRenewer
+from ._tasks import IdempotencyRun, LockHold, decorator
 from ._tokens import check_token
 from ._watchdog import AsyncWatchdog
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-__all__ = [
+# sync-only: __all__ = ["Coordinator", "FenceGate", "IdempotencyPort", "LockPort"]
+__all__ = [  # async-only
     "AsyncCoordinator",
     "AsyncFenceGate",
     "AsyncIdempotencyPort",
@@ -62,7 +56,7 @@ __all__ = [
 log = logging.getLogger("idemlock")
 
 
-def connect(
+def connect(  # async-only
     url: Any = None,
     *,
     key_prefix: str = "idemlock",
@@ -142,63 +136,37 @@ class AsyncCoordinator(CoordinatorBase):
         max_run: timedelta | float | None = None,
         on_lost: Callable[[ClaimToken], object] | None = None,
     ) -> Callable[[F], F]:
-        """Make an ``async def`` function idempotent (see ``Coordinator.idempotent``,
-        heartbeats included: a lost claim cancels the body and the call raises
-        ``ClaimLost``)."""
+        """Make a function idempotent: claim, run, complete; replay on a retry.
+
+        ``key`` is a callable of the call's arguments returning the idempotency key;
+        None uses the fingerprint of the canonical arguments. The canonical arguments
+        are always the payload, so reusing a key with other arguments raises
+        :class:`~idemlock.PayloadMismatch`. The return annotation decides how the
+        result is stored and restored on replay. An exception of a type listed in
+        ``replay_errors`` is recorded and raised again on every replay; any other
+        exception abandons the claim (a retry runs again) and propagates. Works on
+        ``async def`` functions.
+
+        Heartbeats: while the body runs its claim is renewed every ``renew_every``
+        (default: a third of the spec's lease) by the coordinator's one renewer, so the
+        lease only bounds how long a crashed worker blocks the key. ``max_run`` stops
+        renewing after that long (runaway protection); ``heartbeat=False`` never
+        renews. A claim is lost when a renewal is refused or none was confirmed before
+        its lease ran out: ``current_claim().lost`` turns True, ``on_lost(token)`` runs
+        (on an idemlock thread; its error is logged) and an ``async def`` body is
+        cancelled. When the body returns, its result is still recorded if nobody took
+        the key over (late completion); otherwise nothing is recorded and the call
+        raises :class:`~idemlock.ClaimLost`.
+        """
         wrap_options(spec_or_name, key, on_in_flight, wait)
         port = self.idempotency(spec_or_name)
         wait_s = port._wait_for(wait) if on_in_flight == "wait" else None
         every, limit = heartbeat_options(port, heartbeat, renew_every, max_run, on_lost)
-
-        def decorate(fn: F) -> F:
-            if not inspect.iscoroutinefunction(fn):
-                raise ConfigurationError(
-                    f"{fn.__qualname__} is not an async def function; an AsyncCoordinator "
-                    "wraps coroutines only (use idemlock.connect() for plain functions)"
-                )
-            plan = WrapPlan(fn, key, replay_errors)
-
-            @functools.wraps(fn)
-            async def wrapper(*args: Any, **kwargs: Any) -> Any:
-                claim, sent = await port._begin_at(plan, args, kwargs, wait_s)
-                if isinstance(claim, Completed):
-                    return plan.replay(claim)
-                token = claim.token
-                cancels = _OwnCancels(asyncio.current_task())
-                hb = (
-                    None
-                    if every is None
-                    else port._heartbeat(token, sent, every, limit, on_lost, cancels.cancel)
-                )
-                mark = enter_claim(token)
-                try:
-                    result = await fn(*args, **kwargs)
-                except asyncio.CancelledError as exc:
-                    if hb is not None:
-                        hb.stop()
-                    if cancels.absorb():
-                        await port._abandon_quietly(token)
-                        raise port._lost_claim(token, hb.reason if hb else "") from None
-                    await port._fail(plan, token, exc)
-                    raise
-                except BaseException as exc:
-                    if hb is not None:
-                        hb.stop()
-                    await port._fail(plan, token, exc)
-                    raise
-                finally:
-                    leave_claim(mark)
-                if hb is not None:
-                    hb.stop()
-                await port._record_beat(plan, token, result, hb)
-                return result
-
-            return cast(F, wrapper)
-
-        return decorate
+        return decorator(port, key, replay_errors, wait_s, every, limit, on_lost)
 
     def for_tenant(self, tenant: str) -> AsyncCoordinator:
-        """A view whose records, locks and fences live in ``tenant``'s namespace only."""
+        """A view whose records, locks and fences live in ``tenant``'s namespace only
+        (the tenant also binds sealed results). It shares this coordinator's store."""
         view = AsyncCoordinator.__new__(AsyncCoordinator)
         view._view_of(self, tenant)
         return view
@@ -215,7 +183,7 @@ class AsyncCoordinator(CoordinatorBase):
         await self.close()
 
 
-class AsyncIdempotencyPort(IdempotencyBase):
+class AsyncIdempotencyPort(IdempotencyRun):
     """Claim, complete and abandon keyed operations of one :class:`IdempotencySpec`."""
 
     _store: AsyncStore
@@ -223,7 +191,9 @@ class AsyncIdempotencyPort(IdempotencyBase):
     async def claim(
         self, key: str, *, payload: Any = None, lease: timedelta | float | None = None
     ) -> Claim:
-        """Atomically one of ``Claimed``, ``InFlight`` or ``Completed``."""
+        """Atomically one of ``Claimed`` (run it), ``InFlight`` (someone else is) or
+        ``Completed`` (replay). Raises ``PayloadMismatch`` if the key is live with
+        another payload. ``lease`` overrides the spec's lease for this claim."""
         t0 = self._t0()
         args = self._claim_args(key, payload, lease)
         try:
@@ -282,7 +252,7 @@ class AsyncIdempotencyPort(IdempotencyBase):
         return self._extend_token(token, await self._store.extend(*args, lease_ms))
 
     async def status(self, key: str) -> RecordStatus | None:
-        """What the store holds for ``key``."""
+        """What the store holds for ``key``: None, in flight or completed, with expiry."""
         return self._status(key, await self._store.record(self._ns, self._skey(key)))
 
     async def forget(self, key: str) -> bool:
@@ -292,7 +262,9 @@ class AsyncIdempotencyPort(IdempotencyBase):
     async def wait(
         self, key: str, *, payload: Any = None, timeout: timedelta | float | None = None
     ) -> Claim:
-        """Claim, waiting up to ``timeout`` while the key is in flight."""
+        """Claim, and while the key is in flight wait up to ``timeout`` (default: the
+        lease) for it to complete (returns ``Completed``) or be freed (returns
+        ``Claimed``: this caller must run it). Still in flight at the end: ``InFlight``."""
         t0 = self._t0()
         args = self._claim_args(key, payload)
         flow = claim_flow(*args, self._wait_for(timeout), self._coord.clock, self._coord.poll_cap)
@@ -303,72 +275,11 @@ class AsyncIdempotencyPort(IdempotencyBase):
             raise
         return self._interpret(key, reply, None, t0, args[1])
 
-    @asynccontextmanager
-    async def run(
-        self,
-        key: str,
-        *,
-        payload: Any = None,
-        wait: timedelta | float | None = None,
-        heartbeat: bool = True,
-        renew_every: timedelta | float | None = None,
-        max_run: timedelta | float | None = None,
-        on_lost: Callable[[ClaimToken], object] | None = None,
-        cancel_on_lost: bool = True,
-    ) -> AsyncIterator[Attempt]:
-        """Claim or replay ``key`` for an ``async with`` block (see
-        ``IdempotencyPort.run``). A claim lost while the block runs also cancels the
-        block's task (unless ``cancel_on_lost=False``); leaving then raises
-        ``ClaimLost``, recording nothing."""
-        every, limit = heartbeat_options(self, heartbeat, renew_every, max_run, on_lost)
-        wait_s = None if wait is None else self._wait_for(wait)
-        claim, sent = await self._claim_at(key, payload, wait_s)
-        if isinstance(claim, Completed):
-            yield Attempt(key, None, claim.result)
-            return
-        if not isinstance(claim, Claimed):
-            raise InFlightError(key, claim.expires_at)
-        token = claim.token
-        cancels = _OwnCancels(asyncio.current_task() if cancel_on_lost else None)
-        hb = (
-            None
-            if every is None
-            else self._heartbeat(token, sent, every, limit, on_lost, cancels.cancel)
-        )
-        attempt = Attempt(key, token)
-        mark = enter_claim(token)
-        try:
-            yield attempt
-        except asyncio.CancelledError:
-            if hb is not None:
-                hb.stop()
-            await self._abandon_quietly(token)
-            if cancels.absorb():
-                raise self._lost_claim(token, hb.reason if hb else "") from None
-            raise
-        except BaseException:
-            if hb is not None:
-                hb.stop()
-            await self._abandon_quietly(token)
-            raise
-        finally:
-            leave_claim(mark)
-        if hb is not None:
-            hb.stop()
-        try:
-            await self.complete(token, attempt.result)
-        except StaleClaim:
-            if hb is None:
-                raise
-            raise self._lost_claim(token, hb.reason) from None
-
     # ---- the decorator's steps -------------------------------------------------
 
-    def _expire_callback(self, state: RenewState) -> Callable[[], None]:
-        # On the loop (the async watchdog): report at once.
-        return lambda: state.lose(state.expired_reason())
-
     async def _claim_at(self, key: str, payload: Any, wait: float | None) -> tuple[Claim, float]:
+        """Claim (waiting up to ``wait`` while in flight): the claim and the clock's time
+        its last request was sent (its heartbeat counts the local deadline from it)."""
         t0 = self._t0()
         cargs = self._claim_args(key, payload)
         clock = self._coord.clock
@@ -417,6 +328,8 @@ class AsyncIdempotencyPort(IdempotencyBase):
     async def _record_beat(
         self, plan: WrapPlan, token: ClaimToken, result: Any, hb: Heartbeat | None
     ) -> None:
+        """Record the body's result; a refusal after a heartbeat lost the claim is
+        ``ClaimLost`` (another attempt took the key over: nothing recorded)."""
         try:
             await self._record(plan, token, result)
         except StaleClaim:
@@ -451,9 +364,15 @@ class AsyncIdempotencyPort(IdempotencyBase):
             raise
         self._emit("complete", "ok" if ok else "stale", t0)
         if not ok:
-            log.warning("could not record the error of %r: the claim was lost", token.key)
+            log.warning(
+                "could not record the error of a %s call: the claim was lost",
+                self.spec.name,
+                extra=port_fields(self, "complete", "stale"),
+            )
 
     async def _abandon_quietly(self, token: ClaimToken) -> None:
+        # The operation failed; its error matters more than a failed abandon (the
+        # lease frees the key anyway).
         t0 = self._t0()
         try:
             ok = await self._store.abandon(*self._token_args(token))
@@ -461,13 +380,14 @@ class AsyncIdempotencyPort(IdempotencyBase):
         except Exception as exc:
             self._emit_error("abandon", exc, t0)
             log.warning(
-                "could not abandon claim on %r; it frees itself when its lease ends",
-                token.key,
+                "could not abandon a claim of spec %s; it frees itself when its lease ends",
+                self.spec.name,
                 exc_info=True,
+                extra=port_fields(self, "abandon", "error"),
             )
 
 
-class AsyncLockPort(LockBase):
+class AsyncLockPort(LockHold):
     """Fenced leases of one :class:`LockSpec`."""
 
     _store: AsyncStore
@@ -475,7 +395,8 @@ class AsyncLockPort(LockBase):
     async def acquire(
         self, key: str, *, owner: str | None = None, wait: timedelta | float | None = None
     ) -> Lease | None:
-        """Take the lock, waiting up to ``wait``; None if it stayed held."""
+        """Take the lock, waiting up to ``wait``; None if it stayed held. Acquiring a
+        key the same ``owner`` holds returns that lease again (same token)."""
         t0 = self._t0()
         who = self._owner(owner)
         wait_s = seconds(wait, "wait")
@@ -542,7 +463,8 @@ class AsyncLockPort(LockBase):
         return self._finish_break(ok, t0)
 
     async def renew(self, lease: Lease, ttl: timedelta | float | None = None) -> bool:
-        """Reset the lease to ``ttl`` from now; the token stays. False if it had expired."""
+        """Reset the lease to ``ttl`` (default: the spec's) from now; the token stays.
+        False (and ``lease.lost``) if the lease had already expired."""
         t0 = self._t0()
         args = self._check_lease(lease, "renew")
         ttl_ms = self._renew_ttl(ttl)
@@ -563,146 +485,6 @@ class AsyncLockPort(LockBase):
     async def ttl(self, key: str) -> timedelta | None:
         """Time left on the current holder's lease (None if free)."""
         return self._row_ttl(await self._store.lock(self._ns, validate_key(key)))
-
-    @asynccontextmanager
-    async def hold(
-        self,
-        key: str,
-        *,
-        wait: timedelta | float | None = None,
-        renew_every: timedelta | float | None = None,
-        max_hold: timedelta | float | None = None,
-        owner: str | None = None,
-        on_lost: Callable[[Lease], object] | None = None,
-        cancel_on_lost: bool = True,
-    ) -> AsyncIterator[Lease]:
-        """Hold the lock for an ``async with`` block, renewing it in a background task.
-
-        The lease is lost when ``lease.remaining()`` reaches zero without a confirmed
-        renewal (a timer on the loop decides, whatever a renewal in progress is doing)
-        or when the store says it is gone: ``lease.lost`` turns True, ``on_lost(lease)``
-        runs (an exception it raises is logged), the body's task is cancelled (unless
-        ``cancel_on_lost=False``) and leaving the block raises ``LockLost``. Leaving
-        waits at most the store's ``timeout`` for the release; a cancellation that
-        lands while leaving reaches the caller as ``CancelledError``."""
-        every = self._renew_every(renew_every)
-        max_hold_s = seconds(max_hold, "max_hold")
-        lease = await self.acquire(key, owner=owner, wait=wait)
-        if lease is None:
-            raise LockNotAcquired(self._not_acquired(key, wait))
-        assert lease.token is not None
-        state = self._renew_state(lease, on_lost)
-        body = asyncio.current_task()
-        cancels = _OwnCancels(body)
-        report = state.notify
-        assert report is not None
-
-        def notify() -> None:
-            report()
-            if cancel_on_lost and body is not None and not state.ended:
-                cancels.pending = True
-                body.cancel()
-
-        state.notify = notify
-        watchdog: AsyncWatchdog = self._coord._watchdog
-        entry = watchdog.watch(state.deadline(), lambda: state.lose(state.expired_reason()))
-        state.moved = lambda at: watchdog.move(entry, at)
-        # Renewed by the coordinator's one renewer (a task per loop), with every claim
-        # and lease it keeps.
-        renewal = self._renewal(lease, every, max_hold_s, state)
-        self._coord._renewer.add(renewal)
-        try:
-            yield lease
-        except asyncio.CancelledError:
-            await self._leave(state, entry, renewal, cancels)
-            if cancels.absorb():
-                raise LockLost(self._lost_message(lease, state.reason)) from None
-            raise
-        except BaseException:
-            await self._leave(state, entry, renewal, cancels)
-            raise
-        if await self._leave(state, entry, renewal, cancels):
-            raise LockLost(self._lost_message(lease, state.reason))
-
-    async def _leave(
-        self,
-        state: RenewState,
-        entry: Any,
-        renewal: Renewal,
-        cancels: _OwnCancels,
-    ) -> bool:
-        """End a hold: stop renewing, release (bounded by the store's timeout) and
-        return whether the lease was lost. A cancellation of the caller meanwhile
-        propagates; the release carries on in the background."""
-        lost = state.end(self._coord.clock.monotonic())
-        self._coord._watchdog.cancel(entry)
-        self._coord._renewer.remove(renewal)
-        assert state.lease is not None
-        finisher = asyncio.ensure_future(self._finish(state.lease))
-        _BACKGROUND.add(finisher)
-        finisher.add_done_callback(_BACKGROUND.discard)
-        while True:
-            try:
-                await asyncio.shield(finisher)
-                return lost
-            except asyncio.CancelledError:
-                if cancels.absorb():
-                    continue  # our own cancellation of the body, delivered only here
-                raise
-
-    async def _finish(self, lease: Lease) -> None:
-        bound = self._bound()
-        try:
-            await asyncio.wait_for(self._wind_down(lease), bound)
-        except asyncio.TimeoutError:
-            log.warning(
-                "leaving hold() of lock %s:%s without its release: the store did not "
-                "answer within %gs (its timeout); the lock frees itself when its lease ends",
-                self.spec.name,
-                lease.key,
-                bound,
-            )
-
-    async def _wind_down(self, lease: Lease) -> None:
-        try:
-            await self.release(lease)
-        except Exception:
-            log.warning(
-                "could not release lock on %r; it frees itself when its lease ends",
-                lease.key,
-                exc_info=True,
-            )
-
-
-#: exits still releasing after their caller was cancelled (strong references)
-_BACKGROUND: set[asyncio.Future[None]] = set()
-
-
-class _OwnCancels:
-    """Tells the body's cancellation by ``hold()`` (lease lost) from anyone else's."""
-
-    __slots__ = ("body", "pending")
-
-    def __init__(self, body: asyncio.Task[Any] | None) -> None:
-        self.body = body
-        self.pending = False
-
-    def cancel(self, state: RenewState) -> None:
-        """Cancel the body because its claim was lost (on the loop), unless it ended."""
-        if self.body is not None and not state.ended:
-            self.pending = True
-            self.body.cancel()
-
-    def absorb(self) -> bool:
-        """A CancelledError reached the block: True if it was only ours (then it is
-        taken back, and the block raises LockLost instead)."""
-        if not self.pending:
-            return False
-        self.pending = False
-        uncancel = getattr(self.body, "uncancel", None)
-        if uncancel is None:  # Python 3.10: no count of cancellations to consult
-            return True
-        return bool(uncancel() == 0)
 
 
 class AsyncFenceGate(FenceBase):
