@@ -213,3 +213,22 @@ def test_close_wakes_everyone_and_forgets_all() -> None:
     assert sorted(w.close()) == ["a", "b"]
     assert not w.has_waiters() and not w.confirmed(b"c")
     assert w.unsubscribe(b"c", "a", 0.0) is None
+
+
+def test_a_mailbox_whose_event_loop_closed_does_not_stop_the_others() -> None:
+    # A waiter whose loop ended mid-wait (never resumed) must not keep the reader
+    # from waking the other waiters of the channel.
+    import asyncio
+
+    from idemlock.stores._local import LocalHub
+
+    hub = LocalHub()
+    dead, live = hub.subscribe("k"), hub.subscribe("k")
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(dead.wait_async(60))
+    loop.run_until_complete(asyncio.sleep(0))  # the task now waits on its future
+    loop.close()  # without finishing it
+    hub.notify("k")
+    assert live.wait(0) is True
+    assert dead.wait(0) is True  # its flag is kept all the same
+    del task

@@ -139,8 +139,10 @@ class Listener:
 
     def _ensure_conn(self) -> psycopg.Connection[Any]:
         # Called with _io held.
-        if self._conn is not None and not self._conn.closed:
-            return self._conn
+        if self._conn is not None:
+            if not self._conn.closed:
+                return self._conn
+            self._drop()  # broken behind our back: waiters re-check, lingering is forgotten
         try:
             conn = self._connect()
         except psycopg.Error as exc:
