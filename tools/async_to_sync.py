@@ -62,6 +62,30 @@ class Pair:
 #: Every generated module: add a line here to generate one more.
 PAIRS: list[Pair] = [
     Pair(
+        "src/idemlock/aio.py",
+        "src/idemlock/_sync.py",
+        {
+            "_tasks": "_threads",
+            "AsyncWatchdog": "Watchdog",
+            "AsyncRenewer": "Renewer",
+            "run_async": "run_sync",
+            "AsyncStore": "SyncStore",
+            "AsyncCoordinator": "Coordinator",
+            "AsyncIdempotencyPort": "IdempotencyPort",
+            "AsyncLockPort": "LockPort",
+            "AsyncFenceGate": "FenceGate",
+        },
+        docstring="The blocking API: :class:`Coordinator` and its ports.",
+        phrases=[
+            ("the asyncio API", "the blocking API"),
+            (":func:`idemlock.aio.connect`", ":func:`idemlock.connect`"),
+            (
+                "Works on\n        ``async def`` functions.",
+                "Works on\n        plain and ``async def`` functions.",
+            ),
+        ],
+    ),
+    Pair(
         "src/idemlock/compat/_ports_async.py",
         "src/idemlock/compat/_ports_sync.py",
         {

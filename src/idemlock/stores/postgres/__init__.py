@@ -214,6 +214,40 @@ def _make_pool(
     )
 
 
+def _open(
+    store_cls: Any,
+    pool_cls: Any,
+    url: str,
+    *,
+    schema: str,
+    auto_migrate: bool,
+    prepare: bool,
+    min_size: int,
+    max_size: int,
+    timeout: float | None,
+) -> Any:
+    """A store of ``store_cls`` on a pool of ``pool_cls`` of its own (opened on first
+    use, closed with the store); a forked child makes another with ``factory``."""
+    check_schema(schema)
+    _pool_options(min_size, max_size)
+    url, secs = _split_url(url, timeout)
+    health = Health()
+
+    def factory() -> Any:
+        return _make_pool(pool_cls, url, secs, min_size, max_size, health)
+
+    return store_cls(
+        factory(),
+        schema=schema,
+        prepare=prepare,
+        auto_migrate=auto_migrate,
+        owns_pool=True,
+        timeout=secs,
+        pool_factory=factory,
+        health=health,
+    )
+
+
 def open_sync(
     url: str,
     *,
@@ -225,26 +259,16 @@ def open_sync(
     timeout: float | None = None,
 ) -> tuple[PostgresStore, None]:
     """A sync store on a pool of its own (opened on first use, closed with the store)."""
-    check_schema(schema)
-    _pool_options(min_size, max_size)
-    url, secs = _split_url(url, timeout)
-    health = Health()
-
-    def factory() -> psycopg_pool.ConnectionPool[Any]:
-        pool: psycopg_pool.ConnectionPool[Any] = _make_pool(
-            psycopg_pool.ConnectionPool, url, secs, min_size, max_size, health
-        )
-        return pool
-
-    store = PostgresStore(
-        factory(),
+    store: PostgresStore = _open(
+        PostgresStore,
+        psycopg_pool.ConnectionPool,
+        url,
         schema=schema,
-        prepare=prepare,
         auto_migrate=auto_migrate,
-        owns_pool=True,
-        timeout=secs,
-        pool_factory=factory,
-        health=health,
+        prepare=prepare,
+        min_size=min_size,
+        max_size=max_size,
+        timeout=timeout,
     )
     return store, None
 
@@ -260,26 +284,16 @@ def open_async(
     timeout: float | None = None,
 ) -> tuple[AsyncPostgresStore, None]:
     """An async store on a pool of its own (opened on first use, closed with the store)."""
-    check_schema(schema)
-    _pool_options(min_size, max_size)
-    url, secs = _split_url(url, timeout)
-    health = Health()
-
-    def factory() -> psycopg_pool.AsyncConnectionPool[Any]:
-        pool: psycopg_pool.AsyncConnectionPool[Any] = _make_pool(
-            CancellableAsyncPool, url, secs, min_size, max_size, health
-        )
-        return pool
-
-    store = AsyncPostgresStore(
-        factory(),
+    store: AsyncPostgresStore = _open(
+        AsyncPostgresStore,
+        CancellableAsyncPool,
+        url,
         schema=schema,
-        prepare=prepare,
         auto_migrate=auto_migrate,
-        owns_pool=True,
-        timeout=secs,
-        pool_factory=factory,
-        health=health,
+        prepare=prepare,
+        min_size=min_size,
+        max_size=max_size,
+        timeout=timeout,
     )
     return store, None
 

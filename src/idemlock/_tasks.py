@@ -1,0 +1,357 @@
+"""What the asyncio API does its own way, with tasks: the wrapper of an ``async def``
+function (also used by the blocking Coordinator, with its store calls in threads),
+``run()`` and ``hold()`` cancelling the body's task when the claim or lease is lost,
+and leaving a hold while the caller is cancelled.
+
+:mod:`idemlock.aio` (the source of the generated :mod:`idemlock._sync`) takes these
+from here; :mod:`idemlock._threads` has the blocking versions under the same names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+from ._context import enter_claim, leave_claim
+from ._core.flows import Renewal, RenewState
+from ._core.types import Claim, Claimed, ClaimToken, Completed, Lease
+from ._decorator import WrapPlan, heartbeat_options
+from ._durations import seconds
+from ._errors import ConfigurationError, InFlightError, LockLost, LockNotAcquired, StaleClaim
+from ._logfields import port_fields
+from ._ports import Attempt, IdempotencyBase, LockBase
+from ._watchdog import AsyncWatchdog
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+log = logging.getLogger("idemlock")
+
+
+def decorator(
+    port: Any,
+    key: Callable[..., str] | None,
+    replay_errors: tuple[type[BaseException], ...],
+    wait_s: float | None,
+    every: float | None,
+    limit: float | None,
+    on_lost: Callable[[ClaimToken], object] | None,
+) -> Callable[[F], F]:
+    """``AsyncCoordinator.idempotent``'s decorator: ``async def`` functions only."""
+
+    def decorate(fn: F) -> F:
+        if not inspect.iscoroutinefunction(fn):
+            raise ConfigurationError(
+                f"{fn.__qualname__} is not an async def function; an AsyncCoordinator "
+                "wraps coroutines only (use idemlock.connect() for plain functions)"
+            )
+        plan = WrapPlan(fn, key, replay_errors)
+        return cast(F, coroutine_wrapper(fn, plan, port, wait_s, every, limit, on_lost))
+
+    return decorate
+
+
+def coroutine_wrapper(
+    fn: Callable[..., Awaitable[Any]],
+    plan: WrapPlan,
+    port: Any,
+    wait_s: float | None,
+    every: float | None,
+    limit: float | None,
+    on_lost: Callable[[ClaimToken], object] | None,
+    *,
+    threads: bool = False,
+) -> Callable[..., Awaitable[Any]]:
+    """The wrapper of an ``async def`` function: claim, run, record. ``threads``: the
+    port is a blocking one (a Coordinator's), called in worker threads so a busy store
+    never blocks the event loop, and its watchdog and renewer cancel the body from
+    their own threads."""
+
+    async def call(method: Callable[..., Any], *args: Any) -> Any:
+        if threads:
+            return await asyncio.to_thread(method, *args)
+        return await method(*args)
+
+    @functools.wraps(fn)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        claim, sent = await call(port._begin_at, plan, args, kwargs, wait_s)
+        if isinstance(claim, Completed):
+            return plan.replay(claim)
+        token = claim.token
+        loop = asyncio.get_running_loop() if threads else None
+        cancels = _OwnCancels(asyncio.current_task(), loop)
+        hb = (
+            None
+            if every is None
+            else port._heartbeat(token, sent, every, limit, on_lost, cancels.cancel)
+        )
+        mark = enter_claim(token)
+        try:
+            result = await fn(*args, **kwargs)
+        except asyncio.CancelledError as exc:
+            if hb is not None:
+                hb.stop()
+            if cancels.absorb():
+                await call(port._abandon_quietly, token)
+                raise port._lost_claim(token, hb.reason if hb else "") from None
+            await call(port._fail, plan, token, exc)
+            raise
+        except BaseException as exc:
+            if hb is not None:
+                hb.stop()
+            await call(port._fail, plan, token, exc)
+            raise
+        finally:
+            leave_claim(mark)
+        if hb is not None:
+            hb.stop()
+        await call(port._record_beat, plan, token, result, hb)
+        return result
+
+    return wrapper
+
+
+class IdempotencyRun(IdempotencyBase):
+    """``run()`` of :class:`~idemlock.aio.AsyncIdempotencyPort`."""
+
+    if TYPE_CHECKING:
+
+        async def _claim_at(
+            self, key: str, payload: Any, wait: float | None
+        ) -> tuple[Claim, float]: ...
+
+        async def complete(self, token: ClaimToken, result: Any) -> None: ...
+
+        async def _abandon_quietly(self, token: ClaimToken) -> None: ...
+
+    @asynccontextmanager
+    async def run(
+        self,
+        key: str,
+        *,
+        payload: Any = None,
+        wait: timedelta | float | None = None,
+        heartbeat: bool = True,
+        renew_every: timedelta | float | None = None,
+        max_run: timedelta | float | None = None,
+        on_lost: Callable[[ClaimToken], object] | None = None,
+        cancel_on_lost: bool = True,
+    ) -> AsyncIterator[Attempt]:
+        """Claim or replay ``key`` for an ``async with`` block (see
+        ``IdempotencyPort.run``). A claim lost while the block runs also cancels the
+        block's task (unless ``cancel_on_lost=False``); leaving then raises
+        ``ClaimLost``, recording nothing."""
+        every, limit = heartbeat_options(self, heartbeat, renew_every, max_run, on_lost)
+        wait_s = None if wait is None else self._wait_for(wait)
+        claim, sent = await self._claim_at(key, payload, wait_s)
+        if isinstance(claim, Completed):
+            yield Attempt(key, None, claim.result)
+            return
+        if not isinstance(claim, Claimed):
+            raise InFlightError(key, claim.expires_at)
+        token = claim.token
+        cancels = _OwnCancels(asyncio.current_task() if cancel_on_lost else None)
+        hb = (
+            None
+            if every is None
+            else self._heartbeat(token, sent, every, limit, on_lost, cancels.cancel)
+        )
+        attempt = Attempt(key, token)
+        mark = enter_claim(token)
+        try:
+            yield attempt
+        except asyncio.CancelledError:
+            if hb is not None:
+                hb.stop()
+            await self._abandon_quietly(token)
+            if cancels.absorb():
+                raise self._lost_claim(token, hb.reason if hb else "") from None
+            raise
+        except BaseException:
+            if hb is not None:
+                hb.stop()
+            await self._abandon_quietly(token)
+            raise
+        finally:
+            leave_claim(mark)
+        if hb is not None:
+            hb.stop()
+        try:
+            await self.complete(token, attempt.result)
+        except StaleClaim:
+            if hb is None:
+                raise
+            raise self._lost_claim(token, hb.reason) from None
+
+    def _expire_callback(self, state: RenewState) -> Callable[[], None]:
+        # On the loop (the async watchdog): report at once.
+        return lambda: state.lose(state.expired_reason())
+
+
+class LockHold(LockBase):
+    """``hold()`` of :class:`~idemlock.aio.AsyncLockPort`."""
+
+    if TYPE_CHECKING:
+
+        async def acquire(
+            self, key: str, *, owner: str | None = None, wait: timedelta | float | None = None
+        ) -> Lease | None: ...
+
+        async def release(self, lease: Lease) -> bool: ...
+
+    @asynccontextmanager
+    async def hold(
+        self,
+        key: str,
+        *,
+        wait: timedelta | float | None = None,
+        renew_every: timedelta | float | None = None,
+        max_hold: timedelta | float | None = None,
+        owner: str | None = None,
+        on_lost: Callable[[Lease], object] | None = None,
+        cancel_on_lost: bool = True,
+    ) -> AsyncIterator[Lease]:
+        """Hold the lock for an ``async with`` block, renewing it in a background task.
+
+        The lease is lost when ``lease.remaining()`` reaches zero without a confirmed
+        renewal (a timer on the loop decides, whatever a renewal in progress is doing)
+        or when the store says it is gone: ``lease.lost`` turns True, ``on_lost(lease)``
+        runs (an exception it raises is logged), the body's task is cancelled (unless
+        ``cancel_on_lost=False``) and leaving the block raises ``LockLost``. Leaving
+        waits at most the store's ``timeout`` for the release; a cancellation that
+        lands while leaving reaches the caller as ``CancelledError``."""
+        every = self._renew_every(renew_every)
+        max_hold_s = seconds(max_hold, "max_hold")
+        lease = await self.acquire(key, owner=owner, wait=wait)
+        if lease is None:
+            raise LockNotAcquired(self._not_acquired(key, wait))
+        assert lease.token is not None
+        state = self._renew_state(lease, on_lost)
+        body = asyncio.current_task()
+        cancels = _OwnCancels(body)
+        report = state.notify
+        assert report is not None
+
+        def notify() -> None:
+            report()
+            if cancel_on_lost and body is not None and not state.ended:
+                cancels.pending = True
+                body.cancel()
+
+        state.notify = notify
+        watchdog: AsyncWatchdog = self._coord._watchdog
+        entry = watchdog.watch(state.deadline(), lambda: state.lose(state.expired_reason()))
+        state.moved = lambda at: watchdog.move(entry, at)
+        # Renewed by the coordinator's one renewer (a task per loop), with every claim
+        # and lease it keeps.
+        renewal = self._renewal(lease, every, max_hold_s, state)
+        self._coord._renewer.add(renewal)
+        try:
+            yield lease
+        except asyncio.CancelledError:
+            await self._leave(state, entry, renewal, cancels)
+            if cancels.absorb():
+                raise LockLost(self._lost_message(lease, state.reason)) from None
+            raise
+        except BaseException:
+            await self._leave(state, entry, renewal, cancels)
+            raise
+        if await self._leave(state, entry, renewal, cancels):
+            raise LockLost(self._lost_message(lease, state.reason))
+
+    async def _leave(
+        self,
+        state: RenewState,
+        entry: Any,
+        renewal: Renewal,
+        cancels: _OwnCancels,
+    ) -> bool:
+        """End a hold: stop renewing, release (bounded by the store's timeout) and
+        return whether the lease was lost. A cancellation of the caller meanwhile
+        propagates; the release carries on in the background."""
+        lost = state.end(self._coord.clock.monotonic())
+        self._coord._watchdog.cancel(entry)
+        self._coord._renewer.remove(renewal)
+        assert state.lease is not None
+        finisher = asyncio.ensure_future(self._finish(state.lease))
+        _BACKGROUND.add(finisher)
+        finisher.add_done_callback(_BACKGROUND.discard)
+        while True:
+            try:
+                await asyncio.shield(finisher)
+                return lost
+            except asyncio.CancelledError:
+                if cancels.absorb():
+                    continue  # our own cancellation of the body, delivered only here
+                raise
+
+    async def _finish(self, lease: Lease) -> None:
+        bound = self._bound()
+        try:
+            await asyncio.wait_for(self._wind_down(lease), bound)
+        except asyncio.TimeoutError:
+            log.warning(
+                "leaving hold() of a lock of spec %s without its release: the store did not "
+                "answer within %gs (its timeout); the lock frees itself when its lease ends",
+                self.spec.name,
+                bound,
+                extra=port_fields(self, "release", "timeout"),
+            )
+
+    async def _wind_down(self, lease: Lease) -> None:
+        try:
+            await self.release(lease)
+        except Exception:
+            log.warning(
+                "could not release a lock of spec %s; it frees itself when its lease ends",
+                self.spec.name,
+                exc_info=True,
+                extra=port_fields(self, "release", "error"),
+            )
+
+
+#: exits still releasing after their caller was cancelled (strong references)
+_BACKGROUND: set[asyncio.Future[None]] = set()
+
+
+class _OwnCancels:
+    """Tells the body's cancellation by ``hold()`` (lease lost) from anyone else's."""
+
+    __slots__ = ("body", "loop", "pending")
+
+    def __init__(
+        self, body: asyncio.Task[Any] | None, loop: asyncio.AbstractEventLoop | None = None
+    ) -> None:
+        self.body = body
+        #: set when ``cancel`` is called from other threads (a Coordinator's watchdog or
+        #: renewer): the body is then cancelled on its loop
+        self.loop = loop
+        self.pending = False
+
+    def cancel(self, state: RenewState) -> None:
+        """Cancel the body because its claim was lost, unless it ended."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._cancel_now, state)
+        else:
+            self._cancel_now(state)
+
+    def _cancel_now(self, state: RenewState) -> None:
+        if self.body is not None and not state.ended:
+            self.pending = True
+            self.body.cancel()
+
+    def absorb(self) -> bool:
+        """A CancelledError reached the block: True if it was only ours (then it is
+        taken back, and the block raises LockLost instead)."""
+        if not self.pending:
+            return False
+        self.pending = False
+        uncancel = getattr(self.body, "uncancel", None)
+        if uncancel is None:  # Python 3.10: no count of cancellations to consult
+            return True
+        return bool(uncancel() == 0)
