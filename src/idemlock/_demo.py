@@ -32,6 +32,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from . import _attempts
 from ._errors import ConfigurationError, IdemlockError, StaleClaim
 from ._faults.queue import SqliteQueue
 from ._faults.workers import Slot, Workers, context, redirect
@@ -190,7 +191,7 @@ def worker_main(cfg: WorkerConfig) -> int:
             step()
             _effect(fx, job, cfg.worker, claim.fence, keyed=cfg.keyed)
         except BaseException:
-            port._abandon_quietly(claim.token)
+            _attempts.abandon_quietly(port, claim.token)
             raise
         outcome = "ran"
         try:

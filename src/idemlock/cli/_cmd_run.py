@@ -10,6 +10,7 @@ import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from .. import _attempts as attempts
 from .._errors import (
     LockLost,
     LockNotAcquired,
@@ -197,7 +198,7 @@ def _run_once(args: argparse.Namespace, cmd: list[str]) -> int:
     with _connect(args) as coord:
         port = coord.idempotency(spec)
         try:
-            claim, sent = port._claim_at(key, payload, wait or None)
+            claim, sent = attempts.begin(port, key, payload, wait or None)
         except PayloadMismatch:
             _say(
                 f"key {key!r} was already used to run a different command; use another "
@@ -234,7 +235,9 @@ def _run_once(args: argparse.Namespace, cmd: list[str]) -> int:
             child.terminate()
 
         # Heartbeats: the claim is renewed while CMD runs, on the coordinator's renewer.
-        beat = port._heartbeat(token, sent, port._heartbeat_every(None), None, on_lost)
+        beat = attempts.keep_alive(
+            port, token, sent, attempts.heartbeat_every(port, None), None, on_lost
+        )
         started_wall = datetime.now(timezone.utc)
         started = time.monotonic()
         try:
@@ -242,12 +245,12 @@ def _run_once(args: argparse.Namespace, cmd: list[str]) -> int:
                 status = child.run()
         except BaseException:
             beat.stop()
-            port._abandon_quietly(token)
+            attempts.abandon_quietly(port, token)
             raise
         if beat.stop() and (child.terminated or child.proc is None):
             # CMD did not finish on its own: nothing to record. Free KEY if this claim
             # still holds it (a retry runs CMD again; another run may hold it already).
-            port._abandon_quietly(token)
+            attempts.abandon_quietly(port, token)
             _say(
                 f"error: lost the claim on {key!r} while CMD ran ({beat.reason}); another "
                 f"run may have started it, nothing was recorded; {child.outcome()} "

@@ -158,6 +158,7 @@ from typing import Any, ClassVar
 from celery import Task, current_task  # type: ignore[import-untyped]
 from celery.exceptions import Reject, Retry, TaskPredicate  # type: ignore[import-untyped]
 
+from .. import _attempts as attempts
 from .._context import enter_claim, leave_claim
 from .._core.types import ClaimToken, Completed, IdempotencySpec
 from .._decorator import WrapPlan
@@ -373,9 +374,9 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
             state = self._idemlock()
             plan = state.plan
             port = self._idemlock_port(state, None)
-            every = port._heartbeat_every(self.idemlock_renew_every)
-            wait = port._wait_for(None) if self.idemlock_on_in_flight == "wait" else None
-            claim, sent = port._begin_at(plan, args, kwargs, wait)
+            every = attempts.heartbeat_every(port, self.idemlock_renew_every)
+            wait = attempts.default_wait(port) if self.idemlock_on_in_flight == "wait" else None
+            claim, sent = attempts.begin_call(port, plan, args, kwargs, wait)
         except InFlightError as exc:
             raise self._idemlock_in_flight(exc) from None
         except _STORE_ERRORS as exc:
@@ -392,7 +393,7 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
         request.idemlock_replayed = False
         beat = None
         if self.idemlock_heartbeat:
-            beat = port._heartbeat(token, sent, every, self._idemlock_max_run(), None)
+            beat = attempts.keep_alive(port, token, sent, every, self._idemlock_max_run())
         mark = enter_claim(token)  # current_claim() in the body, with its ``lost`` flag
         try:
             try:
@@ -403,13 +404,15 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
                     beat.stop()
         except TaskPredicate:
             # Retry/Reject/Ignore are control flow, never an outcome to replay.
-            port._abandon_quietly(token)
+            attempts.abandon_quietly(port, token)
             raise
         except BaseException as exc:
-            self._idemlock_settle(state, port, token, started, beat, port._fail, plan, token, exc)
+            self._idemlock_settle(
+                state, port, token, started, beat, attempts.fail, port, plan, token, exc
+            )
             raise
         self._idemlock_settle(
-            state, port, token, started, beat, port._record_beat, plan, token, result, beat
+            state, port, token, started, beat, attempts.record, port, plan, token, result, beat
         )
         return result
 

@@ -51,6 +51,7 @@ from psycopg import sql
 from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 
+from ..._attempts import completion, stale
 from ..._core.types import ClaimToken
 from ..._errors import ConfigurationError, FencedOut
 
@@ -434,17 +435,13 @@ def _completion(
     exactly as ``port.complete`` would."""
     from ._store import _Base
 
-    store = port._store
+    store, args = completion(port, token, result)
     if not isinstance(store, _Base):
         raise ConfigurationError(
             f"complete_in_transaction needs a port on a PostgreSQL store, not on the "
             f"{getattr(store, 'kind', type(store).__name__)} store"
         )
-    # The port's own argument building and encoding (keyring, sealing, result format),
-    # exactly as port.complete would do them.
-    ns, key, tok = port._token_args(token)
-    data = port._encode(token.key, result)
-    return store, (ns, key, tok, data, port._ttl_ms)
+    return store, args
 
 
 def _needs_transaction(autocommit: bool, status: TransactionStatus) -> None:
@@ -470,7 +467,7 @@ def complete_in_transaction(
     _needs_transaction(conn.autocommit, conn.info.transaction_status)
     store, args = _completion(port, token, result)
     if not store.complete_in(conn, *args):
-        raise port._stale(token, "complete")
+        raise stale(port, token, "complete")
 
 
 async def acomplete_in_transaction(
@@ -483,4 +480,4 @@ async def acomplete_in_transaction(
     _needs_transaction(conn.autocommit, conn.info.transaction_status)
     store, args = _completion(port, token, result)
     if not await store.acomplete_in(conn, *args):
-        raise port._stale(token, "complete")
+        raise stale(port, token, "complete")
