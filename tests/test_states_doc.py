@@ -72,3 +72,15 @@ def test_every_operation_answers_in_every_state() -> None:
 def test_row_ids_are_unique_and_replies_named_once() -> None:
     assert len(T.BY_ID) == len(T.ROWS)
     assert set(T.REPLIES) == {r.reply.name for r in T.ROWS if r.reply is not None}
+
+
+def test_lua_answers_with_the_table_codes_only() -> None:
+    # Reply codes are interpolated from the table: no script answers a bare number.
+    import re
+
+    from idemlock.stores.redis import _lua
+
+    scripts = {n: v for n, v in vars(_lua).items() if n.isupper() and not n.startswith("_")}
+    assert len(scripts) > 10
+    for name, text in scripts.items():
+        assert not re.search(r"return \{?-?\d", text), name
