@@ -284,7 +284,6 @@ class LockBase(Emitter):
                 f"cannot {what} the lease on {lease.key!r}: it was already released; "
                 "acquire the lock again"
             )
-        assert lease.token is not None
         return (self._ns, lease.key, lease.owner, lease.token)
 
     def _check_lease_object(self, lease: Lease) -> None:
@@ -302,7 +301,6 @@ class LockBase(Emitter):
         self._check_lease_object(lease)
         if lease._released:
             return None
-        assert lease.token is not None
         return (self._ns, lease.key, lease.owner, lease.token)
 
     def _renew_ttl(self, ttl: timedelta | float | None) -> int:
@@ -376,7 +374,6 @@ class LockBase(Emitter):
         self, lease: Lease, every: float, max_hold: float | None, state: RenewState
     ) -> Renewal:
         """What the coordinator's renewer keeps alive for a ``hold()`` block."""
-        assert lease.token is not None
         until = None if max_hold is None else self._coord.clock.monotonic() + max_hold
         return Renewal(
             "lock",

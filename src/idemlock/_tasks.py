@@ -230,7 +230,6 @@ class LockHold(LockBase):
         lease = await self.acquire(key, owner=owner, wait=wait)
         if lease is None:
             raise LockNotAcquired(self._not_acquired(key, wait))
-        assert lease.token is not None
         state = self._renew_state(lease, on_lost)
         body = asyncio.current_task()
         cancels = _OwnCancels(body)

@@ -52,12 +52,13 @@ class IdempotencySpec:
     code. ``ttl`` is how long a completed result is remembered and replayed.
     ``lease`` is how long after a crash an unfinished claim frees itself: the
     decorator, ``port.run()`` and the integrations renew it (heartbeats) while the
-    work runs, so it need not be longer than the operation takes.
+    work runs, so it need not be longer than the operation takes. Both are a
+    ``timedelta`` or a number of seconds (``ttl=3600`` is one hour).
     """
 
     name: str
-    ttl: timedelta = timedelta(hours=24)
-    lease: timedelta = timedelta(seconds=30)
+    ttl: timedelta | float = timedelta(hours=24)
+    lease: timedelta | float = timedelta(seconds=30)
     encrypt_result: bool = False
 
     def __post_init__(self) -> None:
@@ -69,11 +70,12 @@ class IdempotencySpec:
 
 @dataclass(frozen=True)
 class LockSpec:
-    """How one family of locks behaves. ``ttl`` is the lease length; a holder that
-    neither renews nor releases loses the lock after it."""
+    """How one family of locks behaves. ``ttl`` is the lease length (a ``timedelta``
+    or a number of seconds); a holder that neither renews nor releases loses the lock
+    after it."""
 
     name: str
-    ttl: timedelta = timedelta(seconds=30)
+    ttl: timedelta | float = timedelta(seconds=30)
     requires_fencing_token: bool = False
 
     def __post_init__(self) -> None:
@@ -177,7 +179,7 @@ class Lease:
 
     key: str
     owner: str
-    token: int | None
+    token: int
     expires_at: datetime
     spec: str = ""
     lost: bool = False
