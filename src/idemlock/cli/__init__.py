@@ -8,6 +8,7 @@ Commands::
     idemlock forget KEY [--spec NAME] [--tenant T]
     idemlock keys [--spec NAME] [--tenant T] [--json]
     idemlock locks [--spec NAME] [--tenant T] [--json]
+    idemlock unlock KEY --force [--token N] [--spec NAME] [--tenant T]
     idemlock purge                         idemlock migrate
     idemlock demo [--jobs 200] [--workers 4] [--seed N]
 
@@ -18,7 +19,8 @@ Exit statuses
 -------------
 ======  ==========================================================================
 0       success; ``run``: CMD exited 0, or ``--once`` KEY already ran (skipped)
-1       ``status``: KEY has no live record
+1       ``status``: KEY has no live record; ``unlock``: the lock was not held (or not
+        with ``--token N``)
 2       usage error: bad arguments, a bad duration, an invalid key
 65      ``run --once``: KEY was already used with a different command (EX_DATAERR)
 69      the store is unavailable: unreachable, locked, corrupt (EX_UNAVAILABLE)
@@ -58,7 +60,7 @@ from .._errors import (
     StaleClaim,
     StoreUnavailable,
 )
-from . import _cmd_demo, _cmd_records, _cmd_run
+from . import _cmd_demo, _cmd_records, _cmd_run, _cmd_unlock
 from ._common import (
     _SECRETS,
     EX_CONFIG,
@@ -111,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=formatter,
         )
 
-    for module in (_cmd_run, _cmd_records, _cmd_demo):
+    for module in (_cmd_run, _cmd_records, _cmd_unlock, _cmd_demo):
         module.add_commands(add)
     return parser
 

@@ -34,7 +34,19 @@ def add_commands(add: AddCommand) -> None:
     status.add_argument("--json", action="store_true", help="print JSON")
     status.set_defaults(handler=cmd_status)
 
-    forget = add("forget", "delete the record of an idempotency key (a retry runs again)")
+    forget = add(
+        "forget",
+        "delete the record of an idempotency key (a retry runs again)",
+        "Delete the record of an idempotency key whatever its state: a completed one (its\n"
+        "next run runs again) or a stuck in-flight claim (a worker that hangs).\n\n"
+        "What it does to fences: the key's fence counter is kept, so the next claim of\n"
+        "the key gets a higher fence than the forgotten one. The old attempt's complete\n"
+        "and abandon are refused (its claim is gone), its heartbeat fails so it learns\n"
+        "it lost the claim, and wherever the new attempt writes through a fence gate its\n"
+        "late writes are refused. Nothing stops a forgotten attempt that is still\n"
+        "running from doing work that is not fenced: forget a claim only when its\n"
+        "worker is gone or stuck.",
+    )
     forget.add_argument("key", metavar="KEY")
     forget.add_argument("--spec", default=ONCE_SPEC, help=f"spec name ({ONCE_SPEC})")
     tenant_option(forget, "the tenant whose record it is (as listed by `keys`)")

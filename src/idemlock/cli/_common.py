@@ -32,7 +32,7 @@ EX_NOT_FOUND = 127
 #: (status, meaning): the table printed in ``--help`` and copied to the README.
 EXIT_STATUSES: list[tuple[str, str]] = [
     ("0", "success; run: CMD exited 0, or --once KEY already ran (skipped)"),
-    ("1", "status: KEY has no live record"),
+    ("1", "status: KEY has no live record; unlock: the lock was not held"),
     ("2", "usage error: bad arguments, a bad duration, an invalid key"),
     ("65", "run --once: KEY was already used with a different command"),
     ("69", "the store is unavailable (unreachable, locked, corrupt)"),
