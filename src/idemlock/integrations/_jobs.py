@@ -24,6 +24,7 @@ from .._context import current_claim
 from .._core.types import IdempotencySpec, LockSpec
 from .._decorator import WrapPlan
 from .._errors import ConfigurationError, InFlightError, StoreFull, StoreUnavailable
+from .._logfields import fields as log_fields
 from .._sync import Coordinator
 
 log = logging.getLogger("idemlock.jobs")
@@ -217,6 +218,7 @@ class JobGuard:
             what,
             exc,
             delay,
+            extra=log_fields(spec=spec_name(self.spec), operation="claim", outcome="error"),
         )
         return Later(delay, f"idempotency store unavailable: {exc}; again in {delay}s", exc)
 
@@ -278,7 +280,13 @@ class JobGuard:
                 port.release(held)
         except STORE_ERRORS as exc:
             # It ends with its lease: a duplicate is refused until then at worst.
-            log.warning("could not release the send lease of %r (%s)", key, exc)
+            log.warning(
+                "could not release a send lease (%s)",
+                exc,
+                extra=log_fields(
+                    spec=spec_name(self.spec), operation="release", outcome="error", kind="lock"
+                ),
+            )
 
     async def areserve_send(self, coord: Any, key: str, owner: str, lease: float) -> bool:
         """:meth:`reserve_send` on an AsyncCoordinator."""
@@ -296,7 +304,13 @@ class JobGuard:
             if held is not None:
                 await port.release(held)
         except STORE_ERRORS as exc:
-            log.warning("could not release the send lease of %r (%s)", key, exc)
+            log.warning(
+                "could not release a send lease (%s)",
+                exc,
+                extra=log_fields(
+                    spec=spec_name(self.spec), operation="release", outcome="error", kind="lock"
+                ),
+            )
 
 
 _CTX: contextvars.ContextVar[Any] = contextvars.ContextVar("idemlock_job_ctx", default=None)

@@ -170,6 +170,8 @@ from .._errors import (
     StoreFull,
     StoreUnavailable,
 )
+from .._logfields import fields as log_fields
+from .._logfields import port_fields
 from .._ports import Heartbeat
 from .._sync import Coordinator, IdempotencyPort
 
@@ -385,7 +387,12 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
         request = self.request
         if isinstance(claim, Completed):
             request.idemlock_replayed = True
-            log.debug("task %s[%s] replays the recorded result", self.name, request.id)
+            log.debug(
+                "task %s[%s] replays the recorded result",
+                self.name,
+                request.id,
+                extra=port_fields(port, "claim", "replayed"),
+            )
             return plan.replay(claim)
         token = claim.token
         request.idemlock_key = token.key
@@ -458,13 +465,13 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
                     left = min(left, started + hard - bound - time.monotonic())
                 if left <= pause:
                     log.error(
-                        "task %s[%s] ran, but its outcome for key %r could not be recorded "
-                        "before its claim's lease ends (%s): the key stays reserved until "
-                        "then, and a later retry runs it again",
+                        "task %s[%s] ran, but its outcome could not be recorded before its "
+                        "claim's lease ends (%s): the key stays reserved until then, and a "
+                        "later retry runs it again",
                         self.name,
                         self.request.id,
-                        token.key,
                         exc,
+                        extra=port_fields(port, "complete", "error"),
                     )
                     raise StoreUnavailable(
                         f"task {self.name} ran, but its outcome for idempotency key "
@@ -474,13 +481,13 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
                         "(self.request.idemlock_fence)"
                     ) from exc
                 log.warning(
-                    "task %s[%s]: could not record the outcome for key %r (%s); trying "
-                    "again in %.2fs while the claim's lease lasts",
+                    "task %s[%s]: could not record the outcome (%s); trying again in "
+                    "%.2fs while the claim's lease lasts",
                     self.name,
                     self.request.id,
-                    token.key,
                     exc,
                     pause,
+                    extra=port_fields(port, "complete", "error"),
                 )
                 time.sleep(pause)
                 pause = min(pause * 2, _RECORD_RETRY_MAX)
@@ -509,6 +516,9 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
             exc,
             countdown,
             tries + 1,
+            extra=log_fields(
+                spec=_spec_name(self.idemlock_spec), operation="claim", outcome="error"
+            ),
         )
         why = f"idempotency store unavailable: {exc}; retrying in {countdown}s"
         return self._idemlock_resend(exc, countdown, why, headers=headers)
@@ -570,3 +580,7 @@ def _store_tries(request: Any, headers: dict[str, Any]) -> int:
         return max(0, int(value or 0))
     except (TypeError, ValueError):
         return 0
+
+
+def _spec_name(spec: IdempotencySpec | str | None) -> str | None:
+    return spec.name if isinstance(spec, IdempotencySpec) else spec
