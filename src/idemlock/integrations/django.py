@@ -252,7 +252,11 @@ def _atomic(
         core.abandon(run)
         if isinstance(failed.cause, StaleClaim):
             return _answer(core.core.problems.in_flight())
-        log.warning("recording in the transaction failed; answering 503: %r", failed.cause)
+        log.warning(
+            "recording in the transaction failed; answering 503: %r",
+            failed.cause,
+            extra=core.core._fields("complete", "error"),
+        )
         return _answer(core.core.problems.unavailable())
     except BaseException:
         if run.settled:
