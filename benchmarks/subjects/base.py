@@ -30,14 +30,9 @@ from idemlock import Claimed
 # Powertools warns on every call outside Lambda that it cannot tell the time left (no
 # Lambda context); its Redis layer's class is marked deprecated in favour of an alias.
 warnings.filterwarnings("ignore", message="Couldn't determine the remaining time")
-
-
 warnings.filterwarnings("ignore", message="RedisCachePersistenceLayer will be removed")
 
-
 RESULT_BYTES = b"J" + b"x" * 40  # what the raw baselines store as a result
-
-
 LEASE_MS, TTL_MS = 300_000, 3_600_000
 
 
@@ -66,8 +61,15 @@ def ours_claim_pairs(coord: idemlock.Coordinator) -> Callable[[int], None]:
     return run
 
 
-def ours_job(coord: idemlock.Coordinator) -> Callable[[int], None]:
+def ours_job(coord: idemlock.Coordinator, write: Callable[[str, int], Any] | None = None) -> SyncFn:
+    """The crash-safe job: claim, ``write(key, fence)`` (by default through the store's
+    fence gate), complete."""
     port = coord.idempotency(SPEC)
+
+    def gate(key: str, fence: int) -> None:
+        coord.fence(f"out:{key}").set_if_fresh(fence, f"out:{key}", b"done")
+
+    effect = write or gate
 
     def run(count: int) -> None:
         tag = uuid.uuid4().hex[:6]
@@ -75,8 +77,31 @@ def ours_job(coord: idemlock.Coordinator) -> Callable[[int], None]:
             key = f"{tag}-{i}"
             claim = port.claim(key)
             assert isinstance(claim, Claimed)
-            coord.fence(f"out:{key}").set_if_fresh(claim.fence, f"out:{key}", b"done")
+            effect(key, claim.fence)
             port.complete(claim.token, RESULT)
+
+    return run
+
+
+def ours_ajob(
+    coord: idemlock.aio.AsyncCoordinator, write: Callable[[str, int], Awaitable[Any]] | None = None
+) -> Callable[[int], Awaitable[None]]:
+    """The same job on the asyncio API (1 task)."""
+    port = coord.idempotency(SPEC)
+
+    async def gate(key: str, fence: int) -> None:
+        await coord.fence(f"out:{key}").set_if_fresh(fence, f"out:{key}", b"done")
+
+    effect = write or gate
+
+    async def run(count: int) -> None:
+        tag = uuid.uuid4().hex[:6]
+        for i in range(count):
+            key = f"{tag}-{i}"
+            claim = await port.claim(key)
+            assert isinstance(claim, Claimed)
+            await effect(key, claim.fence)
+            await port.complete(claim.token, RESULT)
 
     return run
 

@@ -14,9 +14,7 @@ from common import (
     OURS,
     OURS_AIO,
     OURS_PORT,
-    RESULT,
     SCALE,
-    SPEC,
     Make,
     Results,
     SyncFn,
@@ -25,14 +23,16 @@ from common import (
 
 import idemlock
 import idemlock.aio
-from idemlock import Claimed, FencedOut
+from idemlock import FencedOut
 from subjects.base import (
     RESULT_BYTES,
     aio_claim,
     aio_lock,
     new_loop,
     on_loop,
+    ours_ajob,
     ours_claim_pairs,
+    ours_job,
     ours_lock_pairs,
     port_claim_pairs,
     port_lock_pairs,
@@ -93,6 +93,9 @@ class MemoryRaw:
                 raise FencedOut(key, fence, cur[0])
             self.effects[key] = (fence, value)
 
+    async def afenced_write(self, key: str, fence: int) -> None:
+        self.fenced_write(key, fence, "done")
+
     def claim_pairs(self, count: int, t: int = 0) -> None:
         tag = uuid.uuid4().hex[:6]
         for i in range(count):
@@ -121,36 +124,6 @@ class MemoryRaw:
 
     async def alock(self, t: int, count: int) -> None:
         self.lock_pairs(count, t)
-
-
-def memory_job(coord: idemlock.Coordinator, effects: MemoryRaw) -> SyncFn:
-    port = coord.idempotency(SPEC)
-
-    def run(count: int) -> None:
-        tag = uuid.uuid4().hex[:6]
-        for i in range(count):
-            key = f"{tag}-{i}"
-            claim = port.claim(key)
-            assert isinstance(claim, Claimed)
-            effects.fenced_write(key, claim.fence, "done")
-            port.complete(claim.token, RESULT)
-
-    return run
-
-
-def memory_ajob(coord: idemlock.aio.AsyncCoordinator, effects: MemoryRaw) -> Any:
-    port = coord.idempotency(SPEC)
-
-    async def run(count: int) -> None:
-        tag = uuid.uuid4().hex[:6]
-        for i in range(count):
-            key = f"{tag}-{i}"
-            claim = await port.claim(key)
-            assert isinstance(claim, Claimed)
-            effects.fenced_write(key, claim.fence, "done")
-            await port.complete(claim.token, RESULT)
-
-    return run
 
 
 class MemoryBench:
@@ -204,6 +177,6 @@ class MemoryBench:
         effects = MemoryRaw()
         return {
             BASE: raw.jobs,
-            OURS: memory_job(coord, effects),
-            OURS_AIO: on_loop(loop, memory_ajob(acoord, effects)),
+            OURS: ours_job(coord, lambda key, fence: effects.fenced_write(key, fence, "done")),
+            OURS_AIO: on_loop(loop, ours_ajob(acoord, effects.afenced_write)),
         }

@@ -47,6 +47,7 @@ from subjects.base import (
     ik_job,
     new_loop,
     on_loop,
+    ours_ajob,
     ours_claim_pairs,
     ours_lock_pairs,
     port_claim_pairs,
@@ -230,22 +231,6 @@ def pg_job(coord: idemlock.Coordinator, conn: psycopg.Connection[Any], same_tx: 
     return run
 
 
-def pg_ajob(coord: idemlock.aio.AsyncCoordinator, conn: psycopg.AsyncConnection[Any]) -> Any:
-    port = coord.idempotency(SPEC)
-
-    async def run(count: int) -> None:
-        tag = uuid.uuid4().hex[:8]
-        for i in range(count):
-            key = f"{tag}-{i}"
-            claim = await port.claim(key)
-            assert isinstance(claim, Claimed)
-            values = {"key": key, "value": "done"}
-            await PF.afenced_upsert(conn, "bench_effects", values, ["key"], claim.fence)
-            await port.complete(claim.token, RESULT)
-
-    return run
-
-
 class PgPoolRaw:
     """The asyncio baseline for many tasks: raw statements through a pool of the size
     idemlock's own pool has (10), one checkout per statement as the store does."""
@@ -380,7 +365,15 @@ class PgBench:
             BASE: pg_raw_job(self._conn(t, stack)),
             OURS: pg_job(coord, self._conn(t, stack), same_tx=False),
             OURS_TX: pg_job(coord, self._conn(t, stack), same_tx=True),
-            OURS_AIO: on_loop(loop, pg_ajob(acoord, aconn)),
+            OURS_AIO: on_loop(
+                loop,
+                ours_ajob(
+                    acoord,
+                    lambda key, fence: PF.afenced_upsert(
+                        aconn, "bench_effects", {"key": key, "value": "done"}, ["key"], fence
+                    ),
+                ),
+            ),
         }
 
         def build_ik() -> SyncFn:

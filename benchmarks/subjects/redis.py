@@ -27,9 +27,7 @@ from common import (
     OURS_W,
     PRL,
     PT,
-    RESULT,
     RPY,
-    SPEC,
     UNC,
     Make,
     Results,
@@ -41,7 +39,6 @@ from common import (
 
 import idemlock
 import idemlock.aio
-from idemlock import Claimed
 from idemlock.stores.redis import _common as C
 from subjects.base import (
     LEASE_MS,
@@ -54,6 +51,7 @@ from subjects.base import (
     ik_job,
     new_loop,
     on_loop,
+    ours_ajob,
     ours_claim_pairs,
     ours_job,
     ours_job_together,
@@ -166,21 +164,6 @@ def redis_raw_job(raw: Raw) -> SyncFn:
             r.evalsha(C.FENCE_SET.sha, 2, gate, out.encode(), str(fence), b"done")
             r.evalsha(C.COMPLETE.sha, 1, n.claim, tok, RESULT_BYTES, TTL_MS,
                       n.claim_channel, C.nonce())  # fmt: skip
-
-    return run
-
-
-def redis_ajob(coord: idemlock.aio.AsyncCoordinator) -> Any:
-    port = coord.idempotency(SPEC)
-
-    async def run(count: int) -> None:
-        tag = uuid.uuid4().hex[:6]
-        for i in range(count):
-            key = f"{tag}-{i}"
-            claim = await port.claim(key)
-            assert isinstance(claim, Claimed)
-            await coord.fence(f"out:{key}").set_if_fresh(claim.fence, f"out:{key}", b"done")
-            await port.complete(claim.token, RESULT)
 
     return run
 
@@ -316,7 +299,7 @@ class RedisBench:
         fns: dict[str, SyncFn] = {
             BASE: redis_raw_job(Raw(r)),
             OURS: ours_job(coord),
-            OURS_AIO: on_loop(loop, redis_ajob(acoord)),
+            OURS_AIO: on_loop(loop, ours_ajob(acoord)),
         }
 
         def build_ik() -> SyncFn:

@@ -20,9 +20,7 @@ from common import (
     OURS,
     OURS_AIO,
     OURS_PORT,
-    RESULT,
     SCALE,
-    SPEC,
     Make,
     Results,
     SyncFn,
@@ -32,7 +30,7 @@ from common import (
 
 import idemlock
 import idemlock.aio
-from idemlock import Claimed, FencedOut
+from idemlock import FencedOut
 from idemlock.stores.sqlite import _SCHEMA
 from subjects.base import (
     LEASE_MS,
@@ -41,7 +39,9 @@ from subjects.base import (
     count_sqlite_transactions,
     new_loop,
     on_loop,
+    ours_ajob,
     ours_claim_pairs,
+    ours_job,
     ours_lock_pairs,
     port_claim_pairs,
     port_lock_pairs,
@@ -153,32 +153,6 @@ def sqlite_raw_job(cur: sqlite3.Cursor, effects: sqlite3.Cursor) -> SyncFn:
             cur.execute("BEGIN IMMEDIATE")
             cur.execute(SQ_COMPLETE, (SQ_RESULT, now + SQ_TTL_MS, SQ_NS, key))
             cur.execute("COMMIT")
-
-    return run
-
-
-def sqlite_job(coord: idemlock.Coordinator, effects: sqlite3.Cursor) -> SyncFn:
-    port = coord.idempotency(SPEC)
-
-    def run(count: int) -> None:
-        for key in sq_fresh_keys(count):
-            claim = port.claim(key)
-            assert isinstance(claim, Claimed)
-            sqlite_fenced_write(effects, key, claim.fence)
-            port.complete(claim.token, RESULT)
-
-    return run
-
-
-def sqlite_ajob(coord: idemlock.aio.AsyncCoordinator, effects: sqlite3.Cursor) -> Any:
-    port = coord.idempotency(SPEC)
-
-    async def run(count: int) -> None:
-        for key in sq_fresh_keys(count):
-            claim = await port.claim(key)
-            assert isinstance(claim, Claimed)
-            await asyncio.to_thread(sqlite_fenced_write, effects, key, claim.fence)
-            await port.complete(claim.token, RESULT)
 
     return run
 
@@ -301,12 +275,16 @@ class SqliteBench:
         stack.callback(coord.close)
         effects = sqlite_effects(path)
         stack.callback(effects.connection.close)
-        fns[OURS] = sqlite_job(coord, effects)
+        fns[OURS] = ours_job(coord, lambda key, fence: sqlite_fenced_write(effects, key, fence))
         path = self._file()
         loop = new_loop(stack)
         acoord = idemlock.aio.connect(f"sqlite:///{path}", key_prefix=new_prefix())
         stack.callback(lambda: loop.run_until_complete(acoord.close()))
         effects = sqlite_effects(path)
         stack.callback(effects.connection.close)
-        fns[OURS_AIO] = on_loop(loop, sqlite_ajob(acoord, effects))
+
+        async def awrite(key: str, fence: int) -> None:
+            await asyncio.to_thread(sqlite_fenced_write, effects, key, fence)
+
+        fns[OURS_AIO] = on_loop(loop, ours_ajob(acoord, awrite))
         return fns
