@@ -25,6 +25,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from ..._errors import StoreUnavailable
+from ..._logfields import fields as log_fields
 from . import _conf
 from ._ops import Rpc
 from ._pb.etcdserverpb import rpc_pb2 as _rpc_pb2
@@ -289,7 +290,11 @@ class _Watch:
             except Exception:
                 # The watch is only a hint: waiters re-check the store, so a broken
                 # stream is logged and opened again on the next member.
-                log.debug("etcd watch stream ended; reconnecting", exc_info=True)
+                log.debug(
+                    "etcd watch stream ended; reconnecting",
+                    exc_info=True,
+                    extra=log_fields(store="etcd", operation="watch", outcome="reconnect"),
+                )
             self.created.clear()
             self._fire()  # something may have been missed: waiters re-check
             if self.closed:

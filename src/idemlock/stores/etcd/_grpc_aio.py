@@ -18,6 +18,7 @@ import grpc.aio
 
 from ..._core.port import Channel
 from ..._errors import IdemlockError, StoreUnavailable
+from ..._logfields import fields as log_fields
 from . import _conf
 from ._grpc_sync import _STORES, CHANNEL_OPTIONS, INHERITED, _track_fork, leave_rpc, watch_range
 from ._ops import WRITES, Op, Ops, Rpc, Waiter
@@ -433,6 +434,7 @@ class _AsyncRunner:
                 "idemlock: could not undo a cancelled etcd call; what it took frees "
                 "itself when its lease ends",
                 exc_info=task.exception(),
+                extra=log_fields(store="etcd", operation="undo", outcome="error"),
             )
 
     async def subscribe(self, channel: Channel) -> Any:

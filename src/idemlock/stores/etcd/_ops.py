@@ -33,6 +33,7 @@ from ..._core.port import (
     Mismatch,
     RecordRow,
 )
+from ..._logfields import fields as log_fields
 from . import _codec as K
 from ._pb.etcdserverpb import rpc_pb2 as _rpc_pb2
 
@@ -581,10 +582,20 @@ def _record_row(ns: str, key: str, rec: Any, marker: Any) -> RecordRow | None:
 
 
 def _corrupt_record(raw: bytes, why: str, ns: str = "", key: str = "") -> RecordRow:
-    log.warning("idemlock: etcd key %r is not an idemlock record (%s); listed as corrupt", raw, why)
+    log.warning(
+        "idemlock: etcd key %r is not an idemlock record (%s); listed as corrupt",
+        raw,
+        why,
+        extra=log_fields(store="etcd", operation="list", outcome="corrupt"),
+    )
     return RecordRow(ns, key or raw.decode("utf-8", "replace"), "corrupt", 0, 0)
 
 
 def _corrupt_lock(raw: bytes, why: str, ns: str = "", key: str = "") -> LockRow:
-    log.warning("idemlock: etcd key %r is not an idemlock lock (%s); listed as corrupt", raw, why)
+    log.warning(
+        "idemlock: etcd key %r is not an idemlock lock (%s); listed as corrupt",
+        raw,
+        why,
+        extra=log_fields(store="etcd", operation="list", outcome="corrupt"),
+    )
     return LockRow(ns, key or raw.decode("utf-8", "replace"), "", 0, 0, corrupt=True)

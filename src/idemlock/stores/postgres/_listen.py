@@ -33,10 +33,12 @@ from psycopg import sql
 
 from ..._core.wakeups import Command, Wakeups
 from ..._errors import StoreUnavailable
+from ..._logfields import fields as log_fields
 from .._local import AsyncLocalSubscription, LocalSubscription
 from . import _watchdog
 
 log = logging.getLogger("idemlock")
+_LISTEN_FAILED = log_fields(store="postgres", operation="listen", outcome="error")
 
 #: longest pause between reconnection attempts while the server is away (seconds)
 RECONNECT_MAX = 1.0
@@ -228,7 +230,10 @@ class Listener:
             try:
                 delay = self._step(delay)
             except Exception:  # a bug here must not end hand-offs for good
-                log.exception("idemlock: PostgreSQL notification reader failed; restarting it")
+                log.exception(
+                    "idemlock: PostgreSQL notification reader failed; restarting it",
+                    extra=_LISTEN_FAILED,
+                )
                 with self._io:
                     self._drop()
                 time.sleep(delay)
@@ -283,10 +288,18 @@ class Listener:
                     self._deadline = due_now.deadline
                 self._perform(conn, due_now.commands)
             except (psycopg.Error, OSError) as exc:
-                log.warning("idemlock: PostgreSQL notification connection lost: %s", exc)
+                log.warning(
+                    "idemlock: PostgreSQL notification connection lost: %s",
+                    exc,
+                    extra=_LISTEN_FAILED,
+                )
                 self._drop()
             except StoreUnavailable as exc:  # an UNLISTEN failed (already dropped)
-                log.warning("idemlock: PostgreSQL notification connection lost: %s", exc)
+                log.warning(
+                    "idemlock: PostgreSQL notification connection lost: %s",
+                    exc,
+                    extra=_LISTEN_FAILED,
+                )
         return delay
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ from ..._core.port import (
     RecordRow,
 )
 from ..._errors import ConfigurationError, StoreCorrupt
+from ..._logfields import fields as log_fields
 from ._sql import RENEW_MANY, Stmt
 
 Row = tuple[Any, ...]
@@ -168,6 +169,7 @@ def _record_rows(rows: list[Row], schema: str) -> list[RecordRow]:
             schema,
             len(bad),
             shown,
+            extra=log_fields(store="postgres", operation="list", outcome="corrupt"),
         )
     return out
 

@@ -20,6 +20,7 @@ from ..._core.port import (
     Channel,
 )
 from ..._errors import StoreUnavailable
+from ..._logfields import fields as log_fields
 from . import _schema_async, _watchdog
 from ._listen import AsyncListenSubscription
 from ._shared import (
@@ -221,6 +222,7 @@ class _AsyncRunner(_Base):
                 "idemlock: a cancelled PostgreSQL %s was itself cancelled (event loop "
                 "shutting down?); if it was applied, it frees itself when its lease ends",
                 what,
+                extra=log_fields(store="postgres", operation=what, outcome="cancelled"),
             )
             return
         exc = task.exception()
@@ -242,6 +244,7 @@ class _AsyncRunner(_Base):
                 "idemlock: could not undo a cancelled PostgreSQL call; what it took frees "
                 "itself when its lease ends",
                 exc_info=task.exception(),
+                extra=log_fields(store="postgres", operation="undo", outcome="error"),
             )
 
     async def subscribe(self, channel: Channel) -> AsyncListenSubscription:

@@ -26,6 +26,7 @@ from ..._core.port import (
     RecordRow,
 )
 from ..._errors import ConfigurationError, StoreCorrupt, StoreFull, StoreUnavailable
+from ..._logfields import fields as log_fields
 from . import _lua
 
 log = logging.getLogger("idemlock")
@@ -342,6 +343,7 @@ def listing_rows(
             "(first: %r); they are listed as corrupt: delete them or use another key_prefix",
             len(bad),
             bad[0],
+            extra=log_fields(store="redis", operation="list", outcome="corrupt"),
         )
     return rows
 

@@ -20,6 +20,7 @@ from redis.exceptions import NoScriptError
 from ..._core.port import Channel
 from ..._core.wakeups import Group
 from ..._errors import ConfigurationError, StoreUnavailable
+from ..._logfields import fields as log_fields
 from . import _common as C
 from ._calls import ND
 from ._listen import AsyncListener, AsyncSubscription, bounded, cancelling
@@ -270,6 +271,7 @@ class AsyncPlumbing:
                 "idemlock: a Redis call its caller stopped waiting for failed; what it "
                 "holds frees itself when its lease ends",
                 exc_info=exc,
+                extra=log_fields(store="redis", operation="undo", outcome="error"),
             )
 
     async def _unregister(self, channel: bytes, gid: bytes) -> None:

@@ -9,6 +9,8 @@ import threading
 import weakref
 from typing import Any
 
+from ..._logfields import fields as log_fields
+
 log = logging.getLogger("idemlock")
 
 
@@ -54,6 +56,7 @@ class _ForkGate:
                 "fork() while a SQLite call was still running after %gs: the child may "
                 "find the database locked",
                 FORK_WAIT,
+                extra=log_fields(store="sqlite", operation="fork", outcome="slow"),
             )
         # The lock stays held across fork: no call can start until it is released.
 

@@ -26,6 +26,7 @@ from ..._core.port import (
 )
 from ..._core.table import ClaimRec, LockRec, apply_claim, apply_fence, apply_lock
 from ..._errors import ConfigurationError, StoreCorrupt, StoreUnavailable
+from ..._logfields import fields as log_fields
 from .._adapt import ThreadedAsyncStore
 from .._local import LocalHub, LocalSubscription
 from ._fork import GATE as _GATE
@@ -329,6 +330,7 @@ class SQLiteStore:
             table,
             len(rows),
             shown,
+            extra=log_fields(store="sqlite", operation="list", outcome="corrupt"),
         )
 
     def _claim_rec(self, row: Any, ns: str, key: str) -> ClaimRec | None:
