@@ -72,7 +72,24 @@ def _version() -> str:
         return "0+unknown"
 
 
-__version__ = _version()
+#: the installed version; read on first use (importlib.metadata costs more than the rest
+#: of ``import idemlock``)
+__version__: str
+
+#: submodules reachable as attributes without their own import; loaded on first use so
+#: that ``import idemlock`` stays free of asyncio and the optional drivers
+_LAZY_SUBMODULES = frozenset({"aio", "integrations", "stores", "compat"})
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        value = globals()["__version__"] = _version()
+        return value
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "Attempt",

@@ -3,13 +3,15 @@ on behalf of a flow."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._core.flows import Call, Sleep, Subscribe, Wait
 from ._core.port import AsyncStore, SyncStore
+
+if TYPE_CHECKING:
+    import asyncio
 
 R = TypeVar("R")
 
@@ -48,6 +50,8 @@ def run_sync(flow: Any, store: SyncStore, stop: threading.Event | None = None) -
 
 
 async def run_async(flow: Any, store: AsyncStore, stop: asyncio.Event | None = None) -> Any:
+    import asyncio  # here: `import idemlock` alone must not load asyncio
+
     subs: list[Any] = []
     try:
         req = next(flow)

@@ -13,19 +13,21 @@ watchdog fires at each local deadline, whatever a renewal in progress is doing.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import heapq
 import itertools
 import os
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._core.clock import Clock
 from ._core.flows import Renewal, renew_batch_flow
 from ._drive import run_async, run_sync
 from ._watchdog import LINGER, _cap
+
+if TYPE_CHECKING:
+    import asyncio
 
 __all__ = ["AsyncRenewer", "Renewer"]
 
@@ -147,6 +149,8 @@ class _LoopRenewer:
     """The renewer's state on one event loop: a heap and the one task that serves it."""
 
     def __init__(self, owner: AsyncRenewer) -> None:
+        import asyncio  # here: `import idemlock` alone must not load asyncio
+
         self.owner = owner
         self.heap: list[tuple[float, int, Renewal]] = []
         self.seq = itertools.count()
@@ -156,15 +160,21 @@ class _LoopRenewer:
     def add(self, r: Renewal) -> None:
         heapq.heappush(self.heap, (r.next_at, next(self.seq), r))
         if self.task is None or self.task.done():
+            import asyncio
+
             self.task = asyncio.get_running_loop().create_task(self.run(), name="idemlock-renewer")
         self.wake.set()
 
     async def _sleep(self, seconds: float) -> None:
+        import asyncio
+
         self.wake.clear()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.wake.wait(), max(0.0, seconds))
 
     async def run(self) -> None:
+        import asyncio
+
         owner = self.owner
         clock = owner._clock
         while True:
@@ -221,6 +231,8 @@ class AsyncRenewer:
         self.round_trips = 0
 
     def add(self, r: Renewal) -> None:
+        import asyncio
+
         loop = asyncio.get_running_loop()
         state = self._loops.get(loop)
         if state is None:

@@ -26,7 +26,6 @@ from ._durations import seconds
 from ._errors import InFlightError, LockLost, LockNotAcquired, StaleClaim
 from ._logfields import port_fields
 from ._ports import Attempt, IdempotencyBase, LockBase
-from ._tasks import coroutine_wrapper
 from ._watchdog import Watchdog
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -49,6 +48,9 @@ def decorator(
     def decorate(fn: F) -> F:
         plan = WrapPlan(fn, key, replay_errors)
         if inspect.iscoroutinefunction(fn):
+            # Only here: `import idemlock` alone must not load asyncio.
+            from ._tasks import coroutine_wrapper
+
             wrapped = coroutine_wrapper(fn, plan, port, wait_s, every, limit, on_lost, threads=True)
             return cast(F, wrapped)
 

@@ -17,16 +17,19 @@ every :data:`POLL` seconds.
 
 from __future__ import annotations
 
-import asyncio
 import heapq
 import itertools
 import logging
 import os
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ._core.clock import Clock, SystemClock
 from ._logfields import fields
+
+if TYPE_CHECKING:
+    import asyncio
 
 __all__ = ["AsyncWatchdog", "Entry", "Watchdog"]
 
@@ -158,6 +161,8 @@ class AsyncWatchdog:
 
     def watch(self, at: float, fire: Callable[[], None]) -> Entry:
         """Call ``fire()`` (on the current loop) once ``clock.monotonic() >= at``."""
+        import asyncio  # here: `import idemlock` alone must not load asyncio
+
         entry = Entry(at, fire)
         entry.loop = asyncio.get_running_loop()
         self._entries.add(entry)

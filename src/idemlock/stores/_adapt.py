@@ -8,7 +8,6 @@ event loop).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -145,6 +144,8 @@ class InlineAsyncStore(_AsyncFace):
 
 class ThreadedAsyncStore(_AsyncFace):
     async def _call(self, fn: Any, *args: Any) -> Any:
+        import asyncio  # here: the blocking API must not load asyncio
+
         return await asyncio.to_thread(fn, *args)
 
     # A cancelled await does not stop the worker thread: the call still happens. A
@@ -153,6 +154,8 @@ class ThreadedAsyncStore(_AsyncFace):
     # its lease ends (issue 10 item 7). The CancelledError still reaches the caller.
 
     async def _undoable(self, fn: Any, undo: Callable[[Any], None], *args: Any) -> Any:
+        import asyncio
+
         run = _Undoable(fn, undo, args)
         # Shielded: a cancellation must not drop the call from the executor's queue
         # either, or its outcome would depend on when the cancel came (a settling call

@@ -8,11 +8,14 @@ PostgreSQL stores fire.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import threading
 from collections.abc import Callable, Hashable
 from functools import partial
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import asyncio
 
 
 class LocalSubscription:
@@ -48,6 +51,8 @@ class LocalSubscription:
             return fired
 
     async def wait_async(self, timeout: float) -> bool:
+        import asyncio  # here: the blocking API must not load asyncio
+
         loop = asyncio.get_running_loop()
         with self._lock:
             if self._flag:

@@ -8,7 +8,6 @@ Waiters are woken by an in-process hub. Time comes from an injectable
 
 from __future__ import annotations
 
-import asyncio
 import math
 import threading
 from typing import Any
@@ -349,6 +348,8 @@ class MemoryAsyncStore(ThreadedAsyncStore):
     async def _call(self, fn: Any, *args: Any) -> Any:
         if not self._busy():
             return fn(*args)
+        import asyncio  # here: the blocking API must not load asyncio
+
         return await asyncio.to_thread(fn, *args)
 
     async def claim(
