@@ -381,3 +381,27 @@ def test_otel_gauges_follow_claims_and_locks() -> None:
     }
     coord.close()
     provider.shutdown()
+
+
+def test_a_break_is_counted_and_the_holders_gauge_drops_once() -> None:
+    registry = CollectorRegistry()
+    coord = idemlock.connect("memory://", hooks=[PrometheusHook(registry=registry)])
+    j = {"spec": "deploy", "store": "memory"}
+    locks = coord.lock(LockSpec("deploy", ttl=timedelta(seconds=0.3)))
+    with pytest.raises(idemlock.LockLost), locks.hold("prod") as lease:
+        assert sample(registry, "idemlock_locks_held", **j) == 1
+        # The break itself does not move the gauge (the holder may be another
+        # process); the holder's failing renewal does.
+        assert locks.break_lock("prod") is True
+        assert sample(registry, "idemlock_locks_held", **j) == 1
+        deadline = time.monotonic() + 5
+        while not lease.lost and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sample(registry, "idemlock_locks_held", **j) == 0
+    assert sample(registry, "idemlock_locks_held", **j) == 0
+    assert locks.break_lock("prod") is False
+    assert sample(registry, "idemlock_lock_breaks_total", **j, outcome="broken") == 1
+    assert sample(registry, "idemlock_lock_breaks_total", **j, outcome="not_held") == 1
+    hist = "idemlock_operation_duration_seconds_count"
+    assert sample(registry, hist, operation="break", **j) == 2
+    coord.close()
