@@ -23,6 +23,7 @@ from .._core.port import (
     RecordRow,
     SyncStore,
 )
+from .._logfields import fields as log_fields
 
 log = logging.getLogger("idemlock")
 
@@ -250,4 +251,9 @@ class _Undoable:
                 "idemlock: could not undo a cancelled call; what it took frees itself "
                 "when its lease ends",
                 exc_info=True,
+                extra=log_fields(
+                    store=getattr(getattr(self._fn, "__self__", None), "kind", None),
+                    operation="undo",
+                    outcome="error",
+                ),
             )

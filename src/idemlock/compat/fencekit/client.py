@@ -135,4 +135,11 @@ def notify(hooks: Any, name: str, *args: Any) -> None:
     except Exception:
         import logging
 
-        logging.getLogger("idemlock").warning("fencekit hook %s raised", name, exc_info=True)
+        from ..._logfields import fields
+
+        logging.getLogger("idemlock").warning(
+            "fencekit hook %s raised",
+            name,
+            exc_info=True,
+            extra=fields(operation=name, outcome="error"),
+        )
