@@ -9,17 +9,26 @@ transformer walks the ``ast`` of the source and turns it into a list of exact
 edits at node positions (never a textual pattern over the file), so comments,
 blank lines and layout survive:
 
-* ``async def`` / ``async with`` / ``async for`` lose ``async``; ``await`` goes;
+* ``async def`` / ``async with`` / ``async for`` lose ``async``; ``await`` goes
+  (with the parentheses of ``(await x)[0]``); an async comprehension is refused;
 * names are mapped by ``RENAMES`` (and a pair's own table): bare names, the last
   part of attributes, dotted names (``asyncio.sleep`` -> ``time.sleep``),
   imported names and modules, keyword names, string annotations;
-* docstrings and comments get the same word mapping plus ``DOC_PHRASES``;
+* docstrings and comments get the pair's ``phrases``, the same word mapping and
+  ``DOC_PHRASES``; a pair may give the target's module docstring;
 * a statement whose first line ends with ``# async-only`` is dropped; a comment
   line ``# sync-only: CODE`` becomes ``CODE`` (for the rare line with no twin).
 
-The result gets the header below, has its imports sorted and is formatted with
-ruff, so it passes ``ruff check`` and ``ruff format --check`` as it is written.
-The twin is parsed again and must hold no ``async``/``await`` left.
+What really differs between the two sides (threads against tasks, cancellation,
+event-loop binding) does not go through the tool: it lives in small hand-written
+modules that both sides import under the same names (``_tasks``/``_threads``,
+``_runner_async``/``_runner_sync``, ``_grpc_aio``/``_grpc_sync``), the pair's
+renames switching the import.
+
+The result gets the header below, loses the imports only an async-only statement
+used, has its imports sorted and is formatted with ruff, so it passes ``ruff check``
+and ``ruff format --check`` as written. The twin is parsed again and must hold no
+``async``/``await`` left. To generate one more module, add a line to ``PAIRS``.
 """
 
 from __future__ import annotations
