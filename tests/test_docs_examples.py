@@ -221,6 +221,15 @@ def test_example_runs(
         "etcd": lambda: request.getfixturevalue("etcd_server").url,
     }
     code = substitute(program(block), servers)
+    out, script = run_example(code, tmp_path)
+    assert out.returncode == 0, (
+        f"{block.id} failed (exit {out.returncode}):\n--- program\n{script.read_text()}"
+        f"\n--- stdout\n{out.stdout}\n--- stderr\n{out.stderr}"
+    )
+
+
+def run_example(code: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """Run one example's program in a fresh interpreter with ``tmp_path`` as its cwd."""
     named = MODULE_NAME.match(code)
     module = named["name"] if named else "__main__"
     script = tmp_path / (f"{module}.py" if named else "example.py")
@@ -237,10 +246,20 @@ def test_example_runs(
         timeout=120,
         check=False,
     )
-    assert out.returncode == 0, (
-        f"{block.id} failed (exit {out.returncode}):\n--- program\n{script.read_text()}"
-        f"\n--- stdout\n{out.stdout}\n--- stderr\n{out.stderr}"
+    return out, script
+
+
+def test_a_rotten_example_fails(tmp_path: Path) -> None:
+    # The runner reports a failing example, also one failing under top-level await,
+    # and runs a "# name.py" block as that module.
+    out, _ = run_example("import idemlock\nidemlock.connect().no_such_method()\n", tmp_path)
+    assert out.returncode != 0 and "no_such_method" in out.stderr
+    out, _ = run_example("import asyncio\nawait asyncio.sleep(0)\nraise SystemExit(3)\n", tmp_path)
+    assert out.returncode == 3
+    out, _ = run_example(
+        "# jobs.py\nimport sys\nassert __name__ == 'jobs' in sys.modules\n", tmp_path
     )
+    assert out.returncode == 0, out.stderr
 
 
 def test_not_run_blocks_are_counted() -> None:
