@@ -6,13 +6,16 @@ in the traceback. Real records from real failures (a broken hook, a failing
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import logging
+import sqlite3
 import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import httpx
 import pytest
@@ -210,3 +213,45 @@ def test_the_http_503_record_has_fields_and_no_key(captured: list[logging.LogRec
         "idemlock_outcome": "error",
         "idemlock_kind": "idempotency",
     }
+
+
+def test_a_corrupt_row_in_a_listing_is_logged_with_the_stores_fields(
+    captured: list[logging.LogRecord], tmp_path: Path
+) -> None:
+    path = tmp_path / "store.db"
+    coord = idemlock.connect(f"sqlite:///{path}")
+    assert coord.lock("nightly").acquire("report") is not None
+    with sqlite3.connect(path) as db:  # a row idemlock never writes: a text token
+        db.execute("UPDATE locks SET token = 'x'")
+    (row,) = coord.locks()
+    assert row.corrupt
+    coord.close()
+    (record,) = [r for r in captured if "corrupt" in r.getMessage()]
+    assert fields_of(record) == {
+        "idemlock_store": "sqlite",
+        "idemlock_operation": "list",
+        "idemlock_outcome": "corrupt",
+    }
+
+
+def test_every_log_call_of_the_package_passes_the_fields() -> None:
+    """The rule holds for records no test provokes: each call on an idemlock logger
+    passes ``extra=`` (the fields), checked on the source."""
+    root = Path(idemlock.__file__).parent
+    missing = []
+    for path in sorted(root.rglob("*.py")):
+        if "_pb" in path.parts:
+            continue  # generated protobuf code
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            if node.func.attr not in {"debug", "info", "warning", "error", "exception"}:
+                continue
+            target = node.func.value
+            name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+            is_idemlock_logger = name == "log" or (
+                isinstance(target, ast.Call) and ast.unparse(target).startswith("logging.getLogger")
+            )
+            if is_idemlock_logger and not any(k.arg == "extra" for k in node.keywords):
+                missing.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert missing == []
