@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._context import current_claim
 from ._core.canonical import canonicalize, fingerprint
@@ -52,10 +52,12 @@ from ._errors import (
     StoreFull,
     StoreUnavailable,
 )
-from ._keyring import Keyring
 from ._log_fallback import FallbackHandler
 from ._ports import Attempt
 from ._sync import Coordinator, FenceGate, IdempotencyPort, LockPort
+
+if TYPE_CHECKING:
+    from ._keyring import Keyring
 
 # Warnings reach stderr while the application configures no logging (uvicorn's and
 # gunicorn's defaults configure only their own loggers); silent once it does.
@@ -85,11 +87,17 @@ def __getattr__(name: str) -> Any:
     if name == "__version__":
         value = globals()["__version__"] = _version()
         return value
+    if name == "Keyring":  # hmac and base64 load with it, on first use
+        from ._keyring import Keyring
+
+        globals()["Keyring"] = Keyring
+        return Keyring
     if name in _LAZY_SUBMODULES:
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "Attempt",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._core.clock import Clock
 from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES, ResultFormat
@@ -15,7 +15,9 @@ from ._core.keys import namespace, split_namespace, validate_key
 from ._core.port import LockRow, RecordRow
 from ._core.types import IdempotencySpec, LockInfo, LockSpec, RecordStatus, from_ms
 from ._errors import ConfigurationError
-from ._keyring import Keyring
+
+if TYPE_CHECKING:
+    from ._keyring import Keyring
 
 #: the bound on one store call when a store does not say (agreement A1's default)
 DEFAULT_CALL_BOUND = 5.0

@@ -4,13 +4,15 @@ sealed (encrypted and bound to its key) when the spec says so."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._core.canonical import canonicalize, fingerprint
 from ._core.codec import RecordedError, ResultFormat
 from ._core.keys import validate_key
 from ._core.types import IdempotencySpec
-from ._keyring import Keyring
+
+if TYPE_CHECKING:
+    from ._keyring import Keyring
 
 
 class RecordSealing:

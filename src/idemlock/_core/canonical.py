@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -85,4 +84,6 @@ def canonicalize(payload: Any) -> bytes:
 
 def fingerprint(payload: Any) -> str:
     """SHA-256 (hex) of :func:`canonicalize` of ``payload``."""
+    import hashlib  # here: loading OpenSSL's hashes is a good part of `import idemlock`
+
     return hashlib.sha256(canonicalize(payload)).hexdigest()

@@ -9,16 +9,13 @@ Nothing is ever imported by name from stored data: the type comes from the code.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import enum
 import sys
 import types
 import typing
-import uuid
 from collections.abc import Callable
 from datetime import date, datetime, time
-from decimal import Decimal
 from typing import Any
 
 Loader = Callable[[Any], Any]
@@ -147,15 +144,26 @@ def _build_class(tp: type, dump: bool) -> Callable[[Any], Any]:
         if dump:
             return lambda v: _expect(v, time, tp).isoformat()
         return lambda v: time.fromisoformat(_expect(v, str, tp))
-    if tp is uuid.UUID:
-        if dump:
-            return lambda v: str(_expect(v, uuid.UUID, tp))
-        return lambda v: uuid.UUID(_expect(v, str, tp))
-    if tp is Decimal:
-        if dump:
-            return lambda v: str(_expect(v, Decimal, tp))
-        return lambda v: Decimal(_expect(v, str, tp))
+    # uuid and decimal are imported for the types that need them only (a declared
+    # UUID or Decimal has its module loaded already), so `import idemlock` stays light.
+    module = getattr(tp, "__module__", None)
+    if module == "uuid":
+        import uuid
+
+        if tp is uuid.UUID:
+            if dump:
+                return lambda v: str(_expect(v, uuid.UUID, tp))
+            return lambda v: uuid.UUID(_expect(v, str, tp))
+    if module == "decimal":
+        from decimal import Decimal
+
+        if tp is Decimal:
+            if dump:
+                return lambda v: str(_expect(v, Decimal, tp))
+            return lambda v: Decimal(_expect(v, str, tp))
     if tp in (bytes, bytearray):
+        import base64
+
         if dump:
             return lambda v: base64.b64encode(_expect(v, (bytes, bytearray), tp)).decode("ascii")
         return lambda v: tp(base64.b64decode(_expect(v, str, tp), validate=True))
