@@ -237,6 +237,9 @@ def run_example(code: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess[
     env = {k: v for k, v in os.environ.items() if not k.startswith(("IDEMLOCK_", "PYTEST_"))}
     env["XDG_STATE_HOME"] = str(tmp_path / "state")  # the default SQLite file lands here
     env["PYTHONDONTWRITEBYTECODE"] = "1"
+    # `idemlock` in an example is this interpreter's console script, as for a reader who
+    # installed the package.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     out = subprocess.run(
         [sys.executable, "-c", RUNNER, str(script), module],
         cwd=tmp_path,
