@@ -9,8 +9,9 @@ These functions are the only way such code touches a port's internals: the ports
 keep their fields private and may change them freely as long as these keep their
 meaning. They emit the same events as the public methods.
 
-Every function takes a blocking :class:`~idemlock.IdempotencyPort`, except
-:func:`completion` and :func:`stale`, which build no I/O and take either face.
+The functions that call the store take a blocking :class:`~idemlock.IdempotencyPort`
+(:func:`abegin` is :func:`begin` for an async port); the others do no I/O and take
+either face.
 """
 
 from __future__ import annotations
@@ -22,14 +23,18 @@ from typing import TYPE_CHECKING, Any
 from ._core.types import Claim, Claimed, ClaimToken, Completed
 
 if TYPE_CHECKING:
+    from ._core.clock import Clock
     from ._decorator import WrapPlan
     from ._ports import Heartbeat, IdempotencyBase
     from ._sync import IdempotencyPort
+    from .aio import AsyncIdempotencyPort
 
 __all__ = [
     "abandon_quietly",
+    "abegin",
     "begin",
     "begin_call",
+    "clock",
     "completion",
     "default_wait",
     "fail",
@@ -48,6 +53,18 @@ def begin(port: IdempotencyPort, key: str, payload: Any, wait: float | None) -> 
     return port._claim_at(key, payload, wait)
 
 
+async def abegin(
+    port: AsyncIdempotencyPort, key: str, payload: Any, wait: float | None
+) -> tuple[Claim, float]:
+    """:func:`begin` on an async port."""
+    return await port._claim_at(key, payload, wait)
+
+
+def clock(port: IdempotencyBase) -> Clock:
+    """The clock of the port's coordinator (the store's, or the one given)."""
+    return port._coord.clock
+
+
 def begin_call(
     port: IdempotencyPort, plan: WrapPlan, args: Any, kwargs: Any, wait: float | None
 ) -> tuple[Claimed | Completed, float]:
@@ -62,13 +79,13 @@ def default_wait(port: IdempotencyPort) -> float:
     return port._wait_for(None)
 
 
-def heartbeat_every(port: IdempotencyPort, renew_every: timedelta | float | None) -> float:
+def heartbeat_every(port: IdempotencyBase, renew_every: timedelta | float | None) -> float:
     """The renewal interval (a third of the lease unless given; checked against it)."""
     return port._heartbeat_every(renew_every)
 
 
 def keep_alive(
-    port: IdempotencyPort,
+    port: IdempotencyBase,
     token: ClaimToken,
     sent: float,
     every: float,

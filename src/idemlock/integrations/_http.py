@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any, Protocol, Union
 
+from .. import _attempts as attempts
 from .._core.types import Claim, Claimed, ClaimToken, Completed, IdempotencySpec, InFlight
 from .._decorator import heartbeat_options
 from .._errors import (
@@ -227,7 +228,7 @@ class AsyncPortFace:
         return self.port.spec
 
     async def claim(self, key: str, payload: Any) -> tuple[Claim, float]:
-        return await self.port._claim_at(key, payload, None)
+        return await attempts.abegin(self.port, key, payload, None)
 
     async def complete(self, token: ClaimToken, result: Any) -> None:
         await self.port.complete(token, result)
@@ -243,10 +244,10 @@ class AsyncPortFace:
         limit: float | None,
         on_lost: Callable[[ClaimToken], object],
     ) -> Heartbeat:
-        return self.port._heartbeat(token, sent, every, limit, on_lost)
+        return attempts.keep_alive(self.port, token, sent, every, limit, on_lost)
 
     def now(self) -> float:
-        return self.port._coord.clock.time()
+        return attempts.clock(self.port).time()
 
     def later(self, job: Callable[[], Coroutine[Any, Any, None]]) -> None:
         task = asyncio.get_running_loop().create_task(job())

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar, cast
 
+from .. import _attempts as attempts
 from .._core.types import Claim, ClaimToken, IdempotencySpec
 from .._errors import ConfigurationError, ResultTooLarge
 from .._ports import Heartbeat
@@ -68,7 +69,7 @@ class BlockingPortFace:
         return self.port.spec
 
     async def claim(self, key: str, payload: Any) -> tuple[Claim, float]:
-        return self.port._claim_at(key, payload, None)
+        return attempts.begin(self.port, key, payload, None)
 
     async def complete(self, token: ClaimToken, result: Any) -> None:
         conn = _TX.get()
@@ -95,10 +96,10 @@ class BlockingPortFace:
         limit: float | None,
         on_lost: Callable[[ClaimToken], object],
     ) -> Heartbeat:
-        return self.port._heartbeat(token, sent, every, limit, on_lost)
+        return attempts.keep_alive(self.port, token, sent, every, limit, on_lost)
 
     def now(self) -> float:
-        return self.port._coord.clock.time()
+        return attempts.clock(self.port).time()
 
     def later(self, job: Callable[[], Coroutine[Any, Any, None]]) -> None:
         # No event loop on a blocking server: the retry loop runs in its own thread.
