@@ -4,6 +4,7 @@ asyncio store: the batch of a renewal, Cluster slot checks and ``TIME`` replies.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
 from redis.client import NEVER_DECODE
@@ -73,3 +74,32 @@ def check_same_slot(cluster: bool, resource: str, key: str, gate: bytes, user: b
 
 
 # ---- fork ------------------------------------------------------------------------------
+
+
+# ---- pre-encoded EVALSHA -----------------------------------------------------------------
+
+
+def pack_eval(head: bytes, keys: tuple[bytes, ...], args: tuple[Any, ...]) -> bytes:
+    """The RESP bytes of ``EVALSHA sha len(keys) *keys *args``, ``head`` being the
+    script's pre-encoded ``$7 EVALSHA $40 sha`` (:func:`eval_head`). The store's
+    arguments are bytes, str or int only: anything else is a bug here, not user data."""
+    n = len(keys)
+    out = [b"*%d\r\n" % (n + len(args) + 3), head, b"$%d\r\n%d\r\n" % (len(str(n)), n)]
+    for a in (*keys, *args):
+        t = type(a)
+        if t is bytes:
+            b = a
+        elif t is int:
+            b = b"%d" % a
+        elif t is str:
+            b = a.encode("utf-8", "surrogatepass")
+        else:
+            raise TypeError(f"cannot send a {t.__name__} to Redis")
+        out.append(b"$%d\r\n%s\r\n" % (len(b), b))
+    return b"".join(out)
+
+
+@lru_cache(maxsize=64)
+def eval_head(sha: str) -> bytes:
+    """``$7 EVALSHA $40 <sha>`` in RESP, encoded once per script."""
+    return b"$7\r\nEVALSHA\r\n$40\r\n" + sha.encode() + b"\r\n"

@@ -15,14 +15,14 @@ import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from ..._core.port import Channel
 from ..._core.wakeups import Group
 from ..._errors import ConfigurationError, StoreUnavailable
 from ..._logfields import fields as log_fields
 from . import _common as C
-from ._calls import ND
+from ._calls import ND, eval_head, pack_eval
 from ._listen import AsyncListener, AsyncSubscription, bounded, cancelling
 
 _ERRORS = C.redis_errors()
@@ -32,7 +32,18 @@ class _LoopState:
     """What the store keeps per event loop: asyncio connections belong to the loop
     that opened them, so each loop gets its own client, listener and queue."""
 
-    __slots__ = ("client", "exec", "init_lock", "listener", "loop", "owned", "ready", "slots")
+    __slots__ = (
+        "client",
+        "direct",
+        "exec",
+        "free",
+        "init_lock",
+        "listener",
+        "loop",
+        "owned",
+        "ready",
+        "slots",
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, client: Any, owned: bool) -> None:
         self.loop: Callable[[], asyncio.AbstractEventLoop | None]
@@ -46,6 +57,16 @@ class _LoopState:
         self.ready = False
         self.init_lock = asyncio.Lock()
         self.slots = asyncio.Semaphore(_max_connections(client))
+        # As in the blocking store: scripts on a plain pool's standalone client go
+        # pre-encoded over connections of the store's own (at most `slots` of them).
+        import redis.asyncio
+
+        self.direct = (
+            isinstance(client, redis.asyncio.Redis)
+            and type(client.connection_pool) is redis.asyncio.ConnectionPool
+            and not client.single_connection_client
+        )
+        self.free: list[Any] = []
         self.listener: AsyncListener
 
 
@@ -226,6 +247,8 @@ class AsyncPlumbing:
             await self._prepare(st)
         # Queue for a connection instead of failing with MaxConnectionsError.
         async with st.slots:
+            if st.direct:
+                return await self._run_direct(st, script, keys, args)
             try:
                 try:
                     return await st.exec("EVALSHA", script.sha, len(keys), *keys, *args, **ND)
@@ -234,6 +257,50 @@ class AsyncPlumbing:
                     return await st.exec("EVALSHA", script.sha, len(keys), *keys, *args, **ND)
             except _ERRORS as exc:
                 raise C.store_error(exc, script.name) from exc
+
+    @staticmethod
+    async def _run_direct(
+        st: _LoopState, script: C.Script, keys: tuple[bytes, ...], args: tuple[Any, ...]
+    ) -> Any:
+        """``_run`` on a connection of the store's own (see the blocking store's
+        ``_eval_direct``): the connection's retry policy and timeouts, without the pool
+        checkout and the rest of ``execute_command``."""
+        packed = pack_eval(eval_head(script.sha), keys, args)
+        try:
+            conn = st.free.pop()
+        except IndexError:
+            pool = st.client.connection_pool
+            conn = pool.connection_class(**pool.connection_kwargs)
+
+        async def once() -> Any:
+            await conn.send_packed_command(packed)
+            return await conn.read_response(disable_decoding=True)
+
+        async def failed(_: Exception) -> None:
+            await conn.disconnect()
+
+        clean = False
+        try:
+            try:
+                reply = await conn.retry.call_with_retry(once, failed)
+            except NoScriptError:
+                await conn.send_command("SCRIPT", "LOAD", script.text)
+                await conn.read_response()
+                reply = await conn.retry.call_with_retry(once, failed)
+            clean = True
+            return reply
+        except ResponseError as exc:
+            clean = True  # a refusal in a complete reply: the connection is in step
+            raise C.store_error(exc, script.name) from exc
+        except _ERRORS as exc:
+            raise C.store_error(exc, script.name) from exc
+        finally:
+            if not clean or conn.should_reconnect():
+                # A timeout, a reset, a cancellation between writing and reading: a
+                # reply may still come, and the next call must not read it.
+                with contextlib.suppress(Exception):
+                    await conn.disconnect(nowait=True)
+            st.free.append(conn)
 
     def _undo_after(self, task: asyncio.Task[Any], undo: Callable[[Any], Any], what: str) -> None:
         if task.cancelled():
@@ -355,6 +422,10 @@ class AsyncPlumbing:
     @staticmethod
     async def _close_state(st: _LoopState) -> None:
         await st.listener.aclose()
+        free, st.free = st.free, []
+        for conn in free:
+            with contextlib.suppress(*_ERRORS):
+                await conn.disconnect()
         if st.owned:
             with contextlib.suppress(*_ERRORS):
                 await st.client.aclose()

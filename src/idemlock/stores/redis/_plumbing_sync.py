@@ -12,14 +12,15 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from redis.exceptions import NoScriptError
+from redis.connection import ConnectionPool
+from redis.exceptions import NoScriptError, ResponseError
 
 from ..._core.port import Channel
 from ..._core.wakeups import Group
 from ..._errors import StoreUnavailable
 from .._local import LocalSubscription
 from . import _common as C
-from ._calls import ND
+from ._calls import ND, eval_head, pack_eval
 from ._listen import SyncListener
 
 _ERRORS = C.redis_errors()
@@ -37,6 +38,21 @@ class SyncPlumbing:
         self._exec = client.execute_command
         #: the bound (seconds) on one call: socket and connect timeouts (agreement A1)
         self.timeout = options.timeout
+        # Scripts on a standalone client with a plain pool skip redis-py's command layer
+        # (pool checkout, retry wrapper, callbacks: as long again as the round trip on
+        # a fast network): they go pre-encoded over connections of the store's own, made
+        # with the pool's settings and kept in a free list (at most one per thread
+        # calling at once). A Cluster client, a pool that limits or manages its
+        # connections (BlockingConnectionPool, Sentinel, ...) or a single-connection
+        # client keeps execute_command.
+        pool = getattr(client, "connection_pool", None)
+        self._direct = (
+            not cluster
+            and type(pool) is ConnectionPool
+            and getattr(client, "connection", None) is None
+        )
+        self._free: list[Any] = []
+        self._pid = os.getpid()
         self._listener = self._new_listener()
         _STORES.add(self)
 
@@ -57,6 +73,14 @@ class SyncPlumbing:
         connection of its own on first wait. redis-py's pools notice the new pid
         themselves and open fresh connections."""
         self._listener = self._new_listener()
+        self._drop_connections()
+
+    def _drop_connections(self) -> None:
+        # The parent's connections: never written to (the parent may be mid-call on
+        # them). Forgotten unclosed; redis-py shuts a socket down only in the process
+        # that opened it, so collecting them sends nothing.
+        self._free = []
+        self._pid = os.getpid()
 
     # ---- plumbing ----------------------------------------------------------------------
 
@@ -73,6 +97,8 @@ class SyncPlumbing:
         """Run one script, within the socket timeouts. A blocking call cannot be
         abandoned halfway, so the asyncio store's policies for a caller that stops
         waiting (``finish``, ``undo``) have nothing to act on here."""
+        if self._direct:
+            return self._eval_direct(script, keys, args)
         try:
             try:
                 return self._exec("EVALSHA", script.sha, len(keys), *keys, *args, **ND)
@@ -83,6 +109,56 @@ class SyncPlumbing:
                 return self._exec("EVALSHA", script.sha, len(keys), *keys, *args, **ND)
         except _ERRORS as exc:
             raise C.store_error(exc, script.name) from exc
+
+    def _eval_direct(self, script: C.Script, keys: tuple[bytes, ...], args: tuple[Any, ...]) -> Any:
+        """``_eval`` on a connection of the store's own: what ``execute_command`` does
+        for EVALSHA (the connection's retry policy, a failed connection dropped before a
+        retry, health checks, reconnection), without the rest of its layer."""
+        packed = [pack_eval(eval_head(script.sha), keys, args)]
+        if self._pid != os.getpid():
+            self._drop_connections()  # forked without the at-fork hook (os.fork in C)
+        try:
+            conn = self._free.pop()
+        except IndexError:
+            pool = self.client.connection_pool
+            conn = pool.connection_class(**pool.connection_kwargs)
+        clean = False
+        try:
+            reply = self._on(conn, packed, script)
+            clean = True
+            return reply
+        except ResponseError as exc:
+            clean = True  # a refusal in a complete reply: the connection is in step
+            raise C.store_error(exc, script.name) from exc
+        except _ERRORS as exc:
+            raise C.store_error(exc, script.name) from exc
+        finally:
+            if not clean:
+                # A timeout, a reset, an interrupt between writing and reading: a reply
+                # may still be on its way, so the next call must not read it. redis-py
+                # has disconnected already where it saw the failure; this covers the rest.
+                conn.disconnect()
+            elif conn.should_reconnect():  # a maintenance notification asked for it
+                conn.disconnect()
+            self._free.append(conn)
+
+    @staticmethod
+    def _on(conn: Any, packed: list[bytes], script: C.Script) -> Any:
+        def once() -> Any:
+            conn.send_packed_command(packed)
+            return conn.read_response(disable_decoding=True)
+
+        def failed(_: Exception) -> None:
+            conn.disconnect()
+
+        try:
+            return conn.retry.call_with_retry(once, failed)
+        except NoScriptError:
+            # Redis restarted or failed over, or SCRIPT FLUSH: load it on this server
+            # (this connection's) and run it once more.
+            conn.send_command("SCRIPT", "LOAD", script.text)
+            conn.read_response()
+            return conn.retry.call_with_retry(once, failed)
 
     def _unregister(self, channel: bytes, gid: bytes) -> None:
         # This process stopped waiting without the lock: a release need not hold the
@@ -121,6 +197,10 @@ class SyncPlumbing:
 
     def close(self) -> None:
         self._listener.close()
+        free, self._free = self._free, []
+        for conn in free:
+            with contextlib.suppress(*_ERRORS):
+                conn.disconnect()
         if self._owned:
             with contextlib.suppress(*_ERRORS):
                 self.client.close()
