@@ -1,8 +1,9 @@
 """``import idemlock`` loads only what the blocking API needs (issue 13's import-time
 item): asyncio and what it drags in (ssl, socket, subprocess, selectors, concurrent
 futures), the metadata machinery behind ``__version__``, hashing and the keyring,
-the typed-result helpers, the drivers and the integrations are loaded on first use. Checked by which modules a fresh interpreter
-holds, not by timing (timings belong in benchmarks/)."""
+the typed-result helpers, the drivers and the integrations are loaded on first use.
+Checked by which modules a fresh interpreter holds, not by timing (timings belong in
+benchmarks/)."""
 
 from __future__ import annotations
 
