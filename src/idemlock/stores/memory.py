@@ -4,6 +4,14 @@ Every transition is one critical section under a lock, applying the rows of the 
 table (:mod:`idemlock._core.table`, ``docs/states.md``) to the current record.
 Waiters are woken by an in-process hub. Time comes from an injectable
 :class:`~idemlock.Clock`, so tests can cross an expiry without sleeping.
+
+Locks are handed off in arrival order: an owner that waits (its channel has a
+subscriber and it asked more than once) is queued per key. Once the lock is free, the
+oldest queued owner is chosen and the lock is ``reserved`` for it for
+:data:`HANDOFF_MS` (rows ``lock.handoff`` / ``lock.handoff.take``): nobody else, the
+releasing thread included, can barge in. A chosen owner that does not come within its
+window loses its turn; a registration lapses shortly after its owner's last attempt,
+and a key's queue is dropped when nobody is subscribed to it any more.
 """
 
 from __future__ import annotations
@@ -30,6 +38,25 @@ _FREES_LOCK = frozenset({"lock.release", "lock.break"})
 
 #: seconds, agreement A1's default bound on one store call
 DEFAULT_TIMEOUT = 5.0
+
+#: ms a free lock stays reserved for the chosen waiter (it is woken at once; the window
+#: only bounds what a waiter that left costs the others)
+HANDOFF_MS = 100
+#: ms a registration outlives the wait its owner was told to do (a loaded machine's
+#: scheduling delay), after which the owner counts as gone
+REGISTER_SLACK_MS = 250
+
+
+class _Queue:
+    """The waiters of one lock key, oldest first, and the reservation if any."""
+
+    __slots__ = ("chosen", "until", "waiters")
+
+    def __init__(self) -> None:
+        #: owner -> [registration expiry ms, attempts]; dict order is arrival order
+        self.waiters: dict[str, list[int]] = {}
+        self.chosen: str | None = None
+        self.until = 0  # the reservation's end, ms
 
 
 class _BoundedLock:
@@ -93,6 +120,7 @@ class MemoryStore:
         self._fences: dict[tuple[str, str], int] = {}
         self._counter = 0
         self._hub = LocalHub()
+        self._queues: dict[tuple[str, str], _Queue] = {}
 
     def _now(self) -> int:
         return int(self._clock.time() * 1000)
@@ -206,17 +234,87 @@ class MemoryStore:
         with self._lock:
             now = self._now()
             rec = self._locks.get(k)
-            if op == "acquire" and not T.live(rec, now):
-                self._make_room(now)
+            live = T.live(rec, now)
+            if op == "acquire":
+                if not live:
+                    q = self._queues.get(k)
+                    if q is not None and self._reserve(k, q, now) is not None:
+                        return self._reserved_acquire(k, q, now, args)
+                    self._make_room(now)
+            elif op == "break" and not live and k in self._queues:
+                self._queues[k].chosen = None  # lock.break.free: reserved -> free
             row, new, reply = T.apply_lock(op, rec, now, args, self._next_fence)
             if new is not rec:
                 if new is None:
                     self._locks.pop(k, None)
                 else:
                     self._locks[k] = new
+            if op == "acquire":
+                if type(reply) is Held:
+                    self._register(k, args["owner"], now, reply.ttl_ms)
+                elif k in self._queues:
+                    self._queues[k].waiters.pop(args["owner"], None)
             if row.id in _FREES_LOCK:
                 self._hub.notify(("lock", ns, key))
             return reply
+
+    # The hand-off queue; every method runs with the store's lock held.
+
+    def _register(self, k: tuple[str, str], owner: str, now: int, wait_ms: int) -> None:
+        """Queue (or keep queued) an owner refused the lock, if it waits: its channel
+        has a subscriber. A one-shot try is queued too but not chosen until it asks
+        again, as every waiter does right after subscribing."""
+        if ("lock", *k) not in self._hub._subs:
+            return
+        q = self._queues.get(k)
+        if q is None:
+            q = self._queues[k] = _Queue()
+        until = now + min(wait_ms + 1, 1000) + REGISTER_SLACK_MS
+        entry = q.waiters.get(owner)
+        if entry is None:
+            q.waiters[owner] = [until, 1]
+        else:
+            entry[0] = until
+            entry[1] += 1
+
+    def _reserve(self, k: tuple[str, str], q: _Queue, now: int) -> str | None:
+        """The owner a free lock is reserved for, choosing the oldest waiter when no
+        window is open (and waking it); None when nobody waits."""
+        if q.chosen is not None:
+            if q.until > now and q.chosen in q.waiters:
+                return q.chosen
+            q.waiters.pop(q.chosen, None)  # its window passed untaken: it lost its turn
+            q.chosen = None
+        if ("lock", *k) not in self._hub._subs:
+            q.waiters.clear()  # nobody waits on this key any more
+        for owner in [o for o, (until, _) in q.waiters.items() if until <= now]:
+            del q.waiters[owner]
+        head = next((o for o, (_, n) in q.waiters.items() if n > 1), None)
+        if head is None:
+            if not q.waiters:
+                del self._queues[k]
+            return None
+        q.chosen, q.until = head, now + HANDOFF_MS
+        self._hub.notify(("lock", *k))
+        return head
+
+    def _reserved_acquire(
+        self, k: tuple[str, str], q: _Queue, now: int, args: dict[str, Any]
+    ) -> Acquired | Held:
+        row = T.decide("acquire", "reserved", q, args)
+        owner = args["owner"]
+        if row.reply is T.HELD:  # lock.handoff: kept for the chosen waiter
+            self._register(k, owner, now, q.until - now)
+            return Held(q.until, q.until - now)
+        # lock.handoff.take
+        self._make_room(now)
+        new = T.LockRec(owner, self._next_fence(), now + args["ttl_ms"])
+        self._locks[k] = new
+        q.chosen = None
+        q.waiters.pop(owner, None)
+        if not q.waiters:
+            del self._queues[k]
+        return Acquired(new.token, new.expires_ms, args["ttl_ms"])
 
     def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
         reply: Acquired | Held = self._lock_op("acquire", ns, key, owner=owner, ttl_ms=ttl_ms)
@@ -272,6 +370,9 @@ class MemoryStore:
                 for k in dead:
                     del table[k]
                 removed += len(dead)
+            for k, q in list(self._queues.items()):
+                if q.chosen is None and all(until <= now for until, _ in q.waiters.values()):
+                    del self._queues[k]
             return removed
 
     # ---- waiting ---------------------------------------------------------------
