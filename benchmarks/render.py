@@ -122,6 +122,7 @@ def markdown(data: dict[str, Any], png_name: str | None) -> str:
     stores = data["stores"]
     cfg = m["config"]
     ls, le = m["load_average_start"], m["load_average_end"]
+    versions = m["versions"]
     out: list[str] = [
         "# idemlock benchmarks",
         "",
@@ -148,9 +149,9 @@ def markdown(data: dict[str, Any], png_name: str | None) -> str:
         f"| system | {m['platform']} |",
         f"| Python | {m['python']} |",
         f"| idemlock | {m['versions']['idemlock']} |",
-        f"| Redis | redis-server {m['versions']['redis-server']} (standalone; Cluster: 3 masters, "
-        "no replicas), no persistence |",
-        f"| PostgreSQL | {m['versions']['postgresql']} (fsync, synchronous_commit and "
+        f"| Redis | redis-server {versions.get('redis-server', '(not run)')} (standalone; "
+        "Cluster: 3 masters, no replicas), no persistence |",
+        f"| PostgreSQL | {versions.get('postgresql', '(not run)')} (fsync, synchronous_commit and "
         "full_page_writes off: the data is thrown away; ratios are what matter) |",
         f"| SQLite | {m['versions']['sqlite']} (WAL, synchronous=NORMAL) |",
         "| drivers | " + ", ".join(
@@ -370,9 +371,9 @@ def chart(data: dict[str, Any], path: Path) -> None:
     from matplotlib.ticker import FuncFormatter, LogLocator
 
     stores = data["stores"]
-    fig, axes = plt.subplots(len(stores), 1, figsize=(13, 2.9 * len(stores) + 1.3))
+    fig, axes = plt.subplots(len(stores), 1, figsize=(13, 2.9 * len(stores) + 1.3), squeeze=False)
     handles: dict[str, Any] = {}
-    for ax, store in zip(axes, stores, strict=True):
+    for ax, store in zip(axes[:, 0], stores, strict=True):
         rows = [r for r in data["results"] if r["store"] == store and r["subject"] != BASE]
         ratios = [r["ratio"] for r in rows]
         for i, key in enumerate(SCENARIOS):

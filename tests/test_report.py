@@ -124,3 +124,22 @@ def test_markdown_has_the_tables_and_the_chart(report: dict[str, Path]) -> None:
     png = report["png"].read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(png) > 10_000
+
+
+@pytest.mark.timeout(120)
+def test_a_subset_of_the_stores_runs_alone(tmp_path: Path) -> None:
+    # --stores replaces the per-store scripts: only that store's servers and rows.
+    paths = [tmp_path / "b.md", tmp_path / "b.json", tmp_path / "b.png"]
+    args = ["--quick", "--stores", "memory"]
+    args += ["--out", str(paths[0]), "--json", str(paths[1]), "--png", str(paths[2])]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "report.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads(paths[1].read_text())
+    assert data["stores"] == ["memory"] and data["meta"]["command"].endswith("--stores memory")
+    assert {r["store"] for r in data["results"]} == {"memory"}
+    assert "| memory |" in paths[0].read_text() and "| Redis Cluster |" not in paths[0].read_text()
