@@ -290,8 +290,7 @@ def run_store(bench: Any, cfg: Config, res: Results, contenders: Contenders) -> 
             if name == "memory":
                 m = contend_threads(kind, cfg.seconds)
             else:
-                target = getattr(bench, "contention_target", bench.target)
-                t = {**target(), "prefix": new_prefix("ct")}
+                t = {**bench.contention_target(), "prefix": new_prefix("ct")}
                 m = contenders.run(name, kind, t, cfg.seconds)
         except Exception as exc:
             if kind in (BASE, OURS):
@@ -320,8 +319,7 @@ def single_waiter(
 ) -> dict[str, float]:
     """One holder, one waiter (2 processes; each holds 2 ms, then stays off the lock for
     0.5 ms, so the other is always already waiting): the release -> acquire gap."""
-    target = getattr(bench, "contention_target", bench.target)
-    t = {**target(), "prefix": new_prefix("sw")}
+    t = {**bench.contention_target(), "prefix": new_prefix("sw")}
     return contenders.run(
         bench.name, kind, t, min(cfg.seconds, 3.0), hold=0.002, procs=2, pause=0.0005
     )

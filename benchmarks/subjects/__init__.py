@@ -2,16 +2,17 @@
 port alone), and each peer, as the functions the scenarios time.
 
 One adapter per store (``memory``, ``sqlite``, ``redis`` for Redis and Redis Cluster,
-``postgres``) builds a scenario's subjects on fresh clients: ``sync_fns(op, ...)`` and
-``async_fns(op, tasks, ...)`` for the pairs, ``job_fns(...)`` for the crash-safe job,
-``counting()`` for counting round trips; ``base`` has idemlock's own subjects, which
-run on any store; ``peers`` the peers'; ``contenders.lock_pair`` gives one contender's
-acquire/release for the contention scenario. Baselines: the raw driver doing the same
-work in the same round trips (``common.BASELINES`` says which, for each store).
+``postgres``) says how to open its store and what its raw baseline is; ``base.Adapter``
+builds every scenario's subjects from that on fresh clients, with idemlock's own;
+``peers`` has the peers'; ``contenders.lock_pair`` one contender's acquire/release.
+Baselines: the raw driver doing the same work in the same round trips
+(``common.BASELINES`` says which, for each store).
 """
 
+from common import RESULT_BYTES
+
 from subjects.base import (
-    RESULT_BYTES,
+    Adapter,
     aio_lock,
     ours_claim_pairs,
     ours_job,
@@ -26,6 +27,7 @@ from subjects.redis import RedisBench
 from subjects.sqlite import SqliteBench
 
 __all__ = [
+    "Adapter",
     "RESULT_BYTES",
     "MemoryBench",
     "PgBench",

@@ -16,11 +16,26 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from common import (
+    BASE,
+    JOB,
+    JOB_OP,
+    LEASE_MS,
     LOCK,
+    LOCK_OP,
+    OURS,
+    OURS_AIO,
+    OURS_PORT,
     RESULT,
+    RESULT_BYTES,
     SPEC,
+    TTL_MS,
+    UNC,
     Make,
+    Results,
     SyncFn,
+    apeer,
+    new_prefix,
+    peer,
 )
 
 import idemlock
@@ -31,9 +46,6 @@ from idemlock import Claimed
 # Lambda context); its Redis layer's class is marked deprecated in favour of an alias.
 warnings.filterwarnings("ignore", message="Couldn't determine the remaining time")
 warnings.filterwarnings("ignore", message="RedisCachePersistenceLayer will be removed")
-
-RESULT_BYTES = b"J" + b"x" * 40  # what the raw baselines store as a result
-LEASE_MS, TTL_MS = 300_000, 3_600_000
 
 
 def ours_lock_pairs(coord: idemlock.Coordinator) -> Callable[[int], None]:
@@ -296,15 +308,20 @@ def aio_claim(coord: idemlock.aio.AsyncCoordinator) -> Make:
     return make
 
 
+async def _ik(backend: Any, key: str, write: Callable[[str], Awaitable[Any]] | None) -> None:
+    res = await backend.claim(key, "f" * 64, 1, 300.0)
+    if write is not None:
+        await write(key)
+    await backend.complete(key, res.our_claim_token, 200, {}, b"x" * 40, 3600.0)
+
+
 def ik_claim(backend: Any) -> Make:
     """idemkit's backend claim + complete, the calls its middleware makes per request."""
 
     async def make(t: int, count: int) -> None:
         tag = uuid.uuid4().hex[:6]
         for i in range(count):
-            key = f"{tag}-{t}-{i}"
-            res = await backend.claim(key, "f" * 64, 1, 300.0)
-            await backend.complete(key, res.our_claim_token, 200, {}, b"x" * 40, 3600.0)
+            await _ik(backend, f"{tag}-{t}-{i}", None)
 
     return make
 
@@ -315,10 +332,7 @@ def ik_job(
     async def run(count: int) -> None:
         tag = uuid.uuid4().hex[:6]
         for i in range(count):
-            key = f"{tag}-{i}"
-            res = await backend.claim(key, "f" * 64, 1, 300.0)
-            await write(key)
-            await backend.complete(key, res.our_claim_token, 200, {}, b"x" * 40, 3600.0)
+            await _ik(backend, f"{tag}-{i}", write)
 
     return run
 
@@ -332,3 +346,114 @@ def new_loop(stack: contextlib.ExitStack) -> asyncio.AbstractEventLoop:
     loop = asyncio.new_event_loop()
     stack.callback(loop.close)
     return loop
+
+
+Builds = dict[str, Callable[[], SyncFn]]
+ABuilds = dict[str, Callable[[], Awaitable[Make]]]
+
+
+class Adapter:
+    """One store's subjects. A store says how to open it (``url``) and what its raw
+    baseline is (``raw_pairs``, ``araw_pairs``, ``raw_job``), which effect its job
+    writes (``write``/``awrite``; none: the store's fence gate) and which peers run on
+    it; idemlock's subjects and the way peers join are the same for every store."""
+
+    name = ""
+    scale = 1
+    trips_unit = "requests"
+    kinds: tuple[str, ...] = (BASE, OURS)
+    counting: Any = None
+
+    def target(self) -> dict[str, Any]:
+        return {}
+
+    def contention_target(self) -> dict[str, Any]:
+        return self.target()
+
+    def url(self, t: dict[str, Any]) -> str:
+        return str(t["url"])
+
+    def raw_pairs(self, op: str, t: dict[str, Any], stack: contextlib.ExitStack) -> SyncFn:
+        raise NotImplementedError
+
+    async def araw_pairs(self, op: str, tasks: int, stack: contextlib.AsyncExitStack) -> Make:
+        raise NotImplementedError
+
+    def raw_job(self, t: dict[str, Any], stack: contextlib.ExitStack) -> SyncFn:
+        raise NotImplementedError
+
+    def write(self, url: str, stack: contextlib.ExitStack) -> Callable[[str, int], Any] | None:
+        return None
+
+    def awrite(
+        self, url: str, stack: contextlib.ExitStack, loop: asyncio.AbstractEventLoop
+    ) -> Callable[[str, int], Awaitable[Any]] | None:
+        return None
+
+    def peers(self, op: str, t: dict[str, Any], stack: contextlib.ExitStack) -> Builds:
+        return {}
+
+    def apeers(self, op: str, t: dict[str, Any], stack: contextlib.AsyncExitStack) -> ABuilds:
+        return {}
+
+    def job_peers(
+        self, coord: idemlock.Coordinator, t: dict[str, Any], stack: contextlib.ExitStack,
+        loop: asyncio.AbstractEventLoop,
+    ) -> Builds:  # fmt: skip
+        return {}
+
+    def coord(self, url: str, stack: contextlib.ExitStack) -> idemlock.Coordinator:
+        coord = idemlock.connect(url, key_prefix=new_prefix())
+        stack.callback(coord.close)
+        return coord
+
+    def sync_fns(
+        self, op: str, t: dict[str, Any], stack: contextlib.ExitStack, res: Results
+    ) -> dict[str, SyncFn]:
+        coord = self.coord(self.url(t), stack)
+        lock = op == LOCK_OP
+        fns = {
+            BASE: self.raw_pairs(op, t, stack),
+            OURS: (ours_lock_pairs if lock else ours_claim_pairs)(coord),
+            OURS_PORT: (port_lock_pairs if lock else port_claim_pairs)(coord),
+        }
+        return add_peers(fns, res, (UNC, op, self.name), self.peers(op, t, stack))
+
+    async def async_fns(
+        self, op: str, tasks: int, stack: contextlib.AsyncExitStack, res: Results, where: Any
+    ) -> dict[str, Make]:
+        t = self.target()
+        coord = idemlock.aio.connect(self.url(t), key_prefix=new_prefix())
+        stack.push_async_callback(coord.close)
+        fns = {
+            BASE: await self.araw_pairs(op, tasks, stack),
+            OURS: (aio_lock if op == LOCK_OP else aio_claim)(coord),
+        }
+        for name, build in self.apeers(op, t, stack).items():
+            if (fn := await apeer(res, where, name, build)) is not None:
+                fns[name] = fn
+        return fns
+
+    def job_fns(
+        self, t: dict[str, Any], stack: contextlib.ExitStack, res: Results
+    ) -> dict[str, SyncFn]:
+        url, aurl, loop = self.url(t), self.url(t), new_loop(stack)
+        coord = self.coord(url, stack)
+        acoord = idemlock.aio.connect(aurl, key_prefix=new_prefix())
+        stack.callback(lambda: loop.run_until_complete(acoord.close()))
+        fns = {
+            BASE: self.raw_job(t, stack),
+            OURS: ours_job(coord, self.write(url, stack)),
+            OURS_AIO: on_loop(loop, ours_ajob(acoord, self.awrite(aurl, stack, loop))),
+        }
+        builds = self.job_peers(coord, t, stack, loop)
+        return add_peers(fns, res, (JOB, JOB_OP, self.name), builds)
+
+
+def add_peers(
+    fns: dict[str, SyncFn], res: Results, where: tuple[str, str, str], builds: Builds
+) -> dict[str, SyncFn]:
+    for name, build in builds.items():
+        if (fn := peer(res, where, name, build)) is not None:
+            fns[name] = fn
+    return fns

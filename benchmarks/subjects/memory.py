@@ -6,37 +6,13 @@ import contextlib
 import threading
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from common import (
-    BASE,
-    LOCK_OP,
-    OURS,
-    OURS_AIO,
-    OURS_PORT,
-    SCALE,
-    Make,
-    Results,
-    SyncFn,
-    new_prefix,
-)
+from common import LOCK_OP, RESULT_BYTES, SCALE, Make, SyncFn
 
-import idemlock
-import idemlock.aio
 from idemlock import FencedOut
-from subjects.base import (
-    RESULT_BYTES,
-    aio_claim,
-    aio_lock,
-    new_loop,
-    on_loop,
-    ours_ajob,
-    ours_claim_pairs,
-    ours_job,
-    ours_lock_pairs,
-    port_claim_pairs,
-    port_lock_pairs,
-)
+from subjects.base import Adapter
 
 
 class MemoryRaw:
@@ -126,57 +102,28 @@ class MemoryRaw:
         self.lock_pairs(count, t)
 
 
-class MemoryBench:
+class MemoryBench(Adapter):
     name = "memory"
     scale = SCALE["memory"]
     trips_unit = "in-process"
-    kinds = (BASE, OURS)
 
-    def target(self) -> dict[str, Any]:
-        return {}
+    def url(self, t: dict[str, Any]) -> str:
+        return "memory://"
 
-    counting = None
-
-    def sync_fns(
-        self, op: str, t: dict[str, Any], stack: contextlib.ExitStack, res: Results
-    ) -> dict[str, SyncFn]:
+    def raw_pairs(self, op: str, t: dict[str, Any], stack: contextlib.ExitStack) -> SyncFn:
         raw = MemoryRaw()
-        coord = idemlock.connect("memory://", key_prefix=new_prefix())
-        stack.callback(coord.close)
-        if op == LOCK_OP:
-            return {
-                BASE: raw.lock_pairs,
-                OURS: ours_lock_pairs(coord),
-                OURS_PORT: port_lock_pairs(coord),
-            }
-        return {
-            BASE: raw.claim_pairs,
-            OURS: ours_claim_pairs(coord),
-            OURS_PORT: port_claim_pairs(coord),
-        }
+        return raw.lock_pairs if op == LOCK_OP else raw.claim_pairs
 
-    async def async_fns(
-        self, op: str, tasks: int, stack: contextlib.AsyncExitStack, res: Results, where: Any
-    ) -> dict[str, Make]:
+    async def araw_pairs(self, op: str, tasks: int, stack: contextlib.AsyncExitStack) -> Make:
         raw = MemoryRaw()
-        coord = idemlock.aio.connect("memory://", key_prefix=new_prefix())
-        stack.push_async_callback(coord.close)
-        if op == LOCK_OP:
-            return {BASE: raw.alock, OURS: aio_lock(coord)}
-        return {BASE: raw.aclaim, OURS: aio_claim(coord)}
+        return raw.alock if op == LOCK_OP else raw.aclaim
 
-    def job_fns(
-        self, t: dict[str, Any], stack: contextlib.ExitStack, res: Results
-    ) -> dict[str, SyncFn]:
-        raw = MemoryRaw()
-        coord = idemlock.connect("memory://", key_prefix=new_prefix())
-        stack.callback(coord.close)
-        loop = new_loop(stack)
-        acoord = idemlock.aio.connect("memory://", key_prefix=new_prefix())
-        stack.callback(lambda: loop.run_until_complete(acoord.close()))
+    def raw_job(self, t: dict[str, Any], stack: contextlib.ExitStack) -> SyncFn:
+        return MemoryRaw().jobs
+
+    def write(self, url: str, stack: contextlib.ExitStack) -> Callable[[str, int], Any]:
         effects = MemoryRaw()
-        return {
-            BASE: raw.jobs,
-            OURS: ours_job(coord, lambda key, fence: effects.fenced_write(key, fence, "done")),
-            OURS_AIO: on_loop(loop, ours_ajob(acoord, effects.afenced_write)),
-        }
+        return lambda key, fence: effects.fenced_write(key, fence, "done")
+
+    def awrite(self, url: str, stack: Any, loop: Any) -> Callable[[str, int], Awaitable[Any]]:
+        return MemoryRaw().afenced_write

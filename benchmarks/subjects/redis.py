@@ -17,47 +17,32 @@ from common import (
     CLIENT,
     FK,
     IK,
-    JOB,
-    JOB_OP,
     KEEP,
+    LEASE_MS,
     LOCK_OP,
     OURS,
-    OURS_AIO,
-    OURS_PORT,
     OURS_W,
     PRL,
     PT,
+    RESULT_BYTES,
     RPY,
-    UNC,
+    TTL_MS,
     Make,
-    Results,
     SyncFn,
-    apeer,
     new_prefix,
-    peer,
 )
 
 import idemlock
-import idemlock.aio
 from idemlock.stores.redis import _common as C
 from subjects.base import (
-    LEASE_MS,
-    RESULT_BYTES,
-    TTL_MS,
-    aio_claim,
-    aio_lock,
+    ABuilds,
+    Adapter,
+    Builds,
     count_redis_requests,
     ik_claim,
     ik_job,
-    new_loop,
     on_loop,
-    ours_ajob,
-    ours_claim_pairs,
-    ours_job,
     ours_job_together,
-    ours_lock_pairs,
-    port_claim_pairs,
-    port_lock_pairs,
 )
 from subjects.peers import (
     fencekit_guard_pairs,
@@ -125,11 +110,6 @@ class Raw:
                             n.claim_channel, C.nonce())  # fmt: skip
 
 
-def load_scripts(r: redis.Redis) -> None:
-    for s in (C.ACQUIRE, C.RELEASE, C.CLAIM, C.COMPLETE):
-        assert r.script_load(s.text) == s.sha
-
-
 UNLOCK_LUA = (
     "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) "
     "else return 0 end"
@@ -168,21 +148,19 @@ def redis_raw_job(raw: Raw) -> SyncFn:
     return run
 
 
-class RedisBench:
-    scale = 1
-    trips_unit = "requests"
+class RedisBench(Adapter):
     kinds = (BASE, OURS, RPY, PRL, FK)
 
     def __init__(self, url: str, ports: list[int], cluster: bool) -> None:
         self.name = "redis-cluster" if cluster else "redis"
-        self.url, self.ports, self.cluster = url, ports, cluster
+        self.ports, self.cluster, self._url = ports, cluster, url
         r = redis_client(self.target())
-        load_scripts(r)
-        assert r.script_load(C.FENCE_SET.text) == C.FENCE_SET.sha
+        for s in (C.ACQUIRE, C.RELEASE, C.CLAIM, C.COMPLETE, C.FENCE_SET):
+            assert r.script_load(s.text) == s.sha
         r.close()
 
     def target(self) -> dict[str, Any]:
-        return {"url": self.url, "ports": self.ports, "cluster": self.cluster}
+        return {"url": self._url, "ports": self.ports, "cluster": self.cluster}
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[tuple[Callable[[], int], dict[str, Any]]]:
@@ -193,70 +171,52 @@ class RedisBench:
         """A name whose keys share one Cluster slot (a hash tag) on a Cluster."""
         return "{" + name + "}" if self.cluster else name
 
-    def _sync(self, t: dict[str, Any], stack: contextlib.ExitStack) -> tuple[Any, Any]:
+    def _client(self, t: dict[str, Any], stack: contextlib.ExitStack) -> Any:
         r = redis_client(t)
         stack.callback(r.close)
-        coord = idemlock.connect(t["url"], key_prefix=new_prefix())
-        stack.callback(coord.close)
-        return r, coord
+        return r
 
-    def sync_fns(
-        self, op: str, t: dict[str, Any], stack: contextlib.ExitStack, res: Results
-    ) -> dict[str, SyncFn]:
-        where = (UNC, op, self.name)
-        r, coord = self._sync(t, stack)
-        raw = Raw(r)
-        fns: dict[str, SyncFn]
-        builds: dict[str, Callable[[], SyncFn]]
+    def raw_pairs(self, op: str, t: dict[str, Any], stack: contextlib.ExitStack) -> SyncFn:
+        raw = Raw(self._client(t, stack))
+        return raw.sync_lock_pairs if op == LOCK_OP else raw.sync_claim_pairs
+
+    async def araw_pairs(self, op: str, tasks: int, stack: contextlib.AsyncExitStack) -> Make:
+        raw = Raw(await self._aclient(self.target(), stack))
         if op == LOCK_OP:
-            fns = {
-                BASE: raw.sync_lock_pairs,
-                OURS: ours_lock_pairs(coord),
-                OURS_PORT: port_lock_pairs(coord),
-            }
-            builds = {
+            return lambda t, count: raw.async_lock_pairs(count, key=f"k{t}")
+        return lambda t, count: raw.async_claim_pairs(count, tag=f"{uuid.uuid4().hex[:6]}-{t}")
+
+    def raw_job(self, t: dict[str, Any], stack: contextlib.ExitStack) -> SyncFn:
+        return redis_raw_job(Raw(self._client(t, stack)))
+
+    async def _aclient(self, t: dict[str, Any], stack: contextlib.AsyncExitStack) -> Any:
+        ar = redis_aclient(t)
+        stack.push_async_callback(ar.aclose)
+        if self.cluster:
+            await ar.initialize()
+        return ar
+
+    def peers(self, op: str, t: dict[str, Any], stack: contextlib.ExitStack) -> Builds:
+        r = self._client(t, stack)
+        if op == LOCK_OP:
+            return {
                 RPY: lambda: redispy_lock_pairs(r, name=new_prefix("rp")),
                 PRL: lambda: prl_lock_pairs(
                     r, name=self._tag(new_prefix("prl")), strict=not self.cluster
                 ),
                 FK: lambda: fencekit_lock_pairs(r, prefix=self._tag(new_prefix("fk"))),
             }
-        else:
-            fns = {
-                BASE: raw.sync_claim_pairs,
-                OURS: ours_claim_pairs(coord),
-                OURS_PORT: port_claim_pairs(coord),
-            }
-            builds = {
-                FK: lambda: fencekit_guard_pairs(r, prefix=self._tag(new_prefix("fk"))),
-                PT: lambda: powertools_pairs(r),
-            }
-        for name, build in builds.items():
-            if (fn := peer(res, where, name, build)) is not None:
-                fns[name] = fn
-        return fns
+        return {
+            FK: lambda: fencekit_guard_pairs(r, prefix=self._tag(new_prefix("fk"))),
+            PT: lambda: powertools_pairs(r),
+        }
 
-    async def async_fns(
-        self, op: str, tasks: int, stack: contextlib.AsyncExitStack, res: Results, where: Any
-    ) -> dict[str, Make]:
-        t = self.target()
-        ar = redis_aclient(t)
-        stack.push_async_callback(ar.aclose)
-        if self.cluster:
-            await ar.initialize()
-        coord = idemlock.aio.connect(t["url"], key_prefix=new_prefix())
-        stack.push_async_callback(coord.close)
-        raw = Raw(ar)
-        fns: dict[str, Make]
+    def apeers(self, op: str, t: dict[str, Any], stack: contextlib.AsyncExitStack) -> ABuilds:
         if op == LOCK_OP:
 
-            async def raw_lock(t: int, count: int) -> None:
-                await raw.async_lock_pairs(count, key=f"k{t}")
-
-            fns = {BASE: raw_lock, OURS: aio_lock(coord)}
-            prefix = new_prefix("arp")
-
             async def build_rpy() -> Make:
+                ar, prefix = await self._aclient(t, stack), new_prefix("arp")
+
                 async def make(t: int, count: int) -> None:
                     for _ in range(count):
                         lock = ar.lock(f"{prefix}:{t}", timeout=30)
@@ -265,14 +225,7 @@ class RedisBench:
 
                 return make
 
-            if (fn := await apeer(res, where, RPY, build_rpy)) is not None:
-                fns[RPY] = fn
-            return fns
-
-        async def raw_claim(t: int, count: int) -> None:
-            await raw.async_claim_pairs(count, tag=f"{uuid.uuid4().hex[:6]}-{t}")
-
-        fns = {BASE: raw_claim, OURS: aio_claim(coord)}
+            return {RPY: build_rpy}
 
         async def build_ik() -> Make:
             from idemkit.backends.redis import RedisBackend
@@ -284,23 +237,13 @@ class RedisBench:
             stack.push_async_callback(backend.aclose)
             return ik_claim(backend)
 
-        if (fn := await apeer(res, where, IK, build_ik)) is not None:
-            fns[IK] = fn
-        return fns
+        return {IK: build_ik}
 
-    def job_fns(
-        self, t: dict[str, Any], stack: contextlib.ExitStack, res: Results
-    ) -> dict[str, SyncFn]:
-        where = (JOB, JOB_OP, self.name)
-        r, coord = self._sync(t, stack)
-        loop = new_loop(stack)
-        acoord = idemlock.aio.connect(t["url"], key_prefix=new_prefix())
-        stack.callback(lambda: loop.run_until_complete(acoord.close()))
-        fns: dict[str, SyncFn] = {
-            BASE: redis_raw_job(Raw(r)),
-            OURS: ours_job(coord),
-            OURS_AIO: on_loop(loop, ours_ajob(acoord)),
-        }
+    def job_peers(
+        self, coord: idemlock.Coordinator, t: dict[str, Any], stack: contextlib.ExitStack,
+        loop: Any,
+    ) -> Builds:  # fmt: skip
+        r = self._client(t, stack)
 
         def build_ik() -> SyncFn:
             from idemkit.backends.redis import RedisBackend
@@ -314,7 +257,7 @@ class RedisBench:
 
             return on_loop(loop, ik_job(backend, write))
 
-        builds: dict[str, Callable[[], SyncFn]] = {
+        return {
             OURS_W: lambda: ours_job_together(coord),
             FK: lambda: fencekit_job(r, prefix=self._tag(new_prefix("fkj"))),
             RPY: lambda: lock_job(r, lambda key: r.lock(f"rpj:{key}", timeout=300)),
@@ -322,10 +265,6 @@ class RedisBench:
             PT: lambda: powertools_job(r),
             IK: build_ik,
         }
-        for name, build in builds.items():
-            if (fn := peer(res, where, name, build)) is not None:
-                fns[name] = fn
-        return fns
 
     def _prl(self, r: Any) -> Callable[[str], Any]:
         import redis_lock
