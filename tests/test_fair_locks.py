@@ -1,16 +1,20 @@
 """Fair lock hand-off: waiters are served in arrival order, nobody barges in on a
 reserved lock, and a waiter that left does not hold the queue up beyond its window.
 
-Behaviour only (who gets the lock, in which order), on the store port with a
-ManualClock where a window must pass, and through the public API with threads queued
-in a known order. No timing asserts.
+Behaviour only (who gets the lock, in which order), on the store port (memory with a
+ManualClock where a window must pass; SQLite on a real file, whose queue is a table
+shared by processes) and through the public API with threads queued in a known order.
+No timing asserts.
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,7 +22,9 @@ import idemlock
 from idemlock import ManualClock
 from idemlock._core.port import Acquired, Channel, Held
 from idemlock.stores import memory
+from idemlock.stores import sqlite as sqlite_store
 from idemlock.stores.memory import MemoryStore
+from idemlock.stores.sqlite import SQLiteStore
 
 NS, KEY = "fair", "k"
 CHANNEL = Channel("lock", NS, KEY)
@@ -31,19 +37,30 @@ def clock() -> ManualClock:
 
 
 @pytest.fixture
-def store(clock: ManualClock) -> Iterator[MemoryStore]:
+def mem(clock: ManualClock) -> Iterator[MemoryStore]:
     s = MemoryStore(clock=clock)
     yield s
     s.close()
 
 
-def queue(store: MemoryStore, owner: str) -> None:
+@pytest.fixture(params=["memory", "sqlite"])
+def store(request: pytest.FixtureRequest, clock: ManualClock, tmp_path: Path) -> Iterator[Any]:
+    s: Any = MemoryStore(clock=clock) if request.param == "memory" else _sqlite(tmp_path)
+    yield s
+    s.close()
+
+
+def _sqlite(tmp_path: Path) -> SQLiteStore:
+    return SQLiteStore(str(tmp_path / "fair.db"))
+
+
+def queue(store: Any, owner: str) -> None:
     """What a waiting caller does: fail, subscribe (done by the test), fail again."""
     for _ in range(2):
         assert isinstance(store.acquire(NS, KEY, owner, TTL), Held)
 
 
-def test_waiters_acquire_in_arrival_order(store: MemoryStore) -> None:
+def test_waiters_acquire_in_arrival_order(store: Any) -> None:
     a = store.acquire(NS, KEY, "a", TTL)
     assert isinstance(a, Acquired)
     sub = store.subscribe(CHANNEL)
@@ -69,7 +86,7 @@ def test_waiters_acquire_in_arrival_order(store: MemoryStore) -> None:
     sub.close()
 
 
-def test_releasing_owner_and_newcomer_cannot_barge(store: MemoryStore) -> None:
+def test_releasing_owner_and_newcomer_cannot_barge(store: Any) -> None:
     a = store.acquire(NS, KEY, "a", TTL)
     assert isinstance(a, Acquired)
     sub = store.subscribe(CHANNEL)
@@ -84,7 +101,7 @@ def test_releasing_owner_and_newcomer_cannot_barge(store: MemoryStore) -> None:
     sub.close()
 
 
-def test_release_wakes_the_chosen_waiter(store: MemoryStore) -> None:
+def test_release_wakes_the_chosen_waiter(store: Any) -> None:
     a = store.acquire(NS, KEY, "a", TTL)
     assert isinstance(a, Acquired)
     sub = store.subscribe(CHANNEL)
@@ -96,33 +113,33 @@ def test_release_wakes_the_chosen_waiter(store: MemoryStore) -> None:
 
 
 def test_chosen_waiter_that_left_loses_its_turn_after_the_window(
-    store: MemoryStore, clock: ManualClock
+    mem: MemoryStore, clock: ManualClock
 ) -> None:
-    a = store.acquire(NS, KEY, "a", TTL)
+    a = mem.acquire(NS, KEY, "a", TTL)
     assert isinstance(a, Acquired)
-    sub = store.subscribe(CHANNEL)  # the others still wait on the key
-    queue(store, "gone")
-    queue(store, "c")
-    assert store.release(NS, KEY, "a", a.token)
-    assert isinstance(store.acquire(NS, KEY, "c", TTL), Held)  # kept for "gone"
+    sub = mem.subscribe(CHANNEL)  # the others still wait on the key
+    queue(mem, "gone")
+    queue(mem, "c")
+    assert mem.release(NS, KEY, "a", a.token)
+    assert isinstance(mem.acquire(NS, KEY, "c", TTL), Held)  # kept for "gone"
     clock.advance(memory.HANDOFF_MS / 1000)
-    assert isinstance(store.acquire(NS, KEY, "c", TTL), Acquired)
+    assert isinstance(mem.acquire(NS, KEY, "c", TTL), Acquired)
     sub.close()
 
 
-def test_waiter_that_stopped_retrying_lapses(store: MemoryStore, clock: ManualClock) -> None:
-    a = store.acquire(NS, KEY, "a", TTL)
+def test_waiter_that_stopped_retrying_lapses(mem: MemoryStore, clock: ManualClock) -> None:
+    a = mem.acquire(NS, KEY, "a", TTL)
     assert isinstance(a, Acquired)
-    sub = store.subscribe(CHANNEL)
-    queue(store, "gone")
+    sub = mem.subscribe(CHANNEL)
+    queue(mem, "gone")
     clock.advance(2.0)  # far past its registration; the lease is still held
-    queue(store, "c")
-    assert store.release(NS, KEY, "a", a.token)
-    assert isinstance(store.acquire(NS, KEY, "c", TTL), Acquired)
+    queue(mem, "c")
+    assert mem.release(NS, KEY, "a", a.token)
+    assert isinstance(mem.acquire(NS, KEY, "c", TTL), Acquired)
     sub.close()
 
 
-def test_waiter_that_gave_up_does_not_block(store: MemoryStore) -> None:
+def test_waiter_that_gave_up_does_not_block(store: Any) -> None:
     a = store.acquire(NS, KEY, "a", TTL)
     assert isinstance(a, Acquired)
     sub = store.subscribe(CHANNEL)
@@ -132,7 +149,7 @@ def test_waiter_that_gave_up_does_not_block(store: MemoryStore) -> None:
     assert isinstance(store.acquire(NS, KEY, "newcomer", TTL), Acquired)
 
 
-def test_one_shot_tries_are_not_queued(store: MemoryStore) -> None:
+def test_one_shot_tries_are_not_queued(store: Any) -> None:
     a = store.acquire(NS, KEY, "a", TTL)
     assert isinstance(a, Acquired)
     sub = store.subscribe(CHANNEL)
@@ -142,7 +159,7 @@ def test_one_shot_tries_are_not_queued(store: MemoryStore) -> None:
     sub.close()
 
 
-def test_break_ends_a_reservation(store: MemoryStore) -> None:
+def test_break_ends_a_reservation(store: Any) -> None:
     a = store.acquire(NS, KEY, "a", TTL)
     assert isinstance(a, Acquired)
     sub = store.subscribe(CHANNEL)
@@ -155,32 +172,97 @@ def test_break_ends_a_reservation(store: MemoryStore) -> None:
     sub.close()
 
 
-def test_purge_drops_lapsed_queues(store: MemoryStore, clock: ManualClock) -> None:
+def test_purge_drops_lapsed_queues(mem: MemoryStore, clock: ManualClock) -> None:
+    a = mem.acquire(NS, KEY, "a", TTL)
+    assert isinstance(a, Acquired)
+    sub = mem.subscribe(CHANNEL)
+    queue(mem, "b")
+    sub.close()
+    clock.advance(2.0)
+    mem.purge()
+    assert mem._queues == {}
+
+
+# ---- SQLite: the queue is shared by processes ---------------------------------------
+
+
+def test_sqlite_chosen_waiter_that_left_loses_its_turn(tmp_path: Path) -> None:
+    store = _sqlite(tmp_path)
+    a = store.acquire(NS, KEY, "a", TTL)
+    assert isinstance(a, Acquired)
+    sub = store.subscribe(CHANNEL)  # the others still wait on the key
+    queue(store, "gone")
+    queue(store, "c")
+    assert store.release(NS, KEY, "a", a.token)
+    assert isinstance(store.acquire(NS, KEY, "c", TTL), Held)  # kept for "gone"
+    time.sleep(sqlite_store._store.HANDOFF_MS / 1000 + 0.02)
+    assert isinstance(store.acquire(NS, KEY, "c", TTL), Acquired)
+    sub.close()
+    store.close()
+
+
+def _queue_and_exit(path: str) -> None:
+    # A waiter in another process: queued (it asked twice), then its process ends.
+    store = SQLiteStore(path)
+    sub = store.subscribe(CHANNEL)
+    queue(store, "dead")
+    sub.close()
+    store.close()
+
+
+def test_sqlite_ticket_of_an_exited_process_does_not_block(tmp_path: Path) -> None:
+    store = _sqlite(tmp_path)
+    a = store.acquire(NS, KEY, "a", TTL)
+    assert isinstance(a, Acquired)
+    proc = mp.get_context("spawn").Process(target=_queue_and_exit, args=(store.path,))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0
+    sub = store.subscribe(CHANNEL)
+    queue(store, "c")
+    assert store.release(NS, KEY, "a", a.token)
+    assert isinstance(store.acquire(NS, KEY, "newcomer", TTL), Held)  # kept for "c"
+    assert isinstance(store.acquire(NS, KEY, "c", TTL), Acquired)
+    sub.close()
+    store.close()
+
+
+def test_sqlite_purge_drops_lapsed_tickets(tmp_path: Path) -> None:
+    import sqlite3
+
+    store = _sqlite(tmp_path)
     a = store.acquire(NS, KEY, "a", TTL)
     assert isinstance(a, Acquired)
     sub = store.subscribe(CHANNEL)
     queue(store, "b")
     sub.close()
-    clock.advance(2.0)
+    with sqlite3.connect(store.path) as raw:
+        raw.execute("UPDATE lock_waiters SET until_ms = 1")
     store.purge()
-    assert store._queues == {}
+    with sqlite3.connect(store.path) as raw:
+        assert raw.execute("SELECT count(*) FROM lock_waiters").fetchone() == (0,)
+    store.close()
 
 
-def _wait_queued(store: MemoryStore, n: int) -> None:
-    deadline = time.monotonic() + 10
-    while True:
-        queued = [tries > 1 for q in store._queues.values() for _, tries in q.waiters.values()]
-        if sum(queued) >= n:
-            return
-        assert time.monotonic() < deadline, "waiters did not queue"
-        time.sleep(0.001)
+# ---- through the public API -------------------------------------------------------
 
 
-def test_threads_get_the_lock_in_the_order_they_queued() -> None:
-    coord = idemlock.connect("memory://")
+def _queued(store: Any) -> int:
+    if isinstance(store, MemoryStore):
+        return sum(n > 1 for q in store._queues.values() for _, n in q.waiters.values())
+    import sqlite3
+
+    with sqlite3.connect(store.path) as raw:
+        row = raw.execute("SELECT count(*) FROM lock_waiters WHERE tries > 1").fetchone()
+    return int(row[0])
+
+
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+def test_threads_get_the_lock_in_the_order_they_queued(kind: str, tmp_path: Path) -> None:
+    url = "memory://" if kind == "memory" else f"sqlite:///{tmp_path / 'fair.db'}"
+    coord = idemlock.connect(url)
     locks = coord.lock(idemlock.LockSpec("fair", ttl=30))
     store = coord._store
-    assert isinstance(store, MemoryStore)
     first = locks.acquire(KEY)
     assert first is not None
     order: list[int] = []
@@ -196,7 +278,10 @@ def test_threads_get_the_lock_in_the_order_they_queued() -> None:
         th = threading.Thread(target=waiter, args=(i,))
         th.start()
         threads.append(th)
-        _wait_queued(store, i + 1)
+        deadline = time.monotonic() + 10
+        while _queued(store) < i + 1:
+            assert time.monotonic() < deadline, "waiters did not queue"
+            time.sleep(0.001)
     locks.release(first)
     for th in threads:
         th.join(30)

@@ -781,10 +781,10 @@ def test_url_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert td.busy_timeout == 2.0
 
     coord = idemlock.connect(f"SQLITE:///{tmp_path}/conn.db", busy_timeout=1)
-    assert coord.store.kind == "sqlite" and coord.poll_cap == 0.05
+    assert coord.store.kind == "sqlite" and coord.poll_cap == 0.02
     coord.close()
     acoord = idemlock.aio.connect(url_of(tmp_path / "conn.db"))
-    assert acoord.store.kind == "sqlite" and acoord.poll_cap == 0.05
+    assert acoord.store.kind == "sqlite" and acoord.poll_cap == 0.02
     asyncio.run(acoord.close())
 
 

@@ -23,10 +23,16 @@ How it works:
   stepping back by more than your leases (NTP slewing is fine).
 * Waiters in this process are woken at once when a key is freed; a waiter in another
   process re-checks in a short jittered backoff capped at :attr:`SQLiteStore.poll_cap`.
+* Locks are handed off in arrival order: a waiting caller is queued in the file (table
+  ``lock_waiters``) with each refused attempt, and a free lock is reserved for the
+  oldest waiter for a short window, so neither the releasing process nor a newcomer
+  barges in. A registration lapses soon after its waiter's last attempt, at once when
+  its process has exited or (in this process) stopped waiting on the key.
 * Connections are pooled (one per concurrent caller), so one store object can be
   used from many threads and from ``asyncio.to_thread``.
 * Give idemlock a file of its own: its tables have plain names (``meta`` with the
-  schema version and the purge floor, ``claims``, ``locks``, ``fences``).
+  schema version and the purge floor, ``claims``, ``locks``, ``fences``,
+  ``lock_waiters``).
 
 The package: ``_sql`` (schema and statements), ``_store`` (the store and its
 transactions), ``_fork`` (fork safety), ``_url`` (URLs and options).

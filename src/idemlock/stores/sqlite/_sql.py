@@ -48,6 +48,21 @@ _SCHEMA = (
         highest INTEGER NOT NULL,
         PRIMARY KEY (ns, resource)
     ) WITHOUT ROWID""",
+    # The queue of a lock's waiters (fair hand-off): seq is the arrival order, until_ms
+    # when the registration lapses (its waiter stopped asking), window_ms > 0 marks the
+    # chosen waiter, for which the free lock is reserved until then. An idemlock that
+    # does not know this table only loses fairness, so the schema version stays.
+    """CREATE TABLE IF NOT EXISTS lock_waiters (
+        ns TEXT NOT NULL,
+        key TEXT NOT NULL,
+        owner TEXT NOT NULL,
+        seq INTEGER NOT NULL,
+        pid INTEGER NOT NULL,
+        until_ms INTEGER NOT NULL,
+        tries INTEGER NOT NULL,
+        window_ms INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (ns, key, owner)
+    ) WITHOUT ROWID""",
     # 'floor' is at least every fence and token of a row that purge deleted, so a key
     # created again starts above all it ever had; 'schema' is the layout version.
     "INSERT OR IGNORE INTO meta (name, value) VALUES ('schema', 1), ('floor', 0)",
@@ -129,6 +144,25 @@ WHERE locks.expires_ms <= ?5 OR locks.owner = excluded.owner
 RETURNING token
 """
 _LOCK_GET = "SELECT owner, token, expires_ms FROM locks WHERE ns = ?1 AND key = ?2"
+
+# The waiters' queue (rows lock.handoff, lock.handoff.take; see _store._choose).
+_WAITERS_ANY = "SELECT 1 FROM lock_waiters WHERE ns = ?1 AND key = ?2 LIMIT 1"
+_WAITERS = """
+SELECT owner, pid, until_ms, tries, window_ms FROM lock_waiters
+WHERE ns = ?1 AND key = ?2 ORDER BY seq
+"""
+_WAITER_REGISTER = """
+INSERT INTO lock_waiters (ns, key, owner, seq, pid, until_ms, tries)
+VALUES (?1, ?2, ?3,
+        coalesce((SELECT max(seq) FROM lock_waiters WHERE ns = ?1 AND key = ?2), 0) + 1,
+        ?4, ?5, 1)
+ON CONFLICT (ns, key, owner) DO UPDATE SET
+    until_ms = excluded.until_ms, pid = excluded.pid, tries = lock_waiters.tries + 1
+"""
+_WAITER_DROP = "DELETE FROM lock_waiters WHERE ns = ?1 AND key = ?2 AND owner = ?3"
+_WAITER_CHOOSE = "UPDATE lock_waiters SET window_ms = ?4 WHERE ns = ?1 AND key = ?2 AND owner = ?3"
+_WAITERS_UNCHOOSE = "UPDATE lock_waiters SET window_ms = 0 WHERE ns = ?1 AND key = ?2"
+_PURGE_WAITERS = "DELETE FROM lock_waiters WHERE until_ms <= ?1 AND window_ms <= ?1"
 _LOCK_LIVE = (
     "SELECT owner, token, expires_ms FROM locks WHERE ns = ?1 AND key = ?2 AND expires_ms > ?3"
 )

@@ -24,7 +24,15 @@ from ..._core.port import (
     LockRow,
     RecordRow,
 )
-from ..._core.table import ClaimRec, LockRec, apply_claim, apply_fence, apply_lock
+from ..._core.table import (
+    HELD,
+    ClaimRec,
+    LockRec,
+    apply_claim,
+    apply_fence,
+    apply_lock,
+    decide,
+)
 from ..._errors import ConfigurationError, StoreCorrupt, StoreUnavailable
 from ..._logfields import fields as log_fields
 from .._adapt import ThreadedAsyncStore
@@ -50,6 +58,12 @@ from ._sql import (
     _SQLITE_CORRUPT,
     _SQLITE_NOTADB,
     _STATES,
+    _WAITER_CHOOSE,
+    _WAITER_DROP,
+    _WAITER_REGISTER,
+    _WAITERS,
+    _WAITERS_ANY,
+    _WAITERS_UNCHOOSE,
     DEFAULT_BUSY_TIMEOUT,
     MAX_IDLE,
     SCHEMA_VERSION,
@@ -77,6 +91,12 @@ _HUB = LocalHub()
 
 _Pair = tuple[sqlite3.Connection, sqlite3.Cursor]
 
+#: ms a free lock stays reserved for the chosen waiter: a waiter in another process
+#: learns of it at its next poll (``poll_cap``); a waiter that left costs this once
+HANDOFF_MS = 200
+#: ms a registration outlives its waiter's next poll (a loaded machine's delay)
+REGISTER_SLACK_MS = 250
+
 
 def _no_new_fence() -> int:
     # The conflict path only sees live records; a fresh grant there would mean the
@@ -89,8 +109,9 @@ class SQLiteStore:
 
     kind = "sqlite"
     issues_fence_tokens = True
-    #: other processes cannot notify us: waiters re-check at least this often (seconds)
-    poll_cap = 0.05
+    #: other processes cannot notify us: waiters re-check at least this often (seconds);
+    #: with the fair queue only the chosen waiter's poll delays a hand-off
+    poll_cap = 0.02
 
     def __init__(
         self,
@@ -436,15 +457,92 @@ class SQLiteStore:
     ) -> Acquired | Held:
         now = _now_ms()
         expires = now + ttl_ms
+        if cur.execute(_WAITERS_ANY, (ns, key)).fetchone() is not None:
+            return self._acquire_queued(cur, ns, key, owner, ttl_ms, now)
         row = cur.execute(_ACQUIRE, (ns, key, owner, expires, now)).fetchone()
         if row is not None:
             return Acquired(row[0], expires, ttl_ms)
+        return self._busy(cur, ns, key, owner, ttl_ms, now)
+
+    def _busy(
+        self, cur: sqlite3.Cursor, ns: str, key: str, owner: str, ttl_ms: int, now: int
+    ) -> Acquired | Held:
         rec = self._lock_rec(cur.execute(_LOCK_GET, (ns, key)).fetchone(), ns, key)
         # Row lock.busy (the statement took lock.acquire and lock.reacquire).
         reply: Acquired | Held = apply_lock(
             "acquire", rec, now, {"owner": owner, "ttl_ms": ttl_ms}, _no_new_fence
         )[2]
+        if type(reply) is Held:
+            self._register(cur, ns, key, owner, now, reply.ttl_ms)
         return reply
+
+    # The fair queue: a waiter (a caller whose process is subscribed to the key) is
+    # queued with every refused attempt; a free lock is reserved for the oldest waiter
+    # that asked twice (a one-shot try never is), and only it may take the lock.
+
+    def _register(
+        self, cur: sqlite3.Cursor, ns: str, key: str, owner: str, now: int, wait_ms: int
+    ) -> None:
+        if (self.path, "lock", ns, key) not in _HUB._subs:
+            return  # nobody in this process waits: a one-shot try
+        poll_ms = int(self.poll_cap * 1000)
+        until = now + min(wait_ms + 1, poll_ms) + REGISTER_SLACK_MS
+        cur.execute(_WAITER_REGISTER, (ns, key, owner, os.getpid(), until))
+
+    def _acquire_queued(
+        self, cur: sqlite3.Cursor, ns: str, key: str, owner: str, ttl_ms: int, now: int
+    ) -> Acquired | Held:
+        rec = self._lock_rec(cur.execute(_LOCK_GET, (ns, key)).fetchone(), ns, key)
+        if rec is None or rec.expires_ms <= now:
+            chosen, window = self._choose(cur, ns, key, now)
+            args = {"owner": owner, "ttl_ms": ttl_ms}
+            if (
+                chosen is not None
+                and decide("acquire", "reserved", _Chosen(chosen), args).reply is HELD
+            ):
+                # lock.handoff: kept for the chosen waiter
+                self._register(cur, ns, key, owner, now, window - now)
+                return Held(window, window - now)
+        expires = now + ttl_ms
+        row = cur.execute(_ACQUIRE, (ns, key, owner, expires, now)).fetchone()
+        if row is None:
+            return self._busy(cur, ns, key, owner, ttl_ms, now)
+        cur.execute(_WAITER_DROP, (ns, key, owner))  # lock.handoff.take / lock.acquire
+        return Acquired(row[0], expires, ttl_ms)
+
+    def _choose(self, cur: sqlite3.Cursor, ns: str, key: str, now: int) -> tuple[str | None, int]:
+        """The waiter a free lock is reserved for and the window's end, choosing (and
+        waking) the oldest live one when no window is open; (None, 0) if none."""
+        head = None
+        for owner, pid, until, tries, window in cur.execute(_WAITERS, (ns, key)).fetchall():
+            if window > now:
+                return owner, window
+            if window > 0 or until <= now or self._gone(pid, ns, key):
+                # its window passed untaken, or it stopped asking: it lost its turn
+                cur.execute(_WAITER_DROP, (ns, key, owner))
+            elif head is None and tries > 1:
+                head = owner
+        if head is None:
+            return None, 0
+        window = now + HANDOFF_MS
+        cur.execute(_WAITER_CHOOSE, (ns, key, head, window))
+        _HUB.notify((self.path, "lock", ns, key))  # the waiter re-checks after our commit
+        return head, window
+
+    def _gone(self, pid: object, ns: str, key: str) -> bool:
+        """Whether a waiter's process has stopped waiting: this process without a
+        subscriber to the key, or a process that has exited (a SQLite file is local)."""
+        if type(pid) is not int:
+            return True
+        if pid == os.getpid():
+            return (self.path, "lock", ns, key) not in _HUB._subs
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:  # alive, owned by another user
+            return False
+        return False
 
     def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
         return self._write(self._acquire, ns, key, owner, ttl_ms)
@@ -457,7 +555,7 @@ class SQLiteStore:
 
     def break_lock(self, ns: str, key: str) -> bool:
         """Free the lock whoever holds it (``lock.break``); True if it was held."""
-        if self._write(_break, ns, key):
+        if self._write(_break_and_unchoose, ns, key):
             _HUB.notify((self.path, "lock", ns, key))
             return True
         return False
@@ -536,6 +634,22 @@ class SQLiteStore:
         The store cannot be used afterwards."""
         self._closed = True
         self._drain()
+
+
+class _Chosen:
+    """A reservation as the state table's guard ``not_chosen`` reads it."""
+
+    __slots__ = ("chosen",)
+
+    def __init__(self, chosen: str) -> None:
+        self.chosen = chosen
+
+
+def _break_and_unchoose(cur: sqlite3.Cursor, ns: str, key: str) -> bool:
+    held = _break(cur, ns, key)
+    if not held:
+        cur.execute(_WAITERS_UNCHOOSE, (ns, key))  # lock.break.free: reserved -> free
+    return held
 
 
 def _int_or_0(value: object) -> int:

@@ -16,6 +16,7 @@ from ._sql import (
     _PURGE_CLAIMS,
     _PURGE_FLOOR,
     _PURGE_LOCKS,
+    _PURGE_WAITERS,
     _RELEASE,
     _RENEW,
 )
@@ -81,4 +82,5 @@ def _purge(cur: sqlite3.Cursor) -> int:
     cur.execute(_PURGE_FLOOR, (now,))
     removed: int = cur.execute(_PURGE_CLAIMS, (now,)).rowcount
     removed += cur.execute(_PURGE_LOCKS, (now,)).rowcount
+    cur.execute(_PURGE_WAITERS, (now,))  # lapsed registrations: not records, not counted
     return removed
