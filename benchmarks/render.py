@@ -322,15 +322,14 @@ def markdown(data: dict[str, Any], png_name: str | None) -> str:
         "tests do); it starts and removes its own servers (`tests/servers/`, the tests' "
         "own). The figures above are in `docs/benchmarks.json`.",
         "",
-        "Layout of `benchmarks/`: `subjects.py` has one adapter per store (its raw "
-        "baseline, idemlock's API and store port, the peers); `scenarios.py` has each "
+        "Layout of `benchmarks/`: `subjects/` has one adapter per store (how to open "
+        "it, its raw baseline), idemlock's own subjects and the peers'; `scenarios.py` has each "
         "scenario once (pairs, asyncio fan-out, the job, contention, single waiter, Redis "
         "memory); `report.py` runs them interleaved and writes the JSON; `render.py` turns "
         "it into this page and the chart; `goals.py` measures issue 13's goals; "
         "`chaos.py` is the fault injector's command over `faults/`, whose queue, workers "
-        "and killer are `idemlock._faults`, shared with `idemlock demo`; `bench_etcd.py`, "
-        "`bench_heartbeats.py`, `bench_hooks.py` and `bench_results.py` measure one thing "
-        "each.",
+        "and killer are `idemlock._faults`, shared with `idemlock demo`; `costs.py` "
+        "measures one feature's cost each (etcd, heartbeats, hooks, results).",
         "",
     ]
     return "\n".join(out)
