@@ -273,7 +273,11 @@ class AsyncPlumbing:
             conn = pool.connection_class(**pool.connection_kwargs)
 
         async def once() -> Any:
-            await conn.send_packed_command(packed)
+            writer = getattr(conn, "_writer", None)
+            if writer is None or conn.health_check_interval:
+                await conn.send_packed_command(packed)  # connects, checks health
+            else:
+                await _write(conn, writer, packed)
             return await conn.read_response(disable_decoding=True)
 
         async def failed(_: Exception) -> None:
@@ -429,6 +433,25 @@ class AsyncPlumbing:
         if st.owned:
             with contextlib.suppress(*_ERRORS):
                 await st.client.aclose()
+
+
+async def _write(conn: Any, writer: asyncio.StreamWriter, packed: bytes) -> None:
+    """What redis-py's ``send_packed_command`` does on a live connection, without its
+    ``asyncio.wait_for`` around every write (a task per call on Python 3.11): the
+    socket takes a command at once nearly always, so only a write that has to wait
+    for the buffer to drain is bounded, by the socket timeout as there."""
+    import redis.exceptions as rx
+
+    try:
+        writer.write(packed)
+        if writer.transport.get_write_buffer_size():
+            await asyncio.wait_for(writer.drain(), conn.socket_timeout)
+    except asyncio.TimeoutError:
+        await conn.disconnect(nowait=True)
+        raise rx.TimeoutError("Timeout writing to socket") from None
+    except OSError as exc:
+        await conn.disconnect(nowait=True)
+        raise rx.ConnectionError(f"Error while writing to socket: {exc}") from exc
 
 
 def _max_connections(client: Any) -> int:
