@@ -96,24 +96,10 @@ for _p in (str(HERE), str(ROOT / "src"), str(ROOT)):
         sys.path.insert(0, _p)
 
 
-from faults import (  # noqa: E402
-    KINDS,
-    LOCK_PRESETS,
-    PRESETS,
-    STORES,
-    WORKLOADS,
-)
-from faults.locks import (  # noqa: E402
-    LockRun,
-    check_lock_history,
-)
-from faults.render import (  # noqa: E402
-    render,
-)
-from faults.run import (  # noqa: E402
-    Options,
-    Run,
-)
+from faults import KINDS, LOCK_PRESETS, PRESETS, STORES, WORKLOADS  # noqa: E402
+from faults.locks import LockRun, check_lock_history  # noqa: E402
+from faults.render import render  # noqa: E402
+from faults.run import Options, Run  # noqa: E402
 
 __all__ = ["check_lock_history", "main"]
 

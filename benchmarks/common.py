@@ -226,28 +226,6 @@ class Results:
              "status": status, "why": why}
         )  # fmt: skip
 
-    def get(self, scenario: str, op: str, store: str, subject: str) -> dict[str, Any] | None:
-        for row in self.rows:
-            if (row["scenario"], row["operation"], row["store"], row["subject"]) == (
-                scenario,
-                op,
-                store,
-                subject,
-            ):
-                return row
-        return None
-
-    def missing(self, scenario: str, op: str, store: str, subject: str) -> str | None:
-        for row in self.not_run:
-            if (row["scenario"], row["operation"], row["store"], row["subject"]) == (
-                scenario,
-                op,
-                store,
-                subject,
-            ):
-                return row["status"]
-        return None
-
 
 def _why(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}".replace("\n", " ")

@@ -67,13 +67,9 @@ from common import (  # noqa: E402
     new_prefix,
     version,
 )
-from render import (  # noqa: E402
-    fmt_rate,
-)
-from scenarios import (  # noqa: E402
-    Contenders,
-    contend_threads,
-)
+from common import ratio as ratios  # noqa: E402
+from render import fmt_rate  # noqa: E402
+from scenarios import Contenders, contend_threads  # noqa: E402
 from subjects import (  # noqa: E402
     PgBench,
     RedisBench,
@@ -160,10 +156,6 @@ def at_most(value: float, goal: float, unit: str, what: str = "") -> list[str]:
 
 def rate(v: float) -> str:
     return fmt_rate(v) + "/s"
-
-
-def ratios(rates: Rates, num: str, den: str) -> float:
-    return statistics.median(a / b for a, b in zip(rates[num], rates[den], strict=True))
 
 
 def median(rates: Rates, name: str) -> float:

@@ -4,85 +4,45 @@ from __future__ import annotations
 
 from typing import Any
 
-from faults import (
-    KINDS,
-    LOCK_KINDS,
-    STORE_KINDS,
-)
+from faults import KINDS, LOCK_KINDS, STORE_KINDS
 
 # ---- output -----------------------------------------------------------------------------
 
-COLUMNS = [
-    ("store", 24),
-    ("mode", 8),
-    ("jobs", 5),
-    ("kill", 5),
-    ("stop", 5),
-    ("restart", 7),
-    ("cut", 4),
-    ("blackhole", 9),
-    ("repeated effects", 16),
-    ("stale refused", 13),
-    ("stale accepted", 14),
-    ("viol.", 5),
-]
+
+def _faults(r: dict[str, Any], applies: dict[str, tuple[str, ...]]) -> list[str]:
+    return [str(r["faults"][k]) if k in applies[r["store"]] else "-" for k in KINDS]
+
+
+#: (header, width) of each column, then the cells of a report
+COLUMNS = [("store", 24), ("mode", 8), ("jobs", 5), ("kill", 5), ("stop", 5), ("restart", 7),
+           ("cut", 4), ("blackhole", 9), ("repeated effects", 16), ("stale refused", 13),
+           ("stale accepted", 14), ("viol.", 5)]  # fmt: skip
+LOCK_COLUMNS = [("store", 24), ("mode", 8), ("holds", 6), ("writes", 7), ("kill", 5),
+                ("stop", 5), ("restart", 7), ("cut", 4), ("blackhole", 9), ("accepted", 8),
+                ("stale refused", 13), ("unknown", 7), ("leases lost", 11),
+                ("viol.", 5)]  # fmt: skip
 
 
 def row_of(r: dict[str, Any]) -> list[str]:
     store = r["store"] + (" (same tx)" if r["same_transaction"] else "")
-    f = r["faults"]
-    applies = STORE_KINDS[r["store"]]
-    return [
-        store,
-        r["mode"],
-        str(r["jobs"]),
-        *(str(f[k]) if k in applies else "-" for k in KINDS),
-        str(r["repeated_effects"]),
-        str(r["stale_writes_refused"]),
-        str(r["stale_writes_accepted"]),
-        str(r["violations_total"]),
-    ]
-
-
-LOCK_COLUMNS = [
-    ("store", 24),
-    ("mode", 8),
-    ("holds", 6),
-    ("writes", 7),
-    ("kill", 5),
-    ("stop", 5),
-    ("restart", 7),
-    ("cut", 4),
-    ("blackhole", 9),
-    ("accepted", 8),
-    ("stale refused", 13),
-    ("unknown", 7),
-    ("leases lost", 11),
-    ("viol.", 5),
-]
+    return [store, r["mode"], str(r["jobs"]), *_faults(r, STORE_KINDS)] + [
+        str(r[k]) for k in ("repeated_effects", "stale_writes_refused",
+                            "stale_writes_accepted", "violations_total")]  # fmt: skip
 
 
 def lock_row_of(r: dict[str, Any]) -> list[str]:
-    f = r["faults"]
-    applies = LOCK_KINDS[r["store"]]
-    return [
-        r["store"],
-        r["mode"],
-        str(r["holds"]),
-        str(r["writes"]),
-        *(str(f[k]) if k in applies else "-" for k in KINDS),
-        str(r["writes_accepted"]),
-        str(r["stale_writes_refused"]),
-        str(r["writes_unknown"]),
-        str(r["leases_lost"]),
-        str(r["violations_total"]),
-    ]
+    return [r["store"], r["mode"], str(r["holds"]), str(r["writes"]),
+            *_faults(r, LOCK_KINDS)] + [str(r[k]) for k in (
+        "writes_accepted", "stale_writes_refused", "writes_unknown", "leases_lost",
+        "violations_total")]  # fmt: skip
 
 
-def _table(columns: list[tuple[str, int]], rows: list[list[str]]) -> list[str]:
+def _table(columns: list[tuple[str, int]], rows: list[list[str]], left: int = 1) -> list[str]:
+    """Columns padded to their widths; the first ``left`` ones left-aligned."""
+
     def line(cells: list[str]) -> str:
         return " ".join(
-            c.rjust(w) if i > 0 else c.ljust(w)
+            c.rjust(w) if i >= left else c.ljust(w)
             for i, (c, (_, w)) in enumerate(zip(cells, columns, strict=True))
         )
 
@@ -117,18 +77,7 @@ def render(reports: list[dict[str, Any]]) -> str:
     reports = [r for r in reports if r.get("workload") != "lock"]
     if not reports:
         return "\n".join(render_locks(locks))
-    head = " ".join(
-        name.rjust(w) if i > 1 else name.ljust(w) for i, (name, w) in enumerate(COLUMNS)
-    )
-    lines = [head, "-" * len(head)]
-    for r in reports:
-        cells = row_of(r)
-        lines.append(
-            " ".join(
-                c.rjust(w) if i > 1 else c.ljust(w)
-                for i, (c, (_, w)) in enumerate(zip(cells, COLUMNS, strict=True))
-            )
-        )
+    lines = _table(COLUMNS, [row_of(r) for r in reports], left=2)
     lines.append("")
     for r in reports:
         ev = r["worker_events"]

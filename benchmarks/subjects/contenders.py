@@ -12,26 +12,12 @@ from datetime import timedelta
 from typing import Any
 
 import psycopg
-from common import (
-    BASE,
-    LOCK,
-    OURS,
-    PRL,
-    RPY,
-)
+from common import BASE, LOCK, OURS, PRL, RPY
 
 import idemlock
 import idemlock.aio
-from subjects.redis import (
-    UNLOCK_LUA,
-    redis_client,
-)
-from subjects.sqlite import (
-    SQ_DELETE_LOCK,
-    SQ_INSERT_LOCK,
-    SQ_NS,
-    sq_open_raw,
-)
+from subjects.redis import UNLOCK_LUA, redis_client
+from subjects.sqlite import SQ_DELETE_LOCK, SQ_INSERT_LOCK, SQ_NS, sq_open_raw
 
 
 def _lock_id(key: str) -> int:

@@ -13,10 +13,7 @@ import redis
 import redis.asyncio
 import redis.asyncio.cluster
 import redis.cluster
-from common import (
-    RESULT,
-    SyncFn,
-)
+from common import RESULT, SyncFn
 
 
 def redispy_lock_pairs(r: redis.Redis, name: str = "peer:redis-py") -> Callable[[int], None]:
