@@ -12,9 +12,9 @@ from idemlock._faults.queue import JOBS_PG, JOBS_SQLITE, statements
 
 # ---- the effects database: queue, effects, log ------------------------------------------
 
-PG_SCHEMA = (
-    JOBS_PG
-    + """
+#: one schema for both databases: SQLite takes PostgreSQL's type names (by affinity)
+#: but for the auto-numbered key, whose ids give the order of acceptance
+SCHEMA = """
 CREATE TABLE IF NOT EXISTS effects (
     job_id integer PRIMARY KEY,
     fence bigint NOT NULL,
@@ -22,35 +22,14 @@ CREATE TABLE IF NOT EXISTS effects (
     worker text NOT NULL
 );
 CREATE TABLE IF NOT EXISTS effect_log (
-    id bigserial PRIMARY KEY,
+    id {serial},
     job_id integer NOT NULL,
     fence bigint NOT NULL,
     worker text NOT NULL,
     accepted boolean NOT NULL
 );
 """
-)
-
-SQLITE_SCHEMA = (
-    JOBS_SQLITE
-    + """
-CREATE TABLE IF NOT EXISTS effects (
-    job_id INTEGER PRIMARY KEY,
-    fence INTEGER NOT NULL,
-    value TEXT NOT NULL,
-    worker TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS effect_log (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    job_id INTEGER NOT NULL,
-    fence INTEGER NOT NULL,
-    worker TEXT NOT NULL,
-    accepted INTEGER NOT NULL
-);
-"""
-)
-
-LOCK_PG_SCHEMA = """
+LOCK_SCHEMA = """
 CREATE TABLE IF NOT EXISTS lock_fence (
     resource text PRIMARY KEY,
     token bigint NOT NULL,                         -- the highest token accepted
@@ -58,7 +37,7 @@ CREATE TABLE IF NOT EXISTS lock_fence (
     seq integer NOT NULL
 );
 CREATE TABLE IF NOT EXISTS lock_log (
-    id bigserial PRIMARY KEY,                      -- SQL fences: the order of acceptance
+    id {serial},                      -- SQL fences: the order of acceptance
     resource text NOT NULL,
     holder text NOT NULL,
     token bigint NOT NULL,
@@ -70,7 +49,7 @@ CREATE TABLE IF NOT EXISTS lock_log (
     remaining double precision NOT NULL            -- lease.remaining() then
 );
 CREATE TABLE IF NOT EXISTS lock_holds (
-    id bigserial PRIMARY KEY,
+    id {serial},
     resource text NOT NULL,
     holder text NOT NULL,
     token bigint NOT NULL,
@@ -78,35 +57,10 @@ CREATE TABLE IF NOT EXISTS lock_holds (
     t_after double precision NOT NULL              -- when its body started
 );
 """
-
-LOCK_SQLITE_SCHEMA = """
-CREATE TABLE IF NOT EXISTS lock_fence (
-    resource TEXT PRIMARY KEY,
-    token INTEGER NOT NULL,
-    holder TEXT NOT NULL,
-    seq INTEGER NOT NULL
-);
-CREATE TABLE IF NOT EXISTS lock_log (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    resource TEXT NOT NULL,
-    holder TEXT NOT NULL,
-    token INTEGER NOT NULL,
-    seq INTEGER NOT NULL,
-    t_sent REAL NOT NULL,
-    t_done REAL,
-    accepted INTEGER,
-    lost INTEGER NOT NULL,
-    remaining REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS lock_holds (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    resource TEXT NOT NULL,
-    holder TEXT NOT NULL,
-    token INTEGER NOT NULL,
-    t_before REAL NOT NULL,
-    t_after REAL NOT NULL
-);
-"""
+PG_SCHEMA = JOBS_PG + SCHEMA.format(serial="bigserial PRIMARY KEY")
+SQLITE_SCHEMA = JOBS_SQLITE + SCHEMA.format(serial="INTEGER PRIMARY KEY AUTOINCREMENT")
+LOCK_PG_SCHEMA = LOCK_SCHEMA.format(serial="bigserial PRIMARY KEY")
+LOCK_SQLITE_SCHEMA = LOCK_SCHEMA.format(serial="INTEGER PRIMARY KEY AUTOINCREMENT")
 
 LOCK_LOG = (
     "INSERT INTO lock_log (resource, holder, token, seq, t_sent, t_done, accepted, lost, "

@@ -10,11 +10,7 @@ from typing import Any
 from faults import (
     GATED,
     KINDS,
-    NETWORK_KINDS,
     SLACK,
-)
-from faults.effects import (
-    FxError,
 )
 from faults.run import (
     Run,
@@ -67,18 +63,7 @@ class LockRun(Run):
                 self.wake_due()
                 self.reap()
                 if self.kinds and now >= next_fault:
-                    if not order:
-                        order = list(self.kinds)
-                        self.rng.shuffle(order)
-                    if self.inject(order[0]):
-                        order.pop(0)
-                        gap = self.rng.expovariate(1 / opts.fault_every)
-                    elif order[0] in NETWORK_KINDS:
-                        order.pop(0)  # nothing connected: skipped this round, not counted
-                        gap = 0.0
-                    else:
-                        gap = 0.01  # nobody holds a lock right now: try again shortly
-                    next_fault = time.monotonic() + gap
+                    next_fault = self.next_fault(order)
                 time.sleep(0.005)
             self.outcome.seconds = time.monotonic() - start
             self.heal_store()
@@ -95,16 +80,7 @@ class LockRun(Run):
             workers.close()
 
     def check(self) -> dict[str, Any]:
-        assert self.fx is not None
-        deadline = time.monotonic() + 30
-        while True:  # the store's PostgreSQL may still be recovering from a crash
-            try:
-                snap = self.fx.lock_snapshot()
-                break
-            except FxError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        snap = self.snapshot(self.fx.lock_snapshot if self.fx else None)
         exact = self.store not in GATED or self.mode == "plain"
         found = check_lock_history(snap["holds"], snap["log"], exact=exact)
         violations: Counter[str] = found.pop("violations")
@@ -115,16 +91,13 @@ class LockRun(Run):
             for kind in ("stale_write_accepted", "writes_interleaved"):
                 unfenced[kind] = violations.pop(kind, 0)
             examples = [e for e in examples if e.split(":")[0] not in unfenced]
-        for text in self.outcome.worker_exits:
-            violations["worker_crashed"] += 1
+
+        def bad(kind: str, text: str) -> None:
+            violations[kind] += 1
             if len(examples) < 10:
-                examples.append(f"worker_crashed: {text}")
-        events = self.events()
-        for event, n in events.items():
-            if event.startswith("unexpected:"):
-                violations["unexpected_error"] += n
-                if len(examples) < 10:
-                    examples.append(f"unexpected_error: {n} x {event[11:]}")
+                examples.append(f"{kind}: {text}")
+
+        events = self.worker_problems(bad, violations, examples)
         late: list[float] = []  # told how long after the deadline, holder not paused
         paused_late: list[float] = []
         for path in (self.root / "stats").glob("*.lost"):

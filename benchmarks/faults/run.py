@@ -317,6 +317,24 @@ class Run:
             self.say(f"  {time.time():.3f} {kind}: {detail} ({took:.3f}s)")
         return True
 
+    def next_fault(self, order: list[str], restarts: bool = True) -> float:
+        """Inject the next fault of a shuffled round of every kind; when the one after."""
+        if not order:
+            order += self.kinds
+            self.rng.shuffle(order)
+        if order[0] == "restart" and not restarts:
+            order.pop(0)  # skipped, not counted: the next kind goes next tick
+            gap = 0.0
+        elif self.inject(order[0]):
+            order.pop(0)
+            gap = self.rng.expovariate(1 / self.opts.fault_every)
+        elif order[0] in NETWORK_KINDS:
+            order.pop(0)  # nothing connected (plain mode never uses Redis): skipped
+            gap = 0.0
+        else:
+            gap = 0.01  # nobody to do it to yet (or no lock held): try again shortly
+        return time.monotonic() + gap
+
     def redeliver(self, worker: str) -> None:
         assert self.fx is not None
         # As a broker does when the consumer's connection drops.
@@ -374,22 +392,7 @@ class Run:
                 self.wake_due()
                 self.reap()
                 if self.kinds and now >= next_fault and now < faults_until:
-                    if not order:
-                        order = list(self.kinds)
-                        self.rng.shuffle(order)
-                    if order[0] == "restart" and now >= lossy_until:
-                        order.pop(0)  # skipped, not counted: the next kind goes next tick
-                        gap = 0.0
-                    elif self.inject(order[0]):
-                        order.pop(0)
-                        gap = self.rng.expovariate(1 / opts.fault_every)
-                    elif order[0] in NETWORK_KINDS:
-                        # Nothing connected (plain mode never uses Redis): skip this round.
-                        order.pop(0)
-                        gap = 0.0
-                    else:
-                        gap = 0.01  # nobody to do it to yet: try again shortly
-                    next_fault = time.monotonic() + gap
+                    next_fault = self.next_fault(order, restarts=now < lossy_until)
                 if now >= next_check and now >= faults_until:
                     next_check = now + 0.2
                     if self.undone() == 0:
@@ -414,16 +417,7 @@ class Run:
     # -- checks ---------------------------------------------------------------------------
 
     def check(self) -> dict[str, Any]:
-        assert self.fx is not None
-        deadline = time.monotonic() + 30
-        while True:  # the store's PostgreSQL may still be recovering from a crash
-            try:
-                snap = self.fx.snapshot()
-                break
-            except FxError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        snap = self.snapshot(self.fx.snapshot if self.fx else None)
         violations: Counter[str] = Counter()
         examples: list[str] = []
 
@@ -466,14 +460,7 @@ class Run:
         lost = 0
         if self.mode == "idemlock":
             lost = self.check_store(jobs, effects, bad)
-        for text in self.outcome.worker_exits:
-            bad("worker_crashed", text)
-        events = self.events()
-        for event, n in events.items():
-            if event.startswith("unexpected:"):
-                violations["unexpected_error"] += n
-                if len(examples) < 10:
-                    examples.append(f"unexpected_error: {n} x {event[11:]}")
+        events = self.worker_problems(bad, violations, examples)
         if not self.outcome.drained:
             bad("not_drained", f"jobs still undone after {self.outcome.seconds:.0f}s")
         return {
@@ -499,6 +486,32 @@ class Run:
             "violations_total": sum(violations.values()),
             "examples": examples,
         }
+
+    def snapshot(self, read: Callable[[], dict[str, Any]] | None) -> dict[str, Any]:
+        """The effects database's data (its PostgreSQL may still be recovering from a
+        crash: retried for 30 s)."""
+        assert read is not None
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                return read()
+            except FxError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def worker_problems(self, bad: Callable[[str, str], None], violations: Counter[str],
+                        examples: list[str]) -> Counter[str]:  # fmt: skip
+        """Workers that crashed and errors they did not expect; their event counts."""
+        for text in self.outcome.worker_exits:
+            bad("worker_crashed", text)
+        events = self.events()
+        for event, n in events.items():
+            if event.startswith("unexpected:"):
+                violations["unexpected_error"] += n
+                if len(examples) < 10:
+                    examples.append(f"unexpected_error: {n} x {event[11:]}")
+        return events
 
     def check_store(
         self,

@@ -162,15 +162,23 @@ def port_claim_pairs(coord: idemlock.Coordinator) -> SyncFn:
 
 @contextlib.contextmanager
 def count_redis_requests() -> Iterator[Callable[[], int]]:
-    """Requests redis-py writes to its sockets (sync and asyncio): one per command, one
-    per pipeline. Counted on the client because the server's INFO commandstats also
-    counts every command a Lua script calls, which is no round trip."""
+    """Requests written to Redis sockets (redis-py's, sync and asyncio, and the asyncio
+    store's own writes): one per command, one per pipeline. Counted on the client
+    because the server's INFO commandstats also counts every command a Lua script calls,
+    which is no round trip."""
     import redis.asyncio.connection as aconn
     import redis.connection as sconn
+
+    from idemlock.stores.redis import _plumbing_async as fast
 
     box = [0]
     s_orig = sconn.AbstractConnection.send_packed_command
     a_orig = aconn.AbstractConnection.send_packed_command
+    f_orig = fast._write  # the asyncio store's own write, past redis-py's command layer
+
+    async def f_send(conn: Any, writer: Any, packed: bytes) -> None:
+        box[0] += 1
+        await f_orig(conn, writer, packed)
 
     def s_send(self: Any, command: Any, check_health: bool = True) -> Any:
         box[0] += 1
@@ -182,11 +190,13 @@ def count_redis_requests() -> Iterator[Callable[[], int]]:
 
     sconn.AbstractConnection.send_packed_command = s_send  # type: ignore[method-assign]
     aconn.AbstractConnection.send_packed_command = a_send  # type: ignore[method-assign]
+    fast._write = f_send
     try:
         yield lambda: box[0]
     finally:
         sconn.AbstractConnection.send_packed_command = s_orig  # type: ignore[method-assign]
         aconn.AbstractConnection.send_packed_command = a_orig  # type: ignore[method-assign]
+        fast._write = f_orig
 
 
 @contextlib.contextmanager
