@@ -29,29 +29,35 @@ class _ForkGate:
     So fork waits (at most ``FORK_WAIT`` seconds) for calls in progress, and calls wait
     while a fork is under way."""
 
-    __slots__ = ("_active", "_cond", "_forking")
+    __slots__ = ("_active", "_forking", "_idle", "_lock")
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._init()
+
+    def _init(self) -> None:
+        # Entered as the bare lock (C code) on the hot path, not through the
+        # Condition's Python-level __enter__; the Condition shares that lock.
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
         self._active = 0
         self._forking = False
 
     def enter(self) -> None:
-        with self._cond:
+        with self._lock:
             while self._forking:
-                self._cond.wait()
+                self._idle.wait()
             self._active += 1
 
     def leave(self) -> None:
-        with self._cond:
+        with self._lock:
             self._active -= 1
             if self._forking and self._active == 0:
-                self._cond.notify_all()
+                self._idle.notify_all()
 
     def before_fork(self) -> None:
-        self._cond.acquire()
+        self._lock.acquire()
         self._forking = True
-        if not self._cond.wait_for(lambda: self._active == 0, FORK_WAIT):
+        if not self._idle.wait_for(lambda: self._active == 0, FORK_WAIT):
             log.warning(
                 "fork() while a SQLite call was still running after %gs: the child may "
                 "find the database locked",
@@ -62,14 +68,12 @@ class _ForkGate:
 
     def after_fork_in_parent(self) -> None:
         self._forking = False
-        self._cond.notify_all()
-        self._cond.release()
+        self._idle.notify_all()
+        self._lock.release()
 
     def after_fork_in_child(self) -> None:
         # Calls of the parent's other threads do not exist here.
-        self._cond = threading.Condition(threading.Lock())
-        self._active = 0
-        self._forking = False
+        self._init()
 
 
 #: how long fork() waits for SQLite calls in progress to end

@@ -41,6 +41,7 @@ from ._fork import GATE as _GATE
 from ._fork import STORES as _STORES
 from ._sql import (
     _ACQUIRE,
+    _ACQUIRE_UNQUEUED,
     _BEGIN,
     _CLAIM_GET,
     _CLAIM_NEW,
@@ -62,7 +63,6 @@ from ._sql import (
     _WAITER_DROP,
     _WAITER_REGISTER,
     _WAITERS,
-    _WAITERS_ANY,
     _WAITERS_UNCHOOSE,
     DEFAULT_BUSY_TIMEOUT,
     MAX_IDLE,
@@ -457,24 +457,10 @@ class SQLiteStore:
     ) -> Acquired | Held:
         now = _now_ms()
         expires = now + ttl_ms
-        if cur.execute(_WAITERS_ANY, (ns, key)).fetchone() is not None:
-            return self._acquire_queued(cur, ns, key, owner, ttl_ms, now)
-        row = cur.execute(_ACQUIRE, (ns, key, owner, expires, now)).fetchone()
+        row = cur.execute(_ACQUIRE_UNQUEUED, (ns, key, owner, expires, now)).fetchone()
         if row is not None:
             return Acquired(row[0], expires, ttl_ms)
-        return self._busy(cur, ns, key, owner, ttl_ms, now)
-
-    def _busy(
-        self, cur: sqlite3.Cursor, ns: str, key: str, owner: str, ttl_ms: int, now: int
-    ) -> Acquired | Held:
-        rec = self._lock_rec(cur.execute(_LOCK_GET, (ns, key)).fetchone(), ns, key)
-        # Row lock.busy (the statement took lock.acquire and lock.reacquire).
-        reply: Acquired | Held = apply_lock(
-            "acquire", rec, now, {"owner": owner, "ttl_ms": ttl_ms}, _no_new_fence
-        )[2]
-        if type(reply) is Held:
-            self._register(cur, ns, key, owner, now, reply.ttl_ms)
-        return reply
+        return self._acquire_queued(cur, ns, key, owner, ttl_ms, now)
 
     # The fair queue: a waiter (a caller whose process is subscribed to the key) is
     # queued with every refused attempt; a free lock is reserved for the oldest waiter
@@ -492,21 +478,27 @@ class SQLiteStore:
     def _acquire_queued(
         self, cur: sqlite3.Cursor, ns: str, key: str, owner: str, ttl_ms: int, now: int
     ) -> Acquired | Held:
+        """The lock is held by another owner, or free with waiters queued."""
         rec = self._lock_rec(cur.execute(_LOCK_GET, (ns, key)).fetchone(), ns, key)
-        if rec is None or rec.expires_ms <= now:
-            chosen, window = self._choose(cur, ns, key, now)
-            args = {"owner": owner, "ttl_ms": ttl_ms}
-            if (
-                chosen is not None
-                and decide("acquire", "reserved", _Chosen(chosen), args).reply is HELD
-            ):
-                # lock.handoff: kept for the chosen waiter
-                self._register(cur, ns, key, owner, now, window - now)
-                return Held(window, window - now)
+        args = {"owner": owner, "ttl_ms": ttl_ms}
+        if rec is not None and rec.expires_ms > now:
+            # Row lock.busy (the statement took lock.acquire and lock.reacquire).
+            reply: Acquired | Held = apply_lock("acquire", rec, now, args, _no_new_fence)[2]
+            if type(reply) is Held:
+                self._register(cur, ns, key, owner, now, reply.ttl_ms)
+            return reply
+        chosen, window = self._choose(cur, ns, key, now)
+        if (
+            chosen is not None
+            and decide("acquire", "reserved", _Chosen(chosen), args).reply is HELD
+        ):
+            # lock.handoff: kept for the chosen waiter
+            self._register(cur, ns, key, owner, now, window - now)
+            return Held(window, window - now)
         expires = now + ttl_ms
         row = cur.execute(_ACQUIRE, (ns, key, owner, expires, now)).fetchone()
-        if row is None:
-            return self._busy(cur, ns, key, owner, ttl_ms, now)
+        if row is None:  # pragma: no cover - the lock was read free in this transaction
+            raise AssertionError("a free lock refused an acquire")
         cur.execute(_WAITER_DROP, (ns, key, owner))  # lock.handoff.take / lock.acquire
         return Acquired(row[0], expires, ttl_ms)
 
