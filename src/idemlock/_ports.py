@@ -9,6 +9,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ._coordinator import CoordinatorBase
+from ._core.events import answered
 from ._core.flows import Renewal, RenewState
 from ._core.keys import validate_key
 from ._core.port import Acquired, Held, LockRow
@@ -323,7 +324,7 @@ class LockBase(Emitter):
 
     def _finish_release(self, lease: Lease, ok: bool, t0: float) -> bool:
         self._mark_released(lease)
-        self._emit("release", "ok" if ok else "not_held", t0)
+        self._emit("release", answered("release", ok), t0)
         return ok
 
     def _break_args(self, key: str, token: int | None) -> tuple[str, str, int | None]:
@@ -338,7 +339,7 @@ class LockBase(Emitter):
         return row.owner, token
 
     def _finish_break(self, ok: bool, t0: float) -> bool:
-        self._emit("break", "broken" if ok else "not_held", t0)
+        self._emit("break", answered("break", ok), t0)
         return ok
 
     def _renew_state(self, lease: Lease, on_lost: Callable[[Lease], object] | None) -> RenewState:
@@ -389,7 +390,7 @@ class LockBase(Emitter):
     def _finish_renew(
         self, lease: Lease, sent: float, ttl_ms: int, new_exp: int | None, t0: float = 0.0
     ) -> bool:
-        self._emit("renew", "failed" if new_exp is None else "ok", t0)
+        self._emit("renew", answered("renew", new_exp is not None), t0)
         if new_exp is None:
             lease.lost = True
             return False

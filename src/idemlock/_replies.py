@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._core import table
+from ._core.events import answered
 from ._core.port import Busy, ClaimReply, Done, Granted, Mismatch, RecordRow
 from ._core.types import (
     Claim,
@@ -19,7 +21,13 @@ from ._errors import InFlightError, PayloadMismatch
 from ._events import Emitter
 from ._sealing import RecordSealing
 
-_CLAIM_OUTCOME = {"claimed": "claimed", "in_flight": "in_flight", "completed": "replayed"}
+#: port reply type -> the claim event's outcome, as the table names it
+_CLAIM_OUTCOME: dict[type, str] = {
+    Granted: table.outcome("claim", table.GRANTED),
+    Busy: table.outcome("claim", table.BUSY),
+    Done: table.outcome("claim", table.DONE),
+    Mismatch: table.outcome("claim", table.MISMATCH),
+}
 
 
 class ClaimReplies(Emitter, RecordSealing):
@@ -29,12 +37,13 @@ class ClaimReplies(Emitter, RecordSealing):
         self, key: str, reply: ClaimReply, load: Any = None, t0: float = 0.0, skey: str = ""
     ) -> Claim:
         if self._coord._hooks:
+            outcome = _CLAIM_OUTCOME[type(reply)]
             try:
                 claim = self._interpret_reply(key, reply, load, skey)
             except PayloadMismatch:
-                self._emit("claim", "mismatch", t0)
+                self._emit("claim", outcome, t0)
                 raise
-            self._emit("claim", _CLAIM_OUTCOME[claim.kind], t0)
+            self._emit("claim", outcome, t0)
             return claim
         return self._interpret_reply(key, reply, load, skey)
 
@@ -73,7 +82,7 @@ class ClaimReplies(Emitter, RecordSealing):
 
     def _finish_claim(self, token: ClaimToken, ok: bool, what: str, t0: float) -> None:
         """Report a complete/abandon; raise StaleClaim if the store refused it."""
-        self._emit(what, "ok" if ok else "stale", t0)
+        self._emit(what, answered(what, ok), t0)
         if not ok:
             raise self._stale(token, what)
 

@@ -10,6 +10,7 @@ from typing import Any, TypeVar, cast
 
 from ._coordinator import CoordinatorBase
 from ._core.clock import Clock
+from ._core.events import answered
 from ._core.flows import acquire_flow, claim_flow
 from ._core.keys import validate_key
 from ._core.port import SyncStore
@@ -316,7 +317,7 @@ class IdempotencyPort(IdempotencyRun):
         except Exception as exc:
             self._emit_error("complete", exc, t0)
             raise
-        self._emit("complete", "ok" if ok else "stale", t0)
+        self._emit("complete", answered("complete", ok), t0)
         if not ok:
             log.warning(
                 "could not record the error of a %s call: the claim was lost",
@@ -330,7 +331,7 @@ class IdempotencyPort(IdempotencyRun):
         t0 = self._t0()
         try:
             ok = self._store.abandon(*self._token_args(token))
-            self._emit("abandon", "ok" if ok else "stale", t0)
+            self._emit("abandon", answered("abandon", ok), t0)
         except Exception as exc:
             self._emit_error("abandon", exc, t0)
             log.warning(

@@ -10,17 +10,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-#: event name -> the outcomes it can have
-EVENTS: dict[str, tuple[str, ...]] = {
-    "claim": ("claimed", "in_flight", "replayed", "mismatch", "error"),
-    "complete": ("ok", "stale", "error"),
-    "abandon": ("ok", "stale", "error"),
-    "acquire": ("acquired", "waited", "timeout", "error"),
-    "release": ("ok", "not_held", "error"),
-    "renew": ("ok", "failed", "error"),
-    "break": ("broken", "not_held", "error"),
-    "lost": ("lost",),
+from . import table
+
+#: event name -> the outcomes it can have; derived from the state table's reply
+#: vocabulary (``table.EVENT_OUTCOMES`` plus the coordinator's own outcomes)
+EVENTS: dict[str, tuple[str, ...]] = table.events()
+
+#: (operation, accepted?) -> outcome, for the calls a store accepts or refuses
+_ANSWERED: dict[tuple[str, bool], str] = {
+    (op, name == table.OK.name): out
+    for (op, name), out in table.EVENT_OUTCOMES.items()
+    if name in (table.OK.name, table.STALE.name)
 }
+
+
+def answered(op: str, ok: bool) -> str:
+    """The outcome of a complete, abandon, release, renew or break that the store
+    accepted (``ok``) or refused, as the table names it."""
+    return _ANSWERED[(op, ok)]
 
 
 @dataclass(frozen=True, slots=True)
