@@ -817,3 +817,123 @@ def test_misconfiguration_fails_when_the_task_is_made() -> None:
 
     class Base(IdempotentTask):  # no run(): a base for tasks, not checked
         idemlock_coordinator = "memory://"
+
+
+# ---- duplicate sends (apply_async_once / delay_once) ----------------------------------
+
+
+def queued(env: Env) -> int:
+    """Messages waiting in the test queue (none taken by a worker yet)."""
+    client: Any = env.broker.client()
+    with client:
+        return int(client.llen(app.conf.task_default_queue))
+
+
+@pytest.fixture
+def sender(env: Env, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
+    """The test process as a sender: its tasks open the env's store (as the workers
+    do), and forget it afterwards, since each test has a store of its own."""
+    monkeypatch.setenv(ENV_STORE, env.store_url)
+    monkeypatch.setenv(ENV_DIR, str(env.dir))
+    tasks = [type(app.tasks[name]) for name in ("idemlock_test.deposit_short", "idemlock_test.pay")]
+    for cls in tasks:
+        cls._idemlock_state = None
+    yield env
+    for cls in tasks:
+        state = cls._idemlock_state
+        if state is not None:
+            state.coord.close()
+        cls._idemlock_state = None
+
+
+def test_send_once_refuses_a_queued_or_running_key_and_accepts_after_it_ran(
+    sender: Env,
+) -> None:
+    env = sender
+    first = deposit_short.apply_async_once(("Q1",), lease=30)
+    assert first is not None
+    assert deposit_short.delay_once("Q1") is None  # queued: refused, nothing sent
+    assert deposit_short.apply_async_once(kwargs={"account": "Q1"}) is None  # same key
+    assert queued(env) == 1
+    w1 = start_worker(env, "w1")
+    wait_for((env.dir / "running-Q1").exists, 20, w1.why)
+    assert deposit_short.delay_once("Q1") is None  # running
+    (env.dir / "go-Q1").touch()
+    result = first.get(timeout=20)
+    # Done, and the worker released the send lease (30 s): accepted, and it replays.
+    again = deposit_short.delay_once("Q1")
+    assert again is not None
+    assert again.get(timeout=20) == result
+    assert env.lines("events.log").count("deposit-short claim claimed") == 1
+    assert env.lines("events.log").count("deposit-short claim replayed") == 1
+    postrun = [json.loads(x) for x in env.lines("postrun.log")]
+    assert [p[1:] for p in postrun] == [[first.id, "SUCCESS", False], [again.id, "SUCCESS", True]]
+    # The replayed task released its send lease too: the next send is accepted.
+    third = deposit_short.delay_once("Q1")
+    assert third is not None and third.get(timeout=20) == result
+
+
+def test_send_once_lease_frees_the_key_of_a_lost_task(sender: Env) -> None:
+    env = sender
+    assert deposit_short.apply_async_once(("L1",), lease=1.0) is not None
+    app.control.purge()  # the broker lost it before any worker ran it
+    assert queued(env) == 0
+    assert deposit_short.apply_async_once(("L1",), lease=1.0) is None  # its lease holds
+    time.sleep(1.2)
+    assert deposit_short.apply_async_once(("L1",), lease=1.0) is not None
+    assert queued(env) == 1
+
+
+def test_plain_sends_are_never_refused_and_take_no_send_lease(sender: Env) -> None:
+    env = sender
+    assert pay.apply_async(("P1", 5)) is not None
+    assert pay.delay("P1", 5) is not None
+    assert queued(env) == 2  # both queued: the opt-out default is unchanged
+    assert pay.delay_once("P1", 5) is not None  # neither took the key's send lease
+    assert pay.delay_once("P1", 5) is None
+    assert queued(env) == 3
+
+
+def test_send_once_eager_runs_releases_and_replays(
+    direct: tuple[Celery, idemlock.Coordinator],
+) -> None:
+    capp, coord = direct
+    capp.conf.task_always_eager = True
+    runs: list[str] = []
+
+    @capp.task(bind=True, base=IdempotentTask, idemlock_coordinator=coord,
+               idemlock_spec="eager-once", idemlock_key=lambda order_id: order_id,
+               idemlock_send_lease=60)  # fmt: skip
+    def charge(self: Any, order_id: str) -> str:
+        runs.append(order_id)
+        return f"charged {order_id}"
+
+    first = charge.delay_once("E1")
+    assert first is not None and first.get() == "charged E1"
+    # Ran and released its send lease (60 s): a new send is accepted and replays.
+    again = charge.apply_async_once(("E1",), countdown=0)
+    assert again is not None and again.get() == "charged E1"
+    assert runs == ["E1"]
+    with pytest.raises(ConfigurationError, match="send lease"):
+        charge.apply_async_once(("E2",), lease=0)
+    assert runs == ["E1"]
+    # Running is refused by the claim itself, whatever the send lease.
+    port = coord.idempotency("eager-once")
+    claim = port.claim("E3")
+    assert isinstance(claim, idemlock.Claimed)
+    assert charge.delay_once("E3") is None
+    port.abandon(claim.token)
+    sent = charge.delay_once("E3")
+    assert sent is not None and sent.get() == "charged E3"
+    assert runs == ["E1", "E3"]
+
+
+def test_send_once_misconfigured_lease_fails_when_the_task_is_made() -> None:
+    with pytest.raises(ConfigurationError, match="idemlock_send_lease"):
+
+        class BadLease(IdempotentTask):
+            name = "bad-lease"
+            idemlock_spec = "x"
+            idemlock_send_lease = -1.0
+
+            def run(self) -> None: ...

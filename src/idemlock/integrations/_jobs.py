@@ -257,36 +257,18 @@ class JobGuard:
     # ---- duplicate sends -----------------------------------------------------------
 
     def send_lock_spec(self, lease: float) -> LockSpec:
-        return LockSpec(f"{spec_name(self.spec)}.send", ttl=timedelta(seconds=lease))
+        return send_lock_spec(self.spec, lease)
 
     def key_of(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         return self.plan.key_payload(args, kwargs)[0]
 
     def reserve_send(self, coord: Coordinator, key: str, owner: str, lease: float) -> bool:
-        """Take the send lease of ``key`` for the job ``owner``; False when the key is
-        queued (another send holds its lease) or running (its claim is in flight)."""
-        status = coord.idempotency(self.spec).status(key)
-        if status is not None and status.state == "in_flight":
-            return False
-        held = coord.lock(self.send_lock_spec(lease)).acquire(key, owner=owner)
-        return held is not None and held.owner == owner
+        """:func:`reserve_send` for this job's spec."""
+        return reserve_send(coord, self.spec, key, owner, lease)
 
     def free_send(self, coord: Coordinator, key: str, owner: str, lease: float) -> None:
-        """Release the send lease ``owner`` took (if it still holds it)."""
-        port = coord.lock(self.send_lock_spec(lease))
-        try:
-            held = port.acquire(key, owner=owner)
-            if held is not None:
-                port.release(held)
-        except STORE_ERRORS as exc:
-            # It ends with its lease: a duplicate is refused until then at worst.
-            log.warning(
-                "could not release a send lease (%s)",
-                exc,
-                extra=log_fields(
-                    spec=spec_name(self.spec), operation="release", outcome="error", kind="lock"
-                ),
-            )
+        """:func:`free_send` for this job's spec."""
+        free_send(coord, self.spec, key, owner, lease)
 
     async def areserve_send(self, coord: Any, key: str, owner: str, lease: float) -> bool:
         """:meth:`reserve_send` on an AsyncCoordinator."""
@@ -314,6 +296,45 @@ class JobGuard:
 
 
 _CTX: contextvars.ContextVar[Any] = contextvars.ContextVar("idemlock_job_ctx", default=None)
+
+
+# ---- duplicate sends, for any queue (Celery's IdempotentTask too) ----------------------
+
+
+def send_lock_spec(spec: IdempotencySpec | str, lease: float) -> LockSpec:
+    return LockSpec(f"{spec_name(spec)}.send", ttl=timedelta(seconds=lease))
+
+
+def reserve_send(
+    coord: Coordinator, spec: IdempotencySpec | str, key: str, owner: str, lease: float
+) -> bool:
+    """Take the send lease of ``key`` for the job ``owner``; False when the key is
+    queued (another send holds its lease) or running (its claim is in flight)."""
+    status = coord.idempotency(spec).status(key)
+    if status is not None and status.state == "in_flight":
+        return False
+    held = coord.lock(send_lock_spec(spec, lease)).acquire(key, owner=owner)
+    return held is not None and held.owner == owner
+
+
+def free_send(
+    coord: Coordinator, spec: IdempotencySpec | str, key: str, owner: str, lease: float
+) -> None:
+    """Release the send lease ``owner`` took (if it still holds it)."""
+    port = coord.lock(send_lock_spec(spec, lease))
+    try:
+        held = port.acquire(key, owner=owner)
+        if held is not None:
+            port.release(held)
+    except STORE_ERRORS as exc:
+        # It ends with its lease: a duplicate is refused until then at worst.
+        log.warning(
+            "could not release a send lease (%s)",
+            exc,
+            extra=log_fields(
+                spec=spec_name(spec), operation="release", outcome="error", kind="lock"
+            ),
+        )
 
 
 def _mark_started() -> None:

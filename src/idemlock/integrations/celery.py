@@ -80,6 +80,28 @@ Options (task options or class attributes of a subclass; every one is optional b
     outlast the body).
 ``idemlock_lease_margin``
     Seconds added to the time limit to make the claim's ``max_run`` (default 10).
+``idemlock_send_lease``
+    The default ``lease`` of :meth:`~IdempotentTask.apply_async_once` and
+    :meth:`~IdempotentTask.delay_once`, in seconds (default 600).
+
+**Duplicate sends** (opt-in). ``task.apply_async_once(args, kwargs, **options)``
+and ``task.delay_once(*args, **kwargs)`` send the task like ``apply_async`` and
+``delay`` and return its ``AsyncResult``, unless a task of the same key is already
+queued or running: then they send nothing and return None. ``apply_async`` and
+``delay`` are unchanged (a duplicate sent through them is queued, then replays).
+Unlike a lock that the sender sets and the task deletes, which stays forever when
+the task is lost, the refusal is a send lease on the key for ``lease`` seconds
+(default ``idemlock_send_lease``; a ``countdown`` or ``eta`` adds its wait): the
+worker releases it when the task has run (succeeded, replayed or failed for good),
+while the task's running is refused by its claim, which heartbeats keep alive and
+which ends one claim lease after a crash. A task lost before it ran (a purged
+queue, a broker that lost the message, a worker killed with early acks) thus frees
+its key when its send lease ends, and a send after that is accepted. A task that
+waits (in-flight or store-down retries, ``self.retry``, a requeued ``Reject``)
+keeps its send lease, since it is still queued. After the task completed, a send is
+accepted again and replays the recorded result within the spec's ``ttl``. Give the
+lease longer than a task may wait in the queue: once it ends, a duplicate is
+accepted (it then replays or waits for the first, so nothing runs twice).
 
 **The lease is the crash-recovery bound.** The claim's lease is the spec's
 ``lease`` (default 30 s), however long the task runs: heartbeats keep a live task's
@@ -152,11 +174,12 @@ import threading
 import time
 import types
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any, ClassVar
 
 from celery import Task, current_task  # type: ignore[import-untyped]
 from celery.exceptions import Reject, Retry, TaskPredicate  # type: ignore[import-untyped]
+from celery.utils import uuid  # type: ignore[import-untyped]
 
 from .. import _attempts as attempts
 from .._context import enter_claim, leave_claim
@@ -174,8 +197,9 @@ from .._logfields import fields as log_fields
 from .._logfields import port_fields
 from .._ports import Heartbeat
 from .._sync import Coordinator, IdempotencyPort
+from ._jobs import free_send, reserve_send
 
-__all__ = ["IN_FLIGHT_MODES", "IdempotentTask", "current_fence"]
+__all__ = ["IN_FLIGHT_MODES", "SEND_HEADER", "IdempotentTask", "current_fence"]
 
 log = logging.getLogger("idemlock.celery")
 
@@ -193,6 +217,8 @@ _REQUEST_ATTRS = ("idemlock_key", "idemlock_fence", "idemlock_replayed")
 _STORE_ERRORS = (StoreUnavailable, StoreFull)
 #: the message header counting re-sends after store failures (for the backoff)
 _STORE_TRIES_HEADER = "idemlock_store_tries"
+#: the message header of a task sent by apply_async_once: its send lease's seconds
+SEND_HEADER = "idemlock_send_lease"
 #: first and longest pause between writes of a finished task's outcome
 _RECORD_RETRY_FIRST = 0.1
 _RECORD_RETRY_MAX = 2.0
@@ -238,6 +264,7 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
     idemlock_renew_every: ClassVar[float | None] = None
     idemlock_store_retry_backoff: ClassVar[float] = 1.0
     idemlock_store_retry_max: ClassVar[float] = 60.0
+    idemlock_send_lease: ClassVar[float] = 600.0
 
     _idemlock_lock: ClassVar[threading.Lock]
     _idemlock_state: _ProcessState | None = None
@@ -283,7 +310,11 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
         if not isinstance(cls.idemlock_heartbeat, bool):
             raise ConfigurationError(f"{where}: idemlock_heartbeat must be True or False")
         seconds(cls.idemlock_renew_every, "idemlock_renew_every")
-        for name in ("idemlock_store_retry_backoff", "idemlock_store_retry_max"):
+        for name in (
+            "idemlock_store_retry_backoff",
+            "idemlock_store_retry_max",
+            "idemlock_send_lease",
+        ):
             value = seconds(getattr(cls, name), name)
             if value is None or value <= 0:
                 raise ConfigurationError(f"{where}: {name} must be positive seconds")
@@ -351,6 +382,54 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
         soft = soft or self.soft_time_limit or conf.task_soft_time_limit
         return (float(hard) if hard else None, float(soft) if soft else None)
 
+    def _idemlock_spec(self) -> IdempotencySpec | str:
+        spec = self.idemlock_spec
+        assert spec is not None  # checked when the task class was made
+        return spec
+
+    # ---- duplicate sends -------------------------------------------------------------
+
+    def apply_async_once(
+        self,
+        args: tuple[Any, ...] | list[Any] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        *,
+        lease: timedelta | float | None = None,
+        **options: Any,
+    ) -> Any:
+        """``apply_async(args, kwargs, **options)`` unless a task of the same key is
+        queued or running: then send nothing and return None (see the module
+        documentation). ``lease`` (default ``idemlock_send_lease``) bounds how long a
+        sent task that never runs keeps its key reserved."""
+        seconds_ = _lease_seconds(self.idemlock_send_lease if lease is None else lease)
+        args = tuple(args or ())
+        kwargs = dict(kwargs or {})
+        seconds_ += _wait_seconds(options)
+        state = self._idemlock()
+        spec = self._idemlock_spec()
+        key = state.plan.key_payload(args, kwargs)[0]
+        task_id = str(options.pop("task_id", None) or uuid())
+        if not reserve_send(state.coord, spec, key, task_id, seconds_):
+            log.debug(
+                "task %s: not sent, a task of key %r is queued or running",
+                self.name,
+                key,
+                extra=log_fields(spec=_spec_name(spec), operation="send", outcome="refused"),
+            )
+            return None
+        headers = dict(options.pop("headers", None) or {})
+        headers[SEND_HEADER] = seconds_
+        try:
+            return self.apply_async(args, kwargs, task_id=task_id, headers=headers, **options)
+        except BaseException:
+            free_send(state.coord, spec, key, task_id, seconds_)
+            raise
+
+    def delay_once(self, *args: Any, **kwargs: Any) -> Any:
+        """``delay(*args, **kwargs)`` unless a task of the same key is queued or
+        running: then None. :meth:`apply_async_once` takes options and ``lease``."""
+        return self.apply_async_once(args, kwargs)
+
     # ---- the call: claim, run, settle -------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -358,11 +437,21 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
         # so the idemlock_* attributes reach the body and vanish with this call.
         outer = self.request
         self.push_request(args=args, kwargs=kwargs)
+        send_lease = _send_lease(outer)
+        done = True
         try:
             return self._idemlock_call(args, kwargs)
+        except (Retry, Reject) as exc:
+            # Sent again or requeued: still queued, so its send lease keeps the key.
+            done = isinstance(exc, Reject) and not exc.requeue
+            raise
         finally:
             inner = self.request.__dict__
             self.pop_request()
+            if send_lease is not None and done:
+                state = self._idemlock()
+                key = state.plan.key_payload(args, kwargs)[0]
+                free_send(state.coord, self._idemlock_spec(), key, outer.id, send_lease)
             if not outer.called_directly:
                 # The worker's request of this delivery: what task_postrun and
                 # task_success receivers see (never the shared default request).
@@ -580,6 +669,34 @@ def _store_tries(request: Any, headers: dict[str, Any]) -> int:
         return max(0, int(value or 0))
     except (TypeError, ValueError):
         return 0
+
+
+def _lease_seconds(lease: timedelta | float) -> float:
+    value = seconds(lease, "lease")
+    if value is None or value <= 0:
+        raise ConfigurationError(f"the send lease must be positive seconds, got {lease!r}")
+    return value
+
+
+def _wait_seconds(options: dict[str, Any]) -> float:
+    """How long a ``countdown`` or ``eta`` holds the task back before it may run."""
+    countdown = options.get("countdown")
+    if countdown is not None:
+        return max(0.0, float(countdown))
+    eta = options.get("eta")
+    if isinstance(eta, datetime):
+        when = eta if eta.tzinfo else eta.replace(tzinfo=timezone.utc)
+        return max(0.0, (when - datetime.now(timezone.utc)).total_seconds())
+    return 0.0
+
+
+def _send_lease(request: Any) -> float | None:
+    """The send lease of a task sent by apply_async_once (a message header), or None."""
+    headers = request.headers or {}
+    value = headers.get(SEND_HEADER, getattr(request, SEND_HEADER, None))
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        return None
+    return float(value)
 
 
 def _spec_name(spec: IdempotencySpec | str | None) -> str | None:
