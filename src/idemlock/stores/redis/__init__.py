@@ -15,6 +15,16 @@ every primary and runs it again. Scripts read no key they are not given and take
 user data as arguments. Every freeing call carries a random nonce, so a call that the
 client re-sends after losing the reply is recognised instead of being reported stale.
 
+**Connections.** On a standalone client whose pool is a plain ``ConnectionPool`` (what
+a URL builds), scripts go pre-encoded over connections the store opens itself with
+the pool's settings (timeouts, retry policy, TLS, credentials), kept in a free list:
+as many as calls ran at once in threads (blocking) or on a loop (asyncio, at most
+``max_connections``). This skips redis-py's command layer, about as costly as the
+round trip itself on a fast network. A connection that failed or timed out mid-call
+is disconnected before reuse, so a late reply is never read as another call's; a
+forked child opens its own. A ``BlockingConnectionPool`` or another pool class, a
+single-connection client and Cluster clients go through ``execute_command``.
+
 **Keys.** ``il{TAG}c:<ns>|<key>`` (claim record), ``il{TAG}l:<ns>|<key>`` (lock),
 ``il{<resource slot>}f:<ns>|<resource>`` (fence gate); ``TAG`` is 72 bits of BLAKE2b of
 (ns, key), placed first so no user character (``{``, ``}``, ``:``, ``|``) can move the
