@@ -82,6 +82,7 @@ not violations; only harness failures fail it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import signal
@@ -148,17 +149,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if not kinds or any(k not in KINDS for k in kinds):
         ap.error(f"--kinds takes a comma list of {', '.join(KINDS)}")
     args.kinds = kinds
-    if args.workload == "lock":
-        if args.same_transaction:
-            ap.error("the lock workload has no --same-transaction")
-        preset = LOCK_PRESETS["short" if args.short else "long"]
+    if args.workload == "lock" and args.same_transaction:
+        ap.error("the lock workload has no --same-transaction")
+    size = "short" if args.short else "long"
+    presets = [LOCK_PRESETS[size]] if args.workload == "lock" else []
+    for preset in [*presets, PRESETS[size]]:
         for name, value in preset.items():
             if getattr(args, name) is None:
                 setattr(args, name, value)
-    preset = PRESETS["short" if args.short else "long"]
-    for name, value in preset.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(1_000_000)
     return args
@@ -194,19 +192,7 @@ def _terminate(signum: int, frame: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     signal.signal(signal.SIGTERM, _terminate)
-    opts = Options(
-        jobs=args.jobs,
-        workers=args.workers,
-        duration=args.duration,
-        fault_every=args.fault_every,
-        lease=args.lease,
-        visibility=args.visibility,
-        seed=args.seed,
-        kinds=args.kinds,
-        keep=args.keep,
-        verbose=args.verbose,
-        resources=args.resources,
-    )
+    opts = Options(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Options)})
 
     def say(text: str) -> None:
         print(text, file=sys.stderr if args.json else sys.stdout, flush=True)

@@ -7,17 +7,9 @@ import time
 from collections import Counter
 from typing import Any
 
-from faults import (
-    GATED,
-    KINDS,
-    SLACK,
-)
-from faults.run import (
-    Run,
-)
-from faults.worker import (
-    store_options,
-)
+from faults import GATED, KINDS, SLACK
+from faults.run import Run
+from faults.worker import store_options
 from idemlock._faults.workers import Slot
 
 # ---- the lock workload: supervisor and checker ------------------------------------------

@@ -8,9 +8,7 @@ import random
 import threading
 from typing import Any
 
-from faults import (
-    HOST,
-)
+from faults import HOST
 
 # ---- the loopback TCP proxy -------------------------------------------------------------
 

@@ -19,25 +19,9 @@ from typing import Any
 from tests.servers.postgres import PgServer, start_postgres
 from tests.servers.redis import RedisCluster, RedisServer, start_cluster, start_redis
 
-from faults import (
-    HOST,
-    KINDS,
-    LOCK_KINDS,
-    LOSSY,
-    NETWORK_KINDS,
-    SPEC,
-    STORE_KINDS,
-)
-from faults.effects import (
-    Fx,
-    FxError,
-    PgFx,
-    SqliteFx,
-)
-from faults.network import (
-    Proxy,
-    ProxyHub,
-)
+from faults import HOST, KINDS, LOCK_KINDS, LOSSY, NETWORK_KINDS, SPEC, STORE_KINDS
+from faults.effects import Fx, FxError, PgFx, SqliteFx
+from faults.network import Proxy, ProxyHub
 from faults.worker import (
     PRELOAD,
     WorkerConfig,

@@ -13,15 +13,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from faults import (
-    LOCK_SPEC,
-    SPEC,
-)
-from faults.effects import (
-    FxError,
-    PgFx,
-    make_fx,
-)
+from faults import LOCK_SPEC, SPEC
+from faults.effects import FxError, PgFx, make_fx
 from idemlock._faults.workers import redirect
 
 # ---- a worker process -------------------------------------------------------------------
@@ -81,14 +74,7 @@ def idempotent_job(coord: Any, lease: float, body: Callable[[int], str]) -> Call
 
 def worker_main(cfg: WorkerConfig) -> None:
     import idemlock
-    from idemlock import (
-        Completed,
-        FencedOut,
-        InFlight,
-        InFlightError,
-        StaleClaim,
-        StoreUnavailable,
-    )
+    from idemlock import Completed, FencedOut, InFlight, InFlightError, StaleClaim, StoreUnavailable
 
     rng = random.Random(f"{cfg.seed}:{cfg.worker}")
     stats = Stats(cfg.stats)

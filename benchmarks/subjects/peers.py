@@ -113,13 +113,8 @@ def lock_job(r: Any, lock_of: Callable[[str], Any]) -> SyncFn:
 
 
 def powertools_fn(r: Any, body: Callable[[str], None]) -> Callable[[str], Any]:
-    from aws_lambda_powertools.utilities.idempotency import (
-        IdempotencyConfig,
-        idempotent_function,
-    )
-    from aws_lambda_powertools.utilities.idempotency.persistence.cache import (
-        CachePersistenceLayer,
-    )
+    from aws_lambda_powertools.utilities.idempotency import IdempotencyConfig, idempotent_function
+    from aws_lambda_powertools.utilities.idempotency.persistence.cache import CachePersistenceLayer
 
     layer = CachePersistenceLayer(client=r)
     config = IdempotencyConfig(expires_after_seconds=3600)
