@@ -13,7 +13,7 @@ from ._core.clock import Clock
 from ._core.events import answered
 from ._core.flows import acquire_flow, claim_flow
 from ._core.keys import validate_key
-from ._core.port import SyncStore
+from ._core.port import ClaimReply, SyncStore
 from ._core.types import (
     Claim,
     Claimed,
@@ -232,11 +232,12 @@ class IdempotencyPort(IdempotencyRun):
 
     # ---- the decorator's steps -------------------------------------------------
 
-    def _claim_at(self, key: str, payload: Any, wait: float | None) -> tuple[Claim, float]:
-        """Claim (waiting up to ``wait`` while in flight): the claim and the clock's time
-        its last request was sent (its heartbeat counts the local deadline from it)."""
-        t0 = self._t0()
-        cargs = self._claim_args(key, payload)
+    def _send_claim(
+        self, cargs: tuple[str, str, str | None, str, int], wait: float | None, t0: float
+    ) -> tuple[ClaimReply, float]:
+        """Claim (waiting up to ``wait`` while in flight): the store's reply and the
+        clock's time its last request was sent (its heartbeat counts the local deadline
+        from it)."""
         clock = self._coord.clock
         try:
             if wait is None:
@@ -250,6 +251,14 @@ class IdempotencyPort(IdempotencyRun):
         except Exception as exc:
             self._emit_error("claim", exc, t0)
             raise
+        return reply, sent
+
+    def _claim_at(self, key: str, payload: Any, wait: float | None) -> tuple[Claim, float]:
+        """Claim (waiting up to ``wait`` while in flight): the claim and the time its
+        last request was sent."""
+        t0 = self._t0()
+        cargs = self._claim_args(key, payload)
+        reply, sent = self._send_claim(cargs, wait, t0)
         return self._interpret(key, reply, None, t0, cargs[1]), sent
 
     def _begin(
@@ -264,19 +273,7 @@ class IdempotencyPort(IdempotencyRun):
         key, payload = plan.key_payload(args, kwargs)
         _, load = plan.types()
         cargs = self._claim_args(key, payload)
-        clock = self._coord.clock
-        try:
-            if wait is None:
-                sent = clock.monotonic()
-                reply = self._store.claim(*cargs)
-            else:
-                stamp = [clock.monotonic()]
-                flow = claim_flow(*cargs, wait, clock, self._coord.poll_cap, stamp)
-                reply = run_sync(flow, self._store)
-                sent = stamp[0]
-        except Exception as exc:
-            self._emit_error("claim", exc, t0)
-            raise
+        reply, sent = self._send_claim(cargs, wait, t0)
         claim = self._replay_or_raise(key, reply, load, t0, cargs[1])
         return cast("Claimed | Completed", claim), sent
 

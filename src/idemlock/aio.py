@@ -14,7 +14,7 @@ from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES
 from ._core.events import Hook, answered
 from ._core.flows import acquire_flow, claim_flow
 from ._core.keys import validate_key
-from ._core.port import AsyncStore
+from ._core.port import AsyncStore, ClaimReply
 from ._core.types import (
     Claim,
     Claimed,
@@ -277,11 +277,12 @@ class AsyncIdempotencyPort(IdempotencyRun):
 
     # ---- the decorator's steps -------------------------------------------------
 
-    async def _claim_at(self, key: str, payload: Any, wait: float | None) -> tuple[Claim, float]:
-        """Claim (waiting up to ``wait`` while in flight): the claim and the clock's time
-        its last request was sent (its heartbeat counts the local deadline from it)."""
-        t0 = self._t0()
-        cargs = self._claim_args(key, payload)
+    async def _send_claim(
+        self, cargs: tuple[str, str, str | None, str, int], wait: float | None, t0: float
+    ) -> tuple[ClaimReply, float]:
+        """Claim (waiting up to ``wait`` while in flight): the store's reply and the
+        clock's time its last request was sent (its heartbeat counts the local deadline
+        from it)."""
         clock = self._coord.clock
         try:
             if wait is None:
@@ -295,6 +296,14 @@ class AsyncIdempotencyPort(IdempotencyRun):
         except Exception as exc:
             self._emit_error("claim", exc, t0)
             raise
+        return reply, sent
+
+    async def _claim_at(self, key: str, payload: Any, wait: float | None) -> tuple[Claim, float]:
+        """Claim (waiting up to ``wait`` while in flight): the claim and the time its
+        last request was sent."""
+        t0 = self._t0()
+        cargs = self._claim_args(key, payload)
+        reply, sent = await self._send_claim(cargs, wait, t0)
         return self._interpret(key, reply, None, t0, cargs[1]), sent
 
     async def _begin(
@@ -309,19 +318,7 @@ class AsyncIdempotencyPort(IdempotencyRun):
         key, payload = plan.key_payload(args, kwargs)
         _, load = plan.types()
         cargs = self._claim_args(key, payload)
-        clock = self._coord.clock
-        try:
-            if wait is None:
-                sent = clock.monotonic()
-                reply = await self._store.claim(*cargs)
-            else:
-                stamp = [clock.monotonic()]
-                flow = claim_flow(*cargs, wait, clock, self._coord.poll_cap, stamp)
-                reply = await run_async(flow, self._store)
-                sent = stamp[0]
-        except Exception as exc:
-            self._emit_error("claim", exc, t0)
-            raise
+        reply, sent = await self._send_claim(cargs, wait, t0)
         claim = self._replay_or_raise(key, reply, load, t0, cargs[1])
         return cast("Claimed | Completed", claim), sent
 
