@@ -117,6 +117,17 @@ def trips_text(r: dict[str, Any]) -> str:
     return text + (" txn" if r["store"] == "sqlite" else "")
 
 
+def found(data: dict[str, Any], scenario: str, store: str, subject: str) -> tuple[Any, Any]:
+    """The result row of a subject in a scenario, or (None, why it did not run)."""
+
+    def first(rows: list[dict[str, Any]]) -> Any:
+        return next((r for r in rows if (r["scenario"], r["store"], r["subject"]) == (
+            scenario, store, subject)), None)  # fmt: skip
+
+    row = first(data["results"])
+    return row, None if row is not None else first(data["not_run"])
+
+
 def markdown(data: dict[str, Any], png_name: str | None) -> str:
     m = data["meta"]
     stores = data["stores"]
@@ -217,17 +228,12 @@ def markdown(data: dict[str, Any], png_name: str | None) -> str:
     ]
     for s in stores:
         for subject in SUBJECTS:
-            r = next((r for r in data["results"] if r["scenario"] == HAND and r["store"] == s
-                      and r["subject"] == subject), None)  # fmt: skip
+            r, miss = found(data, HAND, s, subject)
             if r is None:
-                miss = next((n for n in data["not_run"] if n["scenario"] == HAND
-                             and n["store"] == s and n["subject"] == subject), None)  # fmt: skip
                 if miss:
                     out.append(f"| {TITLE[s]} | {subject} | {miss['status']} | | | | |")
                 continue
-            ratio = f"{r['ratio']:.2f}{X}"
-            if subject == OURS:
-                ratio = f"**{ratio}**"
+            ratio = f"**{r['ratio']:.2f}{X}**" if subject == OURS else f"{r['ratio']:.2f}{X}"
             out.append(
                 f"| {TITLE[s]} | {subject} | {r['value']:,.0f} | {ratio} | "
                 f"{r['handoff_share']:.0%} | {r['gap_median_ms']:.2f} ms | "
@@ -246,7 +252,7 @@ def markdown(data: dict[str, Any], png_name: str | None) -> str:
         "One crash-safe job: claim the key, write the effect guarded by the claim's fence, "
         "record the result. Jobs per second as a ratio to the baseline (the raw driver "
         "issuing the same 3 round trips: claim, fenced write, complete), and the round "
-        "trips of one job, counted (Redis: requests written by redis-py; PostgreSQL: "
+        "trips of one job, counted (Redis: requests written to its sockets; PostgreSQL: "
         "request/response turns through a counting TCP relay, whatever the driver; SQLite: "
         "transactions).",
         "",
@@ -255,18 +261,13 @@ def markdown(data: dict[str, Any], png_name: str | None) -> str:
     ]
     for s in stores:
         for subject in SUBJECTS:
-            r = next((r for r in data["results"] if r["scenario"] == JOB and r["store"] == s
-                      and r["subject"] == subject), None)  # fmt: skip
+            r, miss = found(data, JOB, s, subject)
             if r is None:
-                miss = next((n for n in data["not_run"] if n["scenario"] == JOB
-                             and n["store"] == s and n["subject"] == subject), None)  # fmt: skip
                 if miss:
                     out.append(f"| {TITLE[s]} | {subject} | {JOB_DESC[subject]} | "
                                f"{JOB_FENCED[subject]} | | {miss['status']} | |")  # fmt: skip
                 continue
-            ratio = f"{r['ratio']:.2f}{X}"
-            if subject == OURS:
-                ratio = f"**{ratio}**"
+            ratio = f"**{r['ratio']:.2f}{X}**" if subject == OURS else f"{r['ratio']:.2f}{X}"
             desc = JOB_DESC[subject] if subject != BASE else BASE_JOB[s]
             out.append(
                 f"| {TITLE[s]} | {subject} | {desc} | {JOB_FENCED[subject]} | {trips_text(r)} | "
