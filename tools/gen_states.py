@@ -28,8 +28,9 @@ table itself; the model test (`tests/contract/test_model.py`) uses it as its ora
 **Claim states.** `absent` (no record, or a completed record past its ttl),
 `in_flight` (the lease runs), `lapsed` (in flight, lease over, nobody took the key
 over), `completed` (the ttl runs). **Lock states.** `free`, `held`, `reserved` (the
-hand-off window a store with one keeps for the oldest waiter after a release: Redis
-and, through its waiters' queue, etcd; the other stores go straight to `free`).
+hand-off window a store keeps for the oldest waiter once a released lock is free:
+Redis, memory, SQLite (its `lock_waiters` table) and, through its waiters' queue, etcd;
+PostgreSQL goes straight to `free`).
 `*` stands for every state of its kind, `=` for "unchanged".
 """
 

@@ -11,8 +11,8 @@ States. Claims: ``absent`` (no record, or a completed record past its ttl),
 ``in_flight`` (lease running), ``lapsed`` (in flight, lease over, nobody took the key
 over: a late complete or abandon is still accepted), ``completed`` (ttl running).
 Locks: ``free``, ``held``, ``reserved`` (after a release with a waiter, the hand-off
-window kept for the oldest waiter: Redis, the memory store, and etcd through its
-waiters' queue; the other stores go straight to ``free``). Fence gates: ``gate``.
+window kept for the oldest waiter: Redis, memory, SQLite, and etcd through its
+waiters' queue; PostgreSQL goes straight to ``free``). Fence gates: ``gate``.
 """
 
 from __future__ import annotations
@@ -224,8 +224,8 @@ GUARDS: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
     "same_owner": lambda r, a: r.owner == a["owner"],
     "same_holder": lambda r, a: (r.owner, r.token) == (a["owner"], a["token"]),
     "not_lower": lambda r, a: r is None or a["token"] >= r,
-    # r: the reservation (the memory store's queue of a key), whose ``chosen`` owner
-    # may take the lock during its window
+    # r: the reservation (the memory store's queue of a key, SQLite's chosen ticket),
+    # whose ``chosen`` owner may take the lock during its window
     "not_chosen": lambda r, a: r.chosen != a["owner"],
 }
 

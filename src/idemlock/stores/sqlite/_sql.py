@@ -58,6 +58,7 @@ _SCHEMA = (
         owner TEXT NOT NULL,
         seq INTEGER NOT NULL,
         pid INTEGER NOT NULL,
+        host TEXT NOT NULL,
         until_ms INTEGER NOT NULL,
         tries INTEGER NOT NULL,
         window_ms INTEGER NOT NULL DEFAULT 0,
@@ -160,16 +161,17 @@ _LOCK_GET = "SELECT owner, token, expires_ms FROM locks WHERE ns = ?1 AND key = 
 
 # The waiters' queue (rows lock.handoff, lock.handoff.take; see _store._choose).
 _WAITERS = """
-SELECT owner, pid, until_ms, tries, window_ms FROM lock_waiters
+SELECT owner, pid, host, until_ms, tries, window_ms FROM lock_waiters
 WHERE ns = ?1 AND key = ?2 ORDER BY seq
 """
 _WAITER_REGISTER = """
-INSERT INTO lock_waiters (ns, key, owner, seq, pid, until_ms, tries)
+INSERT INTO lock_waiters (ns, key, owner, seq, pid, host, until_ms, tries)
 VALUES (?1, ?2, ?3,
         coalesce((SELECT max(seq) FROM lock_waiters WHERE ns = ?1 AND key = ?2), 0) + 1,
-        ?4, ?5, 1)
+        ?4, ?5, ?6, 1)
 ON CONFLICT (ns, key, owner) DO UPDATE SET
-    until_ms = excluded.until_ms, pid = excluded.pid, tries = lock_waiters.tries + 1
+    until_ms = excluded.until_ms, pid = excluded.pid, host = excluded.host,
+    tries = lock_waiters.tries + 1
 """
 _WAITER_DROP = "DELETE FROM lock_waiters WHERE ns = ?1 AND key = ?2 AND owner = ?3"
 _WAITER_CHOOSE = "UPDATE lock_waiters SET window_ms = ?4 WHERE ns = ?1 AND key = ?2 AND owner = ?3"

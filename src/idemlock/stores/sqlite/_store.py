@@ -473,7 +473,7 @@ class SQLiteStore:
             return  # nobody in this process waits: a one-shot try
         poll_ms = int(self.poll_cap * 1000)
         until = now + min(wait_ms + 1, poll_ms) + REGISTER_SLACK_MS
-        cur.execute(_WAITER_REGISTER, (ns, key, owner, os.getpid(), until))
+        cur.execute(_WAITER_REGISTER, (ns, key, owner, os.getpid(), _host(), until))
 
     def _acquire_queued(
         self, cur: sqlite3.Cursor, ns: str, key: str, owner: str, ttl_ms: int, now: int
@@ -506,10 +506,10 @@ class SQLiteStore:
         """The waiter a free lock is reserved for and the window's end, choosing (and
         waking) the oldest live one when no window is open; (None, 0) if none."""
         head = None
-        for owner, pid, until, tries, window in cur.execute(_WAITERS, (ns, key)).fetchall():
+        for owner, pid, host, until, tries, window in cur.execute(_WAITERS, (ns, key)).fetchall():
             if window > now:
                 return owner, window
-            if window > 0 or until <= now or self._gone(pid, ns, key):
+            if window > 0 or until <= now or self._gone(pid, host, ns, key):
                 # its window passed untaken, or it stopped asking: it lost its turn
                 cur.execute(_WAITER_DROP, (ns, key, owner))
             elif head is None and tries > 1:
@@ -521,11 +521,14 @@ class SQLiteStore:
         _HUB.notify((self.path, "lock", ns, key))  # the waiter re-checks after our commit
         return head, window
 
-    def _gone(self, pid: object, ns: str, key: str) -> bool:
+    def _gone(self, pid: object, host: object, ns: str, key: str) -> bool:
         """Whether a waiter's process has stopped waiting: this process without a
-        subscriber to the key, or a process that has exited (a SQLite file is local)."""
-        if type(pid) is not int:
+        subscriber to the key, or a process of this machine and PID namespace that has
+        exited. A process elsewhere (another container on the file) lapses by time."""
+        if type(pid) is not int or type(host) is not str:
             return True
+        if host != _host():
+            return False
         if pid == os.getpid():
             return (self.path, "lock", ns, key) not in _HUB._subs
         try:
@@ -626,6 +629,20 @@ class SQLiteStore:
         The store cannot be used afterwards."""
         self._closed = True
         self._drain()
+
+
+_HOST: list[str] = []
+
+
+def _host() -> str:
+    """This machine and PID namespace: where a waiter's pid means a process."""
+    if not _HOST:
+        try:
+            ns = os.readlink("/proc/self/ns/pid")
+        except OSError:
+            ns = ""
+        _HOST.append(f"{os.uname().nodename if hasattr(os, 'uname') else ''}/{ns}")
+    return _HOST[0]
 
 
 class _Chosen:
