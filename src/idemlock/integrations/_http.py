@@ -216,25 +216,14 @@ class StoreFace(Protocol):
         """Run ``job()`` in the background (a record written again)."""
 
 
-class AsyncPortFace:
-    """An :class:`~idemlock.aio.AsyncIdempotencyPort` as the steps' store."""
+class PortFaceBase:
+    """What both faces do alike: no store call, only the port's spec, heartbeat and clock."""
 
-    def __init__(self, port: AsyncIdempotencyPort) -> None:
-        self.port = port
-        self._background: set[asyncio.Task[None]] = set()
+    port: IdempotencyBase
 
     @property
     def spec(self) -> IdempotencySpec:
         return self.port.spec
-
-    async def claim(self, key: str, payload: Any) -> tuple[Claim, float]:
-        return await attempts.abegin(self.port, key, payload, None)
-
-    async def complete(self, token: ClaimToken, result: Any) -> None:
-        await self.port.complete(token, result)
-
-    async def abandon(self, token: ClaimToken) -> None:
-        await self.port.abandon(token)
 
     def heartbeat(
         self,
@@ -248,6 +237,25 @@ class AsyncPortFace:
 
     def now(self) -> float:
         return attempts.clock(self.port).time()
+
+
+class AsyncPortFace(PortFaceBase):
+    """An :class:`~idemlock.aio.AsyncIdempotencyPort` as the steps' store."""
+
+    port: AsyncIdempotencyPort
+
+    def __init__(self, port: AsyncIdempotencyPort) -> None:
+        self.port = port
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def claim(self, key: str, payload: Any) -> tuple[Claim, float]:
+        return await attempts.abegin(self.port, key, payload, None)
+
+    async def complete(self, token: ClaimToken, result: Any) -> None:
+        await self.port.complete(token, result)
+
+    async def abandon(self, token: ClaimToken) -> None:
+        await self.port.abandon(token)
 
     def later(self, job: Callable[[], Coroutine[Any, Any, None]]) -> None:
         task = asyncio.get_running_loop().create_task(job())

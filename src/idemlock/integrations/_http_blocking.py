@@ -19,11 +19,10 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar, cast
 
 from .. import _attempts as attempts
-from .._core.types import Claim, ClaimToken, IdempotencySpec
+from .._core.types import Claim, ClaimToken
 from .._errors import ConfigurationError, ResultTooLarge
-from .._ports import Heartbeat
 from .._sync import Coordinator, IdempotencyPort
-from ._http import HttpCore, HttpOptions, Pass, Run, Scope
+from ._http import HttpCore, HttpOptions, Pass, PortFaceBase, Run, Scope
 from ._problem_json import Answer
 
 __all__ = ["SyncHttp", "TransactionFailed"]
@@ -57,16 +56,14 @@ class TransactionFailed(BaseException):
         self.cause = cause
 
 
-class BlockingPortFace:
+class BlockingPortFace(PortFaceBase):
     """A blocking port as the steps' store: each coroutine makes its blocking call and
     returns without suspending."""
 
+    port: IdempotencyPort
+
     def __init__(self, port: IdempotencyPort) -> None:
         self.port = port
-
-    @property
-    def spec(self) -> IdempotencySpec:
-        return self.port.spec
 
     async def claim(self, key: str, payload: Any) -> tuple[Claim, float]:
         return attempts.begin(self.port, key, payload, None)
@@ -87,19 +84,6 @@ class BlockingPortFace:
 
     async def abandon(self, token: ClaimToken) -> None:
         self.port.abandon(token)
-
-    def heartbeat(
-        self,
-        token: ClaimToken,
-        sent: float,
-        every: float,
-        limit: float | None,
-        on_lost: Callable[[ClaimToken], object],
-    ) -> Heartbeat:
-        return attempts.keep_alive(self.port, token, sent, every, limit, on_lost)
-
-    def now(self) -> float:
-        return attempts.clock(self.port).time()
 
     def later(self, job: Callable[[], Coroutine[Any, Any, None]]) -> None:
         # No event loop on a blocking server: the retry loop runs in its own thread.
