@@ -239,6 +239,22 @@ def slow(self: Any, job: str) -> dict[str, Any]:
     return {"job": job, "fence": fence}
 
 
+@app.task(
+    bind=True,
+    base=IdempotentTask,
+    name="idemlock_test.flaky",
+    idemlock_coordinator=_coordinator,
+    idemlock_spec="flaky",
+    idemlock_key=lambda job: f"flaky-{job}",
+)
+def flaky(self: Any, job: str) -> dict[str, Any]:
+    first = _dir() / f"flaky-retried-{job}"
+    if not first.exists():
+        first.touch()
+        raise self.retry(countdown=3)  # queued again: its send lease must stay
+    return {"job": job, "retries": self.request.retries}
+
+
 @worker_ready.connect
 def _announce_ready(sender: Any = None, **_: Any) -> None:
     _append("ready.log", str(os.getpid()))
@@ -835,7 +851,8 @@ def sender(env: Env, monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
     do), and forget it afterwards, since each test has a store of its own."""
     monkeypatch.setenv(ENV_STORE, env.store_url)
     monkeypatch.setenv(ENV_DIR, str(env.dir))
-    tasks = [type(app.tasks[name]) for name in ("idemlock_test.deposit_short", "idemlock_test.pay")]
+    names = ("idemlock_test.deposit_short", "idemlock_test.pay", "idemlock_test.flaky")
+    tasks = [type(app.tasks[name]) for name in names]
     for cls in tasks:
         cls._idemlock_state = None
     yield env
@@ -882,6 +899,21 @@ def test_send_once_lease_frees_the_key_of_a_lost_task(sender: Env) -> None:
     time.sleep(1.2)
     assert deposit_short.apply_async_once(("L1",), lease=1.0) is not None
     assert queued(env) == 1
+
+
+def test_send_once_a_retrying_task_keeps_its_send_lease(sender: Env) -> None:
+    env = sender
+    first = flaky.delay_once("R1")
+    assert first is not None
+    w1 = start_worker(env, "w1")
+    wait_for((env.dir / "flaky-retried-R1").exists, 20, w1.why)
+    wait_for(lambda: "flaky abandon ok" in env.lines("events.log"), 10, w1.why)
+    # Waiting for its countdown, with no claim: the send lease alone refuses.
+    assert flaky.delay_once("R1") is None
+    assert first.get(timeout=20) == {"job": "R1", "retries": 1}
+    # The retried message carried the lease and released it when it ran.
+    again = flaky.delay_once("R1")
+    assert again is not None and again.get(timeout=20) == {"job": "R1", "retries": 1}
 
 
 def test_plain_sends_are_never_refused_and_take_no_send_lease(sender: Env) -> None:
