@@ -57,59 +57,58 @@ from subjects.peers import (
 
 
 class Raw:
-    """EVALSHA of idemlock's scripts with the arguments the store would send."""
+    """EVALSHA of idemlock's scripts with the arguments the store would send; each pair
+    is its two calls' arguments (the second made from the first's reply), sent by the
+    sync or the asyncio client."""
 
     def __init__(self, client: Any) -> None:
         self.r = client
         self.ns = "raw" + uuid.uuid4().hex[:6] + ":jobs"
 
-    def lock_args(self, key: str) -> tuple[C.Names, tuple[Any, ...]]:
-        n = C.names(self.ns, key)
-        return n, ("owner-" + key, 30_000, KEEP, b"", b"", C.REGISTER_MS)
+    def lock_pair(self, key: str) -> tuple[tuple[Any, ...], Callable[[Any], tuple[Any, ...]]]:
+        n, owner = C.names(self.ns, key), "owner-" + key
+        acquire = (C.ACQUIRE.sha, 2, n.lock, n.waiters, owner, 30_000, KEEP, b"", b"")
+
+        def release(reply: Any) -> tuple[Any, ...]:
+            token = reply[1]
+            return (C.RELEASE.sha, 2, n.lock, n.waiters, owner, token, KEEP, 10,
+                    n.lock_channel, C.nonce())  # fmt: skip
+
+        return (*acquire, C.REGISTER_MS), release
+
+    def claim_pair(self, key: str) -> tuple[tuple[Any, ...], Callable[[Any], tuple[Any, ...]]]:
+        n, tok = C.names(self.ns, key), C.pack_id(uuid.uuid4().hex)
+
+        def complete(_: Any) -> tuple[Any, ...]:
+            return (C.COMPLETE.sha, 1, n.claim, tok, RESULT_BYTES, TTL_MS, n.claim_channel,
+                    C.nonce())  # fmt: skip
+
+        return (C.CLAIM.sha, 1, n.claim, FP, tok, LEASE_MS, KEEP), complete
 
     def sync_lock_pairs(self, count: int, key: str = "k") -> None:
-        n, args = self.lock_args(key)
-        r = self.r
+        r, (acquire, release) = self.r, self.lock_pair(key)
         for _ in range(count):
-            reply = r.evalsha(C.ACQUIRE.sha, 2, n.lock, n.waiters, *args)
-            r.evalsha(
-                C.RELEASE.sha, 2, n.lock, n.waiters, args[0], reply[1], KEEP, 10,
-                n.lock_channel, C.nonce(),
-            )  # fmt: skip
+            r.evalsha(*release(r.evalsha(*acquire)))
 
     def sync_claim_pairs(self, count: int) -> None:
-        r = self.r
-        fp = C.pack_id("ab" * 32)
-        tag = uuid.uuid4().hex[:6]
+        r, tag = self.r, uuid.uuid4().hex[:6]
         for i in range(count):
-            n = C.names(self.ns, f"{tag}-{i}")
-            tok = C.pack_id(uuid.uuid4().hex)
-            r.evalsha(C.CLAIM.sha, 1, n.claim, fp, tok, 300_000, KEEP)
-            r.evalsha(C.COMPLETE.sha, 1, n.claim, tok, b"J" + b"x" * 40, 3_600_000,
-                      n.claim_channel, C.nonce())  # fmt: skip
+            claim, complete = self.claim_pair(f"{tag}-{i}")
+            r.evalsha(*complete(r.evalsha(*claim)))
 
     async def async_lock_pairs(self, count: int, key: str = "k") -> None:
-        n, args = self.lock_args(key)
-        r = self.r
+        r, (acquire, release) = self.r, self.lock_pair(key)
         for _ in range(count):
-            reply = await r.evalsha(C.ACQUIRE.sha, 2, n.lock, n.waiters, *args)
-            await r.evalsha(
-                C.RELEASE.sha, 2, n.lock, n.waiters, args[0], reply[1], KEEP, 10,
-                n.lock_channel, C.nonce(),
-            )  # fmt: skip
+            await r.evalsha(*release(await r.evalsha(*acquire)))
 
     async def async_claim_pairs(self, count: int, tag: str = "") -> None:
-        r = self.r
-        fp = C.pack_id("ab" * 32)
-        tag = tag or uuid.uuid4().hex[:6]
+        r, tag = self.r, tag or uuid.uuid4().hex[:6]
         for i in range(count):
-            n = C.names(self.ns, f"{tag}-{i}")
-            tok = C.pack_id(uuid.uuid4().hex)
-            await r.evalsha(C.CLAIM.sha, 1, n.claim, fp, tok, 300_000, KEEP)
-            await r.evalsha(C.COMPLETE.sha, 1, n.claim, tok, b"J" + b"x" * 40, 3_600_000,
-                            n.claim_channel, C.nonce())  # fmt: skip
+            claim, complete = self.claim_pair(f"{tag}-{i}")
+            await r.evalsha(*complete(await r.evalsha(*claim)))
 
 
+FP = C.pack_id("ab" * 32)
 UNLOCK_LUA = (
     "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) "
     "else return 0 end"
@@ -130,20 +129,18 @@ def redis_aclient(t: dict[str, Any]) -> Any:
 
 def redis_raw_job(raw: Raw) -> SyncFn:
     """idemlock's job issued raw: EVALSHA of its claim, fence_set and complete scripts."""
-    r, fp = raw.r, C.pack_id("ab" * 32)
+    r = raw.r
 
     def run(count: int) -> None:
         tag = uuid.uuid4().hex[:6]
         for i in range(count):
             key = f"{tag}-{i}"
-            n, tok = C.names(raw.ns, key), C.pack_id(uuid.uuid4().hex)
-            reply = r.evalsha(C.CLAIM.sha, 1, n.claim, fp, tok, LEASE_MS, KEEP)
-            fence = int(reply[1])
+            claim, complete = raw.claim_pair(key)
+            reply = r.evalsha(*claim)
             out = f"out:{key}"
             gate = C.gate_name(raw.ns, out)
-            r.evalsha(C.FENCE_SET.sha, 2, gate, out.encode(), str(fence), b"done")
-            r.evalsha(C.COMPLETE.sha, 1, n.claim, tok, RESULT_BYTES, TTL_MS,
-                      n.claim_channel, C.nonce())  # fmt: skip
+            r.evalsha(C.FENCE_SET.sha, 2, gate, out.encode(), str(int(reply[1])), b"done")
+            r.evalsha(*complete(reply))
 
     return run
 
