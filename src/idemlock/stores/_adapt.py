@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from .._core.port import (
     Acquired,
@@ -24,29 +24,9 @@ from .._core.port import (
     SyncStore,
 )
 from .._logfields import fields as log_fields
+from ._local import AsyncLocalSubscription, DualSubscription
 
 log = logging.getLogger("idemlock")
-
-
-class DualSubscription(Protocol):
-    def wait(self, timeout: float) -> bool: ...
-
-    async def wait_async(self, timeout: float) -> bool: ...
-
-    def close(self) -> None: ...
-
-
-class _AsyncSub:
-    __slots__ = ("_sub",)
-
-    def __init__(self, sub: DualSubscription) -> None:
-        self._sub = sub
-
-    async def wait(self, timeout: float) -> bool:
-        return await self._sub.wait_async(timeout)
-
-    async def aclose(self) -> None:
-        self._sub.close()
 
 
 class _AsyncFace:
@@ -130,9 +110,9 @@ class _AsyncFace:
     async def purge(self) -> int:
         return int(await self._call(self.sync.purge))
 
-    async def subscribe(self, channel: Channel) -> _AsyncSub:
+    async def subscribe(self, channel: Channel) -> AsyncLocalSubscription:
         sub: DualSubscription = self.sync.subscribe(channel)  # type: ignore[assignment]  # local stores return dual subscriptions
-        return _AsyncSub(sub)
+        return AsyncLocalSubscription(sub)
 
     async def aclose(self) -> None:
         await self._call(self.sync.close)

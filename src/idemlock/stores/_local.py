@@ -3,7 +3,8 @@
 The memory store uses it for every hand-off; the SQLite store uses it for waiters
 in the same process (other processes fall back to a short jittered backoff). A
 :class:`LocalSubscription` is also the mailbox the listeners of the Redis (sync) and
-PostgreSQL stores fire.
+PostgreSQL stores and the etcd gateway's watch streams fire; the async store faces
+wrap it (or SQLite's own) in an :class:`AsyncLocalSubscription`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Hashable
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import asyncio
@@ -111,12 +112,23 @@ class LocalHub:
                     del self._subs[key]
 
 
+class DualSubscription(Protocol):
+    """A mailbox waited on from threads and from asyncio (a :class:`LocalSubscription`
+    or a store's own, such as SQLite's)."""
+
+    def wait(self, timeout: float) -> bool: ...
+
+    async def wait_async(self, timeout: float) -> bool: ...
+
+    def close(self) -> None: ...
+
+
 class AsyncLocalSubscription:
-    """The async face of a :class:`LocalSubscription`."""
+    """The async face of a :class:`DualSubscription`."""
 
     __slots__ = ("_sub",)
 
-    def __init__(self, sub: LocalSubscription) -> None:
+    def __init__(self, sub: DualSubscription) -> None:
         self._sub = sub
 
     async def wait(self, timeout: float) -> bool:

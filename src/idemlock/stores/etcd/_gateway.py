@@ -12,7 +12,6 @@ HTTP connection per call), which only a forked child pays.
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
 import logging
@@ -26,6 +25,7 @@ from google.protobuf import json_format
 
 from ..._errors import StoreUnavailable
 from ..._logfields import fields as log_fields
+from .._local import LocalSubscription
 from . import _conf
 from ._ops import Rpc
 from ._pb.etcdserverpb import rpc_pb2 as _rpc_pb2
@@ -60,11 +60,6 @@ class _Failed(Exception):
 def _body(msg: Any) -> bytes:
     text: str = json_format.MessageToJson(msg, preserving_proto_field_name=True, indent=None)
     return text.encode()
-
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 class GatewayClient:
@@ -181,53 +176,6 @@ class GatewayClient:
 # ---- watches ---------------------------------------------------------------------------------
 
 
-class GatewaySubscription:
-    """A waiter's mailbox, usable from threads and from asyncio."""
-
-    def __init__(self, watch: _Watch) -> None:
-        self._watch = watch
-        self._cond = threading.Condition(watch.lock)
-        self._flag = False
-        self._async: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
-
-    def _fire(self) -> None:  # with the watch's lock held
-        self._flag = True
-        self._cond.notify_all()
-        if self._async is not None:
-            loop, fut = self._async
-            self._async = None
-            loop.call_soon_threadsafe(_resolve, fut)
-
-    def wait(self, timeout: float) -> bool:
-        with self._cond:
-            if not self._flag and timeout > 0:
-                self._cond.wait(timeout)
-            fired, self._flag = self._flag, False
-            return fired
-
-    async def wait_async(self, timeout: float) -> bool:
-        loop = asyncio.get_running_loop()
-        with self._watch.lock:
-            if self._flag:
-                self._flag = False
-                return True
-            fut: asyncio.Future[None] = loop.create_future()
-            self._async = (loop, fut)
-        try:
-            await asyncio.wait_for(fut, timeout)
-        except asyncio.TimeoutError:
-            pass
-        finally:
-            with self._watch.lock:
-                self._async = None
-        with self._watch.lock:
-            fired, self._flag = self._flag, False
-            return fired
-
-    def close(self) -> None:
-        self._watch.remove(self)
-
-
 class _Watch:
     """One ``POST /v3/watch`` stream for one key range, read by a daemon thread."""
 
@@ -235,7 +183,7 @@ class _Watch:
         self.client = client
         self.key, self.end, self.no_put = key, end, no_put
         self.lock = threading.Lock()
-        self.subs: set[GatewaySubscription] = set()
+        self.subs: set[LocalSubscription] = set()
         self.created = threading.Event()
         self.closed = False
         self.conn: http.client.HTTPConnection | None = None
@@ -246,7 +194,7 @@ class _Watch:
             for s in self.subs:
                 s._fire()
 
-    def remove(self, sub: GatewaySubscription) -> None:
+    def remove(self, sub: LocalSubscription) -> None:
         with self.lock:
             self.subs.discard(sub)
             if self.subs:
@@ -312,24 +260,13 @@ class GatewayWatcher:
         self._lock = threading.Lock()
         self._watches: dict[tuple[bytes, bytes], _Watch] = {}
 
-    def subscribe(self, key: bytes, end: bytes, no_put: bool) -> GatewaySubscription:
+    def subscribe(self, key: bytes, end: bytes, no_put: bool) -> LocalSubscription:
         with self._lock:
             w = self._watches.get((key, end))
             if w is None or w.closed:
                 w = self._watches[(key, end)] = _Watch(self.client, key, end, no_put)
             with w.lock:
-                sub = GatewaySubscription(w)
+                sub = LocalSubscription(w.lock, w.remove)
                 w.subs.add(sub)
         w.created.wait(min(1.0, self.client.conf.timeout))
         return sub
-
-
-class AsyncGatewaySubscription:
-    def __init__(self, sub: GatewaySubscription) -> None:
-        self._sub = sub
-
-    async def wait(self, timeout: float) -> bool:
-        return await self._sub.wait_async(timeout)
-
-    async def aclose(self) -> None:
-        self._sub.close()

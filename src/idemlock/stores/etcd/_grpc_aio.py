@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import random
 import time
@@ -20,10 +19,11 @@ from ..._core.port import Channel
 from ..._errors import IdemlockError, StoreUnavailable
 from ..._logfields import fields as log_fields
 from . import _conf
-from ._grpc_sync import _STORES, CHANNEL_OPTIONS, INHERITED, _track_fork, leave_rpc, watch_range
+from ._grpc_sync import _STORES, CHANNEL_OPTIONS, INHERITED, _track_fork
 from ._ops import WRITES, Op, Ops, Rpc, Waiter
 from ._pb.etcdserverpb import rpc_pb2 as _rpc_pb2
 from ._pb.etcdserverpb import rpc_pb2_grpc as _rpc_pb2_grpc
+from ._watches import Book, Group, watch_range
 
 log = logging.getLogger("idemlock")
 pb: Any = _rpc_pb2  # generated without type information
@@ -201,27 +201,12 @@ async def drive(client: AsyncClient, op: Op) -> Any:
 # ---- watches -----------------------------------------------------------------------------
 
 
-class _Group:
-    __slots__ = ("channel", "created", "end", "id", "key", "no_put", "subs", "waiter")
+class _Group(Group["AsyncSubscription"]):
+    __slots__ = ("created",)
 
     def __init__(self, wid: int, key: bytes, end: bytes, channel: Channel) -> None:
-        self.id = wid
-        self.key = key
-        self.end = end
-        self.channel = channel
-        self.no_put = channel.kind == "lock"  # a lock is freed by a deletion only
-        #: this process's place in the lock's queue while its callers wait
-        self.waiter = Waiter() if channel.kind == "lock" else None
-        self.subs: set[AsyncSubscription] = set()
+        super().__init__(wid, key, end, channel)
         self.created = asyncio.Event()
-
-    def create(self) -> Any:
-        filters = [pb.WatchCreateRequest.NOPUT] if self.no_put else []
-        return pb.WatchRequest(
-            create_request=pb.WatchCreateRequest(
-                key=self.key, range_end=self.end, watch_id=self.id, filters=filters
-            )
-        )
 
 
 class AsyncSubscription:
@@ -249,10 +234,7 @@ class AsyncWatcher:
 
     def __init__(self, client: AsyncClient, root: bytes) -> None:
         self._client = client
-        self._root = root
-        self._groups: dict[tuple[bytes, bytes], _Group] = {}
-        self._by_id: dict[int, _Group] = {}
-        self._ids = itertools.count(1)
+        self._book = Book(root, _Group)
         self._call: Any = None
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -263,13 +245,11 @@ class AsyncWatcher:
             raise StoreUnavailable("the etcd store is closed")
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
-            self._groups, self._by_id, self._call, self._task = {}, {}, None, None
+            self._book.reset()
+            self._call, self._task = None, None
             self._loop = loop
-        g = self._groups.get((key, end))
-        if g is None:
-            g = _Group(next(self._ids), key, end, channel)
-            self._groups[(key, end)] = g
-            self._by_id[g.id] = g
+        g, new = self._book.group(key, end, channel)
+        if new:
             await self._send(g.create())
         sub = AsyncSubscription(self, g)
         g.subs.add(sub)
@@ -288,27 +268,20 @@ class AsyncWatcher:
             await call.write(req)
 
     def waiting(self, key: bytes) -> Waiter | None:
-        g = self._groups.get((key, b""))
-        return g.waiter if g is not None and g.subs else None
+        return self._book.waiting(key)
 
     def remove(self, sub: AsyncSubscription) -> None:
         g = sub._group
-        g.subs.discard(sub)
-        if g.subs or self._groups.get((g.key, g.end)) is not g:
+        if not self._book.leave(g, sub, self._client.background):
             return
-        if g.waiter is not None and g.waiter.rev:
-            self._client.background(leave_rpc(self._root, g.channel, g.waiter))
-        del self._groups[(g.key, g.end)]
-        self._by_id.pop(g.id, None)
         call = self._call
         if call is not None and g.created.is_set() and self._loop is not None:
-            req = pb.WatchRequest(cancel_request=pb.WatchCancelRequest(watch_id=g.id))
-            task = self._loop.create_task(self._send(req))
+            task = self._loop.create_task(self._send(g.cancel()))
             self._client._background.add(task)
             task.add_done_callback(self._client._background.discard)
 
     def _handle(self, resp: Any) -> None:
-        g = self._by_id.get(resp.watch_id)
+        g = self._book.by_id.get(resp.watch_id)
         if g is None:
             return
         if resp.created:
@@ -331,7 +304,7 @@ class AsyncWatcher:
                 md = await self._client.metadata(s, time.monotonic() + self._client.conf.timeout)
                 call = s.watch(metadata=md)
                 self._call = call
-                for g in list(self._groups.values()):
+                for g in list(self._book.groups.values()):
                     await call.write(g.create())
                 while True:
                     resp = await call.read()
@@ -348,7 +321,7 @@ class AsyncWatcher:
                 call.cancel()
             if self._closed:
                 return
-            for g in self._groups.values():
+            for g in self._book.groups.values():
                 g.created = asyncio.Event()
                 for sub in g.subs:
                     sub._event.set()
@@ -359,7 +332,7 @@ class AsyncWatcher:
 
     async def aclose(self) -> None:
         self._closed = True
-        for g in self._groups.values():
+        for g in self._book.groups.values():
             for s in g.subs:
                 s._event.set()
         call, self._call = self._call, None
@@ -440,10 +413,10 @@ class _AsyncRunner:
     async def subscribe(self, channel: Channel) -> Any:
         key, end = watch_range(self.conf.root, channel)
         if self._gateway is not None:
-            from ._gateway import AsyncGatewaySubscription
+            from .._local import AsyncLocalSubscription
 
             sub = await asyncio.to_thread(self._gateway.subscribe, key, end, channel.kind == "lock")
-            return AsyncGatewaySubscription(sub)
+            return AsyncLocalSubscription(sub)
         return await self._watcher.subscribe(key, end, channel)
 
     async def aclose(self) -> None:

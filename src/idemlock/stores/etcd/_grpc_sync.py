@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import itertools
 import os
 import queue
 import random
@@ -18,11 +17,11 @@ import grpc
 
 from ..._core.port import Channel
 from ..._errors import IdemlockError, StoreUnavailable
-from . import _codec as K
 from . import _conf
 from ._ops import WRITES, Op, Ops, Rpc, Waiter
 from ._pb.etcdserverpb import rpc_pb2 as _rpc_pb2
 from ._pb.etcdserverpb import rpc_pb2_grpc as _rpc_pb2_grpc
+from ._watches import Book, Group, watch_range
 
 pb: Any = _rpc_pb2  # generated without type information
 stubs: Any = _rpc_pb2_grpc
@@ -218,29 +217,12 @@ def drive(client: SyncClient, op: Op) -> Any:
 # ---- watches -----------------------------------------------------------------------------
 
 
-class _Group:
-    """One etcd watch (one channel), shared by this store's waiters on it."""
-
-    __slots__ = ("channel", "created", "end", "id", "key", "no_put", "subs", "waiter")
+class _Group(Group["SyncSubscription"]):
+    __slots__ = ("created",)
 
     def __init__(self, wid: int, key: bytes, end: bytes, channel: Channel) -> None:
-        self.id = wid
-        self.key = key
-        self.end = end
-        self.channel = channel
-        self.no_put = channel.kind == "lock"  # a lock is freed by a deletion only
-        #: this process's place in the lock's queue while its callers wait
-        self.waiter = Waiter() if channel.kind == "lock" else None
-        self.subs: set[SyncSubscription] = set()
+        super().__init__(wid, key, end, channel)
         self.created = False
-
-    def create(self) -> Any:
-        filters = [pb.WatchCreateRequest.NOPUT] if self.no_put else []
-        return pb.WatchRequest(
-            create_request=pb.WatchCreateRequest(
-                key=self.key, range_end=self.end, watch_id=self.id, filters=filters
-            )
-        )
 
 
 class SyncSubscription:
@@ -277,35 +259,28 @@ class SyncWatcher:
 
     def __init__(self, client: SyncClient, root: bytes) -> None:
         self._client = client
-        self._root = root
         self._lock = threading.Lock()
         self._created = threading.Condition(self._lock)
-        self._groups: dict[tuple[bytes, bytes], _Group] = {}
-        self._by_id: dict[int, _Group] = {}
-        self._ids = itertools.count(1)
+        self._book = Book(root, _Group)
         self._queue: queue.Queue[Any] | None = None
         self._thread: threading.Thread | None = None
         self._call: Any = None
         self._closed = False
 
     def after_fork(self) -> None:
-        INHERITED.append((self._groups, self._queue, self._call, self._thread))
+        INHERITED.append((self._book.groups, self._queue, self._call, self._thread))
         self._lock = threading.Lock()
         self._created = threading.Condition(self._lock)
-        self._groups, self._by_id = {}, {}
+        self._book.reset()
         self._queue, self._thread, self._call = None, None, None
 
     def subscribe(self, key: bytes, end: bytes, channel: Channel) -> SyncSubscription:
         with self._lock:
             if self._closed:
                 raise StoreUnavailable("the etcd store is closed")
-            g = self._groups.get((key, end))
-            if g is None:
-                g = _Group(next(self._ids), key, end, channel)
-                self._groups[(key, end)] = g
-                self._by_id[g.id] = g
-                if self._queue is not None:
-                    self._queue.put(g.create())
+            g, new = self._book.group(key, end, channel)
+            if new and self._queue is not None:
+                self._queue.put(g.create())
             sub = SyncSubscription(self, g)
             g.subs.add(sub)
             if self._thread is None:
@@ -321,26 +296,17 @@ class SyncWatcher:
     def waiting(self, key: bytes) -> Waiter | None:
         """This process's place in the queue of the lock named ``key``, if a caller of
         this store waits for it."""
-        g = self._groups.get((key, b""))
-        return g.waiter if g is not None and g.subs else None
+        return self._book.waiting(key)
 
     def remove(self, sub: SyncSubscription) -> None:
         g = sub._group
         with self._lock:
-            g.subs.discard(sub)
-            if g.subs or self._groups.get((g.key, g.end)) is not g:
-                return
-            if g.waiter is not None and g.waiter.rev:
-                self._client.background(leave_rpc(self._root, g.channel, g.waiter))
-            del self._groups[(g.key, g.end)]
-            self._by_id.pop(g.id, None)
-            if self._queue is not None and g.created:
-                self._queue.put(
-                    pb.WatchRequest(cancel_request=pb.WatchCancelRequest(watch_id=g.id))
-                )
+            gone = self._book.leave(g, sub, self._client.background)
+            if gone and self._queue is not None and g.created:
+                self._queue.put(g.cancel())
 
     def _fire_all(self) -> None:  # with the lock held
-        for g in self._groups.values():
+        for g in self._book.groups.values():
             g.created = False
             for s in g.subs:
                 s._fire()
@@ -348,7 +314,7 @@ class SyncWatcher:
 
     def _handle(self, resp: Any) -> None:
         with self._lock:
-            g = self._by_id.get(resp.watch_id)
+            g = self._book.by_id.get(resp.watch_id)
             if g is None:
                 return
             if resp.created:
@@ -376,7 +342,7 @@ class SyncWatcher:
                     return
                 q: queue.Queue[Any] = queue.Queue()
                 self._queue = q
-                for g in self._groups.values():
+                for g in self._book.groups.values():
                     q.put(g.create())
             s = None
             try:
@@ -408,7 +374,7 @@ class SyncWatcher:
             call, self._call = self._call, None
             if self._queue is not None:
                 self._queue.put(_STOP)
-            for g in self._groups.values():
+            for g in self._book.groups.values():
                 for s in g.subs:
                     s._fire()
         if call is not None:
@@ -461,22 +427,6 @@ class _SyncRunner:
             return  # a forked child: nothing of gRPC's may be touched
         self._watcher.close()
         self.client.close()
-
-
-def watch_range(root: bytes, channel: Channel) -> tuple[bytes, bytes]:
-    """(key, range_end) watched for a channel: a lock is freed by the deletion of its
-    key; a claim by a change of its record or the end of its lease marker."""
-    if channel.kind == "lock":
-        return K.lock_name(root, channel.ns, channel.key), b""
-    base = K.claim_names(root, channel.ns, channel.key).base
-    return base, K.prefix_end(base)
-
-
-def leave_rpc(root: bytes, channel: Channel, waiter: Waiter) -> Rpc:
-    """Give up this process's place in a lock's queue (sent in the background)."""
-    key = K.queue_prefix(root, channel.ns, channel.key) + waiter.wid
-    waiter.rev = 0
-    return Rpc("DeleteRange", pb.DeleteRangeRequest(key=key), background=True)
 
 
 _WATCHERS: weakref.WeakSet[Any] = weakref.WeakSet()
