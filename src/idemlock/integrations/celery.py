@@ -124,44 +124,9 @@ receivers whether the result was replayed. Pass the fence to your
 writes (``UPDATE ... WHERE fence <= %s``, :meth:`idemlock.Coordinator.fence`) so a
 late write of an attempt whose lease ended is refused.
 
-Recommended settings and what idemlock guarantees with them
------------------------------------------------------------
-
-* ``acks_late=True`` (or ``task_acks_late``): the message is acknowledged after the
-  task returns, so a worker that dies mid-task does not lose it. Pair it with
-  ``worker_prefetch_multiplier=1``.
-* ``reject_on_worker_lost=True``: a task whose pool process died is requeued instead
-  of marked failed.
-* A hard ``time_limit``: it bounds how long a claim is renewed (``max_run``, see
-  above). How long a redelivered task waits for a dead attempt's claim to end is
-  the spec's ``lease``.
-* The broker's visibility timeout (Redis, SQS: ``broker_transport_options=
-  {"visibility_timeout": ...}``) longer than the lease and than
-  ``idemlock_retry_every``: a message unacknowledged for longer is redelivered while
-  the first delivery still runs or waits for its countdown. idemlock makes such a
-  duplicate wait or replay rather than run twice, but it costs a round trip.
-* ``task_acks_on_failure_or_timeout`` left at its default (True): a failed task is
-  acknowledged and retried through Celery's retry, which re-sends it. With False a
-  failure requeues the message instead; both are safe, since a failure abandons the
-  claim.
-
-With these settings:
-
-* A task that completed is never run again for its key within the spec's ``ttl``:
-  a redelivery (the worker died after recording, before the broker got the ack) or a
-  duplicate send returns the recorded result, and the task succeeds with it.
-* A task whose worker died mid-body leaves a claim that ends with its lease (the
-  spec's, renewed no more); the redelivered task waits in-flight retries until then, then
-  claims the key with a higher fence and runs. Exactly one run completes, and a write
-  of the dead attempt that carries its fence to a fenced store cannot land over the
-  new one's.
-* What no claim can close: a worker killed after its side effect and before the
-  result was recorded runs the body again on redelivery. Make such effects keyed by
-  the idempotency key and fenced, so the re-run replaces rather than duplicates.
-* A body whose claim was lost (it ran past ``max_run``, or its process was stopped
-  for longer than the lease) may run alongside a newer attempt; its ``complete``
-  raises :class:`~idemlock.ClaimLost`, a :class:`~idemlock.StaleClaim` (the task
-  fails, the newer attempt's result stands) and its fenced writes are refused.
+The recommended settings (``acks_late``, ``reject_on_worker_lost``, a hard
+``time_limit``, the broker's visibility timeout) and what idemlock guarantees with
+them are in the Celery recipe of the documentation (``docs/recipes/celery.md``).
 """
 
 from __future__ import annotations
@@ -174,7 +139,7 @@ import threading
 import time
 import types
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from typing import Any, ClassVar
 
 from celery import Task, current_task  # type: ignore[import-untyped]
@@ -190,13 +155,24 @@ from .._errors import (
     ConfigurationError,
     InFlightError,
     StaleClaim,
-    StoreFull,
     StoreUnavailable,
 )
 from .._logfields import fields as log_fields
 from .._logfields import port_fields
 from .._ports import Heartbeat
 from .._sync import Coordinator, IdempotencyPort
+from ._celery_messages import (
+    _STORE_ERRORS,
+    _STORE_TRIES_HEADER,
+    SEND_HEADER,
+    _lease_seconds,
+    _ProcessState,
+    _recorded,
+    _send_lease,
+    _spec_name,
+    _store_tries,
+    _wait_seconds,
+)
 from ._jobs import free_send, reserve_send
 
 __all__ = ["IN_FLIGHT_MODES", "SEND_HEADER", "IdempotentTask", "current_fence"]
@@ -212,13 +188,6 @@ _CALLABLE_OPTIONS = ("idemlock_key", "idemlock_coordinator")
 #: what a call sets on the task's request
 _REQUEST_ATTRS = ("idemlock_key", "idemlock_fence", "idemlock_replayed")
 
-#: store failures that may pass: the task is retried (before the body) or its
-#: outcome written again (after it)
-_STORE_ERRORS = (StoreUnavailable, StoreFull)
-#: the message header counting re-sends after store failures (for the backoff)
-_STORE_TRIES_HEADER = "idemlock_store_tries"
-#: the message header of a task sent by apply_async_once: its send lease's seconds
-SEND_HEADER = "idemlock_send_lease"
 #: first and longest pause between writes of a finished task's outcome
 _RECORD_RETRY_FIRST = 0.1
 _RECORD_RETRY_MAX = 2.0
@@ -234,16 +203,6 @@ def current_fence() -> int:
             "IdempotentTask (and only while it holds its claim)"
         )
     return int(fence)
-
-
-@dataclasses.dataclass
-class _ProcessState:
-    """What one worker process resolved for one task: never shared across a fork."""
-
-    pid: int
-    coord: Coordinator
-    plan: WrapPlan
-    ports: dict[int, IdempotencyPort] = dataclasses.field(default_factory=dict)
 
 
 class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type information
@@ -651,53 +610,3 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
         return self._idemlock_resend(
             exc, countdown, f"{why}; retrying in {countdown}s", headers=headers
         )
-
-
-def _recorded(port: IdempotencyPort, token: ClaimToken) -> bool:
-    """Whether the store holds this claim's outcome (completed with its fence)."""
-    try:
-        status = port.status(token.key)
-    except _STORE_ERRORS:
-        return False
-    return status is not None and status.state == "completed" and status.fence == token.fence
-
-
-def _store_tries(request: Any, headers: dict[str, Any]) -> int:
-    """How many store failures in a row sent this task again (a message header)."""
-    value = headers.get(_STORE_TRIES_HEADER, getattr(request, _STORE_TRIES_HEADER, 0))
-    try:
-        return max(0, int(value or 0))
-    except (TypeError, ValueError):
-        return 0
-
-
-def _lease_seconds(lease: timedelta | float) -> float:
-    value = seconds(lease, "lease")
-    if value is None or value <= 0:
-        raise ConfigurationError(f"the send lease must be positive seconds, got {lease!r}")
-    return value
-
-
-def _wait_seconds(options: dict[str, Any]) -> float:
-    """How long a ``countdown`` or ``eta`` holds the task back before it may run."""
-    countdown = options.get("countdown")
-    if countdown is not None:
-        return max(0.0, float(countdown))
-    eta = options.get("eta")
-    if isinstance(eta, datetime):
-        when = eta if eta.tzinfo else eta.replace(tzinfo=timezone.utc)
-        return max(0.0, (when - datetime.now(timezone.utc)).total_seconds())
-    return 0.0
-
-
-def _send_lease(request: Any) -> float | None:
-    """The send lease of a task sent by apply_async_once (a message header), or None."""
-    headers = request.headers or {}
-    value = headers.get(SEND_HEADER, getattr(request, SEND_HEADER, None))
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        return None
-    return float(value)
-
-
-def _spec_name(spec: IdempotencySpec | str | None) -> str | None:
-    return spec.name if isinstance(spec, IdempotencySpec) else spec
