@@ -58,14 +58,7 @@ class LockRun(Run):
                     next_fault = self.next_fault(order)
                 time.sleep(0.005)
             self.outcome.seconds = time.monotonic() - start
-            self.heal_store()
-            # Paused holders wake and try their late writes (the fence must refuse
-            # them); then the workers are ended wherever they are.
-            while any(s.stopped_until is not None for s in self.slots):
-                self.wake_due()
-                time.sleep(0.01)
-            time.sleep(1.0 + opts.lease)
-            self.reap()
+            self.settle(1.0 + opts.lease)  # late writes of paused holders: fenced out
             self.outcome.drained = True
         finally:
             self.wake_member(force=True)

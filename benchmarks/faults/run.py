@@ -184,6 +184,17 @@ class Run:
             self.hub.heal()
         self.wake_member(force=True)
 
+    def settle(self, seconds: float) -> None:
+        """End the faults, let paused workers wake and finish what they were doing
+        (their late writes are part of the test), wait ``seconds``; then the workers
+        may be ended wherever they are."""
+        self.heal_store()
+        while any(s.stopped_until is not None for s in self.slots):
+            self.wake_due()
+            time.sleep(0.01)
+        time.sleep(seconds)
+        self.reap()
+
     def stop_servers(self) -> None:
         if self.hub is not None:
             self.hub.close()
@@ -386,14 +397,7 @@ class Run:
                     break
                 time.sleep(0.005)
             self.outcome.seconds = time.monotonic() - start
-            self.heal_store()
-            # Let paused workers wake and finish what they were doing (their late
-            # writes are part of the test), then end every worker.
-            while any(s.stopped_until is not None for s in self.slots):
-                self.wake_due()
-                time.sleep(0.01)
-            time.sleep(0.5)
-            self.reap()
+            self.settle(0.5)
         finally:
             self.wake_member(force=True)
             workers.close()
