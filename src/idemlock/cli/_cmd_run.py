@@ -135,13 +135,7 @@ def _run_locked(args: argparse.Namespace, cmd: list[str]) -> int:
 
         def on_lost(lease: Any) -> None:
             lost.set()
-            running = child.proc is not None and child.status is None
-            what = (
-                f"terminating CMD and its processes (SIGTERM, then SIGKILL after "
-                f"{_human(args.grace)})"
-                if running
-                else "CMD is not running"
-            )
+            what = _what_now(child, args.grace)
             _say(f"lost the lease on lock {name!r} (token {lease.token}); {what}")
             child.terminate()
 
@@ -224,14 +218,7 @@ def _run_once(args: argparse.Namespace, cmd: list[str]) -> int:
 
         def on_lost(_: Any) -> None:
             lost.set()
-            running = child.proc is not None and child.status is None
-            what = (
-                f"terminating CMD and its processes (SIGTERM, then SIGKILL after "
-                f"{_human(args.grace)})"
-                if running
-                else "CMD is not running"
-            )
-            _say(f"lost the claim on {key!r} (fence {token.fence}); {what}")
+            _say(f"lost the claim on {key!r} (fence {token.fence}); {_what_now(child, args.grace)}")
             child.terminate()
 
         # Heartbeats: the claim is renewed while CMD runs, on the coordinator's renewer.
@@ -299,3 +286,10 @@ def _run_once(args: argparse.Namespace, cmd: list[str]) -> int:
             )
             return EX_UNAVAILABLE
         return EX_OK
+
+
+def _what_now(child: _Child, grace: float) -> str:
+    """What a lost lease or claim does to CMD, for the message that reports it."""
+    if child.proc is not None and child.status is None:
+        return f"terminating CMD and its processes (SIGTERM, then SIGKILL after {_human(grace)})"
+    return "CMD is not running"
