@@ -28,7 +28,8 @@ renames switching the import.
 The result gets the header below, loses the imports only an async-only statement
 used, has its imports sorted and is formatted with ruff, so it passes ``ruff check``
 and ``ruff format --check`` as written. The twin is parsed again and must hold no
-``async``/``await`` left. To generate one more module, add a line to ``PAIRS``.
+``async``/``await`` left. To generate one more module, add a line to ``PAIRS``
+(in ``tools/async_to_sync_pairs.py``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import subprocess
 import sys
 import tokenize
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,142 +57,9 @@ def header(source: str) -> str:
     return text if len(text) <= 101 else HEADER_LONG.format(source=source)
 
 
-@dataclass(frozen=True)
-class Pair:
-    source: str
-    target: str
-    #: names mapped for this pair only, on top of RENAMES
-    renames: dict[str, str] = field(default_factory=dict)
-    #: the target's module docstring, when the source's (mapped) would not fit it
-    docstring: str | None = None
-    #: phrases replaced in this pair's docstrings and comments, before DOC_PHRASES
-    phrases: list[tuple[str, str]] = field(default_factory=list)
-
-
-#: Every generated module: add a line here to generate one more.
-PAIRS: list[Pair] = [
-    Pair(
-        "src/idemlock/aio.py",
-        "src/idemlock/_sync.py",
-        {
-            "_tasks": "_threads",
-            "AsyncWatchdog": "Watchdog",
-            "AsyncRenewer": "Renewer",
-            "run_async": "run_sync",
-            "AsyncStore": "SyncStore",
-            "AsyncCoordinator": "Coordinator",
-            "AsyncIdempotencyPort": "IdempotencyPort",
-            "AsyncLockPort": "LockPort",
-            "AsyncFenceGate": "FenceGate",
-        },
-        docstring="The blocking API: :class:`Coordinator` and its ports.",
-        phrases=[
-            ("the asyncio API", "the blocking API"),
-            (":func:`idemlock.aio.connect`", ":func:`idemlock.connect`"),
-            (
-                "Works on\n        ``async def`` functions.",
-                "Works on\n        plain and ``async def`` functions.",
-            ),
-        ],
-    ),
-    Pair(
-        "src/idemlock/compat/_ports_async.py",
-        "src/idemlock/compat/_ports_sync.py",
-        {
-            "aio": "_sync",
-            "_async_coord": "_sync_coord",
-            "AsyncCoordinator": "Coordinator",
-            "AsyncLockPort": "LockPort",
-            "AsyncIdempotencyPort": "IdempotencyPort",
-            "AsyncDistributedLockCommandPort": "DistributedLockCommandPort",
-            "AsyncDistributedLockQueryPort": "DistributedLockQueryPort",
-            "AsyncDistributedLockScope": "DistributedLockScope",
-            "AsyncBackend": "Backend",
-        },
-    ),
-    Pair(
-        "src/idemlock/stores/redis/_async.py",
-        "src/idemlock/stores/redis/_sync.py",
-        {
-            "AsyncRedisStore": "RedisStore",
-            "AsyncPlumbing": "SyncPlumbing",
-            "_plumbing_async": "_plumbing_sync",
-        },
-    ),
-    Pair(
-        "src/idemlock/stores/postgres/_async.py",
-        "src/idemlock/stores/postgres/_sync.py",
-        {
-            "_AsyncRunner": "_SyncRunner",
-            "_runner_async": "_runner_sync",
-            "AsyncRawCursor": "RawCursor",
-        },
-        docstring="""The sync PostgreSQL store, :class:`PostgresStore`: the statements it runs and
-how it reads their replies, as in :mod:`._async`, its source. What differs from the
-async store is hand-written in :mod:`._runner_sync`.
-""",
-    ),
-    Pair(
-        "src/idemlock/stores/postgres/_schema_async.py",
-        "src/idemlock/stores/postgres/_schema_sync.py",
-        {
-            "_aversion": "_version",
-            "amigrate_conn": "migrate_conn",
-            "aensure": "ensure",
-            "amigrate": "migrate",
-            "_amigrate_refused": "_migrate_refused",
-        },
-        docstring="Creating and upgrading the store's schema, blocking (see :mod:`._schema`).",
-    ),
-    Pair(
-        "src/idemlock/stores/etcd/_async.py",
-        "src/idemlock/stores/etcd/_sync.py",
-        {
-            "_AsyncRunner": "_SyncRunner",
-            "_grpc_aio": "_grpc_sync",
-            "AsyncEtcdStore": "EtcdStore",
-        },
-        docstring="""The blocking etcd store, :class:`EtcdStore`: each port method runs one op of
-:mod:`._ops`, as in :mod:`._async`, its source. What differs from the async store is
-hand-written in :mod:`._grpc_sync`.""",
-    ),
-]
-
-#: Names mapped everywhere (a dotted key maps an attribute chain as a whole).
-RENAMES: dict[str, str] = {
-    "__aenter__": "__enter__",
-    "__aexit__": "__exit__",
-    "__aiter__": "__iter__",
-    "__anext__": "__next__",
-    "aclose": "close",
-    "StopAsyncIteration": "StopIteration",
-    "AsyncIterator": "Iterator",
-    "AsyncIterable": "Iterable",
-    "AsyncGenerator": "Generator",
-    "AbstractAsyncContextManager": "AbstractContextManager",
-    "asynccontextmanager": "contextmanager",
-    "AsyncExitStack": "ExitStack",
-    "asyncio.sleep": "time.sleep",
-    "asyncio.Lock": "threading.Lock",
-    "asyncio.Event": "threading.Event",
-    "AsyncConnection": "Connection",
-    "AsyncCursor": "Cursor",
-    "AsyncConnectionPool": "ConnectionPool",
-    "AsyncNullConnectionPool": "NullConnectionPool",
-    "AsyncPostgresStore": "PostgresStore",
-    "AsyncListenSubscription": "ListenSubscription",
-    "AsyncSubscription": "Subscription",
-    "AsyncStore": "Store",
-}
-
-#: Phrases replaced in docstrings and comments (after the word mapping).
-DOC_PHRASES: list[tuple[str, str]] = [
-    ("``await ", "``"),
-    ("``async with ", "``with "),
-    ("``async for ", "``for "),
-    ("an async ", "a "),
-    ("An async ", "A "),
-]
+# The table of pairs lives beside this file (also when a test loads this one by path).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from async_to_sync_pairs import DOC_PHRASES, PAIRS, RENAMES, Pair  # noqa: E402
 
 ASYNC_ONLY = "# async-only"
 SYNC_ONLY = "# sync-only:"
