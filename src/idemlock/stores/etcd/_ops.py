@@ -75,6 +75,21 @@ def _grant(ms: int) -> Rpc:
     return Rpc("LeaseGrant", pb.LeaseGrantRequest(TTL=K.lease_seconds(ms)))
 
 
+def _move_to_lease(rpc: Rpc, lease: int) -> Op:
+    """Send a Txn that puts a key on a freshly granted ``lease``: True if it did. A
+    refused Txn revokes the grant (unless re-sent: its first attempt may hold it); a
+    done one revokes the key's previous lease."""
+    resp = yield rpc
+    if not resp.succeeded:
+        if not rpc.retried:
+            yield _revoke(lease)
+        return False
+    old = resp.responses[0].response_put.prev_kv.lease
+    if old and old != lease:
+        yield _revoke(old)
+    return True
+
+
 #: a waiting process keeps its place in a lock's queue this long after its last
 #: attempt (seconds; it attempts at least once a second while it waits)
 WAITER_S = 3
@@ -245,14 +260,8 @@ class Ops:
                 [],
             ),
         )
-        resp = yield rpc
-        if not resp.succeeded:
-            if not rpc.retried:  # else its first attempt may hold this lease
-                yield _revoke(g.ID)
+        if not (yield from _move_to_lease(rpc, g.ID)):
             return None
-        old = resp.responses[0].response_put.prev_kv.lease
-        if old and old != g.ID:
-            yield _revoke(old)
         return written + lease_ms
 
     def record(self, ns: str, key: str) -> Op:
@@ -456,14 +465,8 @@ class Ops:
             "Txn",
             K.txn(self._held_by(name, owner, token), [K.put(name, value, g.ID, prev=True)], []),
         )
-        resp = yield rpc
-        if not resp.succeeded:
-            if not rpc.retried:  # else its first attempt may hold this lease
-                yield _revoke(g.ID)
+        if not (yield from _move_to_lease(rpc, g.ID)):
             return None
-        old = resp.responses[0].response_put.prev_kv.lease
-        if old and old != g.ID:
-            yield _revoke(old)
         return written + ttl_ms
 
     def lock(self, ns: str, key: str) -> Op:
