@@ -232,12 +232,19 @@ def _why(exc: BaseException) -> str:
     return text if len(text) <= 240 else text[:237] + "..."
 
 
+def installed(res: Results, where: tuple[str, str, str], name: str) -> bool:
+    """False (and why, in ``res``) for a peer that is not installed."""
+    if name in HAVE and not HAVE[name]:
+        res.skip(where, name, "not installed", f"pip install {PEERS[name][0]}")
+        return False
+    return True
+
+
 def peer(
     res: Results, where: tuple[str, str, str], name: str, build: Callable[[], SyncFn]
 ) -> SyncFn | None:
     """A peer's measured function, tried once; None (and why, in ``res``) if it cannot run."""
-    if name in HAVE and not HAVE[name]:
-        res.skip(where, name, "not installed", f"pip install {PEERS[name][0]}")
+    if not installed(res, where, name):
         return None
     try:
         fn = build()
@@ -254,8 +261,7 @@ def peer(
 async def apeer(
     res: Results, where: tuple[str, str, str], name: str, build: Callable[[], Awaitable[Make]]
 ) -> Make | None:
-    if name in HAVE and not HAVE[name]:
-        res.skip(where, name, "not installed", f"pip install {PEERS[name][0]}")
+    if not installed(res, where, name):
         return None
     try:
         make = await build()

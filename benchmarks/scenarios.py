@@ -37,7 +37,6 @@ from common import (
     LOCK,
     LOCK_OP,
     OURS,
-    PEERS,
     SPEC,
     UNC,
     Config,
@@ -49,6 +48,7 @@ from common import (
     ainterleave,
     fan_out,
     guarded,
+    installed,
     interleave,
     new_prefix,
     role,
@@ -283,8 +283,7 @@ def run_store(bench: Any, cfg: Config, res: Results, contenders: Contenders) -> 
     where = (HAND, HAND_OP, name)
     base_cs = None
     for kind in bench.kinds:
-        if kind in HAVE and not HAVE[kind]:
-            res.skip(where, kind, "not installed", f"pip install {PEERS[kind][0]}")
+        if not installed(res, where, kind):
             continue
         try:
             if name == "memory":
