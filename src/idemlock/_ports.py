@@ -25,6 +25,30 @@ if TYPE_CHECKING:
     from ._decorator import WrapPlan
 
 
+def _report_loss(
+    port: Emitter, on_lost: Callable[[Any], object] | None, lost: object, what: str, thing: str
+) -> None:
+    """A claim or lease was lost: the ``lost`` event, then ``on_lost(lost)``. The loss is
+    what matters (the block still raises, an async body is still cancelled), so the
+    callback's error is logged, never raised."""
+    if port._coord._hooks:
+        port._deliver("lost", "lost", 0.0)
+    if on_lost is None:
+        return
+    try:
+        on_lost(lost)
+    except Exception:
+        log.warning(
+            "on_lost callback %r for a %s of spec %s raised; the %s is lost all the same",
+            on_lost,
+            what,
+            port._spec_name,
+            thing,
+            exc_info=True,
+            extra=port_fields(port, "on_lost", "error"),
+        )
+
+
 class Heartbeat:
     """One claim kept alive by its coordinator's renewer (see ``port.run()`` and the
     decorator's ``heartbeat``)."""
@@ -140,20 +164,7 @@ class IdempotencyBase(ClaimReplies):
             state.report = lambda outcome, took, error: self._deliver("renew", outcome, took, error)
 
         def lost() -> None:
-            if coord._hooks:
-                self._deliver("lost", "lost", 0.0)
-            if on_lost is not None:
-                try:
-                    on_lost(token)
-                except Exception:
-                    log.warning(
-                        "on_lost callback %r for a claim of spec %s raised; the claim is "
-                        "lost all the same",
-                        on_lost,
-                        self.spec.name,
-                        exc_info=True,
-                        extra=port_fields(self, "on_lost", "error"),
-                    )
+            _report_loss(self, on_lost, token, "claim", "claim")
             if also is not None:
                 also(state)
 
@@ -351,22 +362,7 @@ class LockBase(Emitter):
 
         def lost() -> None:
             lease.lost = True
-            if self._coord._hooks:
-                self._deliver("lost", "lost", 0.0)
-            if on_lost is not None:
-                try:
-                    on_lost(lease)
-                except Exception:
-                    # The loss is what matters: the block still raises LockLost (and an
-                    # async body is still cancelled) whatever the callback did.
-                    log.warning(
-                        "on_lost callback %r for a lock of spec %s raised; the lease is lost "
-                        "all the same",
-                        on_lost,
-                        self.spec.name,
-                        exc_info=True,
-                        extra=port_fields(self, "on_lost", "error"),
-                    )
+            _report_loss(self, on_lost, lease, "lock", "lease")
 
         state.notify = lost
         return state
