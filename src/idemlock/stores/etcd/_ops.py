@@ -71,6 +71,13 @@ def _revoke(lease: int) -> Rpc:
     return Rpc("LeaseRevoke", pb.LeaseRevokeRequest(ID=lease), background=True)
 
 
+def _revoke_leases(kvs: Any) -> Generator[Rpc, Any, None]:
+    """Revoke the leases of deleted keys (their ``prev_kvs``), in the background."""
+    for prev in kvs:
+        if prev.lease:
+            yield _revoke(prev.lease)
+
+
 def _grant(ms: int) -> Rpc:
     return Rpc("LeaseGrant", pb.LeaseGrantRequest(TTL=K.lease_seconds(ms)))
 
@@ -213,9 +220,7 @@ class Ops:
         resp = yield rpc
         self._claims.pop((ns, key, token), None)
         if resp.succeeded:
-            for prev in resp.responses[1].response_delete_range.prev_kvs:
-                if prev.lease:
-                    yield _revoke(prev.lease)
+            yield from _revoke_leases(resp.responses[1].response_delete_range.prev_kvs)
             return True
         if not rpc.retried:  # else its first attempt may hold this lease
             yield _revoke(g.ID)
@@ -237,9 +242,7 @@ class Ops:
         resp = yield rpc
         self._claims.pop((ns, key, token), None)
         if resp.succeeded:
-            for prev in resp.responses[1].response_delete_range.prev_kvs:
-                if prev.lease:
-                    yield _revoke(prev.lease)
+            yield from _revoke_leases(resp.responses[1].response_delete_range.prev_kvs)
             return True
         # Re-sent after a lost reply and now absent: the first attempt deleted it.
         return rpc.retried and not K.kvs(resp.responses[0])
@@ -284,9 +287,7 @@ class Ops:
         )
         rec = resp.responses[0].response_delete_range.prev_kvs
         marker = resp.responses[1].response_delete_range.prev_kvs
-        for prev in (*rec, *marker):
-            if prev.lease:
-                yield _revoke(prev.lease)
+        yield from _revoke_leases((*rec, *marker))
         if not rec:
             return False
         try:
@@ -425,9 +426,7 @@ class Ops:
         )
         resp = yield rpc
         if resp.succeeded:
-            for prev in resp.responses[0].response_delete_range.prev_kvs:
-                if prev.lease:
-                    yield _revoke(prev.lease)
+            yield from _revoke_leases(resp.responses[0].response_delete_range.prev_kvs)
             return True
         return rpc.retried and not K.kvs(resp.responses[0])
 
@@ -438,9 +437,7 @@ class Ops:
         first attempt went through finds nothing and answers False."""
         name = K.lock_name(self.root, ns, key)
         resp = yield Rpc("DeleteRange", pb.DeleteRangeRequest(key=name, prev_kv=True))
-        for prev in resp.prev_kvs:
-            if prev.lease:
-                yield _revoke(prev.lease)
+        yield from _revoke_leases(resp.prev_kvs)
         return bool(resp.deleted)
 
     def release_owner(self, ns: str, key: str, owner: str) -> Op:
@@ -450,9 +447,7 @@ class Ops:
             "Txn", K.txn(K.cmp_starts(name, K.owner_prefix(owner)), [K.delete(name, prev=True)], [])
         )
         if resp.succeeded:
-            for prev in resp.responses[0].response_delete_range.prev_kvs:
-                if prev.lease:
-                    yield _revoke(prev.lease)
+            yield from _revoke_leases(resp.responses[0].response_delete_range.prev_kvs)
         return bool(resp.succeeded)
 
     def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> Op:
