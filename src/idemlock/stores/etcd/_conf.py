@@ -202,3 +202,12 @@ def error(exc: Any, what: str, endpoint: str) -> Exception:
             f"etcd {what} at {endpoint}: authentication failed (check user and password)"
         )
     return StoreUnavailable(f"etcd {what} at {endpoint} failed: {name}: {details}")
+
+
+def no_answer(method: str, timeout: float, last: Exception | None) -> StoreUnavailable:
+    """The error of a call that got no answer within the store's timeout (``last``: the
+    failure of its last try, if any)."""
+    why = f": {last}" if last is not None else ""
+    return StoreUnavailable(
+        f"etcd {method}: no answer within the store's timeout of {timeout}s{why}"
+    )

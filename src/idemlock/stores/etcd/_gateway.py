@@ -137,11 +137,7 @@ class GatewayClient:
         last: Exception | None = None
         while True:
             if deadline - time.monotonic() <= 0:
-                why = f": {last}" if last is not None else ""
-                raise StoreUnavailable(
-                    f"etcd {rpc.method}: no answer within the store's timeout of "
-                    f"{self.conf.timeout}s{why}"
-                ) from last
+                raise _conf.no_answer(rpc.method, self.conf.timeout, last) from last
             try:
                 return self._post(rpc.method, rpc.request, deadline, self.headers(deadline))
             except _Failed as exc:

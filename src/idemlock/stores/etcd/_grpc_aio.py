@@ -19,35 +19,13 @@ from ..._core.port import Channel
 from ..._errors import IdemlockError, StoreUnavailable
 from ..._logfields import fields as log_fields
 from . import _conf
-from ._grpc_sync import _STORES, CHANNEL_OPTIONS, INHERITED, _track_fork
+from ._grpc_sync import _STORES, CHANNEL_OPTIONS, INHERITED, _Stubs, _track_fork
 from ._ops import WRITES, Op, Ops, Rpc, Waiter
 from ._pb.etcdserverpb import rpc_pb2 as _rpc_pb2
-from ._pb.etcdserverpb import rpc_pb2_grpc as _rpc_pb2_grpc
 from ._watches import Book, Group, watch_range
 
 log = logging.getLogger("idemlock")
 pb: Any = _rpc_pb2  # generated without type information
-stubs: Any = _rpc_pb2_grpc
-
-
-class _Stubs:
-    __slots__ = ("channel", "endpoint", "methods", "watch")
-
-    def __init__(self, channel: grpc.aio.Channel, endpoint: str) -> None:
-        self.channel = channel
-        self.endpoint = endpoint
-        kv, lease = stubs.KVStub(channel), stubs.LeaseStub(channel)
-        self.methods: dict[str, Any] = {
-            "Range": kv.Range,
-            "Txn": kv.Txn,
-            "DeleteRange": kv.DeleteRange,
-            "Put": kv.Put,
-            "LeaseGrant": lease.LeaseGrant,
-            "LeaseRevoke": lease.LeaseRevoke,
-            "LeaseTimeToLive": lease.LeaseTimeToLive,
-            "Authenticate": stubs.AuthStub(channel).Authenticate,
-        }
-        self.watch = stubs.WatchStub(channel).Watch
 
 
 class AsyncClient:
@@ -110,11 +88,7 @@ class AsyncClient:
             s = self.stubs()
             left = deadline - time.monotonic()
             if left <= 0:
-                why = f": {last}" if last is not None else ""
-                raise StoreUnavailable(
-                    f"etcd {rpc.method}: no answer within the store's timeout of "
-                    f"{self.conf.timeout}s{why}"
-                ) from last
+                raise _conf.no_answer(rpc.method, self.conf.timeout, last) from last
             try:
                 md = await self.metadata(s, deadline)
                 return await s.methods[rpc.method](

@@ -38,9 +38,12 @@ CHANNEL_OPTIONS = [
 
 
 class _Stubs:
+    """The calls of one endpoint's channel, by method name (a blocking or a grpc.aio
+    channel: the generated stubs serve both)."""
+
     __slots__ = ("channel", "endpoint", "methods", "watch")
 
-    def __init__(self, channel: grpc.Channel, endpoint: str) -> None:
+    def __init__(self, channel: grpc.Channel | grpc.aio.Channel, endpoint: str) -> None:
         self.channel = channel
         self.endpoint = endpoint
         kv, lease = stubs.KVStub(channel), stubs.LeaseStub(channel)
@@ -126,11 +129,7 @@ class SyncClient:
             s = self.stubs()
             left = deadline - time.monotonic()
             if left <= 0:
-                why = f": {last}" if last is not None else ""
-                raise StoreUnavailable(
-                    f"etcd {rpc.method}: no answer within the store's timeout of "
-                    f"{self.conf.timeout}s{why}"
-                ) from last
+                raise _conf.no_answer(rpc.method, self.conf.timeout, last) from last
             try:
                 md = self.metadata(s, deadline)
                 return s.methods[rpc.method](
