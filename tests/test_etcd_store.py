@@ -199,8 +199,12 @@ def test_a_resent_transaction_is_recognised_never_applied_twice(
         assert drive_twice(store, store.ops.complete(ns, "c", "tok1", b"r", 60_000)) is True
         rec = store.record(ns, "c")
         assert rec is not None and rec.state == "completed" and rec.fence == claim.fence
-        # A second, separate complete of the same token is stale (not a re-send).
-        assert store.complete(ns, "c", "tok1", b"r", 60_000) is False
+        # The caller sending the same complete again is the table's complete.resend (it
+        # succeeds, changing nothing); with another result it is stale (complete.stale).
+        assert store.complete(ns, "c", "tok1", b"r", 60_000) is True
+        assert store.complete(ns, "c", "tok1", b"other", 60_000) is False
+        rec = store.record(ns, "c")
+        assert rec is not None and rec.state == "completed" and rec.fence == claim.fence
 
         claim = drive_twice(store, store.ops.claim(ns, "d", None, "tok2", 30_000))
         assert drive_twice(store, store.ops.abandon(ns, "d", "tok2")) is True
