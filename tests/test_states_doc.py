@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 from idemlock._core import table as T
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,10 +51,46 @@ def test_check_runs_as_a_command() -> None:
     assert done.returncode == 0, done.stderr
 
 
-def test_event_outcomes_come_from_the_table() -> None:
-    from idemlock._core.events import EVENTS
+def test_every_event_emitted_is_in_the_tables_vocabulary() -> None:
+    # Drive each operation through its outcomes on the memory store and collect the
+    # events: an outcome typed by hand somewhere, outside the table, shows up here.
+    from datetime import timedelta
 
-    assert T.events() == EVENTS
+    import idemlock
+    from idemlock import IdempotencySpec, LockSpec
+
+    seen: list[tuple[str, str]] = []
+    coord = idemlock.connect("memory://", hooks=[lambda e: seen.append((e.name, e.outcome))])
+    port = coord.idempotency(IdempotencySpec("vocab", lease=timedelta(seconds=30)))
+    first = port.claim("k", payload={"a": 1})
+    assert isinstance(first, idemlock.Claimed)
+    port.claim("k", payload={"a": 1})  # in flight
+    with pytest.raises(idemlock.PayloadMismatch):
+        port.claim("k", payload={"a": 2})
+    port.complete(first.token, 1)
+    port.claim("k", payload={"a": 1})  # replay
+    again = port.claim("other")
+    assert isinstance(again, idemlock.Claimed)
+    port.abandon(again.token)
+    with pytest.raises(idemlock.StaleClaim):
+        port.complete(again.token, 2)
+    with pytest.raises(idemlock.StaleClaim):
+        port.abandon(again.token)
+    locks = coord.lock(LockSpec("vocab-lock", ttl=timedelta(seconds=30)))
+    lease = locks.acquire("L", owner="a")
+    assert lease is not None
+    assert locks.acquire("L", owner="b", wait=0) is None
+    locks.renew(lease)
+    locks.release(lease)
+    locks.release(lease)  # not held any more
+    taken = locks.acquire("L", owner="c")
+    assert taken is not None and locks.break_lock("L") is True
+    assert locks.break_lock("L") is False
+    coord.close()
+    assert len({name for name, _ in seen}) >= 6, seen
+    vocabulary = T.events()
+    unknown = [(n, o) for n, o in seen if o not in vocabulary.get(n, ())]
+    assert not unknown, f"events outside the table's vocabulary: {unknown}"
 
 
 def test_every_operation_answers_in_every_state() -> None:
