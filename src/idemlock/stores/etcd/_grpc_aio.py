@@ -288,8 +288,13 @@ class AsyncWatcher:
                     self._handle(resp)
             except asyncio.CancelledError:
                 raise
-            except (grpc.aio.AioRpcError, IdemlockError, ValueError, RuntimeError):
-                pass
+            except (grpc.aio.AioRpcError, IdemlockError, ValueError, RuntimeError) as exc:
+                # The stream broke (member down, failover): every waiter re-checks now.
+                log.debug(
+                    "idemlock: etcd watch stream ended (%s); watching again",
+                    type(exc).__name__,
+                    extra=log_fields(store="etcd", operation="watch", outcome="error"),
+                )
             call, self._call = self._call, None
             if call is not None:
                 call.cancel()

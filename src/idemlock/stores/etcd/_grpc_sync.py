@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import random
@@ -17,6 +18,7 @@ import grpc
 
 from ..._core.port import Channel
 from ..._errors import IdemlockError, StoreUnavailable
+from ..._logfields import fields as log_fields
 from . import _conf
 from ._ops import WRITES, Op, Ops, Rpc, Waiter
 from ._pb.etcdserverpb import rpc_pb2 as _rpc_pb2
@@ -35,6 +37,8 @@ CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+
+log = logging.getLogger("idemlock")
 
 
 class _Stubs:
@@ -353,8 +357,13 @@ class SyncWatcher:
                 for resp in call:
                     backoff = 0.05
                     self._handle(resp)
-            except (grpc.RpcError, IdemlockError, ValueError):
-                pass
+            except (grpc.RpcError, IdemlockError, ValueError) as exc:
+                # The stream broke (member down, failover): every waiter re-checks now.
+                log.debug(
+                    "idemlock: etcd watch stream ended (%s); watching again",
+                    type(exc).__name__,
+                    extra=log_fields(store="etcd", operation="watch", outcome="error"),
+                )
             with self._lock:
                 q.put(_STOP)
                 self._queue = None
