@@ -110,15 +110,22 @@ class Attempt:
         return f"Attempt({self.key!r}, {what}, lost={self.lost})"
 
 
-class IdempotencyBase(ClaimReplies):
+class _SpecPort(Emitter):
+    """What every port of a spec holds: its coordinator, the store and the namespace."""
+
+    def __init__(self, coord: CoordinatorBase, spec_name: str) -> None:
+        self._coord = coord
+        self._spec_name = spec_name
+        self._store = coord._store
+        self._ns = coord._ns(spec_name)
+
+
+class IdempotencyBase(_SpecPort, ClaimReplies):
     _kind = "idempotency"
 
     def __init__(self, coord: CoordinatorBase, spec: IdempotencySpec) -> None:
-        self._coord = coord
-        self._spec_name = spec.name
-        self._store = coord._store
+        super().__init__(coord, spec.name)
         self.spec = spec
-        self._ns = coord._ns(spec.name)
         self._lease_ms = to_ms(spec.lease, "lease")
         self._ttl_ms = to_ms(spec.ttl, "ttl")
         self._format = coord.result_format
@@ -252,15 +259,12 @@ class IdempotencyBase(ClaimReplies):
             return None
 
 
-class LockBase(Emitter):
+class LockBase(_SpecPort):
     _kind = "lock"
 
     def __init__(self, coord: CoordinatorBase, spec: LockSpec) -> None:
-        self._coord = coord
-        self._spec_name = spec.name
-        self._store = coord._store
+        super().__init__(coord, spec.name)
         self.spec = spec
-        self._ns = coord._ns(spec.name)
         self._ttl_ms = to_ms(spec.ttl, "ttl")
 
     def _owner(self, owner: str | None) -> str:
