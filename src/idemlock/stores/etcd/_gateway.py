@@ -203,7 +203,7 @@ class _Watch:
                 if sock is not None:
                     sock.shutdown(socket.SHUT_RDWR)
             except OSError:
-                pass
+                pass  # already closed by the peer: closing is all that was asked
 
     def _run(self) -> None:
         filters = [pb.WatchCreateRequest.NOPUT] if self.no_put else []

@@ -215,7 +215,7 @@ def pack_id(value: str | None) -> bytes:
         try:
             raw = bytes.fromhex(value)
         except ValueError:
-            pass
+            pass  # not hex: stored as text below
         else:
             if raw.hex() == value:
                 return b"h" + raw
