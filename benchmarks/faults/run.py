@@ -21,7 +21,7 @@ from tests.servers.redis import RedisCluster, RedisServer, start_cluster, start_
 
 from faults import HOST, KINDS, LOCK_KINDS, LOSSY, NETWORK_KINDS, SPEC, STORE_KINDS
 from faults.effects import Fx, FxError, PgFx, SqliteFx
-from faults.network import Proxy, ProxyHub
+from faults.network import Network
 from faults.worker import (
     PRELOAD,
     WorkerConfig,
@@ -73,13 +73,13 @@ class Run:
         self.kinds = tuple(k for k in applies[store] if k in opts.kinds)
         self.rng = random.Random(f"{opts.seed}:{store}:{mode}:{same_tx}:{self.workload}:faults")
         self.root = Path(tempfile.mkdtemp(prefix=f"idemlock-chaos-{store}-"))
-        self.hub: ProxyHub | None = None
+        self.hub: Network | None = None
         self.redis: RedisServer | None = None
         self.cluster: RedisCluster | None = None
         self.pg: PgServer | None = None  # the store's PostgreSQL
         self.fx_pg: PgServer | None = None  # the effects' PostgreSQL (Redis runs)
         self.etcd: Any = None  # tests.servers.etcd.EtcdCluster
-        self.etcd_proxies: list[Proxy] = []
+        self.etcd_proxies: list[Any] = []
         #: (member, until) of the one paused etcd member
         self.member_paused: tuple[int, float] | None = None
         self.etcd_faults: Counter[str] = Counter()
@@ -98,7 +98,7 @@ class Run:
 
     def start_servers(self) -> None:
         if self.store != "sqlite":
-            self.hub = ProxyHub()
+            self.hub = Network()
         if self.store == "sqlite":
             self.store_url = f"sqlite:///{self.root / 'idemlock.db'}"
             self.fx_kind, self.fx_worker_dsn = "sqlite", str(self.root / "effects.db")
@@ -301,7 +301,7 @@ class Run:
             only = None
             if self.etcd is not None and share < 1:
                 # etcd: one member cut off (of those the clients use)
-                used = [p for p in self.etcd_proxies if p.conns]
+                used = [p for p in self.etcd_proxies if p.connections()]
                 only = self.rng.choice(used) if used else None
             detail = self.hub.blackhole(seconds, share, self.rng, only)
             if not detail:

@@ -12,6 +12,8 @@ connection to ``127.0.0.1:target_port``, both ways, from one selector thread.
   a partition heals (so a request that timed out on the client may still be applied).
 * ``cut()`` resets every connection through the proxy (both sides see a reset).
 * ``silent()`` is a context manager: blackhole on entry, heal on exit.
+* ``hold(pairs)`` silences some connections only (``open_pairs()`` lists them), as
+  when one path through the network dies: the others and new ones keep working.
 
 The proxy is a context manager; ``close()`` stops the thread (joined) and closes
 every socket. Commands are applied by the proxy thread before they return, so once
@@ -72,6 +74,7 @@ class TcpProxy:
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._pairs: dict[socket.socket, _Pair] = {}
         self._forwarding = True
+        self._held: set[_Pair] = set()  # connections silenced one by one (``hold``)
         self._running = True
         self._commands: list[tuple[Callable[[], Any], threading.Event, list[Any]]] = []
         self._commands_lock = threading.Lock()
@@ -107,6 +110,15 @@ class TcpProxy:
         """Reset every connection through the proxy; returns how many there were."""
         result: int = self._command(self._cut_all)
         return result
+
+    def open_pairs(self) -> list[object]:
+        """The open connections, as handles for :meth:`hold`."""
+        result: list[object] = self._command(lambda: list(self._unique_pairs()))
+        return result
+
+    def hold(self, pairs: list[object], held: bool = True) -> None:
+        """Stop (``held``) or resume forwarding on these connections only."""
+        self._command(self._hold, pairs, held)
 
     def connections(self) -> int:
         result: int = self._command(lambda: len({id(p) for p in self._pairs.values()}))
@@ -146,6 +158,14 @@ class TcpProxy:
     def _set_forwarding(self, on: bool) -> None:
         self._forwarding = on
         for pair in {id(p): p for p in self._pairs.values()}.values():
+            self._update(pair)
+
+    def _unique_pairs(self) -> list[_Pair]:
+        return list({id(p): p for p in self._pairs.values()}.values())
+
+    def _hold(self, pairs: list[_Pair], held: bool) -> None:
+        for pair in pairs:
+            (self._held.add if held else self._held.discard)(pair)
             self._update(pair)
 
     def _cut_all(self) -> int:
@@ -222,7 +242,7 @@ class TcpProxy:
 
     def _io(self, sock: socket.socket, mask: int) -> None:
         pair = self._pairs.get(sock)
-        if pair is None or pair.closed or not self._forwarding:
+        if pair is None or pair.closed or not self._forwarding or pair in self._held:
             return
         peer = pair.peer(sock)
         try:
@@ -259,7 +279,7 @@ class TcpProxy:
             return
         for sock in (pair.client, pair.upstream):
             events = 0
-            if self._forwarding:
+            if self._forwarding and pair not in self._held:
                 peer = pair.peer(sock)
                 if sock not in pair.eof and len(pair.out[peer]) < BUFFER_LIMIT:
                     events |= selectors.EVENT_READ
@@ -282,6 +302,7 @@ class TcpProxy:
         if pair.closed:
             return
         pair.closed = True
+        self._held.discard(pair)
         for sock in (pair.client, pair.upstream):
             self._pairs.pop(sock, None)
             with contextlib.suppress(KeyError, ValueError):
