@@ -1,79 +1,25 @@
 """Fault injection: do effects stay exactly-once-in-effect while everything breaks?
 
     python benchmarks/chaos.py --store sqlite|redis|redis-cluster|postgres|etcd
-        [--same-transaction] [--mode idemlock|plain|both]
+        [--same-transaction] [--mode idemlock|plain|both] [--workload jobs|lock|both]
         [--jobs N --workers W --duration S --seed X --fault-every S --lease S ...]
     python benchmarks/chaos.py --all [--mode both]      # every store (the long run)
-    python benchmarks/chaos.py --all --short            # what CI runs
-    python benchmarks/chaos.py --all --workload lock    # the lock workload, every store
+    python benchmarks/chaos.py --all --short            # what CI runs (tests/test_chaos.py)
     ... --json                                          # the report as JSON
 
-What one run does, on throwaway servers on free loopback ports (never anything else):
-
-* The **effects database** holds an at-least-once queue (``jobs``: a job taken by a
-  worker turns invisible for ``--visibility`` seconds and is delivered again when its
-  worker dies or stalls), the side effect (``effects(job_id PRIMARY KEY, fence,
-  value)``) and an append-only ``effect_log(id, job_id, fence, worker, accepted)``
-  written in the same transaction as each attempted effect. It is a SQLite file for
-  the SQLite store and a PostgreSQL database otherwise (for the PostgreSQL store, the
-  store's own database, reached through the same proxy as the store).
-* ``--workers`` processes take jobs (released at a steady rate over ``--duration``)
-  and run each through ``@coord.idempotent`` keyed ``job-<id>``: the function writes
-  the effect **fenced** by ``current_claim().fence`` (``... ON CONFLICT (job_id) DO
-  UPDATE ... WHERE effects.fence <= new fence``) and returns the value it wrote; then
-  the job is acknowledged. In **same-transaction** mode (PostgreSQL) the worker claims
-  through the port and commits the effect, its log row and ``complete_in_transaction``
-  in one transaction. In **plain** mode there is no idemlock: the effect is an
-  unfenced upsert and the retry is the queue's redelivery (the delivery number stands
-  in for the token, so stale overwrites can be counted).
-* Faults, at random (exponential gaps of mean ``--fault-every``, kinds taken in
-  shuffled rounds so each kind occurs): SIGKILL of a worker (a replacement starts; its
-  jobs are redelivered at once, as a broker does when a consumer's connection drops),
-  SIGSTOP of a worker for 1.3-2.5 leases then SIGCONT, a restart of the store server
-  (Redis: killed and started empty, ``--save '' --appendonly no``; a Cluster node the
-  same; PostgreSQL: ``pg_ctl restart -m immediate``, a crash), a cut of every
-  connection through the loopback TCP proxy between the workers and the store, and a
-  **blackhole** of that proxy for 0.5-4 leases: it stops forwarding without closing
-  anything (a dead switch, a partition), either everything (new connections hang
-  after the kernel's accept) or a random half of the open connections.
-* At the end, from the data alone: every job is done and has exactly one effect row;
-  in the log, no write was accepted with a token lower than one accepted before it
-  for that key, and the effect row carries the highest accepted token; every
-  completed key replays (the wrapped function is called again in the checker: it
-  must not run) the value found in the effect row; after a lease no key is still
-  claimed; in same-transaction mode every effect ran exactly once. Counted, not
-  violations: effects that ran again (a worker died or stalled between its effect and
-  ``complete``: the window no claim can close; the fenced, keyed write makes the
-  re-run replace the row instead of adding one), stale writes refused by the fence,
-  and records Redis lost with its data.
-
-The **lock workload** (``--workload lock``): workers contend for ``--resources`` locks
-through ``hold()`` (ttl ``--lease``, renewed every ttl/3), each hold lasting 0.2-2.5
-ttls, and under it decide to write (noting the time, ``lease.remaining()`` and
-``lease.lost``), prepare for 5-25 ms, then make a **fenced write** with the lease's
-token: Redis and Cluster through the store's own gate, ``FenceGate.set_if_fresh``,
-logged afterwards with the times around it; SQLite and PostgreSQL by a fenced upsert
-(PostgreSQL: idemlock's ``fenced_upsert``) committed with its log row, so the log's ids
-are the order of acceptance. Faults: SIGKILL and SIGSTOP past the ttl of a holder,
-blackholes, cuts, and PostgreSQL crashes (no Redis restarts here: an empty Redis
-forgets its leases and gates, the data loss the job workload already counts). The
-checker (``check_lock_history``) reads the history: no accepted write's token is below
-one accepted before it; accepted writes of two holders never go A, B, A; a hold that
-began after another was granted got a higher token, and no token went to two holders;
-no write was decided while ``remaining()`` still showed time on a lease another holder
-had been granted. ``--mode plain`` writes without the fence: the negative control,
-whose stale and interleaved writes are reported, not failures.
-
-**etcd** (``--store etcd``): a 3-member cluster on free loopback ports, each member
-behind its own proxy (the workers' URL names the three proxies). Its "restart" is, at
-random, a SIGKILL of the current leader followed by its restart (same ports and data;
-the supervisor waits for the member to answer again) or a SIGSTOP of one member for
-0.5-3 leases, then SIGCONT (a pause; at most one member paused at a time); the report's
-``etcd_faults`` counts each. A cut aborts the connections of one member's proxy or of
-all; a blackhole silences everything or every connection of one member's proxy. The
-effects database is a local SQLite file; the lock workload's write is
-``FenceGate.check_and_advance`` on the workers' own coordinator, logged to that file
-afterwards with the times around it (judged as the Redis gate's writes are).
+On throwaway servers on free loopback ports, ``--workers`` processes take jobs from an
+at-least-once queue (``idemlock._faults``, shared with ``idemlock demo``) and run each
+through ``@coord.idempotent``, writing the effect fenced by the claim's token, with a
+log row in the same transaction (``faults.effects``); ``--mode plain`` does the same
+without idemlock, as the negative control. Meanwhile ``faults.run`` injects, at random:
+SIGKILL and SIGSTOP of a busy worker, restarts of the store server (etcd: a leader's
+SIGKILL or a member's pause), cuts and blackholes (everything, or some connections) of
+the loopback proxies between the workers and the store (``tests/servers/proxy.py``).
+Then it checks from the data alone: one effect row per job, no stale token accepted,
+completed keys replay the effect's value, nothing left claimed; exactly once in the
+same-transaction mode. ``--workload lock`` contends for ``--resources`` locks through
+``hold()`` with fenced writes under them; ``faults.locks.check_lock_history`` judges the
+write history. The README's "Fault injection" section has the details and figures.
 
 Exits 1 on any violation (plain mode: duplicates and stale overwrites are reported,
 not violations; only harness failures fail it).

@@ -19,11 +19,13 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import idemlock
 from idemlock import IdempotencySpec, LockSpec
 
+DOCS = Path(__file__).resolve().parent.parent / "docs"
 SPEC = IdempotencySpec("orders", ttl=timedelta(hours=1))
 LOCK = LockSpec("jobs", ttl=timedelta(seconds=30))
 RESULT = {"charge": "ch_" + "x" * 20, "amount": 1200}
@@ -430,9 +432,3 @@ def peer_status(res: Results) -> dict[str, dict[str, Any]]:
 
 #: the goals section of docs/benchmarks.md (written by goals.py, kept by report.py)
 GOALS_START, GOALS_END = "<!-- goals.py -->", "<!-- /goals.py -->"
-
-
-def goals_section(text: str) -> str:
-    """The goals section of a Markdown file's text, markers included ("" if none)."""
-    start, end = text.find(GOALS_START), text.find(GOALS_END)
-    return text[start : end + len(GOALS_END)] if 0 <= start < end else ""

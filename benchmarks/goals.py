@@ -62,25 +62,24 @@ from common import (  # noqa: E402
     _why,
     ainterleave,
     fan_out,
-    goals_section,
     interleave,
     new_prefix,
     version,
 )
 from common import ratio as ratios  # noqa: E402
-from render import fmt_rate  # noqa: E402
+from render import fmt_rate, goals_section  # noqa: E402
 from scenarios import Contenders, contend_threads  # noqa: E402
-from subjects import (  # noqa: E402
-    PgBench,
-    RedisBench,
-    SqliteBench,
+from subjects.base import (  # noqa: E402
     aio_lock,
-    fencekit_job,
     ours_claim_pairs,
     ours_job,
     ours_job_together,
     ours_lock_pairs,
 )
+from subjects.peers import fencekit_job  # noqa: E402
+from subjects.postgres import PgBench  # noqa: E402
+from subjects.redis import RedisBench  # noqa: E402
+from subjects.sqlite import SqliteBench  # noqa: E402
 
 import idemlock  # noqa: E402
 import idemlock.aio  # noqa: E402

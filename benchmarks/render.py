@@ -1,7 +1,17 @@
-"""The renderer: the JSON of a report run as Markdown tables and a PNG chart."""
+"""The renderer: the JSON of a report run as Markdown tables and a PNG chart.
+
+    python benchmarks/render.py [--json docs/benchmarks.json] [--out docs/benchmarks.md]
+                                [--png docs/benchmarks.png]
+
+``report.py`` calls it after a run; alone, it renders the JSON of an earlier run again.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +22,10 @@ from common import (
     BASE_JOB,
     BASELINES,
     CLAIM_OP,
+    DOCS,
     FK,
+    GOALS_END,
+    GOALS_START,
     HAND,
     HAND_OP,
     IK,
@@ -426,3 +439,39 @@ BASELINE_SHORT = {
     "redis-cluster": "raw RedisCluster EVALSHA, same round trips",
     "postgres": "raw psycopg, same statements",
 }
+
+
+def write(data: dict[str, Any], json_path: Path, out: Path, png: Path) -> None:
+    """The JSON, the chart and the page; the page's goals section (goals.py) is kept."""
+    for r in data["results"]:
+        for k, v in r.items():
+            if isinstance(v, float) and not math.isfinite(v):
+                r[k] = None
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(data, indent=1) + "\n")
+    chart(data, png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    kept = goals_section(out.read_text()) if out.exists() else ""
+    page = markdown(data, os.path.relpath(png, out.parent))
+    out.write_text(page + (f"\n{kept}\n" if kept else ""))
+
+
+def goals_section(text: str) -> str:
+    """The goals section of a Markdown file's text, markers included ("" if none)."""
+    start, end = text.find(GOALS_START), text.find(GOALS_END)
+    return text[start : end + len(GOALS_END)] if 0 <= start < end else ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--json", type=Path, default=DOCS / "benchmarks.json")
+    parser.add_argument("--out", type=Path, default=DOCS / "benchmarks.md")
+    parser.add_argument("--png", type=Path, default=DOCS / "benchmarks.png")
+    args = parser.parse_args(argv)
+    write(json.loads(args.json.read_text()), args.json, args.out, args.png)
+    print(f"wrote {args.out}, {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

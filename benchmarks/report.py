@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import math
 import os
 import platform
 import sqlite3
@@ -53,18 +51,21 @@ import psycopg  # noqa: E402
 import redis  # noqa: E402
 from common import (  # noqa: E402
     BASELINES,
+    DOCS,
     SCENARIOS,
     STORES,
     TITLE,
     Config,
     Results,
-    goals_section,
     peer_status,
     version,
 )
-from render import chart, markdown  # noqa: E402
+from render import write  # noqa: E402
 from scenarios import Contenders, redis_memory, run_store, single_waiter  # noqa: E402
-from subjects import MemoryBench, PgBench, RedisBench, SqliteBench  # noqa: E402
+from subjects.memory import MemoryBench  # noqa: E402
+from subjects.postgres import PgBench  # noqa: E402
+from subjects.redis import RedisBench  # noqa: E402
+from subjects.sqlite import SqliteBench  # noqa: E402
 
 import idemlock  # noqa: E402
 
@@ -86,9 +87,9 @@ def cpu_model() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="reduced configuration (CI)")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
-    parser.add_argument("--json", type=Path, default=ROOT / "docs" / "benchmarks.json")
-    parser.add_argument("--png", type=Path, default=ROOT / "docs" / "benchmarks.png")
+    parser.add_argument("--out", type=Path, default=DOCS / "benchmarks.md")
+    parser.add_argument("--json", type=Path, default=DOCS / "benchmarks.json")
+    parser.add_argument("--png", type=Path, default=DOCS / "benchmarks.png")
     parser.add_argument(
         "--stores", default=",".join(STORES), help=f"comma-separated subset of {STORES}"
     )
@@ -177,18 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         "single_waiter": single,
         "redis_memory": memory,
     }
-    for r in data["results"]:
-        for k, v in r.items():
-            if isinstance(v, float) and not math.isfinite(v):
-                r[k] = None
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(data, indent=1) + "\n")
-    chart(data, args.png)
-    png_name = os.path.relpath(args.png, args.out.parent)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    # The goals table (goals.py --doc) is kept where it was.
-    kept = goals_section(args.out.read_text()) if args.out.exists() else ""
-    args.out.write_text(markdown(data, png_name) + (f"\n{kept}\n" if kept else ""))
+    write(data, args.json, args.out, args.png)
     print(f"wrote {args.json}, {args.out}, {args.png} in {data['meta']['wall_seconds']:.0f} s; "
           f"load average {load_end[0]:.2f}")  # fmt: skip
     return 0

@@ -54,7 +54,7 @@ from common import (
     role,
     summarize,
 )
-from subjects import lock_pair
+from subjects.contenders import lock_pair
 
 import idemlock
 from idemlock import Claimed, IdempotencySpec

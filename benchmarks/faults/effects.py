@@ -93,7 +93,9 @@ class FxError(Exception):
 
 
 class Fx:
-    """The effects database of one run, seen from one process."""
+    """The effects database of one run, seen from one process. A database gives
+    ``connect``, ``tx`` (a write transaction), ``errors`` (its driver's), ``create``
+    and ``lock_create`` (the schemas; the queue's jobs) and ``_lock_fence``."""
 
     kind = ""
     p = "?"  # the driver's placeholder
@@ -115,10 +117,7 @@ class Fx:
             }.items()
         }
 
-    # connections: a failed one is dropped and made again on next use
-    def connect(self) -> Any:
-        raise NotImplementedError
-
+    # a failed connection is dropped (reset) and made again on next use
     @property
     def conn(self) -> Any:
         if self._conn is None:
@@ -132,18 +131,10 @@ class Fx:
                 conn.close()
 
     @contextlib.contextmanager
-    def tx(self) -> Iterator[Any]:
-        raise NotImplementedError
-        yield
-
-    @contextlib.contextmanager
     def read(self) -> Iterator[Any]:
         """A read-only transaction (never waits for writers)."""
         with self.tx() as c:
             yield c
-
-    def errors(self) -> tuple[type[BaseException], ...]:
-        raise NotImplementedError
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
@@ -206,9 +197,6 @@ class Fx:
         with self.guard(), self.tx() as c:
             c.execute(self.sql["lock_log"], row)
 
-    def _lock_fence(self, c: Any, res: str, holder: str, token: int, seq: int) -> bool:
-        raise NotImplementedError
-
     def lock_write(
         self,
         res: str,
@@ -241,13 +229,6 @@ class Fx:
                 "remaining FROM lock_log ORDER BY id"
             ).fetchall()
         return {"holds": holds, "log": log}
-
-    # setup and checks (supervisor)
-    def create(self, visible: list[float]) -> None:
-        raise NotImplementedError
-
-    def lock_create(self) -> None:
-        raise NotImplementedError
 
     def snapshot(self) -> dict[str, Any]:
         with self.guard(), self.read() as c:

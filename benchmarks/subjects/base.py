@@ -172,31 +172,41 @@ def count_redis_requests() -> Iterator[Callable[[], int]]:
     from idemlock.stores.redis import _plumbing_async as fast
 
     box = [0]
-    s_orig = sconn.AbstractConnection.send_packed_command
-    a_orig = aconn.AbstractConnection.send_packed_command
-    f_orig = fast._write  # the asyncio store's own write, past redis-py's command layer
+    patched: list[tuple[Any, str, Any]] = []
 
-    async def f_send(conn: Any, writer: Any, packed: bytes) -> None:
-        box[0] += 1
-        await f_orig(conn, writer, packed)
+    def patch(owner: Any, name: str, wrap: Callable[[Any], Any]) -> None:
+        patched.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, wrap(getattr(owner, name)))
 
-    def s_send(self: Any, command: Any, check_health: bool = True) -> Any:
-        box[0] += 1
-        return s_orig(self, command, check_health)
+    def counted(orig: Any) -> Any:
+        def send(*args: Any, **kwargs: Any) -> Any:
+            box[0] += 1
+            return orig(*args, **kwargs)
 
-    async def a_send(self: Any, command: Any, check_health: bool = True) -> Any:
-        box[0] += 1
-        return await a_orig(self, command, check_health)
+        return send
 
-    sconn.AbstractConnection.send_packed_command = s_send  # type: ignore[method-assign]
-    aconn.AbstractConnection.send_packed_command = a_send  # type: ignore[method-assign]
-    fast._write = f_send
+    patch(sconn.AbstractConnection, "send_packed_command", counted)
+    patch(aconn.AbstractConnection, "send_packed_command", counted)
+    # The asyncio store's own writes, past redis-py's command layer: one write per
+    # call, or (pipelined) one per event-loop turn, whatever it carries.
+    if hasattr(fast, "_write"):
+        patch(fast, "_write", counted)
+    else:
+        from idemlock.stores.redis._pipeline import Pipe
+
+        def flush(orig: Any) -> Any:
+            def run(self: Any) -> None:
+                box[0] += bool(self._out and self.lost is None)
+                orig(self)
+
+            return run
+
+        patch(Pipe, "_flush", flush)
     try:
         yield lambda: box[0]
     finally:
-        sconn.AbstractConnection.send_packed_command = s_orig  # type: ignore[method-assign]
-        aconn.AbstractConnection.send_packed_command = a_orig  # type: ignore[method-assign]
-        fast._write = f_orig
+        for owner, name, orig in reversed(patched):
+            setattr(owner, name, orig)
 
 
 @contextlib.contextmanager
@@ -383,14 +393,7 @@ class Adapter:
     def url(self, t: dict[str, Any]) -> str:
         return str(t["url"])
 
-    def raw_pairs(self, op: str, t: dict[str, Any], stack: contextlib.ExitStack) -> SyncFn:
-        raise NotImplementedError
-
-    async def araw_pairs(self, op: str, tasks: int, stack: contextlib.AsyncExitStack) -> Make:
-        raise NotImplementedError
-
-    def raw_job(self, t: dict[str, Any], stack: contextlib.ExitStack) -> SyncFn:
-        raise NotImplementedError
+    # every store defines raw_pairs(op, t, stack), araw_pairs(op, tasks, stack), raw_job(t, stack)
 
     def write(self, url: str, stack: contextlib.ExitStack) -> Callable[[str, int], Any] | None:
         return None
