@@ -24,6 +24,7 @@ from ..._logfields import fields as log_fields
 from . import _common as C
 from ._calls import ND, eval_head, pack_eval
 from ._listen import AsyncListener, AsyncSubscription, bounded, cancelling
+from ._pipeline import Call, Lost, Pipe, pack
 
 _ERRORS = C.redis_errors()
 
@@ -34,14 +35,17 @@ class _LoopState:
 
     __slots__ = (
         "client",
+        "closed",
+        "connecting",
         "direct",
         "exec",
-        "free",
         "init_lock",
         "listener",
         "loop",
         "owned",
+        "pipe",
         "ready",
+        "retries",
         "slots",
     )
 
@@ -57,8 +61,8 @@ class _LoopState:
         self.ready = False
         self.init_lock = asyncio.Lock()
         self.slots = asyncio.Semaphore(_max_connections(client))
-        # As in the blocking store: scripts on a plain pool's standalone client go
-        # pre-encoded over connections of the store's own (at most `slots` of them).
+        # Scripts on a plain pool's standalone client go pre-encoded over one pipelined
+        # connection of the store's own (see _pipeline), with the pool's settings.
         import redis.asyncio
 
         self.direct = (
@@ -66,7 +70,13 @@ class _LoopState:
             and type(client.connection_pool) is redis.asyncio.ConnectionPool
             and not client.single_connection_client
         )
-        self.free: list[Any] = []
+        self.pipe: Pipe | None = None
+        retry = getattr(client, "connection_pool", None)
+        retry = getattr(retry, "connection_kwargs", {}).get("retry")
+        get = getattr(retry, "get_retries", None)
+        self.retries = bool(get()) if get is not None else False
+        self.connecting: asyncio.Task[Pipe] | None = None
+        self.closed = False
         self.listener: AsyncListener
 
 
@@ -76,9 +86,10 @@ class AsyncPlumbing:
     Works on any event loop: the first loop uses ``client``; another loop (a second
     ``asyncio.run()``, a test client's own loop, a forked child) gets a client of its
     own, built from the URL again (or, for a standalone client passed in, a copy of its
-    connection pool's settings). A burst of calls queues for a connection (at most the
-    pool's ``max_connections`` at once), and each call, queueing included, is bounded
-    by ``timeout``.
+    connection pool's settings). On a standalone client with a plain connection pool,
+    scripts share one pipelined connection per loop (any number at once); otherwise a
+    burst of calls queues for a connection (at most the pool's ``max_connections`` at
+    once). Each call, queueing included, is bounded by ``timeout``.
     """
 
     def __init__(
@@ -199,13 +210,115 @@ class AsyncPlumbing:
         been told the call may have been applied and may repeat it (the same owner
         re-acquiring gets the same lease), so only an undo that cannot hit such a
         repetition (``undo_late``: a claim's token is never reused) still runs.
+
+        On a live pipelined connection the call is queued on it directly, without a
+        task: the pipe's watchdog bounds it, and a caller that stops waiting leaves
+        its call queued, its reply going to :meth:`_orphan` with the same policy.
         """
         st = self._last
         if st is None or st.loop() is not asyncio.get_running_loop():
             st = self._state()
-        task = asyncio.ensure_future(self._run(st, script, keys, args))
+        pipe = st.pipe
+        if pipe is None or pipe.lost is not None:
+            return await self._eval_task(st, script, keys, args, finish, undo, undo_late)
+        call = pipe.send(
+            pack_eval(eval_head(script.sha), keys, args),
+            undo,
+            undo_late,
+            (script, keys, args) if finish else None,
+        )
         try:
-            return await bounded(asyncio.shield(task), self.timeout)
+            reply = await call.fut
+        except asyncio.CancelledError:
+            if not call.fut.cancelled():
+                # The reply came in as the caller was cancelled: the policy's now.
+                self._orphan(call, call.fut.result())
+            raise
+        if isinstance(reply, Exception):
+            return await self._refused(st, script, keys, args, call, reply, finish)
+        return reply
+
+    async def _refused(
+        self,
+        st: _LoopState,
+        script: C.Script,
+        keys: tuple[bytes, ...],
+        args: tuple[Any, ...],
+        call: Call,
+        reply: Exception,
+        finish: bool,
+    ) -> Any:
+        """A pipelined call answered with an error or dropped with its connection."""
+        if isinstance(reply, Lost):
+            if reply.stalled:
+                if call.undo_late and call.undo is not None:
+                    self._undo_now(call.undo, None)
+                raise StoreUnavailable(
+                    f"redis {script.name}: no reply within timeout={self.timeout:g}s "
+                    "(Redis or the network is stalled); the call may have been applied"
+                )
+            if st.retries:
+                # A connection found broken (a restart, a reset) when this call was on
+                # it: once more on a new one, as redis-py's retry policy would.
+                return await self._eval_task(
+                    st, script, keys, args, finish, call.undo, call.undo_late, call.deadline
+                )
+            raise StoreUnavailable(
+                f"redis {script.name} failed: {reply}; the call may have been applied"
+            )
+        if _noscript(reply):
+            # Scripts flushed (a restart, SCRIPT FLUSH, a failover): the call did not
+            # run. Load and run it again within what is left of the bound, as a task
+            # with the same policy for a caller that stops waiting.
+            return await self._eval_task(
+                st, script, keys, args, finish, call.undo, call.undo_late, call.deadline, True
+            )
+        raise C.store_error(reply, script.name) from reply
+
+    def _orphan(self, call: Call, reply: Any) -> None:
+        """The reply (or a :class:`Lost`) of a pipelined call whose caller stopped
+        waiting: undo what a claim or an acquire took, and run a complete, abandon or
+        release that met NOSCRIPT again (it did not run), in the background."""
+        if isinstance(reply, ResponseError):
+            if call.redo is not None and _noscript(reply):
+                script, keys, args = call.redo
+                self._background(self._eval(script, keys, args, finish=True))
+            return  # refused: nothing was taken
+        if call.undo is not None:
+            # A lost connection leaves the outcome unknown: undo without the reply.
+            self._undo_now(call.undo, None if isinstance(reply, Lost) else reply)
+
+    def _background(self, aw: Awaitable[Any]) -> None:
+        try:
+            task = asyncio.ensure_future(aw)
+        except RuntimeError:  # the loop is closing
+            aw.close()  # type: ignore[attr-defined]
+            return
+        self._undoing.add(task)
+        task.add_done_callback(self._undone)
+
+    async def _eval_task(
+        self,
+        st: _LoopState,
+        script: C.Script,
+        keys: tuple[bytes, ...],
+        args: tuple[Any, ...],
+        finish: bool,
+        undo: Callable[[Any], Any] | None,
+        undo_late: bool,
+        deadline: float | None = None,
+        load: bool = False,
+    ) -> Any:
+        """``_eval`` as a task of its own, waited on through a shield (connecting,
+        loading scripts, a Cluster or a pool's client); ``deadline``: the loop time
+        the bound ends at, when a first attempt used some of it; ``load``: load the
+        script first."""
+        bound = self.timeout
+        if deadline is not None:
+            bound = max(0.0, deadline - asyncio.get_running_loop().time())
+        task = asyncio.ensure_future(self._run(st, script, keys, args, load))
+        try:
+            return await bounded(asyncio.shield(task), bound)
         except asyncio.TimeoutError:
             late = undo if undo_late else None
             keep = finish or late is not None  # runs on to its own socket timeouts
@@ -241,14 +354,19 @@ class AsyncPlumbing:
         task.add_done_callback(self._undone)
 
     async def _run(
-        self, st: _LoopState, script: C.Script, keys: tuple[bytes, ...], args: tuple[Any, ...]
+        self,
+        st: _LoopState,
+        script: C.Script,
+        keys: tuple[bytes, ...],
+        args: tuple[Any, ...],
+        load: bool = False,
     ) -> Any:
         if not st.ready:
             await self._prepare(st)
+        if st.direct:
+            return await self._run_piped(st, script, keys, args, load)
         # Queue for a connection instead of failing with MaxConnectionsError.
         async with st.slots:
-            if st.direct:
-                return await self._run_direct(st, script, keys, args)
             try:
                 try:
                     return await st.exec("EVALSHA", script.sha, len(keys), *keys, *args, **ND)
@@ -258,53 +376,73 @@ class AsyncPlumbing:
             except _ERRORS as exc:
                 raise C.store_error(exc, script.name) from exc
 
-    @staticmethod
-    async def _run_direct(
-        st: _LoopState, script: C.Script, keys: tuple[bytes, ...], args: tuple[Any, ...]
+    async def _run_piped(
+        self,
+        st: _LoopState,
+        script: C.Script,
+        keys: tuple[bytes, ...],
+        args: tuple[Any, ...],
+        load: bool,
     ) -> Any:
-        """``_run`` on a connection of the store's own (see the blocking store's
-        ``_eval_direct``): the connection's retry policy and timeouts, without the pool
-        checkout and the rest of ``execute_command``."""
+        """``_run`` on the pipelined connection (opened first if need be): the script
+        loaded first if ``load`` or if Redis answers NOSCRIPT."""
+        pipe = await self._pipe(st)
         packed = pack_eval(eval_head(script.sha), keys, args)
+        for attempt in range(2):
+            if load or attempt:
+                # One SCRIPT LOAD for all the calls that met NOSCRIPT at once.
+                loading = pipe.loading.get(script.sha)
+                if loading is None or loading.done():
+                    loading = pipe.send(pack(b"SCRIPT", b"LOAD", script.text)).fut
+                    pipe.loading[script.sha] = loading
+                loaded = await asyncio.shield(loading)
+                if isinstance(loaded, Exception):
+                    raise self._failure(loaded, script.name)
+            reply = await pipe.send(packed).fut
+            if not isinstance(reply, Exception):
+                return reply
+            if attempt or not _noscript(reply):
+                raise self._failure(reply, script.name)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _failure(self, reply: Exception, what: str) -> Exception:
+        if isinstance(reply, Lost):
+            return StoreUnavailable(f"redis {what} failed: {reply}; the call may have been applied")
+        return C.store_error(reply, what)
+
+    async def _pipe(self, st: _LoopState) -> Pipe:
+        """This loop's pipelined connection, opened once for all callers waiting."""
+        pipe = st.pipe
+        if pipe is not None and pipe.lost is None:
+            return pipe
+        task = st.connecting
+        if task is None or task.done():
+            task = st.connecting = asyncio.ensure_future(self._open_pipe(st))
+            task.add_done_callback(_retrieved)
+        return await asyncio.shield(task)
+
+    async def _open_pipe(self, st: _LoopState) -> Pipe:
+        # redis-py connects and handshakes (TLS, unix socket, AUTH or a credential
+        # provider, SELECT, CLIENT SETNAME, its retry policy); then the pipe takes the
+        # transport over. RESP2 and raw bytes, as for the listener: the scripts'
+        # replies are the same in RESP3, and a RESP3 push frame (which hiredis cannot
+        # tell from a reply) would put the matching out of step.
+        pool = st.client.connection_pool
+        conn = pool.connection_class(**C.listener_kwargs(pool.connection_kwargs))
         try:
-            conn = st.free.pop()
-        except IndexError:
-            pool = st.client.connection_pool
-            conn = pool.connection_class(**pool.connection_kwargs)
-
-        async def once() -> Any:
-            writer = getattr(conn, "_writer", None)
-            if writer is None or conn.health_check_interval:
-                await conn.send_packed_command(packed)  # connects, checks health
-            else:
-                await _write(conn, writer, packed)
-            return await conn.read_response(disable_decoding=True)
-
-        async def failed(_: Exception) -> None:
-            await conn.disconnect()
-
-        clean = False
-        try:
-            try:
-                reply = await conn.retry.call_with_retry(once, failed)
-            except NoScriptError:
-                await conn.send_command("SCRIPT", "LOAD", script.text)
-                await conn.read_response()
-                reply = await conn.retry.call_with_retry(once, failed)
-            clean = True
-            return reply
-        except ResponseError as exc:
-            clean = True  # a refusal in a complete reply: the connection is in step
-            raise C.store_error(exc, script.name) from exc
+            await conn.connect()
         except _ERRORS as exc:
-            raise C.store_error(exc, script.name) from exc
-        finally:
-            if not clean or conn.should_reconnect():
-                # A timeout, a reset, a cancellation between writing and reading: a
-                # reply may still come, and the next call must not read it.
-                with contextlib.suppress(Exception):
-                    await conn.disconnect(nowait=True)
-            st.free.append(conn)
+            raise C.store_error(exc, "connect") from exc
+        writer = conn._writer
+        conn._reader = conn._writer = None  # the pipe owns the socket now
+        pipe = Pipe(
+            asyncio.get_running_loop(), writer.transport, writer, self.timeout, self._orphan
+        )
+        if st.closed:
+            pipe.close()
+        else:
+            st.pipe = pipe
+        return pipe
 
     def _undo_after(self, task: asyncio.Task[Any], undo: Callable[[Any], Any], what: str) -> None:
         if task.cancelled():
@@ -318,19 +456,16 @@ class AsyncPlumbing:
             # A StoreUnavailable (a timeout after the script was sent) leaves the
             # outcome unknown too.
             reply = None if exc is not None else task.result()
+        self._undo_now(undo, reply)
+
+    def _undo_now(self, undo: Callable[[Any], Any], reply: Any) -> None:
+        """Start ``undo(reply)`` (a call or nothing) in the background."""
         try:
             aw = undo(reply)
         except Exception:  # the store is closed, the loop is going away
             return
-        if aw is None:
-            return
-        try:
-            undo_task = asyncio.ensure_future(aw)
-        except RuntimeError:  # the loop is closing
-            aw.close()
-            return
-        self._undoing.add(undo_task)
-        undo_task.add_done_callback(self._undone)
+        if aw is not None:
+            self._background(aw)
 
     def _undone(self, task: asyncio.Task[Any]) -> None:
         self._undoing.discard(task)
@@ -425,33 +560,27 @@ class AsyncPlumbing:
 
     @staticmethod
     async def _close_state(st: _LoopState) -> None:
+        st.closed = True
         await st.listener.aclose()
-        free, st.free = st.free, []
-        for conn in free:
-            with contextlib.suppress(*_ERRORS):
-                await conn.disconnect()
+        if st.connecting is not None and not st.connecting.done():
+            st.connecting.cancel()
+        if st.pipe is not None:
+            st.pipe.close()
+            st.pipe = None
         if st.owned:
             with contextlib.suppress(*_ERRORS):
                 await st.client.aclose()
 
 
-async def _write(conn: Any, writer: asyncio.StreamWriter, packed: bytes) -> None:
-    """What redis-py's ``send_packed_command`` does on a live connection, without its
-    ``asyncio.wait_for`` around every write (a task per call on Python 3.11): the
-    socket takes a command at once nearly always, so only a write that has to wait
-    for the buffer to drain is bounded, by the socket timeout as there."""
-    import redis.exceptions as rx
+def _noscript(reply: Exception) -> bool:
+    return isinstance(reply, NoScriptError) or str(reply).startswith("NOSCRIPT")
 
-    try:
-        writer.write(packed)
-        if writer.transport.get_write_buffer_size():
-            await asyncio.wait_for(writer.drain(), conn.socket_timeout)
-    except asyncio.TimeoutError:
-        await conn.disconnect(nowait=True)
-        raise rx.TimeoutError("Timeout writing to socket") from None
-    except OSError as exc:
-        await conn.disconnect(nowait=True)
-        raise rx.ConnectionError(f"Error while writing to socket: {exc}") from exc
+
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    # A failed connect nobody waits for any more (its callers were cancelled) is no
+    # error of its own: the next call connects again.
+    if not task.cancelled():
+        task.exception()
 
 
 def _max_connections(client: Any) -> int:

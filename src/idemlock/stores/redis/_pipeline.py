@@ -1,0 +1,216 @@
+"""Automatic pipelining for the asyncio Redis store: one connection per event loop
+carries every concurrent call. What callers queue during one event-loop turn goes out
+in one write; replies come back in the order the commands were written, so each is
+matched to the oldest call still waiting.
+
+Matching by order is only sound while the connection is in step, so the connection is
+dropped (and every call on it fails) as soon as that is in doubt: the oldest call had
+no reply within its bound (a silent network or server), the connection broke, or the
+bytes were not RESP. A later call gets a new connection with a fresh parser and queue:
+a reply can never reach a caller of another connection.
+
+A caller that stops waiting (cancelled) leaves its call in the queue: its reply is
+still read in turn, and handed to ``orphan`` (the store's policy: undo a claim or an
+acquire, finish a complete after NOSCRIPT).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from redis.exceptions import ResponseError
+
+from ._resp import ProtocolError
+from ._resp import Reader as _PyReader
+
+try:
+    import hiredis
+
+    def new_reader() -> Any:
+        return hiredis.Reader(replyError=ResponseError, protocolError=ProtocolError)
+
+    HIREDIS = True
+except ImportError:
+
+    def new_reader() -> Any:
+        return _PyReader(ResponseError)
+
+    HIREDIS = False
+
+
+def pack(*parts: bytes) -> bytes:
+    """One RESP command of bulk strings."""
+    out = [b"*%d\r\n" % len(parts)]
+    for p in parts:
+        out.append(b"$%d\r\n%s\r\n" % (len(p), p))
+    return b"".join(out)
+
+
+class Lost(Exception):
+    """The connection was dropped before this call's reply came: whether Redis ran the
+    call is unknown. ``stalled``: because a reply was overdue (the bound passed)."""
+
+    def __init__(self, why: str, stalled: bool) -> None:
+        super().__init__(why)
+        self.stalled = stalled
+
+
+class Call:
+    """One command written (or about to be) on a :class:`Pipe`, waiting for its reply.
+
+    ``undo`` / ``undo_late`` / ``redo`` are the store's policy for a caller that stops
+    waiting (see ``AsyncPlumbing._eval``); the pipe only carries them to ``orphan``."""
+
+    __slots__ = ("deadline", "fut", "redo", "undo", "undo_late")
+
+    def __init__(
+        self,
+        fut: asyncio.Future[Any],
+        deadline: float,
+        undo: Callable[[Any], Any] | None,
+        undo_late: bool,
+        redo: Any,
+    ) -> None:
+        self.fut = fut
+        self.deadline = deadline
+        self.undo = undo
+        self.undo_late = undo_late
+        self.redo = redo
+
+
+#: orphan(call, reply): a reply (or a Lost) for a call whose caller stopped waiting
+Orphan = Callable[[Call, Any], None]
+
+
+class Pipe(asyncio.Protocol):
+    """One Redis connection, pipelined. Made on a transport that redis-py connected and
+    handshook (AUTH, HELLO, SELECT, CLIENT SETNAME: its settings, its code), then
+    taken over: from then on only this protocol reads and writes it."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        transport: asyncio.Transport,
+        keep: Any,
+        timeout: float,
+        orphan: Orphan,
+    ) -> None:
+        self._loop = loop
+        self._transport = transport
+        self._keep = keep  # redis-py's stream writer: collected, it would close the socket
+        self._timeout = timeout
+        self._orphan = orphan
+        self._reader = new_reader()
+        self._out: list[bytes] = []
+        self._pending: deque[Call] = deque()
+        self._timer: asyncio.TimerHandle | None = None
+        self.lost: Lost | None = None
+        #: SCRIPT LOAD replies awaited, by sha (callers that met NOSCRIPT share one)
+        self.loading: dict[str, asyncio.Future[Any]] = {}
+        transport.set_protocol(self)
+
+    # ---- sending -----------------------------------------------------------------------
+
+    def send(
+        self,
+        packed: bytes,
+        undo: Callable[[Any], Any] | None = None,
+        undo_late: bool = False,
+        redo: Any = None,
+        deadline: float | None = None,
+    ) -> Call:
+        """Queue ``packed`` (one whole RESP command) for this turn's write; the reply
+        resolves ``call.fut`` (an error reply as its ResponseError, not raised). The
+        caller checks ``lost`` first."""
+        loop = self._loop
+        if deadline is None:
+            deadline = loop.time() + self._timeout
+        call = Call(loop.create_future(), deadline, undo, undo_late, redo)
+        if self.lost is not None:  # dropped meanwhile: never written
+            call.fut.set_result(Lost(str(self.lost), stalled=False))
+            return call
+        out = self._out
+        if not out:
+            loop.call_soon(self._flush)
+        out.append(packed)
+        pending = self._pending
+        pending.append(call)
+        if self._timer is None:
+            self._timer = loop.call_at(pending[0].deadline, self._check)
+        return call
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        if self.lost is None and out:
+            self._transport.write(b"".join(out) if len(out) > 1 else out[0])
+
+    def _check(self) -> None:
+        """The watchdog: one timer for the whole queue, at its oldest call's deadline
+        (calls are queued in deadline order, but a retry may carry an earlier one)."""
+        self._timer = None
+        pending = self._pending
+        if not pending:
+            return
+        now = self._loop.time()
+        first = min(c.deadline for c in pending)
+        if first <= now:
+            self._drop(Lost(f"no reply within timeout={self._timeout:g}s", stalled=True))
+        else:
+            self._timer = self._loop.call_at(first, self._check)
+
+    # ---- receiving ---------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        reader = self._reader
+        reader.feed(data)
+        pending = self._pending
+        try:
+            while True:
+                reply = reader.gets()
+                if reply is False:
+                    return
+                try:
+                    call = pending.popleft()
+                except IndexError:
+                    raise ProtocolError("a reply nothing was sent for") from None
+                fut = call.fut
+                if fut.done():  # its caller stopped waiting
+                    self._orphan(call, reply)
+                else:
+                    fut.set_result(reply)
+        except ProtocolError as exc:
+            self._drop(Lost(f"connection out of step: {exc}", stalled=False))
+
+    def eof_received(self) -> bool:
+        return False  # close the transport: connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        why = f"connection lost ({exc})" if exc is not None else "connection closed by Redis"
+        self._fail(Lost(why, stalled=False))
+
+    # ---- ending ------------------------------------------------------------------------
+
+    def close(self, why: str = "the store closed the connection") -> None:
+        self._drop(Lost(why, stalled=False))
+
+    def _drop(self, lost: Lost) -> None:
+        self._fail(lost)
+        self._transport.abort()  # nothing more is read: unread replies are moot
+
+    def _fail(self, lost: Lost) -> None:
+        if self.lost is None:
+            self.lost = lost
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._out = []
+        pending, self._pending = self._pending, deque()
+        for call in pending:
+            fut = call.fut
+            if fut.done():
+                self._orphan(call, lost)
+            else:
+                fut.set_result(Lost(str(lost), lost.stalled))
