@@ -29,8 +29,8 @@ table itself; the model test (`tests/contract/test_model.py`) uses it as its ora
 `in_flight` (the lease runs), `lapsed` (in flight, lease over, nobody took the key
 over), `completed` (the ttl runs). **Lock states.** `free`, `held`, `reserved` (the
 hand-off window a store keeps for the oldest waiter once a released lock is free:
-Redis, memory, SQLite (its `lock_waiters` table) and, through its waiters' queue, etcd;
-PostgreSQL goes straight to `free`).
+Redis, memory, SQLite and PostgreSQL (their `lock_waiters` tables) and, through its
+waiters' queue, etcd).
 `*` stands for every state of its kind, `=` for "unchanged".
 """
 

@@ -11,8 +11,8 @@ States. Claims: ``absent`` (no record, or a completed record past its ttl),
 ``in_flight`` (lease running), ``lapsed`` (in flight, lease over, nobody took the key
 over: a late complete or abandon is still accepted), ``completed`` (ttl running).
 Locks: ``free``, ``held``, ``reserved`` (after a release with a waiter, the hand-off
-window kept for the oldest waiter: Redis, memory, SQLite, and etcd through its
-waiters' queue; PostgreSQL goes straight to ``free``). Fence gates: ``gate``.
+window kept for the oldest waiter: Redis, memory, SQLite, PostgreSQL, and etcd
+through its waiters' queue). Fence gates: ``gate``.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from ._replies import (
     _state,
 )
 from ._runner_async import _AsyncRunner
-from ._shared import MAX_RACE_RETRIES, PURGE_BATCH, _is_disconnect
+from ._shared import _HANDOFF_MS8, MAX_RACE_RETRIES, PURGE_BATCH, _is_disconnect
 from ._sql import Stmt
 
 
@@ -180,7 +180,7 @@ class AsyncPostgresStore(_AsyncRunner):
     # ---- locks -----------------------------------------------------------------------
 
     async def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
-        params = {"ns": ns, "key": key, "owner": owner, "ttl": _i8(ttl_ms)}
+        params = self._acquire_params(ns, key, owner, ttl_ms)
 
         def undo(reply: Acquired | Held | None) -> Any:
             # Without the reply the token is unknown: that lease ends with its ttl.
@@ -198,6 +198,7 @@ class AsyncPostgresStore(_AsyncRunner):
             undo,
             "acquire",
         )
+        self._registered(params, reply)
         return reply
 
     async def release(self, ns: str, key: str, owner: str, token: int) -> bool:
@@ -207,6 +208,7 @@ class AsyncPostgresStore(_AsyncRunner):
             "owner": owner,
             "token": _i8(token),
             "chan": self._chan("lock", ns, key),
+            "handoff": _HANDOFF_MS8,
         }
         rows = await self._undoable(
             self._rows(self.statements.release, params, "release", False), _nothing, "release"
@@ -272,4 +274,10 @@ class AsyncPostgresStore(_AsyncRunner):
                 removed += n
                 if n < PURGE_BATCH:
                     break
+        # Lapsed registrations of the waiters' queue: not records, not counted.
+        while True:
+            stmt = self.statements.purge_waiters
+            rows = await self._rows(stmt, {"batch": _i8(PURGE_BATCH)}, "purge", True)
+            if int(rows[0][0]) < PURGE_BATCH:
+                break
         return removed

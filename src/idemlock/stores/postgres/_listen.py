@@ -14,6 +14,13 @@ registers the waiter first and returns only once the server has confirmed the
 LISTEN, so a notification sent after ``subscribe`` returned is never missed. If the
 connection drops, every waiter is woken to re-check the store and the thread
 reconnects and LISTENs again.
+
+Fair hand-off: each waited-on lock channel has a random waiter id (``gid``) per
+process, which the store registers in its queue of waiters (see ``_sql.ACQUIRE``). A
+release names the chosen process's id in the payload: only that process's waiters
+wake at once; the others are woken ``defer`` seconds later (after the hand-off window)
+unless a newer notification came. When the last waiter of a registered channel
+leaves, the reader thread drops the registration on its connection.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ..._core.wakeups import Command, Wakeups
+from ..._core.wakeups import Command, Group, Wakeups
 from ..._errors import StoreUnavailable
 from ..._logfields import fields as log_fields
 from .._local import AsyncLocalSubscription, LocalSubscription
@@ -55,9 +62,24 @@ ListenSubscription = LocalSubscription
 AsyncListenSubscription = AsyncLocalSubscription
 
 
+def _new_gid() -> bytes:
+    # Text: it travels as a NOTIFY payload and a column value.
+    return os.urandom(8).hex().encode()
+
+
 class Listener:
-    def __init__(self, connect: Callable[[], psycopg.Connection[Any]], timeout: float) -> None:
+    def __init__(
+        self,
+        connect: Callable[[], psycopg.Connection[Any]],
+        timeout: float,
+        unregister: Any = None,
+        handoff: float = 0.0,
+    ) -> None:
         self._connect = connect
+        #: the statement (a ``_sql.Stmt``) that drops a process's registration
+        self._unregister = unregister
+        #: (channel, gid) registrations to drop, by the reader thread
+        self._leaving: list[tuple[str, bytes]] = []
         #: the bound on one LISTEN/UNLISTEN round trip (seconds), even on a silent network
         self._timeout = timeout
         # _io serializes every use of the connection (LISTEN, UNLISTEN, reading) and
@@ -67,7 +89,11 @@ class Listener:
         self._io = threading.Lock()
         self._state = threading.Lock()
         self._core: Wakeups[str, LocalSubscription] = Wakeups(
-            linger=LINGER, max_lingering=MAX_LINGERING
+            linger=LINGER,
+            max_lingering=MAX_LINGERING,
+            # a hand-off to another process: ours re-check once its window is over
+            defer=handoff + 0.005,
+            new_gid=_new_gid,
         )
         self._conn: psycopg.Connection[Any] | None = None
         self._deadline: float | None = None  # when the reader must tick next
@@ -124,10 +150,19 @@ class Listener:
         conn = self._conn
         return conn is not None and not conn.closed and self._core.confirmed(channel)
 
+    def waiting(self, channel: str) -> Group[str, LocalSubscription] | None:
+        """The group of ``channel`` while a local waiter waits on it (its ``gid`` is the
+        process's waiter id; set ``registered`` once the store queued it)."""
+        with self._state:
+            return self._core.waiting(channel)
+
     def _release(self, channel: str, sub: LocalSubscription) -> None:
         with self._state:
-            self._core.unsubscribe(channel, sub, time.monotonic(), LINGER)
-        # The reader thread UNLISTENs later (LINGER), so closing never waits on I/O.
+            gid = self._core.unsubscribe(channel, sub, time.monotonic(), LINGER)
+            if gid is not None and self._unregister is not None:
+                self._leaving.append((channel, gid))
+        # The reader thread UNLISTENs (LINGER) and unregisters later, so closing never
+        # waits on I/O.
         self._nudge()
 
     def _nudge(self) -> None:
@@ -176,6 +211,7 @@ class Listener:
             conn.execute(query)
             # libpq may already hold notifications read along with the reply.
             self._drain(conn)
+            self._nudge()  # a deferred wake set meanwhile: the reader re-plans its wait
         except psycopg.Error as exc:
             self._drop()
             if armed.fired:
@@ -189,16 +225,34 @@ class Listener:
 
     def _drain(self, conn: psycopg.Connection[Any]) -> None:
         while (n := conn.pgconn.notifies()) is not None:
-            self._dispatch(n.relname.decode())
+            self._dispatch(n.relname.decode(), n.extra)
 
     def _on_notify(self, n: psycopg.Notify) -> None:
         # Notifications psycopg read while a LISTEN/UNLISTEN ran.
-        self._dispatch(n.channel)
+        self._dispatch(n.channel, n.payload.encode())
 
-    def _dispatch(self, channel: str) -> None:
+    def _dispatch(self, channel: str, payload: bytes) -> None:
         self.received += 1
         with self._state:
-            self._fire(self._core.on_message(channel, None, time.monotonic()))
+            # An empty payload (claims, breaks) is for everyone, as is '*'.
+            wakes = self._core.on_message(channel, payload or None, time.monotonic())
+            self._fire(wakes)
+
+    def _drop_registrations(self, conn: psycopg.Connection[Any]) -> None:
+        """Drop the registrations of processes that stopped waiting (with _io held); a
+        failure leaves them to lapse."""
+        with self._state:
+            leaving, self._leaving = self._leaving, []
+        stmt = self._unregister
+        for channel, gid in leaving:
+            args = stmt.args({"chan": channel, "gid": gid.decode()})
+            wd = _watchdog.WATCHDOG
+            armed = wd.arm(conn, time.monotonic() + self._timeout)
+            try:
+                psycopg.RawCursor(conn).execute(stmt.sql, args)
+                self._drain(conn)
+            finally:
+                wd.disarm(armed)
 
     def _fire(self, wakes: list[LocalSubscription]) -> None:  # with _state held
         for sub in wakes:
@@ -211,6 +265,7 @@ class Listener:
             with contextlib.suppress(Exception):
                 conn.close()
         with self._state:
+            self._leaving.clear()  # they lapse on their own
             self._fire(self._core.on_disconnect())
 
     # ---- the reader thread --------------------------------------------------------
@@ -287,6 +342,8 @@ class Listener:
                     self._fire(due_now.wakes)
                     self._deadline = due_now.deadline
                 self._perform(conn, due_now.commands)
+                if self._leaving:
+                    self._drop_registrations(conn)
             except (psycopg.Error, OSError) as exc:
                 log.warning(
                     "idemlock: PostgreSQL notification connection lost: %s",

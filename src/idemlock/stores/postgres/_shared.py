@@ -20,8 +20,10 @@ import psycopg_pool
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
+from psycopg.types.numeric import Int8
 
 from ... import _urls
+from ..._core.port import Held
 from ..._errors import ConfigurationError, StoreUnavailable
 from ._listen import Listener
 from ._pool import CancellableAsyncPool
@@ -37,6 +39,15 @@ PURGE_BATCH = 5000
 LANE_SECONDS = 60.0
 #: re-runs of a claim/acquire/fence statement that raced a concurrent commit (see _RETRY)
 MAX_RACE_RETRIES = 100
+#: ms a released lock stays reserved for the oldest waiting process (state reserved);
+#: a chosen process that died or left costs the others this once
+HANDOFF_MS = 50
+#: ms a refused attempt keeps its process registered as a waiter: longer than the
+#: longest wait between re-checks (flows.MAX_WAIT_CHUNK, 1 s), so a live waiter never
+#: lapses, and a crashed one lapses soon
+REGISTER_MS = 1500
+_REGISTER_MS8 = Int8(REGISTER_MS)
+_HANDOFF_MS8 = Int8(HANDOFF_MS)
 
 
 _SCHEMA_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}")
@@ -244,8 +255,13 @@ class _Base:
         # Builds a fresh pool of the same settings: a forked child uses it (A6).
         self._pool_factory = pool_factory
         self._health = health
-        self.listener = Listener(self._direct_connect, self.timeout)
+        self.listener = self._new_listener()
         _STORES.add(self)
+
+    def _new_listener(self) -> Listener:
+        return Listener(
+            self._direct_connect, self.timeout, self.statements.unregister, HANDOFF_MS / 1000
+        )
 
     def _direct_connect(self, connect_timeout: int | None = None) -> psycopg.Connection[Any]:
         """A connection of its own, on the pool's settings (which may be computed per
@@ -300,10 +316,33 @@ class _Base:
         self._owns_pool = True
         self._ready = False
         self._health.down = None
-        self.listener = Listener(self._direct_connect, self.timeout)
+        self.listener = self._new_listener()
 
     def _chan(self, kind: str, ns: str, key: str) -> str:
         return self.statements.channel(kind, ns, key)
+
+    def _acquire_params(self, ns: str, key: str, owner: str, ttl_ms: int) -> dict[str, Any]:
+        chan = self._chan("lock", ns, key)
+        # A caller of a process that waits on the key queues the process (its gid).
+        g = self.listener.waiting(chan)
+        return {
+            "ns": ns,
+            "key": key,
+            "owner": owner,
+            "ttl": _i8(ttl_ms),
+            "gid": g.gid.decode() if g is not None else "",
+            "chan": chan,
+            "reg": _REGISTER_MS8,
+        }
+
+    def _registered(self, params: dict[str, Any], reply: Any) -> None:
+        """After an acquire that passed the process's waiter id: whether the store holds
+        it queued now (refused) or not (taken), so that the registration is dropped
+        when the process's last waiter leaves."""
+        if params["gid"]:
+            g = self.listener.waiting(params["chan"])
+            if g is not None:
+                g.registered = isinstance(reply, Held)
 
     def _complete_params(
         self, ns: str, key: str, token: str, result: bytes, ttl_ms: int

@@ -23,7 +23,7 @@ from typing import Any
 from psycopg import sql
 
 #: the schema layout this code reads and writes
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # Store time in ms since the epoch; read once per statement (a MATERIALIZED CTE or a
 # FROM sub-select is evaluated once even though clock_timestamp() is volatile).
@@ -64,6 +64,24 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
             token bigint NOT NULL,
             PRIMARY KEY (ns, resource)
         )""",
+    ),
+    # Fair lock hand-off. A lock row keeps the hand-off window of a release (chosen:
+    # the waiter id it is reserved for, window_ms: until when; 0 when none), and
+    # lock_waiters queues the processes waiting on a lock, one row per (channel,
+    # waiter id), in arrival order (seq) until its registration lapses (until_ms).
+    2: (
+        """ALTER TABLE {s}.locks
+            ADD COLUMN chosen text COLLATE "C",
+            ADD COLUMN window_ms bigint NOT NULL DEFAULT 0""",
+        "CREATE SEQUENCE {s}.waiter_seq AS bigint",
+        """CREATE TABLE {s}.lock_waiters (
+            chan text COLLATE "C" NOT NULL,
+            gid text COLLATE "C" NOT NULL,
+            seq bigint NOT NULL,
+            until_ms bigint NOT NULL,
+            PRIMARY KEY (chan, gid)
+        )""",
+        "CREATE INDEX lock_waiters_until_idx ON {s}.lock_waiters (until_ms)",
     ),
 }
 
@@ -165,11 +183,19 @@ WHERE starts_with(c.ns, %(prefix)s::text) AND c.expires_ms > n.ms
 ORDER BY c.ns, c.key
 """
 
-# Rows lock.acquire, lock.reacquire (the upsert), lock.busy (the read)
+# Rows lock.acquire, lock.reacquire, lock.handoff.take (the upsert), lock.busy and
+# lock.handoff (the read). A caller of a process waiting on the lock passes that
+# process's waiter id (gid, '' for none): refused, it registers the process in the
+# queue (keeping its place: seq is drawn once); taking the lock ends the registration,
+# and that of a chosen waiter whose window passed untaken (it lost its turn). During a
+# window only the chosen process may take the free lock, so neither the releasing
+# process nor a newcomer barges in. The window and owner checks are re-made on the
+# latest row version under the row lock (the upsert's WHERE); the queue is read from
+# the statement's snapshot, which can only make a hand-off less fair, never unsafe.
 ACQUIRE = """
 WITH n AS MATERIALIZED (SELECT {now} AS ms),
 cur AS MATERIALIZED (
-    SELECT l.owner, l.token, l.expires_ms
+    SELECT l.owner, l.token, l.expires_ms, l.chosen, l.window_ms
     FROM {s}.locks l WHERE l.ns = %(ns)s::text AND l.key = %(key)s::text
 ),
 up AS (
@@ -177,36 +203,71 @@ up AS (
     SELECT %(ns)s::text, %(key)s::text, %(owner)s::text, nextval({seq}), n.ms + %(ttl)s
     FROM n
     WHERE NOT EXISTS (
-        SELECT FROM cur WHERE cur.expires_ms > n.ms AND cur.owner <> %(owner)s::text
+        SELECT FROM cur
+        WHERE CASE WHEN cur.expires_ms > n.ms THEN cur.owner <> %(owner)s::text
+                   ELSE cur.window_ms > n.ms AND cur.chosen IS DISTINCT FROM %(gid)s::text END
     )
     ON CONFLICT (ns, key) DO UPDATE
         SET token = CASE WHEN l.expires_ms <= excluded.expires_ms - %(ttl)s
                          THEN nextval({seq}) ELSE l.token END,
-            owner = excluded.owner, expires_ms = excluded.expires_ms
-        WHERE l.expires_ms <= excluded.expires_ms - %(ttl)s OR l.owner = excluded.owner
+            owner = excluded.owner, expires_ms = excluded.expires_ms,
+            chosen = NULL, window_ms = 0
+        WHERE CASE WHEN l.expires_ms > excluded.expires_ms - %(ttl)s
+                   THEN l.owner = excluded.owner
+                   ELSE l.window_ms <= excluded.expires_ms - %(ttl)s
+                        OR l.chosen = %(gid)s::text END
     RETURNING l.token, l.expires_ms
+),
+gone AS (
+    DELETE FROM {s}.lock_waiters w
+    WHERE w.chan = %(chan)s::text AND EXISTS (SELECT FROM up)
+      AND w.gid IN (%(gid)s::text, (SELECT cur.chosen FROM cur))
+),
+reg AS (
+    INSERT INTO {s}.lock_waiters AS w (chan, gid, seq, until_ms)
+    SELECT %(chan)s::text, %(gid)s::text, nextval({wseq}), n.ms + %(reg)s
+    FROM n WHERE %(gid)s::text <> '' AND NOT EXISTS (SELECT FROM up)
+    ON CONFLICT (chan, gid) DO UPDATE SET until_ms = excluded.until_ms
 )
-SELECT true, up.token, up.expires_ms, n.ms, NULL::text FROM up, n
+SELECT true, up.token, up.expires_ms, n.ms, NULL::text, 0::bigint, false FROM up, n
 UNION ALL
-SELECT false, cur.token, cur.expires_ms, n.ms, cur.owner
+SELECT false, cur.token, cur.expires_ms, n.ms, cur.owner, cur.window_ms,
+       cur.chosen IS NOT DISTINCT FROM %(gid)s::text
 FROM cur, n
 WHERE NOT EXISTS (SELECT FROM up)
 """
 
-# Row lock.release (no row: lock.release.stale)
+# Row lock.release (no row: lock.release.stale). With a live registration the lock
+# goes to state reserved: a window of %(handoff)s ms for the oldest registered waiter,
+# whose id the notification carries (only that process wakes at once); without one it
+# is free and every waiter is woken ('*').
 RELEASE = """
-UPDATE {s}.locks AS l SET expires_ms = 0
+UPDATE {s}.locks AS l
+SET expires_ms = 0, chosen = w.gid,
+    window_ms = CASE WHEN w.gid IS NULL THEN 0 ELSE n.ms + %(handoff)s END
 FROM (SELECT {now} AS ms) AS n
+LEFT JOIN LATERAL (
+    SELECT q.gid FROM {s}.lock_waiters q
+    WHERE q.chan = %(chan)s::text AND q.until_ms > n.ms
+    ORDER BY q.seq LIMIT 1
+) AS w ON true
 WHERE l.ns = %(ns)s::text AND l.key = %(key)s::text AND l.owner = %(owner)s::text
   AND l.token = %(token)s AND l.expires_ms > n.ms
-RETURNING pg_notify(%(chan)s::text, '')
+RETURNING pg_notify(%(chan)s::text, coalesce(w.gid, '*'))
+"""
+
+# A process stopped waiting on a lock without getting it (its last waiter gave up,
+# timed out or was cancelled): its place in the queue goes at once. Run by the
+# listener on its own connection; a crashed process's registration lapses instead.
+UNREGISTER = """
+DELETE FROM {s}.lock_waiters WHERE chan = %(chan)s::text AND gid = %(gid)s::text
 """
 
 # State table row lock.break: held by anyone -> free. The row keeps its token and the
 # next acquire draws a new one from fence_seq, so the old holder's (owner, token) stops
-# matching: its renew and release fail.
+# matching: its renew and release fail. No window is kept: every waiter is woken.
 BREAK = """
-UPDATE {s}.locks AS l SET expires_ms = 0
+UPDATE {s}.locks AS l SET expires_ms = 0, chosen = NULL, window_ms = 0
 FROM (SELECT {now} AS ms) AS n
 WHERE l.ns = %(ns)s::text AND l.key = %(key)s::text AND l.expires_ms > n.ms
 RETURNING pg_notify(%(chan)s::text, '')
@@ -285,15 +346,30 @@ SELECT f.token FROM {s}.fences f WHERE f.ns = %(ns)s::text AND f.resource = %(re
 """
 
 # Purge in batches so no statement holds many row locks for long; it deletes the rows
-# that claim.ttl, claim.expiry and lock.expiry left dead. The outer condition is
-# re-checked on the latest row version, so a row re-claimed meanwhile is kept.
+# that claim.ttl, claim.expiry and lock.expiry left dead (a lock in its hand-off
+# window is kept). The outer condition is re-checked on the latest row version, so a
+# row re-claimed meanwhile is kept.
 PURGE = """
 WITH n AS MATERIALIZED (SELECT {now} AS ms),
 d AS (
     DELETE FROM {s}.{table} AS t
     USING (SELECT ns, key FROM {s}.{table}
-           WHERE expires_ms <= (SELECT ms FROM n) LIMIT %(batch)s) AS x
-    WHERE t.ns = x.ns AND t.key = x.key AND t.expires_ms <= (SELECT ms FROM n)
+           WHERE expires_ms <= (SELECT ms FROM n) {extra} LIMIT %(batch)s) AS x
+    WHERE t.ns = x.ns AND t.key = x.key AND t.expires_ms <= (SELECT ms FROM n) {extra}
+    RETURNING 1
+)
+SELECT count(*) FROM d
+"""
+
+_NOT_RESERVED = "AND window_ms <= (SELECT ms FROM n)"
+
+# Lapsed registrations of the waiters' queue (not records: purge does not count them).
+PURGE_WAITERS = """
+WITH d AS (
+    DELETE FROM {s}.lock_waiters AS t
+    USING (SELECT chan, gid FROM {s}.lock_waiters
+           WHERE until_ms <= {now} LIMIT %(batch)s) AS x
+    WHERE t.chan = x.chan AND t.gid = x.gid AND t.until_ms <= {now}
     RETURNING 1
 )
 SELECT count(*) FROM d
@@ -306,7 +382,8 @@ def _render(template: str, schema: str, **extra: str) -> bytes:
     s = sql.Identifier(schema).as_string(None)
     seq = sql.Literal(sql.Identifier(schema, "fence_seq").as_string(None)).as_string(None)
     seq = f"{seq}::regclass"
-    return template.format(s=s, seq=seq, now=NOW, **extra).encode()
+    wseq = sql.Literal(sql.Identifier(schema, "waiter_seq").as_string(None)).as_string(None)
+    return template.format(s=s, seq=seq, wseq=f"{wseq}::regclass", now=NOW, **extra).encode()
 
 
 _PARAM = re.compile(rb"%\((\w+)\)s")
@@ -361,6 +438,8 @@ class Statements:
     fence_current: Stmt
     purge_claims: Stmt
     purge_locks: Stmt
+    purge_waiters: Stmt
+    unregister: Stmt
     version: bytes
 
     @classmethod
@@ -383,8 +462,10 @@ class Statements:
             locks=r(LOCKS, schema),
             fence_advance=r(FENCE_ADVANCE, schema),
             fence_current=r(FENCE_CURRENT, schema),
-            purge_claims=r(PURGE, schema, table="claims"),
-            purge_locks=r(PURGE, schema, table="locks"),
+            purge_claims=r(PURGE, schema, table="claims", extra=""),
+            purge_locks=r(PURGE, schema, table="locks", extra=_NOT_RESERVED),
+            purge_waiters=r(PURGE_WAITERS, schema),
+            unregister=r(UNREGISTER, schema),
             version=_render(VERSION, schema),
         )
 

@@ -31,7 +31,7 @@ from ._replies import (
     _state,
 )
 from ._runner_sync import _SyncRunner
-from ._shared import MAX_RACE_RETRIES, PURGE_BATCH, _is_disconnect
+from ._shared import _HANDOFF_MS8, MAX_RACE_RETRIES, PURGE_BATCH, _is_disconnect
 from ._sql import Stmt
 
 
@@ -173,7 +173,7 @@ class PostgresStore(_SyncRunner):
     # ---- locks -----------------------------------------------------------------------
 
     def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
-        params = {"ns": ns, "key": key, "owner": owner, "ttl": _i8(ttl_ms)}
+        params = self._acquire_params(ns, key, owner, ttl_ms)
 
         def undo(reply: Acquired | Held | None) -> Any:
             # Without the reply the token is unknown: that lease ends with its ttl.
@@ -188,6 +188,7 @@ class PostgresStore(_SyncRunner):
             undo,
             "acquire",
         )
+        self._registered(params, reply)
         return reply
 
     def release(self, ns: str, key: str, owner: str, token: int) -> bool:
@@ -197,6 +198,7 @@ class PostgresStore(_SyncRunner):
             "owner": owner,
             "token": _i8(token),
             "chan": self._chan("lock", ns, key),
+            "handoff": _HANDOFF_MS8,
         }
         rows = self._undoable(
             self._rows(self.statements.release, params, "release", False), _nothing, "release"
@@ -262,4 +264,10 @@ class PostgresStore(_SyncRunner):
                 removed += n
                 if n < PURGE_BATCH:
                     break
+        # Lapsed registrations of the waiters' queue: not records, not counted.
+        while True:
+            stmt = self.statements.purge_waiters
+            rows = self._rows(stmt, {"batch": _i8(PURGE_BATCH)}, "purge", True)
+            if int(rows[0][0]) < PURGE_BATCH:
+                break
         return removed
