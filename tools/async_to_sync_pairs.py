@@ -39,12 +39,20 @@ PAIRS: list[Pair] = [
         docstring="The blocking API: :class:`Coordinator` and its ports.",
         phrases=[
             ("the asyncio API", "the blocking API"),
+            ("Open an :class:`AsyncCoordinator`", "Open a :class:`Coordinator`"),
             (":func:`idemlock.aio.connect`", ":func:`idemlock.connect`"),
             (
                 "Works on\n        ``async def`` functions.",
                 "Works on\n        plain and ``async def`` functions.",
             ),
         ],
+    ),
+    Pair(
+        "src/idemlock/_drive.py",
+        "src/idemlock/_drive_sync.py",
+        {"AsyncStore": "SyncStore", "run_async": "run_sync"},
+        docstring="""The blocking driver of :mod:`idemlock._core.flows`, :func:`run_sync`, generated
+from :func:`idemlock._drive.run_async` (which imports it back, so both come from one place).""",
     ),
     Pair(
         "src/idemlock/compat/_ports_async.py",
@@ -94,6 +102,15 @@ async store is hand-written in :mod:`._runner_sync`.
             "_amigrate_refused": "_migrate_refused",
         },
         docstring="Creating and upgrading the store's schema, blocking (see :mod:`._schema`).",
+    ),
+    Pair(
+        "src/idemlock/stores/etcd/_calls_async.py",
+        "src/idemlock/stores/etcd/_calls_sync.py",
+        {"AsyncCalls": "SyncCalls", "_grpc_aio": "_grpc_sync"},
+        docstring="""How the blocking etcd client calls, as in :mod:`._calls_async`, its source:
+:func:`drive` runs an op of :mod:`._ops` to its end, and :class:`SyncCalls` makes each
+of its calls within the store's deadline, authenticated, failing over to another
+member when one does not answer.""",
     ),
     Pair(
         "src/idemlock/stores/etcd/_async.py",

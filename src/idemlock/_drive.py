@@ -1,57 +1,27 @@
 """The two drivers of :mod:`idemlock._core.flows`: the only code that blocks or awaits
-on behalf of a flow."""
+on behalf of a flow. :func:`run_async` is written here; :func:`run_sync` is generated
+from it into :mod:`idemlock._drive_sync` (and imported here, so both come from one
+place). asyncio is imported inside the functions: ``import idemlock`` alone must not
+load it."""
 
 from __future__ import annotations
 
-import threading
-import time
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from ._core.flows import Call, Sleep, Subscribe, Wait
-from ._core.port import AsyncStore, SyncStore
+from ._core.port import AsyncStore
+from ._drive_sync import run_sync  # async-only
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # async-only
     import asyncio
 
-R = TypeVar("R")
+# sync-only: import threading
+# sync-only: import time
 
-
-def run_sync(flow: Any, store: SyncStore, stop: threading.Event | None = None) -> Any:
-    subs: list[Any] = []
-    try:
-        req = next(flow)
-        while True:
-            try:
-                if type(req) is Call:
-                    res = getattr(store, req.method)(*req.args)
-                elif type(req) is Wait:
-                    res = req.sub.wait(req.timeout)
-                elif type(req) is Subscribe:
-                    res = store.subscribe(req.channel)
-                    subs.append(res)
-                elif type(req) is Sleep:
-                    if stop is not None:
-                        res = stop.wait(req.seconds)
-                    else:
-                        time.sleep(req.seconds)
-                        res = False
-                else:  # pragma: no cover - programming error
-                    raise TypeError(f"unknown flow request {req!r}")
-            except Exception as exc:
-                req = flow.throw(exc)
-                continue
-            req = flow.send(res)
-    except StopIteration as done:
-        return done.value
-    finally:
-        flow.close()
-        for sub in subs:
-            sub.close()
+__all__ = ["run_async", "run_sync"]  # async-only
 
 
 async def run_async(flow: Any, store: AsyncStore, stop: asyncio.Event | None = None) -> Any:
-    import asyncio  # here: `import idemlock` alone must not load asyncio
-
     subs: list[Any] = []
     try:
         req = next(flow)
@@ -65,15 +35,7 @@ async def run_async(flow: Any, store: AsyncStore, stop: asyncio.Event | None = N
                     res = await store.subscribe(req.channel)
                     subs.append(res)
                 elif type(req) is Sleep:
-                    if stop is not None:
-                        try:
-                            await asyncio.wait_for(stop.wait(), req.seconds)
-                            res = True
-                        except asyncio.TimeoutError:
-                            res = False
-                    else:
-                        await asyncio.sleep(req.seconds)
-                        res = False
+                    res = await _sleep(req.seconds, stop)
                 else:  # pragma: no cover - programming error
                     raise TypeError(f"unknown flow request {req!r}")
             except Exception as exc:
@@ -86,3 +48,18 @@ async def run_async(flow: Any, store: AsyncStore, stop: asyncio.Event | None = N
         flow.close()
         for sub in subs:
             await sub.aclose()
+
+
+async def _sleep(seconds: float, stop: asyncio.Event | None) -> bool:
+    """Sleep ``seconds``, or until ``stop`` is set: whether it was."""
+    import asyncio  # async-only
+
+    if stop is None:
+        await asyncio.sleep(seconds)
+        return False
+    try:  # async-only
+        await asyncio.wait_for(stop.wait(), seconds)
+        return True
+    except asyncio.TimeoutError:
+        return False
+    # sync-only: return stop.wait(seconds)

@@ -73,6 +73,36 @@ def wait_chunk(deadline: float, now: float, holder_ttl_ms: int, poll_cap: float 
     return max(0.0, chunk)
 
 
+class _Waiting:
+    """A caller waiting for a key another holds, between its attempts."""
+
+    __slots__ = ("attempt", "channel", "deadline", "poll_cap", "sub")
+
+    def __init__(self, channel: Channel, wait: float | None, poll_cap: float | None) -> None:
+        self.channel = channel
+        # Waiting is real time whatever the clock: an injected clock judges leases only.
+        self.deadline = time.monotonic() + (wait or 0.0)
+        self.poll_cap = poll_cap
+        self.sub: Any = None
+        self.attempt = 0
+
+    def turn(self, holder_ttl_ms: int) -> Generator[Request, Any, bool]:
+        """After a refused attempt: False once the wait is over, else True when the
+        caller may try again (after subscribing, or after a wait for a notification)."""
+        now = time.monotonic()
+        if now >= self.deadline:
+            return False
+        if self.sub is None:
+            # Subscribe, then try once more: a release between our failed attempt and
+            # the subscription would otherwise go unnoticed until the next chunk.
+            self.sub = yield Subscribe(self.channel)
+            return True
+        cap = self.poll_cap if self.poll_cap is None else _backoff(self.attempt, self.poll_cap)
+        self.attempt += 1
+        yield Wait(self.sub, wait_chunk(self.deadline, now, holder_ttl_ms, cap))
+        return True
+
+
 def acquire_flow(
     ns: str,
     key: str,
@@ -85,28 +115,14 @@ def acquire_flow(
     """Acquire, waiting up to ``wait`` seconds. Returns (last reply, monotonic time the
     last request was sent, number of attempts). ``poll_cap`` bounds each wait for stores whose
     notification does not cross processes."""
-    # Waiting is real time whatever the clock: an injected clock judges leases only.
-    deadline = time.monotonic() + (wait or 0.0)
-    sub = None
-    attempt = 0
+    waiting = _Waiting(Channel("lock", ns, key), wait, poll_cap)
     tries = 0
     while True:
         sent = clock.monotonic()
         reply = yield Call("acquire", (ns, key, owner, ttl_ms))
         tries += 1
-        if isinstance(reply, Acquired):
+        if isinstance(reply, Acquired) or not (yield from waiting.turn(reply.ttl_ms)):
             return reply, sent, tries
-        now = time.monotonic()
-        if now >= deadline:
-            return reply, sent, tries
-        if sub is None:
-            # Subscribe, then try once more: a release between our failed attempt and
-            # the subscription would otherwise go unnoticed until the next chunk.
-            sub = yield Subscribe(Channel("lock", ns, key))
-            continue
-        cap = poll_cap if poll_cap is None else _backoff(attempt, poll_cap)
-        attempt += 1
-        yield Wait(sub, wait_chunk(deadline, now, reply.ttl_ms, cap))
 
 
 def claim_flow(
@@ -124,24 +140,13 @@ def claim_flow(
     completed (replay) or freed (then this caller claims it and runs). ``sent``, if
     given, receives the clock's time of the last claim request (a heartbeat counts
     the claim's local deadline from it)."""
-    deadline = time.monotonic() + (wait or 0.0)
-    sub = None
-    attempt = 0
+    waiting = _Waiting(Channel("claim", ns, key), wait, poll_cap)
     while True:
         if sent is not None:
             sent[:] = [clock.monotonic()]
         reply: ClaimReply = yield Call("claim", (ns, key, fp, token, lease_ms))
-        if not isinstance(reply, Busy):
+        if not isinstance(reply, Busy) or not (yield from waiting.turn(reply.ttl_ms)):
             return reply
-        now = time.monotonic()
-        if now >= deadline:
-            return reply
-        if sub is None:
-            sub = yield Subscribe(Channel("claim", ns, key))
-            continue
-        cap = poll_cap if poll_cap is None else _backoff(attempt, poll_cap)
-        attempt += 1
-        yield Wait(sub, wait_chunk(deadline, now, reply.ttl_ms, cap))
 
 
 @dataclass

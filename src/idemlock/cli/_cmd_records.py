@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from .._errors import (
@@ -28,9 +29,7 @@ from ._common import (
 
 def add_commands(add: AddCommand) -> None:
     status = add("status", "show the record of an idempotency key")
-    status.add_argument("key", metavar="KEY")
-    status.add_argument("--spec", default=ONCE_SPEC, help=f"spec name ({ONCE_SPEC})")
-    tenant_option(status, "the tenant whose record it is (as listed by `keys`)")
+    _key_arguments(status)
     status.add_argument("--json", action="store_true", help="print JSON")
     status.set_defaults(handler=cmd_status)
 
@@ -47,9 +46,7 @@ def add_commands(add: AddCommand) -> None:
         "running from doing work that is not fenced: forget a claim only when its\n"
         "worker is gone or stuck.",
     )
-    forget.add_argument("key", metavar="KEY")
-    forget.add_argument("--spec", default=ONCE_SPEC, help=f"spec name ({ONCE_SPEC})")
-    tenant_option(forget, "the tenant whose record it is (as listed by `keys`)")
+    _key_arguments(forget)
     forget.set_defaults(handler=cmd_forget)
 
     keys = add(
@@ -60,9 +57,7 @@ def add_commands(add: AddCommand) -> None:
         "A value under the prefix that idemlock cannot read is listed as CORRUPT, with a\n"
         "warning on stderr, and the rest is listed as usual.",
     )
-    keys.add_argument("--spec", default=None, help="only this spec")
-    tenant_option(keys, "only this tenant's records")
-    keys.add_argument("--json", action="store_true", help="print JSON")
+    _listing_arguments(keys, "records")
     keys.set_defaults(handler=cmd_keys)
 
     locks = add(
@@ -71,9 +66,7 @@ def add_commands(add: AddCommand) -> None:
         "List held locks: the root's own and every tenant's (TENANT '-' is the root).\n"
         "A value idemlock cannot read is listed as CORRUPT, with a warning on stderr.",
     )
-    locks.add_argument("--spec", default=None, help="only this spec")
-    tenant_option(locks, "only this tenant's locks")
-    locks.add_argument("--json", action="store_true", help="print JSON")
+    _listing_arguments(locks, "locks")
     locks.set_defaults(handler=cmd_locks)
 
     purge = add("purge", "delete expired records and locks from the store")
@@ -82,6 +75,19 @@ def add_commands(add: AddCommand) -> None:
 
     migrate = add("migrate", "create or upgrade the store's schema (PostgreSQL)")
     migrate.set_defaults(handler=cmd_migrate)
+
+
+def _key_arguments(command: argparse.ArgumentParser) -> None:
+    """KEY, --spec and --tenant: the record one command acts on."""
+    command.add_argument("key", metavar="KEY")
+    command.add_argument("--spec", default=ONCE_SPEC, help=f"spec name ({ONCE_SPEC})")
+    tenant_option(command, "the tenant whose record it is (as listed by `keys`)")
+
+
+def _listing_arguments(command: argparse.ArgumentParser, what: str) -> None:
+    command.add_argument("--spec", default=None, help="only this spec")
+    tenant_option(command, f"only this tenant's {what}")
+    command.add_argument("--json", action="store_true", help="print JSON")
 
 
 # ---- records and locks ---------------------------------------------------------
@@ -164,20 +170,30 @@ def cmd_forget(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     return EX_OK
 
 
-def cmd_keys(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def _listed(
+    args: argparse.Namespace, listing: Callable[[Any], list[Any]]
+) -> tuple[Any, float, str]:
+    """The rows ``listing`` gives of the scope ``args`` name (of ``--spec`` only, if
+    given), sorted, with the store's time and URL."""
     with _connect(args) as coord:
-        records = _scoped(coord, args).keys()
+        rows = listing(_scoped(coord, args))
         now = coord.clock.time()
         where = coord.url
-    records = [r for r in records if args.spec is None or r.spec == args.spec]
-    records.sort(key=lambda r: (r.tenant or "", r.spec, r.key))
+    rows = [r for r in rows if args.spec is None or r.spec == args.spec]
+    rows.sort(key=lambda r: (r.tenant or "", r.spec, r.key))
+    return rows, now, where
+
+
+def _say_none(args: argparse.Namespace, what: str, where: str) -> None:
+    _say(f"no {what} under prefix {args.prefix!r}{_where(args.tenant)} in {_shown_url(where)}")
+
+
+def cmd_keys(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    records, now, where = _listed(args, lambda scope: scope.keys())
     if args.json:
         _print_json([_record_json(r, now) for r in records])
     elif not records:
-        _say(
-            f"no live records under prefix {args.prefix!r}{_where(args.tenant)} in "
-            f"{_shown_url(where)}"
-        )
+        _say_none(args, "live records", where)
     else:
         _out(_table(_RECORD_HEADERS, [_record_row(r, now) for r in records]))
     _warn_corrupt("record(s)", sum(r.state == "corrupt" for r in records))
@@ -185,12 +201,7 @@ def cmd_keys(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def cmd_locks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    with _connect(args) as coord:
-        held = _scoped(coord, args).locks()
-        now = coord.clock.time()
-        where = coord.url
-    held = [h for h in held if args.spec is None or h.spec == args.spec]
-    held.sort(key=lambda h: (h.tenant or "", h.spec, h.key))
+    held, now, where = _listed(args, lambda scope: scope.locks())
 
     def left(h: Any) -> float:
         return max(0.0, float(h.expires_at.timestamp() - now))
@@ -212,10 +223,7 @@ def cmd_locks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             ]
         )
     elif not held:
-        _say(
-            f"no held locks under prefix {args.prefix!r}{_where(args.tenant)} in "
-            f"{_shown_url(where)}"
-        )
+        _say_none(args, "held locks", where)
     else:
         rows = [
             [

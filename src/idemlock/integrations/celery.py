@@ -134,7 +134,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import random
 import threading
 import time
 import types
@@ -161,16 +160,15 @@ from .._logfields import fields as log_fields
 from .._logfields import port_fields
 from .._ports import Heartbeat
 from .._sync import Coordinator, IdempotencyPort
+from . import _celery_resends as resends
 from ._celery_messages import (
     _STORE_ERRORS,
-    _STORE_TRIES_HEADER,
     SEND_HEADER,
     _lease_seconds,
     _ProcessState,
     _recorded,
     _send_lease,
     _spec_name,
-    _store_tries,
     _wait_seconds,
 )
 from ._jobs import free_send, reserve_send
@@ -428,10 +426,10 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
             wait = attempts.default_wait(port) if self.idemlock_on_in_flight == "wait" else None
             claim, sent = attempts.begin_call(port, plan, args, kwargs, wait)
         except InFlightError as exc:
-            raise self._idemlock_in_flight(exc) from None
+            raise resends.while_in_flight(self, exc) from None
         except _STORE_ERRORS as exc:
             # Nothing ran and nothing is claimed: send the task again later.
-            raise self._idemlock_store_down(exc) from None
+            raise resends.after_store_failure(self, exc) from None
         request = self.request
         if isinstance(claim, Completed):
             request.idemlock_replayed = True
@@ -539,74 +537,3 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
                 )
                 time.sleep(pause)
                 pause = min(pause * 2, _RECORD_RETRY_MAX)
-
-    def _idemlock_store_down(self, exc: BaseException) -> BaseException:
-        """A Retry after a store failure before the body ran, with a growing countdown,
-        or ``exc`` itself for a direct or eager call."""
-        request = self.request
-        if request.called_directly or request.is_eager:
-            return exc
-        headers = dict(request.headers or {})
-        tries = _store_tries(request, headers)
-        ceiling = min(
-            float(self.idemlock_store_retry_max),
-            float(self.idemlock_store_retry_backoff) * 2.0 ** min(tries, 32),
-        )
-        # Full jitter (but never nothing): workers hit by one outage do not all come
-        # back at the same instant.
-        countdown = round(random.uniform(ceiling / 2, ceiling), 3)
-        headers[_STORE_TRIES_HEADER] = tries + 1
-        log.warning(
-            "task %s[%s]: the idempotency store failed before the task ran (%s); "
-            "retrying in %ss (store failure %d in a row)",
-            self.name,
-            request.id,
-            exc,
-            countdown,
-            tries + 1,
-            extra=log_fields(
-                spec=_spec_name(self.idemlock_spec), operation="claim", outcome="error"
-            ),
-        )
-        why = f"idempotency store unavailable: {exc}; retrying in {countdown}s"
-        return self._idemlock_resend(exc, countdown, why, headers=headers)
-
-    def _idemlock_resend(
-        self, exc: BaseException, countdown: float, why: str, **options: Any
-    ) -> BaseException:
-        """Send this task again after ``countdown`` seconds, keeping ``retries``: the
-        Retry to raise, or a requeueing Reject when the broker refuses the message."""
-        request = self.request
-        sig = self.signature_from_request(
-            request, countdown=countdown, retries=request.retries, **options
-        )
-        try:
-            sig.apply_async()
-        except Exception as err:
-            # Not sent: put the message back rather than lose the only copy.
-            rejected: BaseException = Reject(err, requeue=True)
-            return rejected
-        retry: BaseException = Retry(why, exc=exc, when=countdown, sig=sig)
-        return retry
-
-    def _idemlock_in_flight(self, exc: InFlightError) -> BaseException:
-        """A Retry that comes back when the holder is likely done, or ``exc`` itself."""
-        request = self.request
-        if self.idemlock_on_in_flight == "raise" or request.called_directly or request.is_eager:
-            return exc
-        state = self._idemlock()
-        every = float(self.idemlock_retry_every)
-        left = every
-        if exc.expires_at is not None:
-            left = exc.expires_at.timestamp() - state.coord.clock.time()
-        # Just past the end of the holder's lease at the latest: the key is then free.
-        countdown = round(min(every, max(left, 0.0) + 0.05), 3)
-        until = f" until {exc.expires_at.isoformat()}" if exc.expires_at else ""
-        why = f"idempotency key {exc.key!r} is held by another attempt{until}"
-        # Waiting for another attempt is not a failure: keep ``retries`` as it is, so
-        # these re-sends do not use up max_retries (self.retry would add one).
-        # A store failure streak is over: the next one backs off from the start again.
-        headers = {k: v for k, v in (request.headers or {}).items() if k != _STORE_TRIES_HEADER}
-        return self._idemlock_resend(
-            exc, countdown, f"{why}; retrying in {countdown}s", headers=headers
-        )

@@ -53,22 +53,21 @@ def lease_seconds(ms: int) -> int:
 # ---- names ----------------------------------------------------------------------------
 
 
+#: what a namespace's text escapes in a key name ("%" first, so it is undone last)
+_ESCAPES = (("%", "%25"), ("/", "%2F"), ("\0", "%00"))
+
+
 def _esc(ns: str) -> bytes:
-    return (
-        ns.replace("%", "%25")
-        .replace("/", "%2F")
-        .replace("\0", "%00")
-        .encode("utf-8", "surrogatepass")
-    )
+    for char, escaped in _ESCAPES:
+        ns = ns.replace(char, escaped)
+    return ns.encode("utf-8", "surrogatepass")
 
 
 def _unesc(raw: bytes) -> str:
-    return (
-        raw.decode("utf-8", "surrogatepass")
-        .replace("%00", "\0")
-        .replace("%2F", "/")
-        .replace("%25", "%")
-    )
+    text = raw.decode("utf-8", "surrogatepass")
+    for char, escaped in reversed(_ESCAPES):
+        text = text.replace(escaped, char)
+    return text
 
 
 def prefix_end(key: bytes) -> bytes:

@@ -19,8 +19,9 @@ from ..._core.port import Channel
 from ..._errors import IdemlockError, StoreUnavailable
 from ..._logfields import fields as log_fields
 from . import _conf
+from ._calls_async import AsyncCalls, drive
 from ._grpc_sync import _STORES, CHANNEL_OPTIONS, INHERITED, _Stubs, _track_fork
-from ._ops import WRITES, Op, Ops, Rpc, Waiter
+from ._ops import Op, Ops, Rpc, Waiter
 from ._pb.etcdserverpb import rpc_pb2 as _rpc_pb2
 from ._watches import Book, Group, watch_range
 
@@ -28,7 +29,7 @@ log = logging.getLogger("idemlock")
 pb: Any = _rpc_pb2  # generated without type information
 
 
-class AsyncClient:
+class AsyncClient(AsyncCalls):
     """grpc.aio channels to the endpoints, made on the event loop that uses them (a new
     loop gets new channels); every call has a deadline and fails over."""
 
@@ -67,49 +68,6 @@ class AsyncClient:
     def failover(self, seen: _Stubs) -> None:
         if self._stubs.get(self._current) is seen and len(self.conf.endpoints) > 1:
             self._current = (self._current + 1) % len(self.conf.endpoints)
-
-    async def metadata(self, s: _Stubs, deadline: float) -> tuple[tuple[str, str], ...] | None:
-        if self.conf.user is None:
-            return None
-        token = self._token
-        if token is None:
-            left = deadline - time.monotonic()
-            resp = await s.methods["Authenticate"](
-                pb.AuthenticateRequest(name=self.conf.user, password=self.conf.password or ""),
-                timeout=max(0.01, min(left, self.conf.per_try)),
-            )
-            token = self._token = str(resp.token)
-        return (("token", token),)
-
-    async def call(self, rpc: Rpc, deadline: float) -> Any:
-        attempt = 0
-        last: Exception | None = None
-        while True:
-            s = self.stubs()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise _conf.no_answer(rpc.method, self.conf.timeout, last) from last
-            try:
-                md = await self.metadata(s, deadline)
-                return await s.methods[rpc.method](
-                    rpc.request, timeout=self.conf.try_timeout(attempt, left), metadata=md
-                )
-            except grpc.aio.AioRpcError as exc:
-                action = _conf.classify(exc)
-                if action == _conf.FAIL:
-                    raise _conf.error(exc, rpc.method, s.endpoint) from exc
-                last = _conf.error(exc, rpc.method, s.endpoint)
-                if action == _conf.REAUTH:
-                    self._token = None
-                    if attempt > 2:
-                        raise last from exc
-                elif rpc.method in WRITES:
-                    rpc.retried = True
-                self.failover(s)
-                attempt += 1
-                await asyncio.sleep(
-                    min(0.2, 0.01 * 2**attempt, max(0.0, deadline - time.monotonic()))
-                )
 
     def background(self, rpc: Rpc) -> None:
         async def send() -> None:
@@ -151,25 +109,6 @@ class _AsyncGateway:
 
     async def close(self) -> None:
         return None
-
-
-async def drive(client: AsyncClient, op: Op) -> Any:
-    deadline = time.monotonic() + client.conf.timeout
-    value: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            rpc = op.throw(error) if error is not None else op.send(value)
-        except StopIteration as stop:
-            return stop.value
-        error, value = None, None
-        if rpc.background:
-            client.background(rpc)
-            continue
-        try:
-            value = await client.call(rpc, deadline)
-        except IdemlockError as exc:
-            error = exc
 
 
 # ---- watches -----------------------------------------------------------------------------

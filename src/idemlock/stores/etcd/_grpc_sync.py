@@ -20,7 +20,8 @@ from ..._core.port import Channel
 from ..._errors import IdemlockError, StoreUnavailable
 from ..._logfields import fields as log_fields
 from . import _conf
-from ._ops import WRITES, Op, Ops, Rpc, Waiter
+from ._calls_sync import SyncCalls, drive
+from ._ops import Op, Ops, Rpc, Waiter
 from ._pb.etcdserverpb import rpc_pb2 as _rpc_pb2
 from ._pb.etcdserverpb import rpc_pb2_grpc as _rpc_pb2_grpc
 from ._watches import Book, Group, watch_range
@@ -66,7 +67,7 @@ class _Stubs:
         self.watch = stubs.WatchStub(channel).Watch
 
 
-class SyncClient:
+class SyncClient(SyncCalls):
     """Channels to the endpoints; every call has a deadline and fails over."""
 
     def __init__(self, conf: _conf.Config) -> None:
@@ -111,49 +112,6 @@ class SyncClient:
         self._stubs = {}
         self._pending = set()
 
-    def metadata(self, s: _Stubs, deadline: float) -> tuple[tuple[str, str], ...] | None:
-        if self.conf.user is None:
-            return None
-        token = self._token
-        if token is None:
-            left = deadline - time.monotonic()
-            resp = s.methods["Authenticate"](
-                pb.AuthenticateRequest(name=self.conf.user, password=self.conf.password or ""),
-                timeout=max(0.01, min(left, self.conf.per_try)),
-            )
-            token = self._token = str(resp.token)
-        return (("token", token),)
-
-    # -- calls ---------------------------------------------------------------------------
-
-    def call(self, rpc: Rpc, deadline: float) -> Any:
-        attempt = 0
-        last: Exception | None = None
-        while True:
-            s = self.stubs()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise _conf.no_answer(rpc.method, self.conf.timeout, last) from last
-            try:
-                md = self.metadata(s, deadline)
-                return s.methods[rpc.method](
-                    rpc.request, timeout=self.conf.try_timeout(attempt, left), metadata=md
-                )
-            except grpc.RpcError as exc:
-                action = _conf.classify(exc)
-                if action == _conf.FAIL:
-                    raise _conf.error(exc, rpc.method, s.endpoint) from exc
-                last = _conf.error(exc, rpc.method, s.endpoint)
-                if action == _conf.REAUTH:
-                    self._token = None
-                    if attempt > 2:
-                        raise last from exc
-                elif rpc.method in WRITES:
-                    rpc.retried = True
-                self.failover(s)
-                attempt += 1
-                time.sleep(min(0.2, 0.01 * 2**attempt, max(0.0, deadline - time.monotonic())))
-
     def background(self, rpc: Rpc) -> None:
         """Send and forget (a lease revoke): nothing waits for it, a failure is harmless."""
         try:
@@ -195,26 +153,6 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def drive(client: SyncClient, op: Op) -> Any:
-    """Run an op to its end: each Rpc it yields is one bounded call."""
-    deadline = time.monotonic() + client.conf.timeout
-    value: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            rpc = op.throw(error) if error is not None else op.send(value)
-        except StopIteration as stop:
-            return stop.value
-        error, value = None, None
-        if rpc.background:
-            client.background(rpc)
-            continue
-        try:
-            value = client.call(rpc, deadline)
-        except IdemlockError as exc:
-            error = exc
 
 
 # ---- watches -----------------------------------------------------------------------------

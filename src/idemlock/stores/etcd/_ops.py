@@ -21,20 +21,11 @@ import struct
 import time
 from collections import OrderedDict
 from collections.abc import Generator
-from typing import Any
+from typing import Any, Literal
 
-from ..._core.port import (
-    Acquired,
-    Busy,
-    Done,
-    Granted,
-    Held,
-    LockRow,
-    Mismatch,
-    RecordRow,
-)
-from ..._logfields import fields as log_fields
+from ..._core.port import Acquired, Busy, Done, Granted, Held, LockRow, Mismatch, RecordRow
 from . import _codec as K
+from . import _rows as R
 from ._pb.etcdserverpb import rpc_pb2 as _rpc_pb2
 
 pb: Any = _rpc_pb2  # generated without type information
@@ -209,18 +200,14 @@ class Ops:
         fence, fp = known
         g = yield _grant(ttl_ms)
         value = K.done_value(token, fence, fp, bytes(result), ttl_ms, int(g.TTL), K.now_ms())
-        rpc = Rpc(
-            "Txn",
-            K.txn(
-                [K.cmp_mod(n.record, fence), *K.cmp_starts(n.record, K.token_prefix(token))],
-                [K.put(n.record, value, g.ID), K.delete(n.marker, prev=True)],
-                [K.get(n.record)],
-            ),
+        rpc, resp = yield from self._end_claim(
+            ns,
+            key,
+            token,
+            [K.cmp_mod(n.record, fence), *K.cmp_starts(n.record, K.token_prefix(token))],
+            K.put(n.record, value, g.ID),
         )
-        resp = yield rpc
-        self._claims.pop((ns, key, token), None)
         if resp.succeeded:
-            yield from _revoke_leases(resp.responses[1].response_delete_range.prev_kvs)
             return True
         if not rpc.retried:  # else its first attempt may hold this lease
             yield _revoke(g.ID)
@@ -231,21 +218,30 @@ class Ops:
     def abandon(self, ns: str, key: str, token: str) -> Op:
         # Rows abandon.ok, abandon.late, abandon.stale.
         n = K.claim_names(self.root, ns, key)
+        rpc, resp = yield from self._end_claim(
+            ns, key, token, K.cmp_starts(n.record, K.token_prefix(token)), K.delete(n.record)
+        )
+        if resp.succeeded:
+            return True
+        # Re-sent after a lost reply and now absent: the first attempt deleted it.
+        return rpc.retried and not K.kvs(resp.responses[0])
+
+    def _end_claim(
+        self, ns: str, key: str, token: str, compares: list[Any], write: Any
+    ) -> Generator[Rpc, Any, tuple[Rpc, Any]]:
+        """The one Txn that ends a claim (complete, abandon): if ``compares`` hold,
+        ``write`` the record and delete its lease marker (whose lease is then revoked).
+        The Rpc (``retried`` tells a re-send) and its reply."""
+        n = K.claim_names(self.root, ns, key)
         rpc = Rpc(
             "Txn",
-            K.txn(
-                K.cmp_starts(n.record, K.token_prefix(token)),
-                [K.delete(n.record), K.delete(n.marker, prev=True)],
-                [K.get(n.record)],
-            ),
+            K.txn(compares, [write, K.delete(n.marker, prev=True)], [K.get(n.record)]),
         )
         resp = yield rpc
         self._claims.pop((ns, key, token), None)
         if resp.succeeded:
             yield from _revoke_leases(resp.responses[1].response_delete_range.prev_kvs)
-            return True
-        # Re-sent after a lost reply and now absent: the first attempt deleted it.
-        return rpc.retried and not K.kvs(resp.responses[0])
+        return rpc, resp
 
     def extend(self, ns: str, key: str, token: str, lease_ms: int) -> Op:
         # Rows extend.ok (the marker still exists), extend.stale.
@@ -274,7 +270,7 @@ class Ops:
         if not rec:
             return None
         try:
-            return _record_row(ns, key, rec[0], marker[0] if marker else None)
+            return R.record_row(ns, key, rec[0], marker[0] if marker else None)
         except _BAD as exc:
             raise K.corrupt(n.record, exc) from exc
 
@@ -291,31 +287,23 @@ class Ops:
         if not rec:
             return False
         try:
-            return _record_row(ns, key, rec[0], marker[0] if marker else None) is not None
+            return R.record_row(ns, key, rec[0], marker[0] if marker else None) is not None
         except _BAD:
             return True  # a corrupt value was there, and now is not
 
     def records(self, ns_prefix: str) -> Op:
         rows: list[RecordRow] = []
         pending: dict[tuple[str, str], list[Any]] = {}
-        kvs = yield from self._scan(K.listing_prefix(self.root, "c", ns_prefix))
-        for kv in kvs:
-            parsed = K.parse_name(self.root, "c", kv.key)
-            if parsed is None:
-                rows.append(_corrupt_record(kv.key, "an unknown key name"))
-                continue
-            ns, key, suffix = parsed
-            if not ns.startswith(ns_prefix):
-                continue
+        for ns, key, suffix, kv in (yield from self._listing("c", ns_prefix, rows)):
             pair = pending.setdefault((ns, key), [None, None])
             pair[0 if suffix == b"r" else 1] = kv
         for (ns, key), (rec, marker) in pending.items():
             if rec is None:
                 continue  # a lease marker alone: its record is being written or deleted
             try:
-                row = _record_row(ns, key, rec, marker)
+                row = R.record_row(ns, key, rec, marker)
             except _BAD as exc:
-                rows.append(_corrupt_record(rec.key, str(exc), ns, key))
+                rows.append(R.corrupt("c", rec.key, str(exc), ns, key))
                 continue
             if row is not None:
                 rows.append(row)
@@ -470,28 +458,17 @@ class Ops:
         if not resp.kvs:
             return None
         try:
-            val = K.parse_lock(resp.kvs[0].value)
+            return R.lock_row(ns, key, resp.kvs[0])
         except _BAD as exc:
             raise K.corrupt(name, exc) from exc
-        return LockRow(ns, key, val.owner, int(resp.kvs[0].create_revision), val.times.expires_ms)
 
     def locks(self, ns_prefix: str) -> Op:
         rows: list[LockRow] = []
-        kvs = yield from self._scan(K.listing_prefix(self.root, "l", ns_prefix))
-        for kv in kvs:
-            parsed = K.parse_name(self.root, "l", kv.key)
-            if parsed is None:
-                rows.append(_corrupt_lock(kv.key, "an unknown key name"))
-                continue
-            ns, key, _ = parsed
-            if not ns.startswith(ns_prefix):
-                continue
+        for ns, key, _, kv in (yield from self._listing("l", ns_prefix, rows)):
             try:
-                val = K.parse_lock(kv.value)
+                rows.append(R.lock_row(ns, key, kv))
             except _BAD as exc:
-                rows.append(_corrupt_lock(kv.key, str(exc), ns, key))
-                continue
-            rows.append(LockRow(ns, key, val.owner, int(kv.create_revision), val.times.expires_ms))
+                rows.append(R.corrupt("l", kv.key, str(exc), ns, key))
         return rows
 
     # ---- fences ----------------------------------------------------------------------
@@ -554,6 +531,21 @@ class Ops:
 
     # ---- helpers ---------------------------------------------------------------------
 
+    def _listing(
+        self, kind: Literal["c", "l"], ns_prefix: str, rows: list[Any]
+    ) -> Generator[Rpc, Any, list[tuple[str, str, bytes, Any]]]:
+        """``(ns, key, suffix, kv)`` of every key of ``kind`` ("c" claims, "l" locks)
+        under ``ns_prefix``; a key whose name cannot be read goes to ``rows`` as a
+        corrupt row."""
+        found = []
+        for kv in (yield from self._scan(K.listing_prefix(self.root, kind, ns_prefix))):
+            parsed = K.parse_name(self.root, kind, kv.key)
+            if parsed is None:
+                rows.append(R.corrupt(kind, kv.key, "an unknown key name"))
+            elif parsed[0].startswith(ns_prefix):
+                found.append((*parsed, kv))
+        return found
+
     def _scan(self, prefix: bytes) -> Generator[Rpc, Any, list[Any]]:
         """Every key under ``prefix``, in pages, all read at one revision."""
         out: list[Any] = []
@@ -567,33 +559,3 @@ class Ops:
             if not resp.more or not resp.kvs:
                 return out
             start = resp.kvs[-1].key + b"\0"
-
-
-def _record_row(ns: str, key: str, rec: Any, marker: Any) -> RecordRow | None:
-    val = K.parse_record(rec.value)
-    if isinstance(val, K.InFlightVal):
-        if marker is None:
-            return None  # its lease ended: expired (kept only for a late completion)
-        times = K.parse_marker(marker.value)
-        return RecordRow(ns, key, "in_flight", int(rec.mod_revision), times.expires_ms)
-    return RecordRow(ns, key, "completed", val.fence, val.times.expires_ms)
-
-
-def _corrupt_record(raw: bytes, why: str, ns: str = "", key: str = "") -> RecordRow:
-    log.warning(
-        "idemlock: etcd key %r is not an idemlock record (%s); listed as corrupt",
-        raw,
-        why,
-        extra=log_fields(store="etcd", operation="list", outcome="corrupt"),
-    )
-    return RecordRow(ns, key or raw.decode("utf-8", "replace"), "corrupt", 0, 0)
-
-
-def _corrupt_lock(raw: bytes, why: str, ns: str = "", key: str = "") -> LockRow:
-    log.warning(
-        "idemlock: etcd key %r is not an idemlock lock (%s); listed as corrupt",
-        raw,
-        why,
-        extra=log_fields(store="etcd", operation="list", outcome="corrupt"),
-    )
-    return LockRow(ns, key or raw.decode("utf-8", "replace"), "", 0, 0, corrupt=True)
