@@ -627,15 +627,16 @@ async def test_locked_database_async(db: Path) -> None:
     await astore.aclose()
 
 
-def test_failure_inside_a_transaction_rolls_it_back(db: Path) -> None:
+def test_a_failed_statement_changes_nothing(db: Path) -> None:
     store = open_store(db)
     granted(store.claim(NS, "a", None, "t", LONG))
     raw = sqlite3.connect(db, isolation_level=None)
-    # Make each write fail after its row is written, inside the transaction.
+    # Make each write fail after its row is written (ABORT: the statement's own
+    # changes are undone; a one-statement call is a transaction of its own).
     for table in ("claims", "locks"):
         raw.execute(
             f"CREATE TRIGGER boom_{table} AFTER INSERT ON {table} "
-            "BEGIN SELECT RAISE(FAIL, 'boom'); END"
+            "BEGIN SELECT RAISE(ABORT, 'boom'); END"
         )
     with pytest.raises(StoreUnavailable, match="boom"):
         store.claim(NS, "b", None, "t", LONG)
@@ -647,6 +648,28 @@ def test_failure_inside_a_transaction_rolls_it_back(db: Path) -> None:
     raw.execute("DROP TRIGGER boom_locks")
     raw.close()
     assert granted(store.claim(NS, "b", None, "t", LONG)).fence == 1
+    store.close()
+
+
+def test_failure_inside_a_transaction_rolls_it_back(db: Path) -> None:
+    store = open_store(db)
+    claim = granted(store.claim(NS, "a", None, "t", LONG))
+    lease = store.acquire(LOCKS, "b", "o", LONG)
+    assert isinstance(lease, Acquired)
+    raw = sqlite3.connect(db, isolation_level=None)
+    # FAIL keeps what its statement wrote: only the rollback of the whole transaction
+    # undoes the claim's extension made by the statement before it.
+    raw.execute(
+        "CREATE TRIGGER boom_locks AFTER UPDATE ON locks BEGIN SELECT RAISE(FAIL, 'boom'); END"
+    )
+    items = [("claim", NS, "a", "t", 3 * LONG), ("lock", LOCKS, "b", "o", lease.token, LONG)]
+    with pytest.raises(StoreUnavailable, match="boom"):
+        store.renew_many(items)
+    row = store.record(NS, "a")
+    assert row is not None and row.expires_ms == claim.expires_ms
+    raw.execute("DROP TRIGGER boom_locks")
+    raw.close()
+    assert store.renew_many(items)[0] is not None
     store.close()
 
 

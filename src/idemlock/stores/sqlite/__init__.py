@@ -11,9 +11,11 @@ How it works:
 * The file is in WAL mode with ``synchronous=NORMAL`` (a power cut may lose the last
   transactions, never corrupt the file). Put it on a local disk: WAL needs shared
   memory, which network file systems do not provide.
-* Every port method is one transaction (``BEGIN IMMEDIATE`` for the writing ones), so
-  a call either happens whole or not at all; a failed call is rolled back before
-  :class:`~idemlock.StoreUnavailable` is raised.
+* Every port method is one transaction, so a call either happens whole or not at all;
+  a failed call is rolled back before :class:`~idemlock.StoreUnavailable` is raised.
+  A transition of one statement (claim and acquire when nothing is in the way,
+  complete, release, ...) runs as a transaction of its own, which takes the write lock
+  as ``BEGIN IMMEDIATE`` would; the others run inside ``BEGIN IMMEDIATE``.
 * Fences and lock tokens count per key: a freed key keeps its row as a tombstone with
   its last fence, and ``purge()`` raises a floor above every fence it deletes before a
   new row starts from it, so they strictly increase per key for the life of the file.

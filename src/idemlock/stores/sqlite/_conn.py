@@ -143,6 +143,20 @@ class Connections:
 
     def _write(self, body: Callable[..., R], *args: Any) -> R:
         """Run ``body(cursor, *args)`` in one BEGIN IMMEDIATE transaction."""
+        return self._run(True, body, *args)
+
+    def _write1(self, body: Callable[..., R], *args: Any) -> R:
+        """Run ``body(cursor, *args)``, which runs exactly one writing statement, as a
+        transaction of its own.
+
+        A statement run outside BEGIN is its own transaction (autocommit), and a writing
+        one takes the write lock as it starts, waiting on the busy handler exactly as
+        BEGIN IMMEDIATE does: the same atomicity in one call into SQLite instead of
+        three (BEGIN, the statement, COMMIT). A body with RETURNING fetches its rows to
+        the end: the statement, and with it the transaction, ends after the last."""
+        return self._run(False, body, *args)
+
+    def _run(self, txn: bool, body: Callable[..., R], *args: Any) -> R:
         # The hot path: checkout and checkin are inlined.
         _GATE.enter()
         try:
@@ -153,9 +167,12 @@ class Connections:
                 pair = self._connect()
             cur = pair[1]
             try:
-                cur.execute(_BEGIN)
-                result = body(cur, *args)
-                cur.execute(_COMMIT)
+                if txn:
+                    cur.execute(_BEGIN)
+                    result = body(cur, *args)
+                    cur.execute(_COMMIT)
+                else:
+                    result = body(cur, *args)
             except BaseException as exc:
                 err = self._abort(pair, exc)
                 if err is None:

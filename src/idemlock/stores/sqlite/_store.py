@@ -67,6 +67,7 @@ from ._txn import (
     _release,
     _renew,
     _renew_many,
+    _rows,
 )
 
 R = TypeVar("R")
@@ -163,23 +164,30 @@ class SQLiteStore(Connections):
         return reply
 
     def claim(self, ns: str, key: str, fp: str | None, token: str, lease_ms: int) -> ClaimReply:
+        now = _now_ms()
+        expires = now + lease_ms
+        rows = self._write1(_rows, _CLAIM_NEW, (ns, key, token, fp, expires, now))
+        if rows:  # claim.new, in one statement
+            return Granted(token, rows[0][0], expires, lease_ms)
+        # A live record was in the way and nothing changed: try again and read the
+        # record in one transaction, for the table to decide.
         return self._write(self._claim, ns, key, fp, token, lease_ms)
 
     def complete(self, ns: str, key: str, token: str, result: bytes, ttl_ms: int) -> bool:
         data = result if type(result) is bytes else bytes(result)
-        if self._write(_complete, data, ns, key, token, ttl_ms):
+        if self._write1(_complete, data, ns, key, token, ttl_ms):
             _HUB.notify((self.path, "claim", ns, key))
             return True
         return False
 
     def abandon(self, ns: str, key: str, token: str) -> bool:
-        if self._write(_abandon, ns, key, token):
+        if self._write1(_abandon, ns, key, token):
             _HUB.notify((self.path, "claim", ns, key))
             return True
         return False
 
     def extend(self, ns: str, key: str, token: str, lease_ms: int) -> int | None:
-        return self._write(_extend, ns, key, token, lease_ms)
+        return self._write1(_extend, ns, key, token, lease_ms)
 
     def record(self, ns: str, key: str) -> RecordRow | None:
         rows = self._read(_RECORD_GET, (ns, key, _now_ms()))
@@ -191,7 +199,7 @@ class SQLiteStore(Connections):
         return RecordRow(ns, key, state, fence, expires_ms)
 
     def forget(self, ns: str, key: str) -> bool:
-        live = self._write(_forget, ns, key)
+        live = self._write1(_forget, ns, key)
         _HUB.notify((self.path, "claim", ns, key))
         return live
 
@@ -308,10 +316,21 @@ class SQLiteStore(Connections):
         return False
 
     def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
+        if (self.path, "lock", ns, key) in _HUB._subs:
+            # Someone here waits for the key: contended, so the one statement would
+            # mostly be refused; decide in one transaction at once.
+            return self._write(self._acquire, ns, key, owner, ttl_ms)
+        now = _now_ms()
+        expires = now + ttl_ms
+        rows = self._write1(_rows, _ACQUIRE_UNQUEUED, (ns, key, owner, expires, now))
+        if rows:  # lock.acquire / lock.reacquire, in one statement
+            return Acquired(rows[0][0], expires, ttl_ms)
+        # Held by another owner, or free with waiters queued, and nothing changed: try
+        # again and decide in one transaction.
         return self._write(self._acquire, ns, key, owner, ttl_ms)
 
     def release(self, ns: str, key: str, owner: str, token: int) -> bool:
-        if self._write(_release, ns, key, owner, token):
+        if self._write1(_release, ns, key, owner, token):
             _HUB.notify((self.path, "lock", ns, key))
             return True
         return False
@@ -324,7 +343,7 @@ class SQLiteStore(Connections):
         return False
 
     def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
-        return self._write(_renew, ns, key, owner, token, ttl_ms)
+        return self._write1(_renew, ns, key, owner, token, ttl_ms)
 
     def renew_many(self, items: Sequence[tuple[Any, ...]]) -> list[int | None]:
         """Renew many claims (``("claim", ns, key, token, lease_ms)``) and leases

@@ -1,5 +1,6 @@
-"""The transaction bodies of the SQLite store: each runs inside one BEGIN IMMEDIATE
-(``SQLiteStore._write``) and answers what the port method returns."""
+"""The transaction bodies of the SQLite store: each answers what the port method
+returns. The single-statement ones run as a transaction of their own
+(``SQLiteStore._write1``), the others inside one BEGIN IMMEDIATE (``_write``)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ from ._sql import (
 
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+def _rows(cur: sqlite3.Cursor, sql: str, args: tuple[Any, ...]) -> list[Any]:
+    # Fetched to the end: a statement with RETURNING ends (and commits) after its last row.
+    return cur.execute(sql, args).fetchall()
 
 
 def _complete(
