@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 HOST = "127.0.0.1"
@@ -58,3 +59,16 @@ LOCK_PRESETS: dict[str, dict[str, Any]] = {
     "short": {"workers": 4, "duration": 6.0, "fault_every": 0.25},
     "long": {"workers": 6, "duration": 180.0, "fault_every": 0.5},
 }
+
+
+class Findings:
+    """Violations counted by kind, with the first few examples."""
+
+    def __init__(self, violations: Counter[str] | None = None, examples: list[str] | None = None):
+        self.violations: Counter[str] = violations if violations is not None else Counter()
+        self.examples = examples if examples is not None else []
+
+    def bad(self, kind: str, text: str, n: int = 1) -> None:
+        self.violations[kind] += n
+        if len(self.examples) < 10:
+            self.examples.append(f"{kind}: {text}")

@@ -7,7 +7,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from faults import GATED, KINDS, SLACK
+from faults import GATED, KINDS, SLACK, Findings
 from faults.run import Run
 from faults.worker import store_options
 from idemlock._faults.workers import Slot
@@ -68,21 +68,14 @@ class LockRun(Run):
         snap = self.snapshot(self.fx.lock_snapshot if self.fx else None)
         exact = self.store not in GATED or self.mode == "plain"
         found = check_lock_history(snap["holds"], snap["log"], exact=exact)
-        violations: Counter[str] = found.pop("violations")
-        examples: list[str] = found.pop("examples")
+        judged = Findings(found.pop("violations"), found.pop("examples"))
         unfenced: dict[str, int] = {}
         if self.mode == "plain":
             # Without the fence these are what the run shows, not failures of it.
             for kind in ("stale_write_accepted", "writes_interleaved"):
-                unfenced[kind] = violations.pop(kind, 0)
-            examples = [e for e in examples if e.split(":")[0] not in unfenced]
-
-        def bad(kind: str, text: str) -> None:
-            violations[kind] += 1
-            if len(examples) < 10:
-                examples.append(f"{kind}: {text}")
-
-        events = self.worker_problems(bad, violations, examples)
+                unfenced[kind] = judged.violations.pop(kind, 0)
+            judged.examples = [e for e in judged.examples if e.split(":")[0] not in unfenced]
+        events = self.worker_problems(judged)
         late: list[float] = []  # told how long after the deadline, holder not paused
         paused_late: list[float] = []
         for path in (self.root / "stats").glob("*.lost"):
@@ -132,10 +125,7 @@ class LockRun(Run):
                 "count": len(paused_late),
                 "max": round(paused_late[-1], 3) if paused_late else None,
             },
-            "worker_events": dict(sorted(events.items())),
-            "violations": dict(violations),
-            "violations_total": sum(violations.values()),
-            "examples": examples,
+            **self.verdict(judged, events),
         }
 
 
@@ -161,14 +151,8 @@ def check_lock_history(
       was good, after another holder had been granted the lock (its ``hold()`` block
       had started): the lease's own promise, fence aside.
     """
-    violations: Counter[str] = Counter()
-    examples: list[str] = []
-
-    def bad(kind: str, text: str) -> None:
-        violations[kind] += 1
-        if len(examples) < 10:
-            examples.append(f"{kind}: {text}")
-
+    found = Findings()
+    bad = found.bad
     t_zero = min([float(h[3]) for h in holds] + [float(r[5]) for r in log] or [0.0])
 
     def at(t: float) -> str:
@@ -311,6 +295,6 @@ def check_lock_history(
         "writes_unknown": counts["unknown"],
         "writes_after_deadline": counts["after_deadline"],
         "writes_lost_flag_late": counts["lost_flag_late"],
-        "violations": violations,
-        "examples": examples,
+        "violations": found.violations,
+        "examples": found.examples,
     }

@@ -19,7 +19,7 @@ from typing import Any
 from tests.servers.postgres import PgServer, start_postgres
 from tests.servers.redis import RedisCluster, RedisServer, start_cluster, start_redis
 
-from faults import HOST, KINDS, LOCK_KINDS, LOSSY, NETWORK_KINDS, SPEC, STORE_KINDS
+from faults import HOST, KINDS, LOCK_KINDS, LOSSY, NETWORK_KINDS, SPEC, STORE_KINDS, Findings
 from faults.effects import Fx, FxError, PgFx, SqliteFx
 from faults.network import Network
 from faults.worker import (
@@ -406,14 +406,8 @@ class Run:
 
     def check(self) -> dict[str, Any]:
         snap = self.snapshot(self.fx.snapshot if self.fx else None)
-        violations: Counter[str] = Counter()
-        examples: list[str] = []
-
-        def bad(kind: str, text: str) -> None:
-            violations[kind] += 1
-            if len(examples) < 10:
-                examples.append(f"{kind}: {text}")
-
+        found = Findings()
+        bad = found.bad
         jobs = {int(j): (state, int(d)) for j, state, d in snap["jobs"]}
         effects = {int(j): (int(f), v) for j, f, v in snap["effects"]}
         accepted: dict[int, list[int]] = {}
@@ -448,7 +442,7 @@ class Run:
         lost = 0
         if self.mode == "idemlock":
             lost = self.check_store(jobs, effects, bad)
-        events = self.worker_problems(bad, violations, examples)
+        events = self.worker_problems(found)
         if not self.outcome.drained:
             bad("not_drained", f"jobs still undone after {self.outcome.seconds:.0f}s")
         return {
@@ -469,36 +463,33 @@ class Run:
             "stale_writes_accepted": stale_accepted,
             "records_lost_with_data": lost,
             **({"etcd_faults": dict(self.etcd_faults)} if self.etcd is not None else {}),
+            **self.verdict(found, events),
+        }
+
+    def verdict(self, found: Findings, events: Counter[str]) -> dict[str, Any]:
+        return {
             "worker_events": dict(sorted(events.items())),
-            "violations": dict(violations),
-            "violations_total": sum(violations.values()),
-            "examples": examples,
+            "violations": dict(found.violations),
+            "violations_total": sum(found.violations.values()),
+            "examples": found.examples,
         }
 
     def snapshot(self, read: Callable[[], dict[str, Any]] | None) -> dict[str, Any]:
         """The effects database's data (its PostgreSQL may still be recovering from a
-        crash: retried for 30 s)."""
+        crash)."""
         assert read is not None
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                return read()
-            except FxError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        return retried(read, FxError)
 
-    def worker_problems(self, bad: Callable[[str, str], None], violations: Counter[str],
-                        examples: list[str]) -> Counter[str]:  # fmt: skip
+    def worker_problems(self, found: Findings) -> Counter[str]:
         """Workers that crashed and errors they did not expect; their event counts."""
         for text in self.outcome.worker_exits:
-            bad("worker_crashed", text)
-        events = self.events()
+            found.bad("worker_crashed", text)
+        events: Counter[str] = Counter()
+        for path in (self.root / "stats").glob("*.txt"):
+            events.update(line for line in path.read_text().splitlines() if line)
         for event, n in events.items():
             if event.startswith("unexpected:"):
-                violations["unexpected_error"] += n
-                if len(examples) < 10:
-                    examples.append(f"unexpected_error: {n} x {event[11:]}")
+                found.bad("unexpected_error", f"{n} x {event[11:]}", n)
         return events
 
     def check_store(
@@ -554,22 +545,12 @@ class Run:
     def connect_checker(self) -> Any:
         import idemlock
 
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                coord = idemlock.connect(self.store_url, **store_options(self.store_url))
-                coord.keys()
-                return coord
-            except idemlock.StoreUnavailable:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        def connect() -> Any:
+            coord = idemlock.connect(self.store_url, **store_options(self.store_url))
+            coord.keys()
+            return coord
 
-    def events(self) -> Counter[str]:
-        counts: Counter[str] = Counter()
-        for path in (self.root / "stats").glob("*.txt"):
-            counts.update(line for line in path.read_text().splitlines() if line)
-        return counts
+        return retried(connect, idemlock.StoreUnavailable)
 
     def execute(self) -> dict[str, Any]:
         try:
@@ -590,3 +571,15 @@ class Run:
         finally:
             self.stop_servers()
         return report
+
+
+def retried(fn: Callable[[], Any], errors: type[BaseException], seconds: float = 30) -> Any:
+    """``fn()``, tried again every 0.2 s for ``seconds`` while it raises ``errors``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return fn()
+        except errors:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
