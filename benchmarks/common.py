@@ -220,6 +220,10 @@ class Results:
             }
             row.update((extra or {}).get(name, {}))
             self.rows.append(row)
+        print(f"  {scenario}, {op}: " + ", ".join(
+            f"{k} {statistics.median(v):.0f}/s"
+            + (f" ({extra[k]['round_trips']} trips)" if k in (extra or {}) else "")
+            for k, v in rates.items()))  # fmt: skip
 
     def skip(self, where: tuple[str, str, str], subject: str, status: str, why: str) -> None:
         scenario, op, store = where

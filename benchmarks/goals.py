@@ -161,6 +161,15 @@ def median(rates: Rates, name: str) -> float:
     return statistics.median(rates[name])
 
 
+def versus(
+    rates: Rates, ours: str, base: str, figure: str, baseline: str, goal: float, filed: str
+) -> Row:
+    """A goal row: the same-round ratio of ``ours`` to ``base``, at least ``goal``."""
+    v = ratios(rates, ours, base)
+    measured = f"{v:.2f}{X} ({rate(median(rates, ours))} vs {rate(median(rates, base))})"
+    return Row(figure, baseline, measured, f"≥ {goal:.1f}{X}", filed, at_least(v, goal))
+
+
 # ---- raw Redis subjects -----------------------------------------------------------------
 
 
@@ -254,12 +263,8 @@ def redis_sync(url: str, port: int, cfg: Config) -> list[Row]:
     rows = []
     for op, name, filed in (("acquire+release", "lock", f"0.73{X}"),
                             ("claim+complete", "claim", f"0.64{X}")):  # fmt: skip
-        v = ratios(rates, f"idemlock {name}", f"raw {name}")
-        rows.append(Row(
-            f"Redis {op}, sync", "raw redis-py minimal-script pair",
-            f"{v:.2f}{X} ({rate(median(rates, f'idemlock {name}'))} vs "
-            f"{rate(median(rates, f'raw {name}'))})", f"≥ 1.0{X}", filed, at_least(v, 1.0),
-        ))  # fmt: skip
+        rows.append(versus(rates, f"idemlock {name}", f"raw {name}", f"Redis {op}, sync",
+                           "raw redis-py minimal-script pair", 1.0, filed))  # fmt: skip
     for op, name in (("acquire+release", "lock"), ("claim+complete", "claim")):
         ours, raw = ratios(rates, f"idemlock {name}", f"socket {name}"), ratios(
             rates, f"raw {name}", f"socket {name}")  # fmt: skip
@@ -345,12 +350,8 @@ async def redis_async(url: str, port: int, cfg: Config) -> list[Row]:
         rates = await ainterleave(
             {k: fan_out(mk, 100) for k, mk in makes.items()}, cfg.n, cfg.rounds
         )
-    v = ratios(rates, "idemlock", "redis.asyncio")
-    rows = [Row(
-        "asyncio, 100 tasks: acquire+release", "raw redis.asyncio SET NX PX + DEL pair",
-        f"{v:.2f}{X} ({rate(median(rates, 'idemlock'))} vs "
-        f"{rate(median(rates, 'redis.asyncio'))})", f"≥ 3.0{X}", f"0.67-0.72{X}", at_least(v, 3.0),
-    )]  # fmt: skip
+    rows = [versus(rates, "idemlock", "redis.asyncio", "asyncio, 100 tasks: acquire+release",
+                   "raw redis.asyncio SET NX PX + DEL pair", 3.0, f"0.67-0.72{X}")]  # fmt: skip
     for name, alt in alts.items():
         if isinstance(alt, str):
             measured = alt
@@ -388,13 +389,9 @@ def redis_job(url: str, port: int, cfg: Config) -> list[Row]:
     for name, what in (("idemlock", "claim, fenced write, complete: 3 round trips"),
                        ("idemlock (write in complete)",
                         "claim, complete(writes=...): 2 round trips")):  # fmt: skip
-        v = ratios(rates, name, "fencekit")
-        rows.append(Row(
-            f"crash-safe job: {what}",
-            "fencekit's job (guard, lock, fenced set, mark done, release)",
-            f"{v:.2f}{X} ({rate(median(rates, name))} vs {rate(median(rates, 'fencekit'))})",
-            f"≥ 3.0{X}", f"1.44{X}" if name == "idemlock" else "—", at_least(v, 3.0),
-        ))  # fmt: skip
+        rows.append(versus(rates, name, "fencekit", f"crash-safe job: {what}",
+                           "fencekit's job (guard, lock, fenced set, mark done, release)",
+                           3.0, f"1.44{X}" if name == "idemlock" else "—"))  # fmt: skip
     return rows
 
 
@@ -467,12 +464,8 @@ def sql_stores(benches: dict[str, Any], cfg: Config) -> list[Row]:
             with contextlib.ExitStack() as stack:
                 fns = bench.sync_fns(op, bench.target(), stack, Results())
                 rates = interleave({k: fns[k] for k in (BASE, OURS)}, cfg.n, cfg.rounds)
-            v = ratios(rates, OURS, BASE)
-            rows.append(Row(
-                f"{title} {op}, sync", base,
-                f"{v:.2f}{X} ({rate(median(rates, OURS))} vs {rate(median(rates, BASE))})",
-                f"≥ 0.9{X}", f"{SQL_FILED[title, op]:.2f}{X}", at_least(v, 0.9),
-            ))  # fmt: skip
+            rows.append(versus(rates, OURS, BASE, f"{title} {op}, sync", base, 0.9,
+                               f"{SQL_FILED[title, op]:.2f}{X}"))  # fmt: skip
     return rows
 
 

@@ -61,47 +61,39 @@ def fmt_rate(v: float) -> str:
     return f"{v:.1f}"
 
 
-def subjects_of(data: dict[str, Any], scenario: str, op: str) -> list[str]:
-    seen = {
-        r["subject"] for r in data["results"] if (r["scenario"], r["operation"]) == (scenario, op)
-    }
-    seen |= {
-        r["subject"] for r in data["not_run"] if (r["scenario"], r["operation"]) == (scenario, op)
-    }
-    return [s for s in SUBJECTS if s in seen]
-
-
-def cell(data: dict[str, Any], scenario: str, op: str, store: str, subject: str) -> str:
+def index(data: dict[str, Any]) -> dict[tuple[str, ...], tuple[Any, Any]]:
+    """(scenario, operation, store, subject) -> (result row, None) or (None, why not)."""
+    out: dict[tuple[str, ...], tuple[Any, Any]] = {}
+    for n in data["not_run"]:
+        out.setdefault((n["scenario"], n["operation"], n["store"], n["subject"]), (None, n))
     for r in data["results"]:
-        if (r["scenario"], r["operation"], r["store"], r["subject"]) == (
-            scenario,
-            op,
-            store,
-            subject,
-        ):
-            text = f"{r['ratio']:.2f}{X} ({fmt_rate(r['value'])}/s)"
-            return f"**{text}**" if subject == OURS else text
-    for r in data["not_run"]:
-        if (r["scenario"], r["operation"], r["store"], r["subject"]) == (
-            scenario,
-            op,
-            store,
-            subject,
-        ):
-            return r["status"]
-    return "—"
+        out[r["scenario"], r["operation"], r["store"], r["subject"]] = (r, None)
+    return out
+
+
+def ratio_text(r: dict[str, Any]) -> str:
+    return f"**{r['ratio']:.2f}{X}**" if r["subject"] == OURS else f"{r['ratio']:.2f}{X}"
+
+
+def cell(found: dict[tuple[str, ...], tuple[Any, Any]], key: tuple[str, ...]) -> str:
+    r, miss = found.get(key, (None, None))
+    if r is None:
+        return miss["status"] if miss else "—"
+    text = f"{r['ratio']:.2f}{X} ({fmt_rate(r['value'])}/s)"
+    return f"**{text}**" if r["subject"] == OURS else text
 
 
 def throughput_table(data: dict[str, Any], scenarios: list[str]) -> list[str]:
-    stores = data["stores"]
+    stores, found = data["stores"], index(data)
     lines = [
         "| scenario | operation | subject | " + " | ".join(TITLE[s] for s in stores) + " |",
         "| --- | --- | --- | " + " | ".join("---:" for _ in stores) + " |",
     ]
     for scenario in scenarios:
         for op in (LOCK_OP, CLAIM_OP):
-            for subject in subjects_of(data, scenario, op):
-                cells = [cell(data, scenario, op, s, subject) for s in stores]
+            seen = {k[3] for k in found if k[:2] == (scenario, op)}
+            for subject in [s for s in SUBJECTS if s in seen]:
+                cells = [cell(found, (scenario, op, store, subject)) for store in stores]
                 lines.append(f"| {scenario} | {op} | {subject} | " + " | ".join(cells) + " |")
     return lines
 
@@ -126,19 +118,19 @@ def trips_text(r: dict[str, Any]) -> str:
     trips = r.get("round_trips")
     if trips is None:
         return "in-process"
-    text = f"{trips:g}"
-    return text + (" txn" if r["store"] == "sqlite" else "")
+    return f"{trips:g}" + (" txn" if r["store"] == "sqlite" else "")
 
 
-def found(data: dict[str, Any], scenario: str, store: str, subject: str) -> tuple[Any, Any]:
-    """The result row of a subject in a scenario, or (None, why it did not run)."""
-
-    def first(rows: list[dict[str, Any]]) -> Any:
-        return next((r for r in rows if (r["scenario"], r["store"], r["subject"]) == (
-            scenario, store, subject)), None)  # fmt: skip
-
-    row = first(data["results"])
-    return row, None if row is not None else first(data["not_run"])
+def store_rows(data: dict[str, Any], scenario: str, op: str, ran: Any, missing: Any) -> list[str]:
+    """One table line per store and subject: ``ran(store, subject, row)`` or
+    ``missing(store, subject, not_run)`` (a subject that never tried adds no line)."""
+    found, lines = index(data), []
+    for store in data["stores"]:
+        for subject in SUBJECTS:
+            r, miss = found.get((scenario, op, store, subject), (None, None))
+            if r is not None or miss is not None:
+                lines.append(ran(store, subject, r) if r else missing(store, subject, miss))
+    return lines
 
 
 def markdown(data: dict[str, Any], png_name: str | None) -> str:
@@ -239,19 +231,17 @@ def markdown(data: dict[str, Any], png_name: str | None) -> str:
         "worst wait |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for s in stores:
-        for subject in SUBJECTS:
-            r, miss = found(data, HAND, s, subject)
-            if r is None:
-                if miss:
-                    out.append(f"| {TITLE[s]} | {subject} | {miss['status']} | | | | |")
-                continue
-            ratio = f"**{r['ratio']:.2f}{X}**" if subject == OURS else f"{r['ratio']:.2f}{X}"
-            out.append(
-                f"| {TITLE[s]} | {subject} | {r['value']:,.0f} | {ratio} | "
-                f"{r['handoff_share']:.0%} | {r['gap_median_ms']:.2f} ms | "
-                f"{r['worst_wait_ms']:.1f} ms |"
-            )
+    out += store_rows(
+        data,
+        HAND,
+        HAND_OP,
+        lambda s, subject, r: (
+            f"| {TITLE[s]} | {subject} | {r['value']:,.0f} | {ratio_text(r)} | "
+            f"{r['handoff_share']:.0%} | {r['gap_median_ms']:.2f} ms | "
+            f"{r['worst_wait_ms']:.1f} ms |"
+        ),
+        lambda s, subject, miss: f"| {TITLE[s]} | {subject} | {miss['status']} | | | | |",
+    )
     out += [
         "",
         "redis-py's Lock polls every 0.1 s and fencekit's every 50 ms by default (used as "
@@ -272,20 +262,20 @@ def markdown(data: dict[str, Any], png_name: str | None) -> str:
         f"| store | subject | the job | fenced | round trips | jobs/s | {X} baseline |",
         "| --- | --- | --- | --- | ---: | ---: | ---: |",
     ]
-    for s in stores:
-        for subject in SUBJECTS:
-            r, miss = found(data, JOB, s, subject)
-            if r is None:
-                if miss:
-                    out.append(f"| {TITLE[s]} | {subject} | {JOB_DESC[subject]} | "
-                               f"{JOB_FENCED[subject]} | | {miss['status']} | |")  # fmt: skip
-                continue
-            ratio = f"**{r['ratio']:.2f}{X}**" if subject == OURS else f"{r['ratio']:.2f}{X}"
-            desc = JOB_DESC[subject] if subject != BASE else BASE_JOB[s]
-            out.append(
-                f"| {TITLE[s]} | {subject} | {desc} | {JOB_FENCED[subject]} | {trips_text(r)} | "
-                f"{fmt_rate(r['value'])} | {ratio} |"
-            )
+    out += store_rows(
+        data,
+        JOB,
+        JOB_OP,
+        lambda s, subject, r: (
+            f"| {TITLE[s]} | {subject} | {BASE_JOB[s] if subject == BASE else JOB_DESC[subject]} "
+            f"| {JOB_FENCED[subject]} | {trips_text(r)} | {fmt_rate(r['value'])} | "
+            f"{ratio_text(r)} |"
+        ),
+        lambda s, subject, miss: (
+            f"| {TITLE[s]} | {subject} | {JOB_DESC[subject]} | {JOB_FENCED[subject]} | | "
+            f"{miss['status']} | |"
+        ),
+    )
     out += [
         "",
         '"fenced: no" means the peer offers no fencing token for the write: a worker '

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import multiprocessing as mp
 import os
-import statistics
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -245,8 +244,6 @@ def run_store(bench: Any, cfg: Config, res: Results, contenders: Contenders) -> 
             rates = measure(fns, n, (UNC, op, name))
         trips = count_trips(bench, lambda t, st, r, op=op: bench.sync_fns(op, t, st, r), cfg.count)
         res.rates(UNC, op, name, rates, "pairs/s", trips)
-        print(f"  {UNC} {op}: " + ", ".join(
-            f"{k} {statistics.median(v):.0f}/s" for k, v in rates.items()))  # fmt: skip
 
     async def aio() -> None:
         for tasks, scenario in ((1, AIO1), (100, AIO100)):
@@ -266,8 +263,6 @@ def run_store(bench: Any, cfg: Config, res: Results, contenders: Contenders) -> 
                     fns = {k: fan_out(m, tasks) for k, m in makes.items()}
                     rates = await ameasure(fns, where)
                 res.rates(scenario, op, name, rates, "pairs/s")
-                print(f"  {scenario} {op}: " + ", ".join(
-                    f"{k} {statistics.median(v):.0f}/s" for k, v in rates.items()))  # fmt: skip
 
     asyncio.run(aio())
 
@@ -276,9 +271,6 @@ def run_store(bench: Any, cfg: Config, res: Results, contenders: Contenders) -> 
         rates = measure(fns, job_n, (JOB, JOB_OP, name))
     trips = count_trips(bench, bench.job_fns, cfg.count)
     res.rates(JOB, JOB_OP, name, rates, "jobs/s", trips)
-    print(f"  {JOB}: " + ", ".join(
-        f"{k} {statistics.median(v):.0f}/s ({trips.get(k, {}).get('round_trips', '-')} trips)"
-        for k, v in rates.items()))  # fmt: skip
 
     where = (HAND, HAND_OP, name)
     base_cs = None

@@ -1,15 +1,12 @@
 """idemlock's own subjects on any store (its API and its store port), the helpers
 every adapter uses, and the counters of round trips (Redis requests, SQLite
-transactions, PostgreSQL turns through a relay)."""
+transactions; PostgreSQL's are the turns through the tests' TcpProxy)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import selectors
-import socket
 import sqlite3
-import threading
 import uuid
 import warnings
 from collections.abc import Awaitable, Callable, Iterator
@@ -240,69 +237,6 @@ def count_sqlite_transactions() -> Iterator[Callable[[], int]]:
         sqlite3.connect = real  # type: ignore[assignment]
 
 
-class TurnProxy:
-    """A loopback TCP relay that counts round trips whatever the driver (psycopg,
-    asyncpg): one each time a client sends after the server has answered."""
-
-    def __init__(self, upstream: int) -> None:
-        self.upstream = upstream
-        self.turns = 0
-        self._listen = socket.socket()
-        self._listen.bind(("127.0.0.1", 0))
-        self._listen.listen(128)
-        self.port: int = self._listen.getsockname()[1]
-        self._sel = selectors.DefaultSelector()
-        self._sel.register(self._listen, selectors.EVENT_READ, None)
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="turn-proxy", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop:
-            for key, _ in self._sel.select(0.05):
-                if key.data is None:
-                    self._accept()
-                    continue
-                sock, (other, side, state) = key.fileobj, key.data
-                try:
-                    data = sock.recv(65536)  # type: ignore[union-attr]
-                except OSError:
-                    data = b""
-                if not data:
-                    self._drop(sock, other)
-                    continue
-                if side == "c" and state[0] != "c":
-                    self.turns += 1
-                state[0] = side
-                try:
-                    other.sendall(data)
-                except OSError:
-                    self._drop(sock, other)
-
-    def _accept(self) -> None:
-        client, _ = self._listen.accept()
-        server = socket.create_connection(("127.0.0.1", self.upstream))
-        for s in (client, server):
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        state = [""]
-        self._sel.register(client, selectors.EVENT_READ, (server, "c", state))
-        self._sel.register(server, selectors.EVENT_READ, (client, "s", state))
-
-    def _drop(self, *socks: Any) -> None:
-        for s in socks:
-            with contextlib.suppress(Exception):
-                self._sel.unregister(s)
-            with contextlib.suppress(Exception):
-                s.close()
-
-    def close(self) -> None:
-        self._stop = True
-        self._thread.join(timeout=2)
-        for key in list(self._sel.get_map().values()):
-            self._drop(key.fileobj)
-        self._sel.close()
-
-
 def aio_lock(coord: idemlock.aio.AsyncCoordinator) -> Make:
     locks = coord.lock(LOCK)
 
@@ -380,7 +314,6 @@ class Adapter:
 
     name = ""
     scale = 1
-    trips_unit = "requests"
     kinds: tuple[str, ...] = (BASE, OURS)
     counting: Any = None
 

@@ -105,7 +105,6 @@ class MemoryRaw:
 class MemoryBench(Adapter):
     name = "memory"
     scale = SCALE["memory"]
-    trips_unit = "in-process"
 
     def url(self, t: dict[str, Any]) -> str:
         return "memory://"

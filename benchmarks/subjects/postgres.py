@@ -24,11 +24,12 @@ from common import (
     Results,
     SyncFn,
 )
+from tests.servers.proxy import TcpProxy
 
 import idemlock
 from idemlock import Claimed, FencedOut
 from idemlock.stores.postgres import fenced as PF
-from subjects.base import ABuilds, Adapter, Builds, TurnProxy, ik_claim, ik_job, on_loop
+from subjects.base import ABuilds, Adapter, Builds, ik_claim, ik_job, on_loop
 
 PG_SCHEMA = """
 CREATE SCHEMA IF NOT EXISTS raw;
@@ -192,7 +193,7 @@ class PgBench(Adapter):
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[tuple[Callable[[], int], dict[str, Any]]]:
-        proxy = TurnProxy(self.port)
+        proxy = TcpProxy(self.port)  # counts request/response turns, whatever the driver
         try:
             dsn = self.dsn.replace(f":{self.port}/", f":{proxy.port}/")
             yield (lambda: proxy.turns), {"dsn": dsn, "url": dsn}

@@ -88,7 +88,6 @@ def sqlite_fenced_write(cur: sqlite3.Cursor, key: str, fence: int) -> None:
 class SqliteBench(Adapter):
     name = "sqlite"
     scale = SCALE["sqlite"]
-    trips_unit = "transactions"
 
     def __init__(self, tmp: str) -> None:
         self.tmp = tmp

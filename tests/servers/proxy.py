@@ -41,7 +41,7 @@ CHUNK = 1 << 16
 class _Pair:
     """One proxied connection: the client side and the upstream side."""
 
-    __slots__ = ("client", "closed", "eof", "out", "shut", "upstream")
+    __slots__ = ("client", "closed", "eof", "last", "out", "shut", "upstream")
 
     def __init__(self, client: socket.socket, upstream: socket.socket) -> None:
         self.client = client
@@ -53,6 +53,7 @@ class _Pair:
         # sockets whose write side we shut down (their peer's EOF was passed on)
         self.shut: set[socket.socket] = set()
         self.closed = False
+        self.last: socket.socket | None = None  # the side that sent the latest bytes
 
     def peer(self, sock: socket.socket) -> socket.socket:
         return self.upstream if sock is self.client else self.client
@@ -79,6 +80,8 @@ class TcpProxy:
         self._commands: list[tuple[Callable[[], Any], threading.Event, list[Any]]] = []
         self._commands_lock = threading.Lock()
         self.accepted = 0
+        #: request/response turns: each time a client sends after the server answered
+        self.turns = 0
         self._thread = threading.Thread(
             target=self._run, name=f"tcp-proxy-{self.port}", daemon=True
         )
@@ -255,6 +258,9 @@ class TcpProxy:
                 data = sock.recv(CHUNK)
                 if data:
                     pair.out[peer] += data
+                    if sock is pair.client and pair.last is not sock:
+                        self.turns += 1
+                    pair.last = sock
                 else:
                     pair.eof.add(sock)
             # Pass an EOF on once everything before it was delivered.
