@@ -113,6 +113,23 @@ of its calls within the store's deadline, authenticated, failing over to another
 member when one does not answer.""",
     ),
     Pair(
+        "src/idemlock/stores/postgres/_fenced_async.py",
+        "src/idemlock/stores/postgres/_fenced_sync.py",
+        {
+            "afenced_update": "fenced_update",
+            "afenced_upsert": "fenced_upsert",
+            "sa_afenced_update": "sa_fenced_update",
+            "sa_afenced_upsert": "sa_fenced_upsert",
+            "acomplete_in_transaction": "complete_in_transaction",
+            "AsyncRawCursor": "RawCursor",
+        },
+        docstring="""The fenced helpers that run statements, on a ``psycopg.Connection`` (and a
+SQLAlchemy ``Connection``), generated from :mod:`._fenced_async`; what both share is in
+:mod:`._fenced_sql`, and the public face is :mod:`idemlock.stores.postgres.fenced`.
+""",
+        phrases=[("``sqlalchemy.ext.asyncio.AsyncConnection``", "``sqlalchemy.Connection``")],
+    ),
+    Pair(
         "src/idemlock/stores/etcd/_async.py",
         "src/idemlock/stores/etcd/_sync.py",
         {

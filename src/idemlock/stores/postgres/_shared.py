@@ -19,7 +19,6 @@ import psycopg
 import psycopg_pool
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import TransactionStatus
-from psycopg.rows import tuple_row
 from psycopg.types.numeric import Int8
 
 from ... import _urls
@@ -355,48 +354,6 @@ class _Base:
             "ttl": _i8(ttl_ms),
             "chan": self._chan("claim", ns, key),
         }
-
-    # Completing on the caller's connection, inside the caller's transaction, so it
-    # commits or rolls back with the caller's writes (waiters are notified at commit).
-    # The claim came first, so the schema exists. See fenced.complete_in_transaction.
-
-    def complete_in(
-        self,
-        conn: psycopg.Connection[Any],
-        ns: str,
-        key: str,
-        token: str,
-        result: bytes,
-        ttl_ms: int,
-    ) -> bool:
-        stmt = self.statements.complete
-        args = stmt.args(self._complete_params(ns, key, token, result, ttl_ms))
-        try:
-            return bool(
-                psycopg.RawCursor(conn, row_factory=tuple_row)
-                .execute(stmt.sql, args, binary=True)
-                .fetchall()
-            )
-        except psycopg.Error as exc:
-            raise self._unavailable(exc, "complete") from exc
-
-    async def acomplete_in(
-        self,
-        conn: psycopg.AsyncConnection[Any],
-        ns: str,
-        key: str,
-        token: str,
-        result: bytes,
-        ttl_ms: int,
-    ) -> bool:
-        stmt = self.statements.complete
-        args = stmt.args(self._complete_params(ns, key, token, result, ttl_ms))
-        try:
-            cur = psycopg.AsyncRawCursor(conn, row_factory=tuple_row)
-            await cur.execute(stmt.sql, args, binary=True)
-            return bool(await cur.fetchall())
-        except psycopg.Error as exc:
-            raise self._unavailable(exc, "complete") from exc
 
 
 # ---- fork safety (A6) -------------------------------------------------------------------
