@@ -155,24 +155,7 @@ class Contenders:
 
 def contend_threads(kind: str, seconds: float, hold: float = 0.001) -> dict[str, float]:
     """The memory store lives in one process: its contenders are 4 threads."""
-    close: Callable[[], Any] = lambda: None  # noqa: E731
-    if kind == BASE:
-        mu = threading.Lock()
-
-        def acquire(key: str) -> Any:
-            mu.acquire()
-
-        def release(_: Any) -> None:
-            mu.release()
-    else:
-        coord = idemlock.connect("memory://", key_prefix=new_prefix())
-        locks = coord.lock(LOCK)
-        close = coord.close
-
-        def acquire(key: str) -> Any:
-            return locks.acquire(key, wait=30)
-
-        release = locks.release
+    acquire, release, close = lock_pair("memory", kind, {"url": "memory://", "prefix": ""})
     start = time.monotonic() + 0.05
     out: list[list[tuple[float, float, float]]] = [[] for _ in range(4)]
 

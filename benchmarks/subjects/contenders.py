@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import sqlite3
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -12,7 +13,7 @@ from datetime import timedelta
 from typing import Any
 
 import psycopg
-from common import BASE, LOCK, OURS, PRL, RPY
+from common import BASE, LOCK, OURS, PRL, RPY, new_prefix
 
 import idemlock
 import idemlock.aio
@@ -29,8 +30,11 @@ def lock_pair(
 ) -> tuple[Callable[[str], Any], Callable[[Any], Any], Callable[[], Any]]:
     """(acquire(key) -> handle, release(handle), close) of one contender."""
     prefix = t["prefix"]
+    if (store, kind) == ("memory", BASE):  # threads of one process: a threading.Lock
+        mu = threading.Lock()
+        return (lambda key: mu.acquire()), (lambda held: mu.release()), (lambda: None)
     if kind == OURS:
-        coord = idemlock.connect(t["url"], key_prefix=prefix)
+        coord = idemlock.connect(t["url"], key_prefix=prefix or new_prefix())
         locks = coord.lock(LOCK)
 
         def acquire(key: str) -> Any:
