@@ -32,6 +32,9 @@ log = logging.getLogger("idemlock")
 
 _Pair = tuple[sqlite3.Connection, sqlite3.Cursor]
 
+#: the modes of ``Connections._run``
+TXN, COUNT, ROWS = 0, 1, 2
+
 
 class Connections:
     """The connection half of :class:`~._store.SQLiteStore` (which sets these up)."""
@@ -119,12 +122,6 @@ class Connections:
                 conn.execute(_ROLLBACK)
             raise
 
-    def _checkout(self) -> _Pair:
-        try:
-            return self._idle.pop()  # list.pop/append are atomic: no lock needed
-        except IndexError:
-            return self._connect()
-
     def _checkin(self, pair: _Pair) -> None:
         if len(self._idle) >= MAX_IDLE:
             pair[0].close()
@@ -143,21 +140,25 @@ class Connections:
 
     def _write(self, body: Callable[..., R], *args: Any) -> R:
         """Run ``body(cursor, *args)`` in one BEGIN IMMEDIATE transaction."""
-        return self._run(True, body, *args)
+        return self._run(TXN, body, args)  # type: ignore[no-any-return]
 
-    def _write1(self, body: Callable[..., R], *args: Any) -> R:
-        """Run ``body(cursor, *args)``, which runs exactly one writing statement, as a
-        transaction of its own.
+    def _read(self, sql: str, args: tuple[Any, ...]) -> list[Any]:
+        """One SELECT (its own read transaction), fetched whole so that no read
+        snapshot stays open on an idle connection."""
+        return self._run(ROWS, sql, args)  # type: ignore[no-any-return]
+
+    def _run(self, mode: int, what: Any, args: tuple[Any, ...]) -> Any:
+        """One call into the file on a pooled connection. ``mode`` TXN: ``what`` is a
+        body run as ``what(cursor, *args)`` inside BEGIN IMMEDIATE; COUNT and ROWS:
+        ``what`` is one statement, run as a transaction of its own, answering its
+        rowcount or its rows.
 
         A statement run outside BEGIN is its own transaction (autocommit), and a writing
         one takes the write lock as it starts, waiting on the busy handler exactly as
         BEGIN IMMEDIATE does: the same atomicity in one call into SQLite instead of
-        three (BEGIN, the statement, COMMIT). A body with RETURNING fetches its rows to
-        the end: the statement, and with it the transaction, ends after the last."""
-        return self._run(False, body, *args)
-
-    def _run(self, txn: bool, body: Callable[..., R], *args: Any) -> R:
-        # The hot path: checkout and checkin are inlined.
+        three (BEGIN, the statement, COMMIT). Rows are fetched to the end: a statement
+        with RETURNING, and with it its transaction, ends after the last one."""
+        # The hot path of every port method: checkout and checkin are inlined.
         _GATE.enter()
         try:
             idle = self._idle
@@ -166,13 +167,16 @@ class Connections:
             except IndexError:
                 pair = self._connect()
             cur = pair[1]
+            result: Any
             try:
-                if txn:
-                    cur.execute(_BEGIN)
-                    result = body(cur, *args)
-                    cur.execute(_COMMIT)
+                if mode == COUNT:
+                    result = cur.execute(what, args).rowcount
+                elif mode == ROWS:
+                    result = cur.execute(what, args).fetchall()
                 else:
-                    result = body(cur, *args)
+                    cur.execute(_BEGIN)
+                    result = what(cur, *args)
+                    cur.execute(_COMMIT)
             except BaseException as exc:
                 err = self._abort(pair, exc)
                 if err is None:
@@ -185,24 +189,6 @@ class Connections:
             else:
                 pair[0].close()
             return result
-        finally:
-            _GATE.leave()
-
-    def _read(self, sql: str, args: tuple[Any, ...]) -> list[Any]:
-        """One SELECT (its own read transaction), fetched whole so that no read
-        snapshot stays open on an idle connection."""
-        _GATE.enter()
-        try:
-            pair = self._checkout()
-            try:
-                rows = pair[1].execute(sql, args).fetchall()
-            except BaseException as exc:
-                err = self._abort(pair, exc)
-                if err is None:
-                    raise
-                raise err from exc
-            self._checkin(pair)
-            return rows
         finally:
             _GATE.leave()
 

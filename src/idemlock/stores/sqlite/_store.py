@@ -34,20 +34,26 @@ from ..._core.table import (
 )
 from .._adapt import ThreadedAsyncStore
 from .._local import LocalHub, LocalSubscription
-from ._conn import Connections
+from ._conn import COUNT, ROWS, Connections
 from ._fork import STORES as _STORES
 from ._sql import (
+    _ABANDON,
     _ACQUIRE,
     _ACQUIRE_UNQUEUED,
     _CLAIM_GET,
     _CLAIM_NEW,
+    _COMPLETE,
+    _EXTEND,
     _FENCE_ADVANCE,
     _FENCE_GET,
+    _FORGET,
     _LOCK_GET,
     _LOCK_LIVE,
     _LOCKS,
     _RECORD_GET,
     _RECORDS,
+    _RELEASE,
+    _RENEW,
     _STATES,
     _WAITER_CHOOSE,
     _WAITER_DROP,
@@ -56,19 +62,7 @@ from ._sql import (
     _WAITERS_UNCHOOSE,
     DEFAULT_BUSY_TIMEOUT,
 )
-from ._txn import (
-    _abandon,
-    _break,
-    _complete,
-    _extend,
-    _forget,
-    _now_ms,
-    _purge,
-    _release,
-    _renew,
-    _renew_many,
-    _rows,
-)
+from ._txn import _break, _now_ms, _purge, _renew_many
 
 R = TypeVar("R")
 
@@ -166,7 +160,7 @@ class SQLiteStore(Connections):
     def claim(self, ns: str, key: str, fp: str | None, token: str, lease_ms: int) -> ClaimReply:
         now = _now_ms()
         expires = now + lease_ms
-        rows = self._write1(_rows, _CLAIM_NEW, (ns, key, token, fp, expires, now))
+        rows = self._run(ROWS, _CLAIM_NEW, (ns, key, token, fp, expires, now))
         if rows:  # claim.new, in one statement
             return Granted(token, rows[0][0], expires, lease_ms)
         # A live record was in the way and nothing changed: try again and read the
@@ -175,19 +169,25 @@ class SQLiteStore(Connections):
 
     def complete(self, ns: str, key: str, token: str, result: bytes, ttl_ms: int) -> bool:
         data = result if type(result) is bytes else bytes(result)
-        if self._write1(_complete, data, ns, key, token, ttl_ms):
-            _HUB.notify((self.path, "claim", ns, key))
+        now = _now_ms()
+        if self._run(COUNT, _COMPLETE, (data, now + ttl_ms, ns, key, token, now)) == 1:
+            if _HUB._subs:  # anyone waiting in this process (one who comes later reads our row)
+                _HUB.notify((self.path, "claim", ns, key))
             return True
         return False
 
     def abandon(self, ns: str, key: str, token: str) -> bool:
-        if self._write1(_abandon, ns, key, token):
+        if self._run(COUNT, _ABANDON, (ns, key, token)) == 1:
             _HUB.notify((self.path, "claim", ns, key))
             return True
         return False
 
     def extend(self, ns: str, key: str, token: str, lease_ms: int) -> int | None:
-        return self._write1(_extend, ns, key, token, lease_ms)
+        now = _now_ms()
+        expires = now + lease_ms
+        if self._run(COUNT, _EXTEND, (expires, ns, key, token, now)) == 1:
+            return expires
+        return None
 
     def record(self, ns: str, key: str) -> RecordRow | None:
         rows = self._read(_RECORD_GET, (ns, key, _now_ms()))
@@ -199,7 +199,7 @@ class SQLiteStore(Connections):
         return RecordRow(ns, key, state, fence, expires_ms)
 
     def forget(self, ns: str, key: str) -> bool:
-        live = self._write1(_forget, ns, key)
+        live: bool = self._run(COUNT, _FORGET, (ns, key, _now_ms())) == 1
         _HUB.notify((self.path, "claim", ns, key))
         return live
 
@@ -316,13 +316,13 @@ class SQLiteStore(Connections):
         return False
 
     def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
-        if (self.path, "lock", ns, key) in _HUB._subs:
+        if _HUB._subs and (self.path, "lock", ns, key) in _HUB._subs:
             # Someone here waits for the key: contended, so the one statement would
             # mostly be refused; decide in one transaction at once.
             return self._write(self._acquire, ns, key, owner, ttl_ms)
         now = _now_ms()
         expires = now + ttl_ms
-        rows = self._write1(_rows, _ACQUIRE_UNQUEUED, (ns, key, owner, expires, now))
+        rows = self._run(ROWS, _ACQUIRE_UNQUEUED, (ns, key, owner, expires, now))
         if rows:  # lock.acquire / lock.reacquire, in one statement
             return Acquired(rows[0][0], expires, ttl_ms)
         # Held by another owner, or free with waiters queued, and nothing changed: try
@@ -330,8 +330,9 @@ class SQLiteStore(Connections):
         return self._write(self._acquire, ns, key, owner, ttl_ms)
 
     def release(self, ns: str, key: str, owner: str, token: int) -> bool:
-        if self._write1(_release, ns, key, owner, token):
-            _HUB.notify((self.path, "lock", ns, key))
+        if self._run(COUNT, _RELEASE, (ns, key, owner, token, _now_ms())) == 1:
+            if _HUB._subs:  # as in complete()
+                _HUB.notify((self.path, "lock", ns, key))
             return True
         return False
 
@@ -343,7 +344,11 @@ class SQLiteStore(Connections):
         return False
 
     def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
-        return self._write1(_renew, ns, key, owner, token, ttl_ms)
+        now = _now_ms()
+        expires = now + ttl_ms
+        if self._run(COUNT, _RENEW, (expires, ns, key, owner, token, now)) == 1:
+            return expires
+        return None
 
     def renew_many(self, items: Sequence[tuple[Any, ...]]) -> list[int | None]:
         """Renew many claims (``("claim", ns, key, token, lease_ms)``) and leases

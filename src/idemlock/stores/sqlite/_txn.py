@@ -1,6 +1,6 @@
-"""The transaction bodies of the SQLite store: each answers what the port method
-returns. The single-statement ones run as a transaction of their own
-(``SQLiteStore._write1``), the others inside one BEGIN IMMEDIATE (``_write``)."""
+"""The transaction bodies of the SQLite store: each runs inside one BEGIN IMMEDIATE
+(``SQLiteStore._write``). A port method of one statement runs it as a transaction of
+its own instead (``_run``, modes COUNT and ROWS)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,12 @@ import time
 from typing import Any
 
 from ._sql import (
-    _ABANDON,
     _BREAK,
-    _COMPLETE,
     _EXTEND,
-    _FORGET,
     _PURGE_CLAIMS,
     _PURGE_FLOOR,
     _PURGE_LOCKS,
     _PURGE_WAITERS,
-    _RELEASE,
     _RENEW,
 )
 
@@ -27,36 +23,12 @@ def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def _rows(cur: sqlite3.Cursor, sql: str, args: tuple[Any, ...]) -> list[Any]:
-    # Fetched to the end: a statement with RETURNING ends (and commits) after its last row.
-    return cur.execute(sql, args).fetchall()
-
-
-def _complete(
-    cur: sqlite3.Cursor, result: bytes, ns: str, key: str, token: str, ttl_ms: int
-) -> bool:
-    now = _now_ms()
-    return cur.execute(_COMPLETE, (result, now + ttl_ms, ns, key, token, now)).rowcount == 1
-
-
-def _abandon(cur: sqlite3.Cursor, ns: str, key: str, token: str) -> bool:
-    return cur.execute(_ABANDON, (ns, key, token)).rowcount == 1
-
-
 def _extend(cur: sqlite3.Cursor, ns: str, key: str, token: str, lease_ms: int) -> int | None:
     now = _now_ms()
     expires = now + lease_ms
     if cur.execute(_EXTEND, (expires, ns, key, token, now)).rowcount == 1:
         return expires
     return None
-
-
-def _forget(cur: sqlite3.Cursor, ns: str, key: str) -> bool:
-    return cur.execute(_FORGET, (ns, key, _now_ms())).rowcount == 1
-
-
-def _release(cur: sqlite3.Cursor, ns: str, key: str, owner: str, token: int) -> bool:
-    return cur.execute(_RELEASE, (ns, key, owner, token, _now_ms())).rowcount == 1
 
 
 def _break(cur: sqlite3.Cursor, ns: str, key: str) -> bool:
