@@ -38,6 +38,25 @@ def _plain(v: Any) -> Any:
     return v
 
 
+def _exact(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is JSON data that comes back from JSON as it is: a dict with
+    str keys or a list, of exact JSON scalars and such dicts and lists, nested at most
+    a few levels (deeper ones are decoded and compared instead). Floats qualify: JSON
+    writes their shortest repr, which reads back the same float (NaN and infinity are
+    refused when encoding)."""
+    if depth > 8:
+        return False
+    tp = type(value)
+    if tp is dict:
+        for k, v in value.items():
+            if type(k) is not str or (type(v) not in _SCALARS and not _exact(v, depth + 1)):
+                return False
+        return True
+    if tp is list:
+        return all(type(v) in _SCALARS or _exact(v, depth + 1) for v in value)
+    return False
+
+
 def type_name(tp: type) -> str:
     return f"{tp.__module__}.{tp.__qualname__}"
 
@@ -66,9 +85,13 @@ class ResultFormat:
         try:
             data = dump(value)
             text = dumps_compact({"v": data})
-            # A plain scalar of an exact JSON type always comes back equal; anything
-            # else is decoded and compared, so nothing unfaithful is ever stored.
-            back = value if type(value) in _SCALARS else load(loads(text)["v"])
+            # A plain scalar of an exact JSON type always comes back equal, and so does
+            # plain JSON data built of them (checked without decoding); anything else
+            # is decoded and compared, so nothing unfaithful is ever stored.
+            if type(value) in _SCALARS or (dump is _plain and load is _plain and _exact(value)):
+                back = value
+            else:
+                back = load(loads(text)["v"])
             body = text.encode("utf-8")  # a lone surrogate: UnicodeEncodeError, a ValueError
         except (TypedError, TypeError, ValueError, RecursionError) as exc:
             raise ResultEncodeError(
