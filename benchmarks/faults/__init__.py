@@ -6,8 +6,7 @@
 * ``worker``: the worker processes' main loops (jobs, locks);
 * ``run``: one store and one mode, start to check (the workers and the killer are
   ``idemlock._faults.workers``, shared with ``idemlock demo``);
-* ``locks``: the lock workload's supervisor and its history checker;
-* ``render``: the report tables.
+* ``locks``: the lock workload's supervisor and its history checker.
 """
 
 from __future__ import annotations
@@ -19,23 +18,12 @@ HOST = "127.0.0.1"
 STORES = ("sqlite", "redis", "redis-cluster", "postgres", "etcd")
 KINDS = ("kill", "stop", "restart", "cut", "blackhole")
 #: which faults apply: SQLite has no server to restart and no connection to cut.
-STORE_KINDS = {
-    "sqlite": ("kill", "stop"),
-    "redis": KINDS,
-    "redis-cluster": KINDS,
-    "postgres": KINDS,
-    "etcd": KINDS,
-}
+STORE_KINDS = {store: KINDS for store in STORES} | {"sqlite": ("kill", "stop")}
 #: the lock workload's faults: no Redis restarts there (an empty Redis forgets its leases
-#: and gates: data loss the job workload already measures, not a failure of the lock)
-LOCK_KINDS = {
-    "sqlite": ("kill", "stop"),
-    "redis": ("kill", "stop", "cut", "blackhole"),
-    "redis-cluster": ("kill", "stop", "cut", "blackhole"),
-    "postgres": KINDS,
-    # etcd keeps its leases and fences through a leader's crash: restarts apply
-    "etcd": KINDS,
-}
+#: and gates: data loss the job workload already measures, not a failure of the lock);
+#: etcd keeps its leases and fences through a leader's crash: restarts apply
+NO_RESTART = ("kill", "stop", "cut", "blackhole")
+LOCK_KINDS = STORE_KINDS | {"redis": NO_RESTART, "redis-cluster": NO_RESTART}
 #: faults on the proxy: with nothing connected through it they are skipped, not retried
 NETWORK_KINDS = ("cut", "blackhole")
 WORKLOADS = ("jobs", "lock")
