@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
+from ._blocks import Wrapping
 from ._coordinator import CoordinatorBase
 from ._core.clock import Clock
-from ._core.events import answered
+from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES
+from ._core.events import Hook, answered
 from ._core.flows import acquire_flow, claim_flow
 from ._core.keys import validate_key
 from ._core.port import ClaimReply, SyncStore
@@ -30,6 +32,7 @@ from ._decorator import WrapPlan, heartbeat_options, wrap_options
 from ._drive import run_sync
 from ._durations import seconds
 from ._errors import FencedOut, StaleClaim
+from ._keyring import Keyring
 from ._logfields import port_fields
 from ._ports import FenceBase, Heartbeat
 from ._renewer import Renewer
@@ -39,9 +42,52 @@ from ._watchdog import Watchdog
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-__all__ = ["Coordinator", "FenceGate", "IdempotencyPort", "LockPort"]
+__all__ = ["Coordinator", "FenceGate", "IdempotencyPort", "LockPort", "connect"]
 
 log = logging.getLogger("idemlock")
+
+
+def connect(
+    url: Any = None,
+    *,
+    key_prefix: str = "idemlock",
+    keyring: Keyring | None = None,
+    tenant: str | None = None,
+    max_result_bytes: int = MAX_RESULT_BYTES,
+    compress_over: int | None = COMPRESS_OVER,
+    hooks: Iterable[Hook] | None = None,
+    **options: Any,
+) -> Coordinator:
+    """Open a :class:`Coordinator` on a store.
+
+    ``url`` is ``memory://``, ``sqlite:///path/to/file.db``, ``redis://...``,
+    ``rediss://...``, ``unix://...``, ``redis+cluster://h:p[,h:p...]``,
+    ``postgresql://...``; or an existing redis-py client or psycopg_pool pool. None
+    means ``$IDEMLOCK_URL``, else SQLite in the user's state directory. Store options
+    (``max_keys=``, ``clock=`` for memory; ``busy_timeout=`` for SQLite; ...) are
+    passed as keywords. ``key_prefix`` namespaces everything this coordinator stores.
+
+    ``keyring`` seals results of specs with ``encrypt_result=True`` and stores keys and
+    payload fingerprints as HMACs; ``tenant`` puts everything in one tenant's namespace
+    (see also ``Coordinator.for_tenant``). Results larger than ``max_result_bytes``
+    (stored, after compression) raise ``ResultTooLarge``; bodies over ``compress_over``
+    bytes are zlib-compressed (None: never). ``hooks`` receive an :class:`Event` for
+    every outcome (metrics, tracing).
+    """
+    from ._urls import open_store
+
+    store, clock, shown = open_store(url, asynchronous=False, **options)
+    return Coordinator(
+        store,
+        key_prefix=key_prefix,
+        clock=clock,
+        url=shown,
+        keyring=keyring,
+        tenant=tenant,
+        max_result_bytes=max_result_bytes,
+        compress_over=compress_over,
+        hooks=hooks,
+    )
 
 
 class Coordinator(CoordinatorBase):
@@ -121,7 +167,7 @@ class Coordinator(CoordinatorBase):
         port = self.idempotency(spec_or_name)
         wait_s = port._wait_for(wait) if on_in_flight == "wait" else None
         every, limit = heartbeat_options(port, heartbeat, renew_every, max_run, on_lost)
-        return decorator(port, key, replay_errors, wait_s, every, limit, on_lost)
+        return decorator(Wrapping(port, key, replay_errors, wait_s, every, limit, on_lost))
 
     def for_tenant(self, tenant: str) -> Coordinator:
         """A view whose records, locks and fences live in ``tenant``'s namespace only

@@ -18,30 +18,19 @@ from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
+from ._blocks import HoldSteps, RunSteps, Wrapping
 from ._context import enter_claim, leave_claim
 from ._core.flows import Renewal, RenewState
-from ._core.types import Claim, Claimed, ClaimToken, Completed, Lease
-from ._decorator import WrapPlan, heartbeat_options
-from ._durations import seconds
-from ._errors import ConfigurationError, InFlightError, LockLost, LockNotAcquired, StaleClaim
-from ._logfields import port_fields
-from ._ports import Attempt, IdempotencyBase, LockBase
-from ._watchdog import AsyncWatchdog
+from ._core.types import Claim, ClaimToken, Completed, Lease
+from ._errors import ConfigurationError, LockLost, StaleClaim
+from ._ports import Attempt
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 log = logging.getLogger("idemlock")
 
 
-def decorator(
-    port: Any,
-    key: Callable[..., str] | None,
-    replay_errors: tuple[type[BaseException], ...],
-    wait_s: float | None,
-    every: float | None,
-    limit: float | None,
-    on_lost: Callable[[ClaimToken], object] | None,
-) -> Callable[[F], F]:
+def decorator(w: Wrapping) -> Callable[[F], F]:
     """``AsyncCoordinator.idempotent``'s decorator: ``async def`` functions only."""
 
     def decorate(fn: F) -> F:
@@ -50,27 +39,20 @@ def decorator(
                 f"{fn.__qualname__} is not an async def function; an AsyncCoordinator "
                 "wraps coroutines only (use idemlock.connect() for plain functions)"
             )
-        plan = WrapPlan(fn, key, replay_errors)
-        return cast(F, coroutine_wrapper(fn, plan, port, wait_s, every, limit, on_lost))
+        return cast(F, coroutine_wrapper(fn, w))
 
     return decorate
 
 
 def coroutine_wrapper(
-    fn: Callable[..., Awaitable[Any]],
-    plan: WrapPlan,
-    port: Any,
-    wait_s: float | None,
-    every: float | None,
-    limit: float | None,
-    on_lost: Callable[[ClaimToken], object] | None,
-    *,
-    threads: bool = False,
+    fn: Callable[..., Awaitable[Any]], w: Wrapping, *, threads: bool = False
 ) -> Callable[..., Awaitable[Any]]:
     """The wrapper of an ``async def`` function: claim, run, record. ``threads``: the
     port is a blocking one (a Coordinator's), called in worker threads so a busy store
     never blocks the event loop, and its watchdog and renewer cancel the body from
     their own threads."""
+    plan = w.plan(fn)
+    port, wait_s, every, limit, on_lost = w.port, w.wait_s, w.every, w.limit, w.on_lost
 
     async def call(method: Callable[..., Any], *args: Any) -> Any:
         if threads:
@@ -116,7 +98,7 @@ def coroutine_wrapper(
     return wrapper
 
 
-class IdempotencyRun(IdempotencyBase):
+class IdempotencyRun(RunSteps):
     """``run()`` of :class:`~idemlock.aio.AsyncIdempotencyPort`."""
 
     if TYPE_CHECKING:
@@ -146,15 +128,12 @@ class IdempotencyRun(IdempotencyBase):
         ``IdempotencyPort.run``). A claim lost while the block runs also cancels the
         block's task (unless ``cancel_on_lost=False``); leaving then raises
         ``ClaimLost``, recording nothing."""
-        every, limit = heartbeat_options(self, heartbeat, renew_every, max_run, on_lost)
-        wait_s = None if wait is None else self._wait_for(wait)
+        every, limit, wait_s = self._run_options(wait, heartbeat, renew_every, max_run, on_lost)
         claim, sent = await self._claim_at(key, payload, wait_s)
-        if isinstance(claim, Completed):
-            yield Attempt(key, None, claim.result)
+        token = self._begun(key, claim)
+        if isinstance(token, Attempt):
+            yield token
             return
-        if not isinstance(claim, Claimed):
-            raise InFlightError(key, claim.expires_at)
-        token = claim.token
         cancels = _OwnCancels(asyncio.current_task() if cancel_on_lost else None)
         hb = (
             None
@@ -183,17 +162,15 @@ class IdempotencyRun(IdempotencyBase):
             hb.stop()
         try:
             await self.complete(token, attempt.result)
-        except StaleClaim:
-            if hb is None:
-                raise
-            raise self._lost_claim(token, hb.reason) from None
+        except StaleClaim as exc:
+            raise self._not_recorded(exc, token, hb) from None
 
     def _expire_callback(self, state: RenewState) -> Callable[[], None]:
         # On the loop (the async watchdog): report at once.
         return lambda: state.lose(state.expired_reason())
 
 
-class LockHold(LockBase):
+class LockHold(HoldSteps):
     """``hold()`` of :class:`~idemlock.aio.AsyncLockPort`."""
 
     if TYPE_CHECKING:
@@ -225,12 +202,9 @@ class LockHold(LockBase):
         ``cancel_on_lost=False``) and leaving the block raises ``LockLost``. Leaving
         waits at most the store's ``timeout`` for the release; a cancellation that
         lands while leaving reaches the caller as ``CancelledError``."""
-        every = self._renew_every(renew_every)
-        max_hold_s = seconds(max_hold, "max_hold")
-        lease = await self.acquire(key, owner=owner, wait=wait)
-        if lease is None:
-            raise LockNotAcquired(self._not_acquired(key, wait))
-        state = self._renew_state(lease, on_lost)
+        every, max_hold_s = self._hold_options(renew_every, max_hold)
+        got = await self.acquire(key, owner=owner, wait=wait)
+        lease, state = self._held(key, got, wait, on_lost)
         body = asyncio.current_task()
         cancels = _OwnCancels(body)
         report = state.notify
@@ -243,13 +217,10 @@ class LockHold(LockBase):
                 body.cancel()
 
         state.notify = notify
-        watchdog: AsyncWatchdog = self._coord._watchdog
-        entry = watchdog.watch(state.deadline(), lambda: state.lose(state.expired_reason()))
-        state.moved = lambda at: watchdog.move(entry, at)
-        # Renewed by the coordinator's one renewer (a task per loop), with every claim
-        # and lease it keeps.
-        renewal = self._renewal(lease, every, max_hold_s, state)
-        self._coord._renewer.add(renewal)
+        # The coordinator's one renewer is a task per loop.
+        entry, renewal = self._start_renewing(
+            state, every, max_hold_s, lambda: state.lose(state.expired_reason())
+        )
         try:
             yield lease
         except asyncio.CancelledError:
@@ -273,11 +244,8 @@ class LockHold(LockBase):
         """End a hold: stop renewing, release (bounded by the store's timeout) and
         return whether the lease was lost. A cancellation of the caller meanwhile
         propagates; the release carries on in the background."""
-        lost = state.end(self._coord.clock.monotonic())
-        self._coord._watchdog.cancel(entry)
-        self._coord._renewer.remove(renewal)
-        assert state.lease is not None
-        finisher = asyncio.ensure_future(self._finish(state.lease))
+        lost, lease = self._stop_renewing(state, entry, renewal)
+        finisher = asyncio.ensure_future(self._finish(lease))
         _BACKGROUND.add(finisher)
         finisher.add_done_callback(_BACKGROUND.discard)
         while True:
@@ -294,24 +262,13 @@ class LockHold(LockBase):
         try:
             await asyncio.wait_for(self._wind_down(lease), bound)
         except asyncio.TimeoutError:
-            log.warning(
-                "leaving hold() of a lock of spec %s without its release: the store did not "
-                "answer within %gs (its timeout); the lock frees itself when its lease ends",
-                self.spec.name,
-                bound,
-                extra=port_fields(self, "release", "timeout"),
-            )
+            self._unreleased(bound, "the lock frees itself when its lease ends")
 
     async def _wind_down(self, lease: Lease) -> None:
         try:
             await self.release(lease)
         except Exception:
-            log.warning(
-                "could not release a lock of spec %s; it frees itself when its lease ends",
-                self.spec.name,
-                exc_info=True,
-                extra=port_fields(self, "release", "error"),
-            )
+            self._release_failed()
 
 
 #: exits still releasing after their caller was cancelled (strong references)

@@ -18,41 +18,30 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
+from ._blocks import HoldSteps, RunSteps, Wrapping
 from ._context import enter_claim, leave_claim
 from ._core.flows import Renewal, RenewState
-from ._core.types import Claim, Claimed, ClaimToken, Completed, Lease
-from ._decorator import WrapPlan, heartbeat_options
-from ._durations import seconds
-from ._errors import InFlightError, LockLost, LockNotAcquired, StaleClaim
-from ._logfields import port_fields
-from ._ports import Attempt, IdempotencyBase, LockBase
-from ._watchdog import Watchdog
+from ._core.types import Claim, ClaimToken, Completed, Lease
+from ._errors import LockLost, StaleClaim
+from ._ports import Attempt
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 log = logging.getLogger("idemlock")
 
 
-def decorator(
-    port: Any,
-    key: Callable[..., str] | None,
-    replay_errors: tuple[type[BaseException], ...],
-    wait_s: float | None,
-    every: float | None,
-    limit: float | None,
-    on_lost: Callable[[ClaimToken], object] | None,
-) -> Callable[[F], F]:
+def decorator(w: Wrapping) -> Callable[[F], F]:
     """``Coordinator.idempotent``'s decorator: plain functions, and ``async def`` ones
     with the store called from worker threads."""
 
     def decorate(fn: F) -> F:
-        plan = WrapPlan(fn, key, replay_errors)
         if inspect.iscoroutinefunction(fn):
             # Only here: `import idemlock` alone must not load asyncio.
             from ._tasks import coroutine_wrapper
 
-            wrapped = coroutine_wrapper(fn, plan, port, wait_s, every, limit, on_lost, threads=True)
-            return cast(F, wrapped)
+            return cast(F, coroutine_wrapper(fn, w, threads=True))
+        plan = w.plan(fn)
+        port, wait_s, every, limit, on_lost = w.port, w.wait_s, w.every, w.limit, w.on_lost
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -81,7 +70,7 @@ def decorator(
     return decorate
 
 
-class IdempotencyRun(IdempotencyBase):
+class IdempotencyRun(RunSteps):
     """``run()`` of :class:`~idemlock.IdempotencyPort`."""
 
     if TYPE_CHECKING:
@@ -119,15 +108,12 @@ class IdempotencyRun(IdempotencyBase):
         block records ``attempt.result``, and an exception abandons the claim (a retry
         runs again). A claim lost while the block ran (another attempt took the key
         over) raises ``ClaimLost`` on exit, recording nothing."""
-        every, limit = heartbeat_options(self, heartbeat, renew_every, max_run, on_lost)
-        wait_s = None if wait is None else self._wait_for(wait)
+        every, limit, wait_s = self._run_options(wait, heartbeat, renew_every, max_run, on_lost)
         claim, sent = self._claim_at(key, payload, wait_s)
-        if isinstance(claim, Completed):
-            yield Attempt(key, None, claim.result)
+        token = self._begun(key, claim)
+        if isinstance(token, Attempt):
+            yield token
             return
-        if not isinstance(claim, Claimed):
-            raise InFlightError(key, claim.expires_at)
-        token = claim.token
         hb = None if every is None else self._heartbeat(token, sent, every, limit, on_lost)
         attempt = Attempt(key, token)
         mark = enter_claim(token)
@@ -144,10 +130,8 @@ class IdempotencyRun(IdempotencyBase):
             hb.stop()
         try:
             self.complete(token, attempt.result)
-        except StaleClaim:
-            if hb is None:
-                raise
-            raise self._lost_claim(token, hb.reason) from None
+        except StaleClaim as exc:
+            raise self._not_recorded(exc, token, hb) from None
 
     def _expire_callback(self, state: RenewState) -> Callable[[], None]:
         def expire() -> None:
@@ -161,7 +145,7 @@ class IdempotencyRun(IdempotencyBase):
         return expire
 
 
-class LockHold(LockBase):
+class LockHold(HoldSteps):
     """``hold()`` of :class:`~idemlock.LockPort`."""
 
     if TYPE_CHECKING:
@@ -192,12 +176,9 @@ class LockHold(LockBase):
         idemlock thread; an exception it raises is logged), and leaving the block
         raises ``LockLost`` unless the body already raised. Leaving waits at most the
         store's ``timeout`` for the store."""
-        every = self._renew_every(renew_every)
-        max_hold_s = seconds(max_hold, "max_hold")
-        lease = self.acquire(key, owner=owner, wait=wait)
-        if lease is None:
-            raise LockNotAcquired(self._not_acquired(key, wait))
-        state = self._renew_state(lease, on_lost)
+        every, max_hold_s = self._hold_options(renew_every, max_hold)
+        got = self.acquire(key, owner=owner, wait=wait)
+        lease, state = self._held(key, got, wait, on_lost)
         reporters: list[threading.Thread] = []
 
         def expire() -> None:
@@ -211,12 +192,7 @@ class LockHold(LockBase):
                 reporter.start()
                 reporters.append(reporter)
 
-        watchdog: Watchdog = self._coord._watchdog
-        entry = watchdog.watch(state.deadline(), expire)
-        state.moved = lambda at: watchdog.move(entry, at)
-        # Renewed by the coordinator's one renewer, with every claim and lease it keeps.
-        renewal = self._renewal(lease, every, max_hold_s, state)
-        self._coord._renewer.add(renewal)
+        entry, renewal = self._start_renewing(state, every, max_hold_s, expire)
         try:
             yield lease
         except BaseException:
@@ -234,11 +210,7 @@ class LockHold(LockBase):
     ) -> bool:
         """End a hold: stop renewing, release, and return whether the lease was lost.
         Waits at most the store's bound for the release (a store gone silent)."""
-        lost = state.end(self._coord.clock.monotonic())
-        self._coord._renewer.remove(renewal)
-        self._coord._watchdog.cancel(entry)
-        lease = state.lease
-        assert lease is not None
+        lost, lease = self._stop_renewing(state, entry, renewal)
         bound = self._bound()
         until = time.monotonic() + bound
         releaser = threading.Thread(
@@ -250,13 +222,8 @@ class LockHold(LockBase):
         releaser.start()
         releaser.join(bound)
         if releaser.is_alive():
-            log.warning(
-                "leaving hold() of a lock of spec %s without its release: the store did not "
-                "answer within %gs (its timeout); the lock is released when it answers, "
-                "or frees itself when its lease ends",
-                self.spec.name,
-                bound,
-                extra=port_fields(self, "release", "timeout"),
+            self._unreleased(
+                bound, "the lock is released when it answers, or frees itself when its lease ends"
             )
         for reporter in list(reporters):
             # on_lost has run by the time the block raises LockLost (bounded all the same).
@@ -267,9 +234,4 @@ class LockHold(LockBase):
         try:
             self.release(lease)
         except Exception:
-            log.warning(
-                "could not release a lock of spec %s; it frees itself when its lease ends",
-                self.spec.name,
-                exc_info=True,
-                extra=port_fields(self, "release", "error"),
-            )
+            self._release_failed()

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
+from ._blocks import Wrapping
 from ._coordinator import CoordinatorBase
 from ._core.clock import Clock
 from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES
@@ -44,7 +45,7 @@ from ._watchdog import AsyncWatchdog
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# sync-only: __all__ = ["Coordinator", "FenceGate", "IdempotencyPort", "LockPort"]
+# sync-only: __all__ = ["Coordinator", "FenceGate", "IdempotencyPort", "LockPort", "connect"]
 __all__ = [  # async-only
     "AsyncCoordinator",
     "AsyncFenceGate",
@@ -56,7 +57,7 @@ __all__ = [  # async-only
 log = logging.getLogger("idemlock")
 
 
-def connect(  # async-only
+def connect(
     url: Any = None,
     *,
     key_prefix: str = "idemlock",
@@ -67,11 +68,26 @@ def connect(  # async-only
     hooks: Iterable[Hook] | None = None,
     **options: Any,
 ) -> AsyncCoordinator:
-    """Open an :class:`AsyncCoordinator` on the store named by ``url`` (see
-    :func:`idemlock.connect`)."""
+    """Open an :class:`AsyncCoordinator` on a store.
+
+    ``url`` is ``memory://``, ``sqlite:///path/to/file.db``, ``redis://...``,
+    ``rediss://...``, ``unix://...``, ``redis+cluster://h:p[,h:p...]``,
+    ``postgresql://...``; or an existing redis-py client or psycopg_pool pool. None
+    means ``$IDEMLOCK_URL``, else SQLite in the user's state directory. Store options
+    (``max_keys=``, ``clock=`` for memory; ``busy_timeout=`` for SQLite; ...) are
+    passed as keywords. ``key_prefix`` namespaces everything this coordinator stores.
+
+    ``keyring`` seals results of specs with ``encrypt_result=True`` and stores keys and
+    payload fingerprints as HMACs; ``tenant`` puts everything in one tenant's namespace
+    (see also ``AsyncCoordinator.for_tenant``). Results larger than ``max_result_bytes``
+    (stored, after compression) raise ``ResultTooLarge``; bodies over ``compress_over``
+    bytes are zlib-compressed (None: never). ``hooks`` receive an :class:`Event` for
+    every outcome (metrics, tracing).
+    """
     from ._urls import open_store
 
-    store, clock, shown = open_store(url, asynchronous=True, **options)
+    store, clock, shown = open_store(url, asynchronous=True, **options)  # async-only
+    # sync-only: store, clock, shown = open_store(url, asynchronous=False, **options)
     return AsyncCoordinator(
         store,
         key_prefix=key_prefix,
@@ -162,7 +178,7 @@ class AsyncCoordinator(CoordinatorBase):
         port = self.idempotency(spec_or_name)
         wait_s = port._wait_for(wait) if on_in_flight == "wait" else None
         every, limit = heartbeat_options(port, heartbeat, renew_every, max_run, on_lost)
-        return decorator(port, key, replay_errors, wait_s, every, limit, on_lost)
+        return decorator(Wrapping(port, key, replay_errors, wait_s, every, limit, on_lost))
 
     def for_tenant(self, tenant: str) -> AsyncCoordinator:
         """A view whose records, locks and fences live in ``tenant``'s namespace only

@@ -16,7 +16,8 @@ import logging
 import os
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -225,33 +226,34 @@ class JobGuard:
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any], tries: int, what: str) -> Any:
         """Run a sync job once: the result (run or replayed), its exception, or Later."""
         coord, body = self.resolved()
-        started: list[bool] = []
-        mark = _STARTED.set(started)
-        try:
+        with self._attempt(coord, tries, what):
             return body(*args, **kwargs)
-        except (InFlightError, *STORE_ERRORS) as exc:
-            if started:
-                raise
-            raise self.later(exc, coord, tries, what) from exc
-        finally:
-            _STARTED.reset(mark)
 
     async def acall(
         self, ctx: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tries: int, what: str
     ) -> Any:
         """Run an async job once (see :meth:`call`)."""
         coord, body = self.resolved()
-        started: list[bool] = []
-        mark = _STARTED.set(started)
         cmark = _CTX.set(ctx)
         try:
-            return await body(*args, **kwargs)
+            with self._attempt(coord, tries, what):
+                return await body(*args, **kwargs)
+        finally:
+            _CTX.reset(cmark)
+
+    @contextmanager
+    def _attempt(self, coord: Any, tries: int, what: str) -> Iterator[None]:
+        """Around one run of the body: a key in flight or a store failure before the
+        body started becomes Later (the job comes back); once it started, it propagates."""
+        started: list[bool] = []
+        mark = _STARTED.set(started)
+        try:
+            yield
         except (InFlightError, *STORE_ERRORS) as exc:
             if started:
                 raise
             raise self.later(exc, coord, tries, what) from exc
         finally:
-            _CTX.reset(cmark)
             _STARTED.reset(mark)
 
     # ---- duplicate sends -----------------------------------------------------------

@@ -16,7 +16,6 @@ and a key's queue is dropped when nobody is subscribed to it any more.
 
 from __future__ import annotations
 
-import math
 import threading
 from typing import Any
 
@@ -26,6 +25,7 @@ from .._core.port import Acquired, Channel, ClaimReply, Held, LockRow, RecordRow
 from .._errors import ConfigurationError, StoreFull, StoreUnavailable
 from ._adapt import ThreadedAsyncStore
 from ._local import LocalHub, LocalSubscription
+from ._timeout import positive_seconds
 
 __all__ = ["MemoryStore"]
 
@@ -38,6 +38,8 @@ _FREES_LOCK = frozenset({"lock.release", "lock.break"})
 
 #: seconds, agreement A1's default bound on one store call
 DEFAULT_TIMEOUT = 5.0
+#: what a bad timeout is called in the error
+_TIMEOUT = "the memory store option timeout"
 
 #: ms a free lock stays reserved for the chosen waiter (it is woken at once; the window
 #: only bounds what a waiter that left costs the others)
@@ -111,7 +113,7 @@ class MemoryStore:
         #: the bound on one call (agreement A1). Memory calls never wait on a network,
         #: only on each other's short critical sections; the coordinator bounds what it
         #: waits for by it (leaving a ``hold()`` block).
-        self.timeout = _timeout(timeout)
+        self.timeout = positive_seconds(timeout, _TIMEOUT)
         self._clock = clock
         self._max_keys = max_keys
         self._lock = _BoundedLock(self.timeout)
@@ -384,25 +386,6 @@ class MemoryStore:
         return None
 
 
-def _timeout(value: object) -> float:
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            value = None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ConfigurationError(
-            f"the memory store option timeout must be a positive, finite number of "
-            f"seconds, got {value!r}"
-        )
-    return float(value)
-
-
 def _parse(url: str, timeout: float | None) -> float:
     from urllib.parse import parse_qsl, urlsplit
 
@@ -420,8 +403,8 @@ def _parse(url: str, timeout: float | None) -> float:
     if len(given) + (timeout is not None) > 1:
         raise ConfigurationError("timeout is given twice (in the URL and as a keyword)")
     if given:
-        return _timeout(given[0])
-    return DEFAULT_TIMEOUT if timeout is None else _timeout(timeout)
+        return positive_seconds(given[0], _TIMEOUT)
+    return DEFAULT_TIMEOUT if timeout is None else positive_seconds(timeout, _TIMEOUT)
 
 
 def open_sync(
