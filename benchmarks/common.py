@@ -123,17 +123,21 @@ BASELINES = {
     ),
 }
 
+#: subject -> (its job, whether the write is fenced)
 JOB_DESC = {
-    BASE: "the raw driver doing the same 3 round trips",
-    OURS: "claim -> fenced write with the claim's fence -> complete",
-    OURS_AIO: "as idemlock, on the asyncio API (1 task)",
-    OURS_W: "claim -> complete(writes=...): record and write in one script",
-    OURS_TX: "claim -> one transaction: fenced upsert + complete_in_transaction",
-    FK: "try_begin -> lock acquire -> fenced set -> mark_done -> release",
-    RPY: "lock acquire -> GET done -> SET effect -> SET done -> release",
-    PRL: "lock acquire -> GET done -> SET effect -> SET done -> release",
-    PT: "idempotent_function: SET NX in progress -> SET effect -> SET result",
-    IK: "claim -> write -> complete (asyncio, 1 task)",
+    BASE: ("the raw driver doing the same 3 round trips", "yes"),
+    OURS: ("claim -> fenced write with the claim's fence -> complete", "yes"),
+    OURS_AIO: ("as idemlock, on the asyncio API (1 task)", "yes"),
+    OURS_W: ("claim -> complete(writes=...): record and write in one script", "yes (claim token)"),
+    OURS_TX: (
+        "claim -> one transaction: fenced upsert + complete_in_transaction",
+        "yes (+ same transaction)",
+    ),
+    FK: ("try_begin -> lock acquire -> fenced set -> mark_done -> release", "yes"),
+    RPY: ("lock acquire -> GET done -> SET effect -> SET done -> release", "no"),
+    PRL: ("lock acquire -> GET done -> SET effect -> SET done -> release", "no"),
+    PT: ("idempotent_function: SET NX in progress -> SET effect -> SET result", "no"),
+    IK: ("claim -> write -> complete (asyncio, 1 task)", "no"),
 }
 BASE_JOB = {
     "memory": "the same 3 steps on the dict (claim, fenced write, complete)",
@@ -141,18 +145,6 @@ BASE_JOB = {
     "redis": "raw EVALSHA of idemlock's claim, fence_set and complete scripts",
     "redis-cluster": "raw EVALSHA of idemlock's claim, fence_set and complete scripts",
     "postgres": "raw psycopg: claim INSERT, fenced upsert, complete UPDATE",
-}
-JOB_FENCED = {
-    BASE: "yes",
-    OURS: "yes",
-    OURS_AIO: "yes",
-    OURS_W: "yes (claim token)",
-    OURS_TX: "yes (+ same transaction)",
-    FK: "yes",
-    RPY: "no",
-    PRL: "no",
-    PT: "no",
-    IK: "no",
 }
 
 HAVE = {name: importlib.util.find_spec(mod) is not None for name, (_, mod, _) in PEERS.items()}

@@ -31,7 +31,6 @@ from common import (
     IK,
     JOB,
     JOB_DESC,
-    JOB_FENCED,
     JOB_OP,
     LOCK_OP,
     OURS,
@@ -119,6 +118,12 @@ def trips_text(r: dict[str, Any]) -> str:
     if trips is None:
         return "in-process"
     return f"{trips:g}" + (" txn" if r["store"] == "sqlite" else "")
+
+
+def job_text(store: str, subject: str) -> str:
+    """The job's steps and whether its write is fenced (two cells)."""
+    what, fenced = JOB_DESC[subject]
+    return f"{BASE_JOB[store] if subject == BASE else what} | {fenced}"
 
 
 def store_rows(data: dict[str, Any], scenario: str, op: str, ran: Any, missing: Any) -> list[str]:
@@ -267,13 +272,11 @@ def markdown(data: dict[str, Any], png_name: str | None) -> str:
         JOB,
         JOB_OP,
         lambda s, subject, r: (
-            f"| {TITLE[s]} | {subject} | {BASE_JOB[s] if subject == BASE else JOB_DESC[subject]} "
-            f"| {JOB_FENCED[subject]} | {trips_text(r)} | {fmt_rate(r['value'])} | "
-            f"{ratio_text(r)} |"
+            f"| {TITLE[s]} | {subject} | {job_text(s, subject)} | {trips_text(r)} | "
+            f"{fmt_rate(r['value'])} | {ratio_text(r)} |"
         ),
         lambda s, subject, miss: (
-            f"| {TITLE[s]} | {subject} | {JOB_DESC[subject]} | {JOB_FENCED[subject]} | | "
-            f"{miss['status']} | |"
+            f"| {TITLE[s]} | {subject} | {job_text(s, subject)} | | {miss['status']} | |"
         ),
     )
     out += [
