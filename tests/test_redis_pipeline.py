@@ -10,21 +10,23 @@ calls on it with StoreUnavailable. Real servers throughout; run this file also w
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+import redis.asyncio
 import redis.exceptions
 
 from idemlock import StoreCorrupt, StoreUnavailable
 from idemlock._core.port import Acquired
-from idemlock.stores.redis import AsyncRedisStore, _pipeline, _resp, open_async
+from idemlock.stores.redis import AsyncRedisStore, _pipeline, _resp, from_client, open_async
 from idemlock.stores.redis import _common as C
 
 from .servers.proxy import TcpProxy
-from .servers.redis import RedisServer, start_redis
+from .servers.redis import RedisServer, start_redis, start_unix_redis
 
 LONG = 60_000
 
@@ -117,6 +119,36 @@ async def test_concurrent_calls_share_one_connection_and_get_their_own_replies(
                 assert row == 1000 + i
     finally:
         await store.aclose()
+
+
+async def test_a_unix_socket_url_and_a_passed_client_with_resp3_and_a_password() -> None:
+    """The pipe takes redis-py's settings: a unix socket; a client of the user's with
+    RESP3, decoded replies, a password and a database (the pipe speaks RESP2, raw)."""
+    with tempfile.TemporaryDirectory(dir="/tmp", prefix="pl") as tmp:
+        server, url = start_unix_redis(Path(tmp))
+        try:
+            store, ns = _store(url), _ns()
+            try:
+                await _fences(store, ns, 50)
+            finally:
+                await store.aclose()
+            raw: Any = server.client()
+            raw.config_set("requirepass", "s3cret")
+            raw.close()
+            client = redis.asyncio.Redis(
+                port=server.port, password="s3cret", db=3, protocol=3, decode_responses=True
+            )
+            passed, _ = from_client(client, asynchronous=True)
+            assert isinstance(passed, AsyncRedisStore)
+            try:
+                await _fences(passed, ns, 50)
+                assert _pipe(passed) is not None
+                assert await client.exists(C.gate_name(ns, "r7").decode()) == 1  # db 3
+            finally:
+                await passed.aclose()
+                await client.aclose()
+        finally:
+            server.stop()
 
 
 async def test_a_cancelled_caller_mid_batch_leaves_the_others_their_replies(

@@ -17,6 +17,7 @@ acquire, finish a complete after NOSCRIPT).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -110,7 +111,10 @@ class Pipe(asyncio.Protocol):
         self.lost: Lost | None = None
         #: SCRIPT LOAD replies awaited, by sha (callers that met NOSCRIPT share one)
         self.loading: dict[str, asyncio.Future[Any]] = {}
+        self._gone = loop.create_future()  # the socket is closed
         transport.set_protocol(self)
+        if transport.is_closing():  # closed before it was handed over
+            self.connection_lost(None)
 
     # ---- sending -----------------------------------------------------------------------
 
@@ -190,11 +194,19 @@ class Pipe(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         why = f"connection lost ({exc})" if exc is not None else "connection closed by Redis"
         self._fail(Lost(why, stalled=False))
+        if not self._gone.done():
+            self._gone.set_result(None)
 
     # ---- ending ------------------------------------------------------------------------
 
     def close(self, why: str = "the store closed the connection") -> None:
         self._drop(Lost(why, stalled=False))
+
+    async def aclose(self) -> None:
+        """Close, and wait until the socket is closed."""
+        self.close()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._gone), self._timeout)
 
     def _drop(self, lost: Lost) -> None:
         self._fail(lost)

@@ -199,7 +199,12 @@ class AsyncPlumbing:
     ) -> Any:
         """Run one script within ``timeout``, queueing for a connection included.
 
-        The script runs in a task of its own and the caller waits on it through a
+        On a live pipelined connection the call is queued on it directly, without a
+        task: the pipe's watchdog bounds it, and a caller that stops waiting leaves
+        its call queued, its reply going to :meth:`_orphan` with the policy below.
+
+        Otherwise (connecting, loading a script, a Cluster or a limited pool's client)
+        the script runs in a task of its own and the caller waits on it through a
         shield, so the deadline and the caller's cancellation always reach the caller
         at once: redis-py waits with asyncio.wait_for, which on Python < 3.12 can
         swallow a cancellation (then the script would go on to its socket timeouts).
@@ -210,10 +215,6 @@ class AsyncPlumbing:
         been told the call may have been applied and may repeat it (the same owner
         re-acquiring gets the same lease), so only an undo that cannot hit such a
         repetition (``undo_late``: a claim's token is never reused) still runs.
-
-        On a live pipelined connection the call is queued on it directly, without a
-        task: the pipe's watchdog bounds it, and a caller that stops waiting leaves
-        its call queued, its reply going to :meth:`_orphan` with the same policy.
         """
         st = self._last
         if st is None or st.loop() is not asyncio.get_running_loop():
@@ -278,11 +279,18 @@ class AsyncPlumbing:
     def _orphan(self, call: Call, reply: Any) -> None:
         """The reply (or a :class:`Lost`) of a pipelined call whose caller stopped
         waiting: undo what a claim or an acquire took, and run a complete, abandon or
-        release that met NOSCRIPT again (it did not run), in the background."""
-        if isinstance(reply, ResponseError):
-            if call.redo is not None and _noscript(reply):
+        release again in the background where its caller would have (NOSCRIPT: it
+        did not run; a broken connection: retried as redis-py's policy would)."""
+        if call.redo is not None:
+            st = self._last
+            again = _noscript(reply) if isinstance(reply, ResponseError) else False
+            if isinstance(reply, Lost) and not reply.stalled:
+                again = st is not None and st.retries
+            if again:
                 script, keys, args = call.redo
                 self._background(self._eval(script, keys, args, finish=True))
+            return
+        if isinstance(reply, ResponseError):
             return  # refused: nothing was taken
         if call.undo is not None:
             # A lost connection leaves the outcome unknown: undo without the reply.
@@ -564,9 +572,9 @@ class AsyncPlumbing:
         await st.listener.aclose()
         if st.connecting is not None and not st.connecting.done():
             st.connecting.cancel()
-        if st.pipe is not None:
-            st.pipe.close()
-            st.pipe = None
+        pipe, st.pipe = st.pipe, None
+        if pipe is not None:
+            await pipe.aclose()
         if st.owned:
             with contextlib.suppress(*_ERRORS):
                 await st.client.aclose()
