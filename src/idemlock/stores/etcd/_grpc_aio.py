@@ -18,6 +18,7 @@ import grpc.aio
 from ..._core.port import Channel
 from ..._errors import IdemlockError, StoreUnavailable
 from ..._logfields import fields as log_fields
+from .._undo import Undoer
 from . import _conf
 from ._calls_async import AsyncCalls, drive
 from ._grpc_sync import _STORES, CHANNEL_OPTIONS, INHERITED, _Stubs, _track_fork
@@ -277,8 +278,7 @@ class _AsyncRunner:
         self.client = AsyncClient(conf)
         self.ops = Ops(conf.root)
         self._watcher = AsyncWatcher(self.client, conf.root)
-        # undo calls for cancelled claims/acquires, kept from being collected
-        self._undoing: set[asyncio.Task[Any]] = set()
+        self._undoer = Undoer("etcd", "etcd")
         #: after os.fork(), the child's calls go over etcd's HTTP gateway (A6)
         self._gateway: Any = None
         _STORES.add(self)
@@ -298,35 +298,12 @@ class _AsyncRunner:
         """Run an op that may take a key (claim, acquire) so that a cancellation cannot
         strand it: the op runs on in a task of its own (bounded by ``timeout``) and what
         it took is given back as soon as it ends."""
-        task = asyncio.ensure_future(self._run(op))
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            task.add_done_callback(lambda t: self._undo_after(t, undo))
-            raise
 
-    def _undo_after(self, task: asyncio.Task[Any], undo: Callable[[Any], Op | None]) -> None:
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if exc is not None and not isinstance(exc, StoreUnavailable):
-            return  # refused: nothing was taken
-        op = undo(None if exc is not None else task.result())
-        if op is None:
-            return
-        t = asyncio.ensure_future(self._run(op))
-        self._undoing.add(t)
-        t.add_done_callback(self._undone)
+        def undo_call(reply: Any) -> Any:
+            back = undo(reply)
+            return None if back is None else self._run(back)
 
-    def _undone(self, task: asyncio.Task[Any]) -> None:
-        self._undoing.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning(
-                "idemlock: could not undo a cancelled etcd call; what it took frees "
-                "itself when its lease ends",
-                exc_info=task.exception(),
-                extra=log_fields(store="etcd", operation="undo", outcome="error"),
-            )
+        return await self._undoer.run(self._run(op), undo_call, getattr(op, "__name__", "call"))
 
     async def subscribe(self, channel: Channel) -> Any:
         key, end = watch_range(self.conf.root, channel)
