@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import psycopg
+import psycopg_pool
 from psycopg.rows import tuple_row
 
 from ..._core.port import Acquired, ClaimReply, Granted, Held, LockRow, RecordRow
@@ -36,7 +37,14 @@ from ._replies import (
     _state,
 )
 from ._runner_async import _AsyncRunner
-from ._shared import _HANDOFF_MS8, MAX_RACE_RETRIES, PURGE_BATCH, _is_disconnect
+from ._shared import (
+    _HANDOFF_MS8,
+    MAX_RACE_RETRIES,
+    PURGE_BATCH,
+    _is_disconnect,
+    _lane_spent,
+    _wait,
+)
 from ._sql import Stmt
 
 
@@ -52,6 +60,37 @@ class AsyncPostgresStore(_AsyncRunner):
         await cur.execute(stmt.sql, stmt.args(params), prepare=self._prepare, binary=True)
         rows: list[Row] = await cur.fetchall()
         return rows
+
+    async def _take(self, deadline: float, what: str) -> tuple[psycopg.AsyncConnection[Any], bool]:
+        """A connection for one call, and whether it is the lane: a connection of the
+        store's own pool kept for one call at a time, so that sequential calls skip the
+        pool's checkout."""
+        if self._health.down is not None:
+            await self._probe(deadline, what)
+        try:
+            if self._owns_pool and self._lane_lock.acquire(blocking=False):
+                try:
+                    if self._lane is None:
+                        self._lane = await self.pool.getconn(_wait(deadline))
+                        self._lane_since = time.monotonic()
+                    return self._lane, True
+                except BaseException:
+                    self._lane_lock.release()
+                    raise
+            return await self.pool.getconn(_wait(deadline)), False
+        except psycopg_pool.PoolTimeout as exc:
+            raise self._pool_timeout(exc, what) from exc
+
+    async def _give(self, conn: psycopg.AsyncConnection[Any], lane: bool) -> None:
+        if not lane:
+            await self.pool.putconn(conn)
+            return
+        try:
+            if self.pool.closed or _lane_spent(conn, self._lane_since):
+                self._lane = None
+                await self.pool.putconn(conn)
+        finally:
+            self._lane_lock.release()
 
     async def _rows(
         self,

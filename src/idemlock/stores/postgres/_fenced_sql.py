@@ -185,7 +185,7 @@ def _sa_key_where(table: Any, values: Mapping[str, Any], keys: Sequence[str]) ->
 
 def _completion(
     port: IdempotencyPort | AsyncIdempotencyPort, token: ClaimToken, result: Any
-) -> tuple[_Base, tuple[str, str, str, bytes, int]]:
+) -> tuple[_Base[Any], tuple[str, str, str, bytes, int]]:
     """(the store, its ``complete`` arguments); the result is encoded by the port's codec
     exactly as ``port.complete`` would."""
     from ._shared import _Base

@@ -25,64 +25,24 @@ from . import _schema_async, _watchdog
 from ._listen import AsyncListenSubscription
 from ._shared import (
     _STORES,
-    DEFAULT_SCHEMA,
-    DEFAULT_TIMEOUT,
-    Health,
+    LaneFlag,
     _Base,
-    _lane_spent,
-    _wait,
-    clone_pool,
 )
 
 log = logging.getLogger("idemlock")
 
 
-class _AsyncRunner(_Base):
+class _AsyncRunner(_Base[psycopg_pool.AsyncConnectionPool[Any]]):
     """The half of :class:`AsyncPostgresStore` that differs from the sync store's."""
 
-    def __init__(
-        self,
-        pool: psycopg_pool.AsyncConnectionPool[Any],
-        *,
-        schema: str = DEFAULT_SCHEMA,
-        prepare: bool = True,
-        auto_migrate: bool = True,
-        owns_pool: bool = False,
-        timeout: float = DEFAULT_TIMEOUT,
-        pool_factory: Callable[[], psycopg_pool.AsyncConnectionPool[Any]] | None = None,
-        health: Health | None = None,
-    ) -> None:
-        health = health or Health()
-        self.pool = pool
-        super().__init__(
-            schema=schema,
-            prepare=prepare,
-            auto_migrate=auto_migrate,
-            owns_pool=owns_pool,
-            conninfo=pool.conninfo,
-            conn_kwargs=pool.kwargs,
-            timeout=timeout,
-            pool_factory=pool_factory or (lambda: clone_pool(pool, health)),
-            health=health,
-        )
+    def _reset_runner(self) -> None:
+        # What is bound to one event loop (and, in a forked child, inherited).
         self._setup_lock: asyncio.Lock | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._lane_busy = False
-        self._lane: psycopg.AsyncConnection[Any] | None = None
-        self._lane_since = 0.0
+        self._lane_lock = LaneFlag()
+        self._lane = None
         # undo calls for cancelled claims/acquires, kept from being collected
         self._undoing: set[asyncio.Task[Any]] = set()
-
-    def _fork_reset(self) -> None:
-        super()._fork_reset()
-        self._reset_loop_state()
-
-    def _reset_loop_state(self) -> None:
-        self._setup_lock = None
-        self._loop = None
-        self._lane_busy = False
-        self._lane = None
-        self._undoing = set()
 
     def _check_loop(self) -> None:
         """A pool of our own is bound to the event loop it was opened on: on another
@@ -96,7 +56,7 @@ class _AsyncRunner(_Base):
         # connections are closed when it is collected.
         self.pool = self._pool_factory()
         self._ready = False
-        self._reset_loop_state()
+        self._reset_runner()
 
     async def _setup(self) -> None:
         self._check_loop()
@@ -163,35 +123,6 @@ class _AsyncRunner(_Base):
             raise self._pool_timeout(exc, what) from exc
         await conn.close()
         self._health.down = None
-
-    async def _take(self, deadline: float, what: str) -> tuple[psycopg.AsyncConnection[Any], bool]:
-        if self._health.down is not None:
-            await self._probe(deadline, what)
-        try:
-            if self._owns_pool and not self._lane_busy:
-                self._lane_busy = True
-                try:
-                    if self._lane is None:
-                        self._lane = await self.pool.getconn(_wait(deadline))
-                        self._lane_since = time.monotonic()
-                    return self._lane, True
-                except BaseException:
-                    self._lane_busy = False
-                    raise
-            return await self.pool.getconn(_wait(deadline)), False
-        except psycopg_pool.PoolTimeout as exc:
-            raise self._pool_timeout(exc, what) from exc
-
-    async def _give(self, conn: psycopg.AsyncConnection[Any], lane: bool) -> None:
-        if not lane:
-            await self.pool.putconn(conn)
-            return
-        try:
-            if self.pool.closed or _lane_spent(conn, self._lane_since):
-                self._lane = None
-                await self.pool.putconn(conn)
-        finally:
-            self._lane_busy = False
 
     async def _check_pool(self, deadline: float) -> None:
         # As the sync store's: the check goes on in its own task past the deadline.
@@ -263,7 +194,7 @@ class _AsyncRunner(_Base):
         self._check_loop()  # a pool opened on a loop that is gone cannot be awaited here
         await asyncio.to_thread(self.listener.close)
         if self._owns_pool:
-            if self._lane is not None and not self._lane_busy:
+            if self._lane is not None and not self._lane_lock.busy:
                 lane, self._lane = self._lane, None
                 await self.pool.putconn(lane)
             await self.pool.close()

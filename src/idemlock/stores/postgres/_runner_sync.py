@@ -22,60 +22,21 @@ from . import _schema_sync, _watchdog
 from ._listen import ListenSubscription
 from ._shared import (
     _STORES,
-    DEFAULT_SCHEMA,
-    DEFAULT_TIMEOUT,
-    Health,
     _Base,
-    _lane_spent,
-    _wait,
-    clone_pool,
 )
 
 T = TypeVar("T")
 
 
-class _SyncRunner(_Base):
+class _SyncRunner(_Base[psycopg_pool.ConnectionPool[Any]]):
     """The half of :class:`PostgresStore` that differs from the async store's."""
 
-    def __init__(
-        self,
-        pool: psycopg_pool.ConnectionPool[Any],
-        *,
-        schema: str = DEFAULT_SCHEMA,
-        prepare: bool = True,
-        auto_migrate: bool = True,
-        owns_pool: bool = False,
-        timeout: float = DEFAULT_TIMEOUT,
-        pool_factory: Callable[[], psycopg_pool.ConnectionPool[Any]] | None = None,
-        health: Health | None = None,
-    ) -> None:
-        health = health or Health()
-        self.pool = pool
-        super().__init__(
-            schema=schema,
-            prepare=prepare,
-            auto_migrate=auto_migrate,
-            owns_pool=owns_pool,
-            conninfo=pool.conninfo,
-            conn_kwargs=pool.kwargs,
-            timeout=timeout,
-            pool_factory=pool_factory or (lambda: clone_pool(pool, health)),
-            health=health,
-        )
+    def _reset_runner(self) -> None:
         self._setup_lock = threading.Lock()
         self._probe_lock = threading.Lock()
         self._probing = False
+        #: held by the one call that uses the lane
         self._lane_lock = threading.Lock()
-        self._lane: psycopg.Connection[Any] | None = None
-        self._lane_since = 0.0
-
-    def _fork_reset(self) -> None:
-        super()._fork_reset()
-        self._setup_lock = threading.Lock()
-        self._probe_lock = threading.Lock()
-        self._probing = False
-        self._lane_lock = threading.Lock()
-        self._lane = None
 
     # ---- running statements ------------------------------------------------------------
 
@@ -170,34 +131,6 @@ class _SyncRunner(_Base):
                 self._probing = False
 
         threading.Thread(target=probe, name="idemlock-pg-probe", daemon=True).start()
-
-    def _take(self, deadline: float, what: str) -> tuple[psycopg.Connection[Any], bool]:
-        if self._health.down is not None:
-            self._probe(deadline, what)
-        try:
-            if self._owns_pool and self._lane_lock.acquire(blocking=False):
-                try:
-                    if self._lane is None:
-                        self._lane = self.pool.getconn(_wait(deadline))
-                        self._lane_since = time.monotonic()
-                    return self._lane, True
-                except BaseException:
-                    self._lane_lock.release()
-                    raise
-            return self.pool.getconn(_wait(deadline)), False
-        except psycopg_pool.PoolTimeout as exc:
-            raise self._pool_timeout(exc, what) from exc
-
-    def _give(self, conn: psycopg.Connection[Any], lane: bool) -> None:
-        if not lane:
-            self.pool.putconn(conn)
-            return
-        try:
-            if self.pool.closed or _lane_spent(conn, self._lane_since):
-                self._lane = None
-                self.pool.putconn(conn)
-        finally:
-            self._lane_lock.release()
 
     def _check_pool(self, deadline: float) -> None:
         """pool.check() runs a round trip per idle connection in the calling thread,

@@ -13,7 +13,7 @@ import re
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import psycopg
 import psycopg_pool
@@ -149,6 +149,26 @@ def _lane_spent(conn: Any, since: float) -> bool:
     )
 
 
+class LaneFlag:
+    """The async store's guard of its lane, with the face of ``threading.Lock`` (which
+    guards the sync store's): on one event loop a flag tested and set with no await in
+    between is enough."""
+
+    __slots__ = ("busy",)
+
+    def __init__(self) -> None:
+        self.busy = False
+
+    def acquire(self, blocking: bool = True) -> bool:
+        if self.busy:
+            return False
+        self.busy = True
+        return True
+
+    def release(self) -> None:
+        self.busy = False
+
+
 def _is_disconnect(exc: BaseException, conn: Any) -> bool:
     """Whether a statement failed because its pooled connection was dead (None: no
     connection was borrowed, e.g. a pool timeout, which a retry would not help)."""
@@ -220,8 +240,12 @@ async def _aresolve(value: Any) -> Any:
     return value
 
 
-class _Base:
-    pool: Any
+P = TypeVar("P")
+
+
+class _Base(Generic[P]):
+    """The half of a store that runs no statement itself; ``P`` is its pool's type."""
+
     kind = "postgres"
     issues_fence_tokens = True
     #: notifications cross processes, so waiters need no polling cap
@@ -229,17 +253,19 @@ class _Base:
 
     def __init__(
         self,
+        pool: P,
         *,
-        schema: str,
-        prepare: bool,
-        auto_migrate: bool,
-        owns_pool: bool,
-        conninfo: Any,
-        conn_kwargs: Any,
-        timeout: float,
-        pool_factory: Callable[[], Any],
-        health: Health,
+        schema: str = DEFAULT_SCHEMA,
+        prepare: bool = True,
+        auto_migrate: bool = True,
+        owns_pool: bool = False,
+        timeout: float = DEFAULT_TIMEOUT,
+        pool_factory: Callable[[], P] | None = None,
+        health: Health | None = None,
     ) -> None:
+        health = health or Health()
+        self.pool = pool
+        conninfo: Any = getattr(pool, "conninfo", None)
         self.schema = check_schema(schema)
         self.statements = Statements.for_schema(self.schema)
         #: the bound on one call, in seconds (A1)
@@ -250,12 +276,20 @@ class _Base:
         self._ready = False
         self._conninfo = conninfo
         self._secrets = _secrets_of(conninfo)
-        self._conn_kwargs = conn_kwargs
+        self._conn_kwargs = getattr(pool, "kwargs", None)
         # Builds a fresh pool of the same settings: a forked child uses it (A6).
-        self._pool_factory = pool_factory
+        self._pool_factory: Callable[[], P] = pool_factory or (lambda: clone_pool(pool, health))
         self._health = health
         self.listener = self._new_listener()
+        #: the store's own connection for one call at a time (see _take)
+        self._lane: Any = None
+        self._lane_since = 0.0
+        self._reset_runner()
         _STORES.add(self)
+
+    def _reset_runner(self) -> None:
+        """Set up (and, in a forked child, start afresh) what the runner keeps."""
+        raise NotImplementedError
 
     def _new_listener(self) -> Listener:
         return Listener(
@@ -316,6 +350,8 @@ class _Base:
         self._ready = False
         self._health.down = None
         self.listener = self._new_listener()
+        self._lane = None
+        self._reset_runner()
 
     def _chan(self, kind: str, ns: str, key: str) -> str:
         return self.statements.channel(kind, ns, key)
@@ -358,7 +394,7 @@ class _Base:
 
 # ---- fork safety (A6) -------------------------------------------------------------------
 
-_STORES: weakref.WeakSet[_Base] = weakref.WeakSet()
+_STORES: weakref.WeakSet[_Base[Any]] = weakref.WeakSet()
 #: pools, listeners and connections inherited through fork(): never used nor closed in
 #: the child (closing would end the parent's sessions), only kept from being collected
 _INHERITED: list[Any] = []

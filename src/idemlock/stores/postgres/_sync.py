@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import psycopg
+import psycopg_pool
 from psycopg.rows import tuple_row
 
 from ..._core.port import Acquired, ClaimReply, Granted, Held, LockRow, RecordRow
@@ -31,7 +32,7 @@ from ._replies import (
     _state,
 )
 from ._runner_sync import _SyncRunner
-from ._shared import _HANDOFF_MS8, MAX_RACE_RETRIES, PURGE_BATCH, _is_disconnect
+from ._shared import _HANDOFF_MS8, MAX_RACE_RETRIES, PURGE_BATCH, _is_disconnect, _lane_spent, _wait
 from ._sql import Stmt
 
 
@@ -47,6 +48,37 @@ class PostgresStore(_SyncRunner):
         cur.execute(stmt.sql, stmt.args(params), prepare=self._prepare, binary=True)
         rows: list[Row] = cur.fetchall()
         return rows
+
+    def _take(self, deadline: float, what: str) -> tuple[psycopg.Connection[Any], bool]:
+        """A connection for one call, and whether it is the lane: a connection of the
+        store's own pool kept for one call at a time, so that sequential calls skip the
+        pool's checkout."""
+        if self._health.down is not None:
+            self._probe(deadline, what)
+        try:
+            if self._owns_pool and self._lane_lock.acquire(blocking=False):
+                try:
+                    if self._lane is None:
+                        self._lane = self.pool.getconn(_wait(deadline))
+                        self._lane_since = time.monotonic()
+                    return self._lane, True
+                except BaseException:
+                    self._lane_lock.release()
+                    raise
+            return self.pool.getconn(_wait(deadline)), False
+        except psycopg_pool.PoolTimeout as exc:
+            raise self._pool_timeout(exc, what) from exc
+
+    def _give(self, conn: psycopg.Connection[Any], lane: bool) -> None:
+        if not lane:
+            self.pool.putconn(conn)
+            return
+        try:
+            if self.pool.closed or _lane_spent(conn, self._lane_since):
+                self._lane = None
+                self.pool.putconn(conn)
+        finally:
+            self._lane_lock.release()
 
     def _rows(
         self,
