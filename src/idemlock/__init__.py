@@ -11,13 +11,12 @@ Start with :func:`connect` (blocking) or :func:`idemlock.aio.connect` (asyncio).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ._context import current_claim
 from ._core.canonical import canonicalize, fingerprint
 from ._core.clock import MAX_TTL, Clock, ManualClock, SystemClock
-from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES, RecordedError
+from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES, RecordedError  # noqa: F401 (kept)
 from ._core.events import Event, Hook
 from ._core.types import (
     Claim,
@@ -54,7 +53,7 @@ from ._errors import (
 )
 from ._log_fallback import FallbackHandler
 from ._ports import Attempt
-from ._sync import Coordinator, FenceGate, IdempotencyPort, LockPort
+from ._sync import Coordinator, FenceGate, IdempotencyPort, LockPort, connect
 
 if TYPE_CHECKING:
     from ._keyring import Keyring
@@ -147,46 +146,3 @@ __all__ = [
     "current_claim",
     "fingerprint",
 ]
-
-
-def connect(
-    url: Any = None,
-    *,
-    key_prefix: str = "idemlock",
-    keyring: Keyring | None = None,
-    tenant: str | None = None,
-    max_result_bytes: int = MAX_RESULT_BYTES,
-    compress_over: int | None = COMPRESS_OVER,
-    hooks: Iterable[Hook] | None = None,
-    **options: Any,
-) -> Coordinator:
-    """Open a :class:`Coordinator` on a store.
-
-    ``url`` is ``memory://``, ``sqlite:///path/to/file.db``, ``redis://...``,
-    ``rediss://...``, ``unix://...``, ``redis+cluster://h:p[,h:p...]``,
-    ``postgresql://...``; or an existing redis-py client or psycopg_pool pool. None
-    means ``$IDEMLOCK_URL``, else SQLite in the user's state directory. Store options
-    (``max_keys=``, ``clock=`` for memory; ``busy_timeout=`` for SQLite; ...) are
-    passed as keywords. ``key_prefix`` namespaces everything this coordinator stores.
-
-    ``keyring`` seals results of specs with ``encrypt_result=True`` and stores keys and
-    payload fingerprints as HMACs; ``tenant`` puts everything in one tenant's namespace
-    (see also ``Coordinator.for_tenant``). Results larger than ``max_result_bytes``
-    (stored, after compression) raise ``ResultTooLarge``; bodies over ``compress_over``
-    bytes are zlib-compressed (None: never). ``hooks`` receive an :class:`Event` for
-    every outcome (metrics, tracing).
-    """
-    from ._urls import open_store
-
-    store, clock, shown = open_store(url, asynchronous=False, **options)
-    return Coordinator(
-        store,
-        key_prefix=key_prefix,
-        clock=clock,
-        url=shown,
-        keyring=keyring,
-        tenant=tenant,
-        max_result_bytes=max_result_bytes,
-        compress_over=compress_over,
-        hooks=hooks,
-    )

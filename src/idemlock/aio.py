@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ._blocks import Wrapping
 from ._coordinator import CoordinatorBase
@@ -35,13 +35,15 @@ from ._errors import (
     FencedOut,
     StaleClaim,
 )
-from ._keyring import Keyring
 from ._logfields import port_fields
 from ._ports import FenceBase, Heartbeat
 from ._renewer import AsyncRenewer
 from ._tasks import IdempotencyRun, LockHold, decorator
 from ._tokens import check_token
 from ._watchdog import AsyncWatchdog
+
+if TYPE_CHECKING:
+    from ._keyring import Keyring  # hmac and hashlib load with it, on first use
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import ConfigurationError, ResultDecodeError, ResultEncodeError, ResultTooLarge
 from .jsonfast import dumps_compact, loads
-from .typed import Dumper, Loader, TypedError
+
+if TYPE_CHECKING:
+    # typed results load their helpers on first use; TypedError is a TypeError
+    from .typed import Dumper, Loader
 
 _SCALARS = (str, int, float, bool, type(None))
 
@@ -93,7 +96,7 @@ class ResultFormat:
             else:
                 back = load(loads(text)["v"])
             body = text.encode("utf-8")  # a lone surrogate: UnicodeEncodeError, a ValueError
-        except (TypedError, TypeError, ValueError, RecursionError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:  # TypedError included
             raise ResultEncodeError(
                 f"the result ({type(value).__name__}) cannot be stored faithfully: {exc}; return "
                 "JSON-like data or declare the return type (dataclass, datetime, UUID, Decimal, "
@@ -154,7 +157,7 @@ class ResultFormat:
             if "v" in obj:
                 try:
                     return load(obj["v"]), None
-                except (TypedError, TypeError, ValueError, KeyError) as exc:
+                except (TypeError, ValueError, KeyError) as exc:  # TypedError included
                     raise ResultDecodeError(
                         f"stored result does not fit the declared return type ({exc}); it was "
                         "recorded by another version of the code: forget the key to run it again"
