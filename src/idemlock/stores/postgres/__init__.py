@@ -50,6 +50,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from ..._errors import ConfigurationError
 from ..._urls import redact
+from .._timeout import positive_seconds as _check_timeout
 from ._pool import CancellableAsyncPool
 from ._schema_async import amigrate
 from ._schema_sync import migrate
@@ -104,25 +105,6 @@ __all__ = [
 
 # The store's own pools run in autocommit: one statement per call, no BEGIN/COMMIT.
 _POOL_KWARGS = {"autocommit": True}
-
-
-def _check_timeout(timeout: object) -> float:
-    value = timeout
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            value = timeout
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ConfigurationError(
-            f"timeout must be a positive, finite number of seconds, got {timeout!r}"
-        )
-    return float(value)
 
 
 def _pool_options(min_size: int, max_size: int) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +19,7 @@ from ..._core.port import (
     Channel,
 )
 from ..._errors import StoreUnavailable
-from ..._logfields import fields as log_fields
+from .._undo import Undoer
 from . import _schema_async, _watchdog
 from ._listen import AsyncListenSubscription
 from ._shared import (
@@ -28,8 +27,6 @@ from ._shared import (
     LaneFlag,
     _Base,
 )
-
-log = logging.getLogger("idemlock")
 
 
 class _AsyncRunner(_Base[psycopg_pool.AsyncConnectionPool[Any]]):
@@ -41,8 +38,7 @@ class _AsyncRunner(_Base[psycopg_pool.AsyncConnectionPool[Any]]):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lane_lock = LaneFlag()
         self._lane = None
-        # undo calls for cancelled claims/acquires, kept from being collected
-        self._undoing: set[asyncio.Task[Any]] = set()
+        self._undoer = Undoer("postgres", "PostgreSQL")
 
     def _check_loop(self) -> None:
         """A pool of our own is bound to the event loop it was opened on: on another
@@ -135,48 +131,10 @@ class _AsyncRunner(_Base[psycopg_pool.AsyncConnectionPool[Any]]):
             await asyncio.wait_for(asyncio.shield(task), max(0.0, deadline - time.monotonic()))
 
     async def _undoable(self, call: Any, undo: Callable[[Any], Any], what: str) -> Any:
-        """Run a call so that a cancellation cannot leave its outcome unknown: the
-        statement runs on in a task of its own (bounded by ``timeout``); what a claim or
-        an acquire took is given back as soon as it ends (issue 10 item 7), and a
-        complete, abandon or release simply takes effect. The caller still sees the
-        CancelledError."""
-        task = asyncio.ensure_future(call)
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            task.add_done_callback(lambda t: self._undo_after(t, undo, what))
-            raise
-
-    def _undo_after(self, task: asyncio.Task[Any], undo: Callable[[Any], Any], what: str) -> None:
-        if task.cancelled():
-            log.warning(
-                "idemlock: a cancelled PostgreSQL %s was itself cancelled (event loop "
-                "shutting down?); if it was applied, it frees itself when its lease ends",
-                what,
-                extra=log_fields(store="postgres", operation=what, outcome="cancelled"),
-            )
-            return
-        exc = task.exception()
-        if exc is not None and not isinstance(exc, StoreUnavailable):
-            return  # refused before anything was sent
-        # A StoreUnavailable (e.g. a timeout after the statement was sent) leaves the
-        # outcome unknown: undo what can be undone without the reply (None).
-        aw = undo(None if exc is not None else task.result())
-        if aw is None:
-            return
-        undo_task = asyncio.ensure_future(aw)
-        self._undoing.add(undo_task)
-        undo_task.add_done_callback(self._undone)
-
-    def _undone(self, task: asyncio.Task[Any]) -> None:
-        self._undoing.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning(
-                "idemlock: could not undo a cancelled PostgreSQL call; what it took frees "
-                "itself when its lease ends",
-                exc_info=task.exception(),
-                extra=log_fields(store="postgres", operation="undo", outcome="error"),
-            )
+        """Run a call so that a cancellation cannot leave its outcome unknown (see
+        :class:`~idemlock.stores._undo.Undoer`): what a claim or an acquire took is given
+        back as soon as it ends, and a complete, abandon or release simply takes effect."""
+        return await self._undoer.run(call, undo, what)
 
     async def subscribe(self, channel: Channel) -> AsyncListenSubscription:
         if not self._ready:
