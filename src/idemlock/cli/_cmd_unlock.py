@@ -13,6 +13,7 @@ from ._common import (
     _connect,
     _say,
     tenant_option,
+    whole_number,
 )
 
 UNLOCK_HELP = """\
@@ -57,13 +58,7 @@ def add_commands(add: AddCommand) -> None:
 
 
 def _token(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a token (a whole number): {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"tokens are not negative: {text!r}")
-    return value
+    return whole_number(text, 0, "not a token (a whole number): {}", "tokens are not negative: {}")
 
 
 def cmd_unlock(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -80,14 +80,20 @@ def _positive_duration(text: str) -> float:
     return value
 
 
-def _count(text: str) -> int:
+def whole_number(text: str, least: int, bad: str, small: str) -> int:
+    """``text`` as a whole number of at least ``least``; else the error ``bad`` (not a
+    number) or ``small`` says, with ``{}`` standing for the text as given."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"invalid number {text!r}: it must be at least 1")
+        raise argparse.ArgumentTypeError(bad.format(repr(text))) from None
+    if value < least:
+        raise argparse.ArgumentTypeError(small.format(repr(text)))
     return value
+
+
+def _count(text: str) -> int:
+    return whole_number(text, 1, "invalid number {}", "invalid number {}: it must be at least 1")
 
 
 def _tenant(text: str) -> str:

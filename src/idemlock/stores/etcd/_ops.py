@@ -20,7 +20,7 @@ import os
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any, Literal
 
 from ..._core.port import Acquired, Busy, Done, Granted, Held, LockRow, Mismatch, RecordRow
@@ -67,6 +67,18 @@ def _revoke_leases(kvs: Any) -> Generator[Rpc, Any, None]:
     for prev in kvs:
         if prev.lease:
             yield _revoke(prev.lease)
+
+
+def _read_one(name: bytes, parse: Callable[[Any], Any]) -> Op:
+    """``parse(kv)`` of the key ``name``, None if there is none; a value that cannot be
+    read raises StoreCorrupt."""
+    resp = yield Rpc("Range", pb.RangeRequest(key=name))
+    if not resp.kvs:
+        return None
+    try:
+        return parse(resp.kvs[0])
+    except _BAD as exc:
+        raise K.corrupt(name, exc) from exc
 
 
 def _grant(ms: int) -> Rpc:
@@ -454,13 +466,7 @@ class Ops:
 
     def lock(self, ns: str, key: str) -> Op:
         name = K.lock_name(self.root, ns, key)
-        resp = yield Rpc("Range", pb.RangeRequest(key=name))
-        if not resp.kvs:
-            return None
-        try:
-            return R.lock_row(ns, key, resp.kvs[0])
-        except _BAD as exc:
-            raise K.corrupt(name, exc) from exc
+        return (yield from _read_one(name, lambda kv: R.lock_row(ns, key, kv)))
 
     def locks(self, ns_prefix: str) -> Op:
         rows: list[LockRow] = []
@@ -495,13 +501,7 @@ class Ops:
 
     def fence_current(self, ns: str, resource: str) -> Op:
         gate = K.gate_name(self.root, ns, resource)
-        resp = yield Rpc("Range", pb.RangeRequest(key=gate))
-        if not resp.kvs:
-            return None
-        try:
-            return K.parse_gate(resp.kvs[0].value)
-        except _BAD as exc:
-            raise K.corrupt(gate, exc) from exc
+        return (yield from _read_one(gate, lambda kv: K.parse_gate(kv.value)))
 
     def purge(self) -> Op:
         """Delete in-flight records whose lease ended (locks and completed records go
