@@ -10,6 +10,7 @@ import os
 import random
 import weakref
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 from redis.connection import ConnectionPool
@@ -21,7 +22,7 @@ from ..._errors import StoreUnavailable
 from .._local import LocalSubscription
 from . import _common as C
 from ._calls import ND, eval_head, pack_eval
-from ._listen import SyncListener
+from ._listen import SyncListener, SyncNodeListeners
 
 _ERRORS = C.redis_errors()
 
@@ -56,15 +57,27 @@ class SyncPlumbing:
         self._listener = self._new_listener()
         _STORES.add(self)
 
-    def _new_listener(self) -> SyncListener:
+    def _new_listener(self) -> SyncListener | SyncNodeListeners:
+        if self.cluster:
+            return SyncNodeListeners(self._node_of, self._node_listener)
+        return self._node_listener("")
+
+    def _node_listener(self, node: str) -> SyncListener:
         # Other processes' waiters wake a little after the hand-off window if the
         # chosen process did not take the lock (it may have died).
         return SyncListener(
-            self._listener_connection,
+            partial(self._listener_connection, node),
             self._unregister,
             self._handoff / 1000 + 0.005,
             self.timeout,
         )
+
+    def _node_of(self, channel: bytes) -> str:
+        """The Cluster node holding ``channel``'s slot ('' if the client cannot tell)."""
+        try:
+            return str(self.client.get_node_from_key(channel).name)
+        except Exception:  # slot not covered (cluster down): any node will do
+            return ""
 
     def _after_fork_in_child(self) -> None:
         """A forked child never touches the parent's listener: its thread did not
@@ -180,10 +193,14 @@ class SyncPlumbing:
         """This process's waiters on ``channel``, if a caller waits on it."""
         return self._listener.waiting(channel)
 
-    def _listener_connection(self) -> Any:
+    def _listener_connection(self, node: str) -> Any:
         if self.cluster:
-            nodes = self.client.get_primaries() or self.client.get_nodes()
-            pool = random.choice(nodes).redis_connection.connection_pool
+            found = self.client.get_node(node_name=node) if node else None
+            if found is None or found.redis_connection is None:
+                # The node left the cluster: any node still gets every PUBLISH (over
+                # the cluster bus), later; waiters re-check within their wait chunk.
+                found = random.choice(self.client.get_primaries() or self.client.get_nodes())
+            pool = found.redis_connection.connection_pool
         else:
             pool = self.client.connection_pool
         conn = pool.connection_class(**C.listener_kwargs(pool.connection_kwargs))
