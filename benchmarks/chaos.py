@@ -182,20 +182,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--fault-every", type=float, help="mean seconds between faults")
     ap.add_argument("--lease", type=float, default=1.0, help="claim lease (s)")
     ap.add_argument("--visibility", type=float, default=1.0, help="queue visibility timeout (s)")
-    ap.add_argument("--kinds", default=",".join(KINDS), help="faults to inject (comma list)")
     ap.add_argument("--seed", type=int)
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
-    ap.add_argument("--keep", action="store_true", help="keep the run directories")
     ap.add_argument("--verbose", action="store_true", help="print every fault as it happens")
     args = ap.parse_args(argv)
     if not args.all and not args.store:
         ap.error("give --store or --all")
     if args.same_transaction and args.store != "postgres":
         ap.error("--same-transaction needs --store postgres")
-    kinds = tuple(k for k in args.kinds.split(",") if k)
-    if not kinds or any(k not in KINDS for k in kinds):
-        ap.error(f"--kinds takes a comma list of {', '.join(KINDS)}")
-    args.kinds = kinds
     if args.workload == "lock" and args.same_transaction:
         ap.error("the lock workload has no --same-transaction")
     size = "short" if args.short else "long"

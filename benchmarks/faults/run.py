@@ -44,8 +44,6 @@ class Options:
     lease: float
     visibility: float
     seed: int
-    kinds: tuple[str, ...]
-    keep: bool = False
     verbose: bool = False
     resources: int = 3
 
@@ -70,7 +68,7 @@ class Run:
         self.store, self.mode, self.same_tx, self.opts = store, mode, same_tx, opts
         self.say = say
         applies = LOCK_KINDS if self.workload == "lock" else STORE_KINDS
-        self.kinds = tuple(k for k in applies[store] if k in opts.kinds)
+        self.kinds = applies[store]
         self.rng = random.Random(f"{opts.seed}:{store}:{mode}:{same_tx}:{self.workload}:faults")
         self.root = Path(tempfile.mkdtemp(prefix=f"idemlock-chaos-{store}-"))
         self.hub: Network | None = None
@@ -209,8 +207,7 @@ class Run:
                 pg.destroy()
         if self.fx is not None:
             self.fx.reset()
-        if not self.opts.keep:
-            shutil.rmtree(self.root, ignore_errors=True)
+        shutil.rmtree(self.root, ignore_errors=True)
 
     # -- workers --------------------------------------------------------------------------
 
