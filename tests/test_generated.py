@@ -128,3 +128,24 @@ def test_unsupported_constructs_are_refused() -> None:
         assert "async comprehension at line 2" in str(exc)
     else:
         raise AssertionError("an async comprehension was converted")
+
+
+def test_an_async_only_compound_statement_goes_whole() -> None:
+    # _drive.py relies on it: the async sleep's try/except has no twin, a sync-only
+    # line stands in its place, and module-level sync-only lines become imports.
+    tool = _tool()
+    source = (
+        "# sync-only: import time\n"
+        "async def nap(stop):\n"
+        "    import asyncio  # async-only\n"
+        "\n"
+        "    try:  # async-only\n"
+        "        await asyncio.wait_for(stop.wait(), 1)\n"
+        "        return True\n"
+        "    except asyncio.TimeoutError:\n"
+        "        return False\n"
+        "    # sync-only: return stop.wait(1)\n"
+    )
+    out = tool.convert(source, tool.RENAMES)
+    assert out == "import time\ndef nap(stop):\n\n    return stop.wait(1)\n"
+    ast.parse(out)
