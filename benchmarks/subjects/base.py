@@ -166,7 +166,7 @@ def count_redis_requests() -> Iterator[Callable[[], int]]:
     import redis.asyncio.connection as aconn
     import redis.connection as sconn
 
-    from idemlock.stores.redis import _plumbing_async as fast
+    from idemlock.stores.redis._pipeline import Pipe
 
     box = [0]
     patched: list[tuple[Any, str, Any]] = []
@@ -184,21 +184,17 @@ def count_redis_requests() -> Iterator[Callable[[], int]]:
 
     patch(sconn.AbstractConnection, "send_packed_command", counted)
     patch(aconn.AbstractConnection, "send_packed_command", counted)
-    # The asyncio store's own writes, past redis-py's command layer: one write per
-    # call, or (pipelined) one per event-loop turn, whatever it carries.
-    if hasattr(fast, "_write"):
-        patch(fast, "_write", counted)
-    else:
-        from idemlock.stores.redis._pipeline import Pipe
 
-        def flush(orig: Any) -> Any:
-            def run(self: Any) -> None:
-                box[0] += bool(self._out and self.lost is None)
-                orig(self)
+    def flush(orig: Any) -> Any:
+        def run(self: Any) -> None:
+            box[0] += bool(self._out and self.lost is None)
+            orig(self)
 
-            return run
+        return run
 
-        patch(Pipe, "_flush", flush)
+    # The asyncio store's own writes, past redis-py's command layer: pipelined, one
+    # write per event-loop turn, whatever it carries.
+    patch(Pipe, "_flush", flush)
     try:
         yield lambda: box[0]
     finally:
