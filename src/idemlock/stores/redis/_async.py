@@ -62,7 +62,8 @@ class AsyncRedisStore(AsyncPlumbing):
         (the ConfigurationError names the tag to use)."""
         n = C.names(ns, key)
         users = check_claim_slot(self.cluster, n.claim, writes)
-        args = (C.pack_id(token), bytes(result), ttl_ms, n.claim_channel, C.nonce())
+        # ARGV[5] stays empty: the token's tag, not a nonce, recognises a re-send.
+        args = (C.pack_id(token), bytes(result), ttl_ms, n.claim_channel, b"")
         values = tuple(bytes(v) for _, v in writes)
         reply = await self._eval(C.COMPLETE, (n.claim, *users), args + values, finish=True)
         return bool(reply == T.OK.code)

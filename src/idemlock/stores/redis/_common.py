@@ -8,6 +8,7 @@ import hashlib
 import logging
 import math
 import os
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -94,10 +95,17 @@ def _unesc(raw: bytes) -> str:
     return raw.decode("utf-8", "surrogatepass").replace("%7C", "|").replace("%25", "%")
 
 
+@lru_cache(maxsize=1024)
+def _ns_parts(ns: str) -> tuple[bytes, bytes]:
+    """What the tag of a key of ``ns`` hashes before the key, and the name's part
+    between the kind letter and the key (computed once per namespace)."""
+    return f"{len(ns)}:{ns}".encode("utf-8", "surrogatepass"), b":" + _esc(ns) + b"|"
+
+
 def _tag(ns: str, key: str) -> bytes:
-    h = hashlib.blake2b(
-        f"{len(ns)}:{ns}{key}".encode("utf-8", "surrogatepass"), digest_size=9
-    ).digest()
+    """b64(blake2b(len(ns):ns key)[:9]): hashes the UTF-8 of ``f"{len(ns)}:{ns}{key}"``."""
+    pre = _ns_parts(ns)[0]
+    h = hashlib.blake2b(pre + key.encode("utf-8", "surrogatepass"), digest_size=9).digest()
     return base64.urlsafe_b64encode(h)
 
 
@@ -112,9 +120,13 @@ class Names:
 
 @lru_cache(maxsize=8192)
 def names(ns: str, key: str) -> Names:
-    tag = _tag(ns, key)
-    head = PREFIX + b"{" + tag + b"}"
-    tail = b":" + _esc(ns) + b"|" + key.encode("utf-8", "surrogatepass")
+    # A claim's key is new on almost every call, so this runs once per claim: the
+    # namespace's parts come from a cache and the key is encoded once.
+    pre, mid = _ns_parts(ns)
+    raw = key.encode("utf-8", "surrogatepass")
+    tag = base64.urlsafe_b64encode(hashlib.blake2b(pre + raw, digest_size=9).digest())
+    head = b"%b{%b}" % (PREFIX, tag)
+    tail = mid + raw
     return Names(head + b"c" + tail, head + b"l" + tail, head + b"C", head + b"L", head + b"w")
 
 
@@ -230,7 +242,10 @@ def pack_id(value: str | None) -> bytes:
 
 
 def nonce() -> bytes:
-    return os.urandom(4)
+    """4 bytes telling this call's own retry from another call: unique enough, not
+    secret (the random module, reseeded in a forked child, is 4x cheaper than
+    os.urandom's system call)."""
+    return random.randbytes(4)
 
 
 def waiter_id() -> bytes:

@@ -166,7 +166,7 @@ return NO_EXPIRY
 
 # Rows complete.ok, complete.late, complete.resend, complete.stale.
 # KEYS[1] record, KEYS[2..] the caller's keys to write with the completion.
-# ARGV: token, result, ttl_ms, channel, nonce (unused: the token's tag recognises a
+# ARGV: token, result, ttl_ms, channel, '' (a placeholder: the token's tag recognises a
 # re-send), then one value per caller's key.
 COMPLETE = (
     _PRELUDE
