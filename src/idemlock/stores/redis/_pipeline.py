@@ -124,15 +124,12 @@ class Pipe(asyncio.Protocol):
         undo: Callable[[Any], Any] | None = None,
         undo_late: bool = False,
         redo: Any = None,
-        deadline: float | None = None,
     ) -> Call:
         """Queue ``packed`` (one whole RESP command) for this turn's write; the reply
         resolves ``call.fut`` (an error reply as its ResponseError, not raised). The
         caller checks ``lost`` first."""
         loop = self._loop
-        if deadline is None:
-            deadline = loop.time() + self._timeout
-        call = Call(loop.create_future(), deadline, undo, undo_late, redo)
+        call = Call(loop.create_future(), loop.time() + self._timeout, undo, undo_late, redo)
         if self.lost is not None:  # dropped meanwhile: never written
             call.fut.set_result(Lost(str(self.lost), stalled=False))
             return call
@@ -153,14 +150,13 @@ class Pipe(asyncio.Protocol):
 
     def _check(self) -> None:
         """The watchdog: one timer for the whole queue, at its oldest call's deadline
-        (calls are queued in deadline order, but a retry may carry an earlier one)."""
+        (every call has the same bound, so the oldest is the first due)."""
         self._timer = None
         pending = self._pending
         if not pending:
             return
-        now = self._loop.time()
-        first = min(c.deadline for c in pending)
-        if first <= now:
+        first = pending[0].deadline
+        if first <= self._loop.time():
             self._drop(Lost(f"no reply within timeout={self._timeout:g}s", stalled=True))
         else:
             self._timer = self._loop.call_at(first, self._check)
