@@ -18,6 +18,22 @@ from .servers.faults import (  # noqa: F401  (session fixtures)
 from .servers.postgres import postgres_dsn, postgres_server  # noqa: F401  (session fixtures)
 from .servers.redis import redis_cluster, redis_server  # noqa: F401  (session fixtures)
 
+#: fixture scopes wider than a test but narrower than the session: a file using one
+#: runs on a single xdist worker, so its servers and apps start once per run
+_FILE_SCOPES = {"module", "class", "package"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's hook turns the marks into groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup`` tests are spread one by one, except those of a file
+    with a module-scoped fixture (a uvicorn, gunicorn, Celery broker, benchmark report
+    ...): that file becomes one group, or each worker would start its own copy."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if any(d and d[-1].scope in _FILE_SCOPES for d in defs):
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """A skipped test is a failure here: every store and every dependency the suite

@@ -79,13 +79,16 @@ def finish(proc: subprocess.Popen[str], timeout: float = 20) -> tuple[int, str, 
 
 
 @pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[str]]]:
+def procs(tmp_path: Path) -> Iterator[list[subprocess.Popen[str]]]:
     started: list[subprocess.Popen[str]] = []
     yield started
     for p in started:  # never leave a child behind on failure
         if p.poll() is None:
             p.kill()
             p.communicate()
+    # A HOLD child whose idemlock was killed above (or that outlived a failed test)
+    # would poll for `release` forever, an orphan: let it end.
+    (tmp_path / "release").touch()
 
 
 # The child holds until the test creates `release`, after announcing itself in `ready`.
@@ -417,6 +420,9 @@ def test_once_cmd_running_three_leases_runs_once_and_exits_0(
         "d = pathlib.Path(sys.argv[1])\n"
         "(d / 'ready').touch()\n"
         "time.sleep(3.0)\n"
+        # and on until the test has seen the second run refused: a loaded machine
+        # may start that run late, after a CMD of a fixed length had finished
+        "while not (d / 'release').exists(): time.sleep(0.02)\n"
         "open(d / 'log', 'a').write('ran\\n')\n"
     )
     cmd = ["run", "--once", "long-job", "--lease", "1s", "--", *slow, str(tmp_path)]
@@ -425,6 +431,7 @@ def test_once_cmd_running_three_leases_runs_once_and_exits_0(
     wait_for(tmp_path / "ready", first)
     time.sleep(1.5)  # past the lease: only the renewals keep the key
     busy = cli(url, *cmd)
+    (tmp_path / "release").touch()
     assert busy.returncode == 76, busy.stderr
     code, _, err = finish(first)
     assert code == 0, err

@@ -87,13 +87,15 @@ def test_renew_many_after_script_flush(redis_server: RedisServer) -> None:
 def test_the_renewer_batches_many_claims(url: str) -> None:
     """100 live claims renewed for a while: the renewer makes a handful of round
     trips per renewal interval, not one per claim."""
-    short = IdempotencySpec("batch-short", lease=timedelta(seconds=0.9))
+    # 1.5 s: a renewal may take most of a second on a loaded CI machine; 0.9 s left
+    # too little margin (one renewal interval is a third of the lease)
+    short = IdempotencySpec("batch-short", lease=timedelta(seconds=1.5))
     coord = idemlock.connect(url, key_prefix="r" + str(time.monotonic_ns()))
     try:
         port = coord.idempotency(short)
         blocks = [port.run(f"k{i}", payload={}) for i in range(100)]
         attempts = [b.__enter__() for b in blocks]
-        time.sleep(2.0)  # ~6 renewal intervals
+        time.sleep(2.5)  # ~5 renewal intervals, past the lease
         trips = coord._renewer.round_trips
         for attempt in attempts:
             assert not attempt.lost
@@ -110,7 +112,9 @@ def test_the_renewer_batches_many_claims(url: str) -> None:
 
 
 def test_the_async_renewer_batches_many_claims(url: str) -> None:
-    short = IdempotencySpec("batch-short", lease=timedelta(seconds=0.9))
+    # 1.5 s: a renewal may take most of a second on a loaded CI machine; 0.9 s left
+    # too little margin (one renewal interval is a third of the lease)
+    short = IdempotencySpec("batch-short", lease=timedelta(seconds=1.5))
 
     async def main() -> None:
         coord = idemlock.aio.connect(url, key_prefix="a" + str(time.monotonic_ns()))
@@ -119,7 +123,7 @@ def test_the_async_renewer_batches_many_claims(url: str) -> None:
 
             async def one(i: int) -> None:
                 async with port.run(f"k{i}", payload={}) as attempt:
-                    await asyncio.sleep(2.0)
+                    await asyncio.sleep(2.5)  # ~5 renewal intervals
                     assert not attempt.lost
                     attempt.result = i
 
