@@ -227,9 +227,11 @@ class AsyncPostgresStore(_AsyncRunner):
                 return self.release(ns, key, owner, reply.token)
             return None
 
+        # Only a caller of a waiting process has a registration to make or end.
+        stmt = self.statements.acquire if params["wait"] else self.statements.acquire_fast
         reply: Acquired | Held = await self._undoable(
             self._until(
-                self.statements.acquire,
+                stmt,
                 params,
                 "acquire",
                 lambda rows: _acquire_reply(rows, owner),

@@ -156,6 +156,18 @@ class Listener:
         with self._state:
             return self._core.waiting(channel)
 
+    def waiter_id(self, channel: str) -> tuple[bytes, bool] | None:
+        """This process's waiter id for ``channel`` while it has one (also while the
+        channel lingers after its last waiter left: a hand-off window may still name
+        it), and whether a local waiter waits on it now; None without one."""
+        with self._state:
+            g = self._core.waiting(channel)
+            if g is not None:
+                return g.gid, True
+            # lingering: the group is kept, without subscribers
+            idle = self._core._groups.get(channel)
+            return (idle.gid, False) if idle is not None else None
+
     def _release(self, channel: str, sub: LocalSubscription) -> None:
         with self._state:
             gid = self._core.unsubscribe(channel, sub, time.monotonic(), LINGER)

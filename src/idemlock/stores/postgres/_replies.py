@@ -131,13 +131,13 @@ def _claim_reply(rows: list[Row], ns: str, key: str, token: str) -> ClaimReply |
 def _acquire_reply(rows: list[Row], owner: str) -> Acquired | Held | _Retry:
     if not rows:
         return _RETRY
-    acquired, token, exp, now, holder, window, chosen = rows[0]
+    acquired, token, exp, now, holder, window, reserved = rows[0]
     if acquired:
         return Acquired(token, exp, exp - now)
     if exp > now:
         return _RETRY if holder == owner else Held(exp, exp - now)  # lock.busy
-    if window > now and not chosen:
-        return Held(window, window - now)  # lock.handoff: reserved for another process
+    if reserved:
+        return Held(window, window - now)  # lock.handoff: kept for another process
     return _RETRY
 
 

@@ -358,14 +358,16 @@ class _Base(Generic[P]):
 
     def _acquire_params(self, ns: str, key: str, owner: str, ttl_ms: int) -> dict[str, Any]:
         chan = self._chan("lock", ns, key)
-        # A caller of a process that waits on the key queues the process (its gid).
-        g = self.listener.waiting(chan)
+        # Any caller of a process may take a window kept for the process (its gid); one
+        # of a process that waits on the key now also queues the process ("wait").
+        me = self.listener.waiter_id(chan)
         return {
             "ns": ns,
             "key": key,
             "owner": owner,
             "ttl": _i8(ttl_ms),
-            "gid": g.gid.decode() if g is not None else "",
+            "gid": me[0].decode() if me is not None else "",
+            "wait": me is not None and me[1],
             "chan": chan,
             "reg": _REGISTER_MS8,
         }
@@ -374,7 +376,7 @@ class _Base(Generic[P]):
         """After an acquire that passed the process's waiter id: whether the store holds
         it queued now (refused) or not (taken), so that the registration is dropped
         when the process's last waiter leaves."""
-        if params["gid"]:
+        if params["wait"]:
             g = self.listener.waiting(params["chan"])
             if g is not None:
                 g.registered = isinstance(reply, Held)

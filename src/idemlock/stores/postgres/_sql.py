@@ -66,13 +66,15 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         )""",
     ),
     # Fair lock hand-off. A lock row keeps the hand-off window of a release (chosen:
-    # the waiter id it is reserved for, window_ms: until when; 0 when none), and
+    # the waiter id it is reserved for, window_ms: until when) and whether waiters may
+    # be queued (queued: so a release of a lock nobody waits for skips the queue), and
     # lock_waiters queues the processes waiting on a lock, one row per (channel,
     # waiter id), in arrival order (seq) until its registration lapses (until_ms).
     2: (
         """ALTER TABLE {s}.locks
             ADD COLUMN chosen text COLLATE "C",
-            ADD COLUMN window_ms bigint NOT NULL DEFAULT 0""",
+            ADD COLUMN window_ms bigint NOT NULL DEFAULT 0,
+            ADD COLUMN queued boolean NOT NULL DEFAULT false""",
         "CREATE SEQUENCE {s}.waiter_seq AS bigint",
         """CREATE TABLE {s}.lock_waiters (
             chan text COLLATE "C" NOT NULL,
@@ -186,7 +188,8 @@ ORDER BY c.ns, c.key
 # Rows lock.acquire, lock.reacquire, lock.handoff.take (the upsert), lock.busy and
 # lock.handoff (the read). A caller of a process waiting on the lock passes that
 # process's waiter id (gid, '' for none): refused, it registers the process in the
-# queue (keeping its place: seq is drawn once); taking the lock ends the registration,
+# queue (keeping its place: seq is drawn once) and marks the lock row queued; taking
+# the lock ends the registration,
 # and that of a chosen waiter whose window passed untaken (it lost its turn). During a
 # window only the chosen process may take the free lock, so neither the releasing
 # process nor a newcomer barges in. The window and owner checks are re-made on the
@@ -205,7 +208,7 @@ up AS (
     WHERE NOT EXISTS (
         SELECT FROM cur
         WHERE CASE WHEN cur.expires_ms > n.ms THEN cur.owner <> %(owner)s::text
-                   ELSE cur.window_ms > n.ms AND cur.chosen IS DISTINCT FROM %(gid)s::text END
+                   ELSE cur.window_ms > n.ms AND cur.chosen <> %(gid)s::text END
     )
     ON CONFLICT (ns, key) DO UPDATE
         SET token = CASE WHEN l.expires_ms <= excluded.expires_ms - %(ttl)s
@@ -214,7 +217,7 @@ up AS (
             chosen = NULL, window_ms = 0
         WHERE CASE WHEN l.expires_ms > excluded.expires_ms - %(ttl)s
                    THEN l.owner = excluded.owner
-                   ELSE l.window_ms <= excluded.expires_ms - %(ttl)s
+                   ELSE l.chosen IS NULL OR l.window_ms <= excluded.expires_ms - %(ttl)s
                         OR l.chosen = %(gid)s::text END
     RETURNING l.token, l.expires_ms
 ),
@@ -228,32 +231,73 @@ reg AS (
     SELECT %(chan)s::text, %(gid)s::text, nextval({wseq}), n.ms + %(reg)s
     FROM n WHERE %(gid)s::text <> '' AND NOT EXISTS (SELECT FROM up)
     ON CONFLICT (chan, gid) DO UPDATE SET until_ms = excluded.until_ms
+),
+mark AS (
+    UPDATE {s}.locks AS l SET queued = true
+    WHERE l.ns = %(ns)s::text AND l.key = %(key)s::text AND NOT l.queued
+      AND %(gid)s::text <> '' AND NOT EXISTS (SELECT FROM up)
 )
 SELECT true, up.token, up.expires_ms, n.ms, NULL::text, 0::bigint, false FROM up, n
 UNION ALL
 SELECT false, cur.token, cur.expires_ms, n.ms, cur.owner, cur.window_ms,
-       cur.chosen IS NOT DISTINCT FROM %(gid)s::text
+       coalesce(cur.window_ms > n.ms AND cur.chosen <> %(gid)s::text, false)
 FROM cur, n
 WHERE NOT EXISTS (SELECT FROM up)
 """
 
+# The same rows for a caller whose process does not wait on the lock now (nothing to
+# register: a first attempt, a one-shot try; gid is the process's if it waited just
+# before, so a window kept for it is its own): the upsert alone, with the reply read
+# from the row when it refuses. A take here keeps ``chosen`` when the window it names
+# passed untaken, so the next release passes that waiter over once (it lost its turn).
+ACQUIRE_FAST = """
+WITH up AS (
+    INSERT INTO {s}.locks AS l (ns, key, owner, token, expires_ms)
+    VALUES (%(ns)s::text, %(key)s::text, %(owner)s::text, nextval({seq}), {now} + %(ttl)s)
+    ON CONFLICT (ns, key) DO UPDATE
+        SET token = CASE WHEN l.expires_ms <= excluded.expires_ms - %(ttl)s
+                         THEN nextval({seq}) ELSE l.token END,
+            owner = excluded.owner, expires_ms = excluded.expires_ms, window_ms = 0
+        WHERE CASE WHEN l.expires_ms > excluded.expires_ms - %(ttl)s
+                   THEN l.owner = excluded.owner
+                   ELSE l.chosen IS NULL OR l.window_ms <= excluded.expires_ms - %(ttl)s
+                        OR l.chosen = %(gid)s::text END
+    RETURNING l.token, l.expires_ms
+)
+SELECT true, up.token, up.expires_ms, up.expires_ms - %(ttl)s, NULL::text, 0::bigint, false
+FROM up
+UNION ALL
+SELECT false, c.token, c.expires_ms, n.ms, c.owner, c.window_ms,
+       coalesce(c.window_ms > n.ms AND c.chosen <> %(gid)s::text, false)
+FROM {s}.locks c, (SELECT {now} AS ms) AS n
+WHERE c.ns = %(ns)s::text AND c.key = %(key)s::text AND NOT EXISTS (SELECT FROM up)
+"""
+
 # Row lock.release (no row: lock.release.stale). With a live registration the lock
-# goes to state reserved: a window of %(handoff)s ms for the oldest registered waiter,
-# whose id the notification carries (only that process wakes at once); without one it
-# is free and every waiter is woken ('*').
+# goes to state reserved: a window of %(handoff)s ms for the oldest registered waiter
+# (chosen; passed over: the one a lapsed window named), whose id the notification
+# carries (only that process wakes at once); without one (chosen NULL, whatever
+# window_ms says) it is free and every waiter is woken ('*'). The queue is read only
+# when a registration marked the row (queued), and the mark stays while any does.
+# A registration racing the release may miss this one hand-off (it is not in the
+# statement's snapshot, or its mark is cleared): its waiter is still woken ('*').
 RELEASE = """
 UPDATE {s}.locks AS l
-SET expires_ms = 0, chosen = w.gid,
-    window_ms = CASE WHEN w.gid IS NULL THEN 0 ELSE n.ms + %(handoff)s END
+SET expires_ms = 0, window_ms = n.ms + %(handoff)s,
+    chosen = CASE WHEN l.queued THEN (
+        SELECT q.gid FROM {s}.lock_waiters q
+        WHERE q.chan = %(chan)s::text AND q.until_ms > n.ms
+          AND q.gid IS DISTINCT FROM l.chosen
+        ORDER BY q.seq LIMIT 1
+    ) END,
+    queued = l.queued AND EXISTS (
+        SELECT FROM {s}.lock_waiters q
+        WHERE q.chan = %(chan)s::text AND q.until_ms > n.ms
+    )
 FROM (SELECT {now} AS ms) AS n
-LEFT JOIN LATERAL (
-    SELECT q.gid FROM {s}.lock_waiters q
-    WHERE q.chan = %(chan)s::text AND q.until_ms > n.ms
-    ORDER BY q.seq LIMIT 1
-) AS w ON true
 WHERE l.ns = %(ns)s::text AND l.key = %(key)s::text AND l.owner = %(owner)s::text
   AND l.token = %(token)s AND l.expires_ms > n.ms
-RETURNING pg_notify(%(chan)s::text, coalesce(w.gid, '*'))
+RETURNING pg_notify(%(chan)s::text, coalesce(l.chosen, '*'))
 """
 
 # A process stopped waiting on a lock without getting it (its last waiter gave up,
@@ -429,6 +473,7 @@ class Statements:
     record: Stmt
     records: Stmt
     acquire: Stmt
+    acquire_fast: Stmt
     release: Stmt
     break_lock: Stmt
     renew: Stmt
@@ -455,6 +500,7 @@ class Statements:
             record=r(RECORD, schema),
             records=r(RECORDS, schema),
             acquire=r(ACQUIRE, schema),
+            acquire_fast=r(ACQUIRE_FAST, schema),
             release=r(RELEASE, schema),
             break_lock=r(BREAK, schema),
             renew=r(RENEW, schema),

@@ -213,10 +213,10 @@ class PostgresStore(_SyncRunner):
                 return self.release(ns, key, owner, reply.token)
             return None
 
+        # Only a caller of a waiting process has a registration to make or end.
+        stmt = self.statements.acquire if params["wait"] else self.statements.acquire_fast
         reply: Acquired | Held = self._undoable(
-            self._until(
-                self.statements.acquire, params, "acquire", lambda rows: _acquire_reply(rows, owner)
-            ),
+            self._until(stmt, params, "acquire", lambda rows: _acquire_reply(rows, owner)),
             undo,
             "acquire",
         )
