@@ -29,6 +29,13 @@ How it works:
 * A waiter is woken by LISTEN/NOTIFY on one connection per store, which the store
   opens besides its pool (also when you pass your own pool); freeing statements call
   ``pg_notify`` themselves, so waking is part of the change.
+* Locks are handed off in arrival order: a process waiting on a lock is queued in
+  ``lock_waiters`` by its refused attempts; a release reserves the free lock for the
+  oldest waiting process for ``HANDOFF_MS`` (50) and names it in the notification, so
+  only that process wakes at once and only its callers may take the lock meanwhile. A
+  process whose waiters all left is unregistered by its listener; a crashed one's
+  registration lapses (``REGISTER_MS``) and costs at most one window. The schema is at
+  version 2 for this; ``idemlock migrate`` upgrades a version-1 database.
 * Statements run with READ COMMITTED semantics (PostgreSQL's default); a driver error,
   a pool timeout or an admin shutdown raises :class:`~idemlock.StoreUnavailable`.
 * ``purge()`` (``idemlock purge``) deletes expired records, locks and tombstones, in
