@@ -24,7 +24,9 @@ How it works:
   process using the file shares: keep the file on one machine, and keep the clock from
   stepping back by more than your leases (NTP slewing is fine).
 * Waiters in this process are woken at once when a key is freed; a waiter in another
-  process re-checks in a short jittered backoff capped at :attr:`SQLiteStore.poll_cap`.
+  process re-checks in a short jittered backoff capped at :attr:`SQLiteStore.poll_cap`,
+  and on Linux is also woken at once when a lock is reserved for it (a datagram to its
+  process, ``_wake``; a lost one costs only that poll).
 * Locks are handed off in arrival order: a waiting caller is queued in the file (table
   ``lock_waiters``) with each refused attempt, and a free lock is reserved for the
   oldest waiter for a short window, so neither the releasing process nor a newcomer
@@ -36,8 +38,10 @@ How it works:
   schema version and the purge floor, ``claims``, ``locks``, ``fences``,
   ``lock_waiters``).
 
-The package: ``_sql`` (schema and statements), ``_store`` (the store and its
-transactions), ``_fork`` (fork safety), ``_url`` (URLs and options).
+The package: ``_sql`` (schema and statements), ``_conn`` (connections and the call
+of each port method), ``_store`` (the store and its transactions), ``_txn``
+(transaction bodies), ``_wake`` (wake-ups across processes), ``_fork`` (fork safety),
+``_url`` (URLs and options).
 """
 
 from __future__ import annotations

@@ -63,6 +63,7 @@ from ._sql import (
     DEFAULT_BUSY_TIMEOUT,
 )
 from ._txn import _break, _now_ms, _purge, _renew_many
+from ._wake import Doorbell
 
 R = TypeVar("R")
 
@@ -72,10 +73,24 @@ log = logging.getLogger("idemlock")
 #: one file in one process wake each other's waiters
 _HUB = LocalHub()
 
+
+def _rung(path: str, ns: str, key: str) -> None:
+    _HUB.notify((path, "lock", ns, key))
+
+
+#: wakes this process's waiters when another process reserves a lock for one of them
+_DOORBELL = Doorbell(_rung)
+#: leases that came through the queue, by (file, ns, key, owner, token): their release
+#: reserves the lock for the next waiter and wakes it (bounded: cleared when full)
+_QUEUED: dict[tuple[Any, ...], bool] = {}
+#: wake-ups reserved by transactions not yet rung (sent once they commit)
+_RINGS: list[tuple[object, str, str, str]] = []
+
 _Pair = tuple[sqlite3.Connection, sqlite3.Cursor]
 
-#: ms a free lock stays reserved for the chosen waiter: a waiter in another process
-#: learns of it at its next poll (``poll_cap``); a waiter that left costs this once
+#: ms a free lock stays reserved for the chosen waiter: a waiter in another process is
+#: woken (``_wake``), or learns of it at its next poll (``poll_cap``); a waiter that
+#: left costs this once
 HANDOFF_MS = 200
 #: ms a registration outlives its waiter's next poll (a loaded machine's delay)
 REGISTER_SLACK_MS = 250
@@ -92,8 +107,8 @@ class SQLiteStore(Connections):
 
     kind = "sqlite"
     issues_fence_tokens = True
-    #: other processes cannot notify us: waiters re-check at least this often (seconds);
-    #: with the fair queue only the chosen waiter's poll delays a hand-off
+    #: waiters re-check at least this often (seconds): other processes wake a waiter
+    #: only when they reserve a lock for it (Linux), so this bounds the rest
     poll_cap = 0.02
 
     def __init__(
@@ -249,6 +264,7 @@ class SQLiteStore(Connections):
             return  # nobody in this process waits: a one-shot try
         poll_ms = int(self.poll_cap * 1000)
         until = now + min(wait_ms + 1, poll_ms) + REGISTER_SLACK_MS
+        _DOORBELL.listen()  # before the ticket exists: a reservation can wake us
         cur.execute(_WAITER_REGISTER, (ns, key, owner, os.getpid(), _host(), until))
 
     def _acquire_queued(
@@ -276,12 +292,15 @@ class SQLiteStore(Connections):
         if row is None:  # pragma: no cover - the lock was read free in this transaction
             raise AssertionError("a free lock refused an acquire")
         cur.execute(_WAITER_DROP, (ns, key, owner))  # lock.handoff.take / lock.acquire
+        if len(_QUEUED) > 4096:
+            _QUEUED.clear()  # leases never released (expired): only their wake-up is lost
+        _QUEUED[(self.path, ns, key, owner, row[0])] = True
         return Acquired(row[0], expires, ttl_ms)
 
     def _choose(self, cur: sqlite3.Cursor, ns: str, key: str, now: int) -> tuple[str | None, int]:
         """The waiter a free lock is reserved for and the window's end, choosing (and
         waking) the oldest live one when no window is open; (None, 0) if none."""
-        head = None
+        head = head_pid = None
         for owner, pid, host, until, tries, window in cur.execute(_WAITERS, (ns, key)).fetchall():
             if window > now:
                 return owner, window
@@ -289,12 +308,14 @@ class SQLiteStore(Connections):
                 # its window passed untaken, or it stopped asking: it lost its turn
                 cur.execute(_WAITER_DROP, (ns, key, owner))
             elif head is None and tries > 1:
-                head = owner
+                head, head_pid = owner, pid
         if head is None:
             return None, 0
         window = now + HANDOFF_MS
         cur.execute(_WAITER_CHOOSE, (ns, key, head, window))
         _HUB.notify((self.path, "lock", ns, key))  # the waiter re-checks after our commit
+        if head_pid != os.getpid():  # one elsewhere on this machine: rung after the commit
+            _RINGS.append((head_pid, self.path, ns, key))
         return head, window
 
     def _gone(self, pid: object, host: object, ns: str, key: str) -> bool:
@@ -319,7 +340,7 @@ class SQLiteStore(Connections):
         if _HUB._subs and (self.path, "lock", ns, key) in _HUB._subs:
             # Someone here waits for the key: contended, so the one statement would
             # mostly be refused; decide in one transaction at once.
-            return self._write(self._acquire, ns, key, owner, ttl_ms)
+            return self._rung_after(self._write(self._acquire, ns, key, owner, ttl_ms))
         now = _now_ms()
         expires = now + ttl_ms
         rows = self._run(ROWS, _ACQUIRE_UNQUEUED, (ns, key, owner, expires, now))
@@ -327,9 +348,28 @@ class SQLiteStore(Connections):
             return Acquired(rows[0][0], expires, ttl_ms)
         # Held by another owner, or free with waiters queued, and nothing changed: try
         # again and decide in one transaction.
-        return self._write(self._acquire, ns, key, owner, ttl_ms)
+        return self._rung_after(self._write(self._acquire, ns, key, owner, ttl_ms))
+
+    def _rung_after(self, reply: R) -> R:
+        """Send the wake-ups the transaction that answered ``reply`` reserved (it has
+        committed: the woken waiter finds the file free)."""
+        while _RINGS:
+            try:
+                pid, path, ns, key = _RINGS.pop()
+            except IndexError:
+                break
+            if type(pid) is int:
+                _DOORBELL.ring(pid, path, ns, key)
+        return reply
 
     def release(self, ns: str, key: str, owner: str, token: int) -> bool:
+        if _QUEUED and _QUEUED.pop((self.path, ns, key, owner, token), False):
+            # Others queued with this lease's holder: reserve it for the oldest now.
+            if self._rung_after(self._write(_release_and_choose, self, ns, key, owner, token)):
+                if _HUB._subs:
+                    _HUB.notify((self.path, "lock", ns, key))
+                return True
+            return False
         if self._run(COUNT, _RELEASE, (ns, key, owner, token, _now_ms())) == 1:
             if _HUB._subs:  # as in complete()
                 _HUB.notify((self.path, "lock", ns, key))
@@ -444,6 +484,16 @@ class _Chosen:
 
     def __init__(self, chosen: str) -> None:
         self.chosen = chosen
+
+
+def _release_and_choose(
+    cur: sqlite3.Cursor, store: SQLiteStore, ns: str, key: str, owner: str, token: int
+) -> bool:
+    now = _now_ms()
+    if cur.execute(_RELEASE, (ns, key, owner, token, now)).rowcount != 1:
+        return False
+    store._choose(cur, ns, key, now)  # lock.handoff: the oldest waiter's, woken
+    return True
 
 
 def _break_and_unchoose(cur: sqlite3.Cursor, ns: str, key: str) -> bool:
