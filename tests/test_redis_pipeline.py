@@ -307,15 +307,24 @@ async def test_error_replies_go_to_their_own_callers(redis_server: RedisServer) 
             gate = C.gate_name(ns, f"r{i}")
             raw.delete(gate)
             raw.rpush(gate, b"x")
-        got = await asyncio.gather(
-            *(store.fence_current(ns, f"r{i}") for i in range(200)), return_exceptions=True
-        )
+        pipe = _pipe(store)
+        tasks = []
+        raw_errs = []
+        for i in range(200):
+            tasks.append(asyncio.ensure_future(store.fence_current(ns, f"r{i}")))
+            if i % 50 == 7:  # plain -ERR replies queued between the scripts
+                raw_errs.append(pipe.send(_pipeline.pack(b"NO-SUCH-COMMAND", b"%d" % i)))
+        got = await asyncio.gather(*tasks, return_exceptions=True)
         for i, out in enumerate(got):
             if i in bad:
                 assert isinstance(out, StoreCorrupt), (i, out)
             else:
                 assert out == 1000 + i, (i, out)
-        assert _pipe(store).lost is None  # an error reply keeps the connection in step
+        for call in raw_errs:
+            err = await call.fut
+            assert isinstance(err, redis.exceptions.ResponseError)
+            assert str(err).startswith("ERR unknown command")
+        assert _pipe(store) is pipe  # error replies keep the connection in step
     finally:
         raw.close()
         await store.aclose()
