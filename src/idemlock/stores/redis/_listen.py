@@ -517,3 +517,35 @@ class AsyncListener:
         if conn is not None:
             with contextlib.suppress(Exception):
                 await conn.disconnect(nowait=True)
+
+
+class AsyncNodeListeners:
+    """:class:`SyncNodeListeners` for one event loop: an :class:`AsyncListener` per
+    Cluster node, each channel subscribed on the node of its slot."""
+
+    def __init__(self, route: Callable[[bytes], str], make: Callable[[str], AsyncListener]) -> None:
+        self._route = route
+        self._make = make
+        self._by_node: dict[str, AsyncListener] = {}
+        self._closed = False
+
+    def waiting(self, channel: bytes) -> Group[bytes, AsyncSubscription] | None:
+        for listener in list(self._by_node.values()):
+            g = listener.waiting(channel)
+            if g is not None:
+                return g
+        return None
+
+    async def subscribe(self, channel: bytes) -> AsyncSubscription:
+        if self._closed:
+            raise StoreUnavailable("the Redis store is closed")
+        node = self._route(channel)
+        listener = self._by_node.get(node)
+        if listener is None:
+            listener = self._by_node[node] = self._make(node)
+        return await listener.subscribe(channel)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for listener in list(self._by_node.values()):
+            await listener.aclose()

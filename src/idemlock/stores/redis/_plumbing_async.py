@@ -13,6 +13,7 @@ import os
 import random
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import Any
 
 from redis.exceptions import NoScriptError, ResponseError
@@ -23,7 +24,7 @@ from ..._errors import ConfigurationError, StoreUnavailable
 from ..._logfields import fields as log_fields
 from . import _common as C
 from ._calls import ND, eval_head, pack_eval
-from ._listen import AsyncListener, AsyncSubscription, bounded, cancelling
+from ._listen import AsyncListener, AsyncNodeListeners, AsyncSubscription, bounded, cancelling
 from ._pipeline import Call, Lost, Pipe, pack
 
 _ERRORS = C.redis_errors()
@@ -77,7 +78,7 @@ class _LoopState:
         self.retries = bool(get()) if get is not None else False
         self.connecting: asyncio.Task[Pipe] | None = None
         self.closed = False
-        self.listener: AsyncListener
+        self.listener: AsyncListener | AsyncNodeListeners
 
 
 class AsyncPlumbing:
@@ -147,11 +148,21 @@ class AsyncPlumbing:
                 # Its connections belong to a loop that is over: nothing can close them
                 # properly any more; dropping them closes the sockets.
                 del self._states[key]
-        st.listener = AsyncListener(
-            lambda: self._listener_connection(st),
-            self._unregister,
-            self._handoff / 1000 + 0.005,
-            self.timeout,
+
+        def listener(node: str) -> AsyncListener:
+            return AsyncListener(
+                lambda: self._listener_connection(st, node),
+                self._unregister,
+                self._handoff / 1000 + 0.005,
+                self.timeout,
+            )
+
+        # On a Cluster, one listener per node: each channel on its slot's node (see
+        # SyncNodeListeners, in _listen).
+        st.listener = (
+            AsyncNodeListeners(partial(_node_of, st.client), listener)
+            if self.cluster
+            else listener("")
         )
         self._states[id(loop)] = st
         return st
@@ -519,13 +530,14 @@ class AsyncPlumbing:
         """This loop's waiters on ``channel``, if a caller waits on it."""
         return self._state().listener.waiting(channel)
 
-    async def _listener_connection(self, st: _LoopState) -> Any:
+    async def _listener_connection(self, st: _LoopState, name: str = "") -> Any:
         client = st.client
         if self.cluster:
             if not st.ready:
                 await self._prepare(st)
-            nodes = client.get_primaries() or client.get_nodes()
-            node = random.choice(nodes)
+            node = client.get_node(node_name=name) if name else None
+            if node is None:  # unknown or gone: any node gets every PUBLISH, later
+                node = random.choice(client.get_primaries() or client.get_nodes())
             cls, kwargs = node.connection_class, node.connection_kwargs
         else:
             pool = client.connection_pool
@@ -578,6 +590,14 @@ class AsyncPlumbing:
         if st.owned:
             with contextlib.suppress(*_ERRORS):
                 await st.client.aclose()
+
+
+def _node_of(client: Any, channel: bytes) -> str:
+    """The Cluster node holding ``channel``'s slot ('' if the client cannot tell yet)."""
+    try:
+        return str(client.get_node_from_key(channel).name)
+    except Exception:  # slot map not read yet, or slot not covered: any node will do
+        return ""
 
 
 def _noscript(reply: Exception) -> bool:

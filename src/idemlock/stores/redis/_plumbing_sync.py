@@ -14,7 +14,18 @@ from functools import partial
 from typing import Any
 
 from redis.connection import ConnectionPool
-from redis.exceptions import NoScriptError, ResponseError
+from redis.crc import key_slot
+from redis.exceptions import (
+    AskError,
+    BusyLoadingError,
+    ClusterDownError,
+    MasterDownError,
+    NoScriptError,
+    ReadOnlyError,
+    ResponseError,
+    TryAgainError,
+)
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..._core.port import Channel
 from ..._core.wakeups import Group
@@ -53,6 +64,12 @@ class SyncPlumbing:
             and getattr(client, "connection", None) is None
         )
         self._free: list[Any] = []
+        # On a Cluster, the same per node: a script goes straight to the primary of its
+        # keys' slot (from the client's slot map); a redirection, a node going down or
+        # a slot not in the map hands the call to execute_command, which follows
+        # redirections and re-reads the slot map.
+        self._cluster_direct = cluster and hasattr(client, "nodes_manager")
+        self._node_free: dict[str, list[Any]] = {}
         self._pid = os.getpid()
         self._listener = self._new_listener()
         _STORES.add(self)
@@ -93,6 +110,7 @@ class SyncPlumbing:
         # them). Forgotten unclosed; redis-py shuts a socket down only in the process
         # that opened it, so collecting them sends nothing.
         self._free = []
+        self._node_free = {}
         self._pid = os.getpid()
 
     # ---- plumbing ----------------------------------------------------------------------
@@ -112,6 +130,10 @@ class SyncPlumbing:
         waiting (``finish``, ``undo``) have nothing to act on here."""
         if self._direct:
             return self._eval_direct(script, keys, args)
+        if self._cluster_direct:
+            reply = self._eval_on_node(script, keys, args)
+            if reply is not _REDIRECTED:
+                return reply
         try:
             try:
                 return self._exec("EVALSHA", script.sha, len(keys), *keys, *args, **ND)
@@ -154,6 +176,51 @@ class SyncPlumbing:
             elif conn.should_reconnect():  # a maintenance notification asked for it
                 conn.disconnect()
             self._free.append(conn)
+
+    def _eval_on_node(
+        self, script: C.Script, keys: tuple[bytes, ...], args: tuple[Any, ...]
+    ) -> Any:
+        """``_eval`` on a Cluster, sent to the primary of the keys' slot on a connection
+        of the store's own; ``_REDIRECTED`` when execute_command must take the call over
+        (it was refused before running, or the connection failed: every script is safe
+        to run again, as after redis-py's own retry of a failed connection)."""
+        if self._pid != os.getpid():
+            self._drop_connections()
+        try:
+            node = self.client.nodes_manager.slots_cache[key_slot(keys[0])][0]
+            free = self._node_free.get(node.name)
+            if free is None:
+                free = self._node_free.setdefault(node.name, [])
+            try:
+                conn = free.pop()
+            except IndexError:
+                pool = node.redis_connection.connection_pool
+                conn = pool.connection_class(**pool.connection_kwargs)
+        except (KeyError, IndexError, AttributeError):
+            return _REDIRECTED  # slot not in the map (yet): the client finds it
+        clean = False
+        try:
+            conn.send_packed_command([pack_eval(eval_head(script.sha), keys, args)])
+            reply = conn.read_response(disable_decoding=True)
+            clean = True
+            return reply
+        except _MOVED:
+            clean = True
+            return _REDIRECTED
+        except NoScriptError:
+            clean = True
+            return _REDIRECTED  # loaded on every primary by the client's path
+        except ResponseError as exc:
+            clean = True  # a refusal in a complete reply: the connection is in step
+            raise C.store_error(exc, script.name) from exc
+        except RedisTimeoutError as exc:
+            raise C.store_error(exc, script.name) from exc  # never retried (may have run)
+        except _ERRORS:
+            return _REDIRECTED
+        finally:
+            if not clean or conn.should_reconnect():
+                conn.disconnect()
+            free.append(conn)
 
     @staticmethod
     def _on(conn: Any, packed: list[bytes], script: C.Script) -> Any:
@@ -215,6 +282,9 @@ class SyncPlumbing:
     def close(self) -> None:
         self._listener.close()
         free, self._free = self._free, []
+        for conns in self._node_free.values():
+            free += conns
+        self._node_free = {}
         for conn in free:
             with contextlib.suppress(*_ERRORS):
                 conn.disconnect()
@@ -224,6 +294,19 @@ class SyncPlumbing:
 
 
 _STORES: weakref.WeakSet[SyncPlumbing] = weakref.WeakSet()
+
+#: ``_eval_on_node``'s answer when the call goes to execute_command instead
+_REDIRECTED: Any = object()
+#: refusals of a node that does not serve the slot now (or not yet): the client's path
+#: follows them and re-reads the slot map
+_MOVED = (
+    AskError,
+    TryAgainError,
+    ClusterDownError,
+    MasterDownError,
+    ReadOnlyError,
+    BusyLoadingError,
+)
 
 
 def _after_fork_in_child() -> None:
