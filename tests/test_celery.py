@@ -883,6 +883,8 @@ def test_send_once_refuses_a_queued_or_running_key_and_accepts_after_it_ran(
     assert again.get(timeout=20) == result
     assert env.lines("events.log").count("deposit-short claim claimed") == 1
     assert env.lines("events.log").count("deposit-short claim replayed") == 1
+    # Celery stores the result before it sends task_postrun: get() may return first.
+    wait_for(lambda: len(env.lines("postrun.log")) >= 2, 20, w1.why)
     postrun = [json.loads(x) for x in env.lines("postrun.log")]
     assert [p[1:] for p in postrun] == [[first.id, "SUCCESS", False], [again.id, "SUCCESS", True]]
     # The replayed task released its send lease too: the next send is accepted.
