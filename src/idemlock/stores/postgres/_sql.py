@@ -129,6 +129,30 @@ FROM cur, n
 WHERE NOT EXISTS (SELECT FROM up)
 """
 
+# The same rows, first try: a new key is one INSERT (claim.new) with no read before it;
+# a record in the way answers from the row as CLAIM's read does (claim.resend,
+# claim.mismatch, claim.busy, claim.replay). One that is no longer live (expired,
+# abandoned, forgotten) is taken over by CLAIM, which the caller runs then (_RETRY).
+CLAIM_FAST = """
+WITH up AS (
+    INSERT INTO {s}.claims AS c (ns, key, state, token, fence, fp, expires_ms)
+    VALUES (%(ns)s::text, %(key)s::text, 'in_flight', %(token)s::text, nextval({seq}),
+            %(fp)s::text, {now} + %(lease)s)
+    ON CONFLICT (ns, key) DO NOTHING
+    RETURNING c.fence, c.expires_ms
+)
+SELECT true, up.fence, up.expires_ms, up.expires_ms - %(lease)s, NULL::text, NULL::bytea,
+       NULL::bool, NULL::bool
+FROM up
+UNION ALL
+SELECT false, cur.fence, cur.expires_ms, n.ms, cur.state,
+       CASE WHEN cur.state = 'completed' AND cur.fp IS NOT DISTINCT FROM %(fp)s::text
+            THEN cur.result END,
+       cur.token = %(token)s::text, cur.fp IS NOT DISTINCT FROM %(fp)s::text
+FROM {s}.claims cur, (SELECT {now} AS ms) AS n
+WHERE cur.ns = %(ns)s::text AND cur.key = %(key)s::text AND NOT EXISTS (SELECT FROM up)
+"""
+
 # Rows complete.ok, complete.late, complete.resend (no row: complete.stale). Complete
 # and abandon are accepted after the lease ended, as long as the record still holds
 # this token (nobody took the key over) and is not a tombstone (expires_ms = 0:
@@ -466,6 +490,7 @@ class Statements:
 
     schema: str
     claim: Stmt
+    claim_fast: Stmt
     complete: Stmt
     abandon: Stmt
     extend: Stmt
@@ -493,6 +518,7 @@ class Statements:
         return cls(
             schema=schema,
             claim=r(CLAIM, schema),
+            claim_fast=r(CLAIM_FAST, schema),
             complete=r(COMPLETE, schema),
             abandon=r(ABANDON, schema),
             extend=r(EXTEND, schema),

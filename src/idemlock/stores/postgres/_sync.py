@@ -134,13 +134,21 @@ class PostgresStore(_SyncRunner):
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _until(
-        self, stmt: Stmt, params: dict[str, Any], what: str, parse: Callable[[list[Row]], Any]
+        self,
+        stmt: Stmt,
+        params: dict[str, Any],
+        what: str,
+        parse: Callable[[list[Row]], Any],
+        then: Stmt | None = None,
     ) -> Any:
+        """Run ``stmt`` until its reply is usable (``then``, if given, from the second
+        run on: the statement for what the first one leaves to it)."""
         deadline = time.monotonic() + self.timeout
         for _ in range(MAX_RACE_RETRIES):
             reply = parse(self._rows(stmt, params, what, True, deadline))
             if reply is not _RETRY:
                 return reply
+            stmt = then or stmt
         raise StoreUnavailable(f"{what} kept racing concurrent writers; try again")
 
     # ---- idempotency records -----------------------------------------------------------
@@ -158,10 +166,11 @@ class PostgresStore(_SyncRunner):
 
         reply: ClaimReply = self._undoable(
             self._until(
-                self.statements.claim,
+                self.statements.claim_fast,
                 params,
                 "claim",
                 lambda rows: _claim_reply(rows, ns, key, token),
+                then=self.statements.claim,
             ),
             undo,
             "claim",
