@@ -159,10 +159,15 @@ class Listener:
     def waiter_id(self, channel: str) -> tuple[bytes, bool] | None:
         """This process's waiter id for ``channel`` while it has one (also while the
         channel lingers after its last waiter left: a hand-off window may still name
-        it), and whether a local waiter waits on it now; None without one."""
+        it), and whether a local waiter waits on it now; None without one.
+
+        A waiting process's attempt (about to run) registers it: the group is marked
+        registered before the attempt is sent, so that a caller cancelled meanwhile
+        still has the registration dropped when the last waiter leaves."""
         with self._state:
             g = self._core.waiting(channel)
             if g is not None:
+                g.registered = True
                 return g.gid, True
             # lingering: the group is kept, without subscribers
             idle = self._core._groups.get(channel)
