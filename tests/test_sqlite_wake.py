@@ -24,7 +24,6 @@ from idemlock.stores.sqlite import _wake
 
 pytestmark = pytest.mark.skipif(not _wake.SUPPORTED, reason="abstract sockets are Linux's")
 
-CTX = mp.get_context("spawn")
 SPEC = "L"
 WAIT = 15.0  # each waiter's whole wait: far longer than a hand-off
 
@@ -59,17 +58,25 @@ def _wait_queued(path: Path, owner: str) -> None:
     raise AssertionError(f"{owner} never queued")
 
 
-def test_waiters_in_other_processes_are_woken_in_turn(tmp_path: Path) -> None:
+@pytest.mark.parametrize("start", ["spawn", "fork"])
+def test_waiters_in_other_processes_are_woken_in_turn(start: str, tmp_path: Path) -> None:
+    """Forked waiters too: a child does not answer to its parent's name, it binds its
+    own (the parent here listens before forking)."""
+    if start == "fork":
+        from idemlock.stores.sqlite import _store
+
+        _store._DOORBELL.listen()
+    ctx: Any = mp.get_context(start)
     path = tmp_path / "wake.db"
     url = f"sqlite:///{path}"
     coord = idemlock.connect(url)
     locks = coord.lock(LockSpec(SPEC, ttl=timedelta(seconds=120)))  # outlives the waits
     lease = locks.acquire("k")
     assert lease is not None
-    out = CTX.Queue()
+    out = ctx.Queue()
     procs = []
     for name in ("first", "second"):
-        proc = CTX.Process(target=_waiter, args=(url, name, out))
+        proc = ctx.Process(target=_waiter, args=(url, name, out))
         proc.start()
         procs.append(proc)
         _wait_queued(path, name)

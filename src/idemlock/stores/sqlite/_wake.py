@@ -36,6 +36,17 @@ class Doorbell:
         self._sock: Any = None
         self._out: Any = None
         self._out_pid = 0
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        # A forked child has no reader: close its copy of the parent's socket, so that
+        # the name goes with the parent, and bind its own when it first waits.
+        self._lock = threading.Lock()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._pid = 0
 
     def listen(self) -> None:
         """Make sure this process receives wake-ups (once per process: a forked child
@@ -48,9 +59,6 @@ class Doorbell:
             pid = os.getpid()
             if self._pid == pid:
                 return
-            if self._sock is not None:  # inherited through fork: the parent's name
-                self._sock.close()
-                self._sock = None
             self._pid = pid
             try:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
