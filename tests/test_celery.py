@@ -237,6 +237,8 @@ def slow(self: Any, job: str) -> dict[str, Any]:
         conn.execute("INSERT INTO runs VALUES ('slow', ?, ?, 'started')", (fence, 0))
     (_dir() / f"slow-running-{job}").touch()
     time.sleep(4 * SLOW_LEASE)  # heartbeats keep the claim all along
+    # ... and on until the test saw the duplicate meet it, however slow the machine.
+    wait_for((_dir() / f"slow-go-{job}").exists, 50)
     with _db() as conn:
         conn.execute(
             "UPDATE runs SET state = 'finished' WHERE task = 'slow' AND fence = ?", (fence,)
@@ -482,10 +484,11 @@ def test_task_slower_than_its_lease_with_a_duplicate_runs_once(env: Env) -> None
     wait_for((env.dir / "slow-running-J1").exists, 20, w1.why)
     time.sleep(1.5 * SLOW_LEASE)  # past the lease: only heartbeats keep the key now
     duplicate = slow.apply_async(("J1",))
+    wait_for(lambda: "slow claim in_flight" in env.lines("events.log"), 20, w2.why)
+    (env.dir / "slow-go-J1").touch()
     result = first.get(timeout=30)
     assert duplicate.get(timeout=30) == result
     assert env.runs("slow") == [(result["fence"], 0, "finished")]  # one run, ever
-    assert "slow claim in_flight" in env.lines("events.log")  # the duplicate met it
     assert "slow claim replayed" in env.lines("events.log")
     assert "slow lost lost" not in env.lines("events.log")
     wait_for(lambda: env.unacked() == 0, 10, w2.why)
