@@ -85,6 +85,9 @@ from :func:`idemlock._drive.run_async` (which imports it back, so both come from
             "_AsyncRunner": "_SyncRunner",
             "_runner_async": "_runner_sync",
             "AsyncRawCursor": "RawCursor",
+            "_schema_async": "_schema_sync",
+            "aensure": "ensure",
+            "_adirect_connect": "_direct_connect",
         },
         docstring="""The sync PostgreSQL store, :class:`PostgresStore`: the statements it runs and
 how it reads their replies, as in :mod:`._async`, its source. What differs from the

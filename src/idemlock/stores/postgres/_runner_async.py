@@ -20,7 +20,6 @@ from ..._core.port import (
 )
 from ..._errors import StoreUnavailable
 from .._undo import Undoer
-from . import _schema_async, _watchdog
 from ._listen import AsyncListenSubscription
 from ._shared import (
     _STORES,
@@ -54,6 +53,9 @@ class _AsyncRunner(_Base[psycopg_pool.AsyncConnectionPool[Any]]):
         self._ready = False
         self._reset_runner()
 
+    async def _open_and_check(self, deadline: float) -> None:
+        raise NotImplementedError  # the store's, written once in _async.py
+
     async def _setup(self) -> None:
         self._check_loop()
         if self._ready:  # the caller's pool, on another loop
@@ -71,28 +73,7 @@ class _AsyncRunner(_Base[psycopg_pool.AsyncConnectionPool[Any]]):
         try:
             if self._ready:
                 return
-            if self._owns_pool:
-                try:
-                    await self.pool.open(wait=False)
-                except psycopg.Error as exc:
-                    raise self._unavailable(exc, "opening the pool") from exc
-            # A connection of its own: a failure to connect is reported now, with its cause.
-            deadline = time.monotonic() + self.timeout
-            conn: Any = None
-            armed: Any = None
-            try:
-                conn = await self._adirect_connect()
-                armed = _watchdog.WATCHDOG.arm(conn, deadline)
-                await _schema_async.aensure(conn, self.schema, migrate=self._auto_migrate)
-            except psycopg.Error as exc:
-                if armed is not None and armed.fired:
-                    raise self._timed_out("checking the schema") from exc
-                raise self._unavailable(exc, "checking the schema") from exc
-            finally:
-                if armed is not None:
-                    _watchdog.WATCHDOG.disarm(armed)
-                if conn is not None:
-                    await conn.close()
+            await self._open_and_check(time.monotonic() + self.timeout)
             self._loop = asyncio.get_running_loop()
             self._ready = True
         finally:

@@ -18,7 +18,6 @@ from ..._core.port import (
     Channel,
 )
 from ..._errors import StoreUnavailable
-from . import _schema_sync, _watchdog
 from ._listen import ListenSubscription
 from ._shared import (
     _STORES,
@@ -40,6 +39,9 @@ class _SyncRunner(_Base[psycopg_pool.ConnectionPool[Any]]):
 
     # ---- running statements ------------------------------------------------------------
 
+    def _open_and_check(self, deadline: float) -> None:
+        raise NotImplementedError  # the store's, generated from _async.py
+
     def _setup(self) -> None:
         deadline = time.monotonic() + self.timeout
         if not self._setup_lock.acquire(timeout=self.timeout):
@@ -50,28 +52,7 @@ class _SyncRunner(_Base[psycopg_pool.ConnectionPool[Any]]):
         try:
             if self._ready:
                 return
-            if self._owns_pool:
-                try:
-                    self.pool.open(wait=False)
-                except psycopg.Error as exc:
-                    raise self._unavailable(exc, "opening the pool") from exc
-            # On a connection of its own, not the pool's: a refused connection, a bad
-            # password or a missing database is reported now, with its cause.
-            conn: Any = None
-            armed: Any = None
-            try:
-                conn = self._direct_connect()
-                armed = _watchdog.WATCHDOG.arm(conn, deadline)
-                _schema_sync.ensure(conn, self.schema, migrate=self._auto_migrate)
-            except psycopg.Error as exc:
-                if armed is not None and armed.fired:
-                    raise self._timed_out("checking the schema") from exc
-                raise self._unavailable(exc, "checking the schema") from exc
-            finally:
-                if armed is not None:
-                    _watchdog.WATCHDOG.disarm(armed)
-                if conn is not None:
-                    conn.close()
+            self._open_and_check(deadline)
             self._ready = True
         finally:
             self._setup_lock.release()

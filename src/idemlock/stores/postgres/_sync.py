@@ -16,7 +16,7 @@ from psycopg.rows import tuple_row
 
 from ..._core.port import Acquired, ClaimReply, Granted, Held, LockRow, RecordRow
 from ..._errors import StoreUnavailable
-from . import _watchdog
+from . import _schema_sync, _watchdog
 from ._replies import (
     _RETRY,
     Row,
@@ -48,6 +48,31 @@ class PostgresStore(_SyncRunner):
         cur.execute(stmt.sql, stmt.args(params), prepare=self._prepare, binary=True)
         rows: list[Row] = cur.fetchall()
         return rows
+
+    def _open_and_check(self, deadline: float) -> None:
+        """The set-up, under the set-up lock: open a pool of our own, then check the
+        schema on a connection of its own, not the pool's, so that a refused connection,
+        a bad password or a missing database is reported now, with its cause."""
+        if self._owns_pool:
+            try:
+                self.pool.open(wait=False)
+            except psycopg.Error as exc:
+                raise self._unavailable(exc, "opening the pool") from exc
+        conn: Any = None
+        armed: Any = None
+        try:
+            conn = self._direct_connect()
+            armed = _watchdog.WATCHDOG.arm(conn, deadline)
+            _schema_sync.ensure(conn, self.schema, migrate=self._auto_migrate)
+        except psycopg.Error as exc:
+            if armed is not None and armed.fired:
+                raise self._timed_out("checking the schema") from exc
+            raise self._unavailable(exc, "checking the schema") from exc
+        finally:
+            if armed is not None:
+                _watchdog.WATCHDOG.disarm(armed)
+            if conn is not None:
+                conn.close()
 
     def _take(self, deadline: float, what: str) -> tuple[psycopg.Connection[Any], bool]:
         """A connection for one call, and whether it is the lane: a connection of the
