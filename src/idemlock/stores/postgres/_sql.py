@@ -213,9 +213,9 @@ ORDER BY c.ns, c.key
 # lock.handoff (the read). A caller of a process waiting on the lock passes that
 # process's waiter id (gid, '' for none): refused, it registers the process in the
 # queue (keeping its place: seq is drawn once) and marks the lock row queued; taking
-# the lock ends the registration,
-# and that of a chosen waiter whose window passed untaken (it lost its turn). During a
-# window only the chosen process may take the free lock, so neither the releasing
+# the lock ends the registration, and that of a chosen waiter whose window passed
+# untaken (it lost its turn). During a window only the chosen process (any of its
+# callers) may take the free lock, so neither the releasing
 # process nor a newcomer barges in. The window and owner checks are re-made on the
 # latest row version under the row lock (the upsert's WHERE); the queue is read from
 # the statement's snapshot, which can only make a hand-off less fair, never unsafe.
@@ -272,8 +272,8 @@ WHERE NOT EXISTS (SELECT FROM up)
 # The same rows for a caller whose process does not wait on the lock now (nothing to
 # register: a first attempt, a one-shot try; gid is the process's if it waited just
 # before, so a window kept for it is its own): the upsert alone, with the reply read
-# from the row when it refuses. A take here keeps ``chosen`` when the window it names
-# passed untaken, so the next release passes that waiter over once (it lost its turn).
+# from the row when it refuses. A take here keeps ``chosen`` (a window that passed
+# untaken, or this process's own), so the next release passes that process over once.
 ACQUIRE_FAST = """
 WITH up AS (
     INSERT INTO {s}.locks AS l (ns, key, owner, token, expires_ms)
