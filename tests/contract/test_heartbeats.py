@@ -34,7 +34,9 @@ from idemlock import (
 from .facade import Facade
 from .harness import Harness
 
-LEASE = 0.6
+# 1.5 s: a renewal is confirmed within lease - interval = 1 s even on a loaded 2-core
+# CI machine running two test workers (0.6 s left 0.4 s, and an etcd renewal missed it)
+LEASE = 1.5
 EVERY = LEASE / 3
 SPEC = IdempotencySpec("beat", ttl=timedelta(seconds=60), lease=timedelta(seconds=LEASE))
 
