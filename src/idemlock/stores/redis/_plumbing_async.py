@@ -1,5 +1,6 @@
 """How the asyncio Redis store reaches Redis: a client, a listener and a queue per
-event loop, bounded calls with a policy for a caller that stops waiting, and closing.
+event loop (kept in :mod:`._loops`), bounded calls with a policy for a caller that
+stops waiting (carried out by :mod:`._orphans`), and closing.
 
 The port methods themselves are :class:`~idemlock.stores.redis._async.AsyncRedisStore`'s,
 written once on top of this class (and generated for the blocking store).
@@ -9,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import random
-import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import Any
@@ -20,65 +19,15 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from ..._core.port import Channel
 from ..._core.wakeups import Group
-from ..._errors import ConfigurationError, StoreUnavailable
-from ..._logfields import fields as log_fields
+from ..._errors import StoreUnavailable
 from . import _common as C
 from ._calls import ND, eval_head, pack_eval
 from ._listen import AsyncListener, AsyncNodeListeners, AsyncSubscription, bounded, cancelling
+from ._loops import LoopState, client_for_another_loop, forget_on_fork, node_of
+from ._orphans import Orphans, retrieved
 from ._pipeline import Call, Lost, Pipe, pack
 
 _ERRORS = C.redis_errors()
-
-
-class _LoopState:
-    """What the store keeps per event loop: asyncio connections belong to the loop
-    that opened them, so each loop gets its own client, listener and queue."""
-
-    __slots__ = (
-        "client",
-        "closed",
-        "connecting",
-        "direct",
-        "exec",
-        "init_lock",
-        "listener",
-        "loop",
-        "owned",
-        "pipe",
-        "ready",
-        "retries",
-        "slots",
-    )
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, client: Any, owned: bool) -> None:
-        self.loop: Callable[[], asyncio.AbstractEventLoop | None]
-        try:
-            self.loop = weakref.ref(loop)
-        except TypeError:  # a loop class without weak references
-            self.loop = lambda: loop
-        self.client = client
-        self.exec = client.execute_command
-        self.owned = owned
-        self.ready = False
-        self.init_lock = asyncio.Lock()
-        self.slots = asyncio.Semaphore(_max_connections(client))
-        # Scripts on a plain pool's standalone client go pre-encoded over one pipelined
-        # connection of the store's own (see _pipeline), with the pool's settings.
-        import redis.asyncio
-
-        self.direct = (
-            isinstance(client, redis.asyncio.Redis)
-            and type(client.connection_pool) is redis.asyncio.ConnectionPool
-            and not client.single_connection_client
-        )
-        self.pipe: Pipe | None = None
-        retry = getattr(client, "connection_pool", None)
-        retry = getattr(retry, "connection_kwargs", {}).get("retry")
-        get = getattr(retry, "get_retries", None)
-        self.retries = bool(get()) if get is not None else False
-        self.connecting: asyncio.Task[Pipe] | None = None
-        self.closed = False
-        self.listener: AsyncListener | AsyncNodeListeners
 
 
 class AsyncPlumbing:
@@ -110,19 +59,19 @@ class AsyncPlumbing:
         self._handoff = options.handoff_ms
         #: the bound (seconds) on one call, queueing for a connection included (A1)
         self.timeout = options.timeout
-        # Keyed by the loop object (compared by identity through `_LoopState.loop`);
+        # Keyed by the loop object (compared by identity through `LoopState.loop`);
         # states of closed loops are dropped when another loop arrives.
-        self._states: dict[int, _LoopState] = {}
-        self._last: _LoopState | None = None
+        self._states: dict[int, LoopState] = {}
+        self._last: LoopState | None = None
         self._base_taken = False  # whether `client` serves a loop already (or is inherited)
         self._closed = False
-        # undo calls of cancelled claims/acquires, kept from being collected
-        self._undoing: set[asyncio.Task[Any]] = set()
-        _STORES.add(self)
+        # calls whose callers stopped waiting, and their undo calls
+        self._orphans = Orphans()
+        forget_on_fork(self)
 
     # ---- per-loop state ------------------------------------------------------------------
 
-    def _state(self) -> _LoopState:
+    def _state(self) -> LoopState:
         loop = asyncio.get_running_loop()
         st = self._last
         if st is not None and st.loop() is loop:
@@ -133,14 +82,16 @@ class AsyncPlumbing:
         self._last = st
         return st
 
-    def _new_state(self, loop: asyncio.AbstractEventLoop) -> _LoopState:
+    def _new_state(self, loop: asyncio.AbstractEventLoop) -> LoopState:
         if self._closed:
             raise StoreUnavailable("the Redis store is closed")
         if not self._base_taken:
             self._base_taken = True
-            st = _LoopState(loop, self.client, self._owned)
+            st = LoopState(loop, self.client, self._owned)
         else:
-            st = _LoopState(loop, self._client_for_another_loop(), True)
+            st = LoopState(
+                loop, client_for_another_loop(self.client, self.cluster, self._factory), True
+            )
         st.ready = not self.cluster
         for key, old in list(self._states.items()):
             gone = old.loop()
@@ -160,24 +111,12 @@ class AsyncPlumbing:
         # On a Cluster, one listener per node: each channel on its slot's node (see
         # SyncNodeListeners, in _listen).
         st.listener = (
-            AsyncNodeListeners(partial(_node_of, st.client), listener)
+            AsyncNodeListeners(partial(node_of, st.client), listener)
             if self.cluster
             else listener("")
         )
         self._states[id(loop)] = st
         return st
-
-    def _client_for_another_loop(self) -> Any:
-        if self._factory is not None:
-            return self._factory()
-        if self.cluster:
-            raise ConfigurationError(
-                "this redis.asyncio RedisCluster client belongs to the event loop it was "
-                "first used on, and idemlock cannot copy it for another loop; pass the "
-                "cluster URL to idemlock.aio.connect() (idemlock then opens connections per "
-                "loop), or create the client and the coordinator inside each loop"
-            )
-        return _copy_standalone(self.client)
 
     def _after_fork_in_child(self) -> None:
         """A forked child never touches what it inherited (the parent's sockets, the
@@ -187,7 +126,7 @@ class AsyncPlumbing:
         self._last = None
         self._base_taken = True
 
-    async def _prepare(self, st: _LoopState) -> None:
+    async def _prepare(self, st: LoopState) -> None:
         async with st.init_lock:
             if not st.ready:
                 try:
@@ -252,7 +191,7 @@ class AsyncPlumbing:
 
     async def _refused(
         self,
-        st: _LoopState,
+        st: LoopState,
         script: C.Script,
         keys: tuple[bytes, ...],
         args: tuple[Any, ...],
@@ -264,7 +203,7 @@ class AsyncPlumbing:
         if isinstance(reply, Lost):
             if reply.stalled:
                 if call.undo_late and call.undo is not None:
-                    self._undo_now(call.undo, None)
+                    self._orphans.undo_now(call.undo, None)
                 raise StoreUnavailable(
                     f"redis {script.name}: no reply within timeout={self.timeout:g}s "
                     "(Redis or the network is stalled); the call may have been applied"
@@ -299,26 +238,13 @@ class AsyncPlumbing:
                 again = st is not None and st.retries
             if again:
                 script, keys, args = call.redo
-                self._background(self._eval(script, keys, args, finish=True))
+                self._orphans.background(self._eval(script, keys, args, finish=True))
             return
-        if isinstance(reply, ResponseError):
-            return  # refused: nothing was taken
-        if call.undo is not None:
-            # A lost connection leaves the outcome unknown: undo without the reply.
-            self._undo_now(call.undo, None if isinstance(reply, Lost) else reply)
-
-    def _background(self, aw: Awaitable[Any]) -> None:
-        try:
-            task = asyncio.ensure_future(aw)
-        except RuntimeError:  # the loop is closing
-            aw.close()  # type: ignore[attr-defined]
-            return
-        self._undoing.add(task)
-        task.add_done_callback(self._undone)
+        self._orphans.undo_reply(call.undo, reply)
 
     async def _eval_task(
         self,
-        st: _LoopState,
+        st: LoopState,
         script: C.Script,
         keys: tuple[bytes, ...],
         args: tuple[Any, ...],
@@ -341,7 +267,7 @@ class AsyncPlumbing:
         except asyncio.TimeoutError:
             late = undo if undo_late else None
             keep = finish or late is not None  # runs on to its own socket timeouts
-            self._abandon_task(task, late, script.name, cancel=not keep)
+            self._orphans.abandon_task(task, late, script.name, cancel=not keep)
             raise StoreUnavailable(
                 f"redis {script.name}: no reply within timeout={self.timeout:g}s (Redis or "
                 "the network is stalled, or more calls at once than the pool's "
@@ -349,32 +275,12 @@ class AsyncPlumbing:
             ) from None
         except asyncio.CancelledError:
             keep = finish or undo is not None
-            self._abandon_task(task, undo, script.name, cancel=not keep)
+            self._orphans.abandon_task(task, undo, script.name, cancel=not keep)
             raise
-
-    def _abandon_task(
-        self,
-        task: asyncio.Task[Any],
-        undo: Callable[[Any], Any] | None,
-        what: str,
-        cancel: bool,
-    ) -> None:
-        """The caller stopped waiting for ``task``: cancel it, let it finish, or undo
-        what it did once it ends."""
-        if task.done() and undo is None:
-            if not task.cancelled():
-                task.exception()  # retrieved: a failure nobody waits for is no error
-            return
-        if cancel:
-            task.cancel()
-        self._undoing.add(task)
-        if undo is not None:
-            task.add_done_callback(lambda t: self._undo_after(t, undo, what))
-        task.add_done_callback(self._undone)
 
     async def _run(
         self,
-        st: _LoopState,
+        st: LoopState,
         script: C.Script,
         keys: tuple[bytes, ...],
         args: tuple[Any, ...],
@@ -397,7 +303,7 @@ class AsyncPlumbing:
 
     async def _run_piped(
         self,
-        st: _LoopState,
+        st: LoopState,
         script: C.Script,
         keys: tuple[bytes, ...],
         args: tuple[Any, ...],
@@ -429,7 +335,7 @@ class AsyncPlumbing:
             return StoreUnavailable(f"redis {what} failed: {reply}; the call may have been applied")
         return C.store_error(reply, what)
 
-    async def _pipe(self, st: _LoopState) -> Pipe:
+    async def _pipe(self, st: LoopState) -> Pipe:
         """This loop's pipelined connection, opened once for all callers waiting."""
         pipe = st.pipe
         if pipe is not None and pipe.lost is None:
@@ -437,10 +343,10 @@ class AsyncPlumbing:
         task = st.connecting
         if task is None or task.done():
             task = st.connecting = asyncio.ensure_future(self._open_pipe(st))
-            task.add_done_callback(_retrieved)
+            task.add_done_callback(retrieved)
         return await asyncio.shield(task)
 
-    async def _open_pipe(self, st: _LoopState) -> Pipe:
+    async def _open_pipe(self, st: LoopState) -> Pipe:
         # redis-py connects and handshakes (TLS, unix socket, AUTH or a credential
         # provider, SELECT, CLIENT SETNAME, its retry policy); then the pipe takes the
         # transport over. RESP2 and raw bytes, as for the listener: the scripts'
@@ -462,42 +368,6 @@ class AsyncPlumbing:
         else:
             st.pipe = pipe
         return pipe
-
-    def _undo_after(self, task: asyncio.Task[Any], undo: Callable[[Any], Any], what: str) -> None:
-        if task.cancelled():
-            # Cancelled by the deadline (or the loop shutting down): the outcome is
-            # unknown; undo what can be undone without the reply.
-            reply: Any = None
-        else:
-            exc = task.exception()
-            if exc is not None and not isinstance(exc, StoreUnavailable):
-                return  # refused: nothing was taken
-            # A StoreUnavailable (a timeout after the script was sent) leaves the
-            # outcome unknown too.
-            reply = None if exc is not None else task.result()
-        self._undo_now(undo, reply)
-
-    def _undo_now(self, undo: Callable[[Any], Any], reply: Any) -> None:
-        """Start ``undo(reply)`` (a call or nothing) in the background."""
-        try:
-            aw = undo(reply)
-        except Exception:  # the store is closed, the loop is going away
-            return
-        if aw is not None:
-            self._background(aw)
-
-    def _undone(self, task: asyncio.Task[Any]) -> None:
-        self._undoing.discard(task)
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if exc is not None and not isinstance(exc, StoreUnavailable):
-            C.log.warning(
-                "idemlock: a Redis call its caller stopped waiting for failed; what it "
-                "holds frees itself when its lease ends",
-                exc_info=exc,
-                extra=log_fields(store="redis", operation="undo", outcome="error"),
-            )
 
     async def _unregister(self, channel: bytes, gid: bytes) -> None:
         # This process stopped waiting without the lock: a release need not hold the
@@ -530,7 +400,7 @@ class AsyncPlumbing:
         """This loop's waiters on ``channel``, if a caller waits on it."""
         return self._state().listener.waiting(channel)
 
-    async def _listener_connection(self, st: _LoopState, name: str = "") -> Any:
+    async def _listener_connection(self, st: LoopState, name: str = "") -> Any:
         client = st.client
         if self.cluster:
             if not st.ready:
@@ -579,7 +449,7 @@ class AsyncPlumbing:
                     asyncio.run_coroutine_threadsafe(self._close_state(st), other)
 
     @staticmethod
-    async def _close_state(st: _LoopState) -> None:
+    async def _close_state(st: LoopState) -> None:
         st.closed = True
         await st.listener.aclose()
         if st.connecting is not None and not st.connecting.done():
@@ -592,61 +462,5 @@ class AsyncPlumbing:
                 await st.client.aclose()
 
 
-def _node_of(client: Any, channel: bytes) -> str:
-    """The Cluster node holding ``channel``'s slot ('' if the client cannot tell yet)."""
-    try:
-        return str(client.get_node_from_key(channel).name)
-    except Exception:  # slot map not read yet, or slot not covered: any node will do
-        return ""
-
-
 def _noscript(reply: Exception) -> bool:
     return isinstance(reply, NoScriptError) or str(reply).startswith("NOSCRIPT")
-
-
-def _retrieved(task: asyncio.Task[Any]) -> None:
-    # A failed connect nobody waits for any more (its callers were cancelled) is no
-    # error of its own: the next call connects again.
-    if not task.cancelled():
-        task.exception()
-
-
-def _max_connections(client: Any) -> int:
-    """How many calls may run at once on ``client`` without redis-py's pool raising
-    MaxConnectionsError (a cluster client limits each node: at most that in all)."""
-    pool = getattr(client, "connection_pool", None)
-    value = getattr(pool, "max_connections", None)
-    if value is None:
-        manager = getattr(client, "nodes_manager", None)
-        value = getattr(manager, "connection_kwargs", {}).get("max_connections")
-    if not isinstance(value, int) or value <= 0:
-        value = 100
-    return min(value, 10_000)
-
-
-def _copy_standalone(client: Any) -> Any:
-    """A client with the same connection settings as ``client``, for another loop."""
-    import redis.asyncio
-
-    pool = client.connection_pool
-    kwargs = {
-        k: v for k, v in pool.connection_kwargs.items() if k != "maint_notifications_pool_handler"
-    }
-    if isinstance(pool, redis.asyncio.BlockingConnectionPool):
-        kwargs["timeout"] = pool.timeout
-    new_pool = type(pool)(
-        connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs
-    )
-    return redis.asyncio.Redis(connection_pool=new_pool)
-
-
-_STORES: weakref.WeakSet[AsyncPlumbing] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for store in list(_STORES):
-        store._after_fork_in_child()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,140 @@
+"""What the asyncio Redis store keeps per event loop, and how it gets a client for
+a loop other than the first: asyncio connections belong to the loop that opened
+them. A forked child forgets every loop's state it inherited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import weakref
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from ..._errors import ConfigurationError
+from ._listen import AsyncListener, AsyncNodeListeners
+from ._pipeline import Pipe
+
+
+class LoopState:
+    """What the store keeps per event loop: asyncio connections belong to the loop
+    that opened them, so each loop gets its own client, listener and queue."""
+
+    __slots__ = (
+        "client",
+        "closed",
+        "connecting",
+        "direct",
+        "exec",
+        "init_lock",
+        "listener",
+        "loop",
+        "owned",
+        "pipe",
+        "ready",
+        "retries",
+        "slots",
+    )
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, client: Any, owned: bool) -> None:
+        self.loop: Callable[[], asyncio.AbstractEventLoop | None]
+        try:
+            self.loop = weakref.ref(loop)
+        except TypeError:  # a loop class without weak references
+            self.loop = lambda: loop
+        self.client = client
+        self.exec = client.execute_command
+        self.owned = owned
+        self.ready = False
+        self.init_lock = asyncio.Lock()
+        self.slots = asyncio.Semaphore(max_connections(client))
+        # Scripts on a plain pool's standalone client go pre-encoded over one pipelined
+        # connection of the store's own (see _pipeline), with the pool's settings.
+        import redis.asyncio
+
+        self.direct = (
+            isinstance(client, redis.asyncio.Redis)
+            and type(client.connection_pool) is redis.asyncio.ConnectionPool
+            and not client.single_connection_client
+        )
+        self.pipe: Pipe | None = None
+        retry = getattr(client, "connection_pool", None)
+        retry = getattr(retry, "connection_kwargs", {}).get("retry")
+        get = getattr(retry, "get_retries", None)
+        self.retries = bool(get()) if get is not None else False
+        self.connecting: asyncio.Task[Pipe] | None = None
+        self.closed = False
+        self.listener: AsyncListener | AsyncNodeListeners
+
+
+def client_for_another_loop(client: Any, cluster: bool, factory: Callable[[], Any] | None) -> Any:
+    """A client for a loop other than the one ``client`` serves: from ``factory`` (the
+    URL's), else a copy of a standalone client's connection settings."""
+    if factory is not None:
+        return factory()
+    if cluster:
+        raise ConfigurationError(
+            "this redis.asyncio RedisCluster client belongs to the event loop it was "
+            "first used on, and idemlock cannot copy it for another loop; pass the "
+            "cluster URL to idemlock.aio.connect() (idemlock then opens connections per "
+            "loop), or create the client and the coordinator inside each loop"
+        )
+    return copy_standalone(client)
+
+
+def node_of(client: Any, channel: bytes) -> str:
+    """The Cluster node holding ``channel``'s slot ('' if the client cannot tell yet)."""
+    try:
+        return str(client.get_node_from_key(channel).name)
+    except Exception:  # slot map not read yet, or slot not covered: any node will do
+        return ""
+
+
+def max_connections(client: Any) -> int:
+    """How many calls may run at once on ``client`` without redis-py's pool raising
+    MaxConnectionsError (a cluster client limits each node: at most that in all)."""
+    pool = getattr(client, "connection_pool", None)
+    value = getattr(pool, "max_connections", None)
+    if value is None:
+        manager = getattr(client, "nodes_manager", None)
+        value = getattr(manager, "connection_kwargs", {}).get("max_connections")
+    if not isinstance(value, int) or value <= 0:
+        value = 100
+    return min(value, 10_000)
+
+
+def copy_standalone(client: Any) -> Any:
+    """A client with the same connection settings as ``client``, for another loop."""
+    import redis.asyncio
+
+    pool = client.connection_pool
+    kwargs = {
+        k: v for k, v in pool.connection_kwargs.items() if k != "maint_notifications_pool_handler"
+    }
+    if isinstance(pool, redis.asyncio.BlockingConnectionPool):
+        kwargs["timeout"] = pool.timeout
+    new_pool = type(pool)(
+        connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs
+    )
+    return redis.asyncio.Redis(connection_pool=new_pool)
+
+
+class ForkAware(Protocol):
+    def _after_fork_in_child(self) -> None: ...
+
+
+_STORES: weakref.WeakSet[ForkAware] = weakref.WeakSet()
+
+
+def forget_on_fork(store: ForkAware) -> None:
+    """Have ``store._after_fork_in_child()`` run in a forked child (while it lives)."""
+    _STORES.add(store)
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_STORES):
+        store._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
