@@ -1,15 +1,13 @@
 """What the asyncio Redis store keeps per event loop, and how it gets a client for
-a loop other than the first: asyncio connections belong to the loop that opened
-them. A forked child forgets every loop's state it inherited.
+a loop other than the first: asyncio connections belong to the loop that opened them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import weakref
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from ..._errors import ConfigurationError
 from ._listen import AsyncListener, AsyncNodeListeners
@@ -117,24 +115,3 @@ def copy_standalone(client: Any) -> Any:
         connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs
     )
     return redis.asyncio.Redis(connection_pool=new_pool)
-
-
-class ForkAware(Protocol):
-    def _after_fork_in_child(self) -> None: ...
-
-
-_STORES: weakref.WeakSet[ForkAware] = weakref.WeakSet()
-
-
-def forget_on_fork(store: ForkAware) -> None:
-    """Have ``store._after_fork_in_child()`` run in a forked child (while it lives)."""
-    _STORES.add(store)
-
-
-def _after_fork_in_child() -> None:
-    for store in list(_STORES):
-        store._after_fork_in_child()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)

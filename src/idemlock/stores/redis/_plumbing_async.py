@@ -22,8 +22,9 @@ from ..._core.wakeups import Group
 from ..._errors import StoreUnavailable
 from . import _common as C
 from ._calls import ND, eval_head, pack_eval
+from ._forks import forget_on_fork
 from ._listen import AsyncListener, AsyncNodeListeners, AsyncSubscription, bounded, cancelling
-from ._loops import LoopState, client_for_another_loop, forget_on_fork, node_of
+from ._loops import LoopState, client_for_another_loop, node_of
 from ._orphans import Orphans, retrieved
 from ._pipeline import Call, Lost, Pipe, pack
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import weakref
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
@@ -33,6 +32,7 @@ from ..._errors import StoreUnavailable
 from .._local import LocalSubscription
 from . import _common as C
 from ._calls import ND, eval_head, pack_eval
+from ._forks import forget_on_fork
 from ._listen import SyncListener, SyncNodeListeners
 
 _ERRORS = C.redis_errors()
@@ -72,7 +72,7 @@ class SyncPlumbing:
         self._node_free: dict[str, list[Any]] = {}
         self._pid = os.getpid()
         self._listener = self._new_listener()
-        _STORES.add(self)
+        forget_on_fork(self)
 
     def _new_listener(self) -> SyncListener | SyncNodeListeners:
         if self.cluster:
@@ -293,8 +293,6 @@ class SyncPlumbing:
                 self.client.close()
 
 
-_STORES: weakref.WeakSet[SyncPlumbing] = weakref.WeakSet()
-
 #: ``_eval_on_node``'s answer when the call goes to execute_command instead
 _REDIRECTED: Any = object()
 #: refusals of a node that does not serve the slot now (or not yet): the client's path
@@ -307,12 +305,3 @@ _MOVED = (
     ReadOnlyError,
     BusyLoadingError,
 )
-
-
-def _after_fork_in_child() -> None:
-    for store in list(_STORES):
-        store._after_fork_in_child()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
