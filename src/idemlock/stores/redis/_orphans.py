@@ -2,6 +2,12 @@
 past the store's timeout): its task cancelled, let run to the end, or what it took
 given back once it ends, in the background. The policy per call is the plumbing's
 (see ``AsyncPlumbing._eval``); this holds the tasks meanwhile and carries it out.
+
+Not :class:`~idemlock.stores._undo.Undoer` (etcd, PostgreSQL): a pipelined call has
+no task (its reply comes in through the pipe, see ``undo_reply``), a call's task may
+be left to finish or be cancelled rather than undone, a task cancelled by the loop
+shutting down is still undone without its reply, and an undo that meets
+StoreUnavailable is not logged (what it holds expires with its lease).
 """
 
 from __future__ import annotations
