@@ -5,12 +5,10 @@
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import random
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,6 +17,7 @@ import grpc
 from ..._core.port import Channel
 from ..._errors import IdemlockError, StoreUnavailable
 from ..._logfields import fields as log_fields
+from .._forks import ForkRegistry
 from . import _conf
 from ._calls_sync import SyncCalls, drive
 from ._ops import Op, Ops, Rpc, Waiter
@@ -137,22 +136,15 @@ def _far() -> float:
     return time.monotonic() + 5.0
 
 
-_CLIENTS: weakref.WeakSet[Any] = weakref.WeakSet()
+# In a forked child the clients (sync and async) are reset first, then the watchers,
+# then the stores: registries run in the order they are made.
+_CLIENTS: ForkRegistry[Any] = ForkRegistry(lambda client: client.after_fork())
 #: what a forked child inherited from gRPC: kept referenced, never used nor freed
 INHERITED: list[Any] = []
 
 
 def _track_fork(client: Any) -> None:
     _CLIENTS.add(client)
-
-
-def _after_fork_in_child() -> None:
-    for c in list(_CLIENTS):
-        c.after_fork()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # ---- watches -----------------------------------------------------------------------------
@@ -375,18 +367,5 @@ class _SyncRunner:
         self.client.close()
 
 
-_WATCHERS: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-_STORES: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def _watchers_after_fork() -> None:
-    for w in list(_WATCHERS):
-        w.after_fork()
-    for store in list(_STORES):
-        store.after_fork()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_watchers_after_fork)
+_WATCHERS: ForkRegistry[Any] = ForkRegistry(lambda watcher: watcher.after_fork())
+_STORES: ForkRegistry[Any] = ForkRegistry(lambda store: store.after_fork())

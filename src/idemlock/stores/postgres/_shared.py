@@ -8,10 +8,8 @@ import asyncio
 import inspect
 import logging
 import math
-import os
 import re
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -24,6 +22,7 @@ from psycopg.types.numeric import Int8
 from ... import _urls
 from ..._core.port import Held
 from ..._errors import ConfigurationError, StoreUnavailable
+from .._forks import ForkRegistry
 from ._listen import Listener
 from ._pool import CancellableAsyncPool
 from ._replies import _i8
@@ -396,16 +395,7 @@ class _Base(Generic[P]):
 
 # ---- fork safety (A6) -------------------------------------------------------------------
 
-_STORES: weakref.WeakSet[_Base[Any]] = weakref.WeakSet()
+_STORES: ForkRegistry[_Base[Any]] = ForkRegistry(lambda store: store._fork_reset())
 #: pools, listeners and connections inherited through fork(): never used nor closed in
 #: the child (closing would end the parent's sessions), only kept from being collected
 _INHERITED: list[Any] = []
-
-
-def _after_fork_in_child() -> None:
-    for store in list(_STORES):
-        store._fork_reset()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)

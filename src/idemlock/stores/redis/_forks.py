@@ -3,27 +3,18 @@ inherited from its parent: the parent's sockets, listener threads and event loop
 
 from __future__ import annotations
 
-import os
-import weakref
 from typing import Protocol
+
+from .._forks import ForkRegistry
 
 
 class ForkAware(Protocol):
     def _after_fork_in_child(self) -> None: ...
 
 
-_STORES: weakref.WeakSet[ForkAware] = weakref.WeakSet()
+_STORES: ForkRegistry[ForkAware] = ForkRegistry(lambda store: store._after_fork_in_child())
 
 
 def forget_on_fork(store: ForkAware) -> None:
     """Have ``store._after_fork_in_child()`` run in a forked child (while it lives)."""
     _STORES.add(store)
-
-
-def _after_fork_in_child() -> None:
-    for store in list(_STORES):
-        store._after_fork_in_child()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)

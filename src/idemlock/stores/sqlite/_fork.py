@@ -6,19 +6,26 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import weakref
 from typing import Any
 
 from ..._logfields import fields as log_fields
+from .._forks import ForkRegistry
 
 log = logging.getLogger("idemlock")
 
 
-#: every open store: a forked child drops their pooled connections
-STORES: weakref.WeakSet[Any] = weakref.WeakSet()
 #: connections inherited through fork(): never used nor closed in the child (closing
 #: them could disturb the parent's locks), only kept from being garbage collected
 _INHERITED: list[Any] = []
+
+
+def _drop_idle(store: Any) -> None:
+    _INHERITED.extend(store._idle)
+    store._idle = []
+
+
+#: every open store: a forked child drops their pooled connections
+STORES: ForkRegistry[Any] = ForkRegistry(_drop_idle)
 
 
 class _ForkGate:
@@ -81,16 +88,11 @@ FORK_WAIT = 5.0
 GATE = _ForkGate()
 
 
-def _after_fork_in_child() -> None:
-    GATE.after_fork_in_child()
-    for store in list(STORES):
-        _INHERITED.extend(store._idle)
-        store._idle = []
-
-
+# The gate's own hook; the stores' pooled connections are dropped by the shared
+# registry's (neither depends on the other).
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(
         before=GATE.before_fork,
         after_in_parent=GATE.after_fork_in_parent,
-        after_in_child=_after_fork_in_child,
+        after_in_child=GATE.after_fork_in_child,
     )
