@@ -81,7 +81,8 @@ def client_for_another_loop(client: Any, cluster: bool, factory: Callable[[], An
 
 
 def node_of(client: Any, channel: bytes) -> str:
-    """The Cluster node holding ``channel``'s slot ('' if the client cannot tell yet)."""
+    """The Cluster node holding ``channel``'s slot ('' if the client cannot tell yet);
+    of a blocking client too (the sync plumbing uses it)."""
     try:
         return str(client.get_node_from_key(channel).name)
     except Exception:  # slot map not read yet, or slot not covered: any node will do

@@ -34,6 +34,7 @@ from . import _common as C
 from ._calls import ND, eval_head, pack_eval
 from ._forks import forget_on_fork
 from ._listen import SyncListener, SyncNodeListeners
+from ._loops import node_of
 
 _ERRORS = C.redis_errors()
 
@@ -76,7 +77,7 @@ class SyncPlumbing:
 
     def _new_listener(self) -> SyncListener | SyncNodeListeners:
         if self.cluster:
-            return SyncNodeListeners(self._node_of, self._node_listener)
+            return SyncNodeListeners(partial(node_of, self.client), self._node_listener)
         return self._node_listener("")
 
     def _node_listener(self, node: str) -> SyncListener:
@@ -88,13 +89,6 @@ class SyncPlumbing:
             self._handoff / 1000 + 0.005,
             self.timeout,
         )
-
-    def _node_of(self, channel: bytes) -> str:
-        """The Cluster node holding ``channel``'s slot ('' if the client cannot tell)."""
-        try:
-            return str(self.client.get_node_from_key(channel).name)
-        except Exception:  # slot not covered (cluster down): any node will do
-            return ""
 
     def _after_fork_in_child(self) -> None:
         """A forked child never touches the parent's listener: its thread did not
