@@ -132,6 +132,19 @@ def test_linger_then_unsubscribe() -> None:
     assert not w.confirmed(b"c") and w.tick(20.0).deadline is None
 
 
+def test_a_lingering_channel_keeps_its_group_and_waiter_id() -> None:
+    w = connected(linger=2.0)
+    assert w.group(b"c") is None
+    w.subscribe(b"c", "a")
+    g = w.group(b"c")
+    assert g is not None and g is w.waiting(b"c") and g.gid == b"g0"
+    w.unsubscribe(b"c", "a", 10.0)
+    # No waiter any more, but the channel lingers with the same group (and id).
+    assert w.waiting(b"c") is None and w.group(b"c") is g
+    assert w.tick(12.0).commands == [Command("unsubscribe", (b"c",))]
+    assert w.group(b"c") is None
+
+
 def test_linger_given_per_call() -> None:
     w = connected(linger=2.0)
     w.subscribe(b"c", "a")

@@ -108,6 +108,11 @@ class Wakeups(Generic[K, S]):
         g = self._groups.get(channel)
         return g if g is not None and g.subs else None
 
+    def group(self, channel: K) -> Group[K, S] | None:
+        """The group of ``channel`` with or without waiters: a lingering channel keeps
+        its group, and with it this process's waiter id, until it is given up."""
+        return self._groups.get(channel)
+
     def confirmed(self, channel: K) -> bool:
         """Whether ``channel`` is subscribed on the current connection."""
         g = self._groups.get(channel)

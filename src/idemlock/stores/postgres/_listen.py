@@ -170,7 +170,7 @@ class Listener:
                 g.registered = True
                 return g.gid, True
             # lingering: the group is kept, without subscribers
-            idle = self._core._groups.get(channel)
+            idle = self._core.group(channel)
             return (idle.gid, False) if idle is not None else None
 
     def _release(self, channel: str, sub: LocalSubscription) -> None:
