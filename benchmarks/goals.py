@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import socket
 import statistics
@@ -27,7 +28,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -36,28 +37,10 @@ for _path in (str(HERE.parent), str(HERE)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+import common as c  # noqa: E402
 import redis  # noqa: E402
 import redis.asyncio  # noqa: E402
-from common import (  # noqa: E402
-    BASE,
-    CLAIM_OP,
-    CLIENT,
-    GOALS_END,
-    GOALS_START,
-    LOCK_OP,
-    OURS,
-    RESULT_BYTES,
-    RPY,
-    Results,
-    X,
-    _why,
-    ainterleave,
-    fan_out,
-    interleave,
-    new_prefix,
-    ratio,
-    version,
-)
+from common import X  # noqa: E402
 from render import fmt_rate, goals_section  # noqa: E402
 from scenarios import Contenders, contend_threads  # noqa: E402
 from subjects import base as subj  # noqa: E402
@@ -92,13 +75,6 @@ end
 return 0
 """,
 )
-MINIMAL = "raw redis-py minimal-script pair"
-ASYNC_BASE = "raw redis.asyncio SET NX PX + DEL pair"
-FENCEKIT = "fencekit's job (guard, lock, fenced set, mark done, release)"
-SQL_BASE = {
-    "PostgreSQL": "2 raw psycopg INSERT … ON CONFLICT",
-    "SQLite": "2 raw sqlite3 transactions",
-}
 
 
 @dataclass(frozen=True)
@@ -113,57 +89,6 @@ class Config:
 FULL = Config(n=1000, rounds=7, job_n=500, seconds=5.0, imports=15)
 QUICK = Config(n=100, rounds=2, job_n=50, seconds=0.5, imports=2)
 
-#: (value, "≥" or "≤", limit, unit, what it is): one part of a goal
-Check = tuple[float, str, float, str, str]
-
-
-@dataclass
-class Row:
-    figure: str
-    baseline: str
-    measured: str
-    goal: str
-    filed: str  # the issue's figure when it was filed
-    short: list[str] = field(default_factory=list)  # unmet parts of the goal
-    reference: bool = False
-
-    @property
-    def verdict(self) -> str:
-        if self.reference:
-            return "reference"
-        return "SHORT of goal by " + "; ".join(self.short) if self.short else "MEETS"
-
-
-def decimals(value: float, unit: str, other: float = 0.0) -> str:
-    """``value`` with enough digits to tell it from ``other`` (0.996 is not 1.00)."""
-    d = 2 if unit == X else 0 if unit == "%" else 1
-    while d < 6 and value != other and round(value, d) == round(other, d):
-        d += 1
-    return f"{value:.{d}f}"
-
-
-def row(figure: str, baseline: str, measured: str, filed: str, *checks: Check) -> Row:
-    goal, short = [], []
-    for value, op, limit, unit, what in checks:
-        sp = "" if unit in (X, "%") else " "
-        shown = f"{limit:.1f}" if unit == X else f"{limit:g}"
-        goal.append(f"{op} {shown}{sp}{unit}{' ' + what if what else ''}")
-        if value < limit if op == "≥" else value > limit:
-            gap = abs(value - limit)
-            short.append(f"{decimals(gap, unit)}{sp}{unit}{' ' + what if what else ''}")
-    return Row(figure, baseline, measured, ", ".join(goal), filed, short)
-
-
-def rate(v: float) -> str:
-    return fmt_rate(v) + "/s"
-
-
-def versus(rates: Any, ours: str, base: str, goal: float) -> tuple[str, Check]:
-    """The measured text and goal check of ``ours`` / ``base``, a same-round ratio."""
-    v = ratio(rates, ours, base)
-    ours_r, base_r = (statistics.median(rates[k]) for k in (ours, base))
-    return f"{decimals(v, X, goal)}{X} ({rate(ours_r)} vs {rate(base_r)})", (v, "≥", goal, X, "")
-
 
 # ---- raw Redis subjects ----------------------------------------------------------------
 
@@ -173,7 +98,7 @@ class Minimal:
 
     def __init__(self, r: Any, call: Callable[..., Any] | None = None) -> None:
         self.acq, self.rel, self.com = (r.script_load(s) for s in SCRIPTS)
-        self.call, self.ns = call or r.evalsha, new_prefix("min")
+        self.call, self.ns = call or r.evalsha, c.new_prefix("min")
 
     def lock_pairs(self, count: int) -> None:
         call, lock, owner = self.call, f"{self.ns}:l", uuid.uuid4().hex
@@ -188,7 +113,7 @@ class Minimal:
             key, token = f"{self.ns}:c:{tag}-{i}", uuid.uuid4().hex
             if call(self.acq, 2, key, key + ":f", token, 300_000) is None:
                 raise RuntimeError("minimal baseline: key already claimed")
-            call(self.com, 1, key, token, RESULT_BYTES, 3_600_000)
+            call(self.com, 1, key, token, c.RESULT_BYTES, 3_600_000)
 
 
 def socket_evalsha(port: int, stack: contextlib.ExitStack) -> Callable[..., bytes | None]:
@@ -214,48 +139,11 @@ def socket_evalsha(port: int, stack: contextlib.ExitStack) -> Callable[..., byte
     return call
 
 
-# ---- the sections: each returns its rows ------------------------------------------------
-
-
-def redis_sync(server: Any, cfg: Config) -> list[Row]:
-    with contextlib.ExitStack() as stack:
-        r = stack.enter_context(redis.Redis(port=server.port, **CLIENT))
-        coord = stack.enter_context(idemlock.connect(server.url, key_prefix=new_prefix()))
-        raw, sock = Minimal(r), Minimal(r, socket_evalsha(server.port, stack))
-        fns = {}
-        for name, mine in (("lock", subj.ours_lock_pairs), ("claim", subj.ours_claim_pairs)):
-            fns |= {
-                f"raw {name}": getattr(raw, f"{name}_pairs"),
-                f"idemlock {name}": mine(coord),
-                f"socket {name}": getattr(sock, f"{name}_pairs"),
-            }
-        rates = interleave(fns, cfg.n, cfg.rounds)
-    rows = []
-    for name, op, filed in (("lock", LOCK_OP, "0.73"), ("claim", CLAIM_OP, "0.64")):
-        text, check = versus(rates, f"idemlock {name}", f"raw {name}", 1.0)
-        rows.append(row(f"Redis {op}, sync", MINIMAL, text, filed + X, check))
-    for name, op in (("lock", LOCK_OP), ("claim", CLAIM_OP)):
-        ours, raw_ = (ratio(rates, f"{k} {name}", f"socket {name}") for k in ("idemlock", "raw"))
-        limit = rate(statistics.median(rates[f"socket {name}"]))
-        rows.append(
-            Row(
-                f"Redis {op}, sync: share of the physical limit",
-                f"bare-socket EVALSHA loop ({limit})",
-                f"idemlock {ours:.0%}, raw redis-py {raw_:.0%}",
-                "—",
-                "—",
-                reference=True,
-            )
-        )
-    return rows
-
-
 async def asyncio_clients(port: int, stack: contextlib.AsyncExitStack) -> dict[str, Any]:
     """name -> (set NX PX 30 s, delete) of each asyncio client, or why it cannot run."""
-    out: dict[str, Any] = {}
-    ar = redis.asyncio.Redis(port=port, **CLIENT)
+    ar = redis.asyncio.Redis(port=port, **c.CLIENT)
     stack.push_async_callback(ar.aclose)
-    out["redis.asyncio"] = (lambda k: ar.set(k, "x", nx=True, px=30_000), ar.delete)
+    out: dict[str, Any] = {"redis.asyncio": (lambda k: ar.set(k, 1, nx=True, px=30_000), ar.delete)}
     try:
         import coredis
 
@@ -263,44 +151,76 @@ async def asyncio_clients(port: int, stack: contextlib.AsyncExitStack) -> dict[s
         with contextlib.suppress(AttributeError, TypeError):
             await stack.enter_async_context(cr)  # coredis 5+: the client is a context
         nx = coredis.PureToken.NX
-        out["coredis " + coredis.__version__] = (
+        out[f"coredis {coredis.__version__}"] = (
             lambda k: cr.set(k, "x", condition=nx, px=30_000),
             lambda k: cr.delete([k]),
         )
     except Exception as exc:  # the row says why
-        out["coredis"] = f"could not run: {_why(exc)}"
+        out["coredis"] = f"could not run: {c._why(exc)}"
     try:
         import glide as g
 
-        conf = g.GlideClientConfiguration([g.NodeAddress("127.0.0.1", port)])
-        gc = await g.GlideClient.create(conf)
+        gc = await g.GlideClient.create(
+            g.GlideClientConfiguration([g.NodeAddress("127.0.0.1", port)])
+        )
         stack.push_async_callback(gc.close)
         ex, gnx = (
             g.ExpirySet(g.ExpiryType.MILLSEC, 30_000),
             g.ConditionalChange.ONLY_IF_DOES_NOT_EXIST,
         )
-        out["valkey-glide " + (version("valkey-glide") or "?")] = (
+        out[f"valkey-glide {c.version('valkey-glide')}"] = (
             lambda k: gc.set(k, "x", conditional_set=gnx, expiry=ex),
             lambda k: gc.delete([k]),
         )
     except Exception as exc:
-        out["valkey-glide"] = f"could not run: {_why(exc)}"
+        out["valkey-glide"] = f"could not run: {c._why(exc)}"
     return out
 
 
 def set_del_pairs(name: str, setnx: Any, delete: Any) -> Any:
     async def make(t: int, count: int) -> None:
-        key = f"{name}:{t}"
         for _ in range(count):
-            assert await setnx(key)
-            await delete(key)
+            assert await setnx(f"{name}:{t}")
+            await delete(f"{name}:{t}")
 
     return make
 
 
-async def redis_async(server: Any, cfg: Config) -> list[Row]:
+SQL_RUNS = [(s, op) for s in ("PostgreSQL", "SQLite") for op in (c.CLAIM_OP, c.LOCK_OP)]
+
+
+# ---- measuring: every section returns its figures, by name ------------------------------
+
+
+def measure_redis(server: Any, cfg: Config) -> dict[str, Any]:
+    """The sync pairs against the minimal and bare-socket ones, and the crash-safe job."""
+    with contextlib.ExitStack() as stack:
+        r = stack.enter_context(redis.Redis(port=server.port, **c.CLIENT))
+        coord = stack.enter_context(idemlock.connect(server.url, key_prefix=c.new_prefix()))
+        raw, sock = Minimal(r), Minimal(r, socket_evalsha(server.port, stack))
+        pairs = {
+            "ours lock": subj.ours_lock_pairs(coord),
+            "ours claim": subj.ours_claim_pairs(coord),
+        }
+        for who, m in (("raw", raw), ("socket", sock)):
+            pairs |= {f"{who} lock": m.lock_pairs, f"{who} claim": m.claim_pairs}
+        jobs = {"3 trips": subj.ours_job(coord), "2 trips": subj.ours_job_together(coord)}
+        try:
+            jobs["fencekit"] = fencekit_job(r, prefix=c.new_prefix("fkj"))
+            jobs["fencekit"](1)
+        except Exception as exc:  # not installed or broken: the rows say so
+            del jobs["fencekit"]
+            why = f"not measured: fencekit could not run ({c._why(exc)}; pip install fencekit)"
+        return {
+            "sync": c.interleave(pairs, cfg.n, cfg.rounds),
+            "job": c.interleave(jobs, cfg.job_n, cfg.rounds) if "fencekit" in jobs else why,
+        }
+
+
+async def measure_async(server: Any, cfg: Config) -> dict[str, Any]:
+    """100 tasks: idemlock's acquire+release, and SET NX PX + DEL on each asyncio client."""
     async with contextlib.AsyncExitStack() as stack:
-        coord = idemlock.aio.connect(server.url, key_prefix=new_prefix())
+        coord = idemlock.aio.connect(server.url, key_prefix=c.new_prefix())
         stack.push_async_callback(coord.close)
         makes, notes = {"idemlock": subj.aio_lock(coord)}, {}
         for name, got in (await asyncio_clients(server.port, stack)).items():
@@ -311,194 +231,240 @@ async def redis_async(server: Any, cfg: Config) -> list[Row]:
                 await makes[name](0, 2)
             except Exception as exc:
                 makes.pop(name, None)
-                notes[name] = str(exc) if isinstance(got, str) else f"could not run: {_why(exc)}"
+                notes[name] = str(exc) if isinstance(got, str) else f"could not run: {c._why(exc)}"
         await makes["idemlock"](0, 1)
-        rates = await ainterleave(
-            {k: fan_out(mk, 100) for k, mk in makes.items()}, cfg.n, cfg.rounds
+        fans = {k: c.fan_out(mk, 100) for k, mk in makes.items()}
+        return {"aio": await c.ainterleave(fans, cfg.n, cfg.rounds), "aio notes": notes}
+
+
+def measure_contention(cs: Contenders, targets: dict[str, Any], cfg: Config) -> dict[str, Any]:
+    def run(store: str, kind: str, **kw: Any) -> dict[str, float]:
+        t = {**targets[store], "prefix": c.new_prefix("ct")}
+        return cs.run(store, kind, t, cfg.seconds, **kw)
+
+    return {
+        "redis": run("redis", c.OURS),
+        "redis Lock": run("redis", c.RPY),
+        "waiter": run("redis", c.OURS, hold=0.002, procs=2, pause=0.0005),
+        "cluster": run("redis-cluster", c.OURS),
+        "cluster base": run("redis-cluster", c.BASE),
+        "postgres": run("postgres", c.OURS),
+        "advisory": run("postgres", c.BASE),
+        "memory": contend_threads(c.OURS, cfg.seconds),
+        "SQLite": run("sqlite", c.OURS),
+    }
+
+
+def measure_sql(benches: dict[str, Any], cfg: Config) -> dict[str, Any]:
+    out = {}
+    for store, op in SQL_RUNS:
+        bench = benches[store]
+        with contextlib.ExitStack() as stack:
+            fns = bench.sync_fns(op, bench.target(), stack, c.Results())
+            out[f"{store} {op}"] = c.interleave(
+                {k: fns[k] for k in (c.BASE, c.OURS)}, cfg.n, cfg.rounds
+            )
+    return out
+
+
+def measure_import(cfg: Config) -> dict[str, Any]:
+    """A fresh interpreter's ``import idemlock`` (ms), every module's bytecode cached in a
+    private PYTHONPYCACHEPREFIX (as after pip install), then with idemlock's removed so it
+    compiles from source: stale or missing __pycache__ directories decide neither."""
+    code = "import time; t = time.perf_counter(); import idemlock; print(time.perf_counter() - t)"
+    with tempfile.TemporaryDirectory(prefix="idemlock-pyc-") as cache:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+        env["PYTHONPYCACHEPREFIX"] = cache
+
+        run = partial(subprocess.run, [sys.executable, "-c", code], env=env, check=True)
+        run(capture_output=True)  # writes the cache; the timed runs below only read it
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+
+        def median_ms() -> float:
+            runs = [float(run(capture_output=True, text=True).stdout) for _ in range(cfg.imports)]
+            return statistics.median(runs) * 1000
+
+        cached = median_ms()
+        shutil.rmtree(Path(cache, *Path(idemlock.__file__).parent.parts[1:]))
+        return {"import": (cached, median_ms())}
+
+
+# ---- the goals: figure, baseline, goal, at filing, measured -----------------------------
+
+#: what a measure returns: the measured text and one value per part of the goal (None: not
+#: measured); it gets the figures and the goal's limits (to print enough digits)
+Measure = Callable[[dict[str, Any], list[float]], tuple[str, list[float] | None]]
+
+
+def shown(value: float, unit: str, other: float = 0.0) -> str:
+    """``value`` with enough digits to tell it from ``other`` (0.996 is not 1.00)."""
+    d = {X: 2, "%": 0}.get(unit, 1)
+    while d < 6 and value != other and round(value, d) == round(other, d):
+        d += 1
+    return f"{value:.{d}f}{'' if unit in (X, '%') else ' '}{unit}"
+
+
+def rate(rates: c.Rates, name: str) -> str:
+    return fmt_rate(statistics.median(rates[name])) + "/s"
+
+
+def vs(section: str, ours: str, base: str) -> Measure:
+    """The same-round ratio of two subjects of a section."""
+
+    def measure(f: dict[str, Any], goal: list[float]) -> tuple[str, list[float] | None]:
+        if isinstance(rates := f[section], str):
+            return rates, None
+        v = c.ratio(rates, ours, base)
+        return f"{shown(v, X, goal[0])} ({rate(rates, ours)} vs {rate(rates, base)})", [v]
+
+    return measure
+
+
+def cs_vs(ours: str, base: str, fair: bool, label: str) -> Measure:
+    """Critical sections/s of a contention run against its baseline's; with ``fair``, the
+    hand-off share and worst wait as goals too."""
+
+    def measure(f: dict[str, Any], goal: list[float]) -> tuple[str, list[float] | None]:
+        a, b = f[ours], f[base]
+        v = a["cs_per_s"] / b["cs_per_s"]
+        text = f"{shown(v, X, goal[0])} ({a['cs_per_s']:.0f} vs {b['cs_per_s']:.0f}/s)"
+        if not fair:
+            return text, [v]
+        waits = f"hand-offs {a['handoff_share']:.0%}, worst wait {a['worst_wait_ms']:.1f} ms"
+        text += f", {waits} ({label}: {b['handoff_share']:.0%}, {b['worst_wait_ms']:.1f} ms)"
+        values = [v, a["handoff_share"] * 100, a["worst_wait_ms"]]
+        return text, values[-len(goal) :]  # PostgreSQL's goal has no throughput part
+
+    return measure
+
+
+def worst_wait(store: str) -> Measure:
+    def measure(f: dict[str, Any], goal: list[float]) -> tuple[str, list[float] | None]:
+        wait, share = f[store]["worst_wait_ms"], f[store]["handoff_share"]
+        return f"{wait:.1f} ms, hand-offs {share:.0%}", [wait]
+
+    return measure
+
+
+def single_waiter(f: dict[str, Any], goal: list[float]) -> tuple[str, list[float] | None]:
+    gap = f["waiter"]["handoff_gap_median_ms"]
+    return f"{gap:.2f} ms ({f['waiter']['count']:.0f} acquisitions)", [gap]
+
+
+def import_ms(f: dict[str, Any], goal: list[float]) -> tuple[str, list[float] | None]:
+    cached, cold = f["import"]
+    return f"{cached:.0f} ms with bytecode cached (judged), {cold:.0f} ms compiling idemlock", [
+        cached
+    ]
+
+
+#: figure | baseline | goal | at filing | its measure (a key of MEASURES), in the issue's order
+GOALS = """
+Redis acquire+release, sync | raw redis-py minimal-script pair | ≥ 1.0× | 0.73× | sync lock
+Redis claim+complete, sync | raw redis-py minimal-script pair | ≥ 1.0× | 0.64× | sync claim
+asyncio, 100 tasks: acquire+release | raw redis.asyncio SET NX PX + DEL pair | ≥ 3.0× \
+| 0.67-0.72× | asyncio
+crash-safe job: claim, fenced write, complete: 3 round trips | FK | ≥ 3.0× | 1.44× | job 3
+crash-safe job: claim, complete(writes=...): 2 round trips | FK | ≥ 3.0× | — | job 2
+contention, Redis, 4 processes, 1 ms holds: critical sections/s | redis-py's Lock \
+| ≥ 1.0×, ≥ 90% hand-offs, ≤ 50 ms worst wait | 0.76× | contention
+single waiter (Redis): median gap from release to acquire | — | ≤ 1 ms | 1.2 ms | waiter
+PostgreSQL claim+complete, sync | PG | ≥ 0.9× | 0.70× | PostgreSQL claim+complete
+PostgreSQL acquire+release, sync | PG | ≥ 0.9× | 0.76× | PostgreSQL acquire+release
+SQLite claim+complete, sync | SQLITE | ≥ 0.9× | 0.54× | SQLite claim+complete
+SQLite acquire+release, sync | SQLITE | ≥ 0.9× | 0.83× | SQLite acquire+release
+`import idemlock`, fresh interpreter | — | ≤ 50 ms | 109 ms | import
+contention, Redis Cluster: critical sections/s | SET NX PX retried every 1 ms | ≥ 0.8× \
+| 0.30× | cluster
+contention, PostgreSQL: hand-offs, worst wait | pg_advisory_lock \
+| ≥ 90% hand-offs, ≤ 50 ms worst wait | 46%, 274 ms | pg contention
+fairness, memory, 4 contenders: worst wait | FIFO | ≤ 100 ms | 5 s | memory
+fairness, SQLite, 4 contenders: worst wait | FIFO | ≤ 100 ms | 5 s | SQLite
+"""  # noqa: RUF001
+NAMES = {
+    "FK": "fencekit's job (guard, lock, fenced set, mark done, release)",
+    "PG": "2 raw psycopg INSERT … ON CONFLICT",
+    "SQLITE": "2 raw sqlite3 transactions",
+}
+MEASURES: dict[str, Measure] = {
+    "sync lock": vs("sync", "ours lock", "raw lock"),
+    "sync claim": vs("sync", "ours claim", "raw claim"),
+    "asyncio": vs("aio", "idemlock", "redis.asyncio"),
+    "job 3": vs("job", "3 trips", "fencekit"),
+    "job 2": vs("job", "2 trips", "fencekit"),
+    "contention": cs_vs("redis", "redis Lock", True, "Lock"),
+    "waiter": single_waiter,
+    **{f"{s} {op}": vs(f"{s} {op}", c.OURS, c.BASE) for s, op in SQL_RUNS},
+    "import": import_ms,
+    "cluster": cs_vs("cluster", "cluster base", False, ""),
+    "pg contention": cs_vs("postgres", "advisory", True, "advisory"),
+    "memory": worst_wait("memory"),
+    "SQLite": worst_wait("SQLite"),
+}
+
+
+@dataclass
+class Row:
+    figure: str
+    baseline: str
+    measured: str
+    goal: str = "—"
+    filed: str = "—"  # the issue's figure when it was filed
+    short: list[str] = field(default_factory=list)  # unmet parts of the goal
+    reference: bool = False
+
+    @property
+    def verdict(self) -> str:
+        if self.reference:
+            return "reference"
+        return "SHORT of goal by " + "; ".join(self.short) if self.short else "MEETS"
+
+
+def judge(
+    figure: str, baseline: str, goal: str, filed: str, measure: Measure, f: dict[str, Any]
+) -> Row:
+    parts = [
+        re.fullmatch(rf"([≥≤]) ([\d.]+) ?({X}|%|ms)(?: (.*))?", p).groups()
+        for p in goal.split(", ")
+    ]
+    limits = [float(limit) for _, limit, _, _ in parts]
+    text, values = measure(f, limits)
+    if values is None:
+        return Row(figure, baseline, text, goal, filed, ["the whole goal (not measured)"])
+    short = [
+        shown(abs(value - limit), unit) + (f" {what}" if what else "")
+        for value, (op, _, unit, what), limit in zip(values, parts, limits, strict=True)
+        if (value < limit if op == "≥" else value > limit)
+    ]
+    return Row(figure, baseline, text, goal, filed, short)
+
+
+def references(f: dict[str, Any]) -> list[Row]:
+    rows, sync, aio = [], f["sync"], f["aio"]
+    for name, op in (("lock", "acquire+release"), ("claim", "claim+complete")):
+        share = [c.ratio(sync, f"{who} {name}", f"socket {name}") for who in ("ours", "raw")]
+        rows.append(
+            Row(
+                f"Redis {op}, sync: share of the physical limit",
+                f"bare-socket EVALSHA loop ({rate(sync, f'socket {name}')})",
+                f"idemlock {share[0]:.0%}, raw redis-py {share[1]:.0%}",
+                reference=True,
+            )
         )
-    text, check = versus(rates, "idemlock", "redis.asyncio", 3.0)
-    rows = [row("asyncio, 100 tasks: acquire+release", ASYNC_BASE, text, f"0.67-0.72{X}", check)]
-    for name in [*makes, *notes]:
-        if name in ("idemlock", "redis.asyncio"):
-            continue
-        alone = rate(statistics.median(rates[name])) if name in rates else ""
-        measured = notes.get(name) or (
-            f"{ratio(rates, name, 'redis.asyncio'):.2f}{X} ({alone}); "
-            f"idemlock / it: {ratio(rates, 'idemlock', name):.2f}{X}"
+    for name in [k for k in aio if k not in ("idemlock", "redis.asyncio")] + list(f["aio notes"]):
+        measured = f["aio notes"].get(name) or (
+            f"{c.ratio(aio, name, 'redis.asyncio'):.2f}{X} ({rate(aio, name)}); "
+            f"idemlock / it: {c.ratio(aio, 'idemlock', name):.2f}{X}"
         )
         rows.append(
             Row(
                 f"asyncio, 100 tasks: SET NX PX + DEL on {name}",
-                ASYNC_BASE,
+                "raw redis.asyncio SET NX PX + DEL pair",
                 measured,
-                "—",
-                "—",
                 reference=True,
             )
         )
     return rows
-
-
-def redis_job(server: Any, cfg: Config) -> list[Row]:
-    jobs = {
-        "claim, fenced write, complete: 3 round trips": (subj.ours_job, f"1.44{X}"),
-        "claim, complete(writes=...): 2 round trips": (subj.ours_job_together, "—"),
-    }
-    with contextlib.ExitStack() as stack:
-        r = stack.enter_context(redis.Redis(port=server.port, **CLIENT))
-        coord = stack.enter_context(idemlock.connect(server.url, key_prefix=new_prefix()))
-        fns = {what: make(coord) for what, (make, _) in jobs.items()}
-        try:
-            fns["fencekit"] = fencekit_job(r, prefix=new_prefix("fkj"))
-            fns["fencekit"](1)
-        except Exception as exc:  # not installed or broken: the rows say so
-            fns.pop("fencekit", None)
-            why = f"not measured: fencekit could not run ({_why(exc)}; pip install fencekit)"
-        rates = interleave(fns, cfg.job_n, cfg.rounds)
-    rows = []
-    for what, (_, filed) in jobs.items():
-        text, check = (
-            versus(rates, what, "fencekit", 3.0)
-            if "fencekit" in rates
-            else (why, (0, "≥", 3.0, X, ""))
-        )
-        rows.append(row(f"crash-safe job: {what}", FENCEKIT, text, filed, check))
-    return rows
-
-
-def contention(cs: Contenders, targets: dict[str, Any], cfg: Config) -> list[Row]:
-    def run(store: str, kind: str, **kw: Any) -> dict[str, float]:
-        return cs.run(
-            store, kind, {**targets[store], "prefix": new_prefix("ct")}, cfg.seconds, **kw
-        )
-
-    def fair(m: dict[str, float], worst: float) -> list[Check]:
-        return [
-            (m["handoff_share"] * 100, "≥", 90, "%", "hand-offs"),
-            (m["worst_wait_ms"], "≤", worst, "ms", "worst wait"),
-        ]
-
-    ours, rpy = run("redis", OURS), run("redis", RPY)
-    v, one = (
-        ours["cs_per_s"] / rpy["cs_per_s"],
-        run("redis", OURS, hold=0.002, procs=2, pause=0.0005),
-    )
-    rows = [
-        row(
-            "contention, Redis, 4 processes, 1 ms holds: critical sections/s",
-            "redis-py's Lock",
-            f"{decimals(v, X, 1.0)}{X} ({ours['cs_per_s']:.0f} vs {rpy['cs_per_s']:.0f}/s), "
-            f"hand-offs {ours['handoff_share']:.0%}, worst wait {ours['worst_wait_ms']:.1f} ms "
-            f"(Lock: {rpy['handoff_share']:.0%}, {rpy['worst_wait_ms']:.0f} ms)",
-            f"0.76{X}",
-            (v, "≥", 1.0, X, ""),
-            *fair(ours, 50),
-        ),
-        row(
-            "single waiter (Redis): median gap from release to acquire",
-            "—",
-            f"{one['handoff_gap_median_ms']:.2f} ms ({one['count']:.0f} acquisitions)",
-            "1.2 ms",
-            (one["handoff_gap_median_ms"], "≤", 1.0, "ms", ""),
-        ),
-    ]
-    ours, base = run("redis-cluster", OURS), run("redis-cluster", BASE)
-    v = ours["cs_per_s"] / base["cs_per_s"]
-    rows.append(
-        row(
-            "contention, Redis Cluster: critical sections/s",
-            "SET NX PX retried every 1 ms",
-            f"{decimals(v, X, 0.8)}{X} ({ours['cs_per_s']:.0f} vs {base['cs_per_s']:.0f}/s)",
-            f"0.30{X}",
-            (v, "≥", 0.8, X, ""),
-        )
-    )
-    ours, adv = run("postgres", OURS), run("postgres", BASE)
-    rows.append(
-        row(
-            "contention, PostgreSQL: hand-offs, worst wait",
-            "pg_advisory_lock",
-            f"{ours['handoff_share']:.0%}, {ours['worst_wait_ms']:.1f} ms, "
-            f"{ours['cs_per_s'] / adv['cs_per_s']:.2f}{X} (advisory: {adv['handoff_share']:.0%}, "
-            f"{adv['worst_wait_ms']:.1f} ms)",
-            "46%, 274 ms",
-            *fair(ours, 50),
-        )
-    )
-    for store, m in (
-        ("memory", contend_threads(OURS, cfg.seconds)),
-        ("SQLite", run("sqlite", OURS)),
-    ):
-        rows.append(
-            row(
-                f"fairness, {store}, 4 contenders: worst wait",
-                "FIFO",
-                f"{m['worst_wait_ms']:.1f} ms, hand-offs {m['handoff_share']:.0%}",
-                "5 s",
-                (m["worst_wait_ms"], "≤", 100, "ms", ""),
-            )
-        )
-    return rows
-
-
-def sql_stores(benches: dict[str, Any], cfg: Config) -> list[Row]:
-    rows = []
-    filed = {
-        ("PostgreSQL", CLAIM_OP): 0.70,
-        ("PostgreSQL", LOCK_OP): 0.76,
-        ("SQLite", CLAIM_OP): 0.54,
-        ("SQLite", LOCK_OP): 0.83,
-    }
-    for (title, op), at_filing in filed.items():
-        bench = benches[title]
-        with contextlib.ExitStack() as stack:
-            fns = bench.sync_fns(op, bench.target(), stack, Results())
-            rates = interleave({k: fns[k] for k in (BASE, OURS)}, cfg.n, cfg.rounds)
-        text, check = versus(rates, OURS, BASE, 0.9)
-        rows.append(row(f"{title} {op}, sync", SQL_BASE[title], text, f"{at_filing:.2f}{X}", check))
-    return rows
-
-
-def import_time(cfg: Config) -> list[Row]:
-    """A fresh interpreter's ``import idemlock``, with every module's bytecode cached in a
-    private PYTHONPYCACHEPREFIX (as after pip install), then with idemlock's removed so
-    that it compiles from source: stale or missing __pycache__ directories decide neither."""
-    code = "import time; t = time.perf_counter(); import idemlock; print(time.perf_counter() - t)"
-    pkg = Path(idemlock.__file__).parent
-    with tempfile.TemporaryDirectory(prefix="idemlock-pyc-") as cache:
-        env = {**os.environ, "PYTHONPYCACHEPREFIX": cache}
-        env.pop("PYTHONDONTWRITEBYTECODE", None)
-        subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True)
-        env["PYTHONDONTWRITEBYTECODE"] = "1"  # the timed runs only read the cache
-
-        def median_ms() -> float:
-            times = [
-                float(
-                    subprocess.run(
-                        [sys.executable, "-c", code],
-                        env=env,
-                        check=True,
-                        capture_output=True,
-                        text=True,
-                    ).stdout
-                )
-                for _ in range(cfg.imports)
-            ]
-            return statistics.median(times) * 1000
-
-        cached = median_ms()
-        shutil.rmtree(Path(cache, *pkg.parts[1:]))
-        cold = median_ms()
-    return [
-        row(
-            "`import idemlock`, fresh interpreter",
-            "—",
-            f"{cached:.0f} ms with bytecode cached, {cold:.0f} ms compiling idemlock "
-            f"(medians of {cfg.imports}; the goal is judged on the cached figure)",
-            "109 ms",
-            (cached, "≤", 50, "ms", ""),
-        )
-    ]
 
 
 # ---- output -----------------------------------------------------------------------------
@@ -510,36 +476,24 @@ def table(rows: list[Row]) -> str:
         f"| {r.figure} | {r.baseline} | {r.measured} | {r.goal} | {r.filed} | {r.verdict} |"
         for r in rows
     ]
-    return "\n".join(lines)
-
-
-def summary(rows: list[Row]) -> str:
     met = sum(r.verdict == "MEETS" for r in rows)
-    return f"{met} of {sum(not r.reference for r in rows)} goals met"
+    return "\n".join(lines) + f"\n\n{met} of {sum(not r.reference for r in rows)} goals met"
 
 
-def write_doc(
-    path: Path, rows: list[Row], cfg: Config, quick: bool, loads: list[float], took: float
-) -> None:
+def write_doc(path: Path, rows: list[Row], how: str) -> None:
     """Replace (or add, at the end) the goals section of ``path``."""
-    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     section = "\n".join(
         [
-            GOALS_START,
+            c.GOALS_START,
             "## Issue 13's goals",
             "",
-            f"Generated by `python benchmarks/goals.py{' --quick' if quick else ''}` on {when} in "
-            f"{took:.0f} s ({cfg.rounds} interleaved rounds of {cfg.n} pairs, contention runs of "
-            f"{cfg.seconds:g} s; load average {loads[0]:.2f} at start, {loads[1]:.2f} at end, "
-            f"{os.cpu_count()} CPUs). Each figure is a same-round ratio to the baseline it names "
+            f"Generated by {how}. Each figure is a same-round ratio to the baseline it names "
             '(the median of per-round ratios); "at filing" is the issue\'s figure. Reference rows '
             "have no goal: the bare-socket limit (the minimal pair as pre-encoded EVALSHA on a "
             "plain socket) and the asyncio clients measured as alternatives to redis.asyncio.",
             "",
-            table(rows),
-            "",
-            summary(rows) + ".",
-            GOALS_END,
+            table(rows) + ".",
+            c.GOALS_END,
         ]
     )
     text = path.read_text() if path.exists() else ""
@@ -560,20 +514,17 @@ def main(argv: list[str] | None = None) -> int:
     from tests.servers.postgres import start_postgres
     from tests.servers.redis import start_cluster, start_redis
 
-    started, loads = time.monotonic(), [os.getloadavg()[0]]
+    started, load = time.monotonic(), os.getloadavg()[0]
     print(
-        f"idemlock goals ({'quick' if args.quick else 'full'}): {asdict(cfg)}; "
-        f"{os.cpu_count()} cpus, load average {loads[0]:.2f}",
-        flush=True,
+        f"idemlock goals: {asdict(cfg)}; {os.cpu_count()} cpus, load average {load:.2f}", flush=True
     )
-    rows: list[Row] = []
+    f: dict[str, Any] = {}
     with (
         tempfile.TemporaryDirectory(prefix="idemlock-goals-") as tmp,
         contextlib.ExitStack() as stack,
     ):
-        server = start_redis(Path(tmp) / "redis")
+        server, cluster = start_redis(Path(tmp) / "redis"), start_cluster(Path(tmp) / "cluster")
         stack.callback(server.stop)
-        cluster = start_cluster(Path(tmp) / "cluster")
         stack.callback(cluster.stop)
         pg = start_postgres()
         stack.callback(pg.destroy)
@@ -587,28 +538,32 @@ def main(argv: list[str] | None = None) -> int:
             "sqlite": benches["SQLite"].contention_target(),
         }
         for title, section in (
-            ("Redis, sync", lambda: redis_sync(server, cfg)),
-            ("asyncio", lambda: asyncio.run(redis_async(server, cfg))),
-            ("crash-safe job", lambda: redis_job(server, cfg)),
-            ("contention", lambda: contention(cs, targets, cfg)),
-            ("PostgreSQL and SQLite", lambda: sql_stores(benches, cfg)),
-            ("import time", lambda: import_time(cfg)),
+            ("Redis, sync and the crash-safe job", lambda: measure_redis(server, cfg)),
+            ("asyncio", lambda: asyncio.run(measure_async(server, cfg))),
+            ("contention", lambda: measure_contention(cs, targets, cfg)),
+            ("PostgreSQL and SQLite", lambda: measure_sql(benches, cfg)),
+            ("import time", lambda: measure_import(cfg)),
         ):
-            print(f"measuring: {title}", flush=True)
-            for r in section():
-                print(f"  {r.figure}: {r.measured} -> {r.verdict}", flush=True)
-                rows.append(r)
-    took = time.monotonic() - started
-    loads.append(os.getloadavg()[0])
-    print(
-        f"\nmeasured in {took:.0f} s, load average {loads[0]:.2f} at start, {loads[1]:.2f} at end\n"
+            print(f"measuring: {title} ({time.monotonic() - started:.0f} s)", flush=True)
+            f |= section()
+    rows = [
+        judge(*(NAMES.get(x, x) for x in line.split(" | ")[:4]), MEASURES[line.split(" | ")[4]], f)
+        for line in GOALS.replace(" \\\n", " ").strip().splitlines()
+    ]
+    rows += references(f)
+    took, load_end = time.monotonic() - started, os.getloadavg()[0]
+    how = (
+        f"`python benchmarks/goals.py{' --quick' if args.quick else ''}` on "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} in {took:.0f} s ({cfg.rounds} "
+        f"interleaved rounds of {cfg.n} pairs, contention runs of {cfg.seconds:g} s; load "
+        f"average {load:.2f} at start, {load_end:.2f} at end, {os.cpu_count()} CPUs)"
     )
-    print(table(rows) + "\n\n" + summary(rows))
+    print(f"\nmeasured {how}\n\n{table(rows)}")
     if args.doc:
-        write_doc(args.doc, rows, cfg, args.quick, loads, took)
+        write_doc(args.doc, rows, how)
     if args.json:
         args.json.write_text(
-            json.dumps([{**asdict(r), "verdict": r.verdict} for r in rows], indent=1) + "\n"
+            json.dumps([{**asdict(r), "verdict": r.verdict} for r in rows], indent=1)
         )
     return 0
 
