@@ -70,47 +70,44 @@ def index(data: dict[str, Any]) -> dict[tuple[str, ...], tuple[Any, Any]]:
     return out
 
 
-def ratio_text(r: dict[str, Any]) -> str:
-    return f"**{r['ratio']:.2f}{X}**" if r["subject"] == OURS else f"{r['ratio']:.2f}{X}"
+def table(head: list[str], rows: list[list[Any]], right: int = 99) -> list[str]:
+    """A Markdown table; the columns from ``right`` on are right-aligned."""
+    rule = ["---:" if i >= right else "---" for i in range(len(head))]
+    return [
+        "|" + "|".join(f" {c} " if c != "" else " " for c in r) + "|" for r in (head, rule, *rows)
+    ]
 
 
-def cell(found: dict[tuple[str, ...], tuple[Any, Any]], key: tuple[str, ...]) -> str:
-    r, miss = found.get(key, (None, None))
-    if r is None:
-        return miss["status"] if miss else "—"
-    text = f"{r['ratio']:.2f}{X} ({fmt_rate(r['value'])}/s)"
+def ratio_text(r: dict[str, Any], rate: bool = False) -> str:
+    text = f"{r['ratio']:.2f}{X}" + (f" ({fmt_rate(r['value'])}/s)" if rate else "")
     return f"**{text}**" if r["subject"] == OURS else text
 
 
 def throughput_table(data: dict[str, Any], scenarios: list[str]) -> list[str]:
-    stores, found = data["stores"], index(data)
-    lines = [
-        "| scenario | operation | subject | " + " | ".join(TITLE[s] for s in stores) + " |",
-        "| --- | --- | --- | " + " | ".join("---:" for _ in stores) + " |",
-    ]
+    stores, found, rows = data["stores"], index(data), []
     for scenario in scenarios:
         for op in (LOCK_OP, CLAIM_OP):
             seen = {k[3] for k in found if k[:2] == (scenario, op)}
             for subject in [s for s in SUBJECTS if s in seen]:
-                cells = [cell(found, (scenario, op, store, subject)) for store in stores]
-                lines.append(f"| {scenario} | {op} | {subject} | " + " | ".join(cells) + " |")
-    return lines
+                cells = []
+                for store in stores:
+                    r, miss = found.get((scenario, op, store, subject), (None, None))
+                    cells.append(ratio_text(r, True) if r else miss["status"] if miss else "—")
+                rows.append([scenario, op, subject, *cells])
+    return table(["scenario", "operation", "subject", *(TITLE[s] for s in stores)], rows, 3)
 
 
 def trips_table(data: dict[str, Any]) -> list[str]:
-    rows = [r for r in data["results"] if r["scenario"] == UNC and r.get("round_trips")]
-    stores = [s for s in data["stores"] if any(r["store"] == s for r in rows)]
-    lines = [
-        "| operation | subject | " + " | ".join(TITLE[s] for s in stores) + " |",
-        "| --- | --- | " + " | ".join("---:" for _ in stores) + " |",
-    ]
+    found = [r for r in data["results"] if r["scenario"] == UNC and r.get("round_trips")]
+    stores = [s for s in data["stores"] if any(r["store"] == s for r in found)]
+    rows = []
     for op in (LOCK_OP, CLAIM_OP):
         for subject in SUBJECTS:
-            got = {r["store"]: r for r in rows if r["operation"] == op and r["subject"] == subject}
+            got = {r["store"]: r for r in found if (r["operation"], r["subject"]) == (op, subject)}
             if got:
                 cells = [f"{got[s]['round_trips']:g}" if s in got else "—" for s in stores]
-                lines.append(f"| {op} | {subject} | " + " | ".join(cells) + " |")
-    return lines
+                rows.append([op, subject, *cells])
+    return table(["operation", "subject", *(TITLE[s] for s in stores)], rows, 2)
 
 
 def trips_text(r: dict[str, Any]) -> str:
@@ -120,22 +117,25 @@ def trips_text(r: dict[str, Any]) -> str:
     return f"{trips:g}" + (" txn" if r["store"] == "sqlite" else "")
 
 
-def job_text(store: str, subject: str) -> str:
-    """The job's steps and whether its write is fenced (two cells)."""
-    what, fenced = JOB_DESC[subject]
-    return f"{BASE_JOB[store] if subject == BASE else what} | {fenced}"
-
-
-def store_rows(data: dict[str, Any], scenario: str, op: str, ran: Any, missing: Any) -> list[str]:
-    """One table line per store and subject: ``ran(store, subject, row)`` or
-    ``missing(store, subject, not_run)`` (a subject that never tried adds no line)."""
-    found, lines = index(data), []
+def store_rows(
+    data: dict[str, Any], key: tuple[str, str], ran: Any, missing: Any
+) -> list[list[Any]]:
+    """One row per store and subject that tried: ``ran(store, subject, row)`` or
+    ``missing(store, subject, not_run)``."""
+    found, rows = index(data), []
     for store in data["stores"]:
         for subject in SUBJECTS:
-            r, miss = found.get((scenario, op, store, subject), (None, None))
+            r, miss = found.get((*key, store, subject), (None, None))
             if r is not None or miss is not None:
-                lines.append(ran(store, subject, r) if r else missing(store, subject, miss))
-    return lines
+                cells = ran(r) if r else missing(store, subject, miss)
+                rows.append([TITLE[store], subject, *cells])
+    return rows
+
+
+def job_cells(store: str, subject: str) -> list[str]:
+    """The job's steps and whether its write is fenced."""
+    what, fenced = JOB_DESC[subject]
+    return [BASE_JOB[store] if subject == BASE else what, fenced]
 
 
 def markdown(data: dict[str, Any], png_name: str | None) -> str:
@@ -193,14 +193,14 @@ def markdown(data: dict[str, Any], png_name: str | None) -> str:
             f"{m['cpu_count']} CPUs): absolute rates are low, ratios still pair rounds.",
             "",
         ]
-    out += ["## Peers", "", "| peer | version | status | stores | notes |",
-            "| --- | --- | --- | --- | --- |"]  # fmt: skip
-    for name, p in data["peers"].items():
-        notes = p["notes"] + "".join(f"; failed on {f}" for f in p["failures"])
-        stores_text = ", ".join(TITLE[s] for s in p["stores"]) or "—"
-        out.append(f"| {name} | {p['version'] or '—'} | {p['status']} | {stores_text} | {notes} |")
-    out += ["", "## Baselines", "", f"| store | baseline (1.00{X}) |", "| --- | --- |"]
-    out += [f"| {TITLE[s]} | {BASELINES[s]} |" for s in stores]
+    peers = [
+        [name, p["version"] or "—", p["status"], ", ".join(TITLE[s] for s in p["stores"]) or "—",
+         p["notes"] + "".join(f"; failed on {f}" for f in p["failures"])]
+        for name, p in data["peers"].items()
+    ]  # fmt: skip
+    out += ["## Peers", "", *table(["peer", "version", "status", "stores", "notes"], peers)]
+    out += ["", "## Baselines", "", *table(["store", f"baseline (1.00{X})"],
+            [[TITLE[s], BASELINES[s]] for s in stores])]  # fmt: skip
     out += [""]
     if png_name:
         out += [f"![ratios to the baseline per scenario and store]({png_name})", ""]
@@ -232,21 +232,16 @@ def markdown(data: dict[str, Any], png_name: str | None) -> str:
         "waiting when the lock was released; gap = release to the next acquisition; "
         "worst wait = the longest any contender waited for the lock.",
         "",
-        f"| store | subject | critical sections/s | {X} baseline | hand-offs | gap median | "
-        "worst wait |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    out += store_rows(
-        data,
-        HAND,
-        HAND_OP,
-        lambda s, subject, r: (
-            f"| {TITLE[s]} | {subject} | {r['value']:,.0f} | {ratio_text(r)} | "
-            f"{r['handoff_share']:.0%} | {r['gap_median_ms']:.2f} ms | "
-            f"{r['worst_wait_ms']:.1f} ms |"
-        ),
-        lambda s, subject, miss: f"| {TITLE[s]} | {subject} | {miss['status']} | | | | |",
-    )
+    out += table(
+        ["store", "subject", "critical sections/s", f"{X} baseline", "hand-offs", "gap median",
+         "worst wait"],
+        store_rows(data, (HAND, HAND_OP), lambda r: [
+            f"{r['value']:,.0f}", ratio_text(r), f"{r['handoff_share']:.0%}",
+            f"{r['gap_median_ms']:.2f} ms", f"{r['worst_wait_ms']:.1f} ms",
+        ], lambda s, subject, miss: [miss["status"], "", "", "", ""]),
+        2,
+    )  # fmt: skip
     out += [
         "",
         "redis-py's Lock polls every 0.1 s and fencekit's every 50 ms by default (used as "
@@ -264,21 +259,15 @@ def markdown(data: dict[str, Any], png_name: str | None) -> str:
         "request/response turns through a counting TCP relay, whatever the driver; SQLite: "
         "transactions).",
         "",
-        f"| store | subject | the job | fenced | round trips | jobs/s | {X} baseline |",
-        "| --- | --- | --- | --- | ---: | ---: | ---: |",
     ]
-    out += store_rows(
-        data,
-        JOB,
-        JOB_OP,
-        lambda s, subject, r: (
-            f"| {TITLE[s]} | {subject} | {job_text(s, subject)} | {trips_text(r)} | "
-            f"{fmt_rate(r['value'])} | {ratio_text(r)} |"
-        ),
-        lambda s, subject, miss: (
-            f"| {TITLE[s]} | {subject} | {job_text(s, subject)} | | {miss['status']} | |"
-        ),
-    )
+    out += table(
+        ["store", "subject", "the job", "fenced", "round trips", "jobs/s", f"{X} baseline"],
+        store_rows(data, (JOB, JOB_OP), lambda r: [
+            *job_cells(r["store"], r["subject"]), trips_text(r), fmt_rate(r["value"]),
+            ratio_text(r),
+        ], lambda s, subject, miss: [*job_cells(s, subject), "", miss["status"], ""]),
+        4,
+    )  # fmt: skip
     out += [
         "",
         '"fenced: no" means the peer offers no fencing token for the write: a worker '
@@ -288,31 +277,22 @@ def markdown(data: dict[str, Any], png_name: str | None) -> str:
     if data.get("single_waiter"):
         out += ["## Single waiter", "", "One holder and one waiter (2 processes, each holding "
                 "the lock 2 ms, then off it 0.5 ms): the median gap from the holder's release "
-                "to the waiter's acquisition.", "", "| store | gap median | acquisitions |",
-                "| --- | ---: | ---: |"]  # fmt: skip
-        for s, m in data["single_waiter"].items():
-            out.append(f"| {TITLE[s]} | {m['handoff_gap_median_ms']:.2f} ms | {m['count']:.0f} |")
-        out += [""]
+                "to the waiter's acquisition.", ""]  # fmt: skip
+        rows = [[TITLE[s], f"{m['handoff_gap_median_ms']:.2f} ms", f"{m['count']:.0f}"]
+                for s, m in data["single_waiter"].items()]  # fmt: skip
+        out += [*table(["store", "gap median", "acquisitions"], rows, 1), ""]
     if data.get("redis_memory"):
-        out += ["## Redis memory per key", "", "`MEMORY USAGE` of one key, as stored.", "",
-                "| what | bytes |", "| --- | --- |"]  # fmt: skip
-        out += [f"| {what} | {value} |" for what, value in data["redis_memory"]]
-        out += [""]
+        out += ["## Redis memory per key", "", "`MEMORY USAGE` of one key, as stored.", ""]
+        out += [*table(["what", "bytes"], data["redis_memory"]), ""]
     if data["not_run"]:
-        out += ["## Not run", "", "| store | scenario | subject | status | why |",
-                "| --- | --- | --- | --- | --- |"]  # fmt: skip
-        seen = set()
+        seen: dict[tuple[str, ...], list[str]] = {}
         for n in data["not_run"]:
-            key = (n["store"], n["scenario"], n["operation"], n["subject"])
-            if key in seen:
-                continue
-            seen.add(key)
-            why = n["why"].replace("|", "/")
-            out.append(
-                f"| {TITLE[n['store']]} | {n['scenario']}, {n['operation']} | "
-                f"{n['subject']} | {n['status']} | {why} |"
-            )
-        out += [""]
+            seen.setdefault((n["store"], n["scenario"], n["operation"], n["subject"]), [
+                TITLE[n["store"]], f"{n['scenario']}, {n['operation']}", n["subject"],
+                n["status"], n["why"].replace("|", "/"),
+            ])  # fmt: skip
+        head = ["store", "scenario", "subject", "status", "why"]
+        out += ["## Not run", "", *table(head, list(seen.values())), ""]
     out += [
         "## Reproduce",
         "",

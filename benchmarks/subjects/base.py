@@ -57,28 +57,22 @@ def ours_lock_pairs(coord: idemlock.Coordinator) -> Callable[[int], None]:
     return run
 
 
-def ours_claim_pairs(coord: idemlock.Coordinator) -> Callable[[int], None]:
-    port = coord.idempotency(SPEC)
-
-    def run(count: int) -> None:
-        tag = uuid.uuid4().hex[:6]
-        for i in range(count):
-            claim = port.claim(f"{tag}-{i}")
-            assert isinstance(claim, Claimed)
-            port.complete(claim.token, RESULT)
-
-    return run
-
-
-def ours_job(coord: idemlock.Coordinator, write: Callable[[str, int], Any] | None = None) -> SyncFn:
-    """The crash-safe job: claim, ``write(key, fence)`` (by default through the store's
-    fence gate), complete."""
+def ours_job(
+    coord: idemlock.Coordinator,
+    write: Callable[[str, int], Any] | None = None,
+    *,
+    effect: bool = True,
+    together: bool = False,
+) -> SyncFn:
+    """claim -> ``write(key, fence)`` (by default through the store's fence gate) ->
+    complete; ``effect=False``: claim+complete alone; ``together``: the effect written by
+    the completing script (one commit, 2 round trips, no late write can land after it)."""
     port = coord.idempotency(SPEC)
 
     def gate(key: str, fence: int) -> None:
         coord.fence(f"out:{key}").set_if_fresh(fence, f"out:{key}", b"done")
 
-    effect = write or gate
+    do = write or gate
 
     def run(count: int) -> None:
         tag = uuid.uuid4().hex[:6]
@@ -86,10 +80,22 @@ def ours_job(coord: idemlock.Coordinator, write: Callable[[str, int], Any] | Non
             key = f"{tag}-{i}"
             claim = port.claim(key)
             assert isinstance(claim, Claimed)
-            effect(key, claim.fence)
+            if together:
+                port.complete(claim.token, RESULT, writes={f"out:{key}": b"done"})
+                continue
+            if effect:
+                do(key, claim.fence)
             port.complete(claim.token, RESULT)
 
     return run
+
+
+def ours_claim_pairs(coord: idemlock.Coordinator) -> SyncFn:
+    return ours_job(coord, effect=False)
+
+
+def ours_job_together(coord: idemlock.Coordinator) -> SyncFn:
+    return ours_job(coord, together=True)
 
 
 def ours_ajob(
@@ -101,7 +107,7 @@ def ours_ajob(
     async def gate(key: str, fence: int) -> None:
         await coord.fence(f"out:{key}").set_if_fresh(fence, f"out:{key}", b"done")
 
-    effect = write or gate
+    do = write or gate
 
     async def run(count: int) -> None:
         tag = uuid.uuid4().hex[:6]
@@ -109,50 +115,26 @@ def ours_ajob(
             key = f"{tag}-{i}"
             claim = await port.claim(key)
             assert isinstance(claim, Claimed)
-            await effect(key, claim.fence)
+            await do(key, claim.fence)
             await port.complete(claim.token, RESULT)
 
     return run
 
 
-def ours_job_together(coord: idemlock.Coordinator) -> Callable[[int], None]:
-    """The same job with its effect written by the completing script: the effect and
-    the record commit together (2 round trips), and no late write can land after it."""
-    port = coord.idempotency(SPEC)
-
-    def run(count: int) -> None:
-        tag = uuid.uuid4().hex[:6]
-        for i in range(count):
-            key = f"{tag}-{i}"
-            claim = port.claim(key)
-            assert isinstance(claim, Claimed)
-            port.complete(claim.token, RESULT, writes={f"out:{key}": b"done"})
-
-    return run
-
-
-def port_lock_pairs(coord: idemlock.Coordinator) -> SyncFn:
+def port_pairs(coord: idemlock.Coordinator, op: str) -> SyncFn:
     """The store port alone: what the store adapter costs, without the API's own work
     per call (key checks, fingerprint, result encoding, typed outcomes)."""
     store, owner = coord.store, uuid.uuid4().hex
 
     def run(count: int) -> None:
-        for _ in range(count):
-            reply = store.acquire("bench", "k", owner, 30_000)
-            store.release("bench", "k", owner, reply.token)
-
-    return run
-
-
-def port_claim_pairs(coord: idemlock.Coordinator) -> SyncFn:
-    store = coord.store
-
-    def run(count: int) -> None:
         tag = uuid.uuid4().hex[:6]
         for i in range(count):
-            token = uuid.uuid4().hex
-            store.claim("bench", f"{tag}-{i}", "fp", token, LEASE_MS)
-            store.complete("bench", f"{tag}-{i}", token, RESULT_BYTES, TTL_MS)
+            if op == LOCK_OP:
+                store.release("bench", "k", owner, store.acquire("bench", "k", owner, 30_000).token)
+            else:
+                key, token = f"{tag}-{i}", uuid.uuid4().hex
+                store.claim("bench", key, "fp", token, LEASE_MS)
+                store.complete("bench", key, token, RESULT_BYTES, TTL_MS)
 
     return run
 
@@ -233,58 +215,26 @@ def count_sqlite_transactions() -> Iterator[Callable[[], int]]:
         sqlite3.connect = real  # type: ignore[assignment]
 
 
+def aio_pairs(coord: idemlock.aio.AsyncCoordinator, op: str) -> Make:
+    locks, port = coord.lock(LOCK), coord.idempotency(SPEC)
+
+    async def make(t: int, count: int) -> None:
+        tag = uuid.uuid4().hex[:6]
+        for i in range(count):
+            if op == LOCK_OP:
+                lease = await locks.acquire(f"k{t}")
+                assert lease is not None
+                await locks.release(lease)
+            else:
+                claim = await port.claim(f"{tag}-{t}-{i}")
+                assert isinstance(claim, Claimed)
+                await port.complete(claim.token, RESULT)
+
+    return make
+
+
 def aio_lock(coord: idemlock.aio.AsyncCoordinator) -> Make:
-    locks = coord.lock(LOCK)
-
-    async def make(t: int, count: int) -> None:
-        for _ in range(count):
-            lease = await locks.acquire(f"k{t}")
-            assert lease is not None
-            await locks.release(lease)
-
-    return make
-
-
-def aio_claim(coord: idemlock.aio.AsyncCoordinator) -> Make:
-    port = coord.idempotency(SPEC)
-
-    async def make(t: int, count: int) -> None:
-        tag = uuid.uuid4().hex[:6]
-        for i in range(count):
-            claim = await port.claim(f"{tag}-{t}-{i}")
-            assert isinstance(claim, Claimed)
-            await port.complete(claim.token, RESULT)
-
-    return make
-
-
-async def _ik(backend: Any, key: str, write: Callable[[str], Awaitable[Any]] | None) -> None:
-    res = await backend.claim(key, "f" * 64, 1, 300.0)
-    if write is not None:
-        await write(key)
-    await backend.complete(key, res.our_claim_token, 200, {}, b"x" * 40, 3600.0)
-
-
-def ik_claim(backend: Any) -> Make:
-    """idemkit's backend claim + complete, the calls its middleware makes per request."""
-
-    async def make(t: int, count: int) -> None:
-        tag = uuid.uuid4().hex[:6]
-        for i in range(count):
-            await _ik(backend, f"{tag}-{t}-{i}", None)
-
-    return make
-
-
-def ik_job(
-    backend: Any, write: Callable[[str], Awaitable[Any]]
-) -> Callable[[int], Awaitable[None]]:
-    async def run(count: int) -> None:
-        tag = uuid.uuid4().hex[:6]
-        for i in range(count):
-            await _ik(backend, f"{tag}-{i}", write)
-
-    return run
+    return aio_pairs(coord, LOCK_OP)
 
 
 def on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[int], Awaitable[None]]) -> SyncFn:
@@ -353,11 +303,10 @@ class Adapter:
         self, op: str, t: dict[str, Any], stack: contextlib.ExitStack, res: Results
     ) -> dict[str, SyncFn]:
         coord = self.coord(self.url(t), stack)
-        lock = op == LOCK_OP
         fns = {
             BASE: self.raw_pairs(op, t, stack),
-            OURS: (ours_lock_pairs if lock else ours_claim_pairs)(coord),
-            OURS_PORT: (port_lock_pairs if lock else port_claim_pairs)(coord),
+            OURS: (ours_lock_pairs if op == LOCK_OP else ours_claim_pairs)(coord),
+            OURS_PORT: port_pairs(coord, op),
         }
         return add_peers(fns, res, (UNC, op, self.name), self.peers(op, t, stack))
 
@@ -369,7 +318,7 @@ class Adapter:
         stack.push_async_callback(coord.close)
         fns = {
             BASE: await self.araw_pairs(op, tasks, stack),
-            OURS: (aio_lock if op == LOCK_OP else aio_claim)(coord),
+            OURS: aio_pairs(coord, op),
         }
         for name, build in self.apeers(op, t, stack).items():
             if (fn := await apeer(res, where, name, build)) is not None:

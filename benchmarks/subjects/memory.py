@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from common import LOCK_OP, RESULT_BYTES, SCALE, Make, SyncFn
@@ -16,90 +14,59 @@ from subjects.base import Adapter
 
 
 class MemoryRaw:
-    """The floor of an in-process store: a dict under a lock, the same critical sections."""
+    """The floor of an in-process store: a dict under a lock, the same critical sections
+    (claim: insert; complete: update; acquire: insert; release: delete; fenced write)."""
 
     def __init__(self) -> None:
         self.mu = threading.Lock()
-        self.claims: dict[str, list[Any]] = {}
-        self.locks: dict[str, tuple[str, int, float]] = {}
+        self.rows: dict[str, list[Any]] = {}  # claims and locks: [owner, fence, expiry, result]
         self.effects: dict[str, tuple[int, str]] = {}
         self.counter = 0
 
-    def claim(self, key: str, token: str) -> int | None:
+    def take(self, key: str, owner: str, ttl: float) -> int:
         now = time.monotonic()
         with self.mu:
-            rec = self.claims.get(key)
-            if rec is not None and rec[3] > now:
-                return None
+            rec = self.rows.get(key)
+            assert rec is None or rec[2] <= now, "taken"
             self.counter += 1
-            self.claims[key] = ["in_flight", token, self.counter, now + 300.0, None]
+            self.rows[key] = [owner, self.counter, now + ttl, None]
             return self.counter
 
-    def complete(self, key: str, token: str, result: bytes) -> bool:
+    def complete(self, key: str, owner: str) -> None:
         now = time.monotonic()
         with self.mu:
-            rec = self.claims.get(key)
-            if rec is None or rec[1] != token or rec[0] != "in_flight":
-                return False
-            rec[0], rec[3], rec[4] = "completed", now + 3600.0, result
-            return True
+            rec = self.rows[key]
+            assert rec[0] == owner and rec[3] is None
+            rec[2], rec[3] = now + 3600.0, RESULT_BYTES
 
-    def acquire(self, key: str, owner: str) -> int | None:
-        now = time.monotonic()
+    def release(self, key: str, owner: str, fence: int) -> None:
         with self.mu:
-            cur = self.locks.get(key)
-            if cur is not None and cur[2] > now:
-                return None
-            self.counter += 1
-            self.locks[key] = (owner, self.counter, now + 30.0)
-            return self.counter
+            rec = self.rows.pop(key)
+            assert rec[0] == owner and rec[1] == fence
 
-    def release(self, key: str, owner: str, token: int) -> bool:
-        with self.mu:
-            cur = self.locks.get(key)
-            if cur is None or cur[0] != owner or cur[1] != token:
-                return False
-            del self.locks[key]
-            return True
-
-    def fenced_write(self, key: str, fence: int, value: str) -> None:
+    def fenced_write(self, key: str, fence: int) -> None:
         with self.mu:
             cur = self.effects.get(key)
             if cur is not None and cur[0] > fence:
                 raise FencedOut(key, fence, cur[0])
-            self.effects[key] = (fence, value)
+            self.effects[key] = (fence, "done")
 
     async def afenced_write(self, key: str, fence: int) -> None:
-        self.fenced_write(key, fence, "done")
+        self.fenced_write(key, fence)
 
-    def claim_pairs(self, count: int, t: int = 0) -> None:
+    def pairs(self, op: str, count: int, t: int = 0, job: bool = False) -> None:
+        if op == LOCK_OP:
+            key = f"k{t}"
+            for _ in range(count):
+                self.release(key, "owner", self.take(key, "owner", 30.0))
+            return
         tag = uuid.uuid4().hex[:6]
         for i in range(count):
             key, token = f"{tag}-{t}-{i}", uuid.uuid4().hex
-            assert self.claim(key, token) is not None
-            assert self.complete(key, token, RESULT_BYTES)
-
-    def lock_pairs(self, count: int, t: int = 0) -> None:
-        key = f"k{t}"
-        for _ in range(count):
-            token = self.acquire(key, "owner")
-            assert token is not None
-            assert self.release(key, "owner", token)
-
-    def jobs(self, count: int) -> None:
-        tag = uuid.uuid4().hex[:6]
-        for i in range(count):
-            key, token = f"{tag}-{i}", uuid.uuid4().hex
-            fence = self.claim(key, token)
-            assert fence is not None
-            self.fenced_write(key, fence, "done")
-            assert self.complete(key, token, RESULT_BYTES)
-
-    async def aclaim(self, t: int, count: int) -> None:
-        self.claim_pairs(count, t)
-
-    async def alock(self, t: int, count: int) -> None:
-        self.lock_pairs(count, t)
+            fence = self.take(key, token, 300.0)
+            if job:
+                self.fenced_write(key, fence)
+            self.complete(key, token)
 
 
 class MemoryBench(Adapter):
@@ -109,20 +76,24 @@ class MemoryBench(Adapter):
     def url(self, t: dict[str, Any]) -> str:
         return "memory://"
 
-    def raw_pairs(self, op: str, t: dict[str, Any], stack: contextlib.ExitStack) -> SyncFn:
+    def raw_pairs(self, op: str, t: dict[str, Any], stack: Any) -> SyncFn:
         raw = MemoryRaw()
-        return raw.lock_pairs if op == LOCK_OP else raw.claim_pairs
+        return lambda count: raw.pairs(op, count)
 
-    async def araw_pairs(self, op: str, tasks: int, stack: contextlib.AsyncExitStack) -> Make:
+    async def araw_pairs(self, op: str, tasks: int, stack: Any) -> Make:
         raw = MemoryRaw()
-        return raw.alock if op == LOCK_OP else raw.aclaim
 
-    def raw_job(self, t: dict[str, Any], stack: contextlib.ExitStack) -> SyncFn:
-        return MemoryRaw().jobs
+        async def make(t: int, count: int) -> None:
+            raw.pairs(op, count, t)
 
-    def write(self, url: str, stack: contextlib.ExitStack) -> Callable[[str, int], Any]:
-        effects = MemoryRaw()
-        return lambda key, fence: effects.fenced_write(key, fence, "done")
+        return make
 
-    def awrite(self, url: str, stack: Any, loop: Any) -> Callable[[str, int], Awaitable[Any]]:
+    def raw_job(self, t: dict[str, Any], stack: Any) -> SyncFn:
+        raw = MemoryRaw()
+        return lambda count: raw.pairs("job", count, job=True)
+
+    def write(self, url: str, stack: Any) -> Any:
+        return MemoryRaw().fenced_write
+
+    def awrite(self, url: str, stack: Any, loop: Any) -> Any:
         return MemoryRaw().afenced_write

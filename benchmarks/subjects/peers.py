@@ -5,48 +5,52 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
 
-import redis
-import redis.asyncio
-import redis.asyncio.cluster
-import redis.cluster
-from common import RESULT, SyncFn
+from common import RESULT, Make, SyncFn
 
 
-def redispy_lock_pairs(r: redis.Redis, name: str = "peer:redis-py") -> Callable[[int], None]:
+def keyed(step: Callable[[str], Any]) -> SyncFn:
+    """``count`` calls of ``step`` on fresh keys."""
+
+    def run(count: int) -> None:
+        tag = uuid.uuid4().hex[:6]
+        for i in range(count):
+            step(f"{tag}-{i}")
+
+    return run
+
+
+def lock_pairs(new_lock: Callable[[], Any]) -> SyncFn:
+    """Acquire (without waiting) and release a lock object ``new_lock()`` makes."""
+
     def run(count: int) -> None:
         for _ in range(count):
-            lock = r.lock(name, timeout=30)
+            lock = new_lock()
             assert lock.acquire(blocking=False)
             lock.release()
 
     return run
 
 
-def prl_lock_pairs(
-    r: redis.Redis, name: str = "peer:prl", strict: bool = True
-) -> Callable[[int], None]:
+def redispy_lock_pairs(r: Any, name: str = "peer:redis-py") -> SyncFn:
+    return lock_pairs(lambda: r.lock(name, timeout=30))
+
+
+def prl_lock_pairs(r: Any, name: str = "peer:prl", strict: bool = True) -> SyncFn:
     """``strict=False`` lets python-redis-lock take a RedisCluster client (then ``name``
     needs a hash tag, e.g. ``{peer:prl}``, for its lock and signal keys to share a slot)."""
     import redis_lock
 
-    def run(count: int) -> None:
-        for _ in range(count):
-            lock = redis_lock.Lock(r, name, expire=30, strict=strict)
-            assert lock.acquire(blocking=False)
-            lock.release()
-
-    return run
+    return lock_pairs(lambda: redis_lock.Lock(r, name, expire=30, strict=strict))
 
 
-def fencekit_lock_pairs(r: redis.Redis, prefix: str = "fk") -> Callable[[int], None]:
+def fencekit_lock_pairs(r: Any, prefix: str = "fk") -> SyncFn:
     import fencekit
 
-    dl = fencekit.DistributedLock(r, prefix=prefix)
-    ttl = timedelta(seconds=30)
+    dl, ttl = fencekit.DistributedLock(r, prefix=prefix), timedelta(seconds=30)
 
     def run(count: int) -> None:
         for _ in range(count):
@@ -55,23 +59,19 @@ def fencekit_lock_pairs(r: redis.Redis, prefix: str = "fk") -> Callable[[int], N
     return run
 
 
-def fencekit_guard_pairs(r: redis.Redis, prefix: str = "fk") -> Callable[[int], None]:
+def fencekit_guard_pairs(r: Any, prefix: str = "fk") -> SyncFn:
     import fencekit
 
-    guard = fencekit.IdempotencyGuard(r, prefix=prefix)
-    ttl = timedelta(hours=1)
+    guard, ttl = fencekit.IdempotencyGuard(r, prefix=prefix), timedelta(hours=1)
 
-    def run(count: int) -> None:
-        tag = uuid.uuid4().hex[:6]
-        for i in range(count):
-            key = f"{tag}-{i}"
-            assert guard.try_begin(key, ttl=ttl)
-            guard.mark_done(key, result=RESULT, ttl=ttl)
+    def step(key: str) -> None:
+        assert guard.try_begin(key, ttl=ttl)
+        guard.mark_done(key, result=RESULT, ttl=ttl)
 
-    return run
+    return keyed(step)
 
 
-def fencekit_job(r: redis.Redis, prefix: str = "fkj") -> Callable[[int], None]:
+def fencekit_job(r: Any, prefix: str = "fkj") -> SyncFn:
     """On a Cluster, give ``prefix`` a hash tag (``{fkj}``): the fenced write's key and
     fencekit's gate keys must share a slot."""
     import fencekit
@@ -81,38 +81,33 @@ def fencekit_job(r: redis.Redis, prefix: str = "fkj") -> Callable[[int], None]:
     gate = fencekit.FenceGate(r, prefix=prefix)
     ttl = timedelta(seconds=300)
 
-    def run(count: int) -> None:
-        tag = uuid.uuid4().hex[:6]
-        for i in range(count):
-            key = f"{tag}-{i}"
-            assert guard.try_begin(key, ttl=ttl)
-            handle = lock.acquire(key, ttl=ttl, owner_id=guard.owner_id)
-            gate.set_if_fresh(handle.token, f"{prefix}out:{key}", "done")
-            guard.mark_done(key, result=RESULT, ttl=timedelta(hours=1))
-            lock.release(handle)
+    def step(key: str) -> None:
+        assert guard.try_begin(key, ttl=ttl)
+        handle = lock.acquire(key, ttl=ttl, owner_id=guard.owner_id)
+        gate.set_if_fresh(handle.token, f"{prefix}out:{key}", "done")
+        guard.mark_done(key, result=RESULT, ttl=timedelta(hours=1))
+        lock.release(handle)
 
-    return run
+    return keyed(step)
 
 
 def lock_job(r: Any, lock_of: Callable[[str], Any]) -> SyncFn:
     """A job from a lock alone: lock, check a done marker, write, mark done, release."""
     done = json.dumps(RESULT)
 
-    def run(count: int) -> None:
-        tag = uuid.uuid4().hex[:6]
-        for i in range(count):
-            key = f"{tag}-{i}"
-            lock = lock_of(key)
-            assert lock.acquire(blocking=False)
-            if r.get(f"done:{key}") is None:
-                r.set(f"eff:{key}", "done")
-                r.set(f"done:{key}", done, ex=3600)
-            lock.release()
+    def step(key: str) -> None:
+        lock = lock_of(key)
+        assert lock.acquire(blocking=False)
+        if r.get(f"done:{key}") is None:
+            r.set(f"eff:{key}", "done")
+            r.set(f"done:{key}", done, ex=3600)
+        lock.release()
 
-    return run
+    return keyed(step)
 
 
-def powertools_fn(r: Any, body: Callable[[str], None]) -> Callable[[str], Any]:
+def powertools(r: Any, job: bool) -> SyncFn:
+    """Powertools' idempotent_function (Redis cache layer); the job's body writes an effect."""
     from aws_lambda_powertools.utilities.idempotency import IdempotencyConfig, idempotent_function
     from aws_lambda_powertools.utilities.idempotency.persistence.cache import CachePersistenceLayer
 
@@ -121,29 +116,37 @@ def powertools_fn(r: Any, body: Callable[[str], None]) -> Callable[[str], Any]:
 
     @idempotent_function(data_keyword_argument="job", persistence_store=layer, config=config)
     def work(job: dict[str, str]) -> dict[str, Any]:
-        body(job["key"])
+        if job["effect"]:
+            r.set(f"ptout:{job['key']}", "done")
         return RESULT
 
-    return lambda key: work(job={"key": key})
+    return keyed(lambda key: work(job={"key": key, "effect": job}))
 
 
-def powertools_pairs(r: Any) -> SyncFn:
-    work = powertools_fn(r, lambda key: None)
+async def _ik(backend: Any, key: str, write: Callable[[str], Awaitable[Any]] | None) -> None:
+    res = await backend.claim(key, "f" * 64, 1, 300.0)
+    if write is not None:
+        await write(key)
+    await backend.complete(key, res.our_claim_token, 200, {}, b"x" * 40, 3600.0)
 
-    def run(count: int) -> None:
+
+def ik_claim(backend: Any) -> Make:
+    """idemkit's backend claim + complete, the calls its middleware makes per request."""
+
+    async def make(t: int, count: int) -> None:
         tag = uuid.uuid4().hex[:6]
         for i in range(count):
-            work(f"{tag}-{i}")
+            await _ik(backend, f"{tag}-{t}-{i}", None)
 
-    return run
+    return make
 
 
-def powertools_job(r: Any) -> SyncFn:
-    work = powertools_fn(r, lambda key: r.set(f"ptout:{key}", "done"))
-
-    def run(count: int) -> None:
+def ik_job(
+    backend: Any, write: Callable[[str], Awaitable[Any]]
+) -> Callable[[int], Awaitable[None]]:
+    async def run(count: int) -> None:
         tag = uuid.uuid4().hex[:6]
         for i in range(count):
-            work(f"{tag}-{i}")
+            await _ik(backend, f"{tag}-{i}", write)
 
     return run

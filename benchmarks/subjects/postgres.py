@@ -29,7 +29,8 @@ from tests.servers.proxy import TcpProxy
 import idemlock
 from idemlock import Claimed, FencedOut
 from idemlock.stores.postgres import fenced as PF
-from subjects.base import ABuilds, Adapter, Builds, ik_claim, ik_job, on_loop
+from subjects.base import ABuilds, Adapter, Builds, on_loop
+from subjects.peers import ik_claim, ik_job
 
 PG_SCHEMA = """
 CREATE SCHEMA IF NOT EXISTS raw;

@@ -39,8 +39,6 @@ from subjects.base import (
     Adapter,
     Builds,
     count_redis_requests,
-    ik_claim,
-    ik_job,
     on_loop,
     ours_job_together,
 )
@@ -48,9 +46,10 @@ from subjects.peers import (
     fencekit_guard_pairs,
     fencekit_job,
     fencekit_lock_pairs,
+    ik_claim,
+    ik_job,
     lock_job,
-    powertools_job,
-    powertools_pairs,
+    powertools,
     prl_lock_pairs,
     redispy_lock_pairs,
 )
@@ -85,27 +84,27 @@ class Raw:
 
         return (C.CLAIM.sha, 1, n.claim, FP, tok, LEASE_MS, KEEP), complete
 
-    def sync_lock_pairs(self, count: int, key: str = "k") -> None:
-        r, (acquire, release) = self.r, self.lock_pair(key)
-        for _ in range(count):
-            r.evalsha(*release(r.evalsha(*acquire)))
+    def sync_pairs(self, op: str) -> SyncFn:
+        def run(count: int) -> None:
+            r, (first, then) = self.r, self.lock_pair("k")
+            tag = uuid.uuid4().hex[:6]
+            for i in range(count):
+                if op != LOCK_OP:
+                    first, then = self.claim_pair(f"{tag}-{i}")
+                r.evalsha(*then(r.evalsha(*first)))
 
-    def sync_claim_pairs(self, count: int) -> None:
-        r, tag = self.r, uuid.uuid4().hex[:6]
-        for i in range(count):
-            claim, complete = self.claim_pair(f"{tag}-{i}")
-            r.evalsha(*complete(r.evalsha(*claim)))
+        return run
 
-    async def async_lock_pairs(self, count: int, key: str = "k") -> None:
-        r, (acquire, release) = self.r, self.lock_pair(key)
-        for _ in range(count):
-            await r.evalsha(*release(await r.evalsha(*acquire)))
+    def async_pairs(self, op: str) -> Make:
+        async def make(t: int, count: int) -> None:
+            r, (first, then) = self.r, self.lock_pair(f"k{t}")
+            tag = uuid.uuid4().hex[:6]
+            for i in range(count):
+                if op != LOCK_OP:
+                    first, then = self.claim_pair(f"{tag}-{t}-{i}")
+                await r.evalsha(*then(await r.evalsha(*first)))
 
-    async def async_claim_pairs(self, count: int, tag: str = "") -> None:
-        r, tag = self.r, tag or uuid.uuid4().hex[:6]
-        for i in range(count):
-            claim, complete = self.claim_pair(f"{tag}-{i}")
-            await r.evalsha(*complete(await r.evalsha(*claim)))
+        return make
 
 
 FP = C.pack_id("ab" * 32)
@@ -174,14 +173,10 @@ class RedisBench(Adapter):
         return r
 
     def raw_pairs(self, op: str, t: dict[str, Any], stack: contextlib.ExitStack) -> SyncFn:
-        raw = Raw(self._client(t, stack))
-        return raw.sync_lock_pairs if op == LOCK_OP else raw.sync_claim_pairs
+        return Raw(self._client(t, stack)).sync_pairs(op)
 
     async def araw_pairs(self, op: str, tasks: int, stack: contextlib.AsyncExitStack) -> Make:
-        raw = Raw(await self._aclient(self.target(), stack))
-        if op == LOCK_OP:
-            return lambda t, count: raw.async_lock_pairs(count, key=f"k{t}")
-        return lambda t, count: raw.async_claim_pairs(count, tag=f"{uuid.uuid4().hex[:6]}-{t}")
+        return Raw(await self._aclient(self.target(), stack)).async_pairs(op)
 
     def raw_job(self, t: dict[str, Any], stack: contextlib.ExitStack) -> SyncFn:
         return redis_raw_job(Raw(self._client(t, stack)))
@@ -205,7 +200,7 @@ class RedisBench(Adapter):
             }
         return {
             FK: lambda: fencekit_guard_pairs(r, prefix=self._tag(new_prefix("fk"))),
-            PT: lambda: powertools_pairs(r),
+            PT: lambda: powertools(r, job=False),
         }
 
     def apeers(self, op: str, t: dict[str, Any], stack: contextlib.AsyncExitStack) -> ABuilds:
@@ -259,7 +254,7 @@ class RedisBench(Adapter):
             FK: lambda: fencekit_job(r, prefix=self._tag(new_prefix("fkj"))),
             RPY: lambda: lock_job(r, lambda key: r.lock(f"rpj:{key}", timeout=300)),
             PRL: lambda: lock_job(r, self._prl(r)),
-            PT: lambda: powertools_job(r),
+            PT: lambda: powertools(r, job=True),
             IK: build_ik,
         }
 
