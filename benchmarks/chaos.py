@@ -43,67 +43,50 @@ for _p in (str(HERE), str(ROOT / "src"), str(ROOT)):
         sys.path.insert(0, _p)
 
 
-from faults import (  # noqa: E402
-    KINDS,
-    LOCK_KINDS,
-    LOCK_PRESETS,
-    PRESETS,
-    STORE_KINDS,
-    STORES,
-    WORKLOADS,
-)
+from faults import KINDS, LOCK_KINDS, LOCK_PRESETS, PRESETS, STORE_KINDS, STORES  # noqa: E402
 from faults.locks import LockRun, check_lock_history  # noqa: E402
 from faults.run import Options, Run  # noqa: E402
 
 __all__ = ["check_lock_history", "main"]
 
-
-# ---- the report tables --------------------------------------------------------------
-
-
-def _faults(r: dict[str, Any], applies: dict[str, tuple[str, ...]]) -> list[str]:
-    return [str(r["faults"][k]) if k in applies[r["store"]] else "-" for k in KINDS]
-
-
-#: (header, width) of each column, then the cells of a report
-COLUMNS = [("store", 24), ("mode", 8), ("jobs", 5), ("kill", 5), ("stop", 5), ("restart", 7),
-           ("cut", 4), ("blackhole", 9), ("repeated effects", 16), ("stale refused", 13),
-           ("stale accepted", 14), ("viol.", 5)]  # fmt: skip
-LOCK_COLUMNS = [("store", 24), ("mode", 8), ("holds", 6), ("writes", 7), ("kill", 5),
-                ("stop", 5), ("restart", 7), ("cut", 4), ("blackhole", 9), ("accepted", 8),
-                ("stale refused", 13), ("unknown", 7), ("leases lost", 11),
-                ("viol.", 5)]  # fmt: skip
+#: (header, width, cell) of each column of the two report tables
+FAULTS = [(k, w, k) for k, w in zip(KINDS, (5, 5, 7, 4, 9), strict=True)]
+COLUMNS = [("store", 24, "store"), ("mode", 8, "mode"), ("jobs", 5, "jobs"), *FAULTS,
+           ("repeated effects", 16, "repeated_effects"),
+           ("stale refused", 13, "stale_writes_refused"),
+           ("stale accepted", 14, "stale_writes_accepted"),
+           ("viol.", 5, "violations_total")]  # fmt: skip
+LOCK_COLUMNS = [("store", 24, "store"), ("mode", 8, "mode"), ("holds", 6, "holds"),
+                ("writes", 7, "writes"), *FAULTS, ("accepted", 8, "writes_accepted"),
+                ("stale refused", 13, "stale_writes_refused"), ("unknown", 7, "writes_unknown"),
+                ("leases lost", 11, "leases_lost"), ("viol.", 5, "violations_total")]  # fmt: skip
 
 
-def row_of(r: dict[str, Any]) -> list[str]:
-    store = r["store"] + (" (same tx)" if r["same_transaction"] else "")
-    return [store, r["mode"], str(r["jobs"]), *_faults(r, STORE_KINDS)] + [
-        str(r[k]) for k in ("repeated_effects", "stale_writes_refused",
-                            "stale_writes_accepted", "violations_total")]  # fmt: skip
+def table(
+    columns: list[tuple[str, int, str]], reports: list[dict[str, Any]], left: int
+) -> list[str]:
+    """One row per report, padded to the widths; the first ``left`` columns left-aligned;
+    a fault that does not apply to the store is "-"."""
 
-
-def lock_row_of(r: dict[str, Any]) -> list[str]:
-    return [r["store"], r["mode"], str(r["holds"]), str(r["writes"]),
-            *_faults(r, LOCK_KINDS)] + [str(r[k]) for k in (
-        "writes_accepted", "stale_writes_refused", "writes_unknown", "leases_lost",
-        "violations_total")]  # fmt: skip
-
-
-def _table(columns: list[tuple[str, int]], rows: list[list[str]], left: int = 1) -> list[str]:
-    """Columns padded to their widths; the first ``left`` ones left-aligned."""
+    def cell(r: dict[str, Any], key: str) -> str:
+        applies = LOCK_KINDS if r.get("workload") == "lock" else STORE_KINDS
+        if key in KINDS:
+            return str(r["faults"][key]) if key in applies[r["store"]] else "-"
+        return str(r[key]) + (" (same tx)" if key == "store" and r["same_transaction"] else "")
 
     def line(cells: list[str]) -> str:
         return " ".join(
             c.rjust(w) if i >= left else c.ljust(w)
-            for i, (c, (_, w)) in enumerate(zip(cells, columns, strict=True))
+            for i, (c, (_, w, _)) in enumerate(zip(cells, columns, strict=True))
         )
 
-    head = line([name for name, _ in columns])
-    return [head, "-" * len(head), *(line(cells) for cells in rows)]
+    head = line([name for name, _, _ in columns])
+    rows = [line([cell(r, key) for _, _, key in columns]) for r in reports]
+    return [head, "-" * len(head), *rows]
 
 
 def render_locks(reports: list[dict[str, Any]]) -> list[str]:
-    lines = ["lock workload:", *_table(LOCK_COLUMNS, [lock_row_of(r) for r in reports]), ""]
+    lines = ["lock workload:", *table(LOCK_COLUMNS, reports, left=1), ""]
     for r in reports:
         ev, late = r["worker_events"], r["on_lost_late_s"]
         lines.append(
@@ -119,8 +102,7 @@ def render_locks(reports: list[dict[str, Any]]) -> list[str]:
         )
         if r["unfenced_findings"]:
             lines.append(f"    without a fence: {r['unfenced_findings']}")
-        for text in r["examples"]:
-            lines.append(f"    VIOLATION {text[:400]}")
+        lines += [f"    VIOLATION {text[:400]}" for text in r["examples"]]
     return lines
 
 
@@ -129,8 +111,7 @@ def render(reports: list[dict[str, Any]]) -> str:
     reports = [r for r in reports if r.get("workload") != "lock"]
     if not reports:
         return "\n".join(render_locks(locks))
-    lines = _table(COLUMNS, [row_of(r) for r in reports], left=2)
-    lines.append("")
+    lines = [*table(COLUMNS, reports, left=2), ""]
     for r in reports:
         ev = r["worker_events"]
         extra = (
@@ -145,46 +126,34 @@ def render(reports: list[dict[str, Any]]) -> str:
                 f"completes, {r['records_lost_with_data']} records lost with Redis data"
             )
         lines.append(extra)
-        for text in r["examples"]:
-            lines.append(f"    VIOLATION {text[:300]}")
+        lines += [f"    VIOLATION {text[:300]}" for text in r["examples"]]
     if locks:
         lines += ["", *render_locks(locks)]
     return "\n".join(lines)
 
 
-# ---- the command ------------------------------------------------------------------------
-
-
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(
-        prog="chaos.py", description=__doc__.split("\n\n")[0] if __doc__ else None
-    )
-    ap.add_argument("--store", choices=STORES)
-    ap.add_argument("--all", action="store_true", help="every store (and same-transaction)")
-    ap.add_argument(
-        "--same-transaction",
-        action="store_true",
-        help="PostgreSQL: effect, log row and complete commit in one transaction",
-    )
-    ap.add_argument("--mode", choices=("idemlock", "plain", "both"), default="idemlock")
-    ap.add_argument(
-        "--workload",
-        choices=(*WORKLOADS, "both"),
-        default="jobs",
+    ap = argparse.ArgumentParser(prog="chaos.py", description=__doc__.split("\n\n")[0])
+    arg = ap.add_argument
+    arg("--store", choices=STORES)
+    arg("--all", action="store_true", help="every store (and same-transaction)")
+    arg("--same-transaction", action="store_true",
+        help="PostgreSQL: effect, log row and complete commit in one transaction")  # fmt: skip
+    arg("--mode", choices=("idemlock", "plain", "both"), default="idemlock")
+    arg("--workload", choices=("jobs", "lock", "both"), default="jobs",
         help="jobs: keyed jobs from an at-least-once queue; lock: hold() with renewals "
-        "and fenced writes under the lock (ttl --lease)",
-    )
-    ap.add_argument("--resources", type=int, default=3, help="lock workload: locks contended")
-    ap.add_argument("--short", action="store_true", help="the CI configuration")
-    ap.add_argument("--jobs", type=int)
-    ap.add_argument("--workers", type=int)
-    ap.add_argument("--duration", type=float, help="seconds over which jobs are released")
-    ap.add_argument("--fault-every", type=float, help="mean seconds between faults")
-    ap.add_argument("--lease", type=float, default=1.0, help="claim lease (s)")
-    ap.add_argument("--visibility", type=float, default=1.0, help="queue visibility timeout (s)")
-    ap.add_argument("--seed", type=int)
-    ap.add_argument("--json", action="store_true", help="print the report as JSON")
-    ap.add_argument("--verbose", action="store_true", help="print every fault as it happens")
+        "and fenced writes under the lock (ttl --lease)")  # fmt: skip
+    arg("--resources", type=int, default=3, help="lock workload: locks contended")
+    arg("--short", action="store_true", help="the CI configuration")
+    arg("--jobs", type=int)
+    arg("--workers", type=int)
+    arg("--duration", type=float, help="seconds over which jobs are released")
+    arg("--fault-every", type=float, help="mean seconds between faults")
+    arg("--lease", type=float, default=1.0, help="claim lease (s)")
+    arg("--visibility", type=float, default=1.0, help="queue visibility timeout (s)")
+    arg("--seed", type=int)
+    arg("--json", action="store_true", help="print the report as JSON")
+    arg("--verbose", action="store_true", help="print every fault as it happens")
     args = ap.parse_args(argv)
     if not args.all and not args.store:
         ap.error("give --store or --all")
@@ -206,19 +175,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def plan(args: argparse.Namespace) -> list[tuple[str, str, bool, str]]:
     """(store, mode, same transaction, workload) of each run."""
     modes = ("plain", "idemlock") if args.mode == "both" else (args.mode,)
-    runs: list[tuple[str, str, bool, str]] = []
     stores = STORES if args.all else (args.store,)
-    if args.workload in ("jobs", "both"):
-        for store in stores:
-            for mode in modes:
-                if args.all or not args.same_transaction:
-                    runs.append((store, mode, False, "jobs"))
-                if (
-                    store == "postgres"
-                    and mode == "idemlock"
-                    and (args.all or args.same_transaction)
-                ):
-                    runs.append((store, mode, True, "jobs"))
+    runs = []
+    for store in stores if args.workload in ("jobs", "both") else ():
+        for mode in modes:
+            if args.all or not args.same_transaction:
+                runs.append((store, mode, False, "jobs"))
+            if (store, mode) == ("postgres", "idemlock") and (args.all or args.same_transaction):
+                runs.append((store, mode, True, "jobs"))
     if args.workload in ("lock", "both"):
         runs += [(store, mode, False, "lock") for store in stores for mode in modes]
     return runs
@@ -250,9 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"seed": opts.seed, "runs": reports, "violations": failed}, indent=2))
     else:
-        print()
-        print(render(reports))
-        print(f"\n{'FAILED' if failed else 'OK'}: {failed} violation(s); seed {opts.seed}")
+        print(f"\n{render(reports)}\n")
+        print(f"{'FAILED' if failed else 'OK'}: {failed} violation(s); seed {opts.seed}")
     return 1 if failed else 0
 
 

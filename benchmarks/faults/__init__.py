@@ -1,8 +1,8 @@
-"""The fault injector behind ``benchmarks/chaos.py``: its stores, faults and checks.
+"""The fault injector behind ``benchmarks/chaos.py``.
 
 * ``network``: the loopback TCP proxies that cut and blackhole connections;
 * ``effects``: the effects database (the queue of ``idemlock._faults.queue``, the
-  effects and their log) seen from one process;
+  effects and their log, the lock workload's writes) seen from one process;
 * ``worker``: the worker processes' main loops (jobs, locks);
 * ``run``: one store and one mode, start to check (the workers and the killer are
   ``idemlock._faults.workers``, shared with ``idemlock demo``);
@@ -19,21 +19,15 @@ STORES = ("sqlite", "redis", "redis-cluster", "postgres", "etcd")
 KINDS = ("kill", "stop", "restart", "cut", "blackhole")
 #: which faults apply: SQLite has no server to restart and no connection to cut.
 STORE_KINDS = {store: KINDS for store in STORES} | {"sqlite": ("kill", "stop")}
-#: the lock workload's faults: no Redis restarts there (an empty Redis forgets its leases
-#: and gates: data loss the job workload already measures, not a failure of the lock);
-#: etcd keeps its leases and fences through a leader's crash: restarts apply
+#: the lock workload's: no Redis restarts (an empty Redis forgets its leases and gates:
+#: data loss the job workload measures, not a failure of the lock)
 NO_RESTART = ("kill", "stop", "cut", "blackhole")
 LOCK_KINDS = STORE_KINDS | {"redis": NO_RESTART, "redis-cluster": NO_RESTART}
-#: faults on the proxy: with nothing connected through it they are skipped, not retried
-NETWORK_KINDS = ("cut", "blackhole")
-WORKLOADS = ("jobs", "lock")
-LOCK_SPEC = "chaos-lock"
-#: slack for clock granularity when comparing times taken in different processes (one
-#: machine, CLOCK_MONOTONIC) with lease expiry judged by the store's clock
+#: slack for clock granularity between processes (one machine, CLOCK_MONOTONIC)
 SLACK = 0.02
 #: stores whose restart loses data (their records are not expected to survive)
 LOSSY = ("redis", "redis-cluster")
-SPEC = "chaos"
+SPEC, LOCK_SPEC = "chaos", "chaos-lock"
 #: stores whose lock write is the store's own gate (timed log, not acceptance order)
 GATED = ("redis", "redis-cluster", "etcd")
 PRESETS: dict[str, dict[str, Any]] = {
@@ -42,7 +36,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # By command; the README's figures.
     "long": {"jobs": 3000, "workers": 6, "duration": 120.0, "fault_every": 0.5},
 }
-#: the lock workload: workers contend for ``--resources`` locks (no job count)
+#: the lock workload's (workers contend for ``--resources`` locks: no job count)
 LOCK_PRESETS: dict[str, dict[str, Any]] = {
     "short": {"workers": 4, "duration": 6.0, "fault_every": 0.25},
     "long": {"workers": 6, "duration": 180.0, "fault_every": 0.5},

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import bisect
-import time
+import contextlib
 from collections import Counter
 from typing import Any
 
 from faults import GATED, KINDS, SLACK, Findings
-from faults.run import Run
-from faults.worker import store_options
+from faults.effects import LOCK_SNAPSHOTS, FxError
+from faults.run import Run, retried
 from idemlock._faults.workers import Slot
-
-# ---- the lock workload: supervisor and checker ------------------------------------------
 
 
 class LockRun(Run):
@@ -22,50 +20,27 @@ class LockRun(Run):
 
     workload = "lock"
 
-    def holding(self, slot: Slot) -> bool:
-        try:
-            return (self.root / "stats" / f"{slot.worker}.state").read_bytes()[:1] == b"1"
-        except OSError:
-            return False
-
     def candidates(self) -> list[Slot]:
         """Live, running workers inside a ``hold()`` block (a fault on a waiting
         worker tests little)."""
-        return [s for s in self.workers.live() if self.holding(s)] if self.workers else []
+
+        def holding(slot: Slot) -> bool:
+            with contextlib.suppress(OSError):
+                return (self.root / "stats" / f"{slot.worker}.state").read_bytes()[:1] == b"1"
+            return False
+
+        return [s for s in self.workers.live() if holding(s)] if self.workers else []
 
     def redeliver(self, worker: str) -> None:
         pass  # its lease runs out on its own: that is what is being tested
 
-    def drive(self) -> None:
-        import idemlock
-
-        opts = self.opts
-        assert self.fx is not None
-        self.fx.lock_create()
-        # Create the store's schema once, before the workers race to.
-        with idemlock.connect(self.store_url, **store_options(self.store_url)) as coord:
-            coord.locks()
-        workers = self.start_workers()
-        start = time.monotonic()
-        faults_until = start + 0.5 + opts.duration
-        order: list[str] = []
-        next_fault = start + 0.5 + self.rng.expovariate(1 / opts.fault_every)
-        try:
-            while (now := time.monotonic()) < faults_until:
-                self.wake_due()
-                self.reap()
-                if self.kinds and now >= next_fault:
-                    next_fault = self.next_fault(order)
-                time.sleep(0.005)
-            self.outcome.seconds = time.monotonic() - start
-            self.settle(1.0 + opts.lease)  # late writes of paused holders: fenced out
-            self.outcome.drained = True
-        finally:
-            self.wake_member(force=True)
-            workers.close()
+    def run(self) -> None:
+        self.fx.create([])
+        # late writes of paused holders, after the faults: fenced out
+        self.drive(lambda coord: coord.locks(), lambda: True, 1.0 + self.opts.lease)
 
     def check(self) -> dict[str, Any]:
-        snap = self.snapshot(self.fx.lock_snapshot if self.fx else None)
+        snap = retried(lambda: self.fx.snapshot(LOCK_SNAPSHOTS), FxError)
         exact = self.store not in GATED or self.mode == "plain"
         found = check_lock_history(snap["holds"], snap["log"], exact=exact)
         judged = Findings(found.pop("violations"), found.pop("examples"))
@@ -75,7 +50,6 @@ class LockRun(Run):
             for kind in ("stale_write_accepted", "writes_interleaved"):
                 unfenced[kind] = judged.violations.pop(kind, 0)
             judged.examples = [e for e in judged.examples if e.split(":")[0] not in unfenced]
-        events = self.worker_problems(judged)
         late: list[float] = []  # told how long after the deadline, holder not paused
         paused_late: list[float] = []
         for path in (self.root / "stats").glob("*.lost"):
@@ -83,12 +57,13 @@ class LockRun(Run):
             for line in path.read_text().splitlines():
                 deadline, told = map(float, line.split())
                 paused = any(
-                    w == worker and start < told and end > deadline
-                    for w, start, end in self.outcome.stops
+                    w == worker and start < told and end > deadline for w, start, end in self.stops
                 )
                 (paused_late if paused else late).append(told - deadline)
         late.sort()
         paused_late.sort()
+        fence = "set_if_fresh" if self.store.startswith("redis") else "check_and_advance"
+        verdict = self.verdict(judged)
         return {
             "workload": "lock",
             "store": self.store,
@@ -97,20 +72,13 @@ class LockRun(Run):
             "seed": self.opts.seed,
             "workers": self.opts.workers,
             "resources": self.opts.resources,
-            "seconds": round(self.outcome.seconds, 1),
+            "seconds": round(self.seconds, 1),
             "ttl_s": self.opts.lease,
-            "fence": "none"
-            if self.mode == "plain"
-            else "sql"
-            if exact
-            else "check_and_advance"
-            if self.store == "etcd"
-            else "set_if_fresh",
-            **({"etcd_faults": dict(self.etcd_faults)} if self.etcd is not None else {}),
+            "fence": "none" if self.mode == "plain" else "sql" if exact else fence,
             "unfenced_findings": unfenced,
-            "faults": {k: self.outcome.faults.get(k, 0) for k in KINDS},
+            "faults": {k: self.faults[k] for k in KINDS},
             **found,
-            "leases_lost": events.get("lock_lost", 0),
+            "leases_lost": verdict["worker_events"].get("lock_lost", 0),
             "on_lost_calls": len(late) + len(paused_late),
             # How long after the lease's deadline (counted from the renewal's send; or
             # from when hold() returned a lease already past it) on_lost ran, for
@@ -125,7 +93,7 @@ class LockRun(Run):
                 "count": len(paused_late),
                 "max": round(paused_late[-1], 3) if paused_late else None,
             },
-            **self.verdict(judged, events),
+            **verdict,
         }
 
 

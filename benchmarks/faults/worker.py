@@ -14,10 +14,9 @@ from datetime import timedelta
 from typing import Any
 
 from faults import LOCK_SPEC, SPEC
-from faults.effects import FxError, PgFx, make_fx
+from faults.effects import Fx, FxError
+from idemlock._faults.queue import Outcome, consume
 from idemlock._faults.workers import redirect
-
-# ---- a worker process -------------------------------------------------------------------
 
 
 @dataclass
@@ -31,22 +30,21 @@ class WorkerConfig:
     lease: float
     visibility: float
     seed: int
-    stats: str
-    step_ms: tuple[float, float] = (5.0, 25.0)
+    stats: str  # its event counts, one line per event
     workload: str = "jobs"  # jobs | lock
     resources: int = 3  # the lock workload's locks
     state: str = ""  # the lock workload: a byte, 1 while this worker holds a lock
+    step_ms: tuple[float, float] = (5.0, 25.0)
 
 
-class Stats:
-    """Event counts of one worker, one line per event, appended as they happen (a
-    killed worker's counts survive it)."""
+def appender(path: str) -> Callable[[str], None]:
+    """Lines appended to ``path`` as they happen (a killed worker's survive it)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
-    def __init__(self, path: str) -> None:
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    def add(line: str) -> None:
+        os.write(fd, line.encode() + b"\n")
 
-    def add(self, event: str) -> None:
-        os.write(self.fd, event.encode() + b"\n")
+    return add
 
 
 def store_options(url: str) -> dict[str, Any]:
@@ -59,148 +57,106 @@ def job_key(job: int) -> str:
 
 
 def idempotent_job(coord: Any, lease: float, body: Callable[[int], str]) -> Callable[[int], str]:
-    """The job as the workers and the checker wrap it: same spec, key and signature
-    (so the same payload fingerprint)."""
+    """The job as the workers and the checker wrap it (so the same payload fingerprint)."""
     import idemlock
 
     spec = idemlock.IdempotencySpec(SPEC, ttl=timedelta(hours=2), lease=timedelta(seconds=lease))
+    return coord.idempotent(spec, key=job_key)(body)  # type: ignore[no-any-return]
 
-    @coord.idempotent(spec, key=job_key)
-    def run_job(job: int) -> str:
-        return body(job)
 
-    return run_job  # type: ignore[no-any-return]
+def unexpected(exc: Exception) -> str:
+    # Not a failure a worker expects: reported (the run fails), and the worker goes on.
+    traceback.print_exc()
+    sys.stderr.flush()
+    return f"unexpected:{type(exc).__module__}.{type(exc).__name__}"
 
 
 def worker_main(cfg: WorkerConfig) -> None:
     import idemlock
     from idemlock import Completed, FencedOut, InFlight, InFlightError, StaleClaim, StoreUnavailable
+    from idemlock.stores.postgres import complete_in_transaction
 
     rng = random.Random(f"{cfg.seed}:{cfg.worker}")
-    stats = Stats(cfg.stats)
-    fx = make_fx(cfg.fx_kind, cfg.fx_dsn)
+    note = appender(cfg.stats)
+    fx = Fx(cfg.fx_kind, cfg.fx_dsn)
+    ran: list[int] = []
 
     def step() -> None:
         time.sleep(rng.uniform(*cfg.step_ms) / 1000)
 
-    def value_of(job: int, fence: int) -> str:
-        return f"job-{job}/fence-{fence}/{cfg.worker}"
-
-    coord: Any = None
-    port: Any = None
-    ran: list[int] = []
-    if cfg.mode == "idemlock":
-        coord = idemlock.connect(cfg.store_url, **store_options(cfg.store_url))
-        spec = idemlock.IdempotencySpec(
-            SPEC, ttl=timedelta(hours=2), lease=timedelta(seconds=cfg.lease)
-        )
-        port = coord.idempotency(spec)
+    def effect(job: int, fence: int, finish: Callable[[Any], None] | None = None) -> str:
+        ran.append(job)
+        step()
+        value = f"job-{job}/fence-{fence}/{cfg.worker}"
+        if not fx.effect(job, fence, value, cfg.worker, cfg.mode == "idemlock", finish):
+            raise FencedOut(f"effects/{job}", fence, None)
+        return value
 
     def body(job: int) -> str:
         claim = idemlock.current_claim()
         assert claim is not None
-        ran.append(job)
-        step()
-        value = value_of(job, claim.fence)
-        if isinstance(fx, PgFx):
-            accepted = fx.effect_fenced(job, claim.fence, value, cfg.worker)
-        else:
-            accepted = fx.effect(job, claim.fence, value, cfg.worker, fenced=True)
-        if not accepted:
-            raise FencedOut(f"effects/{job}", claim.fence, None)
+        value = effect(job, claim.fence)
         step()  # the rest of the handler: the window between the effect and complete
         return value
 
-    run_job = idempotent_job(coord, cfg.lease, body) if coord is not None else None
-
-    def same_tx(job: int) -> str:
-        assert isinstance(fx, PgFx)
-        from idemlock.stores.postgres import complete_in_transaction
-
+    def same_tx(job: int) -> None:
         claim = port.claim(job_key(job), payload={"job": job})
         if isinstance(claim, Completed):
-            return "replayed"
+            return
         if isinstance(claim, InFlight):
             raise InFlightError(job_key(job), claim.expires_at)
-        token = claim.token
-        ran.append(job)
+
+        def finish(conn: Any) -> None:
+            step()  # the window: inside the transaction here
+            complete_in_transaction(conn, port, claim.token, value)
+
+        value = f"job-{job}/fence-{claim.fence}/{cfg.worker}"
         try:
-            step()
-            value = value_of(job, token.fence)
-
-            def finish(conn: Any) -> None:
-                step()  # the window: inside the transaction here
-                complete_in_transaction(conn, port, token, value)
-
-            if not fx.effect_and_complete(job, token.fence, value, cfg.worker, finish):
-                raise FencedOut(f"effects/{job}", token.fence, None)
+            effect(job, claim.fence, finish)
         except BaseException:
             with contextlib.suppress(Exception):
-                port.abandon(token)
+                port.abandon(claim.token)
             raise
-        return "ran"
 
     def plain(job: int, delivery: int) -> None:
-        ran.append(job)
-        step()
-        fx.effect(job, delivery, f"job-{job}/delivery-{delivery}/{cfg.worker}", cfg.worker, False)
+        effect(job, delivery)  # the delivery number in place of a fence: never fenced
         step()
 
-    idle = 0.0
-    while True:
-        try:
-            got = fx.take(cfg.worker, cfg.visibility)
-        except FxError:
-            stats.add("fx_error")
-            time.sleep(0.05)
-            continue
-        if got is None:
-            idle = min(0.02, idle + 0.002)
-            time.sleep(idle)
-            continue
-        idle = 0.0
-        job, delivery = got
+    if cfg.mode == "idemlock":
+        coord = idemlock.connect(cfg.store_url, **store_options(cfg.store_url))
+        port = coord.idempotency(
+            idemlock.IdempotencySpec(
+                SPEC, ttl=timedelta(hours=2), lease=timedelta(seconds=cfg.lease)
+            )
+        )
+        run_job = idempotent_job(coord, cfg.lease, body)
+    run: Callable[[int, int], Any] = {
+        "plain": plain,
+        "same_tx": lambda job, _: same_tx(job),
+        "idemlock": lambda job, _: run_job(job),
+    }["same_tx" if cfg.same_tx else cfg.mode]
+
+    def handle(job: int, delivery: int) -> Outcome:
         ran.clear()
-        retry_at: float | None = None
         try:
-            if cfg.mode == "plain":
-                plain(job, delivery)
-            elif cfg.same_tx:
-                same_tx(job)
-            else:
-                assert run_job is not None
-                run_job(job)
-            stats.add("ran" if ran else "replayed")
+            run(job, delivery)
+            return ("ran" if ran else "replayed"), None
         except InFlightError as exc:
-            stats.add("in_flight")
             until = exc.expires_at.timestamp() if exc.expires_at else time.time() + cfg.lease
-            retry_at = until + 0.01
+            return "in_flight", until + 0.01
         except FencedOut:
-            stats.add("fenced_out")
-            retry_at = time.time() + 0.05
+            return "fenced_out", time.time() + 0.05
         except StaleClaim:
-            stats.add("stale_complete")
-            retry_at = time.time()
+            return "stale_complete", time.time()
         except StoreUnavailable as exc:
-            stats.add("store_error")
             print(f"{time.time():.3f} job {job}: store error: {exc}", file=sys.stderr, flush=True)
-            retry_at = time.time() + 0.05
+            return "store_error", time.time() + 0.05
         except FxError:
-            stats.add("fx_error")
-            retry_at = time.time() + 0.05
+            return "fx_error", time.time() + 0.05
         except Exception as exc:
-            # Not a failure a worker expects: report it (the run fails) and go on.
-            stats.add(f"unexpected:{type(exc).__module__}.{type(exc).__name__}")
-            traceback.print_exc()
-            sys.stderr.flush()
-            retry_at = time.time() + 0.05
-        try:
-            if retry_at is None:
-                fx.ack(job)
-            else:
-                fx.nack(job, cfg.worker, delivery, retry_at)
-        except FxError:
-            stats.add("fx_error")  # the visibility timeout delivers it again
+            return unexpected(exc), time.time() + 0.05
+
+    consume(fx, cfg.worker, cfg.visibility, handle, note=note, errors=(FxError,))
 
 
 def resource_name(i: int) -> str:
@@ -217,21 +173,19 @@ def lock_worker_main(cfg: WorkerConfig) -> None:
     from idemlock import FencedOut, LockLost, LockNotAcquired, StoreUnavailable
 
     rng = random.Random(f"{cfg.seed}:{cfg.worker}")
-    stats = Stats(cfg.stats)
-    lost_fd = os.open(cfg.stats + ".lost", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    note, told = appender(cfg.stats), appender(cfg.stats + ".lost")
     state_fd = os.open(cfg.state, os.O_WRONLY | os.O_CREAT, 0o644)
-    fx = make_fx(cfg.fx_kind, cfg.fx_dsn)
+    fx = Fx(cfg.fx_kind, cfg.fx_dsn)
     coord = idemlock.connect(cfg.store_url, **store_options(cfg.store_url))
     ttl = cfg.lease
     locks = coord.lock(idemlock.LockSpec(LOCK_SPEC, ttl=timedelta(seconds=ttl)))
     resources = [resource_name(i) for i in range(cfg.resources)]
     # Redis: the write is the store's own gate (set_if_fresh: check the token and SET
-    # in one script); SQL stores: a fenced upsert in the effects database.
-    # Plain mode: an unfenced upsert in the effects database (the negative control).
-    redis = cfg.store_url.startswith("redis") and cfg.mode == "idemlock"
-    # etcd: the gate's check_and_advance (one Txn), logged afterwards as Redis's is
-    etcd = cfg.store_url.startswith("etcd") and cfg.mode == "idemlock"
-    gates = {r: coord.fence(r) for r in resources} if redis or etcd else {}
+    # in one script); etcd: the gate's check_and_advance (one Txn); both logged after
+    # their reply. SQL stores: a fenced upsert in the effects database, plain mode an
+    # unfenced one (the negative control).
+    gated = cfg.mode == "idemlock" and cfg.store_url.startswith(("redis", "etcd"))
+    gates = {r: coord.fence(r) for r in resources} if gated else {}
 
     def write(res: str, holder: str, lease: Any, seq: int) -> None:
         # What the holder knows when it decides to write; then it prepares the write
@@ -241,43 +195,39 @@ def lock_worker_main(cfg: WorkerConfig) -> None:
         lost = bool(lease.lost)
         token = int(lease.token)
         time.sleep(rng.uniform(*cfg.step_ms) / 1000)
-        if not gates:
-            fenced = cfg.mode == "idemlock"
-            ok = fx.lock_write(res, holder, token, seq, sent, lost, left, fenced)
-            stats.add("write_accepted" if ok else "write_refused")
-            return
         accepted: bool | None
-        try:
-            if etcd:
-                gates[res].check_and_advance(token)
-            else:
-                gates[res].set_if_fresh(token, res, f"{holder}/{token}/{seq}")
-            accepted = True
-        except FencedOut:
-            accepted = False
-        except StoreUnavailable:
-            accepted = None  # maybe applied: never counted either way
-        done = time.monotonic()
-        fx.lock_log((res, holder, token, seq, sent, done, accepted, lost, left))
-        stats.add({True: "write_accepted", False: "write_refused", None: "write_unknown"}[accepted])
+        if not gates:
+            row = (res, holder, token, seq, sent, None, None, lost, left)
+            accepted = fx.lock_log(row, fenced=cfg.mode == "idemlock")
+        else:
+            try:
+                if cfg.store_url.startswith("etcd"):
+                    gates[res].check_and_advance(token)
+                else:
+                    gates[res].set_if_fresh(token, res, f"{holder}/{token}/{seq}")
+                accepted = True
+            except FencedOut:
+                accepted = False
+            except StoreUnavailable:
+                accepted = None  # maybe applied: never counted either way
+            fx.lock_log((res, holder, token, seq, sent, time.monotonic(), accepted, lost, left))
+        note({True: "write_accepted", False: "write_refused", None: "write_unknown"}[accepted])
 
     n = 0
     while True:
         n += 1
         res = rng.choice(resources)
         holder = f"{cfg.worker}#{n}"
-
         entered: list[float] = []
 
         def on_lost(lease: Any, entered: list[float] = entered) -> None:
             # The lease's own deadline (from the last renewal's send), when we were told,
             # and since when we held it: an acquire answered after its own deadline (sent
-            # into a silent network) gives a lease that is lost on arrival, and telling
-            # then is on time.
+            # into a silent network) gives a lease lost on arrival, and telling then is
+            # on time. The Lease has no public deadline (remaining() is 0 once lost).
             now = time.monotonic()
             deadline = lease._sent + lease._ttl_ms / 1000
-            since = entered[0] if entered else now
-            os.write(lost_fd, f"{max(deadline, since):.4f} {now:.4f}\n".encode())
+            told(f"{max(deadline, entered[0] if entered else now):.4f} {now:.4f}")
 
         before = time.monotonic()
         try:
@@ -294,28 +244,25 @@ def lock_worker_main(cfg: WorkerConfig) -> None:
                     seq += 1
                     write(res, holder, lease, seq)
                 os.pwrite(state_fd, b"0", 0)
-            stats.add("held")
+            note("held")
         except LockLost:
-            stats.add("lock_lost")
+            note("lock_lost")
         except LockNotAcquired:
-            stats.add("not_acquired")
+            note("not_acquired")
         except StoreUnavailable as exc:
-            stats.add("store_error")
+            note("store_error")
             print(f"{time.time():.3f} {holder}: store error: {exc}", file=sys.stderr, flush=True)
         except FxError:
-            stats.add("fx_error")
+            note("fx_error")
         except Exception as exc:
-            stats.add(f"unexpected:{type(exc).__module__}.{type(exc).__name__}")
-            traceback.print_exc()
-            sys.stderr.flush()
+            note(unexpected(exc))
         os.pwrite(state_fd, b"0", 0)
         time.sleep(rng.uniform(0, 0.02))
 
 
 def _worker_entry(raw: dict[str, Any], log: str) -> None:
     redirect(log, append=True)
-    raw["step_ms"] = tuple(raw["step_ms"])
-    cfg = WorkerConfig(**raw)
+    cfg = WorkerConfig(**raw | {"step_ms": tuple(raw["step_ms"])})
     (lock_worker_main if cfg.workload == "lock" else worker_main)(cfg)
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from . import _attempts
 from ._errors import ConfigurationError, IdemlockError, StaleClaim
-from ._faults.queue import SqliteQueue
+from ._faults.queue import Outcome, Queue, consume, sqlite_connect
 from ._faults.workers import Slot, Workers, context, redirect
 
 #: A killed worker's claim stays reserved this long; jobs take ~20-100 ms.
@@ -76,11 +76,9 @@ class WorkerConfig:
 VISIBILITY_S = 3600.0
 
 
-def _open(path: str) -> sqlite3.Connection:
-    # Autocommit mode: every transaction below is an explicit BEGIN IMMEDIATE.
-    conn = sqlite3.connect(path, timeout=60, isolation_level=None)
-    conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL survives a killed process
-    return conn
+def _queue(path: str) -> Queue:
+    """The demo's queue; it records what became of each job (``events``)."""
+    return Queue(lambda: sqlite_connect(path), events=True)
 
 
 @contextlib.contextmanager
@@ -95,11 +93,10 @@ def _tx(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
 
 
 def _create(queue: str, effects: str, jobs: int) -> None:
-    q = SqliteQueue(queue)
-    q.create([0.0] * jobs)
-    q.conn.execute("CREATE TABLE events (job_id INTEGER, worker TEXT, kind TEXT, at REAL)")
+    q = _queue(queue)
+    q.create([0.0] * jobs, "CREATE TABLE events (job_id int, worker text, kind text, at real);")
     q.close()
-    fx = _open(effects)
+    fx = sqlite_connect(effects)
     fx.execute("PRAGMA journal_mode=WAL")
     fx.executescript(
         """
@@ -111,18 +108,6 @@ def _create(queue: str, effects: str, jobs: int) -> None:
         """
     )
     fx.close()
-
-
-def _ack(q: SqliteQueue, job: int, worker: str, kind: str) -> None:
-    with q.tx() as c:  # the job and what became of it, together
-        c.execute(q.sql["ack"], (job,))
-        c.execute("INSERT INTO events VALUES (?, ?, ?, ?)", (job, worker, kind, time.time()))
-
-
-def _nack(q: SqliteQueue, job: int, worker: str, delivery: int, until: float) -> None:
-    with q.tx() as c:
-        c.execute(q.sql["nack"], (until, job, worker, delivery))
-        c.execute("INSERT INTO events VALUES (?, ?, 'in_flight', ?)", (job, worker, time.time()))
 
 
 def _effect(fx: sqlite3.Connection, job: int, worker: str, fence: int | None, keyed: bool) -> None:
@@ -151,8 +136,7 @@ def worker_main(cfg: WorkerConfig) -> int:
     import idemlock
 
     rng = random.Random(f"{cfg.seed}:{cfg.worker}")
-    q = SqliteQueue(cfg.queue)
-    fx = _open(cfg.effects)
+    fx = sqlite_connect(cfg.effects)
 
     def step() -> None:
         time.sleep(rng.uniform(*cfg.step_ms) / 1000)
@@ -164,29 +148,21 @@ def worker_main(cfg: WorkerConfig) -> int:
             cfg.spec, ttl=timedelta(hours=1), lease=timedelta(milliseconds=cfg.lease_ms)
         )
         port = coord.idempotency(spec)
-    while True:
-        got = q.take(cfg.worker, VISIBILITY_S)
-        if got is None:
-            if q.undone() == 0:
-                return 0
-            time.sleep(0.005)
-            continue
-        job, delivery = got
+
+    def handle(job: int, delivery: int) -> Outcome:
+        # what became of the job is recorded with its ack, in one transaction
         if port is None:
             step()  # prepare
             _effect(fx, job, cfg.worker, None, keyed=False)
             step()  # the rest of the handler, then the ack
-            _ack(q, job, cfg.worker, "ran")
-            continue
+            return "ran", None
         claim = port.claim(f"job-{job}", payload={"job": job})
         if isinstance(claim, idemlock.Completed):
             step()  # the rest of the handler runs on the replayed result
-            _ack(q, job, cfg.worker, "replayed")
-            continue
+            return "replayed", None
         if isinstance(claim, idemlock.InFlight):
             # Held by a killed worker: deliver again once its lease is over.
-            _nack(q, job, cfg.worker, delivery, claim.expires_at.timestamp() + 0.005)
-            continue
+            return "in_flight", claim.expires_at.timestamp() + 0.005
         try:
             step()
             _effect(fx, job, cfg.worker, claim.fence, keyed=cfg.keyed)
@@ -199,7 +175,10 @@ def worker_main(cfg: WorkerConfig) -> int:
         except StaleClaim:
             outcome = "stale"  # slower than the lease: another attempt may run it too
         step()
-        _ack(q, job, cfg.worker, outcome)
+        return outcome, None
+
+    consume(_queue(cfg.queue), cfg.worker, VISIBILITY_S, handle, until_empty=True)
+    return 0
 
 
 # ---- the supervisor ------------------------------------------------------------
@@ -225,7 +204,7 @@ def _failed(slot: Slot) -> DemoFailed:
 
 def _run_phase(base: WorkerConfig, args: argparse.Namespace, dirpath: Path, seed: int) -> _Phase:
     _create(base.queue, base.effects, args.jobs)
-    q = SqliteQueue(base.queue)
+    q = _queue(base.queue)
     ctx = context(["idemlock", "idemlock._demo", "sqlite3"])
     rng = random.Random(f"{seed}:killer")
     phase = _Phase(base.mode)
@@ -267,7 +246,7 @@ def _run_phase(base: WorkerConfig, args: argparse.Namespace, dirpath: Path, seed
     return phase
 
 
-def _kill_one(q: SqliteQueue, workers: Workers, rng: random.Random, phase: _Phase) -> None:
+def _kill_one(q: Queue, workers: Workers, rng: random.Random, phase: _Phase) -> None:
     """Pick a random worker and, if it holds a job, SIGKILL it, redeliver its jobs and
     start a replacement. (Idle workers are spared, so every job runs the same risk,
     also the last ones.)"""
@@ -282,8 +261,8 @@ def _kill_one(q: SqliteQueue, workers: Workers, rng: random.Random, phase: _Phas
 
 
 def _measure(base: WorkerConfig, jobs: int) -> dict[str, Any]:
-    q = _open(base.queue)
-    fx = _open(base.effects)
+    q = sqlite_connect(base.queue)
+    fx = sqlite_connect(base.effects)
     try:
         counts = [c for (c,) in fx.execute("SELECT COUNT(*) FROM effects GROUP BY job_id")]
         absorbed = int(fx.execute("SELECT COUNT(*) FROM absorbed").fetchone()[0])

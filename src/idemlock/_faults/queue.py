@@ -2,13 +2,10 @@
 
 ``take`` hands the oldest visible job to a worker and makes it invisible for
 ``visibility`` seconds (a stalled worker's job is delivered again after that);
-``ack`` marks it done; ``nack`` makes it visible again at a given time; ``release``
-makes a dead worker's jobs visible at once (a broker does this when a consumer's
-connection drops). Every delivery counts in ``deliveries``.
-
-The statements take the driver's placeholder (``{p}``) and, for PostgreSQL, row
-locking that skips jobs other takers hold (``{lock}``); ``statements()`` fills them.
-``SqliteQueue`` runs them on one SQLite connection.
+``finish`` acks it or makes it visible again at a given time; ``release`` makes a
+dead worker's jobs visible at once (a broker does this when a consumer's connection
+drops). Every delivery counts in ``deliveries``. One class for SQLite (``sqlite3``)
+and PostgreSQL (``psycopg``) connections.
 """
 
 from __future__ import annotations
@@ -16,27 +13,18 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
-JOBS_SQLITE = """
-CREATE TABLE IF NOT EXISTS jobs (
-    id INTEGER PRIMARY KEY,
-    state TEXT NOT NULL DEFAULT 'ready',           -- ready | done
-    worker TEXT,
-    visible_at REAL NOT NULL,                      -- epoch seconds; invisible until then
-    deliveries INTEGER NOT NULL DEFAULT 0
-);
-CREATE INDEX IF NOT EXISTS jobs_ready ON jobs (state, visible_at);
-"""
-JOBS_PG = """
+JOBS = """
 CREATE TABLE IF NOT EXISTS jobs (
     id integer PRIMARY KEY,
-    state text NOT NULL DEFAULT 'ready',
+    state text NOT NULL DEFAULT 'ready',           -- ready | done
     worker text,
-    visible_at double precision NOT NULL,
+    visible_at double precision NOT NULL,          -- epoch seconds; invisible until then
     deliveries integer NOT NULL DEFAULT 0
 );
-CREATE INDEX IF NOT EXISTS jobs_ready ON jobs (visible_at) WHERE state = 'ready';
+CREATE INDEX IF NOT EXISTS jobs_ready ON jobs (state, visible_at);
 """
 
 _SQL = {
@@ -58,40 +46,71 @@ _SQL = {
     "busy": "SELECT DISTINCT worker FROM jobs WHERE state = 'ready' AND visible_at > {p}",
     "undone": "SELECT COUNT(*) FROM jobs WHERE state != 'done'",
     "create": "INSERT INTO jobs (id, visible_at) VALUES ({p}, {p})",
+    "event": "INSERT INTO events VALUES ({p}, {p}, {p}, {p})",
 }
 
 
-def statements(p: str = "?", lock: str = "") -> dict[str, str]:
-    """The queue's statements for a driver (``p``: its placeholder; ``lock``: e.g.
-    PostgreSQL's `` FOR UPDATE SKIP LOCKED``)."""
-    return {name: sql.format(p=p, lock=lock) for name, sql in _SQL.items()}
+def sqlite_connect(path: str, timeout: float = 60.0) -> sqlite3.Connection:
+    # Autocommit mode: every transaction is an explicit BEGIN.
+    conn = sqlite3.connect(path, timeout=timeout, isolation_level=None)
+    conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL survives a killed process
+    return conn
 
 
-class SqliteQueue:
-    """The queue in a SQLite file (WAL), one connection per process."""
+class Queue:
+    """The queue over the connection ``connect()`` makes, again after ``reset()``.
+    With ``events``, ``finish`` also writes what became of the job to an ``events``
+    table, in the same transaction."""
 
-    def __init__(self, path: str, timeout: float = 60.0) -> None:
-        # Autocommit mode: every transaction below is an explicit BEGIN IMMEDIATE.
-        self.conn = sqlite3.connect(path, timeout=timeout, isolation_level=None)
-        self.conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL survives a kill
-        self.sql = statements()
+    def __init__(self, connect: Callable[[], Any], postgres: bool = False, events: bool = False):
+        self.connect, self.postgres, self.events = connect, postgres, events
+        self.p = "%s" if postgres else "?"
+        # PostgreSQL takers skip rows other takers hold; SQLite has one writer anyway
+        lock = " FOR UPDATE SKIP LOCKED" if postgres else ""
+        self.sql = {name: sql.format(p=self.p, lock=lock) for name, sql in _SQL.items()}
+        self._conn: Any = None
+
+    @property
+    def conn(self) -> Any:
+        if self._conn is None:
+            self._conn = self.connect()
+        return self._conn
+
+    def reset(self) -> None:
+        """Close the connection (quietly: it may be broken); the next use reconnects."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    close = reset
 
     @contextlib.contextmanager
-    def tx(self) -> Iterator[sqlite3.Connection]:
-        self.conn.execute("BEGIN IMMEDIATE")
+    def tx(self, write: bool = True) -> Iterator[Any]:
+        """A transaction (SQLite: a deferred one for reads, so a WAL reader never waits)."""
+        c = self.conn
+        if self.postgres:
+            with c.transaction():
+                yield c
+            return
+        c.execute("BEGIN IMMEDIATE" if write else "BEGIN")
         try:
-            yield self.conn
+            yield c
         except BaseException:
-            self.conn.execute("ROLLBACK")
+            with contextlib.suppress(sqlite3.Error):
+                c.execute("ROLLBACK")
             raise
-        self.conn.execute("COMMIT")
+        c.execute("COMMIT")
 
-    def create(self, visible: list[float]) -> None:
-        """The table, and one job per entry of ``visible`` (ids 1, 2, ...)."""
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        self.conn.executescript(JOBS_SQLITE)
+    def create(self, visible: list[float], schema: str = "") -> None:
+        """The tables (``JOBS`` and ``schema``), one job per entry of ``visible``."""
+        if self.postgres:
+            self.conn.execute(JOBS + schema)
+        else:
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.executescript(JOBS + schema)
         with self.tx() as c:
-            c.executemany(self.sql["create"], [(i + 1, t) for i, t in enumerate(visible)])
+            c.cursor().executemany(self.sql["create"], list(enumerate(visible, 1)))
 
     def take(self, worker: str, visibility: float) -> tuple[int, int] | None:
         """(job, delivery number) or None when no job is visible."""
@@ -100,13 +119,15 @@ class SqliteQueue:
             row = c.execute(self.sql["take"], (worker, now + visibility, now)).fetchone()
         return None if row is None else (int(row[0]), int(row[1]))
 
-    def ack(self, job: int) -> None:
+    def finish(self, job: int, worker: str, delivery: int, kind: str, again: float | None) -> None:
+        """Ack the job (``again`` None) or deliver it again from ``again`` on."""
         with self.tx() as c:
-            c.execute(self.sql["ack"], (job,))
-
-    def nack(self, job: int, worker: str, delivery: int, until: float) -> None:
-        with self.tx() as c:
-            c.execute(self.sql["nack"], (until, job, worker, delivery))
+            if again is None:
+                c.execute(self.sql["ack"], (job,))
+            else:
+                c.execute(self.sql["nack"], (again, job, worker, delivery))
+            if self.events:
+                c.execute(self.sql["event"], (job, worker, kind, time.time()))
 
     def release(self, worker: str) -> None:
         now = time.time()
@@ -114,11 +135,52 @@ class SqliteQueue:
             c.execute(self.sql["release"], (now, worker, now))
 
     def busy(self) -> set[str]:
-        rows = self.conn.execute(self.sql["busy"], (time.time(),)).fetchall()
+        with self.tx(write=False) as c:
+            rows = c.execute(self.sql["busy"], (time.time(),)).fetchall()
         return {str(r[0]) for r in rows if r[0] is not None}
 
     def undone(self) -> int:
-        return int(self.conn.execute(self.sql["undone"]).fetchone()[0])
+        with self.tx(write=False) as c:
+            return int(c.execute(self.sql["undone"]).fetchone()[0])
 
-    def close(self) -> None:
-        self.conn.close()
+
+#: what ``handle(job, delivery)`` tells ``consume``: what became of the job, and when
+#: to deliver it again (None: done, ack it)
+Outcome = tuple[str, "float | None"]
+
+
+def consume(
+    queue: Queue,
+    worker: str,
+    visibility: float,
+    handle: Callable[[int, int], Outcome],
+    until_empty: bool = False,
+    note: Callable[[str], None] = lambda kind: None,
+    errors: tuple[type[BaseException], ...] = (),
+) -> None:
+    """A worker's job loop: take a job, handle it, ack or nack it, again; with
+    ``until_empty`` it returns once every job is done. ``errors`` of the queue are
+    noted as ``fx_error`` and the loop goes on (a job taken is delivered again after
+    its visibility timeout)."""
+    idle = 0.0
+    while True:
+        try:
+            got = queue.take(worker, visibility)
+            if got is None and until_empty and queue.undone() == 0:
+                return
+        except errors:
+            note("fx_error")
+            time.sleep(0.05)
+            continue
+        if got is None:
+            idle = min(0.02, idle + 0.002)
+            time.sleep(idle)
+            continue
+        idle = 0.0
+        job, delivery = got
+        kind, again = handle(job, delivery)
+        note(kind)
+        try:
+            queue.finish(job, worker, delivery, kind, again)
+        except errors:
+            note("fx_error")
