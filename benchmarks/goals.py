@@ -52,28 +52,15 @@ from subjects.sqlite import SqliteBench  # noqa: E402
 import idemlock  # noqa: E402
 import idemlock.aio  # noqa: E402
 
-#: a user's smallest fenced acquire, compare-and-delete, and compare-and-set of the result
+#: a user's smallest scripts: a fenced acquire (the lock, its fence counter; the owner's
+#: token, the lease), a compare-and-delete, a compare-and-set of the result
 SCRIPTS = (
-    """\
--- KEYS[1]: the lock, KEYS[2]: its fence counter; ARGV: the owner's token, the lease in ms
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  return redis.call('INCR', KEYS[2])
-end
-return false
-""",
-    """\
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-""",
-    """\
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-  return 1
-end
-return 0
-""",
+    "if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then\n"
+    "  return redis.call('INCR', KEYS[2])\nend\nreturn false",
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then\n"
+    "  return redis.call('DEL', KEYS[1])\nend\nreturn 0",
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then\n"
+    "  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])\n  return 1\nend\nreturn 0",
 )
 
 
@@ -139,42 +126,32 @@ def socket_evalsha(port: int, stack: contextlib.ExitStack) -> Callable[..., byte
     return call
 
 
-async def asyncio_clients(port: int, stack: contextlib.AsyncExitStack) -> dict[str, Any]:
-    """name -> (set NX PX 30 s, delete) of each asyncio client, or why it cannot run."""
+async def redis_asyncio(port: int, stack: contextlib.AsyncExitStack) -> tuple[str, Any, Any]:
+    """Each asyncio client's (name, set NX PX 30 s, delete)."""
     ar = redis.asyncio.Redis(port=port, **c.CLIENT)
     stack.push_async_callback(ar.aclose)
-    out: dict[str, Any] = {"redis.asyncio": (lambda k: ar.set(k, 1, nx=True, px=30_000), ar.delete)}
-    try:
-        import coredis
+    return "redis.asyncio", lambda k: ar.set(k, "x", nx=True, px=30_000), ar.delete
 
-        cr: Any = coredis.Redis(host="127.0.0.1", port=port)
-        with contextlib.suppress(AttributeError, TypeError):
-            await stack.enter_async_context(cr)  # coredis 5+: the client is a context
-        nx = coredis.PureToken.NX
-        out[f"coredis {coredis.__version__}"] = (
-            lambda k: cr.set(k, "x", condition=nx, px=30_000),
-            lambda k: cr.delete([k]),
-        )
-    except Exception as exc:  # the row says why
-        out["coredis"] = f"could not run: {c._why(exc)}"
-    try:
-        import glide as g
 
-        gc = await g.GlideClient.create(
-            g.GlideClientConfiguration([g.NodeAddress("127.0.0.1", port)])
-        )
-        stack.push_async_callback(gc.close)
-        ex, gnx = (
-            g.ExpirySet(g.ExpiryType.MILLSEC, 30_000),
-            g.ConditionalChange.ONLY_IF_DOES_NOT_EXIST,
-        )
-        out[f"valkey-glide {c.version('valkey-glide')}"] = (
-            lambda k: gc.set(k, "x", conditional_set=gnx, expiry=ex),
-            lambda k: gc.delete([k]),
-        )
-    except Exception as exc:
-        out["valkey-glide"] = f"could not run: {c._why(exc)}"
-    return out
+async def coredis_(port: int, stack: contextlib.AsyncExitStack) -> tuple[str, Any, Any]:
+    import coredis
+
+    cr: Any = coredis.Redis(host="127.0.0.1", port=port)
+    with contextlib.suppress(AttributeError, TypeError):
+        await stack.enter_async_context(cr)  # coredis 5+: the client is a context
+    nx = coredis.PureToken.NX
+    setnx = lambda k: cr.set(k, "x", condition=nx, px=30_000)  # noqa: E731
+    return f"coredis {coredis.__version__}", setnx, lambda k: cr.delete([k])
+
+
+async def glide_(port: int, stack: contextlib.AsyncExitStack) -> tuple[str, Any, Any]:
+    import glide as g
+
+    gc = await g.GlideClient.create(g.GlideClientConfiguration([g.NodeAddress("127.0.0.1", port)]))
+    stack.push_async_callback(gc.close)
+    ex, nx = g.ExpirySet(g.ExpiryType.MILLSEC, 30_000), g.ConditionalChange.ONLY_IF_DOES_NOT_EXIST
+    setnx = lambda k: gc.set(k, "x", conditional_set=nx, expiry=ex)  # noqa: E731
+    return f"valkey-glide {c.version('valkey-glide')}", setnx, lambda k: gc.delete([k])
 
 
 def set_del_pairs(name: str, setnx: Any, delete: Any) -> Any:
@@ -223,15 +200,14 @@ async def measure_async(server: Any, cfg: Config) -> dict[str, Any]:
         coord = idemlock.aio.connect(server.url, key_prefix=c.new_prefix())
         stack.push_async_callback(coord.close)
         makes, notes = {"idemlock": subj.aio_lock(coord)}, {}
-        for name, got in (await asyncio_clients(server.port, stack)).items():
+        for label, client in (("redis.asyncio", redis_asyncio), ("coredis", coredis_),
+                              ("valkey-glide", glide_)):  # fmt: skip
             try:
-                if isinstance(got, str):
-                    raise RuntimeError(got)
-                makes[name] = set_del_pairs(name, *got)
-                await makes[name](0, 2)
-            except Exception as exc:
-                makes.pop(name, None)
-                notes[name] = str(exc) if isinstance(got, str) else f"could not run: {c._why(exc)}"
+                name, setnx, delete = await client(server.port, stack)
+                await set_del_pairs(name, setnx, delete)(0, 2)
+                makes[name] = set_del_pairs(name, setnx, delete)
+            except Exception as exc:  # the row says why
+                notes[label] = f"could not run: {c._why(exc)}"
         await makes["idemlock"](0, 1)
         fans = {k: c.fan_out(mk, 100) for k, mk in makes.items()}
         return {"aio": await c.ainterleave(fans, cfg.n, cfg.rounds), "aio notes": notes}
@@ -362,8 +338,7 @@ def import_ms(f: dict[str, Any], goal: list[float]) -> tuple[str, list[float] | 
 GOALS = """
 Redis acquire+release, sync | raw redis-py minimal-script pair | ≥ 1.0× | 0.73× | sync lock
 Redis claim+complete, sync | raw redis-py minimal-script pair | ≥ 1.0× | 0.64× | sync claim
-asyncio, 100 tasks: acquire+release | raw redis.asyncio SET NX PX + DEL pair | ≥ 3.0× \
-| 0.67-0.72× | asyncio
+asyncio, 100 tasks: acquire+release | ASYNC_BASE | ≥ 3.0× | 0.67-0.72× | asyncio
 crash-safe job: claim, fenced write, complete: 3 round trips | FK | ≥ 3.0× | 1.44× | job 3
 crash-safe job: claim, complete(writes=...): 2 round trips | FK | ≥ 3.0× | — | job 2
 contention, Redis, 4 processes, 1 ms holds: critical sections/s | redis-py's Lock \
@@ -385,7 +360,9 @@ NAMES = {
     "FK": "fencekit's job (guard, lock, fenced set, mark done, release)",
     "PG": "2 raw psycopg INSERT … ON CONFLICT",
     "SQLITE": "2 raw sqlite3 transactions",
+    "ASYNC_BASE": "raw redis.asyncio SET NX PX + DEL pair",
 }
+ASYNC_BASE = NAMES["ASYNC_BASE"]
 MEASURES: dict[str, Measure] = {
     "sync lock": vs("sync", "ours lock", "raw lock"),
     "sync claim": vs("sync", "ours claim", "raw claim"),
@@ -440,30 +417,21 @@ def judge(
 
 
 def references(f: dict[str, Any]) -> list[Row]:
-    rows, sync, aio = [], f["sync"], f["aio"]
+    sync, aio, notes = f["sync"], f["aio"], f["aio notes"]
+    rows = []
     for name, op in (("lock", "acquire+release"), ("claim", "claim+complete")):
-        share = [c.ratio(sync, f"{who} {name}", f"socket {name}") for who in ("ours", "raw")]
-        rows.append(
-            Row(
-                f"Redis {op}, sync: share of the physical limit",
-                f"bare-socket EVALSHA loop ({rate(sync, f'socket {name}')})",
-                f"idemlock {share[0]:.0%}, raw redis-py {share[1]:.0%}",
-                reference=True,
-            )
-        )
-    for name in [k for k in aio if k not in ("idemlock", "redis.asyncio")] + list(f["aio notes"]):
-        measured = f["aio notes"].get(name) or (
+        ours, raw = (c.ratio(sync, f"{who} {name}", f"socket {name}") for who in ("ours", "raw"))
+        limit = f"bare-socket EVALSHA loop ({rate(sync, f'socket {name}')})"
+        text = f"idemlock {ours:.0%}, raw redis-py {raw:.0%}"
+        rows.append(Row(f"Redis {op}, sync: share of the physical limit", limit, text))
+    for name in [k for k in aio if k not in ("idemlock", "redis.asyncio")] + list(notes):
+        text = notes.get(name) or (
             f"{c.ratio(aio, name, 'redis.asyncio'):.2f}{X} ({rate(aio, name)}); "
             f"idemlock / it: {c.ratio(aio, 'idemlock', name):.2f}{X}"
         )
-        rows.append(
-            Row(
-                f"asyncio, 100 tasks: SET NX PX + DEL on {name}",
-                "raw redis.asyncio SET NX PX + DEL pair",
-                measured,
-                reference=True,
-            )
-        )
+        rows.append(Row(f"asyncio, 100 tasks: SET NX PX + DEL on {name}", ASYNC_BASE, text))
+    for r in rows:
+        r.reference = True
     return rows
 
 
