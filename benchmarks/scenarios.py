@@ -16,7 +16,7 @@ import multiprocessing as mp
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -92,17 +92,16 @@ def critical_sections(
 def _contend(
     store: str, kind: str, t: dict[str, Any], seconds: float, hold: float, pause: float = 0.0
 ) -> list[tuple[float, float, float]]:
+    close = None
     try:
         acquire, release, close = lock_pair(store, kind, t)
+        release(acquire(f"warm-{os.getpid()}"))  # connections, scripts, subscriptions
     except BaseException as exc:
         _W["ready"].put(("error", _why(exc)))
+        if close is not None:
+            close()
         raise
     try:
-        try:
-            release(acquire(f"warm-{os.getpid()}"))  # connections, scripts, subscriptions
-        except BaseException as exc:
-            _W["ready"].put(("error", _why(exc)))
-            raise
         _W["ready"].put(("ready", os.getpid()))
         if not _W["go"].wait(180):
             raise RuntimeError("no start signal")
@@ -202,24 +201,17 @@ def run_store(bench: Any, cfg: Config, res: Results, contenders: Contenders) -> 
     scale = bench.scale if cfg.scaled else 1
     n, job_n = cfg.n * scale, cfg.job_n * scale
 
+    def dropped(exc: PeerFailed, fns: dict[str, Any], where: tuple[str, str, str]) -> None:
+        res.skip(where, exc.name, "failed", _why(exc.cause))
+        del fns[exc.name]
+
     def measure(fns: dict[str, SyncFn], count: int, where: tuple[str, str, str]) -> Rates:
         fns = guarded(fns)
         while True:
             try:
                 return interleave(fns, count, cfg.rounds)
             except PeerFailed as exc:
-                res.skip(where, exc.name, "failed", _why(exc.cause))
-                del fns[exc.name]
-
-    async def ameasure(
-        fns: dict[str, Callable[[int], Awaitable[Any]]], where: tuple[str, str, str]
-    ) -> Rates:
-        while True:
-            try:
-                return await ainterleave(fns, n, cfg.rounds)
-            except PeerFailed as exc:
-                res.skip(where, exc.name, "failed", _why(exc.cause))
-                del fns[exc.name]
+                dropped(exc, fns, where)
 
     for op in (LOCK_OP, CLAIM_OP):
         with contextlib.ExitStack() as stack:
@@ -234,17 +226,21 @@ def run_store(bench: Any, cfg: Config, res: Results, contenders: Contenders) -> 
                 async with contextlib.AsyncExitStack() as stack:
                     where = (scenario, op, name)
                     makes = guarded(await bench.async_fns(op, tasks, stack, res, where))
-                    for key, make in list(makes.items()):
+                    for make in list(makes.values()):
                         # One task first: connections, scripts, a Cluster client's slot
                         # map (redis-py's asyncio RedisCluster drops connections in use if
                         # many tasks trigger its first discovery at once).
                         try:
                             await make(0, 1)
                         except PeerFailed as exc:
-                            res.skip(where, exc.name, "failed", _why(exc.cause))
-                            del makes[key]
-                    fns = {k: fan_out(m, tasks) for k, m in makes.items()}
-                    rates = await ameasure(fns, where)
+                            dropped(exc, makes, where)
+                    while True:
+                        try:
+                            fns = {k: fan_out(m, tasks) for k, m in makes.items()}
+                            rates = await ainterleave(fns, n, cfg.rounds)
+                            break
+                        except PeerFailed as exc:
+                            dropped(exc, makes, where)
                 res.rates(scenario, op, name, rates, "pairs/s")
 
     asyncio.run(aio())
@@ -278,9 +274,8 @@ def run_store(bench: Any, cfg: Config, res: Results, contenders: Contenders) -> 
             "scenario": HAND, "operation": HAND_OP, "store": name, "subject": kind,
             "role": role(kind), "value": m["cs_per_s"], "unit": "critical sections/s",
             "ratio": m["cs_per_s"] / base_cs, "rounds": 1,
-            "handoff_share": m["handoff_share"], "gap_median_ms": m["gap_median_ms"],
-            "handoff_gap_median_ms": m["handoff_gap_median_ms"],
-            "worst_wait_ms": m["worst_wait_ms"], "count": m["count"],
+            **{k: m[k] for k in ("handoff_share", "gap_median_ms", "handoff_gap_median_ms",
+                                 "worst_wait_ms", "count")},
         })  # fmt: skip
         print(
             f"  {HAND} {kind}: {m['cs_per_s']:.0f} cs/s, hand-offs {m['handoff_share']:.0%}, "

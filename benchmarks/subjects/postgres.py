@@ -71,14 +71,9 @@ NS = "ns"
 async def pg_idemkit(dsn: str, max_size: int = 4) -> Any:
     if not HAVE_ASYNCPG:
         raise ImportError("idemkit's PostgreSQL backend needs asyncpg (pip install asyncpg)")
-    try:
-        from idemkit.backends.postgres import PostgresBackend, init_pg
-    except ImportError:
-        return None
-    try:
-        await init_pg(dsn)
-    except ImportError:  # idemkit without asyncpg
-        return None
+    from idemkit.backends.postgres import PostgresBackend, init_pg
+
+    await init_pg(dsn)
     return PostgresBackend.from_url(dsn, min_size=1, max_size=max_size)
 
 
@@ -86,7 +81,7 @@ PG_EFFECTS = (
     "CREATE TABLE IF NOT EXISTS bench_effects "
     '(key text COLLATE "C" PRIMARY KEY, value text NOT NULL, fence_token bigint)'
 )
-PG_RAW_FENCED_UPSERT = (
+PG_FENCED = (
     b"INSERT INTO bench_effects AS t (key, value, fence_token) VALUES (%s, %s, %s) "
     b"ON CONFLICT (key) DO UPDATE SET value = excluded.value, "
     b"fence_token = excluded.fence_token "
@@ -116,14 +111,22 @@ def pg_key(op: str, tag: str, t: int, i: int) -> str:
     return f"k{t}" if op == LOCK_OP else f"{tag}-{t}-{i}"
 
 
-def pg_pairs(op: str, conn: psycopg.Connection[Any]) -> SyncFn:
+def pg_pairs(op: str, conn: psycopg.Connection[Any], job: bool = False) -> SyncFn:
+    """The sync baseline; the job writes its effect with a fenced upsert between the two."""
+
     def run(count: int) -> None:
         tag, owner = uuid.uuid4().hex[:8], uuid.uuid4().hex
         for i in range(count):
             token = owner if op == LOCK_OP else uuid.uuid4().hex
-            first, then = pg_steps(op, pg_key(op, tag, i % 16, i), token)
+            key = pg_key(op, tag, i % 16, i)
+            first, then = pg_steps(op, key, token)
             row = conn.execute(*first, prepare=True).fetchone()
             assert row is not None
+            if (
+                job
+                and conn.execute(PG_FENCED, (key, "done", row[0]), prepare=True).fetchone() is None
+            ):
+                raise FencedOut(key, row[0], None)
             conn.execute(*then(row), prepare=True).fetchall()
 
     return run
@@ -143,22 +146,6 @@ def pg_apairs(op: str, one: Callable[[bytes, Any], Awaitable[Any]]) -> Make:
             await one(*then(row))
 
     return make
-
-
-def pg_raw_job(conn: psycopg.Connection[Any]) -> SyncFn:
-    def run(count: int) -> None:
-        tag = uuid.uuid4().hex[:8]
-        for i in range(count):
-            key, token = f"{tag}-{i}", uuid.uuid4().hex
-            (claim, args), then = pg_steps("claim", key, token)
-            row = conn.execute(claim, args, prepare=True).fetchone()
-            assert row is not None
-            got = conn.execute(PG_RAW_FENCED_UPSERT, (key, "done", row[0]), prepare=True)
-            if got.fetchone() is None:
-                raise FencedOut(key, row[0], None)
-            conn.execute(*then(row), prepare=True).fetchall()
-
-    return run
 
 
 def pg_job_same_tx(coord: idemlock.Coordinator, conn: psycopg.Connection[Any]) -> SyncFn:
@@ -239,7 +226,7 @@ class PgBench(Adapter):
         return pg_apairs(op, pooled)
 
     def raw_job(self, t: dict[str, Any], stack: contextlib.ExitStack) -> SyncFn:
-        return pg_raw_job(self._conn(t["dsn"], stack))
+        return pg_pairs("job", self._conn(t["dsn"], stack), job=True)
 
     def write(self, url: str, stack: contextlib.ExitStack) -> Callable[[str, int], Any]:
         conn = self._conn(url, stack)

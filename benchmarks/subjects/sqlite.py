@@ -119,13 +119,20 @@ class SqliteBench(Adapter):
         stack.callback(cur.connection.close)
         return path, cur
 
-    def raw_pairs(self, op: str, t: dict[str, Any], stack: contextlib.ExitStack) -> SyncFn:
-        _, cur = self._raw(stack)
+    def raw_pairs(
+        self, op: str, t: dict[str, Any], stack: contextlib.ExitStack, job: bool = False
+    ) -> SyncFn:
+        """The sync baseline; the job writes its effect between the two transactions."""
+        path, cur = self._raw(stack)
+        effects = sqlite_effects(path, stack) if job else None
 
         def run(count: int) -> None:
             for i in range(count):
-                first, then = sq_pair(op, "shared" if op == LOCK_OP else f"k{next(_keys)}", i)
+                key = "shared" if op == LOCK_OP else f"k{next(_keys)}"
+                first, then = sq_pair(op, key, i)
                 sq_txn(cur, *first)
+                if effects is not None:
+                    sqlite_fenced_write(effects, key, i)
                 sq_txn(cur, *then)
 
         return run
@@ -149,18 +156,7 @@ class SqliteBench(Adapter):
         return make
 
     def raw_job(self, t: dict[str, Any], stack: contextlib.ExitStack) -> SyncFn:
-        path, cur = self._raw(stack)
-        effects = sqlite_effects(path, stack)
-
-        def run(count: int) -> None:
-            for i in range(count):
-                key = f"k{next(_keys)}"
-                claim, complete = sq_pair("claim", key, i)
-                sq_txn(cur, *claim)
-                sqlite_fenced_write(effects, key, i)
-                sq_txn(cur, *complete)
-
-        return run
+        return self.raw_pairs("job", t, stack, job=True)
 
     def write(self, url: str, stack: contextlib.ExitStack) -> Callable[[str, int], Any]:
         effects = sqlite_effects(url.removeprefix("sqlite:///"), stack)
