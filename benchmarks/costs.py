@@ -6,24 +6,16 @@
     python benchmarks/costs.py hooks [--n 3000] [--rounds 30]
     python benchmarks/costs.py results [--n 20000] [--rounds 3] [--store memory|sqlite]
 
-* ``etcd``: acquire+release and claim+complete per second on a throwaway etcd
-  (tests/servers/etcd.py), sync and asyncio (1 and 50 tasks), against raw gRPC calls on
-  the same generated stubs sending the same requests idemlock sends, the same round trips
-  (a lease grant and a Txn per transition; lease revokes in the background, as idemlock).
-* ``heartbeats`` (issue 11): ``--claims`` live claims kept alive by one coordinator's
-  renewer (``port.run()``, renewing everything due in one ``renew_many``) against as many
-  independent renew loops (a task or thread per claim sleeping lease/3 and calling
-  ``port.extend``), asyncio and threads, on Redis and SQLite: client round trips/s, Redis
-  commands/s (``INFO stats``), client CPU (process time per wall second) and claims lost.
-* ``hooks``: claim+complete per second of CPU time on fresh memory stores: the store port
-  alone, the port without the hook machinery (a build with it taken out), no hooks,
-  ``hooks=[]``, the OpenTelemetry hook (no SDK) and the Prometheus hook; the hook check's
-  cost is the median of per-round ratios measured back to back (goal < 2%).
-* ``results``: claim+complete per second with plain JSON results, HMAC keys, sealing
-  (AES-256-GCM + HMAC) and typed (dataclass) results.
+* ``etcd``: acquire+release and claim+complete/s on a throwaway etcd, sync and asyncio (1
+  and 50 tasks), against raw gRPC sending the same requests on the same generated stubs.
+* ``heartbeats`` (issue 11): live claims kept alive by one coordinator's renewer against
+  as many renew loops (a task or thread per claim, ``port.extend`` every lease/3): round
+  trips/s, Redis commands/s (``INFO stats``), client CPU and claims lost.
+* ``hooks``: claim+complete per CPU second on memory stores: the store port alone, a port
+  built without the hook machinery, no hooks, ``hooks=[]``, OpenTelemetry and Prometheus.
+* ``results``: claim+complete/s with plain JSON, HMAC keys, sealed and typed results.
 
-Rounds are interleaved (A, B, A, B, ...) and medians reported, so a noisy machine moves
-every side alike.
+Rounds are interleaved (A, B, A, B, ...) and medians reported.
 """
 
 from __future__ import annotations
@@ -38,7 +30,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -50,11 +42,12 @@ for _path in (str(HERE.parent), str(HERE)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from common import Rates, ainterleave, fan_out, interleave  # noqa: E402
+from common import CLAIM_OP, LOCK_OP, Rates, ainterleave, fan_out, interleave, new_prefix  # noqa: E402
+from subjects import base as subj  # noqa: E402
 
 import idemlock  # noqa: E402
 import idemlock.aio  # noqa: E402
-from idemlock import Claimed, IdempotencySpec, LockSpec, StaleClaim, StoreUnavailable  # noqa: E402
+from idemlock import Claimed, IdempotencySpec, StaleClaim, StoreUnavailable  # noqa: E402
 
 RESULT = {"charge_id": "ch_" + "x" * 24, "amount": 1200, "ok": True}
 
@@ -74,8 +67,6 @@ def etcd(args: argparse.Namespace) -> None:
     from idemlock.stores.etcd._pb.etcdserverpb import rpc_pb2 as pb
     from idemlock.stores.etcd._pb.etcdserverpb import rpc_pb2_grpc as stubs
 
-    lock_spec = LockSpec("bench", ttl=timedelta(seconds=30))
-    spec = IdempotencySpec("bench", ttl=timedelta(hours=1), lease=timedelta(seconds=30))
     cluster = start_etcd(args.members)
     try:
         channel = grpc.insecure_channel(cluster.endpoints[0])
@@ -108,10 +99,13 @@ def etcd(args: argparse.Namespace) -> None:
                 base = b"rawbench/c/" + uuid.uuid4().hex.encode() + b"\0"
                 rec, marker = base + b"r", base + b"t"
                 g = leases.LeaseGrant(pb.LeaseGrantRequest(TTL=30), timeout=5)
-                puts = [K.put(rec, K.inflight_value("tok", "fp")),
-                        K.put(marker, K.marker_value(30_000, 30, K.now_ms()), g.ID)]  # fmt: skip
-                got = kv.Txn(K.txn([K.cmp_create(rec, 0)], puts, [K.get(rec), K.get(marker)]),
-                             timeout=5)  # fmt: skip
+                puts = [
+                    K.put(rec, K.inflight_value("tok", "fp")),
+                    K.put(marker, K.marker_value(30_000, 30, K.now_ms()), g.ID),
+                ]
+                got = kv.Txn(
+                    K.txn([K.cmp_create(rec, 0)], puts, [K.get(rec), K.get(marker)]), timeout=5
+                )
                 fence = got.header.revision
                 g2 = leases.LeaseGrant(pb.LeaseGrantRequest(TTL=3600), timeout=5)
                 done = K.done_value("tok", fence, "fp", b'{"ok":1}', 3_600_000, 3600, K.now_ms())
@@ -121,24 +115,10 @@ def etcd(args: argparse.Namespace) -> None:
                 revoke_later(g.ID)
 
         coord = idemlock.connect(cluster.url, key_prefix="bench")
-        locks, port = coord.lock(lock_spec), coord.idempotency(spec)
-
-        def ours_lock(n: int) -> None:
-            for i in range(n):
-                lease = locks.acquire(f"l{i}")
-                assert lease is not None
-                locks.release(lease)
-
-        def ours_job(n: int) -> None:
-            for _ in range(n):
-                claim = port.claim(uuid.uuid4().hex)
-                assert isinstance(claim, Claimed)
-                port.complete(claim.token, {"ok": 1})
-
         fns = {
-            "acquire+release idemlock sync": ours_lock,
+            "acquire+release idemlock sync": subj.ours_lock_pairs(coord),
             "acquire+release raw gRPC sync": raw_lock,
-            "claim+complete idemlock sync": ours_job,
+            "claim+complete idemlock sync": subj.ours_claim_pairs(coord),
             "claim+complete raw gRPC sync": raw_job,
         }
         med = medians(interleave(fns, args.n, args.rounds))
@@ -146,30 +126,13 @@ def etcd(args: argparse.Namespace) -> None:
         coord.close()
 
         async def amain() -> Rates:
-            acoord = idemlock.aio.connect(cluster.url, key_prefix="abench")
-            alocks, aport = acoord.lock(lock_spec), acoord.idempotency(spec)
-
-            async def a_lock(t: int, n: int) -> None:
-                for _ in range(n):
-                    lease = await alocks.acquire(f"al{t}-{uuid.uuid4().hex[:6]}")
-                    assert lease is not None
-                    await alocks.release(lease)
-
-            async def a_job(t: int, n: int) -> None:
-                for _ in range(n):
-                    claim = await aport.claim(uuid.uuid4().hex)
-                    assert isinstance(claim, Claimed)
-                    await aport.complete(claim.token, {"ok": 1})
-
-            afns: dict[str, Callable[[int], Awaitable[None]]] = {
-                f"{name} idemlock asyncio x{tasks}": fan_out(make, tasks)
-                for tasks in (1, 50)
-                for name, make in (("acquire+release", a_lock), ("claim+complete", a_job))
-            }
-            try:
+            async with idemlock.aio.connect(cluster.url, key_prefix="abench") as acoord:
+                afns = {
+                    f"{op} idemlock asyncio x{tasks}": fan_out(subj.aio_pairs(acoord, op), tasks)
+                    for tasks in (1, 50)
+                    for op in (LOCK_OP, CLAIM_OP)
+                }
                 return await ainterleave(afns, args.n, args.rounds)
-            finally:
-                await acoord.close()
 
         med |= medians(asyncio.run(amain()))
         print(f"etcd {args.members} member(s), n={args.n}, median of {args.rounds} rounds")
@@ -185,24 +148,17 @@ def etcd(args: argparse.Namespace) -> None:
 # ---- heartbeats -------------------------------------------------------------------------------
 
 
-@dataclass
-class Sample:
-    trips: float  # client round trips per second
-    server: float  # server commands per second (Redis only, else 0)
-    cpu: float  # client CPU seconds per wall second
-    lost: int = 0  # claims whose renewal failed or was refused (their key was at risk)
-
-
-def hb_spec(lease: float) -> IdempotencySpec:
-    return IdempotencySpec("bench-hb", ttl=timedelta(minutes=5), lease=timedelta(seconds=lease))
+def hb_port(coord: Any, lease: float) -> Any:
+    return coord.idempotency(
+        IdempotencySpec("bench-hb", ttl=timedelta(minutes=5), lease=timedelta(seconds=lease))
+    )
 
 
 async def hb_async(url: str, n: int, secs: float, lease: float, loops: bool) -> tuple[int, int]:
-    """(round trips, claims lost) of ``n`` claims held ``secs``: the renewer's batches,
-    or one task per claim renewing every lease/3."""
-    coord = idemlock.aio.connect(url, key_prefix="hb" + uuid.uuid4().hex[:8])
-    port = coord.idempotency(hb_spec(lease))
-    trips = lost = 0
+    """(renewal round trips, claims lost) of ``n`` claims held ``secs``: the renewer's
+    batches, or one task per claim renewing every lease/3."""
+    coord = idemlock.aio.connect(url, key_prefix=new_prefix("hb"))
+    port, trips, lost = hb_port(coord, lease), 0, 0
 
     async def renewed(i: int) -> None:
         nonlocal lost
@@ -214,7 +170,6 @@ async def hb_async(url: str, n: int, secs: float, lease: float, loops: bool) -> 
     async def loop(i: int) -> None:
         nonlocal trips, lost
         claim = await port.claim(f"k{i}", payload={})
-        assert isinstance(claim, Claimed)
         token, end = claim.token, time.monotonic() + secs
         while (left := end - time.monotonic()) > 0:
             await asyncio.sleep(min(lease / 3, left))
@@ -240,26 +195,20 @@ async def hb_async(url: str, n: int, secs: float, lease: float, loops: bool) -> 
 
 
 def hb_threads(url: str, n: int, secs: float, lease: float, loops: bool) -> tuple[int, int]:
-    coord = idemlock.connect(url, key_prefix="hb" + uuid.uuid4().hex[:8])
-    port = coord.idempotency(hb_spec(lease))
-    try:
+    with idemlock.connect(url, key_prefix=new_prefix("hb")) as coord, ExitStack() as stack:
+        port = hb_port(coord, lease)
         if not loops:
-            with ExitStack() as stack:
-                attempts = [stack.enter_context(port.run(f"k{i}", payload={})) for i in range(n)]
-                time.sleep(secs)
-                for i, attempt in enumerate(attempts):
-                    attempt.result = i
-                return coord._renewer.round_trips, sum(a.lost for a in attempts)
-        tokens = []
-        for i in range(n):
-            claim = port.claim(f"k{i}", payload={})
-            assert isinstance(claim, Claimed)
-            tokens.append(claim.token)
-        end, stop = time.monotonic() + secs, threading.Event()
-        trips, lost = [0] * n, [0] * n
+            attempts = [stack.enter_context(port.run(f"k{i}", payload={})) for i in range(n)]
+            time.sleep(secs)
+            for i, attempt in enumerate(attempts):
+                attempt.result = i
+            return coord._renewer.round_trips, sum(a.lost for a in attempts)
+        tokens = [port.claim(f"k{i}", payload={}).token for i in range(n)]
+        end, trips, lost = time.monotonic() + secs, [0] * n, [0] * n
 
         def renew(i: int) -> None:
-            while not stop.wait(min(lease / 3, max(0.0, end - time.monotonic()))):
+            while (left := end - time.monotonic()) > 0:
+                time.sleep(min(lease / 3, left))
                 if time.monotonic() >= end:
                     break
                 trips[i] += 1
@@ -280,8 +229,6 @@ def hb_threads(url: str, n: int, secs: float, lease: float, loops: bool) -> tupl
             with contextlib.suppress(StaleClaim, StoreUnavailable):
                 port.complete(token, i)
         return sum(trips), sum(lost)
-    finally:
-        coord.close()
 
 
 def heartbeats(args: argparse.Namespace) -> None:
@@ -294,52 +241,50 @@ def heartbeats(args: argparse.Namespace) -> None:
         "threads": hb_threads,
     }
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
-        urls, stores = {}, args.stores.split(",")
-        if "redis" in stores:
+        urls = {"sqlite": f"sqlite:///{Path(tmp) / 'hb.db'}", "memory": "memory://"}
+        if "redis" in args.stores.split(","):
             server = start_redis(Path(tmp) / "redis")
             stack.callback(server.stop)
             urls["redis"] = server.url
-        if "sqlite" in stores:
-            urls["sqlite"] = f"sqlite:///{Path(tmp) / 'hb.db'}"
-        if "memory" in stores:
-            urls["memory"] = "memory://"
-        print(f"{n} live claims, lease {lease:g}s (renewed every {lease / 3:g}s), held "
-              f"{secs:g}s, median of {args.rounds} interleaved rounds")  # fmt: skip
-        print(f"{'store':8} {'face':8} {'side':9} {'trips/s':>10} {'server cmd/s':>13} "
-              f"{'client CPU':>11} {'lost':>5}")  # fmt: skip
-        for name, url in urls.items():
-            client = redis.Redis.from_url(url) if name == "redis" else None
+        print(
+            f"{n} live claims, lease {lease:g}s (renewed every {lease / 3:g}s), held "
+            f"{secs:g}s, median of {args.rounds} interleaved rounds"
+        )
+        print(
+            f"{'store':8} {'face':8} {'side':9} {'trips/s':>10} {'server cmd/s':>13} "
+            f"{'client CPU':>11} {'lost':>5}"
+        )
+        for name in args.stores.split(","):
+            url, client = urls[name], redis.Redis.from_url(urls[name]) if name == "redis" else None
             for face, run in faces.items():
-                got: dict[str, list[Sample]] = {"renewer": [], "loops": []}
+                # per side and round: round trips/s, server commands/s, client CPU, lost
+                got: dict[str, list[tuple[float, float, float, int]]] = {"renewer": [], "loops": []}
                 for _ in range(args.rounds):
-                    for side in got:
+                    for side, samples in got.items():
                         c0, t0, p0 = commands(client), time.monotonic(), time.process_time()
                         trips, lost = run(url, n, secs, lease, side == "loops")
                         wall = time.monotonic() - t0
-                        cpu = (time.process_time() - p0) / wall
-                        cmds = (commands(client) - c0) / wall
-                        got[side].append(Sample(trips / wall, cmds, cpu, lost))
-                med = {side: median_sample(samples) for side, samples in got.items()}
-                for side, s in med.items():
-                    print(f"{name:8} {face:8} {side:9} {s.trips:10.1f} {s.server:13.1f} "
-                          f"{s.cpu:10.2f} {s.lost:5d}")  # fmt: skip
-                r, b = med["renewer"], med["loops"]
-                ratios = [f"{x / y:8.1f}x" if y else "       -" for x, y in (
-                    (b.trips, r.trips), (b.server, r.server), (b.cpu, r.cpu))]  # fmt: skip
-                print(f"{name:8} {face:8} {'loops/ours':9} {ratios[0]:>10} {ratios[1]:>13} "
-                      f"{ratios[2]:>11}")  # fmt: skip
+                        cmds, cpu = commands(client) - c0, time.process_time() - p0
+                        samples.append((trips / wall, cmds / wall, cpu / wall, lost))
+                med = {}
+                for side, samples in got.items():
+                    cols = list(zip(*samples, strict=True))
+                    med[side] = [*map(statistics.median, cols[:3]), max(cols[3])]
+                    t, c, u, lost = med[side]
+                    print(f"{name:8} {face:8} {side:9} {t:10.1f} {c:13.1f} {u:10.2f} {lost:5d}")
+                ratios = [
+                    f"{b / r:8.1f}x" if r else "       -"
+                    for b, r in zip(med["loops"][:3], med["renewer"][:3], strict=True)
+                ]
+                print(
+                    f"{name:8} {face:8} {'loops/ours':9} {ratios[0]:>10} {ratios[1]:>13} "
+                    f"{ratios[2]:>11}"
+                )
 
 
 def commands(client: Any) -> int:
     """Commands the Redis server has processed (0 for other stores)."""
     return 0 if client is None else int(client.info("stats")["total_commands_processed"])
-
-
-def median_sample(samples: list[Sample]) -> Sample:
-    def mid(field: str) -> float:
-        return statistics.median(getattr(s, field) for s in samples)
-
-    return Sample(mid("trips"), mid("server"), mid("cpu"), max(s.lost for s in samples))
 
 
 # ---- hooks ------------------------------------------------------------------------------------
@@ -369,46 +314,37 @@ def hooks(args: argparse.Namespace) -> None:
         ) -> Any:
             return self._interpret_reply(key, reply, load, *rest)
 
-    def timed(body: Callable[[int], None], n: int) -> float:
+    def via_port(port: IdempotencyPort) -> Callable[[str], None]:
+        claim, complete = port.claim, port.complete
+        return lambda key: complete(claim(key).token, RESULT)
+
+    def direct() -> Callable[[str], None]:
+        port = idemlock.connect("memory://").idempotency(spec)
+        store, ns, lease, ttl = port._coord.store, port._ns, port._lease_ms, port._ttl_ms
+        data = port._encode("k", RESULT)
+
+        def step(key: str) -> None:
+            token = new_token()
+            store.claim(ns, key, None, token, lease)
+            store.complete(ns, key, token, data, ttl)
+
+        return step
+
+    def hooked(make: Callable[[], Any]) -> Callable[[], Callable[[str], None]]:
+        return lambda: via_port(idemlock.connect("memory://", hooks=make()).idempotency(spec))
+
+    def timed(make: Callable[[], Callable[[str], None]], n: int, tag: str) -> float:
+        """claim+complete per CPU second of a fresh store's ``step(key)``"""
+        step = make()
         gc.collect()
         start = time.process_time()
-        body(n)
+        for i in range(n):
+            step(f"{tag}-{i}")
         return n / (time.process_time() - start)
 
-    def via_port(port: IdempotencyPort, n: int, tag: str) -> float:
-        claim_, complete = port.claim, port.complete
-
-        def body(n: int) -> None:
-            for i in range(n):
-                claim = claim_(f"{tag}-{i}")
-                assert isinstance(claim, Claimed)
-                complete(claim.token, RESULT)
-
-        return timed(body, n)
-
-    def direct(n: int, tag: str) -> float:
-        coord = idemlock.connect("memory://")
-        store, port = coord.store, coord.idempotency(spec)
-        ns, lease, ttl, data = port._ns, port._lease_ms, port._ttl_ms, port._encode("k", RESULT)
-
-        def body(n: int) -> None:
-            for i in range(n):
-                key, token = f"{tag}-{i}", new_token()
-                store.claim(ns, key, None, token, lease)
-                store.complete(ns, key, token, data, ttl)
-
-        return timed(body, n)
-
-    def hooked(make: Callable[[], Any]) -> Callable[[int, str], float]:
-        return lambda n, tag: via_port(
-            idemlock.connect("memory://", hooks=make()).idempotency(spec), n, tag
-        )
-
-    runs: dict[str, Callable[[int, str], float]] = {
+    runs: dict[str, Callable[[], Callable[[str], None]]] = {
         "store port, direct": direct,
-        "no hook check (build)": lambda n, tag: via_port(
-            NoCheckPort(idemlock.connect("memory://"), spec), n, tag
-        ),
+        "no hook check (build)": lambda: via_port(NoCheckPort(idemlock.connect("memory://"), spec)),
         "zero hooks": hooked(lambda: None),
         "hooks=[]": hooked(list),
         "OpenTelemetryHook (no SDK)": hooked(lambda: [OpenTelemetryHook()]),
@@ -416,15 +352,17 @@ def hooks(args: argparse.Namespace) -> None:
     }
     names = list(runs)
     rates: Rates = {name: [] for name in names}
-    for run in runs.values():  # warm up every path once
-        run(min(args.n, 1000), "warm")
+    for make in runs.values():  # warm up every path once
+        timed(make, min(args.n, 1000), "warm")
     for r in range(args.rounds):  # each variant on a fresh store, in a rotating order
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            rates[name].append(runs[name](args.n, f"r{r}-{names.index(name)}"))
+            rates[name].append(timed(runs[name], args.n, f"r{r}-{names.index(name)}"))
     med = medians(rates)
     base, floor = med["no hook check (build)"], med["store port, direct"]
-    print(f"memory store, n={args.n} x {args.rounds} rounds, median claim+complete per "
-          "second of CPU time")  # fmt: skip
+    print(
+        f"memory store, n={args.n} x {args.rounds} rounds, median claim+complete per "
+        "second of CPU time"
+    )
     print(f"{'variant':28} {'ops/s':>9} {'vs build':>9} {'vs direct':>10}")
     for name, rate in med.items():
         print(f"{name:28} {rate:9.0f} {rate / base:9.3f} {rate / floor:10.3f}")
@@ -448,8 +386,10 @@ def hooks(args: argparse.Namespace) -> None:
         if coord._hooks:
             raise AssertionError("no hook was registered")
     cost = (time.process_time() - start - empty) / loops
-    print(f"the checks alone: {cost * 1e9:.0f} ns per claim+complete = "
-          f"{cost * med['zero hooks'] * 100:.2f}% of one (goal < 2%)")  # fmt: skip
+    print(
+        f"the checks alone: {cost * 1e9:.0f} ns per claim+complete = "
+        f"{cost * med['zero hooks'] * 100:.2f}% of one (goal < 2%)"
+    )
 
 
 # ---- results ----------------------------------------------------------------------------------
@@ -512,11 +452,16 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="what", required=True)
     for name, options in {
         "etcd": (("n", int, 500), ("rounds", int, 5), ("members", int, 1)),
-        "heartbeats": (("claims", int, 1000), ("seconds", float, 6.0), ("lease", float, 3.0),
-                       ("rounds", int, 2), ("stores", str, "redis,sqlite")),
+        "heartbeats": (
+            ("claims", int, 1000),
+            ("seconds", float, 6.0),
+            ("lease", float, 3.0),
+            ("rounds", int, 2),
+            ("stores", str, "redis,sqlite"),
+        ),
         "hooks": (("n", int, 3000), ("rounds", int, 30)),
         "results": (("n", int, 20000), ("rounds", int, 3), ("store", str, "memory")),
-    }.items():  # fmt: skip
+    }.items():
         p = sub.add_parser(name)
         for opt, kind, default in options:
             p.add_argument(f"--{opt}", type=kind, default=default)
