@@ -179,9 +179,6 @@ def role(subject: str) -> str:
     return "idemlock" if subject.startswith(OURS) else "peer"
 
 
-# ---- results -----------------------------------------------------------------------------
-
-
 class Results:
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
@@ -285,36 +282,28 @@ class PeerFailed(Exception):
 def guarded(fns: dict[str, Any]) -> dict[str, Any]:
     """Peers' functions (sync ones taking n, asyncio makes taking (t, n)) raising
     ``PeerFailed`` instead of whatever they raise; idemlock's and the baseline's raise."""
-    out = dict(fns)
-    for name, fn in fns.items():
-        if role(name) != "peer":
-            continue
-        if asyncio.iscoroutinefunction(fn):
 
-            async def amake(t: int, n: int, fn: Any = fn, name: str = name) -> None:
-                try:
-                    await fn(t, n)
-                except Exception as exc:
-                    raise PeerFailed(name, exc) from exc
+    def wrap(name: str, fn: Any) -> Any:
+        def run(*args: Any) -> Any:
+            try:
+                return fn(*args)
+            except Exception as exc:
+                raise PeerFailed(name, exc) from exc
 
-            out[name] = amake
-        else:
+        async def amake(*args: Any) -> None:
+            try:
+                await fn(*args)
+            except Exception as exc:
+                raise PeerFailed(name, exc) from exc
 
-            def run(n: int, fn: Any = fn, name: str = name) -> Any:
-                try:
-                    return fn(n)
-                except Exception as exc:
-                    raise PeerFailed(name, exc) from exc
+        return amake if asyncio.iscoroutinefunction(fn) else run
 
-            out[name] = run
-    return out
+    return {k: fn if role(k) != "peer" else wrap(k, fn) for k, fn in fns.items()}
 
 
 def new_prefix(tag: str = "b") -> str:
     return tag + uuid.uuid4().hex[:8]
 
-
-# ---- rounds ------------------------------------------------------------------------------
 
 Rates = dict[str, list[float]]
 
@@ -397,14 +386,9 @@ def version(dist: str) -> str | None:
 def peer_status(res: Results) -> dict[str, dict[str, Any]]:
     out = {}
     for name, (dist, _, what) in PEERS.items():
-        ran = sorted({(r["store"]) for r in res.rows if r["subject"] == name}, key=STORES.index)
+        ran = sorted({r["store"] for r in res.rows if r["subject"] == name}, key=STORES.index)
         failed = [n for n in res.not_run if n["subject"] == name and n["status"] == "failed"]
-        if not HAVE[name]:
-            status = "not installed"
-        elif ran:
-            status = "ran"
-        else:
-            status = "could not run"
+        status = "ran" if ran else "could not run" if HAVE[name] else "not installed"
         notes = what
         if name == PT and HAVE[name]:
             notes += (

@@ -4,25 +4,10 @@
                                 [--out docs/benchmarks.md] [--json docs/benchmarks.json]
                                 [--png docs/benchmarks.png]
 
-Starts its own throwaway servers (redis-server, a three-master Redis Cluster and
-PostgreSQL, from tests/servers/, the tests' own) and measures, on the memory, SQLite,
-Redis, Redis Cluster and PostgreSQL stores, each scenario of scenarios.py on each
-subject of subjects.py:
-
-* uncontended: acquire+release and claim+complete per second, sync, one thread
-  (idemlock's API and its store port alone, the raw baseline, the peers);
-* asyncio: the same with 1 task and with 100 concurrent tasks;
-* contended hand-off: 4 processes (threads, for the in-process memory store) on one
-  lock, each holding it ~1 ms: critical sections per second, hand-offs, the median gap
-  from a release to the next acquisition, the worst wait; and a single waiter behind
-  a single holder (the release -> acquire gap);
-* the idempotent job end to end, with the round trips of one job counted;
-* Redis memory per key (MEMORY USAGE) of idemlock's records and locks and the peers'.
-
-Every figure is a ratio against a baseline measured in the same run (common.BASELINES).
-Writes a JSON of every result, then render.py turns it into Markdown and a PNG chart.
-``--quick`` is a reduced configuration for CI; ``--stores`` runs a subset (what the
-per-store scripts used to do). Issue 13's goals: ``python benchmarks/goals.py``.
+Starts its own throwaway servers (tests/servers/), runs each scenario of scenarios.py on
+each store's subjects (subjects/), every figure a ratio against a baseline of the same
+run (common.BASELINES), writes the JSON, then render.py's Markdown and PNG chart.
+``--quick`` is the CI configuration; ``--stores`` runs a subset.
 """
 
 from __future__ import annotations
@@ -78,10 +63,7 @@ def cpu_model() -> str:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-# ---- main --------------------------------------------------------------------------------------
+    return platform.machine()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,13 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     versions: dict[str, str | None] = {
         "idemlock": idemlock.__version__,
         "sqlite": sqlite3.sqlite_version,
-        "redis-py": version("redis"),
-        "hiredis": version("hiredis"),
-        "psycopg": version("psycopg"),
-        "psycopg-pool": version("psycopg-pool"),
-        "asyncpg": version("asyncpg"),
-        "matplotlib": version("matplotlib"),
     }
+    for dist in ("redis", "hiredis", "psycopg", "psycopg-pool", "asyncpg", "matplotlib"):
+        versions["redis-py" if dist == "redis" else dist] = version(dist)
     with (
         tempfile.TemporaryDirectory(prefix="idemlock-report-") as tmp,
         contextlib.ExitStack() as stack,
