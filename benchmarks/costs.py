@@ -38,9 +38,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-for _path in (str(HERE.parent), str(HERE)):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+sys.path[:0] = [str(HERE.parent), str(HERE)]  # the tests' servers, then common and subjects
 
 from common import CLAIM_OP, LOCK_OP, Rates, ainterleave, fan_out, interleave, new_prefix  # noqa: E402
 from subjects import base as subj  # noqa: E402
@@ -246,14 +244,9 @@ def heartbeats(args: argparse.Namespace) -> None:
             server = start_redis(Path(tmp) / "redis")
             stack.callback(server.stop)
             urls["redis"] = server.url
-        print(
-            f"{n} live claims, lease {lease:g}s (renewed every {lease / 3:g}s), held "
-            f"{secs:g}s, median of {args.rounds} interleaved rounds"
-        )
-        print(
-            f"{'store':8} {'face':8} {'side':9} {'trips/s':>10} {'server cmd/s':>13} "
-            f"{'client CPU':>11} {'lost':>5}"
-        )
+        print(f"{n} live claims, lease {lease:g}s (renewed every {lease / 3:g}s), held {secs:g}s, "
+              f"median of {args.rounds} interleaved rounds\n{'store':8} {'face':8} {'side':9} "
+              f"{'trips/s':>10} {'server cmd/s':>13} {'client CPU':>11} {'lost':>5}")  # fmt: skip
         for name in args.stores.split(","):
             url, client = urls[name], redis.Redis.from_url(urls[name]) if name == "redis" else None
             for face, run in faces.items():
