@@ -327,9 +327,8 @@ def single_waiter(f: dict[str, Any], goal: list[float]) -> tuple[str, list[float
 
 def import_ms(f: dict[str, Any], goal: list[float]) -> tuple[str, list[float] | None]:
     cached, cold = f["import"]
-    return f"{cached:.0f} ms with bytecode cached (judged), {cold:.0f} ms compiling idemlock", [
-        cached
-    ]
+    text = f"{cached:.0f} ms with bytecode cached (judged), {cold:.0f} ms compiling idemlock"
+    return text, [cached]
 
 
 #: figure | baseline | goal | at filing | its measure (a key of MEASURES), in the issue's order
@@ -409,7 +408,7 @@ def judge(line: str, f: dict[str, Any]) -> Row:
     short = [
         shown(abs(value - limit), unit) + (f" {what}" if what else "")
         for value, (op, _, unit, what), limit in zip(values, parts, limits, strict=True)
-        if (value < limit if op == "≥" else value > limit)
+        if not (value >= limit if op == "≥" else value <= limit)  # NaN (none measured): short
     ]
     return Row(figure, baseline, text, goal, filed, short)
 
