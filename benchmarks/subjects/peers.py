@@ -141,12 +141,13 @@ def ik_claim(backend: Any) -> Make:
     return make
 
 
-def ik_job(
-    backend: Any, write: Callable[[str], Awaitable[Any]]
-) -> Callable[[int], Awaitable[None]]:
+def ik_job(backend: Any, write: Callable[[str], Awaitable[Any]], loop: Any, stack: Any) -> SyncFn:
+    """The job through idemkit's backend, 1 task on ``loop``, measured among sync ones."""
+    stack.callback(lambda: loop.run_until_complete(backend.aclose()))
+
     async def run(count: int) -> None:
         tag = uuid.uuid4().hex[:6]
         for i in range(count):
             await _ik(backend, f"{tag}-{i}", write)
 
-    return run
+    return lambda n: loop.run_until_complete(run(n))

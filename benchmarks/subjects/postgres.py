@@ -7,6 +7,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -29,7 +30,7 @@ from tests.servers.proxy import TcpProxy
 import idemlock
 from idemlock import Claimed, FencedOut
 from idemlock.stores.postgres import fenced as PF
-from subjects.base import ABuilds, Adapter, Builds, on_loop
+from subjects.base import ABuilds, Adapter, Builds
 from subjects.peers import ik_claim, ik_job
 
 PG_SCHEMA = """
@@ -259,13 +260,9 @@ class PgBench(Adapter):
     ) -> Builds:  # fmt: skip
         def build_ik() -> SyncFn:
             backend = loop.run_until_complete(pg_idemkit(t["dsn"], max_size=4))
-            stack.callback(lambda: loop.run_until_complete(backend.aclose()))
             aconn = self._aconn(t["dsn"], stack, loop)
-
-            async def write(key: str) -> None:
-                await aconn.execute(PG_UPSERT, (key, "done"), prepare=True)
-
-            return on_loop(loop, ik_job(backend, write))
+            upsert = partial(aconn.execute, PG_UPSERT, prepare=True)
+            return ik_job(backend, lambda key: upsert((key, "done")), loop, stack)
 
         return {IK: build_ik}
 

@@ -39,7 +39,6 @@ from subjects.base import (
     Adapter,
     Builds,
     count_redis_requests,
-    on_loop,
     ours_job_together,
 )
 from subjects.peers import (
@@ -242,12 +241,7 @@ class RedisBench(Adapter):
 
             ar = redis_aclient(t)
             backend = RedisBackend(ar, namespace=new_prefix("ik"))
-            stack.callback(lambda: loop.run_until_complete(backend.aclose()))
-
-            async def write(key: str) -> None:
-                await ar.set(f"ikout:{key}", "done")
-
-            return on_loop(loop, ik_job(backend, write))
+            return ik_job(backend, lambda key: ar.set(f"ikout:{key}", "done"), loop, stack)
 
         return {
             OURS_W: lambda: ours_job_together(coord),
