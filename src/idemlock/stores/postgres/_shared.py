@@ -143,7 +143,8 @@ def _lane_spent(conn: Any, since: float) -> bool:
     return bool(
         conn.closed
         or getattr(conn, "broken", False)
-        or conn.info.transaction_status != TransactionStatus.IDLE
+        # pgconn's own status: conn.info would build a ConnectionInfo on every call.
+        or conn.pgconn.transaction_status != TransactionStatus.IDLE
         or time.monotonic() - since > LANE_SECONDS
     )
 

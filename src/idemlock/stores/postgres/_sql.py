@@ -15,6 +15,7 @@ whole life (claim, lease expiry, purge).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from dataclasses import dataclass
@@ -544,11 +545,18 @@ class Statements:
     def channel(self, kind: str, ns: str, key: str) -> str:
         """The NOTIFY channel of one key: a hash, because channel names are identifiers
         of at most 63 bytes and keys may be 512."""
-        digest = hashlib.blake2b(
-            "\0".join((self.schema, kind, ns, key)).encode("utf-8", "surrogatepass"),
-            digest_size=16,
-        ).hexdigest()
-        return f"idemlock_{digest}"
+        return _channel(self.schema, kind, ns, key)
+
+
+# Cached: a lock's acquire and release each need its channel, and a hot key's hash is
+# the same every time (bounded, so many one-off keys cannot grow it without limit).
+@functools.lru_cache(maxsize=4096)
+def _channel(schema: str, kind: str, ns: str, key: str) -> str:
+    digest = hashlib.blake2b(
+        "\0".join((schema, kind, ns, key)).encode("utf-8", "surrogatepass"),
+        digest_size=16,
+    ).hexdigest()
+    return f"idemlock_{digest}"
 
 
 def migration_statements(schema: str, version: int) -> list[bytes]:
