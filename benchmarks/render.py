@@ -15,39 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from common import (
-    AIO1,
-    AIO100,
-    BASE,
-    BASE_JOB,
-    BASELINES,
-    CLAIM_OP,
-    DOCS,
-    FK,
-    GOALS_END,
-    GOALS_START,
-    HAND,
-    HAND_OP,
-    IK,
-    JOB,
-    JOB_DESC,
-    JOB_OP,
-    LOCK_OP,
-    OURS,
-    OURS_AIO,
-    OURS_PORT,
-    OURS_TX,
-    OURS_W,
-    PRL,
-    PT,
-    RPY,
-    SCALE,
-    SCENARIOS,
-    SUBJECTS,
-    TITLE,
-    UNC,
-    X,
-)
+import common as c
 
 
 def fmt_rate(v: float) -> str:
@@ -74,40 +42,40 @@ def table(head: list[str], rows: list[list[Any]], right: int = 99) -> list[str]:
     """A Markdown table; the columns from ``right`` on are right-aligned."""
     rule = ["---:" if i >= right else "---" for i in range(len(head))]
     return [
-        "|" + "|".join(f" {c} " if c != "" else " " for c in r) + "|" for r in (head, rule, *rows)
+        "|" + "|".join(f" {v} " if v != "" else " " for v in r) + "|" for r in (head, rule, *rows)
     ]
 
 
 def ratio_text(r: dict[str, Any], rate: bool = False) -> str:
-    text = f"{r['ratio']:.2f}{X}" + (f" ({fmt_rate(r['value'])}/s)" if rate else "")
-    return f"**{text}**" if r["subject"] == OURS else text
+    text = f"{r['ratio']:.2f}{c.X}" + (f" ({fmt_rate(r['value'])}/s)" if rate else "")
+    return f"**{text}**" if r["subject"] == c.OURS else text
 
 
 def throughput_table(data: dict[str, Any], scenarios: list[str]) -> list[str]:
     stores, found, rows = data["stores"], index(data), []
     for scenario in scenarios:
-        for op in (LOCK_OP, CLAIM_OP):
+        for op in (c.LOCK_OP, c.CLAIM_OP):
             seen = {k[3] for k in found if k[:2] == (scenario, op)}
-            for subject in [s for s in SUBJECTS if s in seen]:
+            for subject in [s for s in c.SUBJECTS if s in seen]:
                 cells = []
                 for store in stores:
                     r, miss = found.get((scenario, op, store, subject), (None, None))
                     cells.append(ratio_text(r, True) if r else miss["status"] if miss else "—")
                 rows.append([scenario, op, subject, *cells])
-    return table(["scenario", "operation", "subject", *(TITLE[s] for s in stores)], rows, 3)
+    return table(["scenario", "operation", "subject", *(c.TITLE[s] for s in stores)], rows, 3)
 
 
 def trips_table(data: dict[str, Any]) -> list[str]:
-    found = [r for r in data["results"] if r["scenario"] == UNC and r.get("round_trips")]
+    found = [r for r in data["results"] if r["scenario"] == c.UNC and r.get("round_trips")]
     stores = [s for s in data["stores"] if any(r["store"] == s for r in found)]
     rows = []
-    for op in (LOCK_OP, CLAIM_OP):
-        for subject in SUBJECTS:
+    for op in (c.LOCK_OP, c.CLAIM_OP):
+        for subject in c.SUBJECTS:
             got = {r["store"]: r for r in found if (r["operation"], r["subject"]) == (op, subject)}
             if got:
                 cells = [f"{got[s]['round_trips']:g}" if s in got else "—" for s in stores]
                 rows.append([op, subject, *cells])
-    return table(["operation", "subject", *(TITLE[s] for s in stores)], rows, 2)
+    return table(["operation", "subject", *(c.TITLE[s] for s in stores)], rows, 2)
 
 
 def trips_text(r: dict[str, Any]) -> str:
@@ -124,18 +92,18 @@ def store_rows(
     ``missing(store, subject, not_run)``."""
     found, rows = index(data), []
     for store in data["stores"]:
-        for subject in SUBJECTS:
+        for subject in c.SUBJECTS:
             r, miss = found.get((*key, store, subject), (None, None))
             if r is not None or miss is not None:
                 cells = ran(r) if r else missing(store, subject, miss)
-                rows.append([TITLE[store], subject, *cells])
+                rows.append([c.TITLE[store], subject, *cells])
     return rows
 
 
 def job_cells(store: str, subject: str) -> list[str]:
     """The job's steps and whether its write is fenced."""
-    what, fenced = JOB_DESC[subject]
-    return [BASE_JOB[store] if subject == BASE else what, fenced]
+    what, fenced = c.JOB_DESC[subject]
+    return [c.BASE_JOB[store] if subject == c.BASE else what, fenced]
 
 
 def markdown(data: dict[str, Any], png_name: str | None) -> str:
@@ -153,7 +121,7 @@ def markdown(data: dict[str, Any], png_name: str | None) -> str:
         "from PyPI.",
         "",
         "**Every figure is a ratio against a baseline measured in the same run**: the raw "
-        f"driver doing the same work in the same number of round trips (below). Above 1.00{X} "
+        f"driver doing the same work in the same number of round trips (below). Above 1.00{c.X} "
         "is faster than the baseline. Throughput subjects run interleaved round by round "
         f"({cfg['rounds']} rounds) and each ratio is the median of the per-round ratios, so "
         "drift on a shared machine moves every side alike; rates in brackets are medians, "
@@ -163,7 +131,7 @@ def markdown(data: dict[str, Any], png_name: str | None) -> str:
         "",
         "| | |",
         "| --- | --- |",
-        f"| CPUs | {m['cpu_count']} {X} {m['cpu_model']} |",
+        f"| CPUs | {m['cpu_count']} {c.X} {m['cpu_model']} |",
         f"| load average at start (1, 5, 15 min) | {ls[0]:.2f}, {ls[1]:.2f}, {ls[2]:.2f} |",
         f"| load average at end (1, 5, 15 min) | {le[0]:.2f}, {le[1]:.2f}, {le[2]:.2f} "
         "(the run itself keeps both cores busy: client, servers, contention workers) |",
@@ -179,9 +147,9 @@ def markdown(data: dict[str, Any], png_name: str | None) -> str:
             f"{k} {v}" for k, v in m["versions"].items()
             if k in ("redis-py", "hiredis", "psycopg", "psycopg-pool", "asyncpg") and v
         ) + " |",
-        f"| configuration | {cfg['n']} pairs {X} {cfg['rounds']} rounds per subject, "
+        f"| configuration | {cfg['n']} pairs {c.X} {cfg['rounds']} rounds per subject, "
         f"{cfg['job_n']} jobs per round"
-        + (f" (memory {X}{SCALE['memory']}, SQLite {X}{SCALE['sqlite']}: their operations "
+        + (f" (memory {c.X}{c.SCALE['memory']}, SQLite {c.X}{c.SCALE['sqlite']}: their operations "
            "take microseconds)" if cfg["scaled"] else "")
         + f", contention runs of "
         f"{cfg['seconds']:g} s, round trips counted over {cfg['count']} operations |",
@@ -194,13 +162,13 @@ def markdown(data: dict[str, Any], png_name: str | None) -> str:
             "",
         ]
     peers = [
-        [name, p["version"] or "—", p["status"], ", ".join(TITLE[s] for s in p["stores"]) or "—",
+        [name, p["version"] or "—", p["status"], ", ".join(c.TITLE[s] for s in p["stores"]) or "—",
          p["notes"] + "".join(f"; failed on {f}" for f in p["failures"])]
         for name, p in data["peers"].items()
     ]  # fmt: skip
     out += ["## Peers", "", *table(["peer", "version", "status", "stores", "notes"], peers)]
-    out += ["", "## Baselines", "", *table(["store", f"baseline (1.00{X})"],
-            [[TITLE[s], BASELINES[s]] for s in stores])]  # fmt: skip
+    out += ["", "## Baselines", "", *table(["store", f"baseline (1.00{c.X})"],
+            [[c.TITLE[s], c.BASELINES[s]] for s in stores])]  # fmt: skip
     out += [""]
     if png_name:
         out += [f"![ratios to the baseline per scenario and store]({png_name})", ""]
@@ -210,7 +178,7 @@ def markdown(data: dict[str, Any], png_name: str | None) -> str:
         "Pairs per second (acquire+release of one key; claim+complete of a new key each "
         "time), as a ratio to the baseline.",
         "",
-        *throughput_table(data, [UNC]),
+        *throughput_table(data, [c.UNC]),
         "",
         "Round trips per pair, counted (SQLite: transactions):",
         "",
@@ -222,7 +190,7 @@ def markdown(data: dict[str, Any], png_name: str | None) -> str:
         "own lock key); the baseline is the raw asyncio driver (SQLite: raw transactions in "
         "asyncio.to_thread; memory: the dict, in a coroutine).",
         "",
-        *throughput_table(data, [AIO1, AIO100]),
+        *throughput_table(data, [c.AIO1, c.AIO100]),
         "",
         "## Contended hand-off",
         "",
@@ -234,9 +202,9 @@ def markdown(data: dict[str, Any], png_name: str | None) -> str:
         "",
     ]
     out += table(
-        ["store", "subject", "critical sections/s", f"{X} baseline", "hand-offs", "gap median",
+        ["store", "subject", "critical sections/s", f"{c.X} baseline", "hand-offs", "gap median",
          "worst wait"],
-        store_rows(data, (HAND, HAND_OP), lambda r: [
+        store_rows(data, (c.HAND, c.HAND_OP), lambda r: [
             f"{r['value']:,.0f}", ratio_text(r), f"{r['handoff_share']:.0%}",
             f"{r['gap_median_ms']:.2f} ms", f"{r['worst_wait_ms']:.1f} ms",
         ], lambda s, subject, miss: [miss["status"], "", "", "", ""]),
@@ -261,8 +229,8 @@ def markdown(data: dict[str, Any], png_name: str | None) -> str:
         "",
     ]
     out += table(
-        ["store", "subject", "the job", "fenced", "round trips", "jobs/s", f"{X} baseline"],
-        store_rows(data, (JOB, JOB_OP), lambda r: [
+        ["store", "subject", "the job", "fenced", "round trips", "jobs/s", f"{c.X} baseline"],
+        store_rows(data, (c.JOB, c.JOB_OP), lambda r: [
             *job_cells(r["store"], r["subject"]), trips_text(r), fmt_rate(r["value"]),
             ratio_text(r),
         ], lambda s, subject, miss: [*job_cells(s, subject), "", miss["status"], ""]),
@@ -278,7 +246,7 @@ def markdown(data: dict[str, Any], png_name: str | None) -> str:
         out += ["## Single waiter", "", "One holder and one waiter (2 processes, each holding "
                 "the lock 2 ms, then off it 0.5 ms): the median gap from the holder's release "
                 "to the waiter's acquisition.", ""]  # fmt: skip
-        rows = [[TITLE[s], f"{m['handoff_gap_median_ms']:.2f} ms", f"{m['count']:.0f}"]
+        rows = [[c.TITLE[s], f"{m['handoff_gap_median_ms']:.2f} ms", f"{m['count']:.0f}"]
                 for s, m in data["single_waiter"].items()]  # fmt: skip
         out += [*table(["store", "gap median", "acquisitions"], rows, 1), ""]
     if data.get("redis_memory"):
@@ -288,7 +256,7 @@ def markdown(data: dict[str, Any], png_name: str | None) -> str:
         seen: dict[tuple[str, ...], list[str]] = {}
         for n in data["not_run"]:
             seen.setdefault((n["store"], n["scenario"], n["operation"], n["subject"]), [
-                TITLE[n["store"]], f"{n['scenario']}, {n['operation']}", n["subject"],
+                c.TITLE[n["store"]], f"{n['scenario']}, {n['operation']}", n["subject"],
                 n["status"], n["why"].replace("|", "/"),
             ])  # fmt: skip
         head = ["store", "scenario", "subject", "status", "why"]
@@ -323,26 +291,26 @@ def markdown(data: dict[str, Any], png_name: str | None) -> str:
 
 
 COLORS = {
-    OURS: "#1f5fbf",
-    OURS_PORT: "#9ecae1",
-    OURS_AIO: "#6fa8ff",
-    OURS_W: "#0b3b80",
-    OURS_TX: "#17becf",
-    RPY: "#d62728",
-    PRL: "#ff7f0e",
-    FK: "#2ca02c",
-    IK: "#9467bd",
-    PT: "#8c564b",
+    c.OURS: "#1f5fbf",
+    c.OURS_PORT: "#9ecae1",
+    c.OURS_AIO: "#6fa8ff",
+    c.OURS_W: "#0b3b80",
+    c.OURS_TX: "#17becf",
+    c.RPY: "#d62728",
+    c.PRL: "#ff7f0e",
+    c.FK: "#2ca02c",
+    c.IK: "#9467bd",
+    c.PT: "#8c564b",
 }
 SHORT = {
-    (UNC, LOCK_OP): "acquire+release\nsync",
-    (UNC, CLAIM_OP): "claim+complete\nsync",
-    (AIO1, LOCK_OP): f"acquire+release\nasyncio {X}1",
-    (AIO1, CLAIM_OP): f"claim+complete\nasyncio {X}1",
-    (AIO100, LOCK_OP): f"acquire+release\nasyncio {X}100",
-    (AIO100, CLAIM_OP): f"claim+complete\nasyncio {X}100",
-    (HAND, HAND_OP): "contended\nhand-off",
-    (JOB, JOB_OP): "idempotent\njob",
+    (c.UNC, c.LOCK_OP): "acquire+release\nsync",
+    (c.UNC, c.CLAIM_OP): "claim+complete\nsync",
+    (c.AIO1, c.LOCK_OP): f"acquire+release\nasyncio {c.X}1",
+    (c.AIO1, c.CLAIM_OP): f"claim+complete\nasyncio {c.X}1",
+    (c.AIO100, c.LOCK_OP): f"acquire+release\nasyncio {c.X}100",
+    (c.AIO100, c.CLAIM_OP): f"claim+complete\nasyncio {c.X}100",
+    (c.HAND, c.HAND_OP): "contended\nhand-off",
+    (c.JOB, c.JOB_OP): "idempotent\njob",
 }
 
 
@@ -360,11 +328,11 @@ def chart(data: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(len(stores), 1, figsize=(13, 2.9 * len(stores) + 1.3), squeeze=False)
     handles: dict[str, Any] = {}
     for ax, store in zip(axes[:, 0], stores, strict=True):
-        rows = [r for r in data["results"] if r["store"] == store and r["subject"] != BASE]
+        rows = [r for r in data["results"] if r["store"] == store and r["subject"] != c.BASE]
         ratios = [r["ratio"] for r in rows]
-        for i, key in enumerate(SCENARIOS):
+        for i, key in enumerate(c.SCENARIOS):
             group = [r for r in rows if (r["scenario"], r["operation"]) == key]
-            group.sort(key=lambda r: SUBJECTS.index(r["subject"]))
+            group.sort(key=lambda r: c.SUBJECTS.index(r["subject"]))
             width = min(0.2, 0.84 / max(1, len(group)))
             for j, r in enumerate(group):
                 x = i + (j - (len(group) - 1) / 2) * width
@@ -381,16 +349,16 @@ def chart(data: dict[str, Any], path: Path) -> None:
         ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
-        ax.set_xticks(range(len(SCENARIOS)))
-        ax.set_xticklabels([SHORT[k] for k in SCENARIOS], fontsize=8)
-        ax.set_xlim(-0.55, len(SCENARIOS) - 0.45)
-        ax.set_title(f"{TITLE[store]}  (1 = {BASELINE_SHORT[store]})", fontsize=10, loc="left")
-        ax.set_ylabel(f"{X} baseline")
+        ax.set_xticks(range(len(c.SCENARIOS)))
+        ax.set_xticklabels([SHORT[k] for k in c.SCENARIOS], fontsize=8)
+        ax.set_xlim(-0.55, len(c.SCENARIOS) - 0.45)
+        ax.set_title(f"{c.TITLE[store]}  (1 = {BASELINE_SHORT[store]})", fontsize=10, loc="left")
+        ax.set_ylabel(f"{c.X} baseline")
         ax.grid(axis="y", which="major", alpha=0.3, zorder=0)
         ax.set_axisbelow(True)
-        for i in range(1, len(SCENARIOS)):
+        for i in range(1, len(c.SCENARIOS)):
             ax.axvline(i - 0.5, color="#dddddd", linewidth=0.6, zorder=1)
-    order = [s for s in SUBJECTS if s in handles]
+    order = [s for s in c.SUBJECTS if s in handles]
     fig.suptitle(
         "idemlock and its peers: throughput as a ratio to the raw driver measured in the "
         "same run (dashed line = 1; higher is faster; log scale)",
@@ -431,15 +399,15 @@ def write(data: dict[str, Any], json_path: Path, out: Path, png: Path) -> None:
 
 def goals_section(text: str) -> str:
     """The goals section of a Markdown file's text, markers included ("" if none)."""
-    start, end = text.find(GOALS_START), text.find(GOALS_END)
-    return text[start : end + len(GOALS_END)] if 0 <= start < end else ""
+    start, end = text.find(c.GOALS_START), text.find(c.GOALS_END)
+    return text[start : end + len(c.GOALS_END)] if 0 <= start < end else ""
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--json", type=Path, default=DOCS / "benchmarks.json")
-    parser.add_argument("--out", type=Path, default=DOCS / "benchmarks.md")
-    parser.add_argument("--png", type=Path, default=DOCS / "benchmarks.png")
+    parser.add_argument("--json", type=Path, default=c.DOCS / "benchmarks.json")
+    parser.add_argument("--out", type=Path, default=c.DOCS / "benchmarks.md")
+    parser.add_argument("--png", type=Path, default=c.DOCS / "benchmarks.png")
     args = parser.parse_args(argv)
     write(json.loads(args.json.read_text()), args.json, args.out, args.png)
     print(f"wrote {args.out}, {args.png}")

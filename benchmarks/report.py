@@ -32,19 +32,9 @@ for _path in (str(ROOT), str(HERE)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+import common as c  # noqa: E402
 import psycopg  # noqa: E402
 import redis  # noqa: E402
-from common import (  # noqa: E402
-    BASELINES,
-    DOCS,
-    SCENARIOS,
-    STORES,
-    TITLE,
-    Config,
-    Results,
-    peer_status,
-    version,
-)
 from render import write  # noqa: E402
 from scenarios import Contenders, redis_memory, run_store, single_waiter  # noqa: E402
 from subjects.memory import MemoryBench  # noqa: E402
@@ -54,8 +44,8 @@ from subjects.sqlite import SqliteBench  # noqa: E402
 
 import idemlock  # noqa: E402
 
-FULL = Config(n=1000, rounds=7, job_n=500, seconds=5.0, count=50, scaled=True)
-QUICK = Config(n=200, rounds=3, job_n=100, seconds=0.6, count=10, scaled=False)
+FULL = c.Config(n=1000, rounds=7, job_n=500, seconds=5.0, count=50, scaled=True)
+QUICK = c.Config(n=200, rounds=3, job_n=100, seconds=0.6, count=10, scaled=False)
 
 
 def cpu_model() -> str:
@@ -69,14 +59,14 @@ def cpu_model() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="reduced configuration (CI)")
-    parser.add_argument("--out", type=Path, default=DOCS / "benchmarks.md")
-    parser.add_argument("--json", type=Path, default=DOCS / "benchmarks.json")
-    parser.add_argument("--png", type=Path, default=DOCS / "benchmarks.png")
+    parser.add_argument("--out", type=Path, default=c.DOCS / "benchmarks.md")
+    parser.add_argument("--json", type=Path, default=c.DOCS / "benchmarks.json")
+    parser.add_argument("--png", type=Path, default=c.DOCS / "benchmarks.png")
     parser.add_argument(
-        "--stores", default=",".join(STORES), help=f"comma-separated subset of {STORES}"
+        "--stores", default=",".join(c.STORES), help=f"comma-separated subset of {c.STORES}"
     )
     args = parser.parse_args(argv)
-    stores = [s for s in STORES if s in args.stores.split(",")]
+    stores = [s for s in c.STORES if s in args.stores.split(",")]
     cfg = QUICK if args.quick else FULL
     import matplotlib  # noqa: F401  (the chart is part of the report: fail before the run)
     from tests.servers.postgres import start_postgres
@@ -85,13 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     started, load_start = time.monotonic(), os.getloadavg()
     print(f"idemlock benchmark report ({'quick' if args.quick else 'full'}): {asdict(cfg)}; "
           f"{os.cpu_count()} cpus, load average {load_start[0]:.2f}")  # fmt: skip
-    res = Results()
+    res = c.Results()
     versions: dict[str, str | None] = {
         "idemlock": idemlock.__version__,
         "sqlite": sqlite3.sqlite_version,
     }
     for dist in ("redis", "hiredis", "psycopg", "psycopg-pool", "asyncpg", "matplotlib"):
-        versions["redis-py" if dist == "redis" else dist] = version(dist)
+        versions["redis-py" if dist == "redis" else dist] = c.version(dist)
     with (
         tempfile.TemporaryDirectory(prefix="idemlock-report-") as tmp,
         contextlib.ExitStack() as stack,
@@ -123,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         single: dict[str, dict[str, float]] = {}
         for name in stores:
             bench = benches[name]()
-            print(f"{TITLE[name]}:")
+            print(f"{c.TITLE[name]}:")
             run_store(bench, cfg, res, contenders)
             if name != "memory":
                 single[name] = m = single_waiter(bench, cfg, contenders)
@@ -134,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         "meta": {
             "command": "python benchmarks/report.py"
             + (" --quick" if args.quick else "")
-            + (f" --stores {','.join(stores)}" if stores != list(STORES) else ""),
+            + (f" --stores {','.join(stores)}" if stores != list(c.STORES) else ""),
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "quick": args.quick,
             "config": asdict(cfg),
@@ -148,9 +138,9 @@ def main(argv: list[str] | None = None) -> int:
             "versions": versions,
         },
         "stores": stores,
-        "scenarios": [{"scenario": s, "operation": o} for s, o in SCENARIOS],
-        "baselines": BASELINES,
-        "peers": peer_status(res),
+        "scenarios": [{"scenario": s, "operation": o} for s, o in c.SCENARIOS],
+        "baselines": c.BASELINES,
+        "peers": c.peer_status(res),
         "results": res.rows,
         "not_run": res.not_run,
         "single_waiter": single,

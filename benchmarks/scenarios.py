@@ -20,39 +20,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import common as c
 import redis
-from common import (
-    AIO1,
-    AIO100,
-    BASE,
-    CLAIM_OP,
-    CLIENT,
-    FK,
-    HAND,
-    HAND_OP,
-    HAVE,
-    JOB,
-    JOB_OP,
-    LOCK,
-    LOCK_OP,
-    OURS,
-    SPEC,
-    UNC,
-    Config,
-    PeerFailed,
-    Rates,
-    Results,
-    SyncFn,
-    _why,
-    ainterleave,
-    fan_out,
-    guarded,
-    installed,
-    interleave,
-    new_prefix,
-    role,
-    summarize,
-)
+from common import ainterleave, fan_out, guarded, installed, interleave, new_prefix, role, summarize
 from subjects.contenders import lock_pair
 
 import idemlock
@@ -97,7 +67,7 @@ def _contend(
         acquire, release, close = lock_pair(store, kind, t)
         release(acquire(f"warm-{os.getpid()}"))  # connections, scripts, subscriptions
     except BaseException as exc:
-        _W["ready"].put(("error", _why(exc)))
+        _W["ready"].put(("error", c._why(exc)))
         if close is not None:
             close()
         raise
@@ -175,7 +145,7 @@ def contend_threads(kind: str, seconds: float, hold: float = 0.001) -> dict[str,
 
 def count_trips(
     bench: Any,
-    build: Callable[[dict[str, Any], contextlib.ExitStack, Results], dict[str, SyncFn]],
+    build: Callable[[dict[str, Any], contextlib.ExitStack, c.Results], dict[str, c.SyncFn]],
     k: int,
 ) -> dict[str, dict[str, Any]]:
     """Round trips per operation of each subject, counted on fresh clients."""
@@ -183,7 +153,7 @@ def count_trips(
         return {}
     out: dict[str, dict[str, Any]] = {}
     with bench.counting() as (count, t), contextlib.ExitStack() as stack:
-        for name, fn in build(t, stack, Results()).items():
+        for name, fn in build(t, stack, c.Results()).items():
             try:
                 fn(k)  # connections, scripts, prepared statements, a Cluster's nodes
                 before = count()
@@ -196,33 +166,33 @@ def count_trips(
     return out
 
 
-def run_store(bench: Any, cfg: Config, res: Results, contenders: Contenders) -> None:
+def run_store(bench: Any, cfg: c.Config, res: c.Results, contenders: Contenders) -> None:
     name = bench.name
     scale = bench.scale if cfg.scaled else 1
     n, job_n = cfg.n * scale, cfg.job_n * scale
 
-    def dropped(exc: PeerFailed, fns: dict[str, Any], where: tuple[str, str, str]) -> None:
-        res.skip(where, exc.name, "failed", _why(exc.cause))
+    def dropped(exc: c.PeerFailed, fns: dict[str, Any], where: tuple[str, str, str]) -> None:
+        res.skip(where, exc.name, "failed", c._why(exc.cause))
         del fns[exc.name]
 
-    def measure(fns: dict[str, SyncFn], count: int, where: tuple[str, str, str]) -> Rates:
+    def measure(fns: dict[str, c.SyncFn], count: int, where: tuple[str, str, str]) -> c.Rates:
         fns = guarded(fns)
         while True:
             try:
                 return interleave(fns, count, cfg.rounds)
-            except PeerFailed as exc:
+            except c.PeerFailed as exc:
                 dropped(exc, fns, where)
 
-    for op in (LOCK_OP, CLAIM_OP):
+    for op in (c.LOCK_OP, c.CLAIM_OP):
         with contextlib.ExitStack() as stack:
             fns = bench.sync_fns(op, bench.target(), stack, res)
-            rates = measure(fns, n, (UNC, op, name))
+            rates = measure(fns, n, (c.UNC, op, name))
         trips = count_trips(bench, lambda t, st, r, op=op: bench.sync_fns(op, t, st, r), cfg.count)
-        res.rates(UNC, op, name, rates, "pairs/s", trips)
+        res.rates(c.UNC, op, name, rates, "pairs/s", trips)
 
     async def aio() -> None:
-        for tasks, scenario in ((1, AIO1), (100, AIO100)):
-            for op in (LOCK_OP, CLAIM_OP):
+        for tasks, scenario in ((1, c.AIO1), (100, c.AIO100)):
+            for op in (c.LOCK_OP, c.CLAIM_OP):
                 async with contextlib.AsyncExitStack() as stack:
                     where = (scenario, op, name)
                     makes = guarded(await bench.async_fns(op, tasks, stack, res, where))
@@ -232,14 +202,14 @@ def run_store(bench: Any, cfg: Config, res: Results, contenders: Contenders) -> 
                         # many tasks trigger its first discovery at once).
                         try:
                             await make(0, 1)
-                        except PeerFailed as exc:
+                        except c.PeerFailed as exc:
                             dropped(exc, makes, where)
                     while True:
                         try:
                             fns = {k: fan_out(m, tasks) for k, m in makes.items()}
                             rates = await ainterleave(fns, n, cfg.rounds)
                             break
-                        except PeerFailed as exc:
+                        except c.PeerFailed as exc:
                             dropped(exc, makes, where)
                 res.rates(scenario, op, name, rates, "pairs/s")
 
@@ -247,11 +217,11 @@ def run_store(bench: Any, cfg: Config, res: Results, contenders: Contenders) -> 
 
     with contextlib.ExitStack() as stack:
         fns = bench.job_fns(bench.target(), stack, res)
-        rates = measure(fns, job_n, (JOB, JOB_OP, name))
+        rates = measure(fns, job_n, (c.JOB, c.JOB_OP, name))
     trips = count_trips(bench, bench.job_fns, cfg.count)
-    res.rates(JOB, JOB_OP, name, rates, "jobs/s", trips)
+    res.rates(c.JOB, c.JOB_OP, name, rates, "jobs/s", trips)
 
-    where = (HAND, HAND_OP, name)
+    where = (c.HAND, c.HAND_OP, name)
     base_cs = None
     for kind in bench.kinds:
         if not installed(res, where, kind):
@@ -263,28 +233,28 @@ def run_store(bench: Any, cfg: Config, res: Results, contenders: Contenders) -> 
                 t = {**bench.contention_target(), "prefix": new_prefix("ct")}
                 m = contenders.run(name, kind, t, cfg.seconds)
         except Exception as exc:
-            if kind in (BASE, OURS):
+            if kind in (c.BASE, c.OURS):
                 raise
-            res.skip(where, kind, "failed", _why(exc))
+            res.skip(where, kind, "failed", c._why(exc))
             continue
-        if kind == BASE:
+        if kind == c.BASE:
             base_cs = m["cs_per_s"]
         assert base_cs is not None
         res.rows.append({
-            "scenario": HAND, "operation": HAND_OP, "store": name, "subject": kind,
+            "scenario": c.HAND, "operation": c.HAND_OP, "store": name, "subject": kind,
             "role": role(kind), "value": m["cs_per_s"], "unit": "critical sections/s",
             "ratio": m["cs_per_s"] / base_cs, "rounds": 1,
             **{k: m[k] for k in ("handoff_share", "gap_median_ms", "handoff_gap_median_ms",
                                  "worst_wait_ms", "count")},
         })  # fmt: skip
         print(
-            f"  {HAND} {kind}: {m['cs_per_s']:.0f} cs/s, hand-offs {m['handoff_share']:.0%}, "
+            f"  {c.HAND} {kind}: {m['cs_per_s']:.0f} cs/s, hand-offs {m['handoff_share']:.0%}, "
             f"gap median {m['gap_median_ms']:.2f} ms, worst wait {m['worst_wait_ms']:.1f} ms"
         )
 
 
 def single_waiter(
-    bench: Any, cfg: Config, contenders: Contenders, kind: str = OURS
+    bench: Any, cfg: c.Config, contenders: Contenders, kind: str = c.OURS
 ) -> dict[str, float]:
     """One holder, one waiter (2 processes; each holds 2 ms, then stays off the lock for
     0.5 ms, so the other is always already waiting): the release -> acquire gap."""
@@ -296,14 +266,14 @@ def single_waiter(
 
 def redis_memory(url: str, port: int) -> list[tuple[str, str]]:
     """MEMORY USAGE of idemlock's records and locks, and of the peers' (Redis)."""
-    r = redis.Redis(port=port, **CLIENT)
+    r = redis.Redis(port=port, **c.CLIENT)
     rows = []
 
     def size(key: str | bytes) -> str:
         return f"{r.memory_usage(key, samples=0)} B (key name {len(key)} B)"
 
     coord = idemlock.connect(url, key_prefix="mem")
-    port_ = coord.idempotency(SPEC)
+    port_ = coord.idempotency(c.SPEC)
     ns = port_._ns
     claim = port_.claim("order-000001")
     assert isinstance(claim, Claimed)
@@ -311,7 +281,7 @@ def redis_memory(url: str, port: int) -> list[tuple[str, str]]:
     rows.append(("idemlock claim in flight", size(k)))
     port_.complete(claim.token, "x" * 98)  # 100 bytes of JSON
     rows.append(("idemlock completed record, 100-byte result", size(k)))
-    locks = coord.lock(LOCK)
+    locks = coord.lock(c.LOCK)
     lease = locks.acquire("job-000001")
     assert lease is not None
     lk = C.names(locks._ns, "job-000001").lock
@@ -332,7 +302,7 @@ def redis_memory(url: str, port: int) -> list[tuple[str, str]]:
     lock.acquire(blocking=False)
     rows.append(("redis-py Lock held", size("peer:mem-redis-py-000001")))
     lock.release()
-    if HAVE[FK]:
+    if c.HAVE[c.FK]:
         import fencekit
 
         dl = fencekit.DistributedLock(r, prefix="fkm")

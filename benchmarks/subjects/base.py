@@ -12,28 +12,8 @@ import warnings
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
-from common import (
-    BASE,
-    JOB,
-    JOB_OP,
-    LEASE_MS,
-    LOCK,
-    LOCK_OP,
-    OURS,
-    OURS_AIO,
-    OURS_PORT,
-    RESULT,
-    RESULT_BYTES,
-    SPEC,
-    TTL_MS,
-    UNC,
-    Make,
-    Results,
-    SyncFn,
-    apeer,
-    new_prefix,
-    peer,
-)
+import common as c
+from common import apeer, new_prefix, peer
 
 import idemlock
 import idemlock.aio
@@ -46,7 +26,7 @@ warnings.filterwarnings("ignore", message="RedisCachePersistenceLayer will be re
 
 
 def ours_lock_pairs(coord: idemlock.Coordinator) -> Callable[[int], None]:
-    locks = coord.lock(LOCK)
+    locks = coord.lock(c.LOCK)
 
     def run(count: int) -> None:
         for _ in range(count):
@@ -63,11 +43,11 @@ def ours_job(
     *,
     effect: bool = True,
     together: bool = False,
-) -> SyncFn:
+) -> c.SyncFn:
     """claim -> ``write(key, fence)`` (by default through the store's fence gate) ->
     complete; ``effect=False``: claim+complete alone; ``together``: the effect written by
     the completing script (one commit, 2 round trips, no late write can land after it)."""
-    port = coord.idempotency(SPEC)
+    port = coord.idempotency(c.SPEC)
 
     def gate(key: str, fence: int) -> None:
         coord.fence(f"out:{key}").set_if_fresh(fence, f"out:{key}", b"done")
@@ -81,20 +61,20 @@ def ours_job(
             claim = port.claim(key)
             assert isinstance(claim, Claimed)
             if together:
-                port.complete(claim.token, RESULT, writes={f"out:{key}": b"done"})
+                port.complete(claim.token, c.RESULT, writes={f"out:{key}": b"done"})
                 continue
             if effect:
                 do(key, claim.fence)
-            port.complete(claim.token, RESULT)
+            port.complete(claim.token, c.RESULT)
 
     return run
 
 
-def ours_claim_pairs(coord: idemlock.Coordinator) -> SyncFn:
+def ours_claim_pairs(coord: idemlock.Coordinator) -> c.SyncFn:
     return ours_job(coord, effect=False)
 
 
-def ours_job_together(coord: idemlock.Coordinator) -> SyncFn:
+def ours_job_together(coord: idemlock.Coordinator) -> c.SyncFn:
     return ours_job(coord, together=True)
 
 
@@ -102,7 +82,7 @@ def ours_ajob(
     coord: idemlock.aio.AsyncCoordinator, write: Callable[[str, int], Awaitable[Any]] | None = None
 ) -> Callable[[int], Awaitable[None]]:
     """The same job on the asyncio API (1 task)."""
-    port = coord.idempotency(SPEC)
+    port = coord.idempotency(c.SPEC)
 
     async def gate(key: str, fence: int) -> None:
         await coord.fence(f"out:{key}").set_if_fresh(fence, f"out:{key}", b"done")
@@ -116,12 +96,12 @@ def ours_ajob(
             claim = await port.claim(key)
             assert isinstance(claim, Claimed)
             await do(key, claim.fence)
-            await port.complete(claim.token, RESULT)
+            await port.complete(claim.token, c.RESULT)
 
     return run
 
 
-def port_pairs(coord: idemlock.Coordinator, op: str) -> SyncFn:
+def port_pairs(coord: idemlock.Coordinator, op: str) -> c.SyncFn:
     """The store port alone: what the store adapter costs, without the API's own work
     per call (key checks, fingerprint, result encoding, typed outcomes)."""
     store, owner = coord.store, uuid.uuid4().hex
@@ -129,12 +109,12 @@ def port_pairs(coord: idemlock.Coordinator, op: str) -> SyncFn:
     def run(count: int) -> None:
         tag = uuid.uuid4().hex[:6]
         for i in range(count):
-            if op == LOCK_OP:
+            if op == c.LOCK_OP:
                 store.release("bench", "k", owner, store.acquire("bench", "k", owner, 30_000).token)
             else:
                 key, token = f"{tag}-{i}", uuid.uuid4().hex
-                store.claim("bench", key, "fp", token, LEASE_MS)
-                store.complete("bench", key, token, RESULT_BYTES, TTL_MS)
+                store.claim("bench", key, "fp", token, c.LEASE_MS)
+                store.complete("bench", key, token, c.RESULT_BYTES, c.TTL_MS)
 
     return run
 
@@ -215,29 +195,29 @@ def count_sqlite_transactions() -> Iterator[Callable[[], int]]:
         sqlite3.connect = real  # type: ignore[assignment]
 
 
-def aio_pairs(coord: idemlock.aio.AsyncCoordinator, op: str) -> Make:
-    locks, port = coord.lock(LOCK), coord.idempotency(SPEC)
+def aio_pairs(coord: idemlock.aio.AsyncCoordinator, op: str) -> c.Make:
+    locks, port = coord.lock(c.LOCK), coord.idempotency(c.SPEC)
 
     async def make(t: int, count: int) -> None:
         tag = uuid.uuid4().hex[:6]
         for i in range(count):
-            if op == LOCK_OP:
+            if op == c.LOCK_OP:
                 lease = await locks.acquire(f"k{t}")
                 assert lease is not None
                 await locks.release(lease)
             else:
                 claim = await port.claim(f"{tag}-{t}-{i}")
                 assert isinstance(claim, Claimed)
-                await port.complete(claim.token, RESULT)
+                await port.complete(claim.token, c.RESULT)
 
     return make
 
 
-def aio_lock(coord: idemlock.aio.AsyncCoordinator) -> Make:
-    return aio_pairs(coord, LOCK_OP)
+def aio_lock(coord: idemlock.aio.AsyncCoordinator) -> c.Make:
+    return aio_pairs(coord, c.LOCK_OP)
 
 
-def on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[int], Awaitable[None]]) -> SyncFn:
+def on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[int], Awaitable[None]]) -> c.SyncFn:
     """An asyncio subject measured among sync ones (1 task, its loop kept between calls)."""
     return lambda n: loop.run_until_complete(fn(n))
 
@@ -248,8 +228,8 @@ def new_loop(stack: contextlib.ExitStack) -> asyncio.AbstractEventLoop:
     return loop
 
 
-Builds = dict[str, Callable[[], SyncFn]]
-ABuilds = dict[str, Callable[[], Awaitable[Make]]]
+Builds = dict[str, Callable[[], c.SyncFn]]
+ABuilds = dict[str, Callable[[], Awaitable[c.Make]]]
 
 
 class Adapter:
@@ -260,7 +240,7 @@ class Adapter:
 
     name = ""
     scale = 1
-    kinds: tuple[str, ...] = (BASE, OURS)
+    kinds: tuple[str, ...] = (c.BASE, c.OURS)
     counting: Any = None
 
     def target(self) -> dict[str, Any]:
@@ -300,25 +280,25 @@ class Adapter:
         return coord
 
     def sync_fns(
-        self, op: str, t: dict[str, Any], stack: contextlib.ExitStack, res: Results
-    ) -> dict[str, SyncFn]:
+        self, op: str, t: dict[str, Any], stack: contextlib.ExitStack, res: c.Results
+    ) -> dict[str, c.SyncFn]:
         coord = self.coord(self.url(t), stack)
         fns = {
-            BASE: self.raw_pairs(op, t, stack),
-            OURS: (ours_lock_pairs if op == LOCK_OP else ours_claim_pairs)(coord),
-            OURS_PORT: port_pairs(coord, op),
+            c.BASE: self.raw_pairs(op, t, stack),
+            c.OURS: (ours_lock_pairs if op == c.LOCK_OP else ours_claim_pairs)(coord),
+            c.OURS_PORT: port_pairs(coord, op),
         }
-        return add_peers(fns, res, (UNC, op, self.name), self.peers(op, t, stack))
+        return add_peers(fns, res, (c.UNC, op, self.name), self.peers(op, t, stack))
 
     async def async_fns(
-        self, op: str, tasks: int, stack: contextlib.AsyncExitStack, res: Results, where: Any
-    ) -> dict[str, Make]:
+        self, op: str, tasks: int, stack: contextlib.AsyncExitStack, res: c.Results, where: Any
+    ) -> dict[str, c.Make]:
         t = self.target()
         coord = idemlock.aio.connect(self.url(t), key_prefix=new_prefix())
         stack.push_async_callback(coord.close)
         fns = {
-            BASE: await self.araw_pairs(op, tasks, stack),
-            OURS: aio_pairs(coord, op),
+            c.BASE: await self.araw_pairs(op, tasks, stack),
+            c.OURS: aio_pairs(coord, op),
         }
         for name, build in self.apeers(op, t, stack).items():
             if (fn := await apeer(res, where, name, build)) is not None:
@@ -326,24 +306,24 @@ class Adapter:
         return fns
 
     def job_fns(
-        self, t: dict[str, Any], stack: contextlib.ExitStack, res: Results
-    ) -> dict[str, SyncFn]:
+        self, t: dict[str, Any], stack: contextlib.ExitStack, res: c.Results
+    ) -> dict[str, c.SyncFn]:
         url, aurl, loop = self.url(t), self.url(t), new_loop(stack)
         coord = self.coord(url, stack)
         acoord = idemlock.aio.connect(aurl, key_prefix=new_prefix())
         stack.callback(lambda: loop.run_until_complete(acoord.close()))
         fns = {
-            BASE: self.raw_job(t, stack),
-            OURS: ours_job(coord, self.write(url, stack)),
-            OURS_AIO: on_loop(loop, ours_ajob(acoord, self.awrite(aurl, stack, loop))),
+            c.BASE: self.raw_job(t, stack),
+            c.OURS: ours_job(coord, self.write(url, stack)),
+            c.OURS_AIO: on_loop(loop, ours_ajob(acoord, self.awrite(aurl, stack, loop))),
         }
         builds = self.job_peers(coord, t, stack, loop)
-        return add_peers(fns, res, (JOB, JOB_OP, self.name), builds)
+        return add_peers(fns, res, (c.JOB, c.JOB_OP, self.name), builds)
 
 
 def add_peers(
-    fns: dict[str, SyncFn], res: Results, where: tuple[str, str, str], builds: Builds
-) -> dict[str, SyncFn]:
+    fns: dict[str, c.SyncFn], res: c.Results, where: tuple[str, str, str], builds: Builds
+) -> dict[str, c.SyncFn]:
     for name, build in builds.items():
         if (fn := peer(res, where, name, build)) is not None:
             fns[name] = fn

@@ -10,21 +10,9 @@ from collections.abc import Awaitable, Callable, Iterator
 from functools import partial
 from typing import Any
 
+import common as c
 import psycopg
 import psycopg_pool
-from common import (
-    HAVE_ASYNCPG,
-    IK,
-    LEASE_MS,
-    LOCK_OP,
-    OURS_TX,
-    RESULT,
-    SPEC,
-    TTL_MS,
-    Make,
-    Results,
-    SyncFn,
-)
 from tests.servers.proxy import TcpProxy
 
 import idemlock
@@ -70,7 +58,7 @@ NS = "ns"
 
 
 async def pg_idemkit(dsn: str, max_size: int = 4) -> Any:
-    if not HAVE_ASYNCPG:
+    if not c.HAVE_ASYNCPG:
         raise ImportError("idemkit's PostgreSQL backend needs asyncpg (pip install asyncpg)")
     from idemkit.backends.postgres import PostgresBackend, init_pg
 
@@ -100,25 +88,25 @@ def pg_now_ms() -> int:
 
 def pg_steps(op: str, key: str, token: str) -> tuple[Any, Callable[[Any], Any]]:
     """A pair's two statements: the first's, and the second's made from its row."""
-    if op == LOCK_OP:
+    if op == c.LOCK_OP:
         now = pg_now_ms()
         return (PG_ACQUIRE, (NS, key, token, now + 30_000, now)), lambda row: (
             PG_RELEASE, (NS, key, token, row[0]))  # fmt: skip
-    return (PG_CLAIM, (NS, key, token, "fp", pg_now_ms() + LEASE_MS)), lambda row: (
-        PG_COMPLETE, (b"j1", pg_now_ms() + TTL_MS, NS, key, token))  # fmt: skip
+    return (PG_CLAIM, (NS, key, token, "fp", pg_now_ms() + c.LEASE_MS)), lambda row: (
+        PG_COMPLETE, (b"j1", pg_now_ms() + c.TTL_MS, NS, key, token))  # fmt: skip
 
 
 def pg_key(op: str, tag: str, t: int, i: int) -> str:
-    return f"k{t}" if op == LOCK_OP else f"{tag}-{t}-{i}"
+    return f"k{t}" if op == c.LOCK_OP else f"{tag}-{t}-{i}"
 
 
-def pg_pairs(op: str, conn: psycopg.Connection[Any], job: bool = False) -> SyncFn:
+def pg_pairs(op: str, conn: psycopg.Connection[Any], job: bool = False) -> c.SyncFn:
     """The sync baseline; the job writes its effect with a fenced upsert between the two."""
 
     def run(count: int) -> None:
         tag, owner = uuid.uuid4().hex[:8], uuid.uuid4().hex
         for i in range(count):
-            token = owner if op == LOCK_OP else uuid.uuid4().hex
+            token = owner if op == c.LOCK_OP else uuid.uuid4().hex
             key = pg_key(op, tag, i % 16, i)
             first, then = pg_steps(op, key, token)
             row = conn.execute(*first, prepare=True).fetchone()
@@ -133,14 +121,14 @@ def pg_pairs(op: str, conn: psycopg.Connection[Any], job: bool = False) -> SyncF
     return run
 
 
-def pg_apairs(op: str, one: Callable[[bytes, Any], Awaitable[Any]]) -> Make:
+def pg_apairs(op: str, one: Callable[[bytes, Any], Awaitable[Any]]) -> c.Make:
     """The asyncio baseline: ``one(sql, args)`` on one connection, or through a pool of
     idemlock's pool size (10), one checkout per statement as the store does."""
 
     async def make(t: int, count: int) -> None:
         tag, owner = uuid.uuid4().hex[:8], uuid.uuid4().hex
         for i in range(count):
-            token = owner if op == LOCK_OP else uuid.uuid4().hex
+            token = owner if op == c.LOCK_OP else uuid.uuid4().hex
             first, then = pg_steps(op, pg_key(op, tag, t, i), token)
             row = await one(*first)
             assert row is not None
@@ -149,8 +137,8 @@ def pg_apairs(op: str, one: Callable[[bytes, Any], Awaitable[Any]]) -> Make:
     return make
 
 
-def pg_job_same_tx(coord: idemlock.Coordinator, conn: psycopg.Connection[Any]) -> SyncFn:
-    port = coord.idempotency(SPEC)
+def pg_job_same_tx(coord: idemlock.Coordinator, conn: psycopg.Connection[Any]) -> c.SyncFn:
+    port = coord.idempotency(c.SPEC)
 
     def run(count: int) -> None:
         tag = uuid.uuid4().hex[:8]
@@ -159,7 +147,7 @@ def pg_job_same_tx(coord: idemlock.Coordinator, conn: psycopg.Connection[Any]) -
             assert isinstance(claim, Claimed)
             with conn.transaction():
                 PF.fenced_upsert(conn, "bench_effects", effect(key), ["key"], claim.fence)
-                PF.complete_in_transaction(conn, port, claim.token, RESULT)
+                PF.complete_in_transaction(conn, port, claim.token, c.RESULT)
 
     return run
 
@@ -202,10 +190,10 @@ class PgBench(Adapter):
         stack.callback(lambda: loop.run_until_complete(aconn.close()))
         return aconn
 
-    def raw_pairs(self, op: str, t: dict[str, Any], stack: contextlib.ExitStack) -> SyncFn:
+    def raw_pairs(self, op: str, t: dict[str, Any], stack: contextlib.ExitStack) -> c.SyncFn:
         return pg_pairs(op, self._conn(t["dsn"], stack))
 
-    async def araw_pairs(self, op: str, tasks: int, stack: contextlib.AsyncExitStack) -> Make:
+    async def araw_pairs(self, op: str, tasks: int, stack: contextlib.AsyncExitStack) -> c.Make:
         if tasks == 1:
             aconn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True)
             stack.push_async_callback(aconn.close)
@@ -226,7 +214,7 @@ class PgBench(Adapter):
 
         return pg_apairs(op, pooled)
 
-    def raw_job(self, t: dict[str, Any], stack: contextlib.ExitStack) -> SyncFn:
+    def raw_job(self, t: dict[str, Any], stack: contextlib.ExitStack) -> c.SyncFn:
         return pg_pairs("job", self._conn(t["dsn"], stack), job=True)
 
     def write(self, url: str, stack: contextlib.ExitStack) -> Callable[[str, int], Any]:
@@ -244,31 +232,31 @@ class PgBench(Adapter):
         )
 
     def apeers(self, op: str, t: dict[str, Any], stack: contextlib.AsyncExitStack) -> ABuilds:
-        if op == LOCK_OP:
+        if op == c.LOCK_OP:
             return {}
 
-        async def build_ik() -> Make:
+        async def build_ik() -> c.Make:
             backend = await pg_idemkit(self.dsn, max_size=10)
             stack.push_async_callback(backend.aclose)
             return ik_claim(backend)
 
-        return {IK: build_ik}
+        return {c.IK: build_ik}
 
     def job_peers(
         self, coord: idemlock.Coordinator, t: dict[str, Any], stack: contextlib.ExitStack,
         loop: Any,
     ) -> Builds:  # fmt: skip
-        def build_ik() -> SyncFn:
+        def build_ik() -> c.SyncFn:
             backend = loop.run_until_complete(pg_idemkit(t["dsn"], max_size=4))
             aconn = self._aconn(t["dsn"], stack, loop)
             upsert = partial(aconn.execute, PG_UPSERT, prepare=True)
             return ik_job(backend, lambda key: upsert((key, "done")), loop, stack)
 
-        return {IK: build_ik}
+        return {c.IK: build_ik}
 
     def job_fns(
-        self, t: dict[str, Any], stack: contextlib.ExitStack, res: Results
-    ) -> dict[str, SyncFn]:
+        self, t: dict[str, Any], stack: contextlib.ExitStack, res: c.Results
+    ) -> dict[str, c.SyncFn]:
         fns = super().job_fns(t, stack, res)
-        fns[OURS_TX] = pg_job_same_tx(self.coord(t["dsn"], stack), self._conn(t["dsn"], stack))
+        fns[c.OURS_TX] = pg_job_same_tx(self.coord(t["dsn"], stack), self._conn(t["dsn"], stack))
         return fns

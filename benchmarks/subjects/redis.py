@@ -8,50 +8,17 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import common as c
 import redis
 import redis.asyncio
 import redis.asyncio.cluster
 import redis.cluster
-from common import (
-    BASE,
-    CLIENT,
-    FK,
-    IK,
-    KEEP,
-    LEASE_MS,
-    LOCK_OP,
-    OURS,
-    OURS_W,
-    PRL,
-    PT,
-    RESULT_BYTES,
-    RPY,
-    TTL_MS,
-    Make,
-    SyncFn,
-    new_prefix,
-)
+from common import new_prefix
 
 import idemlock
 from idemlock.stores.redis import _common as C
-from subjects.base import (
-    ABuilds,
-    Adapter,
-    Builds,
-    count_redis_requests,
-    ours_job_together,
-)
-from subjects.peers import (
-    fencekit_guard_pairs,
-    fencekit_job,
-    fencekit_lock_pairs,
-    ik_claim,
-    ik_job,
-    lock_job,
-    powertools,
-    prl_lock_pairs,
-    redispy_lock_pairs,
-)
+from subjects import base as sb
+from subjects import peers as pe
 
 
 class Raw:
@@ -65,11 +32,11 @@ class Raw:
 
     def lock_pair(self, key: str) -> tuple[tuple[Any, ...], Callable[[Any], tuple[Any, ...]]]:
         n, owner = C.names(self.ns, key), "owner-" + key
-        acquire = (C.ACQUIRE.sha, 2, n.lock, n.waiters, owner, 30_000, KEEP, b"", b"")
+        acquire = (C.ACQUIRE.sha, 2, n.lock, n.waiters, owner, 30_000, c.KEEP, b"", b"")
 
         def release(reply: Any) -> tuple[Any, ...]:
             token = reply[1]
-            return (C.RELEASE.sha, 2, n.lock, n.waiters, owner, token, KEEP, 10,
+            return (C.RELEASE.sha, 2, n.lock, n.waiters, owner, token, c.KEEP, 10,
                     n.lock_channel, C.nonce())  # fmt: skip
 
         return (*acquire, C.REGISTER_MS), release
@@ -78,28 +45,28 @@ class Raw:
         n, tok = C.names(self.ns, key), C.pack_id(uuid.uuid4().hex)
 
         def complete(_: Any) -> tuple[Any, ...]:
-            return (C.COMPLETE.sha, 1, n.claim, tok, RESULT_BYTES, TTL_MS, n.claim_channel,
+            return (C.COMPLETE.sha, 1, n.claim, tok, c.RESULT_BYTES, c.TTL_MS, n.claim_channel,
                     C.nonce())  # fmt: skip
 
-        return (C.CLAIM.sha, 1, n.claim, FP, tok, LEASE_MS, KEEP), complete
+        return (C.CLAIM.sha, 1, n.claim, FP, tok, c.LEASE_MS, c.KEEP), complete
 
-    def sync_pairs(self, op: str) -> SyncFn:
+    def sync_pairs(self, op: str) -> c.SyncFn:
         def run(count: int) -> None:
             r, (first, then) = self.r, self.lock_pair("k")
             tag = uuid.uuid4().hex[:6]
             for i in range(count):
-                if op != LOCK_OP:
+                if op != c.LOCK_OP:
                     first, then = self.claim_pair(f"{tag}-{i}")
                 r.evalsha(*then(r.evalsha(*first)))
 
         return run
 
-    def async_pairs(self, op: str) -> Make:
+    def async_pairs(self, op: str) -> c.Make:
         async def make(t: int, count: int) -> None:
             r, (first, then) = self.r, self.lock_pair(f"k{t}")
             tag = uuid.uuid4().hex[:6]
             for i in range(count):
-                if op != LOCK_OP:
+                if op != c.LOCK_OP:
                     first, then = self.claim_pair(f"{tag}-{t}-{i}")
                 await r.evalsha(*then(await r.evalsha(*first)))
 
@@ -115,17 +82,17 @@ UNLOCK_LUA = (
 
 def redis_client(t: dict[str, Any]) -> Any:
     if t["cluster"]:
-        return redis.cluster.RedisCluster(host="127.0.0.1", port=t["ports"][0], **CLIENT)
-    return redis.Redis(port=t["ports"][0], **CLIENT)
+        return redis.cluster.RedisCluster(host="127.0.0.1", port=t["ports"][0], **c.CLIENT)
+    return redis.Redis(port=t["ports"][0], **c.CLIENT)
 
 
 def redis_aclient(t: dict[str, Any]) -> Any:
     if t["cluster"]:
-        return redis.asyncio.cluster.RedisCluster(host="127.0.0.1", port=t["ports"][0], **CLIENT)
-    return redis.asyncio.Redis(port=t["ports"][0], **CLIENT)
+        return redis.asyncio.cluster.RedisCluster(host="127.0.0.1", port=t["ports"][0], **c.CLIENT)
+    return redis.asyncio.Redis(port=t["ports"][0], **c.CLIENT)
 
 
-def redis_raw_job(raw: Raw) -> SyncFn:
+def redis_raw_job(raw: Raw) -> c.SyncFn:
     """idemlock's job issued raw: EVALSHA of its claim, fence_set and complete scripts."""
     r = raw.r
 
@@ -143,8 +110,8 @@ def redis_raw_job(raw: Raw) -> SyncFn:
     return run
 
 
-class RedisBench(Adapter):
-    kinds = (BASE, OURS, RPY, PRL, FK)
+class RedisBench(sb.Adapter):
+    kinds = (c.BASE, c.OURS, c.RPY, c.PRL, c.FK)
 
     def __init__(self, url: str, ports: list[int], cluster: bool) -> None:
         self.name = "redis-cluster" if cluster else "redis"
@@ -159,7 +126,7 @@ class RedisBench(Adapter):
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[tuple[Callable[[], int], dict[str, Any]]]:
-        with count_redis_requests() as count:
+        with sb.count_redis_requests() as count:
             yield count, self.target()
 
     def _tag(self, name: str) -> str:
@@ -171,13 +138,13 @@ class RedisBench(Adapter):
         stack.callback(r.close)
         return r
 
-    def raw_pairs(self, op: str, t: dict[str, Any], stack: contextlib.ExitStack) -> SyncFn:
+    def raw_pairs(self, op: str, t: dict[str, Any], stack: contextlib.ExitStack) -> c.SyncFn:
         return Raw(self._client(t, stack)).sync_pairs(op)
 
-    async def araw_pairs(self, op: str, tasks: int, stack: contextlib.AsyncExitStack) -> Make:
+    async def araw_pairs(self, op: str, tasks: int, stack: contextlib.AsyncExitStack) -> c.Make:
         return Raw(await self._aclient(self.target(), stack)).async_pairs(op)
 
-    def raw_job(self, t: dict[str, Any], stack: contextlib.ExitStack) -> SyncFn:
+    def raw_job(self, t: dict[str, Any], stack: contextlib.ExitStack) -> c.SyncFn:
         return redis_raw_job(Raw(self._client(t, stack)))
 
     async def _aclient(self, t: dict[str, Any], stack: contextlib.AsyncExitStack) -> Any:
@@ -187,25 +154,25 @@ class RedisBench(Adapter):
             await ar.initialize()
         return ar
 
-    def peers(self, op: str, t: dict[str, Any], stack: contextlib.ExitStack) -> Builds:
+    def peers(self, op: str, t: dict[str, Any], stack: contextlib.ExitStack) -> sb.Builds:
         r = self._client(t, stack)
-        if op == LOCK_OP:
+        if op == c.LOCK_OP:
             return {
-                RPY: lambda: redispy_lock_pairs(r, name=new_prefix("rp")),
-                PRL: lambda: prl_lock_pairs(
+                c.RPY: lambda: pe.redispy_lock_pairs(r, name=new_prefix("rp")),
+                c.PRL: lambda: pe.prl_lock_pairs(
                     r, name=self._tag(new_prefix("prl")), strict=not self.cluster
                 ),
-                FK: lambda: fencekit_lock_pairs(r, prefix=self._tag(new_prefix("fk"))),
+                c.FK: lambda: pe.fencekit_lock_pairs(r, prefix=self._tag(new_prefix("fk"))),
             }
         return {
-            FK: lambda: fencekit_guard_pairs(r, prefix=self._tag(new_prefix("fk"))),
-            PT: lambda: powertools(r, job=False),
+            c.FK: lambda: pe.fencekit_guard_pairs(r, prefix=self._tag(new_prefix("fk"))),
+            c.PT: lambda: pe.powertools(r, job=False),
         }
 
-    def apeers(self, op: str, t: dict[str, Any], stack: contextlib.AsyncExitStack) -> ABuilds:
-        if op == LOCK_OP:
+    def apeers(self, op: str, t: dict[str, Any], stack: contextlib.AsyncExitStack) -> sb.ABuilds:
+        if op == c.LOCK_OP:
 
-            async def build_rpy() -> Make:
+            async def build_rpy() -> c.Make:
                 ar, prefix = await self._aclient(t, stack), new_prefix("arp")
 
                 async def make(t: int, count: int) -> None:
@@ -216,9 +183,9 @@ class RedisBench(Adapter):
 
                 return make
 
-            return {RPY: build_rpy}
+            return {c.RPY: build_rpy}
 
-        async def build_ik() -> Make:
+        async def build_ik() -> c.Make:
             from idemkit.backends.redis import RedisBackend
 
             client = redis_aclient(t)
@@ -226,30 +193,30 @@ class RedisBench(Adapter):
                 await client.initialize()
             backend = RedisBackend(client, namespace=new_prefix("ik"))
             stack.push_async_callback(backend.aclose)
-            return ik_claim(backend)
+            return pe.ik_claim(backend)
 
-        return {IK: build_ik}
+        return {c.IK: build_ik}
 
     def job_peers(
         self, coord: idemlock.Coordinator, t: dict[str, Any], stack: contextlib.ExitStack,
         loop: Any,
-    ) -> Builds:  # fmt: skip
+    ) -> sb.Builds:  # fmt: skip
         r = self._client(t, stack)
 
-        def build_ik() -> SyncFn:
+        def build_ik() -> c.SyncFn:
             from idemkit.backends.redis import RedisBackend
 
             ar = redis_aclient(t)
             backend = RedisBackend(ar, namespace=new_prefix("ik"))
-            return ik_job(backend, lambda key: ar.set(f"ikout:{key}", "done"), loop, stack)
+            return pe.ik_job(backend, lambda key: ar.set(f"ikout:{key}", "done"), loop, stack)
 
         return {
-            OURS_W: lambda: ours_job_together(coord),
-            FK: lambda: fencekit_job(r, prefix=self._tag(new_prefix("fkj"))),
-            RPY: lambda: lock_job(r, lambda key: r.lock(f"rpj:{key}", timeout=300)),
-            PRL: lambda: lock_job(r, self._prl(r)),
-            PT: lambda: powertools(r, job=True),
-            IK: build_ik,
+            c.OURS_W: lambda: sb.ours_job_together(coord),
+            c.FK: lambda: pe.fencekit_job(r, prefix=self._tag(new_prefix("fkj"))),
+            c.RPY: lambda: pe.lock_job(r, lambda key: r.lock(f"rpj:{key}", timeout=300)),
+            c.PRL: lambda: pe.lock_job(r, self._prl(r)),
+            c.PT: lambda: pe.powertools(r, job=True),
+            c.IK: build_ik,
         }
 
     def _prl(self, r: Any) -> Callable[[str], Any]:
