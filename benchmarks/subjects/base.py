@@ -11,6 +11,7 @@ import uuid
 import warnings
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import common as c
 from common import apeer, new_prefix, peer
@@ -131,11 +132,6 @@ def count_redis_requests() -> Iterator[Callable[[], int]]:
     from idemlock.stores.redis._pipeline import Pipe
 
     box = [0]
-    patched: list[tuple[Any, str, Any]] = []
-
-    def patch(owner: Any, name: str, wrap: Callable[[Any], Any]) -> None:
-        patched.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, wrap(getattr(owner, name)))
 
     def counted(orig: Any) -> Any:
         def send(*args: Any, **kwargs: Any) -> Any:
@@ -144,55 +140,43 @@ def count_redis_requests() -> Iterator[Callable[[], int]]:
 
         return send
 
-    patch(sconn.AbstractConnection, "send_packed_command", counted)
-    patch(aconn.AbstractConnection, "send_packed_command", counted)
+    def flush(self: Any, orig: Any = Pipe._flush) -> None:
+        box[0] += bool(self._out and self.lost is None)
+        orig(self)
 
-    def flush(orig: Any) -> Any:
-        def run(self: Any) -> None:
-            box[0] += bool(self._out and self.lost is None)
-            orig(self)
-
-        return run
-
-    # The asyncio store's own writes, past redis-py's command layer: pipelined, one
-    # write per event-loop turn, whatever it carries.
-    patch(Pipe, "_flush", flush)
-    try:
+    with contextlib.ExitStack() as stack:
+        for conn in (sconn.AbstractConnection, aconn.AbstractConnection):
+            send = counted(conn.send_packed_command)
+            stack.enter_context(mock.patch.object(conn, "send_packed_command", send))
+        # The asyncio store's own writes, past redis-py's command layer: pipelined, one
+        # write per event-loop turn, whatever it carries.
+        stack.enter_context(mock.patch.object(Pipe, "_flush", flush))
         yield lambda: box[0]
-    finally:
-        for owner, name, orig in reversed(patched):
-            setattr(owner, name, orig)
+
+
+ENDS = ("COMMIT", "END", "ROLLBACK")
 
 
 @contextlib.contextmanager
 def count_sqlite_transactions() -> Iterator[Callable[[], int]]:
     """Transactions run on SQLite connections opened meanwhile (every BEGIN, and every
     statement run outside one, which SQLite runs as a transaction of its own)."""
-    real = sqlite3.connect
-    box = [0]
+    real, box = sqlite3.connect, [0]
 
     def connect(*args: Any, **kwargs: Any) -> sqlite3.Connection:
-        conn = real(*args, **kwargs)
-        inside = [False]
+        conn, inside = real(*args, **kwargs), [False]
 
         def trace(sql: str) -> None:
             head = sql.lstrip()[:8].upper()
-            if head.startswith("BEGIN"):
-                box[0] += 1
-                inside[0] = True
-            elif head.startswith(("COMMIT", "END", "ROLLBACK")):
-                inside[0] = False
-            elif not inside[0]:
-                box[0] += 1
+            box[0] += head.startswith("BEGIN") or not (inside[0] or head.startswith(ENDS))
+            if head.startswith(("BEGIN", *ENDS)):
+                inside[0] = head.startswith("BEGIN")
 
         conn.set_trace_callback(trace)
         return conn
 
-    sqlite3.connect = connect  # type: ignore[assignment]
-    try:
+    with mock.patch.object(sqlite3, "connect", connect):
         yield lambda: box[0]
-    finally:
-        sqlite3.connect = real  # type: ignore[assignment]
 
 
 def aio_pairs(coord: idemlock.aio.AsyncCoordinator, op: str) -> c.Make:
