@@ -2,33 +2,23 @@
 
     python benchmarks/chaos.py --store sqlite|redis|redis-cluster|postgres|etcd
         [--same-transaction] [--mode idemlock|plain|both] [--workload jobs|lock|both]
-        [--jobs N --workers W --duration S --seed X --fault-every S --lease S ...]
+        [--duration S --seed X --json]
     python benchmarks/chaos.py --all [--mode both]      # every store (the long run)
     python benchmarks/chaos.py --all --short            # what CI runs (tests/test_chaos.py)
-    ... --json                                          # the report as JSON
 
-On throwaway servers on free loopback ports, ``--workers`` processes take jobs from an
-at-least-once queue (``idemlock._faults``, shared with ``idemlock demo``) and run each
-through ``@coord.idempotent``, writing the effect fenced by the claim's token, with a
-log row in the same transaction (``faults.effects``); ``--mode plain`` does the same
-without idemlock, as the negative control. Meanwhile ``faults.run`` injects, at random:
-SIGKILL and SIGSTOP of a busy worker, restarts of the store server (etcd: a leader's
-SIGKILL or a member's pause), cuts and blackholes (everything, or some connections) of
-the loopback proxies between the workers and the store (``tests/servers/proxy.py``).
-Then it checks from the data alone: one effect row per job, no stale token accepted,
-completed keys replay the effect's value, nothing left claimed; exactly once in the
-same-transaction mode. ``--workload lock`` contends for ``--resources`` locks through
-``hold()`` with fenced writes under them; ``faults.locks.check_lock_history`` judges the
-write history. The README's "Fault injection" section has the details and figures.
-
-Exits 1 on any violation (plain mode: duplicates and stale overwrites are reported,
-not violations; only harness failures fail it).
+On throwaway servers, worker processes take jobs from an at-least-once queue and run
+each through ``@coord.idempotent`` with a fenced effect (``--mode plain``: without
+idemlock, the negative control), or contend for locks through ``hold()`` with fenced
+writes under them (``--workload lock``), while ``faults.run`` injects SIGKILLs and
+SIGSTOPs of busy workers, store restarts (etcd: a leader's SIGKILL or a member's pause),
+cuts and blackholes; then the data alone is checked (``faults``). The README's "Fault
+injection" section has the details and figures. Exits 1 on any violation (plain mode:
+duplicates and stale overwrites are reported, not violations).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import random
 import signal
@@ -43,9 +33,9 @@ for _p in (str(HERE), str(ROOT / "src"), str(ROOT)):
         sys.path.insert(0, _p)
 
 
-from faults import KINDS, LOCK_KINDS, LOCK_PRESETS, PRESETS, STORE_KINDS, STORES  # noqa: E402
+from faults import FIXED, KINDS, LOCK_KINDS, LOCK_PRESETS, PRESETS, STORE_KINDS, STORES  # noqa: E402
 from faults.locks import LockRun, check_lock_history  # noqa: E402
-from faults.run import Options, Run  # noqa: E402
+from faults.run import Run  # noqa: E402
 
 __all__ = ["check_lock_history", "main"]
 
@@ -142,18 +132,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     arg("--mode", choices=("idemlock", "plain", "both"), default="idemlock")
     arg("--workload", choices=("jobs", "lock", "both"), default="jobs",
         help="jobs: keyed jobs from an at-least-once queue; lock: hold() with renewals "
-        "and fenced writes under the lock (ttl --lease)")  # fmt: skip
-    arg("--resources", type=int, default=3, help="lock workload: locks contended")
+        "and fenced writes under the lock")  # fmt: skip
     arg("--short", action="store_true", help="the CI configuration")
-    arg("--jobs", type=int)
-    arg("--workers", type=int)
     arg("--duration", type=float, help="seconds over which jobs are released")
-    arg("--fault-every", type=float, help="mean seconds between faults")
-    arg("--lease", type=float, default=1.0, help="claim lease (s)")
-    arg("--visibility", type=float, default=1.0, help="queue visibility timeout (s)")
     arg("--seed", type=int)
     arg("--json", action="store_true", help="print the report as JSON")
-    arg("--verbose", action="store_true", help="print every fault as it happens")
     args = ap.parse_args(argv)
     if not args.all and not args.store:
         ap.error("give --store or --all")
@@ -162,11 +145,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.workload == "lock" and args.same_transaction:
         ap.error("the lock workload has no --same-transaction")
     size = "short" if args.short else "long"
-    presets = [LOCK_PRESETS[size]] if args.workload == "lock" else []
-    for preset in [*presets, PRESETS[size]]:
-        for name, value in preset.items():
-            if getattr(args, name) is None:
-                setattr(args, name, value)
+    lock = LOCK_PRESETS[size] if args.workload == "lock" else {}
+    for name, value in (PRESETS[size] | FIXED | lock).items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(1_000_000)
     return args
@@ -197,25 +179,24 @@ def _terminate(signum: int, frame: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     signal.signal(signal.SIGTERM, _terminate)
-    opts = Options(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Options)})
 
     def say(text: str) -> None:
         print(text, file=sys.stderr if args.json else sys.stdout, flush=True)
 
-    say(f"chaos: seed {opts.seed}")
+    say(f"chaos: seed {args.seed}")
     reports = []
     runs = plan(args)
     for store, mode, same_tx, workload in runs:
         kind = LockRun if workload == "lock" else Run
-        reports.append(kind(store, mode, same_tx, opts, say).execute())
+        reports.append(kind(store, mode, same_tx, args, say).execute())
         if not args.json and len(runs) > 1:
             say(render(reports[-1:]))
     failed = sum(r["violations_total"] for r in reports)
     if args.json:
-        print(json.dumps({"seed": opts.seed, "runs": reports, "violations": failed}, indent=2))
+        print(json.dumps({"seed": args.seed, "runs": reports, "violations": failed}, indent=2))
     else:
         print(f"\n{render(reports)}\n")
-        print(f"{'FAILED' if failed else 'OK'}: {failed} violation(s); seed {opts.seed}")
+        print(f"{'FAILED' if failed else 'OK'}: {failed} violation(s); seed {args.seed}")
     return 1 if failed else 0
 
 

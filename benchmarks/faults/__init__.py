@@ -36,7 +36,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # By command; the README's figures.
     "long": {"jobs": 3000, "workers": 6, "duration": 120.0, "fault_every": 0.5},
 }
-#: the lock workload's (workers contend for ``--resources`` locks: no job count)
+#: in every run: the claim lease or lock ttl (s), the queue's visibility timeout (s),
+#: the locks contended
+FIXED = {"lease": 1.0, "visibility": 1.0, "resources": 3}
+#: the lock workload's (workers contend for locks: no job count)
 LOCK_PRESETS: dict[str, dict[str, Any]] = {
     "short": {"workers": 4, "duration": 6.0, "fault_every": 0.25},
     "long": {"workers": 6, "duration": 180.0, "fault_every": 0.5},

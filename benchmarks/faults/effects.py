@@ -12,37 +12,22 @@ from idemlock._faults.queue import Queue, sqlite_connect
 #: both workloads' tables; SQLite takes PostgreSQL's type names (by affinity) but for
 #: the auto-numbered ids, which give the order of acceptance
 SCHEMA = """
-CREATE TABLE IF NOT EXISTS effects (
-    job_id integer PRIMARY KEY, fence bigint NOT NULL, value text NOT NULL,
-    worker text NOT NULL
-);
-CREATE TABLE IF NOT EXISTS effect_log (
-    id {serial}, job_id integer NOT NULL, fence bigint NOT NULL, worker text NOT NULL,
-    accepted boolean NOT NULL
-);
-CREATE TABLE IF NOT EXISTS lock_fence (
-    resource text PRIMARY KEY,
-    token bigint NOT NULL,                         -- the highest token accepted
-    holder text NOT NULL,
-    seq integer NOT NULL
-);
-CREATE TABLE IF NOT EXISTS lock_log (
-    id {serial},                      -- SQL fences: the order of acceptance
-    resource text NOT NULL,
-    holder text NOT NULL,
-    token bigint NOT NULL,
-    seq integer NOT NULL,
-    t_sent double precision NOT NULL,              -- CLOCK_MONOTONIC, before the write
-    t_done double precision,                       -- after its reply (store gates only)
-    accepted boolean,                              -- NULL: outcome unknown (store error)
-    lost boolean NOT NULL,                         -- lease.lost when the write was sent
-    remaining double precision NOT NULL            -- lease.remaining() then
-);
-CREATE TABLE IF NOT EXISTS lock_holds (
-    id {serial}, resource text NOT NULL, holder text NOT NULL, token bigint NOT NULL,
-    t_before double precision NOT NULL,            -- before hold() was entered
-    t_after double precision NOT NULL              -- when its body started
-);
+CREATE TABLE IF NOT EXISTS effects (job_id integer PRIMARY KEY, fence bigint NOT NULL,
+    value text NOT NULL, worker text NOT NULL);
+CREATE TABLE IF NOT EXISTS effect_log (id {serial}, job_id integer NOT NULL,
+    fence bigint NOT NULL, worker text NOT NULL, accepted boolean NOT NULL);
+-- the lock workload: the fenced record (the highest token accepted), the write attempts
+-- (t_done: after the reply of a store's gate; accepted NULL: outcome unknown; lost and
+-- remaining: the lease's when sent), the holds (t_after: when the body started)
+CREATE TABLE IF NOT EXISTS lock_fence (resource text PRIMARY KEY, token bigint NOT NULL,
+    holder text NOT NULL, seq integer NOT NULL);
+CREATE TABLE IF NOT EXISTS lock_log (id {serial}, resource text NOT NULL,
+    holder text NOT NULL, token bigint NOT NULL, seq integer NOT NULL,
+    t_sent double precision NOT NULL, t_done double precision, accepted boolean,
+    lost boolean NOT NULL, remaining double precision NOT NULL);
+CREATE TABLE IF NOT EXISTS lock_holds (id {serial}, resource text NOT NULL,
+    holder text NOT NULL, token bigint NOT NULL, t_before double precision NOT NULL,
+    t_after double precision NOT NULL);
 """
 LOCK_LOG = ("resource", "holder", "token", "seq", "t_sent", "t_done", "accepted", "lost",
             "remaining")  # fmt: skip

@@ -5,9 +5,10 @@ from __future__ import annotations
 import bisect
 import contextlib
 from collections import Counter
-from typing import Any
+from itertools import accumulate
+from typing import Any, NamedTuple
 
-from faults import GATED, KINDS, SLACK, Findings
+from faults import GATED, SLACK, Findings
 from faults.effects import LOCK_SNAPSHOTS, FxError
 from faults.run import Run, retried
 from idemlock._faults.workers import Slot
@@ -29,7 +30,7 @@ class LockRun(Run):
                 return (self.root / "stats" / f"{slot.worker}.state").read_bytes()[:1] == b"1"
             return False
 
-        return [s for s in self.workers.live() if holding(s)] if self.workers else []
+        return [s for s in self.workers.live() if holding(s)]
 
     def redeliver(self, worker: str) -> None:
         pass  # its lease runs out on its own: that is what is being tested
@@ -63,38 +64,51 @@ class LockRun(Run):
         late.sort()
         paused_late.sort()
         fence = "set_if_fresh" if self.store.startswith("redis") else "check_and_advance"
-        verdict = self.verdict(judged)
-        return {
-            "workload": "lock",
-            "store": self.store,
-            "mode": self.mode,
-            "same_transaction": False,
-            "seed": self.opts.seed,
-            "workers": self.opts.workers,
-            "resources": self.opts.resources,
-            "seconds": round(self.seconds, 1),
-            "ttl_s": self.opts.lease,
-            "fence": "none" if self.mode == "plain" else "sql" if exact else fence,
-            "unfenced_findings": unfenced,
-            "faults": {k: self.faults[k] for k in KINDS},
+        report = self.report(
+            judged,
+            workload="lock",
+            resources=self.opts.resources,
+            ttl_s=self.opts.lease,
+            fence="none" if self.mode == "plain" else "sql" if exact else fence,
+            unfenced_findings=unfenced,
             **found,
-            "leases_lost": verdict["worker_events"].get("lock_lost", 0),
-            "on_lost_calls": len(late) + len(paused_late),
+            on_lost_calls=len(late) + len(paused_late),
             # How long after the lease's deadline (counted from the renewal's send; or
             # from when hold() returned a lease already past it) on_lost ran, for
             # holders not paused meanwhile (a SIGSTOPped holder is told only when it
             # runs again: those are apart).
-            "on_lost_late_s": {
+            on_lost_late_s={
                 "count": len(late),
                 "median": round(late[len(late) // 2], 3) if late else None,
                 "max": round(late[-1], 3) if late else None,
             },
-            "on_lost_late_paused_s": {
+            on_lost_late_paused_s={
                 "count": len(paused_late),
                 "max": round(paused_late[-1], 3) if paused_late else None,
             },
-            **verdict,
-        }
+        )
+        return report | {"leases_lost": report["worker_events"].get("lock_lost", 0)}
+
+
+class Hold(NamedTuple):
+    res: str
+    holder: str
+    token: int
+    before: float
+    after: float
+
+
+class Write(NamedTuple):
+    id: int
+    res: str
+    holder: str
+    token: int
+    seq: int
+    sent: float
+    done: float | None
+    accepted: bool | None
+    lost: bool
+    left: float
 
 
 def check_lock_history(
@@ -102,13 +116,12 @@ def check_lock_history(
 ) -> dict[str, Any]:
     """Check a lock workload's history from the data alone.
 
-    ``holds``: (resource, holder, token, t_before, t_after) per ``hold()`` entered;
-    ``log``: (id, resource, holder, token, seq, t_sent, t_done, accepted, lost,
-    remaining) per write attempt. Times are CLOCK_MONOTONIC (one machine). With
-    ``exact``, the ids of accepted writes are their order of acceptance (SQL fence and
-    log row in one transaction); otherwise (the Redis gate, logged after its reply) an
-    accepted write is only known to have taken effect within [t_sent, t_done], and
-    only pairs whose order is certain are judged. Violations:
+    ``holds``: ``Hold`` rows, one per ``hold()`` entered; ``log``: ``Write`` rows, one
+    per write attempt. Times are CLOCK_MONOTONIC (one machine). With ``exact``, the
+    ids of accepted writes are their order of acceptance (SQL fence and log row in one
+    transaction); otherwise (a store's gate, logged after its reply) an accepted write
+    is only known to have taken effect within [sent, done], and only pairs whose order
+    is certain are judged. Violations:
 
     * ``stale_write_accepted``: an accepted write's token is lower than one accepted
       before it for the resource;
@@ -121,139 +134,105 @@ def check_lock_history(
     """
     found = Findings()
     bad = found.bad
-    t_zero = min([float(h[3]) for h in holds] + [float(r[5]) for r in log] or [0.0])
+    hs = [Hold(str(r), str(h), int(t), float(b), float(a)) for r, h, t, b, a in holds]
+    ws = [Write(int(i), str(r), str(h), int(t), s, float(sent), None if done is None
+                else float(done), acc, lost, float(left))
+          for i, r, h, t, s, sent, done, acc, lost, left in log]  # fmt: skip
+    t_zero = min([h.before for h in hs] + [w.sent for w in ws] or [0.0])
 
     def at(t: float) -> str:
         return f"+{t - t_zero:.3f}s"
 
-    holds_by: dict[str, list[tuple[str, int, float, float]]] = {}
-    hold_of: dict[str, tuple[str, int, float, float]] = {}
-    for res, holder, token, before, after in holds:
-        h = (str(holder), int(token), float(before), float(after))
-        holds_by.setdefault(str(res), []).append(h)
-        hold_of[h[0]] = h
-    logs_by: dict[str, list[tuple[Any, ...]]] = {}
+    hold_of = {h.holder: h for h in hs}
     counts: Counter[str] = Counter()
-    for row in log:
-        _id, res, holder, token, _seq, _sent, _done, accepted, lost, left = row
-        logs_by.setdefault(str(res), []).append(row)
-        outcome = "unknown" if accepted is None else "accepted" if accepted else "refused"
-        counts[outcome] += 1
-        if float(left) <= 0:
+    for w in ws:
+        counts["unknown" if w.accepted is None else "accepted" if w.accepted else "refused"] += 1
+        if w.left <= 0:
             counts["after_deadline"] += 1  # sent unprotected: only the fence stood guard
-            if not lost:
-                counts["lost_flag_late"] += 1  # remaining() was 0, lease.lost not yet
-        h = hold_of.get(str(holder))
-        if h is not None and h[1] != int(token):
-            bad("token_changed", f"{res}: {holder} held token {h[1]}, wrote with {token}")
+            counts["lost_flag_late"] += not w.lost  # remaining() was 0, lease.lost not yet
+        h = hold_of.get(w.holder)
+        if h is not None and h.token != w.token:
+            bad("token_changed", f"{w.res}: {w.holder} held token {h.token}, wrote with {w.token}")
 
-    # Tokens: strictly higher for every hold granted after another; never shared.
-    for res, hs in holds_by.items():
+    for res in sorted({h.res for h in hs} | {w.res for w in ws}):
+        rh = [h for h in hs if h.res == res]
+        # Tokens: strictly higher for every hold granted after another; never shared.
         owner_of: dict[int, str] = {}
-        for holder, token, _, _ in hs:
-            other = owner_of.setdefault(token, holder)
-            if other != holder:
-                bad("token_reused", f"{res}: token {token} went to {other} and {holder}")
-        by_after = sorted(hs, key=lambda h: h[3])
-        afters = [h[3] for h in by_after]
-        best: list[tuple[int, str]] = []
-        for h in by_after:
-            best.append(max(best[-1], (h[1], h[0])) if best else (h[1], h[0]))
-        for holder, token, before, _after in hs:
-            i = bisect.bisect_left(afters, before)
-            if i and best[i - 1][0] >= token and best[i - 1][1] != holder:
+        for h in rh:
+            if owner_of.setdefault(h.token, h.holder) != h.holder:
+                bad(
+                    "token_reused",
+                    f"{res}: token {h.token} went to {owner_of[h.token]} and {h.holder}",
+                )
+        by_after = sorted(rh, key=lambda h: h.after)
+        afters = [h.after for h in by_after]
+        best = list(accumulate(((h.token, h.holder) for h in by_after), max))
+        for h in rh:
+            i = bisect.bisect_left(afters, h.before)
+            if i and best[i - 1][0] >= h.token and best[i - 1][1] != h.holder:
                 bad(
                     "token_not_increasing",
-                    f"{res}: {holder} entered at {at(before)} and got token {token}, not "
+                    f"{res}: {h.holder} entered at {at(h.before)} and got token {h.token}, not "
                     f"above token {best[i - 1][0]} of {best[i - 1][1]} granted before",
                 )
 
-    # The lease's promise: no write "with time left" once someone else holds the lock.
-    for res, hs in holds_by.items():
-        by_before = sorted(hs, key=lambda h: h[2])
-        befores = [h[2] for h in by_before]
-        # suffix minimum of t_after over holds entered later
-        first: list[tuple[float, str, int]] = [(float("inf"), "", 0)] * (len(by_before) + 1)
-        for i in range(len(by_before) - 1, -1, -1):
-            h = by_before[i]
-            first[i] = min(first[i + 1], (h[3], h[0], h[1]))
-        successor = {h[0]: first[bisect.bisect_right(befores, h[3])] for h in hs}
-        for row in logs_by.get(res, []):
-            _id, _res, holder, token, _seq, sent, _done, _acc, _lost, left = row
-            nxt = successor.get(str(holder))
-            if nxt is None or float(left) <= 0 or nxt[1] == holder:
-                continue
-            if float(sent) > nxt[0] + SLACK:
+        # The lease's promise: no write "with time left" once someone else holds the lock.
+        by_before = sorted(rh, key=lambda h: h.before)
+        befores = [h.before for h in by_before]
+        # the first body started among the holds entered after each one
+        first = [*accumulate(((h.after, h.holder, h.token) for h in reversed(by_before)), min)]
+        first = [*reversed(first), (float("inf"), "", 0)]
+        successor = {h.holder: first[bisect.bisect_right(befores, h.after)] for h in rh}
+        rw = [w for w in ws if w.res == res]
+        for w in rw:
+            nxt = successor.get(w.holder)
+            if nxt is not None and w.left > 0 and nxt[1] != w.holder and w.sent > nxt[0] + SLACK:
                 bad(
                     "lease_overlap",
-                    f"{res}: {holder} (token {token}) wrote at {at(float(sent))} with "
-                    f"remaining()={float(left):.3f}s, but {nxt[1]} (token {nxt[2]}) held the "
+                    f"{res}: {w.holder} (token {w.token}) wrote at {at(w.sent)} with "
+                    f"remaining()={w.left:.3f}s, but {nxt[1]} (token {nxt[2]}) held the "
                     f"lock from {at(nxt[0])}",
                 )
-                successor.pop(str(holder))  # once per holder
+                successor.pop(w.holder)  # once per holder
 
-    for res, rows in logs_by.items():
-        acc = [r for r in rows if r[7]]
-        if exact:
-            top: tuple[int, str] | None = None
-            current: str | None = None
-            finished: set[str] = set()
-            for r in sorted(acc, key=lambda r: int(r[0])):
-                holder, token = str(r[2]), int(r[3])
-                if top is not None and token < top[0]:
-                    bad(
-                        "stale_write_accepted",
-                        f"{res}: {holder} token {token} accepted (log id {r[0]}) after "
-                        f"token {top[0]} of {top[1]}",
-                    )
-                if top is None or token > top[0]:
-                    top = (token, holder)
-                if holder != current:
-                    if holder in finished:
-                        bad(
-                            "writes_interleaved",
-                            f"{res}: {holder} (token {token}) wrote again (log id {r[0]}) "
-                            f"after {current} had written",
-                        )
-                    if current is not None:
-                        finished.add(current)
-                    current = holder
-        timed = [r for r in acc if r[6] is not None]
-        if not timed:
-            continue
-        # Certain order only: Y before X when Y's reply came before X was sent.
-        by_done = sorted(timed, key=lambda r: float(r[6]))
-        dones = [float(r[6]) for r in by_done]
-        high: list[tuple[int, str]] = []
-        for r in by_done:
-            high.append(max(high[-1], (int(r[3]), str(r[2]))) if high else (int(r[3]), str(r[2])))
-        for r in timed:
-            i = bisect.bisect_left(dones, float(r[5]))
-            if i and high[i - 1][0] > int(r[3]):
+        # Accepted writes, each known to have taken effect within [lo, hi]: its log id
+        # (exact), or [sent, done]; Y surely before X when Y's hi < X's lo.
+        def span(w: Write) -> tuple[float, float]:
+            return (w.id, w.id) if exact else (w.sent, w.done)  # type: ignore[return-value]
+
+        def when(w: Write) -> str:
+            return f"log id {w.id}" if exact else f"sent {at(w.sent)}"
+
+        acc = [w for w in rw if w.accepted and (exact or w.done is not None)]
+        by_hi = sorted(acc, key=lambda w: span(w)[1])
+        his = [span(w)[1] for w in by_hi]
+        high = list(accumulate(((w.token, w.holder) for w in by_hi), max))
+        for w in acc:
+            i = bisect.bisect_left(his, span(w)[0])
+            if i and high[i - 1][0] > w.token:
                 bad(
                     "stale_write_accepted",
-                    f"{res}: {r[2]} token {r[3]} accepted (sent {at(float(r[5]))}) after token "
+                    f"{res}: {w.holder} token {w.token} accepted ({when(w)}) after token "
                     f"{high[i - 1][0]} of {high[i - 1][1]} had been",
                 )
-        by_sent = sorted(timed, key=lambda r: float(r[5]))
-        sents = [float(r[5]) for r in by_sent]
-        span: dict[str, list[float]] = {}
-        for r in timed:
-            s = span.setdefault(str(r[2]), [float("inf"), float("-inf")])
-            s[0] = min(s[0], float(r[6]))  # its first write surely done
-            s[1] = max(s[1], float(r[5]))  # its last write surely not yet sent
-        for holder, (lo, hi) in span.items():
-            if hi <= lo:
-                continue
-            for b in by_sent[bisect.bisect_right(sents, lo) : bisect.bisect_left(sents, hi)]:
-                if str(b[2]) != holder and float(b[6]) < hi:
-                    bad(
-                        "writes_interleaved",
-                        f"{res}: {b[2]} (token {b[3]}) wrote between {at(float(b[5]))} and "
-                        f"{at(float(b[6]))}, after {holder}'s write done at {at(lo)} and "
-                        f"before its write sent at {at(hi)}",
-                    )
-                    break
+        by_lo = sorted(acc, key=lambda w: span(w)[0])
+        los = [span(w)[0] for w in by_lo]
+        first_done: dict[str, float] = {}  # each holder's first write surely done
+        last_sent: dict[str, float] = {}  # and its last write surely not yet sent
+        for w in acc:
+            lo, hi = span(w)
+            first_done[w.holder] = min(first_done.get(w.holder, hi), hi)
+            last_sent[w.holder] = max(last_sent.get(w.holder, lo), lo)
+        for holder, done in first_done.items():
+            sent = last_sent[holder]
+            between = by_lo[bisect.bisect_right(los, done) : bisect.bisect_left(los, sent)]
+            b = next((b for b in between if b.holder != holder and span(b)[1] < sent), None)
+            if b is not None:
+                bad(
+                    "writes_interleaved",
+                    f"{res}: {b.holder} (token {b.token}) wrote ({when(b)}) between writes "
+                    f"of {holder}",
+                )
 
     return {
         "holds": len(holds),

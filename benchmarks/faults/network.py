@@ -16,78 +16,67 @@ class Network:
         self.mu = threading.Lock()
         self.timers: list[threading.Timer] = []
         self.generation = 0  # of the latest blackhole
-        self.full_generation = 0  # of the latest full one (only its timer heals it)
-        self.held: dict[object, tuple[TcpProxy, int]] = {}  # connection -> (proxy, generation)
+        self.full = 0  # the generation of the latest full one (only its timer heals it)
+        self.held: dict[object, tuple[TcpProxy, int]] = {}  # connection: proxy, generation
 
     def add(self, target: int) -> TcpProxy:
-        proxy = TcpProxy(target)
-        self.proxies.append(proxy)
-        return proxy
+        self.proxies.append(TcpProxy(target))
+        return self.proxies[-1]
 
     def cut(self, only: TcpProxy | None = None) -> int:
         with self.mu:
             return sum(p.cut() for p in self.proxies if only in (None, p))
 
-    def _later(self, seconds: float, heal: object) -> None:
-        timer = threading.Timer(seconds, heal)  # type: ignore[arg-type]
-        timer.daemon = True
-        self.timers.append(timer)
-        timer.start()
-
     def blackhole(
         self, seconds: float, share: float, rng: random.Random, only: TcpProxy | None = None
-    ) -> str:
+    ) -> bool:
         """Stop forwarding for ``seconds``: everything (``share`` >= 1: new connections
         hang after the kernel's accept too) or a random ``share`` of the open
         connections (at least one); with ``only``, every open connection of that proxy
-        (one member cut off). "" if there was nothing to silence."""
+        (one member cut off). False if there was nothing to silence."""
         with self.mu:
             self.generation += 1
             gen = self.generation
+            conns = [(p, c) for p in self.proxies for c in p.open_pairs() if c not in self.held]
             if share >= 1:
-                n = sum(p.connections() for p in self.proxies)
-                if not n:
-                    return ""  # nobody uses this store (plain mode on Redis)
-                self.full_generation = gen
+                if not any(p.connections() for p in self.proxies):
+                    return False  # nobody uses this store (plain mode on Redis)
+                self.full = gen
                 for p in self.proxies:
                     p.blackhole()
-
-                def heal_full() -> None:
-                    with self.mu, contextlib.suppress(RuntimeError):  # closed meanwhile
-                        if self.full_generation == gen:
-                            for p in self.proxies:
-                                p.heal()
-
-                self._later(seconds, heal_full)
-                return f"everything for {seconds:.2f}s ({n} connections)"
-            if not all(p.forwarding for p in self.proxies):
-                return ""  # everything is silent already
-            conns = [(p, c) for p in self.proxies for c in p.open_pairs() if c not in self.held]
-            if only is not None:
+                chosen = []
+            elif not all(p.forwarding for p in self.proxies):
+                return False  # everything is silent already
+            elif only is not None:
                 chosen = [(p, c) for p, c in conns if p is only]
             else:
                 chosen = [pc for pc in conns if rng.random() < share] or conns[:1]
-            if not chosen:
-                return ""
+            if share < 1 and not chosen:
+                return False
             for p, c in chosen:
                 self.held[c] = (p, gen)
                 p.hold([c])
 
-            def heal_some() -> None:
-                with self.mu, contextlib.suppress(RuntimeError):
-                    for p, c in chosen:
-                        if self.held.get(c, (p, -1))[1] == gen:
-                            del self.held[c]
-                            p.hold([c], held=False)
+        def heal() -> None:
+            with self.mu, contextlib.suppress(RuntimeError):  # closed meanwhile
+                if self.full == gen:
+                    for p in self.proxies:
+                        p.heal()
+                for p, c in chosen:
+                    if self.held.get(c, (p, -1))[1] == gen:
+                        del self.held[c]
+                        p.hold([c], held=False)
 
-            self._later(seconds, heal_some)
-            where = f" of :{only.target[1]}" if only is not None else ""
-            return f"{len(chosen)} of {len(conns)} connections{where} for {seconds:.2f}s"
+        timer = threading.Timer(seconds, heal)
+        timer.daemon = True
+        self.timers.append(timer)
+        timer.start()
+        return True
 
     def heal(self) -> None:
         """End every blackhole now."""
         with self.mu:
-            self.full_generation = -1
+            self.full = -1
             for p in self.proxies:
                 p.heal()
             for c, (p, _) in self.held.items():

@@ -11,15 +11,14 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from datetime import timedelta
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from tests.servers.postgres import start_postgres
 from tests.servers.redis import start_cluster, start_redis
 
-from faults import HOST, KINDS, LOCK_KINDS, LOSSY, SPEC, STORE_KINDS, Findings
+from faults import HOST, KINDS, LOCK_KINDS, LOSSY, STORE_KINDS, Findings
 from faults.effects import Fx, FxError
 from faults.network import Network
 from faults.worker import (
@@ -28,22 +27,10 @@ from faults.worker import (
     _worker_entry,
     idempotent_job,
     job_key,
+    job_spec,
     store_options,
 )
 from idemlock._faults.workers import Slot, Workers, context
-
-
-@dataclass
-class Options:
-    jobs: int
-    workers: int
-    duration: float
-    fault_every: float
-    lease: float
-    visibility: float
-    seed: int
-    verbose: bool = False
-    resources: int = 3
 
 
 def retried(fn: Callable[[], Any], errors: type[BaseException], seconds: float = 30) -> Any:
@@ -63,7 +50,7 @@ class Run:
 
     workload = "jobs"
 
-    def __init__(self, store: str, mode: str, same_tx: bool, opts: Options, say: Any) -> None:
+    def __init__(self, store: str, mode: str, same_tx: bool, opts: Any, say: Any) -> None:
         self.store, self.mode, self.same_tx, self.opts, self.say = store, mode, same_tx, opts, say
         self.kinds = (LOCK_KINDS if self.workload == "lock" else STORE_KINDS)[store]
         self.rng = random.Random(f"{opts.seed}:{store}:{mode}:{same_tx}:{self.workload}:faults")
@@ -80,7 +67,9 @@ class Run:
         self.exits: list[str] = []
         self.seconds = 0.0
         self.drained = False
-        self.workers: Workers | None = None
+        logs = self.root / "logs"
+        self.workers = Workers(context(PRELOAD), _worker_entry, self.config, logs, opts.workers)
+        self.slots = self.workers.slots
 
     # -- servers ------------------------------------------------------------------------
 
@@ -117,37 +106,27 @@ class Run:
         # the workers reach the store's own PostgreSQL through the proxy
         self.fx_worker = (fx[0], self.store_url if self.store == "postgres" else fx[1])
 
-    def restart_store(self) -> str:
-        server = self.servers[0]
-        if self.etcd is not None:
-            return self.etcd_member_fault()
-        if self.store == "redis":
-            server.restart()
-            return "redis-server restarted empty"
+    def restart_store(self) -> bool:
+        """Redis restarts empty, PostgreSQL crashes; etcd: a SIGKILL of the leader and
+        its restart, or a pause (SIGSTOP) of a member (one at a time: quorum stays)."""
+        server, cluster = self.servers[0], self.etcd
+        self.wake_member(force=True)
         if self.store == "redis-cluster":
-            node = self.rng.choice(server.nodes)
-            node.restart()
-            return f"cluster node :{node.port} restarted empty"
-        server.restart("immediate")
-        return "postgres crashed and restarted"
-
-    def etcd_member_fault(self) -> str:
-        """A SIGKILL of the leader and its restart, or a pause (SIGSTOP) of a member."""
-        cluster = self.etcd
-        self.wake_member(force=True)  # one member fault at a time: quorum stays
-        if self.rng.random() < 0.5:
+            self.rng.choice(server.nodes).restart()
+        elif cluster is None:
+            server.restart(*(("immediate",) if self.store == "postgres" else ()))
+        elif self.rng.random() < 0.5:
             i = self.rng.randrange(cluster.size)
-            pause = self.opts.lease * self.rng.uniform(0.5, 3.0)
             os.kill(cluster.procs[i].pid, signal.SIGSTOP)
-            self.paused = (i, time.monotonic() + pause)
+            self.paused = (i, time.monotonic() + self.opts.lease * self.rng.uniform(0.5, 3.0))
             self.etcd_faults["member_pause"] += 1
-            return f"etcd member {cluster.names[i]} paused for {pause:.2f}s"
-        leader = cluster.leader()
-        cluster.kill(leader)
-        cluster.start_member(leader)
-        cluster.wait_ready()
-        self.etcd_faults["leader_kill"] += 1
-        return f"etcd leader {cluster.names[leader]} killed and restarted"
+        else:
+            leader = cluster.leader()
+            cluster.kill(leader)
+            cluster.start_member(leader)
+            cluster.wait_ready()
+            self.etcd_faults["leader_kill"] += 1
+        return True
 
     def wake_member(self, force: bool = False) -> None:
         if self.paused is not None and (force or time.monotonic() >= self.paused[1]):
@@ -168,10 +147,6 @@ class Run:
 
     # -- workers --------------------------------------------------------------------------
 
-    @property
-    def slots(self) -> list[Slot]:
-        return self.workers.slots if self.workers is not None else []
-
     def config(self, slot: Slot) -> dict[str, Any]:
         stats = self.root / "stats" / slot.worker
         cfg = WorkerConfig(
@@ -181,19 +156,10 @@ class Run:
         )  # fmt: skip
         return asdict(cfg)
 
-    def start_workers(self) -> Workers:
-        (self.root / "stats").mkdir()
-        self.workers = Workers(
-            context(PRELOAD), _worker_entry, self.config, self.root / "logs", self.opts.workers
-        )
-        self.workers.start()
-        return self.workers
-
     def candidates(self) -> list[Slot]:
         """Live, running workers that hold a job (a fault on an idle worker tests
         nothing; the fault waits for a busy one). If the queue cannot be read (its
         database is restarting), any live worker."""
-        assert self.workers is not None
         live = self.workers.live()
         try:
             busy = self.fx.busy()
@@ -208,12 +174,10 @@ class Run:
 
     def wake_due(self, force: bool = False) -> None:
         self.wake_member(force)
-        if self.workers is not None:
-            self.workers.wake_due(force)
+        self.workers.wake_due(force)
 
     def reap(self) -> None:
         """A worker that exited without being killed by us: note it, replace it."""
-        assert self.workers is not None
         for slot in self.slots:
             if slot.proc.exitcode is not None:
                 self.exits.append(slot.tail(40))
@@ -221,31 +185,30 @@ class Run:
 
     # -- faults ---------------------------------------------------------------------------
 
-    def inject(self, kind: str) -> str:
-        """Inject one fault of ``kind``: what was done ("" if nothing to do it to)."""
-        assert self.workers is not None
+    def inject(self, kind: str) -> bool:
+        """Inject one fault of ``kind``; False if there was nothing to do it to."""
         if kind in ("kill", "stop"):
             pool = self.candidates()
             stopped = sum(1 for s in self.slots if s.stopped_until is not None)
             if not pool or (kind == "stop" and stopped >= len(self.slots) - 1):
-                return ""
+                return False
             slot = self.rng.choice(pool)
             if kind == "kill":
                 self.workers.kill_and_replace(slot, self.redeliver)
-                return slot.worker
+                return True
             pause = self.opts.lease * self.rng.uniform(1.3, 2.5)
             self.workers.stop(slot, pause)
             # (woken by a poll every few ms: a little later than planned)
             now = time.monotonic()
             self.stops.append((slot.worker, now, now + pause + 0.1))
-            return f"{slot.worker} for {pause:.2f}s"
+            return True
         if kind == "restart":
             return self.restart_store()
         if kind == "cut":
             # etcd: half of them cut one member's connections
             etcd = self.etcd is not None and self.rng.random() < 0.5
             cut = self.hub.cut(self.rng.choice(self.proxies) if etcd else None)
-            return f"{cut} connections" if cut else ""  # none connected: no fault
+            return cut > 0  # none connected (e.g. during a blackhole): no fault
         # Half of them silence everything (a partition of the store), half a random
         # half of the open connections (one path dies; others and new ones work; etcd:
         # one member cut off, of those the clients use).
@@ -263,17 +226,13 @@ class Run:
         if kind == "restart" and not restarts:
             order.pop(0)  # skipped, not counted: the next kind goes next tick
             return now
-        detail = self.inject(kind)
-        if not detail:
+        if not self.inject(kind):
             if kind in ("cut", "blackhole"):
                 order.pop(0)  # nothing connected (plain mode never uses Redis): skipped
                 return now
             return now + 0.01  # nobody to do it to yet (or no lock held): again shortly
         order.pop(0)
         self.faults[kind] += 1
-        if self.opts.verbose:
-            took = time.monotonic() - now
-            self.say(f"  {time.time():.3f} {kind}: {detail} ({took:.3f}s)")
         return time.monotonic() + self.rng.expovariate(1 / self.opts.fault_every)
 
     def drive(self, prepare: Callable[[Any], Any], done: Callable[[], bool], tail: float) -> None:
@@ -287,7 +246,8 @@ class Run:
             # Create the store's schema once, before the workers race to.
             with idemlock.connect(self.store_url, **store_options(self.store_url)) as coord:
                 prepare(coord)
-        workers = self.start_workers()
+        (self.root / "stats").mkdir()
+        self.workers.start()
         start = time.monotonic()
         faults_until = start + 0.5 + opts.duration
         # A restart of Redis deletes every record: they stop for the last quarter of
@@ -320,7 +280,7 @@ class Run:
             self.reap()
         finally:
             self.wake_member(force=True)
-            workers.close()
+            self.workers.close()
 
     def run(self) -> None:
         opts = self.opts
@@ -369,28 +329,22 @@ class Run:
         lost = self.check_store(jobs, effects, bad) if self.mode == "idemlock" else 0
         if not self.drained:
             bad("not_drained", f"jobs still undone after {self.seconds:.0f}s")
-        return {
-            "store": self.store,
-            "mode": self.mode,
-            "same_transaction": self.same_tx,
-            "seed": self.opts.seed,
-            "jobs": len(jobs),
-            "workers": self.opts.workers,
-            "seconds": round(self.seconds, 1),
-            "lease_s": self.opts.lease,
-            "faults": {k: self.faults[k] for k in KINDS},
-            "deliveries": sum(d for _, d in jobs.values()),
-            "effects_run": sum(runs.values()),
-            "repeated_effects": sum(n - 1 for n in runs.values()),
-            "jobs_with_repeats": sum(1 for n in runs.values() if n > 1),
-            "stale_writes_refused": refused,
-            "stale_writes_accepted": stale_accepted,
-            "records_lost_with_data": lost,
-            **self.verdict(found),
-        }
+        return self.report(
+            found,
+            jobs=len(jobs),
+            lease_s=self.opts.lease,
+            deliveries=sum(d for _, d in jobs.values()),
+            effects_run=sum(runs.values()),
+            repeated_effects=sum(n - 1 for n in runs.values()),
+            jobs_with_repeats=sum(1 for n in runs.values() if n > 1),
+            stale_writes_refused=refused,
+            stale_writes_accepted=stale_accepted,
+            records_lost_with_data=lost,
+        )
 
-    def verdict(self, found: Findings) -> dict[str, Any]:
-        """Workers that crashed or met errors they did not expect; their event counts."""
+    def report(self, found: Findings, **figures: Any) -> dict[str, Any]:
+        """The run's report: ``figures``, the faults, the workers' event counts and the
+        violations (with workers that crashed or met errors they did not expect)."""
         for text in self.exits:
             found.bad("worker_crashed", text)
         events: Counter[str] = Counter()
@@ -400,6 +354,14 @@ class Run:
             if event.startswith("unexpected:"):
                 found.bad("unexpected_error", f"{n} x {event[11:]}", n)
         return {
+            "store": self.store,
+            "mode": self.mode,
+            "same_transaction": self.same_tx,
+            "seed": self.opts.seed,
+            "workers": self.opts.workers,
+            "seconds": round(self.seconds, 1),
+            "faults": {k: self.faults[k] for k in KINDS},
+            **figures,
             **({"etcd_faults": dict(self.etcd_faults)} if self.etcd is not None else {}),
             "worker_events": dict(sorted(events.items())),
             "violations": dict(found.violations),
@@ -428,10 +390,7 @@ class Run:
         lost = 0
         ran: list[int] = []
         with retried(connect, idemlock.StoreUnavailable) as coord:
-            spec = idemlock.IdempotencySpec(
-                SPEC, ttl=timedelta(hours=2), lease=timedelta(seconds=self.opts.lease)
-            )
-            port = coord.idempotency(spec)
+            port = coord.idempotency(job_spec(self.opts.lease))
             for rec in coord.keys():  # noqa: SIM118 (a Coordinator, not a dict)
                 if rec.state == "in_flight":
                     bad("left_claimed", f"{rec.key} still in flight after the lease")

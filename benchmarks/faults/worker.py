@@ -56,12 +56,15 @@ def job_key(job: int) -> str:
     return f"job-{job}"
 
 
-def idempotent_job(coord: Any, lease: float, body: Callable[[int], str]) -> Callable[[int], str]:
-    """The job as the workers and the checker wrap it (so the same payload fingerprint)."""
+def job_spec(lease: float) -> Any:
     import idemlock
 
-    spec = idemlock.IdempotencySpec(SPEC, ttl=timedelta(hours=2), lease=timedelta(seconds=lease))
-    return coord.idempotent(spec, key=job_key)(body)  # type: ignore[no-any-return]
+    return idemlock.IdempotencySpec(SPEC, ttl=timedelta(hours=2), lease=timedelta(seconds=lease))
+
+
+def idempotent_job(coord: Any, lease: float, body: Callable[[int], str]) -> Callable[[int], str]:
+    """The job as the workers and the checker wrap it (so the same payload fingerprint)."""
+    return coord.idempotent(job_spec(lease), key=job_key)(body)  # type: ignore[no-any-return]
 
 
 def unexpected(exc: Exception) -> str:
@@ -124,11 +127,7 @@ def worker_main(cfg: WorkerConfig) -> None:
 
     if cfg.mode == "idemlock":
         coord = idemlock.connect(cfg.store_url, **store_options(cfg.store_url))
-        port = coord.idempotency(
-            idemlock.IdempotencySpec(
-                SPEC, ttl=timedelta(hours=2), lease=timedelta(seconds=cfg.lease)
-            )
-        )
+        port = coord.idempotency(job_spec(cfg.lease))
         run_job = idempotent_job(coord, cfg.lease, body)
     run: Callable[[int, int], Any] = {
         "plain": plain,
