@@ -239,32 +239,28 @@ def peer(
     res: Results, where: tuple[str, str, str], name: str, build: Callable[[], SyncFn]
 ) -> SyncFn | None:
     """A peer's measured function, tried once; None (and why, in ``res``) if it cannot run."""
-    if not installed(res, where, name):
-        return None
     try:
-        fn = build()
-        fn(2)
-    except idemlock.ConfigurationError as exc:
-        res.skip(where, name, "not supported", _why(exc))
-        return None
+        if installed(res, where, name):
+            fn = build()
+            fn(2)
+            return fn
     except Exception as exc:
-        res.skip(where, name, "failed", _why(exc))
-        return None
-    return fn
+        why = "not supported" if isinstance(exc, idemlock.ConfigurationError) else "failed"
+        res.skip(where, name, why, _why(exc))
+    return None
 
 
 async def apeer(
     res: Results, where: tuple[str, str, str], name: str, build: Callable[[], Awaitable[Make]]
 ) -> Make | None:
-    if not installed(res, where, name):
-        return None
     try:
-        make = await build()
-        await make(0, 2)
+        if installed(res, where, name):
+            make = await build()
+            await make(0, 2)
+            return make
     except Exception as exc:
         res.skip(where, name, "failed", _why(exc))
-        return None
-    return make
+    return None
 
 
 def _fail() -> Any:

@@ -302,16 +302,14 @@ COLORS = {
     c.IK: "#9467bd",
     c.PT: "#8c564b",
 }
+#: the chart's label of each scenario
 SHORT = {
-    (c.UNC, c.LOCK_OP): "acquire+release\nsync",
-    (c.UNC, c.CLAIM_OP): "claim+complete\nsync",
-    (c.AIO1, c.LOCK_OP): f"acquire+release\nasyncio {c.X}1",
-    (c.AIO1, c.CLAIM_OP): f"claim+complete\nasyncio {c.X}1",
-    (c.AIO100, c.LOCK_OP): f"acquire+release\nasyncio {c.X}100",
-    (c.AIO100, c.CLAIM_OP): f"claim+complete\nasyncio {c.X}100",
+    **{(sc, op): f"{op}\n{tail}" for sc, tail in ((c.UNC, "sync"), (c.AIO1, f"asyncio {c.X}1"),
+                                                 (c.AIO100, f"asyncio {c.X}100"))
+       for op in (c.LOCK_OP, c.CLAIM_OP)},
     (c.HAND, c.HAND_OP): "contended\nhand-off",
     (c.JOB, c.JOB_OP): "idempotent\njob",
-}
+}  # fmt: skip
 
 
 def chart(data: dict[str, Any], path: Path) -> None:
