@@ -79,10 +79,7 @@ class Fx(Queue):
 
     def create(self, visible: list[float], schema: str = "") -> None:
         serial = "bigserial PRIMARY KEY" if self.postgres else "INTEGER PRIMARY KEY AUTOINCREMENT"
-        try:
-            super().create(visible, SCHEMA.format(serial=serial))
-        except self.errors as exc:
-            raise FxError(str(exc)) from exc
+        super().create(visible, SCHEMA.format(serial=serial))
 
     def insert(self, c: Any, table: str, row: dict[str, Any]) -> None:
         marks = ", ".join([self.p] * len(row))

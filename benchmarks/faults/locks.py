@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import bisect
-import contextlib
 from collections import Counter
 from itertools import accumulate
 from typing import Any, NamedTuple
@@ -24,13 +23,8 @@ class LockRun(Run):
     def candidates(self) -> list[Slot]:
         """Live, running workers inside a ``hold()`` block (a fault on a waiting
         worker tests little)."""
-
-        def holding(slot: Slot) -> bool:
-            with contextlib.suppress(OSError):
-                return (self.root / "stats" / f"{slot.worker}.state").read_bytes()[:1] == b"1"
-            return False
-
-        return [s for s in self.workers.live() if holding(s)]
+        paths = [(s, self.root / "stats" / f"{s.worker}.state") for s in self.workers.live()]
+        return [s for s, path in paths if path.exists() and path.read_bytes() == b"1"]
 
     def redeliver(self, worker: str) -> None:
         pass  # its lease runs out on its own: that is what is being tested
