@@ -135,12 +135,20 @@ def test_plain_mode_completes_and_reports_duplicates() -> None:
 # ---- the lock workload ------------------------------------------------------------------
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(720)
 @pytest.mark.parametrize("store", STORES)
 def test_lock_writes_stay_fenced_under_faults(store: str) -> None:
-    code, run = run_chaos("--store", store, "--workload", "lock")
-    assert run["violations_total"] == 0, "\n".join(run["examples"])
-    assert code == 0
+    # A short run on a loaded machine makes few holds, and now and then no fault lands
+    # while a lock is held: that run proves nothing either way, so it runs again (at
+    # most three times). Every run, the first ones included, must have no violation.
+    for _ in range(3):
+        code, run = run_chaos("--store", store, "--workload", "lock")
+        assert run["violations_total"] == 0, "\n".join(run["examples"])
+        assert code == 0
+        ev = run["worker_events"]
+        hit = ev.get("lock_lost", 0) + ev.get("store_error", 0) + ev.get("fx_error", 0)
+        if hit > 0 and (store == "postgres" or run["leases_lost"] > 0):
+            break
     assert run["workload"] == "lock" and run["store"] == store and run["mode"] == "idemlock"
     for kind in LOCK_KINDS[store]:
         assert run["faults"][kind] > 0, f"no {kind} fault was injected: {run['faults']}"
@@ -149,8 +157,6 @@ def test_lock_writes_stay_fenced_under_faults(store: str) -> None:
     # crashes and cuts end most of its holds that way).
     assert run["holds"] > 3
     assert run["writes_accepted"] > 0
-    ev = run["worker_events"]
-    hit = ev.get("lock_lost", 0) + ev.get("store_error", 0) + ev.get("fx_error", 0)
     assert hit > 0, ev
     assert run["leases_lost"] == ev.get("lock_lost", 0)
     if store != "postgres":
