@@ -135,28 +135,29 @@ WHERE substr(ns, 1, ?1) = ?2 AND expires_ms > ?3 ORDER BY ns, key
 # Rows lock.acquire, lock.reacquire (lock.busy: nothing returned). Free or expired ->
 # next token of the key; held by the same owner -> same token, new
 # expiry. Released locks stay as tombstones (expires_ms = 0) that keep their token.
-_ACQUIRE = """
+_ACQUIRE_UPSERT = """
 INSERT INTO locks (ns, key, owner, token, expires_ms)
 VALUES (?1, ?2, ?3, (SELECT value FROM meta WHERE name = 'floor') + 1, ?4)
 ON CONFLICT (ns, key) DO UPDATE SET
     token = CASE WHEN locks.expires_ms > ?5 THEN locks.token ELSE locks.token + 1 END,
     owner = excluded.owner, expires_ms = excluded.expires_ms
-WHERE locks.expires_ms <= ?5 OR locks.owner = excluded.owner
+"""
+_ACQUIRE = (
+    _ACQUIRE_UPSERT
+    + """WHERE locks.expires_ms <= ?5 OR locks.owner = excluded.owner
 RETURNING token
 """
+)
 # The same, in one statement for the common case: it takes a free lock only while
 # nobody is queued for it (else _store._acquire_queued decides, rows lock.handoff*).
-_ACQUIRE_UNQUEUED = """
-INSERT INTO locks (ns, key, owner, token, expires_ms)
-VALUES (?1, ?2, ?3, (SELECT value FROM meta WHERE name = 'floor') + 1, ?4)
-ON CONFLICT (ns, key) DO UPDATE SET
-    token = CASE WHEN locks.expires_ms > ?5 THEN locks.token ELSE locks.token + 1 END,
-    owner = excluded.owner, expires_ms = excluded.expires_ms
-WHERE (locks.expires_ms > ?5 AND locks.owner = excluded.owner)
+_ACQUIRE_UNQUEUED = (
+    _ACQUIRE_UPSERT
+    + """WHERE (locks.expires_ms > ?5 AND locks.owner = excluded.owner)
    OR (locks.expires_ms <= ?5
        AND NOT EXISTS (SELECT 1 FROM lock_waiters WHERE ns = ?1 AND key = ?2))
 RETURNING token
 """
+)
 _LOCK_GET = "SELECT owner, token, expires_ms FROM locks WHERE ns = ?1 AND key = ?2"
 
 # The waiters' queue (rows lock.handoff, lock.handoff.take; see _store._choose).
