@@ -411,40 +411,29 @@ return {}
 )
 
 # ---- fence gates -------------------------------------------------------------------
-# Rows fence.advance, fence.stale.
-# KEYS[1] gate. ARGV: token. Reply: {OK or STALE, highest (decimal string)}
-FENCE_ADVANCE = (
-    _CODES
-    + _READ_GATE
-    + """
-local cur, why = read_gate(KEYS[1])
-if cur == nil then return redis.error_reply('IDEMLOCK_CORRUPT ' .. why) end
-if cur and not ge(ARGV[1], cur) then return {STALE, cur} end
-if cur ~= ARGV[1] then redis.call('SET', KEYS[1], ARGV[1]) end
-return {OK, ARGV[1]}
-"""
-)
-
-# KEYS[1] gate, KEYS[2] the user's key. ARGV: token, value
-FENCE_SET = (
-    _CODES
-    + _READ_GATE
-    + """
-local cur, why = read_gate(KEYS[1])
-if cur == nil then return redis.error_reply('IDEMLOCK_CORRUPT ' .. why) end
-if cur and not ge(ARGV[1], cur) then return {STALE, cur} end
-if cur ~= ARGV[1] then redis.call('SET', KEYS[1], ARGV[1]) end
-redis.call('SET', KEYS[2], ARGV[2])
-return {OK, ARGV[1]}
-"""
-)
-
-# KEYS[1] gate. Reply: false or the highest accepted (decimal string)
-FENCE_CURRENT = (
+# Every gate script reads KEYS[1], the gate, first, refusing a corrupt one.
+_GATE = (
     _READ_GATE
     + """
 local cur, why = read_gate(KEYS[1])
 if cur == nil then return redis.error_reply('IDEMLOCK_CORRUPT ' .. why) end
-return cur
 """
 )
+
+# Rows fence.advance, fence.stale: a token below the highest accepted is refused, any
+# other becomes the highest. ARGV[1]: token.
+_ADVANCE = (
+    _CODES
+    + _GATE
+    + "if cur and not ge(ARGV[1], cur) then return {STALE, cur} end\n"
+    + "if cur ~= ARGV[1] then redis.call('SET', KEYS[1], ARGV[1]) end\n"
+)
+
+# KEYS[1] gate. ARGV: token. Reply: {OK or STALE, highest (decimal string)}
+FENCE_ADVANCE = _ADVANCE + "return {OK, ARGV[1]}\n"
+
+# KEYS[1] gate, KEYS[2] the user's key. ARGV: token, value
+FENCE_SET = _ADVANCE + "redis.call('SET', KEYS[2], ARGV[2])\nreturn {OK, ARGV[1]}\n"
+
+# KEYS[1] gate. Reply: false or the highest accepted (decimal string)
+FENCE_CURRENT = _GATE + "return cur\n"
