@@ -49,6 +49,19 @@ def _report_loss(
         )
 
 
+def _renewal_period(
+    renew_every: timedelta | float | None, of_ms: int, of: Callable[[], str]
+) -> float:
+    """The period of a claim's heartbeat or a lock's renewal, in seconds (default: a third
+    of ``of_ms``, what each renewal extends); ``of()`` names that in the error."""
+    s = seconds(renew_every, "renew_every")
+    if s is None:
+        return of_ms / 3000
+    if s <= 0 or s * 1000 >= of_ms:
+        raise ConfigurationError(f"renew_every must be positive and shorter than {of()}, got {s}s")
+    return s
+
+
 class Heartbeat:
     """One claim kept alive by its coordinator's renewer (see ``port.run()`` and the
     decorator's ``heartbeat``)."""
@@ -141,15 +154,11 @@ class IdempotencyBase(_SpecPort, ClaimReplies):
     # ---- heartbeats -------------------------------------------------------------
 
     def _heartbeat_every(self, renew_every: timedelta | float | None) -> float:
-        s = seconds(renew_every, "renew_every")
-        if s is None:
-            return self._lease_ms / 3000
-        if s <= 0 or s * 1000 >= self._lease_ms:
-            raise ConfigurationError(
-                f"renew_every must be positive and shorter than the lease of spec "
-                f"{self.spec.name!r} ({self._lease_ms / 1000:g}s), got {s}s"
-            )
-        return s
+        return _renewal_period(
+            renew_every,
+            self._lease_ms,
+            lambda: f"the lease of spec {self.spec.name!r} ({self._lease_ms / 1000:g}s)",
+        )
 
     def _heartbeat(
         self,
@@ -323,15 +332,9 @@ class LockBase(_SpecPort):
         return self._ttl_ms if ttl is None else to_ms(ttl, "ttl")
 
     def _renew_every(self, renew_every: timedelta | float | None) -> float:
-        s = seconds(renew_every, "renew_every")
-        if s is None:
-            return self._ttl_ms / 3000
-        if s <= 0 or s * 1000 >= self._ttl_ms:
-            raise ConfigurationError(
-                f"renew_every must be positive and shorter than the lock ttl "
-                f"({self._ttl_ms / 1000}s), got {s}s"
-            )
-        return s
+        return _renewal_period(
+            renew_every, self._ttl_ms, lambda: f"the lock ttl ({self._ttl_ms / 1000}s)"
+        )
 
     @staticmethod
     def _mark_released(lease: Lease) -> None:
