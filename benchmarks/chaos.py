@@ -34,8 +34,8 @@ for _p in (str(HERE), str(ROOT / "src"), str(ROOT)):
 
 
 from faults import FIXED, KINDS, LOCK_KINDS, LOCK_PRESETS, PRESETS, STORE_KINDS, STORES  # noqa: E402
-from faults.locks import LockRun, check_lock_history  # noqa: E402
-from faults.run import Run  # noqa: E402
+from faults.locks import check_lock_history  # noqa: E402
+from faults.run import LockRun, Run  # noqa: E402
 
 __all__ = ["check_lock_history", "main"]
 
@@ -75,51 +75,54 @@ def table(
     return [head, "-" * len(head), *rows]
 
 
-def render_locks(reports: list[dict[str, Any]]) -> list[str]:
-    lines = ["lock workload:", *table(LOCK_COLUMNS, reports, left=1), ""]
-    for r in reports:
-        ev, late = r["worker_events"], r["on_lost_late_s"]
-        lines.append(
-            f"{r['store']}, lock, {r['mode']}: {r['seconds']}s, ttl {r['ttl_s']:g}s, "
-            f"{r['workers']} workers, "
-            f"{r['resources']} resources, fence {r['fence']}; {r['writes_after_deadline']} "
-            f"writes sent after the lease's deadline ({r['writes_lost_flag_late']} of them "
-            f"before lease.lost turned True); on_lost ran {late['count']} times for running "
-            f"holders, after their deadline by median {late['median']}s, max "
-            f"{late['max']}s (and {r['on_lost_late_paused_s']['count']} times for "
-            f"SIGSTOPped ones, on waking); {ev.get('store_error', 0)} store errors, "
-            f"{ev.get('not_acquired', 0)} waits timed out"
+def jobs_lines(r: dict[str, Any]) -> list[str]:
+    ev = r["worker_events"]
+    line = (
+        f"{r['store']}{' (same tx)' if r['same_transaction'] else ''}, {r['mode']}: "
+        f"{r['seconds']}s, {r['deliveries']} deliveries, {r['effects_run']} effects run "
+        f"({r['jobs_with_repeats']} jobs more than once)"
+    )
+    if r["mode"] == "idemlock":
+        line += (
+            f", {ev.get('replayed', 0)} replayed, {ev.get('in_flight', 0)} found in flight, "
+            f"{ev.get('store_error', 0)} store errors, {ev.get('stale_complete', 0)} stale "
+            f"completes, {r['records_lost_with_data']} records lost with Redis data"
         )
-        if r["unfenced_findings"]:
-            lines.append(f"    without a fence: {r['unfenced_findings']}")
-        lines += [f"    VIOLATION {text[:400]}" for text in r["examples"]]
-    return lines
+    return [line, *(f"    VIOLATION {text[:300]}" for text in r["examples"])]
+
+
+def lock_lines(r: dict[str, Any]) -> list[str]:
+    ev, late = r["worker_events"], r["on_lost_late_s"]
+    line = (
+        f"{r['store']}, lock, {r['mode']}: {r['seconds']}s, ttl {r['ttl_s']:g}s, "
+        f"{r['workers']} workers, "
+        f"{r['resources']} resources, fence {r['fence']}; {r['writes_after_deadline']} "
+        f"writes sent after the lease's deadline ({r['writes_lost_flag_late']} of them "
+        f"before lease.lost turned True); on_lost ran {late['count']} times for running "
+        f"holders, after their deadline by median {late['median']}s, max "
+        f"{late['max']}s (and {r['on_lost_late_paused_s']['count']} times for "
+        f"SIGSTOPped ones, on waking); {ev.get('store_error', 0)} store errors, "
+        f"{ev.get('not_acquired', 0)} waits timed out"
+    )
+    unfenced = [f"    without a fence: {r['unfenced_findings']}"] if r["unfenced_findings"] else []
+    return [line, *unfenced, *(f"    VIOLATION {text[:400]}" for text in r["examples"])]
+
+
+#: each workload's section: title, table columns, left-aligned columns, lines per run
+SECTIONS = {
+    "jobs": ([], COLUMNS, 2, jobs_lines),
+    "lock": (["lock workload:"], LOCK_COLUMNS, 1, lock_lines),
+}
 
 
 def render(reports: list[dict[str, Any]]) -> str:
-    locks = [r for r in reports if r.get("workload") == "lock"]
-    reports = [r for r in reports if r.get("workload") != "lock"]
-    if not reports:
-        return "\n".join(render_locks(locks))
-    lines = [*table(COLUMNS, reports, left=2), ""]
-    for r in reports:
-        ev = r["worker_events"]
-        extra = (
-            f"{r['store']}{' (same tx)' if r['same_transaction'] else ''}, {r['mode']}: "
-            f"{r['seconds']}s, {r['deliveries']} deliveries, {r['effects_run']} effects run "
-            f"({r['jobs_with_repeats']} jobs more than once)"
-        )
-        if r["mode"] == "idemlock":
-            extra += (
-                f", {ev.get('replayed', 0)} replayed, {ev.get('in_flight', 0)} found in flight, "
-                f"{ev.get('store_error', 0)} store errors, {ev.get('stale_complete', 0)} stale "
-                f"completes, {r['records_lost_with_data']} records lost with Redis data"
-            )
-        lines.append(extra)
-        lines += [f"    VIOLATION {text[:300]}" for text in r["examples"]]
-    if locks:
-        lines += ["", *render_locks(locks)]
-    return "\n".join(lines)
+    sections = []
+    for workload, (title, columns, left, lines) in SECTIONS.items():
+        runs = [r for r in reports if r.get("workload", "jobs") == workload]
+        if runs:
+            rows = [line for r in runs for line in lines(r)]
+            sections.append("\n".join([*title, *table(columns, runs, left), "", *rows]))
+    return "\n\n".join(sections)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -1,17 +1,18 @@
 """The fault injector behind ``benchmarks/chaos.py``.
 
-* ``network``: the loopback TCP proxies that cut and blackhole connections;
-* ``effects``: the effects database (the queue of ``idemlock._faults.queue``, the
-  effects and their log, the lock workload's writes) seen from one process;
-* ``worker``: the worker processes' main loops (jobs, locks);
-* ``run``: one store and one mode, start to check (the workers and the killer are
-  ``idemlock._faults.workers``, shared with ``idemlock demo``);
-* ``locks``: the lock workload's supervisor and its history checker.
+``network``: the proxies that cut and blackhole connections; ``effects``: the effects
+database (over the queue of ``idemlock._faults.queue``); ``worker``: the worker
+processes; ``run``: one store and one mode, start to check (the workers and the killer
+are ``idemlock._faults.workers``, shared with ``idemlock demo``); ``locks``: the lock
+workload's history checker.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 HOST = "127.0.0.1"
@@ -46,14 +47,26 @@ LOCK_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+@dataclass
 class Findings:
     """Violations counted by kind, with the first few examples."""
 
-    def __init__(self, violations: Counter[str] | None = None, examples: list[str] | None = None):
-        self.violations: Counter[str] = violations if violations is not None else Counter()
-        self.examples = examples if examples is not None else []
+    violations: Counter[str] = field(default_factory=Counter)
+    examples: list[str] = field(default_factory=list)
 
     def bad(self, kind: str, text: str, n: int = 1) -> None:
         self.violations[kind] += n
         if len(self.examples) < 10:
             self.examples.append(f"{kind}: {text}")
+
+
+def retried(fn: Callable[[], Any], errors: type[BaseException], seconds: float = 30) -> Any:
+    """``fn()``, tried again every 0.2 s for ``seconds`` while it raises ``errors``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return fn()
+        except errors:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)

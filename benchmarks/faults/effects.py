@@ -29,8 +29,6 @@ CREATE TABLE IF NOT EXISTS lock_holds (id {serial}, resource text NOT NULL,
     holder text NOT NULL, token bigint NOT NULL, t_before double precision NOT NULL,
     t_after double precision NOT NULL);
 """
-LOCK_LOG = ("resource", "holder", "token", "seq", "t_sent", "t_done", "accepted", "lost",
-            "remaining")  # fmt: skip
 SNAPSHOTS = {
     "jobs": "SELECT id, state, deliveries FROM jobs ORDER BY id",
     "effects": "SELECT job_id, fence, value FROM effects",
@@ -38,7 +36,8 @@ SNAPSHOTS = {
 }
 LOCK_SNAPSHOTS = {
     "holds": "SELECT resource, holder, token, t_before, t_after FROM lock_holds ORDER BY id",
-    "log": f"SELECT id, {', '.join(LOCK_LOG)} FROM lock_log ORDER BY id",
+    "log": "SELECT id, resource, holder, token, seq, t_sent, t_done, accepted, lost, remaining "
+    "FROM lock_log ORDER BY id",
 }
 
 
@@ -52,10 +51,9 @@ class Fx(Queue):
     waits long for a lock a paused worker holds."""
 
     def __init__(self, kind: str, dsn: str, supervisor: bool = False) -> None:
-        pg = kind == "postgres"
-        super().__init__(lambda: self._connect(dsn, supervisor), postgres=pg)
+        super().__init__(lambda: self._connect(dsn, supervisor), postgres=kind == "postgres")
         self.errors: tuple[type[Exception], ...] = (sqlite3.Error,)
-        if pg:
+        if self.postgres:
             import psycopg
 
             self.errors = (psycopg.Error,)
@@ -81,7 +79,11 @@ class Fx(Queue):
         serial = "bigserial PRIMARY KEY" if self.postgres else "INTEGER PRIMARY KEY AUTOINCREMENT"
         super().create(visible, SCHEMA.format(serial=serial))
 
-    def insert(self, c: Any, table: str, row: dict[str, Any]) -> None:
+    def insert(self, table: str, row: dict[str, Any], c: Any = None) -> None:
+        """``row`` into ``table``: in the transaction of ``c``, or in one of its own."""
+        if c is None:
+            with self.tx() as c:
+                return self.insert(table, row, c)
         marks = ", ".join([self.p] * len(row))
         c.execute(f"INSERT INTO {table} ({', '.join(row)}) VALUES ({marks})", list(row.values()))
 
@@ -109,44 +111,27 @@ class Fx(Queue):
         )
         return c.execute(sql, list(row.values())).fetchone() is not None
 
-    def effect(
+    def write(
         self,
-        job: int,
-        fence: int,
-        value: str,
-        worker: str,
+        table: str,
+        row: dict[str, Any],
+        fence: str,
         fenced: bool,
+        log: str,
+        logged: dict[str, Any],
         finish: Callable[[Any], None] | None = None,
     ) -> bool:
-        """The effect and its log row in one transaction; True if it was accepted.
-        ``finish(conn)`` (the completion, same-transaction mode) commits with an
-        accepted effect; a refused one commits only its log row."""
+        """``row`` upserted into ``table`` (fenced on its ``fence`` column, see ``upsert``)
+        and ``logged`` with the outcome as ``accepted`` into ``log``, in one transaction
+        (the log's ids give the order of acceptance); True if accepted. ``finish(conn)``
+        (the completion, same-transaction mode) commits with an accepted write; a
+        refused one commits only its log row."""
         with self.tx() as c:
-            row = {"job_id": job, "fence": fence, "value": value, "worker": worker}
-            ok = self.upsert(c, "effects", row, "fence", fenced)
-            self.insert(
-                c, "effect_log", {"job_id": job, "fence": fence, "worker": worker, "accepted": ok}
-            )
-            if ok and finish is not None:
+            accepted = self.upsert(c, table, row, fence, fenced)
+            self.insert(log, logged | {"accepted": accepted}, c)
+            if accepted and finish is not None:
                 finish(c)
-            return ok
-
-    def lock_hold(self, res: str, holder: str, token: int, before: float, after: float) -> None:
-        with self.tx() as c:
-            row = {"resource": res, "holder": holder, "token": token}
-            self.insert(c, "lock_holds", row | {"t_before": before, "t_after": after})
-
-    def lock_log(self, row: tuple[Any, ...], fenced: bool | None = None) -> bool | None:
-        """One write attempt's log row (``LOCK_LOG``); with ``fenced`` not None, the
-        write itself first, in the same transaction (the log's ids then give the order
-        of acceptance), its outcome as ``accepted``."""
-        logged = dict(zip(LOCK_LOG, row, strict=True))
-        with self.tx() as c:
-            if fenced is not None:
-                write = {k: logged[k] for k in ("resource", "token", "holder", "seq")}
-                logged["accepted"] = self.upsert(c, "lock_fence", write, "token", fenced)
-            self.insert(c, "lock_log", logged)
-        return logged["accepted"]  # type: ignore[no-any-return]
+        return accepted
 
     def snapshot(self, queries: dict[str, str] = SNAPSHOTS) -> dict[str, Any]:
         with self.tx(write=False) as c:

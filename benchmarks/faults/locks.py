@@ -1,108 +1,17 @@
-"""The lock workload: its supervisor and the checker of its write history."""
+"""The checker of the lock workload's write history."""
 
 from __future__ import annotations
 
 import bisect
-from collections import Counter
+from collections import Counter, namedtuple
 from itertools import accumulate
-from typing import Any, NamedTuple
+from typing import Any
 
-from faults import GATED, SLACK, Findings
-from faults.effects import LOCK_SNAPSHOTS, FxError
-from faults.run import Run, retried
-from idemlock._faults.workers import Slot
+from faults import SLACK, Findings
 
-
-class LockRun(Run):
-    """Workers contend for ``--resources`` locks with ``hold()`` (ttl ``--lease``,
-    renewed every ttl/3) and write fenced records under them while faults hit; then
-    the history is checked (:func:`check_lock_history`)."""
-
-    workload = "lock"
-
-    def candidates(self) -> list[Slot]:
-        """Live, running workers inside a ``hold()`` block (a fault on a waiting
-        worker tests little)."""
-        paths = [(s, self.root / "stats" / f"{s.worker}.state") for s in self.workers.live()]
-        return [s for s, path in paths if path.exists() and path.read_bytes() == b"1"]
-
-    def redeliver(self, worker: str) -> None:
-        pass  # its lease runs out on its own: that is what is being tested
-
-    def run(self) -> None:
-        self.fx.create([])
-        # late writes of paused holders, after the faults: fenced out
-        self.drive(lambda coord: coord.locks(), lambda: True, 1.0 + self.opts.lease)
-
-    def check(self) -> dict[str, Any]:
-        snap = retried(lambda: self.fx.snapshot(LOCK_SNAPSHOTS), FxError)
-        exact = self.store not in GATED or self.mode == "plain"
-        found = check_lock_history(snap["holds"], snap["log"], exact=exact)
-        judged = Findings(found.pop("violations"), found.pop("examples"))
-        unfenced: dict[str, int] = {}
-        if self.mode == "plain":
-            # Without the fence these are what the run shows, not failures of it.
-            for kind in ("stale_write_accepted", "writes_interleaved"):
-                unfenced[kind] = judged.violations.pop(kind, 0)
-            judged.examples = [e for e in judged.examples if e.split(":")[0] not in unfenced]
-        late: list[float] = []  # told how long after the deadline, holder not paused
-        paused_late: list[float] = []
-        for path in (self.root / "stats").glob("*.lost"):
-            worker = path.name.split(".txt")[0]
-            for line in path.read_text().splitlines():
-                deadline, told = map(float, line.split())
-                paused = any(
-                    w == worker and start < told and end > deadline for w, start, end in self.stops
-                )
-                (paused_late if paused else late).append(told - deadline)
-        late.sort()
-        paused_late.sort()
-        fence = "set_if_fresh" if self.store.startswith("redis") else "check_and_advance"
-        report = self.report(
-            judged,
-            workload="lock",
-            resources=self.opts.resources,
-            ttl_s=self.opts.lease,
-            fence="none" if self.mode == "plain" else "sql" if exact else fence,
-            unfenced_findings=unfenced,
-            **found,
-            on_lost_calls=len(late) + len(paused_late),
-            # How long after the lease's deadline (counted from the renewal's send; or
-            # from when hold() returned a lease already past it) on_lost ran, for
-            # holders not paused meanwhile (a SIGSTOPped holder is told only when it
-            # runs again: those are apart).
-            on_lost_late_s={
-                "count": len(late),
-                "median": round(late[len(late) // 2], 3) if late else None,
-                "max": round(late[-1], 3) if late else None,
-            },
-            on_lost_late_paused_s={
-                "count": len(paused_late),
-                "max": round(paused_late[-1], 3) if paused_late else None,
-            },
-        )
-        return report | {"leases_lost": report["worker_events"].get("lock_lost", 0)}
-
-
-class Hold(NamedTuple):
-    res: str
-    holder: str
-    token: int
-    before: float
-    after: float
-
-
-class Write(NamedTuple):
-    id: int
-    res: str
-    holder: str
-    token: int
-    seq: int
-    sent: float
-    done: float | None
-    accepted: bool | None
-    lost: bool
-    left: float
+#: a ``lock_holds`` row (``before``/``after``: around ``hold()``'s entry), a ``lock_log`` one
+Hold = namedtuple("Hold", "res holder token before after")
+Write = namedtuple("Write", "id res holder token seq sent done accepted lost left")
 
 
 def check_lock_history(
@@ -128,10 +37,8 @@ def check_lock_history(
     """
     found = Findings()
     bad = found.bad
-    hs = [Hold(str(r), str(h), int(t), float(b), float(a)) for r, h, t, b, a in holds]
-    ws = [Write(int(i), str(r), str(h), int(t), s, float(sent), None if done is None
-                else float(done), acc, lost, float(left))
-          for i, r, h, t, s, sent, done, acc, lost, left in log]  # fmt: skip
+    hs = [Hold._make(row) for row in holds]
+    ws = [Write._make(row) for row in log]
     t_zero = min([h.before for h in hs] + [w.sent for w in ws] or [0.0])
 
     def at(t: float) -> str:

@@ -1,4 +1,4 @@
-"""One run: servers, workers, faults, drain, checks (the job workload)."""
+"""One run, one store and one mode: servers, workers, faults, drain, checks."""
 
 from __future__ import annotations
 
@@ -18,45 +18,29 @@ from typing import Any
 from tests.servers.postgres import start_postgres
 from tests.servers.redis import start_cluster, start_redis
 
-from faults import HOST, KINDS, LOCK_KINDS, LOSSY, STORE_KINDS, Findings
-from faults.effects import Fx, FxError
+from faults import GATED, HOST, KINDS, LOCK_KINDS, LOSSY, STORE_KINDS, Findings, retried
+from faults.effects import LOCK_SNAPSHOTS, Fx, FxError
+from faults.locks import check_lock_history
 from faults.network import Network
-from faults.worker import (
-    PRELOAD,
-    WorkerConfig,
-    _worker_entry,
-    idempotent_job,
-    job_key,
-    job_spec,
-    store_options,
-)
+from faults.worker import PRELOAD, WorkerConfig, store_options, worker_entry
 from idemlock._faults.workers import Slot, Workers, context
 
 
-def retried(fn: Callable[[], Any], errors: type[BaseException], seconds: float = 30) -> Any:
-    """``fn()``, tried again every 0.2 s for ``seconds`` while it raises ``errors``."""
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            return fn()
-        except errors:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
-
-
 class Run:
-    """One store, one mode: start, inject, drain, check, tear down."""
+    """One store, one mode of the job workload: start, inject, drain, check, tear down."""
 
     workload = "jobs"
+    applies = STORE_KINDS  # the faults that apply, by store
 
     def __init__(self, store: str, mode: str, same_tx: bool, opts: Any, say: Any) -> None:
         self.store, self.mode, self.same_tx, self.opts, self.say = store, mode, same_tx, opts, say
-        self.kinds = (LOCK_KINDS if self.workload == "lock" else STORE_KINDS)[store]
+        self.kinds = self.applies[store]
         self.rng = random.Random(f"{opts.seed}:{store}:{mode}:{same_tx}:{self.workload}:faults")
         self.root = Path(tempfile.mkdtemp(prefix=f"idemlock-chaos-{store}-"))
+        self.stats = self.root / "stats"
         self.hub = Network()
-        self.servers: list[Any] = []  # each with restart() (but etcd's) and destroy()
+        self.fx: Fx | None = None
+        self.servers: list[Any] = []  # each with destroy() or stop(); the store's first
         self.etcd: Any = None  # tests.servers.etcd.EtcdCluster
         self.proxies: list[Any] = []  # etcd's, one per member
         self.paused: tuple[int, float] | None = None  # the paused etcd member, until
@@ -68,47 +52,46 @@ class Run:
         self.seconds = 0.0
         self.drained = False
         logs = self.root / "logs"
-        self.workers = Workers(context(PRELOAD), _worker_entry, self.config, logs, opts.workers)
-        self.slots = self.workers.slots
+        self.workers = Workers(context(PRELOAD), worker_entry, self.config, logs, opts.workers)
 
     # -- servers ------------------------------------------------------------------------
 
     def start_servers(self) -> None:
-        """The store behind proxies, and the effects database (the workers' SQLite file,
-        or a PostgreSQL the supervisor reads directly, never through the proxy)."""
-        hub, fx = self.hub, ("sqlite", str(self.root / "effects.db"))
-        if self.store == "sqlite":
+        """The store behind proxies, and the effects database: the workers' SQLite file,
+        or a PostgreSQL the supervisor reads directly, never through a proxy (the
+        workers reach the store's own PostgreSQL through it)."""
+        hub, store = self.hub, self.store
+        fx = ("sqlite", str(self.root / "effects.db"))
+        if store == "sqlite":
             self.store_url = f"sqlite:///{self.root / 'idemlock.db'}"
-        elif self.store == "etcd":
+        elif store == "etcd":
             from tests.servers.etcd import start_etcd
 
             self.etcd = start_etcd(3)
             self.servers.append(self.etcd)
             self.proxies = [hub.add(port) for port in self.etcd.client_ports]
             self.store_url = "etcd://" + ",".join(f"{HOST}:{p.port}" for p in self.proxies)
-        elif self.store == "postgres":
-            # Crashed by the restarts: every acknowledged commit must come back.
-            pg = start_postgres({"synchronous_commit": "on"})
-            self.servers.append(pg)
-            self.store_url = pg.dsn_at(hub.add(pg.port).port)
-            fx = ("postgres", pg.dsn)
         else:
-            if self.store == "redis":
-                redis = start_redis(self.root / "redis")
-                self.store_url = f"redis://{HOST}:{hub.add(redis.port).port}/0"
-            else:
-                redis = start_cluster(self.root / "cluster", announce=lambda p: hub.add(p).port)
-                self.store_url = redis.url
-            pg = start_postgres()
-            self.servers += [redis, pg]
+            if store == "redis":
+                self.servers.append(start_redis(self.root / "redis"))
+                self.store_url = f"redis://{HOST}:{hub.add(self.servers[0].port).port}/0"
+            elif store == "redis-cluster":
+                announce = lambda port: hub.add(port).port  # noqa: E731
+                self.servers.append(start_cluster(self.root / "cluster", announce=announce))
+                self.store_url = self.servers[0].url
+            # The store's is crashed by the restarts: every acknowledged commit must come back.
+            pg = start_postgres({"synchronous_commit": "on"} if store == "postgres" else None)
+            self.servers.append(pg)
+            if store == "postgres":
+                self.store_url = pg.dsn_at(hub.add(pg.port).port)
             fx = ("postgres", pg.dsn)
         self.fx = Fx(*fx, supervisor=True)
-        # the workers reach the store's own PostgreSQL through the proxy
-        self.fx_worker = (fx[0], self.store_url if self.store == "postgres" else fx[1])
+        self.fx_worker = (fx[0], self.store_url if store == "postgres" else fx[1])
 
-    def restart_store(self) -> bool:
-        """Redis restarts empty, PostgreSQL crashes; etcd: a SIGKILL of the leader and
-        its restart, or a pause (SIGSTOP) of a member (one at a time: quorum stays)."""
+    def restart_store(self) -> None:
+        """Redis restarts empty (a Cluster: one node), PostgreSQL crashes; etcd: a SIGKILL
+        of the leader and its restart, or a pause (SIGSTOP) of a member (one at a time:
+        quorum stays)."""
         server, cluster = self.servers[0], self.etcd
         self.wake_member(force=True)
         if self.store == "redis-cluster":
@@ -126,7 +109,6 @@ class Run:
             cluster.start_member(leader)
             cluster.wait_ready()
             self.etcd_faults["leader_kill"] += 1
-        return True
 
     def wake_member(self, force: bool = False) -> None:
         if self.paused is not None and (force or time.monotonic() >= self.paused[1]):
@@ -141,14 +123,14 @@ class Run:
         for server in self.servers:  # etcd's SIGCONTs a paused member, kills all by pid
             with contextlib.suppress(Exception):
                 getattr(server, "destroy", server.stop)()
-        if hasattr(self, "fx"):
+        if self.fx is not None:
             self.fx.reset()
         shutil.rmtree(self.root, ignore_errors=True)
 
-    # -- workers --------------------------------------------------------------------------
+    # -- workers and faults -------------------------------------------------------------
 
     def config(self, slot: Slot) -> dict[str, Any]:
-        stats = self.root / "stats" / slot.worker
+        stats = self.stats / slot.worker
         cfg = WorkerConfig(
             slot.worker, self.mode, self.same_tx, self.store_url, *self.fx_worker,
             self.opts.lease, self.opts.visibility, self.opts.seed, f"{stats}.txt",
@@ -172,25 +154,13 @@ class Run:
         with contextlib.suppress(FxError):
             self.fx.release(worker)
 
-    def wake_due(self, force: bool = False) -> None:
-        self.wake_member(force)
-        self.workers.wake_due(force)
-
-    def reap(self) -> None:
-        """A worker that exited without being killed by us: note it, replace it."""
-        for slot in self.slots:
-            if slot.proc.exitcode is not None:
-                self.exits.append(slot.tail(40))
-                self.workers.spawn(slot)
-
-    # -- faults ---------------------------------------------------------------------------
-
     def inject(self, kind: str) -> bool:
         """Inject one fault of ``kind``; False if there was nothing to do it to."""
+        slots = self.workers.slots
         if kind in ("kill", "stop"):
             pool = self.candidates()
-            stopped = sum(1 for s in self.slots if s.stopped_until is not None)
-            if not pool or (kind == "stop" and stopped >= len(self.slots) - 1):
+            stopped = sum(1 for s in slots if s.stopped_until is not None)
+            if not pool or (kind == "stop" and stopped >= len(slots) - 1):
                 return False
             slot = self.rng.choice(pool)
             if kind == "kill":
@@ -201,21 +171,23 @@ class Run:
             # (woken by a poll every few ms: a little later than planned)
             now = time.monotonic()
             self.stops.append((slot.worker, now, now + pause + 0.1))
-            return True
-        if kind == "restart":
-            return self.restart_store()
-        if kind == "cut":
+        elif kind == "restart":
+            self.restart_store()
+        elif kind == "cut":
             # etcd: half of them cut one member's connections
             etcd = self.etcd is not None and self.rng.random() < 0.5
-            cut = self.hub.cut(self.rng.choice(self.proxies) if etcd else None)
-            return cut > 0  # none connected (e.g. during a blackhole): no fault
-        # Half of them silence everything (a partition of the store), half a random
-        # half of the open connections (one path dies; others and new ones work; etcd:
-        # one member cut off, of those the clients use).
-        share = 1.0 if self.rng.random() < 0.5 else 0.5
-        seconds = self.opts.lease * self.rng.uniform(0.5, 4.0)
-        used = [p for p in self.proxies if p.connections()] if share < 1 else []
-        return self.hub.blackhole(seconds, share, self.rng, self.rng.choice(used) if used else None)
+            # none connected (e.g. during a blackhole): no fault
+            return self.hub.cut(self.rng.choice(self.proxies) if etcd else None) > 0
+        else:
+            # Half of them silence everything (a partition of the store), half a random
+            # half of the open connections (one path dies; others and new ones work;
+            # etcd: one member cut off, of those the clients use).
+            share = 1.0 if self.rng.random() < 0.5 else 0.5
+            seconds = self.opts.lease * self.rng.uniform(0.5, 4.0)
+            used = [p for p in self.proxies if p.connections()] if share < 1 else []
+            only = self.rng.choice(used) if used else None
+            return self.hub.blackhole(seconds, share, self.rng, only)
+        return True
 
     def next_fault(self, order: list[str], restarts: bool = True) -> float:
         """Inject the next fault of a shuffled round of every kind; when the one after."""
@@ -238,16 +210,17 @@ class Run:
     def drive(self, prepare: Callable[[Any], Any], done: Callable[[], bool], tail: float) -> None:
         """Faults for ``--duration``, until ``done()`` (at most a minute more); then the
         faults end, paused workers wake and finish what they were doing (their late
-        writes are part of the test), and after ``tail`` seconds the workers end."""
-        opts = self.opts
+        writes are part of the test), and after ``tail`` seconds the workers end. A
+        worker that exited without being killed by us is noted and replaced."""
+        opts, workers = self.opts, self.workers
         if self.mode == "idemlock":
             import idemlock
 
             # Create the store's schema once, before the workers race to.
             with idemlock.connect(self.store_url, **store_options(self.store_url)) as coord:
                 prepare(coord)
-        (self.root / "stats").mkdir()
-        self.workers.start()
+        self.stats.mkdir()
+        workers.start()
         start = time.monotonic()
         faults_until = start + 0.5 + opts.duration
         # A restart of Redis deletes every record: they stop for the last quarter of
@@ -258,11 +231,19 @@ class Run:
         order: list[str] = []
         next_fault = start + 0.5 + self.rng.expovariate(1 / opts.fault_every)
         next_check = start
+
+        def tick() -> None:
+            self.wake_member()
+            workers.wake_due()
+            for slot in workers.slots:
+                if slot.proc.exitcode is not None:
+                    self.exits.append(slot.tail(40))
+                    workers.spawn(slot)
+
         try:
             while (now := time.monotonic()) < deadline:
-                self.wake_due()
-                self.reap()
-                if self.kinds and next_fault <= now < faults_until:
+                tick()
+                if next_fault <= now < faults_until:
                     next_fault = self.next_fault(order, restarts=now < restarts_until)
                 if now >= max(next_check, faults_until):
                     next_check = now + 0.2
@@ -273,14 +254,19 @@ class Run:
             self.seconds = time.monotonic() - start
             self.hub.heal()
             self.wake_member(force=True)
-            while any(s.stopped_until is not None for s in self.slots):
-                self.wake_due()
+            while any(s.stopped_until is not None for s in workers.slots):
+                tick()
                 time.sleep(0.01)
             time.sleep(tail)
-            self.reap()
+            tick()
         finally:
             self.wake_member(force=True)
-            self.workers.close()
+            workers.close()
+
+    # -- the workload -------------------------------------------------------------------
+
+    def what(self) -> str:
+        return f"{self.opts.jobs} jobs"
 
     def run(self) -> None:
         opts = self.opts
@@ -293,8 +279,6 @@ class Run:
             return False
 
         self.drive(lambda coord: coord.keys(), done, 0.5)
-
-    # -- checks ---------------------------------------------------------------------------
 
     def check(self) -> dict[str, Any]:
         snap = retried(self.fx.snapshot, FxError)  # its PostgreSQL may be recovering
@@ -322,10 +306,9 @@ class Run:
             elif self.mode == "idemlock" and effects[job][0] != max(accepted.get(job, [0])):
                 bad("effect_not_highest", f"job {job}: row {effects[job][0]}, {accepted.get(job)}")
         runs = {job: len(f) for job, f in accepted.items()}
-        if self.same_tx:
-            for job, n in runs.items():
-                if n != 1:
-                    bad("effect_ran_twice", f"job {job}: {n} accepted effects")
+        for job, n in runs.items() if self.same_tx else ():
+            if n != 1:
+                bad("effect_ran_twice", f"job {job}: {n} accepted effects")
         lost = self.check_store(jobs, effects, bad) if self.mode == "idemlock" else 0
         if not self.drained:
             bad("not_drained", f"jobs still undone after {self.seconds:.0f}s")
@@ -342,33 +325,6 @@ class Run:
             records_lost_with_data=lost,
         )
 
-    def report(self, found: Findings, **figures: Any) -> dict[str, Any]:
-        """The run's report: ``figures``, the faults, the workers' event counts and the
-        violations (with workers that crashed or met errors they did not expect)."""
-        for text in self.exits:
-            found.bad("worker_crashed", text)
-        events: Counter[str] = Counter()
-        for path in (self.root / "stats").glob("*.txt"):
-            events.update(line for line in path.read_text().splitlines() if line)
-        for event, n in events.items():
-            if event.startswith("unexpected:"):
-                found.bad("unexpected_error", f"{n} x {event[11:]}", n)
-        return {
-            "store": self.store,
-            "mode": self.mode,
-            "same_transaction": self.same_tx,
-            "seed": self.opts.seed,
-            "workers": self.opts.workers,
-            "seconds": round(self.seconds, 1),
-            "faults": {k: self.faults[k] for k in KINDS},
-            **figures,
-            **({"etcd_faults": dict(self.etcd_faults)} if self.etcd is not None else {}),
-            "worker_events": dict(sorted(events.items())),
-            "violations": dict(found.violations),
-            "violations_total": sum(found.violations.values()),
-            "examples": found.examples,
-        }
-
     def check_store(
         self,
         jobs: dict[int, tuple[str, int]],
@@ -379,6 +335,7 @@ class Run:
         (the wrapped function is called and must not run). The records a restart of
         Redis deleted are counted, not judged."""
         import idemlock
+        from faults.worker import idempotent_job, job_key, job_spec
 
         time.sleep(self.opts.lease + 0.2)
 
@@ -410,22 +367,116 @@ class Run:
                     bad("replay_differs", f"{job_key(job)}: {got!r} != {effects[job][1]!r}")
         return lost
 
+    def report(self, found: Findings, **figures: Any) -> dict[str, Any]:
+        """The run's report: ``figures``, the faults, the workers' event counts and the
+        violations (with workers that crashed or met errors they did not expect)."""
+        for text in self.exits:
+            found.bad("worker_crashed", text)
+        events: Counter[str] = Counter()
+        for path in self.stats.glob("*.txt"):
+            events.update(line for line in path.read_text().splitlines() if line)
+        for event, n in events.items():
+            if event.startswith("unexpected:"):
+                found.bad("unexpected_error", f"{n} x {event[11:]}", n)
+        return {
+            "store": self.store,
+            "mode": self.mode,
+            "same_transaction": self.same_tx,
+            "seed": self.opts.seed,
+            "workers": self.opts.workers,
+            "seconds": round(self.seconds, 1),
+            "faults": {k: self.faults[k] for k in KINDS},
+            **figures,
+            **({"etcd_faults": dict(self.etcd_faults)} if self.etcd is not None else {}),
+            "worker_events": dict(sorted(events.items())),
+            "violations": dict(found.violations),
+            "violations_total": sum(found.violations.values()),
+            "examples": found.examples,
+        }
+
     def execute(self) -> dict[str, Any]:
         name = f"{self.store}{' (same transaction)' if self.same_tx else ''}"
         try:
             self.say(f"{name}, {self.mode}: starting servers in {self.root}")
             self.start_servers()
-            what = (
-                f"locks on {self.opts.resources} resources (ttl {self.opts.lease:g}s)"
-                if self.workload == "lock"
-                else f"{self.opts.jobs} jobs"
-            )
             self.say(
-                f"{name}, {self.workload}, {self.mode}: {what} over {self.opts.duration:g}s, "
-                f"{self.opts.workers} workers, faults {'/'.join(self.kinds)} every "
-                f"~{self.opts.fault_every:g}s"
+                f"{name}, {self.workload}, {self.mode}: {self.what()} over "
+                f"{self.opts.duration:g}s, {self.opts.workers} workers, faults "
+                f"{'/'.join(self.kinds)} every ~{self.opts.fault_every:g}s"
             )
             self.run()
             return self.check()
         finally:
             self.stop_servers()
+
+
+class LockRun(Run):
+    """Workers contend for ``--resources`` locks with ``hold()`` (ttl ``--lease``,
+    renewed every ttl/3) and write fenced records under them while faults hit; then
+    the history is checked (``check_lock_history``)."""
+
+    workload = "lock"
+    applies = LOCK_KINDS
+
+    def what(self) -> str:
+        return f"locks on {self.opts.resources} resources (ttl {self.opts.lease:g}s)"
+
+    def candidates(self) -> list[Slot]:
+        """Live, running workers inside a ``hold()`` block (a fault on a waiting
+        worker tests little)."""
+        paths = [(s, self.stats / f"{s.worker}.state") for s in self.workers.live()]
+        return [s for s, path in paths if path.exists() and path.read_bytes() == b"1"]
+
+    def redeliver(self, worker: str) -> None:
+        pass  # its lease runs out on its own: that is what is being tested
+
+    def run(self) -> None:
+        self.fx.create([])
+        # late writes of paused holders, after the faults: fenced out
+        self.drive(lambda coord: coord.locks(), lambda: True, 1.0 + self.opts.lease)
+
+    def check(self) -> dict[str, Any]:
+        snap = retried(lambda: self.fx.snapshot(LOCK_SNAPSHOTS), FxError)
+        exact = self.store not in GATED or self.mode == "plain"
+        found = check_lock_history(snap["holds"], snap["log"], exact=exact)
+        judged = Findings(found.pop("violations"), found.pop("examples"))
+        unfenced: dict[str, int] = {}
+        if self.mode == "plain":
+            # Without the fence these are what the run shows, not failures of it.
+            for kind in ("stale_write_accepted", "writes_interleaved"):
+                unfenced[kind] = judged.violations.pop(kind, 0)
+            judged.examples = [e for e in judged.examples if e.split(":")[0] not in unfenced]
+        # How long after the lease's deadline (counted from the renewal's send; or from
+        # when hold() returned a lease already past it) on_lost ran, for holders not
+        # paused meanwhile (a SIGSTOPped holder is told only when it runs again).
+        late: dict[bool, list[float]] = {False: [], True: []}  # by paused
+        for path in self.stats.glob("*.lost"):
+            worker = path.name.split(".txt")[0]
+            for line in path.read_text().splitlines():
+                deadline, told = map(float, line.split())
+                paused = any(
+                    w == worker and t0 < told and t1 > deadline for w, t0, t1 in self.stops
+                )
+                late[paused].append(told - deadline)
+        running, paused = sorted(late[False]), sorted(late[True])
+        fence = "set_if_fresh" if self.store.startswith("redis") else "check_and_advance"
+        report = self.report(
+            judged,
+            workload="lock",
+            resources=self.opts.resources,
+            ttl_s=self.opts.lease,
+            fence="none" if self.mode == "plain" else "sql" if exact else fence,
+            unfenced_findings=unfenced,
+            **found,
+            on_lost_calls=len(running) + len(paused),
+            on_lost_late_s={
+                "count": len(running),
+                "median": round(running[len(running) // 2], 3) if running else None,
+                "max": round(running[-1], 3) if running else None,
+            },
+            on_lost_late_paused_s={
+                "count": len(paused),
+                "max": round(paused[-1], 3) if paused else None,
+            },
+        )
+        return report | {"leases_lost": report["worker_events"].get("lock_lost", 0)}

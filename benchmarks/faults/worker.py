@@ -18,6 +18,9 @@ from faults.effects import Fx, FxError
 from idemlock._faults.queue import Outcome, consume
 from idemlock._faults.workers import redirect
 
+#: how long each step of a job, or the preparation of a write under a lock, takes (ms)
+STEP_MS = (5.0, 25.0)
+
 
 @dataclass
 class WorkerConfig:
@@ -31,20 +34,9 @@ class WorkerConfig:
     visibility: float
     seed: int
     stats: str  # its event counts, one line per event
-    workload: str = "jobs"  # jobs | lock
-    resources: int = 3  # the lock workload's locks
-    state: str = ""  # the lock workload: a byte, 1 while this worker holds a lock
-    step_ms: tuple[float, float] = (5.0, 25.0)
-
-
-def appender(path: str) -> Callable[[str], None]:
-    """Lines appended to ``path`` as they happen (a killed worker's survive it)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-
-    def add(line: str) -> None:
-        os.write(fd, line.encode() + b"\n")
-
-    return add
+    workload: str  # jobs | lock
+    resources: int  # the lock workload's locks
+    state: str  # the lock workload: a byte, 1 while this worker holds a lock
 
 
 def store_options(url: str) -> dict[str, Any]:
@@ -67,8 +59,26 @@ def idempotent_job(coord: Any, lease: float, body: Callable[[int], str]) -> Call
     return coord.idempotent(job_spec(lease), key=job_key)(body)  # type: ignore[no-any-return]
 
 
-def unexpected(exc: Exception) -> str:
-    # Not a failure a worker expects: reported (the run fails), and the worker goes on.
+def appender(path: str) -> Callable[[str], None]:
+    """Lines appended to ``path`` as they happen (a killed worker's survive it)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def add(line: str) -> None:
+        os.write(fd, line.encode() + b"\n")
+
+    return add
+
+
+def event(exc: Exception, what: str, known: dict[type[Exception], str]) -> str:
+    """The event ``exc`` is noted as: a ``known`` one (a store error is logged too), or
+    one the worker does not expect (reported: the run fails; the worker goes on)."""
+    from idemlock import StoreUnavailable
+
+    if isinstance(exc, StoreUnavailable):
+        print(f"{time.time():.3f} {what}: store error: {exc}", file=sys.stderr, flush=True)
+    for cls, kind in known.items():
+        if isinstance(exc, cls):
+            return kind
     traceback.print_exc()
     sys.stderr.flush()
     return f"unexpected:{type(exc).__module__}.{type(exc).__name__}"
@@ -76,22 +86,27 @@ def unexpected(exc: Exception) -> str:
 
 def worker_main(cfg: WorkerConfig) -> None:
     import idemlock
-    from idemlock import Completed, FencedOut, InFlight, InFlightError, StaleClaim, StoreUnavailable
+    from idemlock import Completed, FencedOut, InFlight, InFlightError, StaleClaim
     from idemlock.stores.postgres import complete_in_transaction
 
+    known = {FencedOut: "fenced_out", StaleClaim: "stale_complete", FxError: "fx_error"}
+    known[idemlock.StoreUnavailable] = "store_error"
     rng = random.Random(f"{cfg.seed}:{cfg.worker}")
-    note = appender(cfg.stats)
     fx = Fx(cfg.fx_kind, cfg.fx_dsn)
     ran: list[int] = []
 
     def step() -> None:
-        time.sleep(rng.uniform(*cfg.step_ms) / 1000)
+        time.sleep(rng.uniform(*STEP_MS) / 1000)
 
     def effect(job: int, fence: int, finish: Callable[[Any], None] | None = None) -> str:
         ran.append(job)
         step()
         value = f"job-{job}/fence-{fence}/{cfg.worker}"
-        if not fx.effect(job, fence, value, cfg.worker, cfg.mode == "idemlock", finish):
+        row = {"job_id": job, "fence": fence, "value": value, "worker": cfg.worker}
+        logged = {"job_id": job, "fence": fence, "worker": cfg.worker}
+        if not fx.write(
+            "effects", row, "fence", cfg.mode == "idemlock", "effect_log", logged, finish
+        ):
             raise FencedOut(f"effects/{job}", fence, None)
         return value
 
@@ -102,7 +117,7 @@ def worker_main(cfg: WorkerConfig) -> None:
         step()  # the rest of the handler: the window between the effect and complete
         return value
 
-    def same_tx(job: int) -> None:
+    def same_tx(job: int, delivery: int) -> None:
         claim = port.claim(job_key(job), payload={"job": job})
         if isinstance(claim, Completed):
             return
@@ -125,15 +140,12 @@ def worker_main(cfg: WorkerConfig) -> None:
         effect(job, delivery)  # the delivery number in place of a fence: never fenced
         step()
 
+    run: Callable[[int, int], Any] = plain
     if cfg.mode == "idemlock":
         coord = idemlock.connect(cfg.store_url, **store_options(cfg.store_url))
         port = coord.idempotency(job_spec(cfg.lease))
         run_job = idempotent_job(coord, cfg.lease, body)
-    run: Callable[[int, int], Any] = {
-        "plain": plain,
-        "same_tx": lambda job, _: same_tx(job),
-        "idemlock": lambda job, _: run_job(job),
-    }["same_tx" if cfg.same_tx else cfg.mode]
+        run = same_tx if cfg.same_tx else lambda job, _: run_job(job)
 
     def handle(job: int, delivery: int) -> Outcome:
         ran.clear()
@@ -143,19 +155,11 @@ def worker_main(cfg: WorkerConfig) -> None:
         except InFlightError as exc:
             until = exc.expires_at.timestamp() if exc.expires_at else time.time() + cfg.lease
             return "in_flight", until + 0.01
-        except FencedOut:
-            return "fenced_out", time.time() + 0.05
-        except StaleClaim:
-            return "stale_complete", time.time()
-        except StoreUnavailable as exc:
-            print(f"{time.time():.3f} job {job}: store error: {exc}", file=sys.stderr, flush=True)
-            return "store_error", time.time() + 0.05
-        except FxError:
-            return "fx_error", time.time() + 0.05
         except Exception as exc:
-            return unexpected(exc), time.time() + 0.05
+            kind = event(exc, f"job {job}", known)
+            return kind, time.time() + (0 if kind == "stale_complete" else 0.05)
 
-    consume(fx, cfg.worker, cfg.visibility, handle, note=note, errors=(FxError,))
+    consume(fx, cfg.worker, cfg.visibility, handle, note=appender(cfg.stats), errors=(FxError,))
 
 
 def resource_name(i: int) -> str:
@@ -171,6 +175,8 @@ def lock_worker_main(cfg: WorkerConfig) -> None:
     import idemlock
     from idemlock import FencedOut, LockLost, LockNotAcquired, StoreUnavailable
 
+    known = {LockLost: "lock_lost", LockNotAcquired: "not_acquired", FxError: "fx_error"}
+    known[StoreUnavailable] = "store_error"
     rng = random.Random(f"{cfg.seed}:{cfg.worker}")
     note, told = appender(cfg.stats), appender(cfg.stats + ".lost")
     state_fd = os.open(cfg.state, os.O_WRONLY | os.O_CREAT, 0o644)
@@ -191,13 +197,15 @@ def lock_worker_main(cfg: WorkerConfig) -> None:
         # (a pause there, SIGSTOP or blackhole, is the window only the fence closes).
         sent = time.monotonic()  # before remaining(): a pause in between only shortens it
         left = lease.remaining_seconds()
-        lost = bool(lease.lost)
-        token = int(lease.token)
-        time.sleep(rng.uniform(*cfg.step_ms) / 1000)
+        logged = {"t_sent": sent, "remaining": left, "lost": bool(lease.lost)}
+        token = logged["token"] = int(lease.token)
+        logged |= {"resource": res, "holder": holder, "seq": seq}
+        time.sleep(rng.uniform(*STEP_MS) / 1000)
         accepted: bool | None
         if not gates:
-            row = (res, holder, token, seq, sent, None, None, lost, left)
-            accepted = fx.lock_log(row, fenced=cfg.mode == "idemlock")
+            row = {k: logged[k] for k in ("resource", "token", "holder", "seq")}
+            fenced = cfg.mode == "idemlock"
+            accepted = fx.write("lock_fence", row, "token", fenced, "lock_log", logged)
         else:
             try:
                 if cfg.store_url.startswith("etcd"):
@@ -209,7 +217,7 @@ def lock_worker_main(cfg: WorkerConfig) -> None:
                 accepted = False
             except StoreUnavailable:
                 accepted = None  # maybe applied: never counted either way
-            fx.lock_log((res, holder, token, seq, sent, time.monotonic(), accepted, lost, left))
+            fx.insert("lock_log", logged | {"t_done": time.monotonic(), "accepted": accepted})
         note({True: "write_accepted", False: "write_refused", None: "write_unknown"}[accepted])
 
     n = 0
@@ -236,7 +244,8 @@ def lock_worker_main(cfg: WorkerConfig) -> None:
                 after = time.monotonic()
                 entered.append(after)
                 os.pwrite(state_fd, b"1", 0)
-                fx.lock_hold(res, holder, int(lease.token), before, after)
+                hold = {"resource": res, "holder": holder, "token": int(lease.token)}
+                fx.insert("lock_holds", hold | {"t_before": before, "t_after": after})
                 until = after + ttl * rng.uniform(0.2, 2.5)
                 seq = 0
                 while not lease.lost and time.monotonic() < until:
@@ -244,24 +253,15 @@ def lock_worker_main(cfg: WorkerConfig) -> None:
                     write(res, holder, lease, seq)
                 os.pwrite(state_fd, b"0", 0)
             note("held")
-        except LockLost:
-            note("lock_lost")
-        except LockNotAcquired:
-            note("not_acquired")
-        except StoreUnavailable as exc:
-            note("store_error")
-            print(f"{time.time():.3f} {holder}: store error: {exc}", file=sys.stderr, flush=True)
-        except FxError:
-            note("fx_error")
         except Exception as exc:
-            note(unexpected(exc))
+            note(event(exc, holder, known))
         os.pwrite(state_fd, b"0", 0)
         time.sleep(rng.uniform(0, 0.02))
 
 
-def _worker_entry(raw: dict[str, Any], log: str) -> None:
+def worker_entry(raw: dict[str, Any], log: str) -> None:
     redirect(log, append=True)
-    cfg = WorkerConfig(**raw | {"step_ms": tuple(raw["step_ms"])})
+    cfg = WorkerConfig(**raw)
     (lock_worker_main if cfg.workload == "lock" else worker_main)(cfg)
 
 
