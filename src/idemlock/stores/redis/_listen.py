@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from ..._core.wakeups import Command, Group, Wakeups
 from ..._errors import StoreUnavailable
@@ -228,22 +228,20 @@ class SyncListener:
             thread.join(timeout=2.0)
 
 
-class SyncNodeListeners:
-    """On Redis Cluster: one :class:`SyncListener` per node, each channel subscribed on
-    the node that holds its slot (where the scripts PUBLISH). A PUBLISH reaches its own
-    node's subscribers at once; the other nodes get it over the cluster bus, which
-    batches small messages: measured 12-38 ms on a loaded machine, past the hand-off
-    window, so the chosen waiter missed its turn in one hand-off out of ten. A channel
-    whose node cannot be told (slot not covered) goes to any node, as before."""
+_L = TypeVar("_L", SyncListener, "AsyncListener")
 
-    def __init__(self, route: Callable[[bytes], str], make: Callable[[str], SyncListener]) -> None:
+
+class _NodeListeners(Generic[_L]):
+    """What both drivers' sets of Cluster listeners share: one listener per node, made
+    on first use by ``make(node)``, a channel's node told by ``route(channel)``."""
+
+    def __init__(self, route: Callable[[bytes], str], make: Callable[[str], _L]) -> None:
         self._route = route
-        self._make = make
-        self._lock = threading.Lock()
-        self._by_node: dict[str, SyncListener] = {}
+        self._make: Callable[[str], _L] = make
+        self._by_node: dict[str, _L] = {}
         self._closed = False
 
-    def waiting(self, channel: bytes) -> Group[bytes, LocalSubscription] | None:
+    def waiting(self, channel: bytes) -> Group[bytes, Any] | None:
         # Looked up in every node's listener: the slot may have moved since the
         # channel was subscribed (a handful of nodes, so a handful of dict look-ups).
         for listener in list(self._by_node.values()):
@@ -252,14 +250,31 @@ class SyncNodeListeners:
                 return g
         return None
 
-    def subscribe(self, channel: bytes) -> LocalSubscription:
+    def _listener_for(self, channel: bytes) -> _L:
+        if self._closed:
+            raise StoreUnavailable("the Redis store is closed")
         node = self._route(channel)
+        listener = self._by_node.get(node)
+        if listener is None:
+            listener = self._by_node[node] = self._make(node)
+        return listener
+
+
+class SyncNodeListeners(_NodeListeners[SyncListener]):
+    """On Redis Cluster: one :class:`SyncListener` per node, each channel subscribed on
+    the node that holds its slot (where the scripts PUBLISH). A PUBLISH reaches its own
+    node's subscribers at once; the other nodes get it over the cluster bus, which
+    batches small messages: measured 12-38 ms on a loaded machine, past the hand-off
+    window, so the chosen waiter missed its turn in one hand-off out of ten. A channel
+    whose node cannot be told (slot not covered) goes to any node, as before."""
+
+    def __init__(self, route: Callable[[bytes], str], make: Callable[[str], SyncListener]) -> None:
+        super().__init__(route, make)
+        self._lock = threading.Lock()
+
+    def subscribe(self, channel: bytes) -> LocalSubscription:
         with self._lock:
-            if self._closed:
-                raise StoreUnavailable("the Redis store is closed")
-            listener = self._by_node.get(node)
-            if listener is None:
-                listener = self._by_node[node] = self._make(node)
+            listener = self._listener_for(channel)
         return listener.subscribe(channel)
 
     def close(self) -> None:
@@ -519,31 +534,12 @@ class AsyncListener:
                 await conn.disconnect(nowait=True)
 
 
-class AsyncNodeListeners:
+class AsyncNodeListeners(_NodeListeners[AsyncListener]):
     """:class:`SyncNodeListeners` for one event loop: an :class:`AsyncListener` per
     Cluster node, each channel subscribed on the node of its slot."""
 
-    def __init__(self, route: Callable[[bytes], str], make: Callable[[str], AsyncListener]) -> None:
-        self._route = route
-        self._make = make
-        self._by_node: dict[str, AsyncListener] = {}
-        self._closed = False
-
-    def waiting(self, channel: bytes) -> Group[bytes, AsyncSubscription] | None:
-        for listener in list(self._by_node.values()):
-            g = listener.waiting(channel)
-            if g is not None:
-                return g
-        return None
-
     async def subscribe(self, channel: bytes) -> AsyncSubscription:
-        if self._closed:
-            raise StoreUnavailable("the Redis store is closed")
-        node = self._route(channel)
-        listener = self._by_node.get(node)
-        if listener is None:
-            listener = self._by_node[node] = self._make(node)
-        return await listener.subscribe(channel)
+        return await self._listener_for(channel).subscribe(channel)
 
     async def aclose(self) -> None:
         self._closed = True
