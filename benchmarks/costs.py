@@ -24,14 +24,14 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import itertools
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable
-from contextlib import ExitStack
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -43,7 +43,6 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]  # the tests' servers, then common 
 from common import CLAIM_OP, LOCK_OP, Rates, ainterleave, fan_out, interleave, new_prefix  # noqa: E402
 from subjects import base as subj  # noqa: E402
 
-import idemlock  # noqa: E402
 import idemlock.aio  # noqa: E402
 from idemlock import Claimed, IdempotencySpec, StaleClaim, StoreUnavailable  # noqa: E402
 
@@ -71,57 +70,61 @@ def etcd(args: argparse.Namespace) -> None:
         kv, leases = stubs.KVStub(channel), stubs.LeaseStub(channel)
         pending: list[Any] = []
 
-        def revoke_later(lease: int) -> None:  # as idemlock: in the background
-            pending.append(leases.LeaseRevoke.future(pb.LeaseRevokeRequest(ID=lease)))
+        def grant(ttl: int) -> int:
+            return leases.LeaseGrant(pb.LeaseGrantRequest(TTL=ttl), timeout=5).ID
+
+        def txn(*parts: Any) -> Any:
+            return kv.Txn(K.txn(*parts), timeout=5)
 
         def drain() -> None:  # the previous round's revokes, long done
             for f in pending:
                 f.result()
             pending.clear()
 
-        def raw_lock(n: int) -> None:
-            drain()
-            for i in range(n):
-                key = b"rawbench/l/" + str(i).encode()
-                g = leases.LeaseGrant(pb.LeaseGrantRequest(TTL=30), timeout=5)
-                value = K.lock_value("owner", 30_000, 30, K.now_ms())
-                put = K.txn([K.cmp_create(key, 0)], [K.put(key, value, g.ID)], [K.get(key)])
-                token = kv.Txn(put, timeout=5).header.revision
-                mine = [K.cmp_create(key, token), *K.cmp_starts(key, K.owner_prefix("owner"))]
-                kv.Txn(K.txn(mine, [K.delete(key, prev=True)], []), timeout=5)
-                revoke_later(g.ID)
+        def raw(step: Callable[[int], int]) -> Callable[[int], None]:
+            """``step(i)``'s requests ``n`` times; it returns a lease that idemlock would
+            revoke in the background: revoked so, and waited for at the next round."""
 
-        def raw_job(n: int) -> None:
-            drain()
-            for _ in range(n):
-                base = b"rawbench/c/" + uuid.uuid4().hex.encode() + b"\0"
-                rec, marker = base + b"r", base + b"t"
-                g = leases.LeaseGrant(pb.LeaseGrantRequest(TTL=30), timeout=5)
-                puts = [
-                    K.put(rec, K.inflight_value("tok", "fp")),
-                    K.put(marker, K.marker_value(30_000, 30, K.now_ms()), g.ID),
-                ]
-                got = kv.Txn(
-                    K.txn([K.cmp_create(rec, 0)], puts, [K.get(rec), K.get(marker)]), timeout=5
-                )
-                fence = got.header.revision
-                g2 = leases.LeaseGrant(pb.LeaseGrantRequest(TTL=3600), timeout=5)
-                done = K.done_value("tok", fence, "fp", b'{"ok":1}', 3_600_000, 3600, K.now_ms())
-                mine = [K.cmp_mod(rec, fence), *K.cmp_starts(rec, K.token_prefix("tok"))]
-                ops = [K.put(rec, done, g2.ID), K.delete(marker, prev=True)]
-                kv.Txn(K.txn(mine, ops, [K.get(rec)]), timeout=5)
-                revoke_later(g.ID)
+            def run(n: int) -> None:
+                drain()
+                for i in range(n):
+                    lease = pb.LeaseRevokeRequest(ID=step(i))
+                    pending.append(leases.LeaseRevoke.future(lease))
 
-        coord = idemlock.connect(cluster.url, key_prefix="bench")
-        fns = {
-            "acquire+release idemlock sync": subj.ours_lock_pairs(coord),
-            "acquire+release raw gRPC sync": raw_lock,
-            "claim+complete idemlock sync": subj.ours_claim_pairs(coord),
-            "claim+complete raw gRPC sync": raw_job,
-        }
-        med = medians(interleave(fns, args.n, args.rounds))
-        drain()
-        coord.close()
+            return run
+
+        def lock(i: int) -> int:
+            key, lease = b"rawbench/l/%d" % i, grant(30)
+            value = K.lock_value("owner", 30_000, 30, K.now_ms())
+            rev = txn(
+                [K.cmp_create(key, 0)], [K.put(key, value, lease)], [K.get(key)]
+            ).header.revision
+            mine = [K.cmp_create(key, rev), *K.cmp_starts(key, K.owner_prefix("owner"))]
+            txn(mine, [K.delete(key, prev=True)], [])
+            return lease
+
+        def job(i: int) -> int:
+            base = b"rawbench/c/" + uuid.uuid4().hex.encode() + b"\0"
+            rec, marker, lease = base + b"r", base + b"t", grant(30)
+            puts = [
+                K.put(rec, K.inflight_value("tok", "fp")),
+                K.put(marker, K.marker_value(30_000, 30, K.now_ms()), lease),
+            ]
+            fence = txn([K.cmp_create(rec, 0)], puts, [K.get(rec), K.get(marker)]).header.revision
+            done = K.done_value("tok", fence, "fp", b'{"ok":1}', 3_600_000, 3600, K.now_ms())
+            mine = [K.cmp_mod(rec, fence), *K.cmp_starts(rec, K.token_prefix("tok"))]
+            txn(mine, [K.put(rec, done, grant(3600)), K.delete(marker, prev=True)], [K.get(rec)])
+            return lease
+
+        with idemlock.connect(cluster.url, key_prefix="bench") as coord:
+            fns = {
+                "acquire+release idemlock sync": subj.ours_lock_pairs(coord),
+                "acquire+release raw gRPC sync": raw(lock),
+                "claim+complete idemlock sync": subj.ours_claim_pairs(coord),
+                "claim+complete raw gRPC sync": raw(job),
+            }
+            med = medians(interleave(fns, args.n, args.rounds))
+            drain()
 
         async def amain() -> Rates:
             async with idemlock.aio.connect(cluster.url, key_prefix="abench") as acoord:
@@ -136,7 +139,7 @@ def etcd(args: argparse.Namespace) -> None:
         print(f"etcd {args.members} member(s), n={args.n}, median of {args.rounds} rounds")
         for k, v in med.items():
             print(f"  {k:<44} {v:8.0f} /s")
-        for op in ("acquire+release", "claim+complete"):
+        for op in (LOCK_OP, CLAIM_OP):
             ratio = med[f"{op} idemlock sync"] / med[f"{op} raw gRPC sync"]
             print(f"  {op}: idemlock / raw gRPC (same round trips) = {ratio:.2f}")
     finally:
@@ -193,7 +196,10 @@ async def hb_async(url: str, n: int, secs: float, lease: float, loops: bool) -> 
 
 
 def hb_threads(url: str, n: int, secs: float, lease: float, loops: bool) -> tuple[int, int]:
-    with idemlock.connect(url, key_prefix=new_prefix("hb")) as coord, ExitStack() as stack:
+    with (
+        idemlock.connect(url, key_prefix=new_prefix("hb")) as coord,
+        contextlib.ExitStack() as stack,
+    ):
         port = hb_port(coord, lease)
         if not loops:
             attempts = [stack.enter_context(port.run(f"k{i}", payload={})) for i in range(n)]
@@ -202,82 +208,75 @@ def hb_threads(url: str, n: int, secs: float, lease: float, loops: bool) -> tupl
                 attempt.result = i
             return coord._renewer.round_trips, sum(a.lost for a in attempts)
         tokens = [port.claim(f"k{i}", payload={}).token for i in range(n)]
-        end, trips, lost = time.monotonic() + secs, [0] * n, [0] * n
+        end = time.monotonic() + secs
 
-        def renew(i: int) -> None:
+        def renew(i: int) -> tuple[int, int]:  # (round trips, lost)
+            trips = 0
             while (left := end - time.monotonic()) > 0:
                 time.sleep(min(lease / 3, left))
                 if time.monotonic() >= end:
                     break
-                trips[i] += 1
+                trips += 1
                 try:
                     tokens[i] = port.extend(tokens[i])
                 except StoreUnavailable:
                     continue  # (the pool ran out of connections) retried next interval
                 except StaleClaim:
-                    lost[i] = 1
-                    break
+                    return trips, 1
+            return trips, 0
 
-        threads = [threading.Thread(target=renew, args=(i,), daemon=True) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        with ThreadPoolExecutor(max_workers=n) as pool:  # a thread per claim
+            trips, lost = map(sum, zip(*pool.map(renew, range(n)), strict=True))
         for i, token in enumerate(tokens):
             with contextlib.suppress(StaleClaim, StoreUnavailable):
                 port.complete(token, i)
-        return sum(trips), sum(lost)
+        return trips, lost
+
+
+def sample(run: Callable[..., tuple[int, int]], client: Any, *args: Any) -> tuple[float, ...]:
+    """One side's run: round trips/s, server commands/s, client CPU and claims lost."""
+    c0, t0, p0 = commands(client), time.monotonic(), time.process_time()
+    trips, lost = run(*args)
+    wall, cpu = time.monotonic() - t0, time.process_time() - p0
+    return trips / wall, (commands(client) - c0) / wall, cpu / wall, lost
+
+
+def commands(client: Any) -> int:
+    """Commands the Redis server has processed (0 for other stores)."""
+    return 0 if client is None else int(client.info("stats")["total_commands_processed"])
 
 
 def heartbeats(args: argparse.Namespace) -> None:
     import redis
     from tests.servers.redis import start_redis
 
-    n, secs, lease = args.claims, args.seconds, args.lease
-    faces: dict[str, Callable[..., tuple[int, int]]] = {
-        "asyncio": lambda *a: asyncio.run(hb_async(*a)),
-        "threads": hb_threads,
-    }
-    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+    n, secs, lease, stores = args.claims, args.seconds, args.lease, args.stores.split(",")
+    faces = {"asyncio": lambda *a: asyncio.run(hb_async(*a)), "threads": hb_threads}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         urls = {"sqlite": f"sqlite:///{Path(tmp) / 'hb.db'}", "memory": "memory://"}
-        if "redis" in args.stores.split(","):
+        if "redis" in stores:
             server = start_redis(Path(tmp) / "redis")
             stack.callback(server.stop)
             urls["redis"] = server.url
         print(f"{n} live claims, lease {lease:g}s (renewed every {lease / 3:g}s), held {secs:g}s, "
               f"median of {args.rounds} interleaved rounds\n{'store':8} {'face':8} {'side':9} "
               f"{'trips/s':>10} {'server cmd/s':>13} {'client CPU':>11} {'lost':>5}")  # fmt: skip
-        for name in args.stores.split(","):
-            url, client = urls[name], redis.Redis.from_url(urls[name]) if name == "redis" else None
-            for face, run in faces.items():
-                # per side and round: round trips/s, server commands/s, client CPU, lost
-                got: dict[str, list[tuple[float, float, float, int]]] = {"renewer": [], "loops": []}
-                for _ in range(args.rounds):
-                    for side, samples in got.items():
-                        c0, t0, p0 = commands(client), time.monotonic(), time.process_time()
-                        trips, lost = run(url, n, secs, lease, side == "loops")
-                        wall = time.monotonic() - t0
-                        cmds, cpu = commands(client) - c0, time.process_time() - p0
-                        samples.append((trips / wall, cmds / wall, cpu / wall, lost))
-                med = {}
-                for side, samples in got.items():
-                    cols = list(zip(*samples, strict=True))
-                    med[side] = [*map(statistics.median, cols[:3]), max(cols[3])]
-                    t, c, u, lost = med[side]
-                    print(f"{name:8} {face:8} {side:9} {t:10.1f} {c:13.1f} {u:10.2f} {lost:5d}")
-                ratios = [
-                    f"{b / r:8.1f}x" if r else "       -"
-                    for b, r in zip(med["loops"][:3], med["renewer"][:3], strict=True)
-                ]
-                print(
-                    f"{name:8} {face:8} {'loops/ours':9} {ratios[0]:>10} {ratios[1]:>13} "
-                    f"{ratios[2]:>11}"
-                )
-
-
-def commands(client: Any) -> int:
-    """Commands the Redis server has processed (0 for other stores)."""
-    return 0 if client is None else int(client.info("stats")["total_commands_processed"])
+        for name, (face, run) in itertools.product(stores, faces.items()):
+            client = redis.Redis.from_url(urls[name]) if name == "redis" else None
+            rounds = [
+                [sample(run, client, urls[name], n, secs, lease, loops) for loops in (False, True)]
+                for _ in range(args.rounds)
+            ]
+            med = []
+            for side, samples in zip(("renewer", "loops"), zip(*rounds, strict=True), strict=True):
+                cols = list(zip(*samples, strict=True))
+                med.append([*map(statistics.median, cols[:3]), max(cols[3])])
+                t, c, u, lost = med[-1]
+                print(f"{name:8} {face:8} {side:9} {t:10.1f} {c:13.1f} {u:10.2f} {lost:5d}")
+            cells = [f"{b / r:8.1f}x" if r else "       -" for r, b in zip(*med, strict=True)][:3]
+            print(
+                f"{name:8} {face:8} {'loops/ours':9} {cells[0]:>10} {cells[1]:>13} {cells[2]:>11}"
+            )
 
 
 # ---- hooks ------------------------------------------------------------------------------------
@@ -307,10 +306,6 @@ def hooks(args: argparse.Namespace) -> None:
         ) -> Any:
             return self._interpret_reply(key, reply, load, *rest)
 
-    def via_port(port: IdempotencyPort) -> Callable[[str], None]:
-        claim, complete = port.claim, port.complete
-        return lambda key: complete(claim(key).token, RESULT)
-
     def direct() -> Callable[[str], None]:
         port = idemlock.connect("memory://").idempotency(spec)
         store, ns, lease, ttl = port._coord.store, port._ns, port._lease_ms, port._ttl_ms
@@ -322,6 +317,10 @@ def hooks(args: argparse.Namespace) -> None:
             store.complete(ns, key, token, data, ttl)
 
         return step
+
+    def via_port(port: IdempotencyPort) -> Callable[[str], None]:
+        claim, complete = port.claim, port.complete
+        return lambda key: complete(claim(key).token, RESULT)
 
     def hooked(make: Callable[[], Any]) -> Callable[[], Callable[[str], None]]:
         return lambda: via_port(idemlock.connect("memory://", hooks=make()).idempotency(spec))
@@ -351,14 +350,14 @@ def hooks(args: argparse.Namespace) -> None:
         for name in names[r % len(names) :] + names[: r % len(names)]:
             rates[name].append(timed(runs[name], args.n, f"r{r}-{names.index(name)}"))
     med = medians(rates)
-    base, floor = med["no hook check (build)"], med["store port, direct"]
+    build, floor = med["no hook check (build)"], med["store port, direct"]
     print(
         f"memory store, n={args.n} x {args.rounds} rounds, median claim+complete per "
         "second of CPU time"
     )
     print(f"{'variant':28} {'ops/s':>9} {'vs build':>9} {'vs direct':>10}")
     for name, rate in med.items():
-        print(f"{name:28} {rate:9.0f} {rate / base:9.3f} {rate / floor:10.3f}")
+        print(f"{name:28} {rate:9.0f} {rate / build:9.3f} {rate / floor:10.3f}")
     for name in ("zero hooks", "hooks=[]"):
         paired = statistics.median(
             b / z - 1 for b, z in zip(rates["no hook check (build)"], rates[name], strict=True)
@@ -396,14 +395,18 @@ class Charge:
 
 
 def results(args: argparse.Namespace) -> None:
-    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         url = "memory://" if args.store == "memory" else f"sqlite:///{tmp}/bench.db"
         plain = stack.enter_context(idemlock.connect(url, key_prefix="plain"))
-        sealed = stack.enter_context(
-            idemlock.connect(url, key_prefix="sealed", keyring=idemlock.Keyring.generate())
-        )
+        keyring = idemlock.Keyring.generate()
+        sealed = stack.enter_context(idemlock.connect(url, key_prefix="sealed", keyring=keyring))
+        at = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
-        def pairs(coord: idemlock.Coordinator, spec: IdempotencySpec) -> Callable[[int], None]:
+        @plain.idempotent("typed", key=lambda tag, i: f"{tag}-{i}")
+        def charge(tag: str, i: int) -> Charge:
+            return Charge("ch_" + "x" * 24, i, at)
+
+        def pairs(coord: Any, spec: IdempotencySpec) -> Callable[[int], None]:
             port = coord.idempotency(spec)
 
             def run(n: int) -> None:
@@ -414,12 +417,6 @@ def results(args: argparse.Namespace) -> None:
                     port.complete(claim.token, RESULT)
 
             return run
-
-        at = datetime(2026, 1, 1, tzinfo=timezone.utc)
-
-        @plain.idempotent("typed", key=lambda tag, i: f"{tag}-{i}")
-        def charge(tag: str, i: int) -> Charge:
-            return Charge("ch_" + "x" * 24, i, at)
 
         def typed(n: int) -> None:
             tag = uuid.uuid4().hex[:8]
@@ -433,31 +430,28 @@ def results(args: argparse.Namespace) -> None:
             "typed dataclass (wrap)": typed,
         }
         med = medians(interleave(fns, args.n, args.rounds))
-    base = med["plain JSON"]
     print(f"store={args.store} n={args.n} x {args.rounds} rounds (median claim+complete/s)")
     print(f"{'variant':28} {'ops/s':>10} {'ratio':>7}")
     for name, rate in med.items():
-        print(f"{name:28} {rate:10.0f} {rate / base:7.2f}")
+        print(f"{name:28} {rate:10.0f} {rate / med['plain JSON']:7.2f}")
+
+
+#: each command's options and their defaults (which give their types)
+COMMANDS = {
+    "etcd": dict(n=500, rounds=5, members=1),
+    "heartbeats": dict(claims=1000, seconds=6.0, lease=3.0, rounds=2, stores="redis,sqlite"),
+    "hooks": dict(n=3000, rounds=30),
+    "results": dict(n=20000, rounds=3, store="memory"),
+}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
-    for name, options in {
-        "etcd": (("n", int, 500), ("rounds", int, 5), ("members", int, 1)),
-        "heartbeats": (
-            ("claims", int, 1000),
-            ("seconds", float, 6.0),
-            ("lease", float, 3.0),
-            ("rounds", int, 2),
-            ("stores", str, "redis,sqlite"),
-        ),
-        "hooks": (("n", int, 3000), ("rounds", int, 30)),
-        "results": (("n", int, 20000), ("rounds", int, 3), ("store", str, "memory")),
-    }.items():
+    for name, options in COMMANDS.items():
         p = sub.add_parser(name)
-        for opt, kind, default in options:
-            p.add_argument(f"--{opt}", type=kind, default=default)
+        for opt, default in options.items():
+            p.add_argument(f"--{opt}", type=type(default), default=default)
     args = parser.parse_args(argv)
     {"etcd": etcd, "heartbeats": heartbeats, "hooks": hooks, "results": results}[args.what](args)
 
