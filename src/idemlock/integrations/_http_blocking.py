@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import threading
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar, cast
 
 from .. import _attempts as attempts
@@ -164,6 +164,20 @@ class SyncHttp:
             _drive(self.core.settle(run))
         finally:
             _TX.reset(reset)
+
+    def relay(self, run: Run, chunks: Iterable[Any], record: Callable[[], None]) -> Iterator[bytes]:
+        """Pass a streamed body on as bytes, copying it into ``run.copy``, and call
+        ``record()`` (which finishes the run) before the last chunk leaves: a client that
+        has its whole response and retries at once finds the record, never a 409."""
+        held: bytes | None = None
+        for chunk in chunks:
+            if held is not None:
+                yield held
+            held = bytes(chunk)
+            run.copy.add(held)
+        record()
+        if held is not None:
+            yield held
 
     def abandon(self, run: Run) -> None:
         """Abandon the claim even though its response was settled (its record was

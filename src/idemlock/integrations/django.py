@@ -270,16 +270,10 @@ def _atomic(
 def _stream(
     core: SyncHttp, run: Run, response: StreamingHttpResponse, source: Iterable[Any]
 ) -> Iterator[bytes]:
-    held: bytes | None = None
     try:
-        for chunk in source:
-            if held is not None:
-                yield held
-            held = bytes(chunk)
-            run.copy.add(held)
-        core.finish(run, response.status_code, _headers(response))
-        if held is not None:
-            yield held
+        yield from core.relay(
+            run, source, lambda: core.finish(run, response.status_code, _headers(response))
+        )
     except BaseException:
         core.fail(run)
         raise

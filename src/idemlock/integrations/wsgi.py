@@ -193,28 +193,21 @@ class IdempotencyMiddleware:
 
             return write
 
+        def record() -> None:
+            if not head:
+                raise RuntimeError("the WSGI application did not call start_response")
+            run.copy.prepend(written)
+            status = int(str(head[0]).split(" ", 1)[0])
+            headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in head[1]]
+            core.finish(run, status, headers)
+
         try:
             body = self.app(environ, capture)
         except BaseException:
             core.fail(run)
             raise
-        held: bytes | None = None
         try:
-            for chunk in body:
-                if held is not None:
-                    yield held
-                held = bytes(chunk)
-                run.copy.add(held)
-            if not head:
-                raise RuntimeError("the WSGI application did not call start_response")
-            # Record before the last chunk leaves: a client that has its whole response
-            # and retries at once finds the record, never a 409.
-            run.copy.prepend(written)
-            status = int(str(head[0]).split(" ", 1)[0])
-            headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in head[1]]
-            core.finish(run, status, headers)
-            if held is not None:
-                yield held
+            yield from core.relay(run, body, record)
         except BaseException:
             core.fail(run)  # a raising app, or the client went away (GeneratorExit)
             raise
