@@ -84,6 +84,14 @@ end
 local function live(c) return (c.s == 'I' or c.s == 'C') and c.x > now end
 """
 
+# The start of most claim scripts: the record KEYS[1] read as `c`, a corrupt one refused.
+_WITH_CLAIM = (
+    _PRELUDE
+    + _READ_CLAIM
+    + "\nlocal c, why = read_claim(KEYS[1])"
+    + "\nif not c then return corrupt(why) end"
+)
+
 _READ_LOCK = """
 local function read_lock(k)
   local r = redis.pcall('HMGET', k, 'o', 't', 'x', 'y', 'g', 'n')
@@ -103,6 +111,14 @@ local function read_lock(k)
 end
 local function held(l) return l.x and l.x > now end
 """
+
+# The start of most lock scripts: the record KEYS[1] read as `l`, a corrupt one refused.
+_WITH_LOCK = (
+    _PRELUDE
+    + _READ_LOCK
+    + "\nlocal l, why = read_lock(KEYS[1])"
+    + "\nif not l then return corrupt(why) end"
+)
 
 # Tokens given by users may exceed 2**53, so gates compare canonical decimals as
 # strings: longer is larger, equal lengths compare lexically.
@@ -124,11 +140,8 @@ end
 # Rows claim.new, claim.resend, claim.mismatch, claim.replay, claim.busy.
 # KEYS[1] record. ARGV: fp, token, lease_ms, keep_ms
 CLAIM = (
-    _PRELUDE
-    + _READ_CLAIM
+    _WITH_CLAIM
     + """
-local c, why = read_claim(KEYS[1])
-if not c then return corrupt(why) end
 if live(c) then
   if c.s == 'I' and c.t == ARGV[2] then return {GRANTED, c.f, c.x, c.x - now} end
   if c.p ~= ARGV[1] then return {MISMATCH, c.s} end
@@ -148,11 +161,8 @@ return {GRANTED, f, x, lease}
 # Rows extend.ok, extend.stale.
 # KEYS[1] record. ARGV: token, lease_ms, keep_ms. Reply: the new lease end, or NO_EXPIRY.
 EXTEND = (
-    _PRELUDE
-    + _READ_CLAIM
+    _WITH_CLAIM
     + """
-local c, why = read_claim(KEYS[1])
-if not c then return corrupt(why) end
 if c.s == 'I' and c.t == ARGV[1] and c.x > now then
   local x = now + tonumber(ARGV[2])
   if x > MAX_MS then return too_long(x) end
@@ -205,11 +215,8 @@ return STALE
 # retry of this call after a lost reply (its first attempt's answer), not a new call.
 # KEYS[1] record. ARGV: token, keep_ms, channel, nonce
 ABANDON = (
-    _PRELUDE
-    + _READ_CLAIM
+    _WITH_CLAIM
     + """
-local c, why = read_claim(KEYS[1])
-if not c then return corrupt(why) end
 if c.s == 'I' and c.t == ARGV[1] then  -- late abandon too, as for complete
   redis.call('SET', KEYS[1], pack_claim('A', c.f, 0, '', '', ARGV[4], ''), 'PX', ARGV[2])
   redis.call('PUBLISH', ARGV[3], '*')
@@ -222,11 +229,8 @@ return STALE
 
 # Rows forget.live, forget.dead. KEYS[1] record. ARGV: keep_ms, channel, nonce
 FORGET = (
-    _PRELUDE
-    + _READ_CLAIM
+    _WITH_CLAIM
     + """
-local c, why = read_claim(KEYS[1])
-if not c then return corrupt(why) end
 if c.s == 'F' and c.n == ARGV[3] then return OK end
 local was = live(c)
 if c.s then
@@ -243,11 +247,8 @@ return STALE
 
 # KEYS[1] record. Reply: {} or {state, fence, expires_ms}
 PEEK_CLAIM = (
-    _PRELUDE
-    + _READ_CLAIM
+    _WITH_CLAIM
     + """
-local c, why = read_claim(KEYS[1])
-if not c then return corrupt(why) end
 if live(c) then return {c.s, c.f, c.x} end
 return {}
 """
@@ -314,11 +315,8 @@ return {ACQUIRED, t, x, ttl, 1}  -- 1: taken by this call
 # KEYS[1] record, KEYS[2] waiters. ARGV: owner, token, keep_ms, handoff_ms, channel, nonce
 # Publishes the chosen waiter's gid, or '*' (wake every waiter) when there is none.
 RELEASE = (
-    _PRELUDE
-    + _READ_LOCK
+    _WITH_LOCK
     + """
-local l, why = read_lock(KEYS[1])
-if not l then return corrupt(why) end
 if held(l) and l.o == ARGV[1] and l.ts == ARGV[2] then
   local keep = tonumber(ARGV[3])
   local g = tonumber(ARGV[4])
@@ -357,11 +355,8 @@ return STALE
 # woken ('*'): no hand-off window is reserved, as nobody chose to hand the lock over.
 # Rows lock.break, lock.break.free.
 BREAK = (
-    _PRELUDE
-    + _READ_LOCK
+    _WITH_LOCK
     + """
-local l, why = read_lock(KEYS[1])
-if not l then return corrupt(why) end
 if not held(l) then return STALE end
 redis.call('HDEL', KEYS[1], 'o', 'x', 'y', 'g', 'n')
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
@@ -382,11 +377,8 @@ return OK
 # Rows lock.renew, lock.renew.stale.
 # KEYS[1] record. ARGV: owner, token, ttl_ms, keep_ms. Reply: new expiry or NO_EXPIRY
 RENEW = (
-    _PRELUDE
-    + _READ_LOCK
+    _WITH_LOCK
     + """
-local l, why = read_lock(KEYS[1])
-if not l then return corrupt(why) end
 if held(l) and l.o == ARGV[1] and l.ts == ARGV[2] then
   local x = now + tonumber(ARGV[3])
   if x > MAX_MS then return too_long(x) end
@@ -400,11 +392,8 @@ return NO_EXPIRY
 
 # KEYS[1] record. Reply: {} or {owner, token, expires_ms}
 PEEK_LOCK = (
-    _PRELUDE
-    + _READ_LOCK
+    _WITH_LOCK
     + """
-local l, why = read_lock(KEYS[1])
-if not l then return corrupt(why) end
 if held(l) then return {l.o, l.t, l.x} end
 return {}
 """
