@@ -1,10 +1,8 @@
 """What one feature costs, each against its own baseline in the same run.
 
-    python benchmarks/costs.py etcd [--n 500] [--rounds 5] [--members 1]
-    python benchmarks/costs.py heartbeats [--claims 1000] [--seconds 6] [--lease 3]
-                                          [--rounds 2] [--stores redis,sqlite]
-    python benchmarks/costs.py hooks [--n 3000] [--rounds 30]
-    python benchmarks/costs.py results [--n 20000] [--rounds 3] [--store memory|sqlite]
+    python benchmarks/costs.py etcd|heartbeats|hooks|results [--OPTION VALUE ...]
+
+(each command's options and their defaults: COMMANDS below, or ``<command> --help``)
 
 * ``etcd``: acquire+release and claim+complete/s on a throwaway etcd, sync and asyncio (1
   and 50 tasks), against raw gRPC sending the same requests on the same generated stubs.
@@ -32,6 +30,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -96,9 +95,8 @@ def etcd(args: argparse.Namespace) -> None:
         def lock(i: int) -> int:
             key, lease = b"rawbench/l/%d" % i, grant(30)
             value = K.lock_value("owner", 30_000, 30, K.now_ms())
-            rev = txn(
-                [K.cmp_create(key, 0)], [K.put(key, value, lease)], [K.get(key)]
-            ).header.revision
+            put = [K.put(key, value, lease)]
+            rev = txn([K.cmp_create(key, 0)], put, [K.get(key)]).header.revision
             mine = [K.cmp_create(key, rev), *K.cmp_starts(key, K.owner_prefix("owner"))]
             txn(mine, [K.delete(key, prev=True)], [])
             return lease
@@ -198,7 +196,7 @@ async def hb_async(url: str, n: int, secs: float, lease: float, loops: bool) -> 
 def hb_threads(url: str, n: int, secs: float, lease: float, loops: bool) -> tuple[int, int]:
     with (
         idemlock.connect(url, key_prefix=new_prefix("hb")) as coord,
-        contextlib.ExitStack() as stack,
+        ExitStack() as stack,
     ):
         port = hb_port(coord, lease)
         if not loops:
@@ -252,7 +250,7 @@ def heartbeats(args: argparse.Namespace) -> None:
 
     n, secs, lease, stores = args.claims, args.seconds, args.lease, args.stores.split(",")
     faces = {"asyncio": lambda *a: asyncio.run(hb_async(*a)), "threads": hb_threads}
-    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         urls = {"sqlite": f"sqlite:///{Path(tmp) / 'hb.db'}", "memory": "memory://"}
         if "redis" in stores:
             server = start_redis(Path(tmp) / "redis")
@@ -395,7 +393,7 @@ class Charge:
 
 
 def results(args: argparse.Namespace) -> None:
-    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         url = "memory://" if args.store == "memory" else f"sqlite:///{tmp}/bench.db"
         plain = stack.enter_context(idemlock.connect(url, key_prefix="plain"))
         keyring = idemlock.Keyring.generate()
@@ -451,7 +449,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, options in COMMANDS.items():
         p = sub.add_parser(name)
         for opt, default in options.items():
-            p.add_argument(f"--{opt}", type=type(default), default=default)
+            p.add_argument(f"--{opt}", type=type(default), default=default, help=f"{default}")
     args = parser.parse_args(argv)
     {"etcd": etcd, "heartbeats": heartbeats, "hooks": hooks, "results": results}[args.what](args)
 

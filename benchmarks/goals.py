@@ -115,44 +115,41 @@ def socket_evalsha(port: int, stack: contextlib.ExitStack) -> Any:
     return call
 
 
-# Each asyncio client's (name, SET NX PX 30 s, DEL).
-async def redis_asyncio(port: int, stack: contextlib.AsyncExitStack) -> tuple[str, Any, Any]:
-    ar = redis.asyncio.Redis(port=port, **c.CLIENT)
-    stack.push_async_callback(ar.aclose)
-    return "redis.asyncio", lambda k: ar.set(k, "x", nx=True, px=30_000), ar.delete
+async def set_del(label: str, port: int, stack: contextlib.AsyncExitStack) -> tuple[str, c.Make]:
+    """An asyncio client's name (with its version) and its SET NX PX 30 s + DEL pairs."""
+    if label == "redis.asyncio":
+        ar = redis.asyncio.Redis(port=port, **c.CLIENT)
+        stack.push_async_callback(ar.aclose)
+        setnx, delete = (lambda k: ar.set(k, "x", nx=True, px=30_000)), ar.delete
+    elif label == "coredis":
+        import coredis
 
+        cr: Any = coredis.Redis(host="127.0.0.1", port=port)
+        with contextlib.suppress(AttributeError, TypeError):
+            await stack.enter_async_context(cr)  # coredis 5+: the client is a context
+        label, nx = f"coredis {coredis.__version__}", coredis.PureToken.NX
+        setnx = lambda k: cr.set(k, "x", condition=nx, px=30_000)  # noqa: E731
+        delete = lambda k: cr.delete([k])  # noqa: E731
+    else:
+        import glide as g
 
-async def coredis_(port: int, stack: contextlib.AsyncExitStack) -> tuple[str, Any, Any]:
-    import coredis
+        config = g.GlideClientConfiguration([g.NodeAddress("127.0.0.1", port)])
+        gc = await g.GlideClient.create(config)
+        stack.push_async_callback(gc.close)
+        ex, nx = (
+            g.ExpirySet(g.ExpiryType.MILLSEC, 30_000),
+            g.ConditionalChange.ONLY_IF_DOES_NOT_EXIST,
+        )
+        label = f"valkey-glide {c.version('valkey-glide')}"
+        setnx = lambda k: gc.set(k, "x", conditional_set=nx, expiry=ex)  # noqa: E731
+        delete = lambda k: gc.delete([k])  # noqa: E731
 
-    cr: Any = coredis.Redis(host="127.0.0.1", port=port)
-    with contextlib.suppress(AttributeError, TypeError):
-        await stack.enter_async_context(cr)  # coredis 5+: the client is a context
-    nx = coredis.PureToken.NX
-    setnx = lambda k: cr.set(k, "x", condition=nx, px=30_000)  # noqa: E731
-    return f"coredis {coredis.__version__}", setnx, lambda k: cr.delete([k])
-
-
-async def glide_(port: int, stack: contextlib.AsyncExitStack) -> tuple[str, Any, Any]:
-    import glide as g
-
-    gc = await g.GlideClient.create(g.GlideClientConfiguration([g.NodeAddress("127.0.0.1", port)]))
-    stack.push_async_callback(gc.close)
-    ex, nx = g.ExpirySet(g.ExpiryType.MILLSEC, 30_000), g.ConditionalChange.ONLY_IF_DOES_NOT_EXIST
-    setnx = lambda k: gc.set(k, "x", conditional_set=nx, expiry=ex)  # noqa: E731
-    return f"valkey-glide {c.version('valkey-glide')}", setnx, lambda k: gc.delete([k])
-
-
-CLIENTS = {"redis.asyncio": redis_asyncio, "coredis": coredis_, "valkey-glide": glide_}
-
-
-def set_del_pairs(name: str, setnx: Any, delete: Any) -> c.Make:
     async def make(t: int, count: int) -> None:
         for _ in range(count):
-            assert await setnx(f"{name}:{t}")
-            await delete(f"{name}:{t}")
+            assert await setnx(f"{label}:{t}")
+            await delete(f"{label}:{t}")
 
-    return make
+    return label, make
 
 
 # ---- measuring: each section returns its goals' figures, by the key GOALS names --------
@@ -186,15 +183,11 @@ def measure_redis(server: Any, cfg: Config) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         r = stack.enter_context(redis.Redis(port=server.port, **c.CLIENT))
         coord = stack.enter_context(idemlock.connect(server.url, key_prefix=c.new_prefix()))
-        pairs = {
-            "ours lock": subj.ours_lock_pairs(coord),
-            "ours claim": subj.ours_claim_pairs(coord),
-        }
-        pairs |= minimal("raw", r) | minimal("socket", r, socket_evalsha(server.port, stack))
-        sync = c.interleave(pairs, cfg.n, cfg.rounds)
-        f = {"sync": sync} | {
-            f"sync {k}": vs(sync, f"ours {k}", f"raw {k}") for k in ("lock", "claim")
-        }
+        fns = {"ours lock": subj.ours_lock_pairs(coord), "ours claim": subj.ours_claim_pairs(coord)}
+        fns |= minimal("raw", r) | minimal("socket", r, socket_evalsha(server.port, stack))
+        sync = c.interleave(fns, cfg.n, cfg.rounds)
+        f = {"sync": sync, "sync lock": vs(sync, "ours lock", "raw lock")}
+        f["sync claim"] = vs(sync, "ours claim", "raw claim")
         jobs = {"3 trips": subj.ours_job(coord), "2 trips": subj.ours_job_together(coord)}
         try:
             jobs["fencekit"] = fencekit_job(r, prefix=c.new_prefix("fkj"))
@@ -212,11 +205,11 @@ async def measure_async(server: Any, cfg: Config) -> dict[str, Any]:
         coord = idemlock.aio.connect(server.url, key_prefix=c.new_prefix())
         stack.push_async_callback(coord.close)
         makes, notes = {"idemlock": subj.aio_lock(coord)}, {}
-        for label, client in CLIENTS.items():
+        for label in ("redis.asyncio", "coredis", "valkey-glide"):
             try:
-                name, setnx, delete = await client(server.port, stack)
-                await set_del_pairs(name, setnx, delete)(0, 2)
-                makes[name] = set_del_pairs(name, setnx, delete)
+                name, make = await set_del(label, server.port, stack)
+                await make(0, 2)
+                makes[name] = make
             except Exception as exc:  # the row says why
                 notes[label] = f"could not run: {c._why(exc)}"
         await makes["idemlock"](0, 1)
@@ -425,11 +418,14 @@ def main(argv: list[str] | None = None) -> int:
         tempfile.TemporaryDirectory(prefix="idemlock-goals-") as tmp,
         contextlib.ExitStack() as stack,
     ):
-        server, cluster = start_redis(Path(tmp) / "redis"), start_cluster(Path(tmp) / "cluster")
-        pg = start_postgres()
-        cs = Contenders()
-        for stop in (server.stop, cluster.stop, pg.destroy, cs.close):
-            stack.callback(stop)
+
+        def up(thing: Any, stop: str = "stop") -> Any:  # stopped even if a later one fails
+            stack.callback(getattr(thing, stop))
+            return thing
+
+        server = up(start_redis(Path(tmp) / "redis"))
+        cluster = up(start_cluster(Path(tmp) / "cluster"))
+        pg, cs = up(start_postgres(), "destroy"), up(Contenders(), "close")
         benches = {"PostgreSQL": PgBench(pg.dsn, pg.port), "SQLite": SqliteBench(tmp)}
         targets = {
             "redis": RedisBench(server.url, [server.port], cluster=False).target(),
