@@ -1,7 +1,7 @@
 """The scenarios, each written once, run on every store's subjects.
 
-* uncontended and asyncio pairs (``run_store``): every subject interleaved round by round;
-* the crash-safe job, with its round trips counted (``count_trips``);
+* uncontended, asyncio and the crash-safe job (``run_store``): every subject interleaved
+  round by round, round trips counted (``count_trips``);
 * contention (``Contenders``): processes (threads for the in-process store) taking turns
   on one lock: critical sections/s, hand-offs, gap, worst wait (``summarize``); the
   same machinery with 2 processes is the single-waiter scenario;
@@ -12,22 +12,40 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import multiprocessing as mp
 import os
-import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import common as c
 import redis
 from common import ainterleave, fan_out, guarded, installed, interleave, new_prefix, role, summarize
-from subjects.contenders import lock_pair
+from subjects.base import Ctx, ours_contender
+from subjects.memory import MemoryBench
+from subjects.postgres import PgBench
+from subjects.redis import RedisBench
+from subjects.sqlite import SqliteBench
 
 import idemlock
 from idemlock import Claimed, IdempotencySpec
 from idemlock.stores.redis import _common as C
+
+ADAPTERS: dict[str, Any] = {"memory": MemoryBench, "sqlite": SqliteBench, "postgres": PgBench}
+
+
+def contender(store: str, kind: str, t: dict[str, Any], stack: contextlib.ExitStack) -> Any:
+    """(acquire(key) -> handle, release(handle)) of one contender; it closes on ``stack``."""
+    if kind == c.OURS:
+        return ours_contender(t, stack)
+    if kind == c.BASE:
+        return ADAPTERS.get(store, RedisBench).contender(t, stack)  # both Redis stores
+    return ADAPTERS.get(store, RedisBench).peers[kind][c.HAND_OP](Ctx(t, stack))
+
 
 _W: dict[str, Any] = {}
 
@@ -62,22 +80,17 @@ def critical_sections(
 def _contend(
     store: str, kind: str, t: dict[str, Any], seconds: float, hold: float, pause: float = 0.0
 ) -> list[tuple[float, float, float]]:
-    close = None
-    try:
-        acquire, release, close = lock_pair(store, kind, t)
-        release(acquire(f"warm-{os.getpid()}"))  # connections, scripts, subscriptions
-    except BaseException as exc:
-        _W["ready"].put(("error", c._why(exc)))
-        if close is not None:
-            close()
-        raise
-    try:
+    with contextlib.ExitStack() as stack:
+        try:
+            acquire, release = contender(store, kind, t, stack)
+            release(acquire(f"warm-{os.getpid()}"))  # connections, scripts, subscriptions
+        except BaseException as exc:
+            _W["ready"].put(("error", c._why(exc)))
+            raise
         _W["ready"].put(("ready", os.getpid()))
         if not _W["go"].wait(180):
             raise RuntimeError("no start signal")
         return critical_sections(acquire, release, _W["start_at"].value, seconds, hold, pause)
-    finally:
-        close()
 
 
 class Contenders:
@@ -124,19 +137,13 @@ class Contenders:
 
 def contend_threads(kind: str, seconds: float, hold: float = 0.001) -> dict[str, float]:
     """The memory store lives in one process: its contenders are 4 threads."""
-    acquire, release, close = lock_pair("memory", kind, {"url": "memory://", "prefix": ""})
-    start = time.monotonic() + 0.05
-    out: list[list[tuple[float, float, float]]] = [[] for _ in range(4)]
-
-    def body(i: int) -> None:
-        out[i] = critical_sections(acquire, release, start, seconds, hold)
-
-    threads = [threading.Thread(target=body, args=(i,)) for i in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    close()
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(4) as pool:
+        acquire, release = contender("memory", kind, {"url": "memory://", "prefix": ""}, stack)
+        start = time.monotonic() + 0.05
+        runs = pool.map(
+            lambda _: critical_sections(acquire, release, start, seconds, hold), range(4)
+        )
+        out = list(runs)
     return summarize([(c, a, r, i) for i, evs in enumerate(out) for c, a, r in evs], seconds)
 
 
@@ -168,58 +175,48 @@ def count_trips(
 
 def run_store(bench: Any, cfg: c.Config, res: c.Results, contenders: Contenders) -> None:
     name = bench.name
-    scale = bench.scale if cfg.scaled else 1
-    n, job_n = cfg.n * scale, cfg.job_n * scale
+    n, job_n = (
+        (cfg.n, cfg.job_n) if not cfg.scaled else (cfg.n * bench.scale, cfg.job_n * bench.scale)
+    )
 
-    def dropped(exc: c.PeerFailed, fns: dict[str, Any], where: tuple[str, str, str]) -> None:
-        res.skip(where, exc.name, "failed", c._why(exc.cause))
-        del fns[exc.name]
-
-    def measure(fns: dict[str, c.SyncFn], count: int, where: tuple[str, str, str]) -> c.Rates:
+    def measured(where: tuple[str, str, str], fns: dict[str, Any], run: Any) -> c.Rates:
+        """``run(fns)``; a peer that fails is dropped (and why, in ``res``), the rest rerun."""
         fns = guarded(fns)
         while True:
             try:
-                return interleave(fns, count, cfg.rounds)
+                return run(fns)
             except c.PeerFailed as exc:
-                dropped(exc, fns, where)
+                res.skip(where, exc.name, "failed", c._why(exc.cause))
+                del fns[exc.name]
+
+    def timed(scenario: str, op: str, build: Any, count: int, unit: str) -> None:
+        with contextlib.ExitStack() as stack:
+            fns = build(bench.target(), stack, res)
+            rates = measured((scenario, op, name), fns, lambda f: interleave(f, count, cfg.rounds))
+        res.rates(scenario, op, name, rates, unit, count_trips(bench, build, cfg.count))
+
+    async def fanned(makes: dict[str, c.Make], tasks: int) -> c.Rates:
+        for make in makes.values():
+            # One task first: connections, scripts, a Cluster client's slot map (redis-py's
+            # asyncio RedisCluster drops connections in use if many tasks trigger its
+            # first discovery at once).
+            await make(0, 1)
+        return await ainterleave({k: fan_out(m, tasks) for k, m in makes.items()}, n, cfg.rounds)
 
     for op in (c.LOCK_OP, c.CLAIM_OP):
-        with contextlib.ExitStack() as stack:
-            fns = bench.sync_fns(op, bench.target(), stack, res)
-            rates = measure(fns, n, (c.UNC, op, name))
-        trips = count_trips(bench, lambda t, st, r, op=op: bench.sync_fns(op, t, st, r), cfg.count)
-        res.rates(c.UNC, op, name, rates, "pairs/s", trips)
-
-    async def aio() -> None:
-        for tasks, scenario in ((1, c.AIO1), (100, c.AIO100)):
-            for op in (c.LOCK_OP, c.CLAIM_OP):
-                async with contextlib.AsyncExitStack() as stack:
-                    where = (scenario, op, name)
-                    makes = guarded(await bench.async_fns(op, tasks, stack, res, where))
-                    for make in list(makes.values()):
-                        # One task first: connections, scripts, a Cluster client's slot
-                        # map (redis-py's asyncio RedisCluster drops connections in use if
-                        # many tasks trigger its first discovery at once).
-                        try:
-                            await make(0, 1)
-                        except c.PeerFailed as exc:
-                            dropped(exc, makes, where)
-                    while True:
-                        try:
-                            fns = {k: fan_out(m, tasks) for k, m in makes.items()}
-                            rates = await ainterleave(fns, n, cfg.rounds)
-                            break
-                        except c.PeerFailed as exc:
-                            dropped(exc, makes, where)
-                res.rates(scenario, op, name, rates, "pairs/s")
-
-    asyncio.run(aio())
-
-    with contextlib.ExitStack() as stack:
-        fns = bench.job_fns(bench.target(), stack, res)
-        rates = measure(fns, job_n, (c.JOB, c.JOB_OP, name))
-    trips = count_trips(bench, bench.job_fns, cfg.count)
-    res.rates(c.JOB, c.JOB_OP, name, rates, "jobs/s", trips)
+        timed(c.UNC, op, partial(bench.sync_fns, op), n, "pairs/s")
+    with asyncio.Runner() as runner:  # one loop: the clients live across its runs
+        for (tasks, scenario), op in itertools.product(
+            ((1, c.AIO1), (100, c.AIO100)), (c.LOCK_OP, c.CLAIM_OP)
+        ):
+            where, stack = (scenario, op, name), contextlib.AsyncExitStack()
+            try:
+                makes = runner.run(bench.async_fns(op, tasks, stack, res, where))
+                rates = measured(where, makes, lambda m, k=tasks: runner.run(fanned(m, k)))
+            finally:
+                runner.run(stack.aclose())
+            res.rates(scenario, op, name, rates, "pairs/s")
+    timed(c.JOB, c.JOB_OP, bench.job_fns, job_n, "jobs/s")
 
     where = (c.HAND, c.HAND_OP, name)
     base_cs = None

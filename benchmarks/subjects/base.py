@@ -1,17 +1,16 @@
-"""idemlock's own subjects on any store (its API and its store port), the helpers
-every adapter uses, and the counters of round trips (Redis requests, SQLite
-transactions; PostgreSQL's are the turns through the tests' TcpProxy)."""
+"""idemlock's own subjects on any store, the generic driver of a raw baseline, and the
+adapter every store fills in (how to open it, its raw requests, its peers)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import sqlite3
 import uuid
 import warnings
-from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
-from unittest import mock
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, ClassVar
 
 import common as c
 from common import apeer, new_prefix, peer
@@ -24,6 +23,8 @@ from idemlock import Claimed
 # Lambda context); its Redis layer's class is marked deprecated in favour of an alias.
 warnings.filterwarnings("ignore", message="Couldn't determine the remaining time")
 warnings.filterwarnings("ignore", message="RedisCachePersistenceLayer will be removed")
+
+ASYNC = "asyncio "  # a peer slot's prefix for the asyncio pairs (e.g. "asyncio acquire+release")
 
 
 def ours_lock_pairs(coord: idemlock.Coordinator) -> Callable[[int], None]:
@@ -79,27 +80,40 @@ def ours_job_together(coord: idemlock.Coordinator) -> c.SyncFn:
     return ours_job(coord, together=True)
 
 
-def ours_ajob(
-    coord: idemlock.aio.AsyncCoordinator, write: Callable[[str, int], Awaitable[Any]] | None = None
-) -> Callable[[int], Awaitable[None]]:
-    """The same job on the asyncio API (1 task)."""
-    port = coord.idempotency(c.SPEC)
+def aio_pairs(
+    coord: idemlock.aio.AsyncCoordinator,
+    op: str,
+    write: Callable[[str, int], Awaitable[Any]] | None = None,
+) -> c.Make:
+    """The asyncio API's pairs; the job (``op`` is JOB_OP) writes ``write(key, fence)``
+    (by default through the fence gate) between claim and complete."""
+    locks, port = coord.lock(c.LOCK), coord.idempotency(c.SPEC)
 
     async def gate(key: str, fence: int) -> None:
         await coord.fence(f"out:{key}").set_if_fresh(fence, f"out:{key}", b"done")
 
     do = write or gate
 
-    async def run(count: int) -> None:
+    async def make(t: int, count: int) -> None:
         tag = uuid.uuid4().hex[:6]
         for i in range(count):
-            key = f"{tag}-{i}"
+            if op == c.LOCK_OP:
+                lease = await locks.acquire(f"k{t}")
+                assert lease is not None
+                await locks.release(lease)
+                continue
+            key = f"{tag}-{t}-{i}"
             claim = await port.claim(key)
             assert isinstance(claim, Claimed)
-            await do(key, claim.fence)
+            if op == c.JOB_OP:
+                await do(key, claim.fence)
             await port.complete(claim.token, c.RESULT)
 
-    return run
+    return make
+
+
+def aio_lock(coord: idemlock.aio.AsyncCoordinator) -> c.Make:
+    return aio_pairs(coord, c.LOCK_OP)
 
 
 def port_pairs(coord: idemlock.Coordinator, op: str) -> c.SyncFn:
@@ -120,112 +134,98 @@ def port_pairs(coord: idemlock.Coordinator, op: str) -> c.SyncFn:
     return run
 
 
-@contextlib.contextmanager
-def count_redis_requests() -> Iterator[Callable[[], int]]:
-    """Requests written to Redis sockets (redis-py's, sync and asyncio, and the asyncio
-    store's own writes): one per command, one per pipeline. Counted on the client
-    because the server's INFO commandstats also counts every command a Lua script calls,
-    which is no round trip."""
-    import redis.asyncio.connection as aconn
-    import redis.connection as sconn
+def ours_contender(t: dict[str, Any], stack: contextlib.ExitStack) -> tuple[Any, Any]:
+    """idemlock's acquire (waiting up to 30 s) and release, for the contention runs."""
+    coord = idemlock.connect(t["url"], key_prefix=t["prefix"] or new_prefix())
+    stack.callback(coord.close)
+    locks = coord.lock(c.LOCK)
 
-    from idemlock.stores.redis._pipeline import Pipe
+    def acquire(key: str) -> Any:
+        lease = locks.acquire(key, wait=30)
+        if lease is None:
+            raise RuntimeError("idemlock: no lease within 30 s")
+        return lease
 
-    box = [0]
-
-    def counted(orig: Any) -> Any:
-        def send(*args: Any, **kwargs: Any) -> Any:
-            box[0] += 1
-            return orig(*args, **kwargs)
-
-        return send
-
-    def flush(self: Any, orig: Any = Pipe._flush) -> None:
-        box[0] += bool(self._out and self.lost is None)
-        orig(self)
-
-    with contextlib.ExitStack() as stack:
-        for conn in (sconn.AbstractConnection, aconn.AbstractConnection):
-            send = counted(conn.send_packed_command)
-            stack.enter_context(mock.patch.object(conn, "send_packed_command", send))
-        # The asyncio store's own writes, past redis-py's command layer: pipelined, one
-        # write per event-loop turn, whatever it carries.
-        stack.enter_context(mock.patch.object(Pipe, "_flush", flush))
-        yield lambda: box[0]
+    return acquire, locks.release
 
 
-ENDS = ("COMMIT", "END", "ROLLBACK")
+class Raw:
+    """A raw baseline as requests: ``steps(op, key)`` gives a pair's first request and
+    how to make the second from the first's reply; ``send`` (``asend``: awaitable) sends
+    one; ``write(key, reply)`` is the job's fenced write between the two."""
+
+    spread = 1  # how many lock keys the sync pairs take in turn
+
+    def steps(self, op: str, key: str) -> tuple[Any, Callable[[Any], Any]]:
+        raise NotImplementedError
+
+    def send(self, request: Any) -> Any:
+        raise NotImplementedError
+
+    def asend(self, request: Any) -> Awaitable[Any]:
+        raise NotImplementedError
+
+    def write(self, key: str, reply: Any) -> None:
+        raise NotImplementedError
+
+    def run(self, op: str) -> c.SyncFn:
+        """``count`` pairs of ``op`` (JOB_OP: claim, ``write``, complete) on fresh keys."""
+        steps, send, job = self.steps, self.send, op == c.JOB_OP
+
+        def run(count: int) -> None:
+            tag = uuid.uuid4().hex[:6]
+            for i in range(count):
+                key = f"k{i % self.spread}" if op == c.LOCK_OP else f"{tag}-{i}"
+                first, then = steps(op, key)
+                reply = send(first)
+                if job:
+                    self.write(key, reply)
+                send(then(reply))
+
+        return run
+
+    def make(self, op: str) -> c.Make:
+        steps, send = self.steps, self.asend
+
+        async def make(t: int, count: int) -> None:
+            tag = uuid.uuid4().hex[:6]
+            for i in range(count):
+                first, then = steps(op, f"k{t}" if op == c.LOCK_OP else f"{tag}-{t}-{i}")
+                await send(then(await send(first)))
+
+        return make
 
 
-@contextlib.contextmanager
-def count_sqlite_transactions() -> Iterator[Callable[[], int]]:
-    """Transactions run on SQLite connections opened meanwhile (every BEGIN, and every
-    statement run outside one, which SQLite runs as a transaction of its own)."""
-    real, box = sqlite3.connect, [0]
+@dataclass
+class Ctx:
+    """What a peer's subject is built from: the store's target, the stack its clients
+    close on and, for the job, its event loop and idemlock's coordinator."""
 
-    def connect(*args: Any, **kwargs: Any) -> sqlite3.Connection:
-        conn, inside = real(*args, **kwargs), [False]
-
-        def trace(sql: str) -> None:
-            head = sql.lstrip()[:8].upper()
-            box[0] += head.startswith("BEGIN") or not (inside[0] or head.startswith(ENDS))
-            if head.startswith(("BEGIN", *ENDS)):
-                inside[0] = head.startswith("BEGIN")
-
-        conn.set_trace_callback(trace)
-        return conn
-
-    with mock.patch.object(sqlite3, "connect", connect):
-        yield lambda: box[0]
+    t: dict[str, Any]
+    stack: Any
+    loop: asyncio.AbstractEventLoop | None = None
+    coord: idemlock.Coordinator | None = None
 
 
-def aio_pairs(coord: idemlock.aio.AsyncCoordinator, op: str) -> c.Make:
-    locks, port = coord.lock(c.LOCK), coord.idempotency(c.SPEC)
-
-    async def make(t: int, count: int) -> None:
-        tag = uuid.uuid4().hex[:6]
-        for i in range(count):
-            if op == c.LOCK_OP:
-                lease = await locks.acquire(f"k{t}")
-                assert lease is not None
-                await locks.release(lease)
-            else:
-                claim = await port.claim(f"{tag}-{t}-{i}")
-                assert isinstance(claim, Claimed)
-                await port.complete(claim.token, c.RESULT)
-
-    return make
+#: peer -> slot (an operation, ASYNC + an operation, JOB_OP or HAND_OP) -> build(Ctx)
+Peers = dict[str, dict[str, Callable[[Ctx], Any]]]
 
 
-def aio_lock(coord: idemlock.aio.AsyncCoordinator) -> c.Make:
-    return aio_pairs(coord, c.LOCK_OP)
-
-
-def on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[int], Awaitable[None]]) -> c.SyncFn:
+def on_loop(loop: asyncio.AbstractEventLoop, make: c.Make) -> c.SyncFn:
     """An asyncio subject measured among sync ones (1 task, its loop kept between calls)."""
-    return lambda n: loop.run_until_complete(fn(n))
-
-
-def new_loop(stack: contextlib.ExitStack) -> asyncio.AbstractEventLoop:
-    loop = asyncio.new_event_loop()
-    stack.callback(loop.close)
-    return loop
-
-
-Builds = dict[str, Callable[[], c.SyncFn]]
-ABuilds = dict[str, Callable[[], Awaitable[c.Make]]]
+    return lambda n: loop.run_until_complete(make(0, n))
 
 
 class Adapter:
-    """One store's subjects. A store says how to open it (``url``) and what its raw
-    baseline is (``raw_pairs``, ``araw_pairs``, ``raw_job``), which effect its job
-    writes (``write``/``awrite``; none: the store's fence gate) and which peers run on
-    it; idemlock's subjects and the way peers join are the same for every store."""
+    """One store's subjects. A store says how to open it (``url``), what its raw
+    baseline is (``raw``, ``araw``: a ``Raw``; ``contender``), which effect its job
+    writes (``write``/``awrite``; none: the store's fence gate) and which peers run on it
+    (``peers``); idemlock's subjects and the way peers join are the same everywhere."""
 
     name = ""
     scale = 1
-    kinds: tuple[str, ...] = (c.BASE, c.OURS)
     counting: Any = None
+    peers: ClassVar[Peers] = {}
 
     def target(self) -> dict[str, Any]:
         return {}
@@ -236,7 +236,11 @@ class Adapter:
     def url(self, t: dict[str, Any]) -> str:
         return str(t["url"])
 
-    # every store defines raw_pairs(op, t, stack), araw_pairs(op, tasks, stack), raw_job(t, stack)
+    def raw(self, t: dict[str, Any], stack: contextlib.ExitStack) -> Raw:
+        raise NotImplementedError
+
+    async def araw(self, tasks: int, stack: contextlib.AsyncExitStack) -> Raw:
+        raise NotImplementedError
 
     def write(self, url: str, stack: contextlib.ExitStack) -> Callable[[str, int], Any] | None:
         return None
@@ -246,33 +250,38 @@ class Adapter:
     ) -> Callable[[str, int], Awaitable[Any]] | None:
         return None
 
-    def peers(self, op: str, t: dict[str, Any], stack: contextlib.ExitStack) -> Builds:
-        return {}
+    def builds(self, slot: str) -> dict[str, Callable[[Ctx], Any]]:
+        return {name: of[slot] for name, of in self.peers.items() if slot in of}
 
-    def apeers(self, op: str, t: dict[str, Any], stack: contextlib.AsyncExitStack) -> ABuilds:
-        return {}
-
-    def job_peers(
-        self, coord: idemlock.Coordinator, t: dict[str, Any], stack: contextlib.ExitStack,
-        loop: asyncio.AbstractEventLoop,
-    ) -> Builds:  # fmt: skip
-        return {}
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The contention run's subjects."""
+        return (c.BASE, c.OURS, *self.builds(c.HAND_OP))
 
     def coord(self, url: str, stack: contextlib.ExitStack) -> idemlock.Coordinator:
         coord = idemlock.connect(url, key_prefix=new_prefix())
         stack.callback(coord.close)
         return coord
 
+    def add_peers(
+        self, fns: dict[str, c.SyncFn], res: c.Results, where: tuple[str, str, str], ctx: Ctx
+    ) -> dict[str, c.SyncFn]:
+        """The peers of ``where``'s operation that can run, after ``fns``."""
+        for name, build in self.builds(where[1]).items():
+            if (fn := peer(res, where, name, partial(build, ctx))) is not None:
+                fns[name] = fn
+        return fns
+
     def sync_fns(
         self, op: str, t: dict[str, Any], stack: contextlib.ExitStack, res: c.Results
     ) -> dict[str, c.SyncFn]:
         coord = self.coord(self.url(t), stack)
         fns = {
-            c.BASE: self.raw_pairs(op, t, stack),
+            c.BASE: self.raw(t, stack).run(op),
             c.OURS: (ours_lock_pairs if op == c.LOCK_OP else ours_claim_pairs)(coord),
             c.OURS_PORT: port_pairs(coord, op),
         }
-        return add_peers(fns, res, (c.UNC, op, self.name), self.peers(op, t, stack))
+        return self.add_peers(fns, res, (c.UNC, op, self.name), Ctx(t, stack))
 
     async def async_fns(
         self, op: str, tasks: int, stack: contextlib.AsyncExitStack, res: c.Results, where: Any
@@ -280,35 +289,25 @@ class Adapter:
         t = self.target()
         coord = idemlock.aio.connect(self.url(t), key_prefix=new_prefix())
         stack.push_async_callback(coord.close)
-        fns = {
-            c.BASE: await self.araw_pairs(op, tasks, stack),
-            c.OURS: aio_pairs(coord, op),
-        }
-        for name, build in self.apeers(op, t, stack).items():
-            if (fn := await apeer(res, where, name, build)) is not None:
+        fns = {c.BASE: (await self.araw(tasks, stack)).make(op), c.OURS: aio_pairs(coord, op)}
+        for name, build in self.builds(ASYNC + op).items():
+            if (fn := await apeer(res, where, name, partial(build, Ctx(t, stack)))) is not None:
                 fns[name] = fn
         return fns
 
     def job_fns(
         self, t: dict[str, Any], stack: contextlib.ExitStack, res: c.Results
     ) -> dict[str, c.SyncFn]:
-        url, aurl, loop = self.url(t), self.url(t), new_loop(stack)
+        # every url(t) of SQLite is a file of its own
+        url, aurl, loop = self.url(t), self.url(t), asyncio.new_event_loop()
+        stack.callback(loop.close)
         coord = self.coord(url, stack)
         acoord = idemlock.aio.connect(aurl, key_prefix=new_prefix())
         stack.callback(lambda: loop.run_until_complete(acoord.close()))
+        ajob = aio_pairs(acoord, c.JOB_OP, self.awrite(aurl, stack, loop))
         fns = {
-            c.BASE: self.raw_job(t, stack),
+            c.BASE: self.raw(t, stack).run(c.JOB_OP),
             c.OURS: ours_job(coord, self.write(url, stack)),
-            c.OURS_AIO: on_loop(loop, ours_ajob(acoord, self.awrite(aurl, stack, loop))),
+            c.OURS_AIO: on_loop(loop, ajob),
         }
-        builds = self.job_peers(coord, t, stack, loop)
-        return add_peers(fns, res, (c.JOB, c.JOB_OP, self.name), builds)
-
-
-def add_peers(
-    fns: dict[str, c.SyncFn], res: c.Results, where: tuple[str, str, str], builds: Builds
-) -> dict[str, c.SyncFn]:
-    for name, build in builds.items():
-        if (fn := peer(res, where, name, build)) is not None:
-            fns[name] = fn
-    return fns
+        return self.add_peers(fns, res, (c.JOB, c.JOB_OP, self.name), Ctx(t, stack, loop, coord))

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
 from typing import Any
 
-from common import LOCK_OP, RESULT_BYTES, SCALE, Make, SyncFn
+from common import JOB_OP, LOCK_OP, RESULT_BYTES, SCALE, Make, SyncFn
 
 from idemlock import FencedOut
-from subjects.base import Adapter
+from subjects.base import Adapter, Raw
 
 
-class MemoryRaw:
+class MemoryRaw(Raw):
     """The floor of an in-process store: a dict under a lock, the same critical sections
-    (claim: insert; complete: update; acquire: insert; release: delete; fenced write)."""
+    (claim: insert; complete: update; acquire: insert; release: delete; fenced write),
+    called directly (no requests to build: they would cost as much as the work)."""
 
     def __init__(self) -> None:
         self.mu = threading.Lock()
@@ -54,7 +56,7 @@ class MemoryRaw:
     async def afenced_write(self, key: str, fence: int) -> None:
         self.fenced_write(key, fence)
 
-    def pairs(self, op: str, count: int, t: int = 0, job: bool = False) -> None:
+    def pairs(self, op: str, count: int, t: int = 0) -> None:
         if op == LOCK_OP:
             key = f"k{t}"
             for _ in range(count):
@@ -64,9 +66,18 @@ class MemoryRaw:
         for i in range(count):
             key, token = f"{tag}-{t}-{i}", uuid.uuid4().hex
             fence = self.take(key, token, 300.0)
-            if job:
+            if op == JOB_OP:
                 self.fenced_write(key, fence)
             self.complete(key, token)
+
+    def run(self, op: str) -> SyncFn:
+        return lambda count: self.pairs(op, count)
+
+    def make(self, op: str) -> Make:
+        async def make(t: int, count: int) -> None:
+            self.pairs(op, count, t)
+
+        return make
 
 
 class MemoryBench(Adapter):
@@ -76,24 +87,20 @@ class MemoryBench(Adapter):
     def url(self, t: dict[str, Any]) -> str:
         return "memory://"
 
-    def raw_pairs(self, op: str, t: dict[str, Any], stack: Any) -> SyncFn:
-        raw = MemoryRaw()
-        return lambda count: raw.pairs(op, count)
+    def raw(self, t: dict[str, Any], stack: Any) -> Raw:
+        return MemoryRaw()
 
-    async def araw_pairs(self, op: str, tasks: int, stack: Any) -> Make:
-        raw = MemoryRaw()
-
-        async def make(t: int, count: int) -> None:
-            raw.pairs(op, count, t)
-
-        return make
-
-    def raw_job(self, t: dict[str, Any], stack: Any) -> SyncFn:
-        raw = MemoryRaw()
-        return lambda count: raw.pairs("job", count, job=True)
+    async def araw(self, tasks: int, stack: Any) -> Raw:
+        return MemoryRaw()
 
     def write(self, url: str, stack: Any) -> Any:
         return MemoryRaw().fenced_write
 
     def awrite(self, url: str, stack: Any, loop: Any) -> Any:
         return MemoryRaw().afenced_write
+
+    @staticmethod
+    def contender(t: dict[str, Any], stack: contextlib.ExitStack) -> tuple[Any, Any]:
+        """Threads of one process: a threading.Lock."""
+        mu = threading.Lock()
+        return (lambda key: mu.acquire()), (lambda held: mu.release())

@@ -4,11 +4,12 @@ statement per round trip."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import common as c
 import psycopg
@@ -18,7 +19,7 @@ from tests.servers.proxy import TcpProxy
 import idemlock
 from idemlock import Claimed, FencedOut
 from idemlock.stores.postgres import fenced as PF
-from subjects.base import ABuilds, Adapter, Builds
+from subjects.base import ASYNC, Adapter, Ctx, Peers, Raw
 from subjects.peers import ik_claim, ik_job
 
 PG_SCHEMA = """
@@ -86,55 +87,33 @@ def pg_now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def pg_steps(op: str, key: str, token: str) -> tuple[Any, Callable[[Any], Any]]:
-    """A pair's two statements: the first's, and the second's made from its row."""
-    if op == c.LOCK_OP:
-        now = pg_now_ms()
-        return (PG_ACQUIRE, (NS, key, token, now + 30_000, now)), lambda row: (
-            PG_RELEASE, (NS, key, token, row[0]))  # fmt: skip
-    return (PG_CLAIM, (NS, key, token, "fp", pg_now_ms() + c.LEASE_MS)), lambda row: (
-        PG_COMPLETE, (b"j1", pg_now_ms() + c.TTL_MS, NS, key, token))  # fmt: skip
+class PgRaw(Raw):
+    """One prepared statement per request, on one connection (``send``) or as ``asend``
+    says; the job's write is a fenced upsert."""
 
+    spread = 16  # the sync lock pairs take 16 keys in turn, as they always have
 
-def pg_key(op: str, tag: str, t: int, i: int) -> str:
-    return f"k{t}" if op == c.LOCK_OP else f"{tag}-{t}-{i}"
+    def __init__(self, conn: Any = None, asend: Any = None) -> None:
+        self.conn, self.owner = conn, uuid.uuid4().hex
+        if asend is not None:
+            self.asend = asend  # type: ignore[method-assign]
 
+    def steps(self, op: str, key: str) -> tuple[Any, Callable[[Any], Any]]:
+        """A pair's two statements: the first's, and the second's made from its row."""
+        if op == c.LOCK_OP:
+            now, token = pg_now_ms(), self.owner
+            return (PG_ACQUIRE, (NS, key, token, now + 30_000, now)), lambda row: (
+                PG_RELEASE, (NS, key, token, row[0]))  # fmt: skip
+        token = uuid.uuid4().hex
+        return (PG_CLAIM, (NS, key, token, "fp", pg_now_ms() + c.LEASE_MS)), lambda row: (
+            PG_COMPLETE, (b"j1", pg_now_ms() + c.TTL_MS, NS, key, token))  # fmt: skip
 
-def pg_pairs(op: str, conn: psycopg.Connection[Any], job: bool = False) -> c.SyncFn:
-    """The sync baseline; the job writes its effect with a fenced upsert between the two."""
+    def send(self, request: tuple[bytes, Any]) -> Any:
+        return self.conn.execute(*request, prepare=True).fetchone()
 
-    def run(count: int) -> None:
-        tag, owner = uuid.uuid4().hex[:8], uuid.uuid4().hex
-        for i in range(count):
-            token = owner if op == c.LOCK_OP else uuid.uuid4().hex
-            key = pg_key(op, tag, i % 16, i)
-            first, then = pg_steps(op, key, token)
-            row = conn.execute(*first, prepare=True).fetchone()
-            assert row is not None
-            if (
-                job
-                and conn.execute(PG_FENCED, (key, "done", row[0]), prepare=True).fetchone() is None
-            ):
-                raise FencedOut(key, row[0], None)
-            conn.execute(*then(row), prepare=True).fetchall()
-
-    return run
-
-
-def pg_apairs(op: str, one: Callable[[bytes, Any], Awaitable[Any]]) -> c.Make:
-    """The asyncio baseline: ``one(sql, args)`` on one connection, or through a pool of
-    idemlock's pool size (10), one checkout per statement as the store does."""
-
-    async def make(t: int, count: int) -> None:
-        tag, owner = uuid.uuid4().hex[:8], uuid.uuid4().hex
-        for i in range(count):
-            token = owner if op == c.LOCK_OP else uuid.uuid4().hex
-            first, then = pg_steps(op, pg_key(op, tag, t, i), token)
-            row = await one(*first)
-            assert row is not None
-            await one(*then(row))
-
-    return make
+    def write(self, key: str, reply: Any) -> None:
+        if self.conn.execute(PG_FENCED, (key, "done", reply[0]), prepare=True).fetchone() is None:
+            raise FencedOut(key, reply[0], None)
 
 
 def pg_job_same_tx(coord: idemlock.Coordinator, conn: psycopg.Connection[Any]) -> c.SyncFn:
@@ -156,8 +135,34 @@ def effect(key: str) -> dict[str, Any]:
     return {"key": key, "value": "done"}
 
 
+def connect(url: str, stack: contextlib.ExitStack) -> psycopg.Connection[Any]:
+    conn = psycopg.connect(url, autocommit=True)
+    stack.callback(conn.close)
+    return conn
+
+
+def aconnect(url: str, stack: contextlib.ExitStack, loop: Any) -> psycopg.AsyncConnection[Any]:
+    aconn = loop.run_until_complete(psycopg.AsyncConnection.connect(url, autocommit=True))
+    stack.callback(lambda: loop.run_until_complete(aconn.close()))
+    return aconn
+
+
+async def ik_aclaim(x: Ctx) -> c.Make:
+    backend = await pg_idemkit(x.t["dsn"], max_size=10)
+    x.stack.push_async_callback(backend.aclose)
+    return ik_claim(backend)
+
+
+def ik_pg_job(x: Ctx) -> c.SyncFn:
+    assert x.loop is not None
+    backend = x.loop.run_until_complete(pg_idemkit(x.t["dsn"], max_size=4))
+    upsert = partial(aconnect(x.t["dsn"], x.stack, x.loop).execute, PG_UPSERT, prepare=True)
+    return ik_job(backend, lambda key: upsert((key, "done")), x)
+
+
 class PgBench(Adapter):
     name = "postgres"
+    peers: ClassVar[Peers] = {c.IK: {ASYNC + c.CLAIM_OP: ik_aclaim, c.JOB_OP: ik_pg_job}}
 
     def __init__(self, dsn: str, port: int) -> None:
         self.dsn, self.port = dsn, port
@@ -177,48 +182,34 @@ class PgBench(Adapter):
         finally:
             proxy.close()
 
-    def _conn(self, url: str, stack: contextlib.ExitStack) -> psycopg.Connection[Any]:
-        conn = psycopg.connect(url, autocommit=True)
-        stack.callback(conn.close)
-        return conn
+    def raw(self, t: dict[str, Any], stack: contextlib.ExitStack) -> Raw:
+        return PgRaw(connect(t["dsn"], stack))
 
-    def _aconn(
-        self, url: str, stack: contextlib.ExitStack, loop: Any
-    ) -> psycopg.AsyncConnection[Any]:
-        connect = psycopg.AsyncConnection.connect(url, autocommit=True)
-        aconn = loop.run_until_complete(connect)
-        stack.callback(lambda: loop.run_until_complete(aconn.close()))
-        return aconn
-
-    def raw_pairs(self, op: str, t: dict[str, Any], stack: contextlib.ExitStack) -> c.SyncFn:
-        return pg_pairs(op, self._conn(t["dsn"], stack))
-
-    async def araw_pairs(self, op: str, tasks: int, stack: contextlib.AsyncExitStack) -> c.Make:
+    async def araw(self, tasks: int, stack: contextlib.AsyncExitStack) -> Raw:
+        """1 task: one connection; 100: a pool of idemlock's pool size (10), one checkout
+        per statement as the store does."""
         if tasks == 1:
             aconn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True)
             stack.push_async_callback(aconn.close)
 
-            async def one(sql: bytes, args: Any) -> Any:
-                return await (await aconn.execute(sql, args, prepare=True)).fetchone()
+            async def one(request: tuple[bytes, Any]) -> Any:
+                return await (await aconn.execute(*request, prepare=True)).fetchone()
 
-            return pg_apairs(op, one)
+            return PgRaw(asend=one)
         pool: psycopg_pool.AsyncConnectionPool[Any] = psycopg_pool.AsyncConnectionPool(
             self.dsn, min_size=10, max_size=10, kwargs={"autocommit": True}, open=False
         )
         await pool.open(wait=True)
         stack.push_async_callback(pool.close)
 
-        async def pooled(sql: bytes, args: Any) -> Any:
+        async def pooled(request: tuple[bytes, Any]) -> Any:
             async with pool.connection() as conn:
-                return await (await conn.execute(sql, args, prepare=True)).fetchone()
+                return await (await conn.execute(*request, prepare=True)).fetchone()
 
-        return pg_apairs(op, pooled)
-
-    def raw_job(self, t: dict[str, Any], stack: contextlib.ExitStack) -> c.SyncFn:
-        return pg_pairs("job", self._conn(t["dsn"], stack), job=True)
+        return PgRaw(asend=pooled)
 
     def write(self, url: str, stack: contextlib.ExitStack) -> Callable[[str, int], Any]:
-        conn = self._conn(url, stack)
+        conn = connect(url, stack)
         return lambda key, fence: PF.fenced_upsert(
             conn, "bench_effects", effect(key), ["key"], fence
         )
@@ -226,37 +217,29 @@ class PgBench(Adapter):
     def awrite(
         self, url: str, stack: contextlib.ExitStack, loop: Any
     ) -> Callable[[str, int], Awaitable[Any]]:
-        aconn = self._aconn(url, stack, loop)
+        aconn = aconnect(url, stack, loop)
         return lambda key, fence: PF.afenced_upsert(
             aconn, "bench_effects", effect(key), ["key"], fence
         )
-
-    def apeers(self, op: str, t: dict[str, Any], stack: contextlib.AsyncExitStack) -> ABuilds:
-        if op == c.LOCK_OP:
-            return {}
-
-        async def build_ik() -> c.Make:
-            backend = await pg_idemkit(self.dsn, max_size=10)
-            stack.push_async_callback(backend.aclose)
-            return ik_claim(backend)
-
-        return {c.IK: build_ik}
-
-    def job_peers(
-        self, coord: idemlock.Coordinator, t: dict[str, Any], stack: contextlib.ExitStack,
-        loop: Any,
-    ) -> Builds:  # fmt: skip
-        def build_ik() -> c.SyncFn:
-            backend = loop.run_until_complete(pg_idemkit(t["dsn"], max_size=4))
-            aconn = self._aconn(t["dsn"], stack, loop)
-            upsert = partial(aconn.execute, PG_UPSERT, prepare=True)
-            return ik_job(backend, lambda key: upsert((key, "done")), loop, stack)
-
-        return {c.IK: build_ik}
 
     def job_fns(
         self, t: dict[str, Any], stack: contextlib.ExitStack, res: c.Results
     ) -> dict[str, c.SyncFn]:
         fns = super().job_fns(t, stack, res)
-        fns[c.OURS_TX] = pg_job_same_tx(self.coord(t["dsn"], stack), self._conn(t["dsn"], stack))
+        fns[c.OURS_TX] = pg_job_same_tx(self.coord(t["dsn"], stack), connect(t["dsn"], stack))
         return fns
+
+    @staticmethod
+    def contender(t: dict[str, Any], stack: contextlib.ExitStack) -> tuple[Any, Any]:
+        """pg_advisory_lock / pg_advisory_unlock: the server queues the waiters."""
+        conn = connect(t["dsn"], stack)
+
+        def lock_id(key: str) -> int:
+            digest = hashlib.blake2b((t["prefix"] + key).encode(), digest_size=8).digest()
+            return int.from_bytes(digest, "big", signed=True)
+
+        def acquire(key: str) -> Any:
+            conn.execute("SELECT pg_advisory_lock(%s)", (lock_id(key),))
+            return key
+
+        return acquire, lambda key: conn.execute("SELECT pg_advisory_unlock(%s)", (lock_id(key),))

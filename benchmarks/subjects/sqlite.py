@@ -12,13 +12,14 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
+from unittest import mock
 
-from common import LEASE_MS, LOCK, LOCK_OP, SCALE, Make, SyncFn, _fail
+from common import LEASE_MS, LOCK, LOCK_OP, SCALE, _fail
 
 import idemlock
 from idemlock import FencedOut
 from idemlock.stores.sqlite import _SCHEMA
-from subjects.base import Adapter, count_sqlite_transactions
+from subjects.base import Adapter, Raw
 
 SQ_NS = "bench:job"
 SQ_RESULT = b'{"ok":true,"id":12345}'
@@ -41,9 +42,29 @@ SQLITE_FENCED_UPSERT = (
     "UPDATE SET value = excluded.value, fence_token = excluded.fence_token "
     "WHERE effects.fence_token <= excluded.fence_token"
 )
+ENDS = ("COMMIT", "END", "ROLLBACK")
 
-_keys = itertools.count()
-Txn = tuple[str, tuple[Any, ...]]
+
+@contextlib.contextmanager
+def count_sqlite_transactions() -> Iterator[Callable[[], int]]:
+    """Transactions run on SQLite connections opened meanwhile (every BEGIN, and every
+    statement run outside one, which SQLite runs as a transaction of its own)."""
+    real, box = sqlite3.connect, [0]
+
+    def connect(*args: Any, **kwargs: Any) -> sqlite3.Connection:
+        conn, inside = real(*args, **kwargs), [False]
+
+        def trace(sql: str) -> None:
+            head = sql.lstrip()[:8].upper()
+            box[0] += head.startswith("BEGIN") or not (inside[0] or head.startswith(ENDS))
+            if head.startswith(("BEGIN", *ENDS)):
+                inside[0] = head.startswith("BEGIN")
+
+        conn.set_trace_callback(trace)
+        return conn
+
+    with mock.patch.object(sqlite3, "connect", connect):
+        yield lambda: box[0]
 
 
 def sq_open_raw(path: str) -> sqlite3.Cursor:
@@ -53,22 +74,6 @@ def sq_open_raw(path: str) -> sqlite3.Cursor:
     for stmt in _SCHEMA:  # the store's own schema, indexes included
         conn.execute(stmt)
     return conn.cursor()
-
-
-def sq_txn(cur: sqlite3.Cursor, sql: str, args: tuple[Any, ...]) -> None:
-    cur.execute("BEGIN IMMEDIATE")
-    cur.execute(sql, args)
-    cur.execute("COMMIT")
-
-
-def sq_pair(op: str, key: str, i: int) -> tuple[Txn, Txn]:
-    """The two transactions of a pair: claim, complete; or acquire, release."""
-    now = time.time_ns() // 1_000_000
-    if op == LOCK_OP:
-        return (SQ_INSERT_LOCK, (SQ_NS, key, "owner", i, now + 30_000)), (
-            SQ_DELETE_LOCK, (SQ_NS, key))  # fmt: skip
-    return (SQ_INSERT_CLAIM, (SQ_NS, key, "token", i, now + LEASE_MS)), (
-        SQ_COMPLETE, (SQ_RESULT, now + SQ_TTL_MS, SQ_NS, key))  # fmt: skip
 
 
 def sqlite_effects(path: str, stack: contextlib.ExitStack) -> sqlite3.Cursor:
@@ -83,6 +88,39 @@ def sqlite_effects(path: str, stack: contextlib.ExitStack) -> sqlite3.Cursor:
 def sqlite_fenced_write(cur: sqlite3.Cursor, key: str, fence: int) -> None:
     if cur.execute(SQLITE_FENCED_UPSERT, (key, "done", fence)).rowcount != 1:
         raise FencedOut(key, fence, None)
+
+
+class SqliteRaw(Raw):
+    """Each request one transaction (BEGIN IMMEDIATE, the statement, COMMIT) on this
+    thread's connection; asyncio: in asyncio.to_thread, as the store's async face runs
+    its calls, one connection per worker thread."""
+
+    def __init__(self, path: str, stack: Any) -> None:
+        self.path, self.local, self.fences = path, threading.local(), itertools.count(1)
+        self.effects = sqlite_effects(path, stack)
+
+    def steps(self, op: str, key: str) -> tuple[Any, Callable[[Any], Any]]:
+        # the claim's fence, for the job's write: the INSERT returns nothing
+        self.fence, now = next(self.fences), time.time_ns() // 1_000_000
+        if op == LOCK_OP:
+            first = (SQ_INSERT_LOCK, (SQ_NS, key, "owner", self.fence, now + 30_000))
+            return first, lambda _: (SQ_DELETE_LOCK, (SQ_NS, key))
+        first = (SQ_INSERT_CLAIM, (SQ_NS, key, "token", self.fence, now + LEASE_MS))
+        return first, lambda _: (SQ_COMPLETE, (SQ_RESULT, now + SQ_TTL_MS, SQ_NS, key))
+
+    def send(self, request: tuple[str, tuple[Any, ...]]) -> None:
+        if getattr(self.local, "cur", None) is None:
+            self.local.cur = sq_open_raw(self.path)
+        cur = self.local.cur
+        cur.execute("BEGIN IMMEDIATE")
+        cur.execute(*request)
+        cur.execute("COMMIT")
+
+    def asend(self, request: tuple[str, tuple[Any, ...]]) -> Awaitable[None]:
+        return asyncio.to_thread(self.send, request)
+
+    def write(self, key: str, reply: Any) -> None:
+        sqlite_fenced_write(self.effects, key, self.fence)
 
 
 class SqliteBench(Adapter):
@@ -113,50 +151,11 @@ class SqliteBench(Adapter):
         coord.close()
         return t
 
-    def _raw(self, stack: contextlib.ExitStack) -> tuple[str, sqlite3.Cursor]:
-        path = self.target()["path"]
-        cur = sq_open_raw(path)
-        stack.callback(cur.connection.close)
-        return path, cur
+    def raw(self, t: dict[str, Any], stack: contextlib.ExitStack) -> Raw:
+        return SqliteRaw(self.target()["path"], stack)
 
-    def raw_pairs(
-        self, op: str, t: dict[str, Any], stack: contextlib.ExitStack, job: bool = False
-    ) -> SyncFn:
-        """The sync baseline; the job writes its effect between the two transactions."""
-        path, cur = self._raw(stack)
-        effects = sqlite_effects(path, stack) if job else None
-
-        def run(count: int) -> None:
-            for i in range(count):
-                key = "shared" if op == LOCK_OP else f"k{next(_keys)}"
-                first, then = sq_pair(op, key, i)
-                sq_txn(cur, *first)
-                if effects is not None:
-                    sqlite_fenced_write(effects, key, i)
-                sq_txn(cur, *then)
-
-        return run
-
-    async def araw_pairs(self, op: str, tasks: int, stack: contextlib.AsyncExitStack) -> Make:
-        """Raw sqlite3 transactions, each in asyncio.to_thread (the store's async face
-        does the same), one connection per worker thread."""
-        path, local = self.target()["path"], threading.local()
-
-        def txn(sql: str, args: tuple[Any, ...]) -> None:
-            if getattr(local, "cur", None) is None:
-                local.cur = sq_open_raw(path)
-            sq_txn(local.cur, sql, args)
-
-        async def make(t: int, count: int) -> None:
-            for i in range(count):
-                first, then = sq_pair(op, f"k{t}" if op == LOCK_OP else f"k{next(_keys)}", i)
-                await asyncio.to_thread(txn, *first)
-                await asyncio.to_thread(txn, *then)
-
-        return make
-
-    def raw_job(self, t: dict[str, Any], stack: contextlib.ExitStack) -> SyncFn:
-        return self.raw_pairs("job", t, stack, job=True)
+    async def araw(self, tasks: int, stack: contextlib.AsyncExitStack) -> Raw:
+        return SqliteRaw(self.target()["path"], stack)
 
     def write(self, url: str, stack: contextlib.ExitStack) -> Callable[[str, int], Any]:
         effects = sqlite_effects(url.removeprefix("sqlite:///"), stack)
@@ -167,3 +166,21 @@ class SqliteBench(Adapter):
     ) -> Callable[[str, int], Awaitable[Any]]:
         effects = sqlite_effects(url.removeprefix("sqlite:///"), stack)
         return lambda key, fence: asyncio.to_thread(sqlite_fenced_write, effects, key, fence)
+
+    @staticmethod
+    def contender(t: dict[str, Any], stack: contextlib.ExitStack) -> tuple[Any, Any]:
+        """A lock row INSERTed (retried every 1 ms while another holds it), DELETEd."""
+        cur = sq_open_raw(t["path"])
+        stack.callback(cur.connection.close)
+        owner = uuid.uuid4().hex
+
+        def acquire(key: str) -> Any:
+            while True:
+                try:
+                    now = time.time_ns() // 1_000_000
+                    cur.execute(SQ_INSERT_LOCK, (SQ_NS, key, owner, 0, now + 30_000))
+                    return key
+                except sqlite3.IntegrityError:
+                    time.sleep(0.001)
+
+        return acquire, lambda key: cur.execute(SQ_DELETE_LOCK, (SQ_NS, key))
