@@ -156,48 +156,42 @@ def hb_port(coord: Any, lease: float) -> Any:
 async def hb_async(url: str, n: int, secs: float, lease: float, loops: bool) -> tuple[int, int]:
     """(renewal round trips, claims lost) of ``n`` claims held ``secs``: the renewer's
     batches, or one task per claim renewing every lease/3."""
-    coord = idemlock.aio.connect(url, key_prefix=new_prefix("hb"))
-    port, trips, lost = hb_port(coord, lease), 0, 0
+    async with idemlock.aio.connect(url, key_prefix=new_prefix("hb")) as coord:
+        port, trips, lost = hb_port(coord, lease), 0, 0
 
-    async def renewed(i: int) -> None:
-        nonlocal lost
-        async with port.run(f"k{i}", payload={}, cancel_on_lost=False) as attempt:
-            await asyncio.sleep(secs)
-            lost += attempt.lost
-            attempt.result = i
+        async def renewed(i: int) -> None:
+            nonlocal lost
+            async with port.run(f"k{i}", payload={}, cancel_on_lost=False) as attempt:
+                await asyncio.sleep(secs)
+                lost += attempt.lost
+                attempt.result = i
 
-    async def loop(i: int) -> None:
-        nonlocal trips, lost
-        claim = await port.claim(f"k{i}", payload={})
-        token, end = claim.token, time.monotonic() + secs
-        while (left := end - time.monotonic()) > 0:
-            await asyncio.sleep(min(lease / 3, left))
-            if time.monotonic() < end:
-                trips += 1
-                try:
-                    token = await port.extend(token)
-                except StoreUnavailable:
-                    continue  # retried at the next interval
-                except StaleClaim:
-                    lost += 1
-                    return
-        with contextlib.suppress(StaleClaim, StoreUnavailable):
-            await port.complete(token, i)
+        async def loop(i: int) -> None:
+            nonlocal trips, lost
+            claim = await port.claim(f"k{i}", payload={})
+            token, end = claim.token, time.monotonic() + secs
+            while (left := end - time.monotonic()) > 0:
+                await asyncio.sleep(min(lease / 3, left))
+                if time.monotonic() < end:
+                    trips += 1
+                    try:
+                        token = await port.extend(token)
+                    except StoreUnavailable:
+                        continue  # retried at the next interval
+                    except StaleClaim:
+                        lost += 1
+                        return
+            with contextlib.suppress(StaleClaim, StoreUnavailable):
+                await port.complete(token, i)
 
-    try:
         body = loop if loops else renewed
         await asyncio.gather(*(body(i) for i in range(n)), return_exceptions=not loops)
         # claims and completes are the same on both sides: count renewals only
         return (trips if loops else coord._renewer.round_trips), lost
-    finally:
-        await coord.close()
 
 
 def hb_threads(url: str, n: int, secs: float, lease: float, loops: bool) -> tuple[int, int]:
-    with (
-        idemlock.connect(url, key_prefix=new_prefix("hb")) as coord,
-        ExitStack() as stack,
-    ):
+    with idemlock.connect(url, key_prefix=new_prefix("hb")) as coord, ExitStack() as stack:
         port = hb_port(coord, lease)
         if not loops:
             attempts = [stack.enter_context(port.run(f"k{i}", payload={})) for i in range(n)]
@@ -232,16 +226,16 @@ def hb_threads(url: str, n: int, secs: float, lease: float, loops: bool) -> tupl
 
 
 def sample(run: Callable[..., tuple[int, int]], client: Any, *args: Any) -> tuple[float, ...]:
-    """One side's run: round trips/s, server commands/s, client CPU and claims lost."""
-    c0, t0, p0 = commands(client), time.monotonic(), time.process_time()
+    """One side's run: round trips/s, Redis commands/s (``INFO stats``; 0 for other stores),
+    client CPU and claims lost."""
+
+    def commands() -> int:
+        return int(client.info("stats")["total_commands_processed"]) if client else 0
+
+    c0, t0, p0 = commands(), time.monotonic(), time.process_time()
     trips, lost = run(*args)
     wall, cpu = time.monotonic() - t0, time.process_time() - p0
-    return trips / wall, (commands(client) - c0) / wall, cpu / wall, lost
-
-
-def commands(client: Any) -> int:
-    """Commands the Redis server has processed (0 for other stores)."""
-    return 0 if client is None else int(client.info("stats")["total_commands_processed"])
+    return trips / wall, (commands() - c0) / wall, cpu / wall, lost
 
 
 def heartbeats(args: argparse.Namespace) -> None:
