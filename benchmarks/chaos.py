@@ -6,14 +6,13 @@
     python benchmarks/chaos.py --all [--mode both]      # every store (the long run)
     python benchmarks/chaos.py --all --short            # what CI runs (tests/test_chaos.py)
 
-On throwaway servers, worker processes take jobs from an at-least-once queue and run
-each through ``@coord.idempotent`` with a fenced effect (``--mode plain``: without
-idemlock, the negative control), or contend for locks through ``hold()`` with fenced
-writes under them (``--workload lock``), while ``faults.run`` injects SIGKILLs and
-SIGSTOPs of busy workers, store restarts (etcd: a leader's SIGKILL or a member's pause),
-cuts and blackholes; then the data alone is checked (``faults``). The README's "Fault
-injection" section has the details and figures. Exits 1 on any violation (plain mode:
-duplicates and stale overwrites are reported, not violations).
+Worker processes on throwaway servers run jobs from an at-least-once queue through
+``@coord.idempotent`` with a fenced effect (``--mode plain``: without idemlock, the
+negative control), or write under ``hold()`` (``--workload lock``), while ``faults``
+kills and pauses busy workers, restarts the store, cuts and blackholes its connections;
+then the data alone is checked. The README's "Fault injection" has the details and
+figures. Exits 1 on any violation (plain mode: duplicates and stale overwrites are
+reported, not violations).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One run, one store and one mode: servers, workers, faults, drain, checks."""
+"""One run of one store, mode and workload: servers, workers, faults, drain, checks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +21,12 @@ from faults import GATED, HOST, KINDS, LOCK_KINDS, LOSSY, STORE_KINDS, Findings,
 from faults.effects import LOCK_SNAPSHOTS, Fx, FxError
 from faults.locks import check_lock_history
 from faults.network import Network
-from faults.worker import PRELOAD, WorkerConfig, store_options, worker_entry
+from faults.worker import PRELOAD, store_options, worker_entry
 from idemlock._faults.workers import Slot, Workers, context
 
 
 class Run:
-    """One store, one mode of the job workload: start, inject, drain, check, tear down."""
+    """The job workload on one store, in one mode: start, inject, drain, check."""
 
     workload = "jobs"
     applies = STORE_KINDS  # the faults that apply, by store
@@ -39,15 +38,14 @@ class Run:
         self.root = Path(tempfile.mkdtemp(prefix=f"idemlock-chaos-{store}-"))
         self.stats = self.root / "stats"
         self.hub = Network()
-        self.fx: Fx | None = None
+        self.fx: Any = None  # the effects database (Fx), once started
         self.servers: list[Any] = []  # each with destroy() or stop(); the store's first
         self.etcd: Any = None  # tests.servers.etcd.EtcdCluster
         self.proxies: list[Any] = []  # etcd's, one per member
         self.paused: tuple[int, float] | None = None  # the paused etcd member, until
         self.etcd_faults: Counter[str] = Counter()
         self.faults: Counter[str] = Counter()
-        #: (worker, from, until) of each SIGSTOP, CLOCK_MONOTONIC
-        self.stops: list[tuple[str, float, float]] = []
+        self.stops: list[tuple[str, float, float]] = []  # (worker, from, until) of SIGSTOPs
         self.exits: list[str] = []
         self.seconds = 0.0
         self.drained = False
@@ -58,8 +56,8 @@ class Run:
 
     def start_servers(self) -> None:
         """The store behind proxies, and the effects database: the workers' SQLite file,
-        or a PostgreSQL the supervisor reads directly, never through a proxy (the
-        workers reach the store's own PostgreSQL through it)."""
+        or a PostgreSQL the supervisor reads directly (the workers reach the store's own
+        PostgreSQL through the proxy)."""
         hub, store = self.hub, self.store
         fx = ("sqlite", str(self.root / "effects.db"))
         if store == "sqlite":
@@ -79,7 +77,8 @@ class Run:
                 announce = lambda port: hub.add(port).port  # noqa: E731
                 self.servers.append(start_cluster(self.root / "cluster", announce=announce))
                 self.store_url = self.servers[0].url
-            # The store's is crashed by the restarts: every acknowledged commit must come back.
+            # As the store it is crashed by the restarts: every acknowledged commit must
+            # come back.
             pg = start_postgres({"synchronous_commit": "on"} if store == "postgres" else None)
             self.servers.append(pg)
             if store == "postgres":
@@ -118,30 +117,25 @@ class Run:
                     os.kill(proc.pid, signal.SIGCONT)
             self.paused = None
 
-    def stop_servers(self) -> None:
-        self.hub.close()
-        for server in self.servers:  # etcd's SIGCONTs a paused member, kills all by pid
-            with contextlib.suppress(Exception):
-                getattr(server, "destroy", server.stop)()
-        if self.fx is not None:
-            self.fx.reset()
-        shutil.rmtree(self.root, ignore_errors=True)
-
     # -- workers and faults -------------------------------------------------------------
 
     def config(self, slot: Slot) -> dict[str, Any]:
-        stats = self.stats / slot.worker
-        cfg = WorkerConfig(
-            slot.worker, self.mode, self.same_tx, self.store_url, *self.fx_worker,
-            self.opts.lease, self.opts.visibility, self.opts.seed, f"{stats}.txt",
-            self.workload, self.opts.resources, f"{stats}.state",
-        )  # fmt: skip
-        return asdict(cfg)
+        """A worker's: the options (lease, visibility, seed, resources), and this run's."""
+        stats = str(self.stats / slot.worker)
+        return vars(self.opts) | {
+            "worker": slot.worker,
+            "mode": self.mode,
+            "same_tx": self.same_tx,
+            "workload": self.workload,
+            "store_url": self.store_url,
+            "fx": self.fx_worker,
+            "stats": f"{stats}.txt",  # its events, one line each
+            "state": f"{stats}.state",  # the lock workload: a byte, 1 while in hold()
+        }
 
     def candidates(self) -> list[Slot]:
         """Live, running workers that hold a job (a fault on an idle worker tests
-        nothing; the fault waits for a busy one). If the queue cannot be read (its
-        database is restarting), any live worker."""
+        nothing); any live one while the queue cannot be read (its database restarts)."""
         live = self.workers.live()
         try:
             busy = self.fx.busy()
@@ -168,15 +162,14 @@ class Run:
                 return True
             pause = self.opts.lease * self.rng.uniform(1.3, 2.5)
             self.workers.stop(slot, pause)
-            # (woken by a poll every few ms: a little later than planned)
-            now = time.monotonic()
+            now = time.monotonic()  # (woken by a poll every few ms: a little later)
             self.stops.append((slot.worker, now, now + pause + 0.1))
         elif kind == "restart":
             self.restart_store()
         elif kind == "cut":
-            # etcd: half of them cut one member's connections
+            # etcd: half of them cut one member's connections; none connected (e.g.
+            # during a blackhole): no fault
             etcd = self.etcd is not None and self.rng.random() < 0.5
-            # none connected (e.g. during a blackhole): no fault
             return self.hub.cut(self.rng.choice(self.proxies) if etcd else None) > 0
         else:
             # Half of them silence everything (a partition of the store), half a random
@@ -189,7 +182,7 @@ class Run:
             return self.hub.blackhole(seconds, share, self.rng, only)
         return True
 
-    def next_fault(self, order: list[str], restarts: bool = True) -> float:
+    def next_fault(self, order: list[str], restarts: bool) -> float:
         """Inject the next fault of a shuffled round of every kind; when the one after."""
         if not order:
             order += self.kinds
@@ -211,7 +204,7 @@ class Run:
         """Faults for ``--duration``, until ``done()`` (at most a minute more); then the
         faults end, paused workers wake and finish what they were doing (their late
         writes are part of the test), and after ``tail`` seconds the workers end. A
-        worker that exited without being killed by us is noted and replaced."""
+        worker that exits without being killed by us is noted and replaced."""
         opts, workers = self.opts, self.workers
         if self.mode == "idemlock":
             import idemlock
@@ -326,10 +319,7 @@ class Run:
         )
 
     def check_store(
-        self,
-        jobs: dict[int, tuple[str, int]],
-        effects: dict[int, tuple[int, str]],
-        bad: Callable[[str, str], None],
+        self, jobs: dict[int, Any], effects: dict[int, Any], bad: Callable[[str, str], None]
     ) -> int:
         """After a lease: no key claimed; every completed key replays its effect's value
         (the wrapped function is called and must not run). The records a restart of
@@ -407,7 +397,13 @@ class Run:
             self.run()
             return self.check()
         finally:
-            self.stop_servers()
+            self.hub.close()
+            for server in self.servers:  # etcd's SIGCONTs a paused member, kills by pid
+                with contextlib.suppress(Exception):
+                    getattr(server, "destroy", server.stop)()
+            if self.fx is not None:
+                self.fx.reset()
+            shutil.rmtree(self.root, ignore_errors=True)
 
 
 class LockRun(Run):
@@ -422,8 +418,7 @@ class LockRun(Run):
         return f"locks on {self.opts.resources} resources (ttl {self.opts.lease:g}s)"
 
     def candidates(self) -> list[Slot]:
-        """Live, running workers inside a ``hold()`` block (a fault on a waiting
-        worker tests little)."""
+        """Live, running workers inside ``hold()`` (a fault on a waiting one tests little)."""
         paths = [(s, self.stats / f"{s.worker}.state") for s in self.workers.live()]
         return [s for s, path in paths if path.exists() and path.read_bytes() == b"1"]
 
@@ -447,17 +442,15 @@ class LockRun(Run):
                 unfenced[kind] = judged.violations.pop(kind, 0)
             judged.examples = [e for e in judged.examples if e.split(":")[0] not in unfenced]
         # How long after the lease's deadline (counted from the renewal's send; or from
-        # when hold() returned a lease already past it) on_lost ran, for holders not
+        # when hold() returned a lease already past it) on_lost ran, apart for holders
         # paused meanwhile (a SIGSTOPped holder is told only when it runs again).
-        late: dict[bool, list[float]] = {False: [], True: []}  # by paused
+        late: dict[bool, list[float]] = {False: [], True: []}
         for path in self.stats.glob("*.lost"):
             worker = path.name.split(".txt")[0]
+            stops = [(t0, t1) for w, t0, t1 in self.stops if w == worker]
             for line in path.read_text().splitlines():
                 deadline, told = map(float, line.split())
-                paused = any(
-                    w == worker and t0 < told and t1 > deadline for w, t0, t1 in self.stops
-                )
-                late[paused].append(told - deadline)
+                late[any(t0 < told and t1 > deadline for t0, t1 in stops)].append(told - deadline)
         running, paused = sorted(late[False]), sorted(late[True])
         fence = "set_if_fresh" if self.store.startswith("redis") else "check_and_advance"
         report = self.report(

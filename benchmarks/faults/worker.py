@@ -9,8 +9,8 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any
 
 from faults import LOCK_SPEC, SPEC
@@ -20,23 +20,6 @@ from idemlock._faults.workers import redirect
 
 #: how long each step of a job, or the preparation of a write under a lock, takes (ms)
 STEP_MS = (5.0, 25.0)
-
-
-@dataclass
-class WorkerConfig:
-    worker: str
-    mode: str  # idemlock | plain
-    same_tx: bool
-    store_url: str
-    fx_kind: str
-    fx_dsn: str
-    lease: float
-    visibility: float
-    seed: int
-    stats: str  # its event counts, one line per event
-    workload: str  # jobs | lock
-    resources: int  # the lock workload's locks
-    state: str  # the lock workload: a byte, 1 while this worker holds a lock
 
 
 def store_options(url: str) -> dict[str, Any]:
@@ -84,7 +67,7 @@ def event(exc: Exception, what: str, known: dict[type[Exception], str]) -> str:
     return f"unexpected:{type(exc).__module__}.{type(exc).__name__}"
 
 
-def worker_main(cfg: WorkerConfig) -> None:
+def worker_main(cfg: SimpleNamespace) -> None:
     import idemlock
     from idemlock import Completed, FencedOut, InFlight, InFlightError, StaleClaim
     from idemlock.stores.postgres import complete_in_transaction
@@ -92,7 +75,7 @@ def worker_main(cfg: WorkerConfig) -> None:
     known = {FencedOut: "fenced_out", StaleClaim: "stale_complete", FxError: "fx_error"}
     known[idemlock.StoreUnavailable] = "store_error"
     rng = random.Random(f"{cfg.seed}:{cfg.worker}")
-    fx = Fx(cfg.fx_kind, cfg.fx_dsn)
+    fx = Fx(*cfg.fx)
     ran: list[int] = []
 
     def step() -> None:
@@ -168,7 +151,7 @@ def resource_name(i: int) -> str:
     return f"{{res-{i}}}"
 
 
-def lock_worker_main(cfg: WorkerConfig) -> None:
+def lock_worker_main(cfg: SimpleNamespace) -> None:
     """Hold a random resource's lock with renewals for 0.2-2.5 ttls, writing fenced
     records under it, again and again until killed. Each write is logged with the
     holder, its token, a sequence number and the times around it."""
@@ -180,7 +163,7 @@ def lock_worker_main(cfg: WorkerConfig) -> None:
     rng = random.Random(f"{cfg.seed}:{cfg.worker}")
     note, told = appender(cfg.stats), appender(cfg.stats + ".lost")
     state_fd = os.open(cfg.state, os.O_WRONLY | os.O_CREAT, 0o644)
-    fx = Fx(cfg.fx_kind, cfg.fx_dsn)
+    fx = Fx(*cfg.fx)
     coord = idemlock.connect(cfg.store_url, **store_options(cfg.store_url))
     ttl = cfg.lease
     locks = coord.lock(idemlock.LockSpec(LOCK_SPEC, ttl=timedelta(seconds=ttl)))
@@ -261,7 +244,7 @@ def lock_worker_main(cfg: WorkerConfig) -> None:
 
 def worker_entry(raw: dict[str, Any], log: str) -> None:
     redirect(log, append=True)
-    cfg = WorkerConfig(**raw)
+    cfg = SimpleNamespace(**raw)  # Run.config's
     (lock_worker_main if cfg.workload == "lock" else worker_main)(cfg)
 
 
