@@ -10,13 +10,14 @@ machine moves every side alike; a ratio is the median of the per-round ratios.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import importlib.util
 import itertools
 import statistics
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -36,63 +37,33 @@ KEEP = 60_000
 CLIENT = {"socket_timeout": 5.0, "socket_connect_timeout": 5.0}
 
 STORES = ("memory", "sqlite", "redis", "redis-cluster", "postgres")
-TITLE = {
-    "memory": "memory",
-    "sqlite": "SQLite",
-    "redis": "Redis",
-    "redis-cluster": "Redis Cluster",
-    "postgres": "PostgreSQL",
-}
-UNC, AIO1, AIO100, HAND, JOB = (
-    "uncontended",
-    "asyncio, 1 task",
-    "asyncio, 100 tasks",
-    "contended hand-off",
-    "idempotent job",
-)
+TITLE = dict(zip(STORES, ("memory", "SQLite", "Redis", "Redis Cluster", "PostgreSQL"), strict=True))
+#: rounds of the in-process stores are longer (their operations take microseconds), so
+#: that a scheduler hiccup on a busy machine averages out
+SCALE = {"memory": 10, "sqlite": 2, "redis": 1, "redis-cluster": 1, "postgres": 1}
+
+UNC, AIO1, AIO100 = "uncontended", "asyncio, 1 task", "asyncio, 100 tasks"
+HAND, JOB = "contended hand-off", "idempotent job"
 LOCK_OP, CLAIM_OP = "acquire+release", "claim+complete"
-HAND_OP = "4 contenders, hold ~1 ms"
-JOB_OP = "claim + fenced write + complete"
-SCENARIOS = [
-    (UNC, LOCK_OP),
-    (UNC, CLAIM_OP),
-    (AIO1, LOCK_OP),
-    (AIO1, CLAIM_OP),
-    (AIO100, LOCK_OP),
-    (AIO100, CLAIM_OP),
-    (HAND, HAND_OP),
-    (JOB, JOB_OP),
-]
+HAND_OP, JOB_OP = "4 contenders, hold ~1 ms", "claim + fenced write + complete"
+#: (scenario, operation), in the report's order
+SCENARIOS = [(s, op) for s in (UNC, AIO1, AIO100) for op in (LOCK_OP, CLAIM_OP)]
+SCENARIOS += [(HAND, HAND_OP), (JOB, JOB_OP)]
 
 BASE, OURS = "baseline", "idemlock"
-OURS_AIO, OURS_TX, OURS_W, OURS_PORT = (
-    "idemlock (asyncio)",
-    "idemlock (same transaction)",
-    "idemlock (write in complete)",
-    "idemlock (store port)",
-)
+OURS_AIO, OURS_TX = "idemlock (asyncio)", "idemlock (same transaction)"
+OURS_W, OURS_PORT = "idemlock (write in complete)", "idemlock (store port)"
 RPY, PRL, FK, IK, PT = "redis-py Lock", "python-redis-lock", "fencekit", "idemkit", "Powertools"
 SUBJECTS = (BASE, OURS, OURS_PORT, OURS_AIO, OURS_W, OURS_TX, RPY, PRL, FK, IK, PT)
 
+POWERTOOLS = "idempotent_function with the Redis (cache) persistence layer; sync"
 #: peer -> (distribution, module, what is measured)
 PEERS: dict[str, tuple[str, str, str]] = {
     RPY: ("redis", "redis", "redis-py's Lock: SET NX PX, Lua release; sync and asyncio"),
     PRL: ("python-redis-lock", "redis_lock", "Lock with a signal list (BLPOP wake-up); sync"),
-    FK: (
-        "fencekit",
-        "fencekit",
-        "DistributedLock with fencing tokens, IdempotencyGuard, FenceGate; sync",
-    ),
-    IK: (
-        "idemkit",
-        "idemkit",
-        "idempotency backends (Redis, PostgreSQL via asyncpg); asyncio only",
-    ),
-    PT: (
-        "aws-lambda-powertools",
-        "aws_lambda_powertools",
-        "idempotent_function with the Redis (cache) persistence layer; sync",
-    ),
+    FK: ("fencekit", "fencekit", "fenced DistributedLock, IdempotencyGuard, FenceGate; sync"),
+    IK: ("idemkit", "idemkit", "idempotency on Redis, PostgreSQL (asyncpg); asyncio only"),
+    PT: ("aws-lambda-powertools", "aws_lambda_powertools", POWERTOOLS),
 }
 
 BASELINES = {
@@ -112,9 +83,7 @@ BASELINES = {
         "arguments: the same round trips; contended: SET NX PX retried every 1 ms, "
         "compare-and-delete on release"
     ),
-    "redis-cluster": (
-        "as for Redis, through redis-py's RedisCluster client (3 masters, no replicas)"
-    ),
+    "redis-cluster": "as for Redis, through redis-py's RedisCluster (3 masters, no replicas)",
     "postgres": (
         "raw psycopg, prepared statements, autocommit: one comparable statement per round "
         "trip on tables with the same columns and indexes; asyncio, 100 tasks: through a "
@@ -156,11 +125,7 @@ LEASE_MS, TTL_MS = 300_000, 3_600_000
 X = "\u00d7"  # the multiplication sign of the ratios
 SyncFn = Callable[[int], Any]
 Make = Callable[[int, int], Awaitable[None]]  # (task index, pairs) -> coroutine
-
-
-#: rounds of the in-process stores are longer (their operations take microseconds), so
-#: that a scheduler hiccup on a busy machine averages out
-SCALE = {"memory": 10, "sqlite": 2, "redis": 1, "redis-cluster": 1, "postgres": 1}
+AsyncFn = Callable[[int], Awaitable[Any]]
 
 
 @dataclass(frozen=True)
@@ -179,47 +144,35 @@ def role(subject: str) -> str:
     return "idemlock" if subject.startswith(OURS) else "peer"
 
 
+KEYS = ("scenario", "operation", "store", "subject")  # what identifies a row
+Rates = dict[str, list[float]]
+Extra = dict[str, dict[str, Any]] | None  # more columns of some subjects' rows
+
+
 class Results:
+    """The rows of a run, and the subjects that did not run (with why)."""
+
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
         self.not_run: list[dict[str, str]] = []
 
     def rates(
-        self,
-        scenario: str,
-        op: str,
-        store: str,
-        rates: Rates,
-        unit: str,
-        extra: dict[str, dict[str, Any]] | None = None,
+        self, scenario: str, op: str, store: str, rates: Rates, unit: str, extra: Extra = None
     ) -> None:
-        base = rates[BASE]
+        """A row per subject: its median rate, its median same-round ratio to the baseline."""
+        extra = extra or {}
         for name, series in rates.items():
-            ratio = statistics.median(a / b for a, b in zip(series, base, strict=True))
-            row = {
-                "scenario": scenario,
-                "operation": op,
-                "store": store,
-                "subject": name,
-                "role": role(name),
-                "value": statistics.median(series),
-                "unit": unit,
-                "ratio": ratio,
-                "rounds": len(series),
-            }
-            row.update((extra or {}).get(name, {}))
+            row: dict[str, Any] = dict(zip(KEYS, (scenario, op, store, name), strict=True))
+            row.update(role=role(name), value=statistics.median(series), unit=unit)
+            row.update(ratio=ratio(rates, name, BASE), rounds=len(series), **extra.get(name, {}))
             self.rows.append(row)
-        print(f"  {scenario}, {op}: " + ", ".join(
-            f"{k} {statistics.median(v):.0f}/s"
-            + (f" ({extra[k]['round_trips']} trips)" if k in (extra or {}) else "")
-            for k, v in rates.items()))  # fmt: skip
+        trips = {k: f" ({e['round_trips']} trips)" for k, e in extra.items()}
+        done = [f"{k} {statistics.median(v):.0f}/s{trips.get(k, '')}" for k, v in rates.items()]
+        print(f"  {scenario}, {op}: {', '.join(done)}")
 
     def skip(self, where: tuple[str, str, str], subject: str, status: str, why: str) -> None:
-        scenario, op, store = where
-        self.not_run.append(
-            {"scenario": scenario, "operation": op, "store": store, "subject": subject,
-             "status": status, "why": why}
-        )  # fmt: skip
+        row = dict(zip(KEYS, (*where, subject), strict=True))
+        self.not_run.append({**row, "status": status, "why": why})
 
 
 def _why(exc: BaseException) -> str:
@@ -235,31 +188,40 @@ def installed(res: Results, where: tuple[str, str, str], name: str) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _peer_errors(name: str, res: Results | None = None, where: Any = None) -> Iterator[None]:
+    """What a peer raises: with ``res``, reported there (the peer is then left out), else
+    raised again as ``PeerFailed``."""
+    try:
+        yield
+    except Exception as exc:
+        if res is None:
+            raise PeerFailed(name, exc) from exc
+        why = "not supported" if isinstance(exc, idemlock.ConfigurationError) else "failed"
+        res.skip(where, name, why, _why(exc))
+
+
 def peer(
     res: Results, where: tuple[str, str, str], name: str, build: Callable[[], SyncFn]
 ) -> SyncFn | None:
     """A peer's measured function, tried once; None (and why, in ``res``) if it cannot run."""
-    try:
+    with _peer_errors(name, res, where):
         if installed(res, where, name):
             fn = build()
             fn(2)
             return fn
-    except Exception as exc:
-        why = "not supported" if isinstance(exc, idemlock.ConfigurationError) else "failed"
-        res.skip(where, name, why, _why(exc))
     return None
 
 
 async def apeer(
     res: Results, where: tuple[str, str, str], name: str, build: Callable[[], Awaitable[Make]]
 ) -> Make | None:
-    try:
+    """As ``peer``, for an asyncio peer's make (task index, pairs)."""
+    with _peer_errors(name, res, where):
         if installed(res, where, name):
             make = await build()
             await make(0, 2)
             return make
-    except Exception as exc:
-        res.skip(where, name, "failed", _why(exc))
     return None
 
 
@@ -281,16 +243,12 @@ def guarded(fns: dict[str, Any]) -> dict[str, Any]:
 
     def wrap(name: str, fn: Any) -> Any:
         def run(*args: Any) -> Any:
-            try:
+            with _peer_errors(name):
                 return fn(*args)
-            except Exception as exc:
-                raise PeerFailed(name, exc) from exc
 
         async def amake(*args: Any) -> None:
-            try:
+            with _peer_errors(name):
                 await fn(*args)
-            except Exception as exc:
-                raise PeerFailed(name, exc) from exc
 
         return amake if asyncio.iscoroutinefunction(fn) else run
 
@@ -301,39 +259,35 @@ def new_prefix(tag: str = "b") -> str:
     return tag + uuid.uuid4().hex[:8]
 
 
-Rates = dict[str, list[float]]
+def _rounds(fns: dict[str, Any], n: int, rounds: int, warm: int, rates: Rates) -> Iterator[Any]:
+    """The calls of ``interleave``: each function with ``warm`` operations, then each with
+    ``n`` per round, timed into ``rates``; the caller makes (or awaits) them."""
+    for fn in fns.values():  # warm up: connections, script cache, imports
+        yield fn, warm
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            yield fn, n
+            rates[name].append(n / (time.perf_counter() - start))
 
 
-def interleave(fns: dict[str, Callable[[int], Any]], n: int, rounds: int) -> Rates:
+def interleave(fns: dict[str, SyncFn], n: int, rounds: int) -> Rates:
     """Operations per second of each function in every round; rounds run A, B, A, B, ..."""
     rates: Rates = {k: [] for k in fns}
-    for fn in fns.values():  # warm up: connections, script cache, imports
-        fn(max(50, n // 20))
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn(n)
-            rates[name].append(n / (time.perf_counter() - start))
+    for fn, count in _rounds(fns, n, rounds, max(50, n // 20), rates):
+        fn(count)
     return rates
 
 
-async def ainterleave(
-    fns: dict[str, Callable[[int], Awaitable[Any]]], n: int, rounds: int
-) -> Rates:
+async def ainterleave(fns: dict[str, AsyncFn], n: int, rounds: int) -> Rates:
+    """As ``interleave``, for asyncio functions."""
     rates: Rates = {k: [] for k in fns}
-    for fn in fns.values():
-        await fn(max(100, n // 20))
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            await fn(n)
-            rates[name].append(n / (time.perf_counter() - start))
+    for fn, count in _rounds(fns, n, rounds, max(100, n // 20), rates):
+        await fn(count)
     return rates
 
 
-def fan_out(
-    make: Callable[[int, int], Awaitable[None]], tasks: int
-) -> Callable[[int], Awaitable[None]]:
+def fan_out(make: Make, tasks: int) -> AsyncFn:
     """Split ``count`` operations over ``tasks`` concurrent tasks (task index, share)."""
 
     async def run(count: int) -> None:
@@ -379,29 +333,29 @@ def version(dist: str) -> str | None:
         return None
 
 
+#: what a reader must know of an installed peer's figures
+CAVEATS = {
+    PT: ". Runs outside Lambda through idempotent_function (no Lambda context): it then sets "
+    "no in-progress expiry, so a key whose worker died stays blocked until the record's whole "
+    "expiry (1 h by default) instead of a lease; it issues no fencing token and its "
+    "completion is an unconditional SET",
+    IK: "" if HAVE_ASYNCPG else ". Its PostgreSQL backend needs asyncpg, which is not installed",
+}
+
+
 def peer_status(res: Results) -> dict[str, dict[str, Any]]:
+    """Each peer's version, status, stores it ran on, failures and notes."""
     out = {}
     for name, (dist, _, what) in PEERS.items():
         ran = sorted({r["store"] for r in res.rows if r["subject"] == name}, key=STORES.index)
         failed = [n for n in res.not_run if n["subject"] == name and n["status"] == "failed"]
-        status = "ran" if ran else "could not run" if HAVE[name] else "not installed"
-        notes = what
-        if name == PT and HAVE[name]:
-            notes += (
-                ". Runs outside Lambda through idempotent_function (no Lambda context): it "
-                "then sets no in-progress expiry, so a key whose worker died stays blocked "
-                "until the record's whole expiry (1 h by default) instead of a lease; it "
-                "issues no fencing token and its completion is an unconditional SET"
-            )
-        if name == IK and HAVE[name] and not HAVE_ASYNCPG:
-            notes += ". Its PostgreSQL backend needs asyncpg, which is not installed"
         out[name] = {
             "distribution": dist,
             "version": version(dist),
-            "status": status,
+            "status": "ran" if ran else "could not run" if HAVE[name] else "not installed",
             "stores": ran,
             "failures": [f"{f['store']}, {f['scenario']}: {f['why']}" for f in failed],
-            "notes": notes,
+            "notes": what + (CAVEATS.get(name, "") if HAVE[name] else ""),
         }
     return out
 

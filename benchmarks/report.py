@@ -20,22 +20,18 @@ import sqlite3
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-for _path in (str(ROOT), str(HERE)):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+sys.path[:0] = [p for p in (str(HERE.parent), str(HERE)) if p not in sys.path]
 
 import common as c  # noqa: E402
 import psycopg  # noqa: E402
 import redis  # noqa: E402
-from render import write  # noqa: E402
+from render import add_paths, write  # noqa: E402
 from scenarios import Contenders, redis_memory, run_store, single_waiter  # noqa: E402
 from subjects.memory import MemoryBench  # noqa: E402
 from subjects.postgres import PgBench  # noqa: E402
@@ -46,6 +42,7 @@ import idemlock  # noqa: E402
 
 FULL = c.Config(n=1000, rounds=7, job_n=500, seconds=5.0, count=50, scaled=True)
 QUICK = c.Config(n=200, rounds=3, job_n=100, seconds=0.6, count=10, scaled=False)
+DISTS = ("redis", "hiredis", "psycopg", "psycopg-pool", "asyncpg", "matplotlib")
 
 
 def cpu_model() -> str:
@@ -59,9 +56,7 @@ def cpu_model() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="reduced configuration (CI)")
-    parser.add_argument("--out", type=Path, default=c.DOCS / "benchmarks.md")
-    parser.add_argument("--json", type=Path, default=c.DOCS / "benchmarks.json")
-    parser.add_argument("--png", type=Path, default=c.DOCS / "benchmarks.png")
+    add_paths(parser, "out", "json", "png")
     parser.add_argument(
         "--stores", default=",".join(c.STORES), help=f"comma-separated subset of {c.STORES}"
     )
@@ -76,40 +71,33 @@ def main(argv: list[str] | None = None) -> int:
     print(f"idemlock benchmark report ({'quick' if args.quick else 'full'}): {asdict(cfg)}; "
           f"{os.cpu_count()} cpus, load average {load_start[0]:.2f}")  # fmt: skip
     res = c.Results()
-    versions: dict[str, str | None] = {
-        "idemlock": idemlock.__version__,
-        "sqlite": sqlite3.sqlite_version,
-    }
-    for dist in ("redis", "hiredis", "psycopg", "psycopg-pool", "asyncpg", "matplotlib"):
-        versions["redis-py" if dist == "redis" else dist] = c.version(dist)
+    versions = {"idemlock": idemlock.__version__, "sqlite": sqlite3.sqlite_version}
+    versions |= {"redis-py" if d == "redis" else d: c.version(d) for d in DISTS}
     with (
         tempfile.TemporaryDirectory(prefix="idemlock-report-") as tmp,
         contextlib.ExitStack() as stack,
     ):
-        server = cluster = pg = None
+        benches: dict[str, Any] = {"memory": MemoryBench, "sqlite": lambda: SqliteBench(tmp)}
+        server = None  # the standalone Redis, whose memory per key is measured too
         if "redis" in stores:
             server = start_redis(Path(tmp) / "redis")
             stack.callback(server.stop)
             with redis.Redis(port=server.port) as r:
                 versions["redis-server"] = r.info("server")["redis_version"]
+            benches["redis"] = lambda: RedisBench(server.url, [server.port], cluster=False)
         if "redis-cluster" in stores:
             cluster = start_cluster(Path(tmp) / "cluster")
             stack.callback(cluster.stop)
+            benches["redis-cluster"] = lambda: RedisBench(cluster.url, cluster.ports, cluster=True)
         if "postgres" in stores:
             pg = start_postgres()
             stack.callback(pg.destroy)
             with psycopg.connect(pg.dsn) as conn:
                 row = conn.execute("SHOW server_version").fetchone()
                 versions["postgresql"] = row[0] if row else None
+            benches["postgres"] = lambda: PgBench(pg.dsn, pg.port)
         contenders = Contenders()
         stack.callback(contenders.close)
-        benches: dict[str, Callable[[], Any]] = {
-            "memory": MemoryBench,
-            "sqlite": lambda: SqliteBench(tmp),
-            "redis": lambda: RedisBench(server.url, [server.port], cluster=False),  # type: ignore[union-attr]
-            "redis-cluster": lambda: RedisBench(cluster.url, cluster.ports, cluster=True),  # type: ignore[union-attr]
-            "postgres": lambda: PgBench(pg.dsn, pg.port),  # type: ignore[union-attr]
-        }
         single: dict[str, dict[str, float]] = {}
         for name in stores:
             bench = benches[name]()
