@@ -40,11 +40,10 @@ ADAPTERS: dict[str, Any] = {"memory": MemoryBench, "sqlite": SqliteBench, "postg
 
 def contender(store: str, kind: str, t: dict[str, Any], stack: contextlib.ExitStack) -> Any:
     """(acquire(key) -> handle, release(handle)) of one contender; it closes on ``stack``."""
-    if kind == c.OURS:
-        return ours_contender(t, stack)
-    if kind == c.BASE:
-        return ADAPTERS.get(store, RedisBench).contender(t, stack)  # both Redis stores
-    return ADAPTERS.get(store, RedisBench).peers[kind][c.HAND_OP](Ctx(t, stack))
+    adapter = ADAPTERS.get(store, RedisBench)  # both Redis stores: RedisBench
+    if kind in (c.BASE, c.OURS):
+        return (adapter.contender if kind == c.BASE else ours_contender)(Ctx(t, stack))
+    return adapter.peers[kind][c.HAND_OP](Ctx(t, stack))
 
 
 _W: dict[str, Any] = {}

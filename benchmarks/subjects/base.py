@@ -1,5 +1,5 @@
-"""idemlock's own subjects on any store, the generic driver of a raw baseline, and the
-adapter every store fills in (how to open it, its raw requests, its peers)."""
+"""idemlock's own subjects on any store, the one driver of every raw baseline (``Raw``),
+and the adapter every store fills in (``Adapter``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import uuid
 import warnings
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar
@@ -24,10 +24,11 @@ from idemlock import Claimed
 warnings.filterwarnings("ignore", message="Couldn't determine the remaining time")
 warnings.filterwarnings("ignore", message="RedisCachePersistenceLayer will be removed")
 
-ASYNC = "asyncio "  # a peer slot's prefix for the asyncio pairs (e.g. "asyncio acquire+release")
+ASYNC = "asyncio "  # a peer's slot for the asyncio pairs: ASYNC + the operation
+Write = Callable[[str, int], Any]  # the job's effect: write(key, fence)
 
 
-def ours_lock_pairs(coord: idemlock.Coordinator) -> Callable[[int], None]:
+def ours_lock_pairs(coord: idemlock.Coordinator) -> c.SyncFn:
     locks = coord.lock(c.LOCK)
 
     def run(count: int) -> None:
@@ -39,13 +40,7 @@ def ours_lock_pairs(coord: idemlock.Coordinator) -> Callable[[int], None]:
     return run
 
 
-def ours_job(
-    coord: idemlock.Coordinator,
-    write: Callable[[str, int], Any] | None = None,
-    *,
-    effect: bool = True,
-    together: bool = False,
-) -> c.SyncFn:
+def ours_job(coord: Any, write: Write | None = None, *, effect=True, together=False) -> c.SyncFn:
     """claim -> ``write(key, fence)`` (by default through the store's fence gate) ->
     complete; ``effect=False``: claim+complete alone; ``together``: the effect written by
     the completing script (one commit, 2 round trips, no late write can land after it)."""
@@ -80,13 +75,9 @@ def ours_job_together(coord: idemlock.Coordinator) -> c.SyncFn:
     return ours_job(coord, together=True)
 
 
-def aio_pairs(
-    coord: idemlock.aio.AsyncCoordinator,
-    op: str,
-    write: Callable[[str, int], Awaitable[Any]] | None = None,
-) -> c.Make:
-    """The asyncio API's pairs; the job (``op`` is JOB_OP) writes ``write(key, fence)``
-    (by default through the fence gate) between claim and complete."""
+def aio_pairs(coord: idemlock.aio.AsyncCoordinator, op: str, write: Write | None = None) -> c.Make:
+    """The asyncio API's pairs; the job (``op`` is JOB_OP) awaits ``write(key, fence)``
+    (by default the fence gate's) between claim and complete."""
     locks, port = coord.lock(c.LOCK), coord.idempotency(c.SPEC)
 
     async def gate(key: str, fence: int) -> None:
@@ -125,7 +116,12 @@ def port_pairs(coord: idemlock.Coordinator, op: str) -> c.SyncFn:
         tag = uuid.uuid4().hex[:6]
         for i in range(count):
             if op == c.LOCK_OP:
-                store.release("bench", "k", owner, store.acquire("bench", "k", owner, 30_000).token)
+                store.release(
+                    "bench",
+                    "k",
+                    owner,
+                    store.acquire("bench", "k", owner, 30_000).token,
+                )
             else:
                 key, token = f"{tag}-{i}", uuid.uuid4().hex
                 store.claim("bench", key, "fp", token, c.LEASE_MS)
@@ -134,10 +130,21 @@ def port_pairs(coord: idemlock.Coordinator, op: str) -> c.SyncFn:
     return run
 
 
-def ours_contender(t: dict[str, Any], stack: contextlib.ExitStack) -> tuple[Any, Any]:
+@dataclass
+class Ctx:
+    """What a subject is built from: the store's target, the stack its clients close
+    on and, for the job, its event loop and idemlock's coordinator."""
+
+    t: dict[str, Any]
+    stack: Any
+    loop: asyncio.AbstractEventLoop | None = None
+    coord: idemlock.Coordinator | None = None
+
+
+def ours_contender(x: Ctx) -> tuple[Any, Any]:
     """idemlock's acquire (waiting up to 30 s) and release, for the contention runs."""
-    coord = idemlock.connect(t["url"], key_prefix=t["prefix"] or new_prefix())
-    stack.callback(coord.close)
+    coord = idemlock.connect(x.t["url"], key_prefix=x.t["prefix"] or new_prefix())
+    x.stack.callback(coord.close)
     locks = coord.lock(c.LOCK)
 
     def acquire(key: str) -> Any:
@@ -150,23 +157,11 @@ def ours_contender(t: dict[str, Any], stack: contextlib.ExitStack) -> tuple[Any,
 
 
 class Raw:
-    """A raw baseline as requests: ``steps(op, key)`` gives a pair's first request and
-    how to make the second from the first's reply; ``send`` (``asend``: awaitable) sends
-    one; ``write(key, reply)`` is the job's fenced write between the two."""
+    """A raw baseline as requests. A store gives ``steps(op, key)``: a pair's first
+    request and how to make the second from the first's reply; ``send`` (or ``asend``,
+    awaitable) to send one; ``write(key, reply)``: the job's fenced write between them."""
 
     spread = 1  # how many lock keys the sync pairs take in turn
-
-    def steps(self, op: str, key: str) -> tuple[Any, Callable[[Any], Any]]:
-        raise NotImplementedError
-
-    def send(self, request: Any) -> Any:
-        raise NotImplementedError
-
-    def asend(self, request: Any) -> Awaitable[Any]:
-        raise NotImplementedError
-
-    def write(self, key: str, reply: Any) -> None:
-        raise NotImplementedError
 
     def run(self, op: str) -> c.SyncFn:
         """``count`` pairs of ``op`` (JOB_OP: claim, ``write``, complete) on fresh keys."""
@@ -196,35 +191,19 @@ class Raw:
         return make
 
 
-@dataclass
-class Ctx:
-    """What a peer's subject is built from: the store's target, the stack its clients
-    close on and, for the job, its event loop and idemlock's coordinator."""
-
-    t: dict[str, Any]
-    stack: Any
-    loop: asyncio.AbstractEventLoop | None = None
-    coord: idemlock.Coordinator | None = None
-
-
 #: peer -> slot (an operation, ASYNC + an operation, JOB_OP or HAND_OP) -> build(Ctx)
 Peers = dict[str, dict[str, Callable[[Ctx], Any]]]
 
 
-def on_loop(loop: asyncio.AbstractEventLoop, make: c.Make) -> c.SyncFn:
-    """An asyncio subject measured among sync ones (1 task, its loop kept between calls)."""
-    return lambda n: loop.run_until_complete(make(0, n))
-
-
 class Adapter:
-    """One store's subjects. A store says how to open it (``url``), what its raw
-    baseline is (``raw``, ``araw``: a ``Raw``; ``contender``), which effect its job
-    writes (``write``/``awrite``; none: the store's fence gate) and which peers run on it
-    (``peers``); idemlock's subjects and the way peers join are the same everywhere."""
+    """One store's subjects. A store says how to open it (``target``, ``url``), what its
+    raw baseline is (``raw(x)``, ``araw(x, tasks)``: a ``Raw``; ``contender(x)``), which
+    effect idemlock's job writes (``effect(x, url, aio)``; None: the store's fence gate)
+    and which peers run on it; the rest is the same for every store."""
 
     name = ""
     scale = 1
-    counting: Any = None
+    counting: Any = None  # a context manager: (count of round trips, a target)
     peers: ClassVar[Peers] = {}
 
     def target(self) -> dict[str, Any]:
@@ -236,18 +215,7 @@ class Adapter:
     def url(self, t: dict[str, Any]) -> str:
         return str(t["url"])
 
-    def raw(self, t: dict[str, Any], stack: contextlib.ExitStack) -> Raw:
-        raise NotImplementedError
-
-    async def araw(self, tasks: int, stack: contextlib.AsyncExitStack) -> Raw:
-        raise NotImplementedError
-
-    def write(self, url: str, stack: contextlib.ExitStack) -> Callable[[str, int], Any] | None:
-        return None
-
-    def awrite(
-        self, url: str, stack: contextlib.ExitStack, loop: asyncio.AbstractEventLoop
-    ) -> Callable[[str, int], Awaitable[Any]] | None:
+    def effect(self, x: Ctx, url: str, aio: bool) -> Write | None:
         return None
 
     def builds(self, slot: str) -> dict[str, Callable[[Ctx], Any]]:
@@ -263,51 +231,47 @@ class Adapter:
         stack.callback(coord.close)
         return coord
 
-    def add_peers(
-        self, fns: dict[str, c.SyncFn], res: c.Results, where: tuple[str, str, str], ctx: Ctx
-    ) -> dict[str, c.SyncFn]:
-        """The peers of ``where``'s operation that can run, after ``fns``."""
+    def with_peers(self, fns: dict[str, Any], res: c.Results, where: Any, x: Ctx) -> Any:
+        """``fns`` and the peers of ``where``'s operation that can run."""
         for name, build in self.builds(where[1]).items():
-            if (fn := peer(res, where, name, partial(build, ctx))) is not None:
+            if (fn := peer(res, where, name, partial(build, x))) is not None:
                 fns[name] = fn
         return fns
 
-    def sync_fns(
-        self, op: str, t: dict[str, Any], stack: contextlib.ExitStack, res: c.Results
-    ) -> dict[str, c.SyncFn]:
-        coord = self.coord(self.url(t), stack)
+    def sync_fns(self, op: str, t: Any, stack: Any, res: c.Results) -> dict[str, c.SyncFn]:
+        coord, x = self.coord(self.url(t), stack), Ctx(t, stack)
         fns = {
-            c.BASE: self.raw(t, stack).run(op),
+            c.BASE: self.raw(x).run(op),
             c.OURS: (ours_lock_pairs if op == c.LOCK_OP else ours_claim_pairs)(coord),
             c.OURS_PORT: port_pairs(coord, op),
         }
-        return self.add_peers(fns, res, (c.UNC, op, self.name), Ctx(t, stack))
+        return self.with_peers(fns, res, (c.UNC, op, self.name), x)
 
-    async def async_fns(
-        self, op: str, tasks: int, stack: contextlib.AsyncExitStack, res: c.Results, where: Any
-    ) -> dict[str, c.Make]:
-        t = self.target()
-        coord = idemlock.aio.connect(self.url(t), key_prefix=new_prefix())
+    async def async_fns(self, op: str, tasks: int, stack: Any, res: c.Results, where: Any) -> Any:
+        x = Ctx(self.target(), stack)
+        coord = idemlock.aio.connect(self.url(x.t), key_prefix=new_prefix())
         stack.push_async_callback(coord.close)
-        fns = {c.BASE: (await self.araw(tasks, stack)).make(op), c.OURS: aio_pairs(coord, op)}
+        fns = {
+            c.BASE: (await self.araw(x, tasks)).make(op),
+            c.OURS: aio_pairs(coord, op),
+        }
         for name, build in self.builds(ASYNC + op).items():
-            if (fn := await apeer(res, where, name, partial(build, Ctx(t, stack)))) is not None:
+            if (fn := await apeer(res, where, name, partial(build, x))) is not None:
                 fns[name] = fn
         return fns
 
-    def job_fns(
-        self, t: dict[str, Any], stack: contextlib.ExitStack, res: c.Results
-    ) -> dict[str, c.SyncFn]:
-        # every url(t) of SQLite is a file of its own
+    def job_fns(self, t: Any, stack: Any, res: c.Results) -> dict[str, c.SyncFn]:
+        # two url(t): SQLite's are a file each
         url, aurl, loop = self.url(t), self.url(t), asyncio.new_event_loop()
         stack.callback(loop.close)
-        coord = self.coord(url, stack)
+        x = Ctx(t, stack, loop, self.coord(url, stack))
         acoord = idemlock.aio.connect(aurl, key_prefix=new_prefix())
         stack.callback(lambda: loop.run_until_complete(acoord.close()))
-        ajob = aio_pairs(acoord, c.JOB_OP, self.awrite(aurl, stack, loop))
+        ajob = aio_pairs(acoord, c.JOB_OP, self.effect(x, aurl, aio=True))
         fns = {
-            c.BASE: self.raw(t, stack).run(c.JOB_OP),
-            c.OURS: ours_job(coord, self.write(url, stack)),
-            c.OURS_AIO: on_loop(loop, ajob),
+            c.BASE: self.raw(x).run(c.JOB_OP),
+            c.OURS: ours_job(x.coord, self.effect(x, url, aio=False)),
+            # 1 task, measured among the sync subjects on a loop kept between calls
+            c.OURS_AIO: lambda n: loop.run_until_complete(ajob(0, n)),
         }
-        return self.add_peers(fns, res, (c.JOB, c.JOB_OP, self.name), Ctx(t, stack, loop, coord))
+        return self.with_peers(fns, res, (c.JOB, c.JOB_OP, self.name), x)

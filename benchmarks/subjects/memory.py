@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 import uuid
@@ -11,13 +10,13 @@ from typing import Any
 from common import JOB_OP, LOCK_OP, RESULT_BYTES, SCALE, Make, SyncFn
 
 from idemlock import FencedOut
-from subjects.base import Adapter, Raw
+from subjects.base import Adapter, Ctx, Raw
 
 
 class MemoryRaw(Raw):
     """The floor of an in-process store: a dict under a lock, the same critical sections
     (claim: insert; complete: update; acquire: insert; release: delete; fenced write),
-    called directly (no requests to build: they would cost as much as the work)."""
+    called directly: building requests would cost as much as the work."""
 
     def __init__(self) -> None:
         self.mu = threading.Lock()
@@ -87,20 +86,17 @@ class MemoryBench(Adapter):
     def url(self, t: dict[str, Any]) -> str:
         return "memory://"
 
-    def raw(self, t: dict[str, Any], stack: Any) -> Raw:
+    def raw(self, x: Ctx) -> Raw:
         return MemoryRaw()
 
-    async def araw(self, tasks: int, stack: Any) -> Raw:
+    async def araw(self, x: Ctx, tasks: int) -> Raw:
         return MemoryRaw()
 
-    def write(self, url: str, stack: Any) -> Any:
-        return MemoryRaw().fenced_write
-
-    def awrite(self, url: str, stack: Any, loop: Any) -> Any:
-        return MemoryRaw().afenced_write
+    def effect(self, x: Ctx, url: str, aio: bool) -> Any:
+        return MemoryRaw().afenced_write if aio else MemoryRaw().fenced_write
 
     @staticmethod
-    def contender(t: dict[str, Any], stack: contextlib.ExitStack) -> tuple[Any, Any]:
+    def contender(x: Ctx) -> tuple[Any, Any]:
         """Threads of one process: a threading.Lock."""
         mu = threading.Lock()
         return (lambda key: mu.acquire()), (lambda held: mu.release())

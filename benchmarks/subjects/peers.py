@@ -1,6 +1,5 @@
-"""The peers, each one adapter: its subjects per scenario (``Peers``: slot -> build) on
-the Redis clients it is given (optional imports). idemkit's, which differ per store,
-are completed by the Redis and PostgreSQL adapters."""
+"""The peers, each one adapter: peer -> slot -> build (``REDIS_PEERS``; idemkit's are
+the Redis and PostgreSQL adapters', its backend differing per store). Optional imports."""
 
 from __future__ import annotations
 
@@ -21,16 +20,12 @@ from common import RESULT, Make, SyncFn, new_prefix
 from subjects.base import ASYNC, Ctx
 
 
-def redis_client(t: dict[str, Any]) -> Any:
+def redis_client(t: dict[str, Any], aio: bool = False) -> Any:
+    """redis-py's client (``aio``: its asyncio one), a RedisCluster on a Cluster."""
+    lib = redis.asyncio if aio else redis
     if t["cluster"]:
-        return redis.cluster.RedisCluster(host="127.0.0.1", port=t["ports"][0], **c.CLIENT)
-    return redis.Redis(port=t["ports"][0], **c.CLIENT)
-
-
-def redis_aclient(t: dict[str, Any]) -> Any:
-    if t["cluster"]:
-        return redis.asyncio.cluster.RedisCluster(host="127.0.0.1", port=t["ports"][0], **c.CLIENT)
-    return redis.asyncio.Redis(port=t["ports"][0], **c.CLIENT)
+        return lib.cluster.RedisCluster(host="127.0.0.1", port=t["ports"][0], **c.CLIENT)
+    return lib.Redis(port=t["ports"][0], **c.CLIENT)
 
 
 def client(x: Ctx) -> Any:
@@ -40,7 +35,7 @@ def client(x: Ctx) -> Any:
 
 
 async def aclient(x: Ctx) -> Any:
-    ar = redis_aclient(x.t)
+    ar = redis_client(x.t, aio=True)
     x.stack.push_async_callback(ar.aclose)
     if x.t["cluster"]:
         await ar.initialize()
@@ -63,56 +58,62 @@ def keyed(step: Callable[[str], Any]) -> SyncFn:
     return run
 
 
-def lock_pairs(new_lock: Callable[[], Any]) -> SyncFn:
-    """Acquire (without waiting) and release a lock object ``new_lock()`` makes."""
-
-    def run(count: int) -> None:
-        for _ in range(count):
-            lock = new_lock()
-            assert lock.acquire(blocking=False)
-            lock.release()
-
-    return run
-
-
-def lock_job(r: Any, lock_of: Callable[[str], Any]) -> SyncFn:
+def lock_job(r: Any, acquire: Callable[[str], Any], release: Callable[[Any], Any]) -> SyncFn:
     """A job from a lock alone: lock, check a done marker, write, mark done, release."""
     done = json.dumps(RESULT)
 
     def step(key: str) -> None:
-        lock = lock_of(key)
-        assert lock.acquire(blocking=False)
+        held = acquire(key)
         if r.get(f"done:{key}") is None:
             r.set(f"eff:{key}", "done")
             r.set(f"done:{key}", done, ex=3600)
-        lock.release()
+        release(held)
 
     return keyed(step)
 
 
-def lock_peer(new: Callable[[Ctx, Any, str, int], Any], name: str, wait: str) -> dict[str, Any]:
-    """A peer that is a lock object, ``new(x, client, name, ttl)``: its pairs, its job and
-    its contender (blocking; ``wait`` names its acquire's timeout argument)."""
+#: lock(x, client, prefix, ttl, wait) -> (acquire(key) -> held, release(held)) of a lock
+#: peer: ttl in seconds; wait: how long acquire waits (None: it does not)
+Lock = Callable[[Ctx, Any, str, int, "int | None"], tuple[Any, Any]]
 
-    def contender(x: Ctx) -> tuple[Any, Any]:
-        r = client(x)
 
+def lock_object(new: Callable[[Ctx, Any, str, int], Any], wait_arg: str) -> Lock:
+    """A peer's lock as an object, ``new(x, client, name, ttl)``, whose acquire's
+    timeout argument is ``wait_arg``."""
+
+    def lock(x: Ctx, r: Any, prefix: str, ttl: int, wait: int | None) -> tuple[Any, Any]:
         def acquire(key: str) -> Any:
-            lock = new(x, r, f"{x.t['prefix']}:{key}", 30)
-            assert lock.acquire(blocking=True, **{wait: 30})
-            return lock
+            held = new(x, r, f"{prefix}:{key}", ttl)
+            assert held.acquire(blocking=wait is not None, **{wait_arg: wait})
+            return held
 
-        return acquire, lambda lock: lock.release()
+        return acquire, lambda held: held.release()
+
+    return lock
+
+
+def lock_peer(lock: Lock, name: str, job: bool = True) -> dict[str, Any]:
+    """A lock peer's pairs (acquire without waiting, release), its contender (waiting up
+    to 30 s) and, with ``job``, its job from the lock alone."""
 
     def pairs(x: Ctx) -> SyncFn:
-        r = client(x)
-        return lock_pairs(partial(new, x, r, new_prefix(name), 30))
+        acquire, release = lock(x, client(x), new_prefix(name), 30, None)
 
-    def job(x: Ctx) -> SyncFn:
-        r = client(x)
-        return lock_job(r, lambda key: new(x, r, f"{name}j:{key}", 300))
+        def run(count: int) -> None:
+            for _ in range(count):
+                release(acquire("peer"))
 
-    return {c.LOCK_OP: pairs, c.JOB_OP: job, c.HAND_OP: contender}
+        return run
+
+    def job_of(x: Ctx) -> SyncFn:
+        r = client(x)
+        return lock_job(r, *lock(x, r, f"{name}j", 300, None))
+
+    slots = {
+        c.LOCK_OP: pairs,
+        c.HAND_OP: lambda x: lock(x, client(x), x.t["prefix"], 30, 30),
+    }
+    return slots | ({c.JOB_OP: job_of} if job else {})
 
 
 def prl_lock(x: Ctx, r: Any, name: str, ttl: int) -> Any:
@@ -121,6 +122,15 @@ def prl_lock(x: Ctx, r: Any, name: str, ttl: int) -> Any:
     import redis_lock
 
     return redis_lock.Lock(r, tag(x, name), expire=ttl, strict=not x.t["cluster"])
+
+
+def fencekit_lock(x: Ctx, r: Any, prefix: str, ttl: int, wait: int | None) -> tuple[Any, Any]:
+    import fencekit
+
+    dl, kw = fencekit.DistributedLock(r, prefix=tag(x, prefix)), {"ttl": timedelta(seconds=ttl)}
+    if wait is not None:
+        kw |= {"blocking": True, "wait": timedelta(seconds=wait)}
+    return partial(dl.acquire, **kw), dl.release
 
 
 async def arpy_pairs(x: Ctx) -> Make:
@@ -133,19 +143,6 @@ async def arpy_pairs(x: Ctx) -> Make:
             await lock.release()
 
     return make
-
-
-def fencekit_lock_pairs(x: Ctx) -> SyncFn:
-    import fencekit
-
-    dl = fencekit.DistributedLock(client(x), prefix=tag(x, new_prefix("fk")))
-    ttl = timedelta(seconds=30)
-
-    def run(count: int) -> None:
-        for _ in range(count):
-            dl.release(dl.acquire("peer", ttl=ttl))
-
-    return run
 
 
 def fencekit_guard_pairs(x: Ctx) -> SyncFn:
@@ -179,14 +176,6 @@ def fencekit_job(r: Any, prefix: str = "fkj") -> SyncFn:
         lock.release(handle)
 
     return keyed(step)
-
-
-def fencekit_contender(x: Ctx) -> tuple[Any, Any]:
-    import fencekit
-
-    dl = fencekit.DistributedLock(client(x), prefix=tag(x, x.t["prefix"]))
-    ttl = timedelta(seconds=30)
-    return partial(dl.acquire, ttl=ttl, blocking=True, wait=ttl), dl.release
 
 
 def powertools(r: Any, job: bool) -> SyncFn:
@@ -240,15 +229,16 @@ def ik_job(backend: Any, write: Callable[[str], Awaitable[Any]], x: Ctx) -> Sync
 
 REDIS_PEERS: dict[str, dict[str, Any]] = {
     c.RPY: {
-        **lock_peer(lambda x, r, name, ttl: r.lock(name, timeout=ttl), "rp", "blocking_timeout"),
+        **lock_peer(
+            lock_object(lambda x, r, name, ttl: r.lock(name, timeout=ttl), "blocking_timeout"), "rp"
+        ),
         ASYNC + c.LOCK_OP: arpy_pairs,
     },
-    c.PRL: lock_peer(prl_lock, "prl", "timeout"),
+    c.PRL: lock_peer(lock_object(prl_lock, "timeout"), "prl"),
     c.FK: {
-        c.LOCK_OP: fencekit_lock_pairs,
+        **lock_peer(fencekit_lock, "fk", job=False),
         c.CLAIM_OP: fencekit_guard_pairs,
         c.JOB_OP: lambda x: fencekit_job(client(x), prefix=tag(x, new_prefix("fkj"))),
-        c.HAND_OP: fencekit_contender,
     },
     c.PT: {
         c.CLAIM_OP: lambda x: powertools(client(x), job=False),

@@ -7,7 +7,7 @@ import contextlib
 import hashlib
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any, ClassVar
 
@@ -55,7 +55,7 @@ PG_RELEASE = (
 )
 
 
-NS = "ns"
+NS, TABLE = "ns", "bench_effects"
 
 
 async def pg_idemkit(dsn: str, max_size: int = 4) -> Any:
@@ -125,7 +125,7 @@ def pg_job_same_tx(coord: idemlock.Coordinator, conn: psycopg.Connection[Any]) -
             claim = port.claim(key := f"{tag}-{i}")
             assert isinstance(claim, Claimed)
             with conn.transaction():
-                PF.fenced_upsert(conn, "bench_effects", effect(key), ["key"], claim.fence)
+                PF.fenced_upsert(conn, TABLE, effect(key), ["key"], claim.fence)
                 PF.complete_in_transaction(conn, port, claim.token, c.RESULT)
 
     return run
@@ -182,15 +182,15 @@ class PgBench(Adapter):
         finally:
             proxy.close()
 
-    def raw(self, t: dict[str, Any], stack: contextlib.ExitStack) -> Raw:
-        return PgRaw(connect(t["dsn"], stack))
+    def raw(self, x: Ctx) -> Raw:
+        return PgRaw(connect(x.t["dsn"], x.stack))
 
-    async def araw(self, tasks: int, stack: contextlib.AsyncExitStack) -> Raw:
+    async def araw(self, x: Ctx, tasks: int) -> Raw:
         """1 task: one connection; 100: a pool of idemlock's pool size (10), one checkout
         per statement as the store does."""
         if tasks == 1:
             aconn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True)
-            stack.push_async_callback(aconn.close)
+            x.stack.push_async_callback(aconn.close)
 
             async def one(request: tuple[bytes, Any]) -> Any:
                 return await (await aconn.execute(*request, prepare=True)).fetchone()
@@ -200,7 +200,7 @@ class PgBench(Adapter):
             self.dsn, min_size=10, max_size=10, kwargs={"autocommit": True}, open=False
         )
         await pool.open(wait=True)
-        stack.push_async_callback(pool.close)
+        x.stack.push_async_callback(pool.close)
 
         async def pooled(request: tuple[bytes, Any]) -> Any:
             async with pool.connection() as conn:
@@ -208,34 +208,26 @@ class PgBench(Adapter):
 
         return PgRaw(asend=pooled)
 
-    def write(self, url: str, stack: contextlib.ExitStack) -> Callable[[str, int], Any]:
-        conn = connect(url, stack)
-        return lambda key, fence: PF.fenced_upsert(
-            conn, "bench_effects", effect(key), ["key"], fence
-        )
+    def effect(self, x: Ctx, url: str, aio: bool) -> Any:
+        """idemlock's fenced upsert into a table of your own."""
+        if aio:
+            aconn = aconnect(url, x.stack, x.loop)
+            return lambda key, fence: PF.afenced_upsert(aconn, TABLE, effect(key), ["key"], fence)
+        conn = connect(url, x.stack)
+        return lambda key, fence: PF.fenced_upsert(conn, TABLE, effect(key), ["key"], fence)
 
-    def awrite(
-        self, url: str, stack: contextlib.ExitStack, loop: Any
-    ) -> Callable[[str, int], Awaitable[Any]]:
-        aconn = aconnect(url, stack, loop)
-        return lambda key, fence: PF.afenced_upsert(
-            aconn, "bench_effects", effect(key), ["key"], fence
-        )
-
-    def job_fns(
-        self, t: dict[str, Any], stack: contextlib.ExitStack, res: c.Results
-    ) -> dict[str, c.SyncFn]:
+    def job_fns(self, t: Any, stack: Any, res: c.Results) -> dict[str, c.SyncFn]:
         fns = super().job_fns(t, stack, res)
         fns[c.OURS_TX] = pg_job_same_tx(self.coord(t["dsn"], stack), connect(t["dsn"], stack))
         return fns
 
     @staticmethod
-    def contender(t: dict[str, Any], stack: contextlib.ExitStack) -> tuple[Any, Any]:
+    def contender(x: Ctx) -> tuple[Any, Any]:
         """pg_advisory_lock / pg_advisory_unlock: the server queues the waiters."""
-        conn = connect(t["dsn"], stack)
+        conn = connect(x.t["dsn"], x.stack)
 
         def lock_id(key: str) -> int:
-            digest = hashlib.blake2b((t["prefix"] + key).encode(), digest_size=8).digest()
+            digest = hashlib.blake2b((x.t["prefix"] + key).encode(), digest_size=8).digest()
             return int.from_bytes(digest, "big", signed=True)
 
         def acquire(key: str) -> Any:

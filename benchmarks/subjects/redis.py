@@ -102,7 +102,7 @@ class RedisRaw(Raw):
 async def ik_aclaim(x: Ctx) -> c.Make:
     from idemkit.backends.redis import RedisBackend
 
-    client = pe.redis_aclient(x.t)
+    client = pe.redis_client(x.t, aio=True)
     if x.t["cluster"]:
         await client.initialize()
     backend = RedisBackend(client, namespace=new_prefix("ik"))
@@ -113,7 +113,7 @@ async def ik_aclaim(x: Ctx) -> c.Make:
 def ik_job(x: Ctx) -> c.SyncFn:
     from idemkit.backends.redis import RedisBackend
 
-    ar = pe.redis_aclient(x.t)
+    ar = pe.redis_client(x.t, aio=True)
     backend = RedisBackend(ar, namespace=new_prefix("ik"))
     return pe.ik_job(backend, lambda key: ar.set(f"ikout:{key}", "done"), x)
 
@@ -141,20 +141,20 @@ class RedisBench(Adapter):
         with count_redis_requests() as count:
             yield count, self.target()
 
-    def raw(self, t: dict[str, Any], stack: contextlib.ExitStack) -> Raw:
-        return RedisRaw(pe.client(Ctx(t, stack)))
+    def raw(self, x: Ctx) -> Raw:
+        return RedisRaw(pe.client(x))
 
-    async def araw(self, tasks: int, stack: contextlib.AsyncExitStack) -> Raw:
-        return RedisRaw(await pe.aclient(Ctx(self.target(), stack)))
+    async def araw(self, x: Ctx, tasks: int) -> Raw:
+        return RedisRaw(await pe.aclient(x))
 
     @staticmethod
-    def contender(t: dict[str, Any], stack: contextlib.ExitStack) -> tuple[Any, Any]:
+    def contender(x: Ctx) -> tuple[Any, Any]:
         """SET NX PX, retried every 1 ms while another holds it; compare-and-delete."""
-        r = pe.client(Ctx(t, stack))
+        r = pe.client(x)
         unlock = r.register_script(UNLOCK_LUA)
 
         def acquire(key: str) -> Any:
-            name, token = f"{t['prefix']}:raw:{key}", uuid.uuid4().hex
+            name, token = f"{x.t['prefix']}:raw:{key}", uuid.uuid4().hex
             while not r.set(name, token, nx=True, px=30_000):
                 time.sleep(0.001)
             return name, token

@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
+from functools import partial
 from typing import Any
 from unittest import mock
 
@@ -19,7 +20,7 @@ from common import LEASE_MS, LOCK, LOCK_OP, SCALE, _fail
 import idemlock
 from idemlock import FencedOut
 from idemlock.stores.sqlite import _SCHEMA
-from subjects.base import Adapter, Raw
+from subjects.base import Adapter, Ctx, Raw
 
 SQ_NS = "bench:job"
 SQ_RESULT = b'{"ok":true,"id":12345}'
@@ -151,27 +152,23 @@ class SqliteBench(Adapter):
         coord.close()
         return t
 
-    def raw(self, t: dict[str, Any], stack: contextlib.ExitStack) -> Raw:
-        return SqliteRaw(self.target()["path"], stack)
+    def raw(self, x: Ctx) -> Raw:
+        return SqliteRaw(self.target()["path"], x.stack)
 
-    async def araw(self, tasks: int, stack: contextlib.AsyncExitStack) -> Raw:
-        return SqliteRaw(self.target()["path"], stack)
+    async def araw(self, x: Ctx, tasks: int) -> Raw:
+        return self.raw(x)
 
-    def write(self, url: str, stack: contextlib.ExitStack) -> Callable[[str, int], Any]:
-        effects = sqlite_effects(url.removeprefix("sqlite:///"), stack)
-        return lambda key, fence: sqlite_fenced_write(effects, key, fence)
-
-    def awrite(
-        self, url: str, stack: contextlib.ExitStack, loop: Any
-    ) -> Callable[[str, int], Awaitable[Any]]:
-        effects = sqlite_effects(url.removeprefix("sqlite:///"), stack)
-        return lambda key, fence: asyncio.to_thread(sqlite_fenced_write, effects, key, fence)
+    def effect(self, x: Ctx, url: str, aio: bool) -> Any:
+        write = partial(
+            sqlite_fenced_write, sqlite_effects(url.removeprefix("sqlite:///"), x.stack)
+        )
+        return (lambda key, fence: asyncio.to_thread(write, key, fence)) if aio else write
 
     @staticmethod
-    def contender(t: dict[str, Any], stack: contextlib.ExitStack) -> tuple[Any, Any]:
+    def contender(x: Ctx) -> tuple[Any, Any]:
         """A lock row INSERTed (retried every 1 ms while another holds it), DELETEd."""
-        cur = sq_open_raw(t["path"])
-        stack.callback(cur.connection.close)
+        cur = sq_open_raw(x.t["path"])
+        x.stack.callback(cur.connection.close)
         owner = uuid.uuid4().hex
 
         def acquire(key: str) -> Any:
