@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from idemlock._faults.queue import Queue, sqlite_connect
+
+Row = dict[str, Any]  # column: value
 
 #: both workloads' tables; SQLite takes PostgreSQL's type names (by affinity) but for
 #: the auto-numbered ids, which give the order of acceptance
@@ -34,6 +36,8 @@ SNAPSHOTS = {
     "effects": "SELECT job_id, fence, value FROM effects",
     "log": "SELECT id, job_id, fence, worker, accepted FROM effect_log ORDER BY id",
 }
+#: the fenced writes' tables: their fence column and their log
+WRITES = {"effects": ("fence", "effect_log"), "lock_fence": ("token", "lock_log")}
 LOCK_SNAPSHOTS = {
     "holds": "SELECT resource, holder, token, t_before, t_after FROM lock_holds ORDER BY id",
     "log": "SELECT id, resource, holder, token, seq, t_sent, t_done, accepted, lost, remaining "
@@ -79,7 +83,7 @@ class Fx(Queue):
         serial = "bigserial PRIMARY KEY" if self.postgres else "INTEGER PRIMARY KEY AUTOINCREMENT"
         super().create(visible, SCHEMA.format(serial=serial))
 
-    def insert(self, table: str, row: dict[str, Any], c: Any = None) -> None:
+    def insert(self, table: str, row: Row, c: Any = None) -> None:
         """``row`` into ``table``: in the transaction of ``c``, or in one of its own."""
         if c is None:
             with self.tx() as c:
@@ -87,47 +91,35 @@ class Fx(Queue):
         marks = ", ".join([self.p] * len(row))
         c.execute(f"INSERT INTO {table} ({', '.join(row)}) VALUES ({marks})", list(row.values()))
 
-    def upsert(self, c: Any, table: str, row: dict[str, Any], fence: str, fenced: bool) -> bool:
-        """Write ``row`` (its first column is the key) over the key's; ``fenced``: only
-        over a row whose ``fence`` column is not above ours (PostgreSQL: through
-        idemlock's own ``fenced_upsert``). True if it was written."""
+    def write(self, table: str, row: Row, logged: Row, fenced: bool, finish: Any = None) -> bool:
+        """Write ``row`` (its first column is the key) over the key's in ``table``, and
+        ``logged`` with the outcome as ``accepted`` in its log, in one transaction (the
+        log's ids give the order of acceptance); True if it was written. ``fenced``: only
+        over a row whose fence column is not above ours (PostgreSQL: through idemlock's
+        own ``fenced_upsert``). ``finish(conn)`` (the completion, same-transaction mode)
+        commits with an accepted write; a refused one commits only its log row."""
+        fence, log = WRITES[table]
         key, *rest = row
-        if fenced and self.postgres:
-            from idemlock import FencedOut
-            from idemlock.stores.postgres import fenced_upsert
-
-            values = {k: row[k] for k in rest if k != fence} | {key: row[key]}
-            try:
-                fenced_upsert(c, table, values, [key], row[fence], fence_column=fence)
-            except FencedOut:
-                return False
-            return True
-        sets = ", ".join(f"{k} = excluded.{k}" for k in rest)
-        where = f" WHERE t.{fence} <= excluded.{fence}" if fenced else ""
-        marks = ", ".join([self.p] * len(row))
-        sql = (
-            f"INSERT INTO {table} AS t ({', '.join(row)}) VALUES ({marks}) "
-            f"ON CONFLICT ({key}) DO UPDATE SET {sets}{where} RETURNING 1"
-        )
-        return c.execute(sql, list(row.values())).fetchone() is not None
-
-    def write(
-        self,
-        table: str,
-        row: dict[str, Any],
-        fence: str,
-        fenced: bool,
-        log: str,
-        logged: dict[str, Any],
-        finish: Callable[[Any], None] | None = None,
-    ) -> bool:
-        """``row`` upserted into ``table`` (fenced on its ``fence`` column, see ``upsert``)
-        and ``logged`` with the outcome as ``accepted`` into ``log``, in one transaction
-        (the log's ids give the order of acceptance); True if accepted. ``finish(conn)``
-        (the completion, same-transaction mode) commits with an accepted write; a
-        refused one commits only its log row."""
         with self.tx() as c:
-            accepted = self.upsert(c, table, row, fence, fenced)
+            if fenced and self.postgres:
+                from idemlock import FencedOut
+                from idemlock.stores.postgres import fenced_upsert
+
+                values = {k: row[k] for k in rest if k != fence} | {key: row[key]}
+                try:
+                    fenced_upsert(c, table, values, [key], row[fence], fence_column=fence)
+                    accepted = True
+                except FencedOut:
+                    accepted = False
+            else:
+                sets = ", ".join(f"{k} = excluded.{k}" for k in rest)
+                where = f" WHERE t.{fence} <= excluded.{fence}" if fenced else ""
+                marks = ", ".join([self.p] * len(row))
+                sql = (
+                    f"INSERT INTO {table} AS t ({', '.join(row)}) VALUES ({marks}) "
+                    f"ON CONFLICT ({key}) DO UPDATE SET {sets}{where} RETURNING 1"
+                )
+                accepted = c.execute(sql, list(row.values())).fetchone() is not None
             self.insert(log, logged | {"accepted": accepted}, c)
             if accepted and finish is not None:
                 finish(c)

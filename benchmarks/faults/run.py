@@ -21,7 +21,7 @@ from faults import GATED, HOST, KINDS, LOCK_KINDS, LOSSY, STORE_KINDS, Findings,
 from faults.effects import LOCK_SNAPSHOTS, Fx, FxError
 from faults.locks import check_lock_history
 from faults.network import Network
-from faults.worker import PRELOAD, store_options, worker_entry
+from faults.worker import PRELOAD, connect, idempotent_jobs, job_key, worker_entry
 from idemlock._faults.workers import Slot, Workers, context
 
 
@@ -30,6 +30,7 @@ class Run:
 
     workload = "jobs"
     applies = STORE_KINDS  # the faults that apply, by store
+    what = "{jobs} jobs"  # of the options
 
     def __init__(self, store: str, mode: str, same_tx: bool, opts: Any, say: Any) -> None:
         self.store, self.mode, self.same_tx, self.opts, self.say = store, mode, same_tx, opts, say
@@ -207,10 +208,8 @@ class Run:
         worker that exits without being killed by us is noted and replaced."""
         opts, workers = self.opts, self.workers
         if self.mode == "idemlock":
-            import idemlock
-
             # Create the store's schema once, before the workers race to.
-            with idemlock.connect(self.store_url, **store_options(self.store_url)) as coord:
+            with connect(self.store_url) as coord:
                 prepare(coord)
         self.stats.mkdir()
         workers.start()
@@ -257,9 +256,6 @@ class Run:
             workers.close()
 
     # -- the workload -------------------------------------------------------------------
-
-    def what(self) -> str:
-        return f"{self.opts.jobs} jobs"
 
     def run(self) -> None:
         opts = self.opts
@@ -325,23 +321,23 @@ class Run:
         (the wrapped function is called and must not run). The records a restart of
         Redis deleted are counted, not judged."""
         import idemlock
-        from faults.worker import idempotent_job, job_key, job_spec
 
         time.sleep(self.opts.lease + 0.2)
 
-        def connect() -> Any:
-            coord = idemlock.connect(self.store_url, **store_options(self.store_url))
+        def connected() -> Any:
+            coord = connect(self.store_url)
             coord.keys()
             return coord
 
         lost = 0
         ran: list[int] = []
-        with retried(connect, idemlock.StoreUnavailable) as coord:
-            port = coord.idempotency(job_spec(self.opts.lease))
+        with retried(connected, idemlock.StoreUnavailable) as coord:
+            port, run_job = idempotent_jobs(
+                coord, self.opts.lease, lambda job: ran.append(job) or ""
+            )
             for rec in coord.keys():  # noqa: SIM118 (a Coordinator, not a dict)
                 if rec.state == "in_flight":
                     bad("left_claimed", f"{rec.key} still in flight after the lease")
-            run_job = idempotent_job(coord, self.opts.lease, lambda job: ran.append(job) or "")
             for job in jobs:
                 status = port.status(job_key(job))
                 if status is None and self.store in LOSSY and self.faults["restart"]:
@@ -386,13 +382,14 @@ class Run:
 
     def execute(self) -> dict[str, Any]:
         name = f"{self.store}{' (same transaction)' if self.same_tx else ''}"
+        opts = self.opts
         try:
             self.say(f"{name}, {self.mode}: starting servers in {self.root}")
             self.start_servers()
             self.say(
-                f"{name}, {self.workload}, {self.mode}: {self.what()} over "
-                f"{self.opts.duration:g}s, {self.opts.workers} workers, faults "
-                f"{'/'.join(self.kinds)} every ~{self.opts.fault_every:g}s"
+                f"{name}, {self.workload}, {self.mode}: {self.what.format_map(vars(opts))} over "
+                f"{opts.duration:g}s, {opts.workers} workers, faults {'/'.join(self.kinds)} "
+                f"every ~{opts.fault_every:g}s"
             )
             self.run()
             return self.check()
@@ -413,9 +410,7 @@ class LockRun(Run):
 
     workload = "lock"
     applies = LOCK_KINDS
-
-    def what(self) -> str:
-        return f"locks on {self.opts.resources} resources (ttl {self.opts.lease:g}s)"
+    what = "locks on {resources} resources (ttl {lease:g}s)"
 
     def candidates(self) -> list[Slot]:
         """Live, running workers inside ``hold()`` (a fault on a waiting one tests little)."""

@@ -22,24 +22,28 @@ from idemlock._faults.workers import redirect
 STEP_MS = (5.0, 25.0)
 
 
-def store_options(url: str) -> dict[str, Any]:
-    # Small pools: a few worker processes, each with one job at a time.
-    return {"max_size": 3, "timeout": 5.0} if url.startswith("postgresql") else {}
+def connect(url: str) -> Any:
+    """A Coordinator on ``url``; PostgreSQL: small pools (a few worker processes, one job
+    at a time each)."""
+    import idemlock
+
+    options = {"max_size": 3, "timeout": 5.0} if url.startswith("postgresql") else {}
+    return idemlock.connect(url, **options)
 
 
 def job_key(job: int) -> str:
     return f"job-{job}"
 
 
-def job_spec(lease: float) -> Any:
+def idempotent_jobs(
+    coord: Any, lease: float, body: Callable[[int], str]
+) -> tuple[Any, Callable[[int], str]]:
+    """The jobs' port, and the job as the workers and the checker wrap it (so the same
+    payload fingerprint)."""
     import idemlock
 
-    return idemlock.IdempotencySpec(SPEC, ttl=timedelta(hours=2), lease=timedelta(seconds=lease))
-
-
-def idempotent_job(coord: Any, lease: float, body: Callable[[int], str]) -> Callable[[int], str]:
-    """The job as the workers and the checker wrap it (so the same payload fingerprint)."""
-    return coord.idempotent(job_spec(lease), key=job_key)(body)  # type: ignore[no-any-return]
+    spec = idemlock.IdempotencySpec(SPEC, ttl=timedelta(hours=2), lease=timedelta(seconds=lease))
+    return coord.idempotency(spec), coord.idempotent(spec, key=job_key)(body)
 
 
 def appender(path: str) -> Callable[[str], None]:
@@ -87,9 +91,7 @@ def worker_main(cfg: SimpleNamespace) -> None:
         value = f"job-{job}/fence-{fence}/{cfg.worker}"
         row = {"job_id": job, "fence": fence, "value": value, "worker": cfg.worker}
         logged = {"job_id": job, "fence": fence, "worker": cfg.worker}
-        if not fx.write(
-            "effects", row, "fence", cfg.mode == "idemlock", "effect_log", logged, finish
-        ):
+        if not fx.write("effects", row, logged, cfg.mode == "idemlock", finish):
             raise FencedOut(f"effects/{job}", fence, None)
         return value
 
@@ -125,9 +127,7 @@ def worker_main(cfg: SimpleNamespace) -> None:
 
     run: Callable[[int, int], Any] = plain
     if cfg.mode == "idemlock":
-        coord = idemlock.connect(cfg.store_url, **store_options(cfg.store_url))
-        port = coord.idempotency(job_spec(cfg.lease))
-        run_job = idempotent_job(coord, cfg.lease, body)
+        port, run_job = idempotent_jobs(connect(cfg.store_url), cfg.lease, body)
         run = same_tx if cfg.same_tx else lambda job, _: run_job(job)
 
     def handle(job: int, delivery: int) -> Outcome:
@@ -145,12 +145,6 @@ def worker_main(cfg: SimpleNamespace) -> None:
     consume(fx, cfg.worker, cfg.visibility, handle, note=appender(cfg.stats), errors=(FxError,))
 
 
-def resource_name(i: int) -> str:
-    # The hash tag keeps the gate and the key set_if_fresh writes in one slot on a
-    # Redis Cluster (set_if_fresh writes the resource's own name).
-    return f"{{res-{i}}}"
-
-
 def lock_worker_main(cfg: SimpleNamespace) -> None:
     """Hold a random resource's lock with renewals for 0.2-2.5 ttls, writing fenced
     records under it, again and again until killed. Each write is logged with the
@@ -164,10 +158,12 @@ def lock_worker_main(cfg: SimpleNamespace) -> None:
     note, told = appender(cfg.stats), appender(cfg.stats + ".lost")
     state_fd = os.open(cfg.state, os.O_WRONLY | os.O_CREAT, 0o644)
     fx = Fx(*cfg.fx)
-    coord = idemlock.connect(cfg.store_url, **store_options(cfg.store_url))
+    coord = connect(cfg.store_url)
     ttl = cfg.lease
     locks = coord.lock(idemlock.LockSpec(LOCK_SPEC, ttl=timedelta(seconds=ttl)))
-    resources = [resource_name(i) for i in range(cfg.resources)]
+    # The hash tag keeps the gate and the key set_if_fresh writes (the resource's own
+    # name) in one slot on a Redis Cluster.
+    resources = [f"{{res-{i}}}" for i in range(cfg.resources)]
     # Redis: the write is the store's own gate (set_if_fresh: check the token and SET
     # in one script); etcd: the gate's check_and_advance (one Txn); both logged after
     # their reply. SQL stores: a fenced upsert in the effects database, plain mode an
@@ -187,8 +183,7 @@ def lock_worker_main(cfg: SimpleNamespace) -> None:
         accepted: bool | None
         if not gates:
             row = {k: logged[k] for k in ("resource", "token", "holder", "seq")}
-            fenced = cfg.mode == "idemlock"
-            accepted = fx.write("lock_fence", row, "token", fenced, "lock_log", logged)
+            accepted = fx.write("lock_fence", row, logged, cfg.mode == "idemlock")
         else:
             try:
                 if cfg.store_url.startswith("etcd"):
