@@ -1,7 +1,7 @@
 """The scenarios, each written once, run on every store's subjects.
 
 * uncontended, asyncio and the crash-safe job (``run_store``): every subject interleaved
-  round by round, round trips counted (``count_trips``);
+  round by round, then its round trips counted;
 * contention (``Contenders``): processes (threads for the in-process store) taking turns
   on one lock: critical sections/s, hand-offs, gap, worst wait (``summarize``); the
   same machinery with 2 processes is the single-waiter scenario;
@@ -149,34 +149,9 @@ def contend_threads(kind: str, seconds: float, hold: float = 0.001) -> dict[str,
 # ---- running one store -------------------------------------------------------------------------
 
 
-def count_trips(
-    bench: Any,
-    build: Callable[[dict[str, Any], contextlib.ExitStack, c.Results], dict[str, c.SyncFn]],
-    k: int,
-) -> dict[str, dict[str, Any]]:
-    """Round trips per operation of each subject, counted on fresh clients."""
-    if bench.counting is None:
-        return {}
-    out: dict[str, dict[str, Any]] = {}
-    with bench.counting() as (count, t), contextlib.ExitStack() as stack:
-        for name, fn in build(t, stack, c.Results()).items():
-            try:
-                fn(k)  # connections, scripts, prepared statements, a Cluster's nodes
-                before = count()
-                fn(k)
-            except Exception:
-                if role(name) != "peer":
-                    raise
-                continue  # measured (or reported as failed) by the timed run
-            out[name] = {"round_trips": round((count() - before) / k, 2)}
-    return out
-
-
 def run_store(bench: Any, cfg: c.Config, res: c.Results, contenders: Contenders) -> None:
-    name = bench.name
-    n, job_n = (
-        (cfg.n, cfg.job_n) if not cfg.scaled else (cfg.n * bench.scale, cfg.job_n * bench.scale)
-    )
+    name, scale = bench.name, bench.scale if cfg.scaled else 1
+    n, job_n = cfg.n * scale, cfg.job_n * scale
 
     def measured(where: tuple[str, str, str], fns: dict[str, Any], run: Any) -> c.Rates:
         """``run(fns)``; a peer that fails is dropped (and why, in ``res``), the rest rerun."""
@@ -189,10 +164,25 @@ def run_store(bench: Any, cfg: c.Config, res: c.Results, contenders: Contenders)
                 del fns[exc.name]
 
     def timed(scenario: str, op: str, build: Any, count: int, unit: str) -> None:
+        """Every subject of ``build`` interleaved, then its round trips per operation,
+        counted on fresh clients (a store without ``counting`` has none)."""
         with contextlib.ExitStack() as stack:
             fns = build(bench.target(), stack, res)
             rates = measured((scenario, op, name), fns, lambda f: interleave(f, count, cfg.rounds))
-        res.rates(scenario, op, name, rates, unit, count_trips(bench, build, cfg.count))
+        trips: dict[str, dict[str, Any]] = {}
+        with contextlib.ExitStack() as stack:
+            counted, t = stack.enter_context(bench.counting()) if bench.counting else (None, {})
+            for subject, fn in build(t, stack, c.Results()).items() if counted else ():
+                try:
+                    fn(cfg.count)  # connections, scripts, prepared statements, a Cluster's nodes
+                    before = counted()
+                    fn(cfg.count)
+                except Exception:
+                    if role(subject) != "peer":
+                        raise
+                    continue  # measured (or reported as failed) by the timed run
+                trips[subject] = {"round_trips": round((counted() - before) / cfg.count, 2)}
+        res.rates(scenario, op, name, rates, unit, trips)
 
     async def fanned(makes: dict[str, c.Make], tasks: int) -> c.Rates:
         for make in makes.values():
@@ -219,7 +209,7 @@ def run_store(bench: Any, cfg: c.Config, res: c.Results, contenders: Contenders)
 
     where = (c.HAND, c.HAND_OP, name)
     base_cs = None
-    for kind in bench.kinds:
+    for kind in (c.BASE, c.OURS, *bench.builds(c.HAND_OP)):
         if not installed(res, where, kind):
             continue
         try:
@@ -249,14 +239,12 @@ def run_store(bench: Any, cfg: c.Config, res: c.Results, contenders: Contenders)
         )
 
 
-def single_waiter(
-    bench: Any, cfg: c.Config, contenders: Contenders, kind: str = c.OURS
-) -> dict[str, float]:
+def single_waiter(bench: Any, cfg: c.Config, contenders: Contenders) -> dict[str, float]:
     """One holder, one waiter (2 processes; each holds 2 ms, then stays off the lock for
     0.5 ms, so the other is always already waiting): the release -> acquire gap."""
     t = {**bench.contention_target(), "prefix": new_prefix("sw")}
     return contenders.run(
-        bench.name, kind, t, min(cfg.seconds, 3.0), hold=0.002, procs=2, pause=0.0005
+        bench.name, c.OURS, t, min(cfg.seconds, 3.0), hold=0.002, procs=2, pause=0.0005
     )
 
 

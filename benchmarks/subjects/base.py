@@ -221,11 +221,6 @@ class Adapter:
     def builds(self, slot: str) -> dict[str, Callable[[Ctx], Any]]:
         return {name: of[slot] for name, of in self.peers.items() if slot in of}
 
-    @property
-    def kinds(self) -> tuple[str, ...]:
-        """The contention run's subjects."""
-        return (c.BASE, c.OURS, *self.builds(c.HAND_OP))
-
     def coord(self, url: str, stack: contextlib.ExitStack) -> idemlock.Coordinator:
         coord = idemlock.connect(url, key_prefix=new_prefix())
         stack.callback(coord.close)

@@ -195,36 +195,40 @@ def powertools(r: Any, job: bool) -> SyncFn:
     return keyed(lambda key: work(job={"key": key, "effect": job}))
 
 
-async def _ik(backend: Any, key: str, write: Callable[[str], Awaitable[Any]] | None) -> None:
-    res = await backend.claim(key, "f" * 64, 1, 300.0)
-    if write is not None:
-        await write(key)
-    await backend.complete(key, res.our_claim_token, 200, {}, b"x" * 40, 3600.0)
-
-
-def ik_claim(backend: Any) -> Make:
-    """idemkit's backend claim + complete, the calls its middleware makes per request."""
+def ik_pairs(backend: Any, write: Callable[[str], Awaitable[Any]] | None = None) -> Make:
+    """idemkit's backend claim + complete, the calls its middleware makes per request
+    (the job: ``write(key)`` between them)."""
 
     async def make(t: int, count: int) -> None:
         tag = uuid.uuid4().hex[:6]
         for i in range(count):
-            await _ik(backend, f"{tag}-{t}-{i}", None)
+            key = f"{tag}-{t}-{i}"
+            res = await backend.claim(key, "f" * 64, 1, 300.0)
+            if write is not None:
+                await write(key)
+            await backend.complete(key, res.our_claim_token, 200, {}, b"x" * 40, 3600.0)
 
     return make
 
 
-def ik_job(backend: Any, write: Callable[[str], Awaitable[Any]], x: Ctx) -> SyncFn:
-    """The job through idemkit's backend, 1 task on ``x.loop``, measured among sync ones."""
-    loop = x.loop
-    assert loop is not None
-    x.stack.callback(lambda: loop.run_until_complete(backend.aclose()))
+def ik_peer(backend: Callable[[Ctx, int], Awaitable[Any]], write: Callable[[Ctx], Any]) -> Any:
+    """idemkit on a store: ``backend(x, max_size)`` opens its backend, ``write(x)`` makes
+    the job's write; the job runs 1 task on ``x.loop``, measured among sync subjects."""
 
-    async def run(count: int) -> None:
-        tag = uuid.uuid4().hex[:6]
-        for i in range(count):
-            await _ik(backend, f"{tag}-{i}", write)
+    async def pairs(x: Ctx) -> Make:
+        opened = await backend(x, 10)
+        x.stack.push_async_callback(opened.aclose)
+        return ik_pairs(opened)
 
-    return lambda n: loop.run_until_complete(run(n))
+    def job(x: Ctx) -> SyncFn:
+        loop = x.loop
+        assert loop is not None
+        opened = loop.run_until_complete(backend(x, 4))
+        x.stack.callback(lambda: loop.run_until_complete(opened.aclose()))
+        make = ik_pairs(opened, write(x))
+        return lambda n: loop.run_until_complete(make(0, n))
+
+    return {ASYNC + c.CLAIM_OP: pairs, c.JOB_OP: job}
 
 
 REDIS_PEERS: dict[str, dict[str, Any]] = {

@@ -19,8 +19,8 @@ from tests.servers.proxy import TcpProxy
 import idemlock
 from idemlock import Claimed, FencedOut
 from idemlock.stores.postgres import fenced as PF
-from subjects.base import ASYNC, Adapter, Ctx, Peers, Raw
-from subjects.peers import ik_claim, ik_job
+from subjects.base import Adapter, Ctx, Peers, Raw
+from subjects.peers import ik_peer
 
 PG_SCHEMA = """
 CREATE SCHEMA IF NOT EXISTS raw;
@@ -147,22 +147,17 @@ def aconnect(url: str, stack: contextlib.ExitStack, loop: Any) -> psycopg.AsyncC
     return aconn
 
 
-async def ik_aclaim(x: Ctx) -> c.Make:
-    backend = await pg_idemkit(x.t["dsn"], max_size=10)
-    x.stack.push_async_callback(backend.aclose)
-    return ik_claim(backend)
-
-
-def ik_pg_job(x: Ctx) -> c.SyncFn:
-    assert x.loop is not None
-    backend = x.loop.run_until_complete(pg_idemkit(x.t["dsn"], max_size=4))
+def ik_write(x: Ctx) -> Any:
+    """The job's effect: a plain upsert, on a connection of its own."""
     upsert = partial(aconnect(x.t["dsn"], x.stack, x.loop).execute, PG_UPSERT, prepare=True)
-    return ik_job(backend, lambda key: upsert((key, "done")), x)
+    return lambda key: upsert((key, "done"))
 
 
 class PgBench(Adapter):
     name = "postgres"
-    peers: ClassVar[Peers] = {c.IK: {ASYNC + c.CLAIM_OP: ik_aclaim, c.JOB_OP: ik_pg_job}}
+    peers: ClassVar[Peers] = {
+        c.IK: ik_peer(lambda x, size: pg_idemkit(x.t["dsn"], max_size=size), ik_write)
+    }
 
     def __init__(self, dsn: str, port: int) -> None:
         self.dsn, self.port = dsn, port

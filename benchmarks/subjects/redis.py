@@ -16,7 +16,7 @@ from common import new_prefix
 
 from idemlock.stores.redis import _common as C
 from subjects import peers as pe
-from subjects.base import ASYNC, Adapter, Ctx, Peers, Raw, ours_job_together
+from subjects.base import Adapter, Ctx, Peers, Raw, ours_job_together
 
 FP = C.pack_id("ab" * 32)
 UNLOCK_LUA = (
@@ -99,30 +99,28 @@ class RedisRaw(Raw):
         self.r.evalsha(C.FENCE_SET.sha, 2, gate, out.encode(), str(int(reply[1])), b"done")
 
 
-async def ik_aclaim(x: Ctx) -> c.Make:
+async def ik_backend(x: Ctx, max_size: int) -> Any:
     from idemkit.backends.redis import RedisBackend
 
     client = pe.redis_client(x.t, aio=True)
     if x.t["cluster"]:
         await client.initialize()
-    backend = RedisBackend(client, namespace=new_prefix("ik"))
-    x.stack.push_async_callback(backend.aclose)
-    return pe.ik_claim(backend)
+    return RedisBackend(client, namespace=new_prefix("ik"))
 
 
-def ik_job(x: Ctx) -> c.SyncFn:
-    from idemkit.backends.redis import RedisBackend
-
-    ar = pe.redis_client(x.t, aio=True)
-    backend = RedisBackend(ar, namespace=new_prefix("ik"))
-    return pe.ik_job(backend, lambda key: ar.set(f"ikout:{key}", "done"), x)
+def ik_write(x: Ctx) -> Any:
+    """The job's effect: a SET."""
+    ar, loop = pe.redis_client(x.t, aio=True), x.loop
+    assert loop is not None
+    x.stack.callback(lambda: loop.run_until_complete(ar.aclose()))
+    return lambda key: ar.set(f"ikout:{key}", "done")
 
 
 class RedisBench(Adapter):
     peers: ClassVar[Peers] = {
         c.OURS_W: {c.JOB_OP: lambda x: ours_job_together(x.coord)},
         **pe.REDIS_PEERS,
-        c.IK: {ASYNC + c.CLAIM_OP: ik_aclaim, c.JOB_OP: ik_job},
+        c.IK: pe.ik_peer(ik_backend, ik_write),
     }
 
     def __init__(self, url: str, ports: list[int], cluster: bool) -> None:
