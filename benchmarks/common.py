@@ -67,29 +67,21 @@ PEERS: dict[str, tuple[str, str, str]] = {
 }
 
 BASELINES = {
-    "memory": (
-        "a dict under a threading.Lock doing the same critical sections (claim: insert; "
-        "complete: update; acquire: insert; release: delete; the job adds the same fenced "
-        "write); contended: a threading.Lock shared by 4 threads"
-    ),
-    "sqlite": (
-        "raw sqlite3 on a file with the store's schema, WAL + synchronous=NORMAL, the same "
-        "number of transactions (BEGIN IMMEDIATE, one statement, COMMIT); asyncio: each "
-        "transaction in asyncio.to_thread, as the store runs its calls; contended: a lock "
-        "row INSERTed by 4 processes, retried every 1 ms, DELETEd on release"
-    ),
-    "redis": (
-        "raw redis-py (hiredis) calling EVALSHA on idemlock's own scripts with the same "
-        "arguments: the same round trips; contended: SET NX PX retried every 1 ms, "
-        "compare-and-delete on release"
-    ),
+    "memory": "a dict under a threading.Lock doing the same critical sections (claim: insert; "
+    "complete: update; acquire: insert; release: delete; the job adds the same fenced write); "
+    "contended: a threading.Lock shared by 4 threads",
+    "sqlite": "raw sqlite3 on a file with the store's schema, WAL + synchronous=NORMAL, the same "
+    "number of transactions (BEGIN IMMEDIATE, one statement, COMMIT); asyncio: each transaction "
+    "in asyncio.to_thread, as the store runs its calls; contended: a lock row INSERTed by 4 "
+    "processes, retried every 1 ms, DELETEd on release",
+    "redis": "raw redis-py (hiredis) calling EVALSHA on idemlock's own scripts with the same "
+    "arguments: the same round trips; contended: SET NX PX retried every 1 ms, "
+    "compare-and-delete on release",
     "redis-cluster": "as for Redis, through redis-py's RedisCluster (3 masters, no replicas)",
-    "postgres": (
-        "raw psycopg, prepared statements, autocommit: one comparable statement per round "
-        "trip on tables with the same columns and indexes; asyncio, 100 tasks: through a "
-        "psycopg_pool of 10 connections (idemlock's default pool size); contended: "
-        "pg_advisory_lock / pg_advisory_unlock (the server queues the waiters)"
-    ),
+    "postgres": "raw psycopg, prepared statements, autocommit: one comparable statement per round "
+    "trip on tables with the same columns and indexes; asyncio, 100 tasks: through a psycopg_pool "
+    "of 10 connections (idemlock's default pool size); contended: pg_advisory_lock / "
+    "pg_advisory_unlock (the server queues the waiters)",
 }
 
 #: subject -> (its job, whether the write is fenced)
@@ -305,32 +297,29 @@ def ratio(rates: Rates, num: str, den: str) -> float:
 def summarize(events: list[tuple[float, float, float, int]], seconds: float) -> dict[str, float]:
     """Contention figures from (called, acquired, released, process) of every critical
     section on one shared monotonic clock."""
-    events = sorted(events, key=lambda e: e[1])
-    gaps, handoff_gaps, handoffs = [], [], 0
-    for prev, cur in itertools.pairwise(events):
-        gap = cur[1] - prev[2]
-        gaps.append(gap)
-        if cur[0] < prev[2]:  # it was already waiting when the lock was released
-            handoffs += 1
-            handoff_gaps.append(gap)
+    pairs = list(itertools.pairwise(sorted(events, key=lambda e: e[1])))
+    gaps = [cur[1] - prev[2] for prev, cur in pairs]
+    # a hand-off: the next holder was already waiting when the lock was released
+    handoff_gaps = [cur[1] - prev[2] for prev, cur in pairs if cur[0] < prev[2]]
     waits = [a - c for c, a, _, _ in events]
+
+    def ms(values: list[float], pick: Callable[[list[float]], float]) -> float:
+        return pick(values) * 1000 if values else float("nan")
+
     return {
         "cs_per_s": len(events) / seconds,
-        "handoff_share": handoffs / max(1, len(events) - 1),
-        "gap_median_ms": statistics.median(gaps) * 1000 if gaps else float("nan"),
-        "handoff_gap_median_ms": (
-            statistics.median(handoff_gaps) * 1000 if handoff_gaps else float("nan")
-        ),
-        "worst_wait_ms": max(waits) * 1000 if waits else float("nan"),
+        "handoff_share": len(handoff_gaps) / max(1, len(events) - 1),
+        "gap_median_ms": ms(gaps, statistics.median),
+        "handoff_gap_median_ms": ms(handoff_gaps, statistics.median),
+        "worst_wait_ms": ms(waits, max),
         "count": len(events),
     }
 
 
 def version(dist: str) -> str | None:
-    try:
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return None
 
 
 #: what a reader must know of an installed peer's figures
