@@ -43,7 +43,7 @@ class Run:
         self.servers: list[Any] = []  # each with destroy() or stop(); the store's first
         self.etcd: Any = None  # tests.servers.etcd.EtcdCluster
         self.proxies: list[Any] = []  # etcd's, one per member
-        self.paused: tuple[int, float] | None = None  # the paused etcd member, until
+        self.paused: tuple[Any, float] | None = None  # the paused etcd member, until
         self.etcd_faults: Counter[str] = Counter()
         self.faults: Counter[str] = Counter()
         self.stops: list[tuple[str, float, float]] = []  # (worker, from, until) of SIGSTOPs
@@ -99,9 +99,9 @@ class Run:
         elif cluster is None:
             server.restart(*(("immediate",) if self.store == "postgres" else ()))
         elif self.rng.random() < 0.5:
-            i = self.rng.randrange(cluster.size)
-            os.kill(cluster.procs[i].pid, signal.SIGSTOP)
-            self.paused = (i, time.monotonic() + self.opts.lease * self.rng.uniform(0.5, 3.0))
+            proc = cluster.procs[self.rng.randrange(cluster.size)]
+            os.kill(proc.pid, signal.SIGSTOP)
+            self.paused = (proc, time.monotonic() + self.opts.lease * self.rng.uniform(0.5, 3.0))
             self.etcd_faults["member_pause"] += 1
         else:
             leader = cluster.leader()
@@ -112,17 +112,14 @@ class Run:
 
     def wake_member(self, force: bool = False) -> None:
         if self.paused is not None and (force or time.monotonic() >= self.paused[1]):
-            proc = self.etcd.procs[self.paused[0]]
-            if proc is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.paused[0].pid, signal.SIGCONT)
             self.paused = None
 
     # -- workers and faults -------------------------------------------------------------
 
     def config(self, slot: Slot) -> dict[str, Any]:
         """A worker's: the options (lease, visibility, seed, resources), and this run's."""
-        stats = str(self.stats / slot.worker)
         return vars(self.opts) | {
             "worker": slot.worker,
             "mode": self.mode,
@@ -130,8 +127,9 @@ class Run:
             "workload": self.workload,
             "store_url": self.store_url,
             "fx": self.fx_worker,
-            "stats": f"{stats}.txt",  # its events, one line each
-            "state": f"{stats}.state",  # the lock workload: a byte, 1 while in hold()
+            # its files: .txt its events, one a line; the lock workload's .state a byte,
+            # 1 while in hold(), and .lost when on_lost ran
+            "stats": str(self.stats / slot.worker),
         }
 
     def candidates(self) -> list[Slot]:
@@ -217,8 +215,7 @@ class Run:
         faults_until = start + 0.5 + opts.duration
         # A restart of Redis deletes every record: they stop for the last quarter of
         # the window, so the keys completed after the last one can be replay-checked.
-        lossy = self.store in LOSSY and self.workload == "jobs"
-        restarts_until = start + 0.5 + opts.duration * (0.75 if lossy else 1.0)
+        restarts_until = start + 0.5 + opts.duration * (0.75 if self.store in LOSSY else 1.0)
         deadline = faults_until + 60 + 10 * opts.lease
         order: list[str] = []
         next_fault = start + 0.5 + self.rng.expovariate(1 / opts.fault_every)
@@ -441,8 +438,7 @@ class LockRun(Run):
         # paused meanwhile (a SIGSTOPped holder is told only when it runs again).
         late: dict[bool, list[float]] = {False: [], True: []}
         for path in self.stats.glob("*.lost"):
-            worker = path.name.split(".txt")[0]
-            stops = [(t0, t1) for w, t0, t1 in self.stops if w == worker]
+            stops = [(t0, t1) for w, t0, t1 in self.stops if w == path.stem]
             for line in path.read_text().splitlines():
                 deadline, told = map(float, line.split())
                 late[any(t0 < told and t1 > deadline for t0, t1 in stops)].append(told - deadline)

@@ -142,7 +142,9 @@ def worker_main(cfg: SimpleNamespace) -> None:
             kind = event(exc, f"job {job}", known)
             return kind, time.time() + (0 if kind == "stale_complete" else 0.05)
 
-    consume(fx, cfg.worker, cfg.visibility, handle, note=appender(cfg.stats), errors=(FxError,))
+    consume(
+        fx, cfg.worker, cfg.visibility, handle, note=appender(cfg.stats + ".txt"), errors=(FxError,)
+    )
 
 
 def lock_worker_main(cfg: SimpleNamespace) -> None:
@@ -155,8 +157,8 @@ def lock_worker_main(cfg: SimpleNamespace) -> None:
     known = {LockLost: "lock_lost", LockNotAcquired: "not_acquired", FxError: "fx_error"}
     known[StoreUnavailable] = "store_error"
     rng = random.Random(f"{cfg.seed}:{cfg.worker}")
-    note, told = appender(cfg.stats), appender(cfg.stats + ".lost")
-    state_fd = os.open(cfg.state, os.O_WRONLY | os.O_CREAT, 0o644)
+    note, told = appender(cfg.stats + ".txt"), appender(cfg.stats + ".lost")
+    state_fd = os.open(cfg.stats + ".state", os.O_WRONLY | os.O_CREAT, 0o644)
     fx = Fx(*cfg.fx)
     coord = connect(cfg.store_url)
     ttl = cfg.lease
