@@ -137,6 +137,7 @@ def role(subject: str) -> str:
 
 
 KEYS = ("scenario", "operation", "store", "subject")  # what identifies a row
+Where = tuple[str, str, str]  # the scenario, operation and store of a row
 Rates = dict[str, list[float]]
 Extra = dict[str, dict[str, Any]] | None  # more columns of some subjects' rows
 
@@ -162,7 +163,7 @@ class Results:
         done = [f"{k} {statistics.median(v):.0f}/s{trips.get(k, '')}" for k, v in rates.items()]
         print(f"  {scenario}, {op}: {', '.join(done)}")
 
-    def skip(self, where: tuple[str, str, str], subject: str, status: str, why: str) -> None:
+    def skip(self, where: Where, subject: str, status: str, why: str) -> None:
         row = dict(zip(KEYS, (*where, subject), strict=True))
         self.not_run.append({**row, "status": status, "why": why})
 
@@ -172,7 +173,7 @@ def _why(exc: BaseException) -> str:
     return text if len(text) <= 240 else text[:237] + "..."
 
 
-def installed(res: Results, where: tuple[str, str, str], name: str) -> bool:
+def installed(res: Results, where: Where, name: str) -> bool:
     """False (and why, in ``res``) for a peer that is not installed."""
     if name in HAVE and not HAVE[name]:
         res.skip(where, name, "not installed", f"pip install {PEERS[name][0]}")
@@ -193,9 +194,7 @@ def _peer_errors(name: str, res: Results | None = None, where: Any = None) -> It
         res.skip(where, name, why, _why(exc))
 
 
-def peer(
-    res: Results, where: tuple[str, str, str], name: str, build: Callable[[], SyncFn]
-) -> SyncFn | None:
+def peer(res: Results, where: Where, name: str, build: Callable[[], SyncFn]) -> SyncFn | None:
     """A peer's measured function, tried once; None (and why, in ``res``) if it cannot run."""
     with _peer_errors(name, res, where):
         if installed(res, where, name):
@@ -206,7 +205,7 @@ def peer(
 
 
 async def apeer(
-    res: Results, where: tuple[str, str, str], name: str, build: Callable[[], Awaitable[Make]]
+    res: Results, where: Where, name: str, build: Callable[[], Awaitable[Make]]
 ) -> Make | None:
     """As ``peer``, for an asyncio peer's make (task index, pairs)."""
     with _peer_errors(name, res, where):

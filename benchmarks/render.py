@@ -242,14 +242,11 @@ def markdown(data: dict[str, Any], png: str) -> str:
 #: the chart's colour of each subject but the baseline, in the order of c.SUBJECTS
 PALETTE = "#1f5fbf #9ecae1 #6fa8ff #0b3b80 #17becf #d62728 #ff7f0e #2ca02c #9467bd #8c564b"
 COLORS = dict(zip(c.SUBJECTS[1:], PALETTE.split(), strict=True))
-#: the chart's label of each scenario
+#: the chart's label of each scenario: its operation and how it ran, or its name
+HOW = {c.UNC: "sync", c.AIO1: f"asyncio {X}1", c.AIO100: f"asyncio {X}100"}
 SHORT = {
-    **{(sc, op): f"{op}\n{tail}" for sc, tail in ((c.UNC, "sync"), (c.AIO1, f"asyncio {X}1"),
-                                                 (c.AIO100, f"asyncio {X}100"))
-       for op in (c.LOCK_OP, c.CLAIM_OP)},
-    (c.HAND, c.HAND_OP): "contended\nhand-off",
-    (c.JOB, c.JOB_OP): "idempotent\njob",
-}  # fmt: skip
+    (sc, op): f"{op}\n{HOW[sc]}" if sc in HOW else sc.replace(" ", "\n") for sc, op in c.SCENARIOS
+}
 #: the chart's name of each store's baseline
 BASELINE_SHORT = {
     "memory": "dict + threading.Lock",
@@ -316,10 +313,8 @@ def chart(data: dict[str, Any], path: Path) -> None:
 
 def write(data: dict[str, Any], json_path: Path, out: Path, png: Path) -> None:
     """The JSON, the chart and the page; the page's goals section (goals.py) is kept."""
-    for r in data["results"]:
-        for k, v in r.items():
-            if isinstance(v, float) and not math.isfinite(v):
-                r[k] = None
+    for r in data["results"]:  # NaN (no gap measured) is not valid JSON
+        r.update([(k, None) for k, v in r.items() if isinstance(v, float) and not math.isfinite(v)])
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(data, indent=1) + "\n")
     chart(data, png)

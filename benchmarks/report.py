@@ -93,8 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             pg = start_postgres()
             stack.callback(pg.destroy)
             with psycopg.connect(pg.dsn) as conn:
-                row = conn.execute("SHOW server_version").fetchone()
-                versions["postgresql"] = row[0] if row else None
+                versions["postgresql"] = conn.execute("SHOW server_version").fetchone()[0]
             benches["postgres"] = lambda: PgBench(pg.dsn, pg.port)
         contenders = Contenders()
         stack.callback(contenders.close)
