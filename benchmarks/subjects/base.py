@@ -116,12 +116,7 @@ def port_pairs(coord: idemlock.Coordinator, op: str) -> c.SyncFn:
         tag = uuid.uuid4().hex[:6]
         for i in range(count):
             if op == c.LOCK_OP:
-                store.release(
-                    "bench",
-                    "k",
-                    owner,
-                    store.acquire("bench", "k", owner, 30_000).token,
-                )
+                store.release("bench", "k", owner, store.acquire("bench", "k", owner, 30_000).token)
             else:
                 key, token = f"{tag}-{i}", uuid.uuid4().hex
                 store.claim("bench", key, "fp", token, c.LEASE_MS)
@@ -214,6 +209,9 @@ class Adapter:
 
     def url(self, t: dict[str, Any]) -> str:
         return str(t["url"])
+
+    async def araw(self, x: Ctx, tasks: int) -> Raw:
+        return self.raw(x)  # the same baseline; its make() drives it on asyncio
 
     def effect(self, x: Ctx, url: str, aio: bool) -> Write | None:
         return None

@@ -89,9 +89,6 @@ class MemoryBench(Adapter):
     def raw(self, x: Ctx) -> Raw:
         return MemoryRaw()
 
-    async def araw(self, x: Ctx, tasks: int) -> Raw:
-        return MemoryRaw()
-
     def effect(self, x: Ctx, url: str, aio: bool) -> Any:
         return MemoryRaw().afenced_write if aio else MemoryRaw().fenced_write
 

@@ -155,9 +155,6 @@ class SqliteBench(Adapter):
     def raw(self, x: Ctx) -> Raw:
         return SqliteRaw(self.target()["path"], x.stack)
 
-    async def araw(self, x: Ctx, tasks: int) -> Raw:
-        return self.raw(x)
-
     def effect(self, x: Ctx, url: str, aio: bool) -> Any:
         write = partial(
             sqlite_fenced_write, sqlite_effects(url.removeprefix("sqlite:///"), x.stack)
