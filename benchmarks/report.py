@@ -73,10 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     res = c.Results()
     versions = {"idemlock": idemlock.__version__, "sqlite": sqlite3.sqlite_version}
     versions |= {"redis-py" if d == "redis" else d: c.version(d) for d in DISTS}
-    with (
-        tempfile.TemporaryDirectory(prefix="idemlock-report-") as tmp,
-        contextlib.ExitStack() as stack,
-    ):
+    with contextlib.ExitStack() as stack:  # the servers stop before their directory goes
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="idemlock-report-"))
         benches: dict[str, Any] = {"memory": MemoryBench, "sqlite": lambda: SqliteBench(tmp)}
         server = None  # the standalone Redis, whose memory per key is measured too
         if "redis" in stores:
