@@ -72,12 +72,7 @@ def lock_job(r: Any, acquire: Callable[[str], Any], release: Callable[[Any], Any
     return keyed(step)
 
 
-#: lock(x, client, prefix, ttl, wait) -> (acquire(key) -> held, release(held)) of a lock
-#: peer: ttl in seconds; wait: how long acquire waits (None: it does not)
-Lock = Callable[[Ctx, Any, str, int, "int | None"], tuple[Any, Any]]
-
-
-def lock_object(new: Callable[[Ctx, Any, str, int], Any], wait_arg: str) -> Lock:
+def lock_object(new: Callable[[Ctx, Any, str, int], Any], wait_arg: str) -> Any:
     """A peer's lock as an object, ``new(x, client, name, ttl)``, whose acquire's
     timeout argument is ``wait_arg``."""
 
@@ -92,9 +87,11 @@ def lock_object(new: Callable[[Ctx, Any, str, int], Any], wait_arg: str) -> Lock
     return lock
 
 
-def lock_peer(lock: Lock, name: str, job: bool = True) -> dict[str, Any]:
+def lock_peer(lock: Any, name: str, job: bool = True) -> dict[str, Any]:
     """A lock peer's pairs (acquire without waiting, release), its contender (waiting up
-    to 30 s) and, with ``job``, its job from the lock alone."""
+    to 30 s) and, with ``job``, its job from the lock alone; ``lock(x, client, prefix,
+    ttl, wait)`` gives (acquire(key) -> held, release(held)), ttl and wait in seconds
+    (wait None: acquire does not wait)."""
 
     def pairs(x: Ctx) -> SyncFn:
         acquire, release = lock(x, client(x), new_prefix(name), 30, None)
@@ -109,11 +106,8 @@ def lock_peer(lock: Lock, name: str, job: bool = True) -> dict[str, Any]:
         r = client(x)
         return lock_job(r, *lock(x, r, f"{name}j", 300, None))
 
-    slots = {
-        c.LOCK_OP: pairs,
-        c.HAND_OP: lambda x: lock(x, client(x), x.t["prefix"], 30, 30),
-    }
-    return slots | ({c.JOB_OP: job_of} if job else {})
+    slots = {c.LOCK_OP: pairs, c.HAND_OP: lambda x: lock(x, client(x), x.t["prefix"], 30, 30)}
+    return {**slots, c.JOB_OP: job_of} if job else slots
 
 
 def prl_lock(x: Ctx, r: Any, name: str, ttl: int) -> Any:

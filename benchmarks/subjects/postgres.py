@@ -91,12 +91,10 @@ class PgRaw(Raw):
     """One prepared statement per request, on one connection (``send``) or as ``asend``
     says; the job's write is a fenced upsert."""
 
-    spread = 16  # the sync lock pairs take 16 keys in turn, as they always have
+    spread = 16  # the sync lock pairs rotate over 16 keys, as this baseline always has
 
     def __init__(self, conn: Any = None, asend: Any = None) -> None:
-        self.conn, self.owner = conn, uuid.uuid4().hex
-        if asend is not None:
-            self.asend = asend  # type: ignore[method-assign]
+        self.conn, self.asend, self.owner = conn, asend, uuid.uuid4().hex
 
     def steps(self, op: str, key: str) -> tuple[Any, Callable[[Any], Any]]:
         """A pair's two statements: the first's, and the second's made from its row."""
