@@ -107,7 +107,9 @@ class PgRaw(Raw):
             PG_COMPLETE, (b"j1", pg_now_ms() + c.TTL_MS, NS, key, token))  # fmt: skip
 
     def send(self, request: tuple[bytes, Any]) -> Any:
-        return self.conn.execute(*request, prepare=True).fetchone()
+        row = self.conn.execute(*request, prepare=True).fetchone()
+        assert row is not None, request[0]  # every statement returns its row
+        return row
 
     def write(self, key: str, reply: Any) -> None:
         if self.conn.execute(PG_FENCED, (key, "done", reply[0]), prepare=True).fetchone() is None:
@@ -186,7 +188,9 @@ class PgBench(Adapter):
             x.stack.push_async_callback(aconn.close)
 
             async def one(request: tuple[bytes, Any]) -> Any:
-                return await (await aconn.execute(*request, prepare=True)).fetchone()
+                row = await (await aconn.execute(*request, prepare=True)).fetchone()
+                assert row is not None, request[0]
+                return row
 
             return PgRaw(asend=one)
         pool: psycopg_pool.AsyncConnectionPool[Any] = psycopg_pool.AsyncConnectionPool(
@@ -197,7 +201,9 @@ class PgBench(Adapter):
 
         async def pooled(request: tuple[bytes, Any]) -> Any:
             async with pool.connection() as conn:
-                return await (await conn.execute(*request, prepare=True)).fetchone()
+                row = await (await conn.execute(*request, prepare=True)).fetchone()
+            assert row is not None, request[0]
+            return row
 
         return PgRaw(asend=pooled)
 
