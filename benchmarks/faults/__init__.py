@@ -1,11 +1,8 @@
-"""The fault injector behind ``benchmarks/chaos.py``.
-
-``network``: the proxies that cut and blackhole connections; ``effects``: the effects
-database (over the queue of ``idemlock._faults.queue``); ``worker``: the worker
-processes; ``run``: one store and one mode, start to check (the workers and the killer
-are ``idemlock._faults.workers``, shared with ``idemlock demo``); ``locks``: the lock
-workload's history checker.
-"""
+"""The fault injector behind ``benchmarks/chaos.py``: ``network`` (cuts, blackholes),
+``effects`` (the effects database, on ``idemlock._faults.queue``), ``worker`` (the worker
+processes), ``run`` (a run, start to check; its workers and killer are
+``idemlock._faults.workers``, shared with ``idemlock demo``), ``locks`` (the lock
+history checker)."""
 
 from __future__ import annotations
 

@@ -57,13 +57,15 @@ def appender(path: str) -> Callable[[str], None]:
 
 
 def event(exc: Exception, what: str, known: dict[type[Exception], str]) -> str:
-    """The event ``exc`` is noted as: a ``known`` one (a store error is logged too), or
-    one the worker does not expect (reported: the run fails; the worker goes on)."""
+    """The event ``exc`` is noted as: a store error (logged too), an effects database
+    error, a ``known`` one, or one the worker does not expect (reported: the run fails;
+    the worker goes on)."""
     from idemlock import StoreUnavailable
 
     if isinstance(exc, StoreUnavailable):
         print(f"{time.time():.3f} {what}: store error: {exc}", file=sys.stderr, flush=True)
-    for cls, kind in known.items():
+        return "store_error"
+    for cls, kind in (known | {FxError: "fx_error"}).items():
         if isinstance(exc, cls):
             return kind
     traceback.print_exc()
@@ -76,8 +78,7 @@ def worker_main(cfg: SimpleNamespace) -> None:
     from idemlock import Completed, FencedOut, InFlight, InFlightError, StaleClaim
     from idemlock.stores.postgres import complete_in_transaction
 
-    known = {FencedOut: "fenced_out", StaleClaim: "stale_complete", FxError: "fx_error"}
-    known[idemlock.StoreUnavailable] = "store_error"
+    known = {FencedOut: "fenced_out", StaleClaim: "stale_complete"}
     rng = random.Random(f"{cfg.seed}:{cfg.worker}")
     fx = Fx(*cfg.fx)
     ran: list[int] = []
@@ -154,8 +155,7 @@ def lock_worker_main(cfg: SimpleNamespace) -> None:
     import idemlock
     from idemlock import FencedOut, LockLost, LockNotAcquired, StoreUnavailable
 
-    known = {LockLost: "lock_lost", LockNotAcquired: "not_acquired", FxError: "fx_error"}
-    known[StoreUnavailable] = "store_error"
+    known = {LockLost: "lock_lost", LockNotAcquired: "not_acquired"}
     rng = random.Random(f"{cfg.seed}:{cfg.worker}")
     note, told = appender(cfg.stats + ".txt"), appender(cfg.stats + ".lost")
     state_fd = os.open(cfg.stats + ".state", os.O_WRONLY | os.O_CREAT, 0o644)
