@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import importlib.metadata
 import importlib.util
 import itertools
 import statistics
+import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -159,7 +161,7 @@ class Results:
             row.update(role=role(name), value=statistics.median(series), unit=unit)
             row.update(ratio=ratio(rates, name, BASE), rounds=len(series), **extra.get(name, {}))
             self.rows.append(row)
-        trips = {k: f" ({e['round_trips']} trips)" for k, e in extra.items()}
+        trips = {k: f" ({e['round_trips']} trips)" for k, e in extra.items() if "round_trips" in e}
         done = [f"{k} {statistics.median(v):.0f}/s{trips.get(k, '')}" for k, v in rates.items()]
         print(f"  {scenario}, {op}: {', '.join(done)}")
 
@@ -346,6 +348,33 @@ def peer_status(res: Results) -> dict[str, dict[str, Any]]:
             "notes": what + (CAVEATS.get(name, "") if HAVE[name] else ""),
         }
     return out
+
+
+#: the tests' throwaway servers: kind -> (module of tests.servers, start function, stop method)
+SERVERS = {
+    "redis": ("redis", "start_redis", "stop"),
+    "redis-cluster": ("redis", "start_cluster", "stop"),
+    "postgres": ("postgres", "start_postgres", "destroy"),
+    "etcd": ("etcd", "start_etcd", "destroy"),
+}
+
+
+class Servers(contextlib.ExitStack):
+    """A command's temporary directory (``tmp``) and the servers it starts there, each
+    stopped on exit (also when a later one fails to start), before the directory goes."""
+
+    def __init__(self, prefix: str = "idemlock-bench-") -> None:
+        super().__init__()
+        tmp = tempfile.TemporaryDirectory(prefix=prefix, ignore_cleanup_errors=True)
+        self.tmp = Path(self.enter_context(tmp))
+
+    def start(self, kind: str, *args: Any, **kw: Any) -> Any:
+        """A server of ``kind``; a Redis one in a directory of its own under ``tmp``."""
+        module, start, stop = SERVERS[kind]
+        args = (self.tmp / kind, *args) if kind.startswith("redis") else args
+        server = getattr(importlib.import_module(f"tests.servers.{module}"), start)(*args, **kw)
+        self.callback(getattr(server, stop))
+        return server
 
 
 #: the goals section of docs/benchmarks.md (written by goals.py, kept by report.py)

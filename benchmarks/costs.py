@@ -25,7 +25,6 @@ import gc
 import itertools
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -33,22 +32,22 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]  # the tests' servers, then common and subjects
 
-from common import CLAIM_OP, LOCK_OP, Rates, ainterleave, fan_out, interleave, new_prefix  # noqa: E402
+import common as c  # noqa: E402
 from subjects import base as subj  # noqa: E402
 
 import idemlock.aio  # noqa: E402
-from idemlock import Claimed, IdempotencySpec, StaleClaim, StoreUnavailable  # noqa: E402
-
-RESULT = {"charge_id": "ch_" + "x" * 24, "amount": 1200, "ok": True}
+from idemlock import IdempotencySpec, StaleClaim, StoreUnavailable  # noqa: E402
 
 
-def medians(rates: Rates) -> dict[str, float]:
+def medians(rates: c.Rates) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in rates.items()}
 
 
@@ -57,14 +56,13 @@ def medians(rates: Rates) -> dict[str, float]:
 
 def etcd(args: argparse.Namespace) -> None:
     import grpc
-    from tests.servers.etcd import start_etcd
 
     from idemlock.stores.etcd import _codec as K
     from idemlock.stores.etcd._pb.etcdserverpb import rpc_pb2 as pb
     from idemlock.stores.etcd._pb.etcdserverpb import rpc_pb2_grpc as stubs
 
-    cluster = start_etcd(args.members)
-    try:
+    with c.Servers() as servers:
+        cluster = servers.start("etcd", args.members)
         channel = grpc.insecure_channel(cluster.endpoints[0])
         kv, leases = stubs.KVStub(channel), stubs.LeaseStub(channel)
         pending: list[Any] = []
@@ -121,27 +119,25 @@ def etcd(args: argparse.Namespace) -> None:
                 "claim+complete idemlock sync": subj.ours_claim_pairs(coord),
                 "claim+complete raw gRPC sync": raw(job),
             }
-            med = medians(interleave(fns, args.n, args.rounds))
+            med = medians(c.interleave(fns, args.n, args.rounds))
             drain()
 
-        async def amain() -> Rates:
+        async def amain() -> c.Rates:
             async with idemlock.aio.connect(cluster.url, key_prefix="abench") as acoord:
                 afns = {
-                    f"{op} idemlock asyncio x{tasks}": fan_out(subj.aio_pairs(acoord, op), tasks)
+                    f"{op} idemlock asyncio x{tasks}": c.fan_out(subj.aio_pairs(acoord, op), tasks)
                     for tasks in (1, 50)
-                    for op in (LOCK_OP, CLAIM_OP)
+                    for op in (c.LOCK_OP, c.CLAIM_OP)
                 }
-                return await ainterleave(afns, args.n, args.rounds)
+                return await c.ainterleave(afns, args.n, args.rounds)
 
         med |= medians(asyncio.run(amain()))
         print(f"etcd {args.members} member(s), n={args.n}, median of {args.rounds} rounds")
         for k, v in med.items():
             print(f"  {k:<44} {v:8.0f} /s")
-        for op in (LOCK_OP, CLAIM_OP):
+        for op in (c.LOCK_OP, c.CLAIM_OP):
             ratio = med[f"{op} idemlock sync"] / med[f"{op} raw gRPC sync"]
             print(f"  {op}: idemlock / raw gRPC (same round trips) = {ratio:.2f}")
-    finally:
-        cluster.destroy()
 
 
 # ---- heartbeats -------------------------------------------------------------------------------
@@ -156,7 +152,7 @@ def hb_port(coord: Any, lease: float) -> Any:
 async def hb_async(url: str, n: int, secs: float, lease: float, loops: bool) -> tuple[int, int]:
     """(renewal round trips, claims lost) of ``n`` claims held ``secs``: the renewer's
     batches, or one task per claim renewing every lease/3."""
-    async with idemlock.aio.connect(url, key_prefix=new_prefix("hb")) as coord:
+    async with idemlock.aio.connect(url, key_prefix=c.new_prefix("hb")) as coord:
         port, trips, lost = hb_port(coord, lease), 0, 0
 
         async def renewed(i: int) -> None:
@@ -191,7 +187,7 @@ async def hb_async(url: str, n: int, secs: float, lease: float, loops: bool) -> 
 
 
 def hb_threads(url: str, n: int, secs: float, lease: float, loops: bool) -> tuple[int, int]:
-    with idemlock.connect(url, key_prefix=new_prefix("hb")) as coord, ExitStack() as stack:
+    with idemlock.connect(url, key_prefix=c.new_prefix("hb")) as coord, ExitStack() as stack:
         port = hb_port(coord, lease)
         if not loops:
             attempts = [stack.enter_context(port.run(f"k{i}", payload={})) for i in range(n)]
@@ -240,16 +236,13 @@ def sample(run: Callable[..., tuple[int, int]], client: Any, *args: Any) -> tupl
 
 def heartbeats(args: argparse.Namespace) -> None:
     import redis
-    from tests.servers.redis import start_redis
 
     n, secs, lease, stores = args.claims, args.seconds, args.lease, args.stores.split(",")
     faces = {"asyncio": lambda *a: asyncio.run(hb_async(*a)), "threads": hb_threads}
-    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
-        urls = {"sqlite": f"sqlite:///{Path(tmp) / 'hb.db'}", "memory": "memory://"}
+    with c.Servers() as servers:
+        urls = {"sqlite": f"sqlite:///{servers.tmp / 'hb.db'}", "memory": "memory://"}
         if "redis" in stores:
-            server = start_redis(Path(tmp) / "redis")
-            stack.callback(server.stop)
-            urls["redis"] = server.url
+            urls["redis"] = servers.start("redis").url
         print(f"{n} live claims, lease {lease:g}s (renewed every {lease / 3:g}s), held {secs:g}s, "
               f"median of {args.rounds} interleaved rounds\n{'store':8} {'face':8} {'side':9} "
               f"{'trips/s':>10} {'server cmd/s':>13} {'client CPU':>11} {'lost':>5}")  # fmt: skip
@@ -263,8 +256,8 @@ def heartbeats(args: argparse.Namespace) -> None:
             for side, samples in zip(("renewer", "loops"), zip(*rounds, strict=True), strict=True):
                 cols = list(zip(*samples, strict=True))
                 med.append([*map(statistics.median, cols[:3]), max(cols[3])])
-                t, c, u, lost = med[-1]
-                print(f"{name:8} {face:8} {side:9} {t:10.1f} {c:13.1f} {u:10.2f} {lost:5d}")
+                t, cmds, u, lost = med[-1]
+                print(f"{name:8} {face:8} {side:9} {t:10.1f} {cmds:13.1f} {u:10.2f} {lost:5d}")
             cells = [f"{b / r:8.1f}x" if r else "       -" for r, b in zip(*med, strict=True)][:3]
             print(
                 f"{name:8} {face:8} {'loops/ours':9} {cells[0]:>10} {cells[1]:>13} {cells[2]:>11}"
@@ -278,7 +271,6 @@ def hooks(args: argparse.Namespace) -> None:
     from prometheus_client import CollectorRegistry
 
     from idemlock._sync import IdempotencyPort
-    from idemlock._tokens import new_token
     from idemlock.integrations.otel import OpenTelemetryHook
     from idemlock.integrations.prometheus import PrometheusHook
 
@@ -298,49 +290,35 @@ def hooks(args: argparse.Namespace) -> None:
         ) -> Any:
             return self._interpret_reply(key, reply, load, *rest)
 
-    def direct() -> Callable[[str], None]:
-        port = idemlock.connect("memory://").idempotency(spec)
-        store, ns, lease, ttl = port._coord.store, port._ns, port._lease_ms, port._ttl_ms
-        data = port._encode("k", RESULT)
+    def hooked(make: Callable[[], Any]) -> Callable[[], c.SyncFn]:
+        return lambda: subj.ours_claim_pairs(idemlock.connect("memory://", hooks=make()), spec)
 
-        def step(key: str) -> None:
-            token = new_token()
-            store.claim(ns, key, None, token, lease)
-            store.complete(ns, key, token, data, ttl)
-
-        return step
-
-    def via_port(port: IdempotencyPort) -> Callable[[str], None]:
-        claim, complete = port.claim, port.complete
-        return lambda key: complete(claim(key).token, RESULT)
-
-    def hooked(make: Callable[[], Any]) -> Callable[[], Callable[[str], None]]:
-        return lambda: via_port(idemlock.connect("memory://", hooks=make()).idempotency(spec))
-
-    def timed(make: Callable[[], Callable[[str], None]], n: int, tag: str) -> float:
-        """claim+complete per CPU second of a fresh store's ``step(key)``"""
-        step = make()
+    def timed(make: Callable[[], c.SyncFn], n: int) -> float:
+        """claim+complete per CPU second of ``n`` pairs on a fresh store"""
+        pairs = make()
         gc.collect()
         start = time.process_time()
-        for i in range(n):
-            step(f"{tag}-{i}")
+        pairs(n)
         return n / (time.process_time() - start)
 
-    runs: dict[str, Callable[[], Callable[[str], None]]] = {
-        "store port, direct": direct,
-        "no hook check (build)": lambda: via_port(NoCheckPort(idemlock.connect("memory://"), spec)),
+    def nocheck() -> Any:  # a fresh store whose ports have no hook machinery
+        return SimpleNamespace(idempotency=partial(NoCheckPort, idemlock.connect("memory://")))
+
+    runs: dict[str, Callable[[], c.SyncFn]] = {
+        "store port, direct": lambda: subj.port_pairs(idemlock.connect("memory://"), c.CLAIM_OP),
+        "no hook check (build)": lambda: subj.ours_claim_pairs(nocheck(), spec),
         "zero hooks": hooked(lambda: None),
         "hooks=[]": hooked(list),
         "OpenTelemetryHook (no SDK)": hooked(lambda: [OpenTelemetryHook()]),
         "PrometheusHook": hooked(lambda: [PrometheusHook(registry=CollectorRegistry())]),
     }
     names = list(runs)
-    rates: Rates = {name: [] for name in names}
+    rates: c.Rates = {name: [] for name in names}
     for make in runs.values():  # warm up every path once
-        timed(make, min(args.n, 1000), "warm")
+        timed(make, min(args.n, 1000))
     for r in range(args.rounds):  # each variant on a fresh store, in a rotating order
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            rates[name].append(timed(runs[name], args.n, f"r{r}-{names.index(name)}"))
+            rates[name].append(timed(runs[name], args.n))
     med = medians(rates)
     build, floor = med["no hook check (build)"], med["store port, direct"]
     print(
@@ -387,41 +365,30 @@ class Charge:
 
 
 def results(args: argparse.Namespace) -> None:
-    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
-        url = "memory://" if args.store == "memory" else f"sqlite:///{tmp}/bench.db"
-        plain = stack.enter_context(idemlock.connect(url, key_prefix="plain"))
+    with c.Servers() as servers:
+        url = "memory://" if args.store == "memory" else f"sqlite:///{servers.tmp}/bench.db"
+        plain = servers.enter_context(idemlock.connect(url, key_prefix="plain"))
         keyring = idemlock.Keyring.generate()
-        sealed = stack.enter_context(idemlock.connect(url, key_prefix="sealed", keyring=keyring))
+        sealed = servers.enter_context(idemlock.connect(url, key_prefix="sealed", keyring=keyring))
         at = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
         @plain.idempotent("typed", key=lambda tag, i: f"{tag}-{i}")
         def charge(tag: str, i: int) -> Charge:
             return Charge("ch_" + "x" * 24, i, at)
 
-        def pairs(coord: Any, spec: IdempotencySpec) -> Callable[[int], None]:
-            port = coord.idempotency(spec)
-
-            def run(n: int) -> None:
-                tag = uuid.uuid4().hex[:8]
-                for i in range(n):
-                    claim = port.claim(f"{tag}-{i}", payload={"i": i})
-                    assert isinstance(claim, Claimed)
-                    port.complete(claim.token, RESULT)
-
-            return run
-
         def typed(n: int) -> None:
             tag = uuid.uuid4().hex[:8]
             for i in range(n):
                 charge(tag, i)
 
+        pairs = subj.ours_claim_pairs  # through each coordinator's own port
         fns = {
             "plain JSON": pairs(plain, IdempotencySpec("p")),
             "HMAC keys only": pairs(sealed, IdempotencySpec("h")),
             "sealed (AES-GCM + HMAC)": pairs(sealed, IdempotencySpec("s", encrypt_result=True)),
             "typed dataclass (wrap)": typed,
         }
-        med = medians(interleave(fns, args.n, args.rounds))
+        med = medians(c.interleave(fns, args.n, args.rounds))
     print(f"store={args.store} n={args.n} x {args.rounds} rounds (median claim+complete/s)")
     print(f"{'variant':28} {'ops/s':>10} {'ratio':>7}")
     for name, rate in med.items():

@@ -38,9 +38,10 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]  # the tests' servers, then common 
 
 import common as c  # noqa: E402
 import redis.asyncio  # noqa: E402
-from render import fmt_rate, goals_section  # noqa: E402
-from scenarios import Contenders, contend_threads  # noqa: E402
+from render import fmt_rate, goals_section, table  # noqa: E402
+from scenarios import Contenders, single_waiter  # noqa: E402
 from subjects import base as subj  # noqa: E402
+from subjects.memory import MemoryBench  # noqa: E402
 from subjects.peers import fencekit_job  # noqa: E402
 from subjects.postgres import PgBench  # noqa: E402
 from subjects.redis import RedisBench  # noqa: E402
@@ -218,17 +219,16 @@ async def measure_async(server: Any, cfg: Config) -> dict[str, Any]:
         return {"aio": aio, "aio notes": notes, "asyncio": vs(aio, "idemlock", "redis.asyncio")}
 
 
-def measure_contention(cs: Contenders, targets: dict[str, Any], cfg: Config) -> dict[str, Any]:
-    def run(store: str, kind: str, **kw: Any) -> dict[str, float]:
-        t = {**targets[store], "prefix": c.new_prefix("ct")}
-        return cs.run(store, kind, t, cfg.seconds, **kw)
+def measure_contention(cs: Contenders, benches: dict[str, Any], cfg: Config) -> dict[str, Any]:
+    def run(store: str, kind: str) -> dict[str, float]:
+        return cs.contend(benches[store], kind, cfg.seconds)
 
     def fifo(f: dict[str, float]) -> tuple[str, list[float]]:
         wait = f["worst_wait_ms"]
         return f"{wait:.1f} ms, hand-offs {f['handoff_share']:.0%}", [wait]
 
     redis_, lock = run("redis", c.OURS), run("redis", c.RPY)
-    waiter = run("redis", c.OURS, hold=0.002, procs=2, pause=0.0005)
+    waiter = single_waiter(benches["redis"], cfg, cs)
     cluster, cluster_base = run("redis-cluster", c.OURS), run("redis-cluster", c.BASE)
     pg, advisory = run("postgres", c.OURS), run("postgres", c.BASE)
     gap = waiter["handoff_gap_median_ms"]
@@ -237,18 +237,19 @@ def measure_contention(cs: Contenders, targets: dict[str, Any], cfg: Config) -> 
         "waiter": (f"{gap:.2f} ms ({waiter['count']:.0f} acquisitions)", [gap]),
         "cluster": cs_vs(cluster, cluster_base),
         "pg contention": cs_vs(pg, advisory, "advisory"),
-        "memory": fifo(contend_threads(c.OURS, cfg.seconds)),
+        "memory": fifo(run("memory", c.OURS)),
         "SQLite": fifo(run("sqlite", c.OURS)),
     }
 
 
 def measure_sql(benches: dict[str, Any], cfg: Config) -> dict[str, Any]:
     f = {}
-    for (store, bench), op in itertools.product(benches.items(), (c.CLAIM_OP, c.LOCK_OP)):
+    for store, op in itertools.product(("postgres", "sqlite"), (c.CLAIM_OP, c.LOCK_OP)):
+        bench = benches[store]
         with contextlib.ExitStack() as stack:
             fns = bench.sync_fns(op, bench.target(), stack, c.Results())
             rates = c.interleave({k: fns[k] for k in (c.BASE, c.OURS)}, cfg.n, cfg.rounds)
-            f[f"{store} {op}"] = vs(rates, c.OURS, c.BASE)
+            f[f"{c.TITLE[store]} {op}"] = vs(rates, c.OURS, c.BASE)
     return f
 
 
@@ -377,14 +378,11 @@ def references(f: dict[str, Any]) -> list[Row]:
 # ---- output -----------------------------------------------------------------------------
 
 
-def table(rows: list[Row]) -> str:
-    lines = ["| figure | baseline | measured | goal | at filing | verdict |", "| --- " * 6 + "|"]
-    lines += [
-        f"| {r.figure} | {r.baseline} | {r.measured} | {r.goal} | {r.filed} | {r.verdict} |"
-        for r in rows
-    ]
+def goal_table(rows: list[Row]) -> str:
+    cells = [[r.figure, r.baseline, r.measured, r.goal, r.filed, r.verdict] for r in rows]
     met = sum(r.verdict == "MEETS" for r in rows)
-    return "\n".join(lines) + f"\n\n{met} of {sum(not r.reference for r in rows)} goals met"
+    text = table("figure|baseline|measured|goal|at filing|verdict", cells)
+    return f"{text}\n\n{met} of {sum(not r.reference for r in rows)} goals met"
 
 
 def write_doc(path: Path, rows: list[Row], how: str) -> None:
@@ -394,7 +392,7 @@ def write_doc(path: Path, rows: list[Row], how: str) -> None:
         'ratio to the baseline it names (the median of per-round ratios); "at filing" is the '
         "issue's figure. Reference rows have no goal: the bare-socket limit (the minimal pair as "
         "pre-encoded EVALSHA on a plain socket) and the asyncio clients measured as "
-        f"alternatives to redis.asyncio.\n\n{table(rows)}.\n{c.GOALS_END}"
+        f"alternatives to redis.asyncio.\n\n{goal_table(rows)}.\n{c.GOALS_END}"
     )
     text = path.read_text() if path.exists() else ""
     old = goals_section(text)
@@ -408,35 +406,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--doc", type=Path, help="write the table into this file's goals section")
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    from tests.servers.postgres import start_postgres
-    from tests.servers.redis import start_cluster, start_redis
-
     started, load = time.monotonic(), os.getloadavg()[0]
     print(f"idemlock goals: {cfg._asdict()}; load average {load:.2f}", flush=True)
     f: dict[str, Any] = {}
-    with (
-        tempfile.TemporaryDirectory(prefix="idemlock-goals-") as tmp,
-        contextlib.ExitStack() as stack,
-    ):
-
-        def up(thing: Any, stop: str = "stop") -> Any:  # stopped even if a later one fails
-            stack.callback(getattr(thing, stop))
-            return thing
-
-        server = up(start_redis(Path(tmp) / "redis"))
-        cluster = up(start_cluster(Path(tmp) / "cluster"))
-        pg, cs = up(start_postgres(), "destroy"), up(Contenders(), "close")
-        benches = {"PostgreSQL": PgBench(pg.dsn, pg.port), "SQLite": SqliteBench(tmp)}
-        targets = {
-            "redis": RedisBench(server.url, [server.port], cluster=False).target(),
-            "redis-cluster": RedisBench(cluster.url, cluster.ports, cluster=True).target(),
-            "postgres": benches["PostgreSQL"].target(),
-            "sqlite": benches["SQLite"].contention_target(),
+    with c.Servers("idemlock-goals-") as servers:
+        server, cluster = servers.start("redis"), servers.start("redis-cluster")
+        pg, cs = servers.start("postgres"), Contenders()
+        servers.callback(cs.close)
+        benches = {
+            "memory": MemoryBench(),
+            "sqlite": SqliteBench(str(servers.tmp)),
+            "redis": RedisBench(server.url, [server.port], cluster=False),
+            "redis-cluster": RedisBench(cluster.url, cluster.ports, cluster=True),
+            "postgres": PgBench(pg.dsn, pg.port),
         }
         for title, section in (
             ("Redis, sync and the crash-safe job", lambda: measure_redis(server, cfg)),
             ("asyncio", lambda: asyncio.run(measure_async(server, cfg))),
-            ("contention", lambda: measure_contention(cs, targets, cfg)),
+            ("contention", lambda: measure_contention(cs, benches, cfg)),
             ("PostgreSQL and SQLite", lambda: measure_sql(benches, cfg)),
             ("import time", lambda: measure_import(cfg)),
         ):
@@ -451,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         f"interleaved rounds of {cfg.n} pairs, contention runs of {cfg.seconds:g} s; load "
         f"average {load:.2f} at start, {load_end:.2f} at end, {os.cpu_count()} CPUs)"
     )
-    print(f"\nmeasured {how}\n\n{table(rows)}")
+    print(f"\nmeasured {how}\n\n{goal_table(rows)}")
     if args.doc:
         write_doc(args.doc, rows, how)
     if args.json:

@@ -18,7 +18,6 @@ import os
 import platform
 import sqlite3
 import sys
-import tempfile
 import time
 from dataclasses import asdict
 from datetime import datetime, timezone
@@ -64,8 +63,6 @@ def main(argv: list[str] | None = None) -> int:
     stores = [s for s in c.STORES if s in args.stores.split(",")]
     cfg = QUICK if args.quick else FULL
     import matplotlib  # noqa: F401  (the chart is part of the report: fail before the run)
-    from tests.servers.postgres import start_postgres
-    from tests.servers.redis import start_cluster, start_redis
 
     started, load_start = time.monotonic(), os.getloadavg()
     print(f"idemlock benchmark report ({'quick' if args.quick else 'full'}): {asdict(cfg)}; "
@@ -73,28 +70,25 @@ def main(argv: list[str] | None = None) -> int:
     res = c.Results()
     versions = {"idemlock": idemlock.__version__, "sqlite": sqlite3.sqlite_version}
     versions |= {"redis-py" if d == "redis" else d: c.version(d) for d in DISTS}
-    with contextlib.ExitStack() as stack:  # the servers stop before their directory goes
-        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="idemlock-report-"))
+    with c.Servers("idemlock-report-") as servers:
+        tmp = str(servers.tmp)
         benches: dict[str, Any] = {"memory": MemoryBench, "sqlite": lambda: SqliteBench(tmp)}
         server = None  # the standalone Redis, whose memory per key is measured too
         if "redis" in stores:
-            server = start_redis(Path(tmp) / "redis")
-            stack.callback(server.stop)
+            server = servers.start("redis")
             with redis.Redis(port=server.port) as r:
                 versions["redis-server"] = r.info("server")["redis_version"]
             benches["redis"] = lambda: RedisBench(server.url, [server.port], cluster=False)
         if "redis-cluster" in stores:
-            cluster = start_cluster(Path(tmp) / "cluster")
-            stack.callback(cluster.stop)
+            cluster = servers.start("redis-cluster")
             benches["redis-cluster"] = lambda: RedisBench(cluster.url, cluster.ports, cluster=True)
         if "postgres" in stores:
-            pg = start_postgres()
-            stack.callback(pg.destroy)
+            pg = servers.start("postgres")
             with psycopg.connect(pg.dsn) as conn:
                 versions["postgresql"] = conn.execute("SHOW server_version").fetchone()[0]
             benches["postgres"] = lambda: PgBench(pg.dsn, pg.port)
         contenders = Contenders()
-        stack.callback(contenders.close)
+        servers.callback(contenders.close)
         single: dict[str, dict[str, float]] = {}
         for name in stores:
             bench = benches[name]()

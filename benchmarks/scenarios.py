@@ -35,6 +35,8 @@ import idemlock
 from idemlock import Claimed, IdempotencySpec
 from idemlock.stores.redis import _common as C
 
+#: a contention run's figures in its row, after its rate
+HAND_FIGURES = ("handoff_share", "gap_median_ms", "handoff_gap_median_ms", "worst_wait_ms", "count")
 ADAPTERS: dict[str, Any] = {"memory": MemoryBench, "sqlite": SqliteBench, "postgres": PgBench}
 
 
@@ -129,6 +131,16 @@ class Contenders:
         events = [(c, a, r, i) for i, evs in enumerate(per_proc) for c, a, r in evs]
         return summarize(events, seconds)
 
+    def contend(
+        self, bench: Any, kind: str, seconds: float, tag: str = "ct", **kw: Any
+    ) -> dict[str, float]:
+        """``run`` on a fresh contention target of ``bench``; the memory store's
+        contenders are threads (``contend_threads``)."""
+        if bench.name == "memory":
+            return contend_threads(kind, seconds)
+        t = {**bench.contention_target(), "prefix": new_prefix(tag)}
+        return self.run(bench.name, kind, t, seconds, **kw)
+
     def close(self) -> None:
         self.pool.close()
         self.pool.join()
@@ -207,45 +219,32 @@ def run_store(bench: Any, cfg: c.Config, res: c.Results, contenders: Contenders)
             res.rates(scenario, op, name, rates, "pairs/s")
     timed(c.JOB, c.JOB_OP, bench.job_fns, job_n, "jobs/s")
 
-    where = (c.HAND, c.HAND_OP, name)
-    base_cs = None
+    where, runs = (c.HAND, c.HAND_OP, name), {}
     for kind in (c.BASE, c.OURS, *bench.builds(c.HAND_OP)):
         if not installed(res, where, kind):
             continue
         try:
-            if name == "memory":
-                m = contend_threads(kind, cfg.seconds)
-            else:
-                t = {**bench.contention_target(), "prefix": new_prefix("ct")}
-                m = contenders.run(name, kind, t, cfg.seconds)
+            runs[kind] = m = contenders.contend(bench, kind, cfg.seconds)
         except Exception as exc:
             if kind in (c.BASE, c.OURS):
                 raise
             res.skip(where, kind, "failed", c._why(exc))
             continue
-        if kind == c.BASE:
-            base_cs = m["cs_per_s"]
-        assert base_cs is not None
-        res.rows.append({
-            "scenario": c.HAND, "operation": c.HAND_OP, "store": name, "subject": kind,
-            "role": role(kind), "value": m["cs_per_s"], "unit": "critical sections/s",
-            "ratio": m["cs_per_s"] / base_cs, "rounds": 1,
-            **{k: m[k] for k in ("handoff_share", "gap_median_ms", "handoff_gap_median_ms",
-                                 "worst_wait_ms", "count")},
-        })  # fmt: skip
         print(
             f"  {c.HAND} {kind}: {m['cs_per_s']:.0f} cs/s, hand-offs {m['handoff_share']:.0%}, "
             f"gap median {m['gap_median_ms']:.2f} ms, worst wait {m['worst_wait_ms']:.1f} ms"
         )
+    # one round each: its rate is the row's value, its ratio the one to the baseline's
+    figures = {k: {f: m[f] for f in HAND_FIGURES} for k, m in runs.items()}
+    rates = {k: [m["cs_per_s"]] for k, m in runs.items()}
+    res.rates(c.HAND, c.HAND_OP, name, rates, "critical sections/s", figures)
 
 
 def single_waiter(bench: Any, cfg: c.Config, contenders: Contenders) -> dict[str, float]:
     """One holder, one waiter (2 processes; each holds 2 ms, then stays off the lock for
     0.5 ms, so the other is always already waiting): the release -> acquire gap."""
-    t = {**bench.contention_target(), "prefix": new_prefix("sw")}
-    return contenders.run(
-        bench.name, c.OURS, t, min(cfg.seconds, 3.0), hold=0.002, procs=2, pause=0.0005
-    )
+    seconds = min(cfg.seconds, 3.0)
+    return contenders.contend(bench, c.OURS, seconds, "sw", hold=0.002, procs=2, pause=0.0005)
 
 
 def redis_memory(url: str, port: int) -> list[tuple[str, str]]:

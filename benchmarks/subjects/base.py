@@ -40,11 +40,14 @@ def ours_lock_pairs(coord: idemlock.Coordinator) -> c.SyncFn:
     return run
 
 
-def ours_job(coord: Any, write: Write | None = None, *, effect=True, together=False) -> c.SyncFn:
+def ours_job(
+    coord: Any, write: Write | None = None, *, effect=True, together=False, spec=c.SPEC
+) -> c.SyncFn:
     """claim -> ``write(key, fence)`` (by default through the store's fence gate) ->
-    complete; ``effect=False``: claim+complete alone; ``together``: the effect written by
-    the completing script (one commit, 2 round trips, no late write can land after it)."""
-    port = coord.idempotency(c.SPEC)
+    complete, on ``spec``'s port; ``effect=False``: claim+complete alone; ``together``: the
+    effect written by the completing script (one commit, 2 round trips, no late write can
+    land after it)."""
+    port = coord.idempotency(spec)
 
     def gate(key: str, fence: int) -> None:
         coord.fence(f"out:{key}").set_if_fresh(fence, f"out:{key}", b"done")
@@ -67,8 +70,8 @@ def ours_job(coord: Any, write: Write | None = None, *, effect=True, together=Fa
     return run
 
 
-def ours_claim_pairs(coord: idemlock.Coordinator) -> c.SyncFn:
-    return ours_job(coord, effect=False)
+def ours_claim_pairs(coord: Any, spec: idemlock.IdempotencySpec = c.SPEC) -> c.SyncFn:
+    return ours_job(coord, effect=False, spec=spec)
 
 
 def ours_job_together(coord: idemlock.Coordinator) -> c.SyncFn:

@@ -186,26 +186,22 @@ class PgBench(Adapter):
         if tasks == 1:
             aconn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True)
             x.stack.push_async_callback(aconn.close)
+            checkout: Any = partial(contextlib.nullcontext, aconn)
+        else:
+            pool: psycopg_pool.AsyncConnectionPool[Any] = psycopg_pool.AsyncConnectionPool(
+                self.dsn, min_size=10, max_size=10, kwargs={"autocommit": True}, open=False
+            )
+            await pool.open(wait=True)
+            x.stack.push_async_callback(pool.close)
+            checkout = pool.connection
 
-            async def one(request: tuple[bytes, Any]) -> Any:
-                row = await (await aconn.execute(*request, prepare=True)).fetchone()
-                assert row is not None, request[0]
-                return row
-
-            return PgRaw(asend=one)
-        pool: psycopg_pool.AsyncConnectionPool[Any] = psycopg_pool.AsyncConnectionPool(
-            self.dsn, min_size=10, max_size=10, kwargs={"autocommit": True}, open=False
-        )
-        await pool.open(wait=True)
-        x.stack.push_async_callback(pool.close)
-
-        async def pooled(request: tuple[bytes, Any]) -> Any:
-            async with pool.connection() as conn:
+        async def send(request: tuple[bytes, Any]) -> Any:
+            async with checkout() as conn:
                 row = await (await conn.execute(*request, prepare=True)).fetchone()
             assert row is not None, request[0]
             return row
 
-        return PgRaw(asend=pooled)
+        return PgRaw(asend=send)
 
     def effect(self, x: Ctx, url: str, aio: bool) -> Any:
         """idemlock's fenced upsert into a table of your own."""
