@@ -25,12 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-for _p in (str(HERE), str(ROOT / "src"), str(ROOT)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
+ROOT, HERE = Path(__file__).resolve().parents[1], Path(__file__).resolve().parent
+sys.path[:0] = [p for p in (str(ROOT), str(ROOT / "src"), str(HERE)) if p not in sys.path]
 
 from faults import FIXED, KINDS, LOCK_KINDS, LOCK_PRESETS, PRESETS, STORE_KINDS, STORES  # noqa: E402
 from faults.locks import check_lock_history  # noqa: E402

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import importlib.metadata
 import importlib.util
 import itertools

@@ -135,7 +135,7 @@ class Contenders:
         self, bench: Any, kind: str, seconds: float, tag: str = "ct", **kw: Any
     ) -> dict[str, float]:
         """``run`` on a fresh contention target of ``bench``; the memory store's
-        contenders are threads (``contend_threads``)."""
+        contenders are 4 threads (``contend_threads``, its default hold)."""
         if bench.name == "memory":
             return contend_threads(kind, seconds)
         t = {**bench.contention_target(), "prefix": new_prefix(tag)}

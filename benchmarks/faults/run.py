@@ -5,17 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import shutil
 import signal
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from tests.servers.postgres import start_postgres
-from tests.servers.redis import start_cluster, start_redis
+from common import Servers
 
 from faults import GATED, HOST, KINDS, LOCK_KINDS, LOSSY, STORE_KINDS, Findings, retried
 from faults.effects import LOCK_SNAPSHOTS, Fx, FxError
@@ -36,11 +32,12 @@ class Run:
         self.store, self.mode, self.same_tx, self.opts, self.say = store, mode, same_tx, opts, say
         self.kinds = self.applies[store]
         self.rng = random.Random(f"{opts.seed}:{store}:{mode}:{same_tx}:{self.workload}:faults")
-        self.root = Path(tempfile.mkdtemp(prefix=f"idemlock-chaos-{store}-"))
+        self.servers = Servers(f"idemlock-chaos-{store}-")  # and their directory
+        self.root = self.servers.tmp
         self.stats = self.root / "stats"
         self.hub = Network()
         self.fx: Any = None  # the effects database (Fx), once started
-        self.servers: list[Any] = []  # each with destroy() or stop(); the store's first
+        self.server: Any = None  # the store's
         self.etcd: Any = None  # tests.servers.etcd.EtcdCluster
         self.proxies: list[Any] = []  # etcd's, one per member
         self.paused: tuple[Any, float] | None = None  # the paused etcd member, until
@@ -60,39 +57,37 @@ class Run:
         or a PostgreSQL the supervisor reads directly (the workers reach the store's own
         PostgreSQL through the proxy)."""
         hub, store = self.hub, self.store
+        pg_store = store == "postgres"
         fx = ("sqlite", str(self.root / "effects.db"))
         if store == "sqlite":
             self.store_url = f"sqlite:///{self.root / 'idemlock.db'}"
         elif store == "etcd":
-            from tests.servers.etcd import start_etcd
-
-            self.etcd = start_etcd(3)
-            self.servers.append(self.etcd)
+            self.etcd = self.server = self.servers.start("etcd", 3)
             self.proxies = [hub.add(port) for port in self.etcd.client_ports]
             self.store_url = "etcd://" + ",".join(f"{HOST}:{p.port}" for p in self.proxies)
         else:
             if store == "redis":
-                self.servers.append(start_redis(self.root / "redis"))
-                self.store_url = f"redis://{HOST}:{hub.add(self.servers[0].port).port}/0"
+                self.server = self.servers.start("redis")
+                self.store_url = f"redis://{HOST}:{hub.add(self.server.port).port}/0"
             elif store == "redis-cluster":
                 announce = lambda port: hub.add(port).port  # noqa: E731
-                self.servers.append(start_cluster(self.root / "cluster", announce=announce))
-                self.store_url = self.servers[0].url
+                self.server = self.servers.start("redis-cluster", announce=announce)
+                self.store_url = self.server.url
             # As the store it is crashed by the restarts: every acknowledged commit must
             # come back.
-            pg = start_postgres({"synchronous_commit": "on"} if store == "postgres" else None)
-            self.servers.append(pg)
-            if store == "postgres":
+            pg = self.servers.start("postgres", {"synchronous_commit": "on"} if pg_store else None)
+            self.server = self.server or pg
+            if pg_store:
                 self.store_url = pg.dsn_at(hub.add(pg.port).port)
             fx = ("postgres", pg.dsn)
         self.fx = Fx(*fx, supervisor=True)
-        self.fx_worker = (fx[0], self.store_url if store == "postgres" else fx[1])
+        self.fx_worker = (fx[0], self.store_url if pg_store else fx[1])
 
     def restart_store(self) -> None:
         """Redis restarts empty (a Cluster: one node), PostgreSQL crashes; etcd: a SIGKILL
         of the leader and its restart, or a pause (SIGSTOP) of a member (one at a time:
         quorum stays)."""
-        server, cluster = self.servers[0], self.etcd
+        server, cluster = self.server, self.etcd
         self.wake_member(force=True)
         if self.store == "redis-cluster":
             self.rng.choice(server.nodes).restart()
@@ -392,12 +387,10 @@ class Run:
             return self.check()
         finally:
             self.hub.close()
-            for server in self.servers:  # etcd's SIGCONTs a paused member, kills by pid
-                with contextlib.suppress(Exception):
-                    getattr(server, "destroy", server.stop)()
+            with contextlib.suppress(Exception):  # etcd's SIGCONTs a paused member, kills by pid
+                self.servers.close()
             if self.fx is not None:
                 self.fx.reset()
-            shutil.rmtree(self.root, ignore_errors=True)
 
 
 class LockRun(Run):
