@@ -39,13 +39,9 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]  # the tests' servers, then common 
 import common as c  # noqa: E402
 import redis.asyncio  # noqa: E402
 from render import fmt_rate, goals_section, table  # noqa: E402
-from scenarios import Contenders, single_waiter  # noqa: E402
+from scenarios import Contenders, single_waiter, start_benches  # noqa: E402
 from subjects import base as subj  # noqa: E402
-from subjects.memory import MemoryBench  # noqa: E402
 from subjects.peers import fencekit_job  # noqa: E402
-from subjects.postgres import PgBench  # noqa: E402
-from subjects.redis import RedisBench  # noqa: E402
-from subjects.sqlite import SqliteBench  # noqa: E402
 
 import idemlock.aio  # noqa: E402
 
@@ -179,13 +175,13 @@ def cs_vs(a: dict[str, float], b: dict[str, float], fair: str = "") -> tuple[str
     return text, [a["cs_per_s"] / b["cs_per_s"], a["handoff_share"] * 100, a["worst_wait_ms"]]
 
 
-def measure_redis(server: Any, cfg: Config) -> dict[str, Any]:
+def measure_redis(t: dict[str, Any], cfg: Config) -> dict[str, Any]:
     """The sync pairs against the minimal and bare-socket ones, and the crash-safe job."""
     with contextlib.ExitStack() as stack:
-        r = stack.enter_context(redis.Redis(port=server.port, **c.CLIENT))
-        coord = stack.enter_context(idemlock.connect(server.url, key_prefix=c.new_prefix()))
+        r = stack.enter_context(redis.Redis(port=t["ports"][0], **c.CLIENT))
+        coord = stack.enter_context(idemlock.connect(t["url"], key_prefix=c.new_prefix()))
         fns = {"ours lock": subj.ours_lock_pairs(coord), "ours claim": subj.ours_claim_pairs(coord)}
-        fns |= minimal("raw", r) | minimal("socket", r, socket_evalsha(server.port, stack))
+        fns |= minimal("raw", r) | minimal("socket", r, socket_evalsha(t["ports"][0], stack))
         sync = c.interleave(fns, cfg.n, cfg.rounds)
         f = {"sync": sync, "sync lock": vs(sync, "ours lock", "raw lock")}
         f["sync claim"] = vs(sync, "ours claim", "raw claim")
@@ -200,15 +196,15 @@ def measure_redis(server: Any, cfg: Config) -> dict[str, Any]:
         return f | {f"job {n}": vs(rates, f"{n} trips", "fencekit") for n in (3, 2)}
 
 
-async def measure_async(server: Any, cfg: Config) -> dict[str, Any]:
+async def measure_async(t: dict[str, Any], cfg: Config) -> dict[str, Any]:
     """100 tasks: idemlock's acquire+release, and SET NX PX + DEL on each asyncio client."""
     async with contextlib.AsyncExitStack() as stack:
-        coord = idemlock.aio.connect(server.url, key_prefix=c.new_prefix())
+        coord = idemlock.aio.connect(t["url"], key_prefix=c.new_prefix())
         stack.push_async_callback(coord.close)
         makes, notes = {"idemlock": subj.aio_lock(coord)}, {}
         for label in ("redis.asyncio", "coredis", "valkey-glide"):
             try:
-                name, make = await set_del(label, server.port, stack)
+                name, make = await set_del(label, t["ports"][0], stack)
                 await make(0, 2)
                 makes[name] = make
             except Exception as exc:  # the row says why
@@ -410,19 +406,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"idemlock goals: {cfg._asdict()}; load average {load:.2f}", flush=True)
     f: dict[str, Any] = {}
     with c.Servers("idemlock-goals-") as servers:
-        server, cluster = servers.start("redis"), servers.start("redis-cluster")
-        pg, cs = servers.start("postgres"), Contenders()
+        benches = start_benches(servers, list(c.STORES))
+        cs, rt = Contenders(), benches["redis"].target()
         servers.callback(cs.close)
-        benches = {
-            "memory": MemoryBench(),
-            "sqlite": SqliteBench(str(servers.tmp)),
-            "redis": RedisBench(server.url, [server.port], cluster=False),
-            "redis-cluster": RedisBench(cluster.url, cluster.ports, cluster=True),
-            "postgres": PgBench(pg.dsn, pg.port),
-        }
         for title, section in (
-            ("Redis, sync and the crash-safe job", lambda: measure_redis(server, cfg)),
-            ("asyncio", lambda: asyncio.run(measure_async(server, cfg))),
+            ("Redis, sync and the crash-safe job", lambda: measure_redis(rt, cfg)),
+            ("asyncio", lambda: asyncio.run(measure_async(rt, cfg))),
             ("contention", lambda: measure_contention(cs, benches, cfg)),
             ("PostgreSQL and SQLite", lambda: measure_sql(benches, cfg)),
             ("import time", lambda: measure_import(cfg)),

@@ -22,7 +22,6 @@ import time
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [p for p in (str(HERE.parent), str(HERE)) if p not in sys.path]
@@ -31,11 +30,7 @@ import common as c  # noqa: E402
 import psycopg  # noqa: E402
 import redis  # noqa: E402
 from render import add_paths, write  # noqa: E402
-from scenarios import Contenders, redis_memory, run_store, single_waiter  # noqa: E402
-from subjects.memory import MemoryBench  # noqa: E402
-from subjects.postgres import PgBench  # noqa: E402
-from subjects.redis import RedisBench  # noqa: E402
-from subjects.sqlite import SqliteBench  # noqa: E402
+from scenarios import Contenders, redis_memory, run_store, single_waiter, start_benches  # noqa: E402
 
 import idemlock  # noqa: E402
 
@@ -71,33 +66,25 @@ def main(argv: list[str] | None = None) -> int:
     versions = {"idemlock": idemlock.__version__, "sqlite": sqlite3.sqlite_version}
     versions |= {"redis-py" if d == "redis" else d: c.version(d) for d in DISTS}
     with c.Servers("idemlock-report-") as servers:
-        tmp = str(servers.tmp)
-        benches: dict[str, Any] = {"memory": MemoryBench, "sqlite": lambda: SqliteBench(tmp)}
-        server = None  # the standalone Redis, whose memory per key is measured too
-        if "redis" in stores:
-            server = servers.start("redis")
-            with redis.Redis(port=server.port) as r:
+        benches = start_benches(servers, stores)
+        # the standalone Redis, whose memory per key is measured too
+        rt = benches["redis"].target() if "redis" in benches else None
+        if rt is not None:
+            with redis.Redis(port=rt["ports"][0]) as r:
                 versions["redis-server"] = r.info("server")["redis_version"]
-            benches["redis"] = lambda: RedisBench(server.url, [server.port], cluster=False)
-        if "redis-cluster" in stores:
-            cluster = servers.start("redis-cluster")
-            benches["redis-cluster"] = lambda: RedisBench(cluster.url, cluster.ports, cluster=True)
-        if "postgres" in stores:
-            pg = servers.start("postgres")
-            with psycopg.connect(pg.dsn) as conn:
+        if "postgres" in benches:
+            with psycopg.connect(benches["postgres"].dsn) as conn:
                 versions["postgresql"] = conn.execute("SHOW server_version").fetchone()[0]
-            benches["postgres"] = lambda: PgBench(pg.dsn, pg.port)
         contenders = Contenders()
         servers.callback(contenders.close)
         single: dict[str, dict[str, float]] = {}
-        for name in stores:
-            bench = benches[name]()
+        for name, bench in benches.items():
             print(f"{c.TITLE[name]}:")
             run_store(bench, cfg, res, contenders)
             if name != "memory":
                 single[name] = m = single_waiter(bench, cfg, contenders)
                 print(f"  single waiter: gap median {m['handoff_gap_median_ms']:.2f} ms")
-        memory = redis_memory(server.url, server.port) if server is not None else []
+        memory = redis_memory(rt["url"], rt["ports"][0]) if rt is not None else []
     load_end = os.getloadavg()
     data = {
         "meta": {

@@ -240,6 +240,19 @@ def run_store(bench: Any, cfg: c.Config, res: c.Results, contenders: Contenders)
     res.rates(c.HAND, c.HAND_OP, name, rates, "critical sections/s", figures)
 
 
+def start_benches(servers: c.Servers, stores: list[str]) -> dict[str, Any]:
+    """Each of ``stores``' adapter, its server (Redis, PostgreSQL) started on ``servers``."""
+    benches: dict[str, Any] = {"memory": MemoryBench(), "sqlite": SqliteBench(str(servers.tmp))}
+    for store in stores:
+        if store == "postgres":
+            pg = servers.start(store)
+            benches[store] = PgBench(pg.dsn, pg.port)
+        elif store.startswith("redis"):
+            r, cluster = servers.start(store), store == "redis-cluster"
+            benches[store] = RedisBench(r.url, r.ports if cluster else [r.port], cluster=cluster)
+    return {store: benches[store] for store in stores}
+
+
 def single_waiter(bench: Any, cfg: c.Config, contenders: Contenders) -> dict[str, float]:
     """One holder, one waiter (2 processes; each holds 2 ms, then stays off the lock for
     0.5 ms, so the other is always already waiting): the release -> acquire gap."""
