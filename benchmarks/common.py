@@ -54,8 +54,9 @@ SCENARIOS += [(HAND, HAND_OP), (JOB, JOB_OP)]
 BASE, OURS = "baseline", "idemlock"
 OURS_AIO, OURS_TX = "idemlock (asyncio)", "idemlock (same transaction)"
 OURS_W, OURS_PORT = "idemlock (write in complete)", "idemlock (store port)"
+OURS_SQL = "idemlock (its SQL, raw driver)"  # the store's own statements, no Python layer
 RPY, PRL, FK, IK, PT = "redis-py Lock", "python-redis-lock", "fencekit", "idemkit", "Powertools"
-SUBJECTS = (BASE, OURS, OURS_PORT, OURS_AIO, OURS_W, OURS_TX, RPY, PRL, FK, IK, PT)
+SUBJECTS = (BASE, OURS, OURS_PORT, OURS_SQL, OURS_AIO, OURS_W, OURS_TX, RPY, PRL, FK, IK, PT)
 
 POWERTOOLS = "idempotent_function with the Redis (cache) persistence layer; sync"
 #: peer -> (distribution, module, what is measured)
@@ -251,32 +252,46 @@ def new_prefix(tag: str = "b") -> str:
     return tag + uuid.uuid4().hex[:8]
 
 
-def _rounds(fns: dict[str, Any], n: int, rounds: int, warm: int, rates: Rates) -> Iterator[Any]:
+def _rounds(
+    fns: dict[str, Any], n: int, rounds: int, warm: int, rates: Rates, cpu: Rates | None
+) -> Iterator[Any]:
     """The calls of ``interleave``: each function with ``warm`` operations, then each with
-    ``n`` per round, timed into ``rates``; the caller makes (or awaits) them."""
+    ``n`` per round, timed into ``rates`` (and this process's CPU µs per operation into
+    ``cpu``, if given); the caller makes (or awaits) them."""
+    cpu = {} if cpu is None else cpu
     for fn in fns.values():  # warm up: connections, script cache, imports
         yield fn, warm
     for _ in range(rounds):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            # CPU time of this process (all its threads) is barely moved by other load on
+            # the machine, unlike wall time: the steadier figure on a busy machine
+            start, used = time.perf_counter(), time.process_time()
             yield fn, n
             rates[name].append(n / (time.perf_counter() - start))
+            cpu.setdefault(name, []).append((time.process_time() - used) / n * 1e6)
 
 
-def interleave(fns: dict[str, SyncFn], n: int, rounds: int) -> Rates:
+def interleave(fns: dict[str, SyncFn], n: int, rounds: int, cpu: Rates | None = None) -> Rates:
     """Operations per second of each function in every round; rounds run A, B, A, B, ..."""
     rates: Rates = {k: [] for k in fns}
-    for fn, count in _rounds(fns, n, rounds, max(50, n // 20), rates):
+    for fn, count in _rounds(fns, n, rounds, max(50, n // 20), rates, cpu):
         fn(count)
     return rates
 
 
-async def ainterleave(fns: dict[str, AsyncFn], n: int, rounds: int) -> Rates:
+async def ainterleave(
+    fns: dict[str, AsyncFn], n: int, rounds: int, cpu: Rates | None = None
+) -> Rates:
     """As ``interleave``, for asyncio functions."""
     rates: Rates = {k: [] for k in fns}
-    for fn, count in _rounds(fns, n, rounds, max(100, n // 20), rates):
+    for fn, count in _rounds(fns, n, rounds, max(100, n // 20), rates, cpu):
         await fn(count)
     return rates
+
+
+def cpu_us(cpu: Rates) -> dict[str, dict[str, float]]:
+    """The ``cpu_us`` column of each subject's row: its median CPU µs per operation."""
+    return {k: {"cpu_us": statistics.median(v)} for k, v in cpu.items()}
 
 
 def fan_out(make: Make, tasks: int) -> AsyncFn:

@@ -70,7 +70,9 @@ def table(head: str, rows: list[list[Any]], right: int = 99, optional: bool = Fa
 
 
 def ratio_text(r: dict[str, Any], rate: bool = False) -> str:
-    text = f"{r['ratio']:.2f}{X}" + (f" ({fmt_rate(r['value'])}/s)" if rate else "")
+    """The ratio; with ``rate``, the rate and (if measured) the CPU µs per operation."""
+    cpu = f", {r['cpu_us']:.3g} µs CPU" if rate and r.get("cpu_us") is not None else ""
+    text = f"{r['ratio']:.2f}{X}" + (f" ({fmt_rate(r['value'])}/s{cpu})" if rate else "")
     return f"**{text}**" if r["subject"] == c.OURS else text
 
 
@@ -136,8 +138,9 @@ def markdown(data: dict[str, Any], png: str) -> str:
         for name, p in data["peers"].items()
     ]  # fmt: skip
     waits = [
-        [c.TITLE[s], f"{w['handoff_gap_median_ms']:.2f} ms", f"{w['count']:.0f}"]
-        for s, w in data.get("single_waiter", {}).items()
+        [c.TITLE[s], subject, f"{w['handoff_gap_median_ms']:.2f} ms", f"{w['count']:.0f}"]
+        for s, ours in data.get("single_waiter", {}).items()
+        for subject, w in {c.OURS: ours, **data.get("single_waiter_peers", {}).get(s, {})}.items()
     ]
     missed: dict[tuple[str, ...], list[str]] = {}  # the first of each scenario, store, subject
     for n in data["not_run"]:
@@ -183,13 +186,17 @@ def markdown(data: dict[str, Any], png: str) -> str:
         table(f"store|baseline (1.00{X})", [[c.TITLE[s], c.BASELINES[s]] for s in stores]),
         f"![ratios to the baseline per scenario and store]({png})",
         "## Uncontended: sync, one thread",
-        "Pairs per second (acquire+release of one key; claim+complete of a new key each time).",
+        "Pairs per second (acquire+release of one key; claim+complete of a new key each time), "
+        "and this process's CPU time per pair (steadier than the rate on a busy machine). The "
+        "store port: idemlock's store adapter called directly; its SQL, raw driver: the "
+        "store's own statements through raw sqlite3, each in the baseline's transaction.",
         wide(data, [c.UNC], stores),
         "Round trips per pair, counted (SQLite: transactions):",
         wide(data, [c.UNC], counted, trips=True),
         "## asyncio: 1 task and 100 concurrent tasks",
         "The same pairs on the asyncio API, over 1 task or 100 (each its own lock key), against "
-        "the raw asyncio driver (SQLite: transactions in asyncio.to_thread; memory: the dict).",
+        "the raw asyncio driver (SQLite: transactions in asyncio.to_thread; memory: the dict); "
+        "the store port alone next to the API. CPU: this process's, all threads, per pair.",
         wide(data, [c.AIO1, c.AIO100], stores),
         "## Contended hand-off",
         "4 processes (threads for the memory store) take turns on one lock, holding it ~1 ms, "
@@ -210,8 +217,9 @@ def markdown(data: dict[str, Any], png: str) -> str:
         long(data, (c.JOB, c.JOB_OP), JOB_COLUMNS, 4, job_cells),
         "## Single waiter",
         "One holder and one waiter (2 processes, each holding the lock 2 ms, then off it "
-        "0.5 ms): the median gap from the holder's release to the waiter's acquisition.",
-        table("store|gap median|acquisitions", waits, 1, optional=True),
+        "0.5 ms): the median gap from the holder's release to the waiter's acquisition, for "
+        "every lock that ran the contended hand-off.",
+        table("store|subject|gap median|acquisitions", waits, 2, optional=True),
         "## Redis memory per key",
         "`MEMORY USAGE` of one key, as stored.",
         table("what|bytes", data.get("redis_memory") or [], optional=True),
@@ -232,7 +240,7 @@ def markdown(data: dict[str, Any], png: str) -> str:
 
 
 #: the chart's colour of each subject but the baseline, in the order of c.SUBJECTS
-PALETTE = "#1f5fbf #9ecae1 #6fa8ff #0b3b80 #17becf #d62728 #ff7f0e #2ca02c #9467bd #8c564b"
+PALETTE = "#1f5fbf #9ecae1 #c6dbef #6fa8ff #0b3b80 #17becf #d62728 #ff7f0e #2ca02c #9467bd #8c564b"
 COLORS = dict(zip(c.SUBJECTS[1:], PALETTE.split(), strict=True))
 #: the chart's label of each scenario: its operation and how it ran, or its name
 HOW = {c.UNC: "sync", c.AIO1: f"asyncio {X}1", c.AIO100: f"asyncio {X}100"}

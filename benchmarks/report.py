@@ -30,7 +30,14 @@ import common as c  # noqa: E402
 import psycopg  # noqa: E402
 import redis  # noqa: E402
 from render import add_paths, write  # noqa: E402
-from scenarios import Contenders, redis_memory, run_store, single_waiter, start_benches  # noqa: E402
+from scenarios import (  # noqa: E402
+    Contenders,
+    redis_memory,
+    run_store,
+    single_waiter,
+    single_waiter_peers,
+    start_benches,
+)
 
 import idemlock  # noqa: E402
 
@@ -78,12 +85,16 @@ def main(argv: list[str] | None = None) -> int:
         contenders = Contenders()
         servers.callback(contenders.close)
         single: dict[str, dict[str, float]] = {}
+        single_peers: dict[str, dict[str, dict[str, float]]] = {}
         for name, bench in benches.items():
             print(f"{c.TITLE[name]}:")
             run_store(bench, cfg, res, contenders)
             if name != "memory":
-                single[name] = m = single_waiter(bench, cfg, contenders)
-                print(f"  single waiter: gap median {m['handoff_gap_median_ms']:.2f} ms")
+                single[name] = single_waiter(bench, cfg, contenders)
+                single_peers[name] = single_waiter_peers(bench, cfg, res, contenders)
+                gaps = {c.OURS: single[name], **single_peers[name]}.items()
+                gap = ", ".join(f"{k} {m['handoff_gap_median_ms']:.2f} ms" for k, m in gaps)
+                print(f"  single waiter, gap median: {gap}")
         memory = redis_memory(rt["url"], rt["ports"][0]) if rt is not None else []
     load_end = os.getloadavg()
     data = {
@@ -109,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         "peers": c.peer_status(res),
         "results": res.rows,
         "not_run": res.not_run,
-        "single_waiter": single,
+        "single_waiter": single,  # idemlock's; the other locks' beside it
+        "single_waiter_peers": single_peers,
         "redis_memory": memory,
     }
     write(data, args.json, args.out, args.png)

@@ -165,12 +165,14 @@ def run_store(bench: Any, cfg: c.Config, res: c.Results, contenders: Contenders)
     name, scale = bench.name, bench.scale if cfg.scaled else 1
     n, job_n = cfg.n * scale, cfg.job_n * scale
 
-    def measured(where: tuple[str, str, str], fns: dict[str, Any], run: Any) -> c.Rates:
-        """``run(fns)``; a peer that fails is dropped (and why, in ``res``), the rest rerun."""
+    def measured(where: tuple[str, str, str], fns: dict[str, Any], run: Any, cpu: c.Rates) -> Any:
+        """``run(fns, cpu)``; a peer that fails is dropped (and why, in ``res``), the rest
+        rerun. Its rates, and each subject's ``cpu_us`` column."""
         fns = guarded(fns)
         while True:
             try:
-                return run(fns)
+                cpu.clear()  # a rerun's rounds only
+                return run(fns, cpu), c.cpu_us(cpu)
             except c.PeerFailed as exc:
                 res.skip(where, exc.name, "failed", c._why(exc.cause))
                 del fns[exc.name]
@@ -180,8 +182,9 @@ def run_store(bench: Any, cfg: c.Config, res: c.Results, contenders: Contenders)
         counted on fresh clients (a store without ``counting`` has none)."""
         with contextlib.ExitStack() as stack:
             fns = build(bench.target(), stack, res)
-            rates = measured((scenario, op, name), fns, lambda f: interleave(f, count, cfg.rounds))
-        trips: dict[str, dict[str, Any]] = {}
+            rates, extra = measured(
+                (scenario, op, name), fns, lambda f, cpu: interleave(f, count, cfg.rounds, cpu), {}
+            )
         with contextlib.ExitStack() as stack:
             counted, t = stack.enter_context(bench.counting()) if bench.counting else (None, {})
             for subject, fn in build(t, stack, c.Results()).items() if counted else ():
@@ -193,16 +196,18 @@ def run_store(bench: Any, cfg: c.Config, res: c.Results, contenders: Contenders)
                     if role(subject) != "peer":
                         raise
                     continue  # measured (or reported as failed) by the timed run
-                trips[subject] = {"round_trips": round((counted() - before) / cfg.count, 2)}
-        res.rates(scenario, op, name, rates, unit, trips)
+                trips = round((counted() - before) / cfg.count, 2)
+                extra.setdefault(subject, {})["round_trips"] = trips
+        res.rates(scenario, op, name, rates, unit, extra)
 
-    async def fanned(makes: dict[str, c.Make], tasks: int) -> c.Rates:
+    async def fanned(makes: dict[str, c.Make], tasks: int, cpu: c.Rates) -> c.Rates:
         for make in makes.values():
             # One task first: connections, scripts, a Cluster client's slot map (redis-py's
             # asyncio RedisCluster drops connections in use if many tasks trigger its
             # first discovery at once).
             await make(0, 1)
-        return await ainterleave({k: fan_out(m, tasks) for k, m in makes.items()}, n, cfg.rounds)
+        fns = {k: fan_out(m, tasks) for k, m in makes.items()}
+        return await ainterleave(fns, n, cfg.rounds, cpu)
 
     for op in (c.LOCK_OP, c.CLAIM_OP):
         timed(c.UNC, op, partial(bench.sync_fns, op), n, "pairs/s")
@@ -213,10 +218,12 @@ def run_store(bench: Any, cfg: c.Config, res: c.Results, contenders: Contenders)
             where, stack = (scenario, op, name), contextlib.AsyncExitStack()
             try:
                 makes = runner.run(bench.async_fns(op, tasks, stack, res, where))
-                rates = measured(where, makes, lambda m, k=tasks: runner.run(fanned(m, k)))
+                rates, extra = measured(
+                    where, makes, lambda m, cpu, k=tasks: runner.run(fanned(m, k, cpu)), {}
+                )
             finally:
                 runner.run(stack.aclose())
-            res.rates(scenario, op, name, rates, "pairs/s")
+            res.rates(scenario, op, name, rates, "pairs/s", extra)
     timed(c.JOB, c.JOB_OP, bench.job_fns, job_n, "jobs/s")
 
     where, runs = (c.HAND, c.HAND_OP, name), {}
@@ -253,11 +260,28 @@ def start_benches(servers: c.Servers, stores: list[str]) -> dict[str, Any]:
     return {store: benches[store] for store in stores}
 
 
-def single_waiter(bench: Any, cfg: c.Config, contenders: Contenders) -> dict[str, float]:
+def single_waiter(
+    bench: Any, cfg: c.Config, contenders: Contenders, kind: str = c.OURS
+) -> dict[str, float]:
     """One holder, one waiter (2 processes; each holds 2 ms, then stays off the lock for
-    0.5 ms, so the other is always already waiting): the release -> acquire gap."""
+    0.5 ms, so the other is always already waiting): the release -> acquire gap of
+    ``kind``'s lock (a contention kind: idemlock, the baseline, a lock peer)."""
     seconds = min(cfg.seconds, 3.0)
-    return contenders.contend(bench, c.OURS, seconds, "sw", hold=0.002, procs=2, pause=0.0005)
+    return contenders.contend(bench, kind, seconds, "sw", hold=0.002, procs=2, pause=0.0005)
+
+
+def single_waiter_peers(
+    bench: Any, cfg: c.Config, res: c.Results, contenders: Contenders
+) -> dict[str, dict[str, float]]:
+    """``single_waiter`` of every other kind that ran the store's contended hand-off."""
+    out, where = {}, ("single waiter", "1 holder, 1 waiter", bench.name)
+    for r in res.rows:
+        if (r["scenario"], r["store"]) == (c.HAND, bench.name) and r["subject"] != c.OURS:
+            try:
+                out[r["subject"]] = single_waiter(bench, cfg, contenders, r["subject"])
+            except Exception as exc:
+                res.skip(where, r["subject"], "failed", c._why(exc))
+    return out
 
 
 def redis_memory(url: str, port: int) -> list[tuple[str, str]]:
@@ -267,6 +291,11 @@ def redis_memory(url: str, port: int) -> list[tuple[str, str]]:
 
     def size(key: str | bytes) -> str:
         return f"{r.memory_usage(key, samples=0)} B (key name {len(key)} B)"
+
+    def total(pattern: str) -> tuple[int, int]:
+        """The bytes and the number of the keys matching ``pattern`` (a peer's record)."""
+        keys = r.keys(pattern)
+        return sum(r.memory_usage(k, samples=0) or 0 for k in keys), len(keys)
 
     coord = idemlock.connect(url, key_prefix="mem")
     port_ = coord.idempotency(c.SPEC)
@@ -285,6 +314,12 @@ def redis_memory(url: str, port: int) -> list[tuple[str, str]]:
     locks.release(lease)
     rows.append(("idemlock after release", f"{r.memory_usage(lk, samples=0)} B for "
                  f"counter_ttl ({r.pttl(lk) / 1000:.0f} s), then nothing"))  # fmt: skip
+    c2 = port_.claim("order-000002")
+    assert isinstance(c2, Claimed)
+    port_.abandon(c2.token)
+    k2 = C.names(ns, "order-000002").claim
+    rows.append(("idemlock after abandon", f"{r.memory_usage(k2, samples=0)} B for counter_ttl, "
+                 "then nothing"))  # fmt: skip
     short = coord.idempotency(IdempotencySpec("short", ttl=timedelta(seconds=0.2)))
     c3 = short.claim("order-000003")
     assert isinstance(c3, Claimed)
@@ -298,16 +333,28 @@ def redis_memory(url: str, port: int) -> list[tuple[str, str]]:
     lock.acquire(blocking=False)
     rows.append(("redis-py Lock held", size("peer:mem-redis-py-000001")))
     lock.release()
+    if c.HAVE[c.PRL]:
+        import redis_lock
+
+        pl = redis_lock.Lock(r, "mem-000001", expire=30)
+        pl.acquire(blocking=False)
+        rows.append(("python-redis-lock held", size("lock:mem-000001")))
+        pl.release()
+        left = total("lock*:mem-000001")[0]
+        rows.append(("python-redis-lock after release", f"{left} B (signal list, expires in 1 s)"))
     if c.HAVE[c.FK]:
         import fencekit
 
         dl = fencekit.DistributedLock(r, prefix="fkm")
         h = dl.acquire("job-000001", ttl=timedelta(seconds=30))
-        keys = r.keys("fkm*")
-        rows.append(("fencekit lock held", f"{sum(r.memory_usage(k, samples=0) for k in keys)} B "
-                     f"({len(keys)} keys)"))  # fmt: skip
+        rows.append(("fencekit lock held", "{} B ({} keys)".format(*total("fkm*"))))
         dl.release(h)
-        left = sum(r.memory_usage(k, samples=0) for k in r.keys("fkm*"))
+        left = total("fkm*")[0]
         rows.append(("fencekit after release", f"{left} B (fence counter, never expires)"))
+        guard = fencekit.IdempotencyGuard(r, prefix="fkg")
+        guard.try_begin("order-000001", ttl=timedelta(hours=1))
+        guard.mark_done("order-000001", result="x" * 98, ttl=timedelta(hours=1))  # 100 B JSON
+        done = "{} B ({} keys)".format(*total("fkg*"))
+        rows.append(("fencekit guard done, 100-byte result", done))
     r.close()
     return rows

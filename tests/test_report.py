@@ -97,6 +97,45 @@ def test_json_has_every_scenario_for_every_store(report: dict[str, Path]) -> Non
         assert m["count"] > 0, m
     memory = dict(data["redis_memory"])
     assert memory["idemlock held lock"].endswith("B)"), memory
+    assert "idemlock after abandon" in memory, memory
+    if data["peers"]["python-redis-lock"]["status"] == "ran":
+        assert "python-redis-lock held" in memory, memory
+    if data["peers"]["fencekit"]["status"] == "ran":
+        assert "fencekit guard done, 100-byte result" in memory, memory
+
+
+@pytest.mark.timeout(300)
+def test_json_has_the_figures_of_the_per_store_scripts(report: dict[str, Path]) -> None:
+    # What bench_embedded, bench_postgres and bench_redis printed that the report first
+    # lost: the store port on asyncio, the SQLite store's own SQL through raw sqlite3,
+    # CPU time per operation, the other locks' single waiter.
+    data = json.loads(report["json"].read_text())
+    rows = data["results"]
+    for store in STORES:
+        for scenario in ("asyncio, 1 task", "asyncio, 100 tasks"):
+            subjects = {
+                r["subject"] for r in rows if (r["store"], r["scenario"]) == (store, scenario)
+            }
+            assert "idemlock (store port)" in subjects, (store, scenario, subjects)
+    own_sql = [r for r in rows if r["subject"] == "idemlock (its SQL, raw driver)"]
+    assert {(r["store"], r["scenario"], r["operation"]) for r in own_sql} == {
+        ("sqlite", "uncontended", "acquire+release"),
+        ("sqlite", "uncontended", "claim+complete"),
+    }
+    assert all(r["round_trips"] == pytest.approx(2.0) for r in own_sql), own_sql
+    for r in rows:
+        if r["scenario"] != "contended hand-off":
+            assert isinstance(r["cpu_us"], (int, float)) and r["cpu_us"] >= 0, r
+    peers = data["single_waiter_peers"]
+    assert set(peers) == set(data["single_waiter"])
+    for store, kinds in peers.items():
+        ran = {
+            r["subject"]
+            for r in rows
+            if (r["store"], r["scenario"]) == (store, "contended hand-off")
+        }
+        assert set(kinds) == ran - {"idemlock"}, (store, kinds, ran)
+        assert all(m["count"] > 0 for m in kinds.values()), kinds
 
 
 @pytest.mark.timeout(300)
@@ -119,6 +158,9 @@ def test_markdown_has_the_tables_and_the_chart(report: dict[str, Path]) -> None:
     assert f"| scenario | operation | subject {stores}" in md
     assert "| store | subject | critical sections/s |" in md
     assert "| store | subject | the job | fenced | round trips | jobs/s |" in md
+    assert "| store | subject | gap median | acquisitions |" in md
+    assert "| Redis | baseline |" in md.split("## Single waiter")[1]
+    assert "µs CPU)" in md and "idemlock (its SQL, raw driver)" in md
     assert "load average at start" in md and "load average at end" in md
     assert "![ratios to the baseline per scenario and store](bench.png)" in md
     png = report["png"].read_bytes()

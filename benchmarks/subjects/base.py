@@ -128,6 +128,24 @@ def port_pairs(coord: idemlock.Coordinator, op: str) -> c.SyncFn:
     return run
 
 
+def aport_pairs(coord: idemlock.aio.AsyncCoordinator, op: str) -> c.Make:
+    """``port_pairs`` on the asyncio store port (each task its own lock key)."""
+    store, owner = coord.store, uuid.uuid4().hex
+
+    async def make(t: int, count: int) -> None:
+        tag = uuid.uuid4().hex[:6]
+        for i in range(count):
+            if op == c.LOCK_OP:
+                lease = await store.acquire("bench", f"k{t}", owner, 30_000)
+                await store.release("bench", f"k{t}", owner, lease.token)
+            else:
+                key, token = f"{tag}-{t}-{i}", uuid.uuid4().hex
+                await store.claim("bench", key, "fp", token, c.LEASE_MS)
+                await store.complete("bench", key, token, c.RESULT_BYTES, c.TTL_MS)
+
+    return make
+
+
 @dataclass
 class Ctx:
     """What a subject is built from: the store's target, the stack its clients close
@@ -219,6 +237,10 @@ class Adapter:
     def effect(self, x: Ctx, url: str, aio: bool) -> Write | None:
         return None
 
+    def own_sql(self, x: Ctx) -> Raw | None:
+        """idemlock's own statements through the raw driver (None: not measured)."""
+        return None
+
     def builds(self, slot: str) -> dict[str, Callable[[Ctx], Any]]:
         return {name: of[slot] for name, of in self.peers.items() if slot in of}
 
@@ -241,6 +263,8 @@ class Adapter:
             c.OURS: (ours_lock_pairs if op == c.LOCK_OP else ours_claim_pairs)(coord),
             c.OURS_PORT: port_pairs(coord, op),
         }
+        if (sql := self.own_sql(x)) is not None:
+            fns[c.OURS_SQL] = sql.run(op)
         return self.with_peers(fns, res, (c.UNC, op, self.name), x)
 
     async def async_fns(self, op: str, tasks: int, stack: Any, res: c.Results, where: Any) -> Any:
@@ -250,6 +274,7 @@ class Adapter:
         fns = {
             c.BASE: (await self.araw(x, tasks)).make(op),
             c.OURS: aio_pairs(coord, op),
+            c.OURS_PORT: aport_pairs(coord, op),
         }
         for name, build in self.builds(ASYNC + op).items():
             if (fn := await apeer(res, where, name, partial(build, x))) is not None:

@@ -20,6 +20,7 @@ from common import LEASE_MS, LOCK, LOCK_OP, SCALE, _fail
 import idemlock
 from idemlock import FencedOut
 from idemlock.stores.sqlite import _SCHEMA
+from idemlock.stores.sqlite import _sql as S
 from subjects.base import Adapter, Ctx, Raw
 
 SQ_NS = "bench:job"
@@ -109,19 +110,35 @@ class SqliteRaw(Raw):
         first = (SQ_INSERT_CLAIM, (SQ_NS, key, "token", self.fence, now + LEASE_MS))
         return first, lambda _: (SQ_COMPLETE, (SQ_RESULT, now + SQ_TTL_MS, SQ_NS, key))
 
-    def send(self, request: tuple[str, tuple[Any, ...]]) -> None:
+    def send(self, request: tuple[str, tuple[Any, ...]]) -> Any:
+        """The statement in its transaction; its first row (None if it returns none)."""
         if getattr(self.local, "cur", None) is None:
             self.local.cur = sq_open_raw(self.path)
         cur = self.local.cur
         cur.execute("BEGIN IMMEDIATE")
-        cur.execute(*request)
+        row = cur.execute(*request).fetchone()
         cur.execute("COMMIT")
+        return row
 
     def asend(self, request: tuple[str, tuple[Any, ...]]) -> Awaitable[None]:
         return asyncio.to_thread(self.send, request)
 
     def write(self, key: str, reply: Any) -> None:
         sqlite_fenced_write(self.effects, key, self.fence)
+
+
+class SqliteOwnSql(SqliteRaw):
+    """The store's own statements (imported from it, so they stay the same) with its
+    arguments, each in the baseline's transaction (the store runs it as one autocommit
+    statement): what its SQL costs next to the baseline's, without the Python layer."""
+
+    def steps(self, op: str, key: str) -> tuple[Any, Callable[[Any], Any]]:
+        now, token = time.time_ns() // 1_000_000, uuid.uuid4().hex
+        if op == LOCK_OP:
+            first = (S._ACQUIRE_UNQUEUED, (SQ_NS, key, "owner", now + 30_000, now))
+            return first, lambda row: (S._RELEASE, (SQ_NS, key, "owner", row[0], now))
+        first = (S._CLAIM_NEW, (SQ_NS, key, token, None, now + LEASE_MS, now))
+        return first, lambda _: (S._COMPLETE, (SQ_RESULT, now + SQ_TTL_MS, SQ_NS, key, token, now))
 
 
 class SqliteBench(Adapter):
@@ -154,6 +171,9 @@ class SqliteBench(Adapter):
 
     def raw(self, x: Ctx) -> Raw:
         return SqliteRaw(self.target()["path"], x.stack)
+
+    def own_sql(self, x: Ctx) -> Raw:
+        return SqliteOwnSql(self.target()["path"], x.stack)
 
     def effect(self, x: Ctx, url: str, aio: bool) -> Any:
         write = partial(
