@@ -30,14 +30,7 @@ import common as c  # noqa: E402
 import psycopg  # noqa: E402
 import redis  # noqa: E402
 from render import add_paths, write  # noqa: E402
-from scenarios import (  # noqa: E402
-    Contenders,
-    redis_memory,
-    run_store,
-    single_waiter,
-    single_waiter_peers,
-    start_benches,
-)
+from scenarios import Contenders, redis_memory, run_store, single_waiters, start_benches  # noqa: E402
 
 import idemlock  # noqa: E402
 
@@ -90,11 +83,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{c.TITLE[name]}:")
             run_store(bench, cfg, res, contenders)
             if name != "memory":
-                single[name] = single_waiter(bench, cfg, contenders)
-                single_peers[name] = single_waiter_peers(bench, cfg, res, contenders)
-                gaps = {c.OURS: single[name], **single_peers[name]}.items()
-                gap = ", ".join(f"{k} {m['handoff_gap_median_ms']:.2f} ms" for k, m in gaps)
+                waits = single_waiters(bench, cfg, res, contenders)
+                gap = ", ".join(
+                    f"{k} {m['handoff_gap_median_ms']:.2f} ms" for k, m in waits.items()
+                )
                 print(f"  single waiter, gap median: {gap}")
+                single[name] = waits.pop(c.OURS)
+                single_peers[name] = waits
         memory = redis_memory(rt["url"], rt["ports"][0]) if rt is not None else []
     load_end = os.getloadavg()
     data = {
