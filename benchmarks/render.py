@@ -189,7 +189,8 @@ def markdown(data: dict[str, Any], png: str) -> str:
         "Pairs per second (acquire+release of one key; claim+complete of a new key each time), "
         "and this process's CPU time per pair (steadier than the rate on a busy machine). The "
         "store port: idemlock's store adapter called directly; its SQL, raw driver: the "
-        "store's own statements through raw sqlite3, each in the baseline's transaction.",
+        "store's own statements and arguments through the raw driver (SQLite: each in the "
+        "baseline's transaction; PostgreSQL: prepared, as the store sends them).",
         wide(data, [c.UNC], stores),
         "Round trips per pair, counted (SQLite: transactions):",
         wide(data, [c.UNC], counted, trips=True),

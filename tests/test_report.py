@@ -107,7 +107,7 @@ def test_json_has_every_scenario_for_every_store(report: dict[str, Path]) -> Non
 @pytest.mark.timeout(300)
 def test_json_has_the_figures_of_the_per_store_scripts(report: dict[str, Path]) -> None:
     # What bench_embedded, bench_postgres and bench_redis printed that the report first
-    # lost: the store port on asyncio, the SQLite store's own SQL through raw sqlite3,
+    # lost: the store port on asyncio, the SQL stores' own statements through the raw driver,
     # CPU time per operation, the other locks' single waiter.
     data = json.loads(report["json"].read_text())
     rows = data["results"]
@@ -119,8 +119,9 @@ def test_json_has_the_figures_of_the_per_store_scripts(report: dict[str, Path]) 
             assert "idemlock (store port)" in subjects, (store, scenario, subjects)
     own_sql = [r for r in rows if r["subject"] == "idemlock (its SQL, raw driver)"]
     assert {(r["store"], r["scenario"], r["operation"]) for r in own_sql} == {
-        ("sqlite", "uncontended", "acquire+release"),
-        ("sqlite", "uncontended", "claim+complete"),
+        (store, "uncontended", op)
+        for store in ("sqlite", "postgres")
+        for op in ("acquire+release", "claim+complete")
     }
     assert all(r["round_trips"] == pytest.approx(2.0) for r in own_sql), own_sql
     for r in rows:

@@ -14,11 +14,14 @@ from typing import Any, ClassVar
 import common as c
 import psycopg
 import psycopg_pool
+from psycopg.rows import tuple_row
 from tests.servers.proxy import TcpProxy
 
 import idemlock
 from idemlock import Claimed, FencedOut
 from idemlock.stores.postgres import fenced as PF
+from idemlock.stores.postgres._replies import _i8
+from idemlock.stores.postgres._shared import HANDOFF_MS
 from subjects.base import Adapter, Ctx, Peers, Raw
 from subjects.peers import ik_peer
 
@@ -116,6 +119,35 @@ class PgRaw(Raw):
             raise FencedOut(key, reply[0], None)
 
 
+class PgOwnSql(PgRaw):
+    """idemlock's own statements, with the arguments its store builds, sent as the store
+    sends them (psycopg's RawCursor, prepared, binary) on one connection: what its SQL
+    costs next to the baseline's, without the rest of the store."""
+
+    def __init__(self, conn: Any, store: Any) -> None:
+        super().__init__(conn)
+        self.store, self.sql = store, store.statements
+
+    def steps(self, op: str, key: str) -> tuple[Any, Callable[[Any], Any]]:
+        store, sql, owner, token = self.store, self.sql, self.owner, uuid.uuid4().hex
+        if op == c.LOCK_OP:
+            chan = store._chan("lock", NS, key)
+            release = {"ns": NS, "key": key, "owner": owner, "chan": chan}
+            release["handoff"] = _i8(HANDOFF_MS)
+            first = (sql.acquire_fast, store._acquire_params(NS, key, owner, 30_000))
+            return first, lambda row: (sql.release, {**release, "token": _i8(row[1])})
+        claim = {"ns": NS, "key": key, "token": token, "fp": "fp", "lease": _i8(c.LEASE_MS)}
+        done = store._complete_params(NS, key, token, c.RESULT_BYTES, c.TTL_MS)
+        return (sql.claim_fast, claim), lambda _: (sql.complete, done)
+
+    def send(self, request: tuple[Any, dict[str, Any]]) -> Any:
+        stmt, params = request
+        cur = psycopg.RawCursor(self.conn, row_factory=tuple_row)
+        row = cur.execute(stmt.sql, stmt.args(params), prepare=True, binary=True).fetchone()
+        assert row is not None and row[0] is not False, stmt.sql  # granted, or its reply
+        return row
+
+
 def pg_job_same_tx(coord: idemlock.Coordinator, conn: psycopg.Connection[Any]) -> c.SyncFn:
     port = coord.idempotency(c.SPEC)
 
@@ -202,6 +234,11 @@ class PgBench(Adapter):
             return row
 
         return PgRaw(asend=send)
+
+    def own_sql(self, x: Ctx) -> Raw:
+        coord = self.coord(x.t["dsn"], x.stack)
+        coord.store._ensure_ready()  # its schema, before the raw connection uses it
+        return PgOwnSql(connect(x.t["dsn"], x.stack), coord.store)
 
     def effect(self, x: Ctx, url: str, aio: bool) -> Any:
         """idemlock's fenced upsert into a table of your own."""
