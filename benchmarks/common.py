@@ -14,6 +14,7 @@ import contextlib
 import importlib.metadata
 import importlib.util
 import itertools
+import math
 import statistics
 import tempfile
 import time
@@ -312,11 +313,17 @@ def ratio(rates: Rates, num: str, den: str) -> float:
 def summarize(events: list[tuple[float, float, float, int]], seconds: float) -> dict[str, float]:
     """Contention figures from (called, acquired, released, process) of every critical
     section on one shared monotonic clock."""
-    pairs = list(itertools.pairwise(sorted(events, key=lambda e: e[1])))
+    ordered = sorted(events, key=lambda e: e[1])
+    pairs = list(itertools.pairwise(ordered))
     gaps = [cur[1] - prev[2] for prev, cur in pairs]
+    cuts = statistics.quantiles(gaps, n=100) if len(gaps) > 1 else [math.nan] * 99
     # a hand-off: the next holder was already waiting when the lock was released
     handoff_gaps = [cur[1] - prev[2] for prev, cur in pairs if cur[0] < prev[2]]
     waits = [a - c for c, a, _, _ in events]
+    # "released" is stamped before release is called: a section acquired before the
+    # latest such stamp overlapped a hold (mutual exclusion broken)
+    ends = itertools.accumulate((e[2] for e in ordered), max)
+    overlaps = sum(cur[1] < end for cur, end in zip(ordered[1:], ends, strict=False))
 
     def ms(values: list[float], pick: Callable[[list[float]], float]) -> float:
         return pick(values) * 1000 if values else float("nan")
@@ -325,9 +332,12 @@ def summarize(events: list[tuple[float, float, float, int]], seconds: float) -> 
         "cs_per_s": len(events) / seconds,
         "handoff_share": len(handoff_gaps) / max(1, len(events) - 1),
         "gap_median_ms": ms(gaps, statistics.median),
+        "gap_p90_ms": cuts[89] * 1000,
+        "gap_p99_ms": cuts[98] * 1000,
         "handoff_gap_median_ms": ms(handoff_gaps, statistics.median),
         "worst_wait_ms": ms(waits, max),
         "count": len(events),
+        "overlapping_holds": overlaps,
     }
 
 

@@ -25,7 +25,10 @@ SCALED = (
     "microseconds)"
 )
 #: the columns of the long tables after store and subject
-HAND_COLUMNS = f"critical sections/s|{X} baseline|hand-offs|gap median|worst wait"
+HAND_COLUMNS = (
+    f"critical sections/s|{X} baseline|hand-offs|gap median / p90 / p99|hand-off gap median|"
+    "worst wait|overlapping holds"
+)
 JOB_COLUMNS = f"the job|fenced|round trips|jobs/s|{X} baseline"
 REPRODUCE = """\
 ```sh
@@ -106,11 +109,19 @@ def long(data: dict[str, Any], key: tuple[str, str], head: str, right: int, cell
     return table("store|subject|" + head, rows, right)
 
 
+def ms(value: float | None, digits: int = 2) -> str:
+    """Milliseconds; "—" for a gap not measured (None in the JSON, NaN in a run)."""
+    return "—" if value is None or math.isnan(value) else f"{value:.{digits}f} ms"
+
+
 def hand_cells(store: str, subject: str, r: Any, miss: Any) -> list[str]:
     if r is None:
-        return [miss["status"], "", "", "", ""]
-    gap, worst = f"{r['gap_median_ms']:.2f} ms", f"{r['worst_wait_ms']:.1f} ms"
-    return [f"{r['value']:,.0f}", ratio_text(r), f"{r['handoff_share']:.0%}", gap, worst]
+        return [miss["status"], *[""] * 6]
+    # .get: a run's JSON from before p90, p99 and overlapping holds renders too
+    gaps = " / ".join(ms(r.get(k)) for k in ("gap_median_ms", "gap_p90_ms", "gap_p99_ms"))
+    share, handoff = f"{r['handoff_share']:.0%}", ms(r["handoff_gap_median_ms"])
+    figures = [gaps, handoff, ms(r["worst_wait_ms"], 1), f"{r.get('overlapping_holds', '—')}"]
+    return [f"{r['value']:,.0f}", ratio_text(r), share, *figures]
 
 
 def job_cells(store: str, subject: str, r: Any, miss: Any) -> list[str]:
@@ -138,7 +149,7 @@ def markdown(data: dict[str, Any], png: str) -> str:
         for name, p in data["peers"].items()
     ]  # fmt: skip
     waits = [
-        [c.TITLE[s], subject, f"{w['handoff_gap_median_ms']:.2f} ms", f"{w['count']:.0f}"]
+        [c.TITLE[s], subject, ms(w["handoff_gap_median_ms"]), f"{w['count']:.0f}"]
         for s, ours in data.get("single_waiter", {}).items()
         for subject, w in {c.OURS: ours, **data.get("single_waiter_peers", {}).get(s, {})}.items()
     ]
@@ -201,9 +212,12 @@ def markdown(data: dict[str, Any], png: str) -> str:
         wide(data, [c.AIO1, c.AIO100], stores),
         "## Contended hand-off",
         "4 processes (threads for the memory store) take turns on one lock, holding it ~1 ms, "
-        f"for {cfg['seconds']:g} s. Hand-offs: acquisitions by a contender already waiting at "
-        "the release; gap: release to the next acquisition; worst wait: the longest any "
-        "contender waited.",
+        f"for {cfg['seconds']:g} s; idemlock (asyncio): each process acquires through "
+        "idemlock.aio on its own event loop. Hand-offs: acquisitions by a contender already "
+        "waiting at the release; gap: release to the next acquisition (hand-off gap: of the "
+        "hand-offs alone); worst wait: the longest any contender waited; overlapping holds: "
+        "acquisitions made before an earlier holder released (mutual exclusion broken), 0 for "
+        "a correct lock.",
         long(data, (c.HAND, c.HAND_OP), HAND_COLUMNS, 2, hand_cells),
         "redis-py's Lock polls every 0.1 s and fencekit's every 50 ms (as shipped); "
         "python-redis-lock wakes waiters through a signal list; idemlock notifies the longest "

@@ -3,8 +3,8 @@
 * uncontended, asyncio and the crash-safe job (``run_store``): every subject interleaved
   round by round, then its round trips counted;
 * contention (``Contenders``): processes (threads for the in-process store) taking turns
-  on one lock: critical sections/s, hand-offs, gap, worst wait (``summarize``); the
-  same machinery with 2 processes is the single-waiter scenario;
+  on one lock: critical sections/s, hand-offs, gap, worst wait, overlapping holds
+  (``summarize``); the same machinery with 2 processes is the single-waiter scenario;
 * Redis memory per key (``redis_memory``).
 """
 
@@ -35,16 +35,16 @@ import idemlock
 from idemlock import Claimed, IdempotencySpec
 from idemlock.stores.redis import _common as C
 
-#: a contention run's figures in its row, after its rate
-HAND_FIGURES = ("handoff_share", "gap_median_ms", "handoff_gap_median_ms", "worst_wait_ms", "count")
 ADAPTERS: dict[str, Any] = {"memory": MemoryBench, "sqlite": SqliteBench, "postgres": PgBench}
 
 
 def contender(store: str, kind: str, t: dict[str, Any], stack: contextlib.ExitStack) -> Any:
     """(acquire(key) -> handle, release(handle)) of one contender; it closes on ``stack``."""
     adapter = ADAPTERS.get(store, RedisBench)  # both Redis stores: RedisBench
-    if kind in (c.BASE, c.OURS):
-        return (adapter.contender if kind == c.BASE else ours_contender)(Ctx(t, stack))
+    if kind in (c.OURS, c.OURS_AIO):
+        return ours_contender(Ctx(t, stack), aio=kind == c.OURS_AIO)
+    if kind == c.BASE:
+        return adapter.contender(Ctx(t, stack))
     return adapter.peers[kind][c.HAND_OP](Ctx(t, stack))
 
 
@@ -227,22 +227,25 @@ def run_store(bench: Any, cfg: c.Config, res: c.Results, contenders: Contenders)
     timed(c.JOB, c.JOB_OP, bench.job_fns, job_n, "jobs/s")
 
     where, runs = (c.HAND, c.HAND_OP, name), {}
-    for kind in (c.BASE, c.OURS, *bench.builds(c.HAND_OP)):
+    # idemlock.aio contends where each contender is a process, with an event loop of its own
+    aio = [c.OURS_AIO] if name != "memory" else []
+    for kind in (c.BASE, c.OURS, *aio, *bench.builds(c.HAND_OP)):
         if not installed(res, where, kind):
             continue
         try:
             runs[kind] = m = contenders.contend(bench, kind, cfg.seconds)
         except Exception as exc:
-            if kind in (c.BASE, c.OURS):
+            if c.role(kind) != "peer":
                 raise
             res.skip(where, kind, "failed", c._why(exc))
             continue
         print(
             f"  {c.HAND} {kind}: {m['cs_per_s']:.0f} cs/s, hand-offs {m['handoff_share']:.0%}, "
-            f"gap median {m['gap_median_ms']:.2f} ms, worst wait {m['worst_wait_ms']:.1f} ms"
+            f"gap median {m['gap_median_ms']:.2f} ms, worst wait {m['worst_wait_ms']:.1f} ms, "
+            f"overlapping holds {m['overlapping_holds']}"
         )
     # one round each: its rate is the row's value, its ratio the one to the baseline's
-    figures = {k: {f: m[f] for f in HAND_FIGURES} for k, m in runs.items()}
+    figures = {k: {f: v for f, v in m.items() if f != "cs_per_s"} for k, m in runs.items()}
     rates = {k: [m["cs_per_s"]] for k, m in runs.items()}
     res.rates(c.HAND, c.HAND_OP, name, rates, "critical sections/s", figures)
 

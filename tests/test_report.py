@@ -137,6 +137,15 @@ def test_json_has_the_figures_of_the_per_store_scripts(report: dict[str, Path]) 
         }
         assert set(kinds) == ran - {"idemlock"}, (store, kinds, ran)
         assert all(m["count"] > 0 for m in kinds.values()), kinds
+    # The contention figures bench_postgres printed: gap p90 and p99, overlapping holds (a
+    # count: idemlock's locks never overlap), the asyncio API contending from processes.
+    hand = [r for r in rows if r["scenario"] == "contended hand-off"]
+    for r in hand:
+        assert {"gap_p90_ms", "gap_p99_ms", "handoff_gap_median_ms"} <= set(r), r
+        if r["role"] == "idemlock":
+            assert r["overlapping_holds"] == 0, r
+    aio = {r["store"] for r in hand if r["subject"] == "idemlock (asyncio)"}
+    assert aio == set(STORES) - {"memory"}, aio
 
 
 @pytest.mark.timeout(300)
@@ -157,7 +166,9 @@ def test_markdown_has_the_tables_and_the_chart(report: dict[str, Path]) -> None:
         assert heading in md, heading
     stores = "| memory | SQLite | Redis | Redis Cluster | PostgreSQL |"
     assert f"| scenario | operation | subject {stores}" in md
-    assert "| store | subject | critical sections/s |" in md
+    hand = "| gap median / p90 / p99 | hand-off gap median | worst wait | overlapping holds |"
+    assert "| store | subject | critical sections/s |" in md and hand in md
+    assert "| PostgreSQL | idemlock (asyncio) |" in md.split("## Contended hand-off")[1]
     assert "| store | subject | the job | fenced | round trips | jobs/s |" in md
     assert "| store | subject | gap median | acquisitions |" in md
     assert "| Redis | baseline |" in md.split("## Single waiter")[1]

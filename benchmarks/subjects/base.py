@@ -157,19 +157,29 @@ class Ctx:
     coord: idemlock.Coordinator | None = None
 
 
-def ours_contender(x: Ctx) -> tuple[Any, Any]:
-    """idemlock's acquire (waiting up to 30 s) and release, for the contention runs."""
-    coord = idemlock.connect(x.t["url"], key_prefix=x.t["prefix"] or new_prefix())
-    x.stack.callback(coord.close)
+def ours_contender(x: Ctx, aio: bool = False) -> tuple[Any, Any]:
+    """idemlock's acquire (waiting up to 30 s) and release, for the contention runs; with
+    ``aio``, through idemlock.aio on one event loop of this process, kept between calls:
+    it runs while the contender waits, so the store's wake-up reaches the waiting task."""
+    prefix = x.t["prefix"] or new_prefix()
+    if aio:
+        loop = asyncio.new_event_loop()
+        x.stack.callback(loop.close)
+        coord: Any = idemlock.aio.connect(x.t["url"], key_prefix=prefix)
+        x.stack.callback(lambda: loop.run_until_complete(coord.close()))
+    else:
+        coord = idemlock.connect(x.t["url"], key_prefix=prefix)
+        x.stack.callback(coord.close)
     locks = coord.lock(c.LOCK)
+    done = loop.run_until_complete if aio else lambda value: value
 
     def acquire(key: str) -> Any:
-        lease = locks.acquire(key, wait=30)
+        lease = done(locks.acquire(key, wait=30))
         if lease is None:
             raise RuntimeError("idemlock: no lease within 30 s")
         return lease
 
-    return acquire, locks.release
+    return acquire, lambda lease: done(locks.release(lease))
 
 
 class Raw:
