@@ -436,6 +436,13 @@ class MemoryAsyncStore(ThreadedAsyncStore):
 
         return await asyncio.to_thread(fn, *args)
 
+    async def _undoable(self, fn: Any, undo: Any, *args: Any) -> Any:
+        # The same rule for the transitions: inline there is no await, so no
+        # cancellation can land mid-call and there is nothing to give back.
+        if not self._busy():
+            return fn(*args)
+        return await super()._undoable(fn, undo, *args)
+
     async def claim(
         self, ns: str, key: str, fp: str | None, token: str, lease_ms: int
     ) -> ClaimReply:
