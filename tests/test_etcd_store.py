@@ -489,3 +489,56 @@ def test_waiters_get_the_lock_in_arrival_order(request: pytest.FixtureRequest, u
         assert order == list("ABCD"), order
     finally:
         holder_c.close()
+
+
+def test_a_cancelled_waiter_whose_attempt_lands_late_gives_its_queue_place_back(
+    fault_etcd_server: EtcdCluster,
+) -> None:
+    """A waiter cancelled while its first queued attempt is on the wire: its caller has
+    already left the lock's watch (no place known to give back) when the attempt lands
+    and queues the process. The attempt's undo gives that place back; else every other
+    process's acquire of the free lock is refused until the place expires (seconds)."""
+    import asyncio
+
+    from idemlock._core.port import Acquired, Channel, Held
+    from idemlock.stores.etcd import open_async
+
+    from .servers.etcd import EtcdFaults
+
+    faults = EtcdFaults(fault_etcd_server)
+    p = prefix() + "/"
+
+    async def scenario() -> float:
+        waiter, _ = open_async(faults.url, prefix=p)
+        other, _ = open_async(fault_etcd_server.url, prefix=p)
+        try:
+            held = await other.acquire("ns", "k", "holder:1", 30_000)
+            assert isinstance(held, Acquired)
+            sub = await waiter.subscribe(Channel("lock", "ns", "k"))
+            with faults.stall():
+                attempt = asyncio.ensure_future(waiter.acquire("ns", "k", "waiter:1", 30_000))
+                await asyncio.sleep(0.3)  # its Txn waits in the silent proxy
+                assert not attempt.done()
+                attempt.cancel()
+                await sub.aclose()  # the caller's flow leaves the watch as it unwinds
+            # Healed: the Txn lands, finds the lock held and queues this process.
+            with pytest.raises(asyncio.CancelledError):
+                await attempt
+            await asyncio.sleep(0.5)  # the shielded attempt goes on and ends meanwhile
+            assert await other.release("ns", "k", "holder:1", held.token)
+            start = time.monotonic()
+            while True:
+                got = await other.acquire("ns", "k", "checker:1", 30_000)
+                if isinstance(got, Acquired):
+                    return time.monotonic() - start
+                assert isinstance(got, Held)
+                assert time.monotonic() - start < 5, "the free lock stayed refused"
+                await asyncio.sleep(0.02)
+        finally:
+            await waiter.aclose()
+            await other.aclose()
+            faults.close()
+
+    # Without the undo the stranded place refuses it for WAITER_S (3 s).
+    took = asyncio.run(scenario())
+    assert took < 1.0, took

@@ -60,17 +60,23 @@ class AsyncEtcdStore(_AsyncRunner):
         return r
 
     async def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
+        name = K.lock_name(self.conf.root, ns, key)
+        waiter = None if self._gateway is not None else self._watcher.waiting(name)
+
         def undo(reply: Acquired | Held | None) -> Op | None:
             if isinstance(reply, Acquired):
                 return self.ops.release(ns, key, owner, reply.token)
+            # The caller may have stopped waiting before this attempt queued the process
+            # up: a place nobody here waits for would hold off every other process's
+            # acquire until it expires (WAITER_S), so it is given back too.
+            stranded = (
+                waiter if waiter is not None and self._watcher.waiting(name) is not waiter else None
+            )
             # Outcome unknown: free it if it is held by this owner (owners are per call).
-            return self.ops.release_owner(ns, key, owner) if reply is None else None
+            if reply is None:
+                return self.ops.release_owner(ns, key, owner, stranded)
+            return None if stranded is None else self.ops.leave_queue(ns, key, stranded)
 
-        waiter = (
-            None
-            if self._gateway is not None
-            else self._watcher.waiting(K.lock_name(self.conf.root, ns, key))
-        )
         r: Acquired | Held = await self._undoable(
             self.ops.acquire(ns, key, owner, ttl_ms, waiter), undo
         )

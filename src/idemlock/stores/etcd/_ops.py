@@ -440,14 +440,17 @@ class Ops:
         yield from _revoke_leases(resp.prev_kvs)
         return bool(resp.deleted)
 
-    def release_owner(self, ns: str, key: str, owner: str) -> Op:
-        """Free the lock if ``owner`` holds it (undo of an acquire whose reply is lost)."""
+    def release_owner(self, ns: str, key: str, owner: str, waiter: Waiter | None = None) -> Op:
+        """Free the lock if ``owner`` holds it (undo of an acquire whose reply is lost),
+        and give up ``waiter``'s place in its queue."""
         name = K.lock_name(self.root, ns, key)
         resp = yield Rpc(
             "Txn", K.txn(K.cmp_starts(name, K.owner_prefix(owner)), [K.delete(name, prev=True)], [])
         )
         if resp.succeeded:
             yield from _revoke_leases(resp.responses[0].response_delete_range.prev_kvs)
+        if waiter is not None:
+            yield from self.leave_queue(ns, key, waiter)
         return bool(resp.succeeded)
 
     def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> Op:
