@@ -195,6 +195,23 @@ def test_lease_remaining_counts_from_send_time() -> None:
     assert lease.remaining() == timedelta(0)
 
 
+def test_lease_deadline_moves_with_a_renewal_and_stays_when_lost() -> None:
+    clock = idemlock.ManualClock()
+    coord = idemlock.connect("memory://", clock=clock)
+    locks = coord.lock(LockSpec("l", ttl=timedelta(seconds=10)))
+    lease = locks.acquire("k")
+    assert lease is not None
+    start = clock.monotonic()
+    assert lease.deadline() == start + 10
+    clock.advance(4)
+    assert locks.renew(lease, ttl=timedelta(seconds=20)) is True
+    assert lease.deadline() == start + 4 + 20
+    clock.advance(25)
+    assert locks.renew(lease) is False and lease.lost
+    # remaining() is 0 once lost; the deadline still says when it ended here.
+    assert lease.remaining() == timedelta(0) and lease.deadline() == start + 24
+
+
 def test_errors_are_one_hierarchy() -> None:
     for name in idemlock.__all__:
         obj = getattr(idemlock, name)

@@ -211,10 +211,9 @@ def lock_worker_main(cfg: SimpleNamespace) -> None:
             # The lease's own deadline (from the last renewal's send), when we were told,
             # and since when we held it: an acquire answered after its own deadline (sent
             # into a silent network) gives a lease lost on arrival, and telling then is
-            # on time. The Lease has no public deadline (remaining() is 0 once lost).
+            # on time.
             now = time.monotonic()
-            deadline = lease._sent + lease._ttl_ms / 1000
-            told(f"{max(deadline, entered[0] if entered else now):.4f} {now:.4f}")
+            told(f"{max(lease.deadline(), entered[0] if entered else now):.4f} {now:.4f}")
 
         before = time.monotonic()
         try:

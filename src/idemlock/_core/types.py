@@ -197,8 +197,13 @@ class Lease:
         """Time the holder may still rely on the lease (zero once lost or expired)."""
         if self.lost:
             return timedelta(0)
-        left = self._sent + self._ttl_ms / 1000 - self._clock.monotonic()
-        return timedelta(seconds=max(0.0, left))
+        return timedelta(seconds=max(0.0, self.deadline() - self._clock.monotonic()))
+
+    def deadline(self) -> float:
+        """When the lease ends here, on its clock's ``monotonic()`` scale (the system
+        clock's is ``time.monotonic()``): ``ttl`` after the acquire or last renewal was
+        sent. A lost lease keeps it, so an ``on_lost`` hook can tell how late it heard."""
+        return self._sent + self._ttl_ms / 1000
 
     def remaining_seconds(self) -> float:
         return self.remaining().total_seconds()
