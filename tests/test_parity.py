@@ -22,7 +22,8 @@ PAIRS = [
 ONLY_ASYNC_PARAMS = {("hold", "cancel_on_lost"), ("run", "cancel_on_lost")}
 PROTOCOL = {"__enter__", "__exit__", "__aenter__", "__aexit__"}
 NOT_IO = {
-    "idempotency", "lock", "fence", "idempotent", "hold", "run", "store", "for_tenant", "add_hook"
+    "idempotency", "lock", "fence", "idempotent", "hold", "run", "store", "for_tenant", "add_hook",
+    "write_key",
 }  # fmt: skip
 
 
@@ -81,7 +82,7 @@ FACES = {"MemoryAsyncStore", "SQLiteAsyncStore"}
 #: transaction of the caller's (fenced.complete_in_transaction / acomplete_in_...)
 EITHER_SIDE = {"complete_in", "acomplete_in"}
 #: no I/O: a plain method on both sides
-STORE_NOT_IO = {"after_fork"}
+STORE_NOT_IO = {"after_fork", "claim_tag"}
 
 
 def _store_pair(module: str, sync: str, aio: str) -> tuple[type, type]:

@@ -765,17 +765,57 @@ def test_complete_with_writes_on_cluster_needs_the_claim_slot(
 ) -> None:
     coord = idemlock.connect(redis_cluster.url, key_prefix="cw" + uuid.uuid4().hex[:8])
     port = coord.idempotency("pay")
+    client = redis.cluster.RedisCluster(host="127.0.0.1", port=redis_cluster.ports[0])
     try:
         claim = port.claim("job")
         assert isinstance(claim, Claimed)
         with pytest.raises(ConfigurationError) as info:
             port.complete(claim.token, 1, writes={"elsewhere": b"x"})
-        tag = str(info.value).split("e.g. '{", 1)[1].split("}", 1)[0]
-        assert port.status("job") is not None  # nothing happened: still in flight
-        port.complete(claim.token, 1, writes={f"{{{tag}}}:effect": b"x"})
-        client = redis.cluster.RedisCluster(host="127.0.0.1", port=redis_cluster.ports[0])
-        assert client.get(f"{{{tag}}}:effect") == b"x"
+        assert "port.write_key(key, 'elsewhere')" in str(info.value)
+        status = port.status("job")
+        assert status is not None and status.state == "in_flight"  # nothing happened
+        # write_key names keys in the claim's slot, whatever the slot of the name alone.
+        effects = [port.write_key("job", f"effect:{i}") for i in range(20)]
+        slots = {redis.crc.key_slot(e.encode()) for e in effects}
+        assert len(slots) == 1 and effects[0].endswith("}:effect:0")
+        port.complete(claim.token, 1, writes=dict.fromkeys(effects, b"x"))
+        assert [client.get(e) for e in effects] == [b"x"] * 20
+        assert port.write_key("other-job", "effect:0") != effects[0]
+    finally:
         client.close()
+        coord.close()
+
+
+@pytest.mark.parametrize("keyring", [False, True])
+def test_write_key_on_standalone_redis_sync_and_async(
+    redis_server: RedisServer, raw: redis.Redis, keyring: bool
+) -> None:
+    """The names write_key gives work on standalone Redis too (one program runs on both),
+    from either face, with a keyring (the store then sees the key's HMAC) or without."""
+    import asyncio
+
+    options: dict[str, Any] = {"key_prefix": _ns().replace(":", "-")}
+    if keyring:
+        options["keyring"] = idemlock.Keyring({"k1": b"s" * 32}, "k1", b"L" * 32)
+    coord = idemlock.connect(redis_server.url, **options)
+    port = coord.idempotency("pay")
+    try:
+        claim = port.claim("job")
+        assert isinstance(claim, Claimed)
+        name = port.write_key("job", "balance")
+        port.complete(claim.token, "done", writes={name: b"7"})
+        assert raw.get(name) == b"7"
+
+        async def from_asyncio() -> str:
+            aco = idemlock.aio.connect(redis_server.url, **options)
+            try:
+                return aco.idempotency("pay").write_key("job", "balance")
+            finally:
+                await aco.close()
+
+        assert asyncio.run(from_asyncio()) == name
+        with pytest.raises(idemlock.InvalidKey):
+            port.write_key("job", "")
     finally:
         coord.close()
 
@@ -789,3 +829,5 @@ def test_complete_with_writes_elsewhere_is_refused() -> None:
         port.complete(claim.token, 1, writes={"k": b"v"})
     status = port.status("job")
     assert status is not None and status.state == "in_flight"  # nothing was recorded
+    with pytest.raises(ConfigurationError, match="complete_in_transaction"):
+        port.write_key("job", "k")  # no store-side writes here: no name to give

@@ -61,7 +61,7 @@ def ours_job(
             claim = port.claim(key)
             assert isinstance(claim, Claimed)
             if together:
-                port.complete(claim.token, c.RESULT, writes={f"out:{key}": b"done"})
+                port.complete(claim.token, c.RESULT, writes={port.write_key(key, "out"): b"done"})
                 continue
             if effect:
                 do(key, claim.fence)

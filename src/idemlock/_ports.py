@@ -238,6 +238,17 @@ class IdempotencyBase(_SpecPort, ClaimReplies):
             )
         return fn
 
+    def write_key(self, key: str, name: str) -> str:
+        """The name to give a key that ``complete(writes=...)`` sets for ``key``'s claim:
+        ``name`` behind the claim's hash tag, ``"{tag}:" + name``, so that on Redis Cluster
+        it lands in the claim's slot. Standalone Redis takes the same names, so one
+        program runs on both. ``ConfigurationError`` on a store whose ``complete`` takes
+        no writes."""
+        self._complete_with()
+        validate_key(name, "write key")
+        tag: str = self._store.claim_tag(self._ns, self._skey(key))
+        return f"{{{tag}}}:{name}"
+
     @staticmethod
     def _writes(writes: Mapping[str, bytes | str]) -> list[tuple[str, bytes]]:
         out = []

@@ -54,7 +54,7 @@ def check_claim_slot(
                 raise ConfigurationError(
                     f"on Redis Cluster, writes completed with a claim must hash to the "
                     f"claim's slot, and {name!r} does not: put the claim's hash tag in its "
-                    f"name, e.g. '{{{tag}}}:{name}'"
+                    f"name, e.g. '{{{tag}}}:{name}' (port.write_key(key, {name!r}) gives it)"
                 )
     return users
 

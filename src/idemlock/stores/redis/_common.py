@@ -102,11 +102,11 @@ def _ns_parts(ns: str) -> tuple[bytes, bytes]:
     return f"{len(ns)}:{ns}".encode("utf-8", "surrogatepass"), b":" + _esc(ns) + b"|"
 
 
-def _tag(ns: str, key: str) -> bytes:
-    """b64(blake2b(len(ns):ns key)[:9]): hashes the UTF-8 of ``f"{len(ns)}:{ns}{key}"``."""
-    pre = _ns_parts(ns)[0]
-    h = hashlib.blake2b(pre + key.encode("utf-8", "surrogatepass"), digest_size=9).digest()
-    return base64.urlsafe_b64encode(h)
+def claim_tag(ns: str, key: str) -> str:
+    """The hash tag of (ns, key)'s names, b64(blake2b(len(ns):ns key)[:9]): a user key
+    named ``{tag}...`` shares their Cluster slot."""
+    name = names(ns, key).claim
+    return name[name.index(b"{") + 1 : name.index(b"}")].decode()
 
 
 @dataclass(frozen=True, slots=True)

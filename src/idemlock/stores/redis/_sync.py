@@ -44,6 +44,11 @@ class RedisStore(SyncPlumbing):
         reply = self._eval(C.CLAIM, (n.claim,), args, undo=undo, undo_late=True)
         return C.claim_reply(reply, token)
 
+    def claim_tag(self, ns: str, key: str) -> str:
+        """The hash tag of the claim's key: ``complete_with`` may write keys named
+        ``{tag}...`` (on Cluster, those share its slot)."""
+        return C.claim_tag(ns, key)
+
     def complete(self, ns: str, key: str, token: str, result: bytes, ttl_ms: int) -> bool:
         return self.complete_with(ns, key, token, result, ttl_ms, ())
 
