@@ -542,3 +542,51 @@ def test_a_cancelled_waiter_whose_attempt_lands_late_gives_its_queue_place_back(
     # Without the undo the stranded place refuses it for WAITER_S (3 s).
     took = asyncio.run(scenario())
     assert took < 1.0, took
+
+
+def test_a_cancelled_subscribe_does_not_leave_the_process_waiting(
+    fault_etcd_server: EtcdCluster,
+) -> None:
+    """A caller cancelled while its watch waits to be confirmed (a silent network): its
+    subscription is removed. Kept, it would count the process as waiting on the lock for
+    good, and every one-shot try would queue it, refusing other processes the free lock
+    for seconds."""
+    import asyncio
+
+    from idemlock._core.port import Acquired, Channel, Held
+    from idemlock.stores.etcd import open_async
+
+    from .servers.etcd import EtcdFaults
+
+    faults = EtcdFaults(fault_etcd_server)
+    p = prefix() + "/"
+
+    async def scenario() -> float:
+        store, _ = open_async(faults.url, prefix=p)
+        other, _ = open_async(fault_etcd_server.url, prefix=p)
+        try:
+            held = await other.acquire("ns", "k", "holder:1", 30_000)
+            assert isinstance(held, Acquired)
+            assert isinstance(await store.acquire("ns", "k", "warm:1", 30_000), Held)
+            with faults.stall():
+                task = asyncio.ensure_future(store.subscribe(Channel("lock", "ns", "k")))
+                await asyncio.sleep(0.3)  # waiting for the watch's confirmation
+                assert not task.done()
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            # Healed: a one-shot try, refused; it must not queue this process.
+            assert isinstance(await store.acquire("ns", "k", "try-once:1", 30_000), Held)
+            assert await other.release("ns", "k", "holder:1", held.token)
+            start = time.monotonic()
+            while not isinstance(await other.acquire("ns", "k", "next:1", 30_000), Acquired):
+                assert time.monotonic() - start < 5, "the free lock stayed refused"
+                await asyncio.sleep(0.02)
+            return time.monotonic() - start
+        finally:
+            await store.aclose()
+            await other.aclose()
+            faults.close()
+
+    took = asyncio.run(scenario())
+    assert took < 1.0, took

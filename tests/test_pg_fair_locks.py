@@ -427,3 +427,42 @@ def test_store_upgrades_a_version_1_schema_on_first_use(fresh_db: str) -> None:
     with psycopg.connect(fresh_db) as conn:
         versions = conn.execute("SELECT max(version) FROM legacy.schema_version").fetchone()
     assert versions == (pg.SCHEMA_VERSION,)
+
+
+def test_a_cancelled_subscribe_does_not_leave_the_process_waiting(
+    fault_postgres_server: Any,
+) -> None:
+    """A caller cancelled while its LISTEN runs in a worker thread (here: held up by a
+    silent network): the subscription the thread still makes is closed as it arrives.
+    Kept, it would count its process as waiting on the lock for good, and every one-shot
+    try of that process would register it in the queue (each holding up a hand-off)."""
+    from .servers.faults import postgres_faults
+
+    dsn, faults = postgres_faults(fault_postgres_server)
+    key = "k" + uuid.uuid4().hex[:10]
+
+    async def main() -> int:
+        holder = idemlock.aio.connect(fault_postgres_server.dsn, key_prefix="fair")
+        waiter = idemlock.aio.connect(dsn, key_prefix="fair")
+        try:
+            a = await holder.store.acquire(NS, key, "a", TTL)
+            assert isinstance(a, Acquired)
+            assert isinstance(await waiter.store.acquire(NS, key, "warm", TTL), Held)
+            chan = holder.store._chan("lock", NS, key)
+            with faults.stall():
+                task = asyncio.ensure_future(waiter.store.subscribe(Channel("lock", NS, key)))
+                await asyncio.sleep(0.3)  # the LISTEN waits in the silent proxy
+                assert not task.done()
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            # Healed: the thread's LISTEN completes; then a one-shot try, not a waiter's.
+            await asyncio.sleep(0.5)
+            assert isinstance(await waiter.store.acquire(NS, key, "try-once", TTL), Held)
+            return registrations(fault_postgres_server.dsn, chan)
+        finally:
+            await waiter.close()
+            await holder.close()
+            faults.close()
+
+    assert asyncio.run(main()) == 0

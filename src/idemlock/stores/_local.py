@@ -13,7 +13,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Hashable
 from functools import partial
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import asyncio
@@ -136,3 +136,25 @@ class AsyncLocalSubscription:
 
     async def aclose(self) -> None:
         self._sub.close()
+
+
+async def subscribe_in_thread(
+    subscribe: Callable[..., DualSubscription], *args: Any
+) -> AsyncLocalSubscription:
+    """``subscribe(*args)`` (a blocking LISTEN or watch round trip) in a worker thread,
+    as the async face of its subscription. If the caller is cancelled meanwhile, the
+    subscription the thread still makes is closed as it arrives: nobody else would
+    close it, and it would keep its group waiting (its waiter registered) for good."""
+    import asyncio
+
+    made = asyncio.ensure_future(asyncio.to_thread(subscribe, *args))
+    try:
+        return AsyncLocalSubscription(await asyncio.shield(made))
+    except asyncio.CancelledError:
+        made.add_done_callback(_close_made)
+        raise
+
+
+def _close_made(made: asyncio.Future[DualSubscription]) -> None:
+    if not made.cancelled() and made.exception() is None:
+        made.result().close()

@@ -163,15 +163,21 @@ class AsyncWatcher:
             self._call, self._task = None, None
             self._loop = loop
         g, new = self._book.group(key, end, channel)
-        if new:
-            await self._send(g.create())
         sub = AsyncSubscription(self, g)
         g.subs.add(sub)
-        if self._task is None or self._task.done():
-            self._task = loop.create_task(self._run())
-        if not g.created.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(g.created.wait(), min(1.0, self._client.conf.timeout))
+        try:
+            if new:
+                await self._send(g.create())
+            if self._task is None or self._task.done():
+                self._task = loop.create_task(self._run())
+            if not g.created.is_set():
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(g.created.wait(), min(1.0, self._client.conf.timeout))
+        except BaseException:
+            # Cancelled before the caller got ``sub``: nobody would remove it, and its
+            # group would name this process a waiter (queueing its every attempt).
+            self.remove(sub)
+            raise
         return sub
 
     async def _send(self, req: Any) -> None:
@@ -308,10 +314,11 @@ class _AsyncRunner:
     async def subscribe(self, channel: Channel) -> Any:
         key, end = watch_range(self.conf.root, channel)
         if self._gateway is not None:
-            from .._local import AsyncLocalSubscription
+            from .._local import subscribe_in_thread
 
-            sub = await asyncio.to_thread(self._gateway.subscribe, key, end, channel.kind == "lock")
-            return AsyncLocalSubscription(sub)
+            return await subscribe_in_thread(
+                self._gateway.subscribe, key, end, channel.kind == "lock"
+            )
         return await self._watcher.subscribe(key, end, channel)
 
     async def aclose(self) -> None:

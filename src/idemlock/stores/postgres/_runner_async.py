@@ -19,6 +19,7 @@ from ..._core.port import (
     Channel,
 )
 from ..._errors import StoreUnavailable
+from .._local import subscribe_in_thread
 from .._undo import Undoer
 from ._listen import AsyncListenSubscription
 from ._shared import (
@@ -125,7 +126,7 @@ class _AsyncRunner(_Base[psycopg_pool.AsyncConnectionPool[Any]]):
         # runs in a worker thread so the event loop never blocks on it.
         sub = self.listener.try_subscribe(name)
         if sub is None:
-            sub = await asyncio.to_thread(self.listener.subscribe, name)
+            return await subscribe_in_thread(self.listener.subscribe, name)
         return AsyncListenSubscription(sub)
 
     async def aclose(self) -> None:
