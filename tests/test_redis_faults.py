@@ -779,3 +779,34 @@ async def test_a_cancelled_acquire_is_undone_but_never_a_lease_held_before(
         assert await _settled(claimable)
     finally:
         await astore.aclose()
+
+
+async def test_a_cancelled_first_waiting_attempt_drops_its_registration(
+    redis_server: RedisServer, raw: redis.Redis
+) -> None:
+    """A waiter cancelled while its first registering attempt is on the wire: its flow
+    leaves the channel before the reply could mark the registration, so nobody would
+    drop it; the attempt's undo does, once it lands. Kept, every release would hold the
+    lock back for a process that no longer waits until the registration lapses."""
+    ns = _ns()
+    holder = open_async(redis_server.url)[0]
+    with TcpProxy(redis_server.port) as proxy:
+        store = open_async(f"redis://127.0.0.1:{proxy.port}/0")[0]
+        try:
+            held = await holder.acquire(ns, "l", "holder", LONG)
+            assert isinstance(held, Acquired)
+            sub = await store.subscribe(Channel("lock", ns, "l"))  # this process waits
+            proxy.blackhole()
+            attempt = asyncio.ensure_future(store.acquire(ns, "l", "waiter", LONG))
+            await asyncio.sleep(0.3)  # its ACQUIRE waits in the silent proxy
+            assert not attempt.done()
+            attempt.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await attempt
+            await sub.aclose()  # the caller's flow leaves as it unwinds
+            proxy.heal()
+            await asyncio.sleep(0.5)  # the attempt lands (registering), then its undo
+            assert raw.hlen(C.names(ns, "l").waiters) == 0
+        finally:
+            await store.aclose()
+            await holder.aclose()

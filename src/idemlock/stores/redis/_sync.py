@@ -107,6 +107,11 @@ class RedisStore(SyncPlumbing):
             # reply the token is unknown and that lease ends with its ttl.
             if raw is not None and raw[0] == T.ACQUIRED.code and len(raw) > 4 and raw[4] == 1:
                 return self.release(ns, key, owner, int(raw[1]))
+            # The caller stopped waiting before this attempt could mark its registration:
+            # if nobody here waits any more, drop it, or each release would hold the lock
+            # back for nobody until it lapses (REGISTER_MS).
+            if g is not None and self._waiting(n.lock_channel) is not g:
+                return self._unregister(n.lock_channel, g.gid)
             return None
 
         raw = self._eval(C.ACQUIRE, (n.lock, n.waiters), args, undo=undo)
