@@ -217,3 +217,26 @@ def test_errors_are_one_hierarchy() -> None:
         obj = getattr(idemlock, name)
         if isinstance(obj, type) and issubclass(obj, Exception):
             assert issubclass(obj, IdemlockError), name
+
+
+def test_result_format_advice_fits_its_caller() -> None:
+    """Without a dumper the caller is the port (no return type to declare; the claim
+    is kept); with one it is the decorator (declare the type; the claim is abandoned)."""
+    from idemlock._core.typed import dumper, loader
+
+    fmt = ResultFormat(max_bytes=64)
+    with pytest.raises(ResultEncodeError) as port_info:
+        fmt.encode((1, 2))
+    assert "pass JSON data (lists instead of tuples" in str(port_info.value)
+    assert "declare the return type" not in str(port_info.value)
+    assert "the claim stays in flight until its lease ends" in str(port_info.value)
+    with pytest.raises(ResultEncodeError) as deco_info:
+        fmt.encode((1, 2), dumper(object), loader(object))
+    assert "declare the return type so it can be restored" in str(deco_info.value)
+    assert "the claim was abandoned" in str(deco_info.value)
+    with pytest.raises(idemlock.ResultTooLarge) as large:
+        fmt.encode("x" * 100)
+    assert "the claim stays in flight" in str(large.value)
+    with pytest.raises(ResultDecodeError) as bad:
+        fmt.decode(b"j{not json")
+    assert "port.forget(key)" in str(bad.value) and "forget the key" not in str(bad.value)

@@ -154,3 +154,10 @@ def test_errors_cross_multiprocessing_pool() -> None:
     with multiprocessing.get_context("spawn").Pool(1) as pool, pytest.raises(FencedOut) as info:
         pool.apply(_raise, ("fenced",))
     assert info.value.current == 9
+
+
+def test_in_flight_context_shapes_the_message_not_the_attributes() -> None:
+    err = InFlightError("k", WHEN, waited=30.0, wait_with="port.run(key, wait=seconds)")
+    assert "after a wait of 30s" in str(err) and "port.run(key, wait=seconds)" in str(err)
+    assert vars(err) == {"key": "k", "expires_at": WHEN}
+    _same(err, pickle.loads(pickle.dumps(err)))

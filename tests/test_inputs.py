@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+import pickle
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -452,3 +453,155 @@ def test_postgres_fenced_helpers_check_tokens(postgres_dsn: str, bad: Any) -> No
 def test_redis_handoff_ms_refused(bad: Any) -> None:
     with pytest.raises(ConfigurationError, match="handoff_ms"):
         idemlock.connect("redis://127.0.0.1:1/0", handoff_ms=bad)
+
+
+# ---- error messages that fit the path that raised them ---------------------------
+
+
+def test_in_flight_error_names_the_setting_of_the_caller_that_waits(coord: Any) -> None:
+    """InFlightError says whether this call waited, and names only a setting the caller
+    has: port.run()'s wait=, the decorator's on_in_flight='wait' once it waited. With
+    on_in_flight='raise' (as the RQ/arq/Dramatiq integrations wrap) it names none."""
+    port = coord.idempotency("busy-msg")
+    holder = port.claim("k", payload={})  # the payload of the decorated calls below
+    assert isinstance(holder, idemlock.Claimed)
+
+    with pytest.raises(idemlock.InFlightError) as info, port.run("k", payload={}):
+        pytest.fail("must not run")  # pragma: no cover
+    text = str(info.value)
+    assert "'k' is being processed" in text and "wait for it with port.run(key, wait=" in text
+    assert "on_in_flight" not in text
+
+    with pytest.raises(idemlock.InFlightError) as info, port.run("k", payload={}, wait=0.05):
+        pytest.fail("must not run")  # pragma: no cover
+    text = str(info.value)
+    assert "after a wait of 0.05s" in text and "heartbeats" in text
+    assert "wait longer with port.run(key, wait=" in text and "on_in_flight" not in text
+
+    @coord.idempotent("busy-msg", key=lambda: "k")
+    def raising() -> int:  # pragma: no cover - never runs
+        return 1
+
+    with pytest.raises(idemlock.InFlightError) as info:
+        raising()
+    text = str(info.value)
+    assert "retry once it ends" in text
+    assert "on_in_flight" not in text and "wait=" not in text and "port.run" not in text
+
+    @coord.idempotent("busy-msg", key=lambda: "k", on_in_flight="wait", wait=0.05)
+    def waiting() -> int:  # pragma: no cover - never runs
+        return 1
+
+    with pytest.raises(idemlock.InFlightError) as info:
+        waiting()
+    text = str(info.value)
+    assert "after a wait of 0.05s" in text and "on_in_flight='wait', wait=" in text
+    assert "port.run" not in text
+    # The context shapes the message only: the attributes and pickling are unchanged.
+    assert vars(info.value) == {"key": "k", "expires_at": holder.token.expires_at}
+    back = pickle.loads(pickle.dumps(info.value))
+    assert str(back) == text and vars(back) == vars(info.value)
+    port.abandon(holder.token)
+
+
+async def test_async_run_in_flight_error_names_its_wait() -> None:
+    async with idemlock.aio.connect("memory://") as coord:
+        port = coord.idempotency("busy-msg")
+        holder = await port.claim("k", payload={})
+        assert isinstance(holder, idemlock.Claimed)
+        with pytest.raises(idemlock.InFlightError) as info:
+            async with port.run("k", payload={}, wait=0.05):
+                pytest.fail("must not run")  # pragma: no cover
+        text = str(info.value)
+        assert "after a wait of 0.05s" in text and "wait longer with port.run(key, wait=" in text
+
+        @coord.idempotent("busy-msg", key=lambda: "k")
+        async def raising() -> int:  # pragma: no cover - never runs
+            return 1
+
+        with pytest.raises(idemlock.InFlightError) as info:
+            await raising()
+        assert "on_in_flight" not in str(info.value) and "port.run" not in str(info.value)
+
+
+def test_unstorable_result_advice_fits_the_caller(coord: Any) -> None:
+    """From the port there is no return type to declare, and the claim stays in flight;
+    the decorator is told to declare one, and its claim was abandoned."""
+    port = coord.idempotency("enc-msg")
+    claim = port.claim("k")
+    assert isinstance(claim, idemlock.Claimed)
+    for result in ((1, 2), datetime(2030, 1, 1)):
+        with pytest.raises(idemlock.ResultEncodeError) as info:
+            port.complete(claim.token, result)
+        text = str(info.value)
+        assert "pass JSON data (lists instead of tuples" in text
+        assert "ISO strings instead of datetimes" in text
+        assert "use the decorator with a return annotation" in text
+        assert "declare the return type" not in text
+        assert "claim stays in flight until its lease ends or you abandon it" in text
+        assert port.status("k").state == "in_flight"
+    port.abandon(claim.token)
+
+    with pytest.raises(idemlock.ResultEncodeError) as info, port.run("r") as attempt:
+        attempt.result = (1, 2)
+    assert "use the decorator with a return annotation" in str(info.value)
+    assert "stays in flight" in str(info.value)
+    assert port.status("r").state == "in_flight"  # as the message says
+
+    @coord.idempotent("enc-msg", key=lambda: "d")
+    def pair():  # type: ignore[no-untyped-def]
+        return (1, 2)
+
+    with pytest.raises(idemlock.ResultEncodeError) as info:
+        pair()
+    text = str(info.value)
+    assert "declare the return type" in text and "pass JSON data" not in text
+    assert "claim was abandoned, so a retry runs the call again" in text
+    assert port.status("d") is None
+
+    small = idemlock.connect("memory://", max_result_bytes=64)
+    big = small.idempotency("enc-msg").claim("big")
+    assert isinstance(big, idemlock.Claimed)
+    with pytest.raises(idemlock.ResultTooLarge) as too:
+        small.idempotency("enc-msg").complete(big.token, "x" * 100)
+    assert "stays in flight" in str(too.value)
+    small.close()
+
+
+def test_unreadable_record_names_the_callers_key_and_spec() -> None:
+    """The advice to forget a record names it: the caller's key (never the HMAC stored
+    under a keyring) and the spec."""
+    ring = idemlock.Keyring({"k1": b"\x01" * 32}, "k1", b"L" * 32)
+    with idemlock.connect("memory://", keyring=ring) as coord:
+        port = coord.idempotency("dec-msg")
+        claim = port.claim("order-7")
+        assert isinstance(claim, idemlock.Claimed)
+        skey = port._skey("order-7")
+        assert skey != "order-7"
+        # A record this version cannot read (another program wrote it).
+        port._store.complete(*port._token_args(claim.token), b"?junk", 60_000)
+        with pytest.raises(idemlock.ResultDecodeError) as info:
+            port.claim("order-7")
+        text = str(info.value)
+        assert text.startswith("record of key 'order-7' (spec 'dec-msg'): ")
+        assert "port.forget(key)" in text and "new spec name" in text
+        assert skey not in text and "forget the key" not in text
+
+        class Odd(Exception):
+            pass
+
+        @coord.idempotent("dec-msg", key=lambda: "odd", replay_errors=(Odd,))
+        def records() -> int:
+            raise Odd("x")
+
+        @coord.idempotent("dec-msg", key=lambda: "odd")
+        def replays() -> int:  # pragma: no cover - never runs
+            return 1
+
+        with pytest.raises(Odd):
+            records()
+        with pytest.raises(idemlock.ResultDecodeError) as info:
+            replays()
+        text = str(info.value)
+        assert text.startswith("record of key 'odd' (spec 'dec-msg'): ")
+        assert "not in replay_errors of" in text and "port.forget(key)" in text

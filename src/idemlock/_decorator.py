@@ -22,6 +22,12 @@ if TYPE_CHECKING:
 
 IN_FLIGHT_MODES = ("raise", "wait")
 
+# The settings that make a caller wait for a key in flight, as InFlightError names
+# them. The decorator names its own only when it waited: a job integration (RQ, arq,
+# Dramatiq) wraps with on_in_flight="raise" and has no such setting.
+DECORATOR_WAIT = "idempotent(..., on_in_flight='wait', wait=seconds)"
+RUN_WAIT = "port.run(key, wait=seconds)"
+
 
 class WrapPlan:
     """What a decorated function needs on every call: its key, payload, result types
@@ -73,18 +79,29 @@ class WrapPlan:
             return fingerprint(payload), payload
         return validate_key(self.key(*args, **kwargs)), payload
 
+    def check_replayable(self, claim: Completed, key: str, spec: str) -> None:
+        """``ResultDecodeError``, naming the record of ``key`` in ``spec``, when
+        :meth:`replay` could not raise ``claim``'s recorded exception again."""
+        if claim.error is not None and claim.error.type not in self.by_name:
+            raise self._not_replayable(claim.error.type, f"record of key {key!r} (spec {spec!r}): ")
+
     def replay(self, claim: Completed) -> Any:
         if claim.error is None:
             return claim.result
         tp = self.by_name.get(claim.error.type)
         if tp is None:
-            from ._errors import ResultDecodeError
-
-            raise ResultDecodeError(
-                f"the recorded outcome is an exception of type {claim.error.type}, which is "
-                "not in replay_errors of this function; add it, or forget the key"
-            )
+            # Callers check first (check_replayable names the key); a fallback.
+            raise self._not_replayable(claim.error.type, "")
         raise tp(*claim.error.args)
+
+    def _not_replayable(self, type_: str, record: str) -> Exception:
+        from ._errors import ResultDecodeError
+
+        return ResultDecodeError(
+            f"{record}the recorded outcome is an exception of type {type_}, which is not "
+            f"in replay_errors of {self.fn.__qualname__}; add it there, or forget the "
+            "record (port.forget(key)) so the next call runs the function again"
+        )
 
 
 def wrap_options(

@@ -91,16 +91,39 @@ class ClaimLost(StaleClaim):
 
 
 class InFlightError(IdemlockError):
-    """Another attempt holds an unexpired claim on the key."""
+    """Another attempt holds an unexpired claim on the key.
 
-    def __init__(self, key: str, expires_at: datetime | None) -> None:
+    ``waited`` (seconds this call waited for it, None if it did not) and ``wait_with``
+    (the setting that makes this caller wait, None where it has none, as in the job
+    integrations) only shape the message; the attributes stay ``key`` and
+    ``expires_at``."""
+
+    def __init__(
+        self,
+        key: str,
+        expires_at: datetime | None,
+        *,
+        waited: float | None = None,
+        wait_with: str | None = None,
+    ) -> None:
         self.key = key
         self.expires_at = expires_at
-        until = f" until {expires_at.isoformat()}" if expires_at else ""
-        super().__init__(
-            f"idempotency key {key!r} is being processed by another attempt{until}; "
-            "retry later, or use on_in_flight='wait' to wait for its result"
+        # Heartbeats renew a running claim, so its expiry moves on while the work runs.
+        lease = (
+            f" (its lease ends at {expires_at.isoformat()} unless renewed)" if expires_at else ""
         )
+        then = "then its result is replayed, or the call runs if that attempt failed"
+        if waited is None:
+            what = f"is being processed by another attempt{lease}; retry once it ends ({then})"
+            how = f", or wait for it with {wait_with}" if wait_with else ""
+        else:
+            what = (
+                f"was still being processed by another attempt after a wait of {waited:g}s"
+                f"{lease}; a claim kept alive by heartbeats stays in flight for as long as "
+                f"its work runs, so work longer than the wait outlasts it; retry later ({then})"
+            )
+            how = f", or wait longer with {wait_with}" if wait_with else ""
+        super().__init__(f"idempotency key {key!r} {what}{how}")
 
 
 class StoreFull(IdemlockError):

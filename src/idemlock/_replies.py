@@ -17,7 +17,7 @@ from ._core.types import (
     RecordStatus,
     from_ms,
 )
-from ._errors import InFlightError, PayloadMismatch
+from ._errors import InFlightError, PayloadMismatch, ResultDecodeError
 from ._events import Emitter
 from ._sealing import RecordSealing
 
@@ -63,7 +63,14 @@ class ClaimReplies(Emitter, RecordSealing):
         if isinstance(reply, Busy):
             return InFlight(from_ms(reply.expires_ms))
         if isinstance(reply, Done):
-            result, error = self._decode(key, reply.result, load)
+            try:
+                result, error = self._decode(key, reply.result, load)
+            except ResultDecodeError as exc:
+                # The format and the keyring do not know the key; name the record so
+                # its advice (forget it) can be followed. The caller's key, never
+                # the stored one (an HMAC under a keyring).
+                exc.args = (f"record of key {key!r} (spec {self.spec.name!r}): {exc}",)
+                raise
             return Completed(result, from_ms(reply.expires_ms), error)
         if isinstance(reply, Mismatch):
             raise PayloadMismatch(key)
@@ -117,9 +124,18 @@ class ClaimReplies(Emitter, RecordSealing):
         )
 
     def _replay_or_raise(
-        self, key: str, reply: ClaimReply, load: Any = None, t0: float = 0.0, skey: str = ""
+        self,
+        key: str,
+        reply: ClaimReply,
+        load: Any = None,
+        t0: float = 0.0,
+        skey: str = "",
+        waited: float | None = None,
+        wait_with: str | None = None,
     ) -> Claim:
+        """The claim of ``reply``; ``InFlightError`` if in flight, saying whether the
+        caller waited (``waited`` seconds) and, if it has one, its setting to wait."""
         claim = self._interpret(key, reply, load, t0, skey)
         if isinstance(claim, InFlight):
-            raise InFlightError(key, claim.expires_at)
+            raise InFlightError(key, claim.expires_at, waited=waited, wait_with=wait_with)
         return claim

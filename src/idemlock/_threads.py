@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from ._blocks import HoldSteps, RunSteps, Wrapping
 from ._context import enter_claim, leave_claim
 from ._core.flows import Renewal, RenewState
-from ._core.types import Claim, ClaimToken, Completed, Lease
-from ._errors import LockLost, StaleClaim
+from ._core.types import Claim, ClaimToken, Completed, InFlight, Lease
+from ._decorator import DECORATOR_WAIT, RUN_WAIT
+from ._errors import InFlightError, LockLost, StaleClaim
 from ._ports import Attempt
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -42,10 +43,11 @@ def decorator(w: Wrapping) -> Callable[[F], F]:
             return cast(F, coroutine_wrapper(fn, w, threads=True))
         plan = w.plan(fn)
         port, wait_s, every, limit, on_lost = w.port, w.wait_s, w.every, w.limit, w.on_lost
+        wait_with = None if wait_s is None else DECORATOR_WAIT
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            claim, sent = port._begin_at(plan, args, kwargs, wait_s)
+            claim, sent = port._begin_at(plan, args, kwargs, wait_s, wait_with)
             if isinstance(claim, Completed):
                 return plan.replay(claim)
             token = claim.token
@@ -110,6 +112,8 @@ class IdempotencyRun(RunSteps):
         over) raises ``ClaimLost`` on exit, recording nothing."""
         every, limit, wait_s = self._run_options(wait, heartbeat, renew_every, max_run, on_lost)
         claim, sent = self._claim_at(key, payload, wait_s)
+        if isinstance(claim, InFlight):
+            raise InFlightError(key, claim.expires_at, waited=wait_s, wait_with=RUN_WAIT)
         token = self._begun(key, claim)
         if isinstance(token, Attempt):
             yield token

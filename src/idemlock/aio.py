@@ -325,19 +325,35 @@ class AsyncIdempotencyPort(IdempotencyRun):
         return self._interpret(key, reply, None, t0, cargs[1]), sent
 
     async def _begin(
-        self, plan: WrapPlan, args: Any, kwargs: Any, wait: float | None
+        self,
+        plan: WrapPlan,
+        args: Any,
+        kwargs: Any,
+        wait: float | None,
+        wait_with: str | None = None,
     ) -> Claimed | Completed:
-        return (await self._begin_at(plan, args, kwargs, wait))[0]
+        return (await self._begin_at(plan, args, kwargs, wait, wait_with))[0]
 
     async def _begin_at(
-        self, plan: WrapPlan, args: Any, kwargs: Any, wait: float | None
+        self,
+        plan: WrapPlan,
+        args: Any,
+        kwargs: Any,
+        wait: float | None,
+        wait_with: str | None = None,
     ) -> tuple[Claimed | Completed, float]:
+        """Claim or replay a call of ``plan``'s function; ``InFlightError`` (naming
+        ``wait_with``, the caller's setting to wait, if it has one) while in flight."""
         t0 = self._t0()
         key, payload = plan.key_payload(args, kwargs)
         _, load = plan.types()
         cargs = self._claim_args(key, payload)
         reply, sent = await self._send_claim(cargs, wait, t0)
-        claim = self._replay_or_raise(key, reply, load, t0, cargs[1])
+        claim = self._replay_or_raise(key, reply, load, t0, cargs[1], wait, wait_with)
+        if isinstance(claim, Completed):
+            # Here, where the key is known: a recorded error it cannot raise again
+            # names the record to forget.
+            plan.check_replayable(claim, key, self.spec.name)
         return cast("Claimed | Completed", claim), sent
 
     async def _record_beat(

@@ -60,6 +60,23 @@ def _exact(value: Any, depth: int = 0) -> bool:
     return False
 
 
+# What a result that cannot be stored leaves behind. A caller without a dumper is the
+# port (complete(token, result), attempt.result of port.run()): it raises before
+# writing and keeps the claim. The decorator (and the queue integrations) pass the
+# return type's dumper and abandon the claim.
+_KEPT = (
+    "nothing was recorded and the claim stays in flight until its lease ends or you "
+    "abandon it (port.abandon(token); after port.run(), attempt.token)"
+)
+_JSON_HINT = "lists instead of tuples, str keys, ISO strings instead of datetimes"
+_ABANDONED = "nothing was recorded and the claim was abandoned, so a retry runs the call again"
+# What a record that cannot be replayed needs; the claim's reply names the record.
+_FORGET = (
+    "forget the record (port.forget(key)) so the next call runs again, or use a new "
+    "spec name so no old record is read"
+)
+
+
 def type_name(tp: type) -> str:
     return f"{tp.__module__}.{tp.__qualname__}"
 
@@ -85,44 +102,58 @@ class ResultFormat:
 
     def encode(self, value: Any, dump: Dumper = _plain, load: Loader = _plain) -> bytes:
         """Frame ``value``; raise ``ResultEncodeError`` unless it comes back equal."""
+        from_port = dump is _plain  # no return type: complete() or port.run()
+        fate = _KEPT if from_port else _ABANDONED
         try:
             data = dump(value)
             text = dumps_compact({"v": data})
             # A plain scalar of an exact JSON type always comes back equal, and so does
             # plain JSON data built of them (checked without decoding); anything else
             # is decoded and compared, so nothing unfaithful is ever stored.
-            if type(value) in _SCALARS or (dump is _plain and load is _plain and _exact(value)):
+            if type(value) in _SCALARS or (from_port and load is _plain and _exact(value)):
                 back = value
             else:
                 back = load(loads(text)["v"])
             body = text.encode("utf-8")  # a lone surrogate: UnicodeEncodeError, a ValueError
         except (TypeError, ValueError, RecursionError) as exc:  # TypedError included
+            how = (
+                f"pass JSON data ({_JSON_HINT}), or use the decorator with a return "
+                "annotation to store other types"
+                if from_port
+                else "return JSON-like data or declare the return type"
+            )
             raise ResultEncodeError(
-                f"the result ({type(value).__name__}) cannot be stored faithfully: {exc}; return "
-                "JSON-like data or declare the return type (dataclass, datetime, UUID, Decimal, "
-                "bytes, pydantic, msgspec ...); nothing was recorded"
+                f"the result ({type(value).__name__}) cannot be stored faithfully: {exc}; "
+                f"{how} (dataclass, datetime, UUID, Decimal, bytes, pydantic, msgspec ...); "
+                f"{fate}"
             ) from None
         if type(back) is not type(value) or back != value:
+            how = (
+                f"pass JSON data ({_JSON_HINT}), or use the decorator with a return "
+                "annotation so it can be restored (e.g. -> tuple[int, int])"
+                if from_port
+                else "declare the return type so it can be restored (e.g. -> tuple[int, "
+                "int]), or return plain JSON data (lists, str-keyed dicts)"
+            )
             raise ResultEncodeError(
                 f"the result ({type(value).__name__}) would not come back equal after storing "
-                f"(it would replay as {type(back).__name__} {back!r:.60}); declare the return "
-                "type so it can be restored (e.g. -> tuple[int, int]), or return plain JSON "
-                "data (lists, str-keyed dicts); nothing was recorded"
+                f"(it would replay as {type(back).__name__} {back!r:.60}); {how}; {fate}"
             )
-        return self.frame(body)
+        return self.frame(body, fate)
 
     def encode_error(self, exc: BaseException) -> bytes:
+        # Only the decorator records exceptions; it abandons the claim when it cannot.
         err = {"type": type_name(type(exc)), "args": list(exc.args), "message": str(exc)}
         try:
             body = dumps_compact({"e": err}).encode("utf-8")
         except (TypeError, ValueError, RecursionError) as e:
             raise ResultEncodeError(
                 f"the exception {type(exc).__name__} cannot be recorded: its args are not JSON "
-                f"data ({e}); nothing was recorded"
+                f"data ({e}); {_ABANDONED}"
             ) from None
-        return self.frame(body)
+        return self.frame(body, _ABANDONED)
 
-    def frame(self, body: bytes) -> bytes:
+    def frame(self, body: bytes, fate: str = "nothing was recorded") -> bytes:
         out = b"j" + body
         if self.compress_over is not None and len(body) > self.compress_over:
             packed = zlib.compress(body, 6)
@@ -131,8 +162,8 @@ class ResultFormat:
         if len(out) > self.max_bytes:
             raise ResultTooLarge(
                 f"the result takes {len(out)} bytes stored, over the limit of {self.max_bytes}; "
-                "store large data elsewhere and return a reference to it, or raise "
-                "max_result_bytes; nothing was recorded"
+                f"store large data elsewhere and return a reference to it, or raise "
+                f"max_result_bytes; {fate}"
             )
         return out
 
@@ -146,13 +177,11 @@ class ResultFormat:
             elif marker != b"j":
                 raise ResultDecodeError(
                     f"stored result has an unknown format marker {marker!r}: it was written by "
-                    "another program or version, or is corrupt; forget the key to run it again"
+                    f"another program or version, or is corrupt; {_FORGET}"
                 )
             obj = loads(body.decode("utf-8"))
         except (zlib.error, UnicodeDecodeError, ValueError) as exc:
-            raise ResultDecodeError(
-                f"stored result is corrupt ({exc}); forget the key to run it again"
-            ) from None
+            raise ResultDecodeError(f"stored result is corrupt ({exc}); {_FORGET}") from None
         if isinstance(obj, dict) and len(obj) == 1:
             if "v" in obj:
                 try:
@@ -160,7 +189,7 @@ class ResultFormat:
                 except (TypeError, ValueError, KeyError) as exc:  # TypedError included
                     raise ResultDecodeError(
                         f"stored result does not fit the declared return type ({exc}); it was "
-                        "recorded by another version of the code: forget the key to run it again"
+                        f"recorded by another version of the code: {_FORGET}"
                     ) from None
             err = obj.get("e")
             if (
@@ -170,4 +199,4 @@ class ResultFormat:
                 and isinstance(err.get("message"), str)
             ):
                 return None, RecordedError(err["type"], tuple(err["args"]), err["message"])
-        raise ResultDecodeError("stored result is not an idemlock record; forget the key")
+        raise ResultDecodeError(f"stored result is not an idemlock record; {_FORGET}")
