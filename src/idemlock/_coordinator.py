@@ -48,7 +48,12 @@ class CoordinatorBase:
         self.clock: Clock = clock or getattr(store, "clock", None) or SYSTEM_CLOCK
         self.url = url
         if keyring is not None and type(keyring).__name__ != "Keyring":
-            raise ConfigurationError(f"keyring must be an idemlock.Keyring, got {keyring!r}")
+            # Only the type: a str here is often the keyring's JSON, every key in it.
+            raise ConfigurationError(
+                f"keyring must be an idemlock.Keyring, got a {type(keyring).__name__}; "
+                "build one with idemlock.Keyring.from_env() (from $IDEMLOCK_KEYRING), "
+                "Keyring.from_json(text) or Keyring.from_file(path)"
+            )
         self.keyring = keyring
         self.result_format = ResultFormat(max_result_bytes, compress_over)
         #: longest wait between re-checks where notifications do not cross processes

@@ -87,22 +87,46 @@ def open_store(url: Any, *, asynchronous: bool, **options: Any) -> tuple[Any, Cl
     try:
         mod = importlib.import_module(modname)
     except ImportError as exc:
-        extra = modname.rsplit(".", 1)[-1]
-        raise ConfigurationError(
-            f"the {extra} store needs its driver: pip install 'idemlock[{extra}]' ({exc})"
-        ) from exc
+        raise driver_error(modname.rsplit(".", 1)[-1], exc) from exc
+    if modname == "idemlock.stores.postgres":
+        # libpq would read the password's pieces as the host, port and database name.
+        refuse_unencoded_password(url, "PostgreSQL URL", libpq=True)
     opener = mod.open_async if asynchronous else mod.open_sync
     check_options(opener, options, f"the {head.lower()}:// store")
     options = store_durations(url, options)
     try:
         store, clock = opener(url, **options)
     except IdemlockError as exc:
-        # Whatever a store's parser quotes, no secret of the URL leaves in a message.
+        # Whatever a store's parser quotes, no secret of the URL leaves in a message,
+        # nor in an exception it chains (a traceback prints those too).
         clean = _scrubbed(exc, url)
         if clean is None:
             raise
-        raise clean from exc.__cause__
-    return store, clock, redact(url)
+    else:
+        return store, clock, redact(url)
+    raise clean  # outside the except: the original does not ride along as __context__
+
+
+def driver_error(store: str, exc: ImportError) -> ConfigurationError:
+    """The error for a store module that failed to import: what failed, and what to
+    install (for PostgreSQL a missing libpq fails too, which the extra does not bring)."""
+    what = " ".join(str(exc).split())  # psycopg's text spans several lines
+    if store == "postgres":
+        return ConfigurationError(
+            f"the postgres store cannot be loaded: {type(exc).__name__}: {what}. It needs "
+            "psycopg and psycopg-pool (pip install 'idemlock[postgres]') and the libpq "
+            "library: install libpq (e.g. apt-get install libpq5) or pip install "
+            "'psycopg[binary]', which bundles it"
+        )
+    if store in ("redis", "etcd"):
+        return ConfigurationError(
+            f"the {store} store cannot be loaded: {type(exc).__name__}: {what}; install "
+            f"its driver: pip install 'idemlock[{store}]'"
+        )
+    return ConfigurationError(
+        f"the {store} store cannot be loaded: {type(exc).__name__}: {what}; it needs no "
+        "extra, so this installation of idemlock is broken: reinstall it"
+    )
 
 
 #: store options that are durations, the same on every store (A1), and whether zero is
@@ -173,16 +197,67 @@ def _secret_name(name: str) -> bool:
     return any(word in low for word in _SECRET_WORDS)
 
 
+#: what may follow the @ that ends a userinfo, up to the path: host[:port][,host...]
+_HOSTS = re.compile(r"[A-Za-z0-9\-._~%:\[\],]*")
+
+
+def _host_follows(rest: str, at: int) -> bool:
+    tail = rest[at + 1 :]
+    end = min((i for i in (tail.find(c) for c in "/?#") if i >= 0), default=len(tail))
+    return _HOSTS.fullmatch(tail[:end]) is not None
+
+
 def _userinfo(rest: str) -> tuple[str, str]:
     """(userinfo, what follows its @) of the part of a URL after ``://``; ("", rest)
-    without one. The userinfo ends at the last @ before the query: a password with an
-    unescaped / (``redis://u:pa/ss@h``) is still found, at the cost of masking the rare
-    path that holds both : and @."""
-    cut = min((i for i in (rest.find(c) for c in "?#") if i >= 0), default=len(rest))
-    userinfo, at, _ = rest[:cut].rpartition("@")
-    if not at:
+    without one.
+
+    A userinfo cannot legally hold a raw @, /, ? or #, but a password pasted into a
+    URL may: so when the text before the first /, ? or # holds a ``:`` (a password
+    starts there), the userinfo runs to the last @ that a host part follows, whatever
+    it holds (``redis://u:pa#ss@h`` -> ``u:pa#ss``). The cost: the rare URL with a
+    ``host:port`` and an @ in its query (``?user=me@corp``) is masked as if it were
+    one. With no ``:`` there, an @ after a / ? # is path or query text
+    (``sqlite:////tmp/a@b.db``)."""
+    end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    extend = ":" in rest[:end]
+    ats = [i for i, c in enumerate(rest) if c == "@" and (i < end or extend)]
+    if not ats:
         return "", rest
-    return userinfo, rest[len(userinfo) + 1 :]
+    hosted = [i for i in ats if _host_follows(rest, i)]
+    if hosted:
+        at = hosted[-1]
+    elif ats[0] < end:  # no host after any: the legal reading, the last @ before the path
+        at = max(i for i in ats if i < end)
+    else:
+        return "", rest
+    return rest[:at], rest[at + 1 :]
+
+
+def unencoded_password(url: str, *, libpq: bool = False) -> bool:
+    """Whether the password of ``url`` seems to hold a raw /, ? or # (an @ ending a
+    userinfo follows one of them), which a URL parser reads as the start of the path,
+    query or fragment: the host, port and path it then finds are pieces of the
+    password. ``libpq``: as libpq reads a URL, which takes a raw ? or # in a password
+    and is misled only by a / that no ? follows before the @ (then the @ lands in the
+    database name)."""
+    if not isinstance(url, str):
+        return False
+    userinfo = _userinfo(url.partition("://")[2])[0]
+    if libpq:
+        slash = userinfo.find("/")
+        return slash >= 0 and "?" not in userinfo[slash:]
+    return any(c in userinfo for c in "/?#")
+
+
+def refuse_unencoded_password(url: str, what: str, *, libpq: bool = False) -> None:
+    """Raise ConfigurationError, showing no piece of the password, if ``url`` seems to
+    hold one with a raw /, ? or # (see :func:`unencoded_password`)."""
+    if unencoded_password(url, libpq=libpq):
+        raise ConfigurationError(
+            f"{what} {redact(url)!r} has an '@' after a '/', '?' or '#', so its password "
+            "seems to contain one of them: percent-encode them in the password (%2F, "
+            "%3F, %23; an '@' as %40), and write an '@' of the path or query as %40"
+        )
 
 
 def redact(url: str) -> str:
@@ -234,14 +309,28 @@ def scrub(text: str, url: str) -> str:
     return text
 
 
+def _chained(exc: BaseException) -> list[BaseException]:
+    """The exceptions a traceback of ``exc`` prints before it (causes and contexts)."""
+    seen: list[BaseException] = []
+    link = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    while link is not None and all(link is not s for s in seen):
+        seen.append(link)
+        link = link.__cause__ or (None if link.__suppress_context__ else link.__context__)
+    return seen
+
+
 def _scrubbed(exc: IdemlockError, url: str) -> IdemlockError | None:
-    """A copy of ``exc`` whose message no longer holds a secret of ``url``, or None
-    if it held none. The copy has the same type and attributes (errors pickle, so
+    """A copy of ``exc`` whose message no longer holds a secret of ``url`` and whose
+    chain holds none either (a chained exception that quotes one is dropped), or None
+    if neither held one. The copy has the same type and attributes (errors pickle, so
     they copy)."""
     message = str(exc)
     clean = scrub(message, url)
-    if clean == message:
+    leaky = any(scrub(str(link), url) != str(link) for link in _chained(exc))
+    if clean == message and not leaky:
         return None
     new = copy.copy(exc)
     new.args = (clean,)
+    new.__cause__ = None if leaky else exc.__cause__
+    new.__suppress_context__ = True
     return new

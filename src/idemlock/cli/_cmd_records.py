@@ -7,9 +7,6 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from .._errors import (
-    ConfigurationError,
-)
 from ._common import (
     EX_NO_RECORD,
     EX_OK,
@@ -255,7 +252,7 @@ def cmd_purge(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def cmd_migrate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import importlib
 
-    from .._urls import default_url
+    from .._urls import default_url, driver_error, refuse_unencoded_password
 
     url: str = args.url or default_url()
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
@@ -266,9 +263,9 @@ def cmd_migrate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         # Lazily: the PostgreSQL driver is an optional extra.
         postgres = importlib.import_module("idemlock.stores.postgres")
     except ImportError as exc:
-        raise ConfigurationError(
-            f"the postgres store needs its driver: pip install 'idemlock[postgres]' ({exc})"
-        ) from exc
+        raise driver_error("postgres", exc) from exc
+    # libpq would read the password's pieces as the host, port and database name.
+    refuse_unencoded_password(url, "PostgreSQL URL", libpq=True)
     outcome = postgres.migrate(url)
     detail = f": {outcome}" if outcome not in (None, True) else ""
     _out(f"migrated {_shown_url(url)}{detail}")

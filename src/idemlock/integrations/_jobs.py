@@ -27,6 +27,7 @@ from .._decorator import WrapPlan
 from .._errors import ConfigurationError, InFlightError, StoreFull, StoreUnavailable
 from .._logfields import fields as log_fields
 from .._sync import Coordinator
+from .._urls import redact
 
 log = logging.getLogger("idemlock.jobs")
 
@@ -60,6 +61,14 @@ def current_fence() -> int:
     return int(token.fence)
 
 
+def described(value: Any) -> str:
+    """``value`` as a message may show it: a str redacted (it may be a store URL with
+    its password), anything else by its type only (its repr may hold secrets)."""
+    if isinstance(value, str):
+        return f"the str {redact(value)!r}"
+    return f"a {type(value).__module__}.{type(value).__qualname__}"
+
+
 def spec_name(spec: IdempotencySpec | str) -> str:
     return spec if isinstance(spec, str) else spec.name
 
@@ -68,7 +77,7 @@ class JobGuard:
     """One job function made idempotent, resolved once per worker process.
 
     ``coordinator`` is a Coordinator (an ``AsyncCoordinator`` for async jobs), a store
-    URL, a callable returning one, or None (``$IDEMLOCK_URL``). A URL or a callable is
+    URL, a callable returning a coordinator, or None (``$IDEMLOCK_URL``). A URL or a callable is
     opened lazily in each process, after a forking worker forked."""
 
     def __init__(
@@ -147,15 +156,17 @@ class JobGuard:
             import idemlock
 
             return idemlock.connect(source)
+        got = f"got {described(source)}"
         if callable(source) and not isinstance(source, (Coordinator, AsyncCoordinator)):
             made = source()
             if isinstance(made, want):
                 return made
-            source = made
+            got = f"the callable returned {described(made)}"
         raise ConfigurationError(
             f"job {self.fn.__qualname__}: coordinator must be an idemlock."
             f"{want.__name__} (the job is {'async' if self.is_async else 'sync'}), a store "
-            f"URL or a callable returning one; got {source!r}"
+            f"URL, or a callable returning an idemlock.{want.__name__} (not a URL: pass "
+            f"the URL itself); {got}"
         )
 
     def _decorate(self, coord: Any) -> Callable[..., Any]:

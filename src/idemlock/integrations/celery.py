@@ -171,7 +171,7 @@ from ._celery_messages import (
     _spec_name,
     _wait_seconds,
 )
-from ._jobs import free_send, reserve_send
+from ._jobs import described, free_send, reserve_send
 
 __all__ = ["IN_FLIGHT_MODES", "SEND_HEADER", "IdempotentTask", "current_fence"]
 
@@ -299,14 +299,16 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
             import idemlock
 
             return idemlock.connect(source)
+        got = f"got {described(source)}"
         if callable(source):
             coord = source()
             if isinstance(coord, Coordinator):
                 return coord
-            source = coord
+            got = f"the callable returned {described(coord)}"
         raise ConfigurationError(
             f"task {self.name}: idemlock_coordinator must be an idemlock.Coordinator (not "
-            f"an asyncio one), a store URL or a callable returning one; got {source!r}"
+            "an asyncio one), a store URL, or a callable returning an idemlock.Coordinator "
+            f"(not a URL: pass the URL itself); {got}"
         )
 
     def _idemlock_port(self, state: _ProcessState, lease: float | None) -> IdempotencyPort:

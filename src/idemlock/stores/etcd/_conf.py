@@ -9,7 +9,7 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote
 
 from ..._errors import ConfigurationError, StoreFull, StoreUnavailable
-from ..._urls import redact
+from ..._urls import redact, refuse_unencoded_password, scrub
 
 DEFAULT_TIMEOUT = 5.0
 
@@ -89,6 +89,8 @@ def parse(url: str, options: dict[str, Any]) -> Config:
             f"{redact(url)!r} is not an etcd URL; write etcd://host:port[,host:port...] "
             "or etcds:// for TLS"
         )
+    # Else its endpoints, path or options would be pieces of the password.
+    refuse_unencoded_password(url, "etcd URL")
     rest, _, _ = rest.partition("#")
     netloc, _, query_s = rest.partition("?")
     netloc, _, path = netloc.partition("/")
@@ -101,7 +103,11 @@ def parse(url: str, options: dict[str, Any]) -> Config:
     try:
         values.update(parse_qsl(query_s, keep_blank_values=True, strict_parsing=bool(query_s)))
     except ValueError as exc:
-        raise ConfigurationError(f"cannot parse the options of {redact(url)!r}: {exc}") from exc
+        # Not chained: the ValueError quotes the query, secrets and all.
+        raise ConfigurationError(
+            f"cannot parse the options of {redact(url)!r}: {scrub(str(exc), url)}; write "
+            "them name=value&name=value"
+        ) from None
     if at:
         name, colon, secret = userinfo.partition(":")
         values.setdefault("user", unquote(name))

@@ -7,7 +7,7 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode
 
 from ..._errors import ConfigurationError, StoreUnavailable
-from ..._urls import redact
+from ..._urls import redact, refuse_unencoded_password
 from ._common import OWN_OPTIONS, Options, own_options
 
 
@@ -99,6 +99,8 @@ def build(url: str, options: dict[str, Any], asynchronous: bool) -> tuple[Any, b
     """A new client for ``url``: (client, is_cluster, idemlock options)."""
     if not isinstance(url, str):
         raise ConfigurationError(f"a Redis URL must be a str, got {type(url).__name__}")
+    # Else its host, port, database or options would be pieces of the password.
+    refuse_unencoded_password(url, "Redis URL")
     scheme, netloc, path, query_s = _split(url)
     try:
         query = dict(parse_qsl(query_s, keep_blank_values=True, strict_parsing=False))
