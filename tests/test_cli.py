@@ -503,6 +503,25 @@ def test_empty_listings_purge_and_migrate(url: str) -> None:
     assert migrated.returncode == 0 and "nothing to migrate" in migrated.stdout
 
 
+def test_migrate_takes_the_stores_url_and_its_schema(postgres_dsn: str) -> None:
+    # The app's own URL (idemlock's ?timeout= in it) and the schema= the store opens.
+    url = postgres_dsn + "?timeout=3"
+    default = cli(url, "migrate")
+    assert default.returncode == 0, default.stderr
+    assert "migrated schema idemlock of" in default.stdout
+    schema = "cli_" + uuid.uuid4().hex[:10]
+    migrated = cli(url, "migrate", "--schema", schema)
+    assert migrated.returncode == 0, migrated.stderr
+    assert f"migrated schema {schema} of" in migrated.stdout
+    coord = idemlock.connect(url, schema=schema, auto_migrate=False)
+    try:
+        assert coord.idempotency("once").status("k") is None
+    finally:
+        coord.close()
+    bad = cli(url, "migrate", "--schema", "no-such; schema")
+    assert bad.returncode == 78 and "plain PostgreSQL identifier" in bad.stderr
+
+
 # ---- the demo ------------------------------------------------------------------
 
 

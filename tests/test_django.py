@@ -350,6 +350,55 @@ def test_atomic_view_whose_claim_was_taken_over_rolls_its_writes_back(
     assert replay["Idempotent-Replayed"] == "true" and replay.content == rb.content
 
 
+def test_atomic_where_it_cannot_record_is_refused_at_setup(
+    tmp_path: Path, postgres_server: Any
+) -> None:
+    # Found in a request, it answered every request 503 after running the view (and
+    # rolling its writes back); at setup it is a ConfigurationError before any view runs.
+    from django.http import HttpRequest, HttpResponse
+    from django.test import RequestFactory, override_settings
+
+    from idemlock import ConfigurationError
+    from idemlock.integrations.django import IdempotencyMiddleware, idempotent_view
+
+    sqlite = f"sqlite:///{tmp_path / 'atomic.db'}"
+    needs = r"IDEMLOCK\['atomic'\] / atomic=True needs the PostgreSQL store"
+    ran: list[HttpRequest] = []
+
+    def view(request: HttpRequest) -> HttpResponse:
+        ran.append(request)
+        return HttpResponse(status=201)
+
+    # The middleware: when Django loads it, before the first request.
+    with (
+        override_settings(IDEMLOCK={"url": sqlite, "atomic": True}),
+        pytest.raises(ConfigurationError, match=needs) as refused,
+    ):
+        IdempotencyMiddleware(view)
+    assert "the store is sqlite and DATABASES['default'] is django.db.backends.sqlite3" in str(
+        refused.value
+    )
+    # The decorator: at its setup, before its view runs; never an answer.
+    request = RequestFactory().post(
+        "/x", b"{}", content_type="application/json", headers={"Idempotency-Key": '"k1"'}
+    )
+    cases = [
+        ({"url": sqlite, "atomic": True}, "the store is sqlite and DATABASES['default']"),
+        # The PostgreSQL store, but Django's database is not PostgreSQL.
+        (
+            {"url": postgres_server.dsn, "atomic": True},
+            "but DATABASES['default'] is django.db.backends.sqlite3;",
+        ),
+        ({"url": sqlite, "atomic": "nope"}, "'nope', which is not in DATABASES"),
+    ]
+    for overrides, found in cases:
+        protected = idempotent_view(identity=None, **overrides)(view)
+        with pytest.raises(ConfigurationError) as refused:
+            protected(request)
+        assert found in str(refused.value)
+    assert ran == []
+
+
 # ---- Django REST framework: IdempotencyMixin ----------------------------------------------
 
 

@@ -388,6 +388,49 @@ def test_migrate(postgres_dsn: str) -> None:
     assert asyncio.run(pg.amigrate(postgres_dsn, schema=schema)) == pg.SCHEMA_VERSION
 
 
+def test_migrate_takes_the_stores_own_url_and_schema(postgres_dsn: str) -> None:
+    # The URL the store is opened with, idemlock's ?timeout= included, and its schema=.
+    schema = "m_" + uuid.uuid4().hex[:10]
+    url = postgres_dsn + "?timeout=3"
+    coord = idemlock.connect(url, schema=schema, auto_migrate=False)
+    # The command the store tells the user to run names the schema it needs.
+    hint = f"run `idemlock migrate --url ... --schema {schema}`"
+    with pytest.raises(ConfigurationError) as refused:
+        coord.idempotency(LONG).status("k")
+    assert hint in str(refused.value)
+    assert pg.migrate(url, schema=schema) == pg.SCHEMA_VERSION
+    assert asyncio.run(pg.amigrate(url, schema=schema)) == pg.SCHEMA_VERSION
+    assert isinstance(coord.idempotency(LONG).claim("k"), Claimed)
+    # Tables gone under a running store: the same command, with the same schema.
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        conn.execute(f"DROP SCHEMA {schema} CASCADE")
+    with pytest.raises(StoreUnavailable) as missing:
+        coord.idempotency(LONG).status("k")
+    assert hint in str(missing.value)
+    coord.close()
+    # The URL's timeout is checked as the store checks it.
+    for bad in ("?timeout=0", "?timeout=1&timeout=2"):
+        with pytest.raises(ConfigurationError, match="timeout"):
+            pg.migrate(postgres_dsn + bad, schema=schema)
+        with pytest.raises(ConfigurationError, match="timeout"):
+            asyncio.run(pg.amigrate(postgres_dsn + bad, schema=schema))
+
+
+def test_writes_into_the_store_name_the_postgres_tools(coord: idemlock.Coordinator) -> None:
+    # PostgreSQL holds the user's data in the user's tables: the refusals name, by their
+    # import path, the helpers that fence or record there atomically.
+    with pytest.raises(ConfigurationError) as fenced:
+        coord.fence("acct").set_if_fresh(1, "balance", "10")
+    assert "check_and_advance followed by your own write is not atomic" in str(fenced.value)
+    assert "idemlock.stores.postgres.fenced.fenced_update or fenced_upsert" in str(fenced.value)
+    port = coord.idempotency(LONG)
+    claim = port.claim("k")
+    assert isinstance(claim, Claimed)
+    with pytest.raises(ConfigurationError) as writes:
+        port.complete(claim.token, {"ok": 1}, writes={"k2": "v"})
+    assert "idemlock.stores.postgres.fenced.complete_in_transaction" in str(writes.value)
+
+
 def test_channel_names_fit_postgres_limits() -> None:
     st = Statements.for_schema("idemlock")
     names = {st.channel("lock", "ns", "k" * 512), st.channel("claim", "ns", "k" * 512)}

@@ -233,8 +233,8 @@ class IdempotencyBase(_SpecPort, ClaimReplies):
             raise ConfigurationError(
                 f"complete(writes=...) writes into the store itself, which the "
                 f"{self._store.kind} store does not hold user data for; on PostgreSQL use "
-                "complete_in_transaction with your own write, elsewhere write first with "
-                "the claim's fence"
+                "idemlock.stores.postgres.fenced.complete_in_transaction with your own "
+                "write, elsewhere write first with the claim's fence"
             )
         return fn
 
@@ -451,7 +451,11 @@ class FenceBase:
         if fence_set is None:
             raise ConfigurationError(
                 f"set_if_fresh writes into the store itself, which the {self._store.kind} "
-                "store does not hold user data for; use check_and_advance and guard your "
-                "own write, or use the Redis store"
+                "store does not hold user data for. check_and_advance followed by your own "
+                "write is not atomic (a newer holder may write in between); for rows of "
+                "your own PostgreSQL tables put the check in the write with "
+                "idemlock.stores.postgres.fenced.fenced_update or fenced_upsert (check and "
+                "write in one statement, on the table's fence column), or keep the value "
+                "in the Redis store, whose set_if_fresh is atomic"
             )
         return fence_set

@@ -71,6 +71,11 @@ def add_commands(add: AddCommand) -> None:
     purge.set_defaults(handler=cmd_purge)
 
     migrate = add("migrate", "create or upgrade the store's schema (PostgreSQL)")
+    migrate.add_argument(
+        "--schema",
+        default=None,
+        help="the PostgreSQL schema the store is opened with (its schema=; default idemlock)",
+    )
     migrate.set_defaults(handler=cmd_migrate)
 
 
@@ -266,7 +271,8 @@ def cmd_migrate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         raise driver_error("postgres", exc) from exc
     # libpq would read the password's pieces as the host, port and database name.
     refuse_unencoded_password(url, "PostgreSQL URL", libpq=True)
-    outcome = postgres.migrate(url)
+    schema = args.schema or postgres.DEFAULT_SCHEMA
+    outcome = postgres.migrate(url, schema=schema)
     detail = f": {outcome}" if outcome not in (None, True) else ""
-    _out(f"migrated {_shown_url(url)}{detail}")
+    _out(f"migrated schema {schema} of {_shown_url(url)}{detail}")
     return EX_OK

@@ -112,6 +112,47 @@ def _identity(value: Any) -> Callable[[HttpRequest], str | None] | None:
     )
 
 
+def _check_atomic(coordinator: Coordinator, alias: str) -> None:
+    """Refuse ``atomic`` at setup where recording in the view's transaction cannot work:
+    found only in a request, it would answer every request 503 and roll its writes back."""
+    from django.db import connections
+    from django.db.utils import ConnectionDoesNotExist
+
+    try:
+        db = connections[alias]
+    except ConnectionDoesNotExist:
+        raise ConfigurationError(
+            f"'atomic' names the database alias {alias!r}, which is not in DATABASES; give "
+            "True (the 'default' database) or an alias of DATABASES"
+        ) from None
+    store = coordinator.store
+    try:
+        from ..stores.postgres._shared import _Base
+    except ImportError:  # no PostgreSQL driver: the store is not PostgreSQL either
+        on_postgres = False
+    else:
+        on_postgres = isinstance(store, _Base)
+    driver = getattr(getattr(type(db), "Database", None), "__name__", None)
+    on_psycopg3 = db.vendor == "postgresql" and driver == "psycopg"
+    if on_postgres and on_psycopg3:
+        return
+    found = []
+    if not on_postgres:
+        found.append(f"the store is {getattr(store, 'kind', type(store).__name__)}")
+    if not on_psycopg3:
+        engine = db.settings_dict.get("ENGINE")
+        # On PostgreSQL only the driver is wrong (psycopg2); elsewhere the engine is.
+        on = f" on {driver}" if db.vendor == "postgresql" else ""
+        found.append(f"DATABASES[{alias!r}] is {engine}{on}")
+    raise ConfigurationError(
+        f"IDEMLOCK['atomic'] / atomic=True needs the PostgreSQL store (a postgresql:// url "
+        f"on the same database as DATABASES[{alias!r}]) and Django's psycopg 3 backend "
+        f"(django.db.backends.postgresql with psycopg installed), but {' and '.join(found)}; "
+        "configure both, or drop 'atomic' to record the response after the view, outside "
+        "its transaction"
+    )
+
+
 class _Setup:
     """The core and identity built from ``settings.IDEMLOCK`` plus overrides."""
 
@@ -137,6 +178,8 @@ class _Setup:
             )
         #: the database alias whose transaction also holds the record, or None
         self.atomic: str | None = atomic or None
+        if self.atomic is not None:
+            _check_atomic(coordinator, self.atomic)
         if "spec" in conf:
             conf["spec"] = _spec(conf["spec"])
         self.core = SyncHttp(coordinator, has_identity=self.identity is not None, **conf)

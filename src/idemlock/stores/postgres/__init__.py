@@ -7,7 +7,8 @@ or ``idemlock.aio.connect``), or pass an existing ``psycopg_pool.ConnectionPool`
 
 * ``schema`` (default ``"idemlock"``): the PostgreSQL schema holding the tables;
 * ``auto_migrate`` (default True): create or upgrade the schema on first use; with
-  False, run ``idemlock migrate --url ...`` (:func:`migrate`) first;
+  False, run ``idemlock migrate --url URL [--schema SCHEMA]`` (:func:`migrate`) first,
+  on the store's URL (its ``?timeout=`` is taken off as here) and with its ``schema``;
 * ``prepare`` (default True): use server-side prepared statements (set False behind
   PgBouncer < 1.21 in transaction mode);
 * ``timeout`` (default 5 s; also ``?timeout=`` in the URL): the bound on one call,

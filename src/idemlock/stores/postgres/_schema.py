@@ -22,6 +22,16 @@ from ._sql import (
 
 _MISSING = (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName)
 
+#: the schema of a store opened without ``schema=`` (and of ``idemlock migrate``)
+DEFAULT_SCHEMA = "idemlock"
+
+
+def migrate_command(schema: str) -> str:
+    """The shell command that migrates ``schema``: ``--schema`` only when it is not the
+    default, which is what the command migrates without it."""
+    extra = "" if schema == DEFAULT_SCHEMA else f" --schema {schema}"
+    return f"`idemlock migrate --url ...{extra}`"
+
 
 def _too_new(schema: str, version: int) -> ConfigurationError:
     return ConfigurationError(
@@ -33,7 +43,7 @@ def _too_new(schema: str, version: int) -> ConfigurationError:
 def _not_migrated(schema: str, version: int) -> ConfigurationError:
     return ConfigurationError(
         f"the PostgreSQL schema {schema!r} is at layout version {version}, this idemlock "
-        f"needs {SCHEMA_VERSION}; run `idemlock migrate --url ...` (or open the store with "
+        f"needs {SCHEMA_VERSION}; run {migrate_command(schema)} (or open the store with "
         "auto_migrate=True)"
     )
 

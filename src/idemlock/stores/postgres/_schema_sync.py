@@ -10,8 +10,8 @@ import psycopg
 import psycopg_pool
 from psycopg.rows import tuple_row
 
-from ._schema import _MISSING, _migrate_refused, _not_migrated, _too_new
-from ._shared import check_schema, unavailable
+from ._schema import _MISSING, DEFAULT_SCHEMA, _migrate_refused, _not_migrated, _too_new
+from ._shared import check_schema, connect_kwargs, unavailable
 from ._sql import (
     MIGRATIONS,
     SCHEMA_VERSION,
@@ -72,19 +72,28 @@ def ensure(conn: psycopg.Connection[Any], schema: str, *, migrate: bool) -> None
 # ---- public entry points --------------------------------------------------------------
 
 
-def migrate(url_or_pool: Any, schema: str = "idemlock") -> int:
-    """Create or upgrade the idemlock schema; returns the layout version now in place.
+def migrate(url_or_pool: Any, schema: str = DEFAULT_SCHEMA) -> int:
+    """Create or upgrade the idemlock schema ``schema``; returns the layout version now
+    in place.
 
     ``url_or_pool`` is a ``postgresql://`` URL, a ``psycopg_pool.ConnectionPool`` or
-    a ``psycopg.Connection`` (it must not be inside a transaction). Safe to run from
-    many processes at once, and a no-op when the schema is current. ``idemlock migrate
-    --url ...`` runs it from a shell; the store also runs it on first use unless opened
-    with ``auto_migrate=False``.
+    a ``psycopg.Connection`` (it must not be inside a transaction). A URL may be the
+    one the store is opened with: idemlock's own ``?timeout=`` is taken off it as the
+    store takes it off (it bounds connecting here). Safe to run from many processes at
+    once, and a no-op when the schema is current. ``idemlock migrate --url ...
+    [--schema ...]`` runs it from a shell; the store also runs it on first use unless
+    opened with ``auto_migrate=False``.
     """
     check_schema(schema)
+    if isinstance(url_or_pool, str):
+        # Here, not at the top: the package imports this module.
+        from . import _split_url
+
+        url, secs = _split_url(url_or_pool, None)
     try:
         if isinstance(url_or_pool, str):
-            with psycopg.Connection.connect(url_or_pool, autocommit=True) as conn:
+            kwargs = connect_kwargs(url, None, secs)
+            with psycopg.Connection.connect(url, autocommit=True, **kwargs) as conn:
                 return migrate_conn(conn, schema)
         if isinstance(url_or_pool, psycopg_pool.ConnectionPool):
             with url_or_pool.connection() as conn:
@@ -92,5 +101,5 @@ def migrate(url_or_pool: Any, schema: str = "idemlock") -> int:
         if isinstance(url_or_pool, psycopg.Connection):
             return migrate_conn(url_or_pool, schema)
     except psycopg.Error as exc:
-        raise unavailable(exc, "migrate") from exc
+        raise unavailable(exc, "migrate", schema) from exc
     raise _migrate_refused(url_or_pool)

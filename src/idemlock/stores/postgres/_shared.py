@@ -26,11 +26,12 @@ from .._forks import ForkRegistry
 from ._listen import Listener
 from ._pool import CancellableAsyncPool
 from ._replies import _i8
+from ._schema import DEFAULT_SCHEMA as DEFAULT_SCHEMA
+from ._schema import migrate_command
 from ._sql import Statements
 
 log = logging.getLogger("idemlock")
 
-DEFAULT_SCHEMA = "idemlock"
 #: rows deleted per purge statement
 PURGE_BATCH = 5000
 #: seconds a store keeps its lane connection before handing it back to its pool
@@ -109,13 +110,14 @@ def check_schema(schema: object) -> str:
     return schema
 
 
-def unavailable(exc: BaseException, what: str) -> StoreUnavailable:
-    """A driver error as StoreUnavailable (the caller chains the cause)."""
+def unavailable(exc: BaseException, what: str, schema: str = DEFAULT_SCHEMA) -> StoreUnavailable:
+    """A driver error as StoreUnavailable (the caller chains the cause); ``schema`` is
+    the store's, named in the command that creates missing tables."""
     if isinstance(exc, psycopg_pool.PoolTimeout):
         msg = f"no PostgreSQL connection became free in time for {what}: {exc}"
     elif isinstance(exc, psycopg.errors.UndefinedTable):
         msg = (
-            f"the idemlock tables are missing ({exc}); run `idemlock migrate --url ...` "
+            f"the idemlock tables are missing ({exc}); run {migrate_command(schema)} "
             "or let the store create them (auto_migrate=True)"
         )
     else:
@@ -318,7 +320,7 @@ class _Base(Generic[P]):
         return err if msg == str(err) else StoreUnavailable(msg)
 
     def _unavailable(self, exc: BaseException, what: str) -> StoreUnavailable:
-        return self._scrub(unavailable(exc, what))
+        return self._scrub(unavailable(exc, what, self.schema))
 
     def _timed_out(self, what: str) -> StoreUnavailable:
         return StoreUnavailable(
