@@ -549,7 +549,7 @@ def test_unstorable_result_advice_fits_the_caller(coord: Any) -> None:
     assert port.status("r").state == "in_flight"  # as the message says
 
     @coord.idempotent("enc-msg", key=lambda: "d")
-    def pair():  # type: ignore[no-untyped-def]  # unannotated: the case under test
+    def pair():  # type: ignore[no-untyped-def]
         return (1, 2)
 
     with pytest.raises(idemlock.ResultEncodeError) as info:

@@ -88,6 +88,9 @@ def open_store(url: Any, *, asynchronous: bool, **options: Any) -> tuple[Any, Cl
         mod = importlib.import_module(modname)
     except ImportError as exc:
         raise driver_error(modname.rsplit(".", 1)[-1], exc) from exc
+    if modname == "idemlock.stores.postgres":
+        # libpq would read the password's pieces as the host, port and database name.
+        refuse_unencoded_password(url, "PostgreSQL URL", libpq=True)
     opener = mod.open_async if asynchronous else mod.open_sync
     check_options(opener, options, f"the {head.lower()}:// store")
     options = store_durations(url, options)

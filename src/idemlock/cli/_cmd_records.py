@@ -257,7 +257,7 @@ def cmd_purge(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def cmd_migrate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import importlib
 
-    from .._urls import default_url, driver_error
+    from .._urls import default_url, driver_error, refuse_unencoded_password
 
     url: str = args.url or default_url()
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
@@ -269,6 +269,8 @@ def cmd_migrate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         postgres = importlib.import_module("idemlock.stores.postgres")
     except ImportError as exc:
         raise driver_error("postgres", exc) from exc
+    # libpq would read the password's pieces as the host, port and database name.
+    refuse_unencoded_password(url, "PostgreSQL URL", libpq=True)
     schema = args.schema or postgres.DEFAULT_SCHEMA
     outcome = postgres.migrate(url, schema=schema)
     detail = f": {outcome}" if outcome not in (None, True) else ""

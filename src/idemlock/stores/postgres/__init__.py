@@ -128,12 +128,7 @@ def _pool_options(min_size: int, max_size: int) -> None:
 
 def _split_url(url: str, timeout: object) -> tuple[str, float]:
     """The URL without idemlock's own ``?timeout=`` (libpq would refuse it) and the
-    timeout, from the URL or the keyword (not both). Every PostgreSQL URL (the store's,
-    ``migrate``'s) passes here."""
-    from ..._urls import refuse_unencoded_password
-
-    # libpq would read the password's pieces as the host, port and database name.
-    refuse_unencoded_password(url, "PostgreSQL URL", libpq=True)
+    timeout, from the URL or the keyword (not both)."""
     head, sep, query = url.partition("?")
     given: object = None
     kept = []

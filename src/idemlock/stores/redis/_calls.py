@@ -50,7 +50,7 @@ def check_claim_slot(
         slot = key_slot(claim)
         for name, raw in zip((k for k, _ in writes), users, strict=True):
             if key_slot(raw) != slot:
-                tag = C.tag_of(claim)
+                tag = claim[claim.index(b"{") + 1 : claim.index(b"}")].decode()
                 raise ConfigurationError(
                     f"on Redis Cluster, writes completed with a claim must hash to the "
                     f"claim's slot, and {name!r} does not: put the claim's hash tag in its "

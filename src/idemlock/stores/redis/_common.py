@@ -105,11 +105,7 @@ def _ns_parts(ns: str) -> tuple[bytes, bytes]:
 def claim_tag(ns: str, key: str) -> str:
     """The hash tag of (ns, key)'s names, b64(blake2b(len(ns):ns key)[:9]): a user key
     named ``{tag}...`` shares their Cluster slot."""
-    return tag_of(names(ns, key).claim)
-
-
-def tag_of(name: bytes) -> str:
-    """The hash tag of one of idemlock's key names (between its first braces)."""
+    name = names(ns, key).claim
     return name[name.index(b"{") + 1 : name.index(b"}")].decode()
 
 
