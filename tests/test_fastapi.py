@@ -748,3 +748,66 @@ async def test_endpoints_keep_their_own_request_response_and_dependencies(tmp_pa
     names = [p["name"] for p in op["parameters"]]
     assert names.count("Idempotency-Key") == 1
     assert {"shop", "note", "currency", "x-account"} <= set(names)
+
+
+# ---- protect is typed (issue 21, item 9) -------------------------------------------------
+
+
+def docs_app_example() -> str:
+    """The application of docs/fastapi.md, as its reader copies it."""
+    text = (ROOT / "docs" / "fastapi.md").read_text()
+    start = text.index("```python\n# app.py") + len("```python\n")
+    return text[start : text.index("```", start)]
+
+
+#: A program that misspells an option of protect() (``requier_key``).
+MISSPELT = """
+from fastapi import FastAPI
+
+from idemlock.integrations.fastapi import Idempotency
+
+idem = Idempotency("memory://")
+app = FastAPI(lifespan=idem.lifespan)
+
+
+@app.post("/x")
+@idem.protect(ttl=60, requier_key=True)
+async def x() -> dict[str, int]:
+    return {}
+"""
+
+
+def test_protect_is_typed_for_users_strict_mypy(tmp_path: Path) -> None:
+    """The docs' application passes ``mypy --strict`` as it stands (protect keeps the
+    endpoint's type: no "untyped decorator"), and a misspelt option is a type error."""
+    (tmp_path / "app.py").write_text(docs_app_example())
+    typed = """
+from collections.abc import Awaitable, Callable
+
+from app import Charge, create_charge, refund
+
+charge: Callable[[Charge], Awaitable[dict[str, object]]] = create_charge
+again: Callable[[Charge], Awaitable[dict[str, object]]] = refund
+"""
+    (tmp_path / "uses.py").write_text(typed)
+    (tmp_path / "misspelt.py").write_text(MISSPELT)
+    files = ["app.py", "uses.py", "misspelt.py"]
+    out = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", *files],
+        cwd=tmp_path,  # outside the repository: none of its mypy configuration applies
+        env={**os.environ, "MYPYPATH": str(ROOT / "src")},  # this tree's idemlock
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    errors = [line for line in out.stdout.splitlines() if ": error:" in line]
+    assert all(line.startswith("misspelt.py:") for line in errors), out.stdout + out.stderr
+    assert any('Unexpected keyword argument "requier_key"' in e for e in errors), out.stdout
+
+
+def test_a_misspelt_option_is_a_type_error_at_runtime() -> None:
+    idem = Idempotency(coordinator=idemlock.aio.connect("memory://"))
+    with pytest.raises(TypeError, match="requier_key"):
+        idem.protect(requier_key=True)  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match="routes"):
+        idem.protect(routes=["/x"])  # type: ignore[call-overload]

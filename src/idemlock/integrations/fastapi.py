@@ -31,7 +31,17 @@ returns is recorded as FastAPI sends it (status, headers, serialised body).
 problem responses. ``lifespan`` opens the coordinator from the URL at startup and closes
 it at shutdown; use it as ``FastAPI(lifespan=idem.lifespan)`` or inside your own
 lifespan (``async with idem.lifespan(app): yield``). A coordinator you pass yourself
-(``coordinator=``) is yours to close.
+(``coordinator=``) is yours to close. At startup the lifespan refuses (a
+``ConfigurationError`` naming the function) an endpoint this instance protected that no
+route of the app calls, or an app without ``install(app)``.
+
+``@idem.protect`` above the route decorator works too: the route FastAPI registered with
+the bare function is rebuilt on the protected wrapper (found by ``install``, the
+lifespan, ``app.openapi()`` and the capture layer before a request after the routes
+changed). The wrapper adds one parameter, a dependency of its own giving it the request,
+the key header and the identity, named apart from the endpoint's: so the endpoint keeps
+every parameter FastAPI allows (its own ``Request``, ``Response``, ``BackgroundTasks``,
+``Depends``, ``Annotated``, path, query and body parameters), and its type.
 """
 
 from __future__ import annotations
