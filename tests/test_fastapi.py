@@ -580,6 +580,27 @@ async def test_protect_above_the_route_decorator_still_protects_the_route(
         await coord.close()
 
 
+def test_under_uvicorn_protect_above_the_route_decorator_runs_once(tmp_path: Path) -> None:
+    runs: Counter[str] = Counter()
+    app = above_app(Idempotency(f"sqlite:///{tmp_path / 'idemlock.db'}"), runs)
+    t, name = tag(), tag()
+    calls = [("/charges", {"tag": t, "sku": "U", "quantity": 1}), (f"/v1/items/{name}", None)]
+    with (
+        uvicorn_thread(app) as base,
+        httpx.Client(base_url=base, timeout=20) as c,
+        ThreadPoolExecutor(4) as pool,
+    ):
+        for path, body in calls:
+            h = {"Idempotency-Key": key()}
+            got = list(
+                pool.map(lambda _, p=path, b=body, h=h: c.post(p, json=b, headers=h), range(4))
+            )
+            assert {r.status_code for r in got} <= {200, 201, 409}, [r.text for r in got]
+            final = c.post(path, json=body, headers=h)
+            assert final.headers["idempotent-replayed"] == "true", final.text
+    assert runs[t] == 1 and runs[name] == 1
+
+
 async def test_the_lifespan_refuses_endpoints_it_cannot_protect(tmp_path: Path) -> None:
     from fastapi import APIRouter
 
