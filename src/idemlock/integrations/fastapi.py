@@ -319,7 +319,34 @@ class Idempotency:
         return sorted(_describe(p.fn) for p in list(self._protected) if not p.served)
 
     @overload
-    def protect(self, endpoint: F, /) -> F: ...
+    def protect(
+        self,
+        endpoint: F,
+        /,
+        *,
+        spec: IdempotencySpec | str | None = None,
+        ttl: timedelta | float | None = None,
+        lease: timedelta | float | None = None,
+        identity: Callable[..., Any] | None = ...,
+        require_key: bool = ...,
+        allow_anonymous: bool | None = ...,
+        fingerprint_headers: Iterable[str] = ...,
+        fingerprint: Fingerprint | None = ...,
+        stripe_compatible: bool = ...,
+        allow_unquoted_key: bool | None = ...,
+        mismatch_status: int | None = ...,
+        max_body: int = ...,
+        max_response_body: int = ...,
+        max_key_length: int = ...,
+        header: str = ...,
+        replay_header: str | None = ...,
+        record: Callable[[int], bool] = ...,
+        docs_url: str | None = ...,
+        www_authenticate: str = ...,
+        heartbeat: bool = ...,
+        renew_every: timedelta | float | None = ...,
+        max_run: timedelta | float | None = ...,
+    ) -> F: ...
 
     @overload
     def protect(
