@@ -18,12 +18,22 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
 import pytest
 import uvicorn
-from fastapi import FastAPI, Form, Header, HTTPException
+from fastapi import (
+    BackgroundTasks,
+    Depends,
+    FastAPI,
+    Form,
+    Header,
+    HTTPException,
+    Query,
+    Request,
+    Response,
+)
 from pydantic import BaseModel
 
 import idemlock
@@ -487,3 +497,338 @@ async def test_routers_and_a_second_lifespan(tmp_path: Path) -> None:
                 assert r.status_code == 200
                 bodies.append(r.content)
     assert bodies[0] == bodies[1] and runs[name] == 1  # the second run replayed
+
+
+# ---- @idem.protect above the route decorator (issue 21, item 6) ------------------------
+
+
+def above_app(idem: Idempotency, runs: Counter[str], *, install: bool = True) -> FastAPI:
+    """An app whose endpoints are protected from ABOVE their route decorators: on the
+    app, on a router included after install(), by a second Idempotency instance."""
+    from fastapi import APIRouter
+
+    app = FastAPI(lifespan=idem.lifespan)
+    if install:
+        idem.install(app)
+
+    @idem.protect
+    @app.post("/charges", status_code=201)
+    async def charge(order: Order) -> dict[str, Any]:
+        runs[order.tag] += 1
+        return {"id": uuid.uuid4().hex}
+
+    router = APIRouter(prefix="/v1")
+
+    @idem.protect(ttl=60)
+    @router.post("/items/{item}")
+    def item(item: str) -> dict[str, Any]:  # sync, in a router included after install
+        runs[item] += 1
+        return {"id": uuid.uuid4().hex}
+
+    app.include_router(router)
+    other = Idempotency(coordinator=idem.coordinator) if idem.url is None else None
+    if other is not None:
+
+        @other.protect(require_key=True)
+        @app.post("/other")
+        async def by_other(order: Order) -> dict[str, Any]:
+            runs[order.tag] += 1
+            return {"id": uuid.uuid4().hex}
+
+    return app
+
+
+async def run_twice(c: httpx.AsyncClient, path: str, body: Any = None) -> list[httpx.Response]:
+    k = key()
+    return [await c.post(path, json=body, headers={"Idempotency-Key": k}) for _ in range(2)]
+
+
+async def test_protect_above_the_route_decorator_still_protects_the_route(
+    tmp_path: Path,
+) -> None:
+    runs: Counter[str] = Counter()
+    # With the lifespan: it finds the routes registered with the bare functions.
+    idem = Idempotency(f"sqlite:///{tmp_path / 'idemlock.db'}")
+    app = above_app(idem, runs)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+            t, name = tag(), tag()
+            first, again = await run_twice(c, "/charges", {"tag": t, "sku": "A", "quantity": 1})
+            assert first.status_code == again.status_code == 201
+            assert again.headers["idempotent-replayed"] == "true" and again.content == first.content
+            first, again = await run_twice(c, f"/v1/items/{name}")
+            assert again.headers["idempotent-replayed"] == "true" and again.content == first.content
+    assert runs[t] == 1 and runs[name] == 1
+    op = app.openapi()["paths"]["/v1/items/{item}"]["post"]
+    assert any(p["name"] == "Idempotency-Key" for p in op["parameters"])
+    # Without the lifespan (a coordinator of one's own), a second Idempotency on the same
+    # app: the layer install() added puts the routes right before the first request.
+    coord = idemlock.aio.connect(f"sqlite:///{tmp_path / 'other.db'}")
+    try:
+        app = above_app(Idempotency(coordinator=coord), runs)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+            for path in ("/charges", "/other"):
+                t = tag()
+                first, again = await run_twice(c, path, {"tag": t, "sku": "B", "quantity": 1})
+                assert again.headers["idempotent-replayed"] == "true", (path, again.text)
+                assert runs[t] == 1, path
+            keyless = await c.post("/other", json={"tag": tag(), "sku": "B", "quantity": 1})
+            problem(keyless, 400, "idempotency_key_missing")  # the second instance's option
+    finally:
+        await coord.close()
+
+
+def test_under_uvicorn_protect_above_the_route_decorator_runs_once(tmp_path: Path) -> None:
+    runs: Counter[str] = Counter()
+    app = above_app(Idempotency(f"sqlite:///{tmp_path / 'idemlock.db'}"), runs)
+    t, name = tag(), tag()
+    calls = [("/charges", {"tag": t, "sku": "U", "quantity": 1}), (f"/v1/items/{name}", None)]
+    with (
+        uvicorn_thread(app) as base,
+        httpx.Client(base_url=base, timeout=20) as c,
+        ThreadPoolExecutor(4) as pool,
+    ):
+        for path, body in calls:
+            h = {"Idempotency-Key": key()}
+            got = list(
+                pool.map(lambda _, p=path, b=body, h=h: c.post(p, json=b, headers=h), range(4))
+            )
+            assert {r.status_code for r in got} <= {200, 201, 409}, [r.text for r in got]
+            final = c.post(path, json=body, headers=h)
+            assert final.headers["idempotent-replayed"] == "true", final.text
+    assert runs[t] == 1 and runs[name] == 1
+
+
+async def test_the_lifespan_refuses_endpoints_it_cannot_protect(tmp_path: Path) -> None:
+    from fastapi import APIRouter
+
+    url = f"sqlite:///{tmp_path / 'idemlock.db'}"
+    # Protected from above, and install() forgotten: the app does not start.
+    idem = Idempotency(url)
+    app = above_app(idem, Counter(), install=False)
+    with pytest.raises(idemlock.ConfigurationError, match=r"charge\(\).*idem\.install\(app\)"):
+        async with app.router.lifespan_context(app):
+            pass
+    # A protected endpoint of a router never included: named, with the fix.
+    idem = Idempotency(url)
+    app = FastAPI(lifespan=idem.lifespan)
+    idem.install(app)
+    forgotten = APIRouter()
+
+    @forgotten.post("/lost")
+    @idem.protect
+    async def lost_refund() -> dict[str, Any]:
+        return {}
+
+    with pytest.raises(idemlock.ConfigurationError, match=r"lost_refund\(\).*include_router"):
+        async with app.router.lifespan_context(app):
+            pass
+    app.include_router(forgotten)
+    async with app.router.lifespan_context(app):
+        pass  # once included, it starts
+
+
+# ---- any endpoint signature FastAPI accepts (issue 21, item 7) --------------------------
+
+
+class Payment(BaseModel):
+    amount: int
+
+
+async def account(x_account: Annotated[str, Header()]) -> str:
+    return x_account
+
+
+async def payer(request: Request) -> str | None:
+    """An identity dependency that takes the Request too."""
+    return request.headers.get("x-account")
+
+
+def signature_app(url: str, runs: Counter[str], tasks: list[str]) -> FastAPI:
+    idem = Idempotency(url)
+    app = FastAPI(lifespan=idem.lifespan)
+    idem.install(app)
+
+    @app.post("/pay/{shop}", status_code=201)
+    @idem.protect(identity=payer)
+    async def pay(
+        shop: str,
+        payment: Payment,
+        request: Request,
+        response: Response,
+        background: BackgroundTasks,
+        acct: Annotated[str, Depends(account)],
+        note: str = "",
+        *,
+        currency: Annotated[str, Query(max_length=3)] = "EUR",
+    ) -> dict[str, Any]:
+        runs[shop] += 1
+        response.headers["X-Client"] = "seen" if request.client else "none"
+        background.add_task(tasks.append, shop)
+        return {
+            "shop": shop,
+            "amount": payment.amount,
+            "path": request.url.path,
+            "acct": acct,
+            "note": note,
+            "currency": currency,
+            "id": uuid.uuid4().hex,
+        }
+
+    @app.post("/sync/{shop}")
+    @idem.protect(identity=None)
+    def pay_sync(
+        shop: str,
+        payment: Payment,
+        request: Request,
+        acct: Annotated[str, Depends(account)],
+        *,
+        currency: str = "EUR",
+    ) -> dict[str, Any]:
+        runs[shop] += 1
+        return {"shop": shop, "amount": payment.amount, "acct": acct, "host": request.url.path}
+
+    return app
+
+
+async def test_endpoint_parameter_names_never_collide_with_the_wrappers(tmp_path: Path) -> None:
+    runs: Counter[str] = Counter()
+    idem = Idempotency(f"sqlite:///{tmp_path / 'idemlock.db'}")
+    app = FastAPI(lifespan=idem.lifespan)
+    idem.install(app)
+
+    @app.post("/names")
+    @idem.protect
+    async def names(
+        request: str = "r",  # the names the wrapper injects, or injected before
+        key: str = "k",
+        identity: str = "i",
+        idemlock__: str = "q1",
+        idemlock_: str = "q2",
+        idemlock_request__: str = "q3",
+        idemlock_key__: str = "q4",
+    ) -> list[str]:
+        runs["names"] += 1
+        return [request, key, identity, idemlock__, idemlock_, idemlock_request__, idemlock_key__]
+
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+            h = {"Idempotency-Key": key()}
+            q = "/names?request=a&key=b&identity=c&idemlock__=d&idemlock_key__=e"
+            first, again = [await c.post(q, headers=h) for _ in range(2)]
+            assert first.json() == ["a", "b", "c", "d", "q2", "q3", "e"], first.text
+            assert again.headers["idempotent-replayed"] == "true" and runs["names"] == 1
+
+
+async def test_endpoints_keep_their_own_request_response_and_dependencies(tmp_path: Path) -> None:
+    runs: Counter[str] = Counter()
+    tasks: list[str] = []
+    app = signature_app(f"sqlite:///{tmp_path / 'idemlock.db'}", runs, tasks)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+            shop, k = tag(), key()
+            h = {"Idempotency-Key": k, "X-Account": "acct-7"}
+            url = f"/pay/{shop}?note=hi&currency=USD"
+            first = await c.post(url, json={"amount": 5}, headers=h)
+            assert first.status_code == 201, first.text
+            doc = first.json()
+            assert doc["shop"] == shop and doc["amount"] == 5 and doc["acct"] == "acct-7"
+            assert doc["path"] == f"/pay/{shop}" and doc["note"] == "hi"
+            assert doc["currency"] == "USD"
+            assert first.headers["x-client"] == "seen" and tasks == [shop]
+            again = await c.post(url, json={"amount": 5}, headers=h)
+            assert again.headers["idempotent-replayed"] == "true" and again.content == first.content
+            assert again.headers["x-client"] == "seen"  # the Response parameter's header
+            assert runs[shop] == 1 and tasks == [shop]
+            # The identity dependency (it takes the Request too): another account runs.
+            other = await c.post(url, json={"amount": 5}, headers={**h, "X-Account": "acct-8"})
+            assert other.status_code == 201 and "idempotent-replayed" not in other.headers
+            assert runs[shop] == 2
+            # Validation of the endpoint's own parameters still answers first.
+            bad = await c.post(f"/pay/{shop}?currency=EURO", json={"amount": 5}, headers=h)
+            assert bad.status_code == 422 and "currency" in bad.text
+            # A sync endpoint with its own Request.
+            shop = tag()
+            first, again = [
+                await c.post(f"/sync/{shop}", json={"amount": 3}, headers=h) for _ in range(2)
+            ]
+            assert first.status_code == 200, first.text
+            assert first.json() == {
+                "shop": shop,
+                "amount": 3,
+                "acct": "acct-7",
+                "host": f"/sync/{shop}",
+            }
+            assert again.headers["idempotent-replayed"] == "true" and runs[shop] == 1
+    # The OpenAPI document has the endpoint's parameters and the key header, once.
+    op = app.openapi()["paths"]["/pay/{shop}"]["post"]
+    names = [p["name"] for p in op["parameters"]]
+    assert names.count("Idempotency-Key") == 1
+    assert {"shop", "note", "currency", "x-account"} <= set(names)
+
+
+# ---- protect is typed (issue 21, item 9) -------------------------------------------------
+
+
+def docs_app_example() -> str:
+    """The application of docs/fastapi.md, as its reader copies it."""
+    text = (ROOT / "docs" / "fastapi.md").read_text()
+    start = text.index("```python\n# app.py") + len("```python\n")
+    return text[start : text.index("```", start)]
+
+
+#: A program that misspells an option of protect() (``requier_key``).
+MISSPELT = """
+from fastapi import FastAPI
+
+from idemlock.integrations.fastapi import Idempotency
+
+idem = Idempotency("memory://")
+app = FastAPI(lifespan=idem.lifespan)
+
+
+@app.post("/x")
+@idem.protect(ttl=60, requier_key=True)
+async def x() -> dict[str, int]:
+    return {}
+"""
+
+
+def test_protect_is_typed_for_users_strict_mypy(tmp_path: Path) -> None:
+    """The docs' application passes ``mypy --strict`` as it stands (protect keeps the
+    endpoint's type: no "untyped decorator"), and a misspelt option is a type error."""
+    (tmp_path / "app.py").write_text(docs_app_example())
+    typed = """
+from collections.abc import Awaitable, Callable
+
+from app import Charge, create_charge, refund
+
+charge: Callable[[Charge], Awaitable[dict[str, object]]] = create_charge
+again: Callable[[Charge], Awaitable[dict[str, object]]] = refund
+"""
+    (tmp_path / "uses.py").write_text(typed)
+    (tmp_path / "misspelt.py").write_text(MISSPELT)
+    files = ["app.py", "uses.py", "misspelt.py"]
+    out = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", *files],
+        cwd=tmp_path,  # outside the repository: none of its mypy configuration applies
+        env={**os.environ, "MYPYPATH": str(ROOT / "src")},  # this tree's idemlock
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    errors = [line for line in out.stdout.splitlines() if ": error:" in line]
+    assert all(line.startswith("misspelt.py:") for line in errors), out.stdout + out.stderr
+    assert any('Unexpected keyword argument "requier_key"' in e for e in errors), out.stdout
+
+
+def test_a_misspelt_option_is_a_type_error_at_runtime() -> None:
+    idem = Idempotency(coordinator=idemlock.aio.connect("memory://"))
+    with pytest.raises(TypeError, match="requier_key"):
+        idem.protect(requier_key=True)  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match="routes"):
+        idem.protect(routes=["/x"])  # type: ignore[call-overload]

@@ -31,28 +31,43 @@ returns is recorded as FastAPI sends it (status, headers, serialised body).
 problem responses. ``lifespan`` opens the coordinator from the URL at startup and closes
 it at shutdown; use it as ``FastAPI(lifespan=idem.lifespan)`` or inside your own
 lifespan (``async with idem.lifespan(app): yield``). A coordinator you pass yourself
-(``coordinator=``) is yours to close.
+(``coordinator=``) is yours to close. At startup the lifespan refuses (a
+``ConfigurationError`` naming the function) an endpoint this instance protected that no
+route of the app calls, or an app without ``install(app)``.
+
+``@idem.protect`` above the route decorator works too: the route FastAPI registered with
+the bare function is rebuilt on the protected wrapper (found by ``install``, the
+lifespan, ``app.openapi()`` and the capture layer before a request after the routes
+changed). The wrapper adds one parameter, a dependency of its own giving it the request,
+the key header and the identity, named apart from the endpoint's: so the endpoint keeps
+every parameter FastAPI allows (its own ``Request``, ``Response``, ``BackgroundTasks``,
+``Depends``, ``Annotated``, path, query and body parameters), and its type.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import gc
 import inspect
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar, cast, overload
 
 from fastapi import Depends, FastAPI, Header, Request
+from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
+from starlette.routing import Host, Mount
 
 from .._core.types import IdempotencySpec
 from .._errors import ConfigurationError
 from ..aio import AsyncCoordinator
+from ._fingerprint import Fingerprint
 from ._http import AsyncPortFace, HttpCore, HttpOptions, Run
 from ._problem_json import PROBLEM_CODES, Answer
 from .asgi import ASGIApp, Message, Receive, Scope, Send, send_captured
@@ -67,7 +82,13 @@ _SLOT = "idemlock.fastapi"
 #: (removed there once read), and the protected endpoints by marker
 _OPENAPI_MARK = "x-idemlock-route"
 _PROTECTED: weakref.WeakValueDictionary[str, _ProtectedEndpoint] = weakref.WeakValueDictionary()
-_REQUEST, _KEY, _IDENTITY = "idemlock_request__", "idemlock_key__", "idemlock_identity__"
+#: the name of the one parameter a protected endpoint's wrapper adds (a dependency giving
+#: the request, the key header and the identity), made unique against the endpoint's own
+_INJECTED = "idemlock__"
+#: the attribute of a function ``protect`` wrapped that names its protection: a route
+#: registered with the function itself (``@idem.protect`` above ``@app.post``) is found by
+#: it and rebuilt on the wrapper
+_PROTECTED_BY = "__idemlock_protected_by__"
 _UNSET: Any = object()
 
 _PROBLEM_SCHEMA: dict[str, Any] = {
@@ -123,16 +144,25 @@ class _Slot:
 class IdempotencyCapture:
     """The ASGI layer :meth:`Idempotency.install` adds: it keeps a bounded copy of each
     request body and copies the response of a request a protected endpoint claimed.
-    Other requests pass through unchanged."""
+    Other requests pass through unchanged. Before the first request, and whenever the
+    application's routes changed, it puts the routes of endpoints protected from above
+    their route decorator on their protected wrapper (see :meth:`Idempotency.protect`)."""
 
     def __init__(self, app: ASGIApp, *, max_body: int) -> None:
         self.app = app
         self.max_body = max_body
+        self._routes_seen: object = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        application = scope.get("app")
+        if application is not None:
+            version = _routes_version(application)
+            if version != self._routes_seen:
+                _protect_routes(application)
+                self._routes_seen = _routes_version(application)
         slot = _Slot(self.max_body)
         scope[_SLOT] = slot
 
@@ -206,6 +236,8 @@ class Idempotency:
         self.identity = identity
         self.options = HttpOptions.of(options)
         self._coordinator = coordinator
+        #: the endpoints this instance protected (while their functions live)
+        self._protected: weakref.WeakSet[_ProtectedEndpoint] = weakref.WeakSet()
 
     @property
     def coordinator(self) -> AsyncCoordinator:
@@ -218,7 +250,14 @@ class Idempotency:
 
     @asynccontextmanager
     async def lifespan(self, app: Any = None) -> AsyncIterator[None]:
-        """Open the coordinator from ``url`` for the application's life, then close it."""
+        """Open the coordinator from ``url`` for the application's life, then close it.
+
+        At startup it also checks the application (``app``, which FastAPI passes): every
+        endpoint this instance protected must be one of its routes, served through the
+        layer :meth:`install` adds; else a :class:`~idemlock.ConfigurationError` names
+        the endpoint and the application does not start."""
+        if app is not None:
+            self._check(app)
         if self.url is None:
             yield  # a coordinator given by the caller: theirs to open and close
             return
@@ -239,26 +278,163 @@ class Idempotency:
 
         def openapi() -> dict[str, Any]:
             if app.openapi_schema is None:
+                _protect_routes(app)
                 _document(generate())
             return cast(dict[str, Any], app.openapi_schema)
 
         app.openapi = openapi  # type: ignore[method-assign]
+        _protect_routes(app)
+
+    def _check(self, app: Any) -> None:
+        """Protect the routes registered with an endpoint's own function (``@idem.protect``
+        above ``@app.post``), then check that every endpoint this instance protected is
+        a route of ``app`` (or of an application it mounts) served through
+        :meth:`install`'s layer; else raise :class:`~idemlock.ConfigurationError` naming
+        the endpoint. The lifespan calls it at startup."""
+        served = _protect_routes(app)
+        bare = sorted(
+            {_describe(p.fn) for p, host in served if p.owner is self and not _installed(host)}
+        )
+        if bare:
+            raise ConfigurationError(
+                f"{', '.join(bare)} {'is' if len(bare) == 1 else 'are'} protected with "
+                "@idem.protect, but idem.install(app) was not called on the application "
+                "serving it: call it once after creating the FastAPI app"
+            )
+        missing = self._unserved()
+        if missing:
+            gc.collect()  # the endpoints of applications already dropped (an app factory)
+            missing = self._unserved()
+        if missing:
+            raise ConfigurationError(
+                f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} protected with "
+                "@idem.protect but no route of this application calls "
+                f"{'it' if len(missing) == 1 else 'them'}: register each with "
+                "@app.post(...) (or @router.post(...), and app.include_router(router) "
+                "before the application starts), and put @idem.protect below the route "
+                "decorator"
+            )
+
+    def _unserved(self) -> list[str]:
+        return sorted(_describe(p.fn) for p in list(self._protected) if not p.served)
+
+    @overload
+    def protect(
+        self,
+        endpoint: F,
+        /,
+        *,
+        spec: IdempotencySpec | str | None = None,
+        ttl: timedelta | float | None = None,
+        lease: timedelta | float | None = None,
+        identity: Callable[..., Any] | None = ...,
+        require_key: bool = ...,
+        allow_anonymous: bool | None = ...,
+        fingerprint_headers: Iterable[str] = ...,
+        fingerprint: Fingerprint | None = ...,
+        stripe_compatible: bool = ...,
+        allow_unquoted_key: bool | None = ...,
+        mismatch_status: int | None = ...,
+        max_body: int = ...,
+        max_response_body: int = ...,
+        max_key_length: int = ...,
+        header: str = ...,
+        replay_header: str | None = ...,
+        record: Callable[[int], bool] = ...,
+        docs_url: str | None = ...,
+        www_authenticate: str = ...,
+        heartbeat: bool = ...,
+        renew_every: timedelta | float | None = ...,
+        max_run: timedelta | float | None = ...,
+    ) -> F: ...
+
+    @overload
+    def protect(
+        self,
+        endpoint: None = None,
+        /,
+        *,
+        spec: IdempotencySpec | str | None = None,
+        ttl: timedelta | float | None = None,
+        lease: timedelta | float | None = None,
+        identity: Callable[..., Any] | None = ...,
+        require_key: bool = ...,
+        allow_anonymous: bool | None = ...,
+        fingerprint_headers: Iterable[str] = ...,
+        fingerprint: Fingerprint | None = ...,
+        stripe_compatible: bool = ...,
+        allow_unquoted_key: bool | None = ...,
+        mismatch_status: int | None = ...,
+        max_body: int = ...,
+        max_response_body: int = ...,
+        max_key_length: int = ...,
+        header: str = ...,
+        replay_header: str | None = ...,
+        record: Callable[[int], bool] = ...,
+        docs_url: str | None = ...,
+        www_authenticate: str = ...,
+        heartbeat: bool = ...,
+        renew_every: timedelta | float | None = ...,
+        max_run: timedelta | float | None = ...,
+    ) -> Callable[[F], F]: ...
 
     def protect(
         self,
         endpoint: F | None = None,
+        /,
         *,
         spec: IdempotencySpec | str | None = None,
         ttl: timedelta | float | None = None,
         lease: timedelta | float | None = None,
         identity: Callable[..., Any] | None = _UNSET,
-        **overrides: Any,
-    ) -> Any:
-        """Protect one endpoint (put it *under* ``@app.post(...)``). ``spec``, or
-        ``ttl`` and ``lease`` over the default spec, say how long this route's
-        responses are replayed and how long a crashed request holds its key;
-        ``identity`` and ``overrides`` replace the :class:`Idempotency` defaults for
-        this route."""
+        require_key: bool = _UNSET,
+        allow_anonymous: bool | None = _UNSET,
+        fingerprint_headers: Iterable[str] = _UNSET,
+        fingerprint: Fingerprint | None = _UNSET,
+        stripe_compatible: bool = _UNSET,
+        allow_unquoted_key: bool | None = _UNSET,
+        mismatch_status: int | None = _UNSET,
+        max_body: int = _UNSET,
+        max_response_body: int = _UNSET,
+        max_key_length: int = _UNSET,
+        header: str = _UNSET,
+        replay_header: str | None = _UNSET,
+        record: Callable[[int], bool] = _UNSET,
+        docs_url: str | None = _UNSET,
+        www_authenticate: str = _UNSET,
+        heartbeat: bool = _UNSET,
+        renew_every: timedelta | float | None = _UNSET,
+        max_run: timedelta | float | None = _UNSET,
+    ) -> F | Callable[[F], F]:
+        """Protect one endpoint: ``@idem.protect`` or ``@idem.protect(ttl=..., ...)``,
+        best put *under* ``@app.post(...)``. Above it works too: the route FastAPI
+        registered with the function itself is rebuilt on the protected wrapper (by
+        :meth:`install`, the lifespan and the layer ``install`` adds, before the first
+        request). ``spec``, or ``ttl`` and ``lease`` over the default spec, say how long
+        this route's responses are replayed and how long a crashed request holds its
+        key; ``identity`` and the other options (those of :class:`Idempotency`) replace
+        its defaults for this route. The decorated endpoint keeps its type."""
+        given = {
+            "require_key": require_key,
+            "allow_anonymous": allow_anonymous,
+            "fingerprint_headers": fingerprint_headers,
+            "fingerprint": fingerprint,
+            "stripe_compatible": stripe_compatible,
+            "allow_unquoted_key": allow_unquoted_key,
+            "mismatch_status": mismatch_status,
+            "max_body": max_body,
+            "max_response_body": max_response_body,
+            "max_key_length": max_key_length,
+            "header": header,
+            "replay_header": replay_header,
+            "record": record,
+            "docs_url": docs_url,
+            "www_authenticate": www_authenticate,
+            "heartbeat": heartbeat,
+            "renew_every": renew_every,
+            "max_run": max_run,
+        }
+        overrides = {name: value for name, value in given.items() if value is not _UNSET}
         ident = self.identity if identity is _UNSET else identity
         if ident is not None and not callable(ident):
             raise ConfigurationError("identity must be a FastAPI dependency (a callable)")
@@ -272,7 +448,11 @@ class Idempotency:
         opts = opts.with_changes(spec=base)
 
         def wrap(fn: F) -> F:
-            return cast(F, _ProtectedEndpoint(self, fn, opts, ident).endpoint)
+            if not callable(fn):
+                raise ConfigurationError(f"@idem.protect decorates an endpoint, got {fn!r}")
+            protected = _ProtectedEndpoint(self, fn, opts, ident)
+            self._protected.add(protected)
+            return cast(F, protected.endpoint)
 
         return wrap if endpoint is None else wrap(endpoint)
 
@@ -290,10 +470,16 @@ class _ProtectedEndpoint:
     ) -> None:
         self.owner, self.fn, self.options, self.identity = owner, fn, options, identity
         self._made: tuple[AsyncCoordinator, HttpCore] | None = None
-        self._is_async = inspect.iscoroutinefunction(fn)
+        self._is_async = _is_async(fn)
         self.mark = uuid.uuid4().hex
+        #: found as the endpoint of a route (set by _protect_routes)
+        self.served = False
         _PROTECTED[self.mark] = self
         self.endpoint = self._wrapper()
+        # After the wrapper copied the function's attributes. A callable that takes no
+        # attributes is only found when protected from below its route decorator.
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(fn, _PROTECTED_BY, self)
 
     def core(self) -> HttpCore:
         coord = self.owner.coordinator
@@ -307,17 +493,16 @@ class _ProtectedEndpoint:
             made = self._made = (coord, core)
         return made[1]
 
-    def _wrapper(self) -> Callable[..., Any]:
-        fn, options = self.fn, self.options
-        sig = inspect.signature(fn, eval_str=True)
-        params = list(sig.parameters.values())
-        clash = {_REQUEST, _KEY, _IDENTITY} & set(sig.parameters)
-        if clash:
-            raise ConfigurationError(f"the endpoint has a parameter idemlock needs: {clash}")
-        extra = [
-            inspect.Parameter(_REQUEST, inspect.Parameter.KEYWORD_ONLY, annotation=Request),
+    def _context(self) -> Callable[..., Any]:
+        """The dependency the wrapper adds: the request, the key header (for the OpenAPI
+        document; the key is read from the raw headers) and the identity. A dependency
+        of its own, so no name or type of the endpoint's parameters can collide with
+        them (FastAPI gives one endpoint's ``Request`` to one parameter only)."""
+        options = self.options
+        params = [
+            inspect.Parameter("request", inspect.Parameter.KEYWORD_ONLY, annotation=Request),
             inspect.Parameter(
-                _KEY,
+                "key",
                 inspect.Parameter.KEYWORD_ONLY,
                 annotation=str | None,
                 default=Header(
@@ -335,25 +520,50 @@ class _ProtectedEndpoint:
             ),
         ]
         if self.identity is not None:
-            extra.append(
+            params.append(
                 inspect.Parameter(
-                    _IDENTITY,
+                    "identity",
                     inspect.Parameter.KEYWORD_ONLY,
                     annotation=Any,
                     default=Depends(self.identity),
                 )
             )
+
+        async def context(
+            *, request: Request, key: str | None = None, identity: Any = None
+        ) -> tuple[Request, Any]:
+            return request, identity
+
+        context.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        return context
+
+    def _wrapper(self) -> Callable[..., Any]:
+        fn = self.fn
+        try:  # as FastAPI reads it: strings it cannot resolve are left to it
+            sig = inspect.signature(fn, eval_str=True)
+        except NameError:
+            sig = inspect.signature(fn)
+        params = list(sig.parameters.values())
+        injected = _INJECTED
+        while injected in sig.parameters:
+            injected += "_"
         at = next(
             (i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD),
             len(params),
         )
-        params[at:at] = extra
+        params.insert(
+            at,
+            inspect.Parameter(
+                injected,
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=Any,
+                default=Depends(self._context()),
+            ),
+        )
 
         @functools.wraps(fn)
         async def endpoint(*args: Any, **kwargs: Any) -> Any:
-            request: Request = kwargs.pop(_REQUEST)
-            kwargs.pop(_KEY, None)  # read from the raw headers: two fields are a 400
-            ident = kwargs.pop(_IDENTITY, None)
+            request, ident = kwargs.pop(injected)
             decided = await self._decide(request, ident)
             if isinstance(decided, Answer):
                 return _response(decided)
@@ -394,6 +604,111 @@ class _ProtectedEndpoint:
             slot.core, slot.run = core, decided
             return None
         return decided
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    """As FastAPI decides to await an endpoint (a coroutine function, or a callable
+    whose ``__call__`` is one) rather than run it in the threadpool."""
+    if inspect.isroutine(fn) or isinstance(fn, functools.partial):
+        return inspect.iscoroutinefunction(fn)
+    return inspect.iscoroutinefunction(type(fn).__call__)
+
+
+def _describe(fn: Callable[..., Any]) -> str:
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    code = getattr(fn, "__code__", None)
+    where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+    return f"{name}(){where}"
+
+
+def _routers(app: Any) -> Iterator[tuple[Any, Any]]:
+    """Every router of an application, with the application serving it: its own, the
+    routers it includes (FastAPI >= 0.16x keeps them by reference) and those of the
+    applications it mounts."""
+    seen: set[int] = set()
+    stack: list[tuple[Any, Any]] = [(getattr(app, "router", app), app)]
+    while stack:
+        router, host = stack.pop()
+        if id(router) in seen:
+            continue
+        seen.add(id(router))
+        yield router, host
+        for route in list(getattr(router, "routes", None) or ()):
+            included = getattr(route, "original_router", None)
+            if included is not None:
+                stack.append((included, host))
+            elif isinstance(route, (Mount, Host)):
+                mounted = getattr(route, "_base_app", route.app)
+                if hasattr(mounted, "user_middleware"):  # an application of its own
+                    stack.append((getattr(mounted, "router", mounted), mounted))
+                else:
+                    stack.append((mounted, host))
+
+
+def _routes_version(app: Any) -> object:
+    router = getattr(app, "router", app)
+    version = getattr(router, "_get_routes_version", None)
+    count = len(getattr(router, "routes", None) or ())
+    return (count, version() if callable(version) else None)
+
+
+def _protect_routes(app: Any) -> list[tuple[_ProtectedEndpoint, Any]]:
+    """Put each route registered with a function ``protect`` wrapped (``@idem.protect``
+    above ``@app.post``) on the protected wrapper instead, then return the protected
+    endpoints the application's routes serve, each with the application serving it."""
+    served: list[tuple[_ProtectedEndpoint, Any]] = []
+    for router, host in _routers(app):
+        routes = getattr(router, "routes", None)
+        if not isinstance(routes, list):
+            continue
+        changed = False
+        for i, route in enumerate(routes):
+            if not isinstance(route, APIRoute):
+                continue
+            endpoint = route.endpoint
+            protected = getattr(endpoint, "__idemlock_route__", None)
+            if isinstance(protected, _ProtectedEndpoint):
+                served.append((protected, host))
+                continue
+            protected = getattr(endpoint, _PROTECTED_BY, None)
+            if isinstance(protected, _ProtectedEndpoint) and protected.fn is endpoint:
+                routes[i] = _rebuilt(route, protected)
+                changed = True
+                served.append((protected, host))
+        if changed:
+            mark = getattr(router, "_mark_routes_changed", None)
+            if callable(mark):
+                mark()  # FastAPI's caches of included routes
+    for protected, _ in served:
+        protected.served = True
+    return served
+
+
+def _rebuilt(route: APIRoute, protected: _ProtectedEndpoint) -> APIRoute:
+    """The same route (its path, methods, status, response model, dependencies, ...)
+    calling the protected wrapper: every option of the route class's constructor is
+    read back from the attribute of that name."""
+    cls = type(route)
+    options = {
+        name: getattr(route, name)
+        for name, p in inspect.signature(cls.__init__).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and hasattr(route, name)
+    }
+    try:
+        return cls(route.path, protected.endpoint, **options)
+    except Exception as e:
+        raise ConfigurationError(
+            f"{_describe(protected.fn)} is protected with @idem.protect above its route "
+            f"decorator, and its route {route.path!r} could not be rebuilt on the protected "
+            f"endpoint ({type(e).__name__}: {e}): put @idem.protect below @app.post(...)"
+        ) from e
+
+
+def _installed(app: Any) -> bool:
+    middleware = getattr(app, "user_middleware", None)
+    if middleware is None:
+        return True  # not an application we can inspect: the request-time check stays
+    return any(getattr(m, "cls", None) is IdempotencyCapture for m in middleware)
 
 
 def _response(answer: Answer) -> Response:
