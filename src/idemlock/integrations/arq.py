@@ -55,13 +55,16 @@ ends.
 from __future__ import annotations
 
 import functools
+import logging
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
+from arq.constants import retry_key_prefix
 from arq.jobs import Job
 from arq.worker import Retry
+from redis.exceptions import RedisError
 
 from .._core.types import IdempotencySpec
 from .._errors import ConfigurationError
@@ -71,8 +74,14 @@ __all__ = ["current_fence", "enqueue_once", "idempotent_job"]
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
+log = logging.getLogger("idemlock.jobs")
+
 #: Redis key (under arq's prefix style) naming the send lease of a job id
 _SEND_KEY = "idemlock:send-lease:"
+#: Redis key counting idemlock's reschedules of a job id (its store-failure backoff)
+_DEFERS_KEY = "idemlock:arq-defers:"
+#: how long that count outlives its last reschedule (arq keeps its count of tries so long)
+_KEY_SECONDS = 88400
 
 
 def idempotent_job(
@@ -111,19 +120,22 @@ def idempotent_job(
         @functools.wraps(fn)
         async def job_function(ctx: Any, *args: Any, **kwargs: Any) -> Any:
             job_id = ctx.get("job_id") if isinstance(ctx, dict) else None
-            tries = int(ctx.get("job_try", 1) or 1) - 1 if isinstance(ctx, dict) else 0
-            what = f"job {fn.__qualname__}" + (f"[{job_id}]" if job_id else "")
+            if job_id is None:  # called directly: no queue to come back through
+                try:
+                    return await guard.acall(ctx, args, kwargs)
+                except Later as later:
+                    raise later.cause from None
+            what = f"job {fn.__qualname__}[{job_id}]"
             deferred = False
             try:
-                return await guard.acall(ctx, args, kwargs, tries, what)
+                return await guard.acall(ctx, args, kwargs)
             except Later as later:
-                if job_id is None:  # called directly: no queue to come back through
-                    raise later.cause from None
                 deferred = True
-                raise Retry(defer=later.delay) from None
+                defers = await _uncount_try(ctx, job_id, what)
+                raise Retry(defer=guard.delay(later, defers, what)) from None
             finally:
-                if job_id is not None and not deferred:
-                    await _free_send(guard, ctx, job_id, args, kwargs)
+                if not deferred:
+                    await _job_done(guard, ctx, job_id, args, kwargs)
 
         job_function.idemlock_guard = guard  # type: ignore[attr-defined]
         return cast(F, job_function)
@@ -131,13 +143,45 @@ def idempotent_job(
     return decorate
 
 
-async def _free_send(
+async def _uncount_try(ctx: dict[str, Any], job_id: str, what: str) -> int:
+    """Give back the try arq counted for this run, whose body did not run, so the job's
+    ``max_tries`` is left to the body; count the reschedule in idemlock's own key
+    instead. The reschedules of this job before this one."""
+    fallback = max(0, int(ctx.get("job_try", 1) or 1) - 1)
+    redis = ctx.get("redis")
+    if redis is None:
+        return fallback
+    try:
+        # arq's worker added one to this key (its count of the job's tries) just
+        # before it called the job; it fails the job once the count passes max_tries.
+        async with redis.pipeline(transaction=True) as pipe:
+            pipe.decr(retry_key_prefix + job_id)
+            pipe.incr(_DEFERS_KEY + job_id)
+            pipe.expire(_DEFERS_KEY + job_id, _KEY_SECONDS)
+            _, defers, _ = await pipe.execute()
+    except (RedisError, OSError, TimeoutError) as exc:
+        log.warning(
+            "%s: could not give back arq's count of this try (%s); this reschedule "
+            "counts toward the job's max_tries",
+            what,
+            exc,
+        )
+        return fallback
+    return max(0, int(defers) - 1)
+
+
+async def _job_done(
     guard: JobGuard, ctx: dict[str, Any], job_id: str, args: Any, kwargs: Any
 ) -> None:
+    """The job ran (or replayed, or failed): forget its reschedules and release the
+    send lease ``enqueue_once`` took (if any)."""
     redis = ctx.get("redis")
     if redis is None:
         return
-    lease = await redis.get(_SEND_KEY + job_id)
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.get(_SEND_KEY + job_id)
+        pipe.delete(_DEFERS_KEY + job_id)
+        lease, _ = await pipe.execute()
     if lease is None:
         return
     coord = guard.resolved()[0]

@@ -56,6 +56,7 @@ middleware); a message lost before it ran frees its key when the lease ends.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any, TypeVar, cast
@@ -71,8 +72,12 @@ __all__ = ["SEND_OPTION", "current_fence", "idempotent", "send_once"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+log = logging.getLogger("idemlock.jobs")
+
 #: message option of a message sent by send_once: the send lease's seconds
 SEND_OPTION = "idemlock_send_lease"
+#: message option counting idemlock's reschedules of a message (its store-failure backoff)
+DEFERS_OPTION = "idemlock_defers"
 
 
 def idempotent(
@@ -114,20 +119,32 @@ def idempotent(
         @functools.wraps(fn)
         def actor_function(*args: Any, **kwargs: Any) -> Any:
             message = CurrentMessage.get_current_message()
-            options = message.options if message is not None else {}
-            tries = int(options.get("retries", 0) or 0)
-            what = f"actor {fn.__qualname__}" + (
-                f"[{message.message_id}]" if message is not None else ""
-            )
+            if message is None:
+                # Called directly, or by a worker whose broker lacks CurrentMessage.
+                try:
+                    return guard.call(args, kwargs)
+                except Later as later:
+                    delay = guard.delay(later, 0, f"actor {fn.__qualname__}")
+                    _warn_without_current_message(fn.__qualname__)
+                    raise dramatiq.Retry(later.reason, delay=_ms(delay)) from None
+            options = message.options
+            what = f"actor {fn.__qualname__}[{message.message_id}]"
             send_lease = options.get(SEND_OPTION)
             deferred = False
             try:
-                return guard.call(args, kwargs, tries, what)
+                return guard.call(args, kwargs)
             except Later as later:
                 deferred = True
-                raise dramatiq.Retry(later.reason, delay=int(later.delay * 1000)) from None
+                defers = int(options.get(DEFERS_OPTION, 0) or 0)
+                delay = guard.delay(later, defers, what)
+                options[DEFERS_OPTION] = defers + 1
+                # The Retries middleware adds one to "retries" for this Retry and
+                # fails the message once they pass max_retries: take that one back
+                # first, so the reschedule leaves max_retries to the body's failures.
+                options["retries"] = int(options.get("retries", 0) or 0) - 1
+                raise dramatiq.Retry(later.reason, delay=_ms(delay)) from None
             finally:
-                if send_lease is not None and message is not None and not deferred:
+                if send_lease is not None and not deferred:
                     coord = guard.resolved()[0]
                     key_ = guard.key_of(args, kwargs)
                     guard.free_send(coord, key_, message.message_id, float(send_lease))
@@ -136,6 +153,26 @@ def idempotent(
         return cast(F, actor_function)
 
     return decorate
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+_warned: set[str] = set()
+
+
+def _warn_without_current_message(name: str) -> None:
+    if name in _warned:
+        return
+    _warned.add(name)
+    log.warning(
+        "actor %s: idemlock reschedules it (its key is held, or the store failed before "
+        "it ran) but sees no current message, so the reschedule counts toward the "
+        "actor's max_retries: add the CurrentMessage middleware to the broker "
+        "(broker.add_middleware(dramatiq.middleware.CurrentMessage()))",
+        name,
+    )
 
 
 def send_once(
