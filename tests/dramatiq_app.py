@@ -68,9 +68,7 @@ TIGHT_RETRY = 0.2
 TIGHT_RETRIES = 2
 
 
-@dramatiq.actor(
-    max_retries=TIGHT_RETRIES, min_backoff=100, max_backoff=1000, store_results=True
-)
+@dramatiq.actor(max_retries=TIGHT_RETRIES, min_backoff=100, max_backoff=1000, store_results=True)
 @idempotent(
     SPEC,
     key=lambda name, seconds=0.0, fail_first=False: name,

@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-import idemlock
 from arq import create_pool
 from arq.connections import ArqRedis, RedisSettings
 from arq.jobs import Job, JobStatus
 
+import idemlock
 from idemlock import ConfigurationError
 from idemlock.integrations.arq import enqueue_once, idempotent_job
 

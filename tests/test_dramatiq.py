@@ -5,6 +5,7 @@ tests/dramatiq_app.py and writes what it does into a log file this test reads.""
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import signal
 import subprocess
@@ -19,7 +20,6 @@ from typing import Any
 import pytest
 
 import idemlock
-
 from idemlock import ConfigurationError
 from idemlock.integrations.dramatiq import send_once
 
@@ -254,6 +254,24 @@ def test_reschedules_while_the_store_is_down_do_not_use_up_max_retries(
     finally:
         store.stop()
     assert len(env.events("down", "start")) == 1
+
+
+def test_without_a_current_message_a_reschedule_warns_that_it_counts(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Called where no CurrentMessage is set (directly, or by a broker without the
+    middleware), idemlock cannot take the retry back: it says so and how to fix it."""
+    import dramatiq
+
+    guard = env.app.dq_tight_job.fn.idemlock_guard
+    env.store_file.write_text(f"redis://127.0.0.1:{free_port()}/1?timeout=0.2")
+    guard._state = None
+    try:
+        with caplog.at_level(logging.WARNING, "idemlock.jobs"), pytest.raises(dramatiq.Retry):
+            env.app.dq_tight_job.fn("nomsg")
+    finally:
+        guard._state = None
+    assert "add the CurrentMessage middleware" in caplog.text
 
 
 def test_send_once_refuses_a_queued_or_running_key(env: Env) -> None:

@@ -15,14 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-import idemlock
 from redis import Redis
 from rq import Queue, Retry
 from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 from rq.scheduler import SCHEDULER_LOCKING_KEY_TEMPLATE
 
+import idemlock
 from idemlock.integrations.rq import enqueue_once
 
 from .queue_jobs import LEASE, SPEC, coordinator, read_log, rq_job

@@ -17,7 +17,6 @@ result instead of running again.
     class WorkerSettings:
         functions = [charge]
         redis_settings = RedisSettings()
-        max_tries = 1000          # in-flight and store-down retries count as tries
 
     # elsewhere: await pool.enqueue_job("charge", "o-7", 1200)
 
@@ -39,8 +38,17 @@ Dramatiq and Celery integrations):
   nothing ran and nothing is held; the job raises ``arq.Retry(defer=...)``: for a
   held key at most ``retry_every`` seconds and never later than just past the
   holder's lease; for a store failure a backoff from ``store_retry_backoff``
-  doubling to ``store_retry_max``. arq counts these as tries: give the worker or the
-  function a ``max_tries`` large enough for an outage.
+  doubling to ``store_retry_max``, for as long as the store is down. These
+  reschedules **do not count as tries**: before raising, the job gives back the try
+  arq's worker counted for this run, so ``max_tries`` (default 5) is left to the
+  body's own ``arq.Retry`` and ``ctx["job_try"]`` counts only the runs that reached
+  the body (or died in it). Keep arq's ``retry_jobs`` on (its default).
+
+The job keeps its id through all of this: ``await job.result()`` on the ``Job``
+that ``enqueue_job`` returned waits through the reschedules and gives the body's
+result, or the recorded result a duplicate replays (arq's dedup by ``_job_id`` is
+unchanged). Only if the queue's Redis cannot take the try back (it failed just
+then) does that one reschedule count, with a warning in the ``idemlock.jobs`` log.
 
 A worker killed mid-job (SIGKILL) leaves the job in the queue with its in-progress
 marker, which ends after the job timeout plus 10 s; another worker then runs it: it
@@ -54,6 +62,7 @@ ends.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import uuid
@@ -68,7 +77,8 @@ from redis.exceptions import RedisError
 
 from .._core.types import IdempotencySpec
 from .._errors import ConfigurationError
-from ._jobs import JobGuard, Later, current_fence
+from .._logfields import fields as log_fields
+from ._jobs import JobGuard, Later, current_fence, spec_name
 
 __all__ = ["current_fence", "enqueue_once", "idempotent_job"]
 
@@ -131,7 +141,7 @@ def idempotent_job(
                 return await guard.acall(ctx, args, kwargs)
             except Later as later:
                 deferred = True
-                defers = await _uncount_try(ctx, job_id, what)
+                defers = await _uncount_try(guard, ctx, job_id, what)
                 raise Retry(defer=guard.delay(later, defers, what)) from None
             finally:
                 if not deferred:
@@ -143,7 +153,7 @@ def idempotent_job(
     return decorate
 
 
-async def _uncount_try(ctx: dict[str, Any], job_id: str, what: str) -> int:
+async def _uncount_try(guard: JobGuard, ctx: dict[str, Any], job_id: str, what: str) -> int:
     """Give back the try arq counted for this run, whose body did not run, so the job's
     ``max_tries`` is left to the body; count the reschedule in idemlock's own key
     instead. The reschedules of this job before this one."""
@@ -159,12 +169,13 @@ async def _uncount_try(ctx: dict[str, Any], job_id: str, what: str) -> int:
             pipe.incr(_DEFERS_KEY + job_id)
             pipe.expire(_DEFERS_KEY + job_id, _KEY_SECONDS)
             _, defers, _ = await pipe.execute()
-    except (RedisError, OSError, TimeoutError) as exc:
+    except (RedisError, OSError, asyncio.TimeoutError) as exc:
         log.warning(
             "%s: could not give back arq's count of this try (%s); this reschedule "
             "counts toward the job's max_tries",
             what,
             exc,
+            extra=log_fields(spec=spec_name(guard.spec), operation="claim", outcome="error"),
         )
         return fallback
     return max(0, int(defers) - 1)

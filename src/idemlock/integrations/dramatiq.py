@@ -9,7 +9,7 @@ Put :func:`idempotent` under ``@dramatiq.actor``::
     from idemlock.integrations.dramatiq import idempotent, current_fence
 
     broker = RedisBroker(url="redis://localhost:6379/0")
-    broker.add_middleware(CurrentMessage())   # for retry backoff and send_once
+    broker.add_middleware(CurrentMessage())   # uncounted reschedules, send_once
     dramatiq.set_broker(broker)
 
     @dramatiq.actor(max_retries=20)
@@ -37,10 +37,18 @@ What a message does when a worker runs it is what ``Coordinator.idempotent`` doe
   nothing ran and nothing is held; the actor raises ``dramatiq.Retry(delay=...)``
   (not logged as an error): for a held key at most ``retry_every`` seconds and never
   later than just past the holder's lease; for a store failure a backoff from
-  ``store_retry_backoff`` doubling to ``store_retry_max``. These retries count
-  toward the actor's ``max_retries`` (Dramatiq has no uncounted retry): keep it
-  large enough for an outage, or give a ``retry_when`` that returns True for
+  ``store_retry_backoff`` doubling to ``store_retry_max``, for as long as the store
+  is down. These reschedules **do not count toward** ``max_retries``: the actor
+  takes back the retry the ``Retries`` middleware adds for them (in the message's
+  ``retries`` option), so ``max_retries`` is left to the body's failures. This needs
+  the ``CurrentMessage`` middleware (without it they count, and a warning says so)
+  and the ``Retries`` middleware (Dramatiq's default). An actor with a
+  ``retry_when`` is asked about them too: it must return True for a
   ``dramatiq.Retry``.
+
+The message keeps its id through all of this, so its result (``message.get_result``
+with the ``Results`` middleware) is the body's result, or the recorded result a
+duplicate replays.
 
 A worker killed mid-body (SIGKILL) leaves its message unacknowledged; the Redis
 broker gives it to another worker once the dead worker's heartbeat is older than
@@ -66,7 +74,8 @@ from dramatiq.middleware import CurrentMessage
 
 from .._core.types import IdempotencySpec
 from .._errors import ConfigurationError
-from ._jobs import JobGuard, Later, current_fence
+from .._logfields import fields as log_fields
+from ._jobs import JobGuard, Later, current_fence, spec_name
 
 __all__ = ["SEND_OPTION", "current_fence", "idempotent", "send_once"]
 
@@ -125,7 +134,7 @@ def idempotent(
                     return guard.call(args, kwargs)
                 except Later as later:
                     delay = guard.delay(later, 0, f"actor {fn.__qualname__}")
-                    _warn_without_current_message(fn.__qualname__)
+                    _warn_without_current_message(fn.__qualname__, guard)
                     raise dramatiq.Retry(later.reason, delay=_ms(delay)) from None
             options = message.options
             what = f"actor {fn.__qualname__}[{message.message_id}]"
@@ -162,7 +171,7 @@ def _ms(seconds: float) -> int:
 _warned: set[str] = set()
 
 
-def _warn_without_current_message(name: str) -> None:
+def _warn_without_current_message(name: str, guard: JobGuard) -> None:
     if name in _warned:
         return
     _warned.add(name)
@@ -172,6 +181,7 @@ def _warn_without_current_message(name: str) -> None:
         "actor's max_retries: add the CurrentMessage middleware to the broker "
         "(broker.add_middleware(dramatiq.middleware.CurrentMessage()))",
         name,
+        extra=log_fields(spec=spec_name(guard.spec), operation="claim", outcome="error"),
     )
 
 
