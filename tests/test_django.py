@@ -74,6 +74,22 @@ def test_middleware_replays_and_refuses_another_body(client: Client) -> None:
     assert count(tag) == 1
 
 
+def test_an_unquoted_key_is_accepted_as_its_quoted_form(client: Client) -> None:
+    raw, tag = f"order-A18-{uuid.uuid4().hex}", uuid.uuid4().hex
+    sent = [
+        client.post(
+            "/mw/charges",
+            {"tag": tag},
+            content_type="application/json",
+            headers={"Idempotency-Key": k, "x_user": "alice"},
+        )
+        for k in (raw, raw, f'"{raw}"')
+    ]
+    assert sent[0].status_code == 201 and "Idempotent-Replayed" not in sent[0]
+    assert all(r["Idempotent-Replayed"] == "true" for r in sent[1:])
+    assert count(tag) == 1
+
+
 def test_middleware_records_a_streamed_response_and_replays_it_whole(client: Client) -> None:
     key, tag = uuid.uuid4().hex, uuid.uuid4().hex
     first = post(client, "/mw/stream", key, {"tag": tag}, x_user="alice")

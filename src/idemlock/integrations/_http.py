@@ -101,8 +101,10 @@ class HttpOptions:
     allow_anonymous: bool | None = None
     fingerprint_headers: Iterable[str] = ("content-type",)
     fingerprint: Fingerprint | None = None
-    #: shorthand for allow_unquoted_key=True and mismatch_status=400
+    #: shorthand for mismatch_status=400 (and unquoted keys, accepted by default anyway)
     stripe_compatible: bool = False
+    #: None or True: a bare key (``order-A18``) and a quoted one (``"order-A18"``) alike;
+    #: False: the draft's sf-string only (an unquoted key is 400)
     allow_unquoted_key: bool | None = None
     mismatch_status: int | None = None
     max_body: int = 1 << 20
@@ -318,9 +320,9 @@ class HttpCore:
         self.allow_anonymous = (
             (not has_identity) if o.allow_anonymous is None else o.allow_anonymous
         )
-        self.allow_unquoted = (
-            o.stripe_compatible if o.allow_unquoted_key is None else o.allow_unquoted_key
-        )
+        # Liberal by default: a bare value (Stripe's SDKs send one) and the draft's
+        # sf-string are one key; allow_unquoted_key=False keeps the sf-string only.
+        self.allow_unquoted = o.allow_unquoted_key is not False
         mismatch = o.mismatch_status or (400 if o.stripe_compatible else 422)
         self.header = o.header.lower().encode("latin-1")
         self.replay_marker = (
