@@ -48,7 +48,7 @@ from .._logfields import fields as log_fields
 from .._logfields import port_fields
 from .._ports import Heartbeat, IdempotencyBase
 from ..aio import AsyncIdempotencyPort
-from ._fingerprint import Fingerprint, RequestView, fingerprint_of
+from ._fingerprint import Fingerprint, RequestView, fingerprint_of, legacy_fingerprint_of
 from ._key_header import MalformedKey, parse_idempotency_key
 from ._problem_json import Answer, Problems
 from ._recorded_response import (
@@ -409,8 +409,19 @@ class HttpCore:
         """Claim the request's key: the replay or a problem, or a :class:`Run`."""
         view = self.view(scope, body)
         payload = fingerprint_of(view, self.fingerprint_headers, self.options.fingerprint)
+        lookup = self.lookup_key(ident, key)
         try:
-            claim, sent = await self.face.claim(self.lookup_key(ident, key), payload)
+            try:
+                claim, sent = await self.face.claim(lookup, payload)
+            except PayloadMismatch:
+                # A record stored before fingerprints were JCS holds the older form:
+                # the same request, compared as it was then, still replays.
+                legacy = legacy_fingerprint_of(
+                    view, self.fingerprint_headers, self.options.fingerprint
+                )
+                if legacy == payload:
+                    raise
+                claim, sent = await self.face.claim(lookup, legacy)
         except PayloadMismatch:
             return self.problems.mismatch()
         except (StoreUnavailable, StoreFull, OSError, TimeoutError) as exc:

@@ -63,12 +63,13 @@ shorthand for ``mismatch_status=400`` (Stripe answers a reused key with 400).
 
 **The fingerprint** is the SHA-256 of the method, the path, the raw query string, the
 values of ``fingerprint_headers`` (default ``content-type``) and the body. A JSON body
-(``application/json`` or ``+json``) counts canonically (sorted keys, no whitespace), so
-the same document sent with other spacing or key order is the same request; any other
-body counts by its bytes. ``fingerprint=`` takes your own function of a
-:class:`RequestView` (``json_fields("amount", "currency")`` keeps chosen fields); the
-method and path always count. It is stored with the claim; a request with the same key
-and another fingerprint is refused, never answered with the other request's response.
+(``application/json`` or ``+json``) counts in its RFC 8785 (JCS) form, so the same
+document sent with other spacing, member order or number spelling (``1200.0`` for
+``1200``) is the same request; any other body counts by its bytes. ``fingerprint=``
+takes your own function of a :class:`RequestView` (``json_fields("amount",
+"currency")`` keeps chosen fields); the method and path always count. It is stored with
+the claim; a request with the same key and another fingerprint is refused, never
+answered with the other request's response.
 
 **Identity.** The record is looked up by SHA-256 of (identity, key), so one caller can
 never receive another caller's recorded response, and neither raw keys nor identities
