@@ -110,7 +110,11 @@ def free_port() -> int:
 
 
 def start_gunicorn(
-    store: str, runs: Path, workers: int = 3, preload: bool = False
+    store: str,
+    runs: Path,
+    workers: int = 3,
+    preload: bool = False,
+    app: str = "tests.test_wsgi:create_app()",
 ) -> Iterator[Gunicorn]:
     port = free_port()
     env = dict(os.environ, WSGI_TEST_STORE=store, WSGI_TEST_RUNS=str(runs))
@@ -128,7 +132,7 @@ def start_gunicorn(
             "--log-level",
             "warning",
             *(["--preload"] if preload else []),
-            "tests.test_wsgi:create_app()",
+            app,
         ],
         cwd=ROOT,
         env=env,

@@ -22,6 +22,7 @@ An adapter:
 from __future__ import annotations
 
 import asyncio
+import difflib
 import fnmatch
 import hashlib
 import json
@@ -70,7 +71,9 @@ __all__ = [
     "Scope",
     "StoreFace",
     "log",
+    "did_you_mean",
     "route_filter",
+    "spec_from",
 ]
 
 #: the one logger of the HTTP adapters (ASGI, FastAPI, WSGI and Django alike)
@@ -156,6 +159,34 @@ class HttpOptions:
 
     def with_changes(self, **changes: Any) -> HttpOptions:
         return HttpOptions.of({**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the known name closest to a misspelt one, or ``""``."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def spec_from(value: Any, where: str) -> IdempotencySpec | str:
+    """A spec from configuration: a name, an :class:`IdempotencySpec`, or a dict of
+    ``name`` (default ``"http"``), ``ttl`` and ``lease`` (seconds or timedeltas) and the
+    spec's other fields. ``where`` names the setting in the error."""
+    if isinstance(value, (IdempotencySpec, str)):
+        return value
+    if isinstance(value, dict):
+        opts = dict(value)
+        name = opts.pop("name", "http")
+        for k in ("ttl", "lease"):
+            if isinstance(opts.get(k), (int, float)) and not isinstance(opts.get(k), bool):
+                opts[k] = timedelta(seconds=opts[k])
+        try:
+            return IdempotencySpec(name, **opts)
+        except TypeError as exc:
+            raise ConfigurationError(f"{where}: {exc}") from None
+    raise ConfigurationError(
+        f"{where} must be a spec name, an IdempotencySpec or a dict of name/ttl/lease, "
+        f"got {value!r}"
+    )
 
 
 @dataclass(frozen=True)
