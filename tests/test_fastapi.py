@@ -431,6 +431,21 @@ def test_under_uvicorn_concurrent_duplicates_run_once_and_the_lifespan_opens_and
         app.state.idem.coordinator  # noqa: B018  (closed at uvicorn's shutdown)
 
 
+def test_under_uvicorn_unquoted_keys_and_re_encoded_numbers(tmp_path: Path) -> None:
+    calls: Counter[str] = Counter()
+    app = make_app(f"sqlite:///{tmp_path / 'idemlock.db'}", calls)
+    t, raw = tag(), f"order-A18-{uuid.uuid4().hex}"
+    h = {**auth(k=raw), "Content-Type": "application/json"}
+    with uvicorn_thread(app) as base, httpx.Client(base_url=base, timeout=20) as c:
+        first = c.post("/orders", content=f'{{"tag":"{t}","sku":"N","quantity":2}}', headers=h)
+        again = c.post("/orders", content=f'{{"quantity":2.0,"sku":"N","tag":"{t}"}}', headers=h)
+        strict = c.post("/sf-only", content=f'{{"tag":"{t}","sku":"N","quantity":2}}', headers=h)
+    assert first.status_code == 201 and "idempotent-replayed" not in first.headers
+    assert again.headers["idempotent-replayed"] == "true" and again.content == first.content
+    problem(strict, 400, "idempotency_key_malformed")  # allow_unquoted_key=False
+    assert calls[t] == 1
+
+
 def dead_store_app() -> FastAPI:
     """``uvicorn --factory tests.test_fastapi:dead_store_app``: a store nobody listens on."""
     idem = Idempotency(os.environ["FASTAPI_TEST_STORE"])
