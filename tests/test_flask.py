@@ -225,6 +225,28 @@ def test_view_options_abort_exceptions_and_streams(tmp_path: Path) -> None:
     assert app.config["CALLS"][tag] == 1
 
 
+def test_an_applications_own_coordinator_closes_with_it(tmp_path: Path) -> None:
+    import gc
+
+    ext = Idempotency()
+    app = make_app(tmp_path, ext)
+    coordinator = app.extensions["idemlock"].coordinator
+    coordinator.idempotency("x").status("k")  # open
+    del app
+    gc.collect()
+    with pytest.raises(idemlock.StoreUnavailable, match="closed"):
+        coordinator.idempotency("x").status("k")
+    given = idemlock.connect(f"sqlite:///{tmp_path / 'given.db'}")
+    app = Flask(__name__)
+    app.config["IDEMLOCK_COORDINATOR"] = given
+    ext.init_app(app)
+    assert not app.extensions["idemlock"].owned
+    del app
+    gc.collect()
+    assert given.idempotency("x").status("k") is None  # yours: left open
+    given.close()
+
+
 def test_a_protected_view_without_the_extension_says_so(tmp_path: Path) -> None:
     ext = Idempotency()
     app = Flask(__name__)

@@ -29,8 +29,9 @@ a :class:`~idemlock.ConfigurationError` at ``init_app`` saying which key was mea
 The state of each application is ``app.extensions["idemlock"]`` (an
 :class:`IdempotencyState`), so one ``Idempotency`` serves several applications (an app
 factory). A coordinator opened from ``IDEMLOCK_URL`` belongs to the extension: it is
-closed by :meth:`Idempotency.close` or at interpreter exit, never per request (it holds
-the store's connection pool; after a fork the store opens fresh connections itself).
+closed when its application is collected, by :meth:`Idempotency.close`, or at
+interpreter exit, never per request (it holds the store's connection pool; after a fork
+the store opens fresh connections itself).
 A request whose claim is still open when its application context tears down (the view
 never produced a response) has the claim abandoned there, so a retry runs at once.
 
@@ -48,6 +49,7 @@ from __future__ import annotations
 import atexit
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
@@ -228,6 +230,9 @@ class Idempotency:
             if not self._owned:
                 atexit.register(self.close)
             self._owned.append(coordinator)
+            # The application's teardown: its coordinator closes when the application
+            # goes away (an app factory's apps in a test suite), else at exit.
+            weakref.finalize(app, coordinator.close)
         elif not isinstance(coordinator, Coordinator):
             raise ConfigurationError(
                 "IDEMLOCK_COORDINATOR must be a blocking idemlock.Coordinator "
