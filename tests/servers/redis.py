@@ -19,12 +19,13 @@ import contextlib
 import shutil
 import socket
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from ._proc import popen, tempdir
 
 __all__ = [
     "RedisCluster",
@@ -104,7 +105,7 @@ class RedisServer:
             "--daemonize", "no",
             *self.extra,
         ]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self._wait_ping()
 
     def _wait_ping(self, timeout: float = 10.0) -> None:
@@ -250,8 +251,8 @@ def start_cluster(
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
     """A throwaway redis-server for the whole session."""
-    with tempfile.TemporaryDirectory(prefix="idemlock-redis-") as tmp:
-        server = start_redis(Path(tmp))
+    with tempdir("idemlock-redis-") as tmp:
+        server = start_redis(tmp)
         try:
             yield server
         finally:
@@ -261,8 +262,8 @@ def redis_server() -> Iterator[RedisServer]:
 @pytest.fixture(scope="session")
 def redis_cluster() -> Iterator[RedisCluster]:
     """A throwaway three-master Redis Cluster for the whole session."""
-    with tempfile.TemporaryDirectory(prefix="idemlock-cluster-") as tmp:
-        cluster = start_cluster(Path(tmp))
+    with tempdir("idemlock-cluster-") as tmp:
+        cluster = start_cluster(tmp)
         try:
             yield cluster
         finally:
