@@ -28,7 +28,6 @@ import pytest
 
 from . import _progress
 from .servers import _proc
-
 from .servers.etcd import (  # noqa: F401  (session fixtures)
     etcd_cluster,
     etcd_server,

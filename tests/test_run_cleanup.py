@@ -130,7 +130,7 @@ def _stop_and_check(tmp: Path, sig: signal.Signals, *options: str) -> tuple[int,
     try:
         _wait_for(
             f"the slice never had a server of each kind up: {family.seen}",
-            lambda: SERVERS <= set(family.look().values()) or proc.poll() is not None,
+            lambda: set(family.look().values()) >= SERVERS or proc.poll() is not None,
             180,
         )
         if proc.poll() is not None:

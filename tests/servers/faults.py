@@ -40,7 +40,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Protocol
 
 import pytest

@@ -49,6 +49,10 @@ FAST = {
 }
 
 
+#: pg_ctl's shutdown modes and the signal each sends to the postmaster
+MODES = {"smart": signal.SIGTERM, "fast": signal.SIGINT, "immediate": signal.SIGQUIT}
+
+
 def find_pg_bin() -> Path:
     """The directory holding initdb, pg_ctl and postgres (PATH first, then Debian's
     /usr/lib/postgresql/*/bin, newest first)."""
@@ -147,9 +151,6 @@ class PgServer:
                 raise RuntimeError(f"postgres on port {self.port} was not ready in {timeout} s")
             time.sleep(0.02)
 
-    #: pg_ctl's shutdown modes and the signal each sends to the postmaster
-    MODES = {"smart": signal.SIGTERM, "fast": signal.SIGINT, "immediate": signal.SIGQUIT}
-
     def stop(self, mode: str = "fast", timeout: float = 60.0) -> None:
         """Stop the server (``mode``: smart, fast or immediate, as pg_ctl) and wait
         until the postmaster exited (SIGKILL if it takes longer than ``timeout``)."""
@@ -158,7 +159,7 @@ class PgServer:
             raise RuntimeError(f"PostgreSQL on port {self.port} is not running")
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGCONT)
-            os.kill(proc.pid, self.MODES[mode])
+            os.kill(proc.pid, MODES[mode])
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
