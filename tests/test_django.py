@@ -31,6 +31,7 @@ django.setup()
 
 from django.test import Client  # noqa: E402
 
+from .servers._proc import popen  # noqa: E402
 from .test_wsgi import free_port  # noqa: E402
 
 RUNS = _TMP / "runs"
@@ -183,12 +184,11 @@ def test_anonymous_is_401_by_default_with_an_identity_and_a_down_store_is_503(
 
 @pytest.fixture(scope="module")
 def gunicorn() -> Iterator[str]:
-    import subprocess
     import sys
     import time
 
     port = free_port()
-    proc = subprocess.Popen(
+    proc = popen(
         [
             sys.executable,
             "-m",
@@ -205,6 +205,7 @@ def gunicorn() -> Iterator[str]:
         ],
         cwd=Path(__file__).resolve().parent.parent,
         env=dict(os.environ),
+        start_new_session=False,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 20
@@ -341,7 +342,7 @@ def test_atomic_view_whose_claim_was_taken_over_rolls_its_writes_back(
             time.sleep(0.01)
         time.sleep(1.2)  # past A's lease
         b = pool.submit(post, Client(), atomic_path, key, body, x_api_key="k")
-        ra, rb = a.result(), b.result()
+        ra, rb = a.result(timeout=60), b.result(timeout=60)
     assert count(tag) == 2  # both views ran
     problem(ra, 409, "idempotency_key_in_use")
     assert rb.status_code == 201

@@ -42,6 +42,7 @@ from idemlock.stores.redis import RedisStore, from_client, open_async, open_sync
 from idemlock.stores.redis import _common as C
 
 from . import redis_wait_script
+from .servers._proc import popen
 from .servers.proxy import TcpProxy
 from .servers.redis import RedisServer, find_redis, free_port, start_unix_redis
 
@@ -625,7 +626,9 @@ def _start_auth(server: RedisServer) -> RedisServer:
         "--appendonly", "no", "--dir", str(server.root), "--logfile", str(server.log),
         *server.extra,
     ]  # fmt: skip
-    server.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server.proc = popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=False
+    )
     deadline = time.monotonic() + 10
     while True:
         try:

@@ -24,6 +24,7 @@ from rq.scheduler import SCHEDULER_LOCKING_KEY_TEMPLATE
 from idemlock.integrations.rq import enqueue_once
 
 from .queue_jobs import LEASE, SPEC, coordinator, read_log, rq_job
+from .servers._proc import popen
 from .servers.redis import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +49,7 @@ class Env:
 
     def worker(self) -> subprocess.Popen[bytes]:
         env = {**os.environ, **self.vars, "PYTHONPATH": str(ROOT)}
-        proc = subprocess.Popen(
+        proc = popen(
             [
                 sys.executable,
                 "-m",

@@ -48,6 +48,7 @@ __all__ = [
     "run_root",
     "sweep_stale_roots",
     "tempdir",
+    "waitpid",
 ]
 
 #: setpriv (util-linux >= 2.33) sets PR_SET_PDEATHSIG and execs, in ~1 ms
@@ -172,6 +173,24 @@ def kill_all(timeout: float = 10.0) -> list[int]:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=max(0.1, deadline - time.monotonic()))
     return [p.pid for p in alive]
+
+
+def waitpid(pid: int, timeout: float = 60.0) -> tuple[int, int]:
+    """``os.waitpid(pid, 0)`` for a child forked by a test, with a bound: past
+    ``timeout`` the child is SIGKILLed, reaped, and the test fails saying so."""
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return done, status
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError(f"the child process {pid} did not exit within {timeout:.0f} s")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
 
 
 # ---- directories ---------------------------------------------------------------------
