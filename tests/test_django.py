@@ -5,7 +5,6 @@ two worker processes and concurrent duplicates; records in a shared SQLite file.
 from __future__ import annotations
 
 import os
-import tempfile
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
-_TMP = Path(tempfile.mkdtemp(prefix="idemlock-django-"))
+from .servers._proc import mkdtemp, popen
+
+_TMP = mkdtemp("idemlock-django-")  # removed at exit (tests/servers/_proc.py)
 os.environ["DJANGO_SETTINGS_MODULE"] = "tests.django_app.settings"
 os.environ["DJANGO_TEST_STORE"] = f"sqlite:///{_TMP / 'idemlock.db'}"
 os.environ["DJANGO_TEST_RUNS"] = str(_TMP / "runs")
@@ -31,7 +32,6 @@ django.setup()
 
 from django.test import Client  # noqa: E402
 
-from .servers._proc import popen  # noqa: E402
 from .test_wsgi import free_port  # noqa: E402
 
 RUNS = _TMP / "runs"
