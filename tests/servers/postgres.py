@@ -203,7 +203,16 @@ def start_postgres(settings: dict[str, str] | None = None) -> PgServer:
     server = PgServer(root, _free_port(), bindir, settings)
     try:
         server.initdb()
-        server.start()
+        for attempt in range(3):
+            try:
+                server.start()
+                break
+            except RuntimeError as exc:
+                # The free port was taken between the probe and the bind (other test
+                # runs on the machine): the same data directory on another port.
+                if "could not bind" not in str(exc) or attempt == 2:
+                    raise
+                server = PgServer(root, _free_port(), bindir, settings)
         server.create_database()
     except BaseException:
         server.destroy()
