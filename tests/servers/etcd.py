@@ -186,14 +186,22 @@ class EtcdCluster:
 def start_etcd(size: int = 1, tls: tuple[Path, Path, Path] | None = None) -> EtcdCluster:
     """Start an etcd cluster of ``size`` members (clients over TLS with ``tls`` = (CA,
     server certificate, server key) files); the caller must ``destroy()`` it."""
-    root = mkdtemp("idemlock-etcd-")
-    cluster = EtcdCluster(root, size, tls)
-    try:
-        cluster.start()
-    except BaseException:
-        cluster.destroy()
-        raise
-    return cluster
+    for attempt in range(3):
+        root = mkdtemp("idemlock-etcd-")
+        cluster = EtcdCluster(root, size, tls)
+        try:
+            cluster.start()
+            return cluster
+        except RuntimeError as exc:
+            cluster.destroy()
+            # The free ports were taken before etcd bound them (other test runs on the
+            # machine start servers too): again, on other ports.
+            if "address already in use" not in str(exc).lower() or attempt == 2:
+                raise
+        except BaseException:
+            cluster.destroy()
+            raise
+    raise AssertionError("unreachable")
 
 
 def expire_due(url: str, now_ms: int | None = None) -> int:

@@ -148,10 +148,23 @@ class RedisServer:
         return redis.Redis(port=self.port, **options)  # type: ignore[arg-type]
 
 
+def _port_taken(exc: RuntimeError) -> bool:
+    """A start failed because the free port was taken before the server bound it (other
+    test runs on the machine start servers too)."""
+    return "address already in use" in str(exc).lower()
+
+
 def start_redis(root: Path) -> RedisServer:
-    server = RedisServer(root, free_port())
-    server.start()
-    return server
+    for attempt in range(3):
+        server = RedisServer(root, free_port())
+        try:
+            server.start()
+            return server
+        except RuntimeError as exc:
+            server.stop()
+            if not _port_taken(exc) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def start_unix_redis(root: Path) -> tuple[RedisServer, str]:
