@@ -84,13 +84,14 @@ def finish(proc: subprocess.Popen[str], timeout: float = 20) -> tuple[int, str, 
 def procs(tmp_path: Path) -> Iterator[list[subprocess.Popen[str]]]:
     started: list[subprocess.Popen[str]] = []
     yield started
+    # First let every HOLD child end: one whose idemlock is killed below would poll for
+    # `release` forever, an orphan holding idemlock's stdout and stderr, and the
+    # communicate() below would wait for it (a hung suite, after a failed test).
+    (tmp_path / "release").touch()
     for p in started:  # never leave a child behind on failure
         if p.poll() is None:
             p.kill()
-            p.communicate(timeout=30)
-    # A HOLD child whose idemlock was killed above (or that outlived a failed test)
-    # would poll for `release` forever, an orphan: let it end.
-    (tmp_path / "release").touch()
+            p.communicate(timeout=60)
 
 
 # The child holds until the test creates `release`, after announcing itself in `ready`.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sqlite3
 import threading
@@ -499,7 +500,7 @@ def _first_user(out: Any, paths: list[str], me: int, barrier: Any) -> None:
 
 
 def test_concurrent_first_use_of_new_files(tmp_path: Path) -> None:
-    paths = [str(tmp_path / f"new{i}" / "not" / "there.db") for i in range(8)]
+    paths = [str(tmp_path / f"new{i}.db") for i in range(8)]
     procs = 6
     barrier = CTX.Barrier(procs)
     args = [(paths, i, barrier) for i in range(procs)]
@@ -795,8 +796,58 @@ def test_busy_timeout_given_twice(tmp_path: Path) -> None:
         open_sync(f"{url_of(tmp_path / 'x.db')}?busy_timeout=1", busy_timeout=2)
 
 
+def test_an_explicit_path_in_a_missing_directory_is_refused(tmp_path: Path) -> None:
+    """As sqlite3 would: the store does not create the directories of a path it was
+    given (as root, the docs' sqlite:////var/lib/app/idemlock.db made /var/lib/app/),
+    it says which is missing and what to do, at once, whichever way it is opened."""
+    missing = tmp_path / "var" / "lib" / "app"
+    url = url_of(missing / "idemlock.db")
+    openers: list[Any] = [
+        lambda: idemlock.connect(url),
+        lambda: idemlock.aio.connect(url),
+        lambda: open_sync(url),
+        lambda: open_async(url),
+        lambda: SQLiteStore(str(missing / "idemlock.db")),
+    ]
+    for opener in openers:
+        with pytest.raises(ConfigurationError) as info:
+            opener()
+        text = str(info.value)
+        assert str(missing) in text and "does not exist" in text and "create it" in text
+    assert not (tmp_path / "var").exists()
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigurationError, match="is not a directory"):
+        idemlock.connect(url_of(tmp_path / "file" / "x.db"))
+
+
+def test_the_default_file_gets_its_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the default file (no URL, no $IDEMLOCK_URL: the user's state directory)
+    has its directory created for it, sync and asyncio."""
+    state = tmp_path / "state" / "deeper"
+    monkeypatch.setenv("XDG_STATE_HOME", str(state))
+    monkeypatch.delenv("IDEMLOCK_URL", raising=False)
+    coord = idemlock.connect()
+    assert coord.idempotency("job").claim("k") is not None
+    coord.close()
+    assert (state / "idemlock" / "idemlock.db").is_file()
+
+    shutil.rmtree(state)
+
+    async def main() -> None:
+        acoord = idemlock.aio.connect()
+        assert await acoord.idempotency("job").claim("k") is not None
+        await acoord.close()
+
+    asyncio.run(main())
+    assert (state / "idemlock" / "idemlock.db").is_file()
+
+
 def test_url_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub/dir").mkdir(parents=True)  # an explicit path's directory must exist
     rel = open_store("sub/dir/rel.db")  # sqlite:///sub/dir/rel.db: relative to the cwd
     assert rel.path == str((tmp_path / "sub/dir/rel.db").resolve())
     assert rel.busy_timeout == 5.0
