@@ -31,7 +31,15 @@ from ..._core.wakeups import Group
 from ..._errors import StoreUnavailable
 from .._local import LocalSubscription
 from . import _common as C
-from ._calls import ND, eval_head, pack_eval
+from ._calls import (
+    ND,
+    eval_head,
+    eval_text_args,
+    pack_eval,
+    pack_eval_text,
+    pack_script_load,
+)
+from ._compat import should_reconnect
 from ._forks import forget_on_fork
 from ._listen import SyncListener, SyncNodeListeners
 from ._loops import node_of
@@ -132,10 +140,8 @@ class SyncPlumbing:
             try:
                 return self._exec("EVALSHA", script.sha, len(keys), *keys, *args, **ND)
             except NoScriptError:
-                # Redis restarted or failed over, or SCRIPT FLUSH: load it (on every
-                # primary of a cluster) and run it once more.
-                self.client.script_load(script.text)
-                return self._exec("EVALSHA", script.sha, len(keys), *keys, *args, **ND)
+                # Not in the cache: the call did not run; as EVAL (see _calls).
+                return self._exec(*eval_text_args(script, keys, args), **ND)
         except _ERRORS as exc:
             raise C.store_error(exc, script.name) from exc
 
@@ -143,7 +149,6 @@ class SyncPlumbing:
         """``_eval`` on a connection of the store's own: what ``execute_command`` does
         for EVALSHA (the connection's retry policy, a failed connection dropped before a
         retry, health checks, reconnection), without the rest of its layer."""
-        packed = [pack_eval(eval_head(script.sha), keys, args)]
         if self._pid != os.getpid():
             self._drop_connections()  # forked without the at-fork hook (os.fork in C)
         try:
@@ -153,7 +158,7 @@ class SyncPlumbing:
             conn = pool.connection_class(**pool.connection_kwargs)
         clean = False
         try:
-            reply = self._on(conn, packed, script)
+            reply = self._on(conn, script, keys, args)
             clean = True
             return reply
         except ResponseError as exc:
@@ -167,7 +172,7 @@ class SyncPlumbing:
                 # may still be on its way, so the next call must not read it. redis-py
                 # has disconnected already where it saw the failure; this covers the rest.
                 conn.disconnect()
-            elif conn.should_reconnect():  # a maintenance notification asked for it
+            elif should_reconnect(conn):  # a maintenance notification asked for it
                 conn.disconnect()
             self._free.append(conn)
 
@@ -212,12 +217,14 @@ class SyncPlumbing:
         except _ERRORS:
             return _REDIRECTED
         finally:
-            if not clean or conn.should_reconnect():
+            if not clean or should_reconnect(conn):
                 conn.disconnect()
             free.append(conn)
 
     @staticmethod
-    def _on(conn: Any, packed: list[bytes], script: C.Script) -> Any:
+    def _on(conn: Any, script: C.Script, keys: tuple[bytes, ...], args: tuple[Any, ...]) -> Any:
+        packed = [pack_eval(eval_head(script.sha), keys, args)]
+
         def once() -> Any:
             conn.send_packed_command(packed)
             return conn.read_response(disable_decoding=True)
@@ -228,11 +235,18 @@ class SyncPlumbing:
         try:
             return conn.retry.call_with_retry(once, failed)
         except NoScriptError:
-            # Redis restarted or failed over, or SCRIPT FLUSH: load it on this server
-            # (this connection's) and run it once more.
-            conn.send_command("SCRIPT", "LOAD", script.text)
-            conn.read_response()
-            return conn.retry.call_with_retry(once, failed)
+            pass
+        # Not in the cache: the call did not run; as EVAL behind a SCRIPT LOAD for the
+        # calls that follow, in one round trip (see _calls).
+        again = [pack_script_load(script), pack_eval_text(script, keys, args)]
+
+        def reload() -> Any:
+            conn.send_packed_command(again)
+            with contextlib.suppress(ResponseError):  # a refused load changes nothing here
+                conn.read_response()
+            return conn.read_response(disable_decoding=True)
+
+        return conn.retry.call_with_retry(reload, failed)
 
     def _unregister(self, channel: bytes, gid: bytes) -> None:
         # This process stopped waiting without the lock: a release need not hold the
