@@ -1,7 +1,8 @@
 """What differs between the redis-py releases the Redis store admits (``redis>=5``:
-5.0 to 8.x), in one place. Each difference is found once, at import, by a feature
-test on redis-py's own classes (never a version number, never an assumed attribute),
-and the rest of the store goes through the helpers here.
+5.0 to 8.x), in one place. Each difference is found by a feature test on the class
+at hand (redis-py's own, or a user's subclass), made once per class: never a version
+number, never an assumed attribute. The rest of the store goes through the helpers
+here.
 
 ``OPTIONAL`` names every redis-py attribute some admitted release lacks; the test
 suite checks that no other module of the store touches one of them, and runs the
@@ -19,35 +20,49 @@ import redis.cluster
 import redis.connection
 import redis.retry
 
-#: redis-py attributes that some admitted release lacks (the release that added them):
-#: only this module reads them, each behind the feature test below.
+#: redis-py attributes that some admitted release lacks (and which releases, as checked
+#: on 5.0.0, 5.0.8, 5.3.1, 6.4.0 and 8.1.0): only this module reads them, each behind a
+#: feature test.
 OPTIONAL = {
     # Connection.should_reconnect(): a maintenance notification asked the connection
-    # to reconnect (7.0; there are no such notifications before)
-    "should_reconnect": "7.0",
-    # redis.asyncio clients' aclose() (5.0.1; close() was the coroutine before)
-    "aclose": "5.0.1",
-    # Retry.get_retries() (6.0 on the blocking Retry, 7.0 on the asyncio one; the
-    # count is the private _retries before)
-    "get_retries": "6.0",
-    "_retries": "-",
-    # NodesManager.initialize(last_failed_node_name=) after a failed call (7.0;
-    # initialize() without arguments before)
-    "last_failed_node_name": "7.0",
+    # to reconnect (there are no such notifications before)
+    "should_reconnect": "missing up to 6.4",
+    # redis.asyncio clients' aclose() (close() is the coroutine before)
+    "aclose": "missing in 5.0.0",
+    # Retry.get_retries(): the count is the private _retries before
+    "get_retries": "missing up to 5.3 (blocking Retry), up to 6.4 (asyncio Retry)",
+    "_retries": "the count before get_retries() came; read only where that is missing",
+    # NodesManager.initialize(last_failed_node_name=) after a failed call:
+    # initialize() without arguments before
+    "last_failed_node_name": "missing up to 6.4",
 }
 
 
-def _has(cls: Any, name: str) -> bool:
-    return callable(getattr(cls, name, None))
+#: (class, method name) -> whether the class has that method: probed once per class
+_PROBED: dict[tuple[type, str], bool] = {}
 
 
-#: whether blocking connections have should_reconnect()
-SHOULD_RECONNECT = _has(redis.connection.Connection, "should_reconnect")
-#: whether redis.asyncio clients have aclose()
-ACLOSE = _has(redis.asyncio.Redis, "aclose")
-#: whether Retry objects tell their count by get_retries(), blocking and asyncio
-SYNC_GET_RETRIES = _has(redis.retry.Retry, "get_retries")
-ASYNC_GET_RETRIES = _has(redis.asyncio.retry.Retry, "get_retries")
+def provides(obj: Any, name: str) -> bool:
+    """Whether ``obj``'s class (or ``obj``, a class) has the method ``name``: the
+    feature test, made once per class (a user's connection or client class, or
+    redis-py's own of whichever release is installed)."""
+    cls = obj if isinstance(obj, type) else type(obj)
+    key = (cls, name)
+    found = _PROBED.get(key)
+    if found is None:
+        found = _PROBED[key] = callable(getattr(cls, name, None))
+    return found
+
+
+# What the installed redis-py's own classes have (probed at import; the helpers below
+# probe the class of the object they are given, which may be a user's subclass).
+#: blocking connections have should_reconnect()
+SHOULD_RECONNECT = provides(redis.connection.Connection, "should_reconnect")
+#: redis.asyncio clients have aclose()
+ACLOSE = provides(redis.asyncio.Redis, "aclose")
+#: Retry objects tell their count by get_retries(), blocking and asyncio
+SYNC_GET_RETRIES = provides(redis.retry.Retry, "get_retries")
+ASYNC_GET_RETRIES = provides(redis.asyncio.retry.Retry, "get_retries")
 
 
 def _initialize_takes_failed_node() -> bool:
@@ -65,25 +80,22 @@ FAILED_NODE_REFRESH = _initialize_takes_failed_node()
 
 def should_reconnect(conn: Any) -> bool:
     """Whether redis-py asked ``conn`` (blocking) to reconnect before its next use."""
-    if SHOULD_RECONNECT:
-        return bool(conn.should_reconnect())
-    return False
+    return provides(conn, "should_reconnect") and bool(conn.should_reconnect())
 
 
 async def aclose_client(client: Any) -> None:
     """Close a redis.asyncio client (standalone or Cluster) and its pool."""
-    if ACLOSE and _has(client, "aclose"):
+    if provides(client, "aclose"):
         await client.aclose()
     else:
-        await client.close()
+        await client.close()  # the coroutine before aclose() came
 
 
 def retry_count(retry: Any) -> int:
     """How many times a redis-py Retry (blocking or asyncio) retries; 0 if unknown."""
     if retry is None:
         return 0
-    asynchronous = isinstance(retry, redis.asyncio.retry.Retry)
-    if ASYNC_GET_RETRIES if asynchronous else SYNC_GET_RETRIES:
+    if provides(retry, "get_retries"):
         value = retry.get_retries()
     else:
         value = getattr(retry, "_retries", None)  # what get_retries() returns later

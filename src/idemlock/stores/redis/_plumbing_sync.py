@@ -200,15 +200,15 @@ class SyncPlumbing:
         clean = False
         try:
             conn.send_packed_command([pack_eval(eval_head(script.sha), keys, args)])
-            reply = conn.read_response(disable_decoding=True)
+            try:
+                reply = conn.read_response(disable_decoding=True)
+            except NoScriptError:
+                reply = _as_eval(conn, script, keys, args)
             clean = True
             return reply
         except _MOVED:
             clean = True
             return _REDIRECTED
-        except NoScriptError:
-            clean = True
-            return _REDIRECTED  # loaded on every primary by the client's path
         except ResponseError as exc:
             clean = True  # a refusal in a complete reply: the connection is in step
             raise C.store_error(exc, script.name) from exc
@@ -235,18 +235,7 @@ class SyncPlumbing:
         try:
             return conn.retry.call_with_retry(once, failed)
         except NoScriptError:
-            pass
-        # Not in the cache: the call did not run; as EVAL behind a SCRIPT LOAD for the
-        # calls that follow, in one round trip (see _calls).
-        again = [pack_script_load(script), pack_eval_text(script, keys, args)]
-
-        def reload() -> Any:
-            conn.send_packed_command(again)
-            with contextlib.suppress(ResponseError):  # a refused load changes nothing here
-                conn.read_response()
-            return conn.read_response(disable_decoding=True)
-
-        return conn.retry.call_with_retry(reload, failed)
+            return conn.retry.call_with_retry(partial(_as_eval, conn, script, keys, args), failed)
 
     def _unregister(self, channel: bytes, gid: bytes) -> None:
         # This process stopped waiting without the lock: a release need not hold the
@@ -299,6 +288,15 @@ class SyncPlumbing:
         if self._owned:
             with contextlib.suppress(*_ERRORS):
                 self.client.close()
+
+
+def _as_eval(conn: Any, script: C.Script, keys: tuple[bytes, ...], args: tuple[Any, ...]) -> Any:
+    """The call again on ``conn`` after NOSCRIPT (it did not run): as EVAL, behind a
+    SCRIPT LOAD for the calls that follow, in one round trip (see _calls)."""
+    conn.send_packed_command([pack_script_load(script), pack_eval_text(script, keys, args)])
+    with contextlib.suppress(ResponseError):  # a refused load changes nothing here
+        conn.read_response()
+    return conn.read_response(disable_decoding=True)
 
 
 #: ``_eval_on_node``'s answer when the call goes to execute_command instead
