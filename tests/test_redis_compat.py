@@ -24,8 +24,10 @@ import ast
 import importlib.util
 import inspect
 import json
+import threading
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -37,7 +39,13 @@ import redis.retry
 from redis.backoff import NoBackoff
 
 from idemlock._core.port import Acquired
-from idemlock.stores.redis import AsyncRedisStore, RedisStore, _compat, from_client
+from idemlock.stores.redis import (
+    AsyncRedisStore,
+    RedisStore,
+    _compat,
+    _plumbing_sync,
+    from_client,
+)
 
 from .servers.redis import RedisCluster, RedisServer
 
@@ -145,7 +153,11 @@ class OldAsyncRedis(redis.asyncio.Redis):
     aclose = _Missing()
 
     async def close(self, close_connection_pool: bool | None = None) -> None:  # type: ignore[override]
-        await redis.asyncio.Redis.aclose(self, close_connection_pool)
+        await _REAL_CLOSE(self, close_connection_pool)
+
+
+#: the installed redis.asyncio.Redis's own closing coroutine (close() on 5.0.0)
+_REAL_CLOSE: Any = getattr(redis.asyncio.Redis, "aclose", None) or redis.asyncio.Redis.close
 
 
 def test_the_feature_tests_see_what_a_class_has() -> None:
@@ -253,3 +265,49 @@ def test_a_cluster_slot_map_refresh_after_a_failure_is_told_either_way(
     has = "last_failed_node_name" in inspect.signature(installed).parameters
     monkeypatch.undo()
     assert _compat.FAILED_NODE_REFRESH is has
+
+
+def test_a_single_connection_client_without_redis_py_s_lock_is_told() -> None:
+    """redis-py 5.0.x lets threads interleave on a single-connection client's one
+    connection (5.1+ holds single_connection_lock around it)."""
+    old = SimpleNamespace(connection=object())  # 5.0.x: no single_connection_lock
+    assert _compat.unguarded_single_connection(old)
+    new = SimpleNamespace(connection=object(), single_connection_lock=threading.RLock())
+    assert not _compat.unguarded_single_connection(new)
+    assert not _compat.unguarded_single_connection(SimpleNamespace(connection=None))
+
+
+@pytest.mark.parametrize("guarded_by_redis_py", [True, False])
+def test_threads_share_a_single_connection_client_either_way(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, guarded_by_redis_py: bool
+) -> None:
+    if not guarded_by_redis_py:  # as on redis-py 5.0.x: the store holds its own lock
+        monkeypatch.setattr(_plumbing_sync, "unguarded_single_connection", lambda c: True)
+    client = redis.Redis(port=redis_server.port, single_connection_client=True)
+    store = from_client(client, asynchronous=False)[0]
+    assert isinstance(store, RedisStore)
+    assert (store._serial is None) is (
+        guarded_by_redis_py and not _compat.unguarded_single_connection(client)
+    )
+    ns = _ns()
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            for i in range(50):
+                assert isinstance(store.acquire(ns, f"k{t}.{i}", "o", LONG), Acquired)
+            assert len(store.locks(ns)) >= 50
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=120)
+        assert not errors, errors[0]
+        assert len(store.locks(ns)) == 200
+    finally:
+        store.close()
+        client.close()

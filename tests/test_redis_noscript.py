@@ -65,7 +65,10 @@ class Flusher:
     def _run(self) -> None:
         while not self._stop.is_set():
             for c in self._clients:
-                c.script_flush()
+                try:
+                    c.script_flush()
+                except redis.ConnectionError:
+                    continue  # killed by kill() too (redis-py < 6 does not retry it)
                 self.flushes += 1
 
     def kill(self) -> None:

@@ -35,6 +35,9 @@ OPTIONAL = {
     # NodesManager.initialize(last_failed_node_name=) after a failed call:
     # initialize() without arguments before
     "last_failed_node_name": "missing up to 6.4",
+    # a blocking single-connection client's lock around its one connection: before,
+    # threads sharing the client interleave on the socket
+    "single_connection_lock": "missing in 5.0.x",
 }
 
 
@@ -76,6 +79,15 @@ def _initialize_takes_failed_node() -> bool:
 #: whether a blocking RedisCluster re-reads its slot map after a failed call by
 #: ``initialize(last_failed_node_name=...)`` (else by ``initialize()``)
 FAILED_NODE_REFRESH = _initialize_takes_failed_node()
+
+
+def unguarded_single_connection(client: Any) -> bool:
+    """Whether ``client`` (blocking) is a single-connection client whose redis-py does
+    not guard the connection against threads calling at once (5.0.x): the store then
+    holds a lock of its own around each use of it."""
+    if getattr(client, "connection", None) is None:
+        return False
+    return getattr(client, "single_connection_lock", None) is None
 
 
 def should_reconnect(conn: Any) -> bool:

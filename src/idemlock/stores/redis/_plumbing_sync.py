@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import threading
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
@@ -39,7 +40,7 @@ from ._calls import (
     pack_eval_text,
     pack_script_load,
 )
-from ._compat import should_reconnect
+from ._compat import should_reconnect, unguarded_single_connection
 from ._forks import forget_on_fork
 from ._listen import SyncListener, SyncNodeListeners
 from ._loops import node_of
@@ -57,6 +58,12 @@ class SyncPlumbing:
         self._keep = options.keep_ms
         self._handoff = options.handoff_ms
         self._exec = client.execute_command
+        # A single-connection client of redis-py 5.0.x lets threads interleave on its
+        # connection (the store's renewer, listener and callers share it): one at a time.
+        self._serial: threading.RLock | None = None
+        if unguarded_single_connection(client):
+            self._serial = threading.RLock()
+            self._exec = partial(_serialised, self._serial, client.execute_command)
         #: the bound (seconds) on one call: socket and connect timeouts (agreement A1)
         self.timeout = options.timeout
         # Scripts on a standalone client with a plain pool skip redis-py's command layer
@@ -106,6 +113,9 @@ class SyncPlumbing:
         themselves and open fresh connections."""
         self._listener = self._new_listener()
         self._drop_connections()
+        if self._serial is not None:  # a thread of the parent may have held it
+            self._serial = threading.RLock()
+            self._exec = partial(_serialised, self._serial, self.client.execute_command)
 
     def _drop_connections(self) -> None:
         # The parent's connections: never written to (the parent may be mid-call on
@@ -246,7 +256,11 @@ class SyncPlumbing:
     @contextlib.contextmanager
     def _client(self) -> Iterator[Any]:
         """The client (listings, pipelines); redis-py's pool hands out connections."""
-        yield self.client
+        if self._serial is None:
+            yield self.client
+        else:
+            with self._serial:
+                yield self.client
 
     def _bounded(self, value: Any, what: str) -> Any:
         """The twin of the asyncio store's bound on a batch: socket timeouts bound
@@ -297,6 +311,11 @@ def _as_eval(conn: Any, script: C.Script, keys: tuple[bytes, ...], args: tuple[A
     with contextlib.suppress(ResponseError):  # a refused load changes nothing here
         conn.read_response()
     return conn.read_response(disable_decoding=True)
+
+
+def _serialised(lock: threading.RLock, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    with lock:
+        return call(*args, **kwargs)
 
 
 #: ``_eval_on_node``'s answer when the call goes to execute_command instead
