@@ -22,6 +22,7 @@ import redis.asyncio
 from idemlock import StoreUnavailable
 from idemlock._core.port import Acquired
 from idemlock.stores.redis import AsyncRedisStore, RedisStore, from_client, open_async, open_sync
+from idemlock.stores.redis._compat import aclose_client
 
 from .servers._proc import waitpid
 from .servers.redis import RedisServer
@@ -224,7 +225,7 @@ async def test_async_late_and_cancelled_replies_are_never_read_by_the_next_call(
         with pytest.raises(asyncio.CancelledError):
             await call
         await busy
-        await blocker.aclose()
+        await aclose_client(blocker)
         await _check_fresh(store, ns, "second")
     finally:
         await store.aclose()
@@ -270,4 +271,4 @@ async def test_async_limited_pool_keeps_redis_py_s_path(redis_server: RedisServe
         assert _clients(redis_server, name) == 1
     finally:
         await store.aclose()
-        await client.aclose()
+        await aclose_client(client)

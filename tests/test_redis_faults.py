@@ -39,6 +39,7 @@ from idemlock import (
 from idemlock._core.port import Acquired, Channel, Granted
 from idemlock.stores.redis import RedisStore, from_client, open_async, open_sync
 from idemlock.stores.redis import _common as C
+from idemlock.stores.redis._compat import aclose_client
 
 from . import redis_wait_script
 from .servers._proc import mkdtemp, popen
@@ -307,7 +308,7 @@ async def test_a_client_passed_in_is_copied_for_another_loop(redis_server: Redis
         assert isinstance(ex.submit(elsewhere).result(timeout=30), Claimed)
     assert isinstance(await port.claim("a"), InFlight)  # the first loop still works
     await coord.close()
-    await client.aclose()
+    await aclose_client(client)
 
 
 @pytest.mark.parametrize("where", ["standalone", "cluster"])

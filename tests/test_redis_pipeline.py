@@ -24,6 +24,7 @@ from idemlock import StoreCorrupt, StoreUnavailable
 from idemlock._core.port import Acquired
 from idemlock.stores.redis import AsyncRedisStore, _pipeline, _resp, from_client, open_async
 from idemlock.stores.redis import _common as C
+from idemlock.stores.redis._compat import aclose_client
 
 from .servers.proxy import TcpProxy
 from .servers.redis import RedisServer, start_redis, start_unix_redis
@@ -146,7 +147,7 @@ async def test_a_unix_socket_url_and_a_passed_client_with_resp3_and_a_password()
                 assert await client.exists(C.gate_name(ns, "r7").decode()) == 1  # db 3
             finally:
                 await passed.aclose()
-                await client.aclose()
+                await aclose_client(client)
         finally:
             server.stop()
 

@@ -48,6 +48,7 @@ from idemlock import (
 from idemlock._core.port import Acquired, Busy, Channel, Done, Granted, Held, Mismatch
 from idemlock.stores.redis import AsyncRedisStore, RedisStore, from_client, open_async, open_sync
 from idemlock.stores.redis import _common as C
+from idemlock.stores.redis._compat import aclose_client
 
 from .servers._proc import popen
 from .servers.redis import RedisCluster, RedisServer, free_port, start_redis
@@ -602,7 +603,7 @@ async def test_existing_clients_of_every_kind(
         assert await acoord.lock("l").release(lease)
         await acoord.close()
         assert await aclient.ping()
-        await aclient.aclose()
+        await aclose_client(aclient)
 
 
 def test_clients_of_the_wrong_kind_are_refused(redis_server: RedisServer) -> None:

@@ -10,10 +10,12 @@ existing client (``redis.Redis``, ``redis.cluster.RedisCluster`` or their
 ``redis.asyncio`` versions) can be passed instead of a URL; idemlock never closes it.
 
 **One round trip per transition.** Every port call is one Lua script run by EVALSHA;
-a ``NOSCRIPT`` reply (a restart, a failover, ``SCRIPT FLUSH``) loads the script on
-every primary and runs it again. Scripts read no key they are not given and take all
-user data as arguments. Every freeing call carries a random nonce, so a call that the
-client re-sends after losing the reply is recognised instead of being reported stale.
+a ``NOSCRIPT`` reply (a restart, a failover, ``SCRIPT FLUSH``: the call did not run)
+sends the call again as EVAL, with the script (loaded too, where that costs no round
+trip), so it runs however often the cache is emptied. Scripts read no key they are
+not given and take all user data as arguments. Every freeing call carries a random
+nonce, so a call that the client re-sends after losing the reply is recognised
+instead of being reported stale.
 
 **Connections.** On a standalone client whose pool is a plain ``ConnectionPool`` (what
 a URL builds), scripts go pre-encoded over connections the store opens itself with

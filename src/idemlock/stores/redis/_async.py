@@ -16,7 +16,15 @@ from redis.exceptions import NoScriptError
 from ..._core import table as T
 from ..._core.port import Acquired, ClaimReply, Held, LockRow, RecordRow
 from . import _common as C
-from ._calls import ND, RenewCall, check_claim_slot, check_same_slot, now_ms, renew_calls
+from ._calls import (
+    ND,
+    RenewCall,
+    check_claim_slot,
+    check_same_slot,
+    eval_text_args,
+    now_ms,
+    renew_calls,
+)
 from ._plumbing_async import AsyncPlumbing
 
 _ERRORS = C.redis_errors()
@@ -148,24 +156,25 @@ class AsyncRedisStore(AsyncPlumbing):
 
     async def _pipelined(self, calls: list[RenewCall]) -> list[Any]:
         async with self._client() as client:
-            for attempt in range(2):
-                try:
+            try:
+                pipe = client.pipeline(transaction=False)
+                for script, keys, args in calls:
+                    pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args, **ND)
+                replies = await pipe.execute(raise_on_error=False)
+                again = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+                if again:
+                    # Not in the cache: those renewals did not run; as EVAL (see _calls).
                     pipe = client.pipeline(transaction=False)
-                    for script, keys, args in calls:
-                        pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args, **ND)
-                    replies = await pipe.execute(raise_on_error=False)
-                    if attempt == 0 and any(isinstance(r, NoScriptError) for r in replies):
-                        # Scripts flushed (restart, failover): load them and renew again
-                        # (a renewal repeated is harmless).
-                        for script in {c[0] for c in calls}:
-                            await client.script_load(script.text)
-                        continue
-                except _ERRORS as exc:
-                    raise C.store_error(exc, "renew_many") from exc
-                # A script error is about its one key (say, a corrupt value): that
-                # renewal is refused (the holder learns it lost it), the others stand.
-                return [T.NO_EXPIRY if isinstance(r, Exception) else r for r in replies]
-        raise AssertionError("unreachable")  # pragma: no cover
+                    for i in again:
+                        pipe.execute_command(*eval_text_args(*calls[i]), **ND)
+                    redone = await pipe.execute(raise_on_error=False)
+                    for i, reply in zip(again, redone, strict=True):
+                        replies[i] = reply
+            except _ERRORS as exc:
+                raise C.store_error(exc, "renew_many") from exc
+            # A script error is about its one key (say, a corrupt value): that
+            # renewal is refused (the holder learns it lost it), the others stand.
+            return [T.NO_EXPIRY if isinstance(r, Exception) else r for r in replies]
 
     async def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
         n = C.names(ns, key)

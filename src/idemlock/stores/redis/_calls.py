@@ -8,6 +8,7 @@ from functools import lru_cache
 from typing import Any
 
 from redis.client import NEVER_DECODE
+from redis.exceptions import NoScriptError
 
 from ..._errors import ConfigurationError
 from . import _common as C
@@ -103,3 +104,43 @@ def pack_eval(head: bytes, keys: tuple[bytes, ...], args: tuple[Any, ...]) -> by
 def eval_head(sha: str) -> bytes:
     """``$7 EVALSHA $40 <sha>`` in RESP, encoded once per script."""
     return b"$7\r\nEVALSHA\r\n$40\r\n" + sha.encode() + b"\r\n"
+
+
+# ---- NOSCRIPT ----------------------------------------------------------------------------
+#
+# Every path that sends EVALSHA (the blocking store's own connections, a Cluster node's,
+# execute_command; the asyncio store's pipelined connection and its client; a renewal
+# batch) answers a NOSCRIPT reply the same way, with these: the script is not in Redis's
+# cache (a restart, a failover, SCRIPT FLUSH), so the call did not run; it is sent
+# again as EVAL with the script's text, which cannot meet NOSCRIPT, so the call runs
+# however often the cache is emptied (a flapping failover flushing it again and again).
+# Where it costs no round trip, a SCRIPT LOAD goes ahead of it for the calls that follow
+# (EVAL caches the script too, but Redis 7.4+ may evict what only EVAL brought).
+
+
+def noscript(reply: BaseException) -> bool:
+    """Whether ``reply`` is Redis's NOSCRIPT refusal (the call did not run)."""
+    return isinstance(reply, NoScriptError) or str(reply).startswith("NOSCRIPT")
+
+
+def eval_text_args(
+    script: C.Script, keys: tuple[bytes, ...], args: tuple[Any, ...]
+) -> tuple[Any, ...]:
+    """The arguments of ``execute_command`` for the call as EVAL, script text included."""
+    return ("EVAL", script.text, len(keys), *keys, *args)
+
+
+def pack_eval_text(script: C.Script, keys: tuple[bytes, ...], args: tuple[Any, ...]) -> bytes:
+    """The RESP bytes of the call as ``EVAL <text> len(keys) *keys *args``."""
+    return pack_eval(_eval_text_head(script.text), keys, args)
+
+
+def pack_script_load(script: C.Script) -> bytes:
+    """The RESP bytes of ``SCRIPT LOAD <text>``."""
+    text = script.text
+    return b"*3\r\n$6\r\nSCRIPT\r\n$4\r\nLOAD\r\n$%d\r\n%b\r\n" % (len(text), text)
+
+
+@lru_cache(maxsize=64)
+def _eval_text_head(text: bytes) -> bytes:
+    return b"$4\r\nEVAL\r\n$%d\r\n%b\r\n" % (len(text), text)

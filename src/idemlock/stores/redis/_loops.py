@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..._errors import ConfigurationError
+from ._compat import retry_count
 from ._listen import AsyncListener, AsyncNodeListeners
 from ._pipeline import Pipe
 
@@ -58,8 +59,7 @@ class LoopState:
         self.pipe: Pipe | None = None
         retry = getattr(client, "connection_pool", None)
         retry = getattr(retry, "connection_kwargs", {}).get("retry")
-        get = getattr(retry, "get_retries", None)
-        self.retries = bool(get()) if get is not None else False
+        self.retries = retry_count(retry) > 0
         self.connecting: asyncio.Task[Pipe] | None = None
         self.closed = False
         self.listener: AsyncListener | AsyncNodeListeners

@@ -109,7 +109,7 @@ class Pipe(asyncio.Protocol):
         self._pending: deque[Call] = deque()
         self._timer: asyncio.TimerHandle | None = None
         self.lost: Lost | None = None
-        #: SCRIPT LOAD replies awaited, by sha (callers that met NOSCRIPT share one)
+        #: SCRIPT LOADs sent, by sha (the calls that meet NOSCRIPT at once send one)
         self.loading: dict[str, asyncio.Future[Any]] = {}
         self._gone = loop.create_future()  # the socket is closed
         transport.set_protocol(self)

@@ -21,12 +21,21 @@ from ..._core.port import Channel
 from ..._core.wakeups import Group
 from ..._errors import StoreUnavailable
 from . import _common as C
-from ._calls import ND, eval_head, pack_eval
+from ._calls import (
+    ND,
+    eval_head,
+    eval_text_args,
+    noscript,
+    pack_eval,
+    pack_eval_text,
+    pack_script_load,
+)
+from ._compat import aclose_client
 from ._forks import forget_on_fork
 from ._listen import AsyncListener, AsyncNodeListeners, AsyncSubscription, bounded, cancelling
 from ._loops import LoopState, client_for_another_loop, node_of
 from ._orphans import Orphans, retrieved
-from ._pipeline import Call, Lost, Pipe, pack
+from ._pipeline import Call, Lost, Pipe
 
 _ERRORS = C.redis_errors()
 
@@ -218,9 +227,9 @@ class AsyncPlumbing:
             raise StoreUnavailable(
                 f"redis {script.name} failed: {reply}; the call may have been applied"
             )
-        if _noscript(reply):
+        if noscript(reply):
             # Scripts flushed (a restart, SCRIPT FLUSH, a failover): the call did not
-            # run. Load and run it again within what is left of the bound, as a task
+            # run. Run it again as EVAL within what is left of the bound, as a task
             # with the same policy for a caller that stops waiting.
             return await self._eval_task(
                 st, script, keys, args, finish, call.undo, call.undo_late, call.deadline, True
@@ -234,7 +243,7 @@ class AsyncPlumbing:
         did not run; a broken connection: retried as redis-py's policy would)."""
         if call.redo is not None:
             st = self._last
-            again = _noscript(reply) if isinstance(reply, ResponseError) else False
+            again = noscript(reply) if isinstance(reply, ResponseError) else False
             if isinstance(reply, Lost) and not reply.stalled:
                 again = st is not None and st.retries
             if again:
@@ -258,7 +267,7 @@ class AsyncPlumbing:
         """``_eval`` as a task of its own, waited on through a shield (connecting,
         loading scripts, a Cluster or a pool's client); ``deadline``: the loop time
         the bound ends at, when a first attempt used some of it; ``load``: load the
-        script first."""
+        script as EVAL (NOSCRIPT met already)."""
         bound = self.timeout
         if deadline is not None:
             bound = max(0.0, deadline - asyncio.get_running_loop().time())
@@ -297,8 +306,8 @@ class AsyncPlumbing:
                 try:
                     return await st.exec("EVALSHA", script.sha, len(keys), *keys, *args, **ND)
                 except NoScriptError:
-                    await st.client.script_load(script.text)
-                    return await st.exec("EVALSHA", script.sha, len(keys), *keys, *args, **ND)
+                    # Not in the cache: the call did not run; as EVAL (see _calls).
+                    return await st.exec(*eval_text_args(script, keys, args), **ND)
             except _ERRORS as exc:
                 raise C.store_error(exc, script.name) from exc
 
@@ -310,26 +319,33 @@ class AsyncPlumbing:
         args: tuple[Any, ...],
         load: bool,
     ) -> Any:
-        """``_run`` on the pipelined connection (opened first if need be): the script
-        loaded first if ``load`` or if Redis answers NOSCRIPT."""
-        pipe = await self._pipe(st)
-        packed = pack_eval(eval_head(script.sha), keys, args)
-        for attempt in range(2):
-            if load or attempt:
-                # One SCRIPT LOAD for all the calls that met NOSCRIPT at once.
+        """``_run`` on the pipelined connection (opened first if need be); after a
+        NOSCRIPT (``load``: met already) the call goes as EVAL, behind one SCRIPT LOAD
+        for all the calls that met it at once (see _calls). A connection found broken
+        (a restart, a reset) is replaced and the call sent once more, as redis-py's
+        retry policy would."""
+        retried = False
+        while True:
+            pipe = await self._pipe(st)
+            if load:
                 loading = pipe.loading.get(script.sha)
                 if loading is None or loading.done():
-                    loading = pipe.send(pack(b"SCRIPT", b"LOAD", script.text)).fut
-                    pipe.loading[script.sha] = loading
-                loaded = await asyncio.shield(loading)
-                if isinstance(loaded, Exception):
-                    raise self._failure(loaded, script.name)
-            reply = await pipe.send(packed).fut
+                    # For the calls that follow (its reply, even a refusal, changes
+                    # nothing here).
+                    pipe.loading[script.sha] = pipe.send(pack_script_load(script)).fut
+                reply = await pipe.send(pack_eval_text(script, keys, args)).fut
+            else:
+                reply = await pipe.send(pack_eval(eval_head(script.sha), keys, args)).fut
             if not isinstance(reply, Exception):
                 return reply
-            if attempt or not _noscript(reply):
+            if isinstance(reply, Lost):
+                if reply.stalled or retried or not st.retries:
+                    raise self._failure(reply, script.name)
+                retried = True
+            elif noscript(reply) and not load:
+                load = True
+            else:
                 raise self._failure(reply, script.name)
-        raise AssertionError("unreachable")  # pragma: no cover
 
     def _failure(self, reply: Exception, what: str) -> Exception:
         if isinstance(reply, Lost):
@@ -460,8 +476,4 @@ class AsyncPlumbing:
             await pipe.aclose()
         if st.owned:
             with contextlib.suppress(*_ERRORS):
-                await st.client.aclose()
-
-
-def _noscript(reply: Exception) -> bool:
-    return isinstance(reply, NoScriptError) or str(reply).startswith("NOSCRIPT")
+                await aclose_client(st.client)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import threading
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
@@ -31,7 +32,15 @@ from ..._core.wakeups import Group
 from ..._errors import StoreUnavailable
 from .._local import LocalSubscription
 from . import _common as C
-from ._calls import ND, eval_head, pack_eval
+from ._calls import (
+    ND,
+    eval_head,
+    eval_text_args,
+    pack_eval,
+    pack_eval_text,
+    pack_script_load,
+)
+from ._compat import should_reconnect, unguarded_single_connection
 from ._forks import forget_on_fork
 from ._listen import SyncListener, SyncNodeListeners
 from ._loops import node_of
@@ -49,6 +58,12 @@ class SyncPlumbing:
         self._keep = options.keep_ms
         self._handoff = options.handoff_ms
         self._exec = client.execute_command
+        # A single-connection client of redis-py 5.0.x lets threads interleave on its
+        # connection (the store's renewer, listener and callers share it): one at a time.
+        self._serial: threading.RLock | None = None
+        if unguarded_single_connection(client):
+            self._serial = threading.RLock()
+            self._exec = partial(_serialised, self._serial, client.execute_command)
         #: the bound (seconds) on one call: socket and connect timeouts (agreement A1)
         self.timeout = options.timeout
         # Scripts on a standalone client with a plain pool skip redis-py's command layer
@@ -98,6 +113,9 @@ class SyncPlumbing:
         themselves and open fresh connections."""
         self._listener = self._new_listener()
         self._drop_connections()
+        if self._serial is not None:  # a thread of the parent may have held it
+            self._serial = threading.RLock()
+            self._exec = partial(_serialised, self._serial, self.client.execute_command)
 
     def _drop_connections(self) -> None:
         # The parent's connections: never written to (the parent may be mid-call on
@@ -132,10 +150,8 @@ class SyncPlumbing:
             try:
                 return self._exec("EVALSHA", script.sha, len(keys), *keys, *args, **ND)
             except NoScriptError:
-                # Redis restarted or failed over, or SCRIPT FLUSH: load it (on every
-                # primary of a cluster) and run it once more.
-                self.client.script_load(script.text)
-                return self._exec("EVALSHA", script.sha, len(keys), *keys, *args, **ND)
+                # Not in the cache: the call did not run; as EVAL (see _calls).
+                return self._exec(*eval_text_args(script, keys, args), **ND)
         except _ERRORS as exc:
             raise C.store_error(exc, script.name) from exc
 
@@ -143,7 +159,6 @@ class SyncPlumbing:
         """``_eval`` on a connection of the store's own: what ``execute_command`` does
         for EVALSHA (the connection's retry policy, a failed connection dropped before a
         retry, health checks, reconnection), without the rest of its layer."""
-        packed = [pack_eval(eval_head(script.sha), keys, args)]
         if self._pid != os.getpid():
             self._drop_connections()  # forked without the at-fork hook (os.fork in C)
         try:
@@ -153,7 +168,7 @@ class SyncPlumbing:
             conn = pool.connection_class(**pool.connection_kwargs)
         clean = False
         try:
-            reply = self._on(conn, packed, script)
+            reply = self._on(conn, script, keys, args)
             clean = True
             return reply
         except ResponseError as exc:
@@ -167,7 +182,7 @@ class SyncPlumbing:
                 # may still be on its way, so the next call must not read it. redis-py
                 # has disconnected already where it saw the failure; this covers the rest.
                 conn.disconnect()
-            elif conn.should_reconnect():  # a maintenance notification asked for it
+            elif should_reconnect(conn):  # a maintenance notification asked for it
                 conn.disconnect()
             self._free.append(conn)
 
@@ -195,15 +210,15 @@ class SyncPlumbing:
         clean = False
         try:
             conn.send_packed_command([pack_eval(eval_head(script.sha), keys, args)])
-            reply = conn.read_response(disable_decoding=True)
+            try:
+                reply = conn.read_response(disable_decoding=True)
+            except NoScriptError:
+                reply = _as_eval(conn, script, keys, args)
             clean = True
             return reply
         except _MOVED:
             clean = True
             return _REDIRECTED
-        except NoScriptError:
-            clean = True
-            return _REDIRECTED  # loaded on every primary by the client's path
         except ResponseError as exc:
             clean = True  # a refusal in a complete reply: the connection is in step
             raise C.store_error(exc, script.name) from exc
@@ -212,12 +227,14 @@ class SyncPlumbing:
         except _ERRORS:
             return _REDIRECTED
         finally:
-            if not clean or conn.should_reconnect():
+            if not clean or should_reconnect(conn):
                 conn.disconnect()
             free.append(conn)
 
     @staticmethod
-    def _on(conn: Any, packed: list[bytes], script: C.Script) -> Any:
+    def _on(conn: Any, script: C.Script, keys: tuple[bytes, ...], args: tuple[Any, ...]) -> Any:
+        packed = [pack_eval(eval_head(script.sha), keys, args)]
+
         def once() -> Any:
             conn.send_packed_command(packed)
             return conn.read_response(disable_decoding=True)
@@ -228,11 +245,7 @@ class SyncPlumbing:
         try:
             return conn.retry.call_with_retry(once, failed)
         except NoScriptError:
-            # Redis restarted or failed over, or SCRIPT FLUSH: load it on this server
-            # (this connection's) and run it once more.
-            conn.send_command("SCRIPT", "LOAD", script.text)
-            conn.read_response()
-            return conn.retry.call_with_retry(once, failed)
+            return conn.retry.call_with_retry(partial(_as_eval, conn, script, keys, args), failed)
 
     def _unregister(self, channel: bytes, gid: bytes) -> None:
         # This process stopped waiting without the lock: a release need not hold the
@@ -243,7 +256,11 @@ class SyncPlumbing:
     @contextlib.contextmanager
     def _client(self) -> Iterator[Any]:
         """The client (listings, pipelines); redis-py's pool hands out connections."""
-        yield self.client
+        if self._serial is None:
+            yield self.client
+        else:
+            with self._serial:
+                yield self.client
 
     def _bounded(self, value: Any, what: str) -> Any:
         """The twin of the asyncio store's bound on a batch: socket timeouts bound
@@ -285,6 +302,20 @@ class SyncPlumbing:
         if self._owned:
             with contextlib.suppress(*_ERRORS):
                 self.client.close()
+
+
+def _as_eval(conn: Any, script: C.Script, keys: tuple[bytes, ...], args: tuple[Any, ...]) -> Any:
+    """The call again on ``conn`` after NOSCRIPT (it did not run): as EVAL, behind a
+    SCRIPT LOAD for the calls that follow, in one round trip (see _calls)."""
+    conn.send_packed_command([pack_script_load(script), pack_eval_text(script, keys, args)])
+    with contextlib.suppress(ResponseError):  # a refused load changes nothing here
+        conn.read_response()
+    return conn.read_response(disable_decoding=True)
+
+
+def _serialised(lock: threading.RLock, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    with lock:
+        return call(*args, **kwargs)
 
 
 #: ``_eval_on_node``'s answer when the call goes to execute_command instead

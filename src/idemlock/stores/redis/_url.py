@@ -277,6 +277,8 @@ def _bounded_cluster_class() -> Any:
     from redis.cluster import RedisCluster
     from redis.exceptions import TimeoutError as RedisTimeoutError
 
+    from ._compat import refresh_after_failure
+
     class BoundedRedisCluster(RedisCluster):
         ERRORS_ALLOW_RETRY = tuple(  # type: ignore[assignment]
             e for e in RedisCluster.ERRORS_ALLOW_RETRY if not issubclass(e, RedisTimeoutError)
@@ -299,7 +301,7 @@ def _bounded_cluster_class() -> Any:
                     lock.release()
 
             def initialize(*a: Any, **kw: Any) -> Any:
-                if a or "last_failed_node_name" not in kw:
+                if not refresh_after_failure(a, kw):
                     return inline(*a, **kw)
                 lock = busy.get(os.getpid())
                 if lock is None:
