@@ -352,7 +352,8 @@ class JobOptions:
         value = seconds(default_lease if lease is None else lease, f"{call}: lease=")
         if value is None or not value > 0:  # ... and a send lease must not be 0
             raise ConfigurationError(
-                f"{call}: lease= must be positive seconds (a number or a timedelta), got {lease!r}"
+                f"{call}: lease= (the send lease) must be positive seconds (a number or "
+                f"a timedelta), got {lease!r}"
             )
         return cls(tuple(args), dict(kwargs), value)
 
