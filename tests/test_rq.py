@@ -275,11 +275,12 @@ def test_enqueue_once_refuses_arguments_it_cannot_send(env: Env) -> None:
     with pytest.raises(ConfigurationError, match=r"args= must be a tuple or list"):
         enqueue_once(env.queue, rq_job, args="o-7")
     with pytest.raises(ConfigurationError, match=r"kwargs= must be a dict"):
-        enqueue_once(env.queue, rq_job, args=("o",), kwargs=[("seconds", 1.0)])  # type: ignore[arg-type]
+        bad: Any = [("seconds", 1.0)]
+        enqueue_once(env.queue, rq_job, args=("o",), kwargs=bad)
     with pytest.raises(ConfigurationError, match=r"the send lease\) must be positive seconds"):
         enqueue_once(env.queue, rq_job, args=("o",), lease=0)
     with pytest.raises(ConfigurationError, match=r"args=\(\.\.\.\) and kwargs=\{\.\.\.\} only"):
-        enqueue_once(env.queue, rq_job, ("o",), args=("o",))  # type: ignore[call-overload]
+        enqueue_once(env.queue, rq_job, ("o",), args=("o",))
     with pytest.raises(ConfigurationError, match="@idempotent_job"):
         enqueue_once(env.queue, print, args=("o",))
     assert env.queue.count == 0

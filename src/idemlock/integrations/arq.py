@@ -54,10 +54,11 @@ A worker killed mid-job (SIGKILL) leaves the job in the queue with its in-progre
 marker, which ends after the job timeout plus 10 s; another worker then runs it: it
 waits for the dead claim's lease, claims with a higher fence and runs.
 
-**Duplicate sends** (opt-in): :func:`enqueue_once` refuses (returns None) to enqueue
-a job whose key is already queued or running, with a send lease of ``lease`` seconds
-released when the job runs; a job lost before it ran frees its key when the lease
-ends.
+**Duplicate sends** (opt-in): ``await enqueue_once(pool, fn, args=(...),
+kwargs={...}, lease=600, _queue_name=...)`` (the call every idemlock queue
+integration shares) refuses (returns None) to enqueue a job whose key is already
+queued or running, with a send lease of ``lease`` seconds released when the job
+runs; a job lost before it ran frees its key when the lease ends.
 """
 
 from __future__ import annotations

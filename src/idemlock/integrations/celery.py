@@ -87,7 +87,9 @@ Options (task options or class attributes of a subclass; every one is optional b
 **Duplicate sends** (opt-in). ``task.apply_async_once(args, kwargs, **options)``
 and ``task.delay_once(*args, **kwargs)`` send the task like ``apply_async`` and
 ``delay`` and return its ``AsyncResult``, unless a task of the same key is already
-queued or running: then they send nothing and return None. ``apply_async`` and
+queued or running: then they send nothing and return None. :func:`enqueue_once`
+``(task, args=(...), kwargs={...}, lease=..., **options)`` is ``apply_async_once`` in
+the form every idemlock queue integration shares. ``apply_async`` and
 ``delay`` are unchanged (a duplicate sent through them is queued, then replays).
 Unlike a lock that the sender sets and the task deletes, which stays forever when
 the task is lost, the refusal is a send lease on the key for ``lease`` seconds

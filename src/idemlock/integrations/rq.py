@@ -55,11 +55,12 @@ worker killed leaves its job in RQ's started registry until RQ's own clean-up
 (a minute or more: the dead worker's heartbeat TTL, then maintenance) retries it, and
 its scheduler lock ends about as late; the retry then meets the claim as above.
 
-**Duplicate sends** (opt-in): :func:`enqueue_once` refuses (returns None) to enqueue
-a job whose key is already queued or running. It takes a send lease on the key for
-``lease`` seconds, released when the job runs; a job lost before it ran (a flushed
-queue, a crashed enqueuer) frees its key when that lease ends, so nothing stays
-locked forever. Running is the claim itself, kept alive by heartbeats.
+**Duplicate sends** (opt-in): ``enqueue_once(queue, fn, args=(...), kwargs={...},
+lease=600, **options)`` (the call every idemlock queue integration shares) refuses
+(returns None) to enqueue a job whose key is already queued or running. It takes
+a send lease on the key for ``lease`` seconds, released when the job runs; a job
+lost before it ran (a flushed queue, a crashed enqueuer) frees its key when that
+lease ends, so nothing stays locked forever. Running is the claim itself, kept alive by heartbeats.
 """
 
 from __future__ import annotations
