@@ -60,7 +60,8 @@ lease=600, **options)`` (the call every idemlock queue integration shares) refus
 (returns None) to enqueue a job whose key is already queued or running. It takes
 a send lease on the key for ``lease`` seconds, released when the job runs; a job
 lost before it ran (a flushed queue, a crashed enqueuer) frees its key when that
-lease ends, so nothing stays locked forever. Running is the claim itself, kept alive by heartbeats.
+lease ends, so nothing stays locked forever. Running is the claim itself, kept alive
+by heartbeats.
 """
 
 from __future__ import annotations
