@@ -26,6 +26,7 @@ from idemlock.integrations.arq import enqueue_once, idempotent_job
 
 from .arq_app import JOB_TIMEOUT, LONG_LEASE, TIGHT_RETRY, TIGHT_TRIES, arq_job
 from .queue_jobs import LEASE, SPEC, coordinator, long_spec, read_log
+from .servers._proc import popen
 from .servers.redis import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +53,7 @@ class Env:
 
     def worker(self) -> subprocess.Popen[bytes]:
         env = {**os.environ, **self.vars, "PYTHONPATH": WORKER_PATH}
-        proc = subprocess.Popen(
+        proc = popen(
             [sys.executable, "-m", "arq", "tests.arq_app.WorkerSettings"],
             cwd=ROOT,
             env=env,

@@ -21,6 +21,7 @@ import pytest
 import idemlock
 from idemlock.cli import parse_duration
 
+from .servers._proc import popen
 from .servers.redis import RedisServer, free_port
 
 PY = sys.executable
@@ -42,12 +43,13 @@ def cli(url: str, *args: str, timeout: float = 30) -> subprocess.CompletedProces
 
 
 def start(url: str, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+    return popen(
         [PY, "-m", "idemlock", "--url", url, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=_env(),
+        start_new_session=False,
     )
 
 
@@ -82,13 +84,14 @@ def finish(proc: subprocess.Popen[str], timeout: float = 20) -> tuple[int, str, 
 def procs(tmp_path: Path) -> Iterator[list[subprocess.Popen[str]]]:
     started: list[subprocess.Popen[str]] = []
     yield started
+    # First let every HOLD child end: one whose idemlock is killed below would poll for
+    # `release` forever, an orphan holding idemlock's stdout and stderr, and the
+    # communicate() below would wait for it (a hung suite, after a failed test).
+    (tmp_path / "release").touch()
     for p in started:  # never leave a child behind on failure
         if p.poll() is None:
             p.kill()
-            p.communicate()
-    # A HOLD child whose idemlock was killed above (or that outlived a failed test)
-    # would poll for `release` forever, an orphan: let it end.
-    (tmp_path / "release").touch()
+            p.communicate(timeout=60)
 
 
 # The child holds until the test creates `release`, after announcing itself in `ready`.

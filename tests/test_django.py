@@ -5,7 +5,6 @@ two worker processes and concurrent duplicates; records in a shared SQLite file.
 from __future__ import annotations
 
 import os
-import tempfile
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
-_TMP = Path(tempfile.mkdtemp(prefix="idemlock-django-"))
+from .servers._proc import mkdtemp, popen
+
+_TMP = mkdtemp("idemlock-django-")  # removed at exit (tests/servers/_proc.py)
 os.environ["DJANGO_SETTINGS_MODULE"] = "tests.django_app.settings"
 os.environ["DJANGO_TEST_STORE"] = f"sqlite:///{_TMP / 'idemlock.db'}"
 os.environ["DJANGO_TEST_RUNS"] = str(_TMP / "runs")
@@ -199,12 +200,11 @@ def test_anonymous_is_401_by_default_with_an_identity_and_a_down_store_is_503(
 
 @pytest.fixture(scope="module")
 def gunicorn() -> Iterator[str]:
-    import subprocess
     import sys
     import time
 
     port = free_port()
-    proc = subprocess.Popen(
+    proc = popen(
         [
             sys.executable,
             "-m",
@@ -221,6 +221,7 @@ def gunicorn() -> Iterator[str]:
         ],
         cwd=Path(__file__).resolve().parent.parent,
         env=dict(os.environ),
+        start_new_session=False,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 20
@@ -357,7 +358,7 @@ def test_atomic_view_whose_claim_was_taken_over_rolls_its_writes_back(
             time.sleep(0.01)
         time.sleep(1.2)  # past A's lease
         b = pool.submit(post, Client(), atomic_path, key, body, x_api_key="k")
-        ra, rb = a.result(), b.result()
+        ra, rb = a.result(timeout=60), b.result(timeout=60)
     assert count(tag) == 2  # both views ran
     problem(ra, 409, "idempotency_key_in_use")
     assert rb.status_code == 201

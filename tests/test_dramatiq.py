@@ -24,6 +24,7 @@ from idemlock import ConfigurationError
 from idemlock.integrations.dramatiq import enqueue_once, send_once
 
 from .queue_jobs import LEASE, SPEC, coordinator, long_spec, read_log
+from .servers._proc import popen
 from .servers.redis import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +60,7 @@ class Env:
 
     def worker(self) -> subprocess.Popen[bytes]:
         env = {**os.environ, **self.vars, "PYTHONPATH": WORKER_PATH}
-        proc = subprocess.Popen(
+        proc = popen(
             [sys.executable, "-m", "dramatiq", "tests.dramatiq_app", "-p", "1", "-t", "2"],
             cwd=ROOT,
             env=env,

@@ -41,6 +41,8 @@ import idemlock.aio
 from idemlock.integrations.asgi import json_fields
 from idemlock.integrations.fastapi import Idempotency
 
+from .servers._proc import popen
+
 ROOT = Path(__file__).resolve().parent.parent
 USERS = {"tok-alice": "alice", "tok-bob": "bob"}
 
@@ -472,7 +474,7 @@ def test_warnings_reach_stderr_under_uvicorns_default_logging(tmp_path: Path) ->
     env = {**os.environ, "FASTAPI_TEST_STORE": f"redis://127.0.0.1:{dead}/0?timeout=0.5"}
     err = tmp_path / "stderr"
     with err.open("wb") as stderr:
-        proc = subprocess.Popen(
+        proc = popen(
             [
                 sys.executable,
                 "-m",
@@ -486,6 +488,7 @@ def test_warnings_reach_stderr_under_uvicorns_default_logging(tmp_path: Path) ->
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=stderr,
+            start_new_session=False,
         )
         try:
             deadline = time.monotonic() + 30

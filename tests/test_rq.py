@@ -26,6 +26,7 @@ from idemlock import ConfigurationError
 from idemlock.integrations.rq import enqueue_once
 
 from .queue_jobs import LEASE, SPEC, coordinator, read_log, rq_job
+from .servers._proc import popen
 from .servers.redis import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +53,7 @@ class Env:
 
     def worker(self) -> subprocess.Popen[bytes]:
         env = {**os.environ, **self.vars, "PYTHONPATH": WORKER_PATH}
-        proc = subprocess.Popen(
+        proc = popen(
             [
                 sys.executable,
                 "-m",

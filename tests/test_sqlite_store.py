@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sqlite3
 import threading
@@ -37,6 +38,8 @@ from idemlock import (
 )
 from idemlock._core.port import Acquired, Busy, Channel, Done, Granted, Held, Mismatch
 from idemlock.stores.sqlite import SQLiteAsyncStore, SQLiteStore, open_async, open_sync
+
+from .servers._proc import waitpid
 
 CTX = mp.get_context("spawn")
 NS = "t:job"
@@ -242,7 +245,7 @@ def test_threads_race_one_store_object(store: SQLiteStore) -> None:
 
     def worker(i: int) -> None:
         for g in replies:
-            barrier.wait()
+            barrier.wait(timeout=60)
             replies[g].append(store.claim(NS, f"gen{g}", "fp", f"tok{i}", LONG))
             acquired[g].append(store.acquire(LOCKS, f"gen{g}", f"owner{i}", LONG))
 
@@ -250,7 +253,8 @@ def test_threads_race_one_store_object(store: SQLiteStore) -> None:
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=60)
+        assert not t.is_alive(), "still running after 60 s"
     for g in replies:
         wins = [r for r in replies[g] if isinstance(r, Granted)]
         assert len(wins) == 1 and len(replies[g]) == n, replies[g]
@@ -295,7 +299,8 @@ def test_threads_mutual_exclusion_through_the_file(db: Path) -> None:
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=60)
+        assert not t.is_alive(), "still running after 60 s"
     assert not errors, errors
     assert worst == 1
     assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens) == 90
@@ -306,7 +311,7 @@ def test_close_closes_every_pooled_connection(db: Path) -> None:
     barrier = threading.Barrier(6)
 
     def worker(i: int) -> None:
-        barrier.wait()
+        barrier.wait(timeout=60)
         for j in range(20):
             granted(store.claim(NS, f"c{i}.{j}", None, "t", LONG))
 
@@ -314,7 +319,8 @@ def test_close_closes_every_pooled_connection(db: Path) -> None:
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=60)
+        assert not t.is_alive(), "still running after 60 s"
     assert Path(f"{db}-wal").exists()
     store.close()
     store.close()
@@ -360,7 +366,8 @@ def run_processes(target: Any, arg_sets: list[tuple[Any, ...]], expected: int) -
         for p in procs:  # never leave a process behind, even on failure
             if p.is_alive():
                 p.kill()
-                p.join()
+                p.join(timeout=60)
+                assert not p.is_alive(), "still running after 60 s"
 
 
 def _race_worker(
@@ -452,7 +459,8 @@ def test_sigkill_between_claim_and_complete(db: Path) -> None:
     finally:
         if victim.is_alive():
             victim.kill()
-            victim.join()
+            victim.join(timeout=60)
+            assert not victim.is_alive(), "still running after 60 s"
 
     coord = idemlock.connect(url_of(db), key_prefix="kill")
     port = coord.idempotency(IdempotencySpec("job", lease=timedelta(seconds=1.5)))
@@ -492,7 +500,7 @@ def _first_user(out: Any, paths: list[str], me: int, barrier: Any) -> None:
 
 
 def test_concurrent_first_use_of_new_files(tmp_path: Path) -> None:
-    paths = [str(tmp_path / f"new{i}" / "not" / "there.db") for i in range(8)]
+    paths = [str(tmp_path / f"new{i}.db") for i in range(8)]
     procs = 6
     barrier = CTX.Barrier(procs)
     args = [(paths, i, barrier) for i in range(procs)]
@@ -529,7 +537,7 @@ def test_a_forked_child_opens_its_own_connections(db: Path) -> None:
     os.close(write)
     with os.fdopen(read) as pipe:
         child_fence = int(pipe.read() or "-1")
-    _, status = os.waitpid(pid, 0)
+    _, status = waitpid(pid)
     assert os.waitstatus_to_exitcode(status) == 0
     assert child_fence > 0
     # The child's claim went to the file: the parent sees it.
@@ -573,7 +581,7 @@ def test_a_fork_during_another_threads_transaction_leaves_the_child_a_usable_fil
     os.close(write)
     with os.fdopen(read) as pipe:
         answer = pipe.read()
-    _, status = os.waitpid(pid, 0)
+    _, status = waitpid(pid)
     writer.join(5)
     assert os.waitstatus_to_exitcode(status) == 0, answer
     assert int(answer) > 0
@@ -788,8 +796,58 @@ def test_busy_timeout_given_twice(tmp_path: Path) -> None:
         open_sync(f"{url_of(tmp_path / 'x.db')}?busy_timeout=1", busy_timeout=2)
 
 
+def test_an_explicit_path_in_a_missing_directory_is_refused(tmp_path: Path) -> None:
+    """As sqlite3 would: the store does not create the directories of a path it was
+    given (as root, the docs' sqlite:////var/lib/app/idemlock.db made /var/lib/app/),
+    it says which is missing and what to do, at once, whichever way it is opened."""
+    missing = tmp_path / "var" / "lib" / "app"
+    url = url_of(missing / "idemlock.db")
+    openers: list[Any] = [
+        lambda: idemlock.connect(url),
+        lambda: idemlock.aio.connect(url),
+        lambda: open_sync(url),
+        lambda: open_async(url),
+        lambda: SQLiteStore(str(missing / "idemlock.db")),
+    ]
+    for opener in openers:
+        with pytest.raises(ConfigurationError) as info:
+            opener()
+        text = str(info.value)
+        assert str(missing) in text and "does not exist" in text and "create it" in text
+    assert not (tmp_path / "var").exists()
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigurationError, match="is not a directory"):
+        idemlock.connect(url_of(tmp_path / "file" / "x.db"))
+
+
+def test_the_default_file_gets_its_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the default file (no URL, no $IDEMLOCK_URL: the user's state directory)
+    has its directory created for it, sync and asyncio."""
+    state = tmp_path / "state" / "deeper"
+    monkeypatch.setenv("XDG_STATE_HOME", str(state))
+    monkeypatch.delenv("IDEMLOCK_URL", raising=False)
+    coord = idemlock.connect()
+    assert coord.idempotency("job").claim("k") is not None
+    coord.close()
+    assert (state / "idemlock" / "idemlock.db").is_file()
+
+    shutil.rmtree(state)
+
+    async def main() -> None:
+        acoord = idemlock.aio.connect()
+        assert await acoord.idempotency("job").claim("k") is not None
+        await acoord.close()
+
+    asyncio.run(main())
+    assert (state / "idemlock" / "idemlock.db").is_file()
+
+
 def test_url_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub/dir").mkdir(parents=True)  # an explicit path's directory must exist
     rel = open_store("sub/dir/rel.db")  # sqlite:///sub/dir/rel.db: relative to the cwd
     assert rel.path == str((tmp_path / "sub/dir/rel.db").resolve())
     assert rel.busy_timeout == 5.0
@@ -876,7 +934,8 @@ def test_a_waiter_in_this_process_is_handed_the_result(db: Path) -> None:
     waiter.start()
     time.sleep(0.05)
     port.complete(claim.token, "result")
-    waiter.join()
+    waiter.join(timeout=60)
+    assert not waiter.is_alive(), "still running after 60 s"
     assert isinstance(got[0], Completed) and got[0].result == "result"
     coord.close()
     other.close()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 import time
 import uuid
@@ -19,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from .servers._proc import popen
 from .servers.proxy import TcpProxy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,7 +118,7 @@ def start_gunicorn(
 ) -> Iterator[Gunicorn]:
     port = free_port()
     env = dict(os.environ, WSGI_TEST_STORE=store, WSGI_TEST_RUNS=str(runs))
-    proc = subprocess.Popen(
+    proc = popen(
         [
             sys.executable,
             "-m",
@@ -136,6 +136,7 @@ def start_gunicorn(
         ],
         cwd=ROOT,
         env=env,
+        start_new_session=False,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 20
@@ -299,7 +300,7 @@ def test_a_failure_to_record_keeps_the_claim_and_the_record_is_written_later(
                     assert time.monotonic() < deadline
                     time.sleep(0.02)
                 proxy.blackhole()  # the store goes silent before the record is written
-                first = pending.result()
+                first = pending.result(timeout=60)
             assert first.status_code == 201  # delivered although not recorded
             problem(srv.post(key, body), 503, "idempotency_store_unavailable")
             proxy.heal()

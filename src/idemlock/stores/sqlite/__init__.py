@@ -1,7 +1,9 @@
 """The embedded store: one SQLite file, shared by every thread and process on one machine.
 
 URL: ``sqlite:///relative/path.db`` (relative to the working directory) or
-``sqlite:////absolute/path.db``; parent directories are created on first use. Options,
+``sqlite:////absolute/path.db``, in a directory that exists (a missing one raises
+:class:`~idemlock.ConfigurationError`; only the default file's, in the user's state
+directory, is created on first use). Options,
 as keywords or in the URL (``?timeout=2.5``): ``timeout`` (seconds, default 5), the
 bound on one call, and ``busy_timeout`` (default: ``timeout``), how long a call waits
 for another writer before raising :class:`~idemlock.StoreUnavailable`.
@@ -25,8 +27,9 @@ How it works:
   stepping back by more than your leases (NTP slewing is fine).
 * Waiters in this process are woken at once when a key is freed; a waiter in another
   process re-checks in a short jittered backoff capped at :attr:`SQLiteStore.poll_cap`,
-  and on Linux is also woken at once when a lock is reserved for it (a datagram to its
-  process, ``_wake``; a lost one costs only that poll).
+  and on Linux is also woken at once when a lock is reserved for it (a datagram to a
+  random socket name of its process, carrying only a keyed tag of the lock, ``_wake``; a
+  lost one costs only that poll).
 * Locks are handed off in arrival order: a waiting caller is queued in the file (table
   ``lock_waiters``) with each refused attempt, and a free lock is reserved for the
   oldest waiter for a short window, so neither the releasing process nor a newcomer
@@ -35,7 +38,7 @@ How it works:
 * Connections are pooled (one per concurrent caller), so one store object can be
   used from many threads and from ``asyncio.to_thread``.
 * Give idemlock a file of its own: its tables have plain names (``meta`` with the
-  schema version and the purge floor, ``claims``, ``locks``, ``fences``,
+  schema version, the purge floor and the wake-ups' secret, ``claims``, ``locks``, ``fences``,
   ``lock_waiters``).
 
 The package: ``_sql`` (schema and statements), ``_conn`` (connections and the call

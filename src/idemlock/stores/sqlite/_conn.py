@@ -22,6 +22,10 @@ from ._sql import (
     _SCHEMA_GET,
     _SQLITE_CORRUPT,
     _SQLITE_NOTADB,
+    _WAITERS_ADD_WAKE,
+    _WAITERS_COLUMNS,
+    _WAKE_KEY_GET,
+    _WAKE_KEY_NEW,
     MAX_IDLE,
     SCHEMA_VERSION,
 )
@@ -46,12 +50,14 @@ class Connections:
     _closed: bool
     _ready: bool
     _init_lock: threading.Lock
+    _make_dir: bool
+    _wake_key: bytes
 
     def _connect(self) -> _Pair:
         if self._closed:
             raise StoreUnavailable(f"the SQLite store on {self.path} was closed; open a new one")
         try:
-            if not self._ready:
+            if not self._ready and self._make_dir:  # the default file's directory only
                 os.makedirs(os.path.dirname(self.path), exist_ok=True)
             # isolation_level=None: we issue BEGIN/COMMIT ourselves. A pooled
             # connection is used by one thread at a time, so it may change threads.
@@ -116,11 +122,17 @@ class Connections:
                 )
             for stmt in _SCHEMA[1:]:
                 conn.execute(stmt)
+            if "wake" not in {row[0] for row in conn.execute(_WAITERS_COLUMNS)}:
+                conn.execute(_WAITERS_ADD_WAKE)
+            conn.execute(_WAKE_KEY_NEW, (os.urandom(32),))
+            key = conn.execute(_WAKE_KEY_GET).fetchone()[0]
             conn.execute(_COMMIT)
         except BaseException:
             if conn.in_transaction:
                 conn.execute(_ROLLBACK)
             raise
+        # Whatever the row holds (another writer's), every process reads the same.
+        self._wake_key = key if type(key) is bytes and key else repr(key).encode()
 
     def _checkin(self, pair: _Pair) -> None:
         if len(self._idle) >= MAX_IDLE:
@@ -237,7 +249,7 @@ class Connections:
         elif "full" in msg:
             hint = " (free disk space; nothing was changed)"
         elif "unable to open" in msg or isinstance(exc, OSError):
-            hint = " (check that the directory exists or can be created, and is writable)"
+            hint = " (check that the directory exists and is writable)"
         else:
             hint = ""
         return StoreUnavailable(f"SQLite store {self.path}: {msg}{hint}")

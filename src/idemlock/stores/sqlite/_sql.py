@@ -50,7 +50,8 @@ _SCHEMA = (
     ) WITHOUT ROWID""",
     # The queue of a lock's waiters (fair hand-off): seq is the arrival order, until_ms
     # when the registration lapses (its waiter stopped asking), window_ms > 0 marks the
-    # chosen waiter, for which the free lock is reserved until then. An idemlock that
+    # chosen waiter, for which the free lock is reserved until then; wake is the name of
+    # the waiter's process's socket ("": none, it polls; see _wake). An idemlock that
     # does not know this table only loses fairness, so the schema version stays.
     """CREATE TABLE IF NOT EXISTS lock_waiters (
         ns TEXT NOT NULL,
@@ -62,6 +63,7 @@ _SCHEMA = (
         until_ms INTEGER NOT NULL,
         tries INTEGER NOT NULL,
         window_ms INTEGER NOT NULL DEFAULT 0,
+        wake TEXT NOT NULL DEFAULT '',
         PRIMARY KEY (ns, key, owner)
     ) WITHOUT ROWID""",
     # 'floor' is at least every fence and token of a row that purge deleted, so a key
@@ -69,6 +71,13 @@ _SCHEMA = (
     "INSERT OR IGNORE INTO meta (name, value) VALUES ('schema', 1), ('floor', 0)",
 )
 _SCHEMA_GET = "SELECT value FROM meta WHERE name = 'schema'"
+# A file whose lock_waiters predates the wake column gets it (old writers leave it '').
+_WAITERS_COLUMNS = "SELECT name FROM pragma_table_info('lock_waiters')"
+_WAITERS_ADD_WAKE = "ALTER TABLE lock_waiters ADD COLUMN wake TEXT NOT NULL DEFAULT ''"
+# The file's secret that keys the tags of its wake-ups (_wake.tag): random, made by
+# the first process to open the file, read by every other.
+_WAKE_KEY_NEW = "INSERT OR IGNORE INTO meta (name, value) VALUES ('wake_key', ?1)"
+_WAKE_KEY_GET = "SELECT value FROM meta WHERE name = 'wake_key'"
 assert _SCHEMA[0].startswith("CREATE TABLE IF NOT EXISTS meta")
 
 _BEGIN = "BEGIN IMMEDIATE"
@@ -162,17 +171,17 @@ _LOCK_GET = "SELECT owner, token, expires_ms FROM locks WHERE ns = ?1 AND key = 
 
 # The waiters' queue (rows lock.handoff, lock.handoff.take; see _store._choose).
 _WAITERS = """
-SELECT owner, pid, host, until_ms, tries, window_ms FROM lock_waiters
+SELECT owner, pid, host, until_ms, tries, window_ms, wake FROM lock_waiters
 WHERE ns = ?1 AND key = ?2 ORDER BY seq
 """
 _WAITER_REGISTER = """
-INSERT INTO lock_waiters (ns, key, owner, seq, pid, host, until_ms, tries)
+INSERT INTO lock_waiters (ns, key, owner, seq, pid, host, until_ms, tries, wake)
 VALUES (?1, ?2, ?3,
         coalesce((SELECT max(seq) FROM lock_waiters WHERE ns = ?1 AND key = ?2), 0) + 1,
-        ?4, ?5, ?6, 1)
+        ?4, ?5, ?6, 1, ?7)
 ON CONFLICT (ns, key, owner) DO UPDATE SET
     until_ms = excluded.until_ms, pid = excluded.pid, host = excluded.host,
-    tries = lock_waiters.tries + 1
+    tries = lock_waiters.tries + 1, wake = excluded.wake
 """
 _WAITER_DROP = "DELETE FROM lock_waiters WHERE ns = ?1 AND key = ?2 AND owner = ?3"
 _WAITER_CHOOSE = "UPDATE lock_waiters SET window_ms = ?4 WHERE ns = ?1 AND key = ?2 AND owner = ?3"

@@ -64,7 +64,9 @@ from ._sql import (
     DEFAULT_BUSY_TIMEOUT,
 )
 from ._txn import _break, _now_ms, _purge, _renew_many
-from ._wake import Doorbell
+from ._url import make_dir
+from ._wake import Doorbell, valid_name
+from ._wake import tag as _wake_tag
 
 R = TypeVar("R")
 
@@ -84,8 +86,9 @@ _DOORBELL = Doorbell(_rung)
 #: leases that came through the queue, by (file, ns, key, owner, token): their release
 #: reserves the lock for the next waiter and wakes it (bounded: cleared when full)
 _QUEUED: dict[tuple[Any, ...], bool] = {}
-#: wake-ups reserved by transactions not yet rung (sent once they commit)
-_RINGS: list[tuple[object, str, str, str]] = []
+#: wake-ups (socket name, tag) reserved by transactions not yet rung (sent once they
+#: commit)
+_RINGS: list[tuple[str, bytes]] = []
 
 _Pair = tuple[sqlite3.Connection, sqlite3.Cursor]
 
@@ -120,6 +123,8 @@ class SQLiteStore(Connections):
         timeout: float = DEFAULT_BUSY_TIMEOUT,
     ) -> None:
         self.path = path
+        self._make_dir = make_dir(path)  # or ConfigurationError: a missing directory
+        self._wake_key = b""  # the file's (read with its schema)
         #: the bound on one call in seconds (A1): a call waits for another writer at
         #: most ``busy_timeout``, which defaults to it
         self.timeout = float(timeout)
@@ -265,8 +270,11 @@ class SQLiteStore(Connections):
             return  # nobody in this process waits: a one-shot try
         poll_ms = int(self.poll_cap * 1000)
         until = now + min(wait_ms + 1, poll_ms) + REGISTER_SLACK_MS
-        _DOORBELL.listen()  # before the ticket exists: a reservation can wake us
-        cur.execute(_WAITER_REGISTER, (ns, key, owner, os.getpid(), _host(), until))
+        # Listening before the ticket exists: a reservation can wake us.
+        wake = _DOORBELL.listen()
+        if wake:
+            _DOORBELL.route(self._wake_key, self.path, ns, key)
+        cur.execute(_WAITER_REGISTER, (ns, key, owner, os.getpid(), _host(), until, wake))
 
     def _acquire_queued(
         self, cur: sqlite3.Cursor, ns: str, key: str, owner: str, ttl_ms: int, now: int
@@ -301,22 +309,25 @@ class SQLiteStore(Connections):
     def _choose(self, cur: sqlite3.Cursor, ns: str, key: str, now: int) -> tuple[str | None, int]:
         """The waiter a free lock is reserved for and the window's end, choosing (and
         waking) the oldest live one when no window is open; (None, 0) if none."""
-        head = head_pid = None
-        for owner, pid, host, until, tries, window in cur.execute(_WAITERS, (ns, key)).fetchall():
+        head = head_wake = None
+        for owner, pid, host, until, tries, window, wake in cur.execute(
+            _WAITERS, (ns, key)
+        ).fetchall():
             if window > now:
                 return owner, window
             if window > 0 or until <= now or self._gone(pid, host, ns, key):
                 # its window passed untaken, or it stopped asking: it lost its turn
                 cur.execute(_WAITER_DROP, (ns, key, owner))
             elif head is None and tries > 1:
-                head, head_pid = owner, pid
+                head, head_wake = owner, wake
         if head is None:
             return None, 0
         window = now + HANDOFF_MS
         cur.execute(_WAITER_CHOOSE, (ns, key, head, window))
         _HUB.notify((self.path, "lock", ns, key))  # the waiter re-checks after our commit
-        if head_pid != os.getpid():  # one elsewhere on this machine: rung after the commit
-            _RINGS.append((head_pid, self.path, ns, key))
+        if head_wake != _DOORBELL.name and valid_name(head_wake):
+            # a waiter of another process (with a socket): rung after the commit
+            _RINGS.append((head_wake, _wake_tag(self._wake_key, ns, key)))
         return head, window
 
     def _gone(self, pid: object, host: object, ns: str, key: str) -> bool:
@@ -356,11 +367,10 @@ class SQLiteStore(Connections):
         committed: the woken waiter finds the file free)."""
         while _RINGS:
             try:
-                pid, path, ns, key = _RINGS.pop()
+                name, tag = _RINGS.pop()
             except IndexError:
                 break
-            if type(pid) is int:
-                _DOORBELL.ring(pid, path, ns, key)
+            _DOORBELL.ring(name, tag)
         return reply
 
     def release(self, ns: str, key: str, owner: str, token: int) -> bool:

@@ -73,6 +73,31 @@ def parse(url: str, options: dict[str, Any]) -> tuple[str, float, float]:
     return os.path.realpath(path), busy, timeout
 
 
+def make_dir(path: str) -> bool:
+    """Whether the store creates the directory of the file ``path``: only the default
+    file's (in the user's state directory), when it does not exist yet. An explicit
+    path's directory must exist, as for ``sqlite3``: creating it silently (as root:
+    ``/var/lib/app/``) would hide a typo and leave directories nobody asked for."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(folder):
+        return False
+    if os.path.realpath(folder) == _default_dir():
+        return True
+    what = "is not a directory" if os.path.exists(folder) else "does not exist"
+    raise ConfigurationError(
+        f"SQLite store {path}: the directory {folder} {what}; create it first (owned by "
+        "the user the processes sharing the store run as, e.g. mkdir -p), or give a path "
+        "in an existing directory. Only the default file, in the user's state "
+        "directory, has its directory created for it"
+    )
+
+
+def _default_dir() -> str:
+    import platformdirs  # only for a path whose directory is missing
+
+    return os.path.realpath(platformdirs.user_state_path("idemlock", appauthor=False))
+
+
 def _timeout(given: Any, name: str) -> float:
     if given is None:
         return DEFAULT_BUSY_TIMEOUT
