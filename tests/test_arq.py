@@ -269,30 +269,60 @@ async def test_called_directly_it_runs_and_replays(env: Env) -> None:
 
 
 async def test_enqueue_once_refuses_a_queued_or_running_key(env: Env) -> None:
-    first = await enqueue_once(env.pool, arq_job, "o", 1.5, lease=30, _queue_name=env.queue)
+    first = await enqueue_once(
+        env.pool, arq_job, args=("o",), kwargs={"seconds": 1.5}, lease=30, _queue_name=env.queue
+    )
     assert first is not None
-    again = await enqueue_once(env.pool, arq_job, "o", 1.5, lease=30, _queue_name=env.queue)
+    again = await enqueue_once(
+        env.pool, arq_job, args=("o",), kwargs={"seconds": 1.5}, lease=30, _queue_name=env.queue
+    )
     assert again is None  # queued
     env.worker()
     await wait_for(lambda: env.events("o", "start"))
-    running = await enqueue_once(env.pool, arq_job, "o", 1.5, lease=30, _queue_name=env.queue)
+    running = await enqueue_once(
+        env.pool, arq_job, args=("o",), kwargs={"seconds": 1.5}, lease=30, _queue_name=env.queue
+    )
     assert running is None
     value = await result(first)
-    later = await enqueue_once(env.pool, arq_job, "o", 1.5, lease=30, _queue_name=env.queue)
+    later = await enqueue_once(
+        env.pool, arq_job, args=("o",), kwargs={"seconds": 1.5}, lease=30, _queue_name=env.queue
+    )
     assert later is not None  # done: accepted, and replayed
     assert await result(later) == value
     assert len(env.events("o", "start")) == 1
 
 
 async def test_enqueue_once_lease_frees_a_key_whose_job_was_lost(env: Env) -> None:
-    job = await enqueue_once(env.pool, arq_job, "lost", lease=1.0, _queue_name=env.queue)
+    job = await enqueue_once(env.pool, arq_job, args=("lost",), lease=1.0, _queue_name=env.queue)
     assert job is not None
     await env.pool.delete(env.queue)  # lost before any worker ran it
-    assert await enqueue_once(env.pool, arq_job, "lost", lease=1.0, _queue_name=env.queue) is None
+    assert (
+        await enqueue_once(env.pool, arq_job, args=("lost",), lease=1.0, _queue_name=env.queue)
+        is None
+    )
     await asyncio.sleep(1.2)
     assert (
-        await enqueue_once(env.pool, arq_job, "lost", lease=1.0, _queue_name=env.queue) is not None
+        await enqueue_once(env.pool, arq_job, args=("lost",), lease=1.0, _queue_name=env.queue)
+        is not None
     )
+
+
+async def test_enqueue_once_the_deprecated_spread_form_warns_and_still_sends_once(
+    env: Env,
+) -> None:
+    with pytest.warns(DeprecationWarning, match=r"call enqueue_once\(pool, fn, args=") as rec:
+        first = await enqueue_once(env.pool, arq_job, "d", seconds=1.0, _queue_name=env.queue)
+    assert rec[0].filename == __file__  # it points at the caller's line
+    assert first is not None
+    with pytest.warns(DeprecationWarning):
+        assert await enqueue_once(env.pool, arq_job, "d", 1.0, _queue_name=env.queue) is None
+    env.worker()
+    value = await result(first)
+    assert value["name"] == "d"
+    with pytest.warns(DeprecationWarning):
+        again = await enqueue_once(env.pool, arq_job, "d", seconds=1.0, _queue_name=env.queue)
+    assert again is not None and await result(again) == value
+    assert len(env.events("d", "start")) == 1
 
 
 def test_a_sync_function_is_refused() -> None:

@@ -31,7 +31,7 @@ from celery.signals import task_postrun, worker_ready
 
 import idemlock
 from idemlock import ConfigurationError, FencedOut, IdempotencySpec, InFlightError
-from idemlock.integrations.celery import IdempotentTask, current_fence
+from idemlock.integrations.celery import IdempotentTask, current_fence, enqueue_once
 
 from .servers._proc import popen
 from .servers.redis import RedisServer, free_port, start_redis
@@ -916,6 +916,29 @@ def test_send_once_refuses_a_queued_or_running_key_and_accepts_after_it_ran(
     # The replayed task released its send lease too: the next send is accepted.
     third = deposit_short.delay_once("Q1")
     assert third is not None and third.get(timeout=20) == result
+
+
+def test_enqueue_once_the_shared_form_refuses_while_queued_or_running(sender: Env) -> None:
+    """``enqueue_once(task, args=, kwargs=, lease=, **options)``, the form every queue
+    integration shares, is ``apply_async_once``."""
+    env = sender
+    first = enqueue_once(deposit_short, args=("S1",), lease=30)
+    assert first is not None
+    assert enqueue_once(deposit_short, kwargs={"account": "S1"}, lease=30) is None  # queued
+    assert queued(env) == 1
+    w1 = start_worker(env, "w1")
+    wait_for((env.dir / "running-S1").exists, 20, w1.why)
+    assert enqueue_once(deposit_short, args=["S1"]) is None  # running
+    (env.dir / "go-S1").touch()
+    result = first.get(timeout=20)
+    # Done: accepted (Celery's own options pass through), and it replays.
+    again = enqueue_once(deposit_short, args=("S1",), lease=30, countdown=0)
+    assert again is not None and again.get(timeout=20) == result
+    assert env.lines("events.log").count("deposit-short claim claimed") == 1
+    with pytest.raises(ConfigurationError, match="base=IdempotentTask"):
+        enqueue_once(app.tasks["celery.backend_cleanup"], args=())
+    with pytest.raises(ConfigurationError, match="args= must be a tuple or list"):
+        enqueue_once(deposit_short, args="S1")
 
 
 def test_send_once_lease_frees_the_key_of_a_lost_task(sender: Env) -> None:

@@ -21,7 +21,7 @@ import pytest
 
 import idemlock
 from idemlock import ConfigurationError
-from idemlock.integrations.dramatiq import send_once
+from idemlock.integrations.dramatiq import enqueue_once, send_once
 
 from .queue_jobs import LEASE, SPEC, coordinator, long_spec, read_log
 from .servers._proc import popen
@@ -275,29 +275,57 @@ def test_without_a_current_message_a_reschedule_warns_that_it_counts(
     assert "add the CurrentMessage middleware" in caplog.text
 
 
-def test_send_once_refuses_a_queued_or_running_key(env: Env) -> None:
+def test_enqueue_once_refuses_a_queued_or_running_key(env: Env) -> None:
     actor = env.app.dq_job
-    first = send_once(actor, "o", 2.0, lease=30)
+
+    def send() -> Any:
+        return enqueue_once(actor, args=("o",), kwargs={"seconds": 2.0}, lease=30)
+
+    first = send()
     assert first is not None
-    assert send_once(actor, "o", 2.0, lease=30) is None  # queued
+    assert send() is None  # queued
     env.worker()
     wait_for(lambda: env.events("o", "start"))
-    assert send_once(actor, "o", 2.0, lease=30) is None  # running
+    assert send() is None  # running
     result(first)
-    again = send_once(actor, "o", 2.0, lease=30)  # done: accepted (and replayed)
+    again = send()  # done: accepted (and replayed)
     assert again is not None
     assert result(again) == result(first)
     assert len(env.events("o", "start")) == 1
 
 
-def test_send_once_lease_frees_a_key_whose_message_was_lost(env: Env) -> None:
+def test_enqueue_once_lease_frees_a_key_whose_message_was_lost(env: Env) -> None:
     actor = env.app.dq_job
-    assert send_once(actor, "lost", lease=1.0) is not None
+    assert enqueue_once(actor, args=("lost",), lease=1.0) is not None
     env.app.broker.flush(actor.queue_name)  # lost before any worker ran it
-    assert send_once(actor, "lost", lease=1.0) is None
+    assert enqueue_once(actor, args=("lost",), lease=1.0) is None
     time.sleep(1.2)
-    assert send_once(actor, "lost", lease=1.0) is not None
+    assert enqueue_once(actor, args=("lost",), lease=1.0) is not None
     env.app.broker.flush(actor.queue_name)
+
+
+def test_enqueue_once_passes_dramatiqs_own_options(env: Env) -> None:
+    actor = env.app.dq_job
+    sent = enqueue_once(actor, args=("opt",), lease=30, max_retries=7, delay=1)
+    assert sent is not None and sent.options["max_retries"] == 7
+    env.app.broker.flush(actor.queue_name)
+    env.app.broker.flush(f"{actor.queue_name}.DQ")  # the delay queue
+
+
+def test_send_once_the_deprecated_form_warns_and_still_sends_once(env: Env) -> None:
+    actor = env.app.dq_job
+    with pytest.warns(DeprecationWarning, match=r"call enqueue_once\(actor, args=") as rec:
+        first = send_once(actor, "d", seconds=1.0, lease=30)
+    assert rec[0].filename == __file__  # it points at the caller's line
+    assert first is not None
+    with pytest.warns(DeprecationWarning):
+        assert send_once(actor, "d", 1.0, lease=30) is None  # queued
+    env.worker()
+    value = result(first)
+    with pytest.warns(DeprecationWarning):
+        again = send_once(actor, "d", seconds=1.0, lease=30)
+    assert again is not None and result(again) == value
+    assert len(env.events("d", "start")) == 1
 
 
 def test_send_once_needs_an_idempotent_actor(app: ModuleType) -> None:
@@ -308,4 +336,4 @@ def test_send_once_needs_an_idempotent_actor(app: ModuleType) -> None:
         pass
 
     with pytest.raises(ConfigurationError, match="@idempotent"):
-        send_once(plain)
+        enqueue_once(plain)

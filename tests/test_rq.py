@@ -22,6 +22,7 @@ from rq.registry import StartedJobRegistry
 from rq.scheduler import SCHEDULER_LOCKING_KEY_TEMPLATE
 
 import idemlock
+from idemlock import ConfigurationError
 from idemlock.integrations.rq import enqueue_once
 
 from .queue_jobs import LEASE, SPEC, coordinator, read_log, rq_job
@@ -225,24 +226,62 @@ def test_called_directly_it_runs_and_replays(env: Env) -> None:
 
 
 def test_enqueue_once_refuses_a_queued_or_running_key(env: Env) -> None:
-    first = enqueue_once(env.queue, rq_job, ("o", 2.0), lease=30)
+    first = enqueue_once(env.queue, rq_job, args=("o",), kwargs={"seconds": 2.0}, lease=30)
     assert first is not None
-    assert enqueue_once(env.queue, rq_job, ("o", 2.0), lease=30) is None  # queued
+    assert (
+        enqueue_once(env.queue, rq_job, args=("o",), kwargs={"seconds": 2.0}, lease=30) is None
+    )  # queued
     env.worker()
     wait_for(lambda: env.events("o", "start"))
-    assert enqueue_once(env.queue, rq_job, ("o", 2.0), lease=30) is None  # running
+    assert (
+        enqueue_once(env.queue, rq_job, args=("o",), kwargs={"seconds": 2.0}, lease=30) is None
+    )  # running
     wait_for(lambda: finished(first))
     # Done: a new send is accepted (and replays).
-    again = enqueue_once(env.queue, rq_job, ("o", 2.0), lease=30)
+    again = enqueue_once(env.queue, rq_job, args=("o",), kwargs={"seconds": 2.0}, lease=30)
     assert again is not None
     wait_for(lambda: finished(again))
     assert len(env.events("o", "start")) == 1
 
 
 def test_enqueue_once_lease_frees_a_key_whose_job_was_lost(env: Env) -> None:
-    job = enqueue_once(env.queue, rq_job, ("lost",), lease=1.0)
+    job = enqueue_once(env.queue, rq_job, args=("lost",), lease=1.0)
     assert job is not None
     env.queue.empty()  # the job is lost before any worker ran it
-    assert enqueue_once(env.queue, rq_job, ("lost",), lease=1.0) is None
+    assert enqueue_once(env.queue, rq_job, args=("lost",), lease=1.0) is None
     time.sleep(1.2)
-    assert enqueue_once(env.queue, rq_job, ("lost",), lease=1.0) is not None
+    assert enqueue_once(env.queue, rq_job, args=("lost",), lease=1.0) is not None
+
+
+def test_enqueue_once_the_deprecated_positional_form_warns_and_still_sends_once(
+    env: Env,
+) -> None:
+    with pytest.warns(DeprecationWarning, match=r"call enqueue_once\(queue, fn, args=") as rec:
+        first = enqueue_once(env.queue, rq_job, ("d",), {"seconds": 1.0}, lease=30)
+    assert rec[0].filename == __file__  # it points at the caller's line
+    assert first is not None and first.args == ("d",) and first.kwargs == {"seconds": 1.0}
+    with pytest.warns(DeprecationWarning):
+        assert enqueue_once(env.queue, rq_job, ("d", 1.0), lease=30) is None  # same key
+    env.worker()
+    wait_for(lambda: finished(first))
+    with pytest.warns(DeprecationWarning):
+        again = enqueue_once(env.queue, rq_job, ("d",), {"seconds": 1.0}, lease=30)
+    assert again is not None
+    wait_for(lambda: finished(again))
+    assert again.return_value() == first.return_value()
+    assert len(env.events("d", "start")) == 1
+
+
+def test_enqueue_once_refuses_arguments_it_cannot_send(env: Env) -> None:
+    with pytest.raises(ConfigurationError, match=r"args= must be a tuple or list"):
+        enqueue_once(env.queue, rq_job, args="o-7")
+    with pytest.raises(ConfigurationError, match=r"kwargs= must be a dict"):
+        bad: Any = [("seconds", 1.0)]
+        enqueue_once(env.queue, rq_job, args=("o",), kwargs=bad)
+    with pytest.raises(ConfigurationError, match=r"the send lease\) must be positive seconds"):
+        enqueue_once(env.queue, rq_job, args=("o",), lease=0)
+    with pytest.raises(ConfigurationError, match=r"args=\(\.\.\.\) and kwargs=\{\.\.\.\} only"):
+        enqueue_once(env.queue, rq_job, ("o",), args=("o",))
+    with pytest.raises(ConfigurationError, match="@idempotent_job"):
+        enqueue_once(env.queue, print, args=("o",))
+    assert env.queue.count == 0

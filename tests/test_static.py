@@ -5,6 +5,7 @@ first by .ci/run and as a pre-commit hook; see tests/test_check_script.py.)"""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,8 @@ def _mypy_user(tmp_path: Path, source: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "mypy", "--strict", "--no-incremental", "user_program.py"],
         cwd=tmp_path,  # outside the repository: none of its mypy configuration applies
+        # this tree's idemlock, whichever one the interpreter has installed
+        env={**os.environ, "MYPYPATH": str(ROOT / "src")},
         capture_output=True,
         text=True,
         check=False,
@@ -52,3 +55,84 @@ def test_users_strict_mypy_needs_no_asserts_on_public_types(tmp_path: Path) -> N
     wrong = USER_PROGRAM.replace("lease.token + 1", 'lease.token + "1"')
     out = _mypy_user(tmp_path, wrong)
     assert out.returncode == 1 and 'Unsupported operand types for + ("int" and "str")' in out.stdout
+
+
+#: A user's program sending once through all four queues, the one way each: the
+#: queue's handle, the job, ``args=``/``kwargs=``, ``lease=``, the queue's own options,
+#: and back the queue's job handle or None.
+QUEUES_PROGRAM = """
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import dramatiq
+from arq.connections import ArqRedis
+from arq.jobs import Job as ArqJob
+from dramatiq.brokers.stub import StubBroker
+from dramatiq.middleware import CurrentMessage
+from rq import Queue
+from rq.job import Job as RqJob
+
+from idemlock.integrations import arq as idem_arq
+from idemlock.integrations import celery as idem_celery
+from idemlock.integrations import dramatiq as idem_dramatiq
+from idemlock.integrations import rq as idem_rq
+
+broker = StubBroker()
+broker.add_middleware(CurrentMessage())
+
+
+@idem_rq.idempotent_job("charge", key=lambda order_id, amount: order_id)
+def charge(order_id: str, amount: int) -> dict[str, Any]:
+    return {"order_id": order_id, "amount": amount}
+
+
+@idem_arq.idempotent_job("charge", key=lambda order_id, amount: order_id)
+async def acharge(ctx: dict[str, Any], order_id: str, amount: int) -> int:
+    return amount
+
+
+@dramatiq.actor(broker=broker)
+@idem_dramatiq.idempotent("charge", key=lambda order_id, amount: order_id)
+def dcharge(order_id: str, amount: int) -> int:
+    return amount
+
+
+def send_rq(queue: Queue) -> RqJob | None:
+    return idem_rq.enqueue_once(
+        queue, charge, args=("o-7",), kwargs={"amount": 1200}, lease=600, job_timeout=30
+    )
+
+
+async def send_arq(pool: ArqRedis) -> ArqJob | None:
+    return await idem_arq.enqueue_once(
+        pool, acharge, args=("o-7",), kwargs={"amount": 1200}, lease=timedelta(minutes=10),
+        _queue_name="arq:queue",
+    )
+
+
+def send_dramatiq() -> dramatiq.Message[int] | None:
+    return idem_dramatiq.enqueue_once(
+        dcharge, args=("o-7",), kwargs={"amount": 1200}, lease=600, delay=1000
+    )
+
+
+def send_celery(task: idem_celery.IdempotentTask) -> bool:
+    sent = idem_celery.enqueue_once(task, args=("o-7",), kwargs={"amount": 1200}, lease=600)
+    return sent is None
+
+
+def deprecated_rq(queue: Queue) -> RqJob | None:
+    # the 0.1 form still type-checks (and warns when run)
+    return idem_rq.enqueue_once(queue, charge, ("o-7",), {"amount": 1200}, lease=600)
+"""
+
+
+def test_users_strict_mypy_accepts_enqueue_once_on_every_queue(tmp_path: Path) -> None:
+    out = _mypy_user(tmp_path, QUEUES_PROGRAM)
+    assert out.returncode == 0, out.stdout + out.stderr
+    # The check is real: a lease that is not seconds is refused.
+    wrong = QUEUES_PROGRAM.replace("lease=600, delay=1000", 'lease="10 min", delay=1000')
+    out = _mypy_user(tmp_path, wrong)
+    assert out.returncode == 1 and 'Argument "lease" to "enqueue_once"' in out.stdout, out.stdout

@@ -5,13 +5,12 @@ plain Python, apart from the port calls, so that ``celery.py`` holds the task it
 from __future__ import annotations
 
 import dataclasses
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from typing import Any
 
 from .._core.types import ClaimToken, IdempotencySpec
 from .._decorator import WrapPlan
-from .._durations import seconds
-from .._errors import ConfigurationError, StoreFull, StoreUnavailable
+from .._errors import StoreFull, StoreUnavailable
 from .._sync import Coordinator, IdempotencyPort
 
 #: store failures that may pass: the task is retried (before the body) or its
@@ -49,13 +48,6 @@ def _store_tries(request: Any, headers: dict[str, Any]) -> int:
         return max(0, int(value or 0))
     except (TypeError, ValueError):
         return 0
-
-
-def _lease_seconds(lease: timedelta | float) -> float:
-    value = seconds(lease, "lease")
-    if value is None or value <= 0:
-        raise ConfigurationError(f"the send lease must be positive seconds, got {lease!r}")
-    return value
 
 
 def _wait_seconds(options: dict[str, Any]) -> float:

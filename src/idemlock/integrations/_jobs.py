@@ -10,13 +10,15 @@ abandon on failure and ``current_claim()`` are all the decorator's
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 import inspect
 import logging
 import os
 import random
 import threading
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -24,6 +26,7 @@ from typing import Any
 from .._context import current_claim
 from .._core.types import IdempotencySpec, LockSpec
 from .._decorator import WrapPlan
+from .._durations import seconds
 from .._errors import ConfigurationError, InFlightError, StoreFull, StoreUnavailable
 from .._logfields import fields as log_fields
 from .._sync import Coordinator
@@ -304,6 +307,99 @@ _CTX: contextvars.ContextVar[Any] = contextvars.ContextVar("idemlock_job_ctx", d
 
 
 # ---- duplicate sends, for any queue (Celery's IdempotentTask too) ----------------------
+
+#: the send lease of ``enqueue_once`` when none is given, in seconds
+DEFAULT_SEND_LEASE = 600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class JobOptions:
+    """What every queue's ``enqueue_once`` takes besides the queue's own send options,
+    checked once for all of them: the job's arguments (``args=``, ``kwargs=``: the
+    job's own keywords live in their dict, so none can collide with a send option)
+    and idemlock's send ``lease`` in seconds."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    lease: float
+
+    @classmethod
+    def parse(
+        cls,
+        args: Sequence[Any] | None,
+        kwargs: Mapping[str, Any] | None,
+        lease: timedelta | float | None,
+        *,
+        call: str,
+        default_lease: float = DEFAULT_SEND_LEASE,
+    ) -> JobOptions:
+        """The options of ``call`` (named in errors), or ConfigurationError."""
+        if args is None:
+            args = ()
+        if isinstance(args, (str, bytes)) or not isinstance(args, (tuple, list)):
+            raise ConfigurationError(
+                f"{call}: args= must be a tuple or list of the job's positional arguments, "
+                f"got {described(args)} (for one argument write args=(value,))"
+            )
+        if kwargs is None:
+            kwargs = {}
+        if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+            raise ConfigurationError(
+                f"{call}: kwargs= must be a dict of the job's keyword arguments by name, "
+                f"got {described(kwargs)}"
+            )
+        # The one duration check (NaN, infinity, bool, above MAX_TTL refused) ...
+        value = seconds(default_lease if lease is None else lease, f"{call}: lease=")
+        if value is None or not value > 0:  # ... and a send lease must not be 0
+            raise ConfigurationError(
+                f"{call}: lease= (the send lease) must be positive seconds (a number or "
+                f"a timedelta), got {lease!r}"
+            )
+        return cls(tuple(args), dict(kwargs), value)
+
+
+def guard_of(fn: Any, *, call: str, decorator: str) -> JobGuard:
+    """The JobGuard an idemlock decorator put on ``fn``, or ConfigurationError."""
+    guard = getattr(fn, "idemlock_guard", None)
+    if not isinstance(guard, JobGuard):
+        raise ConfigurationError(f"{call} needs a job decorated with {decorator}, got {fn!r}")
+    return guard
+
+
+def legacy_arguments(
+    positional: tuple[Any, ...],
+    args: Sequence[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    *,
+    old: str,
+    new: str,
+    call: str,
+) -> tuple[Sequence[Any] | None, Mapping[str, Any] | None]:
+    """RQ's 0.1 form ``enqueue_once(queue, fn, args, kwargs)``: the (args, kwargs) it
+    meant, with a DeprecationWarning that names the new call; ``positional`` empty:
+    ``args``/``kwargs`` unchanged."""
+    if not positional:
+        return args, kwargs
+    if len(positional) > 2 or args is not None or (len(positional) == 2 and kwargs is not None):
+        raise ConfigurationError(
+            f"{call}: pass the job's arguments as args=(...) and kwargs={{...}} only, "
+            f"got {len(positional)} more positional argument(s)"
+        )
+    deprecated(old, new, stacklevel=4)
+    args = positional[0]
+    if len(positional) == 2:
+        kwargs = positional[1]
+    return args, kwargs
+
+
+def deprecated(old: str, new: str, stacklevel: int = 3) -> None:
+    """Warn that ``old`` goes in a later release; ``stacklevel`` counts from the
+    caller of this function (3: the caller of the function that called it)."""
+    warnings.warn(
+        f"{old} is deprecated and will be removed in idemlock 0.3: call {new}",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
 
 
 def send_lock_spec(spec: IdempotencySpec | str, lease: float) -> LockSpec:

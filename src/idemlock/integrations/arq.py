@@ -54,10 +54,11 @@ A worker killed mid-job (SIGKILL) leaves the job in the queue with its in-progre
 marker, which ends after the job timeout plus 10 s; another worker then runs it: it
 waits for the dead claim's lease, claims with a higher fence and runs.
 
-**Duplicate sends** (opt-in): :func:`enqueue_once` refuses (returns None) to enqueue
-a job whose key is already queued or running, with a send lease of ``lease`` seconds
-released when the job runs; a job lost before it ran frees its key when the lease
-ends.
+**Duplicate sends** (opt-in): ``await enqueue_once(pool, fn, args=(...),
+kwargs={...}, lease=600, _queue_name=...)`` (the call every idemlock queue
+integration shares) refuses (returns None) to enqueue a job whose key is already
+queued or running, with a send lease of ``lease`` seconds released when the job
+runs; a job lost before it ran frees its key when the lease ends.
 """
 
 from __future__ import annotations
@@ -66,10 +67,11 @@ import asyncio
 import functools
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
+from arq.connections import ArqRedis
 from arq.constants import retry_key_prefix
 from arq.jobs import Job
 from arq.worker import Retry
@@ -78,7 +80,16 @@ from redis.exceptions import RedisError
 from .._core.types import IdempotencySpec
 from .._errors import ConfigurationError
 from .._logfields import fields as log_fields
-from ._jobs import JobGuard, Later, current_fence, spec_name
+from ._jobs import (
+    DEFAULT_SEND_LEASE,
+    JobGuard,
+    JobOptions,
+    Later,
+    current_fence,
+    deprecated,
+    guard_of,
+    spec_name,
+)
 
 __all__ = ["current_fence", "enqueue_once", "idempotent_job"]
 
@@ -201,39 +212,56 @@ async def _job_done(
 
 
 async def enqueue_once(
-    pool: Any,
-    fn: Callable[..., Any],
-    *args: Any,
-    lease: timedelta | float = 600.0,
-    _job_id: str | None = None,
-    **kwargs: Any,
+    pool: ArqRedis,
+    fn: Callable[..., Awaitable[Any]],
+    /,
+    *legacy_args: Any,
+    args: Sequence[Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    lease: timedelta | float = DEFAULT_SEND_LEASE,
+    **options: Any,
 ) -> Job | None:
-    """Enqueue the job ``fn`` with ``args``/``kwargs`` on the ``ArqRedis`` ``pool``
-    unless a job of its key is queued or running: then return None. ``lease`` bounds
-    how long a sent job that never runs keeps its key reserved. Other ``_``-options
-    (``_defer_by``, ``_queue_name``, ...) go to ``pool.enqueue_job``; the job is sent
-    under ``fn.__qualname__`` (arq's default name)."""
-    guard: JobGuard | None = getattr(fn, "idemlock_guard", None)
-    if guard is None:
-        raise ConfigurationError(
-            f"enqueue_once() needs a job decorated with @idempotent_job, got {fn!r}"
+    """``pool.enqueue_job(name, *args, **options, **kwargs)`` unless a job of its key
+    is queued or running: then nothing is sent and the result is None; else the
+    ``arq.jobs.Job``. ``lease`` (seconds or a timedelta) bounds how long a sent job that
+    never runs keeps its key reserved. ``options`` are ``enqueue_job``'s own
+    ``_``-options (``_job_id``, ``_defer_by``, ``_queue_name``...); the job is sent under
+    ``fn.__qualname__`` (arq's default name). arq also returns None when a job of the
+    same ``_job_id`` exists.
+
+    The job's arguments are always ``args=``/``kwargs=`` (the form of every idemlock
+    queue integration). The 0.1 form ``enqueue_once(pool, fn, *args, **kwargs)``
+    still works, with a DeprecationWarning."""
+    call = "enqueue_once()"
+    legacy_kwargs = {k: options.pop(k) for k in list(options) if not k.startswith("_")}
+    if legacy_args or legacy_kwargs:
+        if args is not None or kwargs is not None:
+            raise ConfigurationError(
+                f"{call}: pass the job's arguments as args=(...) and kwargs={{...}} only, "
+                f"got {len(legacy_args)} more positional and the keyword(s) "
+                f"{sorted(legacy_kwargs)}"
+            )
+        deprecated(
+            "enqueue_once(pool, fn, *args, **kwargs) with the job's arguments spread",
+            "enqueue_once(pool, fn, args=(...), kwargs={...}, lease=..., _queue_name=...)",
         )
-    seconds = lease.total_seconds() if isinstance(lease, timedelta) else float(lease)
-    options = {k: kwargs.pop(k) for k in list(kwargs) if k.startswith("_")}
+        args, kwargs = legacy_args, legacy_kwargs
+    guard = guard_of(fn, call=call, decorator="@idempotent_job")
+    sent = JobOptions.parse(args, kwargs, lease, call=call)
     coord = guard.resolved()[0]
-    key = guard.key_of(args, kwargs)
-    job_id = _job_id or uuid.uuid4().hex
-    if not await guard.areserve_send(coord, key, job_id, seconds):
+    key = guard.key_of(sent.args, sent.kwargs)
+    job_id = str(options.pop("_job_id", None) or uuid.uuid4().hex)
+    if not await guard.areserve_send(coord, key, job_id, sent.lease):
         return None
     try:
         # Where the worker finds the lease to release: beside the job, as long-lived.
-        await pool.set(_SEND_KEY + job_id, str(seconds), px=max(1, int(seconds * 1000)))
+        await pool.set(_SEND_KEY + job_id, str(sent.lease), px=max(1, int(sent.lease * 1000)))
         job: Job | None = await pool.enqueue_job(
-            fn.__qualname__, *args, _job_id=job_id, **options, **kwargs
+            fn.__qualname__, *sent.args, _job_id=job_id, **options, **sent.kwargs
         )
     except BaseException:
-        await guard.afree_send(coord, key, job_id, seconds)
+        await guard.afree_send(coord, key, job_id, sent.lease)
         raise
     if job is None:  # arq refused the id (a job with it exists)
-        await guard.afree_send(coord, key, job_id, seconds)
+        await guard.afree_send(coord, key, job_id, sent.lease)
     return job

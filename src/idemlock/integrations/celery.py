@@ -87,7 +87,9 @@ Options (task options or class attributes of a subclass; every one is optional b
 **Duplicate sends** (opt-in). ``task.apply_async_once(args, kwargs, **options)``
 and ``task.delay_once(*args, **kwargs)`` send the task like ``apply_async`` and
 ``delay`` and return its ``AsyncResult``, unless a task of the same key is already
-queued or running: then they send nothing and return None. ``apply_async`` and
+queued or running: then they send nothing and return None. :func:`enqueue_once`
+``(task, args=(...), kwargs={...}, lease=..., **options)`` is ``apply_async_once`` in
+the form every idemlock queue integration shares. ``apply_async`` and
 ``delay`` are unchanged (a duplicate sent through them is queued, then replays).
 Unlike a lock that the sender sets and the task deletes, which stays forever when
 the task is lost, the refusal is a send lease on the key for ``lease`` seconds
@@ -137,7 +139,7 @@ import os
 import threading
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -164,16 +166,21 @@ from . import _celery_resends as resends
 from ._celery_messages import (
     _STORE_ERRORS,
     SEND_HEADER,
-    _lease_seconds,
     _ProcessState,
     _recorded,
     _send_lease,
     _spec_name,
     _wait_seconds,
 )
-from ._jobs import described, free_send, reserve_send
+from ._jobs import JobOptions, described, free_send, reserve_send
 
-__all__ = ["IN_FLIGHT_MODES", "SEND_HEADER", "IdempotentTask", "current_fence"]
+__all__ = [
+    "IN_FLIGHT_MODES",
+    "SEND_HEADER",
+    "IdempotentTask",
+    "current_fence",
+    "enqueue_once",
+]
 
 log = logging.getLogger("idemlock.celery")
 
@@ -350,8 +357,8 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
 
     def apply_async_once(
         self,
-        args: tuple[Any, ...] | list[Any] | None = None,
-        kwargs: dict[str, Any] | None = None,
+        args: Sequence[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
         *,
         lease: timedelta | float | None = None,
         **options: Any,
@@ -360,10 +367,15 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
         queued or running: then send nothing and return None (see the module
         documentation). ``lease`` (default ``idemlock_send_lease``) bounds how long a
         sent task that never runs keeps its key reserved."""
-        seconds_ = _lease_seconds(self.idemlock_send_lease if lease is None else lease)
-        args = tuple(args or ())
-        kwargs = dict(kwargs or {})
-        seconds_ += _wait_seconds(options)
+        sent = JobOptions.parse(
+            args,
+            kwargs,
+            lease,
+            call=f"{self.name}.apply_async_once()",
+            default_lease=self.idemlock_send_lease,
+        )
+        args, kwargs = sent.args, sent.kwargs
+        seconds_ = sent.lease + _wait_seconds(options)
         state = self._idemlock()
         spec = self._idemlock_spec()
         key = state.plan.key_payload(args, kwargs)[0]
@@ -539,3 +551,25 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
                 )
                 time.sleep(pause)
                 pause = min(pause * 2, _RECORD_RETRY_MAX)
+
+
+def enqueue_once(
+    task: IdempotentTask,
+    /,
+    *,
+    args: Sequence[Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    lease: timedelta | float | None = None,
+    **options: Any,
+) -> Any:
+    """``task.apply_async(args, kwargs, **options)`` unless a task of its key is
+    queued or running: then nothing is sent and the result is None; else the sent
+    ``AsyncResult``. The form every idemlock queue integration shares (the job's
+    arguments as ``args=``/``kwargs=``, the send ``lease``, the queue's own options);
+    the same as :meth:`IdempotentTask.apply_async_once`."""
+    send = getattr(task, "apply_async_once", None)
+    if not callable(send):
+        raise ConfigurationError(
+            f"enqueue_once() needs a task made with base=IdempotentTask, got {task!r}"
+        )
+    return send(args, kwargs, lease=lease, **options)

@@ -9,7 +9,7 @@ Put :func:`idempotent` under ``@dramatiq.actor``::
     from idemlock.integrations.dramatiq import idempotent, current_fence
 
     broker = RedisBroker(url="redis://localhost:6379/0")
-    broker.add_middleware(CurrentMessage())   # uncounted reschedules, send_once
+    broker.add_middleware(CurrentMessage())   # uncounted reschedules, enqueue_once
     dramatiq.set_broker(broker)
 
     @dramatiq.actor(max_retries=20)
@@ -55,7 +55,7 @@ broker gives it to another worker once the dead worker's heartbeat is older than
 ``heartbeat_timeout``; the redelivered message waits for the dead claim's lease,
 then claims with a higher fence and runs.
 
-**Duplicate sends** (opt-in): :func:`send_once` refuses (returns None) to send a
+**Duplicate sends** (opt-in): :func:`enqueue_once` refuses (returns None) to send a
 message whose key is already queued or running, with a send lease of ``lease``
 seconds released when the message runs (this needs the ``CurrentMessage``
 middleware); a message lost before it ran frees its key when the lease ends.
@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
@@ -75,15 +75,25 @@ from dramatiq.middleware import CurrentMessage
 from .._core.types import IdempotencySpec
 from .._errors import ConfigurationError
 from .._logfields import fields as log_fields
-from ._jobs import JobGuard, Later, current_fence, spec_name
+from ._jobs import (
+    DEFAULT_SEND_LEASE,
+    JobGuard,
+    JobOptions,
+    Later,
+    current_fence,
+    deprecated,
+    guard_of,
+    spec_name,
+)
 
-__all__ = ["SEND_OPTION", "current_fence", "idempotent", "send_once"]
+__all__ = ["SEND_OPTION", "current_fence", "enqueue_once", "idempotent", "send_once"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+R = TypeVar("R")
 
 log = logging.getLogger("idemlock.jobs")
 
-#: message option of a message sent by send_once: the send lease's seconds
+#: message option of a message sent by enqueue_once: the send lease's seconds
 SEND_OPTION = "idemlock_send_lease"
 #: message option counting idemlock's reschedules of a message (its store-failure backoff)
 DEFERS_OPTION = "idemlock_defers"
@@ -185,37 +195,62 @@ def _warn_without_current_message(name: str, guard: JobGuard) -> None:
     )
 
 
-def send_once(
-    actor: dramatiq.Actor[Any, Any],
-    *args: Any,
-    lease: timedelta | float = 600.0,
+def enqueue_once(
+    actor: dramatiq.Actor[Any, R],
+    /,
+    *,
+    args: Sequence[Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    lease: timedelta | float = DEFAULT_SEND_LEASE,
     delay: int | None = None,
-    **kwargs: Any,
-) -> dramatiq.Message[Any] | None:
-    """Send ``actor(*args, **kwargs)`` unless a message of its key is queued or
-    running: then return None. ``lease`` bounds how long a sent message that never
-    runs keeps its key reserved. The actor's broker needs ``CurrentMessage``."""
-    guard: JobGuard | None = getattr(actor.fn, "idemlock_guard", None)
-    if guard is None:
-        raise ConfigurationError(
-            f"send_once() needs an actor whose function is decorated with @idempotent, "
-            f"got {actor!r}"
-        )
+    **options: Any,
+) -> dramatiq.Message[R] | None:
+    """``actor.send_with_options(args=args, kwargs=kwargs, delay=delay, **options)``
+    unless a message of its key is queued or running: then nothing is sent and the
+    result is None; else the sent ``dramatiq.Message``. ``lease`` (seconds or a
+    timedelta) bounds how long a sent message that never runs keeps its key reserved;
+    ``delay`` (milliseconds) and ``options`` (message options: ``max_retries``...) are
+    Dramatiq's own. The actor's broker needs the ``CurrentMessage`` middleware.
+
+    The job's arguments are always ``args=``/``kwargs=`` (the form of every idemlock
+    queue integration); :func:`send_once` is the deprecated 0.1 form."""
+    call = "enqueue_once()"
+    guard = guard_of(
+        getattr(actor, "fn", None), call=call, decorator="@idempotent (under @dramatiq.actor)"
+    )
+    sent = JobOptions.parse(args, kwargs, lease, call=call)
     if not any(isinstance(m, CurrentMessage) for m in actor.broker.middleware):
         raise ConfigurationError(
-            "send_once() needs the CurrentMessage middleware on the broker "
+            f"{call} needs the CurrentMessage middleware on the broker "
             "(broker.add_middleware(dramatiq.middleware.CurrentMessage())), so the "
             "worker can release the send lease when the message runs"
         )
-    seconds = lease.total_seconds() if isinstance(lease, timedelta) else float(lease)
-    message = actor.message_with_options(args=args, kwargs=kwargs, **{SEND_OPTION: seconds})
+    message = actor.message_with_options(
+        args=sent.args, kwargs=sent.kwargs, **options, **{SEND_OPTION: sent.lease}
+    )
     coord = guard.resolved()[0]
-    key = guard.key_of(args, kwargs)
-    if not guard.reserve_send(coord, key, message.message_id, seconds):
+    key = guard.key_of(sent.args, sent.kwargs)
+    if not guard.reserve_send(coord, key, message.message_id, sent.lease):
         return None
     try:
-        sent: dramatiq.Message[Any] = actor.broker.enqueue(message, delay=delay)
+        queued: dramatiq.Message[R] = actor.broker.enqueue(message, delay=delay)
     except BaseException:
-        guard.free_send(coord, key, message.message_id, seconds)
+        guard.free_send(coord, key, message.message_id, sent.lease)
         raise
-    return sent
+    return queued
+
+
+def send_once(
+    actor: dramatiq.Actor[Any, R],
+    *args: Any,
+    lease: timedelta | float = DEFAULT_SEND_LEASE,
+    delay: int | None = None,
+    **kwargs: Any,
+) -> dramatiq.Message[R] | None:
+    """Deprecated (the 0.1 form): ``enqueue_once(actor, args=args, kwargs=kwargs,
+    lease=lease, delay=delay)``, which this calls, with a DeprecationWarning."""
+    deprecated(
+        "send_once(actor, *args, **kwargs)",
+        "enqueue_once(actor, args=(...), kwargs={...}, lease=..., delay=...)",
+    )
+    return enqueue_once(actor, args=args, kwargs=kwargs, lease=lease, delay=delay)

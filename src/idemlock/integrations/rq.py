@@ -55,11 +55,13 @@ worker killed leaves its job in RQ's started registry until RQ's own clean-up
 (a minute or more: the dead worker's heartbeat TTL, then maintenance) retries it, and
 its scheduler lock ends about as late; the retry then meets the claim as above.
 
-**Duplicate sends** (opt-in): :func:`enqueue_once` refuses (returns None) to enqueue
-a job whose key is already queued or running. It takes a send lease on the key for
-``lease`` seconds, released when the job runs; a job lost before it ran (a flushed
-queue, a crashed enqueuer) frees its key when that lease ends, so nothing stays
-locked forever. Running is the claim itself, kept alive by heartbeats.
+**Duplicate sends** (opt-in): ``enqueue_once(queue, fn, args=(...), kwargs={...},
+lease=600, **options)`` (the call every idemlock queue integration shares) refuses
+(returns None) to enqueue a job whose key is already queued or running. It takes
+a send lease on the key for ``lease`` seconds, released when the job runs; a job
+lost before it ran (a flushed queue, a crashed enqueuer) frees its key when that
+lease ends, so nothing stays locked forever. Running is the claim itself, kept alive
+by heartbeats.
 """
 
 from __future__ import annotations
@@ -67,15 +69,23 @@ from __future__ import annotations
 import functools
 import math
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar, cast, overload
 
 from rq import Queue, Retry, get_current_job
 from rq.job import Job
 
 from .._core.types import IdempotencySpec
-from ._jobs import JobGuard, Later, current_fence
+from ._jobs import (
+    DEFAULT_SEND_LEASE,
+    JobGuard,
+    JobOptions,
+    Later,
+    current_fence,
+    guard_of,
+    legacy_arguments,
+)
 
 __all__ = ["SEND_META", "current_fence", "enqueue_once", "idempotent_job"]
 
@@ -153,37 +163,74 @@ def idempotent_job(
     return decorate
 
 
+@overload
 def enqueue_once(
     queue: Queue,
     fn: Callable[..., Any],
-    args: tuple[Any, ...] = (),
-    kwargs: dict[str, Any] | None = None,
+    /,
     *,
-    lease: timedelta | float = 600.0,
+    args: Sequence[Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    lease: timedelta | float = DEFAULT_SEND_LEASE,
+    **options: Any,
+) -> Job | None: ...
+
+
+@overload
+def enqueue_once(
+    queue: Queue,
+    fn: Callable[..., Any],
+    legacy_args: Sequence[Any],
+    legacy_kwargs: Mapping[str, Any] | None = None,
+    /,
+    *,
+    lease: timedelta | float = DEFAULT_SEND_LEASE,
+    **options: Any,
+) -> Job | None: ...  # deprecated: enqueue_once(queue, fn, args=..., kwargs=...)
+
+
+def enqueue_once(
+    queue: Queue,
+    fn: Callable[..., Any],
+    /,
+    *legacy: Any,
+    args: Any = None,
+    kwargs: Any = None,
+    lease: timedelta | float = DEFAULT_SEND_LEASE,
     **options: Any,
 ) -> Job | None:
-    """Enqueue ``fn(*args, **kwargs)`` unless a job of its key is queued or running:
-    then return None. ``lease`` bounds how long a sent job that never runs keeps its
-    key reserved (a crash, a flushed queue). ``options`` go to ``queue.enqueue``
-    (``retry=``, ``job_timeout=``, ...)."""
-    guard: JobGuard | None = getattr(fn, "idemlock_guard", None)
-    if guard is None:
-        from .._errors import ConfigurationError
+    """``queue.enqueue(fn, args=args, kwargs=kwargs, **options)`` unless a job of its
+    key is queued or running: then nothing is sent and the result is None; else the
+    sent ``rq.job.Job``. ``lease`` (seconds or a timedelta) bounds how long a sent job
+    that never runs keeps its key reserved (a crash, a flushed queue). ``options`` are
+    ``queue.enqueue``'s own (``retry=``, ``job_timeout=``, ``job_id=``, ``meta=``...).
 
-        raise ConfigurationError(
-            f"enqueue_once() needs a function decorated with @idempotent_job, got {fn!r}"
-        )
-    seconds = lease.total_seconds() if isinstance(lease, timedelta) else float(lease)
-    kwargs = dict(kwargs or {})
+    The job's arguments are always ``args=``/``kwargs=``, so none of its keywords can
+    collide with a send option (the form of every idemlock queue integration). The
+    0.1 form ``enqueue_once(queue, fn, args, kwargs)`` still works, with a
+    DeprecationWarning."""
+    call = "enqueue_once()"
+    args, kwargs = legacy_arguments(
+        legacy,
+        args,
+        kwargs,
+        old="enqueue_once(queue, fn, args, kwargs) with positional args/kwargs",
+        new="enqueue_once(queue, fn, args=(...), kwargs={...}, lease=..., **options)",
+        call=call,
+    )
+    guard = guard_of(fn, call=call, decorator="@idempotent_job")
+    sent = JobOptions.parse(args, kwargs, lease, call=call)
     coord = guard.resolved()[0]
-    key = guard.key_of(args, kwargs)
+    key = guard.key_of(sent.args, sent.kwargs)
     job_id = str(options.pop("job_id", None) or uuid.uuid4().hex)
-    if not guard.reserve_send(coord, key, job_id, seconds):
+    if not guard.reserve_send(coord, key, job_id, sent.lease):
         return None
     meta = dict(options.pop("meta", None) or {})
-    meta[SEND_META] = seconds
+    meta[SEND_META] = sent.lease
     try:
-        return queue.enqueue(fn, args=args, kwargs=kwargs, job_id=job_id, meta=meta, **options)
+        return queue.enqueue(
+            fn, args=sent.args, kwargs=sent.kwargs, job_id=job_id, meta=meta, **options
+        )
     except BaseException:
-        guard.free_send(coord, key, job_id, seconds)
+        guard.free_send(coord, key, job_id, sent.lease)
         raise
