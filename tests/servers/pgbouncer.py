@@ -1,0 +1,164 @@
+"""A throwaway PgBouncer in front of a test PostgreSQL server.
+
+``start_pgbouncer(server)`` runs Debian's ``pgbouncer`` (``/usr/sbin/pgbouncer``, or
+one on PATH) in the foreground on a free loopback port, in ``pool_mode =
+transaction`` and otherwise PgBouncer's default settings, forwarding every database
+to ``server``. Authentication is what the test server needs: ``trust`` (the test
+cluster trusts loopback), with the server's user in PgBouncer's ``auth_file``. As
+root, PgBouncer runs as the ``postgres`` OS user (it refuses to run as root).
+
+``pgbouncer_server`` is the session fixture in front of the shared
+``postgres_server``; ``fault_pgbouncer_server`` is the one in front of the fault
+contract's own server. Each is killed when its fixture ends, whatever happens
+(also when the test process exits without running the fixture's teardown: atexit).
+A missing binary fails loudly: these tests never skip.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .postgres import DATABASE, OS_USER, PgServer
+
+__all__ = [
+    "PgBouncer",
+    "fault_pgbouncer_server",
+    "find_pgbouncer",
+    "pgbouncer_server",
+    "start_pgbouncer",
+]
+
+
+def find_pgbouncer() -> str:
+    found = shutil.which("pgbouncer") or (
+        "/usr/sbin/pgbouncer" if os.path.exists("/usr/sbin/pgbouncer") else None
+    )
+    if found is None:
+        raise RuntimeError(
+            "pgbouncer was not found on PATH nor at /usr/sbin/pgbouncer; the PostgreSQL "
+            "behind-a-pooler tests need it: apt-get install pgbouncer - these tests never skip"
+        )
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class PgBouncer:
+    """One PgBouncer process; ``dsn`` is the test database through it."""
+
+    def __init__(self, root: Path, port: int, server: PgServer) -> None:
+        self.root = root
+        self.port = port
+        self.server = server
+        self.log = root / "pgbouncer.log"
+        self.dsn = server.dsn_at(port, DATABASE)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def write_config(self) -> Path:
+        (self.root / "users.txt").write_text(f'"{OS_USER}" ""\n')
+        ini = self.root / "pgbouncer.ini"
+        ini.write_text(
+            "[databases]\n"
+            f"* = host=127.0.0.1 port={self.server.port}\n"
+            "[pgbouncer]\n"
+            "listen_addr = 127.0.0.1\n"
+            f"listen_port = {self.port}\n"
+            "unix_socket_dir =\n"
+            "auth_type = trust\n"
+            f"auth_file = {self.root / 'users.txt'}\n"
+            "pool_mode = transaction\n"
+            f"logfile = {self.log}\n"
+        )
+        if os.geteuid() == 0:
+            for p in (self.root, self.root / "users.txt", ini):
+                shutil.chown(p, OS_USER)
+        return ini
+
+    def start(self) -> None:
+        ini = self.write_config()
+        cmd = [find_pgbouncer()]
+        if os.geteuid() == 0:
+            cmd += ["-u", OS_USER]
+        cmd.append(str(ini))
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+        )
+        atexit.register(self.stop)
+        deadline = time.monotonic() + 30
+        while True:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                log = self.log.read_text() if self.log.exists() else ""
+                raise RuntimeError(f"pgbouncer exited ({self.proc.returncode}):\n{err}\n{log}")
+            with contextlib.suppress(OSError), socket.create_connection(
+                ("127.0.0.1", self.port), timeout=1
+            ):
+                return
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"pgbouncer did not listen on port {self.port} within 30s")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+    def destroy(self) -> None:
+        self.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def start_pgbouncer(server: PgServer) -> PgBouncer:
+    """A PgBouncer in front of ``server``; the caller must ``destroy()`` it."""
+    root = Path(tempfile.mkdtemp(prefix="idemlock-pgbouncer-"))
+    bouncer = PgBouncer(root, _free_port(), server)
+    try:
+        bouncer.start()
+    except BaseException:
+        bouncer.destroy()
+        raise
+    return bouncer
+
+
+@pytest.fixture(scope="session")
+def pgbouncer_server(postgres_server: PgServer) -> Iterator[PgBouncer]:
+    """PgBouncer (transaction pooling) in front of the session's PostgreSQL."""
+    bouncer = start_pgbouncer(postgres_server)
+    try:
+        yield bouncer
+    finally:
+        bouncer.destroy()
+
+
+@pytest.fixture(scope="session")
+def fault_pgbouncer_server(fault_postgres_server: PgServer) -> Iterator[PgBouncer]:
+    """PgBouncer in front of the fault contract's PostgreSQL (which tests stop and
+    start: PgBouncer stays up and reconnects to it)."""
+    bouncer = start_pgbouncer(fault_postgres_server)
+    try:
+        yield bouncer
+    finally:
+        bouncer.destroy()
