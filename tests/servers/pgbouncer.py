@@ -2,7 +2,8 @@
 
 ``start_pgbouncer(server)`` runs Debian's ``pgbouncer`` (``/usr/sbin/pgbouncer``, or
 one on PATH) in the foreground on a free loopback port, in ``pool_mode =
-transaction`` and otherwise PgBouncer's default settings, forwarding every database
+transaction`` and otherwise PgBouncer's default settings (but ``max_client_conn``,
+raised for the suite's many stores), forwarding every database
 to ``server``. Authentication is what the test server needs: ``trust`` (the test
 cluster trusts loopback), with the server's user in PgBouncer's ``auth_file``. As
 root, PgBouncer runs as the ``postgres`` OS user (it refuses to run as root).
@@ -29,12 +30,15 @@ from pathlib import Path
 
 import pytest
 
+from .faults import ProxiedFaults
 from .postgres import DATABASE, OS_USER, PgServer
+from .proxy import TcpProxy
 
 __all__ = [
     "PgBouncer",
     "fault_pgbouncer_server",
     "find_pgbouncer",
+    "pgbouncer_faults",
     "pgbouncer_server",
     "start_pgbouncer",
 ]
@@ -83,6 +87,10 @@ class PgBouncer:
             "auth_type = trust\n"
             f"auth_file = {self.root / 'users.txt'}\n"
             "pool_mode = transaction\n"
+            # The one change of capacity: the suite's many short-lived stores hold more
+            # than the default 100 client connections at once (PgBouncer then stops
+            # accepting, and connecting times out). Nothing about the semantics changes.
+            "max_client_conn = 500\n"
             f"logfile = {self.log}\n"
         )
         if os.geteuid() == 0:
@@ -96,18 +104,22 @@ class PgBouncer:
         if os.geteuid() == 0:
             cmd += ["-u", OS_USER]
         cmd.append(str(ini))
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
-        )
+        # Its output to a file, never a pipe nobody reads: PgBouncer logs every
+        # connection to stderr too, and blocks once a pipe's buffer is full.
+        with open(self.root / "stderr.txt", "wb") as err:
+            self.proc = subprocess.Popen(
+                cmd, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True
+            )
         atexit.register(self.stop)
         deadline = time.monotonic() + 30
         while True:
             if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                err = (self.root / "stderr.txt").read_text(errors="replace")
                 log = self.log.read_text() if self.log.exists() else ""
                 raise RuntimeError(f"pgbouncer exited ({self.proc.returncode}):\n{err}\n{log}")
-            with contextlib.suppress(OSError), socket.create_connection(
-                ("127.0.0.1", self.port), timeout=1
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self.port), timeout=1),
             ):
                 return
             if time.monotonic() > deadline:
@@ -123,8 +135,6 @@ class PgBouncer:
             proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(10)
-        if proc.stderr is not None:
-            proc.stderr.close()
 
     def destroy(self) -> None:
         self.stop()
@@ -141,6 +151,16 @@ def start_pgbouncer(server: PgServer) -> PgBouncer:
         bouncer.destroy()
         raise
     return bouncer
+
+
+def pgbouncer_faults(bouncer: PgBouncer) -> tuple[str, ProxiedFaults]:
+    """The fault contract's URL through a fresh proxy in front of ``bouncer``, and its
+    faults: stall = blackhole that proxy; outage/restart = stop/start the server behind."""
+    proxy = TcpProxy(bouncer.port)
+    server = bouncer.server
+    return server.dsn_at(proxy.port), ProxiedFaults(
+        proxy, lambda: server.stop("fast"), server.start
+    )
 
 
 @pytest.fixture(scope="session")
