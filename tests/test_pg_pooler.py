@@ -110,7 +110,7 @@ async def test_plain_pgbouncer_url_works_async(bouncer: PgBouncer, prefix: str) 
             assert await lock.release(lease)
         assert coord.store._pooled is True
     finally:
-        await coord.aclose()
+        await coord.close()
 
 
 CHILD = """
@@ -213,7 +213,10 @@ def _handoff(url: str, prefix: str, **options: Any) -> tuple[float, Any]:
         thread = threading.Thread(target=wait)
         thread.start()
         deadline = time.monotonic() + 20
-        while not waiter.store.listener._core.has_waiters():
+        # Waiting, and the listener's probe concluded (heard, or not within 1 s).
+        while (
+            not waiter.store.listener._core.has_waiters() or waiter.store.listener.notifies is None
+        ):
             assert time.monotonic() < deadline
             time.sleep(0.01)
         t0 = time.monotonic()
@@ -271,7 +274,7 @@ async def test_listen_url_async(bouncer: PgBouncer, prefix: str) -> None:
         assert lease is not None
         waiting = asyncio.ensure_future(rival.lock(LOCK).acquire("k", wait=30))
         deadline = time.monotonic() + 20
-        while not rival.store.listener._core.has_waiters():
+        while not rival.store.listener._core.has_waiters() or not rival.store.listener.notifies:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
         await coord.lock(LOCK).release(lease)
@@ -279,8 +282,8 @@ async def test_listen_url_async(bouncer: PgBouncer, prefix: str) -> None:
         assert took is not None
         assert rival.store.listener.notifies is True and rival.store.listener.received >= 1
     finally:
-        await coord.aclose()
-        await rival.aclose()
+        await coord.close()
+        await rival.close()
 
 
 def test_listen_url_secret_is_redacted(bouncer: PgBouncer, prefix: str) -> None:
@@ -330,10 +333,10 @@ def test_fenced_helpers_through_pgbouncer(bouncer: PgBouncer, prefix: str, table
         for i in range(8):  # past psycopg's prepare threshold on the user's connection
             claim = port.claim(f"f{i}")
             assert isinstance(claim, Claimed)
-            with psycopg.connect(bouncer.dsn, prepare_threshold=None) as conn:
-                with conn.transaction():
-                    pg.fenced_upsert(conn, table, {"id": "a", "n": i}, ["id"], claim.fence)
-                    pg.complete_in_transaction(conn, port, claim.token, i)
+            conn = psycopg.connect(bouncer.dsn, prepare_threshold=None)
+            with conn, conn.transaction():
+                pg.fenced_upsert(conn, table, {"id": "a", "n": i}, ["id"], claim.fence)
+                pg.complete_in_transaction(conn, port, claim.token, i)
             replay = port.claim(f"f{i}")
             assert isinstance(replay, Completed) and replay.result == i
     finally:
@@ -349,16 +352,14 @@ async def test_fenced_helpers_through_pgbouncer_async(
         for i in range(8):
             claim = await port.claim(f"f{i}")
             assert isinstance(claim, Claimed)
-            async with await psycopg.AsyncConnection.connect(
-                bouncer.dsn, prepare_threshold=None
-            ) as conn:
-                async with conn.transaction():
-                    await pg.afenced_upsert(conn, table, {"id": "a", "n": i}, ["id"], claim.fence)
-                    await pg.acomplete_in_transaction(conn, port, claim.token, i)
+            aconn = await psycopg.AsyncConnection.connect(bouncer.dsn, prepare_threshold=None)
+            async with aconn, aconn.transaction():
+                await pg.afenced_upsert(aconn, table, {"id": "a", "n": i}, ["id"], claim.fence)
+                await pg.acomplete_in_transaction(aconn, port, claim.token, i)
             replay = await port.claim(f"f{i}")
             assert isinstance(replay, Completed) and replay.result == i
     finally:
-        await coord.aclose()
+        await coord.close()
 
 
 def test_migrate_through_pgbouncer(bouncer: PgBouncer, prefix: str) -> None:
