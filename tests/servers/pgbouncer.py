@@ -66,7 +66,10 @@ def _free_port() -> int:
 class PgBouncer:
     """One PgBouncer process; ``dsn`` is the test database through it."""
 
-    def __init__(self, root: Path, port: int, server: PgServer) -> None:
+    def __init__(
+        self, root: Path, port: int, server: PgServer, settings: dict[str, str] | None = None
+    ) -> None:
+        self.settings = settings or {}
         self.root = root
         self.port = port
         self.server = server
@@ -92,6 +95,7 @@ class PgBouncer:
             # accepting, and connecting times out). Nothing about the semantics changes.
             "max_client_conn = 500\n"
             f"logfile = {self.log}\n"
+            + "".join(f"{name} = {value}\n" for name, value in self.settings.items())
         )
         if os.geteuid() == 0:
             for p in (self.root, self.root / "users.txt", ini):
@@ -127,6 +131,22 @@ class PgBouncer:
                 raise RuntimeError(f"pgbouncer did not listen on port {self.port} within 30s")
             time.sleep(0.05)
 
+    def wait_served(self, within: float = 30.0) -> None:
+        """Wait until a query through PgBouncer is answered (after the server behind it
+        came back, PgBouncer refuses clients until its next login attempt succeeds)."""
+        import psycopg
+
+        deadline = time.monotonic() + within
+        while True:
+            try:
+                with psycopg.connect(self.dsn, connect_timeout=2, autocommit=True) as conn:
+                    conn.execute("SELECT 1")
+                return
+            except psycopg.Error:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
     def stop(self) -> None:
         proc, self.proc = self.proc, None
         if proc is None:
@@ -141,10 +161,11 @@ class PgBouncer:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def start_pgbouncer(server: PgServer) -> PgBouncer:
-    """A PgBouncer in front of ``server``; the caller must ``destroy()`` it."""
+def start_pgbouncer(server: PgServer, settings: dict[str, str] | None = None) -> PgBouncer:
+    """A PgBouncer in front of ``server``; the caller must ``destroy()`` it. ``settings``
+    are added to its configuration."""
     root = Path(tempfile.mkdtemp(prefix="idemlock-pgbouncer-"))
-    bouncer = PgBouncer(root, _free_port(), server)
+    bouncer = PgBouncer(root, _free_port(), server, settings)
     try:
         bouncer.start()
     except BaseException:
@@ -158,9 +179,12 @@ def pgbouncer_faults(bouncer: PgBouncer) -> tuple[str, ProxiedFaults]:
     faults: stall = blackhole that proxy; outage/restart = stop/start the server behind."""
     proxy = TcpProxy(bouncer.port)
     server = bouncer.server
-    return server.dsn_at(proxy.port), ProxiedFaults(
-        proxy, lambda: server.stop("fast"), server.start
-    )
+
+    def start() -> None:
+        server.start()
+        bouncer.wait_served()  # the store is back once its pooler serves again
+
+    return server.dsn_at(proxy.port), ProxiedFaults(proxy, lambda: server.stop("fast"), start)
 
 
 @pytest.fixture(scope="session")
@@ -176,8 +200,10 @@ def pgbouncer_server(postgres_server: PgServer) -> Iterator[PgBouncer]:
 @pytest.fixture(scope="session")
 def fault_pgbouncer_server(fault_postgres_server: PgServer) -> Iterator[PgBouncer]:
     """PgBouncer in front of the fault contract's PostgreSQL (which tests stop and
-    start: PgBouncer stays up and reconnects to it)."""
-    bouncer = start_pgbouncer(fault_postgres_server)
+    start: PgBouncer stays up and reconnects to it). One setting differs from
+    PgBouncer's defaults: ``server_login_retry`` (15 s), how long PgBouncer refuses
+    clients after a failed server login, so that a restart costs a test 1 s, not 15."""
+    bouncer = start_pgbouncer(fault_postgres_server, {"server_login_retry": "1"})
     try:
         yield bouncer
     finally:
