@@ -136,7 +136,8 @@ def _pool_options(min_size: int, max_size: int) -> None:
 def _split_url(url: str, timeout: object, listen_url: object = None) -> tuple[str, float]:
     """The URL without idemlock's own ``?timeout=`` and ``?listen_url=`` (libpq would
     refuse them) and the timeout, from the URL or the keyword (not both)."""
-    return _split_url_listen(url, timeout, listen_url)[:2]  # type: ignore[return-value]
+    head, secs, _ = _split_url_listen(url, timeout, listen_url)
+    return head, secs
 
 
 def _split_url_listen(

@@ -207,6 +207,8 @@ class Health:
         self.pooled: bool | None = None
 
 
+#: URLs (conninfo strings) this process found to lead to a pooler
+_POOLED_URLS: set[str] = set()
 #: what a connection pooler answers to a startup parameter it does not pass on
 _REFUSED_STARTUP = "unsupported startup parameter"
 _OWN_TIMEOUT = re.compile(r"\s*-c statement_timeout=\d+")
@@ -338,11 +340,14 @@ class _Base(Generic[P]):
         listen: tuple[str, dict[str, Any]] | None = None,
     ) -> None:
         health = health or Health()
+        conninfo: Any = getattr(pool, "conninfo", None)
+        if isinstance(conninfo, str) and conninfo in _POOLED_URLS:
+            # Another store of this process found a pooler there: no refused attempt.
+            health.pooled = True
         #: (conninfo, connection settings) of the connection that takes notifications,
         #: when it is not the pool's (``listen_url``: straight to PostgreSQL)
         self._listen = listen
         self.pool = pool
-        conninfo: Any = getattr(pool, "conninfo", None)
         self.schema = check_schema(schema)
         self.statements = Statements.for_schema(self.schema)
         #: the bound on one call, in seconds (A1)
@@ -390,6 +395,8 @@ class _Base(Generic[P]):
         """After the set-up's first statement: whether calls go through a pooler."""
         pooled = bool(self._health.pooled) or pooler_seen(conn, server_pid)
         self._health.pooled = pooled
+        if pooled and isinstance(self._conninfo, str):
+            _POOLED_URLS.add(self._conninfo)
         self._pooled = pooled
         self._prepare_now = self._prepare and not pooled
 
