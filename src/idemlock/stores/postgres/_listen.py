@@ -253,7 +253,9 @@ class Listener:
                 extra=_LISTEN_FAILED,
             )
             return
-        self._probe_due = time.monotonic() + PROBE_WAIT
+        now = time.monotonic()
+        self._probe_due = now + PROBE_WAIT
+        self._next_pulse = now + PULSE  # no pulse before the probe had its chance
         self._nudge()
 
     def _check_probe(self, now: float) -> None:

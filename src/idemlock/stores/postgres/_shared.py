@@ -23,6 +23,7 @@ from ... import _urls
 from ..._core.port import Held
 from ..._errors import ConfigurationError, StoreUnavailable
 from .._forks import ForkRegistry
+from . import _watchdog
 from ._listen import Listener
 from ._pool import CancellableAsyncPool
 from ._replies import _i8
@@ -411,7 +412,11 @@ class _Base(Generic[P]):
         """NOTIFY ``channel`` the way the store's own statements do (through the pool's
         URL): the listener checks that it hears it."""
         with self._direct_connect() as conn:
-            conn.execute("SELECT pg_notify(%s, 'probe')", [channel])
+            armed = _watchdog.WATCHDOG.arm(conn, time.monotonic() + self.timeout)
+            try:
+                conn.execute("SELECT pg_notify(%s, 'probe')", [channel])
+            finally:
+                _watchdog.WATCHDOG.disarm(armed)
 
     def _direct_kwargs(self, info: Any, kwargs: Any) -> dict[str, Any]:
         kw = connect_kwargs(info, kwargs, self.timeout)
