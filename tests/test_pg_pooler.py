@@ -32,8 +32,8 @@ from idemlock import Claimed, Completed, ConfigurationError, StoreUnavailable
 from idemlock._urls import redact
 from idemlock.stores import postgres as pg
 
-from .servers.pgbouncer import PgBouncer
-from .servers.postgres import OS_USER
+from .servers.pgbouncer import PgBouncer, start_pgbouncer
+from .servers.postgres import OS_USER, PgServer
 
 LONG = idemlock.IdempotencySpec("pooled", ttl=timedelta(hours=1), lease=timedelta(minutes=5))
 LOCK = idemlock.LockSpec("pooled", ttl=timedelta(seconds=30))
@@ -384,5 +384,30 @@ def test_migrate_through_pgbouncer(bouncer: PgBouncer, prefix: str) -> None:
     coord = idemlock.connect(url, key_prefix=prefix, schema=schema, auto_migrate=False)
     try:
         assert isinstance(coord.idempotency(LONG).claim("k"), Claimed)
+    finally:
+        coord.close()
+
+
+@pytest.fixture(scope="module")
+def lenient_bouncer(postgres_server: PgServer) -> Iterator[PgBouncer]:
+    """A PgBouncer that ignores the ``options`` startup parameter (the issue's second
+    setting): the store cannot tell by a refusal, only by the backend pid."""
+    bouncer = start_pgbouncer(postgres_server, {"ignore_startup_parameters": "options"})
+    try:
+        yield bouncer
+    finally:
+        bouncer.destroy()
+
+
+def test_a_pooler_that_accepts_options_is_found_out_too(
+    lenient_bouncer: PgBouncer, prefix: str
+) -> None:
+    # Old code: DuplicatePreparedStatement "_pg3_0" (or "does not exist") once two
+    # processes share the pooled server connections.
+    test_many_processes_through_pgbouncer(lenient_bouncer, prefix)
+    coord = idemlock.connect(lenient_bouncer.dsn, key_prefix=prefix)
+    try:
+        assert isinstance(coord.idempotency(LONG).claim("k0"), Claimed)
+        assert coord.store._pooled is True and coord.store._prepare_now is False
     finally:
         coord.close()
