@@ -169,8 +169,8 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, bool, str]]:
 
 
 def _terminate(signum: int, frame: Any) -> None:
-    # Leave through the finally blocks: they stop the workers and the servers (a
-    # PostgreSQL started by pg_ctl would outlive us otherwise).
+    # Leave through the finally blocks: they stop the workers and the servers and remove
+    # their directories (the servers die with us anyway: tests/servers/_proc.py).
     raise SystemExit(128 + signum)
 
 

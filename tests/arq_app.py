@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from arq.connections import RedisSettings
+from arq.worker import func
 
 from idemlock.integrations.arq import idempotent_job
 
@@ -45,12 +46,36 @@ async def arq_long_job(ctx: dict[str, Any], name: str, seconds: float = 0.0) -> 
     return await awork(name, seconds, False)
 
 
+#: idemlock's reschedules of arq_tight_job come back every TIGHT_RETRY seconds (or
+#: sooner), many times within one of its bodies; arq allows it only TIGHT_TRIES tries
+TIGHT_RETRY = 0.2
+TIGHT_TRIES = 2
+
+
+@idempotent_job(
+    SPEC,
+    key=lambda name, seconds=0.0, fail_first=False: name,
+    coordinator=async_coordinator,
+    retry_every=TIGHT_RETRY,
+    store_retry_backoff=TIGHT_RETRY / 2,
+    store_retry_max=TIGHT_RETRY,
+)
+async def arq_tight_job(
+    ctx: dict[str, Any], name: str, seconds: float = 0.0, fail_first: bool = False
+) -> dict[str, Any]:
+    return await awork(name, seconds, fail_first)
+
+
 def redis_settings() -> RedisSettings:
     return RedisSettings.from_dsn(os.environ.get("IDEMLOCK_JOBS_BROKER", "redis://127.0.0.1:1"))
 
 
 class WorkerSettings:
-    functions = [arq_job, arq_long_job]  # noqa: RUF012
+    functions = [  # noqa: RUF012
+        arq_job,
+        arq_long_job,
+        func(arq_tight_job, name="arq_tight_job", max_tries=TIGHT_TRIES),
+    ]
     redis_settings = redis_settings()
     queue_name = os.environ.get("IDEMLOCK_JOBS_NAMESPACE", "arq:queue")
     job_timeout = JOB_TIMEOUT

@@ -1,9 +1,33 @@
-"""Session fixtures shared by every test: throwaway servers live in tests/servers/."""
+"""Session fixtures shared by every test: throwaway servers live in tests/servers/.
+
+Also what keeps a run clean and accountable (in every pytest process, the xdist
+controller and each worker):
+
+* ``tests/_progress.py``: per-test progress events, stacks on SIGUSR1, and a hard
+  stop behind pytest-timeout (see there);
+* SIGTERM (a CI cancel, ``timeout``) and SIGINT end the run the way Ctrl-C does: a
+  ``KeyboardInterrupt`` in the main thread, so every fixture's finalizer runs (the
+  servers stop, their directories go). The xdist controller passes the signal on to
+  its workers first. A second signal during that cleanup is ignored (SIGKILL still
+  works: every server started through ``tests/servers/_proc.popen`` dies with the
+  process that started it);
+* at exit, whatever ``_proc.popen`` started and still runs is killed, and the
+  directories of a run that was SIGKILLed earlier are removed.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import sys
+import threading
+from types import FrameType
+
 import pytest
 
+from . import _progress
+from .servers import _proc
 from .servers.etcd import (  # noqa: F401  (session fixtures)
     etcd_cluster,
     etcd_server,
@@ -47,3 +71,68 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             red=True,
         )
         session.exitstatus = 1
+
+
+# ---- a run that is stopped stops its servers ------------------------------------------
+
+_stopping = False
+_installed_by = os.getpid()
+
+
+def _child_pids() -> list[int]:
+    me = str(os.getpid())
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # pid (comm) state ppid ...: comm may hold spaces and parentheses
+        if stat[stat.rindex(")") + 2 :].split()[1] == me:
+            pids.append(int(entry))
+    return pids
+
+
+def _stop_run(signum: int, frame: FrameType | None) -> None:
+    global _stopping
+    if os.getpid() != _installed_by:
+        # A child forked by a test: what it would do without this handler.
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    if _stopping:
+        return  # let the cleanup the first one started finish
+    _stopping = True
+    name = signal.Signals(signum).name
+    config = _config
+    if config is not None and config.pluginmanager.hasplugin("dsession"):
+        # The controller: its workers run the tests and own the servers.
+        for pid in _child_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+    if signum != signal.SIGINT:  # (Ctrl-C says so itself)
+        with contextlib.suppress(Exception):
+            sys.stderr.write(f"\n{name}: stopping the test run and its servers\n")
+    raise KeyboardInterrupt(name)
+
+
+_config: pytest.Config | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _config
+    _config = config
+    config.pluginmanager.register(_progress, "idemlock-progress")
+    _proc.sweep_stale_roots()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _stop_run)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    _proc.cleanup()

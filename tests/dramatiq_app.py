@@ -60,3 +60,22 @@ LONG_LEASE = 9.0
 )
 def dq_long_job(name: str, seconds: float = 0.0) -> dict[str, Any]:
     return work(name, seconds, False)
+
+
+#: idemlock's reschedules of dq_tight_job come back every TIGHT_RETRY seconds (or
+#: sooner), many times within one of its bodies; Dramatiq allows it TIGHT_RETRIES retries
+TIGHT_RETRY = 0.2
+TIGHT_RETRIES = 2
+
+
+@dramatiq.actor(max_retries=TIGHT_RETRIES, min_backoff=100, max_backoff=1000, store_results=True)
+@idempotent(
+    SPEC,
+    key=lambda name, seconds=0.0, fail_first=False: name,
+    coordinator=coordinator,
+    retry_every=TIGHT_RETRY,
+    store_retry_backoff=TIGHT_RETRY / 2,
+    store_retry_max=TIGHT_RETRY,
+)
+def dq_tight_job(name: str, seconds: float = 0.0, fail_first: bool = False) -> dict[str, Any]:
+    return work(name, seconds, fail_first)

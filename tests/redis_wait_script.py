@@ -63,7 +63,8 @@ def run_sync(url: str) -> None:
         first_call.start()
         assert started.wait(WAIT)
         assert job(7) == 14  # waited for the running call and replays its result
-        first_call.join()
+        first_call.join(timeout=60)
+        assert not first_call.is_alive(), "still running after 60 s"
         assert calls == [7]
     finally:
         coord.close()

@@ -20,14 +20,18 @@ from arq import create_pool
 from arq.connections import ArqRedis, RedisSettings
 from arq.jobs import Job, JobStatus
 
+import idemlock
 from idemlock import ConfigurationError
 from idemlock.integrations.arq import enqueue_once, idempotent_job
 
-from .arq_app import JOB_TIMEOUT, LONG_LEASE, arq_job
+from .arq_app import JOB_TIMEOUT, LONG_LEASE, TIGHT_RETRY, TIGHT_TRIES, arq_job
 from .queue_jobs import LEASE, SPEC, coordinator, long_spec, read_log
+from .servers._proc import popen
 from .servers.redis import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+#: the workers import the tests and the very idemlock this process imported
+WORKER_PATH = os.pathsep.join([str(ROOT), str(Path(idemlock.__file__).resolve().parents[1])])
 
 
 class Env:
@@ -48,8 +52,8 @@ class Env:
         }
 
     def worker(self) -> subprocess.Popen[bytes]:
-        env = {**os.environ, **self.vars, "PYTHONPATH": str(ROOT)}
-        proc = subprocess.Popen(
+        env = {**os.environ, **self.vars, "PYTHONPATH": WORKER_PATH}
+        proc = popen(
             [sys.executable, "-m", "arq", "tests.arq_app.WorkerSettings"],
             cwd=ROOT,
             env=env,
@@ -68,9 +72,23 @@ class Env:
         ]
 
     async def send(self, *args: Any, **options: Any) -> Job:
-        job = await self.pool.enqueue_job("arq_job", *args, _queue_name=self.queue, **options)
+        return await self.send_to("arq_job", *args, **options)
+
+    async def send_to(self, function: str, *args: Any, **options: Any) -> Job:
+        job = await self.pool.enqueue_job(function, *args, _queue_name=self.queue, **options)
         assert job is not None
         return job
+
+    def reschedules(self, job: Job) -> int:
+        """How often the workers sent ``job`` back to the queue with ``arq.Retry``
+        (arq logs each one to the worker's stderr)."""
+        err = self.log.with_suffix(".worker.err")
+        if not err.exists():
+            return 0
+        ref = f"{job.job_id}:"
+        return sum(
+            1 for line in err.read_text().splitlines() if ref in line and "retrying job" in line
+        )
 
     def kill(self, proc: subprocess.Popen[bytes]) -> None:
         if proc.poll() is None:
@@ -201,6 +219,48 @@ async def test_store_down_before_the_body_retries_never_fails(env: Env) -> None:
     env.worker()
     assert (await result(job))["name"] == "d"
     assert len(env.events("d", "start")) == 1
+
+
+async def test_reschedules_while_a_key_is_held_do_not_use_up_max_tries(env: Env) -> None:
+    """Issue 21 item 8: a duplicate of a job that runs many retry intervals meets the
+    key in flight again and again; it replays the first run's result instead of failing
+    with arq's "max N retries exceeded", and none of those reschedules was a try."""
+    env.worker()
+    seconds = TIGHT_RETRY * 15
+    first = await env.send_to("arq_tight_job", "t", seconds)
+    await wait_for(lambda: env.events("t", "start"))
+    dup = await env.send_to("arq_tight_job", "t", seconds)
+    one = await result(first)
+    assert await result(dup) == one  # replayed, not JobExecutionFailed
+    assert env.reschedules(dup) > TIGHT_TRIES  # it came back more often than arq allows
+    info = await dup.result_info()
+    assert info is not None and info.success and info.job_try == 1
+    assert len(env.events("t", "start")) == 1
+
+
+async def test_reschedules_while_the_store_is_down_do_not_use_up_max_tries(
+    env: Env, tmp_path: Path
+) -> None:
+    store = RedisServer(tmp_path / "store", free_port())  # not started yet: down
+    env.store_file.write_text(store.url.rsplit("/", 1)[0] + "/1?timeout=0.2")
+    env.worker()
+    job = await env.send_to("arq_tight_job", "down", 0.0)
+
+    async def rescheduled_or_over() -> bool:
+        over = await job.status() in (JobStatus.complete, JobStatus.not_found)
+        return over or env.reschedules(job) > TIGHT_TRIES + 1
+
+    await wait_for(rescheduled_or_over)
+    assert env.reschedules(job) > TIGHT_TRIES + 1  # still coming back, not failed
+    assert env.events("down") == []
+    store.start()  # the store is back where the worker looks for it
+    try:
+        assert (await result(job))["name"] == "down"
+    finally:
+        store.stop()
+    info = await job.result_info()
+    assert info is not None and info.success and info.job_try == 1
+    assert len(env.events("down", "start")) == 1
 
 
 async def test_called_directly_it_runs_and_replays(env: Env) -> None:

@@ -443,8 +443,8 @@ def test_without_a_key_requests_pass_through(server: Server) -> None:
 # ---- the header's syntax -----------------------------------------------------------------
 
 MALFORMED: list[bytes] = [
-    b"8e03978e-40d5-43e8-bc93-6894a57f9324",  # a token, not a string
     b'"unterminated',
+    b"order A18",  # unquoted with a space
     b'"bad \\x escape"',
     b'""',  # empty
     b'"' + b"k" * 256 + b'"',  # over max_key_length
@@ -453,7 +453,6 @@ MALFORMED: list[bytes] = [
     b'"a";p=1.2345',  # decimal with 4 fractional digits
     b'"tab\tinside"',
     b'"caf\xc3\xa9"',  # non-ASCII
-    b"?1",  # a boolean
     b'"a", "b"',  # a list
 ]
 
@@ -467,6 +466,37 @@ def test_malformed_keys_are_400(server: Server, value: bytes) -> None:
     assert r.headers["content-language"] == "en"
     assert r.json()["type"] == "about:blank" and r.json()["title"] == "Bad Request"
     assert server.calls[t] == 0
+
+
+def test_unquoted_keys_are_accepted_as_their_quoted_form(server: Server) -> None:
+    # What Stripe's SDKs and most clients send: Idempotency-Key: order-A18 (no quotes).
+    t, raw = tag(), f"order-A18-{uuid.uuid4().hex}"
+    with server.client() as c:
+        first = c.post("/charges", json={"tag": t}, headers={"Idempotency-Key": raw})
+        again = c.post("/charges", json={"tag": t}, headers={"Idempotency-Key": raw})
+        quoted = c.post("/charges", json={"tag": t}, headers={"Idempotency-Key": f'"{raw}"'})
+    assert first.status_code == 201 and not replayed(first)
+    assert replayed(again) and again.content == first.content
+    assert replayed(quoted) and quoted.content == first.content  # one key, either form
+    assert server.calls[t] == 1
+
+
+def test_allow_unquoted_key_false_accepts_the_sf_string_only(tmp_path: Path) -> None:
+    t, raw = tag(), f"order-A18-{uuid.uuid4().hex}"
+    strict = running(starlette_app, tmp_path / "strict.db", allow_unquoted_key=False)
+    with strict as srv, srv.client() as c:
+        bare = c.post("/charges", json={"tag": t}, headers={"Idempotency-Key": raw})
+        quoted = c.post("/charges", json={"tag": t}, headers={"Idempotency-Key": f'"{raw}"'})
+        others = [  # a number, a boolean
+            c.post("/charges", json={"tag": t}, headers=[(b"Idempotency-Key", value)])
+            for value in (b"8e03978e-40d5-43e8-bc93-6894a57f9324", b"?1")
+        ]
+    assert_problem(bare, 400, "idempotency_key_malformed")
+    assert "quoted string" in bare.json()["detail"]
+    for r in others:
+        assert_problem(r, 400, "idempotency_key_malformed")
+    assert quoted.status_code == 201 and not replayed(quoted)
+    assert srv.calls[t] == 1
 
 
 def test_two_key_fields_are_400(server: Server) -> None:

@@ -33,6 +33,7 @@ import idemlock
 from idemlock import ConfigurationError, FencedOut, IdempotencySpec, InFlightError
 from idemlock.integrations.celery import IdempotentTask, current_fence
 
+from .servers._proc import popen
 from .servers.redis import RedisServer, free_port, start_redis
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -337,7 +338,7 @@ class Worker:
             "--without-gossip", "--without-mingle", "--without-heartbeat",
         ]  # fmt: skip
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(
+            self.proc = popen(
                 cmd, cwd=ROOT, env=environ, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip
@@ -746,7 +747,8 @@ def test_in_flight_wait_mode_waits_for_the_result(
     started = time.monotonic()
     assert slow(1) == 10
     assert time.monotonic() - started >= 0.15
-    timer.join()
+    timer.join(timeout=60)
+    assert not timer.is_alive(), "still running after 60 s"
 
 
 def test_coordinator_from_a_url_or_a_factory(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -967,10 +969,10 @@ def test_send_once_eager_runs_releases_and_replays(
         return f"charged {order_id}"
 
     first = charge.delay_once("E1")
-    assert first is not None and first.get() == "charged E1"
+    assert first is not None and first.get(timeout=60) == "charged E1"
     # Ran and released its send lease (60 s): a new send is accepted and replays.
     again = charge.apply_async_once(("E1",), countdown=0)
-    assert again is not None and again.get() == "charged E1"
+    assert again is not None and again.get(timeout=60) == "charged E1"
     assert runs == ["E1"]
     with pytest.raises(ConfigurationError, match="send lease"):
         charge.apply_async_once(("E2",), lease=0)
@@ -982,7 +984,7 @@ def test_send_once_eager_runs_releases_and_replays(
     assert charge.delay_once("E3") is None
     port.abandon(claim.token)
     sent = charge.delay_once("E3")
-    assert sent is not None and sent.get() == "charged E3"
+    assert sent is not None and sent.get(timeout=60) == "charged E3"
     assert runs == ["E1", "E3"]
 
 

@@ -21,6 +21,7 @@ import pytest
 import idemlock
 from idemlock.cli import parse_duration
 
+from .servers._proc import popen
 from .servers.redis import RedisServer, free_port
 
 PY = sys.executable
@@ -42,12 +43,13 @@ def cli(url: str, *args: str, timeout: float = 30) -> subprocess.CompletedProces
 
 
 def start(url: str, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+    return popen(
         [PY, "-m", "idemlock", "--url", url, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=_env(),
+        start_new_session=False,
     )
 
 
@@ -85,7 +87,7 @@ def procs(tmp_path: Path) -> Iterator[list[subprocess.Popen[str]]]:
     for p in started:  # never leave a child behind on failure
         if p.poll() is None:
             p.kill()
-            p.communicate()
+            p.communicate(timeout=30)
     # A HOLD child whose idemlock was killed above (or that outlived a failed test)
     # would poll for `release` forever, an orphan: let it end.
     (tmp_path / "release").touch()
@@ -799,3 +801,99 @@ def test_on_a_terminal_cmd_is_the_foreground_group(url: str, tmp_path: Path) -> 
         if written.exists():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(written.read_text()), signal.SIGKILL)
+
+
+def _pty_run(argv: list[str]) -> tuple[int, int]:
+    """Start ``argv`` with a pseudo-terminal as its stdin, stdout and stderr."""
+    import pty
+
+    pid, master = pty.fork()
+    if pid == 0:  # the child: a session leader whose terminal is the pty
+        os.execve(PY, argv, _env())
+    return pid, master
+
+
+def test_a_wait_on_a_terminal_says_once_whom_it_waits_for(url: str) -> None:
+    import select
+
+    import idemlock
+
+    with idemlock.connect(url) as coord:
+        lock = coord.lock("cli-lock")
+        lease = lock.acquire("nightly", owner="vm:32193:3eb0eb")
+        assert lease is not None
+        argv = [PY, "-m", "idemlock", "--url", url, "run", "--lock", "nightly", "--wait", "60s",
+                "--", *script("print('ran')")]  # fmt: skip
+        pid, master = _pty_run(argv)
+        seen = b""
+        try:
+            deadline = time.monotonic() + 30
+            while b"ran" not in seen:
+                assert time.monotonic() < deadline, seen
+                if b"waiting for lock" in seen and lease is not None:
+                    lock.release(lease)  # seen waiting: now let it run
+                    lease = None
+                if select.select([master], [], [], 0.05)[0]:
+                    try:
+                        seen += os.read(master, 4096)
+                    except OSError:
+                        break
+            _, status = os.waitpid(pid, 0)
+        finally:
+            with contextlib.suppress(ChildProcessError, ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            os.close(master)
+    text = seen.decode("utf-8", "replace")
+    assert os.waitstatus_to_exitcode(status) == 0, text
+    assert text.count("waiting for lock") == 1
+    assert "waiting for lock 'nightly' held by vm:32193:3eb0eb (" in text
+    assert "s left on its lease), up to --wait 1m00s\u2026" in text
+
+
+def test_a_wait_off_a_terminal_prints_nothing_extra(url: str) -> None:
+    import idemlock
+
+    with idemlock.connect(url) as coord:
+        lock = coord.lock("cli-lock")
+        assert lock.acquire("nightly", owner="elsewhere") is not None
+        r = cli(url, "run", "--lock", "nightly", "--wait", "0.3s", "--", *script("print(1)"))
+    assert r.returncode == 75
+    assert "waiting" not in r.stderr and "is held by elsewhere" in r.stderr
+
+
+def test_a_once_wait_on_a_terminal_says_what_it_waits_for(url: str) -> None:
+    import select
+
+    import idemlock
+
+    with idemlock.connect(url) as coord:
+        port = coord.idempotency("cli-once")
+        # The same command, started elsewhere first (the payload is the command).
+        claim = port.claim("nightly", payload={"argv": script("print('ran')")})
+        assert isinstance(claim, idemlock.Claimed)
+        argv = [PY, "-m", "idemlock", "--url", url, "run", "--once", "nightly", "--wait", "60s",
+                "--", *script("print('ran')")]  # fmt: skip
+        pid, master = _pty_run(argv)
+        seen, freed = b"", False
+        try:
+            deadline = time.monotonic() + 30
+            while b"ran" not in seen:
+                assert time.monotonic() < deadline, seen
+                if b"waiting for 'nightly'" in seen and not freed:
+                    port.abandon(claim.token)  # the run elsewhere failed: ours may run
+                    freed = True
+                if select.select([master], [], [], 0.05)[0]:
+                    try:
+                        seen += os.read(master, 4096)
+                    except OSError:
+                        break
+            _, status = os.waitpid(pid, 0)
+        finally:
+            with contextlib.suppress(ChildProcessError, ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            os.close(master)
+    text = seen.decode("utf-8", "replace")
+    assert os.waitstatus_to_exitcode(status) == 0, text
+    assert text.count("waiting for 'nightly', being run elsewhere (") == 1, text

@@ -5,7 +5,6 @@ two worker processes and concurrent duplicates; records in a shared SQLite file.
 from __future__ import annotations
 
 import os
-import tempfile
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
-_TMP = Path(tempfile.mkdtemp(prefix="idemlock-django-"))
+from .servers._proc import mkdtemp, popen
+
+_TMP = mkdtemp("idemlock-django-")  # removed at exit (tests/servers/_proc.py)
 os.environ["DJANGO_SETTINGS_MODULE"] = "tests.django_app.settings"
 os.environ["DJANGO_TEST_STORE"] = f"sqlite:///{_TMP / 'idemlock.db'}"
 os.environ["DJANGO_TEST_RUNS"] = str(_TMP / "runs")
@@ -71,6 +72,22 @@ def test_middleware_replays_and_refuses_another_body(client: Client) -> None:
         422,
         "idempotency_key_reused",
     )
+    assert count(tag) == 1
+
+
+def test_an_unquoted_key_is_accepted_as_its_quoted_form(client: Client) -> None:
+    raw, tag = f"order-A18-{uuid.uuid4().hex}", uuid.uuid4().hex
+    sent = [
+        client.post(
+            "/mw/charges",
+            {"tag": tag},
+            content_type="application/json",
+            headers={"Idempotency-Key": k, "x_user": "alice"},
+        )
+        for k in (raw, raw, f'"{raw}"')
+    ]
+    assert sent[0].status_code == 201 and "Idempotent-Replayed" not in sent[0]
+    assert all(r["Idempotent-Replayed"] == "true" for r in sent[1:])
     assert count(tag) == 1
 
 
@@ -183,12 +200,11 @@ def test_anonymous_is_401_by_default_with_an_identity_and_a_down_store_is_503(
 
 @pytest.fixture(scope="module")
 def gunicorn() -> Iterator[str]:
-    import subprocess
     import sys
     import time
 
     port = free_port()
-    proc = subprocess.Popen(
+    proc = popen(
         [
             sys.executable,
             "-m",
@@ -205,6 +221,7 @@ def gunicorn() -> Iterator[str]:
         ],
         cwd=Path(__file__).resolve().parent.parent,
         env=dict(os.environ),
+        start_new_session=False,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 20
@@ -341,7 +358,7 @@ def test_atomic_view_whose_claim_was_taken_over_rolls_its_writes_back(
             time.sleep(0.01)
         time.sleep(1.2)  # past A's lease
         b = pool.submit(post, Client(), atomic_path, key, body, x_api_key="k")
-        ra, rb = a.result(), b.result()
+        ra, rb = a.result(timeout=60), b.result(timeout=60)
     assert count(tag) == 2  # both views ran
     problem(ra, 409, "idempotency_key_in_use")
     assert rb.status_code == 201
@@ -428,3 +445,100 @@ def test_drf_mixin_records_a_validation_error_raised_by_the_handler(client: Clie
     again = post(client, "/drf/charges", key, body, x_token="alice")
     assert again.status_code == 400 and again["Idempotent-Replayed"] == "true"
     assert count(tag) == 1
+
+
+# ---- the app: system checks and manage.py idemlock --------------------------------------
+
+
+def check(*args: str) -> str:
+    """``manage.py check``: what it printed (errors raise SystemCheckError)."""
+    import io
+
+    from django.core.management import call_command
+
+    out, err = io.StringIO(), io.StringIO()
+    call_command("check", *args, stdout=out, stderr=err)
+    return out.getvalue() + err.getvalue()
+
+
+def conf(**changes: Any) -> dict[str, Any]:
+    from django.conf import settings
+
+    return {**settings.IDEMLOCK, **changes}
+
+
+def test_check_passes_on_a_valid_project() -> None:
+    assert "no issues" in check()
+
+
+def test_check_reports_a_misspelt_or_invalid_setting() -> None:
+    from django.core.management.base import SystemCheckError
+    from django.test import override_settings
+
+    misspelt_setting = override_settings(IDEMLOCK=conf(requier_key=True))
+    with misspelt_setting, pytest.raises(SystemCheckError) as misspelt:
+        check()
+    assert "idemlock.E003" in str(misspelt.value)
+    assert "unknown key 'requier_key' (did you mean 'require_key'?)" in str(misspelt.value)
+    with override_settings(IDEMLOCK=conf(max_body=0)), pytest.raises(SystemCheckError) as bad:
+        check()
+    assert "idemlock.E005" in str(bad.value) and "max_body must be a positive int" in str(bad.value)
+    no_url = {k: v for k, v in conf().items() if k != "url"}
+    with override_settings(IDEMLOCK=no_url), pytest.raises(SystemCheckError) as missing:
+        check()
+    assert "idemlock.E004" in str(missing.value)
+
+
+def test_check_warns_about_a_store_that_does_not_answer() -> None:
+    from django.core.management.base import SystemCheckError
+    from django.test import override_settings
+
+    with override_settings(IDEMLOCK=conf(url=os.environ["DJANGO_TEST_DEAD_STORE"])):
+        out = check()  # a warning: the project still starts
+        with pytest.raises(SystemCheckError):
+            check("--fail-level", "WARNING")
+    assert "idemlock.W001" in out and "does not answer" in out
+    assert "redis://127.0.0.1:" in out
+
+
+def test_check_reports_the_middleware_before_authentication() -> None:
+    from django.conf import settings
+    from django.core.management.base import SystemCheckError
+    from django.test import override_settings
+
+    ours = "idemlock.integrations.django.IdempotencyMiddleware"
+    early = [ours, *(m for m in settings.MIDDLEWARE if m != ours)]
+    with override_settings(MIDDLEWARE=early), pytest.raises(SystemCheckError) as caught:
+        check()
+    assert "idemlock.E007" in str(caught.value)
+    assert "AuthenticationMiddleware comes after it" in str(caught.value)
+    # With another identity the order does not matter.
+    with override_settings(MIDDLEWARE=early, IDEMLOCK=conf(identity="header:X-Api-Key")):
+        assert "no issues" in check()
+
+
+def test_manage_py_idemlock_runs_the_cli_on_the_configured_store(client: Client) -> None:
+    import io
+    import json
+
+    from django.core.management import call_command
+    from django.core.management.base import CommandError
+
+    key, tag = uuid.uuid4().hex, uuid.uuid4().hex
+    assert post(client, "/mw/charges", key, {"tag": tag}, x_user="alice").status_code == 201
+    out = io.StringIO()
+    call_command("idemlock", "keys", "--spec", "http", "--json", stdout=out)
+    rows = json.loads(out.getvalue())
+    assert rows and {r["spec"] for r in rows} == {"http"}
+    assert {r["state"] for r in rows} <= {"completed", "in_flight"}
+    out = io.StringIO()
+    call_command("idemlock", "status", rows[0]["key"], "--spec", "http", stdout=out)
+    assert "completed" in out.getvalue()
+    out = io.StringIO()
+    call_command("idemlock", "purge", stdout=out)
+    assert "purged" in out.getvalue().lower() or "deleted" in out.getvalue().lower()
+    with pytest.raises(CommandError) as missing:
+        call_command("idemlock", "status", "no-such-key", "--spec", "http", stdout=io.StringIO())
+    assert missing.value.returncode == 1
+    with pytest.raises(CommandError, match="--url is not taken"):
+        call_command("idemlock", "keys", "--url", "memory://")

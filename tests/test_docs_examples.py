@@ -26,13 +26,13 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from .servers._proc import mkdtemp
 from .servers.postgres import PgServer
 from .servers.redis import RedisServer, start_redis
 
@@ -183,7 +183,7 @@ def substitute(code: str, servers: Servers) -> str:
 def docs_redis() -> Iterator[RedisServer]:
     # A server of its own: examples enqueue jobs and write keys the session's tests
     # must not see.
-    root = Path(tempfile.mkdtemp(prefix="idemlock-docs-redis-"))
+    root = mkdtemp("idemlock-docs-redis-")
     server = start_redis(root)
     try:
         yield server

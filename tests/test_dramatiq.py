@@ -5,6 +5,7 @@ tests/dramatiq_app.py and writes what it does into a log file this test reads.""
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import signal
 import subprocess
@@ -18,13 +19,17 @@ from typing import Any
 
 import pytest
 
+import idemlock
 from idemlock import ConfigurationError
 from idemlock.integrations.dramatiq import send_once
 
 from .queue_jobs import LEASE, SPEC, coordinator, long_spec, read_log
+from .servers._proc import popen
 from .servers.redis import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+#: the workers import the tests and the very idemlock this process imported
+WORKER_PATH = os.pathsep.join([str(ROOT), str(Path(idemlock.__file__).resolve().parents[1])])
 NAMESPACE = f"dq{uuid.uuid4().hex[:8]}"
 
 
@@ -54,8 +59,8 @@ class Env:
         }
 
     def worker(self) -> subprocess.Popen[bytes]:
-        env = {**os.environ, **self.vars, "PYTHONPATH": str(ROOT)}
-        proc = subprocess.Popen(
+        env = {**os.environ, **self.vars, "PYTHONPATH": WORKER_PATH}
+        proc = popen(
             [sys.executable, "-m", "dramatiq", "tests.dramatiq_app", "-p", "1", "-t", "2"],
             cwd=ROOT,
             env=env,
@@ -72,6 +77,17 @@ class Env:
             for e in read_log(self.log)
             if e.get("name") == name and (event is None or e["event"] == event)
         ]
+
+    def reschedules(self, message: Any) -> int:
+        """How often the workers' ``Retries`` middleware sent ``message`` back (it logs
+        each one to the worker's stderr)."""
+        err = self.log.with_suffix(".worker.err")
+        if not err.exists():
+            return 0
+        ref = message.message_id
+        return sum(
+            1 for line in err.read_text().splitlines() if ref in line and "Retrying message" in line
+        )
 
     def kill(self, proc: subprocess.Popen[bytes]) -> None:
         if proc.poll() is None:
@@ -195,6 +211,68 @@ def test_store_down_before_the_body_retries_never_fails(env: Env) -> None:
     env.worker()
     assert result(msg)["name"] == "d"
     assert len(env.events("d", "start")) == 1
+
+
+def test_reschedules_while_a_key_is_held_do_not_use_up_max_retries(env: Env) -> None:
+    """Issue 21 item 8: a duplicate of a message that runs many retry intervals meets
+    the key in flight again and again; it replays the first run's result instead of
+    failing once ``max_retries`` reschedules are spent."""
+    env.worker()
+    actor = env.app.dq_tight_job
+    seconds = env.app.TIGHT_RETRY * 15
+    first = actor.send("t", seconds)
+    wait_for(lambda: env.events("t", "start"))
+    dup = actor.send("t", seconds)
+    one = result(first)
+    assert result(dup) == one  # replayed, not failed with its retries used up
+    assert env.reschedules(dup) > env.app.TIGHT_RETRIES  # more than Dramatiq allows
+    assert len(env.events("t", "start")) == 1
+
+
+def test_reschedules_while_the_store_is_down_do_not_use_up_max_retries(
+    env: Env, tmp_path: Path
+) -> None:
+    from dramatiq.results import ResultMissing
+
+    store = RedisServer(tmp_path / "store", free_port())  # not started yet: down
+    env.store_file.write_text(store.url.rsplit("/", 1)[0] + "/1?timeout=0.2")
+    env.worker()
+    msg = env.app.dq_tight_job.send("down", 0.0)
+
+    def rescheduled_or_over() -> bool:
+        try:
+            msg.get_result()
+        except ResultMissing:
+            return env.reschedules(msg) > env.app.TIGHT_RETRIES + 1
+        return True  # a result (or a failure) is recorded: it is over
+
+    wait_for(rescheduled_or_over)
+    assert env.reschedules(msg) > env.app.TIGHT_RETRIES + 1  # still coming back
+    assert env.events("down") == []
+    store.start()  # the store is back where the worker looks for it
+    try:
+        assert result(msg)["name"] == "down"
+    finally:
+        store.stop()
+    assert len(env.events("down", "start")) == 1
+
+
+def test_without_a_current_message_a_reschedule_warns_that_it_counts(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Called where no CurrentMessage is set (directly, or by a broker without the
+    middleware), idemlock cannot take the retry back: it says so and how to fix it."""
+    import dramatiq
+
+    guard = env.app.dq_tight_job.fn.idemlock_guard
+    env.store_file.write_text(f"redis://127.0.0.1:{free_port()}/1?timeout=0.2")
+    guard._state = None
+    try:
+        with caplog.at_level(logging.WARNING, "idemlock.jobs"), pytest.raises(dramatiq.Retry):
+            env.app.dq_tight_job.fn("nomsg")
+    finally:
+        guard._state = None
+    assert "add the CurrentMessage middleware" in caplog.text
 
 
 def test_send_once_refuses_a_queued_or_running_key(env: Env) -> None:

@@ -33,6 +33,7 @@ from idemlock.stores.etcd._pb.etcdserverpb import rpc_pb2 as pb
 from idemlock.stores.etcd._pb.etcdserverpb import rpc_pb2_grpc as stubs
 from idemlock.stores.etcd._sync import EtcdStore
 
+from .servers._proc import waitpid
 from .servers.etcd import EtcdCluster, start_etcd
 
 LONG = LockSpec("e", ttl=timedelta(seconds=30))
@@ -144,7 +145,8 @@ def test_a_waiter_is_woken_by_the_watch(etcd_server: EtcdCluster, mode: str) -> 
                     await c.close()
 
             lease, got = asyncio.run(wait())
-        timer.join()
+        timer.join(timeout=60)
+        assert not timer.is_alive(), "still running after 60 s"
         assert lease is not None and lease.token > holder.token
         # A waiter re-checks the store once a second at most; only the watch on the
         # lock's key wakes it sooner than that after the release.
@@ -299,7 +301,8 @@ def test_user_and_password(auth_etcd: EtcdCluster) -> None:
             assert other.lock(LONG).acquire("k", wait=5) is not None
         finally:
             other.close()
-            t.join()
+            t.join(timeout=60)
+            assert not t.is_alive(), "still running after 60 s"
     finally:
         coord.close()
     bad = idemlock.connect(f"etcd://root:wrong@{host}?timeout=1", key_prefix=prefix())
@@ -436,7 +439,7 @@ def test_fork_child_opens_its_own_channels(etcd_server: EtcdCluster) -> None:
                 port.complete(got.token, "from the child")  # type: ignore[union-attr]
             finally:
                 os._exit(code)
-        _, status = os.waitpid(pid, 0)
+        _, status = waitpid(pid)
         assert os.waitstatus_to_exitcode(status) == 0
         # The parent goes on working on its own channels.
         again = port.claim("child")

@@ -41,6 +41,8 @@ import idemlock.aio
 from idemlock.integrations.asgi import json_fields
 from idemlock.integrations.fastapi import Idempotency
 
+from .servers._proc import popen
+
 ROOT = Path(__file__).resolve().parent.parent
 USERS = {"tok-alice": "alice", "tok-bob": "bob"}
 
@@ -102,6 +104,12 @@ def make_app(
     @app.post("/strict-mismatch")
     @idem.protect(mismatch_status=400, identity=None)
     async def strict_mismatch(order: Order) -> dict[str, Any]:
+        calls[order.tag] += 1
+        return {"id": uuid.uuid4().hex}
+
+    @app.post("/sf-only")
+    @idem.protect(require_key=True, allow_unquoted_key=False, identity=None)
+    async def sf_only(order: Order) -> dict[str, Any]:
         calls[order.tag] += 1
         return {"id": uuid.uuid4().hex}
 
@@ -177,11 +185,31 @@ def test_openapi_documents_the_header_and_the_problem_responses(tmp_path: Path) 
     strict = doc["paths"]["/strict-mismatch"]["post"]["responses"]
     assert "idempotency_key_reused" in strict["400"]["description"]
     assert "401" not in strict
+    # The replay marker is a documented header of the success responses.
+    replayed = op["responses"]["201"]["headers"]["Idempotent-Replayed"]
+    assert replayed["schema"] == {"type": "string", "enum": ["true"]}
+    assert "Idempotent-Replayed" not in op["responses"]["409"].get("headers", {})
     # Unprotected routes are untouched.
     open_op = doc["paths"]["/open"]["post"]
     assert all(p["name"] != "Idempotency-Key" for p in open_op.get("parameters", []))
     assert set(open_op["responses"]) == {"200", "422"}
     assert "x-idemlock" not in repr(doc)  # the marker that found the routes is gone
+
+
+def test_openapi_marks_the_key_required_with_require_key(tmp_path: Path) -> None:
+    doc = make_app(f"sqlite:///{tmp_path / 'x.db'}", Counter()).openapi()
+
+    def key_param(path: str) -> dict[str, Any]:
+        params = doc["paths"][path]["post"]["parameters"]
+        (param,) = [p for p in params if p["in"] == "header" and p["name"] == "Idempotency-Key"]
+        return param
+
+    assert key_param("/sf-only")["required"] is True
+    assert "quoted string" in key_param("/sf-only")["description"]
+    assert key_param("/orders")["required"] is False
+    assert "order-A18" in key_param("/orders")["description"]
+    ok = doc["paths"]["/sf-only"]["post"]["responses"]["200"]
+    assert "Idempotent-Replayed" in ok["headers"]
 
 
 # ---- the table, through the ASGI transport ---------------------------------------------
@@ -269,8 +297,6 @@ async def test_unquoted_keys_and_the_mismatch_status_are_separate_options(served
         "/stripe", json={**order, "quantity": 5}, headers={"Idempotency-Key": raw}
     )
     problem(changed, 422, "idempotency_key_reused")  # unquoted keys alone keep 422
-    unquoted = await c.post("/strict-mismatch", json=order, headers={"Idempotency-Key": raw})
-    problem(unquoted, 400, "idempotency_key_malformed")  # a 400 mismatch alone keeps quotes
     k = key()
     assert (await c.post("/strict-mismatch", json=order, headers={"Idempotency-Key": k})).is_success
     mismatch = await c.post(
@@ -278,6 +304,24 @@ async def test_unquoted_keys_and_the_mismatch_status_are_separate_options(served
     )
     problem(mismatch, 400, "idempotency_key_reused")
     assert calls[t] == 2
+
+
+async def test_unquoted_keys_are_accepted_by_default_and_refused_when_strict(
+    served: Any,
+) -> None:
+    _, c, calls = served
+    t, raw = tag(), f"order-A18-{uuid.uuid4().hex}"
+    order = {"tag": t, "sku": "U", "quantity": 1}
+    h = {"Idempotency-Key": raw}
+    first = await c.post("/strict-mismatch", json=order, headers=h)
+    again = await c.post("/strict-mismatch", json=order, headers=h)
+    quoted = await c.post("/strict-mismatch", json=order, headers={"Idempotency-Key": f'"{raw}"'})
+    assert first.status_code == 200 and "idempotent-replayed" not in first.headers
+    assert again.headers["idempotent-replayed"] == "true" and again.content == first.content
+    assert quoted.headers["idempotent-replayed"] == "true"  # the same key, quoted
+    strict = await c.post("/sf-only", json=order, headers=h)
+    problem(strict, 400, "idempotency_key_malformed")
+    assert calls[t] == 1
 
 
 async def test_form_endpoints_are_fingerprinted_by_their_bytes(served: Any) -> None:
@@ -389,6 +433,21 @@ def test_under_uvicorn_concurrent_duplicates_run_once_and_the_lifespan_opens_and
         app.state.idem.coordinator  # noqa: B018  (closed at uvicorn's shutdown)
 
 
+def test_under_uvicorn_unquoted_keys_and_re_encoded_numbers(tmp_path: Path) -> None:
+    calls: Counter[str] = Counter()
+    app = make_app(f"sqlite:///{tmp_path / 'idemlock.db'}", calls)
+    t, raw = tag(), f"order-A18-{uuid.uuid4().hex}"
+    h = {**auth(k=raw), "Content-Type": "application/json"}
+    with uvicorn_thread(app) as base, httpx.Client(base_url=base, timeout=20) as c:
+        first = c.post("/orders", content=f'{{"tag":"{t}","sku":"N","quantity":2}}', headers=h)
+        again = c.post("/orders", content=f'{{"quantity":2.0,"sku":"N","tag":"{t}"}}', headers=h)
+        strict = c.post("/sf-only", content=f'{{"tag":"{t}","sku":"N","quantity":2}}', headers=h)
+    assert first.status_code == 201 and "idempotent-replayed" not in first.headers
+    assert again.headers["idempotent-replayed"] == "true" and again.content == first.content
+    problem(strict, 400, "idempotency_key_malformed")  # allow_unquoted_key=False
+    assert calls[t] == 1
+
+
 def dead_store_app() -> FastAPI:
     """``uvicorn --factory tests.test_fastapi:dead_store_app``: a store nobody listens on."""
     idem = Idempotency(os.environ["FASTAPI_TEST_STORE"])
@@ -415,7 +474,7 @@ def test_warnings_reach_stderr_under_uvicorns_default_logging(tmp_path: Path) ->
     env = {**os.environ, "FASTAPI_TEST_STORE": f"redis://127.0.0.1:{dead}/0?timeout=0.5"}
     err = tmp_path / "stderr"
     with err.open("wb") as stderr:
-        proc = subprocess.Popen(
+        proc = popen(
             [
                 sys.executable,
                 "-m",
@@ -429,6 +488,7 @@ def test_warnings_reach_stderr_under_uvicorns_default_logging(tmp_path: Path) ->
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=stderr,
+            start_new_session=False,
         )
         try:
             deadline = time.monotonic() + 30

@@ -8,6 +8,8 @@ import os
 
 from idemlock.stores._forks import ForkRegistry
 
+from .servers._proc import waitpid
+
 
 class _Obj:
     def __init__(self, name: str, calls: list[str]) -> None:
@@ -36,6 +38,6 @@ def test_a_forked_child_runs_each_registry_in_order_on_its_live_objects() -> Non
     os.close(w)
     with os.fdopen(r, "rb") as f:
         child = f.read().decode()
-    assert os.waitpid(pid, 0)[1] == 0
+    assert waitpid(pid)[1] == 0
     assert child == "first a|second a"
     assert calls == []  # the parent's objects are untouched

@@ -9,12 +9,12 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from .servers._proc import mkdtemp
 from .servers.redis import RedisServer, start_unix_redis
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,7 +29,7 @@ def _clean_env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def unix_redis() -> Iterator[tuple[RedisServer, str]]:
-    root = Path(tempfile.mkdtemp(prefix="ili-", dir="/tmp"))
+    root = mkdtemp("ili-")
     server, url = start_unix_redis(root)
     try:
         yield server, url

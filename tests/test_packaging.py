@@ -44,6 +44,29 @@ def test_license_and_changelog() -> None:
     assert f"## {idemlock.__version__}" in changelog
 
 
+def test_license_is_an_spdx_expression_setuptools_builds_without_warning() -> None:
+    # A TOML table ({text = "MIT"}) makes setuptools >= 77 print a deprecation warning on
+    # every install; the SPDX string needs setuptools >= 77 to build.
+    project = PYPROJECT["project"]
+    assert project["license"] == "MIT"
+    assert project["license-files"] == ["LICENSE"]
+    assert "setuptools>=77" in PYPROJECT["build-system"]["requires"]
+    # PEP 639: a license expression and a "License ::" classifier are exclusive.
+    assert not [c for c in project["classifiers"] if c.startswith("License ::")]
+
+
+def test_python_classifiers_match_requires_python() -> None:
+    project = PYPROJECT["project"]
+    assert project["requires-python"] == ">=3.10"
+    versions = [
+        c.rsplit(" :: ", 1)[1]
+        for c in project["classifiers"]
+        if c.startswith("Programming Language :: Python :: 3.")
+    ]
+    assert versions == ["3.10", "3.11", "3.12", "3.13"]
+    assert f"{sys.version_info[0]}.{sys.version_info[1]}" in versions
+
+
 def test_project_urls_in_the_metadata() -> None:
     urls = metadata("idemlock").get_all("Project-URL") or []
     names = {u.split(",", 1)[0].strip() for u in urls}

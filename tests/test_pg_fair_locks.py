@@ -32,6 +32,8 @@ from idemlock.stores import postgres as pg
 from idemlock.stores.postgres import _shared
 from idemlock.stores.postgres._sql import migration_statements, record_version
 
+from .servers._proc import popen
+
 NS = "fair"
 TTL = 30_000
 SPEC = idemlock.LockSpec("fair", ttl=timedelta(seconds=30))
@@ -323,11 +325,12 @@ def test_processes_get_the_lock_in_the_order_they_queued(postgres_dsn: str, key:
     children = []
     try:
         for i in range(3):
-            child = subprocess.Popen(
+            child = popen(
                 [sys.executable, "-c", WAITER_CHILD, postgres_dsn, key],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
+                start_new_session=False,
             )
             children.append(child)
             assert child.stdout is not None

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from .servers._proc import popen
 from .servers.postgres import PgServer
 from .servers.proxy import TcpProxy
 
@@ -55,12 +56,13 @@ def test_asyncio_run_returns_while_the_pool_is_connecting(
     postgres_server: PgServer, proxy: TcpProxy
 ) -> None:
     url = postgres_server.dsn.replace(f":{postgres_server.port}/", f":{proxy.port}/")
-    proc = subprocess.Popen(
+    proc = popen(
         [sys.executable, "-c", SCRIPT, f"{url}?timeout=1"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=False,
     )
     try:
         assert proc.stdout is not None and proc.stdin is not None
@@ -71,7 +73,7 @@ def test_asyncio_run_returns_while_the_pool_is_connecting(
         out, err = proc.communicate(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, err = proc.communicate()
+        out, err = proc.communicate(timeout=30)
         pytest.fail(f"asyncio.run() hung while the pool was connecting:\n{out}\n{err[-2000:]}")
     assert proc.returncode == 0, err[-2000:]
     assert "raised TimeoutError" in out

@@ -40,6 +40,7 @@ from idemlock._core.keys import namespace
 from idemlock.stores import postgres as pg
 from idemlock.stores.postgres._sql import Statements
 
+from .servers._proc import popen
 from .servers.postgres import PgServer, start_postgres
 
 LONG = IdempotencySpec("job", lease=timedelta(seconds=30))
@@ -80,12 +81,13 @@ def _table(dsn: str, ddl: str) -> str:
 
 
 def _child(code: str, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+    return popen(
         [sys.executable, "-c", code, *args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=False,
     )
 
 
@@ -94,7 +96,7 @@ def _line(proc: subprocess.Popen[str]) -> str:
     line = proc.stdout.readline()
     if not line:
         assert proc.stderr is not None
-        raise AssertionError(f"child exited: {proc.wait()} {proc.stderr.read()}")
+        raise AssertionError(f"child exited: {proc.wait(timeout=30)} {proc.stderr.read()}")
     return line.strip()
 
 
@@ -121,7 +123,7 @@ def test_killed_client_leaves_no_half_made_claim(postgres_dsn: str, prefix: str)
     child = _child(KILLED_CHILD, postgres_dsn, prefix, table)
     old_fence = int(_line(child))
     child.send_signal(signal.SIGKILL)  # between claim and (committed) complete
-    child.wait()
+    child.wait(timeout=30)
     coord = idemlock.connect(postgres_dsn, key_prefix=prefix)
     try:
         port = coord.idempotency(IdempotencySpec("job", lease=timedelta(seconds=1)))

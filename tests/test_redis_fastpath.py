@@ -23,6 +23,7 @@ from idemlock import StoreUnavailable
 from idemlock._core.port import Acquired
 from idemlock.stores.redis import AsyncRedisStore, RedisStore, from_client, open_async, open_sync
 
+from .servers._proc import waitpid
 from .servers.redis import RedisServer
 
 LONG = 60_000
@@ -64,7 +65,8 @@ def test_a_reply_after_a_timeout_is_never_read_by_the_next_call(
         threading.Event().wait(0.1)
         with pytest.raises(StoreUnavailable, match="timeout"):
             store.acquire(ns, "late", "first", LONG)
-        busy.join()
+        busy.join(timeout=60)
+        assert not busy.is_alive(), "still running after 60 s"
         # The late reply (to "late") must not stand for this call's.
         for key in ("a", "b", "c"):
             got = store.acquire(ns, key, "second", LONG)
@@ -74,7 +76,8 @@ def test_a_reply_after_a_timeout_is_never_read_by_the_next_call(
         late = store.lock(ns, "late")
         assert late is not None and late.owner == "first"  # it was applied, late
     finally:
-        busy.join()
+        busy.join(timeout=60)
+        assert not busy.is_alive(), "still running after 60 s"
         blocker.close()
         store.close()
 
@@ -118,7 +121,7 @@ def test_forked_child_uses_connections_of_its_own(redis_server: RedisServer) -> 
     try:
         run("parent")
     finally:
-        _, status = os.waitpid(pid, 0)
+        _, status = waitpid(pid)
         store.close()
     assert os.waitstatus_to_exitcode(status) == 0
 
@@ -143,7 +146,8 @@ def test_threads_share_a_few_connections_and_close_closes_them(
     for th in threads:
         th.start()
     for th in threads:
-        th.join()
+        th.join(timeout=60)
+        assert not th.is_alive(), "still running after 60 s"
     assert not errors
     # At most one connection per thread that called at once (and the pub/sub one
     # is not opened: nobody waited).
@@ -176,7 +180,8 @@ def test_limited_pools_keep_redis_py_s_path(redis_server: RedisServer, kind: str
         for th in threads:
             th.start()
         for th in threads:
-            th.join()
+            th.join(timeout=60)
+            assert not th.is_alive(), "still running after 60 s"
         assert _clients(redis_server, name) == 1
         assert store.lock(ns, "k2") is not None
     finally:

@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -42,6 +41,7 @@ from idemlock.stores.redis import RedisStore, from_client, open_async, open_sync
 from idemlock.stores.redis import _common as C
 
 from . import redis_wait_script
+from .servers._proc import mkdtemp, popen
 from .servers.proxy import TcpProxy
 from .servers.redis import RedisServer, find_redis, free_port, start_unix_redis
 
@@ -213,7 +213,7 @@ async def test_async_listing_lists_corrupt_values(redis_server: RedisServer) -> 
 @pytest.fixture(scope="module")
 def unix_redis() -> Iterator[tuple[RedisServer, str]]:
     """A throwaway server on TCP and a unix socket (short path: sun_path is small)."""
-    root = Path(tempfile.mkdtemp(prefix="ilr-", dir="/tmp"))
+    root = mkdtemp("ilr-")
     server, url = start_unix_redis(root)
     try:
         yield server, url
@@ -604,7 +604,7 @@ def test_an_async_store_used_before_a_fork_works_in_the_child(redis_server: Redi
 @pytest.fixture(scope="module")
 def auth_redis() -> Iterator[RedisServer]:
     """A throwaway server that needs a password (``PASSWORD``)."""
-    root = Path(tempfile.mkdtemp(prefix="ila-", dir="/tmp"))
+    root = mkdtemp("ila-")
     server = _start_auth(RedisServer(root, free_port(), ("--requirepass", PASSWORD)))
     try:
         yield server
@@ -625,7 +625,9 @@ def _start_auth(server: RedisServer) -> RedisServer:
         "--appendonly", "no", "--dir", str(server.root), "--logfile", str(server.log),
         *server.extra,
     ]  # fmt: skip
-    server.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server.proc = popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=False
+    )
     deadline = time.monotonic() + 10
     while True:
         try:

@@ -49,6 +49,7 @@ from idemlock._core.port import Acquired, Busy, Channel, Done, Granted, Held, Mi
 from idemlock.stores.redis import AsyncRedisStore, RedisStore, from_client, open_async, open_sync
 from idemlock.stores.redis import _common as C
 
+from .servers._proc import popen
 from .servers.redis import RedisCluster, RedisServer, free_port, start_redis
 
 LONG = 60_000  # ms: outlives every test
@@ -353,11 +354,12 @@ HOLDER = textwrap.dedent(
 
 def test_holder_paused_past_its_ttl_is_fenced_out(redis_server: RedisServer) -> None:
     prefix = "p" + uuid.uuid4().hex[:8]
-    child = subprocess.Popen(
+    child = popen(
         [sys.executable, "-c", HOLDER, redis_server.url, prefix],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
+        start_new_session=False,
     )
     assert child.stdin is not None and child.stdout is not None
     try:
@@ -382,7 +384,7 @@ def test_holder_paused_past_its_ttl_is_fenced_out(redis_server: RedisServer) -> 
         with contextlib.suppress(ProcessLookupError):
             os.kill(child.pid, signal.SIGCONT)
         child.kill()
-        child.wait()
+        child.wait(timeout=30)
 
 
 # ---- hand-off to a waiting process by notification -------------------------------------
@@ -413,10 +415,11 @@ def test_waiter_in_another_process_is_woken_by_the_release(
     ns = _ns()
     held = store.acquire(ns, "k", "holder", LONG)
     assert isinstance(held, Acquired)
-    child = subprocess.Popen(
+    child = popen(
         [sys.executable, "-c", WAITER, redis_server.url, ns, "k"],
         stdout=subprocess.PIPE,
         text=True,
+        start_new_session=False,
     )
     assert child.stdout is not None
     try:
@@ -428,7 +431,7 @@ def test_waiter_in_another_process_is_woken_by_the_release(
         assert child.wait(timeout=10) == 0
     finally:
         child.kill()
-        child.wait()
+        child.wait(timeout=30)
 
 
 def test_a_release_hands_the_lock_to_the_waiter_not_back_to_the_releaser(

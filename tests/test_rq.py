@@ -21,12 +21,16 @@ from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 from rq.scheduler import SCHEDULER_LOCKING_KEY_TEMPLATE
 
+import idemlock
 from idemlock.integrations.rq import enqueue_once
 
 from .queue_jobs import LEASE, SPEC, coordinator, read_log, rq_job
+from .servers._proc import popen
 from .servers.redis import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+#: the workers import the tests and the very idemlock this process imported
+WORKER_PATH = os.pathsep.join([str(ROOT), str(Path(idemlock.__file__).resolve().parents[1])])
 
 
 class Env:
@@ -47,8 +51,8 @@ class Env:
         }
 
     def worker(self) -> subprocess.Popen[bytes]:
-        env = {**os.environ, **self.vars, "PYTHONPATH": str(ROOT)}
-        proc = subprocess.Popen(
+        env = {**os.environ, **self.vars, "PYTHONPATH": WORKER_PATH}
+        proc = popen(
             [
                 sys.executable,
                 "-m",
@@ -190,11 +194,16 @@ def test_a_job_slower_than_its_lease_is_not_run_twice_by_a_duplicate(env: Env) -
     env.worker()
     slow = env.queue.enqueue(rq_job, "s", LEASE * 3)
     wait_for(lambda: env.events("s", "start"))
-    dup = env.queue.enqueue(rq_job, "s", LEASE * 3)
+    # Its own retry budget is one retry: the reschedules while the key is held (one
+    # a second for 3 leases) must not use it up (issue 21 item 8).
+    dup = env.queue.enqueue(rq_job, "s", LEASE * 3, retry=Retry(max=1))
     wait_for(lambda: finished(slow), timeout=40)
     wait_for(lambda: finished(dup), timeout=40)
     assert len(env.events("s", "start")) == 1
     assert dup.return_value() == slow.return_value()
+    dup.refresh()
+    assert (dup.number_of_retries or 0) > 1  # rescheduled more often than its budget
+    assert dup.retries_left == 1  # and the budget is untouched
 
 
 def test_store_down_before_the_body_reschedules_never_fails(env: Env) -> None:

@@ -40,6 +40,7 @@ from idemlock._core.port import Acquired, Channel, Granted
 from idemlock.stores import postgres as pg
 from idemlock.stores.sqlite import open_sync as sqlite_open
 
+from .servers._proc import waitpid
 from .servers.postgres import PgServer, start_postgres
 from .servers.proxy import TcpProxy
 
@@ -540,7 +541,7 @@ async def _awork(coord: Any, tag: str, rounds: int) -> None:
 
 
 def _wait_child(pid: int) -> None:
-    _, status = os.waitpid(pid, 0)
+    _, status = waitpid(pid)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child failed: {status}"
 
 

@@ -38,6 +38,8 @@ from idemlock import (
 from idemlock._core.port import Acquired, Busy, Channel, Done, Granted, Held, Mismatch
 from idemlock.stores.sqlite import SQLiteAsyncStore, SQLiteStore, open_async, open_sync
 
+from .servers._proc import waitpid
+
 CTX = mp.get_context("spawn")
 NS = "t:job"
 LOCKS = "t:lock"
@@ -242,7 +244,7 @@ def test_threads_race_one_store_object(store: SQLiteStore) -> None:
 
     def worker(i: int) -> None:
         for g in replies:
-            barrier.wait()
+            barrier.wait(timeout=60)
             replies[g].append(store.claim(NS, f"gen{g}", "fp", f"tok{i}", LONG))
             acquired[g].append(store.acquire(LOCKS, f"gen{g}", f"owner{i}", LONG))
 
@@ -250,7 +252,8 @@ def test_threads_race_one_store_object(store: SQLiteStore) -> None:
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=60)
+        assert not t.is_alive(), "still running after 60 s"
     for g in replies:
         wins = [r for r in replies[g] if isinstance(r, Granted)]
         assert len(wins) == 1 and len(replies[g]) == n, replies[g]
@@ -295,7 +298,8 @@ def test_threads_mutual_exclusion_through_the_file(db: Path) -> None:
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=60)
+        assert not t.is_alive(), "still running after 60 s"
     assert not errors, errors
     assert worst == 1
     assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens) == 90
@@ -306,7 +310,7 @@ def test_close_closes_every_pooled_connection(db: Path) -> None:
     barrier = threading.Barrier(6)
 
     def worker(i: int) -> None:
-        barrier.wait()
+        barrier.wait(timeout=60)
         for j in range(20):
             granted(store.claim(NS, f"c{i}.{j}", None, "t", LONG))
 
@@ -314,7 +318,8 @@ def test_close_closes_every_pooled_connection(db: Path) -> None:
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=60)
+        assert not t.is_alive(), "still running after 60 s"
     assert Path(f"{db}-wal").exists()
     store.close()
     store.close()
@@ -360,7 +365,8 @@ def run_processes(target: Any, arg_sets: list[tuple[Any, ...]], expected: int) -
         for p in procs:  # never leave a process behind, even on failure
             if p.is_alive():
                 p.kill()
-                p.join()
+                p.join(timeout=60)
+                assert not p.is_alive(), "still running after 60 s"
 
 
 def _race_worker(
@@ -452,7 +458,8 @@ def test_sigkill_between_claim_and_complete(db: Path) -> None:
     finally:
         if victim.is_alive():
             victim.kill()
-            victim.join()
+            victim.join(timeout=60)
+            assert not victim.is_alive(), "still running after 60 s"
 
     coord = idemlock.connect(url_of(db), key_prefix="kill")
     port = coord.idempotency(IdempotencySpec("job", lease=timedelta(seconds=1.5)))
@@ -529,7 +536,7 @@ def test_a_forked_child_opens_its_own_connections(db: Path) -> None:
     os.close(write)
     with os.fdopen(read) as pipe:
         child_fence = int(pipe.read() or "-1")
-    _, status = os.waitpid(pid, 0)
+    _, status = waitpid(pid)
     assert os.waitstatus_to_exitcode(status) == 0
     assert child_fence > 0
     # The child's claim went to the file: the parent sees it.
@@ -573,7 +580,7 @@ def test_a_fork_during_another_threads_transaction_leaves_the_child_a_usable_fil
     os.close(write)
     with os.fdopen(read) as pipe:
         answer = pipe.read()
-    _, status = os.waitpid(pid, 0)
+    _, status = waitpid(pid)
     writer.join(5)
     assert os.waitstatus_to_exitcode(status) == 0, answer
     assert int(answer) > 0
@@ -876,7 +883,8 @@ def test_a_waiter_in_this_process_is_handed_the_result(db: Path) -> None:
     waiter.start()
     time.sleep(0.05)
     port.complete(claim.token, "result")
-    waiter.join()
+    waiter.join(timeout=60)
+    assert not waiter.is_alive(), "still running after 60 s"
     assert isinstance(got[0], Completed) and got[0].result == "result"
     coord.close()
     other.close()

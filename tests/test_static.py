@@ -1,40 +1,15 @@
-"""Type checking and linting are part of the test run."""
+"""Users' code type-checks against idemlock's public types.
+
+(Linting and ``mypy --strict`` of the library itself are in ``scripts/check``, run
+first by .ci/run and as a pre-commit hook; see tests/test_check_script.py.)"""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def test_mypy_strict() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True, check=False
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-
-
-def test_ruff() -> None:
-    ruff = shutil.which("ruff") or "ruff"
-    out = subprocess.run(
-        [ruff, "check", "src", "tests", "benchmarks"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    out = subprocess.run(
-        [ruff, "format", "--check", "src", "tests", "benchmarks"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
 
 
 #: A user's program, type-checked on its own under ``mypy --strict``: the public types

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 import time
 import uuid
@@ -19,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from .servers._proc import popen
 from .servers.proxy import TcpProxy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,11 +110,15 @@ def free_port() -> int:
 
 
 def start_gunicorn(
-    store: str, runs: Path, workers: int = 3, preload: bool = False
+    store: str,
+    runs: Path,
+    workers: int = 3,
+    preload: bool = False,
+    app: str = "tests.test_wsgi:create_app()",
 ) -> Iterator[Gunicorn]:
     port = free_port()
     env = dict(os.environ, WSGI_TEST_STORE=store, WSGI_TEST_RUNS=str(runs))
-    proc = subprocess.Popen(
+    proc = popen(
         [
             sys.executable,
             "-m",
@@ -128,10 +132,11 @@ def start_gunicorn(
             "--log-level",
             "warning",
             *(["--preload"] if preload else []),
-            "tests.test_wsgi:create_app()",
+            app,
         ],
         cwd=ROOT,
         env=env,
+        start_new_session=False,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 20
@@ -212,6 +217,20 @@ def test_keys_are_per_identity(server: Gunicorn) -> None:
     assert server.count(tag) == 2
 
 
+def test_an_unquoted_key_is_the_same_key_as_its_quoted_form(server: Gunicorn) -> None:
+    # Idempotency-Key: order-A18, as Stripe's SDKs and most clients send it.
+    tag, raw = uuid.uuid4().hex, f"order-A18-{uuid.uuid4().hex}"
+    sent = [
+        httpx.post(f"{server.url}/charges", json={"tag": tag}, headers={"Idempotency-Key": k})
+        for k in (raw, raw, f'"{raw}"')
+    ]
+    assert sent[0].status_code == 201 and "idempotent-replayed" not in sent[0].headers
+    for again in sent[1:]:
+        assert again.headers["idempotent-replayed"] == "true"
+        assert again.content == sent[0].content
+    assert server.count(tag) == 1
+
+
 def test_5xx_is_not_recorded_and_a_retry_runs_again(server: Gunicorn) -> None:
     key, tag = uuid.uuid4().hex, uuid.uuid4().hex
     body = {"tag": tag, "status": 500}
@@ -223,7 +242,7 @@ def test_5xx_is_not_recorded_and_a_retry_runs_again(server: Gunicorn) -> None:
 def test_malformed_key_is_400_and_no_key_passes_through(server: Gunicorn) -> None:
     tag = uuid.uuid4().hex
     bad = httpx.post(
-        f"{server.url}/charges", json={"tag": tag}, headers={"Idempotency-Key": "unquoted"}
+        f"{server.url}/charges", json={"tag": tag}, headers={"Idempotency-Key": '"unterminated'}
     )
     problem(bad, 400, "idempotency_key_malformed")
     assert server.count(tag) == 0
@@ -281,7 +300,7 @@ def test_a_failure_to_record_keeps_the_claim_and_the_record_is_written_later(
                     assert time.monotonic() < deadline
                     time.sleep(0.02)
                 proxy.blackhole()  # the store goes silent before the record is written
-                first = pending.result()
+                first = pending.result(timeout=60)
             assert first.status_code == 201  # delivered although not recorded
             problem(srv.post(key, body), 503, "idempotency_store_unavailable")
             proxy.heal()

@@ -1,6 +1,7 @@
 """Generate the gRPC stubs of the etcd store from etcd's own .proto files.
 
     python tools/gen_etcd_stubs.py ETCD_CHECKOUT [--out src/idemlock/stores/etcd/_pb]
+    python tools/gen_etcd_stubs.py --check   # exit 1 if the stubs do not match
 
 ETCD_CHECKOUT is a checkout of github.com/etcd-io/etcd (Apache-2.0), at a v3.5 tag
 (``api/etcdserverpb/rpc.proto``, ``api/mvccpb/kv.proto``, ``api/authpb/auth.proto``).
@@ -17,6 +18,11 @@ generators add runtime version checks that would narrow those ranges)::
 
 Imports between the generated modules are made relative, so the stubs live inside
 the package without touching ``sys.path``.
+
+``--check`` needs neither etcd nor grpcio-tools (it runs in ``scripts/check``): every
+generated module carries the header, the services and RPCs compiled into the stubs
+are exactly ``KEEP_RPCS``, and every message and enum of the trimmed .proto files kept
+beside the stubs is in them with the same fields and values, and nothing else is.
 """
 
 from __future__ import annotations
@@ -138,11 +144,106 @@ def trimmed_plain(text: str) -> str:
     return _strip(text).strip() + "\n"
 
 
+def _proto_shapes(text: str, package: str) -> dict[str, set[tuple[str, int]]]:
+    """Full name of each message/enum of a .proto file -> its (field or value, number)."""
+    shapes: dict[str, set[tuple[str, int]]] = {}
+    scopes: list[str] = [package]
+    for raw in text.splitlines():
+        line = raw.split("//")[0].strip()
+        opened = re.match(r"^(message|enum|service|oneof)\s+(\w+)\s*\{", line)
+        if opened:
+            kind, name = opened.groups()
+            if kind == "oneof":  # its fields belong to the message around it
+                scopes.append(scopes[-1])
+            elif kind == "service":
+                scopes.append("")
+            else:
+                scopes.append(f"{scopes[-1]}.{name}")
+                shapes[scopes[-1]] = set()
+            if line.endswith("}"):  # message Empty {}
+                scopes.pop()
+            continue
+        if line.startswith("}"):
+            scopes.pop()
+            continue
+        item = re.match(r"^(?:repeated\s+)?(?:[\w.]+\s+)?(\w+)\s*=\s*(-?\d+)", line)
+        if item and scopes[-1] in shapes:
+            shapes[scopes[-1]].add((item.group(1), int(item.group(2))))
+    return shapes
+
+
+def _descriptor_shapes(files: list[object]) -> dict[str, set[tuple[str, int]]]:
+    shapes: dict[str, set[tuple[str, int]]] = {}
+
+    def enum(e: object) -> None:
+        shapes[e.full_name] = {(v.name, v.number) for v in e.values}  # type: ignore[attr-defined]
+
+    def message(m: object) -> None:
+        shapes[m.full_name] = {(f.name, f.number) for f in m.fields}  # type: ignore[attr-defined]
+        for nested in m.nested_types:  # type: ignore[attr-defined]
+            message(nested)
+        for e in m.enum_types:  # type: ignore[attr-defined]
+            enum(e)
+
+    for fd in files:
+        for m in fd.message_types_by_name.values():  # type: ignore[attr-defined]
+            message(m)
+        for e in fd.enum_types_by_name.values():  # type: ignore[attr-defined]
+            enum(e)
+    return shapes
+
+
+def check(out: Path) -> list[str]:
+    """What is wrong with the stubs in ``out`` (nothing: an empty list)."""
+    import importlib
+
+    problems = []
+    for py in sorted(out.rglob("*.py")):
+        if not py.read_text().startswith(PY_HEADER.split("{tools}")[0]):
+            problems.append(f"{py}: no generated-file header (hand-written or edited?)")
+    package = ".".join(out.resolve().relative_to(out.resolve().parents[3]).parts)
+    modules = {
+        "etcdserverpb/rpc.proto": "etcdserverpb.rpc_pb2",
+        "mvccpb/kv.proto": "mvccpb.kv_pb2",
+        "authpb/auth.proto": "authpb.auth_pb2",
+    }
+    files = []
+    proto_shapes: dict[str, set[tuple[str, int]]] = {}
+    for proto, module in modules.items():
+        files.append(importlib.import_module(f"{package}.{module}").DESCRIPTOR)
+        proto_shapes.update(_proto_shapes((out / "proto" / proto).read_text(), proto.split("/")[0]))
+    compiled = _descriptor_shapes(files)
+    for name in sorted(set(proto_shapes) | set(compiled)):
+        if name not in compiled:
+            problems.append(f"{name}: in the .proto files, not in the stubs")
+        elif name not in proto_shapes:
+            problems.append(f"{name}: in the stubs, not in the .proto files")
+        elif proto_shapes[name] != compiled[name]:
+            diff = sorted(proto_shapes[name] ^ compiled[name])
+            problems.append(f"{name}: the stubs and the .proto files differ in {diff}")
+    services = {
+        s.name: sorted(m.name for m in s.methods)
+        for fd in files
+        for s in fd.services_by_name.values()  # type: ignore[attr-defined]
+    }
+    if services != {k: sorted(v) for k, v in KEEP_RPCS.items()}:
+        problems.append(f"the stubs' services {services} are not KEEP_RPCS {KEEP_RPCS}")
+    return problems
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("etcd", type=Path, help="a checkout of etcd-io/etcd (v3.5)")
+    ap.add_argument("etcd", type=Path, nargs="?", help="a checkout of etcd-io/etcd (v3.5)")
     ap.add_argument("--out", type=Path, default=Path("src/idemlock/stores/etcd/_pb"))
+    ap.add_argument("--check", action="store_true", help="exit 1 if the stubs do not match")
     args = ap.parse_args()
+    if args.check:
+        problems = check(args.out)
+        for problem in problems:
+            print(f"etcd stubs: {problem}")
+        return 1 if problems else 0
+    if args.etcd is None:
+        ap.error("the etcd checkout is required (unless --check)")
     import grpc_tools  # noqa: F401  (fail early with a clear ImportError)
     from grpc_tools import protoc
 

@@ -92,7 +92,7 @@ def test_one_winner(coord: idemlock.Coordinator) -> None:
     start = threading.Barrier(8)
 
     def attempt() -> None:
-        start.wait()
+        start.wait(timeout=60)
         with contextlib.suppress(LockNotAcquired):
             won.append(lock.acquire("race", ttl=TTL).token.value)
 
@@ -100,7 +100,8 @@ def test_one_winner(coord: idemlock.Coordinator) -> None:
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=60)
+        assert not t.is_alive(), "still running after 60 s"
     assert len(won) == 1
 
 

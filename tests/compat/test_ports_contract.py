@@ -196,7 +196,8 @@ async def test_scope_waits_for_the_release(backend: Any) -> None:
             with scope as lease:
                 assert lease.owner == "second"
         finally:
-            timer.join()
+            timer.join(timeout=60)
+            assert not timer.is_alive(), "still running after 60 s"
     assert await _(cmd.acquire("handoff", "third")) is not None
 
 

@@ -31,6 +31,7 @@ from idemlock import (
     current_claim,
 )
 
+from ..servers._proc import popen
 from .facade import Facade
 from .harness import Harness
 
@@ -233,10 +234,11 @@ PROC_LEASE = 1.0
 
 def _spawn(h: Harness, mode: str, key: str, body: float) -> subprocess.Popen[str]:
     assert h.url is not None
-    return subprocess.Popen(
+    return popen(
         [sys.executable, "-c", CHILD, h.url, h.prefix, mode, key, str(PROC_LEASE), str(body)],
         stdout=subprocess.PIPE,
         text=True,
+        start_new_session=False,
     )
 
 
@@ -279,7 +281,7 @@ def test_sigkilled_worker_frees_its_key_within_lease_and_one_interval(
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+            proc.wait(timeout=30)
         coord.close()
 
 
@@ -319,7 +321,7 @@ def test_sigstopped_worker_loses_its_claim_and_its_completion_is_refused(
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGCONT)
             proc.kill()
-            proc.wait()
+            proc.wait(timeout=30)
         coord.close()
 
 

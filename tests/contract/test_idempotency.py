@@ -296,7 +296,8 @@ async def test_wait_returns_the_result_of_the_running_attempt(api: Facade) -> No
             t = threading.Timer(0.05, done, args=(claim.token, "done by other"))
             t.start()
             got = await port.wait("w", timeout=5)
-            t.join()
+            t.join(timeout=60)
+            assert not t.is_alive(), "still running after 60 s"
         else:
             task = asyncio.ensure_future(finish())
             got = await port.wait("w", timeout=5)

@@ -140,7 +140,8 @@ async def test_waiter_acquires_after_release(api: Facade) -> None:
             timer = threading.Timer(0.1, release, args=(holder,))
             timer.start()
             lease = await locks.acquire("k", wait=10)
-            timer.join()
+            timer.join(timeout=60)
+            assert not timer.is_alive(), "still running after 60 s"
         else:
 
             async def later() -> None:

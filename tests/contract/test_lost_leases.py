@@ -22,6 +22,7 @@ import idemlock
 import idemlock.aio
 from idemlock import Lease, LockLost, LockSpec
 
+from ..servers._proc import waitpid
 from .facade import Facade, LockProxy
 from .harness import Harness
 
@@ -84,12 +85,13 @@ class Stall:
 
         self._thread = threading.Thread(target=run, daemon=True)
         self._thread.start()
-        started.wait()
+        assert started.wait(60), "the thread did not start"
 
     def stop(self) -> None:
         self._done.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout=60)
+            assert not self._thread.is_alive(), "still running after 60 s"
 
 
 @dataclass
@@ -280,7 +282,7 @@ def test_watchdog_works_in_a_forked_child() -> None:
         except LockLost:
             code = 0 if lease.lost else 2
         os._exit(code)
-    _, status = os.waitpid(pid, 0)
+    _, status = waitpid(pid)
     assert os.waitstatus_to_exitcode(status) == 0
     with locks.hold("after"):  # the parent's timer still works
         pass

@@ -29,14 +29,15 @@ def test_threads_claim_one_key(harness: Harness) -> None:
     def worker(coord: idemlock.Coordinator) -> None:
         port = coord.idempotency(SPEC)
         for key in outcomes:
-            barrier.wait()
+            barrier.wait(timeout=60)
             outcomes[key].append(port.claim(key).kind)
 
     threads = [threading.Thread(target=worker, args=(c,)) for c in coords]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=60)
+        assert not t.is_alive(), "still running after 60 s"
     for c in coords:
         c.close()
     for key, kinds in outcomes.items():
@@ -87,7 +88,8 @@ def test_threads_mutual_exclusion_and_rising_tokens(harness: Harness) -> None:
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=60)
+        assert not t.is_alive(), "still running after 60 s"
     assert worst == 1
     assert len(tokens) == 40
     assert tokens == sorted(tokens) and len(set(tokens)) == 40
@@ -99,7 +101,7 @@ def test_threads_mutual_exclusion_and_rising_tokens(harness: Harness) -> None:
 def _claim_worker(url: str, prefix: str, keys: list[str], start: Any, out: Any) -> None:
     coord = idemlock.connect(url, key_prefix=prefix)
     port = coord.idempotency(SPEC)
-    start.wait()
+    assert start.wait(60), "never told to start"
     kinds = []
     for key in keys:
         claim = port.claim(key, payload={"k": key})
@@ -145,7 +147,7 @@ def test_processes_claim_one_key(process_harness: Harness) -> None:
 def _lock_worker(url: str, prefix: str, log: str, rounds: int, start: Any) -> None:
     coord = idemlock.connect(url, key_prefix=prefix)
     locks = coord.lock(LOCK)
-    start.wait()
+    assert start.wait(60), "never told to start"
     for _ in range(rounds):
         lease = locks.acquire("shared", wait=60)
         assert lease is not None

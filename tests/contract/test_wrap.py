@@ -136,7 +136,8 @@ async def test_in_flight_wait_replays_the_running_result(api: Facade) -> None:
             timer = threading.Timer(0.1, complete, args=(running.token, 99))
             timer.start()
             assert await wrapped(1) == 99
-            timer.join()
+            timer.join(timeout=60)
+            assert not timer.is_alive(), "still running after 60 s"
         else:
 
             async def later() -> None:
@@ -161,7 +162,8 @@ async def test_in_flight_wait_runs_when_the_other_attempt_abandons(api: Facade) 
             timer = threading.Timer(0.1, abandon, args=(running.token,))
             timer.start()
             assert await wrapped(1) == 2
-            timer.join()
+            timer.join(timeout=60)
+            assert not timer.is_alive(), "still running after 60 s"
         else:
 
             async def later() -> None:

@@ -7,7 +7,12 @@ SECRET_KEY = "test-only-not-secret"
 DEBUG = False
 ALLOWED_HOSTS = ["*"]
 ROOT_URLCONF = "tests.django_app.urls"
-INSTALLED_APPS = ["django.contrib.auth", "django.contrib.contenttypes", "django.contrib.sessions"]
+INSTALLED_APPS = [
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "idemlock.integrations.django",  # its system checks and manage.py idemlock
+]
 DATABASES = {
     "default": {
         "ENGINE": "django.db.backends.sqlite3",

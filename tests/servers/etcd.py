@@ -20,7 +20,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any
 import pytest
 
 from ..contract.harness import Harness
+from ._proc import mkdtemp, popen
 
 __all__ = ["EtcdCluster", "etcd_cluster", "etcd_server", "find_etcd", "start_etcd"]
 
@@ -107,9 +107,7 @@ class EtcdCluster:
         ]  # fmt: skip
         if self.tls is not None:
             cmd += ["--cert-file", str(self.tls[1]), "--key-file", str(self.tls[2])]
-        self.procs[i] = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-        )
+        self.procs[i] = popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
         proc = self.procs[i]
@@ -188,14 +186,22 @@ class EtcdCluster:
 def start_etcd(size: int = 1, tls: tuple[Path, Path, Path] | None = None) -> EtcdCluster:
     """Start an etcd cluster of ``size`` members (clients over TLS with ``tls`` = (CA,
     server certificate, server key) files); the caller must ``destroy()`` it."""
-    root = Path(tempfile.mkdtemp(prefix="idemlock-etcd-"))
-    cluster = EtcdCluster(root, size, tls)
-    try:
-        cluster.start()
-    except BaseException:
-        cluster.destroy()
-        raise
-    return cluster
+    for attempt in range(3):
+        root = mkdtemp("idemlock-etcd-")
+        cluster = EtcdCluster(root, size, tls)
+        try:
+            cluster.start()
+            return cluster
+        except RuntimeError as exc:
+            cluster.destroy()
+            # The free ports were taken before etcd bound them (other test runs on the
+            # machine start servers too): again, on other ports.
+            if "address already in use" not in str(exc).lower() or attempt == 2:
+                raise
+        except BaseException:
+            cluster.destroy()
+            raise
+    raise AssertionError("unreachable")
 
 
 def expire_due(url: str, now_ms: int | None = None) -> int:

@@ -37,15 +37,14 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Protocol
 
 import pytest
 
+from ._proc import tempdir
 from .postgres import PgServer, start_postgres
 from .proxy import TcpProxy
 from .redis import RedisCluster, RedisServer, start_cluster, start_redis
@@ -235,8 +234,8 @@ def cluster_faults(cluster: RedisCluster) -> tuple[str, ClusterFaults]:
 @pytest.fixture(scope="session")
 def fault_redis_server() -> Iterator[RedisServer]:
     """A redis-server that fault tests may stop and restart (not the shared one)."""
-    with tempfile.TemporaryDirectory(prefix="idemlock-fault-redis-") as tmp:
-        server = start_redis(Path(tmp))
+    with tempdir("idemlock-fault-redis-") as tmp:
+        server = start_redis(tmp)
         try:
             yield server
         finally:
@@ -256,8 +255,8 @@ def fault_postgres_server() -> Iterator[PgServer]:
 @pytest.fixture(scope="session")
 def fault_redis_cluster() -> Iterator[RedisCluster]:
     """A three-master Redis Cluster that fault tests may stop, pause and restart."""
-    with tempfile.TemporaryDirectory(prefix="idemlock-fault-cluster-") as tmp:
-        cluster = start_cluster(Path(tmp), node_timeout_ms=CLUSTER_NODE_TIMEOUT_MS)
+    with tempdir("idemlock-fault-cluster-") as tmp:
+        cluster = start_cluster(tmp, node_timeout_ms=CLUSTER_NODE_TIMEOUT_MS)
         try:
             yield cluster
         finally:

@@ -19,12 +19,13 @@ import contextlib
 import shutil
 import socket
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from ._proc import popen, tempdir
 
 __all__ = [
     "RedisCluster",
@@ -104,7 +105,7 @@ class RedisServer:
             "--daemonize", "no",
             *self.extra,
         ]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self._wait_ping()
 
     def _wait_ping(self, timeout: float = 10.0) -> None:
@@ -147,10 +148,23 @@ class RedisServer:
         return redis.Redis(port=self.port, **options)  # type: ignore[arg-type]
 
 
+def _port_taken(exc: RuntimeError) -> bool:
+    """A start failed because the free port was taken before the server bound it (other
+    test runs on the machine start servers too)."""
+    return "address already in use" in str(exc).lower()
+
+
 def start_redis(root: Path) -> RedisServer:
-    server = RedisServer(root, free_port())
-    server.start()
-    return server
+    for attempt in range(3):
+        server = RedisServer(root, free_port())
+        try:
+            server.start()
+            return server
+        except RuntimeError as exc:
+            server.stop()
+            if not _port_taken(exc) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def start_unix_redis(root: Path) -> tuple[RedisServer, str]:
@@ -250,8 +264,8 @@ def start_cluster(
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
     """A throwaway redis-server for the whole session."""
-    with tempfile.TemporaryDirectory(prefix="idemlock-redis-") as tmp:
-        server = start_redis(Path(tmp))
+    with tempdir("idemlock-redis-") as tmp:
+        server = start_redis(tmp)
         try:
             yield server
         finally:
@@ -261,8 +275,8 @@ def redis_server() -> Iterator[RedisServer]:
 @pytest.fixture(scope="session")
 def redis_cluster() -> Iterator[RedisCluster]:
     """A throwaway three-master Redis Cluster for the whole session."""
-    with tempfile.TemporaryDirectory(prefix="idemlock-cluster-") as tmp:
-        cluster = start_cluster(Path(tmp))
+    with tempdir("idemlock-cluster-") as tmp:
+        cluster = start_cluster(tmp)
         try:
             yield cluster
         finally:

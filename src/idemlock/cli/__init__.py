@@ -83,10 +83,10 @@ from ._common import (
 __all__ = ["EXIT_STATUSES", "main", "parse_duration"]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "idemlock") -> argparse.ArgumentParser:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
-        prog="idemlock",
+        prog=prog,
         description="Idempotent operations and fenced locks for retried work.",
         epilog=_epilog(),
         formatter_class=formatter,
@@ -140,10 +140,11 @@ def _status_for(exc: IdemlockError) -> int:
     return EX_SOFTWARE
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (see the module docstring)."""
+def main(argv: Sequence[str] | None = None, *, prog: str = "idemlock") -> int:
+    """Run the command line; returns the exit status (see the module docstring).
+    ``prog`` is the name usage messages give (``manage.py idemlock`` under Django)."""
     _SECRETS[:] = _secrets_of(os.environ.get("IDEMLOCK_URL"))
-    parser = build_parser()
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     _SECRETS[:] = sorted(
         {*_SECRETS, *_secrets_of(getattr(args, "url", None))}, key=len, reverse=True

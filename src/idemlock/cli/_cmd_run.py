@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+import sys
 import threading
 import time
 from datetime import datetime, timedelta, timezone
@@ -12,6 +13,7 @@ from typing import Any
 
 from .. import _attempts as attempts
 from .._errors import (
+    IdemlockError,
     LockLost,
     LockNotAcquired,
     PayloadMismatch,
@@ -139,6 +141,8 @@ def _run_locked(args: argparse.Namespace, cmd: list[str]) -> int:
             _say(f"lost the lease on lock {name!r} (token {lease.token}); {what}")
             child.terminate()
 
+        if wait > 0 and _on_terminal():
+            _say_waiting_for_lock(lock, name, wait)
         try:
             with lock.hold(name, wait=wait, owner=_owner(), on_lost=on_lost) as lease:
                 child.env = _child_env(lease.token, IDEMLOCK_LOCK_KEY=name)
@@ -161,6 +165,43 @@ def _run_locked(args: argparse.Namespace, cmd: list[str]) -> int:
             _say(f"error: {exc}; {child.outcome()} (exit {EX_LEASE_LOST})")
             return EX_LEASE_LOST
         return status
+
+
+def _on_terminal() -> bool:
+    """Whether a person watches stderr (a line saying that we wait is for them only)."""
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced or closed
+        return False
+
+
+def _say_waiting_for_lock(lock: Any, name: str, wait: float) -> None:
+    """Say once that ``run --lock --wait`` is waiting, and for whom (if it is held)."""
+    try:
+        holder = lock.owner(name)
+        left = lock.ttl(name) if holder is not None or lock.is_locked(name) else None
+    except IdemlockError:
+        return  # the wait itself reports a store that fails
+    if holder is None and left is None:
+        return  # free: taken at once
+    who = f" held by {holder}" if holder else ""
+    until = f" ({_human(left.total_seconds())} left on its lease)" if left else ""
+    _say(f"waiting for lock {name!r}{who}{until}, up to --wait {_human(wait)}\u2026")
+
+
+def _say_waiting_for_claim(port: Any, key: str, wait: float, now: float) -> None:
+    """Say once that ``run --once --wait`` is waiting for a run in flight elsewhere."""
+    try:
+        rec = port.status(key)
+    except IdemlockError:
+        return
+    if rec is None or rec.state != "in_flight":
+        return
+    left = max(0.0, rec.expires_at.timestamp() - now)
+    _say(
+        f"waiting for {key!r}, being run elsewhere ({_human(left)} left on its claim's "
+        f"lease, renewed while it runs), up to --wait {_human(wait)}\u2026"
+    )
 
 
 def _describe_run(result: Any) -> str:
@@ -191,6 +232,8 @@ def _run_once(args: argparse.Namespace, cmd: list[str]) -> int:
     payload = {"argv": cmd}
     with _connect(args) as coord:
         port = coord.idempotency(spec)
+        if wait > 0 and _on_terminal():
+            _say_waiting_for_claim(port, key, wait, coord.clock.time())
         try:
             claim, sent = attempts.begin(port, key, payload, wait or None)
         except PayloadMismatch:

@@ -2,9 +2,17 @@
 
 The default fingerprint is the method, the path, the raw query string, the values of
 ``fingerprint_headers`` and the body. A JSON body (``application/json`` or any
-``+json`` type) counts by its *meaning*: it is parsed and written again canonically
-(sorted keys, no whitespace), so the same document with other spacing or key order is
-the same request. Any other body, or JSON that does not parse, counts by its bytes.
+``+json`` type) counts by its *meaning*: it is parsed and written again in its RFC 8785
+(JCS) form (:mod:`._jcs`: sorted members, no whitespace, numbers as numbers), so the
+same document with other spacing, member order or number spelling (``1200`` and
+``1200.0``) is the same request, and any language's JCS library computes the same
+digest: ``jcs:`` + the hex SHA-256 of those bytes. Any other body, or JSON that does
+not parse, counts by its bytes (the hex SHA-256 alone). JSON outside I-JSON (an integer
+no double holds, a member given twice, NaN) counts as before JCS (``json:``).
+
+Versions: records stored before JCS hold the ``json:`` digest (Python's sorted
+``json.dumps``). :func:`legacy_fingerprint_of` computes that form, and the HTTP core
+compares a request with it when the new form mismatches, so such records still replay.
 
 ``fingerprint=`` replaces the query, headers and body part with your own function of a
 :class:`RequestView` (for example :func:`json_fields`, which keeps chosen fields of a
@@ -21,8 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import ConfigurationError
+from . import _jcs
 
-__all__ = ["Fingerprint", "RequestView", "fingerprint_of", "json_fields"]
+__all__ = ["Fingerprint", "RequestView", "fingerprint_of", "json_fields", "legacy_fingerprint_of"]
 
 _ABSENT: Any = object()
 
@@ -57,8 +66,8 @@ class RequestView:
         if not self.is_json():
             return _ABSENT
         try:
-            return json.loads(self.body)
-        except (ValueError, UnicodeDecodeError):
+            return _jcs.loads(self.body)
+        except (ValueError, UnicodeDecodeError, RecursionError):
             return _ABSENT
 
 
@@ -67,6 +76,16 @@ Fingerprint = Callable[[RequestView], Any]
 
 
 def _digest(value: Any) -> str:
+    """``jcs:`` + the SHA-256 of the RFC 8785 form of ``value``; outside I-JSON, the
+    digest before JCS."""
+    jcs = _jcs.canonical(value)
+    if jcs is None:
+        return _legacy_digest(value)
+    return "jcs:" + hashlib.sha256(jcs).hexdigest()
+
+
+def _legacy_digest(value: Any) -> str:
+    """The digest before JCS: Python's sorted, compact ``json.dumps``."""
     try:
         text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     except (TypeError, ValueError) as exc:
@@ -77,27 +96,43 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def _body_digest(req: RequestView) -> str:
+def _body_digest(req: RequestView, legacy: bool = False) -> str:
     doc = req.json()
     if doc is _ABSENT:
         # The digest alone, as before JSON was read: such records stay comparable.
         return hashlib.sha256(req.body).hexdigest()
-    return "json:" + _digest(doc)
+    if not legacy:
+        jcs = _jcs.canonical(doc)
+        if jcs is not None:
+            return "jcs:" + hashlib.sha256(jcs).hexdigest()
+    return "json:" + _legacy_digest(doc)
 
 
 def fingerprint_of(
-    req: RequestView, header_names: frozenset[str], custom: Fingerprint | None
+    req: RequestView,
+    header_names: frozenset[str],
+    custom: Fingerprint | None,
+    *,
+    legacy: bool = False,
 ) -> dict[str, Any]:
     """The payload stored with a claim: a request with the same key and another
-    fingerprint is refused."""
+    fingerprint is refused. ``legacy``: the form before JCS (see the module's note)."""
     fp: dict[str, Any] = {"method": req.method.upper(), "path": req.path}
     if custom is not None:
-        fp["custom"] = _digest(custom(req))
+        value = custom(req)
+        fp["custom"] = _legacy_digest(value) if legacy else _digest(value)
         return fp
     headers = [[k, v] for k, v in req.headers if k in header_names]
     headers.sort(key=lambda kv: kv[0])  # stable: keeps repeated headers in order
-    fp.update(query=req.query, headers=headers, body=_body_digest(req))
+    fp.update(query=req.query, headers=headers, body=_body_digest(req, legacy))
     return fp
+
+
+def legacy_fingerprint_of(
+    req: RequestView, header_names: frozenset[str], custom: Fingerprint | None
+) -> dict[str, Any]:
+    """The fingerprint as idemlock computed it before JCS (records stored then hold it)."""
+    return fingerprint_of(req, header_names, custom, legacy=True)
 
 
 def json_fields(*names: str) -> Fingerprint:

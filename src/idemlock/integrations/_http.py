@@ -22,6 +22,7 @@ An adapter:
 from __future__ import annotations
 
 import asyncio
+import difflib
 import fnmatch
 import hashlib
 import json
@@ -48,7 +49,7 @@ from .._logfields import fields as log_fields
 from .._logfields import port_fields
 from .._ports import Heartbeat, IdempotencyBase
 from ..aio import AsyncIdempotencyPort
-from ._fingerprint import Fingerprint, RequestView, fingerprint_of
+from ._fingerprint import Fingerprint, RequestView, fingerprint_of, legacy_fingerprint_of
 from ._key_header import MalformedKey, parse_idempotency_key
 from ._problem_json import Answer, Problems
 from ._recorded_response import (
@@ -70,7 +71,9 @@ __all__ = [
     "Scope",
     "StoreFace",
     "log",
+    "did_you_mean",
     "route_filter",
+    "spec_from",
 ]
 
 #: the one logger of the HTTP adapters (ASGI, FastAPI, WSGI and Django alike)
@@ -101,8 +104,10 @@ class HttpOptions:
     allow_anonymous: bool | None = None
     fingerprint_headers: Iterable[str] = ("content-type",)
     fingerprint: Fingerprint | None = None
-    #: shorthand for allow_unquoted_key=True and mismatch_status=400
+    #: shorthand for mismatch_status=400 (and unquoted keys, accepted by default anyway)
     stripe_compatible: bool = False
+    #: None or True: a bare key (``order-A18``) and a quoted one (``"order-A18"``) alike;
+    #: False: the draft's sf-string only (an unquoted key is 400)
     allow_unquoted_key: bool | None = None
     mismatch_status: int | None = None
     max_body: int = 1 << 20
@@ -154,6 +159,34 @@ class HttpOptions:
 
     def with_changes(self, **changes: Any) -> HttpOptions:
         return HttpOptions.of({**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the known name closest to a misspelt one, or ``""``."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def spec_from(value: Any, where: str) -> IdempotencySpec | str:
+    """A spec from configuration: a name, an :class:`IdempotencySpec`, or a dict of
+    ``name`` (default ``"http"``), ``ttl`` and ``lease`` (seconds or timedeltas) and the
+    spec's other fields. ``where`` names the setting in the error."""
+    if isinstance(value, (IdempotencySpec, str)):
+        return value
+    if isinstance(value, dict):
+        opts = dict(value)
+        name = opts.pop("name", "http")
+        for k in ("ttl", "lease"):
+            if isinstance(opts.get(k), (int, float)) and not isinstance(opts.get(k), bool):
+                opts[k] = timedelta(seconds=opts[k])
+        try:
+            return IdempotencySpec(name, **opts)
+        except TypeError as exc:
+            raise ConfigurationError(f"{where}: {exc}") from None
+    raise ConfigurationError(
+        f"{where} must be a spec name, an IdempotencySpec or a dict of name/ttl/lease, "
+        f"got {value!r}"
+    )
 
 
 @dataclass(frozen=True)
@@ -318,9 +351,9 @@ class HttpCore:
         self.allow_anonymous = (
             (not has_identity) if o.allow_anonymous is None else o.allow_anonymous
         )
-        self.allow_unquoted = (
-            o.stripe_compatible if o.allow_unquoted_key is None else o.allow_unquoted_key
-        )
+        # Liberal by default: a bare value (Stripe's SDKs send one) and the draft's
+        # sf-string are one key; allow_unquoted_key=False keeps the sf-string only.
+        self.allow_unquoted = o.allow_unquoted_key is not False
         mismatch = o.mismatch_status or (400 if o.stripe_compatible else 422)
         self.header = o.header.lower().encode("latin-1")
         self.replay_marker = (
@@ -407,8 +440,19 @@ class HttpCore:
         """Claim the request's key: the replay or a problem, or a :class:`Run`."""
         view = self.view(scope, body)
         payload = fingerprint_of(view, self.fingerprint_headers, self.options.fingerprint)
+        lookup = self.lookup_key(ident, key)
         try:
-            claim, sent = await self.face.claim(self.lookup_key(ident, key), payload)
+            try:
+                claim, sent = await self.face.claim(lookup, payload)
+            except PayloadMismatch:
+                # A record stored before fingerprints were JCS holds the older form:
+                # the same request, compared as it was then, still replays.
+                legacy = legacy_fingerprint_of(
+                    view, self.fingerprint_headers, self.options.fingerprint
+                )
+                if legacy == payload:
+                    raise
+                claim, sent = await self.face.claim(lookup, legacy)
         except PayloadMismatch:
             return self.problems.mismatch()
         except (StoreUnavailable, StoreFull, OSError, TimeoutError) as exc:

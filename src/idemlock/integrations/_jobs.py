@@ -41,13 +41,15 @@ _STARTED: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(
 
 
 class Later(Exception):
-    """The job must run again in ``delay`` seconds; nothing ran and nothing is held."""
+    """The job must come back later: nothing ran and nothing is held. ``cause`` is the
+    InFlightError or store error that stopped it before its body; the queue's module
+    asks :meth:`JobGuard.delay` when, and sends the job back in a way that does not
+    use up the job's own retries (those count the body's failures only)."""
 
-    def __init__(self, delay: float, reason: str, cause: BaseException) -> None:
-        super().__init__(reason)
-        self.delay = delay
-        self.reason = reason
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
         self.cause = cause
+        self.reason = str(cause)
 
 
 def current_fence() -> int:
@@ -212,17 +214,23 @@ class JobGuard:
 
     # ---- one delivery --------------------------------------------------------------
 
-    def later(self, exc: BaseException, coord: Any, tries: int, what: str) -> Later:
-        """The Later for a failure before the body ran (InFlight or the store)."""
+    def delay(self, later: Later, defers: int, what: str) -> float:
+        """Seconds until ``later``'s job runs again (and ``later.reason`` says so).
+
+        ``defers`` is how often idemlock already sent this job back for a store failure
+        or a held key (not the queue's count of tries, which these never use up): the
+        store-failure backoff doubles with it."""
+        exc = later.cause
         if isinstance(exc, InFlightError):
             left = self.retry_every
             if exc.expires_at is not None:
-                left = exc.expires_at.timestamp() - coord.clock.time()
+                left = exc.expires_at.timestamp() - self.resolved()[0].clock.time()
             # Just past the end of the holder's lease at the latest: the key is then
             # free (a dead holder) or still renewed (a live one: come back again).
             delay = round(min(self.retry_every, max(left, 0.0) + 0.05), 3)
-            return Later(delay, f"{exc}; {what} runs again in {delay}s", exc)
-        ceiling = min(self.store_retry_max, self.store_retry_backoff * 2.0 ** min(tries, 32))
+            later.reason = f"{exc}; {what} runs again in {delay}s"
+            return delay
+        ceiling = min(self.store_retry_max, self.store_retry_backoff * 2.0 ** min(defers, 32))
         # Full jitter (never nothing): workers hit by one outage do not return together.
         delay = round(random.uniform(ceiling / 2, ceiling), 3)
         log.warning(
@@ -232,40 +240,24 @@ class JobGuard:
             delay,
             extra=log_fields(spec=spec_name(self.spec), operation="claim", outcome="error"),
         )
-        return Later(delay, f"idempotency store unavailable: {exc}; again in {delay}s", exc)
+        later.reason = f"idempotency store unavailable: {exc}; again in {delay}s"
+        return delay
 
-    def call(self, args: tuple[Any, ...], kwargs: dict[str, Any], tries: int, what: str) -> Any:
+    def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run a sync job once: the result (run or replayed), its exception, or Later."""
-        coord, body = self.resolved()
-        with self._attempt(coord, tries, what):
+        body = self.resolved()[1]
+        with _attempt():
             return body(*args, **kwargs)
 
-    async def acall(
-        self, ctx: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tries: int, what: str
-    ) -> Any:
+    async def acall(self, ctx: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run an async job once (see :meth:`call`)."""
-        coord, body = self.resolved()
+        body = self.resolved()[1]
         cmark = _CTX.set(ctx)
         try:
-            with self._attempt(coord, tries, what):
+            with _attempt():
                 return await body(*args, **kwargs)
         finally:
             _CTX.reset(cmark)
-
-    @contextmanager
-    def _attempt(self, coord: Any, tries: int, what: str) -> Iterator[None]:
-        """Around one run of the body: a key in flight or a store failure before the
-        body started becomes Later (the job comes back); once it started, it propagates."""
-        started: list[bool] = []
-        mark = _STARTED.set(started)
-        try:
-            yield
-        except (InFlightError, *STORE_ERRORS) as exc:
-            if started:
-                raise
-            raise self.later(exc, coord, tries, what) from exc
-        finally:
-            _STARTED.reset(mark)
 
     # ---- duplicate sends -----------------------------------------------------------
 
@@ -348,6 +340,22 @@ def free_send(
                 spec=spec_name(spec), operation="release", outcome="error", kind="lock"
             ),
         )
+
+
+@contextmanager
+def _attempt() -> Iterator[None]:
+    """Around one run of a job's body: a key in flight or a store failure before the
+    body started becomes Later (the job comes back); once it started, it propagates."""
+    started: list[bool] = []
+    mark = _STARTED.set(started)
+    try:
+        yield
+    except (InFlightError, *STORE_ERRORS) as exc:
+        if started:
+            raise
+        raise Later(exc) from exc
+    finally:
+        _STARTED.reset(mark)
 
 
 def _mark_started() -> None:

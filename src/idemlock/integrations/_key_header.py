@@ -2,8 +2,9 @@
 whose bare item is a String.
 
 ``parse_idempotency_key`` accepts ``"abc"`` (``\\"`` and ``\\\\`` the only escapes) with
-optional parameters, which are validated and ignored, and, when asked, the unquoted
-values Stripe's clients send. Everything else is :class:`MalformedKey`.
+optional parameters, which are validated and ignored, and, when asked (the HTTP
+adapters ask by default), the unquoted values Stripe's clients send. Everything else is
+:class:`MalformedKey`.
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ result instead of running again.
     class WorkerSettings:
         functions = [charge]
         redis_settings = RedisSettings()
-        max_tries = 1000          # in-flight and store-down retries count as tries
 
     # elsewhere: await pool.enqueue_job("charge", "o-7", 1200)
 
@@ -39,8 +38,17 @@ Dramatiq and Celery integrations):
   nothing ran and nothing is held; the job raises ``arq.Retry(defer=...)``: for a
   held key at most ``retry_every`` seconds and never later than just past the
   holder's lease; for a store failure a backoff from ``store_retry_backoff``
-  doubling to ``store_retry_max``. arq counts these as tries: give the worker or the
-  function a ``max_tries`` large enough for an outage.
+  doubling to ``store_retry_max``, for as long as the store is down. These
+  reschedules **do not count as tries**: before raising, the job gives back the try
+  arq's worker counted for this run, so ``max_tries`` (default 5) is left to the
+  body's own ``arq.Retry`` and ``ctx["job_try"]`` counts only the runs that reached
+  the body (or died in it). Keep arq's ``retry_jobs`` on (its default).
+
+The job keeps its id through all of this: ``await job.result()`` on the ``Job``
+that ``enqueue_job`` returned waits through the reschedules and gives the body's
+result, or the recorded result a duplicate replays (arq's dedup by ``_job_id`` is
+unchanged). Only if the queue's Redis cannot take the try back (it failed just
+then) does that one reschedule count, with a warning in the ``idemlock.jobs`` log.
 
 A worker killed mid-job (SIGKILL) leaves the job in the queue with its in-progress
 marker, which ends after the job timeout plus 10 s; another worker then runs it: it
@@ -54,25 +62,36 @@ ends.
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import logging
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
+from arq.constants import retry_key_prefix
 from arq.jobs import Job
 from arq.worker import Retry
+from redis.exceptions import RedisError
 
 from .._core.types import IdempotencySpec
 from .._errors import ConfigurationError
-from ._jobs import JobGuard, Later, current_fence
+from .._logfields import fields as log_fields
+from ._jobs import JobGuard, Later, current_fence, spec_name
 
 __all__ = ["current_fence", "enqueue_once", "idempotent_job"]
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
+log = logging.getLogger("idemlock.jobs")
+
 #: Redis key (under arq's prefix style) naming the send lease of a job id
 _SEND_KEY = "idemlock:send-lease:"
+#: Redis key counting idemlock's reschedules of a job id (its store-failure backoff)
+_DEFERS_KEY = "idemlock:arq-defers:"
+#: how long that count outlives its last reschedule (arq keeps its count of tries so long)
+_KEY_SECONDS = 88400
 
 
 def idempotent_job(
@@ -111,19 +130,22 @@ def idempotent_job(
         @functools.wraps(fn)
         async def job_function(ctx: Any, *args: Any, **kwargs: Any) -> Any:
             job_id = ctx.get("job_id") if isinstance(ctx, dict) else None
-            tries = int(ctx.get("job_try", 1) or 1) - 1 if isinstance(ctx, dict) else 0
-            what = f"job {fn.__qualname__}" + (f"[{job_id}]" if job_id else "")
+            if job_id is None:  # called directly: no queue to come back through
+                try:
+                    return await guard.acall(ctx, args, kwargs)
+                except Later as later:
+                    raise later.cause from None
+            what = f"job {fn.__qualname__}[{job_id}]"
             deferred = False
             try:
-                return await guard.acall(ctx, args, kwargs, tries, what)
+                return await guard.acall(ctx, args, kwargs)
             except Later as later:
-                if job_id is None:  # called directly: no queue to come back through
-                    raise later.cause from None
                 deferred = True
-                raise Retry(defer=later.delay) from None
+                defers = await _uncount_try(guard, ctx, job_id, what)
+                raise Retry(defer=guard.delay(later, defers, what)) from None
             finally:
-                if job_id is not None and not deferred:
-                    await _free_send(guard, ctx, job_id, args, kwargs)
+                if not deferred:
+                    await _job_done(guard, ctx, job_id, args, kwargs)
 
         job_function.idemlock_guard = guard  # type: ignore[attr-defined]
         return cast(F, job_function)
@@ -131,13 +153,46 @@ def idempotent_job(
     return decorate
 
 
-async def _free_send(
+async def _uncount_try(guard: JobGuard, ctx: dict[str, Any], job_id: str, what: str) -> int:
+    """Give back the try arq counted for this run, whose body did not run, so the job's
+    ``max_tries`` is left to the body; count the reschedule in idemlock's own key
+    instead. The reschedules of this job before this one."""
+    fallback = max(0, int(ctx.get("job_try", 1) or 1) - 1)
+    redis = ctx.get("redis")
+    if redis is None:
+        return fallback
+    try:
+        # arq's worker added one to this key (its count of the job's tries) just
+        # before it called the job; it fails the job once the count passes max_tries.
+        async with redis.pipeline(transaction=True) as pipe:
+            pipe.decr(retry_key_prefix + job_id)
+            pipe.incr(_DEFERS_KEY + job_id)
+            pipe.expire(_DEFERS_KEY + job_id, _KEY_SECONDS)
+            _, defers, _ = await pipe.execute()
+    except (RedisError, OSError, asyncio.TimeoutError) as exc:
+        log.warning(
+            "%s: could not give back arq's count of this try (%s); this reschedule "
+            "counts toward the job's max_tries",
+            what,
+            exc,
+            extra=log_fields(spec=spec_name(guard.spec), operation="claim", outcome="error"),
+        )
+        return fallback
+    return max(0, int(defers) - 1)
+
+
+async def _job_done(
     guard: JobGuard, ctx: dict[str, Any], job_id: str, args: Any, kwargs: Any
 ) -> None:
+    """The job ran (or replayed, or failed): forget its reschedules and release the
+    send lease ``enqueue_once`` took (if any)."""
     redis = ctx.get("redis")
     if redis is None:
         return
-    lease = await redis.get(_SEND_KEY + job_id)
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.get(_SEND_KEY + job_id)
+        pipe.delete(_DEFERS_KEY + job_id)
+        lease, _ = await pipe.execute()
     if lease is None:
         return
     coord = guard.resolved()[0]

@@ -51,23 +51,25 @@ is ``about:blank`` and the title the status phrase, as RFC 9457 asks; with it th
 ``<docs_url>#<code>`` and a ``Link: <docs_url>; rel="describedby"`` header points to your
 documentation, as the draft suggests.
 
-**The key.** The header is a structured-field Item (RFC 8941/9651) whose value must be a
-String: ``"..."`` in double quotes, printable ASCII, ``\\"`` and ``\\\\`` the only escapes.
-Parameters (``"k";v=1``) are parsed and ignored. An unquoted token, a bad escape, a
+**The key.** The draft makes the header a structured-field Item (RFC 8941/9651) whose
+value is a String: ``"..."`` in double quotes, printable ASCII, ``\\"`` and ``\\\\`` the only
+escapes; parameters (``"k";v=1``) are parsed and ignored. Most clients (Stripe's SDKs
+among them) send the key unquoted (``Idempotency-Key: order-A18``), so by default an
+unquoted value of printable ASCII without spaces is accepted too, as the same key as its
+quoted form. ``allow_unquoted_key=False`` accepts the sf-string only. A bad escape, a
 non-ASCII or control character, an empty string, more than ``max_key_length`` (default
-255) characters, or two ``Idempotency-Key`` fields are 400. ``allow_unquoted_key=True``
-also accepts an unquoted value (printable ASCII without spaces), as Stripe's clients send.
-``stripe_compatible=True`` is shorthand for ``allow_unquoted_key=True`` and
-``mismatch_status=400`` (Stripe answers a reused key with 400).
+255) characters, or two ``Idempotency-Key`` fields are 400. ``stripe_compatible=True`` is
+shorthand for ``mismatch_status=400`` (Stripe answers a reused key with 400).
 
 **The fingerprint** is the SHA-256 of the method, the path, the raw query string, the
 values of ``fingerprint_headers`` (default ``content-type``) and the body. A JSON body
-(``application/json`` or ``+json``) counts canonically (sorted keys, no whitespace), so
-the same document sent with other spacing or key order is the same request; any other
-body counts by its bytes. ``fingerprint=`` takes your own function of a
-:class:`RequestView` (``json_fields("amount", "currency")`` keeps chosen fields); the
-method and path always count. It is stored with the claim; a request with the same key
-and another fingerprint is refused, never answered with the other request's response.
+(``application/json`` or ``+json``) counts in its RFC 8785 (JCS) form, so the same
+document sent with other spacing, member order or number spelling (``1200.0`` for
+``1200``) is the same request; any other body counts by its bytes. ``fingerprint=``
+takes your own function of a :class:`RequestView` (``json_fields("amount",
+"currency")`` keeps chosen fields); the method and path always count. It is stored with
+the claim; a request with the same key and another fingerprint is refused, never
+answered with the other request's response.
 
 **Identity.** The record is looked up by SHA-256 of (identity, key), so one caller can
 never receive another caller's recorded response, and neither raw keys nor identities
@@ -330,11 +332,12 @@ class IdempotencyMiddleware:
     :param fingerprint: your own fingerprint function of a :class:`RequestView` (for
         example :func:`json_fields`); default: query, ``fingerprint_headers`` and the
         body (a JSON body canonically).
-    :param allow_unquoted_key: also accept an unquoted key (what Stripe's clients send).
+    :param allow_unquoted_key: accept an unquoted key (what Stripe's clients send) as well
+        as the draft's sf-string (default); False: the sf-string only.
     :param mismatch_status: the status for a key reused with another request (default
         422; 400 as Stripe answers).
-    :param stripe_compatible: shorthand for ``allow_unquoted_key=True`` and
-        ``mismatch_status=400`` (each explicit option wins).
+    :param stripe_compatible: shorthand for ``mismatch_status=400`` (an explicit
+        ``mismatch_status`` wins).
     :param max_body: largest request body read (413 above it).
     :param max_response_body: largest response body recorded; larger responses are
         delivered but not replayable.

@@ -9,7 +9,7 @@ Put :func:`idempotent` under ``@dramatiq.actor``::
     from idemlock.integrations.dramatiq import idempotent, current_fence
 
     broker = RedisBroker(url="redis://localhost:6379/0")
-    broker.add_middleware(CurrentMessage())   # for retry backoff and send_once
+    broker.add_middleware(CurrentMessage())   # uncounted reschedules, send_once
     dramatiq.set_broker(broker)
 
     @dramatiq.actor(max_retries=20)
@@ -37,10 +37,18 @@ What a message does when a worker runs it is what ``Coordinator.idempotent`` doe
   nothing ran and nothing is held; the actor raises ``dramatiq.Retry(delay=...)``
   (not logged as an error): for a held key at most ``retry_every`` seconds and never
   later than just past the holder's lease; for a store failure a backoff from
-  ``store_retry_backoff`` doubling to ``store_retry_max``. These retries count
-  toward the actor's ``max_retries`` (Dramatiq has no uncounted retry): keep it
-  large enough for an outage, or give a ``retry_when`` that returns True for
+  ``store_retry_backoff`` doubling to ``store_retry_max``, for as long as the store
+  is down. These reschedules **do not count toward** ``max_retries``: the actor
+  takes back the retry the ``Retries`` middleware adds for them (in the message's
+  ``retries`` option), so ``max_retries`` is left to the body's failures. This needs
+  the ``CurrentMessage`` middleware (without it they count, and a warning says so)
+  and the ``Retries`` middleware (Dramatiq's default). An actor with a
+  ``retry_when`` is asked about them too: it must return True for a
   ``dramatiq.Retry``.
+
+The message keeps its id through all of this, so its result (``message.get_result``
+with the ``Results`` middleware) is the body's result, or the recorded result a
+duplicate replays.
 
 A worker killed mid-body (SIGKILL) leaves its message unacknowledged; the Redis
 broker gives it to another worker once the dead worker's heartbeat is older than
@@ -56,6 +64,7 @@ middleware); a message lost before it ran frees its key when the lease ends.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any, TypeVar, cast
@@ -65,14 +74,19 @@ from dramatiq.middleware import CurrentMessage
 
 from .._core.types import IdempotencySpec
 from .._errors import ConfigurationError
-from ._jobs import JobGuard, Later, current_fence
+from .._logfields import fields as log_fields
+from ._jobs import JobGuard, Later, current_fence, spec_name
 
 __all__ = ["SEND_OPTION", "current_fence", "idempotent", "send_once"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+log = logging.getLogger("idemlock.jobs")
+
 #: message option of a message sent by send_once: the send lease's seconds
 SEND_OPTION = "idemlock_send_lease"
+#: message option counting idemlock's reschedules of a message (its store-failure backoff)
+DEFERS_OPTION = "idemlock_defers"
 
 
 def idempotent(
@@ -114,20 +128,32 @@ def idempotent(
         @functools.wraps(fn)
         def actor_function(*args: Any, **kwargs: Any) -> Any:
             message = CurrentMessage.get_current_message()
-            options = message.options if message is not None else {}
-            tries = int(options.get("retries", 0) or 0)
-            what = f"actor {fn.__qualname__}" + (
-                f"[{message.message_id}]" if message is not None else ""
-            )
+            if message is None:
+                # Called directly, or by a worker whose broker lacks CurrentMessage.
+                try:
+                    return guard.call(args, kwargs)
+                except Later as later:
+                    delay = guard.delay(later, 0, f"actor {fn.__qualname__}")
+                    _warn_without_current_message(fn.__qualname__, guard)
+                    raise dramatiq.Retry(later.reason, delay=_ms(delay)) from None
+            options = message.options
+            what = f"actor {fn.__qualname__}[{message.message_id}]"
             send_lease = options.get(SEND_OPTION)
             deferred = False
             try:
-                return guard.call(args, kwargs, tries, what)
+                return guard.call(args, kwargs)
             except Later as later:
                 deferred = True
-                raise dramatiq.Retry(later.reason, delay=int(later.delay * 1000)) from None
+                defers = int(options.get(DEFERS_OPTION, 0) or 0)
+                delay = guard.delay(later, defers, what)
+                options[DEFERS_OPTION] = defers + 1
+                # The Retries middleware adds one to "retries" for this Retry and
+                # fails the message once they pass max_retries: take that one back
+                # first, so the reschedule leaves max_retries to the body's failures.
+                options["retries"] = int(options.get("retries", 0) or 0) - 1
+                raise dramatiq.Retry(later.reason, delay=_ms(delay)) from None
             finally:
-                if send_lease is not None and message is not None and not deferred:
+                if send_lease is not None and not deferred:
                     coord = guard.resolved()[0]
                     key_ = guard.key_of(args, kwargs)
                     guard.free_send(coord, key_, message.message_id, float(send_lease))
@@ -136,6 +162,27 @@ def idempotent(
         return cast(F, actor_function)
 
     return decorate
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+_warned: set[str] = set()
+
+
+def _warn_without_current_message(name: str, guard: JobGuard) -> None:
+    if name in _warned:
+        return
+    _warned.add(name)
+    log.warning(
+        "actor %s: idemlock reschedules it (its key is held, or the store failed before "
+        "it ran) but sees no current message, so the reschedule counts toward the "
+        "actor's max_retries: add the CurrentMessage middleware to the broker "
+        "(broker.add_middleware(dramatiq.middleware.CurrentMessage()))",
+        name,
+        extra=log_fields(spec=spec_name(guard.spec), operation="claim", outcome="error"),
+    )
 
 
 def send_once(

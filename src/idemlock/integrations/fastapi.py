@@ -499,6 +499,11 @@ class _ProtectedEndpoint:
         of its own, so no name or type of the endpoint's parameters can collide with
         them (FastAPI gives one endpoint's ``Request`` to one parameter only)."""
         options = self.options
+        form = (
+            'as a quoted string (`"order-A18"`)'
+            if options.allow_unquoted_key is False
+            else '(`order-A18`, or quoted: `"order-A18"`)'
+        )
         params = [
             inspect.Parameter("request", inspect.Parameter.KEYWORD_ONLY, annotation=Request),
             inspect.Parameter(
@@ -509,8 +514,7 @@ class _ProtectedEndpoint:
                     None,
                     alias=options.header,
                     description=(
-                        "A unique key for this operation, as a quoted string "
-                        '(`"8e03978e-40d5-43e8-bc93-6894a57f9324"`). A retry with the same '
+                        f"A unique key for this operation {form}. A retry with the same "
                         "key and request gets the first response back (marked "
                         f"`{options.replay_header}: true`) and the operation does not run "
                         "again." + (" Required." if options.require_key else "")
@@ -725,20 +729,43 @@ def _document(schema: dict[str, Any]) -> None:
         for operation in operations.values():
             if not isinstance(operation, dict):
                 continue
-            marks = [
-                p["schema"].pop(_OPENAPI_MARK)
+            marked = [
+                (p, p["schema"].pop(_OPENAPI_MARK))
                 for p in operation.get("parameters", ())
                 if isinstance(p.get("schema"), dict) and _OPENAPI_MARK in p["schema"]
             ]
-            protected = next((_PROTECTED[m] for m in marks if m in _PROTECTED), None)
-            if protected is None:
+            found = next(((p, _PROTECTED[m]) for p, m in marked if m in _PROTECTED), None)
+            if found is None:
                 continue
+            param, protected = found
             used = True
+            if protected.options.require_key:
+                # The header is Optional in the dependency (its absence is our 400
+                # problem, not FastAPI's validation error), but the operation needs it.
+                param["required"] = True
             _add_problems(operation, protected)
+            _add_replay_header(operation, protected.options.replay_header)
     if used:
         schema.setdefault("components", {}).setdefault("schemas", {})["IdempotencyProblem"] = (
             _PROBLEM_SCHEMA
         )
+
+
+def _add_replay_header(operation: dict[str, Any], name: str | None) -> None:
+    """Document the replay marker on the operation's success responses (a retry gets
+    the recorded response back with it)."""
+    if name is None:
+        return
+    for status, entry in operation.get("responses", {}).items():
+        if isinstance(entry, dict) and str(status).startswith("2"):
+            entry.setdefault("headers", {})[name] = {
+                "description": (
+                    "`true` when this is the recorded response of an earlier request with "
+                    "the same Idempotency-Key, replayed (the operation did not run again); "
+                    "absent on a first run."
+                ),
+                "schema": {"type": "string", "enum": ["true"]},
+            }
 
 
 def _add_problems(operation: dict[str, Any], protected: _ProtectedEndpoint) -> None:

@@ -126,18 +126,22 @@ def idempotent_job(
             job = get_current_job()
             if job is None:  # called directly: no queue to come back through
                 try:
-                    return guard.call(args, kwargs, 0, f"job {fn.__qualname__}")
+                    return guard.call(args, kwargs)
                 except Later as later:
                     raise later.cause from None
             what = f"job {job.func_name}[{job.id}]"
             send_lease = job.meta.get(SEND_META)
             deferred = False
             try:
-                return guard.call(args, kwargs, int(job.number_of_retries or 0), what)
-            except Later as exc:
+                return guard.call(args, kwargs)
+            except Later as later:
                 deferred = True
-                # Still queued: the send lease (if any) keeps guarding the key.
-                return Retry(max=_FOREVER, interval=max(1, math.ceil(exc.delay)))
+                # RQ counts a returned Retry in number_of_retries, apart from the
+                # retries_left of the job's own retry=Retry(max=...): those stay
+                # for the body's failures. Still queued: the send lease (if any)
+                # keeps guarding the key.
+                delay = guard.delay(later, int(job.number_of_retries or 0), what)
+                return Retry(max=_FOREVER, interval=max(1, math.ceil(delay)))
             finally:
                 if send_lease is not None and not deferred:
                     coord = guard.resolved()[0]

@@ -26,6 +26,11 @@ the middleware and the decorator is handled once, by the middleware.
 
 The coordinator is connected once per process and URL (after a fork, the store opens
 fresh connections itself).
+
+Add ``"idemlock.integrations.django"`` to ``INSTALLED_APPS`` for the system checks of
+``settings.IDEMLOCK`` and of the middleware's place (:mod:`.checks`, run by
+``manage.py check``) and for ``manage.py idemlock ...``, the ``idemlock`` command line on
+the configured store.
 """
 
 from __future__ import annotations
@@ -35,19 +40,18 @@ import io
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from datetime import timedelta
 from http.cookies import SimpleCookie
 from typing import Any, ClassVar, TypeVar, cast, overload
 
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
 
-from .._core.types import IdempotencySpec
-from .._errors import ConfigurationError, StaleClaim
-from .._sync import Coordinator
-from ._http import Pass, Run
-from ._http_blocking import SyncHttp, TransactionFailed
-from ._problem_json import Answer
+from ..._core.types import IdempotencySpec
+from ..._errors import ConfigurationError, StaleClaim
+from ..._sync import Coordinator
+from .._http import Pass, Run, spec_from
+from .._http_blocking import SyncHttp, TransactionFailed
+from .._problem_json import Answer
 
 __all__ = ["IdempotencyMiddleware", "IdempotencyMixin", "idempotent_view"]
 
@@ -70,19 +74,7 @@ def _coordinator(url: str) -> Coordinator:
 
 
 def _spec(value: Any) -> IdempotencySpec | str:
-    if isinstance(value, (IdempotencySpec, str)):
-        return value
-    if isinstance(value, dict):
-        opts = dict(value)
-        name = opts.pop("name", "http")
-        for k in ("ttl", "lease"):
-            if isinstance(opts.get(k), (int, float)):
-                opts[k] = timedelta(seconds=opts[k])
-        return IdempotencySpec(name, **opts)
-    raise ConfigurationError(
-        f"IDEMLOCK['spec'] must be a spec name, an IdempotencySpec or a dict of name/ttl/"
-        f"lease, got {value!r}"
-    )
+    return spec_from(value, "IDEMLOCK['spec']")
 
 
 def _identity(value: Any) -> Callable[[HttpRequest], str | None] | None:
@@ -127,7 +119,7 @@ def _check_atomic(coordinator: Coordinator, alias: str) -> None:
         ) from None
     store = coordinator.store
     try:
-        from ..stores.postgres._shared import _Base
+        from ...stores.postgres._shared import _Base
     except ImportError:  # no PostgreSQL driver: the store is not PostgreSQL either
         on_postgres = False
     else:
