@@ -6,30 +6,32 @@ transaction`` and otherwise PgBouncer's default settings (but ``max_client_conn`
 raised for the suite's many stores), forwarding every database
 to ``server``. Authentication is what the test server needs: ``trust`` (the test
 cluster trusts loopback), with the server's user in PgBouncer's ``auth_file``. As
-root, PgBouncer runs as the ``postgres`` OS user (it refuses to run as root).
+root, PgBouncer runs as the ``postgres`` OS user (it refuses to run as root): set by
+``tests/servers/_proc.popen`` before the exec, so the death signal survives.
 
 ``pgbouncer_server`` is the session fixture in front of the shared
 ``postgres_server``; ``fault_pgbouncer_server`` is the one in front of the fault
-contract's own server. Each is killed when its fixture ends, whatever happens
-(also when the test process exits without running the fixture's teardown: atexit).
+contract's own server. Each is killed when its fixture ends, whatever happens:
+started through ``_proc.popen``, it dies with the process that started it (also a
+SIGKILLed one), and its directory lives under that process's run root.
 A missing binary fails loudly: these tests never skip.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import shutil
 import socket
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from ._proc import mkdtemp, popen
 from .faults import ProxiedFaults
 from .postgres import DATABASE, OS_USER, PgServer
 from .proxy import TcpProxy
@@ -104,23 +106,24 @@ class PgBouncer:
 
     def start(self) -> None:
         ini = self.write_config()
-        cmd = [find_pgbouncer()]
+        cmd = [find_pgbouncer(), str(ini)]
+        user: dict[str, Any] = {}
         if os.geteuid() == 0:
-            cmd += ["-u", OS_USER]
-        cmd.append(str(ini))
+            # PgBouncer refuses to run as root (setuid before the exec: the death
+            # signal, set after it, survives)
+            user = {"user": OS_USER, "group": OS_USER, "extra_groups": []}
         # Its output to a file, never a pipe nobody reads: PgBouncer logs every
         # connection to stderr too, and blocks once a pipe's buffer is full.
         with open(self.root / "stderr.txt", "wb") as err:
-            self.proc = subprocess.Popen(
-                cmd, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True
+            self.proc = popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, **user
             )
-        atexit.register(self.stop)
         deadline = time.monotonic() + 30
         while True:
             if self.proc.poll() is not None:
-                err = (self.root / "stderr.txt").read_text(errors="replace")
+                out = (self.root / "stderr.txt").read_text(errors="replace")
                 log = self.log.read_text() if self.log.exists() else ""
-                raise RuntimeError(f"pgbouncer exited ({self.proc.returncode}):\n{err}\n{log}")
+                raise RuntimeError(f"pgbouncer exited ({self.proc.returncode}):\n{out}\n{log}")
             with (
                 contextlib.suppress(OSError),
                 socket.create_connection(("127.0.0.1", self.port), timeout=1),
@@ -164,7 +167,7 @@ class PgBouncer:
 def start_pgbouncer(server: PgServer, settings: dict[str, str] | None = None) -> PgBouncer:
     """A PgBouncer in front of ``server``; the caller must ``destroy()`` it. ``settings``
     are added to its configuration."""
-    root = Path(tempfile.mkdtemp(prefix="idemlock-pgbouncer-"))
+    root = mkdtemp("idemlock-pgbouncer-")
     bouncer = PgBouncer(root, _free_port(), server, settings)
     try:
         bouncer.start()
