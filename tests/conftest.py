@@ -39,6 +39,7 @@ from .servers.faults import (  # noqa: F401  (session fixtures)
     fault_redis_cluster,
     fault_redis_server,
 )
+from .servers.pgbouncer import fault_pgbouncer_server, pgbouncer_server  # noqa: F401
 from .servers.postgres import postgres_dsn, postgres_server  # noqa: F401  (session fixtures)
 from .servers.redis import redis_cluster, redis_server  # noqa: F401  (session fixtures)
 

@@ -14,7 +14,7 @@ import os
 import re
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import parse_qsl, unquote, unquote_plus
+from urllib.parse import parse_qsl, quote, unquote, unquote_plus
 
 from ._core.clock import Clock, duration
 from ._errors import ConfigurationError, IdemlockError
@@ -277,10 +277,21 @@ def redact(url: str) -> str:
 
     def mask(m: re.Match[str]) -> str:
         if not _secret_name(m.group(2)):
+            inner = _nested_url(m.group(3))
+            if inner is not None:  # ?listen_url=postgresql%3A%2F%2Fu%3Apw%40h...
+                shown = redact(inner)
+                if shown != inner:
+                    return f"{m.group(1)}{m.group(2)}={quote(shown, safe='*')}"
             return m.group(0)
         return f"{m.group(1)}{m.group(2)}={MASK}"
 
     return _PARAM.sub(mask, text)
+
+
+def _nested_url(value: str) -> str | None:
+    """The URL a parameter's value holds, percent-encoded (``listen_url=``), or None."""
+    decoded = unquote(value.strip("'"))
+    return decoded if "://" in decoded else None
 
 
 def secrets_in(url: str) -> list[str]:
@@ -293,10 +304,17 @@ def secrets_in(url: str) -> list[str]:
     userinfo = _userinfo(rest)[0]
     if ":" in userinfo:
         found.append(userinfo.partition(":")[2])
+    nested: list[str] = []
     for m in _PARAM.finditer(url):
         if _secret_name(m.group(2)):
             found.append(m.group(3).strip("'"))
+        else:
+            inner = _nested_url(m.group(3))
+            if inner is not None:
+                nested += secrets_in(inner)
     found += [unquote(v) for v in found] + [unquote_plus(v) for v in found]
+    # A URL inside a parameter: its secrets as they are and as they are written there.
+    found += nested + [quote(v, safe="") for v in nested] + [quote(v) for v in nested]
     # Too short a value would mask unrelated text; such a password is no secret anyway.
     return sorted({v for v in found if len(v) >= 3 and v != MASK}, key=len, reverse=True)
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -31,3 +32,30 @@ async def api(request: pytest.FixtureRequest, harness: Harness) -> AsyncIterator
         yield facade
     finally:
         await facade.close()
+
+
+#: The contract files that also run through PgBouncer (store ``postgres-pgbouncer``):
+#: the core ones. The whole contract through it adds ~4 minutes on CI's 2 cores, past
+#: the budget; IDEMLOCK_PGBOUNCER_FULL=1 runs every file through it.
+PGBOUNCER_FILES = {
+    "test_idempotency",
+    "test_locks",
+    "test_table",
+    "test_races",
+    "test_fences",
+    "test_faults_network",
+    "test_faults_restart",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("IDEMLOCK_PGBOUNCER_FULL"):
+        return
+    keep, drop = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        pooled = "postgres-pgbouncer" in params.values()
+        (drop if pooled and item.path.stem not in PGBOUNCER_FILES else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

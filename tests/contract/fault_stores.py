@@ -14,6 +14,8 @@ without an error) and taken down (``harness.outage()`` / ``harness.restart()``):
 * redis, postgres: the URL goes through a per-test :class:`TcpProxy` to a server of
   the fault contract's own (tests/servers/faults.py); stall = blackhole the proxy,
   outage/restart = stop/start that server.
+* postgres-pgbouncer: the same proxy, in front of a PgBouncer (transaction pooling)
+  in front of that server; outage/restart stop/start the server, PgBouncer stays up.
 * redis_cluster: SIGSTOP/SIGCONT of every node; outage/restart = kill and start every
   node (tests/servers/faults.py explains why no proxy).
 
@@ -40,6 +42,7 @@ import idemlock.aio
 
 from ..servers.etcd import etcd_fault_harness
 from ..servers.faults import STALL_SAFETY, cluster_faults, postgres_faults, redis_faults
+from ..servers.pgbouncer import pgbouncer_faults
 from .facade import Facade, async_facade, sync_facade
 from .harness import Harness
 from .stores import STORES, by_url
@@ -277,6 +280,15 @@ def postgres(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
     return harness
 
 
+def postgres_pgbouncer(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
+    # A proxy in front of PgBouncer (stall: silent between the store and the pooler);
+    # outage and restart stop the PostgreSQL behind it, PgBouncer stays up.
+    url, faults = pgbouncer_faults(request.getfixturevalue("fault_pgbouncer_server"))
+    harness = by_url("postgres-pgbouncer", url)
+    harness.faults = faults
+    return harness
+
+
 def redis_cluster(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
     url, faults = cluster_faults(request.getfixturevalue("fault_redis_cluster"))
     harness = by_url("redis_cluster", url)
@@ -289,6 +301,7 @@ FAULT_STORES: dict[str, Callable[[pytest.FixtureRequest, Path], Harness]] = {
     "memory": memory,
     "sqlite": sqlite,
     "postgres": postgres,
+    "postgres-pgbouncer": postgres_pgbouncer,
     "redis": redis,
     "redis_cluster": redis_cluster,
     # etcd: every member behind a proxy (tests/servers/etcd.py EtcdFaults)

@@ -78,6 +78,12 @@ def postgres(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
     return by_url("postgres", request.getfixturevalue("postgres_dsn"))
 
 
+def postgres_pgbouncer(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
+    # The plain URL of PgBouncer in transaction mode (tests/servers/pgbouncer.py): no
+    # listen_url, so waiters are pulsed (the store warns once); see test_pg_pooler.py.
+    return by_url("postgres-pgbouncer", request.getfixturevalue("pgbouncer_server").dsn)
+
+
 def redis(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
     return by_url("redis", request.getfixturevalue("redis_server").url)
 
@@ -106,6 +112,7 @@ STORES: dict[str, Callable[[pytest.FixtureRequest, Path], Harness]] = {
     "memory": memory,
     "sqlite": sqlite,
     "postgres": postgres,
+    "postgres-pgbouncer": postgres_pgbouncer,
     "redis": redis,
     "redis_cluster": redis_cluster,
     "etcd": etcd,

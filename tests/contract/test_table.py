@@ -23,7 +23,7 @@ LONG = 60_000
 SHORT = 300  # ms; crossed by advance(PAST)
 PAST = 0.5
 #: stores that keep a hand-off window after a release with a waiter (state reserved)
-HANDOFF = {"redis", "redis_cluster", "etcd", "etcd_cluster", "postgres"}
+HANDOFF = {"redis", "redis_cluster", "etcd", "etcd_cluster", "postgres", "postgres-pgbouncer"}
 
 _REPLY_TYPES: dict[str, type] = {
     "granted": Granted,

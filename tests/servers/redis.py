@@ -108,7 +108,7 @@ class RedisServer:
         self.proc = popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self._wait_ping()
 
-    def _wait_ping(self, timeout: float = 10.0) -> None:
+    def _wait_ping(self, timeout: float = 60.0) -> None:
         import redis
 
         deadline = time.monotonic() + timeout

@@ -9,8 +9,15 @@ or ``idemlock.aio.connect``), or pass an existing ``psycopg_pool.ConnectionPool`
 * ``auto_migrate`` (default True): create or upgrade the schema on first use; with
   False, run ``idemlock migrate --url URL [--schema SCHEMA]`` (:func:`migrate`) first,
   on the store's URL (its ``?timeout=`` is taken off as here) and with its ``schema``;
-* ``prepare`` (default True): use server-side prepared statements (set False behind
-  PgBouncer < 1.21 in transaction mode);
+* ``prepare`` (default True): use server-side prepared statements where they are safe:
+  the store finds out by itself when its URL goes through a transaction pooler
+  (PgBouncer...) and then never prepares (see "PostgreSQL behind a pooler" in
+  docs/operations.md);
+* ``listen_url`` (also ``?listen_url=`` in the URL, percent-encoded): a
+  ``postgresql://`` URL straight to the server for the one connection that takes
+  notifications, when the store's URL goes through a transaction pooler, where LISTEN
+  does not work (without it, waiters behind such a pooler re-check every 0.1 s, and
+  the store says so once in a warning);
 * ``timeout`` (default 5 s; also ``?timeout=`` in the URL): the bound on one call,
   the wait for a pooled connection included. It holds when the network goes silent
   (a watchdog shuts down the socket of a call past it, and the connection is
@@ -126,11 +133,20 @@ def _pool_options(min_size: int, max_size: int) -> None:
         )
 
 
-def _split_url(url: str, timeout: object) -> tuple[str, float]:
-    """The URL without idemlock's own ``?timeout=`` (libpq would refuse it) and the
-    timeout, from the URL or the keyword (not both)."""
+def _split_url(url: str, timeout: object, listen_url: object = None) -> tuple[str, float]:
+    """The URL without idemlock's own ``?timeout=`` and ``?listen_url=`` (libpq would
+    refuse them) and the timeout, from the URL or the keyword (not both)."""
+    head, secs, _ = _split_url_listen(url, timeout, listen_url)
+    return head, secs
+
+
+def _split_url_listen(
+    url: str, timeout: object, listen_url: object = None
+) -> tuple[str, float, str | None]:
+    """As :func:`_split_url`, and the ``listen_url`` (URL option or keyword, not both)."""
     head, sep, query = url.partition("?")
     given: object = None
+    listen: str | None = None
     kept = []
     if sep:
         for part in query.split("&"):
@@ -139,8 +155,22 @@ def _split_url(url: str, timeout: object) -> tuple[str, float]:
                 if given is not None:
                     raise ConfigurationError("timeout is given twice in the URL; give it once")
                 given = unquote(value)
+            elif unquote(name) == "listen_url":
+                if listen is not None:
+                    raise ConfigurationError("listen_url is given twice in the URL; give it once")
+                listen = unquote(value)
             else:
                 kept.append(part)
+    if listen is not None and listen_url is not None:
+        raise ConfigurationError(
+            "listen_url is given twice (in the URL and as a keyword); give it once"
+        )
+    if listen_url is not None:
+        if not isinstance(listen_url, str):
+            raise ConfigurationError(
+                f"listen_url must be a postgresql:// URL, got {type(listen_url).__name__}"
+            )
+        listen = listen_url
     if given is not None and timeout is not None:
         raise ConfigurationError(
             "timeout is given twice (in the URL and as a keyword); give it once"
@@ -148,7 +178,24 @@ def _split_url(url: str, timeout: object) -> tuple[str, float]:
     secs = _check_timeout(
         given if given is not None else timeout if timeout is not None else DEFAULT_TIMEOUT
     )
-    return head + ("?" + "&".join(kept) if kept else ""), secs
+    if listen is not None and not listen.lower().startswith(("postgresql://", "postgres://")):
+        raise ConfigurationError(
+            f"listen_url must be a postgresql:// URL straight to the server, got "
+            f"{redact(listen)!r} (percent-encode it when it is given inside the store's URL)"
+        )
+    return head + ("?" + "&".join(kept) if kept else ""), secs, listen
+
+
+def _listen_settings(listen_url: str | None, timeout: float) -> tuple[str, dict[str, Any]] | None:
+    """(conninfo, settings) of the notification connection of ``listen_url``: the
+    store's bounds on the wire, no ``options`` (a pooler would refuse them; LISTEN is
+    bounded by the watchdog)."""
+    if listen_url is None:
+        return None
+    kw = _server_kwargs(listen_url, timeout)
+    for name in ("autocommit", "options"):
+        kw.pop(name, None)
+    return listen_url, kw
 
 
 def _server_kwargs(url: str, timeout: float) -> dict[str, Any]:
@@ -215,12 +262,13 @@ def _open(
     min_size: int,
     max_size: int,
     timeout: float | None,
+    listen_url: str | None,
 ) -> Any:
     """A store of ``store_cls`` on a pool of ``pool_cls`` of its own (opened on first
     use, closed with the store); a forked child makes another with ``factory``."""
     check_schema(schema)
     _pool_options(min_size, max_size)
-    url, secs = _split_url(url, timeout)
+    url, secs, listen = _split_url_listen(url, timeout, listen_url)
     health = Health()
 
     def factory() -> Any:
@@ -235,6 +283,7 @@ def _open(
         timeout=secs,
         pool_factory=factory,
         health=health,
+        listen=_listen_settings(listen, secs),
     )
 
 
@@ -247,6 +296,7 @@ def open_sync(
     min_size: int = 1,
     max_size: int = 10,
     timeout: float | None = None,
+    listen_url: str | None = None,
 ) -> tuple[PostgresStore, None]:
     """A sync store on a pool of its own (opened on first use, closed with the store)."""
     store: PostgresStore = _open(
@@ -259,6 +309,7 @@ def open_sync(
         min_size=min_size,
         max_size=max_size,
         timeout=timeout,
+        listen_url=listen_url,
     )
     return store, None
 
@@ -272,6 +323,7 @@ def open_async(
     min_size: int = 1,
     max_size: int = 10,
     timeout: float | None = None,
+    listen_url: str | None = None,
 ) -> tuple[AsyncPostgresStore, None]:
     """An async store on a pool of its own (opened on first use, closed with the store)."""
     store: AsyncPostgresStore = _open(
@@ -284,6 +336,7 @@ def open_async(
         min_size=min_size,
         max_size=max_size,
         timeout=timeout,
+        listen_url=listen_url,
     )
     return store, None
 
@@ -296,6 +349,7 @@ def from_client(
     auto_migrate: bool = True,
     prepare: bool = True,
     timeout: float | None = None,
+    listen_url: str | None = None,
 ) -> tuple[PostgresStore | AsyncPostgresStore, None]:
     """A store on your open pool: a ``psycopg_pool.ConnectionPool`` for
     ``idemlock.connect``, an ``AsyncConnectionPool`` for ``idemlock.aio.connect``.
@@ -305,6 +359,9 @@ def from_client(
     your pool included. In a forked child the store uses a pool of its own with your
     pool's settings (your pool's connections belong to the parent)."""
     secs = _check_timeout(DEFAULT_TIMEOUT if timeout is None else timeout)
+    listen = None
+    if listen_url is not None:
+        listen = _listen_settings(_split_url_listen("", None, listen_url)[2], secs)
     if asynchronous:
         if not isinstance(pool, psycopg_pool.AsyncConnectionPool):
             raise ConfigurationError(
@@ -312,7 +369,12 @@ def from_client(
                 f"{type(pool).__name__} (pass a ConnectionPool to idemlock.connect)"
             )
         return AsyncPostgresStore(
-            pool, schema=schema, prepare=prepare, auto_migrate=auto_migrate, timeout=secs
+            pool,
+            schema=schema,
+            prepare=prepare,
+            auto_migrate=auto_migrate,
+            timeout=secs,
+            listen=listen,
         ), None
     if not isinstance(pool, psycopg_pool.ConnectionPool):
         raise ConfigurationError(
@@ -320,5 +382,10 @@ def from_client(
             "(pass an AsyncConnectionPool to idemlock.aio.connect)"
         )
     return PostgresStore(
-        pool, schema=schema, prepare=prepare, auto_migrate=auto_migrate, timeout=secs
+        pool,
+        schema=schema,
+        prepare=prepare,
+        auto_migrate=auto_migrate,
+        timeout=secs,
+        listen=listen,
     ), None

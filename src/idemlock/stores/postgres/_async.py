@@ -41,6 +41,7 @@ from ._shared import (
     _HANDOFF_MS8,
     MAX_RACE_RETRIES,
     PURGE_BATCH,
+    SERVER_PID,
     _is_disconnect,
     _lane_spent,
     _wait,
@@ -57,8 +58,18 @@ class AsyncPostgresStore(_AsyncRunner):
     ) -> list[Row]:
         # tuple_row: a user's pool may have another row factory (dict_row...).
         cur = psycopg.AsyncRawCursor(conn, row_factory=tuple_row)
-        await cur.execute(stmt.sql, stmt.args(params), prepare=self._prepare, binary=True)
-        rows: list[Row] = await cur.fetchall()
+        rows: list[Row]
+        if self._pooled:
+            # Behind a transaction pooler: no prepared statement (the next call may get
+            # another server connection), and statement_timeout for this statement
+            # only, in the same round trip (one Sync: one implicit transaction).
+            async with conn.pipeline():
+                await conn.execute(self._local_timeout, prepare=False)
+                await cur.execute(stmt.sql, stmt.args(params), prepare=False, binary=True)
+                rows = await cur.fetchall()
+            return rows
+        await cur.execute(stmt.sql, stmt.args(params), prepare=self._prepare_now, binary=True)
+        rows = await cur.fetchall()
         return rows
 
     async def _open_and_check(self, deadline: float) -> None:
@@ -75,6 +86,8 @@ class AsyncPostgresStore(_AsyncRunner):
         try:
             conn = await self._adirect_connect()
             armed = _watchdog.WATCHDOG.arm(conn, deadline)
+            row = await (await conn.execute(SERVER_PID)).fetchone()
+            self._set_pooled(conn, row[0] if row else 0)
             await _schema_async.aensure(conn, self.schema, migrate=self._auto_migrate)
         except psycopg.Error as exc:
             if armed is not None and armed.fired:

@@ -168,7 +168,11 @@ async def acomplete_in_transaction(
     stmt = store.statements.complete
     cur = psycopg.AsyncRawCursor(conn, row_factory=tuple_row)
     try:
-        await cur.execute(stmt.sql, stmt.args(store._complete_params(*args)), binary=True)
+        # Behind a transaction pooler never prepared (else as the connection says).
+        prepare = False if store._pooled else None
+        await cur.execute(
+            stmt.sql, stmt.args(store._complete_params(*args)), prepare=prepare, binary=True
+        )
         done = bool(await cur.fetchall())
     except psycopg.Error as exc:
         raise store._unavailable(exc, "complete") from exc

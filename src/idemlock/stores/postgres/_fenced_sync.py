@@ -169,7 +169,11 @@ def complete_in_transaction(
     stmt = store.statements.complete
     cur = psycopg.RawCursor(conn, row_factory=tuple_row)
     try:
-        cur.execute(stmt.sql, stmt.args(store._complete_params(*args)), binary=True)
+        # Behind a transaction pooler never prepared (else as the connection says).
+        prepare = False if store._pooled else None
+        cur.execute(
+            stmt.sql, stmt.args(store._complete_params(*args)), prepare=prepare, binary=True
+        )
         done = bool(cur.fetchall())
     except psycopg.Error as exc:
         raise store._unavailable(exc, "complete") from exc

@@ -53,6 +53,12 @@ RECONNECT_MAX = 1.0
 LINGER = 2.0
 #: channels kept LISTENed without waiters, at most
 MAX_LINGERING = 1000
+#: seconds the listener waits for its own probe notification before it concludes that
+#: notifications do not reach it (a transaction pooler in between)
+PROBE_WAIT = 1.0
+#: seconds between re-checks of every waiter while notifications are not known to
+#: reach the listener (they are woken to poll the store: hand-offs stay bounded)
+PULSE = 0.1
 
 
 #: A waiter on one channel: ``wait`` from threads, ``wait_async`` from asyncio; a
@@ -74,8 +80,20 @@ class Listener:
         timeout: float,
         unregister: Any = None,
         handoff: float = 0.0,
+        probe: Callable[[str], None] | None = None,
+        secrets: list[str] | None = None,
     ) -> None:
         self._connect = connect
+        #: sends a NOTIFY on a channel the way the store's statements do
+        self._probe = probe
+        self._secrets = secrets or []
+        #: whether notifications reach this listener: None until its probe came back
+        #: (or did not, within PROBE_WAIT: then False and waiters are pulsed)
+        self.notifies: bool | None = None if probe is not None else True
+        self._probe_channel = "idemlock_probe_" + os.urandom(6).hex()
+        self._probe_due: float | None = None
+        self._next_pulse = 0.0
+        self._warned = False
         #: the statement (a ``_sql.Stmt``) that drops a process's registration
         self._unregister = unregister
         #: (channel, gid) registrations to drop, by the reader thread
@@ -125,6 +143,8 @@ class Listener:
                 self._core.discard(channel, sub)
             raise
         self._start_thread()
+        if self.notifies is not True:
+            self._nudge()  # the reader pulses waiters while notifications fail
         return sub
 
     def try_subscribe(self, channel: str) -> LocalSubscription | None:
@@ -140,6 +160,8 @@ class Listener:
                     return None
                 sub = LocalSubscription(self._state, partial(self._release, channel))
                 self._core.subscribe(channel, sub)  # no command: already listening
+            if self.notifies is not True:
+                self._nudge()  # the reader pulses waiters while notifications fail
             return sub
         finally:
             self._io.release()
@@ -200,8 +222,11 @@ class Listener:
         try:
             conn = self._connect()
         except psycopg.Error as exc:
+            detail = str(exc)
+            for secret in self._secrets:
+                detail = detail.replace(secret, "***")
             raise StoreUnavailable(
-                f"cannot open the PostgreSQL connection that waits for notifications: {exc}"
+                f"cannot open the PostgreSQL connection that waits for notifications: {detail}"
             ) from exc
         conn.add_notify_handler(self._on_notify)
         self._conn = conn
@@ -209,7 +234,48 @@ class Listener:
             up = self._core.on_connect()  # LISTEN every channel waited on
             self._fire(up.wakes)
         self._perform(conn, up.commands)
+        if self.notifies is None and self._probe_due is None:
+            self._send_probe(conn)
         return conn
+
+    def _send_probe(self, conn: psycopg.Connection[Any]) -> None:
+        """LISTEN on a channel of our own and NOTIFY it the store's way: if it does not
+        come back within PROBE_WAIT, notifications do not reach us (the reader thread
+        then says so once, and pulses the waiters). Called with _io held."""
+        assert self._probe is not None
+        self._run(conn, "LISTEN", self._probe_channel)
+        try:
+            self._probe(self._probe_channel)
+        except psycopg.Error as exc:  # tried again on the next connection
+            log.warning(
+                "idemlock: could not check that PostgreSQL notifications arrive: %s",
+                exc,
+                extra=_LISTEN_FAILED,
+            )
+            return
+        now = time.monotonic()
+        self._probe_due = now + PROBE_WAIT
+        self._next_pulse = now + PULSE  # no pulse before the probe had its chance
+        self._nudge()
+
+    def _check_probe(self, now: float) -> None:
+        """With _io held, in the reader thread: conclude the probe once it is overdue."""
+        due = self._probe_due
+        if self.notifies is not None or due is None or now < due:
+            return
+        self.notifies = False
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "idemlock: PostgreSQL notifications do not reach this store's listener: its "
+                "URL likely goes through a transaction-pooling connection pooler (PgBouncer, "
+                "RDS Proxy, Supavisor...), where LISTEN does not work. Waiters now re-check "
+                "the store every %gs instead of being woken. Pass listen_url= (or "
+                "?listen_url= in the URL, percent-encoded) with a postgresql:// URL straight "
+                "to the server to have hand-offs pushed again",
+                PULSE,
+                extra=_LISTEN_FAILED,
+            )
 
     def _perform(self, conn: psycopg.Connection[Any], commands: list[Command[str]]) -> None:
         # Called with _io held. LISTEN answers before the next statement: confirmed.
@@ -249,6 +315,9 @@ class Listener:
         self._dispatch(n.channel, n.payload.encode())
 
     def _dispatch(self, channel: str, payload: bytes) -> None:
+        if channel == self._probe_channel:
+            self.notifies = True
+            return
         self.received += 1
         with self._state:
             # An empty payload (claims, breaks) is for everyone, as is '*'.
@@ -266,7 +335,7 @@ class Listener:
             wd = _watchdog.WATCHDOG
             armed = wd.arm(conn, time.monotonic() + self._timeout)
             try:
-                psycopg.RawCursor(conn).execute(stmt.sql, args)
+                psycopg.RawCursor(conn).execute(stmt.sql, args, prepare=False)
                 self._drain(conn)
             finally:
                 wd.disarm(armed)
@@ -334,6 +403,12 @@ class Listener:
         if deadline is not None and fd >= 0:
             due = max(0.0, deadline - time.monotonic())
             timeout = due if timeout is None else min(timeout, due)
+        if fd >= 0 and (
+            (want and self.notifies is not True)
+            or (self.notifies is None and self._probe_due is not None)
+        ):
+            # Not (yet) known to hear notifications: pulse waiters, conclude the probe.
+            timeout = PULSE if timeout is None else min(timeout, PULSE)
         ready = {f for f, _ in poller.poll(None if timeout is None else timeout * 1000)}
         if wake in ready:
             with contextlib.suppress(OSError):
@@ -354,10 +429,15 @@ class Listener:
                 if fd in ready:
                     conn.pgconn.consume_input()
                     self._drain(conn)
+                now = time.monotonic()
+                self._check_probe(now)
                 with self._state:
-                    due_now = self._core.tick(time.monotonic())
+                    due_now = self._core.tick(now)
                     self._fire(due_now.wakes)
                     self._deadline = due_now.deadline
+                    if self.notifies is not True and now >= self._next_pulse:
+                        self._next_pulse = now + PULSE
+                        self._fire(self._core.subscribers())
                 self._perform(conn, due_now.commands)
                 if self._leaving:
                     self._drop_registrations(conn)

@@ -91,6 +91,8 @@ async def amigrate(url_or_pool: Any, schema: str = DEFAULT_SCHEMA) -> int:
     try:
         if isinstance(url_or_pool, str):
             kwargs = connect_kwargs(url, None, secs)
+            # No prepared statement: the URL may go through a transaction pooler.
+            kwargs["prepare_threshold"] = None
             async with await psycopg.AsyncConnection.connect(
                 url, autocommit=True, **kwargs
             ) as conn:

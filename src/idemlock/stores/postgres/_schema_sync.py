@@ -93,6 +93,8 @@ def migrate(url_or_pool: Any, schema: str = DEFAULT_SCHEMA) -> int:
     try:
         if isinstance(url_or_pool, str):
             kwargs = connect_kwargs(url, None, secs)
+            # No prepared statement: the URL may go through a transaction pooler.
+            kwargs["prepare_threshold"] = None
             with psycopg.Connection.connect(url, autocommit=True, **kwargs) as conn:
                 return migrate_conn(conn, schema)
         if isinstance(url_or_pool, psycopg_pool.ConnectionPool):

@@ -23,6 +23,7 @@ from ... import _urls
 from ..._core.port import Held
 from ..._errors import ConfigurationError, StoreUnavailable
 from .._forks import ForkRegistry
+from . import _watchdog
 from ._listen import Listener
 from ._pool import CancellableAsyncPool
 from ._replies import _i8
@@ -120,6 +121,13 @@ def unavailable(exc: BaseException, what: str, schema: str = DEFAULT_SCHEMA) -> 
             f"the idemlock tables are missing ({exc}); run {migrate_command(schema)} "
             "or let the store create them (auto_migrate=True)"
         )
+    elif startup_refused(exc):
+        msg = (
+            f"PostgreSQL failed during {what}: {type(exc).__name__}: {str(exc).strip()}. "
+            "A connection pooler (PgBouncer...) refused a startup parameter given in the "
+            "URL: take it off the URL (set it per statement or per transaction instead), or "
+            "add it to the pooler's ignore_startup_parameters"
+        )
     else:
         msg = f"PostgreSQL failed during {what}: {type(exc).__name__}: {exc}"
     return StoreUnavailable(msg.strip())
@@ -184,12 +192,51 @@ def _is_disconnect(exc: BaseException, conn: Any) -> bool:
 class Health:
     """What the pool's own connection attempts found: the last failure (None once one
     succeeds). Calls read it to name the cause of an outage at once instead of
-    waiting for a connection that is not coming (issue 10 item 19)."""
+    waiting for a connection that is not coming (issue 10 item 19).
 
-    __slots__ = ("down",)
+    ``pooled``: whether the URL leads to a transaction-pooling connection pooler
+    (PgBouncer...) rather than straight to PostgreSQL (None: not known yet). Found out
+    by the first connection: a pooler refuses the ``options`` startup parameter, or
+    reports a backend pid that is not the server's (see :func:`pooler_seen`). Then the
+    store's connections are opened without ``options``, statements are not prepared and
+    ``statement_timeout`` is set per statement (see ``_fetch``)."""
+
+    __slots__ = ("down", "pooled")
 
     def __init__(self) -> None:
         self.down: BaseException | None = None
+        self.pooled: bool | None = None
+
+
+#: URLs (conninfo strings) this process found to lead to a pooler
+_POOLED_URLS: set[str] = set()
+#: what a connection pooler answers to a startup parameter it does not pass on
+_REFUSED_STARTUP = "unsupported startup parameter"
+_OWN_TIMEOUT = re.compile(r"\s*-c statement_timeout=\d+")
+
+
+def startup_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` is a pooler refusing a startup parameter (PgBouncer < 1.20 says
+    ``unsupported startup parameter: options`` to the statement_timeout the store sends)."""
+    return isinstance(exc, psycopg.OperationalError) and _REFUSED_STARTUP in str(exc)
+
+
+def for_pooler(kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """``kwargs`` of a connection the store makes, without the ``options`` the store
+    added (``-c statement_timeout=...``) and without prepared statements; None if the
+    store added no options (the refusal is then about the user's own settings)."""
+    options = kwargs.get("options")
+    if not isinstance(options, str) or not _OWN_TIMEOUT.search(options):
+        return None
+    out = {k: v for k, v in kwargs.items() if k != "options"}
+    out["prepare_threshold"] = None
+    return out
+
+
+def _pooled_kwargs(kwargs: dict[str, Any], health: Health) -> dict[str, Any]:
+    if health.pooled:
+        return for_pooler(kwargs) or kwargs
+    return kwargs
 
 
 def recording_class(base: type[Any], health: Health) -> type[Any]:
@@ -201,7 +248,14 @@ def recording_class(base: type[Any], health: Health) -> type[Any]:
             @classmethod
             async def connect(cls, *args: Any, **kwargs: Any) -> Any:
                 try:
-                    conn = await super().connect(*args, **kwargs)
+                    try:
+                        conn = await super().connect(*args, **_pooled_kwargs(kwargs, health))
+                    except psycopg.OperationalError as exc:
+                        bare = for_pooler(kwargs) if startup_refused(exc) else None
+                        if bare is None:
+                            raise
+                        health.pooled = True  # a pooler: connect as it accepts
+                        conn = await super().connect(*args, **bare)
                 except BaseException as exc:
                     health.down = exc
                     raise
@@ -214,7 +268,14 @@ def recording_class(base: type[Any], health: Health) -> type[Any]:
         @classmethod
         def connect(cls, *args: Any, **kwargs: Any) -> Any:
             try:
-                conn = super().connect(*args, **kwargs)
+                try:
+                    conn = super().connect(*args, **_pooled_kwargs(kwargs, health))
+                except psycopg.OperationalError as exc:
+                    bare = for_pooler(kwargs) if startup_refused(exc) else None
+                    if bare is None:
+                        raise
+                    health.pooled = True  # a pooler: connect as it accepts
+                    conn = super().connect(*args, **bare)
             except BaseException as exc:
                 health.down = exc
                 raise
@@ -222,6 +283,19 @@ def recording_class(base: type[Any], health: Health) -> type[Any]:
             return conn
 
     return _Recording
+
+
+#: the set-up's query that tells a pooler from the server (see :func:`pooler_seen`)
+SERVER_PID = "SELECT pg_backend_pid()"
+
+
+def pooler_seen(conn: Any, server_pid: int) -> bool:
+    """Whether ``conn`` reaches PostgreSQL through a pooler or proxy: the backend pid
+    the connection was given at start (BackendKeyData) is not the pid of the server
+    process that runs its statements. PgBouncer, and proxies generally, make up their
+    own: they cannot hand out a server's cancel key for a client they may move to
+    another server connection."""
+    return int(conn.info.backend_pid) != int(server_pid)
 
 
 def connect_kwargs(conninfo: Any, kwargs: Any, timeout: float) -> dict[str, Any]:
@@ -264,10 +338,17 @@ class _Base(Generic[P]):
         timeout: float = DEFAULT_TIMEOUT,
         pool_factory: Callable[[], P] | None = None,
         health: Health | None = None,
+        listen: tuple[str, dict[str, Any]] | None = None,
     ) -> None:
         health = health or Health()
-        self.pool = pool
         conninfo: Any = getattr(pool, "conninfo", None)
+        if isinstance(conninfo, str) and conninfo in _POOLED_URLS:
+            # Another store of this process found a pooler there: no refused attempt.
+            health.pooled = True
+        #: (conninfo, connection settings) of the connection that takes notifications,
+        #: when it is not the pool's (``listen_url``: straight to PostgreSQL)
+        self._listen = listen
+        self.pool = pool
         self.schema = check_schema(schema)
         self.statements = Statements.for_schema(self.schema)
         #: the bound on one call, in seconds (A1)
@@ -278,7 +359,15 @@ class _Base(Generic[P]):
         self._ready = False
         self._conninfo = conninfo
         self._secrets = _secrets_of(conninfo)
+        if listen is not None:
+            self._secrets = sorted({*self._secrets, *_secrets_of(listen[0])}, key=len)[::-1]
         self._conn_kwargs = getattr(pool, "kwargs", None)
+        #: whether calls go through a transaction pooler (set up by the first call)
+        self._pooled = False
+        self._prepare_now = prepare
+        self._local_timeout = (
+            f"SELECT set_config('statement_timeout', '{int(self.timeout * 1000)}', true)"
+        )
         # Builds a fresh pool of the same settings: a forked child uses it (A6).
         self._pool_factory: Callable[[], P] = pool_factory or (lambda: clone_pool(pool, health))
         self._health = health
@@ -295,22 +384,73 @@ class _Base(Generic[P]):
 
     def _new_listener(self) -> Listener:
         return Listener(
-            self._direct_connect, self.timeout, self.statements.unregister, HANDOFF_MS / 1000
+            self._listen_connect,
+            self.timeout,
+            self.statements.unregister,
+            HANDOFF_MS / 1000,
+            probe=self._send_probe,
+            secrets=self._secrets,
         )
+
+    def _set_pooled(self, conn: Any, server_pid: int) -> None:
+        """After the set-up's first statement: whether calls go through a pooler."""
+        pooled = bool(self._health.pooled) or pooler_seen(conn, server_pid)
+        self._health.pooled = pooled
+        if pooled and isinstance(self._conninfo, str):
+            _POOLED_URLS.add(self._conninfo)
+        self._pooled = pooled
+        self._prepare_now = self._prepare and not pooled
+
+    def _listen_connect(self) -> psycopg.Connection[Any]:
+        """The connection that takes notifications: ``listen_url``'s, else the pool's."""
+        if self._listen is None:
+            return self._direct_connect()
+        info, kwargs = self._listen
+        return psycopg.connect(info, autocommit=True, prepare_threshold=None, **kwargs)
+
+    def _send_probe(self, channel: str) -> None:
+        """NOTIFY ``channel`` the way the store's own statements do (through the pool's
+        URL): the listener checks that it hears it."""
+        with self._direct_connect() as conn:
+            armed = _watchdog.WATCHDOG.arm(conn, time.monotonic() + self.timeout)
+            try:
+                conn.execute("SELECT pg_notify(%s, 'probe')", [channel])
+            finally:
+                _watchdog.WATCHDOG.disarm(armed)
+
+    def _direct_kwargs(self, info: Any, kwargs: Any) -> dict[str, Any]:
+        kw = connect_kwargs(info, kwargs, self.timeout)
+        kw = _pooled_kwargs(kw, self._health)
+        kw["prepare_threshold"] = None  # one-off connections; safe behind a pooler
+        return kw
 
     def _direct_connect(self, connect_timeout: int | None = None) -> psycopg.Connection[Any]:
         """A connection of its own, on the pool's settings (which may be computed per
         connection). Runs in threads without an event loop."""
         info = _resolve(self._conninfo)
-        kwargs = connect_kwargs(info, _resolve(self._conn_kwargs), self.timeout)
+        kwargs = self._direct_kwargs(info, _resolve(self._conn_kwargs))
         if connect_timeout is not None:
             kwargs["connect_timeout"] = connect_timeout
-        return psycopg.connect(info, autocommit=True, **kwargs)
+        try:
+            return psycopg.connect(info, autocommit=True, **kwargs)
+        except psycopg.OperationalError as exc:
+            bare = for_pooler(kwargs) if startup_refused(exc) else None
+            if bare is None:
+                raise
+            self._health.pooled = True
+            return psycopg.connect(info, autocommit=True, **bare)
 
     async def _adirect_connect(self) -> psycopg.AsyncConnection[Any]:
         info = await _aresolve(self._conninfo)
-        kwargs = connect_kwargs(info, await _aresolve(self._conn_kwargs), self.timeout)
-        return await psycopg.AsyncConnection.connect(info, autocommit=True, **kwargs)
+        kwargs = self._direct_kwargs(info, await _aresolve(self._conn_kwargs))
+        try:
+            return await psycopg.AsyncConnection.connect(info, autocommit=True, **kwargs)
+        except psycopg.OperationalError as exc:
+            bare = for_pooler(kwargs) if startup_refused(exc) else None
+            if bare is None:
+                raise
+            self._health.pooled = True
+            return await psycopg.AsyncConnection.connect(info, autocommit=True, **bare)
 
     def _scrub(self, err: StoreUnavailable) -> StoreUnavailable:
         """No secret of the URL (a ``?password=``...) leaves in a message (item 17)."""

@@ -32,7 +32,15 @@ from ._replies import (
     _state,
 )
 from ._runner_sync import _SyncRunner
-from ._shared import _HANDOFF_MS8, MAX_RACE_RETRIES, PURGE_BATCH, _is_disconnect, _lane_spent, _wait
+from ._shared import (
+    _HANDOFF_MS8,
+    MAX_RACE_RETRIES,
+    PURGE_BATCH,
+    SERVER_PID,
+    _is_disconnect,
+    _lane_spent,
+    _wait,
+)
 from ._sql import Stmt
 
 
@@ -45,8 +53,18 @@ class PostgresStore(_SyncRunner):
     ) -> list[Row]:
         # tuple_row: a user's pool may have another row factory (dict_row...).
         cur = psycopg.RawCursor(conn, row_factory=tuple_row)
-        cur.execute(stmt.sql, stmt.args(params), prepare=self._prepare, binary=True)
-        rows: list[Row] = cur.fetchall()
+        rows: list[Row]
+        if self._pooled:
+            # Behind a transaction pooler: no prepared statement (the next call may get
+            # another server connection), and statement_timeout for this statement
+            # only, in the same round trip (one Sync: one implicit transaction).
+            with conn.pipeline():
+                conn.execute(self._local_timeout, prepare=False)
+                cur.execute(stmt.sql, stmt.args(params), prepare=False, binary=True)
+                rows = cur.fetchall()
+            return rows
+        cur.execute(stmt.sql, stmt.args(params), prepare=self._prepare_now, binary=True)
+        rows = cur.fetchall()
         return rows
 
     def _open_and_check(self, deadline: float) -> None:
@@ -63,6 +81,8 @@ class PostgresStore(_SyncRunner):
         try:
             conn = self._direct_connect()
             armed = _watchdog.WATCHDOG.arm(conn, deadline)
+            row = conn.execute(SERVER_PID).fetchone()
+            self._set_pooled(conn, row[0] if row else 0)
             _schema_sync.ensure(conn, self.schema, migrate=self._auto_migrate)
         except psycopg.Error as exc:
             if armed is not None and armed.fired:
