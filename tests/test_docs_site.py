@@ -31,6 +31,9 @@ def test_site_builds_strictly(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     site = tmp_path / "site"
     pages = ["index", "guarantees", "threat-model", "operations", "states", "recipes/celery"]
+    # The README's reference sections live on these pages (issue 27).
+    pages += ["idempotency", "locks", "stores", "integrations", "cli", "errors"]
+    pages += ["fault-injection", "performance", "architecture"]
     for page in [f"{p}/index.html" if p != "index" else "index.html" for p in pages]:
         assert (site / page).is_file(), page
     # The API reference is generated from the docstrings, not written by hand.
