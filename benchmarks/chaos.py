@@ -10,7 +10,7 @@ Worker processes on throwaway servers run jobs from an at-least-once queue throu
 ``@coord.idempotent`` with a fenced effect (``--mode plain``: without idemlock, the
 negative control), or write under ``hold()`` (``--workload lock``), while ``faults``
 kills and pauses busy workers, restarts the store, cuts and blackholes its connections;
-then the data alone is checked. The README's "Fault injection" has the details and
+then the data alone is checked. docs/fault-injection.md has the details and
 figures. Exits 1 on any violation (plain mode: duplicates and stale overwrites are
 reported, not violations).
 """

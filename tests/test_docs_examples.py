@@ -23,16 +23,19 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from .servers._proc import mkdtemp
+from .servers._proc import mkdtemp, popen
 from .servers.postgres import PgServer
 from .servers.redis import RedisServer, start_redis
 
@@ -295,3 +298,51 @@ def test_extractor_sees_markers() -> None:
 def test_a_marker_without_its_block_is_refused() -> None:
     with pytest.raises(AssertionError, match=r"probe\.md:3: an example marker not followed"):
         extract_text("probe.md", "<!-- not-run: why -->\n\nsome prose\n```python\nx\n```\n")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_django_page_serves_under_its_run_command(tmp_path: Path) -> None:
+    # docs/django.md's project, saved as the page says (its first two blocks in one
+    # project.py), served by the page's own command line: the command must work as written.
+    import httpx
+
+    page = ROOT / "docs" / "django.md"
+    settings, views = extract(page)[:2]
+    assert settings.code.startswith("# project.py") and views.continues
+    (tmp_path / "project.py").write_text(settings.code + "\n" + views.code, encoding="utf-8")
+    found = re.search(r"^```sh\n(gunicorn [^\n]*)\n```", page.read_text(), re.MULTILINE)
+    assert found, "docs/django.md: no gunicorn command"
+    argv = shlex.split(found[1])
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("IDEMLOCK_", "PYTEST_"))}
+    env["XDG_STATE_HOME"] = str(tmp_path / "state")
+    proc = popen(
+        [sys.executable, "-m", *argv, "--bind", f"127.0.0.1:{port}", "--log-level", "warning"],
+        cwd=tmp_path,
+        env=env,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, f"{found[1]!r} exited {proc.returncode}"
+            try:
+                httpx.get(url + "/", timeout=2)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, f"{found[1]!r} did not start"
+                time.sleep(0.1)
+        headers = {"X-Api-Key": "k1", "Idempotency-Key": '"A17"'}
+        first = httpx.post(url + "/refunds", json={"amount": 1200}, headers=headers, timeout=20)
+        retry = httpx.post(url + "/refunds", json={"amount": 1200}, headers=headers, timeout=20)
+        assert (first.status_code, retry.status_code) == (201, 201), first.text + retry.text
+        assert retry.headers["Idempotent-Replayed"] == "true"
+        assert retry.json() == first.json()
+    finally:
+        proc.terminate()
+        proc.wait(20)

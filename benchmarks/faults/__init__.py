@@ -31,7 +31,7 @@ GATED = ("redis", "redis-cluster", "etcd")
 PRESETS: dict[str, dict[str, Any]] = {
     # CI: ~15-25 s per store on a 2-core machine, servers included.
     "short": {"jobs": 120, "workers": 4, "duration": 8.0, "fault_every": 0.25},
-    # By command; the README's figures.
+    # By command; the figures of docs/fault-injection.md.
     "long": {"jobs": 3000, "workers": 6, "duration": 120.0, "fault_every": 0.5},
 }
 #: in every run: the claim lease or lock ttl (s), the queue's visibility timeout (s),
