@@ -92,6 +92,13 @@ def test_only_the_arq_files_import_arq() -> None:
             )
 
 
+def test_a_contract_left_to_another_session_is_run_there() -> None:
+    for extra, spec in M.EXTRA_SESSIONS.items():
+        for other in spec.get("contract_unless_client_of", []):
+            assert "contract" in M.EXTRA_SESSIONS[other], (extra, other)
+            assert "contract_unless_client_of" not in M.EXTRA_SESSIONS[other], (extra, other)
+
+
 def _selected_paths(args: list[str]) -> set[str]:
     return {a for a in args if a.startswith("tests/")}
 

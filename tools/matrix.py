@@ -39,7 +39,10 @@ NOT_RUNTIME = {"asgi", "wsgi", "docs", "bench", "test"}
 
 #: One session per extra whose install resolves differently from the newest environment
 #: or that brings a store's client: what `pip install 'idemlock[X]'` gives, alone.
-#: contract: the `-k` selection of tests/contract for its store; tests: its own files.
+#: contract: the `-k` selection of tests/contract for its store; tests: its own files;
+#: contract_unless_client_of: the contract runs only if this extra installs another
+#: version of the store's client (redis-py, hiredis) than that extra's session, which runs
+#: it already (the queue's own tests use the store either way).
 EXTRA_SESSIONS: dict[str, dict[str, list[str]]] = {
     "redis": {
         # redis-py without hiredis: its pure-Python parser (-p tests.no_hiredis proves it)
@@ -63,14 +66,17 @@ EXTRA_SESSIONS: dict[str, dict[str, list[str]]] = {
     },
     "celery": {
         "contract": ["tests/contract", "-k", "redis and not cluster"],
+        "contract_unless_client_of": ["redis"],
         "tests": ["tests/test_celery.py"],
     },
     "rq": {
         "contract": ["tests/contract", "-k", "redis and not cluster"],
+        "contract_unless_client_of": ["redis"],
         "tests": ["tests/test_rq.py"],
     },
     "dramatiq": {
         "contract": ["tests/contract", "-k", "redis and not cluster"],
+        "contract_unless_client_of": ["redis"],
         "tests": ["tests/test_dramatiq.py"],
     },
 }
