@@ -74,7 +74,9 @@ def test_the_newest_environment_cannot_hold_arq_so_arq_tests_run_elsewhere() -> 
     assert any(m.startswith(f"{M.ARQ_MARKER}:") for m in markers)
 
 
-IMPORTS_ARQ = re.compile(r"^\s*(?:from|import)\s+arq\b", re.MULTILINE)
+IMPORTS_ARQ = re.compile(
+    r"^\s*(?:from|import)\s+(?:arq|idemlock\.integrations\.arq)\b", re.MULTILINE
+)
 
 
 def test_only_the_arq_files_import_arq() -> None:
