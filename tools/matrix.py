@@ -52,7 +52,8 @@ EXTRA_SESSIONS: dict[str, dict[str, list[str]]] = {
     "postgres": {
         # psycopg without [binary]: the pure-Python driver on the system's libpq
         "contract": ["tests/contract", "-k", "postgres"],
-        "tests": ["tests/test_postgres_store.py"],
+        # its SQLAlchemy helpers need [sqlalchemy]: tests and lowest run them
+        "tests": ["tests/test_postgres_store.py", "-k", "not sqlalchemy"],
     },
     "etcd": {
         "contract": ["tests/contract", "-k", "etcd"],
