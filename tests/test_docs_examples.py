@@ -204,7 +204,19 @@ def _fresh_database(server: PgServer, name: str) -> str:
     return server.dsn.rsplit("/", 1)[0] + "/" + name
 
 
-@pytest.mark.parametrize("block", RUNNABLE, ids=[b.id for b in RUNNABLE])
+def _marks(block: Block) -> list[pytest.MarkDecorator]:
+    """``arq`` for an example that imports arq or idemlock's arq integration: the newest
+    environment cannot hold arq (its redis-py<6 pin), so such examples run in
+    ``nox -s extra-arq`` (noxfile.py) instead."""
+    return [pytest.mark.arq] if IMPORTS_ARQ.search(program(block)) else []
+
+
+IMPORTS_ARQ = re.compile(
+    r"^\s*(?:from|import)\s+(?:arq|idemlock\.integrations\.arq)\b", re.MULTILINE
+)
+
+
+@pytest.mark.parametrize("block", [pytest.param(b, id=b.id, marks=_marks(b)) for b in RUNNABLE])
 def test_example_runs(
     block: Block, tmp_path: Path, request: pytest.FixtureRequest, docs_redis: RedisServer
 ) -> None:
