@@ -169,7 +169,8 @@ def extras(session: nox.Session) -> None:
 def _extra_session(extra: str, spec: dict[str, list[str]]) -> None:
     def run(session: nox.Session) -> None:
         pip_install_extra = f".[{','.join([extra, *M.CONTRACT_EXTRAS])}]"
-        install(session, "-e", pip_install_extra, *M.from_test(*M.TEST_TOOLS))
+        tools = (*M.TEST_TOOLS, *spec.get("tools", []))
+        install(session, "-e", pip_install_extra, *M.from_test(*tools))
         selections = [spec[k] for k in ("contract", "tests", "examples") if k in spec]
         other = spec.get("contract_unless_client_of", [None])[0]
         if other and not session.posargs and same_client(session, other):

@@ -328,3 +328,41 @@ async def test_enqueue_once_the_deprecated_spread_form_warns_and_still_sends_onc
 def test_a_sync_function_is_refused() -> None:
     with pytest.raises(ConfigurationError, match="async def"):
         idempotent_job("x")(lambda ctx: None)
+
+
+#: A user's program sending once through arq the way every queue does (the other queues'
+#: part: tests/test_static.py, in the session that cannot hold arq).
+ARQ_USER_PROGRAM = """
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from arq.connections import ArqRedis
+from arq.jobs import Job as ArqJob
+
+from idemlock.integrations import arq as idem_arq
+
+
+@idem_arq.idempotent_job("charge", key=lambda order_id, amount: order_id)
+async def acharge(ctx: dict[str, Any], order_id: str, amount: int) -> int:
+    return amount
+
+
+async def send_arq(pool: ArqRedis) -> ArqJob | None:
+    return await idem_arq.enqueue_once(
+        pool, acharge, args=("o-7",), kwargs={"amount": 1200}, lease=timedelta(minutes=10),
+        _queue_name="arq:queue",
+    )
+"""
+
+
+def test_users_strict_mypy_accepts_enqueue_once_on_arq(tmp_path: Path) -> None:
+    from .test_static import _mypy_user
+
+    out = _mypy_user(tmp_path, ARQ_USER_PROGRAM)
+    assert out.returncode == 0, out.stdout + out.stderr
+    # The check is real: a lease that is not seconds is refused.
+    wrong = ARQ_USER_PROGRAM.replace("lease=timedelta(minutes=10)", 'lease="10 min"')
+    out = _mypy_user(tmp_path, wrong)
+    assert out.returncode == 1 and 'Argument "lease" to "enqueue_once"' in out.stdout, out.stdout

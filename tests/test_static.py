@@ -57,7 +57,8 @@ def test_users_strict_mypy_needs_no_asserts_on_public_types(tmp_path: Path) -> N
     assert out.returncode == 1 and 'Unsupported operand types for + ("int" and "str")' in out.stdout
 
 
-#: A user's program sending once through all four queues, the one way each: the
+#: A user's program sending once through the queues (arq's part: tests/test_arq.py, whose
+#: session has arq), the one way each: the
 #: queue's handle, the job, ``args=``/``kwargs=``, ``lease=``, the queue's own options,
 #: and back the queue's job handle or None.
 QUEUES_PROGRAM = """
@@ -67,14 +68,11 @@ from datetime import timedelta
 from typing import Any
 
 import dramatiq
-from arq.connections import ArqRedis
-from arq.jobs import Job as ArqJob
 from dramatiq.brokers.stub import StubBroker
 from dramatiq.middleware import CurrentMessage
 from rq import Queue
 from rq.job import Job as RqJob
 
-from idemlock.integrations import arq as idem_arq
 from idemlock.integrations import celery as idem_celery
 from idemlock.integrations import dramatiq as idem_dramatiq
 from idemlock.integrations import rq as idem_rq
@@ -88,11 +86,6 @@ def charge(order_id: str, amount: int) -> dict[str, Any]:
     return {"order_id": order_id, "amount": amount}
 
 
-@idem_arq.idempotent_job("charge", key=lambda order_id, amount: order_id)
-async def acharge(ctx: dict[str, Any], order_id: str, amount: int) -> int:
-    return amount
-
-
 @dramatiq.actor(broker=broker)
 @idem_dramatiq.idempotent("charge", key=lambda order_id, amount: order_id)
 def dcharge(order_id: str, amount: int) -> int:
@@ -102,13 +95,6 @@ def dcharge(order_id: str, amount: int) -> int:
 def send_rq(queue: Queue) -> RqJob | None:
     return idem_rq.enqueue_once(
         queue, charge, args=("o-7",), kwargs={"amount": 1200}, lease=600, job_timeout=30
-    )
-
-
-async def send_arq(pool: ArqRedis) -> ArqJob | None:
-    return await idem_arq.enqueue_once(
-        pool, acharge, args=("o-7",), kwargs={"amount": 1200}, lease=timedelta(minutes=10),
-        _queue_name="arq:queue",
     )
 
 

@@ -40,6 +40,7 @@ NOT_RUNTIME = {"asgi", "wsgi", "docs", "bench", "test"}
 #: One session per extra whose install resolves differently from the newest environment
 #: or that brings a store's client: what `pip install 'idemlock[X]'` gives, alone.
 #: contract: the `-k` selection of tests/contract for its store; tests: its own files;
+#: tools: entries of [test] the session installs beside the test runner;
 #: contract_unless_client_of: the contract runs only if this extra installs another
 #: version of the store's client (redis-py, hiredis) than that extra's session, which runs
 #: it already (the queue's own tests use the store either way).
@@ -64,6 +65,8 @@ EXTRA_SESSIONS: dict[str, dict[str, list[str]]] = {
         "contract": ["tests/contract", "-k", "redis"],
         "tests": ARQ_FILES,
         "examples": ["tests/test_docs_examples.py", "-m", ARQ_MARKER],
+        # tests/test_arq.py type-checks a user's arq program
+        "tools": ["mypy"],
     },
     "celery": {
         "contract": ["tests/contract", "-k", "redis and not cluster"],
