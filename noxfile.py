@@ -53,6 +53,14 @@ def run_selection(session: nox.Session, *selections: list[str]) -> None:
 
 
 @nox.session
+def check(session: nox.Session) -> None:
+    """scripts/check (ruff, format, mypy --strict, generated files) in its own environment,
+    so a fresh machine needs no linters of its own."""
+    install(session, "-e", ".[test]")
+    session.run("python", "scripts/check", *session.posargs)
+
+
+@nox.session
 def tests(session: nox.Session) -> None:
     """Newest versions: `.[test]`, the whole suite but arq's tests (see extra-arq)."""
     install(session, "-e", ".[test]")
