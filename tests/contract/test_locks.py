@@ -18,7 +18,7 @@ from idemlock import (
     LockSpec,
 )
 
-from .facade import Facade
+from .facade import Facade, each_face
 from .harness import Harness
 
 TTL = 0.4
@@ -69,7 +69,7 @@ async def test_same_owner_reacquire_returns_same_lease(api: Facade) -> None:
     assert await locks.release(first) is False
 
 
-async def test_expiry_frees_the_lock_and_fences_the_old_holder(api: Facade) -> None:
+async def _expiry_frees_the_lock_and_fences_the_old_holder(api: Facade) -> None:
     locks = api.lock(SPEC)
     old = await locks.acquire("k")
     assert old is not None
@@ -85,7 +85,11 @@ async def test_expiry_frees_the_lock_and_fences_the_old_holder(api: Facade) -> N
     assert await locks.release(new) is True
 
 
-async def test_renew_extends_and_keeps_token(api: Facade) -> None:
+async def test_expiry_frees_the_lock_and_fences_the_old_holder(harness: Harness) -> None:
+    await each_face(harness, _expiry_frees_the_lock_and_fences_the_old_holder)
+
+
+async def _renew_extends_and_keeps_token(api: Facade) -> None:
     locks = api.lock(SPEC)
     lease = await locks.acquire("k")
     assert lease is not None
@@ -101,7 +105,11 @@ async def test_renew_extends_and_keeps_token(api: Facade) -> None:
     assert await locks.release(lease) is True
 
 
-async def test_renew_after_expiry_fails_and_marks_lost(api: Facade) -> None:
+async def test_renew_extends_and_keeps_token(harness: Harness) -> None:
+    await each_face(harness, _renew_extends_and_keeps_token)
+
+
+async def _renew_after_expiry_fails_and_marks_lost(api: Facade) -> None:
     locks = api.lock(SPEC)
     lease = await locks.acquire("k")
     assert lease is not None
@@ -109,6 +117,10 @@ async def test_renew_after_expiry_fails_and_marks_lost(api: Facade) -> None:
     assert await locks.renew(lease) is False
     assert lease.lost is True
     assert lease.remaining() == timedelta(0)
+
+
+async def test_renew_after_expiry_fails_and_marks_lost(harness: Harness) -> None:
+    await each_face(harness, _renew_after_expiry_fails_and_marks_lost)
 
 
 async def test_renew_of_released_lease_is_an_error(api: Facade) -> None:
@@ -129,7 +141,7 @@ async def test_wait_times_out(api: Facade) -> None:
     await locks.release(holder)
 
 
-async def test_waiter_acquires_after_release(api: Facade) -> None:
+async def _waiter_acquires_after_release(api: Facade) -> None:
     locks = api.lock(LONG)
     other = api.other()
     try:
@@ -156,7 +168,11 @@ async def test_waiter_acquires_after_release(api: Facade) -> None:
         await other.close()
 
 
-async def test_waiter_acquires_after_expiry(api: Facade) -> None:
+async def test_waiter_acquires_after_release(harness: Harness) -> None:
+    await each_face(harness, _waiter_acquires_after_release)
+
+
+async def _waiter_acquires_after_expiry(api: Facade) -> None:
     locks = api.lock(SPEC)
     holder = await locks.acquire("k")
     assert holder is not None
@@ -167,6 +183,10 @@ async def test_waiter_acquires_after_expiry(api: Facade) -> None:
     lease = await locks.acquire("k", wait=5)
     assert lease is not None and lease.token is not None and holder.token is not None
     assert lease.token > holder.token
+
+
+async def test_waiter_acquires_after_expiry(harness: Harness) -> None:
+    await each_face(harness, _waiter_acquires_after_expiry)
 
 
 async def test_queries_validate_keys(api: Facade) -> None:
@@ -180,7 +200,7 @@ async def test_queries_validate_keys(api: Facade) -> None:
         await locks.acquire("k", owner="bad owner")
 
 
-async def test_hold_renews_past_ttl_and_releases(api: Facade) -> None:
+async def _hold_renews_past_ttl_and_releases(api: Facade) -> None:
     locks = api.lock(SPEC)
     async with locks.hold("k", renew_every=0.05) as lease:
         for _ in range(12):
@@ -193,6 +213,10 @@ async def test_hold_renews_past_ttl_and_releases(api: Facade) -> None:
     assert not await locks.is_locked("k")
 
 
+async def test_hold_renews_past_ttl_and_releases(harness: Harness) -> None:
+    await each_face(harness, _hold_renews_past_ttl_and_releases)
+
+
 async def test_hold_not_acquired(api: Facade) -> None:
     locks = api.lock(LONG)
     holder = await locks.acquire("k")
@@ -203,7 +227,7 @@ async def test_hold_not_acquired(api: Facade) -> None:
     await locks.release(holder)
 
 
-async def test_hold_loses_lease_after_max_hold(api: Facade) -> None:
+async def _hold_loses_lease_after_max_hold(api: Facade) -> None:
     locks = api.lock(SPEC)
     lost: list[Lease] = []
     with pytest.raises(LockLost) as info:
@@ -219,6 +243,10 @@ async def test_hold_loses_lease_after_max_hold(api: Facade) -> None:
                 await asyncio.sleep(TTL + 0.3)
     assert "lost the lock" in str(info.value)
     assert lease.lost and lost == [lease]
+
+
+async def test_hold_loses_lease_after_max_hold(harness: Harness) -> None:
+    await each_face(harness, _hold_loses_lease_after_max_hold)
 
 
 async def test_async_hold_detects_a_lease_taken_over_and_cancels_the_body(

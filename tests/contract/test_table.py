@@ -17,7 +17,8 @@ import pytest
 from idemlock._core import table as T
 from idemlock._core.port import Acquired, Busy, Channel, Done, Granted, Held, Mismatch
 
-from .facade import Facade, Proxy
+from .facade import Facade, Proxy, each_face
+from .harness import Harness
 from .windows import long_windows
 
 LONG = 60_000
@@ -395,5 +396,8 @@ def test_every_row_has_a_scenario() -> None:
 
 
 @pytest.mark.parametrize("row", [r.id for r in T.ROWS])
-async def test_row(api: Facade, row: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    await SCENARIOS[row](Ctx(api, row, monkeypatch))
+async def test_row(harness: Harness, row: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario(api: Facade) -> None:
+        await SCENARIOS[row](Ctx(api, row, monkeypatch))
+
+    await each_face(harness, scenario)
