@@ -35,7 +35,7 @@ from scenarios import Contenders, redis_memory, run_store, single_waiters, start
 import idemlock  # noqa: E402
 
 FULL = c.Config(n=1000, rounds=7, job_n=500, seconds=5.0, count=50, scaled=True)
-QUICK = c.Config(n=200, rounds=3, job_n=100, seconds=0.6, count=10, scaled=False)
+QUICK = c.Config(n=100, rounds=2, job_n=50, seconds=0.6, count=10, scaled=False)
 DISTS = ("redis", "hiredis", "psycopg", "psycopg-pool", "asyncpg", "matplotlib")
 
 

@@ -25,11 +25,15 @@ import importlib.util
 import json
 import subprocess
 import sys
+import threading
+from datetime import timedelta
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+
+import idemlock
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAOS = ROOT / "benchmarks" / "chaos.py"
@@ -299,3 +303,56 @@ def test_checker_keeps_resources_apart() -> None:
     h.write("b", 1, 0.05, res="r2")
     h.write("a", 5, 0.06, res="r1")
     assert h.check(exact=True)["violations"] == {}
+
+
+# ---- the workers' start-up ---------------------------------------------------------------
+
+
+def test_a_worker_that_cannot_connect_at_start_up_retries(
+    fault_redis_cluster: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker (re)started while its store is cut off, as the chaos runner's are (a
+    Redis Cluster client reads the slot map as it connects): it tries again until the
+    store answers, as a real worker does, instead of crashing at start-up."""
+    from .servers.faults import cluster_faults
+
+    worker = sys.modules["faults.worker"]  # loaded with the runner
+    url, faults = cluster_faults(fault_redis_cluster)
+    failed = threading.Event()
+    real_connect = idemlock.connect
+
+    def observed(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return real_connect(*args, **kwargs)
+        except idemlock.StoreUnavailable:
+            failed.set()
+            raise
+
+    monkeypatch.setattr(idemlock, "connect", observed)
+    got: dict[str, Any] = {}
+
+    def start() -> None:
+        try:
+            got["coord"] = worker.connect(url)
+        except BaseException as exc:
+            got["error"] = exc
+
+    thread = threading.Thread(target=start, daemon=True)
+    try:
+        with faults.outage():
+            thread.start()
+            assert failed.wait(60), "connect() was not tried while the cluster was down"
+            assert "error" not in got, got  # it did not give up: it tries again
+        thread.join(90)
+        assert not thread.is_alive(), "connect() did not return once the cluster was back"
+        assert "error" not in got, got
+        coord = got["coord"]
+        try:
+            locks = coord.lock(idemlock.LockSpec("start-up", ttl=timedelta(seconds=30)))
+            lease = locks.acquire("k")
+            assert lease is not None
+            locks.release(lease)
+        finally:
+            coord.close()
+    finally:
+        faults.close()

@@ -5,7 +5,11 @@ timed out, was cancelled or crashed holds the queue up by at most one hand-off w
 
 Each store object stands for a process (its listener has its own waiter id per key);
 the cross-process tests run real child processes. Behaviour only, no timing asserts:
-where the test waits for something (a registration to go), it polls for it.
+where the test waits for something (a registration to go), it polls for it. A test that
+checks who may take a reserved lock keeps the window and the registrations open for
+minutes (``long_windows``), so a busy machine cannot end them between two statements;
+where a window must pass, the test ends it in the store's own row (a window is over
+when ``window_ms`` is behind the database clock, whenever that happens).
 """
 
 from __future__ import annotations
@@ -23,13 +27,14 @@ from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
+from psycopg.types.numeric import Int8
 
 import idemlock
 import idemlock.aio
 from idemlock import ConfigurationError
 from idemlock._core.port import Acquired, Channel, Held
 from idemlock.stores import postgres as pg
-from idemlock.stores.postgres import _shared
+from idemlock.stores.postgres import _async, _shared, _sync
 from idemlock.stores.postgres._sql import migration_statements, record_version
 
 from .servers._proc import popen
@@ -59,6 +64,29 @@ def stores(postgres_dsn: str) -> Iterator[Callable[[], Any]]:
         coord.close()
 
 
+#: ms a hand-off window or a registration lasts in the tests that need one to last
+LONG_MS = 600_000
+
+
+@pytest.fixture
+def long_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hand-off windows and waiter registrations of this process last ``LONG_MS``
+    (50 ms and 1.5 s in production: a loaded machine may stall that long between the
+    release and the next statement, and the reservation would lapse under the test)."""
+    for module in (_sync, _async):
+        monkeypatch.setattr(module, "_HANDOFF_MS8", Int8(LONG_MS))
+    monkeypatch.setattr(_shared, "_REGISTER_MS8", Int8(LONG_MS))
+
+
+def end_window(dsn: str, chosen: str) -> None:
+    """The hand-off window kept for ``chosen`` passes (untaken)."""
+    with psycopg.connect(dsn) as conn:
+        done = conn.execute(
+            "UPDATE idemlock.locks SET window_ms = 1 WHERE chosen = %s", (chosen,)
+        ).rowcount
+    assert done == 1
+
+
 def queue(store: Any, key: str, owner: str) -> Any:
     """What a waiting caller does: subscribe, then fail (which registers its process)."""
     sub = store.subscribe(Channel("lock", NS, key))
@@ -83,6 +111,7 @@ def until(check: Callable[[], bool], what: str) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.usefixtures("long_windows")
 def test_processes_acquire_in_arrival_order(stores: Callable[[], Any], key: str) -> None:
     holder = stores()
     a = holder.acquire(NS, key, "h", TTL)
@@ -109,6 +138,7 @@ def test_processes_acquire_in_arrival_order(stores: Callable[[], Any], key: str)
         sub.close()
 
 
+@pytest.mark.usefixtures("long_windows")
 def test_releasing_process_and_newcomer_cannot_barge(stores: Callable[[], Any], key: str) -> None:
     holder, waiter, newcomer = stores(), stores(), stores()
     a = holder.acquire(NS, key, "a", TTL)
@@ -135,6 +165,7 @@ def test_release_wakes_the_chosen_process(stores: Callable[[], Any], key: str) -
     sub.close()
 
 
+@pytest.mark.usefixtures("long_windows")
 def test_handoff_under_contention(stores: Callable[[], Any], key: str) -> None:
     # Four processes contend; after each release all of them try again at once, the
     # releaser first. Every time the lock goes to the process queued longest, and the
@@ -229,7 +260,10 @@ def test_cancelled_waiter_does_not_block(postgres_dsn: str, key: str) -> None:
 CRASH_CHILD = """
 import os, sys, idemlock
 from idemlock._core.port import Channel, Held
-url, ns, key = sys.argv[1:4]
+from idemlock.stores.postgres import _shared
+from psycopg.types.numeric import Int8
+url, ns, key, register_ms = sys.argv[1:5]
+_shared._REGISTER_MS8 = Int8(int(register_ms))  # as long_windows does in the test
 coord = idemlock.connect(url, key_prefix="fair")
 store = coord.store
 store.subscribe(Channel("lock", ns, key))
@@ -239,6 +273,7 @@ os._exit(0)  # crashed: nothing is closed, the registration stays until it lapse
 """
 
 
+@pytest.mark.usefixtures("long_windows")
 def test_crashed_waiter_costs_one_window(
     stores: Callable[[], Any], key: str, postgres_dsn: str
 ) -> None:
@@ -247,7 +282,7 @@ def test_crashed_waiter_costs_one_window(
     a = holder.acquire(NS, key, "a", TTL)
     assert isinstance(a, Acquired)
     child = subprocess.run(
-        [sys.executable, "-c", CRASH_CHILD, postgres_dsn, NS, key],
+        [sys.executable, "-c", CRASH_CHILD, postgres_dsn, NS, key, str(LONG_MS)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -258,7 +293,7 @@ def test_crashed_waiter_costs_one_window(
     assert registrations(postgres_dsn, chan) == 2
     assert holder.release(NS, key, "a", a.token)
     assert isinstance(waiter.acquire(NS, key, "w", TTL), Held)  # reserved for the dead one
-    time.sleep(_shared.HANDOFF_MS / 1000 + 0.05)  # its window passes untaken
+    end_window(postgres_dsn, dead_gid)  # its window passes untaken
     got = waiter.acquire(NS, key, "w", TTL)
     assert isinstance(got, Acquired)
     # Taking the lock ended the dead process's turn: it is never chosen again.
@@ -303,7 +338,11 @@ def test_purge_drops_lapsed_registrations(
 WAITER_CHILD = """
 import sys, time, idemlock
 from datetime import timedelta
-url, key = sys.argv[1:3]
+from idemlock.stores.postgres import _shared, _sync
+from psycopg.types.numeric import Int8
+url, key, long_ms = sys.argv[1:4]
+# as long_windows does in the test: a slow child keeps its turn and its place
+_sync._HANDOFF_MS8 = _shared._REGISTER_MS8 = Int8(int(long_ms))
 coord = idemlock.connect(url, key_prefix="fair")
 locks = coord.lock(idemlock.LockSpec("fair", ttl=timedelta(seconds=30)))
 print("ready", flush=True)
@@ -316,6 +355,7 @@ coord.close()
 """
 
 
+@pytest.mark.usefixtures("long_windows")
 def test_processes_get_the_lock_in_the_order_they_queued(postgres_dsn: str, key: str) -> None:
     coord = idemlock.connect(postgres_dsn, key_prefix="fair")
     locks = coord.lock(SPEC)
@@ -326,7 +366,7 @@ def test_processes_get_the_lock_in_the_order_they_queued(postgres_dsn: str, key:
     try:
         for i in range(3):
             child = popen(
-                [sys.executable, "-c", WAITER_CHILD, postgres_dsn, key],
+                [sys.executable, "-c", WAITER_CHILD, postgres_dsn, key, str(LONG_MS)],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,

@@ -32,6 +32,7 @@ from idemlock import Claimed, Completed, ConfigurationError, StoreUnavailable
 from idemlock._urls import redact
 from idemlock.stores import postgres as pg
 
+from .servers._proc import popen
 from .servers.pgbouncer import PgBouncer, start_pgbouncer
 from .servers.postgres import OS_USER, PgServer
 
@@ -136,7 +137,7 @@ def test_many_processes_through_pgbouncer(bouncer: PgBouncer, prefix: str) -> No
     # Old code with ignore_startup_parameters: DuplicatePreparedStatement "_pg3_0" in the
     # second process (prepared statements across pooled server connections).
     procs = [
-        subprocess.Popen(
+        popen(
             [sys.executable, "-c", CHILD, bouncer.dsn, prefix],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -368,7 +369,7 @@ def test_migrate_through_pgbouncer(bouncer: PgBouncer, prefix: str) -> None:
     schema = "mp_" + uuid.uuid4().hex[:10]
     url = _with_listen(bouncer) + "&timeout=10"
     procs = [
-        subprocess.Popen(
+        popen(
             [sys.executable, "-m", "idemlock", "migrate", "--url", url, "--schema", schema],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -20,6 +20,9 @@ from faults.network import Network
 from faults.worker import PRELOAD, connect, idempotent_jobs, job_key, worker_entry
 from idemlock._faults.workers import Slot, Workers, context
 
+#: seconds the faults may go on past the window until every kind has landed (drive())
+EXTRA = 30.0
+
 
 class Run:
     """The job workload on one store, in one mode: start, inject, drain, check."""
@@ -211,10 +214,21 @@ class Run:
         # A restart of Redis deletes every record: they stop for the last quarter of
         # the window, so the keys completed after the last one can be replay-checked.
         restarts_until = start + 0.5 + opts.duration * (0.75 if self.store in LOSSY else 1.0)
-        deadline = faults_until + 60 + 10 * opts.lease
+        # A slow machine (workers slow to start and to take locks, nothing connected
+        # when a cut comes) may let a kind of fault never land in the window: the faults
+        # go on, at most EXTRA seconds more, until every kind that applies has landed, so
+        # that no run passes without the faults it is about.
+        extra_until = faults_until + EXTRA
+        deadline = extra_until + 60 + 10 * opts.lease
         order: list[str] = []
         next_fault = start + 0.5 + self.rng.expovariate(1 / opts.fault_every)
         next_check = start
+        needed = self.kinds if self.mode == "idemlock" else ("kill", "stop")
+
+        def injecting(now: float) -> bool:
+            if now < faults_until:
+                return True
+            return now < extra_until and any(self.faults[k] == 0 for k in needed)
 
         def tick() -> None:
             self.wake_member()
@@ -227,9 +241,10 @@ class Run:
         try:
             while (now := time.monotonic()) < deadline:
                 tick()
-                if next_fault <= now < faults_until:
-                    next_fault = self.next_fault(order, restarts=now < restarts_until)
-                if now >= max(next_check, faults_until):
+                if next_fault <= now and injecting(now):
+                    late = now >= faults_until and self.faults["restart"] == 0
+                    next_fault = self.next_fault(order, restarts=now < restarts_until or late)
+                if now >= max(next_check, faults_until) and not injecting(now):
                     next_check = now + 0.2
                     if done():
                         self.drained = True

@@ -13,7 +13,7 @@ from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
 
-from faults import LOCK_SPEC, SPEC
+from faults import LOCK_SPEC, SPEC, retried
 from faults.effects import Fx, FxError
 from idemlock._faults.queue import Outcome, consume
 from idemlock._faults.workers import redirect
@@ -22,13 +22,26 @@ from idemlock._faults.workers import redirect
 STEP_MS = (5.0, 25.0)
 
 
-def connect(url: str) -> Any:
+def connect(url: str, seconds: float = 60) -> Any:
     """A Coordinator on ``url``; PostgreSQL: small pools (a few worker processes, one job
-    at a time each)."""
+    at a time each).
+
+    A store that cannot be reached (a Redis Cluster client reads the slot map right away,
+    and a node may be cut, blackholed or restarting at that moment) is tried again every
+    0.2 s for ``seconds``, as a real worker retries its start-up: a fault at start-up is
+    part of the run, not a crash of the worker."""
     import idemlock
 
     options = {"max_size": 3, "timeout": 5.0} if url.startswith("postgresql") else {}
-    return idemlock.connect(url, **options)
+
+    def attempt() -> Any:
+        try:
+            return idemlock.connect(url, **options)
+        except idemlock.StoreUnavailable as exc:
+            print(f"{time.time():.3f} connect: store error: {exc}", file=sys.stderr, flush=True)
+            raise
+
+    return retried(attempt, idemlock.StoreUnavailable, seconds)
 
 
 def job_key(job: int) -> str:

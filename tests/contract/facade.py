@@ -3,9 +3,11 @@ written once and runs in both modes. In sync mode the blocking call runs inline.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import functools
 import inspect
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -113,3 +115,41 @@ def sync_facade(harness: Harness, **options: Any) -> Facade:
 
 def async_facade(harness: Harness, **options: Any) -> Facade:
     return Facade(harness, harness.aio(**options), "async")
+
+
+async def each_face(harness: Harness, scenario: Callable[[Facade], Awaitable[None]]) -> None:
+    """Run ``scenario`` on a sync and on an async facade, each on a key prefix of its own.
+
+    For a test whose subject takes real time (a lease running out, renewals over several
+    leases): on a store that judges time by its own clock both faces run at once, the
+    sync one in a thread with an event loop of its own, so the wait is spent once for the
+    two faces and every check of each face is still made. On a store with a manual clock
+    they run one after the other (moving the shared clock is not theirs to interleave).
+    A failure names its face."""
+
+    async def one(mode: str, h: Harness) -> None:
+        facade = sync_facade(h) if mode == "sync" else async_facade(h)
+        try:
+            await scenario(facade)
+        except BaseException as exc:
+            exc.add_note(f"(on the {mode} face)")
+            raise
+        finally:
+            await facade.close()
+
+    faces = {
+        mode: dataclasses.replace(harness, prefix=f"{harness.prefix}{mode[0]}")
+        for mode in ("sync", "async")
+    }
+    if harness.clock is not None:
+        for mode, h in faces.items():
+            await one(mode, h)
+        return
+    results = await asyncio.gather(
+        asyncio.to_thread(asyncio.run, one("sync", faces["sync"])),
+        one("async", faces["async"]),
+        return_exceptions=True,
+    )
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result

@@ -14,13 +14,14 @@ import pytest
 
 from idemlock import Event, FencedOut, LockLost, LockSpec
 
-from .facade import Facade
+from .facade import Facade, each_face
+from .harness import Harness
 
 LONG = LockSpec("brk", ttl=timedelta(seconds=30))
 SHORT = LockSpec("brk-short", ttl=timedelta(seconds=0.4))
 
 
-async def test_break_frees_the_lock_and_fences_the_old_holder(api: Facade) -> None:
+async def _break_frees_the_lock_and_fences_the_old_holder(api: Facade) -> None:
     locks = api.lock(LONG)
     old = await locks.acquire("k", owner="stuck-worker")
     assert old is not None and old.token is not None
@@ -48,6 +49,10 @@ async def test_break_frees_the_lock_and_fences_the_old_holder(api: Facade) -> No
     assert await locks.release(new) is True
 
 
+async def test_break_frees_the_lock_and_fences_the_old_holder(harness: Harness) -> None:
+    await each_face(harness, _break_frees_the_lock_and_fences_the_old_holder)
+
+
 async def test_break_of_a_free_lock_returns_false(api: Facade) -> None:
     locks = api.lock(LONG)
     assert await locks.break_lock("never-taken") is False
@@ -62,12 +67,16 @@ async def test_break_of_a_free_lock_returns_false(api: Facade) -> None:
     assert await locks.break_lock("k") is False
 
 
-async def test_break_of_an_expired_lock_returns_false(api: Facade) -> None:
+async def _break_of_an_expired_lock_returns_false(api: Facade) -> None:
     locks = api.lock(SHORT)
     lease = await locks.acquire("k")
     assert lease is not None
     api.harness.advance(0.4 + 0.15)
     assert await locks.break_lock("k") is False
+
+
+async def test_break_of_an_expired_lock_returns_false(harness: Harness) -> None:
+    await each_face(harness, _break_of_an_expired_lock_returns_false)
 
 
 async def test_break_leaves_other_keys_and_specs_alone(api: Facade) -> None:
@@ -85,7 +94,7 @@ async def test_break_leaves_other_keys_and_specs_alone(api: Facade) -> None:
     assert await locks.release(b) is True
 
 
-async def test_a_hold_block_of_the_old_holder_reports_the_loss(api: Facade) -> None:
+async def _a_hold_block_of_the_old_holder_reports_the_loss(api: Facade) -> None:
     locks = api.lock(SHORT)
     body_finished = False
     with pytest.raises(LockLost):
@@ -103,6 +112,10 @@ async def test_a_hold_block_of_the_old_holder_reports_the_loss(api: Facade) -> N
             body_finished = True
     assert lease.lost
     assert (api.mode == "sync") == body_finished
+
+
+async def test_a_hold_block_of_the_old_holder_reports_the_loss(harness: Harness) -> None:
+    await each_face(harness, _a_hold_block_of_the_old_holder_reports_the_loss)
 
 
 async def test_break_emits_an_event(api: Facade) -> None:

@@ -47,6 +47,9 @@ HOLD_TTL = 2.0
 HOLD = LockSpec("net-hold", ttl=timedelta(seconds=HOLD_TTL))
 #: how late after its local deadline a lease may be reported lost
 SLACK = 0.5
+#: tries at entering a hold() before the store goes silent (its acquire may time out on
+#: a loaded machine: the fault contract's store timeout is short)
+STARTS = 5
 
 
 # ---- the proxy itself --------------------------------------------------------------
@@ -236,9 +239,18 @@ def test_silent_hold_loses_the_lease_by_its_deadline_sync(fault_harness: Harness
     try:
         locks = coord.lock(HOLD)
         lost_at: list[float] = []
-        t0 = time.monotonic()  # before the acquire is sent: the deadline is at most t0 + ttl
-        cm = locks.hold("h", on_lost=lambda lease: lost_at.append(time.monotonic()))
-        lease = cm.__enter__()
+        for attempt in range(STARTS):
+            t0 = time.monotonic()  # before the acquire is sent: the deadline is at most t0 + ttl
+            cm = locks.hold("h", on_lost=lambda lease: lost_at.append(time.monotonic()))
+            try:
+                lease = cm.__enter__()
+                break
+            except idemlock.StoreUnavailable:
+                # The store is not silent yet: a slow answer on a loaded machine (the
+                # short timeout) is not the subject; the hold starts again.
+                if attempt == STARTS - 1:
+                    raise
+                time.sleep(0.5)
         stall = fault_harness.stall()
         stall.__enter__()
         try:
@@ -305,7 +317,18 @@ async def test_silent_hold_loses_the_lease_by_its_deadline_async(fault_harness: 
         return None
 
     try:
-        exc = await asyncio.wait_for(holder(), HOLD_TTL + SLACK + BOUND * 3)
+        for attempt in range(STARTS):
+            times.clear()
+            exc = await asyncio.wait_for(holder(), HOLD_TTL + SLACK + BOUND * 3)
+            if (
+                "left" in times
+                or not isinstance(exc, idemlock.StoreUnavailable)
+                or attempt == STARTS - 1
+            ):
+                break
+            # The acquire failed before the store went silent: a slow answer on a loaded
+            # machine (the short timeout) is not the subject; the hold starts again.
+            await asyncio.sleep(0.5)
     finally:
         await coord.close()
     t0 = times["t0"]

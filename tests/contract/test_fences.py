@@ -8,7 +8,8 @@ import pytest
 
 from idemlock import Claimed, ConfigurationError, FencedOut, IdempotencySpec, LockSpec
 
-from .facade import Facade
+from .facade import Facade, each_face
+from .harness import Harness
 
 
 async def test_check_and_advance(api: Facade) -> None:
@@ -37,7 +38,7 @@ async def test_bad_tokens(api: Facade) -> None:
             await gate.check_and_advance(bad)
 
 
-async def test_lock_tokens_fence_a_late_holder(api: Facade) -> None:
+async def _lock_tokens_fence_a_late_holder(api: Facade) -> None:
     locks = api.lock(LockSpec("writer", ttl=timedelta(seconds=0.3)))
     gate = api.fence("ledger")
     old = await locks.acquire("ledger")
@@ -50,7 +51,11 @@ async def test_lock_tokens_fence_a_late_holder(api: Facade) -> None:
         await gate.check_and_advance(old.token)
 
 
-async def test_claim_fences_fence_a_late_attempt(api: Facade) -> None:
+async def test_lock_tokens_fence_a_late_holder(harness: Harness) -> None:
+    await each_face(harness, _lock_tokens_fence_a_late_holder)
+
+
+async def _claim_fences_fence_a_late_attempt(api: Facade) -> None:
     port = api.idem(IdempotencySpec("job", lease=timedelta(seconds=0.3)))
     gate = api.fence("job-output")
     first = await port.claim("j1")
@@ -61,3 +66,7 @@ async def test_claim_fences_fence_a_late_attempt(api: Facade) -> None:
     await gate.check_and_advance(second.fence)
     with pytest.raises(FencedOut):
         await gate.check_and_advance(first.fence)
+
+
+async def test_claim_fences_fence_a_late_attempt(harness: Harness) -> None:
+    await each_face(harness, _claim_fences_fence_a_late_attempt)

@@ -18,10 +18,17 @@ from idemlock import (
     StaleClaim,
 )
 
-from .facade import Facade
+from .facade import Facade, each_face
+from .harness import Harness
 
 LEASE = 0.4
-SPEC = IdempotencySpec("orders", ttl=timedelta(seconds=60), lease=timedelta(seconds=LEASE))
+#: the tests whose subject is not the lease: a lease no stall of a busy machine outlasts
+SPEC = IdempotencySpec("orders", ttl=timedelta(seconds=60), lease=timedelta(seconds=30))
+#: the tests of a lease running out (``harness.advance`` past it)
+SHORT = IdempotencySpec("orders", ttl=timedelta(seconds=60), lease=timedelta(seconds=LEASE))
+#: extend's test: the first lease must outlast the calls up to the extend
+EXTEND_LEASE = 1.0
+EXTEND = IdempotencySpec("orders", ttl=timedelta(seconds=60), lease=timedelta(seconds=EXTEND_LEASE))
 
 
 async def test_first_claim_is_claimed_then_in_flight(api: Facade) -> None:
@@ -92,8 +99,8 @@ async def test_bad_payload_is_refused_before_anything_is_stored(api: Facade) -> 
     assert await port.status("k") is None
 
 
-async def test_expired_claim_is_reclaimable_with_higher_fence(api: Facade) -> None:
-    port = api.idem(SPEC)
+async def _expired_claim_is_reclaimable_with_higher_fence(api: Facade) -> None:
+    port = api.idem(SHORT)
     first = await port.claim("k")
     assert isinstance(first, Claimed)
     api.harness.advance(LEASE + 0.15)
@@ -114,11 +121,19 @@ async def test_expired_claim_is_reclaimable_with_higher_fence(api: Facade) -> No
     assert isinstance(replay, Completed) and replay.result == "fresh"
 
 
-async def test_expired_claim_with_other_payload_is_reclaimable(api: Facade) -> None:
-    port = api.idem(SPEC)
+async def test_expired_claim_is_reclaimable_with_higher_fence(harness: Harness) -> None:
+    await each_face(harness, _expired_claim_is_reclaimable_with_higher_fence)
+
+
+async def _expired_claim_with_other_payload_is_reclaimable(api: Facade) -> None:
+    port = api.idem(SHORT)
     assert isinstance(await port.claim("k", payload={"v": 1}), Claimed)
     api.harness.advance(LEASE + 0.15)
     assert isinstance(await port.claim("k", payload={"v": 2}), Claimed)
+
+
+async def test_expired_claim_with_other_payload_is_reclaimable(harness: Harness) -> None:
+    await each_face(harness, _expired_claim_with_other_payload_is_reclaimable)
 
 
 async def test_abandon_frees_the_key_and_keeps_the_fence_rising(api: Facade) -> None:
@@ -147,17 +162,22 @@ async def test_complete_twice_is_stale(api: Facade) -> None:
     assert isinstance(replay, Completed) and replay.result == 1
 
 
-async def test_completed_record_expires_after_ttl(api: Facade) -> None:
-    spec = IdempotencySpec("short", ttl=timedelta(seconds=0.3), lease=timedelta(seconds=5))
+async def _completed_record_expires_after_ttl(api: Facade) -> None:
+    # The ttl outlasts the calls up to the replay check, on a busy machine too.
+    spec = IdempotencySpec("short", ttl=timedelta(seconds=1), lease=timedelta(seconds=5))
     port = api.idem(spec)
     claim = await port.claim("k")
     assert isinstance(claim, Claimed)
     await port.complete(claim.token, "r")
     assert isinstance(await port.claim("k"), Completed)
-    api.harness.advance(0.45)
+    api.harness.advance(1.15)
     again = await port.claim("k")
     assert isinstance(again, Claimed)
     assert again.token.fence > claim.token.fence
+
+
+async def test_completed_record_expires_after_ttl(harness: Harness) -> None:
+    await each_face(harness, _completed_record_expires_after_ttl)
 
 
 async def test_status_and_forget(api: Facade) -> None:
@@ -307,26 +327,33 @@ async def test_wait_returns_the_result_of_the_running_attempt(api: Facade) -> No
         await other.close()
 
 
-async def test_extend_keeps_a_long_claim_alive(api: Facade) -> None:
-    port = api.idem(SPEC)
+async def _extend_keeps_a_long_claim_alive(api: Facade) -> None:
+    port = api.idem(EXTEND)
     claim = await port.claim("long-job")
     assert isinstance(claim, Claimed)
-    api.harness.advance(LEASE * 0.6)
-    extended = await port.extend(claim.token, lease=LEASE * 2)
+    extended = await port.extend(claim.token, lease=60)
     assert extended.fence == claim.token.fence and extended.token == claim.token.token
     assert extended.expires_at > claim.token.expires_at
-    api.harness.advance(LEASE * 0.6)  # past the first lease: still ours
+    api.harness.advance(EXTEND_LEASE + 0.15)  # past the first lease: still ours
     assert isinstance(await port.claim("long-job"), InFlight)
     await port.complete(extended, "done")
     replay = await port.claim("long-job")
     assert isinstance(replay, Completed) and replay.result == "done"
 
 
-async def test_extend_never_revives_an_expired_claim(api: Facade) -> None:
-    port = api.idem(SPEC)
+async def test_extend_keeps_a_long_claim_alive(harness: Harness) -> None:
+    await each_face(harness, _extend_keeps_a_long_claim_alive)
+
+
+async def _extend_never_revives_an_expired_claim(api: Facade) -> None:
+    port = api.idem(SHORT)
     claim = await port.claim("late")
     assert isinstance(claim, Claimed)
     api.harness.advance(LEASE + 0.15)
     with pytest.raises(StaleClaim):
         await port.extend(claim.token)
     assert await port.status("late") is None
+
+
+async def test_extend_never_revives_an_expired_claim(harness: Harness) -> None:
+    await each_face(harness, _extend_never_revives_an_expired_claim)

@@ -11,13 +11,14 @@ import pytest
 
 from idemlock import Claimed, Completed, IdempotencySpec, InFlight, StaleClaim
 
-from .facade import Facade
+from .facade import Facade, each_face
+from .harness import Harness
 
 LEASE = 0.3
 SPEC = IdempotencySpec("late", ttl=timedelta(seconds=60), lease=timedelta(seconds=LEASE))
 
 
-async def test_complete_after_the_lease_ended_is_accepted(api: Facade) -> None:
+async def _complete_after_the_lease_ended_is_accepted(api: Facade) -> None:
     port = api.idem(SPEC)
     claim = await port.claim("k", payload={"n": 1})
     assert isinstance(claim, Claimed)
@@ -33,7 +34,11 @@ async def test_complete_after_the_lease_ended_is_accepted(api: Facade) -> None:
         await port.complete(claim.token, {"done": False})
 
 
-async def test_abandon_after_the_lease_ended_is_accepted(api: Facade) -> None:
+async def test_complete_after_the_lease_ended_is_accepted(harness: Harness) -> None:
+    await each_face(harness, _complete_after_the_lease_ended_is_accepted)
+
+
+async def _abandon_after_the_lease_ended_is_accepted(api: Facade) -> None:
     port = api.idem(SPEC)
     claim = await port.claim("k")
     assert isinstance(claim, Claimed)
@@ -45,7 +50,11 @@ async def test_abandon_after_the_lease_ended_is_accepted(api: Facade) -> None:
     assert isinstance(again, Claimed) and again.token.fence > claim.token.fence
 
 
-async def test_late_complete_after_a_takeover_is_stale(api: Facade) -> None:
+async def test_abandon_after_the_lease_ended_is_accepted(harness: Harness) -> None:
+    await each_face(harness, _abandon_after_the_lease_ended_is_accepted)
+
+
+async def _late_complete_after_a_takeover_is_stale(api: Facade) -> None:
     port = api.idem(SPEC)
     first = await port.claim("k")
     assert isinstance(first, Claimed)
@@ -62,7 +71,11 @@ async def test_late_complete_after_a_takeover_is_stale(api: Facade) -> None:
     assert isinstance(replay, Completed) and replay.result == "fresh"
 
 
-async def test_extend_after_the_lease_ended_stays_refused(api: Facade) -> None:
+async def test_late_complete_after_a_takeover_is_stale(harness: Harness) -> None:
+    await each_face(harness, _late_complete_after_a_takeover_is_stale)
+
+
+async def _extend_after_the_lease_ended_stays_refused(api: Facade) -> None:
     port = api.idem(SPEC)
     claim = await port.claim("k")
     assert isinstance(claim, Claimed)
@@ -75,7 +88,11 @@ async def test_extend_after_the_lease_ended_stays_refused(api: Facade) -> None:
     assert isinstance(replay, Completed) and replay.result == 7
 
 
-async def test_decorated_call_that_outlives_its_lease_is_recorded(api: Facade) -> None:
+async def test_extend_after_the_lease_ended_stays_refused(harness: Harness) -> None:
+    await each_face(harness, _extend_after_the_lease_ended_stays_refused)
+
+
+async def _decorated_call_that_outlives_its_lease_is_recorded(api: Facade) -> None:
     runs: list[int] = []
 
     def slow(n: int) -> int:
@@ -87,3 +104,7 @@ async def test_decorated_call_that_outlives_its_lease_is_recorded(api: Facade) -
     assert await wrapped(4) == 40
     assert await wrapped(4) == 40  # replayed, not run again
     assert runs == [4]
+
+
+async def test_decorated_call_that_outlives_its_lease_is_recorded(harness: Harness) -> None:
+    await each_face(harness, _decorated_call_that_outlives_its_lease_is_recorded)

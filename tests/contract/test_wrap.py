@@ -19,7 +19,8 @@ from idemlock import (
     ResultEncodeError,
 )
 
-from .facade import Facade
+from .facade import Facade, each_face
+from .harness import Harness
 
 SPEC = IdempotencySpec("charges", lease=timedelta(seconds=30))
 
@@ -121,7 +122,7 @@ async def test_in_flight_raises(api: Facade) -> None:
     assert await wrapped(1) == 41
 
 
-async def test_in_flight_wait_replays_the_running_result(api: Facade) -> None:
+async def _in_flight_wait_replays_the_running_result(api: Facade) -> None:
     other = api.other()
     try:
         running = await other.idem(SPEC).claim("w", payload={"n": 1})
@@ -151,7 +152,11 @@ async def test_in_flight_wait_replays_the_running_result(api: Facade) -> None:
         await other.close()
 
 
-async def test_in_flight_wait_runs_when_the_other_attempt_abandons(api: Facade) -> None:
+async def test_in_flight_wait_replays_the_running_result(harness: Harness) -> None:
+    await each_face(harness, _in_flight_wait_replays_the_running_result)
+
+
+async def _in_flight_wait_runs_when_the_other_attempt_abandons(api: Facade) -> None:
     other = api.other()
     try:
         running = await other.idem(SPEC).claim("a", payload={"n": 1})
@@ -177,6 +182,10 @@ async def test_in_flight_wait_runs_when_the_other_attempt_abandons(api: Facade) 
         assert isinstance(replay, Completed) and replay.result == 2
     finally:
         await other.close()
+
+
+async def test_in_flight_wait_runs_when_the_other_attempt_abandons(harness: Harness) -> None:
+    await each_face(harness, _in_flight_wait_runs_when_the_other_attempt_abandons)
 
 
 async def test_in_flight_wait_gives_up_after_wait(api: Facade) -> None:
@@ -239,10 +248,14 @@ async def test_current_claim_gives_the_body_its_fence(api: Facade) -> None:
     assert seen == [fence]
 
 
-async def test_claim_with_its_own_lease(api: Facade) -> None:
+async def _claim_with_its_own_lease(api: Facade) -> None:
     port = api.idem(SPEC)  # spec lease: 30 s
     claim = await port.claim("short", lease=0.3)
     assert isinstance(claim, Claimed)
     api.harness.advance(0.45)
     again = await port.claim("short")
     assert isinstance(again, Claimed) and again.fence > claim.fence
+
+
+async def test_claim_with_its_own_lease(harness: Harness) -> None:
+    await each_face(harness, _claim_with_its_own_lease)
