@@ -1107,7 +1107,8 @@ def _help_statuses(argv: list[str], capsys: pytest.CaptureFixture[str]) -> list[
     out = capsys.readouterr().out
     assert "exit statuses:" in out, out
     lines = out.split("exit statuses:\n", 1)[1].splitlines()
-    return [line.split()[0] for line in lines if line.strip()]
+    # A status starts its line ("  69   ..."); a meaning's further lines are indented more.
+    return [line.split()[0] for line in lines if line.startswith("  ") and line[2] != " "]
 
 
 @pytest.mark.parametrize("command", list(_EXPECTED_STATUSES))

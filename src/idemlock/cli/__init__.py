@@ -9,7 +9,7 @@ Commands::
     idemlock keys [--spec NAME] [--tenant T] [--json]
     idemlock locks [--spec NAME] [--tenant T] [--json]
     idemlock unlock KEY --force [--token N] [--spec NAME] [--tenant T]
-    idemlock purge                         idemlock migrate
+    idemlock purge [--dry-run] [--json]    idemlock migrate
     idemlock demo [--jobs 200] [--workers 4] [--seed N]
 
 Global options (before or after the command): ``--url`` (default ``$IDEMLOCK_URL``,

@@ -7,6 +7,7 @@ import argparse
 import json
 import re
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
@@ -267,7 +268,11 @@ def _epilog(command: str | None = None) -> str:
     rows = _whole_table() if command is None else exit_statuses(command)
     width = max(len(code) for code, _ in rows)
     lines = ["exit statuses:"]
-    lines += [f"  {code.ljust(width)}  {meaning}" for code, meaning in rows]
+    for code, meaning in rows:
+        head = f"  {code.ljust(width)}  "
+        wrapped = textwrap.wrap(meaning, 79 - len(head)) or [""]
+        lines.append(head + wrapped[0])
+        lines += [" " * len(head) + more for more in wrapped[1:]]
     return "\n".join(lines)
 
 
