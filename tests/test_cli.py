@@ -898,3 +898,243 @@ def test_a_once_wait_on_a_terminal_says_what_it_waits_for(url: str) -> None:
     text = seen.decode("utf-8", "replace")
     assert os.waitstatus_to_exitcode(status) == 0, text
     assert text.count("waiting for 'nightly', being run elsewhere (") == 1, text
+
+
+# ---- purge --dry-run -----------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_pg_db(postgres_dsn: str) -> Iterator[str]:
+    """A database of its own: purge covers the store's whole tables, so a dry run's count
+    must not see other tests' expired rows on the session's server."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    import psycopg
+
+    name = "purge_" + uuid.uuid4().hex[:10]
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    yield urlunsplit(urlsplit(postgres_dsn)._replace(path="/" + name))
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE {name} WITH (FORCE)")
+
+
+def _store_url(store: str, request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A store of its own (or an etcd root of its own) that the CLI opens by URL."""
+    if store == "sqlite":
+        return f"sqlite:///{tmp_path / 'purge.db'}"
+    if store == "postgres":
+        return str(request.getfixturevalue("fresh_pg_db"))
+    if store == "redis":
+        return str(request.getfixturevalue("redis_server").url)
+    if store == "redis_cluster":
+        return str(request.getfixturevalue("redis_cluster").url)
+    assert store == "etcd"
+    base = str(request.getfixturevalue("etcd_server").url)
+    assert "?" not in base
+    return f"{base}?prefix=purge-{uuid.uuid4().hex[:8]}/"
+
+
+def _record_keys(coord: Any) -> set[str]:
+    records = coord.keys()
+    return {r.key for r in records}
+
+
+def _wait_until(condition: Any, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+#: expired records and locks that a purge removes, per store: the SQL stores keep every
+#: expired row until a purge; Redis expires keys by itself; etcd's locks and completed
+#: records go with their etcd leases, its in-flight claims wait for a purge.
+_PURGEABLE = {"sqlite": 4, "postgres": 4, "redis": 0, "redis_cluster": 0, "etcd": 2}
+
+
+@pytest.mark.parametrize("store", list(_PURGEABLE))
+def test_purge_dry_run_counts_what_purge_removes_and_removes_nothing(
+    store: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    import asyncio
+
+    import idemlock.aio
+
+    url = _store_url(store, request, tmp_path)
+    prefix = "dry" + uuid.uuid4().hex[:8]
+    with idemlock.connect(url, key_prefix=prefix) as coord:
+        short = coord.idempotency(idemlock.IdempotencySpec("short", ttl=0.3, lease=0.3))
+        long = coord.idempotency(idemlock.IdempotencySpec("long", ttl=3600, lease=120))
+        # Expired: two in-flight claims whose lease ended, one completed record whose
+        # ttl ended, one lock whose lease ended. Live: one of each, far from expiring.
+        for key in ("gone-1", "gone-2"):
+            assert isinstance(short.claim(key), idemlock.Claimed)
+        done = short.claim("gone-done")
+        assert isinstance(done, idemlock.Claimed)
+        short.complete(done.token, {"ok": 1})
+        assert coord.lock(idemlock.LockSpec("short-lock", ttl=0.3)).acquire("gone") is not None
+        assert isinstance(long.claim("live-1"), idemlock.Claimed)
+        kept = long.claim("live-done")
+        assert isinstance(kept, idemlock.Claimed)
+        long.complete(kept.token, {"ok": 2})
+        assert coord.lock(idemlock.LockSpec("long-lock", ttl=120)).acquire("held") is not None
+        _wait_until(
+            lambda: (
+                _record_keys(coord) == {"live-1", "live-done"}
+                and [h.key for h in coord.locks()] == ["held"]
+            ),
+            "the short ones to expire",
+        )
+    if store == "etcd":
+        # etcd ends its leases in its own time (whole seconds): end the due ones now,
+        # so what is left to purge does not change between the dry run and the purge.
+        from .servers.etcd import expire_due
+
+        base, _, query = url.partition("?")
+        expire_due(base, root=query.removeprefix("prefix=").encode())
+    expected = _PURGEABLE[store]
+
+    dry = cli(url, "--prefix", prefix, "purge", "--dry-run", "--json")
+    assert dry.returncode == 0, dry.stderr
+    assert json.loads(dry.stdout) == {"would_purge": expected, "dry_run": True}
+    text = cli(url, "--prefix", prefix, "purge", "--dry-run")
+    assert text.returncode == 0, text.stderr
+    assert f"would purge {expected} expired record(s)" in text.stdout
+    assert "nothing was removed" in text.stdout
+
+    async def async_dry_run() -> int:
+        async with idemlock.aio.connect(url, key_prefix=prefix) as acoord:
+            return await acoord.purge(dry_run=True)
+
+    assert asyncio.run(async_dry_run()) == expected  # the asyncio port counts the same
+
+    purged = cli(url, "--prefix", prefix, "purge", "--json")
+    assert purged.returncode == 0, purged.stderr
+    assert json.loads(purged.stdout) == {"purged": expected}  # the dry runs removed nothing
+    again = cli(url, "--prefix", prefix, "purge", "--dry-run", "--json")
+    assert json.loads(again.stdout) == {"would_purge": 0, "dry_run": True}
+    with idemlock.connect(url, key_prefix=prefix) as coord:  # the live ones are untouched
+        assert _record_keys(coord) == {"live-1", "live-done"}
+        assert [h.key for h in coord.locks()] == ["held"]
+
+
+def test_purge_dry_run_counts_in_batches_on_postgres(
+    fresh_pg_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL counts in keyset batches of PURGE_BATCH rows, as purge deletes: with
+    batches of 2, five expired claims take three batches and two expired locks two
+    (the last one empty); the sync and asyncio stores count the same."""
+    import asyncio
+
+    import idemlock.aio
+    from idemlock.stores.postgres import _async, _sync
+
+    monkeypatch.setattr(_async, "PURGE_BATCH", 2)
+    monkeypatch.setattr(_sync, "PURGE_BATCH", 2)
+    with idemlock.connect(fresh_pg_db, key_prefix="a") as coord:
+        other = idemlock.connect(fresh_pg_db, key_prefix="b")
+        for c, keys in ((coord, ("k1", "k2", "k3")), (other, ("k1", "k2"))):
+            short = c.idempotency(idemlock.IdempotencySpec("s", ttl=0.2, lease=0.2))
+            for key in keys:
+                assert isinstance(short.claim(key), idemlock.Claimed)
+        for key in ("x", "y"):
+            assert coord.lock(idemlock.LockSpec("l", ttl=0.2)).acquire(key) is not None
+        assert isinstance(coord.idempotency("long").claim("live"), idemlock.Claimed)
+        _wait_until(
+            lambda: _record_keys(coord) == {"live"} and not other.keys() and not coord.locks(),
+            "the short ones to expire",
+        )
+        other.close()
+        assert coord.purge(dry_run=True) == 7
+
+        async def async_dry_run() -> int:
+            async with idemlock.aio.connect(fresh_pg_db) as acoord:
+                return await acoord.purge(dry_run=True)
+
+        assert asyncio.run(async_dry_run()) == 7
+        assert coord.purge() == 7
+        assert coord.purge(dry_run=True) == 0
+
+
+def test_purge_dry_run_on_the_memory_store_sync_and_async() -> None:
+    """The in-process store (no CLI: another process cannot see it), both ports."""
+    import asyncio
+
+    import idemlock.aio
+
+    clock = idemlock.ManualClock()
+    coord = idemlock.connect("memory://", clock=clock)
+    short = coord.idempotency(idemlock.IdempotencySpec("short", ttl=1, lease=1))
+    assert isinstance(short.claim("a"), idemlock.Claimed)
+    assert coord.lock(idemlock.LockSpec("l", ttl=1)).acquire("x") is not None
+    assert isinstance(coord.idempotency("long").claim("b"), idemlock.Claimed)
+    clock.advance(2)
+    assert coord.purge(dry_run=True) == 2
+    assert coord.purge(dry_run=True) == 2
+
+    from idemlock.stores._adapt import InlineAsyncStore
+
+    acoord = idemlock.aio.AsyncCoordinator(InlineAsyncStore(coord.store), clock=clock)
+    assert asyncio.run(acoord.purge(dry_run=True)) == 2
+    assert coord.purge() == 2
+    assert coord.purge(dry_run=True) == 0
+    assert _record_keys(coord) == {"b"}
+
+
+# ---- exit statuses in --help and docs/cli.md ---------------------------------------
+
+#: What each sub-command can return, written out here (not derived from the code).
+_EXPECTED_STATUSES = {
+    "run": ["0", "2", "65", "69", "70", "75", "76", "77", "78", "126", "127", "128+N", "other"],
+    "status": ["0", "1", "2", "69", "70", "78", "130"],
+    "forget": ["0", "2", "69", "70", "78", "130"],
+    "keys": ["0", "2", "69", "70", "78", "130"],
+    "locks": ["0", "2", "69", "70", "78", "130"],
+    "unlock": ["0", "1", "2", "69", "70", "78", "130"],
+    "purge": ["0", "2", "69", "70", "78", "130"],
+    "migrate": ["0", "2", "69", "70", "78", "130"],
+    "demo": ["0", "2", "69", "70", "78", "130"],
+}
+
+
+def _help_statuses(argv: list[str], capsys: pytest.CaptureFixture[str]) -> list[str]:
+    from idemlock.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "exit statuses:" in out, out
+    lines = out.split("exit statuses:\n", 1)[1].splitlines()
+    # A status starts its line ("  69   ..."); a meaning's further lines are indented more.
+    return [line.split()[0] for line in lines if line.startswith("  ") and line[2] != " "]
+
+
+@pytest.mark.parametrize("command", list(_EXPECTED_STATUSES))
+def test_each_commands_help_lists_exactly_its_exit_statuses(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _help_statuses([command, "--help"], capsys) == _EXPECTED_STATUSES[command]
+
+
+def test_the_top_level_help_lists_every_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
+    every = {code for codes in _EXPECTED_STATUSES.values() for code in codes}
+    assert set(_help_statuses(["--help"], capsys)) == every
+    from idemlock.cli._common import COMMANDS
+
+    assert set(COMMANDS) == set(_EXPECTED_STATUSES)  # a new command needs its line above
+
+
+def test_docs_cli_md_has_the_exit_status_table_of_the_code() -> None:
+    from idemlock.cli._common import exit_status_markdown
+
+    doc = (Path(__file__).parent.parent / "docs" / "cli.md").read_text(encoding="utf-8")
+    begin = "<!-- generated from EXIT_STATUSES in src/idemlock/cli/_common.py"
+    end = "<!-- end of the generated table -->"
+    assert begin in doc and end in doc
+    shown = doc.split(begin, 1)[1].split("\n", 1)[1].split(end, 1)[0]
+    assert shown == exit_status_markdown(), (
+        "docs/cli.md's exit status table differs from the code's; replace it with:\n"
+        + exit_status_markdown()
+    )

@@ -121,9 +121,10 @@ class Coordinator(CoordinatorBase):
         value the store cannot read is listed with state ``"corrupt"`` (and a warning)."""
         return [self._record_status(r) for r in self._store.records(self._ns_prefix())]
 
-    def purge(self) -> int:
-        """Delete expired records and locks from the store; returns how many went."""
-        return self._store.purge()
+    def purge(self, *, dry_run: bool = False) -> int:
+        """Delete expired records and locks from the store; returns how many went.
+        With ``dry_run=True`` nothing is deleted: returns how many would go."""
+        return self._store.purge(dry_run)
 
     def locks(self) -> list[LockInfo]:
         """Every held lock under this coordinator's prefix, each naming its ``tenant``

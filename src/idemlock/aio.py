@@ -132,9 +132,10 @@ class AsyncCoordinator(CoordinatorBase):
         value the store cannot read is listed with state ``"corrupt"`` (and a warning)."""
         return [self._record_status(r) for r in await self._store.records(self._ns_prefix())]
 
-    async def purge(self) -> int:
-        """Delete expired records and locks from the store; returns how many went."""
-        return await self._store.purge()
+    async def purge(self, *, dry_run: bool = False) -> int:
+        """Delete expired records and locks from the store; returns how many went.
+        With ``dry_run=True`` nothing is deleted: returns how many would go."""
+        return await self._store.purge(dry_run)
 
     async def locks(self) -> list[LockInfo]:
         """Every held lock under this coordinator's prefix, each naming its ``tenant``

@@ -204,9 +204,10 @@ def start_etcd(size: int = 1, tls: tuple[Path, Path, Path] | None = None) -> Etc
     raise AssertionError("unreachable")
 
 
-def expire_due(url: str, now_ms: int | None = None) -> int:
+def expire_due(url: str, now_ms: int | None = None, root: bytes | None = None) -> int:
     """Revoke the etcd lease of every idemlock key whose *requested* ttl or lease has
-    passed; returns how many were revoked.
+    passed; returns how many were revoked. ``root``: the store's ``?prefix=`` (default
+    idemlock/).
 
     etcd counts leases in whole seconds (and checks them every 500 ms), so a 0.3 s
     lease lives about 1-1.5 s there. The contract suite's ``advance(seconds)`` means
@@ -218,13 +219,12 @@ def expire_due(url: str, now_ms: int | None = None) -> int:
     from idemlock.stores.etcd._pb.etcdserverpb import rpc_pb2, rpc_pb2_grpc
 
     now = K.now_ms() if now_ms is None else now_ms
+    root = K.ROOT if root is None else root
     endpoint = url.split("://", 1)[1].split(",")[0]
     revoked = 0
     with grpc.insecure_channel(endpoint) as ch:
         kv, lease = rpc_pb2_grpc.KVStub(ch), rpc_pb2_grpc.LeaseStub(ch)
-        resp = kv.Range(
-            rpc_pb2.RangeRequest(key=K.ROOT, range_end=K.prefix_end(K.ROOT)), timeout=10
-        )
+        resp = kv.Range(rpc_pb2.RangeRequest(key=root, range_end=K.prefix_end(root)), timeout=10)
         for item in resp.kvs:
             if not item.lease:
                 continue

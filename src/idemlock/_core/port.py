@@ -235,10 +235,11 @@ class SyncStore(Protocol):
 
     def fence_current(self, ns: str, resource: str) -> int | None: ...
 
-    def purge(self) -> int:
+    def purge(self, dry_run: bool = False) -> int:
         """Delete expired records and locks (and counters the store may drop safely);
         return how many rows/keys were removed. Stores that expire data by
-        themselves (Redis) return 0."""
+        themselves (Redis) return 0. With ``dry_run`` nothing is deleted (read-only)
+        and the return is how many records and locks a purge now would remove."""
 
     # waiting and life cycle
     def subscribe(self, channel: Channel) -> SyncSubscription: ...
@@ -287,7 +288,7 @@ class AsyncStore(Protocol):
 
     async def fence_current(self, ns: str, resource: str) -> int | None: ...
 
-    async def purge(self) -> int: ...
+    async def purge(self, dry_run: bool = False) -> int: ...
 
     async def subscribe(self, channel: Channel) -> AsyncSubscription: ...
 

@@ -9,7 +9,7 @@ Commands::
     idemlock keys [--spec NAME] [--tenant T] [--json]
     idemlock locks [--spec NAME] [--tenant T] [--json]
     idemlock unlock KEY --force [--token N] [--spec NAME] [--tenant T]
-    idemlock purge                         idemlock migrate
+    idemlock purge [--dry-run] [--json]    idemlock migrate
     idemlock demo [--jobs 200] [--workers 4] [--seed N]
 
 Global options (before or after the command): ``--url`` (default ``$IDEMLOCK_URL``,
@@ -17,25 +17,8 @@ else SQLite in the user's state directory) and ``--prefix`` (default ``idemlock`
 
 Exit statuses
 -------------
-======  ==========================================================================
-0       success; ``run``: CMD exited 0, or ``--once`` KEY already ran (skipped)
-1       ``status``: KEY has no live record; ``unlock``: the lock was not held (or not
-        with ``--token N``)
-2       usage error: bad arguments, a bad duration, an invalid key
-65      ``run --once``: KEY was already used with a different command (EX_DATAERR)
-69      the store is unavailable: unreachable, locked, corrupt (EX_UNAVAILABLE)
-70      any other idemlock error (EX_SOFTWARE)
-75      ``run --lock``: the lock was held elsewhere for all of ``--wait`` (EX_TEMPFAIL)
-76      ``run --once``: KEY is being run elsewhere right now (its claim is live)
-77      ``run``: the lock's lease (or the ``--once`` claim's lease) was lost while CMD
-        ran, so another run may have started; stderr says whether CMD was still
-        running and terminated (with its whole process group) or had exited
-78      configuration error: bad store URL, missing driver (EX_CONFIG)
-126     ``run``: CMD could not be executed (permission denied)
-127     ``run``: CMD was not found
-128+N   ``run``: CMD was killed by signal N
-other   ``run``: CMD's own exit status
-======  ==========================================================================
+One table, ``EXIT_STATUSES`` in ``_common.py``: each sub-command's ``--help`` lists the
+statuses it can return, ``idemlock --help`` and docs/cli.md the whole table.
 
 As with flock(1), a CMD that itself exits with one of idemlock's statuses cannot be
 told apart by the status alone; idemlock always says what happened on stderr.
@@ -109,7 +92,7 @@ def build_parser(prog: str = "idemlock") -> argparse.ArgumentParser:
             help=help,
             description=description or help,
             parents=[common],
-            epilog=_epilog(),
+            epilog=_epilog(name),
             formatter_class=formatter,
         )
 

@@ -66,7 +66,20 @@ def add_commands(add: AddCommand) -> None:
     _listing_arguments(locks, "locks")
     locks.set_defaults(handler=cmd_locks)
 
-    purge = add("purge", "delete expired records and locks from the store")
+    purge = add(
+        "purge",
+        "delete expired records and locks from the store",
+        "Delete expired records and locks from the store (every prefix's: the store's\n"
+        "whole table on SQLite and PostgreSQL). Redis expires its keys by itself, so\n"
+        "there is never anything to purge there; on etcd, locks and completed records\n"
+        "go with their etcd leases, and purge removes in-flight claims whose lease\n"
+        "ended. --dry-run counts what a purge now would remove and removes nothing.",
+    )
+    purge.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="only count the expired records and locks a purge would remove (read-only)",
+    )
     purge.add_argument("--json", action="store_true", help="print JSON")
     purge.set_defaults(handler=cmd_purge)
 
@@ -245,9 +258,17 @@ def cmd_locks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def cmd_purge(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     with _connect(args) as coord:
-        count = coord.purge()
+        count = coord.purge(dry_run=args.dry_run)
         where = coord.url
-    if args.json:
+    if args.dry_run:
+        if args.json:
+            _print_json({"would_purge": count, "dry_run": True})
+        else:
+            _out(
+                f"would purge {count} expired record(s) and lock(s) from {_shown_url(where)} "
+                "(dry run: nothing was removed)"
+            )
+    elif args.json:
         _print_json({"purged": count})
     else:
         _out(f"purged {count} expired record(s) and lock(s) from {_shown_url(where)}")

@@ -30,9 +30,7 @@ the gate. The old holder's next renewal fails, so it learns it lost the lock
 (`idemlock run --lock` ends its CMD and exits 77; hold() raises LockLost).
 
 --token N (the TOKEN column of `idemlock locks`) breaks only a holder that still
-has that token, never one that took the lock over since you looked.
-
-Exit status: 0 broken; 1 nothing was held (or not with --token N)."""
+has that token, never one that took the lock over since you looked."""
 
 
 def add_commands(add: AddCommand) -> None:

@@ -7,6 +7,7 @@ import argparse
 import json
 import re
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
@@ -29,23 +30,92 @@ EX_CONFIG = 78
 EX_CANNOT_EXECUTE = 126
 EX_NOT_FOUND = 127
 
-#: (status, meaning): the table printed in ``--help`` and copied to the README.
-EXIT_STATUSES: list[tuple[str, str]] = [
-    ("0", "success; run: CMD exited 0, or --once KEY already ran (skipped)"),
-    ("1", "status: KEY has no live record; unlock: the lock was not held"),
-    ("2", "usage error: bad arguments, a bad duration, an invalid key"),
-    ("65", "run --once: KEY was already used with a different command"),
-    ("69", "the store is unavailable (unreachable, locked, corrupt)"),
-    ("70", "any other idemlock error"),
-    ("75", "run --lock: the lock stayed held elsewhere for all of --wait"),
-    ("76", "run --once: KEY is being run elsewhere right now"),
-    ("77", "run: the lease was lost while CMD ran (stderr says if CMD was terminated)"),
-    ("78", "configuration error: bad store URL, missing driver"),
-    ("126", "run: CMD could not be executed"),
-    ("127", "run: CMD was not found"),
-    ("128+N", "run: CMD was killed by signal N"),
-    ("other", "run: CMD's own exit status"),
+#: Every command; ``ALL`` in a row of EXIT_STATUSES stands for each of them.
+COMMANDS = (
+    "run",
+    "status",
+    "forget",
+    "keys",
+    "locks",
+    "unlock",
+    "purge",
+    "migrate",
+    "demo",
+)
+ALL = "*"
+
+#: The one table of exit statuses: (status, {command: meaning}). A row applies to the
+#: commands it names (``ALL``: every command; a command's own entry wins over it, and
+#: an entry of None says the row does not apply to that command). Each sub-command's
+#: ``--help`` lists the rows that apply to it; ``idemlock --help`` and docs/cli.md
+#: (checked by tests/test_cli.py) show the whole table.
+EXIT_STATUSES: list[tuple[str, dict[str, str | None]]] = [
+    (
+        "0",
+        {
+            ALL: "success",
+            "run": "CMD exited 0, or --once KEY already ran (skipped)",
+            "unlock": "the lock was broken",
+        },
+    ),
+    (
+        "1",
+        {
+            "status": "KEY has no live record",
+            "unlock": "the lock was not held (or not with --token N)",
+        },
+    ),
+    ("2", {ALL: "usage error: bad arguments, a bad duration, an invalid key"}),
+    ("65", {"run": "--once: KEY was already used with a different command"}),
+    ("69", {ALL: "the store is unavailable (unreachable, locked, corrupt)"}),
+    ("70", {ALL: "any other idemlock error"}),
+    ("75", {"run": "--lock: the lock stayed held elsewhere for all of --wait"}),
+    ("76", {"run": "--once: KEY is being run elsewhere right now"}),
+    ("77", {"run": "the lease was lost while CMD ran (stderr says if CMD was terminated)"}),
+    ("78", {ALL: "configuration error: bad store URL, missing driver"}),
+    ("126", {"run": "CMD could not be executed"}),
+    ("127", {"run": "CMD was not found"}),
+    ("128+N", {"run": "CMD was killed by signal N"}),
+    ("130", {ALL: "interrupted (SIGINT, Ctrl-C)", "run": None}),
+    ("other", {"run": "CMD's own exit status"}),
 ]
+
+
+def exit_statuses(command: str) -> list[tuple[str, str]]:
+    """(status, meaning) of every exit status ``command`` can return."""
+    if command not in COMMANDS:
+        raise ValueError(f"unknown command {command!r}")
+    out = []
+    for code, meanings in EXIT_STATUSES:
+        meaning = meanings.get(command, meanings.get(ALL))
+        if meaning is not None:
+            out.append((code, meaning))
+    return out
+
+
+def _whole_table() -> list[tuple[str, str]]:
+    """The whole table as rows of (status, meaning): a meaning for some commands only
+    names them (``run: CMD was not found``)."""
+    rows = []
+    for code, meanings in EXIT_STATUSES:
+        parts = []
+        if meanings.get(ALL) is not None:
+            but = [c for c in COMMANDS if c in meanings and meanings[c] is None]
+            parts.append(str(meanings[ALL]) + (f" (all but {', '.join(but)})" if but else ""))
+        for command in COMMANDS:
+            meaning = meanings.get(command)
+            if meaning is not None:
+                parts.append(f"{command}: {meaning}")
+        rows.append((code, "; ".join(parts)))
+    return rows
+
+
+def exit_status_markdown() -> str:
+    """The whole table in Markdown, as docs/cli.md shows it."""
+    lines = ["| Status | Meaning |", "| --- | --- |"]
+    lines += [f"| {code} | {meaning} |" for code, meaning in _whole_table()]
+    return "\n".join(lines) + "\n"
+
 
 ONCE_SPEC = "cli-once"
 LOCK_SPEC = "cli-lock"
@@ -193,10 +263,16 @@ def _print_json(value: object) -> None:
 # ---- the parser ----------------------------------------------------------------
 
 
-def _epilog() -> str:
-    width = max(len(code) for code, _ in EXIT_STATUSES)
+def _epilog(command: str | None = None) -> str:
+    """The exit statuses ``command`` can return (all of them for None), for ``--help``."""
+    rows = _whole_table() if command is None else exit_statuses(command)
+    width = max(len(code) for code, _ in rows)
     lines = ["exit statuses:"]
-    lines += [f"  {code.ljust(width)}  {meaning}" for code, meaning in EXIT_STATUSES]
+    for code, meaning in rows:
+        head = f"  {code.ljust(width)}  "
+        wrapped = textwrap.wrap(meaning, 79 - len(head)) or [""]
+        lines.append(head + wrapped[0])
+        lines += [" " * len(head) + more for more in wrapped[1:]]
     return "\n".join(lines)
 
 

@@ -107,8 +107,8 @@ class _AsyncFace:
         r: int | None = await self._call(self.sync.fence_current, ns, resource)
         return r
 
-    async def purge(self) -> int:
-        return int(await self._call(self.sync.purge))
+    async def purge(self, dry_run: bool = False) -> int:
+        return int(await self._call(self.sync.purge, dry_run))
 
     async def subscribe(self, channel: Channel) -> AsyncLocalSubscription:
         sub: DualSubscription = self.sync.subscribe(channel)  # type: ignore[assignment]  # local stores return dual subscriptions

@@ -363,10 +363,14 @@ class MemoryStore:
         with self._lock:
             return self._fences.get((ns, resource))
 
-    def purge(self) -> int:
+    def purge(self, dry_run: bool = False) -> int:
         with self._lock:
             now = self._now()
             removed = 0
+            if dry_run:
+                for table in (self._claims, self._locks):
+                    removed += sum(rec.expires_ms <= now for rec in table.values())
+                return removed
             for table in (self._claims, self._locks):
                 dead = [k for k, rec in table.items() if rec.expires_ms <= now]
                 for k in dead:

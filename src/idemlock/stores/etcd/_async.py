@@ -108,5 +108,5 @@ class AsyncEtcdStore(_AsyncRunner):
         r: int | None = await self._run(self.ops.fence_current(ns, resource))
         return r
 
-    async def purge(self) -> int:
-        return int(await self._run(self.ops.purge()))
+    async def purge(self, dry_run: bool = False) -> int:
+        return int(await self._run(self.ops.purge(dry_run)))

@@ -506,9 +506,9 @@ class Ops:
         gate = K.gate_name(self.root, ns, resource)
         return (yield from _read_one(gate, lambda kv: K.parse_gate(kv.value)))
 
-    def purge(self) -> Op:
+    def purge(self, dry_run: bool = False) -> Op:
         """Delete in-flight records whose lease ended (locks and completed records go
-        with their etcd leases by themselves)."""
+        with their etcd leases by themselves); with ``dry_run``, only count them."""
         kvs = yield from self._scan(self.root + b"c/")
         records: dict[bytes, Any] = {}
         markers: set[bytes] = set()
@@ -520,6 +520,9 @@ class Ops:
         removed = 0
         for base, kv in records.items():
             if base in markers:
+                continue
+            if dry_run:
+                removed += 1
                 continue
             resp = yield Rpc(
                 "Txn",

@@ -104,5 +104,5 @@ class EtcdStore(_SyncRunner):
         r: int | None = self._run(self.ops.fence_current(ns, resource))
         return r
 
-    def purge(self) -> int:
-        return int(self._run(self.ops.purge()))
+    def purge(self, dry_run: bool = False) -> int:
+        return int(self._run(self.ops.purge(dry_run)))

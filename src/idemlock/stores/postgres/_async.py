@@ -353,7 +353,9 @@ class AsyncPostgresStore(_AsyncRunner):
         rows = await self._rows(self.statements.fence_current, params, "fence_current", True)
         return int(rows[0][0]) if rows else None
 
-    async def purge(self) -> int:
+    async def purge(self, dry_run: bool = False) -> int:
+        if dry_run:
+            return await self._purge_count()
         removed = 0
         for stmt in (self.statements.purge_claims, self.statements.purge_locks):
             while True:
@@ -369,3 +371,19 @@ class AsyncPostgresStore(_AsyncRunner):
             if int(rows[0][0]) < PURGE_BATCH:
                 break
         return removed
+
+    async def _purge_count(self) -> int:
+        """How many rows purge would delete now, counted in batches of PURGE_BATCH
+        (read-only, each batch one short statement)."""
+        total = 0
+        for stmt in (self.statements.count_claims, self.statements.count_locks):
+            after: tuple[Any, Any] = (None, None)
+            while True:
+                params = {"ns": after[0], "key": after[1], "batch": _i8(PURGE_BATCH)}
+                rows = await self._rows(stmt, params, "purge", True)
+                n = int(rows[0][0])
+                total += n
+                if n < PURGE_BATCH:
+                    break
+                after = (rows[0][1], rows[0][2])
+        return total

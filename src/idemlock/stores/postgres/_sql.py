@@ -432,6 +432,21 @@ SELECT count(*) FROM d
 
 _NOT_RESERVED = "AND window_ms <= (SELECT ms FROM n)"
 
+# Purge's dry run: what PURGE would delete, counted in batches along the primary key
+# (keyset: each batch starts after the last key of the one before; NULL starts at the
+# beginning). Read-only: no row is locked. Returns the batch's count and last key.
+PURGE_COUNT = """
+WITH n AS MATERIALIZED (SELECT {now} AS ms),
+b AS MATERIALIZED (
+    SELECT ns, key FROM {s}.{table}
+    WHERE expires_ms <= (SELECT ms FROM n) {extra}
+      AND (%(ns)s::text IS NULL OR (ns, key) > (%(ns)s::text, %(key)s::text))
+    ORDER BY ns, key LIMIT %(batch)s
+),
+l AS (SELECT ns, key FROM b ORDER BY ns DESC, key DESC LIMIT 1)
+SELECT (SELECT count(*) FROM b), l.ns, l.key FROM (SELECT 1) AS one LEFT JOIN l ON true
+"""
+
 # Lapsed registrations of the waiters' queue (not records: purge does not count them).
 PURGE_WAITERS = """
 WITH d AS (
@@ -510,6 +525,8 @@ class Statements:
     purge_claims: Stmt
     purge_locks: Stmt
     purge_waiters: Stmt
+    count_claims: Stmt
+    count_locks: Stmt
     unregister: Stmt
     version: bytes
 
@@ -538,6 +555,8 @@ class Statements:
             purge_claims=r(PURGE, schema, table="claims", extra=""),
             purge_locks=r(PURGE, schema, table="locks", extra=_NOT_RESERVED),
             purge_waiters=r(PURGE_WAITERS, schema),
+            count_claims=r(PURGE_COUNT, schema, table="claims", extra=""),
+            count_locks=r(PURGE_COUNT, schema, table="locks", extra=_NOT_RESERVED),
             unregister=r(UNREGISTER, schema),
             version=_render(VERSION, schema),
         )

@@ -211,8 +211,8 @@ class AsyncRedisStore(AsyncPlumbing):
         reply = await self._eval(C.FENCE_SET, (gate, user), (str(token), bytes(value)))
         return C.fence_reply(reply)
 
-    async def purge(self) -> int:
-        return 0  # Redis expires every key by itself
+    async def purge(self, dry_run: bool = False) -> int:
+        return 0  # Redis expires every key by itself: nothing is ever left to purge
 
     # ---- listings ------------------------------------------------------------------------
 

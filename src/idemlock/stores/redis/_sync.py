@@ -208,8 +208,8 @@ class RedisStore(SyncPlumbing):
         reply = self._eval(C.FENCE_SET, (gate, user), (str(token), bytes(value)))
         return C.fence_reply(reply)
 
-    def purge(self) -> int:
-        return 0  # Redis expires every key by itself
+    def purge(self, dry_run: bool = False) -> int:
+        return 0  # Redis expires every key by itself: nothing is ever left to purge
 
     # ---- listings ------------------------------------------------------------------------
 

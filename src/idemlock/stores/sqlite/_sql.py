@@ -230,6 +230,11 @@ UPDATE meta SET value = max(
 """
 _PURGE_CLAIMS = "DELETE FROM claims WHERE expires_ms <= ?1"
 _PURGE_LOCKS = "DELETE FROM locks WHERE expires_ms <= ?1"
+# What _PURGE_CLAIMS and _PURGE_LOCKS would delete (purge's dry run).
+_PURGE_COUNT = """
+SELECT (SELECT count(*) FROM claims WHERE expires_ms <= ?1)
+     + (SELECT count(*) FROM locks WHERE expires_ms <= ?1)
+"""
 
 _STATES = ("in_flight", "completed")
 

@@ -51,6 +51,7 @@ from ._sql import (
     _LOCK_GET,
     _LOCK_LIVE,
     _LOCKS,
+    _PURGE_COUNT,
     _RECORD_GET,
     _RECORDS,
     _RELEASE,
@@ -459,7 +460,10 @@ class SQLiteStore(Connections):
             raise self._corrupt("fences", ns, resource, rows[0])
         return highest
 
-    def purge(self) -> int:
+    def purge(self, dry_run: bool = False) -> int:
+        if dry_run:
+            rows = self._read(_PURGE_COUNT, (_now_ms(),))
+            return int(rows[0][0])
         return self._write(_purge)
 
     # ---- waiting and life cycle --------------------------------------------------
