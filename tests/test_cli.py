@@ -863,6 +863,55 @@ def test_a_wait_off_a_terminal_prints_nothing_extra(url: str) -> None:
     assert "waiting" not in r.stderr and "is held by elsewhere" in r.stderr
 
 
+def _pty_output(argv: list[str], timeout: float = 60) -> tuple[int, str]:
+    """Run ``argv`` on a pseudo-terminal to its end: its exit code and all it wrote."""
+    import select
+
+    pid, master = _pty_run(argv)
+    seen = b""
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert time.monotonic() < deadline, seen
+            if select.select([master], [], [], 0.05)[0]:
+                try:
+                    chunk = os.read(master, 4096)
+                except OSError:  # the child closed the terminal: it has ended
+                    break
+                if not chunk:
+                    break
+                seen += chunk
+        _, status = os.waitpid(pid, 0)
+    finally:
+        with contextlib.suppress(ChildProcessError, ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(master)
+    return os.waitstatus_to_exitcode(status), seen.decode("utf-8", "replace")
+
+
+@pytest.mark.parametrize("dry_run", [False, True], ids=["purge", "dry-run"])
+def test_a_purge_on_a_terminal_shows_a_progress_line_then_its_result(
+    url: str, dry_run: bool
+) -> None:
+    extra = ["--dry-run"] if dry_run else []
+    code, text = _pty_output([PY, "-m", "idemlock", "--url", url, "purge", *extra])
+    assert code == 0, text
+    doing = "counting" if dry_run else "purging"
+    # drawn in place (carriage return), erased before the result line
+    assert f"\ridemlock: {doing} expired records and locks in " in text, text
+    assert "\r\x1b[K" in text, text
+    assert ("would purge 0" if dry_run else "purged 0") in text, text
+
+
+def test_a_purge_off_a_terminal_prints_only_its_result(url: str) -> None:
+    for extra in ([], ["--dry-run"]):
+        r = cli(url, "purge", *extra)
+        assert r.returncode == 0, r.stderr
+        assert r.stderr == "", r.stderr
+        assert "purge" in r.stdout and "\r" not in r.stdout
+
+
 def test_a_once_wait_on_a_terminal_says_what_it_waits_for(url: str) -> None:
     import select
 

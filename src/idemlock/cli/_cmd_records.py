@@ -4,7 +4,11 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import contextlib
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._common import (
@@ -15,9 +19,11 @@ from ._common import (
     _connect,
     _human,
     _iso,
+    _on_terminal,
     _out,
     _print_json,
     _say,
+    _scrub,
     _shown_url,
     _table,
     tenant_option,
@@ -258,8 +264,10 @@ def cmd_locks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def cmd_purge(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     with _connect(args) as coord:
-        count = coord.purge(dry_run=args.dry_run)
         where = coord.url
+        doing = "counting" if args.dry_run else "purging"
+        with _progress(f"{doing} expired records and locks in {_shown_url(where)}"):
+            count = coord.purge(dry_run=args.dry_run)
     if args.dry_run:
         if args.json:
             _print_json({"would_purge": count, "dry_run": True})
@@ -297,3 +305,33 @@ def cmd_migrate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     detail = f": {outcome}" if outcome not in (None, True) else ""
     _out(f"migrated schema {schema} of {_shown_url(url)}{detail}")
     return EX_OK
+
+
+@contextlib.contextmanager
+def _progress(what: str, every: float = 0.5) -> Iterator[None]:
+    """On a terminal, a line on stderr saying what runs and for how long, redrawn in
+    place until the block ends, then erased (a long purge shows it is alive); nothing
+    when stderr is not a terminal."""
+    if not _on_terminal():
+        yield
+        return
+    done = threading.Event()
+    started = time.monotonic()
+
+    def draw() -> None:
+        while True:
+            line = f"idemlock: {what}\u2026 {_human(time.monotonic() - started)}"
+            sys.stderr.write(f"\r{_scrub(line)}\x1b[K")
+            sys.stderr.flush()
+            if done.wait(every):
+                return
+
+    ticker = threading.Thread(target=draw, name="idemlock-progress", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join(timeout=5)
+        sys.stderr.write("\r\x1b[K")
+        sys.stderr.flush()

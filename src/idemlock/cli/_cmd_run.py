@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import socket
-import sys
 import threading
 import time
 from datetime import datetime, timedelta, timezone
@@ -34,6 +33,7 @@ from ._common import (
     _connect,
     _human,
     _iso,
+    _on_terminal,
     _positive_duration,
     _say,
     parse_duration,
@@ -165,14 +165,6 @@ def _run_locked(args: argparse.Namespace, cmd: list[str]) -> int:
             _say(f"error: {exc}; {child.outcome()} (exit {EX_LEASE_LOST})")
             return EX_LEASE_LOST
         return status
-
-
-def _on_terminal() -> bool:
-    """Whether a person watches stderr (a line saying that we wait is for them only)."""
-    try:
-        return sys.stderr.isatty()
-    except (AttributeError, ValueError):  # replaced or closed
-        return False
 
 
 def _say_waiting_for_lock(lock: Any, name: str, wait: float) -> None:

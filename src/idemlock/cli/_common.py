@@ -214,6 +214,15 @@ def _shown_url(url: str | None) -> str:
     return _scrub(text)
 
 
+def _on_terminal() -> bool:
+    """Whether a person watches stderr (a line saying that we wait, or how long a purge
+    has run, is for them only)."""
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced or closed
+        return False
+
+
 def _say(message: str) -> None:
     print(f"idemlock: {_scrub(message)}", file=sys.stderr, flush=True)
 
