@@ -14,6 +14,7 @@ from ._core.clock import Clock
 from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES
 from ._core.events import Hook, answered
 from ._core.flows import acquire_flow, claim_flow
+from ._core.jsontypes import JSONValue
 from ._core.keys import validate_key
 from ._core.port import AsyncStore, ClaimReply
 from ._core.types import (
@@ -207,7 +208,7 @@ class AsyncIdempotencyPort(IdempotencyRun):
     _store: AsyncStore
 
     async def claim(
-        self, key: str, *, payload: Any = None, lease: timedelta | float | None = None
+        self, key: str, *, payload: JSONValue = None, lease: timedelta | float | None = None
     ) -> Claim:
         """Atomically one of ``Claimed`` (run it), ``InFlight`` (someone else is) or
         ``Completed`` (replay). Raises ``PayloadMismatch`` if the key is live with
@@ -224,7 +225,7 @@ class AsyncIdempotencyPort(IdempotencyRun):
     async def complete(
         self,
         token: ClaimToken,
-        result: Any,
+        result: JSONValue,
         *,
         writes: Mapping[str, bytes | str] | None = None,
     ) -> None:
@@ -278,7 +279,7 @@ class AsyncIdempotencyPort(IdempotencyRun):
         return await self._store.forget(self._ns, self._skey(key))
 
     async def wait(
-        self, key: str, *, payload: Any = None, timeout: timedelta | float | None = None
+        self, key: str, *, payload: JSONValue = None, timeout: timedelta | float | None = None
     ) -> Claim:
         """Claim, and while the key is in flight wait up to ``timeout`` (default: the
         lease) for it to complete (returns ``Completed``) or be freed (returns

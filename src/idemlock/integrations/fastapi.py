@@ -53,10 +53,10 @@ import gc
 import inspect
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
-from typing import Any, TypeVar, cast, overload
+from typing import Any, TypeAlias, TypeVar, cast, overload
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.routing import APIRoute
@@ -72,9 +72,13 @@ from ._http import AsyncPortFace, HttpCore, HttpOptions, Run
 from ._problem_json import PROBLEM_CODES, Answer
 from .asgi import ASGIApp, Message, Receive, Scope, Send, send_captured
 
-__all__ = ["Idempotency", "IdempotencyCapture"]
+__all__ = ["Idempotency", "IdempotencyCapture", "Identity"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: An identity dependency: a function (plain or ``async def``) FastAPI calls with its own
+#: parameters and ``Depends``, returning the caller's identity as a str, or None.
+Identity: TypeAlias = Callable[..., "str | Awaitable[str | None] | None"]
 
 #: the scope key of a request's :class:`_Slot`
 _SLOT = "idemlock.fastapi"
@@ -214,7 +218,7 @@ class Idempotency:
         url: str | None = None,
         *,
         coordinator: AsyncCoordinator | None = None,
-        identity: Callable[..., Any] | None = None,
+        identity: Identity | None = None,
         **options: Any,
     ) -> None:
         if (url is None) == (coordinator is None):
@@ -327,7 +331,7 @@ class Idempotency:
         spec: IdempotencySpec | str | None = None,
         ttl: timedelta | float | None = None,
         lease: timedelta | float | None = None,
-        identity: Callable[..., Any] | None = ...,
+        identity: Identity | None = ...,
         require_key: bool = ...,
         allow_anonymous: bool | None = ...,
         fingerprint_headers: Iterable[str] = ...,
@@ -357,7 +361,7 @@ class Idempotency:
         spec: IdempotencySpec | str | None = None,
         ttl: timedelta | float | None = None,
         lease: timedelta | float | None = None,
-        identity: Callable[..., Any] | None = ...,
+        identity: Identity | None = ...,
         require_key: bool = ...,
         allow_anonymous: bool | None = ...,
         fingerprint_headers: Iterable[str] = ...,
@@ -386,7 +390,7 @@ class Idempotency:
         spec: IdempotencySpec | str | None = None,
         ttl: timedelta | float | None = None,
         lease: timedelta | float | None = None,
-        identity: Callable[..., Any] | None = _UNSET,
+        identity: Identity | None = _UNSET,
         require_key: bool = _UNSET,
         allow_anonymous: bool | None = _UNSET,
         fingerprint_headers: Iterable[str] = _UNSET,
@@ -466,7 +470,7 @@ class _ProtectedEndpoint:
         owner: Idempotency,
         fn: Callable[..., Any],
         options: HttpOptions,
-        identity: Callable[..., Any] | None,
+        identity: Identity | None,
     ) -> None:
         self.owner, self.fn, self.options, self.identity = owner, fn, options, identity
         self._made: tuple[AsyncCoordinator, HttpCore] | None = None
