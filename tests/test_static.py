@@ -126,15 +126,19 @@ def test_users_strict_mypy_accepts_enqueue_once_on_every_queue(tmp_path: Path) -
 
 #: What a user passes where idemlock once took ``Any``: payloads and results are
 #: ``idemlock.JSONValue``, a job's ``coordinator=`` is a coordinator, a URL or a callable
-#: returning a coordinator, FastAPI's ``identity=`` returns a str or None. Each line
+#: returning a coordinator, FastAPI's ``identity=`` returns a str or None, and the HTTP
+#: adapters' ``**options`` are the typed dicts of their options. Each line
 #: marked ``# refused`` must be an error under ``mypy --strict``; the others must not.
 TYPED_PARAMETERS_PROGRAM = """
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from collections.abc import Awaitable, Callable, Iterable
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
+
+from flask import Flask
 
 import idemlock
 import idemlock.aio
@@ -142,6 +146,8 @@ from idemlock.compat.ports import IdempotencyPort as CompatPort
 from idemlock.integrations import celery as idem_celery
 from idemlock.integrations import dramatiq as idem_dramatiq
 from idemlock.integrations import rq as idem_rq
+from idemlock.integrations import asgi, wsgi
+from idemlock.integrations import flask as flask_ext
 from idemlock.integrations.fastapi import Idempotency
 
 
@@ -233,6 +239,34 @@ def numeric_caller() -> int:
 Idempotency("memory://", identity=caller)
 Idempotency("memory://", identity=async_caller)
 Idempotency("memory://", identity=numeric_caller)  # refused
+Idempotency("memory://", require_key=True, max_body=1 << 16, renew_every=timedelta(seconds=5))
+Idempotency("memory://", methods=["POST"])  # refused
+Idempotency("memory://", max_body="1 MB")  # refused
+
+
+def asgi_app(scope: asgi.Scope, receive: asgi.Receive, send: asgi.Send) -> Awaitable[None]:
+    raise NotImplementedError
+
+
+def wsgi_app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+    return []
+
+
+def middlewares(acoord: idemlock.aio.AsyncCoordinator, coord: idemlock.Coordinator) -> None:
+    asgi.IdempotencyMiddleware(
+        asgi_app, coordinator=acoord, methods=("POST",), routes="/orders/*", mismatch_status=409
+    )
+    asgi.IdempotencyMiddleware(asgi_app, coordinator=acoord, require_kye=True)  # refused
+    asgi.IdempotencyMiddleware(asgi_app, coordinator=acoord, heartbeat="yes")  # refused
+    wsgi.IdempotencyMiddleware(wsgi_app, coordinator=coord, spec="http", max_run=60.0)
+    wsgi.IdempotencyMiddleware(wsgi_app, coordinator=coord, record=lambda s: "y")  # refused
+
+
+def extension(app: Flask) -> None:
+    flask_ext.Idempotency(app, url="memory://", spec={"name": "orders", "ttl": 3600})
+    flask_ext.Idempotency(app, url="memory://", methods=["POST", "PUT"], require_key=True)
+    flask_ext.Idempotency(app, url="memory://", routes="/orders/*")  # refused
+    flask_ext.Idempotency(app, url="memory://", replay_header=False)  # refused
 """
 
 
@@ -252,3 +286,18 @@ def test_users_strict_mypy_refuses_wrong_types_where_idemlock_took_any(tmp_path:
         f"refused but fine: {[lines[i - 1].strip() for i in sorted(errors - refused)]}\n"
         + out.stdout
     )
+
+
+def test_the_typed_options_name_every_http_option_once() -> None:
+    # The typed dicts only type-check: HttpOptions (checked at run time) is the truth.
+    from dataclasses import fields
+
+    from idemlock.integrations import asgi
+    from idemlock.integrations import flask as flask_ext
+    from idemlock.integrations._http import HttpOptions
+
+    every = {f.name for f in fields(HttpOptions)}
+    assert set(asgi.IdempotencyOptions.__optional_keys__) == every
+    assert set(asgi.RouteOptions.__optional_keys__) == every - {"methods", "routes"}
+    assert set(flask_ext.ExtensionOptions.__optional_keys__) == every - {"routes"}
+    assert not asgi.IdempotencyOptions.__required_keys__

@@ -56,7 +56,7 @@ import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
-from typing import Any, TypeAlias, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast, overload
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.routing import APIRoute
@@ -68,9 +68,12 @@ from .._core.types import IdempotencySpec
 from .._errors import ConfigurationError
 from ..aio import AsyncCoordinator
 from ._fingerprint import Fingerprint
-from ._http import AsyncPortFace, HttpCore, HttpOptions, Run
+from ._http import AsyncPortFace, HttpCore, HttpOptions, RouteOptions, Run
 from ._problem_json import PROBLEM_CODES, Answer
 from .asgi import ASGIApp, Message, Receive, Scope, Send, send_captured
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["Idempotency", "IdempotencyCapture", "Identity"]
 
@@ -219,7 +222,7 @@ class Idempotency:
         *,
         coordinator: AsyncCoordinator | None = None,
         identity: Identity | None = None,
-        **options: Any,
+        **options: Unpack[RouteOptions],
     ) -> None:
         if (url is None) == (coordinator is None):
             raise ConfigurationError("Idempotency needs a store url or a coordinator (one)")
