@@ -69,6 +69,8 @@ def connect(
     means ``$IDEMLOCK_URL``, else SQLite in the user's state directory. Store options
     (``max_keys=``, ``clock=`` for memory; ``busy_timeout=`` for SQLite; ...) are
     passed as keywords. ``key_prefix`` namespaces everything this coordinator stores.
+    (``url`` and the store options are typed ``Any``: a client object of whichever
+    store library, and each store's own options, checked when the store opens.)
 
     ``keyring`` seals results of specs with ``encrypt_result=True`` and stores keys and
     payload fingerprints as HMACs; ``tenant`` puts everything in one tenant's namespace

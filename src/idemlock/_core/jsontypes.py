@@ -7,12 +7,19 @@ from typing import TypeAlias, Union
 
 __all__ = ["JSONValue"]
 
-#: A JSON-like value: what a payload or a recorded result may be. ``None``, ``bool``,
-#: ``int``, ``float``, ``str``, sequences (lists, tuples) of JSON values and mappings
-#: with ``str`` keys of JSON values. A ``dict[str, Any]`` (from ``json.loads`` or a
-#: framework's parsed body) fits; dates, decimals, bytes, sets and objects do not:
-#: convert them first. NaN and Infinity fit the type but are refused at run time
-#: (:class:`~idemlock.CanonicalizeError`, :class:`~idemlock.ResultEncodeError`).
 JSONValue: TypeAlias = Union[  # noqa: UP007  (a recursive alias needs the Union form)
     bool, int, float, str, Sequence["JSONValue"], Mapping[str, "JSONValue"], None
 ]
+"""A JSON-like value: what a payload or a result to record may be.
+
+``None``, ``bool``, ``int``, ``float``, ``str``, sequences (lists, tuples) of JSON values
+and mappings with ``str`` keys of JSON values. A ``dict[str, Any]`` (from ``json.loads``
+or a framework's parsed body) fits; dates, decimals, sets and objects do not: convert
+them first. A few values fit the type but not JSON, and are refused at run time
+(:class:`~idemlock.CanonicalizeError` for a payload,
+:class:`~idemlock.ResultEncodeError` for a result): NaN and Infinity, and ``bytes``
+(a sequence of ints to a type checker).
+
+What idemlock gives back (``Completed.result``, ``Attempt.result`` on a replay) is typed
+``Any``, as ``json.loads`` is: the decoded JSON of what was recorded, to index without
+narrowing a union first."""

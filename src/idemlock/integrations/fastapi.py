@@ -79,9 +79,9 @@ __all__ = ["Idempotency", "IdempotencyCapture", "Identity"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: An identity dependency: a function (plain or ``async def``) FastAPI calls with its own
-#: parameters and ``Depends``, returning the caller's identity as a str, or None.
 Identity: TypeAlias = Callable[..., "str | Awaitable[str | None] | None"]
+"""An identity dependency: a function (plain or ``async def``) FastAPI calls with its own
+parameters and ``Depends``, returning the caller's identity as a str, or None."""
 
 #: the scope key of a request's :class:`_Slot`
 _SLOT = "idemlock.fastapi"
