@@ -122,3 +122,182 @@ def test_users_strict_mypy_accepts_enqueue_once_on_every_queue(tmp_path: Path) -
     wrong = QUEUES_PROGRAM.replace("lease=600, delay=1000", 'lease="10 min", delay=1000')
     out = _mypy_user(tmp_path, wrong)
     assert out.returncode == 1 and 'Argument "lease" to "enqueue_once"' in out.stdout, out.stdout
+
+
+#: What a user passes where idemlock once took ``Any``: payloads and results are
+#: ``idemlock.JSONValue``, a job's ``coordinator=`` is a coordinator, a URL or a callable
+#: returning a coordinator, FastAPI's ``identity=`` returns a str or None, and the HTTP
+#: adapters' ``**options`` are the typed dicts of their options. Each line
+#: marked ``# refused`` must be an error under ``mypy --strict``; the others must not.
+TYPED_PARAMETERS_PROGRAM = """
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Iterable
+from datetime import datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+from flask import Flask
+
+import idemlock
+import idemlock.aio
+from idemlock.compat.ports import IdempotencyPort as CompatPort
+from idemlock.integrations import celery as idem_celery
+from idemlock.integrations import dramatiq as idem_dramatiq
+from idemlock.integrations import rq as idem_rq
+from idemlock.integrations import asgi, wsgi
+from idemlock.integrations import flask as flask_ext
+from idemlock.integrations.fastapi import Idempotency
+
+
+def sync_side(coord: idemlock.Coordinator, body: dict[str, Any]) -> None:
+    port = coord.idempotency(idemlock.IdempotencySpec("emails"))
+    port.claim("k1", payload={"to": "a@example.com", "n": [1, 2.5, None, True]})
+    port.claim("k2", payload=("order", 7))
+    port.claim("k3", payload=body)
+    port.claim("k4", payload=json.loads("{}"))
+    claim = port.wait("k5", payload=None, timeout=3)
+    if isinstance(claim, idemlock.Claimed):
+        port.complete(claim.token, {"sent": True, "at": "2026-01-01T00:00:00Z"})
+    port.claim("k6", payload={1, 2})  # refused
+    port.claim("k7", payload=datetime.now())  # refused
+    port.claim("k8", payload={1: "a"})  # refused
+    port.wait("k9", payload=Decimal("1.5"))  # refused
+    if isinstance(claim, idemlock.Claimed):
+        port.complete(claim.token, object())  # refused
+    with port.run("k10", payload={"a": 1}) as attempt:
+        attempt.result = {"ok": 1}
+    with port.run("k11", payload=object()):  # refused
+        pass
+    idemlock.fingerprint({"amount": 1200})
+    idemlock.canonicalize([1, "a"])
+    idemlock.fingerprint(Decimal("1200"))  # refused
+    idemlock.canonicalize({"k": {1, 2}})  # refused
+    compat = CompatPort(coord)
+    begun = compat.begin("emails", "k12", {"a": 1})
+    compat.begin("emails", "k13", payload=datetime.now())  # refused
+    if isinstance(begun, idemlock.Claimed):
+        compat.commit(begun, {1, 2})  # refused
+
+
+async def async_side(coord: idemlock.aio.AsyncCoordinator) -> None:
+    port = coord.idempotency("emails")
+    claim = await port.claim("k1", payload={"to": "a@example.com"})
+    await port.claim("k2", payload={"when": datetime.now()})  # refused
+    if isinstance(claim, idemlock.Claimed):
+        await port.complete(claim.token, [1, 2, 3])
+        await port.complete(claim.token, datetime.now())  # refused
+    async with port.run("k3", payload=object()):  # refused
+        pass
+
+
+def make() -> idemlock.Coordinator:
+    return idemlock.connect("memory://")
+
+
+def url() -> str:
+    return "memory://"
+
+
+@idem_rq.idempotent_job("a", coordinator="sqlite:///tmp/idemlock.db")
+def rq_a() -> None: ...
+@idem_rq.idempotent_job("b", coordinator=make)
+def rq_b() -> None: ...
+@idem_rq.idempotent_job("c", coordinator=lambda: idemlock.aio.connect("memory://"))
+def rq_c() -> None: ...
+@idem_rq.idempotent_job("d", coordinator=url)  # refused
+def rq_d() -> None: ...
+@idem_rq.idempotent_job("e", coordinator=42)  # refused
+def rq_e() -> None: ...
+@idem_dramatiq.idempotent("f", coordinator=make())
+def dq_f() -> None: ...
+@idem_dramatiq.idempotent("g", coordinator=idemlock.aio.connect("memory://"))  # refused
+def dq_g() -> None: ...
+
+
+class Task(idem_celery.IdempotentTask):
+    idemlock_coordinator = make
+
+
+class WrongTask(idem_celery.IdempotentTask):
+    idemlock_coordinator = 3.5  # refused
+
+
+def caller(authorization: str | None = None) -> str | None:
+    return authorization
+
+
+async def async_caller() -> str:
+    return "user-1"
+
+
+def numeric_caller() -> int:
+    return 7
+
+
+Idempotency("memory://", identity=caller)
+Idempotency("memory://", identity=async_caller)
+Idempotency("memory://", identity=numeric_caller)  # refused
+Idempotency("memory://", require_key=True, max_body=1 << 16, renew_every=timedelta(seconds=5))
+Idempotency("memory://", methods=["POST"])  # refused
+Idempotency("memory://", max_body="1 MB")  # refused
+
+
+def asgi_app(scope: asgi.Scope, receive: asgi.Receive, send: asgi.Send) -> Awaitable[None]:
+    raise NotImplementedError
+
+
+def wsgi_app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+    return []
+
+
+def middlewares(acoord: idemlock.aio.AsyncCoordinator, coord: idemlock.Coordinator) -> None:
+    asgi.IdempotencyMiddleware(
+        asgi_app, coordinator=acoord, methods=("POST",), routes="/orders/*", mismatch_status=409
+    )
+    asgi.IdempotencyMiddleware(asgi_app, coordinator=acoord, require_kye=True)  # refused
+    asgi.IdempotencyMiddleware(asgi_app, coordinator=acoord, heartbeat="yes")  # refused
+    wsgi.IdempotencyMiddleware(wsgi_app, coordinator=coord, spec="http", max_run=60.0)
+    wsgi.IdempotencyMiddleware(wsgi_app, coordinator=coord, record=lambda s: "y")  # refused
+
+
+def extension(app: Flask) -> None:
+    flask_ext.Idempotency(app, url="memory://", spec={"name": "orders", "ttl": 3600})
+    flask_ext.Idempotency(app, url="memory://", methods=["POST", "PUT"], require_key=True)
+    flask_ext.Idempotency(app, url="memory://", routes="/orders/*")  # refused
+    flask_ext.Idempotency(app, url="memory://", replay_header=False)  # refused
+"""
+
+
+def test_users_strict_mypy_refuses_wrong_types_where_idemlock_took_any(tmp_path: Path) -> None:
+    # Before these parameters were typed (Any), mypy accepted every line of this program.
+    out = _mypy_user(tmp_path, TYPED_PARAMETERS_PROGRAM)
+    lines = TYPED_PARAMETERS_PROGRAM.splitlines()
+    refused = {i for i, line in enumerate(lines, start=1) if line.endswith("# refused")}
+    errors = {
+        int(line.split(":")[1])
+        for line in out.stdout.splitlines()
+        if line.startswith("user_program.py:") and ": error:" in line
+    }
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert errors == refused, (
+        f"not refused: {[lines[i - 1].strip() for i in sorted(refused - errors)]}; "
+        f"refused but fine: {[lines[i - 1].strip() for i in sorted(errors - refused)]}\n"
+        + out.stdout
+    )
+
+
+def test_the_typed_options_name_every_http_option_once() -> None:
+    # The typed dicts only type-check: HttpOptions (checked at run time) is the truth.
+    from dataclasses import fields
+
+    from idemlock.integrations import asgi
+    from idemlock.integrations import flask as flask_ext
+    from idemlock.integrations._http import HttpOptions
+
+    every = {f.name for f in fields(HttpOptions)}
+    assert set(asgi.IdempotencyOptions.__optional_keys__) == every
+    assert set(asgi.RouteOptions.__optional_keys__) == every - {"methods", "routes"}
+    assert set(flask_ext.ExtensionOptions.__optional_keys__) == every - {"routes"}
+    assert not asgi.IdempotencyOptions.__required_keys__

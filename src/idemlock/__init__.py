@@ -18,6 +18,7 @@ from ._core.canonical import canonicalize, fingerprint
 from ._core.clock import MAX_TTL, Clock, ManualClock, SystemClock
 from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES, RecordedError  # noqa: F401 (kept)
 from ._core.events import Event, Hook
+from ._core.jsontypes import JSONValue
 from ._core.types import (
     Claim,
     Claimed,
@@ -117,6 +118,7 @@ __all__ = [
     "InFlight",
     "InFlightError",
     "InvalidKey",
+    "JSONValue",
     "Keyring",
     "Event",
     "Hook",

@@ -95,7 +95,8 @@ class CoordinatorBase:
 
     @property
     def store(self) -> Any:
-        """The store adapter (for store-specific extras)."""
+        """The store adapter (for store-specific extras; typed ``Any`` as it is the
+        adapter of whichever store the URL named)."""
         return self._store
 
     def _ns(self, name: str) -> str:

@@ -98,7 +98,10 @@ class Attempt:
     then the recorded result, the block must not do the work again, and nothing is
     recorded on exit. Otherwise this attempt holds the claim (renewed while the block
     runs): do the work, set ``attempt.result``, and leaving the block records it
-    (``None`` if never set); an exception abandons the claim instead."""
+    (``None`` if never set); an exception abandons the claim instead.
+
+    ``result`` is typed ``Any``: set it to a :data:`~idemlock.JSONValue` (anything else
+    raises ``ResultEncodeError`` on leaving); on a replay it is the decoded JSON."""
 
     __slots__ = ("key", "replayed", "result", "token")
 

@@ -14,6 +14,7 @@ from ._core.clock import Clock
 from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES
 from ._core.events import Hook, answered
 from ._core.flows import acquire_flow, claim_flow
+from ._core.jsontypes import JSONValue
 from ._core.keys import validate_key
 from ._core.port import ClaimReply, SyncStore
 from ._core.types import (
@@ -68,6 +69,8 @@ def connect(
     means ``$IDEMLOCK_URL``, else SQLite in the user's state directory. Store options
     (``max_keys=``, ``clock=`` for memory; ``busy_timeout=`` for SQLite; ...) are
     passed as keywords. ``key_prefix`` namespaces everything this coordinator stores.
+    (``url`` and the store options are typed ``Any``: a client object of whichever
+    store library, and each store's own options, checked when the store opens.)
 
     ``keyring`` seals results of specs with ``encrypt_result=True`` and stores keys and
     payload fingerprints as HMACs; ``tenant`` puts everything in one tenant's namespace
@@ -197,7 +200,7 @@ class IdempotencyPort(IdempotencyRun):
     _store: SyncStore
 
     def claim(
-        self, key: str, *, payload: Any = None, lease: timedelta | float | None = None
+        self, key: str, *, payload: JSONValue = None, lease: timedelta | float | None = None
     ) -> Claim:
         """Atomically one of ``Claimed`` (run it), ``InFlight`` (someone else is) or
         ``Completed`` (replay). Raises ``PayloadMismatch`` if the key is live with
@@ -212,7 +215,11 @@ class IdempotencyPort(IdempotencyRun):
         return self._interpret(key, reply, None, t0, args[1])
 
     def complete(
-        self, token: ClaimToken, result: Any, *, writes: Mapping[str, bytes | str] | None = None
+        self,
+        token: ClaimToken,
+        result: JSONValue,
+        *,
+        writes: Mapping[str, bytes | str] | None = None,
     ) -> None:
         """Record ``result`` (JSON data) for the spec's ttl. ``StaleClaim`` if the token
         lost its key; ``ResultEncodeError`` (nothing stored) if JSON cannot hold it.
@@ -264,7 +271,7 @@ class IdempotencyPort(IdempotencyRun):
         return self._store.forget(self._ns, self._skey(key))
 
     def wait(
-        self, key: str, *, payload: Any = None, timeout: timedelta | float | None = None
+        self, key: str, *, payload: JSONValue = None, timeout: timedelta | float | None = None
     ) -> Claim:
         """Claim, and while the key is in flight wait up to ``timeout`` (default: the
         lease) for it to complete (returns ``Completed``) or be freed (returns

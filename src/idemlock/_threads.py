@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from ._blocks import HoldSteps, RunSteps, Wrapping
 from ._context import enter_claim, leave_claim
 from ._core.flows import Renewal, RenewState
+from ._core.jsontypes import JSONValue
 from ._core.types import Claim, ClaimToken, Completed, InFlight, Lease
 from ._decorator import DECORATOR_WAIT, RUN_WAIT
 from ._errors import InFlightError, LockLost, StaleClaim
@@ -88,7 +89,7 @@ class IdempotencyRun(RunSteps):
         self,
         key: str,
         *,
-        payload: Any = None,
+        payload: JSONValue = None,
         wait: timedelta | float | None = None,
         heartbeat: bool = True,
         renew_every: timedelta | float | None = None,

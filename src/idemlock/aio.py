@@ -14,6 +14,7 @@ from ._core.clock import Clock
 from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES
 from ._core.events import Hook, answered
 from ._core.flows import acquire_flow, claim_flow
+from ._core.jsontypes import JSONValue
 from ._core.keys import validate_key
 from ._core.port import AsyncStore, ClaimReply
 from ._core.types import (
@@ -78,6 +79,8 @@ def connect(
     means ``$IDEMLOCK_URL``, else SQLite in the user's state directory. Store options
     (``max_keys=``, ``clock=`` for memory; ``busy_timeout=`` for SQLite; ...) are
     passed as keywords. ``key_prefix`` namespaces everything this coordinator stores.
+    (``url`` and the store options are typed ``Any``: a client object of whichever
+    store library, and each store's own options, checked when the store opens.)
 
     ``keyring`` seals results of specs with ``encrypt_result=True`` and stores keys and
     payload fingerprints as HMACs; ``tenant`` puts everything in one tenant's namespace
@@ -208,7 +211,7 @@ class AsyncIdempotencyPort(IdempotencyRun):
     _store: AsyncStore
 
     async def claim(
-        self, key: str, *, payload: Any = None, lease: timedelta | float | None = None
+        self, key: str, *, payload: JSONValue = None, lease: timedelta | float | None = None
     ) -> Claim:
         """Atomically one of ``Claimed`` (run it), ``InFlight`` (someone else is) or
         ``Completed`` (replay). Raises ``PayloadMismatch`` if the key is live with
@@ -225,7 +228,7 @@ class AsyncIdempotencyPort(IdempotencyRun):
     async def complete(
         self,
         token: ClaimToken,
-        result: Any,
+        result: JSONValue,
         *,
         writes: Mapping[str, bytes | str] | None = None,
     ) -> None:
@@ -279,7 +282,7 @@ class AsyncIdempotencyPort(IdempotencyRun):
         return await self._store.forget(self._ns, self._skey(key))
 
     async def wait(
-        self, key: str, *, payload: Any = None, timeout: timedelta | float | None = None
+        self, key: str, *, payload: JSONValue = None, timeout: timedelta | float | None = None
     ) -> Claim:
         """Claim, and while the key is in flight wait up to ``timeout`` (default: the
         lease) for it to complete (returns ``Completed``) or be freed (returns

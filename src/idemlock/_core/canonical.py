@@ -8,6 +8,7 @@ from typing import Any
 
 from .._errors import CanonicalizeError
 from .jsonfast import dumps_canonical
+from .jsontypes import JSONValue
 
 
 def _check(value: Any, path: str) -> Any:
@@ -57,7 +58,7 @@ def _plain(value: Any) -> bool:
     return False
 
 
-def canonicalize(payload: Any) -> bytes:
+def canonicalize(payload: JSONValue) -> bytes:
     """Return the canonical JSON bytes of a JSON-like payload.
 
     Keys sorted, compact separators, UTF-8, tuples as lists. NaN, Infinity and
@@ -82,7 +83,7 @@ def canonicalize(payload: Any) -> bytes:
         ) from None
 
 
-def fingerprint(payload: Any) -> str:
+def fingerprint(payload: JSONValue) -> str:
     """SHA-256 (hex) of :func:`canonicalize` of ``payload``."""
     import hashlib  # here: loading OpenSSL's hashes is a good part of `import idemlock`
 

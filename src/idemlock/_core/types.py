@@ -129,7 +129,8 @@ class InFlight:
 class Completed:
     """The operation already ran; ``result`` is the recorded result to replay. When the
     operation's exception was recorded (``replay_errors``), ``error`` describes it and
-    ``result`` is None."""
+    ``result`` is None. ``result`` is typed ``Any``, as ``json.loads`` is: it is the
+    decoded JSON (a :data:`~idemlock.JSONValue`) of what was recorded."""
 
     result: Any
     expires_at: datetime | None = None

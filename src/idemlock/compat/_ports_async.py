@@ -5,8 +5,8 @@ from __future__ import annotations
 from contextlib import AbstractAsyncContextManager
 from datetime import timedelta
 from types import TracebackType
-from typing import Any
 
+from .._core.jsontypes import JSONValue
 from .._core.types import Claim, Claimed, ClaimToken, IdempotencySpec, Lease
 from .._core.types import LockSpec as DistributedLockSpec
 from ..aio import AsyncCoordinator, AsyncLockPort
@@ -23,14 +23,16 @@ class AsyncIdempotencyPort:
         self._coord = _async_coord(coordinator)
         self._specs = _Specs()
 
-    async def begin(self, spec: IdempotencySpec | str, key: str, payload: Any = None) -> Claim:
+    async def begin(
+        self, spec: IdempotencySpec | str, key: str, payload: JSONValue = None
+    ) -> Claim:
         """``Claimed`` (run it, then commit or fail), ``InFlight`` (another attempt
         holds a live claim) or ``Completed`` (its ``result`` is the stored one).
         ``PayloadMismatch`` if the key is live with another payload."""
         port = self._coord.idempotency(self._specs.seen(spec))
         return await port.claim(key, payload=payload)
 
-    async def commit(self, claimed: Claimed | ClaimToken, result: Any) -> None:
+    async def commit(self, claimed: Claimed | ClaimToken, result: JSONValue) -> None:
         """Store ``result`` (JSON data; sealed if the spec has ``encrypt_result``) for
         the spec's ttl. ``StaleClaim`` if another attempt took the key over."""
         token = _token(claimed)

@@ -31,7 +31,7 @@ import re
 from collections.abc import Callable, Coroutine, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
-from typing import Any, Protocol, Union
+from typing import Any, Protocol, TypedDict, Union
 
 from .. import _attempts as attempts
 from .._core.types import Claim, Claimed, ClaimToken, Completed, IdempotencySpec, InFlight
@@ -89,6 +89,45 @@ DEFAULT_SPEC = IdempotencySpec("http", ttl=timedelta(hours=24), lease=timedelta(
 #: first and longest pause between writes of a record the store refused
 _RECORD_RETRY_FIRST = 0.1
 _RECORD_RETRY_MAX = 2.0
+
+
+class _SharedOptions(TypedDict, total=False):
+    require_key: bool
+    allow_anonymous: bool | None
+    fingerprint_headers: Iterable[str]
+    fingerprint: Fingerprint | None
+    stripe_compatible: bool
+    allow_unquoted_key: bool | None
+    mismatch_status: int | None
+    max_body: int
+    max_response_body: int
+    max_key_length: int
+    header: str
+    replay_header: str | None
+    record: Callable[[int], bool]
+    docs_url: str | None
+    www_authenticate: str
+    heartbeat: bool
+    renew_every: timedelta | float | None
+    max_run: timedelta | float | None
+
+
+class RouteOptions(_SharedOptions, total=False):
+    """The keyword options of one protected route (FastAPI's ``Idempotency``): those of
+    :class:`IdempotencyOptions` but ``methods`` and ``routes`` (the route is the
+    endpoint). For type checkers only: at run time they are plain keyword arguments."""
+
+    spec: IdempotencySpec | str
+
+
+class IdempotencyOptions(RouteOptions, total=False):
+    """The keyword options of the HTTP middlewares (``**options`` of ASGI's and WSGI's
+    ``IdempotencyMiddleware``), each described there; a misspelt name or a value of
+    the wrong type is refused by a type checker as it is (``ConfigurationError``) at
+    run time."""
+
+    methods: Iterable[str]
+    routes: RouteFilter | None
 
 
 @dataclass(frozen=True)

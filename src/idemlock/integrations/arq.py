@@ -69,7 +69,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from arq.connections import ArqRedis
 from arq.constants import retry_key_prefix
@@ -91,6 +91,9 @@ from ._jobs import (
     spec_name,
 )
 
+if TYPE_CHECKING:
+    from ..aio import AsyncCoordinator
+
 __all__ = ["current_fence", "enqueue_once", "idempotent_job"]
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
@@ -109,7 +112,7 @@ def idempotent_job(
     spec: IdempotencySpec | str,
     key: Callable[..., str] | None = None,
     *,
-    coordinator: Any = None,
+    coordinator: AsyncCoordinator | str | Callable[[], AsyncCoordinator] | None = None,
     replay_errors: Iterable[type[BaseException]] = (),
     retry_every: float = 5.0,
     store_retry_backoff: float = 1.0,

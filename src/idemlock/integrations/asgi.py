@@ -148,22 +148,35 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import ConfigurationError
 from ..aio import AsyncCoordinator
 from ._fingerprint import RequestView, json_fields
-from ._http import DEFAULT_SPEC, AsyncPortFace, HttpCore, HttpOptions, Run
+from ._http import (
+    DEFAULT_SPEC,
+    AsyncPortFace,
+    HttpCore,
+    HttpOptions,
+    IdempotencyOptions,
+    RouteOptions,
+    Run,
+)
 from ._key_header import MalformedKey, parse_idempotency_key
 from ._problem_json import Answer
 from ._recorded_response import default_record
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "DEFAULT_SPEC",
     "HANDLER_GATE",
     "IdempotencyMiddleware",
+    "IdempotencyOptions",
     "MalformedKey",
     "RequestView",
+    "RouteOptions",
     "default_record",
     "expect_handler",
     "handler_started",
@@ -360,7 +373,7 @@ class IdempotencyMiddleware:
         *,
         coordinator: AsyncCoordinator,
         identity: Identity | None = None,
-        **options: Any,
+        **options: Unpack[IdempotencyOptions],
     ) -> None:
         if not isinstance(coordinator, AsyncCoordinator):
             raise ConfigurationError(

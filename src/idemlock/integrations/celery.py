@@ -217,7 +217,7 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
     guarantees.
     """
 
-    idemlock_coordinator: ClassVar[Any] = None
+    idemlock_coordinator: ClassVar[Coordinator | str | Callable[..., Coordinator] | None] = None
     idemlock_spec: ClassVar[IdempotencySpec | str | None] = None
     idemlock_key: ClassVar[Callable[..., str] | None] = None
     idemlock_replay_errors: ClassVar[tuple[type[BaseException], ...]] = ()

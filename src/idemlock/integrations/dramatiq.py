@@ -75,6 +75,7 @@ from dramatiq.middleware import CurrentMessage
 from .._core.types import IdempotencySpec
 from .._errors import ConfigurationError
 from .._logfields import fields as log_fields
+from .._sync import Coordinator
 from ._jobs import (
     DEFAULT_SEND_LEASE,
     JobGuard,
@@ -103,7 +104,7 @@ def idempotent(
     spec: IdempotencySpec | str,
     key: Callable[..., str] | None = None,
     *,
-    coordinator: Any = None,
+    coordinator: Coordinator | str | Callable[[], Coordinator] | None = None,
     replay_errors: Iterable[type[BaseException]] = (),
     retry_every: float = 5.0,
     store_retry_backoff: float = 1.0,

@@ -53,10 +53,10 @@ import gc
 import inspect
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
-from typing import Any, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast, overload
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.routing import APIRoute
@@ -68,13 +68,20 @@ from .._core.types import IdempotencySpec
 from .._errors import ConfigurationError
 from ..aio import AsyncCoordinator
 from ._fingerprint import Fingerprint
-from ._http import AsyncPortFace, HttpCore, HttpOptions, Run
+from ._http import AsyncPortFace, HttpCore, HttpOptions, RouteOptions, Run
 from ._problem_json import PROBLEM_CODES, Answer
 from .asgi import ASGIApp, Message, Receive, Scope, Send, send_captured
 
-__all__ = ["Idempotency", "IdempotencyCapture"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["Idempotency", "IdempotencyCapture", "Identity"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+Identity: TypeAlias = Callable[..., "str | Awaitable[str | None] | None"]
+"""An identity dependency: a function (plain or ``async def``) FastAPI calls with its own
+parameters and ``Depends``, returning the caller's identity as a str, or None."""
 
 #: the scope key of a request's :class:`_Slot`
 _SLOT = "idemlock.fastapi"
@@ -214,8 +221,8 @@ class Idempotency:
         url: str | None = None,
         *,
         coordinator: AsyncCoordinator | None = None,
-        identity: Callable[..., Any] | None = None,
-        **options: Any,
+        identity: Identity | None = None,
+        **options: Unpack[RouteOptions],
     ) -> None:
         if (url is None) == (coordinator is None):
             raise ConfigurationError("Idempotency needs a store url or a coordinator (one)")
@@ -327,7 +334,7 @@ class Idempotency:
         spec: IdempotencySpec | str | None = None,
         ttl: timedelta | float | None = None,
         lease: timedelta | float | None = None,
-        identity: Callable[..., Any] | None = ...,
+        identity: Identity | None = ...,
         require_key: bool = ...,
         allow_anonymous: bool | None = ...,
         fingerprint_headers: Iterable[str] = ...,
@@ -357,7 +364,7 @@ class Idempotency:
         spec: IdempotencySpec | str | None = None,
         ttl: timedelta | float | None = None,
         lease: timedelta | float | None = None,
-        identity: Callable[..., Any] | None = ...,
+        identity: Identity | None = ...,
         require_key: bool = ...,
         allow_anonymous: bool | None = ...,
         fingerprint_headers: Iterable[str] = ...,
@@ -386,7 +393,7 @@ class Idempotency:
         spec: IdempotencySpec | str | None = None,
         ttl: timedelta | float | None = None,
         lease: timedelta | float | None = None,
-        identity: Callable[..., Any] | None = _UNSET,
+        identity: Identity | None = _UNSET,
         require_key: bool = _UNSET,
         allow_anonymous: bool | None = _UNSET,
         fingerprint_headers: Iterable[str] = _UNSET,
@@ -466,7 +473,7 @@ class _ProtectedEndpoint:
         owner: Idempotency,
         fn: Callable[..., Any],
         options: HttpOptions,
-        identity: Callable[..., Any] | None,
+        identity: Identity | None,
     ) -> None:
         self.owner, self.fn, self.options, self.identity = owner, fn, options, identity
         self._made: tuple[AsyncCoordinator, HttpCore] | None = None

@@ -53,7 +53,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
-from typing import Any, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 from flask import Flask, current_app, g, request
 from flask.wrappers import Response
@@ -63,15 +63,29 @@ from .._core.types import IdempotencySpec
 from .._errors import ConfigurationError
 from .._sync import Coordinator
 from ._fingerprint import Fingerprint
-from ._http import HttpOptions, Pass, Run, did_you_mean, spec_from
+from ._http import HttpOptions, Pass, Run, _SharedOptions, did_you_mean, spec_from
 from ._http_blocking import SyncHttp
 from ._problem_json import Answer
 from .wsgi import _scope
 
-__all__ = ["Idempotency", "IdempotencyState"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["ExtensionOptions", "Idempotency", "IdempotencyState"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 Identity = Callable[[], "str | None"]
+
+
+class ExtensionOptions(_SharedOptions, total=False):
+    """The keyword options of :class:`Idempotency`: those of
+    :class:`idemlock.integrations.asgi.IdempotencyOptions` but ``routes`` (each protected
+    view is its route), with ``spec`` also a dict of the spec's fields (as in
+    ``IDEMLOCK_SPEC``). For type checkers only: at run time they are keyword arguments."""
+
+    spec: IdempotencySpec | str | dict[str, Any]
+    methods: Iterable[str]
+
 
 #: the extension's own settings (besides one per option of HttpOptions)
 _OWN_SETTINGS = ("url", "coordinator", "identity")
@@ -180,7 +194,7 @@ class Idempotency:
         url: str | None = None,
         coordinator: Coordinator | None = None,
         identity: str | Identity | None = None,
-        **options: Any,
+        **options: Unpack[ExtensionOptions],
     ) -> None:
         for name in options:
             if name not in _OPTIONS:

@@ -71,12 +71,13 @@ import math
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 from rq import Queue, Retry, get_current_job
 from rq.job import Job
 
 from .._core.types import IdempotencySpec
+from .._sync import Coordinator
 from ._jobs import (
     DEFAULT_SEND_LEASE,
     JobGuard,
@@ -86,6 +87,9 @@ from ._jobs import (
     guard_of,
     legacy_arguments,
 )
+
+if TYPE_CHECKING:
+    from ..aio import AsyncCoordinator
 
 __all__ = ["SEND_META", "current_fence", "enqueue_once", "idempotent_job"]
 
@@ -101,7 +105,11 @@ def idempotent_job(
     spec: IdempotencySpec | str,
     key: Callable[..., str] | None = None,
     *,
-    coordinator: Any = None,
+    coordinator: Coordinator
+    | AsyncCoordinator
+    | str
+    | Callable[[], Coordinator | AsyncCoordinator]
+    | None = None,
     replay_errors: Iterable[type[BaseException]] = (),
     retry_every: float = 5.0,
     store_retry_backoff: float = 1.0,

@@ -29,13 +29,16 @@ from __future__ import annotations
 import io
 from collections.abc import Callable, Generator, Iterable, Iterator
 from http import HTTPStatus
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import ConfigurationError
 from .._sync import Coordinator
-from ._http import Pass, Run
+from ._http import IdempotencyOptions, Pass, Run
 from ._http_blocking import SyncHttp
 from ._problem_json import Answer
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["IdempotencyMiddleware", "environ_header_identity"]
 
@@ -142,7 +145,7 @@ class IdempotencyMiddleware:
         *,
         coordinator: Coordinator,
         identity: Callable[[Environ], str | None] | None = None,
-        **options: Any,
+        **options: Unpack[IdempotencyOptions],
     ) -> None:
         if identity is not None and not callable(identity):
             raise ConfigurationError("identity must be a function of the WSGI environ")

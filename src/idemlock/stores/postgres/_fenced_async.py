@@ -13,6 +13,7 @@ import psycopg
 from psycopg.rows import tuple_row
 
 from ..._attempts import stale
+from ..._core.jsontypes import JSONValue
 from ..._core.types import ClaimToken
 from ..._errors import FencedOut
 from ._fenced_sql import (
@@ -154,7 +155,7 @@ async def acomplete_in_transaction(
     conn: psycopg.AsyncConnection[Any],
     port: IdempotencyPort | AsyncIdempotencyPort,
     token: ClaimToken,
-    result: Any,
+    result: JSONValue,
 ) -> None:
     """Record ``result`` for the claim ``token`` of ``port`` on ``conn`` (a
     ``psycopg.AsyncConnection``), in the transaction open on it, so it commits or rolls

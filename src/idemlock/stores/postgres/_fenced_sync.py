@@ -14,6 +14,7 @@ import psycopg
 from psycopg.rows import tuple_row
 
 from ..._attempts import stale
+from ..._core.jsontypes import JSONValue
 from ..._core.types import ClaimToken
 from ..._errors import FencedOut
 from ._fenced_sql import (
@@ -155,7 +156,7 @@ def complete_in_transaction(
     conn: psycopg.Connection[Any],
     port: IdempotencyPort | AsyncIdempotencyPort,
     token: ClaimToken,
-    result: Any,
+    result: JSONValue,
 ) -> None:
     """Record ``result`` for the claim ``token`` of ``port`` on ``conn`` (a
     ``psycopg.Connection``), in the transaction open on it, so it commits or rolls
