@@ -593,3 +593,33 @@ def test_a_cancelled_subscribe_does_not_leave_the_process_waiting(
 
     took = asyncio.run(scenario())
     assert took < 1.0, took
+
+
+class _RpcError(Exception):
+    """What grpc raises: a status code and details (an error value, not a store)."""
+
+    def __init__(self, code: object, details: str) -> None:
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> object:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def test_a_members_own_request_timeout_is_an_unknown_outcome_sent_again() -> None:
+    """Under load a member answers UNKNOWN "context deadline exceeded" when its own wait
+    for the apply runs out: the write may have landed, so it is re-sent (with the
+    outcome-unknown re-read), not failed (a 1,000-call burst lost 3 calls to it)."""
+    import grpc
+
+    from idemlock.stores.etcd import _conf
+
+    unknown = grpc.StatusCode.UNKNOWN
+    assert _conf.classify(_RpcError(unknown, "context deadline exceeded")) == _conf.RETRY
+    assert _conf.classify(_RpcError(unknown, "etcdserver: request timed out")) == _conf.RETRY
+    assert _conf.classify(_RpcError(unknown, "some answer")) == _conf.FAIL
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    assert _conf.classify(_RpcError(invalid, "deadline exceeded")) == _conf.FAIL

@@ -181,8 +181,13 @@ def classify(exc: Any) -> str:
         return REAUTH
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "too many requests" in details:
         return RETRY
+    # A member's own request timeout ("context deadline exceeded" when its apply wait
+    # runs out on a loaded server) leaves the outcome unknown, like a lost reply.
     if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN) and (
-        "leader" in details or "timed out" in details or "stopped" in details
+        "leader" in details
+        or "timed out" in details
+        or "stopped" in details
+        or "deadline exceeded" in details
     ):
         return RETRY
     return FAIL
