@@ -98,7 +98,9 @@ def procs(tmp_path: Path) -> Iterator[list[subprocess.Popen[str]]]:
 HOLD = (
     "import os, pathlib, sys, time\n"
     "d = pathlib.Path(sys.argv[1])\n"
-    "(d / 'ready').write_text(os.environ['IDEMLOCK_FENCE_TOKEN'] + ' ' + str(os.getpid()))\n"
+    # written whole, then renamed: a reader never finds it empty (wait_for sees the name)
+    "(d / 'ready.tmp').write_text(os.environ['IDEMLOCK_FENCE_TOKEN'] + ' ' + str(os.getpid()))\n"
+    "(d / 'ready.tmp').rename(d / 'ready')\n"
     "while not (d / 'release').exists(): time.sleep(0.02)\n"
 )
 ECHO_TOKEN = "import os; print(os.environ['IDEMLOCK_FENCE_TOKEN'], os.environ['IDEMLOCK_LOCK_KEY'])"
