@@ -59,6 +59,7 @@ class AsyncPostgresStore(_AsyncRunner):
         # tuple_row: a user's pool may have another row factory (dict_row...).
         cur = psycopg.AsyncRawCursor(conn, row_factory=tuple_row)
         rows: list[Row]
+        cancels = self._cancels()
         if self._pooled:
             # Behind a transaction pooler: no prepared statement (the next call may get
             # another server connection), and statement_timeout for this statement
@@ -67,9 +68,11 @@ class AsyncPostgresStore(_AsyncRunner):
                 await conn.execute(self._local_timeout, prepare=False)
                 await cur.execute(stmt.sql, stmt.args(params), prepare=False, binary=True)
                 rows = await cur.fetchall()
+            self._keep_cancel(cancels)
             return rows
         await cur.execute(stmt.sql, stmt.args(params), prepare=self._prepare_now, binary=True)
         rows = await cur.fetchall()
+        self._keep_cancel(cancels)
         return rows
 
     async def _open_and_check(self, deadline: float) -> None:

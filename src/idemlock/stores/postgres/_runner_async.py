@@ -88,6 +88,22 @@ class _AsyncRunner(_Base[psycopg_pool.AsyncConnectionPool[Any]]):
     async def _autocommit(conn: psycopg.AsyncConnection[Any], on: bool) -> None:
         await conn.set_autocommit(on)
 
+    @staticmethod
+    def _cancels() -> int:
+        """How many cancels the running task has pending (Python 3.11+; 0 before)."""
+        cancelling = getattr(asyncio.current_task(), "cancelling", None)
+        return int(cancelling()) if cancelling is not None else 0
+
+    @classmethod
+    def _keep_cancel(cls, before: int) -> None:
+        """Raise the CancelledError a driver swallowed during a statement. psycopg < 3.3
+        waits on the socket through ``asyncio.wait_for``, which on Python < 3.12 returns
+        the result instead of raising when a cancel lands as the reply arrives: the
+        statement ran, and the caller must still see its cancellation. A cancel pending
+        since before the statement (a clean-up that runs while cancelled) is not this."""
+        if cls._cancels() > before:
+            raise asyncio.CancelledError
+
     async def _probe(self, deadline: float, what: str) -> None:
         # As the sync store's; concurrent callers each probe (a refused connection
         # costs nothing, and each call stays bounded by its own deadline).

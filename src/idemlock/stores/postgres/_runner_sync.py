@@ -65,6 +65,15 @@ class _SyncRunner(_Base[psycopg_pool.ConnectionPool[Any]]):
     def _autocommit(conn: psycopg.Connection[Any], on: bool) -> None:
         conn.autocommit = on
 
+    # A blocking call has no cancellation to lose (see the async runner's).
+    @staticmethod
+    def _cancels() -> int:
+        return 0
+
+    @classmethod
+    def _keep_cancel(cls, before: int) -> None:
+        pass
+
     def _undoable(self, result: T, undo: Callable[[Any], Any], what: str) -> T:
         """The call has run: a thread is not cancelled in the middle of one."""
         return result

@@ -54,6 +54,7 @@ class PostgresStore(_SyncRunner):
         # tuple_row: a user's pool may have another row factory (dict_row...).
         cur = psycopg.RawCursor(conn, row_factory=tuple_row)
         rows: list[Row]
+        cancels = self._cancels()
         if self._pooled:
             # Behind a transaction pooler: no prepared statement (the next call may get
             # another server connection), and statement_timeout for this statement
@@ -62,9 +63,11 @@ class PostgresStore(_SyncRunner):
                 conn.execute(self._local_timeout, prepare=False)
                 cur.execute(stmt.sql, stmt.args(params), prepare=False, binary=True)
                 rows = cur.fetchall()
+            self._keep_cancel(cancels)
             return rows
         cur.execute(stmt.sql, stmt.args(params), prepare=self._prepare_now, binary=True)
         rows = cur.fetchall()
+        self._keep_cancel(cancels)
         return rows
 
     def _open_and_check(self, deadline: float) -> None:
