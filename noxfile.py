@@ -81,7 +81,8 @@ def lowest(session: nox.Session) -> None:
     # Floors for what idemlock and the frameworks declare; the newest for what they
     # depend on in turn (what a user pinning their own floors gets) and for the runner.
     session.run_install("uv", "pip", "install", "--resolution", "lowest-direct", "-e", *direct)
-    install(session, *M.from_test(*M.TEST_TOOLS))
+    # mypy too: the integrations' tests type-check users' programs against the floors
+    install(session, *M.from_test(*M.TEST_TOOLS, "mypy"))
     check_floors(session, extras)
     run_selection(session, M.LOWEST_CONTRACT, M.LOWEST_TESTS)
 

@@ -129,6 +129,7 @@ LOWEST_TESTS = [
     "tests/test_fastapi.py",
     "tests/test_asgi.py",
     "tests/test_wsgi.py",
+    "tests/test_flask.py",
     "tests/test_django.py",
     "tests/test_celery.py",
     "tests/test_rq.py",
