@@ -21,7 +21,7 @@ from ..._logfields import fields as log_fields
 from .._undo import Undoer
 from . import _conf
 from ._calls_async import AsyncCalls, drive
-from ._grpc_sync import _STORES, CHANNEL_OPTIONS, INHERITED, _Stubs, _track_fork
+from ._grpc_sync import _STORES, INHERITED, _Stubs, _track_fork
 from ._ops import Op, Ops, Rpc, Waiter
 from ._pb.etcdserverpb import rpc_pb2 as _rpc_pb2
 from ._watches import Book, Group, watch_range
@@ -60,9 +60,11 @@ class AsyncClient(AsyncCalls):
         if s is None:
             target = self.conf.endpoints[i]
             if self.conf.tls:
-                ch = grpc.aio.secure_channel(target, self.conf.credentials(), CHANNEL_OPTIONS)
+                ch = grpc.aio.secure_channel(
+                    target, self.conf.credentials(), self.conf.channel_options()
+                )
             else:
-                ch = grpc.aio.insecure_channel(target, CHANNEL_OPTIONS)
+                ch = grpc.aio.insecure_channel(target, self.conf.channel_options())
             s = self._stubs[i] = _Stubs(ch, target)
         return s
 

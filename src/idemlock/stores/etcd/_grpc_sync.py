@@ -28,16 +28,6 @@ from ._watches import Book, Group, watch_range
 pb: Any = _rpc_pb2  # generated without type information
 stubs: Any = _rpc_pb2_grpc
 
-#: channel options: find a dead connection by itself (etcd allows pings every 5 s)
-CHANNEL_OPTIONS = [
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
-
 log = logging.getLogger("idemlock")
 
 
@@ -66,6 +56,10 @@ class _Stubs:
         self.watch = stubs.WatchStub(channel).Watch
 
 
+def _ignore(state: object) -> None:
+    return None
+
+
 class SyncClient(SyncCalls):
     """Channels to the endpoints; every call has a deadline and fails over."""
 
@@ -90,9 +84,16 @@ class SyncClient(SyncCalls):
             if s is None:
                 target = self.conf.endpoints[i]
                 if self.conf.tls:
-                    ch = grpc.secure_channel(target, self.conf.credentials(), CHANNEL_OPTIONS)
+                    ch = grpc.secure_channel(
+                        target, self.conf.credentials(), self.conf.channel_options()
+                    )
                 else:
-                    ch = grpc.insecure_channel(target, CHANNEL_OPTIONS)
+                    ch = grpc.insecure_channel(target, self.conf.channel_options())
+                # Watched, so a thread of gRPC's polls it: before grpcio 1.6x a blocking
+                # channel's connection attempt made progress only while some call
+                # waited on it, and calls failing fast left it stalled for 20 s after
+                # the member came back.
+                ch.subscribe(_ignore, try_to_connect=True)
                 s = self._stubs[i] = _Stubs(ch, target)
             return s
 
