@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 import idemlock
-from idemlock.integrations._fingerprint import RequestView, fingerprint_of
-from idemlock.integrations._http import HttpCore
-from idemlock.integrations._jcs import canonical, loads, number
-from idemlock.integrations._recorded_response import record_of
+from idemlock.integrations.http.core import HttpCore
+from idemlock.integrations.http.fingerprint import RequestView, fingerprint_of
+from idemlock.integrations.http.jcs import canonical, loads, number
+from idemlock.integrations.http.recorded_response import record_of
 
 from .test_asgi import DEFAULTS, SPEC, replayed, running, starlette_app
 

@@ -294,7 +294,7 @@ def test_the_typed_options_name_every_http_option_once() -> None:
 
     from idemlock.integrations import asgi
     from idemlock.integrations import flask as flask_ext
-    from idemlock.integrations._http import HttpOptions
+    from idemlock.integrations.http.options import HttpOptions
 
     every = {f.name for f in fields(HttpOptions)}
     assert set(asgi.IdempotencyOptions.__optional_keys__) == every

@@ -152,19 +152,12 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import ConfigurationError
 from ..aio import AsyncCoordinator
-from ._fingerprint import RequestView, json_fields
-from ._http import (
-    DEFAULT_SPEC,
-    AsyncPortFace,
-    HttpCore,
-    HttpOptions,
-    IdempotencyOptions,
-    RouteOptions,
-    Run,
-)
-from ._key_header import MalformedKey, parse_idempotency_key
-from ._problem_json import Answer
-from ._recorded_response import default_record
+from .http.core import AsyncPortFace, HttpCore, Run
+from .http.fingerprint import RequestView, json_fields
+from .http.key_header import MalformedKey, parse_idempotency_key
+from .http.options import DEFAULT_SPEC, HttpOptions, IdempotencyOptions, RouteOptions
+from .http.problem_json import Answer
+from .http.recorded_response import default_record
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

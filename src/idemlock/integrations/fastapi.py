@@ -67,10 +67,11 @@ from starlette.routing import Host, Mount
 from .._core.types import IdempotencySpec
 from .._errors import ConfigurationError
 from ..aio import AsyncCoordinator
-from ._fingerprint import Fingerprint
-from ._http import AsyncPortFace, HttpCore, HttpOptions, RouteOptions, Run
-from ._problem_json import PROBLEM_CODES, Answer
 from .asgi import ASGIApp, Message, Receive, Scope, Send, send_captured
+from .http.core import AsyncPortFace, HttpCore, Run
+from .http.fingerprint import Fingerprint
+from .http.options import HttpOptions, RouteOptions
+from .http.problem_json import PROBLEM_CODES, Answer
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

@@ -36,7 +36,7 @@ A request whose claim is still open when its application context tears down (the
 never produced a response) has the claim abandoned there, so a retry runs at once.
 
 The answers are the WSGI middleware's (:mod:`idemlock.integrations.wsgi`; the same
-decision core, :mod:`idemlock.integrations._http`): 400/401/409/413/422/503 as
+decision core, :mod:`idemlock.integrations.http.core`): 400/401/409/413/422/503 as
 ``application/problem+json``, the replay with ``Idempotent-Replayed: true``, 5xx and the
 retryable 4xx not recorded. An ``abort(404)`` in the view is recorded as the 404 it
 answers. The response is recorded before it leaves the view, so ``after_request``
@@ -62,10 +62,11 @@ from werkzeug.exceptions import HTTPException
 from .._core.types import IdempotencySpec
 from .._errors import ConfigurationError
 from .._sync import Coordinator
-from ._fingerprint import Fingerprint
-from ._http import HttpOptions, Pass, Run, _SharedOptions, did_you_mean, spec_from
-from ._http_blocking import SyncHttp
-from ._problem_json import Answer
+from .http.blocking import SyncHttp
+from .http.core import Pass, Run
+from .http.fingerprint import Fingerprint
+from .http.options import HttpOptions, _SharedOptions, did_you_mean, spec_from
+from .http.problem_json import Answer
 from .wsgi import _scope
 
 if TYPE_CHECKING:

@@ -33,9 +33,10 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import ConfigurationError
 from .._sync import Coordinator
-from ._http import IdempotencyOptions, Pass, Run
-from ._http_blocking import SyncHttp
-from ._problem_json import Answer
+from .http.blocking import SyncHttp
+from .http.core import Pass, Run
+from .http.options import IdempotencyOptions
+from .http.problem_json import Answer
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

@@ -16,7 +16,7 @@ decorator for single views, configured from ``settings.IDEMLOCK``::
     @idempotent_view(spec={"name": "refunds", "ttl": 3600, "lease": 60})
     def refund(request): ...
 
-The table is the ASGI middleware's (same code, see :mod:`idemlock.integrations._http`):
+The table is the ASGI middleware's (same code, see :mod:`idemlock.integrations.http.core`):
 400/401/409/413/422/503 as ``application/problem+json``, the replay with
 ``Idempotent-Replayed: true``, keys per identity (with an ``identity`` configured, a
 request without one is 401 unless ``allow_anonymous`` is True), 5xx (Django turns a
@@ -49,9 +49,10 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHt
 from ..._core.types import IdempotencySpec
 from ..._errors import ConfigurationError, StaleClaim
 from ..._sync import Coordinator
-from .._http import Pass, Run, spec_from
-from .._http_blocking import SyncHttp, TransactionFailed
-from .._problem_json import Answer
+from ..http.blocking import SyncHttp, TransactionFailed
+from ..http.core import Pass, Run
+from ..http.options import spec_from
+from ..http.problem_json import Answer
 
 __all__ = ["IdempotencyMiddleware", "IdempotencyMixin", "idempotent_view"]
 

@@ -26,7 +26,7 @@ from django.core.checks import CheckMessage, Error, Warning, register
 from django.utils.module_loading import import_string
 
 from ..._errors import ConfigurationError, IdemlockError
-from .._http import HttpOptions, did_you_mean
+from ..http.options import HttpOptions, did_you_mean
 
 __all__ = ["check_middleware_order", "check_settings", "check_store"]
 

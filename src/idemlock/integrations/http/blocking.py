@@ -1,12 +1,12 @@
-"""The Idempotency-Key steps of :mod:`._http` on a blocking server (WSGI, Django).
+"""The Idempotency-Key steps of :mod:`.core` on a blocking server (WSGI, Django).
 
-:class:`SyncHttp` drives :class:`~._http.HttpCore` over a blocking
+:class:`SyncHttp` drives :class:`~.core.HttpCore` over a blocking
 :class:`idemlock.Coordinator`: each step is a coroutine whose awaits reach only
 blocking store calls, so it runs to its end without an event loop. A framework adapter
 builds an ASGI-like ``scope`` (``method``, ``path``, ``query_string``, ``headers`` as
 lowercase byte pairs), calls :meth:`SyncHttp.begin`, and then sends the
-:class:`~._problem_json.Answer` it got, lets the request pass untouched
-(:class:`~._http.Pass`), or runs its handler on the :class:`~._http.Run` and hands the
+:class:`~.problem_json.Answer` it got, lets the request pass untouched
+(:class:`~.core.Pass`), or runs its handler on the :class:`~.core.Run` and hands the
 response to :meth:`SyncHttp.finish` (or calls :meth:`SyncHttp.fail` if it raised).
 """
 
@@ -18,12 +18,13 @@ import threading
 from collections.abc import Callable, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar, cast
 
-from .. import _attempts as attempts
-from .._core.types import Claim, ClaimToken
-from .._errors import ConfigurationError, ResultTooLarge
-from .._sync import Coordinator, IdempotencyPort
-from ._http import HttpCore, HttpOptions, Pass, PortFaceBase, Run, Scope
-from ._problem_json import Answer
+from ... import _attempts as attempts
+from ..._core.types import Claim, ClaimToken
+from ..._errors import ConfigurationError, ResultTooLarge
+from ..._sync import Coordinator, IdempotencyPort
+from .core import HttpCore, Pass, PortFaceBase, Run
+from .options import HttpOptions, Scope
+from .problem_json import Answer
 
 __all__ = ["SyncHttp", "TransactionFailed"]
 
@@ -73,7 +74,7 @@ class BlockingPortFace(PortFaceBase):
         if conn is None:
             self.port.complete(token, result)
             return
-        from ..stores.postgres.fenced import complete_in_transaction
+        from ...stores.postgres.fenced import complete_in_transaction
 
         try:
             complete_in_transaction(conn, self.port, token, result)
@@ -94,7 +95,7 @@ class BlockingPortFace(PortFaceBase):
 
 class SyncHttp:
     """The Idempotency-Key table on a blocking :class:`idemlock.Coordinator`; the
-    options are :class:`~._http.HttpOptions` (``identity`` is the adapter's: it passes
+    options are :class:`~.core.HttpOptions` (``identity`` is the adapter's: it passes
     the caller's identity to :meth:`begin`)."""
 
     def __init__(self, coordinator: Coordinator, *, has_identity: bool, **options: Any) -> None:

@@ -3,7 +3,7 @@
 
 The steps are written once, as coroutines over a :class:`StoreFace`. The ASGI adapters
 give them an asyncio port (:class:`AsyncPortFace`); the blocking adapters give them a
-blocking port whose coroutines never suspend (:mod:`._http_blocking`). So the key
+blocking port whose coroutines never suspend (:mod:`.blocking`). So the key
 check, the identity rule, the fingerprint, the lookup key, the problem documents, the
 record format, the replay and the handling of a failing store cannot drift apart.
 
@@ -22,21 +22,17 @@ An adapter:
 from __future__ import annotations
 
 import asyncio
-import difflib
-import fnmatch
 import hashlib
 import json
 import logging
-import re
-from collections.abc import Callable, Coroutine, Iterable, Mapping, MutableMapping
-from dataclasses import dataclass, field, fields
-from datetime import timedelta
-from typing import Any, Protocol, TypedDict, Union
+from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from .. import _attempts as attempts
-from .._core.types import Claim, Claimed, ClaimToken, Completed, IdempotencySpec, InFlight
-from .._decorator import heartbeat_options
-from .._errors import (
+from ... import _attempts as attempts
+from ..._core.types import Claim, Claimed, ClaimToken, Completed, IdempotencySpec, InFlight
+from ..._decorator import heartbeat_options
+from ..._errors import (
     ConfigurationError,
     PayloadMismatch,
     ResultDecodeError,
@@ -45,187 +41,30 @@ from .._errors import (
     StoreFull,
     StoreUnavailable,
 )
-from .._logfields import fields as log_fields
-from .._logfields import port_fields
-from .._ports import Heartbeat, IdempotencyBase
-from ..aio import AsyncIdempotencyPort
-from ._fingerprint import Fingerprint, RequestView, fingerprint_of, legacy_fingerprint_of
-from ._key_header import MalformedKey, parse_idempotency_key
-from ._problem_json import Answer, Problems
-from ._recorded_response import (
+from ..._logfields import fields as log_fields
+from ..._logfields import port_fields
+from ..._ports import Heartbeat, IdempotencyBase
+from ...aio import AsyncIdempotencyPort
+from .fingerprint import RequestView, fingerprint_of, legacy_fingerprint_of
+from .key_header import MalformedKey, parse_idempotency_key
+from .options import HttpOptions, Scope, route_filter
+from .problem_json import Answer, Problems
+from .recorded_response import (
     ResponseCopy,
-    default_record,
     parse_record,
     record_of,
     replay_answer,
     unreplayable_record,
 )
 
-__all__ = [
-    "DEFAULT_SPEC",
-    "AsyncPortFace",
-    "HttpCore",
-    "HttpOptions",
-    "Pass",
-    "Run",
-    "Scope",
-    "StoreFace",
-    "log",
-    "did_you_mean",
-    "route_filter",
-    "spec_from",
-]
+__all__ = ["AsyncPortFace", "HttpCore", "Pass", "PortFaceBase", "Run", "StoreFace", "log"]
 
 #: the one logger of the HTTP adapters (ASGI, FastAPI, WSGI and Django alike)
 log = logging.getLogger("idemlock.http")
 
-Scope = MutableMapping[str, Any]
-RouteFilter = Union[
-    Callable[[Scope], bool], str, "re.Pattern[str]", Iterable["str | re.Pattern[str]"]
-]
-
-DEFAULT_SPEC = IdempotencySpec("http", ttl=timedelta(hours=24), lease=timedelta(seconds=30))
-
 #: first and longest pause between writes of a record the store refused
 _RECORD_RETRY_FIRST = 0.1
 _RECORD_RETRY_MAX = 2.0
-
-
-class _SharedOptions(TypedDict, total=False):
-    require_key: bool
-    allow_anonymous: bool | None
-    fingerprint_headers: Iterable[str]
-    fingerprint: Fingerprint | None
-    stripe_compatible: bool
-    allow_unquoted_key: bool | None
-    mismatch_status: int | None
-    max_body: int
-    max_response_body: int
-    max_key_length: int
-    header: str
-    replay_header: str | None
-    record: Callable[[int], bool]
-    docs_url: str | None
-    www_authenticate: str
-    heartbeat: bool
-    renew_every: timedelta | float | None
-    max_run: timedelta | float | None
-
-
-class RouteOptions(_SharedOptions, total=False):
-    """The keyword options of one protected route (FastAPI's ``Idempotency``): those of
-    :class:`IdempotencyOptions` but ``methods`` and ``routes`` (the route is the
-    endpoint). For type checkers only: at run time they are plain keyword arguments."""
-
-    spec: IdempotencySpec | str
-
-
-class IdempotencyOptions(RouteOptions, total=False):
-    """The keyword options of the HTTP middlewares (``**options`` of ASGI's and WSGI's
-    ``IdempotencyMiddleware``), each described there; a misspelt name or a value of
-    the wrong type is refused by a type checker as it is (``ConfigurationError``) at
-    run time."""
-
-    methods: Iterable[str]
-    routes: RouteFilter | None
-
-
-@dataclass(frozen=True)
-class HttpOptions:
-    """The options every HTTP adapter takes (``identity`` and the coordinator are the
-    adapter's own). See :class:`idemlock.integrations.asgi.IdempotencyMiddleware`."""
-
-    spec: IdempotencySpec | str = DEFAULT_SPEC
-    methods: Iterable[str] = ("POST", "PATCH")
-    routes: RouteFilter | None = None
-    require_key: bool = False
-    #: None: True without an identity function, False (401) with one
-    allow_anonymous: bool | None = None
-    fingerprint_headers: Iterable[str] = ("content-type",)
-    fingerprint: Fingerprint | None = None
-    #: shorthand for mismatch_status=400 (and unquoted keys, accepted by default anyway)
-    stripe_compatible: bool = False
-    #: None or True: a bare key (``order-A18``) and a quoted one (``"order-A18"``) alike;
-    #: False: the draft's sf-string only (an unquoted key is 400)
-    allow_unquoted_key: bool | None = None
-    mismatch_status: int | None = None
-    max_body: int = 1 << 20
-    max_response_body: int = 512 * 1024
-    max_key_length: int = 255
-    header: str = "Idempotency-Key"
-    replay_header: str | None = "Idempotent-Replayed"
-    record: Callable[[int], bool] = default_record
-    docs_url: str | None = None
-    www_authenticate: str = "Bearer"
-    heartbeat: bool = True
-    renew_every: timedelta | float | None = None
-    max_run: timedelta | float | None = None
-
-    @classmethod
-    def of(cls, options: Mapping[str, Any]) -> HttpOptions:
-        """The options from keyword arguments; an unknown name is a ConfigurationError
-        naming the known ones."""
-        known = [f.name for f in fields(cls)]
-        unknown = sorted(set(options) - set(known))
-        if unknown:
-            raise ConfigurationError(
-                f"unknown idempotency option(s) {', '.join(unknown)}; the options are: "
-                f"{', '.join(known)}"
-            )
-        return cls(**options)
-
-    def __post_init__(self) -> None:
-        for name in ("max_body", "max_response_body", "max_key_length"):
-            limit = getattr(self, name)
-            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-                raise ConfigurationError(f"{name} must be a positive int, got {limit!r}")
-        for name in ("require_key", "stripe_compatible", "heartbeat"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigurationError(f"{name} must be True or False")
-        for name in ("allow_anonymous", "allow_unquoted_key"):
-            if getattr(self, name) not in (None, True, False):
-                raise ConfigurationError(f"{name} must be True, False or None")
-        if self.mismatch_status not in (None, 400, 409, 422):
-            raise ConfigurationError(
-                f"mismatch_status must be 400, 409 or 422, got {self.mismatch_status!r}"
-            )
-        if not callable(self.record):
-            raise ConfigurationError("record must be a function of the response status")
-        if self.fingerprint is not None and not callable(self.fingerprint):
-            raise ConfigurationError(
-                "fingerprint must be a function of a RequestView (see json_fields)"
-            )
-
-    def with_changes(self, **changes: Any) -> HttpOptions:
-        return HttpOptions.of({**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
-
-
-def did_you_mean(name: str, known: Iterable[str]) -> str:
-    """`` (did you mean 'x'?)`` for the known name closest to a misspelt one, or ``""``."""
-    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def spec_from(value: Any, where: str) -> IdempotencySpec | str:
-    """A spec from configuration: a name, an :class:`IdempotencySpec`, or a dict of
-    ``name`` (default ``"http"``), ``ttl`` and ``lease`` (seconds or timedeltas) and the
-    spec's other fields. ``where`` names the setting in the error."""
-    if isinstance(value, (IdempotencySpec, str)):
-        return value
-    if isinstance(value, dict):
-        opts = dict(value)
-        name = opts.pop("name", "http")
-        for k in ("ttl", "lease"):
-            if isinstance(opts.get(k), (int, float)) and not isinstance(opts.get(k), bool):
-                opts[k] = timedelta(seconds=opts[k])
-        try:
-            return IdempotencySpec(name, **opts)
-        except TypeError as exc:
-            raise ConfigurationError(f"{where}: {exc}") from None
-    raise ConfigurationError(
-        f"{where} must be a spec name, an IdempotencySpec or a dict of name/ttl/lease, "
-        f"got {value!r}"
-    )
 
 
 @dataclass(frozen=True)
@@ -343,34 +182,6 @@ def _lost(token: ClaimToken) -> None:
             spec=token.spec, operation="heartbeat", outcome="lost", kind="idempotency"
         ),
     )
-
-
-def route_filter(routes: RouteFilter | None) -> Callable[[Scope], bool]:
-    """A predicate of the scope from ``routes``: None (all), globs, regexes, or a
-    predicate."""
-    if routes is None:
-        return lambda scope: True
-    if callable(routes):
-        return routes
-    items: Iterable[str | re.Pattern[str]] = (
-        [routes] if isinstance(routes, (str, re.Pattern)) else routes
-    )
-    patterns: list[re.Pattern[str]] = []
-    for r in items:
-        if isinstance(r, str):
-            patterns.append(re.compile(fnmatch.translate(r)))
-        elif isinstance(r, re.Pattern):
-            patterns.append(r)
-        else:
-            raise ConfigurationError(
-                f"routes must be globs, compiled regexes or a predicate, got {r!r}"
-            )
-
-    def matches(scope: Scope) -> bool:
-        path = scope.get("path", "")
-        return any(p.fullmatch(path) for p in patterns)
-
-    return matches
 
 
 class HttpCore:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from .._errors import IdemlockError
+from ..._errors import IdemlockError
 
 __all__ = ["MalformedKey", "parse_idempotency_key"]
 

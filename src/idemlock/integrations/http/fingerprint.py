@@ -3,7 +3,7 @@
 The default fingerprint is the method, the path, the raw query string, the values of
 ``fingerprint_headers`` and the body. A JSON body (``application/json`` or any
 ``+json`` type) counts by its *meaning*: it is parsed and written again in its RFC 8785
-(JCS) form (:mod:`._jcs`: sorted members, no whitespace, numbers as numbers), so the
+(JCS) form (:mod:`.jcs`: sorted members, no whitespace, numbers as numbers), so the
 same document with other spacing, member order or number spelling (``1200`` and
 ``1200.0``) is the same request, and any language's JCS library computes the same
 digest: ``jcs:`` + the hex SHA-256 of those bytes. Any other body, or JSON that does
@@ -28,8 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import ConfigurationError
-from . import _jcs
+from ..._errors import ConfigurationError
+from . import jcs as _jcs
 
 __all__ = ["Fingerprint", "RequestView", "fingerprint_of", "json_fields", "legacy_fingerprint_of"]
 

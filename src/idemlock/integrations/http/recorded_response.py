@@ -13,7 +13,7 @@ import base64
 from collections.abc import Iterable
 from typing import Any
 
-from ._problem_json import Answer
+from .problem_json import Answer
 
 __all__ = [
     "RETRYABLE_4XX",
