@@ -81,7 +81,9 @@ broker = StubBroker()
 broker.add_middleware(CurrentMessage())
 
 
-@idem_rq.idempotent_job("charge", key=lambda order_id, amount: order_id)
+@idem_rq.idempotent_job(
+    "charge", key=lambda order_id, amount: order_id, retry_every=2.5, max_run=timedelta(minutes=5)
+)
 def charge(order_id: str, amount: int) -> dict[str, Any]:
     return {"order_id": order_id, "amount": amount}
 
@@ -122,6 +124,12 @@ def test_users_strict_mypy_accepts_enqueue_once_on_every_queue(tmp_path: Path) -
     wrong = QUEUES_PROGRAM.replace("lease=600, delay=1000", 'lease="10 min", delay=1000')
     out = _mypy_user(tmp_path, wrong)
     assert out.returncode == 1 and 'Argument "lease" to "enqueue_once"' in out.stdout, out.stdout
+    # ... and so is a misspelt job option (the options every queue shares, typed once).
+    wrong = QUEUES_PROGRAM.replace("retry_every=2.5", "retry_evry=2.5")
+    out = _mypy_user(tmp_path, wrong)
+    assert out.returncode == 1 and 'Unexpected keyword argument "retry_evry"' in out.stdout, (
+        out.stdout
+    )
 
 
 #: What a user passes where idemlock once took ``Any``: payloads and results are

@@ -67,7 +67,7 @@ import asyncio
 import functools
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -80,18 +80,13 @@ from redis.exceptions import RedisError
 from .._core.types import IdempotencySpec
 from .._errors import ConfigurationError
 from .._logfields import fields as log_fields
-from ._jobs import (
-    DEFAULT_SEND_LEASE,
-    JobGuard,
-    JobOptions,
-    Later,
-    current_fence,
-    deprecated,
-    guard_of,
-    spec_name,
-)
+from .jobs.guard import JobGuard, Later, current_fence, guard_of
+from .jobs.options import JobKeywords, JobOptions, SendArgs, deprecated, spec_name
+from .jobs.sends import afree_send, asend_under_lease
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from ..aio import AsyncCoordinator
 
 __all__ = ["current_fence", "enqueue_once", "idempotent_job"]
@@ -113,31 +108,19 @@ def idempotent_job(
     key: Callable[..., str] | None = None,
     *,
     coordinator: AsyncCoordinator | str | Callable[[], AsyncCoordinator] | None = None,
-    replay_errors: Iterable[type[BaseException]] = (),
-    retry_every: float = 5.0,
-    store_retry_backoff: float = 1.0,
-    store_retry_max: float = 60.0,
-    renew_every: timedelta | float | None = None,
-    max_run: timedelta | float | None = None,
+    **options: Unpack[JobKeywords],
 ) -> Callable[[F], F]:
     """Make an arq job (``async def job(ctx, ...)``) idempotent per key (see the module
     documentation). ``coordinator`` is an :class:`idemlock.aio.AsyncCoordinator`, a
-    store URL, a callable returning one, or None (``$IDEMLOCK_URL``)."""
+    store URL, a callable returning one, or None (``$IDEMLOCK_URL``).
+    The other options (``replay_errors``, ``retry_every``, ``store_retry_backoff``,
+    ``store_retry_max``, ``renew_every``, ``max_run``) are the module documentation's,
+    the same on every queue."""
+
+    checked = JobOptions.of(spec, key, coordinator, options, where="@idempotent_job")
 
     def decorate(fn: F) -> F:
-        guard = JobGuard(
-            fn,
-            spec=spec,
-            key=key,
-            coordinator=coordinator,
-            replay_errors=tuple(replay_errors),
-            retry_every=retry_every,
-            store_retry_backoff=store_retry_backoff,
-            store_retry_max=store_retry_max,
-            renew_every=renew_every,
-            max_run=max_run,
-            skip=1,
-        )
+        guard = JobGuard(fn, checked, skip=1)
         if not guard.is_async:
             raise ConfigurationError(f"{fn.__qualname__}: an arq job must be an async def")
 
@@ -145,10 +128,7 @@ def idempotent_job(
         async def job_function(ctx: Any, *args: Any, **kwargs: Any) -> Any:
             job_id = ctx.get("job_id") if isinstance(ctx, dict) else None
             if job_id is None:  # called directly: no queue to come back through
-                try:
-                    return await guard.acall(ctx, args, kwargs)
-                except Later as later:
-                    raise later.cause from None
+                return await guard.acall(ctx, args, kwargs, direct=True)
             what = f"job {fn.__qualname__}[{job_id}]"
             deferred = False
             try:
@@ -210,7 +190,7 @@ async def _job_done(
     if lease is None:
         return
     coord = guard.resolved()[0]
-    await guard.afree_send(coord, guard.key_of(args, kwargs), job_id, float(lease))
+    await afree_send(coord, guard.spec, guard.key_of(args, kwargs), job_id, float(lease))
     await redis.delete(_SEND_KEY + job_id)
 
 
@@ -221,13 +201,13 @@ async def enqueue_once(
     *legacy_args: Any,
     args: Sequence[Any] | None = None,
     kwargs: Mapping[str, Any] | None = None,
-    lease: timedelta | float = DEFAULT_SEND_LEASE,
+    lease: timedelta | float | None = None,
     **options: Any,
 ) -> Job | None:
     """``pool.enqueue_job(name, *args, **options, **kwargs)`` unless a job of its key
     is queued or running: then nothing is sent and the result is None; else the
-    ``arq.jobs.Job``. ``lease`` (seconds or a timedelta) bounds how long a sent job that
-    never runs keeps its key reserved. ``options`` are ``enqueue_job``'s own
+    ``arq.jobs.Job``. ``lease`` (seconds or a timedelta, default 600) bounds how long a
+    sent job that never runs keeps its key reserved. ``options`` are ``enqueue_job``'s own
     ``_``-options (``_job_id``, ``_defer_by``, ``_queue_name``...); the job is sent under
     ``fn.__qualname__`` (arq's default name). arq also returns None when a job of the
     same ``_job_id`` exists.
@@ -250,21 +230,16 @@ async def enqueue_once(
         )
         args, kwargs = legacy_args, legacy_kwargs
     guard = guard_of(fn, call=call, decorator="@idempotent_job")
-    sent = JobOptions.parse(args, kwargs, lease, call=call)
-    coord = guard.resolved()[0]
-    key = guard.key_of(sent.args, sent.kwargs)
+    sent = SendArgs.parse(args, kwargs, lease, call=call, default_lease=guard.options.send_lease)
     job_id = str(options.pop("_job_id", None) or uuid.uuid4().hex)
-    if not await guard.areserve_send(coord, key, job_id, sent.lease):
-        return None
-    try:
+
+    async def send() -> Job | None:
         # Where the worker finds the lease to release: beside the job, as long-lived.
         await pool.set(_SEND_KEY + job_id, str(sent.lease), px=max(1, int(sent.lease * 1000)))
-        job: Job | None = await pool.enqueue_job(
+        # None: arq refused the id (a job with it exists)
+        return await pool.enqueue_job(
             fn.__qualname__, *sent.args, _job_id=job_id, **options, **sent.kwargs
         )
-    except BaseException:
-        await guard.afree_send(coord, key, job_id, sent.lease)
-        raise
-    if job is None:  # arq refused the id (a job with it exists)
-        await guard.afree_send(coord, key, job_id, sent.lease)
-    return job
+
+    key = guard.key_of(sent.args, sent.kwargs)
+    return await asend_under_lease(guard.resolved()[0], guard.spec, key, job_id, sent.lease, send)

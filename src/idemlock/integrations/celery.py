@@ -162,17 +162,18 @@ from .._logfields import fields as log_fields
 from .._logfields import port_fields
 from .._ports import Heartbeat
 from .._sync import Coordinator, IdempotencyPort
-from . import _celery_resends as resends
-from ._celery_messages import (
+from .jobs import celery_resends as resends
+from .jobs.celery_messages import (
     _STORE_ERRORS,
     SEND_HEADER,
     _ProcessState,
     _recorded,
     _send_lease,
-    _spec_name,
     _wait_seconds,
 )
-from ._jobs import JobOptions, described, free_send, reserve_send
+from .jobs.guard import connect
+from .jobs.options import JobOptions, SendArgs, spec_name
+from .jobs.sends import free_send, send_under_lease
 
 __all__ = [
     "IN_FLIGHT_MODES",
@@ -232,6 +233,8 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
 
     _idemlock_lock: ClassVar[threading.Lock]
     _idemlock_state: _ProcessState | None = None
+    #: the options above every queue integration shares, checked (a concrete task's)
+    _idemlock_options: ClassVar[JobOptions]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -241,7 +244,8 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
                 setattr(cls, name, staticmethod(value))
         cls._idemlock_lock = threading.Lock()
         cls._idemlock_state = None
-        if "run" in cls.__dict__:  # a concrete task, not an intermediate base class
+        # A concrete task (or a subclass of one), not an intermediate base class.
+        if "run" in cls.__dict__ or hasattr(cls, "_idemlock_options"):
             cls._idemlock_check()
 
     @classmethod
@@ -252,36 +256,28 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
                 f"{where}: IdempotentTask needs idemlock_spec= (an IdempotencySpec or a "
                 "stable name for the task's keys)"
             )
-        if not isinstance(cls.idemlock_spec, (str, IdempotencySpec)):
-            raise ConfigurationError(
-                f"{where}: idemlock_spec must be an IdempotencySpec or a name, got "
-                f"{cls.idemlock_spec!r}"
-            )
-        if isinstance(cls.idemlock_spec, str):
-            IdempotencySpec(cls.idemlock_spec)  # validates the name now, not per call
-        if cls.idemlock_key is not None and not callable(cls.idemlock_key):
-            raise ConfigurationError(f"{where}: idemlock_key must be a callable or None")
         if cls.idemlock_on_in_flight not in IN_FLIGHT_MODES:
             raise ConfigurationError(
                 f"{where}: idemlock_on_in_flight must be one of {IN_FLIGHT_MODES}, got "
                 f"{cls.idemlock_on_in_flight!r}"
             )
-        every = seconds(cls.idemlock_retry_every, "idemlock_retry_every")
-        if every is None or every <= 0:
-            raise ConfigurationError(f"{where}: idemlock_retry_every must be positive seconds")
         if seconds(cls.idemlock_lease_margin, "idemlock_lease_margin") is None:
             raise ConfigurationError(f"{where}: idemlock_lease_margin must be seconds (>= 0)")
         if not isinstance(cls.idemlock_heartbeat, bool):
             raise ConfigurationError(f"{where}: idemlock_heartbeat must be True or False")
-        seconds(cls.idemlock_renew_every, "idemlock_renew_every")
-        for name in (
-            "idemlock_store_retry_backoff",
-            "idemlock_store_retry_max",
-            "idemlock_send_lease",
-        ):
-            value = seconds(getattr(cls, name), name)
-            if value is None or value <= 0:
-                raise ConfigurationError(f"{where}: {name} must be positive seconds")
+        cls._idemlock_options = JobOptions(
+            cls.idemlock_spec,
+            cls.idemlock_key,
+            coordinator=cls.idemlock_coordinator,
+            replay_errors=tuple(cls.idemlock_replay_errors),
+            retry_every=cls.idemlock_retry_every,
+            store_retry_backoff=cls.idemlock_store_retry_backoff,
+            store_retry_max=cls.idemlock_store_retry_max,
+            renew_every=cls.idemlock_renew_every,
+            send_lease=cls.idemlock_send_lease,
+            where=where,
+            prefix="idemlock_",
+        )
 
     # ---- per process ---------------------------------------------------------------
 
@@ -293,34 +289,15 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
         with self._idemlock_lock:
             state = self._idemlock_state
             if state is None or state.pid != pid:
-                plan = WrapPlan(self.run, self.idemlock_key, tuple(self.idemlock_replay_errors))
-                state = _ProcessState(pid, self._idemlock_connect(), plan)
+                o = self._idemlock_options
+                plan = WrapPlan(self.run, o.key, o.replay_errors)
+                coord = connect(o.coordinator, False, f"task {self.name}", "idemlock_coordinator")
+                state = _ProcessState(pid, coord, plan)
                 type(self)._idemlock_state = state
         return state
 
-    def _idemlock_connect(self) -> Coordinator:
-        source = self.idemlock_coordinator
-        if isinstance(source, Coordinator):
-            return source
-        if source is None or isinstance(source, str):
-            import idemlock
-
-            return idemlock.connect(source)
-        got = f"got {described(source)}"
-        if callable(source):
-            coord = source()
-            if isinstance(coord, Coordinator):
-                return coord
-            got = f"the callable returned {described(coord)}"
-        raise ConfigurationError(
-            f"task {self.name}: idemlock_coordinator must be an idemlock.Coordinator (not "
-            "an asyncio one), a store URL, or a callable returning an idemlock.Coordinator "
-            f"(not a URL: pass the URL itself); {got}"
-        )
-
     def _idemlock_port(self, state: _ProcessState, lease: float | None) -> IdempotencyPort:
-        spec = self.idemlock_spec
-        assert spec is not None  # checked when the task class was made
+        spec = self._idemlock_options.spec
         ms = 0 if lease is None else max(1, round(lease * 1000))
         port = state.ports.get(ms)
         if port is None:
@@ -349,9 +326,7 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
         return (float(hard) if hard else None, float(soft) if soft else None)
 
     def _idemlock_spec(self) -> IdempotencySpec | str:
-        spec = self.idemlock_spec
-        assert spec is not None  # checked when the task class was made
-        return spec
+        return self._idemlock_options.spec
 
     # ---- duplicate sends -------------------------------------------------------------
 
@@ -367,12 +342,12 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
         queued or running: then send nothing and return None (see the module
         documentation). ``lease`` (default ``idemlock_send_lease``) bounds how long a
         sent task that never runs keeps its key reserved."""
-        sent = JobOptions.parse(
+        sent = SendArgs.parse(
             args,
             kwargs,
             lease,
             call=f"{self.name}.apply_async_once()",
-            default_lease=self.idemlock_send_lease,
+            default_lease=self._idemlock_options.send_lease,
         )
         args, kwargs = sent.args, sent.kwargs
         seconds_ = sent.lease + _wait_seconds(options)
@@ -380,21 +355,23 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
         spec = self._idemlock_spec()
         key = state.plan.key_payload(args, kwargs)[0]
         task_id = str(options.pop("task_id", None) or uuid())
-        if not reserve_send(state.coord, spec, key, task_id, seconds_):
+        headers = {**(options.pop("headers", None) or {}), SEND_HEADER: seconds_}
+        sent_ = send_under_lease(
+            state.coord,
+            spec,
+            key,
+            task_id,
+            seconds_,
+            lambda: self.apply_async(args, kwargs, task_id=task_id, headers=headers, **options),
+        )
+        if sent_ is None:
             log.debug(
                 "task %s: not sent, a task of key %r is queued or running",
                 self.name,
                 key,
-                extra=log_fields(spec=_spec_name(spec), operation="send", outcome="refused"),
+                extra=log_fields(spec=spec_name(spec), operation="send", outcome="refused"),
             )
-            return None
-        headers = dict(options.pop("headers", None) or {})
-        headers[SEND_HEADER] = seconds_
-        try:
-            return self.apply_async(args, kwargs, task_id=task_id, headers=headers, **options)
-        except BaseException:
-            free_send(state.coord, spec, key, task_id, seconds_)
-            raise
+        return sent_
 
     def delay_once(self, *args: Any, **kwargs: Any) -> Any:
         """``delay(*args, **kwargs)`` unless a task of the same key is queued or
@@ -436,7 +413,7 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
             state = self._idemlock()
             plan = state.plan
             port = self._idemlock_port(state, None)
-            every = attempts.heartbeat_every(port, self.idemlock_renew_every)
+            every = attempts.heartbeat_every(port, self._idemlock_options.renew_every)
             wait = attempts.default_wait(port) if self.idemlock_on_in_flight == "wait" else None
             claim, sent = attempts.begin_call(port, plan, args, kwargs, wait)
         except InFlightError as exc:

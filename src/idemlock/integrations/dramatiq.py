@@ -65,9 +65,9 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import dramatiq
 from dramatiq.middleware import CurrentMessage
@@ -76,16 +76,12 @@ from .._core.types import IdempotencySpec
 from .._errors import ConfigurationError
 from .._logfields import fields as log_fields
 from .._sync import Coordinator
-from ._jobs import (
-    DEFAULT_SEND_LEASE,
-    JobGuard,
-    JobOptions,
-    Later,
-    current_fence,
-    deprecated,
-    guard_of,
-    spec_name,
-)
+from .jobs.guard import JobGuard, Later, current_fence, guard_of
+from .jobs.options import JobKeywords, JobOptions, SendArgs, deprecated, spec_name
+from .jobs.sends import send_under_lease
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["SEND_OPTION", "current_fence", "enqueue_once", "idempotent", "send_once"]
 
@@ -105,31 +101,20 @@ def idempotent(
     key: Callable[..., str] | None = None,
     *,
     coordinator: Coordinator | str | Callable[[], Coordinator] | None = None,
-    replay_errors: Iterable[type[BaseException]] = (),
-    retry_every: float = 5.0,
-    store_retry_backoff: float = 1.0,
-    store_retry_max: float = 60.0,
-    renew_every: timedelta | float | None = None,
-    max_run: timedelta | float | None = None,
+    **options: Unpack[JobKeywords],
 ) -> Callable[[F], F]:
     """Make a Dramatiq actor's function idempotent per key (put it under
     ``@dramatiq.actor``; see the module documentation). ``coordinator`` is an
     :class:`idemlock.Coordinator`, a store URL, a callable returning one, or None
-    (``$IDEMLOCK_URL``), opened lazily in each worker process."""
+    (``$IDEMLOCK_URL``), opened lazily in each worker process.
+    The other options (``replay_errors``, ``retry_every``, ``store_retry_backoff``,
+    ``store_retry_max``, ``renew_every``, ``max_run``) are the module documentation's,
+    the same on every queue."""
+
+    checked = JobOptions.of(spec, key, coordinator, options, where="@idempotent")
 
     def decorate(fn: F) -> F:
-        guard = JobGuard(
-            fn,
-            spec=spec,
-            key=key,
-            coordinator=coordinator,
-            replay_errors=tuple(replay_errors),
-            retry_every=retry_every,
-            store_retry_backoff=store_retry_backoff,
-            store_retry_max=store_retry_max,
-            renew_every=renew_every,
-            max_run=max_run,
-        )
+        guard = JobGuard(fn, checked)
         if guard.is_async:
             raise ConfigurationError(
                 f"{fn.__qualname__}: idemlock.integrations.dramatiq takes plain functions "
@@ -143,31 +128,26 @@ def idempotent(
                 # Called directly, or by a worker whose broker lacks CurrentMessage.
                 try:
                     return guard.call(args, kwargs)
-                except Later as later:
-                    delay = guard.delay(later, 0, f"actor {fn.__qualname__}")
+                except Later as exc:
+                    delay = guard.delay(exc, 0, f"actor {fn.__qualname__}")
                     _warn_without_current_message(fn.__qualname__, guard)
-                    raise dramatiq.Retry(later.reason, delay=_ms(delay)) from None
+                    raise dramatiq.Retry(exc.reason, delay=_ms(delay)) from None
             options = message.options
             what = f"actor {fn.__qualname__}[{message.message_id}]"
-            send_lease = options.get(SEND_OPTION)
-            deferred = False
-            try:
-                return guard.call(args, kwargs)
-            except Later as later:
-                deferred = True
+
+            def later(exc: Later) -> None:
                 defers = int(options.get(DEFERS_OPTION, 0) or 0)
-                delay = guard.delay(later, defers, what)
+                delay = guard.delay(exc, defers, what)
                 options[DEFERS_OPTION] = defers + 1
                 # The Retries middleware adds one to "retries" for this Retry and
                 # fails the message once they pass max_retries: take that one back
                 # first, so the reschedule leaves max_retries to the body's failures.
                 options["retries"] = int(options.get("retries", 0) or 0) - 1
-                raise dramatiq.Retry(later.reason, delay=_ms(delay)) from None
-            finally:
-                if send_lease is not None and not deferred:
-                    coord = guard.resolved()[0]
-                    key_ = guard.key_of(args, kwargs)
-                    guard.free_send(coord, key_, message.message_id, float(send_lease))
+                raise dramatiq.Retry(exc.reason, delay=_ms(delay)) from None
+
+            send_lease = options.get(SEND_OPTION)
+            send = None if send_lease is None else (message.message_id, float(send_lease))
+            return guard.deliver(args, kwargs, send, later)
 
         actor_function.idemlock_guard = guard  # type: ignore[attr-defined]
         return cast(F, actor_function)
@@ -202,14 +182,14 @@ def enqueue_once(
     *,
     args: Sequence[Any] | None = None,
     kwargs: Mapping[str, Any] | None = None,
-    lease: timedelta | float = DEFAULT_SEND_LEASE,
+    lease: timedelta | float | None = None,
     delay: int | None = None,
     **options: Any,
 ) -> dramatiq.Message[R] | None:
     """``actor.send_with_options(args=args, kwargs=kwargs, delay=delay, **options)``
     unless a message of its key is queued or running: then nothing is sent and the
     result is None; else the sent ``dramatiq.Message``. ``lease`` (seconds or a
-    timedelta) bounds how long a sent message that never runs keeps its key reserved;
+    timedelta, default 600) bounds how long a sent message that never runs keeps its key reserved;
     ``delay`` (milliseconds) and ``options`` (message options: ``max_retries``...) are
     Dramatiq's own. The actor's broker needs the ``CurrentMessage`` middleware.
 
@@ -219,7 +199,7 @@ def enqueue_once(
     guard = guard_of(
         getattr(actor, "fn", None), call=call, decorator="@idempotent (under @dramatiq.actor)"
     )
-    sent = JobOptions.parse(args, kwargs, lease, call=call)
+    sent = SendArgs.parse(args, kwargs, lease, call=call, default_lease=guard.options.send_lease)
     if not any(isinstance(m, CurrentMessage) for m in actor.broker.middleware):
         raise ConfigurationError(
             f"{call} needs the CurrentMessage middleware on the broker "
@@ -229,22 +209,23 @@ def enqueue_once(
     message = actor.message_with_options(
         args=sent.args, kwargs=sent.kwargs, **options, **{SEND_OPTION: sent.lease}
     )
-    coord = guard.resolved()[0]
     key = guard.key_of(sent.args, sent.kwargs)
-    if not guard.reserve_send(coord, key, message.message_id, sent.lease):
-        return None
-    try:
-        queued: dramatiq.Message[R] = actor.broker.enqueue(message, delay=delay)
-    except BaseException:
-        guard.free_send(coord, key, message.message_id, sent.lease)
-        raise
+    owner = message.message_id
+    queued: dramatiq.Message[R] | None = send_under_lease(
+        guard.resolved()[0],
+        guard.spec,
+        key,
+        owner,
+        sent.lease,
+        lambda: actor.broker.enqueue(message, delay=delay),
+    )
     return queued
 
 
 def send_once(
     actor: dramatiq.Actor[Any, R],
     *args: Any,
-    lease: timedelta | float = DEFAULT_SEND_LEASE,
+    lease: timedelta | float | None = None,
     delay: int | None = None,
     **kwargs: Any,
 ) -> dramatiq.Message[R] | None:

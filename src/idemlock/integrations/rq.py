@@ -69,7 +69,7 @@ from __future__ import annotations
 import functools
 import math
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
@@ -78,17 +78,13 @@ from rq.job import Job
 
 from .._core.types import IdempotencySpec
 from .._sync import Coordinator
-from ._jobs import (
-    DEFAULT_SEND_LEASE,
-    JobGuard,
-    JobOptions,
-    Later,
-    current_fence,
-    guard_of,
-    legacy_arguments,
-)
+from .jobs.guard import JobGuard, Later, current_fence, guard_of
+from .jobs.options import JobKeywords, JobOptions, SendArgs, legacy_arguments
+from .jobs.sends import send_under_lease
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from ..aio import AsyncCoordinator
 
 __all__ = ["SEND_META", "current_fence", "enqueue_once", "idempotent_job"]
@@ -110,12 +106,7 @@ def idempotent_job(
     | str
     | Callable[[], Coordinator | AsyncCoordinator]
     | None = None,
-    replay_errors: Iterable[type[BaseException]] = (),
-    retry_every: float = 5.0,
-    store_retry_backoff: float = 1.0,
-    store_retry_max: float = 60.0,
-    renew_every: timedelta | float | None = None,
-    max_run: timedelta | float | None = None,
+    **options: Unpack[JobKeywords],
 ) -> Callable[[F], F]:
     """Make an RQ job function idempotent per key (see the module documentation).
 
@@ -123,47 +114,33 @@ def idempotent_job(
     fingerprint of the canonical arguments, which are the payload either way).
     ``coordinator`` is an :class:`idemlock.Coordinator`, a store URL, a callable
     returning one, or None (``$IDEMLOCK_URL``); a URL or callable is opened in each
-    work horse, after RQ forked it."""
+    work horse, after RQ forked it.
+    The other options (``replay_errors``, ``retry_every``, ``store_retry_backoff``,
+    ``store_retry_max``, ``renew_every``, ``max_run``) are the module documentation's,
+    the same on every queue."""
+
+    checked = JobOptions.of(spec, key, coordinator, options, where="@idempotent_job")
 
     def decorate(fn: F) -> F:
-        guard = JobGuard(
-            fn,
-            spec=spec,
-            key=key,
-            coordinator=coordinator,
-            replay_errors=tuple(replay_errors),
-            retry_every=retry_every,
-            store_retry_backoff=store_retry_backoff,
-            store_retry_max=store_retry_max,
-            renew_every=renew_every,
-            max_run=max_run,
-        )
+        guard = JobGuard(fn, checked)
 
         @functools.wraps(fn)
         def job_function(*args: Any, **kwargs: Any) -> Any:
             job = get_current_job()
             if job is None:  # called directly: no queue to come back through
-                try:
-                    return guard.call(args, kwargs)
-                except Later as later:
-                    raise later.cause from None
+                return guard.call(args, kwargs, direct=True)
             what = f"job {job.func_name}[{job.id}]"
             send_lease = job.meta.get(SEND_META)
-            deferred = False
-            try:
-                return guard.call(args, kwargs)
-            except Later as later:
-                deferred = True
+
+            def later(exc: Later) -> Retry:
                 # RQ counts a returned Retry in number_of_retries, apart from the
-                # retries_left of the job's own retry=Retry(max=...): those stay
-                # for the body's failures. Still queued: the send lease (if any)
-                # keeps guarding the key.
-                delay = guard.delay(later, int(job.number_of_retries or 0), what)
+                # retries_left of the job's own retry=Retry(max=...): those stay for the
+                # body's failures.
+                delay = guard.delay(exc, int(job.number_of_retries or 0), what)
                 return Retry(max=_FOREVER, interval=max(1, math.ceil(delay)))
-            finally:
-                if send_lease is not None and not deferred:
-                    coord = guard.resolved()[0]
-                    guard.free_send(coord, guard.key_of(args, kwargs), job.id, send_lease)
+
+            send = None if send_lease is None else (job.id, float(send_lease))
+            return guard.deliver(args, kwargs, send, later)
 
         job_function.idemlock_guard = guard  # type: ignore[attr-defined]
         return cast(F, job_function)
@@ -179,7 +156,7 @@ def enqueue_once(
     *,
     args: Sequence[Any] | None = None,
     kwargs: Mapping[str, Any] | None = None,
-    lease: timedelta | float = DEFAULT_SEND_LEASE,
+    lease: timedelta | float | None = None,
     **options: Any,
 ) -> Job | None: ...
 
@@ -192,7 +169,7 @@ def enqueue_once(
     legacy_kwargs: Mapping[str, Any] | None = None,
     /,
     *,
-    lease: timedelta | float = DEFAULT_SEND_LEASE,
+    lease: timedelta | float | None = None,
     **options: Any,
 ) -> Job | None: ...  # deprecated: enqueue_once(queue, fn, args=..., kwargs=...)
 
@@ -204,12 +181,12 @@ def enqueue_once(
     *legacy: Any,
     args: Any = None,
     kwargs: Any = None,
-    lease: timedelta | float = DEFAULT_SEND_LEASE,
+    lease: timedelta | float | None = None,
     **options: Any,
 ) -> Job | None:
     """``queue.enqueue(fn, args=args, kwargs=kwargs, **options)`` unless a job of its
     key is queued or running: then nothing is sent and the result is None; else the
-    sent ``rq.job.Job``. ``lease`` (seconds or a timedelta) bounds how long a sent job
+    sent ``rq.job.Job``. ``lease`` (seconds or a timedelta, default 600) bounds how long a sent job
     that never runs keeps its key reserved (a crash, a flushed queue). ``options`` are
     ``queue.enqueue``'s own (``retry=``, ``job_timeout=``, ``job_id=``, ``meta=``...).
 
@@ -227,18 +204,17 @@ def enqueue_once(
         call=call,
     )
     guard = guard_of(fn, call=call, decorator="@idempotent_job")
-    sent = JobOptions.parse(args, kwargs, lease, call=call)
-    coord = guard.resolved()[0]
-    key = guard.key_of(sent.args, sent.kwargs)
+    sent = SendArgs.parse(args, kwargs, lease, call=call, default_lease=guard.options.send_lease)
     job_id = str(options.pop("job_id", None) or uuid.uuid4().hex)
-    if not guard.reserve_send(coord, key, job_id, sent.lease):
-        return None
-    meta = dict(options.pop("meta", None) or {})
-    meta[SEND_META] = sent.lease
-    try:
-        return queue.enqueue(
+    meta = {**(options.pop("meta", None) or {}), SEND_META: sent.lease}
+    key = guard.key_of(sent.args, sent.kwargs)
+    return send_under_lease(
+        guard.resolved()[0],
+        guard.spec,
+        key,
+        job_id,
+        sent.lease,
+        lambda: queue.enqueue(
             fn, args=sent.args, kwargs=sent.kwargs, job_id=job_id, meta=meta, **options
-        )
-    except BaseException:
-        guard.free_send(coord, key, job_id, sent.lease)
-        raise
+        ),
+    )

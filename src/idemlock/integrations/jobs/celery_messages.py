@@ -8,10 +8,10 @@ import dataclasses
 from datetime import datetime, timezone
 from typing import Any
 
-from .._core.types import ClaimToken, IdempotencySpec
-from .._decorator import WrapPlan
-from .._errors import StoreFull, StoreUnavailable
-from .._sync import Coordinator, IdempotencyPort
+from ..._core.types import ClaimToken
+from ..._decorator import WrapPlan
+from ..._errors import StoreFull, StoreUnavailable
+from ..._sync import Coordinator, IdempotencyPort
 
 #: store failures that may pass: the task is retried (before the body) or its
 #: outcome written again (after it)
@@ -69,7 +69,3 @@ def _send_lease(request: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         return None
     return float(value)
-
-
-def _spec_name(spec: IdempotencySpec | str | None) -> str | None:
-    return spec.name if isinstance(spec, IdempotencySpec) else spec

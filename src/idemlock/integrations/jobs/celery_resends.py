@@ -11,9 +11,10 @@ from typing import Any
 
 from celery.exceptions import Reject, Retry  # type: ignore[import-untyped]
 
-from .._errors import InFlightError
-from .._logfields import fields as log_fields
-from ._celery_messages import _STORE_TRIES_HEADER, _spec_name, _store_tries
+from ..._errors import InFlightError
+from ..._logfields import fields as log_fields
+from .celery_messages import _STORE_TRIES_HEADER, _store_tries
+from .options import spec_name
 
 log = logging.getLogger("idemlock.celery")
 
@@ -27,8 +28,8 @@ def after_store_failure(task: Any, exc: BaseException) -> BaseException:
     headers = dict(request.headers or {})
     tries = _store_tries(request, headers)
     ceiling = min(
-        float(task.idemlock_store_retry_max),
-        float(task.idemlock_store_retry_backoff) * 2.0 ** min(tries, 32),
+        task._idemlock_options.store_retry_max,
+        task._idemlock_options.store_retry_backoff * 2.0 ** min(tries, 32),
     )
     # Full jitter (but never nothing): workers hit by one outage do not all come
     # back at the same instant.
@@ -42,7 +43,9 @@ def after_store_failure(task: Any, exc: BaseException) -> BaseException:
         exc,
         countdown,
         tries + 1,
-        extra=log_fields(spec=_spec_name(task.idemlock_spec), operation="claim", outcome="error"),
+        extra=log_fields(
+            spec=spec_name(task._idemlock_options.spec), operation="claim", outcome="error"
+        ),
     )
     why = f"idempotency store unavailable: {exc}; retrying in {countdown}s"
     return resend(task, exc, countdown, why, headers=headers)
@@ -73,7 +76,7 @@ def while_in_flight(task: Any, exc: InFlightError) -> BaseException:
     if task.idemlock_on_in_flight == "raise" or request.called_directly or request.is_eager:
         return exc
     state = task._idemlock()
-    every = float(task.idemlock_retry_every)
+    every = task._idemlock_options.retry_every
     left = every
     if exc.expires_at is not None:
         left = exc.expires_at.timestamp() - state.coord.clock.time()
