@@ -53,7 +53,7 @@ import gc
 import inspect
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar, cast, overload
@@ -69,8 +69,7 @@ from .._errors import ConfigurationError
 from ..aio import AsyncCoordinator
 from .asgi import ASGIApp, Message, Receive, Scope, Send, send_captured
 from .http.core import AsyncPortFace, HttpCore, Run
-from .http.fingerprint import Fingerprint
-from .http.options import HttpOptions, RouteOptions
+from .http.options import HttpOptions, RouteOptions, ViewOptions, did_you_mean
 from .http.problem_json import PROBLEM_CODES, Answer
 
 if TYPE_CHECKING:
@@ -336,24 +335,7 @@ class Idempotency:
         ttl: timedelta | float | None = None,
         lease: timedelta | float | None = None,
         identity: Identity | None = ...,
-        require_key: bool = ...,
-        allow_anonymous: bool | None = ...,
-        fingerprint_headers: Iterable[str] = ...,
-        fingerprint: Fingerprint | None = ...,
-        stripe_compatible: bool = ...,
-        allow_unquoted_key: bool | None = ...,
-        mismatch_status: int | None = ...,
-        max_body: int = ...,
-        max_response_body: int = ...,
-        max_key_length: int = ...,
-        header: str = ...,
-        replay_header: str | None = ...,
-        record: Callable[[int], bool] = ...,
-        docs_url: str | None = ...,
-        www_authenticate: str = ...,
-        heartbeat: bool = ...,
-        renew_every: timedelta | float | None = ...,
-        max_run: timedelta | float | None = ...,
+        **options: Unpack[ViewOptions],
     ) -> F: ...
 
     @overload
@@ -366,24 +348,7 @@ class Idempotency:
         ttl: timedelta | float | None = None,
         lease: timedelta | float | None = None,
         identity: Identity | None = ...,
-        require_key: bool = ...,
-        allow_anonymous: bool | None = ...,
-        fingerprint_headers: Iterable[str] = ...,
-        fingerprint: Fingerprint | None = ...,
-        stripe_compatible: bool = ...,
-        allow_unquoted_key: bool | None = ...,
-        mismatch_status: int | None = ...,
-        max_body: int = ...,
-        max_response_body: int = ...,
-        max_key_length: int = ...,
-        header: str = ...,
-        replay_header: str | None = ...,
-        record: Callable[[int], bool] = ...,
-        docs_url: str | None = ...,
-        www_authenticate: str = ...,
-        heartbeat: bool = ...,
-        renew_every: timedelta | float | None = ...,
-        max_run: timedelta | float | None = ...,
+        **options: Unpack[ViewOptions],
     ) -> Callable[[F], F]: ...
 
     def protect(
@@ -395,24 +360,7 @@ class Idempotency:
         ttl: timedelta | float | None = None,
         lease: timedelta | float | None = None,
         identity: Identity | None = _UNSET,
-        require_key: bool = _UNSET,
-        allow_anonymous: bool | None = _UNSET,
-        fingerprint_headers: Iterable[str] = _UNSET,
-        fingerprint: Fingerprint | None = _UNSET,
-        stripe_compatible: bool = _UNSET,
-        allow_unquoted_key: bool | None = _UNSET,
-        mismatch_status: int | None = _UNSET,
-        max_body: int = _UNSET,
-        max_response_body: int = _UNSET,
-        max_key_length: int = _UNSET,
-        header: str = _UNSET,
-        replay_header: str | None = _UNSET,
-        record: Callable[[int], bool] = _UNSET,
-        docs_url: str | None = _UNSET,
-        www_authenticate: str = _UNSET,
-        heartbeat: bool = _UNSET,
-        renew_every: timedelta | float | None = _UNSET,
-        max_run: timedelta | float | None = _UNSET,
+        **options: Any,
     ) -> F | Callable[[F], F]:
         """Protect one endpoint: ``@idem.protect`` or ``@idem.protect(ttl=..., ...)``,
         best put *under* ``@app.post(...)``. Above it works too: the route FastAPI
@@ -422,31 +370,17 @@ class Idempotency:
         this route's responses are replayed and how long a crashed request holds its
         key; ``identity`` and the other options (those of :class:`Idempotency`) replace
         its defaults for this route. The decorated endpoint keeps its type."""
-        given = {
-            "require_key": require_key,
-            "allow_anonymous": allow_anonymous,
-            "fingerprint_headers": fingerprint_headers,
-            "fingerprint": fingerprint,
-            "stripe_compatible": stripe_compatible,
-            "allow_unquoted_key": allow_unquoted_key,
-            "mismatch_status": mismatch_status,
-            "max_body": max_body,
-            "max_response_body": max_response_body,
-            "max_key_length": max_key_length,
-            "header": header,
-            "replay_header": replay_header,
-            "record": record,
-            "docs_url": docs_url,
-            "www_authenticate": www_authenticate,
-            "heartbeat": heartbeat,
-            "renew_every": renew_every,
-            "max_run": max_run,
-        }
-        overrides = {name: value for name, value in given.items() if value is not _UNSET}
+        for name in options:
+            if name not in ViewOptions.__optional_keys__:
+                # What Python says of an unknown keyword (a type checker says it too).
+                raise TypeError(
+                    f"Idempotency.protect() got an unexpected keyword argument {name!r}"
+                    f"{did_you_mean(name, ViewOptions.__optional_keys__)}"
+                )
         ident = self.identity if identity is _UNSET else identity
         if ident is not None and not callable(ident):
             raise ConfigurationError("identity must be a FastAPI dependency (a callable)")
-        opts = self.options.with_changes(**overrides) if overrides else self.options
+        opts = self.options.with_changes(**options) if options else self.options
         base = opts.spec if spec is None else spec
         ttl_td, lease_td = _seconds(ttl, "ttl"), _seconds(lease, "lease")
         if ttl_td is not None or lease_td is not None:

@@ -64,8 +64,7 @@ from .._errors import ConfigurationError
 from .._sync import Coordinator
 from .http.blocking import SyncHttp
 from .http.core import Pass, Run
-from .http.fingerprint import Fingerprint
-from .http.options import HttpOptions, _SharedOptions, did_you_mean, spec_from
+from .http.options import HttpOptions, ViewOptions, did_you_mean, spec_from
 from .http.problem_json import Answer
 from .wsgi import _scope
 
@@ -78,13 +77,17 @@ F = TypeVar("F", bound=Callable[..., Any])
 Identity = Callable[[], "str | None"]
 
 
-class ExtensionOptions(_SharedOptions, total=False):
+class ExtensionOptions(ViewOptions, total=False):
     """The keyword options of :class:`Idempotency`: those of
     :class:`idemlock.integrations.asgi.IdempotencyOptions` but ``routes`` (each protected
     view is its route), with ``spec`` also a dict of the spec's fields (as in
     ``IDEMLOCK_SPEC``). For type checkers only: at run time they are keyword arguments."""
 
     spec: IdempotencySpec | str | dict[str, Any]
+    methods: Iterable[str]
+
+
+class _ProtectOptions(ViewOptions, total=False):
     methods: Iterable[str]
 
 
@@ -271,25 +274,7 @@ class Idempotency:
         ttl: timedelta | float | None = None,
         lease: timedelta | float | None = None,
         identity: str | Identity | None = ...,
-        methods: Iterable[str] = ...,
-        require_key: bool = ...,
-        allow_anonymous: bool | None = ...,
-        fingerprint_headers: Iterable[str] = ...,
-        fingerprint: Fingerprint | None = ...,
-        stripe_compatible: bool = ...,
-        allow_unquoted_key: bool | None = ...,
-        mismatch_status: int | None = ...,
-        max_body: int = ...,
-        max_response_body: int = ...,
-        max_key_length: int = ...,
-        header: str = ...,
-        replay_header: str | None = ...,
-        record: Callable[[int], bool] = ...,
-        docs_url: str | None = ...,
-        www_authenticate: str = ...,
-        heartbeat: bool = ...,
-        renew_every: timedelta | float | None = ...,
-        max_run: timedelta | float | None = ...,
+        **options: Unpack[_ProtectOptions],
     ) -> F: ...
 
     @overload
@@ -302,25 +287,7 @@ class Idempotency:
         ttl: timedelta | float | None = None,
         lease: timedelta | float | None = None,
         identity: str | Identity | None = ...,
-        methods: Iterable[str] = ...,
-        require_key: bool = ...,
-        allow_anonymous: bool | None = ...,
-        fingerprint_headers: Iterable[str] = ...,
-        fingerprint: Fingerprint | None = ...,
-        stripe_compatible: bool = ...,
-        allow_unquoted_key: bool | None = ...,
-        mismatch_status: int | None = ...,
-        max_body: int = ...,
-        max_response_body: int = ...,
-        max_key_length: int = ...,
-        header: str = ...,
-        replay_header: str | None = ...,
-        record: Callable[[int], bool] = ...,
-        docs_url: str | None = ...,
-        www_authenticate: str = ...,
-        heartbeat: bool = ...,
-        renew_every: timedelta | float | None = ...,
-        max_run: timedelta | float | None = ...,
+        **options: Unpack[_ProtectOptions],
     ) -> Callable[[F], F]: ...
 
     def protect(
@@ -434,13 +401,9 @@ def _handle(core: SyncHttp, identity: Identity | None, call: Callable[[], Any]) 
 
 
 def _stream(core: SyncHttp, run: Run, response: Response, source: Iterable[Any]) -> Iterator[bytes]:
-    try:
-        yield from core.relay(
-            run, source, lambda: core.finish(run, response.status_code, _headers(response))
-        )
-    except BaseException:
-        core.fail(run)
-        raise
+    return core.relay(
+        run, source, lambda: core.finish(run, response.status_code, _headers(response))
+    )
 
 
 def _teardown(exc: BaseException | None) -> None:

@@ -211,10 +211,7 @@ class IdempotencyMiddleware:
             core.fail(run)
             raise
         try:
-            yield from core.relay(run, body, record)
-        except BaseException:
-            core.fail(run)  # a raising app, or the client went away (GeneratorExit)
-            raise
+            yield from core.relay(run, body, record)  # fails the run if the stream breaks
         finally:
             close = getattr(body, "close", None)
             if close is not None:

@@ -306,13 +306,9 @@ def _atomic(
 def _stream(
     core: SyncHttp, run: Run, response: StreamingHttpResponse, source: Iterable[Any]
 ) -> Iterator[bytes]:
-    try:
-        yield from core.relay(
-            run, source, lambda: core.finish(run, response.status_code, _headers(response))
-        )
-    except BaseException:
-        core.fail(run)
-        raise
+    return core.relay(
+        run, source, lambda: core.finish(run, response.status_code, _headers(response))
+    )
 
 
 class IdempotencyMiddleware:

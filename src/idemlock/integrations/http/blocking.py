@@ -169,16 +169,22 @@ class SyncHttp:
     def relay(self, run: Run, chunks: Iterable[Any], record: Callable[[], None]) -> Iterator[bytes]:
         """Pass a streamed body on as bytes, copying it into ``run.copy``, and call
         ``record()`` (which finishes the run) before the last chunk leaves: a client that
-        has its whole response and retries at once finds the record, never a 409."""
-        held: bytes | None = None
-        for chunk in chunks:
+        has its whole response and retries at once finds the record, never a 409. A
+        stream that breaks (the handler raised, or the client went away: GeneratorExit)
+        fails the run."""
+        try:
+            held: bytes | None = None
+            for chunk in chunks:
+                if held is not None:
+                    yield held
+                held = bytes(chunk)
+                run.copy.add(held)
+            record()
             if held is not None:
                 yield held
-            held = bytes(chunk)
-            run.copy.add(held)
-        record()
-        if held is not None:
-            yield held
+        except BaseException:
+            self.fail(run)
+            raise
 
     def abandon(self, run: Run) -> None:
         """Abandon the claim even though its response was settled (its record was

@@ -26,7 +26,11 @@ RouteFilter = Union[
 DEFAULT_SPEC = IdempotencySpec("http", ttl=timedelta(hours=24), lease=timedelta(seconds=30))
 
 
-class _SharedOptions(TypedDict, total=False):
+class ViewOptions(TypedDict, total=False):
+    """The keyword options of one protected endpoint or view (FastAPI's and Flask's
+    ``protect``) besides its spec and identity; every adapter takes them. For type
+    checkers only: at run time they are plain keyword arguments."""
+
     require_key: bool
     allow_anonymous: bool | None
     fingerprint_headers: Iterable[str]
@@ -47,7 +51,7 @@ class _SharedOptions(TypedDict, total=False):
     max_run: timedelta | float | None
 
 
-class RouteOptions(_SharedOptions, total=False):
+class RouteOptions(ViewOptions, total=False):
     """The keyword options of one protected route (FastAPI's ``Idempotency``): those of
     :class:`IdempotencyOptions` but ``methods`` and ``routes`` (the route is the
     endpoint). For type checkers only: at run time they are plain keyword arguments."""
