@@ -146,19 +146,17 @@ class JobGuard:
         ``defers`` is how often idemlock already sent this job back for a store failure
         or a held key (not the queue's count of tries, which these never use up): the
         store-failure backoff doubles with it."""
-        exc = later.cause
+        exc, o = later.cause, self.options
         if isinstance(exc, InFlightError):
-            left = self.options.retry_every
+            left = o.retry_every
             if exc.expires_at is not None:
                 left = exc.expires_at.timestamp() - self.resolved()[0].clock.time()
             # Just past the end of the holder's lease at the latest: the key is then
             # free (a dead holder) or still renewed (a live one: come back again).
-            delay = round(min(self.options.retry_every, max(left, 0.0) + 0.05), 3)
+            delay = round(min(o.retry_every, max(left, 0.0) + 0.05), 3)
             later.reason = f"{exc}; {what} runs again in {delay}s"
             return delay
-        ceiling = min(
-            self.options.store_retry_max, self.options.store_retry_backoff * 2.0 ** min(defers, 32)
-        )
+        ceiling = min(o.store_retry_max, o.store_retry_backoff * 2.0 ** min(defers, 32))
         # Full jitter (never nothing): workers hit by one outage do not return together.
         delay = round(random.uniform(ceiling / 2, ceiling), 3)
         log.warning(
