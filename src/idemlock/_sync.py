@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ._blocks import Wrapping
 from ._coordinator import CoordinatorBase
-from ._core.clock import Clock
+from ._core.clock import Clock, duration, whole_ms
 from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES
 from ._core.events import Hook, answered
 from ._core.flows import acquire_flow, claim_flow
@@ -27,11 +27,9 @@ from ._core.types import (
     LockInfo,
     LockSpec,
     RecordStatus,
-    to_ms,
 )
 from ._decorator import WrapPlan, heartbeat_options, wrap_options
 from ._drive import run_sync
-from ._durations import seconds
 from ._errors import FencedOut, StaleClaim
 from ._logfields import port_fields
 from ._ports import FenceBase, Heartbeat
@@ -259,7 +257,9 @@ class IdempotencyPort(IdempotencyRun):
         token with its new ``expires_at``. ``StaleClaim`` if the claim no longer holds
         its key (an expired claim is never revived)."""
         args = self._token_args(token)
-        lease_ms = self._lease_ms if lease is None else to_ms(lease, "lease")
+        lease_ms = (
+            self._lease_ms if lease is None else whole_ms(duration(lease, "lease", positive=True))
+        )
         return self._extend_token(token, self._store.extend(*args, lease_ms))
 
     def status(self, key: str) -> RecordStatus | None:
@@ -423,7 +423,7 @@ class LockPort(LockHold):
         key the same ``owner`` holds returns that lease again (same token)."""
         t0 = self._t0()
         who = self._owner(owner)
-        wait_s = seconds(wait, "wait")
+        wait_s = None if wait is None else duration(wait, "wait")
         if not wait_s:
             # No waiting: one call, no flow to drive.
             sent = self._coord.clock.monotonic()

@@ -24,9 +24,9 @@ from datetime import timedelta
 from typing import Any
 
 from .._context import current_claim
+from .._core.clock import duration
 from .._core.types import IdempotencySpec, LockSpec
 from .._decorator import WrapPlan
-from .._durations import seconds
 from .._errors import ConfigurationError, InFlightError, StoreFull, StoreUnavailable
 from .._logfields import fields as log_fields
 from .._sync import Coordinator
@@ -348,13 +348,8 @@ class JobOptions:
                 f"{call}: kwargs= must be a dict of the job's keyword arguments by name, "
                 f"got {described(kwargs)}"
             )
-        # The one duration check (NaN, infinity, bool, above MAX_TTL refused) ...
-        value = seconds(default_lease if lease is None else lease, f"{call}: lease=")
-        if value is None or not value > 0:  # ... and a send lease must not be 0
-            raise ConfigurationError(
-                f"{call}: lease= (the send lease) must be positive seconds (a number or "
-                f"a timedelta), got {lease!r}"
-            )
+        given = default_lease if lease is None else lease
+        value = duration(given, f"{call}: lease= (the send lease)", positive=True)
         return cls(tuple(args), dict(kwargs), value)
 
 

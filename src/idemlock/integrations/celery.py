@@ -149,9 +149,9 @@ from celery.utils import uuid  # type: ignore[import-untyped]
 
 from .. import _attempts as attempts
 from .._context import enter_claim, leave_claim
+from .._core.clock import duration
 from .._core.types import ClaimToken, Completed, IdempotencySpec
 from .._decorator import WrapPlan
-from .._durations import seconds
 from .._errors import (
     ConfigurationError,
     InFlightError,
@@ -266,22 +266,18 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
                 f"{where}: idemlock_on_in_flight must be one of {IN_FLIGHT_MODES}, got "
                 f"{cls.idemlock_on_in_flight!r}"
             )
-        every = seconds(cls.idemlock_retry_every, "idemlock_retry_every")
-        if every is None or every <= 0:
-            raise ConfigurationError(f"{where}: idemlock_retry_every must be positive seconds")
-        if seconds(cls.idemlock_lease_margin, "idemlock_lease_margin") is None:
-            raise ConfigurationError(f"{where}: idemlock_lease_margin must be seconds (>= 0)")
+        duration(cls.idemlock_retry_every, f"{where}: idemlock_retry_every", positive=True)
+        duration(cls.idemlock_lease_margin, f"{where}: idemlock_lease_margin")
         if not isinstance(cls.idemlock_heartbeat, bool):
             raise ConfigurationError(f"{where}: idemlock_heartbeat must be True or False")
-        seconds(cls.idemlock_renew_every, "idemlock_renew_every")
+        if cls.idemlock_renew_every is not None:
+            duration(cls.idemlock_renew_every, f"{where}: idemlock_renew_every")
         for name in (
             "idemlock_store_retry_backoff",
             "idemlock_store_retry_max",
             "idemlock_send_lease",
         ):
-            value = seconds(getattr(cls, name), name)
-            if value is None or value <= 0:
-                raise ConfigurationError(f"{where}: {name} must be positive seconds")
+            duration(getattr(cls, name), f"{where}: {name}", positive=True)
 
     # ---- per process ---------------------------------------------------------------
 
