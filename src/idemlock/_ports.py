@@ -4,6 +4,7 @@ The sync and async classes only add the calls."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -180,7 +181,7 @@ class IdempotencyBase(_SpecPort, ClaimReplies):
         ``lost`` event is emitted, ``token.lost`` set, ``on_lost(token)`` called (its
         error logged) and then ``also(state)`` (the async faces cancel the body)."""
         coord = self._coord
-        state = RenewState(0, sent, ttl_ms=self._lease_ms, claim=token)
+        state = RenewState(0, sent, ttl_ms=self._lease_ms, claim=token, guard=threading.Lock())
         if coord._hooks:
             state.report = lambda outcome, took, error: self._deliver("renew", outcome, took, error)
 
@@ -378,7 +379,9 @@ class LockBase(_SpecPort):
     def _renew_state(self, lease: Lease, on_lost: Callable[[Lease], object] | None) -> RenewState:
         """The state shared by the renew loop, the watchdog and the block; its
         ``notify`` reports a loss: the ``lost`` event, then ``on_lost``."""
-        state = RenewState(0, lease._sent, ttl_ms=lease._ttl_ms, lease=lease)
+        state = RenewState(
+            0, lease._sent, ttl_ms=lease._ttl_ms, lease=lease, guard=threading.Lock()
+        )
         if self._coord._hooks:
             state.report = lambda outcome, took, error: self._deliver("renew", outcome, took, error)
 

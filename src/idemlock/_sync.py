@@ -278,9 +278,9 @@ class IdempotencyPort(IdempotencyRun):
         ``Claimed``: this caller must run it). Still in flight at the end: ``InFlight``."""
         t0 = self._t0()
         args = self._claim_args(key, payload)
-        flow = claim_flow(*args, self._wait_for(timeout), self._coord.clock, self._coord.poll_cap)
+        flow = claim_flow(*args, self._wait_for(timeout), self._coord.poll_cap)
         try:
-            reply = run_sync(flow, self._store)
+            reply = run_sync(flow, self._store, clock=self._coord.clock)
         except Exception as exc:
             self._emit_error("claim", exc, t0)
             raise
@@ -301,8 +301,8 @@ class IdempotencyPort(IdempotencyRun):
                 reply = self._store.claim(*cargs)
             else:
                 stamp = [clock.monotonic()]
-                flow = claim_flow(*cargs, wait, clock, self._coord.poll_cap, stamp)
-                reply = run_sync(flow, self._store)
+                flow = claim_flow(*cargs, wait, self._coord.poll_cap, stamp)
+                reply = run_sync(flow, self._store, clock=clock)
                 sent = stamp[0]
         except Exception as exc:
             self._emit_error("claim", exc, t0)
@@ -434,16 +434,10 @@ class LockPort(LockHold):
                 raise
             return self._finish_acquire(key, who, (reply, sent, 1), t0)
         flow = acquire_flow(
-            self._ns,
-            validate_key(key),
-            who,
-            self._ttl_ms,
-            wait_s,
-            self._coord.clock,
-            self._coord.poll_cap,
+            self._ns, validate_key(key), who, self._ttl_ms, wait_s, self._coord.poll_cap
         )
         try:
-            result = run_sync(flow, self._store)
+            result = run_sync(flow, self._store, clock=self._coord.clock)
         except Exception as exc:
             self._emit_error("acquire", exc, t0)
             raise

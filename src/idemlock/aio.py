@@ -289,9 +289,9 @@ class AsyncIdempotencyPort(IdempotencyRun):
         ``Claimed``: this caller must run it). Still in flight at the end: ``InFlight``."""
         t0 = self._t0()
         args = self._claim_args(key, payload)
-        flow = claim_flow(*args, self._wait_for(timeout), self._coord.clock, self._coord.poll_cap)
+        flow = claim_flow(*args, self._wait_for(timeout), self._coord.poll_cap)
         try:
-            reply = await run_async(flow, self._store)
+            reply = await run_async(flow, self._store, clock=self._coord.clock)
         except Exception as exc:
             self._emit_error("claim", exc, t0)
             raise
@@ -312,8 +312,8 @@ class AsyncIdempotencyPort(IdempotencyRun):
                 reply = await self._store.claim(*cargs)
             else:
                 stamp = [clock.monotonic()]
-                flow = claim_flow(*cargs, wait, clock, self._coord.poll_cap, stamp)
-                reply = await run_async(flow, self._store)
+                flow = claim_flow(*cargs, wait, self._coord.poll_cap, stamp)
+                reply = await run_async(flow, self._store, clock=clock)
                 sent = stamp[0]
         except Exception as exc:
             self._emit_error("claim", exc, t0)
@@ -450,11 +450,10 @@ class AsyncLockPort(LockHold):
             who,
             self._ttl_ms,
             wait_s,
-            self._coord.clock,
             self._coord.poll_cap,
         )
         try:
-            result = await run_async(flow, self._store)
+            result = await run_async(flow, self._store, clock=self._coord.clock)
         except Exception as exc:
             self._emit_error("acquire", exc, t0)
             raise
