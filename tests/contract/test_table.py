@@ -398,6 +398,19 @@ def test_every_row_has_a_scenario() -> None:
     assert set(SCENARIOS) == set(T.BY_ID)
 
 
+def test_handoff_stores_are_store_kinds() -> None:
+    """A misspelt kind in the table's HANDOFF_STORES would silently skip a store's
+    hand-off rows; every store keeps the window today."""
+    from idemlock.stores.etcd._sync import EtcdStore
+    from idemlock.stores.memory import MemoryStore
+    from idemlock.stores.postgres._sync import PostgresStore
+    from idemlock.stores.redis._sync import RedisStore
+    from idemlock.stores.sqlite._store import SQLiteStore
+
+    kinds = {s.kind for s in (EtcdStore, MemoryStore, PostgresStore, RedisStore, SQLiteStore)}
+    assert kinds == T.HANDOFF_STORES
+
+
 @pytest.mark.parametrize("row", [r.id for r in T.ROWS])
 async def test_row(harness: Harness, row: str, monkeypatch: pytest.MonkeyPatch) -> None:
     async def scenario(api: Facade) -> None:
