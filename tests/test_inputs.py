@@ -189,6 +189,20 @@ def test_http_protect_durations_use_the_one_validator(what: str, bad: Any) -> No
         assert callable(protect(**{what: timedelta(seconds=90)}))
 
 
+@pytest.mark.parametrize("bad", [0, -1, math.nan, math.inf, True, "5"])
+@pytest.mark.parametrize("what", ["retry_every", "store_retry_backoff", "store_retry_max"])
+def test_job_retry_durations_use_the_one_validator(what: str, bad: Any) -> None:
+    """The job queues' retry intervals go through the same check (infinity included)."""
+    from idemlock.integrations.rq import idempotent_job
+
+    def job() -> None:
+        return None
+
+    with pytest.raises(ConfigurationError, match=f"^{what} must be a positive number"):
+        idempotent_job("s", coordinator="memory://", **{what: bad})(job)
+    assert callable(idempotent_job("s", coordinator="memory://", **{what: 2})(job))
+
+
 # ---- audit: other edge inputs at the public entry points -----------------------------
 
 KEY_512 = "k" * 512

@@ -106,22 +106,17 @@ class JobGuard:
             IdempotencySpec(spec)  # validates the name at import, not per job
         if key is not None and not callable(key):
             raise ConfigurationError("key must be a callable of the job's arguments or None")
-        for name, value in (
-            ("retry_every", retry_every),
-            ("store_retry_backoff", store_retry_backoff),
-            ("store_retry_max", store_retry_max),
-        ):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigurationError(f"{name} must be positive seconds, got {value!r}")
         self.fn = fn
         self.is_async = inspect.iscoroutinefunction(fn)
         self.spec = spec
         self.key = key
         self.source = coordinator
         self.replay_errors = tuple(replay_errors)
-        self.retry_every = float(retry_every)
-        self.store_retry_backoff = float(store_retry_backoff)
-        self.store_retry_max = float(store_retry_max)
+        self.retry_every = duration(retry_every, "retry_every", positive=True)
+        self.store_retry_backoff = duration(
+            store_retry_backoff, "store_retry_backoff", positive=True
+        )
+        self.store_retry_max = duration(store_retry_max, "store_retry_max", positive=True)
         self.renew_every = renew_every
         self.max_run = max_run
         # arq passes its ctx first: it is neither part of the key nor the payload.
