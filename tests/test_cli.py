@@ -1124,9 +1124,9 @@ def test_purge_dry_run_on_the_memory_store_sync_and_async() -> None:
     assert coord.purge(dry_run=True) == 2
     assert coord.purge(dry_run=True) == 2
 
-    from idemlock.stores._adapt import InlineAsyncStore
+    from idemlock.stores.memory import MemoryAsyncStore
 
-    acoord = idemlock.aio.AsyncCoordinator(InlineAsyncStore(coord.store), clock=clock)
+    acoord = idemlock.aio.AsyncCoordinator(MemoryAsyncStore(coord.store), clock=clock)
     assert asyncio.run(acoord.purge(dry_run=True)) == 2
     assert coord.purge() == 2
     assert coord.purge(dry_run=True) == 0

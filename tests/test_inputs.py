@@ -173,6 +173,38 @@ def test_duration_accepts() -> None:
     assert "MAX_TTL" in idemlock.__all__
 
 
+@pytest.mark.parametrize("bad", [0, -1, math.nan, math.inf, True, "60", timedelta(0)])
+@pytest.mark.parametrize("what", ["ttl", "lease"])
+def test_http_protect_durations_use_the_one_validator(what: str, bad: Any) -> None:
+    """Flask's and FastAPI's ``protect(ttl=, lease=)`` refuse a bad duration when the
+    view is decorated, with the message every duration check gives."""
+    from idemlock.integrations.fastapi import Idempotency as FastAPIIdempotency
+    from idemlock.integrations.flask import Idempotency as FlaskIdempotency
+
+    fastapi_idem = FastAPIIdempotency(coordinator=idemlock.aio.connect("memory://"))
+    for protect in (FlaskIdempotency().protect, fastapi_idem.protect):
+        with pytest.raises(ConfigurationError, match=f"^{what} must be a positive number"):
+            protect(**{what: bad})
+    for protect in (FlaskIdempotency().protect, fastapi_idem.protect):
+        assert callable(protect(**{what: timedelta(seconds=90)}))
+
+
+@pytest.mark.parametrize("bad", [0, -1, math.nan, math.inf, True, "5"])
+@pytest.mark.parametrize("what", ["retry_every", "store_retry_backoff", "store_retry_max"])
+def test_job_retry_durations_use_the_one_validator(what: str, bad: Any) -> None:
+    """The job queues' retry intervals go through the same check (infinity included)."""
+    from idemlock.integrations.rq import idempotent_job
+
+    def job() -> None:
+        return None
+
+    with pytest.raises(
+        ConfigurationError, match=f"^@idempotent_job: {what} must be a positive number"
+    ):
+        idempotent_job("s", coordinator="memory://", **{what: bad})(job)
+    assert callable(idempotent_job("s", coordinator="memory://", **{what: 2})(job))
+
+
 # ---- audit: other edge inputs at the public entry points -----------------------------
 
 KEY_512 = "k" * 512

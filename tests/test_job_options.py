@@ -27,10 +27,14 @@ DECORATORS: dict[str, Callable[..., Any]] = {
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"retry_every": 0}, "retry_every must be positive seconds, got 0"),
-        ({"store_retry_max": True}, "store_retry_max must be positive seconds, got True"),
-        ({"store_retry_backoff": "1s"}, "store_retry_backoff must be positive seconds"),
-        ({"renew_every": -1}, "renew_every must be zero or positive"),
+        (
+            {"retry_every": 0},
+            "retry_every must be a positive number of seconds or a timedelta, up to the "
+            "maximum of 100 years (idemlock.MAX_TTL), got 0",
+        ),
+        ({"store_retry_max": True}, "store_retry_max must be a positive number of seconds"),
+        ({"store_retry_backoff": "1s"}, "store_retry_backoff must be a positive number of seconds"),
+        ({"renew_every": -1}, "renew_every must be zero or a positive number of seconds"),
         ({"retry_evry": 5}, "unknown option(s) retry_evry; the options are spec, key"),
         ({"key": "order"}, "key must be a callable of the job's arguments or None"),
         ({"spec": 3}, "spec must be an IdempotencySpec or a name, got 3"),
@@ -58,7 +62,8 @@ def test_celery_task_options_are_checked_by_the_same_job_options() -> None:
             def run(self) -> None: ...
 
     assert str(info.value) == (
-        "task slow: idemlock_store_retry_max must be positive seconds, got 0"
+        "task slow: idemlock_store_retry_max must be a positive number of seconds or a "
+        "timedelta, up to the maximum of 100 years (idemlock.MAX_TTL), got 0"
     )
 
     class Checked(idem_celery.IdempotentTask):

@@ -278,7 +278,9 @@ def test_enqueue_once_refuses_arguments_it_cannot_send(env: Env) -> None:
     with pytest.raises(ConfigurationError, match=r"kwargs= must be a dict"):
         bad: Any = [("seconds", 1.0)]
         enqueue_once(env.queue, rq_job, args=("o",), kwargs=bad)
-    with pytest.raises(ConfigurationError, match=r"the send lease\) must be positive seconds"):
+    with pytest.raises(
+        ConfigurationError, match=r"the send lease\) must be a positive number of seconds"
+    ):
         enqueue_once(env.queue, rq_job, args=("o",), lease=0)
     with pytest.raises(ConfigurationError, match=r"args=\(\.\.\.\) and kwargs=\{\.\.\.\} only"):
         enqueue_once(env.queue, rq_job, ("o",), args=("o",))

@@ -41,7 +41,8 @@ def test_whole_number_arguments_are_refused_as_before(
 @pytest.mark.parametrize("bad", ["abc", "0", "-1", "nan", "inf"])
 def test_a_bad_memory_timeout_in_its_url_is_refused(bad: str) -> None:
     expected = (
-        f"the memory store option timeout must be a positive, finite number of seconds, got {bad!r}"
+        "the memory store option timeout must be a positive number of seconds, up to the "
+        f"maximum of 100 years (idemlock.MAX_TTL), got {bad!r}"
     )
     with pytest.raises(ConfigurationError, match=re.escape(expected)):
         open_sync(f"memory://?timeout={bad}")  # the store's own check, under connect's

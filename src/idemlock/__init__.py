@@ -13,9 +13,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from ._clock import ManualClock, SystemClock
 from ._context import current_claim
 from ._core.canonical import canonicalize, fingerprint
-from ._core.clock import MAX_TTL, Clock, ManualClock, SystemClock
+from ._core.clock import MAX_TTL, Clock
 from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES, RecordedError  # noqa: F401 (kept)
 from ._core.events import Event, Hook
 from ._core.jsontypes import JSONValue

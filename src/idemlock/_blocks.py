@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from ._core.clock import duration
 from ._core.flows import Renewal, RenewState
 from ._core.types import Claim, Claimed, ClaimToken, Completed, Lease
 from ._decorator import WrapPlan, heartbeat_options
-from ._durations import seconds
 from ._errors import InFlightError, LockNotAcquired
 from ._logfields import port_fields
 from ._ports import Attempt, IdempotencyBase, LockBase
@@ -79,7 +79,8 @@ class HoldSteps(LockBase):
     def _hold_options(
         self, renew_every: timedelta | float | None, max_hold: timedelta | float | None
     ) -> tuple[float, float | None]:
-        return self._renew_every(renew_every), seconds(max_hold, "max_hold")
+        limit = None if max_hold is None else duration(max_hold, "max_hold")
+        return self._renew_every(renew_every), limit
 
     def _held(
         self,

@@ -40,7 +40,7 @@ class CoordinatorBase:
         compress_over: int | None = COMPRESS_OVER,
         hooks: Iterable[Hook] | None = None,
     ) -> None:
-        from ._core.clock import SYSTEM_CLOCK
+        from ._clock import SYSTEM_CLOCK
 
         self._store = store
         self.key_prefix = validate_key(key_prefix, "key_prefix")

@@ -11,10 +11,10 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ._core.canonical import fingerprint
+from ._core.clock import duration
 from ._core.codec import type_name
 from ._core.keys import validate_key
 from ._core.types import ClaimToken, Completed, IdempotencySpec
-from ._durations import seconds
 from ._errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -116,7 +116,8 @@ def wrap_options(
         )
     if key is not None and not callable(key):
         raise ConfigurationError("key must be a callable of the call's arguments, or None")
-    seconds(wait, "wait")
+    if wait is not None:
+        duration(wait, "wait")
 
 
 def heartbeat_options(
@@ -132,7 +133,5 @@ def heartbeat_options(
     if on_lost is not None and not callable(on_lost):
         raise ConfigurationError(f"on_lost must be a callable of the claim token, got {on_lost!r}")
     every = port._heartbeat_every(renew_every)
-    limit = seconds(max_run, "max_run")
-    if limit is not None and limit <= 0:
-        raise ConfigurationError(f"max_run must be positive, got {limit}s")
+    limit = None if max_run is None else duration(max_run, "max_run", positive=True)
     return (every if heartbeat else None), limit

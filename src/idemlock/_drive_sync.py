@@ -8,11 +8,18 @@ import threading
 import time
 from typing import Any
 
-from ._core.flows import Call, Sleep, Subscribe, Wait
+from ._clock import SYSTEM_CLOCK
+from ._core.clock import Clock
+from ._core.flows import Call, Now, Sleep, Subscribe, Wait
 from ._core.port import SyncStore
 
 
-def run_sync(flow: Any, store: SyncStore, stop: threading.Event | None = None) -> Any:
+def run_sync(
+    flow: Any, store: SyncStore, stop: threading.Event | None = None, clock: Clock = SYSTEM_CLOCK
+) -> Any:
+    """Run ``flow`` on ``store`` to its end and return its value. ``clock`` answers its
+    :class:`~idemlock._core.flows.Now` requests (the machine's clock those with ``real``);
+    ``stop`` ends a :class:`~idemlock._core.flows.Sleep` early."""
     subs: list[Any] = []
     try:
         req = next(flow)
@@ -20,6 +27,8 @@ def run_sync(flow: Any, store: SyncStore, stop: threading.Event | None = None) -
             try:
                 if type(req) is Call:
                     res = getattr(store, req.method)(*req.args)
+                elif type(req) is Now:
+                    res = time.monotonic() if req.real else clock.monotonic()
                 elif type(req) is Wait:
                     res = req.sub.wait(req.timeout)
                 elif type(req) is Subscribe:

@@ -4,17 +4,18 @@ The sync and async classes only add the calls."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ._coordinator import CoordinatorBase
+from ._core.clock import duration, whole_ms
 from ._core.events import answered
 from ._core.flows import Renewal, RenewState
 from ._core.keys import validate_key
 from ._core.port import Acquired, Held, LockRow
-from ._core.types import ClaimToken, IdempotencySpec, Lease, LockSpec, from_ms, to_ms
-from ._durations import seconds
+from ._core.types import ClaimToken, IdempotencySpec, Lease, LockSpec, from_ms
 from ._errors import ConfigurationError, LockNotHeld
 from ._events import Emitter, log
 from ._logfields import port_fields
@@ -54,10 +55,10 @@ def _renewal_period(
 ) -> float:
     """The period of a claim's heartbeat or a lock's renewal, in seconds (default: a third
     of ``of_ms``, what each renewal extends); ``of()`` names that in the error."""
-    s = seconds(renew_every, "renew_every")
-    if s is None:
+    if renew_every is None:
         return of_ms / 3000
-    if s <= 0 or s * 1000 >= of_ms:
+    s = duration(renew_every, "renew_every", positive=True)
+    if s * 1000 >= of_ms:
         raise ConfigurationError(f"renew_every must be positive and shorter than {of()}, got {s}s")
     return s
 
@@ -142,8 +143,8 @@ class IdempotencyBase(_SpecPort, ClaimReplies):
     def __init__(self, coord: CoordinatorBase, spec: IdempotencySpec) -> None:
         super().__init__(coord, spec.name)
         self.spec = spec
-        self._lease_ms = to_ms(spec.lease, "lease")
-        self._ttl_ms = to_ms(spec.ttl, "ttl")
+        self._lease_ms = whole_ms(duration(spec.lease, "lease", positive=True))
+        self._ttl_ms = whole_ms(duration(spec.ttl, "ttl", positive=True))
         self._format = coord.result_format
         self._keyring = coord.keyring
         self._seal = spec.encrypt_result
@@ -151,7 +152,9 @@ class IdempotencyBase(_SpecPort, ClaimReplies):
     def _claim_args(
         self, key: str, payload: Any, lease: timedelta | float | None = None
     ) -> tuple[str, str, str | None, str, int]:
-        lease_ms = self._lease_ms if lease is None else to_ms(lease, "lease")
+        lease_ms = (
+            self._lease_ms if lease is None else whole_ms(duration(lease, "lease", positive=True))
+        )
         return (self._ns, self._skey(key), self._fp(payload), new_token(), lease_ms)
 
     # ---- heartbeats -------------------------------------------------------------
@@ -178,7 +181,7 @@ class IdempotencyBase(_SpecPort, ClaimReplies):
         ``lost`` event is emitted, ``token.lost`` set, ``on_lost(token)`` called (its
         error logged) and then ``also(state)`` (the async faces cancel the body)."""
         coord = self._coord
-        state = RenewState(0, sent, ttl_ms=self._lease_ms, claim=token)
+        state = RenewState(0, sent, ttl_ms=self._lease_ms, claim=token, guard=threading.Lock())
         if coord._hooks:
             state.report = lambda outcome, took, error: self._deliver("renew", outcome, took, error)
 
@@ -261,8 +264,7 @@ class IdempotencyBase(_SpecPort, ClaimReplies):
         return out
 
     def _wait_for(self, wait: timedelta | float | None) -> float:
-        s = seconds(wait, "wait")
-        return self._lease_ms / 1000 if s is None else s
+        return self._lease_ms / 1000 if wait is None else duration(wait, "wait")
 
     def _error_record(self, plan: WrapPlan, token: ClaimToken, exc: BaseException) -> bytes | None:
         """The stored form of a listed exception, or None to abandon the claim."""
@@ -288,7 +290,7 @@ class LockBase(_SpecPort):
     def __init__(self, coord: CoordinatorBase, spec: LockSpec) -> None:
         super().__init__(coord, spec.name)
         self.spec = spec
-        self._ttl_ms = to_ms(spec.ttl, "ttl")
+        self._ttl_ms = whole_ms(duration(spec.ttl, "ttl", positive=True))
 
     def _owner(self, owner: str | None) -> str:
         return new_token() if owner is None else validate_key(owner, "owner")
@@ -343,7 +345,7 @@ class LockBase(_SpecPort):
         return (self._ns, lease.key, lease.owner, lease.token)
 
     def _renew_ttl(self, ttl: timedelta | float | None) -> int:
-        return self._ttl_ms if ttl is None else to_ms(ttl, "ttl")
+        return self._ttl_ms if ttl is None else whole_ms(duration(ttl, "ttl", positive=True))
 
     def _renew_every(self, renew_every: timedelta | float | None) -> float:
         return _renewal_period(
@@ -377,7 +379,9 @@ class LockBase(_SpecPort):
     def _renew_state(self, lease: Lease, on_lost: Callable[[Lease], object] | None) -> RenewState:
         """The state shared by the renew loop, the watchdog and the block; its
         ``notify`` reports a loss: the ``lost`` event, then ``on_lost``."""
-        state = RenewState(0, lease._sent, ttl_ms=lease._ttl_ms, lease=lease)
+        state = RenewState(
+            0, lease._sent, ttl_ms=lease._ttl_ms, lease=lease, guard=threading.Lock()
+        )
         if self._coord._hooks:
             state.report = lambda outcome, took, error: self._deliver("renew", outcome, took, error)
 
@@ -427,7 +431,8 @@ class LockBase(_SpecPort):
     def _not_acquired(self, key: str, wait: timedelta | float | None) -> str:
         return (
             f"lock {self.spec.name}:{key} is held by another owner and was not released "
-            f"within wait={seconds(wait, 'wait') or 0}s; retry later or wait longer"
+            f"within wait={0 if wait is None else duration(wait, 'wait') or 0}s; "
+            "retry later or wait longer"
         )
 
     def _lost_message(self, lease: Lease, reason: str) -> str:

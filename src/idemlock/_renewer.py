@@ -134,7 +134,7 @@ class Renewer:
             if batch:
                 calls = 1 if self._batched else len(batch)
                 try:
-                    run_sync(renew_batch_flow(batch, self._batched, self._clock), self._store)
+                    run_sync(renew_batch_flow(batch, self._batched), self._store, clock=self._clock)
                 except BaseException as exc:  # a broken store adapter loses what it renews
                     _crashed(batch, exc)
                 self.round_trips += calls
@@ -203,7 +203,7 @@ class _LoopRenewer:
             if not due:
                 continue
             try:
-                await run_async(renew_batch_flow(due, owner._batched, clock), owner._store)
+                await run_async(renew_batch_flow(due, owner._batched), owner._store, clock=clock)
             except asyncio.CancelledError:
                 # The loop is shutting down: what it renewed is lost to the watchdog.
                 raise

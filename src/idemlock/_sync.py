@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ._blocks import Wrapping
 from ._coordinator import CoordinatorBase
-from ._core.clock import Clock
+from ._core.clock import Clock, duration, whole_ms
 from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES
 from ._core.events import Hook, answered
 from ._core.flows import acquire_flow, claim_flow
@@ -27,11 +27,9 @@ from ._core.types import (
     LockInfo,
     LockSpec,
     RecordStatus,
-    to_ms,
 )
 from ._decorator import WrapPlan, heartbeat_options, wrap_options
 from ._drive import run_sync
-from ._durations import seconds
 from ._errors import FencedOut, StaleClaim
 from ._logfields import port_fields
 from ._ports import FenceBase, Heartbeat
@@ -259,7 +257,9 @@ class IdempotencyPort(IdempotencyRun):
         token with its new ``expires_at``. ``StaleClaim`` if the claim no longer holds
         its key (an expired claim is never revived)."""
         args = self._token_args(token)
-        lease_ms = self._lease_ms if lease is None else to_ms(lease, "lease")
+        lease_ms = (
+            self._lease_ms if lease is None else whole_ms(duration(lease, "lease", positive=True))
+        )
         return self._extend_token(token, self._store.extend(*args, lease_ms))
 
     def status(self, key: str) -> RecordStatus | None:
@@ -278,9 +278,9 @@ class IdempotencyPort(IdempotencyRun):
         ``Claimed``: this caller must run it). Still in flight at the end: ``InFlight``."""
         t0 = self._t0()
         args = self._claim_args(key, payload)
-        flow = claim_flow(*args, self._wait_for(timeout), self._coord.clock, self._coord.poll_cap)
+        flow = claim_flow(*args, self._wait_for(timeout), self._coord.poll_cap)
         try:
-            reply = run_sync(flow, self._store)
+            reply = run_sync(flow, self._store, clock=self._coord.clock)
         except Exception as exc:
             self._emit_error("claim", exc, t0)
             raise
@@ -301,8 +301,8 @@ class IdempotencyPort(IdempotencyRun):
                 reply = self._store.claim(*cargs)
             else:
                 stamp = [clock.monotonic()]
-                flow = claim_flow(*cargs, wait, clock, self._coord.poll_cap, stamp)
-                reply = run_sync(flow, self._store)
+                flow = claim_flow(*cargs, wait, self._coord.poll_cap, stamp)
+                reply = run_sync(flow, self._store, clock=clock)
                 sent = stamp[0]
         except Exception as exc:
             self._emit_error("claim", exc, t0)
@@ -423,7 +423,7 @@ class LockPort(LockHold):
         key the same ``owner`` holds returns that lease again (same token)."""
         t0 = self._t0()
         who = self._owner(owner)
-        wait_s = seconds(wait, "wait")
+        wait_s = None if wait is None else duration(wait, "wait")
         if not wait_s:
             # No waiting: one call, no flow to drive.
             sent = self._coord.clock.monotonic()
@@ -434,16 +434,10 @@ class LockPort(LockHold):
                 raise
             return self._finish_acquire(key, who, (reply, sent, 1), t0)
         flow = acquire_flow(
-            self._ns,
-            validate_key(key),
-            who,
-            self._ttl_ms,
-            wait_s,
-            self._coord.clock,
-            self._coord.poll_cap,
+            self._ns, validate_key(key), who, self._ttl_ms, wait_s, self._coord.poll_cap
         )
         try:
-            result = run_sync(flow, self._store)
+            result = run_sync(flow, self._store, clock=self._coord.clock)
         except Exception as exc:
             self._emit_error("acquire", exc, t0)
             raise

@@ -25,7 +25,8 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ._core.clock import Clock, SystemClock
+from ._clock import SystemClock
+from ._core.clock import Clock
 from ._logfields import fields
 
 if TYPE_CHECKING:

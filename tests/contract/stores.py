@@ -16,6 +16,7 @@ import pytest
 import idemlock
 import idemlock.aio
 from idemlock import ManualClock
+from idemlock.stores.memory import MemoryAsyncStore
 
 from .harness import Harness
 
@@ -45,10 +46,9 @@ def memory(request: pytest.FixtureRequest, tmp_path: Path) -> Harness:
     def shared_async(prefix: str, **options: Any) -> idemlock.aio.AsyncCoordinator:
         if set(options) - coordinator_options:
             return open_async(prefix, **options)
-        from idemlock.stores._adapt import InlineAsyncStore
-
+        # The asyncio face idemlock.aio.connect("memory://") opens, over the shared store.
         return idemlock.aio.AsyncCoordinator(
-            InlineAsyncStore(store), key_prefix=prefix, clock=clock, url="memory://", **options
+            MemoryAsyncStore(store), key_prefix=prefix, clock=clock, url="memory://", **options
         )
 
     return Harness("memory", None, shared_sync, shared_async, clock=clock)

@@ -1,11 +1,10 @@
-"""Clocks: the wall clock for stores without a server, and a manual clock for tests;
-and the one validator of every duration idemlock takes."""
+"""Time as the domain sees it: the :class:`Clock` protocol its drivers read (the
+machine's clocks or a manual one, in :mod:`idemlock._clock`), and the one validator
+of every duration idemlock takes."""
 
 from __future__ import annotations
 
 import math
-import threading
-import time
 from datetime import timedelta
 from typing import Protocol
 
@@ -18,61 +17,51 @@ MAX_TTL = timedelta(days=36525)
 MAX_SECONDS = MAX_TTL.total_seconds()
 
 
-def duration(
-    value: object,
-    what: str,
-    *,
-    positive: bool = False,
-    maximum: float = MAX_SECONDS,
-    text: bool = False,
-) -> float:
+def duration(value: object, what: str, *, positive: bool = False, text: bool = False) -> float:
     """``value`` (a ``timedelta`` or a number of seconds; with ``text``, as from a URL,
     also a numeric string) as float seconds, or :class:`~idemlock.ConfigurationError`.
 
     The one check of every duration: NaN and infinity are refused (a NaN deadline is
     never reached, so a wait on it spins forever), so are negative values, zero when
-    ``positive``, and anything above ``maximum`` (default :data:`MAX_TTL`).
+    ``positive``, and anything above :data:`MAX_TTL`. The message names ``what``, what
+    it must be and what was given.
     """
-    given = value
+    seconds = _seconds(value, text)
+    # NaN fails every comparison; infinity fails the maximum
+    if (
+        seconds is not None
+        and (seconds > 0 if positive else seconds >= 0)
+        and seconds <= MAX_SECONDS
+    ):
+        return seconds
+    need = "a positive" if positive else "zero or a positive"
+    form = "number of seconds" if text else "number of seconds or a timedelta"
+    raise ConfigurationError(
+        f"{what} must be {need} {form}, up to the maximum of 100 years (idemlock.MAX_TTL), "
+        f"got {_short(value)}"
+    )
+
+
+def whole_ms(seconds: float) -> int:
+    """A positive duration :func:`duration` accepted, in whole milliseconds (at least 1:
+    what the stores take)."""
+    return max(1, round(seconds * 1000))
+
+
+def _seconds(value: object, text: bool) -> float | None:
     if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    elif text and isinstance(value, str):
+        return value.total_seconds()
+    if text and isinstance(value, str):
         try:
-            seconds = float(value.strip())
+            return float(value)
         except ValueError:
-            raise ConfigurationError(f"{what} must be a number of seconds, got {given!r}") from None
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
         try:
-            seconds = float(value)
-        except OverflowError:  # an int beyond float range: beyond any maximum too
-            seconds = maximum * 2 if value > 0 else -1.0
-    else:
-        raise ConfigurationError(
-            f"{what} must be a timedelta or a number of seconds, got "
-            f"{type(value).__name__} {given!r}"
-        )
-    if math.isnan(seconds):
-        raise ConfigurationError(f"{what} must be a number of seconds, got NaN")
-    if math.isinf(seconds) and seconds > 0:
-        raise ConfigurationError(
-            f"{what} must be finite, got {_short(given)}; give a real bound (at most "
-            f"{_span(maximum)})"
-        )
-    if seconds < 0 or (positive and seconds == 0):
-        need = "positive" if positive else "zero or positive"
-        raise ConfigurationError(f"{what} must be {need}, got {_short(given)}")
-    if seconds > maximum:
-        raise ConfigurationError(
-            f"{what} is longer than the maximum of {_span(maximum)} ({maximum:g} seconds), "
-            f"got {_short(given)}; use a shorter duration (idemlock.MAX_TTL is 100 years)"
-        )
-    return seconds
-
-
-def _span(seconds: float) -> str:
-    if seconds >= 365 * 86400:
-        return f"{seconds / (365.25 * 86400):g} years"
-    return f"{seconds:g} seconds"
+            return float(value)
+        except OverflowError:  # an int beyond float range: beyond the maximum too
+            return math.inf if value > 0 else -math.inf
+    return None
 
 
 def _short(value: object) -> str:
@@ -90,40 +79,3 @@ class Clock(Protocol):
     def time(self) -> float: ...
 
     def monotonic(self) -> float: ...
-
-
-class SystemClock:
-    """The machine's clocks."""
-
-    def time(self) -> float:
-        return time.time()
-
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-
-SYSTEM_CLOCK = SystemClock()
-
-
-class ManualClock:
-    """A clock that only moves when told to, so tests cross an expiry without sleeping."""
-
-    def __init__(self, start: float = 1_700_000_000.0) -> None:
-        self._lock = threading.Lock()
-        self._wall = float(start)
-        self._mono = 0.0
-
-    def time(self) -> float:
-        with self._lock:
-            return self._wall
-
-    def monotonic(self) -> float:
-        with self._lock:
-            return self._mono
-
-    def advance(self, seconds: float) -> None:
-        if seconds < 0:
-            raise ValueError("a ManualClock only moves forward")
-        with self._lock:
-            self._wall += seconds
-            self._mono += seconds

@@ -1,21 +1,21 @@
 """Multi-step flows written once, as generators, for a sync and an async driver.
 
 A flow yields requests (:class:`Call`, :class:`Subscribe`, :class:`Wait`,
-:class:`Sleep`) and receives their results; it never blocks or awaits itself. The
-drivers in :mod:`idemlock._drive` are the only code that does. An exception raised
-by a request is thrown into the flow at the ``yield``, so a flow may handle it.
+:class:`Sleep`, :class:`Now`) and receives their results; it never blocks, awaits or
+reads a clock itself. The drivers in :mod:`idemlock._drive` are the only code that
+does. An exception raised by a request is thrown into the flow at the ``yield``, so a
+flow may handle it. What several threads share (:class:`RenewState`) is guarded by a
+lock its maker gives it: this module holds no lock and starts no thread.
 """
 
 from __future__ import annotations
 
 import random
-import threading
-import time
 from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .clock import Clock
 from .port import Acquired, Busy, Channel, ClaimReply, Held
 from .types import Lease, from_ms
 
@@ -50,7 +50,19 @@ class Sleep:
     seconds: float
 
 
-Request = Call | Subscribe | Wait | Sleep
+@dataclass(frozen=True, slots=True)
+class Now:
+    """The time, in monotonic seconds: on the driver's clock (it judges leases; a
+    ``ManualClock`` in tests), or with ``real`` on the machine's (a wait takes real time
+    whatever the clock)."""
+
+    real: bool = False
+
+
+NOW = Now()
+REAL_NOW = Now(real=True)
+
+Request = Call | Subscribe | Wait | Sleep | Now
 Flow = Generator[Request, Any, Any]
 
 #: Longest single wait between re-checks: bounds the cost of a lost notification
@@ -78,10 +90,10 @@ class _Waiting:
 
     __slots__ = ("attempt", "channel", "deadline", "poll_cap", "sub")
 
-    def __init__(self, channel: Channel, wait: float | None, poll_cap: float | None) -> None:
+    def __init__(self, channel: Channel, deadline: float, poll_cap: float | None) -> None:
         self.channel = channel
-        # Waiting is real time whatever the clock: an injected clock judges leases only.
-        self.deadline = time.monotonic() + (wait or 0.0)
+        #: on the machine's clock (REAL_NOW): an injected clock judges leases only
+        self.deadline = deadline
         self.poll_cap = poll_cap
         self.sub: Any = None
         self.attempt = 0
@@ -89,7 +101,7 @@ class _Waiting:
     def turn(self, holder_ttl_ms: int) -> Generator[Request, Any, bool]:
         """After a refused attempt: False once the wait is over, else True when the
         caller may try again (after subscribing, or after a wait for a notification)."""
-        now = time.monotonic()
+        now = yield REAL_NOW
         if now >= self.deadline:
             return False
         if self.sub is None:
@@ -109,16 +121,16 @@ def acquire_flow(
     owner: str,
     ttl_ms: int,
     wait: float | None,
-    clock: Clock,
     poll_cap: float | None = None,
 ) -> Generator[Request, Any, tuple[Acquired | Held, float, int]]:
-    """Acquire, waiting up to ``wait`` seconds. Returns (last reply, monotonic time the
+    """Acquire, waiting up to ``wait`` seconds. Returns (last reply, the clock's time the
     last request was sent, number of attempts). ``poll_cap`` bounds each wait for stores whose
     notification does not cross processes."""
-    waiting = _Waiting(Channel("lock", ns, key), wait, poll_cap)
+    deadline = (yield REAL_NOW) + (wait or 0.0)
+    waiting = _Waiting(Channel("lock", ns, key), deadline, poll_cap)
     tries = 0
     while True:
-        sent = clock.monotonic()
+        sent = yield NOW
         reply = yield Call("acquire", (ns, key, owner, ttl_ms))
         tries += 1
         if isinstance(reply, Acquired) or not (yield from waiting.turn(reply.ttl_ms)):
@@ -132,7 +144,6 @@ def claim_flow(
     token: str,
     lease_ms: int,
     wait: float | None,
-    clock: Clock,
     poll_cap: float | None = None,
     sent: list[float] | None = None,
 ) -> Generator[Request, Any, ClaimReply]:
@@ -140,10 +151,11 @@ def claim_flow(
     completed (replay) or freed (then this caller claims it and runs). ``sent``, if
     given, receives the clock's time of the last claim request (a heartbeat counts
     the claim's local deadline from it)."""
-    waiting = _Waiting(Channel("claim", ns, key), wait, poll_cap)
+    deadline = (yield REAL_NOW) + (wait or 0.0)
+    waiting = _Waiting(Channel("claim", ns, key), deadline, poll_cap)
     while True:
         if sent is not None:
-            sent[:] = [clock.monotonic()]
+            sent[:] = [(yield NOW)]
         reply: ClaimReply = yield Call("claim", (ns, key, fp, token, lease_ms))
         if not isinstance(reply, Busy) or not (yield from waiting.turn(reply.ttl_ms)):
             return reply
@@ -156,7 +168,8 @@ class RenewState:
     The lease is lost at its local deadline (``sent + ttl``, on the client's clock)
     unless a renewal confirmed before then moved it: whoever finds it lost first (the
     renew loop, the watchdog, or the holder leaving the block) marks it, and the one
-    that marks it calls ``notify`` once, while the block still runs."""
+    that marks it calls ``notify`` once, while the block still runs. ``guard`` (a
+    ``threading.Lock`` from the port that makes it) orders those three."""
 
     expires_ms: int
     sent: float
@@ -177,7 +190,7 @@ class RenewState:
     stopped: str = ""
     #: the block is leaving: nothing is adopted or reported any more
     ended: bool = False
-    guard: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    guard: AbstractContextManager[Any] = field(kw_only=True, repr=False)
 
     def tell(self, outcome: str, seconds: float, error: str | None = None) -> None:
         if self.report is not None:
@@ -284,8 +297,7 @@ class Renewal:
         return (self.kind, *self.args, self.lease_ms)
 
 
-def _renew_failed(r: Renewal, exc: Exception, sent: float, clock: Clock) -> None:
-    now = clock.monotonic()
+def _renew_failed(r: Renewal, exc: Exception, sent: float, now: float) -> None:
     r.state.tell("error", now - sent, type(exc).__name__)
     left = r.state.deadline() - now
     if left <= 0:
@@ -296,8 +308,7 @@ def _renew_failed(r: Renewal, exc: Exception, sent: float, clock: Clock) -> None
     r.next_at = now + min(_backoff(r.attempt, 0.25), left)
 
 
-def _renew_answered(r: Renewal, sent: float, new_exp: int | None, clock: Clock) -> None:
-    now = clock.monotonic()
+def _renew_answered(r: Renewal, sent: float, new_exp: int | None, now: float) -> None:
     r.attempt = 0
     r.state.tell("failed" if new_exp is None else "ok", now - sent)
     if new_exp is None:
@@ -311,9 +322,7 @@ def _renew_answered(r: Renewal, sent: float, new_exp: int | None, clock: Clock) 
     r.next_at = sent + r.every
 
 
-def renew_batch_flow(
-    batch: list[Renewal], batched: bool, clock: Clock
-) -> Generator[Request, Any, None]:
+def renew_batch_flow(batch: list[Renewal], batched: bool) -> Generator[Request, Any, None]:
     """Renew every item of ``batch`` (all due now): one ``renew_many`` call when the
     store has a batched renewal, else one ``extend``/``renew`` call each. Each item's
     state adopts its confirmed renewal, or is lost when the store says it is gone; a
@@ -322,24 +331,26 @@ def renew_batch_flow(
     from .._errors import StoreUnavailable
 
     if batched:
-        sent = clock.monotonic()
+        sent = yield NOW
         try:
             replies = yield Call("renew_many", ([r.batch_item() for r in batch],))
         except StoreUnavailable as exc:
+            now = yield NOW
             for r in batch:
-                _renew_failed(r, exc, sent, clock)
+                _renew_failed(r, exc, sent, now)
             return
+        now = yield NOW
         for r, reply in zip(batch, replies, strict=True):
-            _renew_answered(r, sent, reply, clock)
+            _renew_answered(r, sent, reply, now)
         return
     for r in batch:
         if r.state.lost or r.done:
             continue
-        sent = clock.monotonic()
+        sent = yield NOW
         method, args = r.store_call()
         try:
             reply = yield Call(method, args)
         except StoreUnavailable as exc:
-            _renew_failed(r, exc, sent, clock)
+            _renew_failed(r, exc, sent, (yield NOW))
             continue
-        _renew_answered(r, sent, reply, clock)
+        _renew_answered(r, sent, reply, (yield NOW))

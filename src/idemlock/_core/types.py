@@ -7,7 +7,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Literal
 
 from .._errors import ConfigurationError
-from .clock import SYSTEM_CLOCK, Clock, duration
+from .clock import Clock, duration
 from .codec import RecordedError
 from .keys import validate_key
 
@@ -23,14 +23,7 @@ __all__ = [
     "LockSpec",
     "RecordStatus",
     "from_ms",
-    "to_ms",
 ]
-
-
-def to_ms(value: timedelta | float | int, what: str) -> int:
-    """A positive duration (timedelta or seconds) of at most ``MAX_TTL`` as whole
-    milliseconds (at least 1); NaN, infinity and the rest raise ConfigurationError."""
-    return max(1, round(duration(value, what, positive=True) * 1000))
 
 
 def _flag(value: object, what: str) -> None:
@@ -67,8 +60,8 @@ class IdempotencySpec:
 
     def __post_init__(self) -> None:
         validate_key(self.name, "spec name")
-        to_ms(self.ttl, "IdempotencySpec.ttl")
-        to_ms(self.lease, "IdempotencySpec.lease")
+        duration(self.ttl, "IdempotencySpec.ttl", positive=True)
+        duration(self.lease, "IdempotencySpec.lease", positive=True)
         _flag(self.encrypt_result, "IdempotencySpec.encrypt_result")
 
 
@@ -84,7 +77,7 @@ class LockSpec:
 
     def __post_init__(self) -> None:
         validate_key(self.name, "spec name")
-        to_ms(self.ttl, "LockSpec.ttl")
+        duration(self.ttl, "LockSpec.ttl", positive=True)
         _flag(self.requires_fencing_token, "LockSpec.requires_fencing_token")
 
 
@@ -191,12 +184,13 @@ class Lease:
     _ns: str = field(default="", repr=False)
     _ttl_ms: int = field(default=0, repr=False)
     _sent: float = field(default=0.0, repr=False)
-    _clock: Clock = field(default=SYSTEM_CLOCK, repr=False)
+    #: the coordinator's clock (None: a lease not from a port, with no local deadline)
+    _clock: Clock | None = field(default=None, repr=False)
     _released: bool = field(default=False, repr=False)
 
     def remaining(self) -> timedelta:
         """Time the holder may still rely on the lease (zero once lost or expired)."""
-        if self.lost:
+        if self.lost or self._clock is None:
             return timedelta(0)
         return timedelta(seconds=max(0.0, self.deadline() - self._clock.monotonic()))
 

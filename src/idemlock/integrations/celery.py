@@ -149,9 +149,9 @@ from celery.utils import uuid  # type: ignore[import-untyped]
 
 from .. import _attempts as attempts
 from .._context import enter_claim, leave_claim
+from .._core.clock import duration
 from .._core.types import ClaimToken, Completed, IdempotencySpec
 from .._decorator import WrapPlan
-from .._durations import seconds
 from .._errors import (
     ConfigurationError,
     InFlightError,
@@ -261,8 +261,7 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
                 f"{where}: idemlock_on_in_flight must be one of {IN_FLIGHT_MODES}, got "
                 f"{cls.idemlock_on_in_flight!r}"
             )
-        if seconds(cls.idemlock_lease_margin, "idemlock_lease_margin") is None:
-            raise ConfigurationError(f"{where}: idemlock_lease_margin must be seconds (>= 0)")
+        duration(cls.idemlock_lease_margin, f"{where}: idemlock_lease_margin")
         if not isinstance(cls.idemlock_heartbeat, bool):
             raise ConfigurationError(f"{where}: idemlock_heartbeat must be True or False")
         cls._idemlock_options = JobOptions(

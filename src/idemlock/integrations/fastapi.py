@@ -64,6 +64,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 from starlette.routing import Host, Mount
 
+from .._core.clock import duration
 from .._core.types import IdempotencySpec
 from .._errors import ConfigurationError
 from ..aio import AsyncCoordinator
@@ -195,11 +196,7 @@ class IdempotencyCapture:
 
 
 def _seconds(value: timedelta | float | None, what: str) -> timedelta | None:
-    if value is None or isinstance(value, timedelta):
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigurationError(f"{what} must be seconds or a timedelta, got {value!r}")
-    return timedelta(seconds=value)
+    return None if value is None else timedelta(seconds=duration(value, what, positive=True))
 
 
 class Idempotency:

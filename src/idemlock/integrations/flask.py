@@ -59,6 +59,7 @@ from flask import Flask, current_app, g, request
 from flask.wrappers import Response
 from werkzeug.exceptions import HTTPException
 
+from .._core.clock import duration
 from .._core.types import IdempotencySpec
 from .._errors import ConfigurationError
 from .._sync import Coordinator
@@ -120,11 +121,7 @@ def _identity(value: Any, where: str) -> Identity | None:
 
 
 def _seconds(value: timedelta | float | None, what: str) -> timedelta | None:
-    if value is None or isinstance(value, timedelta):
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigurationError(f"{what} must be a positive number of seconds or a timedelta")
-    return timedelta(seconds=value)
+    return None if value is None else timedelta(seconds=duration(value, what, positive=True))
 
 
 @dataclass

@@ -1,9 +1,8 @@
-"""Generic async faces for stores whose sync calls never wait on a network.
+"""The generic async face of a store whose sync calls never wait on a network.
 
-``InlineAsyncStore`` calls the sync store directly (memory: each call is a short
-critical section). ``ThreadedAsyncStore`` runs each call in a worker thread (SQLite:
-a call may wait on the file lock up to the busy timeout, which must not block the
-event loop).
+``ThreadedAsyncStore`` runs each call in a worker thread (SQLite: a call may wait on
+the file lock up to the busy timeout, which must not block the event loop); the
+memory store's face (``MemoryAsyncStore``) runs a call inline when the store is free.
 """
 
 from __future__ import annotations
@@ -29,8 +28,8 @@ from ._local import AsyncLocalSubscription, DualSubscription
 log = logging.getLogger("idemlock")
 
 
-class _AsyncFace:
-    """Forwards every port method; subclasses decide how a sync call is run."""
+class ThreadedAsyncStore:
+    """Forwards every port method to the sync store, each call in a worker thread."""
 
     def __init__(self, sync: SyncStore) -> None:
         self.sync = sync
@@ -48,19 +47,9 @@ class _AsyncFace:
         return r
 
     async def _call(self, fn: Any, *args: Any) -> Any:
-        raise NotImplementedError
+        import asyncio  # here: the blocking API must not load asyncio
 
-    async def claim(
-        self, ns: str, key: str, fp: str | None, token: str, lease_ms: int
-    ) -> ClaimReply:
-        r: ClaimReply = await self._call(self.sync.claim, ns, key, fp, token, lease_ms)
-        return r
-
-    async def complete(self, ns: str, key: str, token: str, result: bytes, ttl_ms: int) -> bool:
-        return bool(await self._call(self.sync.complete, ns, key, token, result, ttl_ms))
-
-    async def abandon(self, ns: str, key: str, token: str) -> bool:
-        return bool(await self._call(self.sync.abandon, ns, key, token))
+        return await asyncio.to_thread(fn, *args)
 
     async def extend(self, ns: str, key: str, token: str, lease_ms: int) -> int | None:
         r: int | None = await self._call(self.sync.extend, ns, key, token, lease_ms)
@@ -76,16 +65,6 @@ class _AsyncFace:
     async def records(self, ns_prefix: str) -> Sequence[RecordRow]:
         r: Sequence[RecordRow] = await self._call(self.sync.records, ns_prefix)
         return r
-
-    async def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
-        r: Acquired | Held = await self._call(self.sync.acquire, ns, key, owner, ttl_ms)
-        return r
-
-    async def release(self, ns: str, key: str, owner: str, token: int) -> bool:
-        return bool(await self._call(self.sync.release, ns, key, owner, token))
-
-    async def break_lock(self, ns: str, key: str) -> bool:
-        return bool(await self._call(self.sync.break_lock, ns, key))
 
     async def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
         r: int | None = await self._call(self.sync.renew, ns, key, owner, token, ttl_ms)
@@ -116,18 +95,6 @@ class _AsyncFace:
 
     async def aclose(self) -> None:
         await self._call(self.sync.close)
-
-
-class InlineAsyncStore(_AsyncFace):
-    async def _call(self, fn: Any, *args: Any) -> Any:
-        return fn(*args)
-
-
-class ThreadedAsyncStore(_AsyncFace):
-    async def _call(self, fn: Any, *args: Any) -> Any:
-        import asyncio  # here: the blocking API must not load asyncio
-
-        return await asyncio.to_thread(fn, *args)
 
     # A cancelled await does not stop the worker thread: the call still happens. A
     # claim or an acquire that took the key is therefore given back, by the worker

@@ -19,13 +19,13 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from .._clock import SYSTEM_CLOCK
 from .._core import table as T
-from .._core.clock import SYSTEM_CLOCK, Clock
+from .._core.clock import Clock, duration
 from .._core.port import Acquired, Channel, ClaimReply, Held, LockRow, RecordRow
 from .._errors import ConfigurationError, StoreFull, StoreUnavailable
 from ._adapt import ThreadedAsyncStore
 from ._local import LocalHub, LocalSubscription
-from ._timeout import positive_seconds
 
 __all__ = ["MemoryStore"]
 
@@ -113,7 +113,7 @@ class MemoryStore:
         #: the bound on one call (agreement A1). Memory calls never wait on a network,
         #: only on each other's short critical sections; the coordinator bounds what it
         #: waits for by it (leaving a ``hold()`` block).
-        self.timeout = positive_seconds(timeout, _TIMEOUT)
+        self.timeout = duration(timeout, _TIMEOUT, positive=True, text=True)
         self._clock = clock
         self._max_keys = max_keys
         self._lock = _BoundedLock(self.timeout)
@@ -407,8 +407,12 @@ def _parse(url: str, timeout: float | None) -> float:
     if len(given) + (timeout is not None) > 1:
         raise ConfigurationError("timeout is given twice (in the URL and as a keyword)")
     if given:
-        return positive_seconds(given[0], _TIMEOUT)
-    return DEFAULT_TIMEOUT if timeout is None else positive_seconds(timeout, _TIMEOUT)
+        return duration(given[0], _TIMEOUT, positive=True, text=True)
+    return (
+        DEFAULT_TIMEOUT
+        if timeout is None
+        else duration(timeout, _TIMEOUT, positive=True, text=True)
+    )
 
 
 def open_sync(

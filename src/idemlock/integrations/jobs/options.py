@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, TypedDict
 
+from ..._core.clock import duration
 from ..._core.types import IdempotencySpec
-from ..._durations import seconds
 from ..._errors import ConfigurationError
 from ..._urls import redact
 
@@ -72,18 +72,10 @@ class JobOptions:
         set_ = object.__setattr__
         set_(self, "replay_errors", tuple(self.replay_errors))
         for name in ("retry_every", "store_retry_backoff", "store_retry_max", "send_lease"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float, timedelta)):
-                value = None
-            else:
-                value = seconds(value, f"{at}{name}")
-            if value is None or not value > 0:
-                raise ConfigurationError(
-                    f"{at}{name} must be positive seconds, got {getattr(self, name)!r}"
-                )
-            set_(self, name, value)
-        seconds(self.renew_every, f"{at}renew_every")
-        seconds(self.max_run, f"{at}max_run")
+            set_(self, name, duration(getattr(self, name), f"{at}{name}", positive=True))
+        for name in ("renew_every", "max_run"):
+            if getattr(self, name) is not None:
+                duration(getattr(self, name), f"{at}{name}")
 
     @classmethod
     def of(
@@ -142,13 +134,8 @@ class SendArgs:
                 f"{call}: kwargs= must be a dict of the job's keyword arguments by name, "
                 f"got {described(kwargs)}"
             )
-        # The one duration check (NaN, infinity, bool, above MAX_TTL refused) ...
-        value = seconds(default_lease if lease is None else lease, f"{call}: lease=")
-        if value is None or not value > 0:  # ... and a send lease must not be 0
-            raise ConfigurationError(
-                f"{call}: lease= (the send lease) must be positive seconds (a number or "
-                f"a timedelta), got {lease!r}"
-            )
+        given = default_lease if lease is None else lease
+        value = duration(given, f"{call}: lease= (the send lease)", positive=True)
         return cls(tuple(args), dict(kwargs), value)
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, unquote
 
+from ..._core.clock import duration
 from ..._errors import ConfigurationError, StoreFull, StoreUnavailable
 from ..._urls import redact, refuse_unencoded_password, scrub
 
@@ -75,16 +75,7 @@ class Config:
 
 
 def _timeout(raw: Any) -> float:
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        value = math.nan
-    if isinstance(raw, bool) or not math.isfinite(value) or value <= 0:
-        raise ConfigurationError(
-            f"timeout is the bound in seconds on one etcd store call; it must be a "
-            f"positive finite number, got {raw!r}"
-        )
-    return value
+    return duration(raw, "timeout (the bound on one etcd store call)", positive=True, text=True)
 
 
 def _read(path: Any, what: str) -> bytes:

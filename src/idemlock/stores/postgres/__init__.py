@@ -63,9 +63,9 @@ import psycopg
 import psycopg_pool
 from psycopg.conninfo import conninfo_to_dict
 
+from ..._core.clock import duration
 from ..._errors import ConfigurationError
 from ..._urls import redact
-from .._timeout import positive_seconds as _check_timeout
 from ._pool import CancellableAsyncPool
 from ._schema_async import amigrate
 from ._schema_sync import migrate
@@ -118,6 +118,8 @@ __all__ = [
     "sa_fenced_upsert",
 ]
 
+#: what a bad timeout is called in the error
+_TIMEOUT = "the PostgreSQL store option timeout (the bound on one call)"
 # The store's own pools run in autocommit: one statement per call, no BEGIN/COMMIT.
 _POOL_KWARGS = {"autocommit": True}
 
@@ -175,8 +177,11 @@ def _split_url_listen(
         raise ConfigurationError(
             "timeout is given twice (in the URL and as a keyword); give it once"
         )
-    secs = _check_timeout(
-        given if given is not None else timeout if timeout is not None else DEFAULT_TIMEOUT
+    secs = duration(
+        given if given is not None else timeout if timeout is not None else DEFAULT_TIMEOUT,
+        _TIMEOUT,
+        positive=True,
+        text=True,
     )
     if listen is not None and not listen.lower().startswith(("postgresql://", "postgres://")):
         raise ConfigurationError(
@@ -358,7 +363,9 @@ def from_client(
     and back. ``timeout`` (default 5 s) bounds each call, the wait for a connection of
     your pool included. In a forked child the store uses a pool of its own with your
     pool's settings (your pool's connections belong to the parent)."""
-    secs = _check_timeout(DEFAULT_TIMEOUT if timeout is None else timeout)
+    secs = duration(
+        DEFAULT_TIMEOUT if timeout is None else timeout, _TIMEOUT, positive=True, text=True
+    )
     listen = None
     if listen_url is not None:
         listen = _listen_settings(_split_url_listen("", None, listen_url)[2], secs)

@@ -15,6 +15,7 @@ from functools import lru_cache
 from typing import Any, Literal
 
 from ..._core import table as T
+from ..._core.clock import duration
 from ..._core.port import (
     Acquired,
     Busy,
@@ -477,16 +478,8 @@ OWN_OPTIONS = ("counter_ttl", "handoff_ms", "timeout")
 
 def check_timeout(raw: Any) -> float:
     """The ``timeout`` option (seconds, from a URL string or a number)."""
-    try:
-        sec = float(raw)
-    except (TypeError, ValueError):
-        sec = math.nan
-    if isinstance(raw, bool) or not (math.isfinite(sec) and sec > 0):
-        raise ConfigurationError(
-            f"timeout is the bound in seconds on one Redis call (connect, request, reply); "
-            f"it must be a finite number > 0, got {raw!r}"
-        )
-    return sec
+    what = "timeout (the bound on one Redis call: connect, request, reply)"
+    return duration(raw, what, positive=True, text=True)
 
 
 def own_options(values: dict[str, Any]) -> Options:

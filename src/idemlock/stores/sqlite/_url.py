@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-import math
 import os
-from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qsl
 
+from ..._core.clock import duration
 from ..._errors import ConfigurationError
 from ._sql import DEFAULT_BUSY_TIMEOUT
 
@@ -101,20 +99,4 @@ def _default_dir() -> str:
 def _timeout(given: Any, name: str) -> float:
     if given is None:
         return DEFAULT_BUSY_TIMEOUT
-    value = given
-    if isinstance(value, timedelta):
-        value = value.total_seconds()
-    elif isinstance(value, str):
-        with contextlib.suppress(ValueError):
-            value = float(value)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < 0
-    ):
-        raise ConfigurationError(
-            f"the SQLite store option {name} must be a non-negative number of "
-            f"seconds (or a timedelta), got {given!r}"
-        )
-    return float(value)
+    return duration(given, f"the SQLite store option {name}", text=True)
