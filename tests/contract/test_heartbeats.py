@@ -202,7 +202,8 @@ from typing import Any
 from idemlock import IdempotencySpec, ClaimLost, current_claim
 
 url, prefix, mode, key, lease, body = sys.argv[1:]
-lease, body = float(lease), float(body)
+# body: seconds the work takes, or "go": until the test writes a line to stdin
+lease = float(lease)
 spec = IdempotencySpec("beat-proc", ttl=timedelta(seconds=60), lease=timedelta(seconds=lease))
 
 def say(*words):
@@ -214,7 +215,7 @@ if mode == "sync":
     @coord.idempotent(spec, key=lambda: key)
     def work() -> str:
         say("started", current_claim().fence)
-        time.sleep(body)
+        sys.stdin.readline() if body == "go" else time.sleep(float(body))
         say("returning", current_claim().lost)
         return "child"
 
@@ -230,7 +231,10 @@ else:
         @coord.idempotent(spec, key=lambda: key)
         async def work() -> str:
             say("started", current_claim().fence)
-            await asyncio.sleep(body)
+            if body == "go":
+                await asyncio.to_thread(sys.stdin.readline)
+            else:
+                await asyncio.sleep(float(body))
             say("returning", current_claim().lost)
             return "child"
 
@@ -247,10 +251,13 @@ else:
 PROC_LEASE = 1.0
 
 
-def _spawn(h: Harness, mode: str, key: str, body: float) -> subprocess.Popen[str]:
+def _spawn(h: Harness, mode: str, key: str, body: float | str) -> subprocess.Popen[str]:
+    """A worker running one decorated call on ``key`` whose body takes ``body`` seconds,
+    or, with ``"go"``, lasts until the test writes a line to its stdin."""
     assert h.url is not None
     return popen(
         [sys.executable, "-c", CHILD, h.url, h.prefix, mode, key, str(PROC_LEASE), str(body)],
+        stdin=subprocess.PIPE if body == "go" else None,
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=False,
@@ -332,7 +339,9 @@ def test_sigstopped_worker_loses_its_claim_and_its_completion_is_refused(
     h = process_harness
     coord = h.sync()
     port = coord.idempotency(PROC_SPEC)
-    procs = {mode: _spawn(h, mode, f"pause-me-{mode}", 0.5) for mode in MODES}
+    # Each body lasts until the test says "go": on a loaded machine a timed body could
+    # end (and record) before the test got to pause its worker.
+    procs = {mode: _spawn(h, mode, f"pause-me-{mode}", "go") for mode in MODES}
     try:
         fences = {mode: _started(proc) for mode, proc in procs.items()}
         for proc in procs.values():
@@ -353,7 +362,7 @@ def test_sigstopped_worker_loses_its_claim_and_its_completion_is_refused(
         for proc in procs.values():
             os.kill(proc.pid, signal.SIGCONT)
         for mode, proc in procs.items():
-            out, _ = proc.communicate(timeout=30)
+            out, _ = proc.communicate("go\n", timeout=30)
             assert "ClaimLost" in out.split(), (mode, out)
             assert "recorded" not in out.split(), (mode, out)
         for mode in MODES:
