@@ -35,7 +35,7 @@ import redis
 import idemlock
 import idemlock.aio
 from idemlock import ConfigurationError, LockLost, LockSpec, StoreUnavailable
-from idemlock._core.port import Acquired, Done, Granted
+from idemlock._core.port import Acquired, Done, Granted, Held
 
 from .servers._proc import tempdir
 from .servers.redis import RedisServer
@@ -358,6 +358,68 @@ async def test_failover_async(group: SentinelGroup) -> None:
     finally:
         await durable.close()
         await plain.close()
+
+
+def _coordinated_failover(group: SentinelGroup) -> int:
+    """SENTINEL FAILOVER: the replica is promoted and the old primary, still running,
+    becomes its replica (connections to it then meet READONLY, or are closed)."""
+    old = group.primary_port
+    with group.sentinels[0].client() as r:
+        r.execute_command("SENTINEL", "FAILOVER", "ilsvc")
+    group.wait_failover(old)
+    # Until the Sentinels reconfigure the old primary it still takes writes (and loses
+    # them when it is demoted: Sentinel's window, see docs/guarantees.md).
+    group.wait_demoted(old)
+    return old
+
+
+def test_store_connections_follow_a_coordinated_failover(group: SentinelGroup) -> None:
+    """The store's own connections (blocking free list; asyncio: one pipelined
+    connection) reach the new primary after the old one is demoted, not killed."""
+    ns = _ns()
+    coord = idemlock.connect(group.url("timeout=2"))
+    store: Any = coord._store
+    assert store._direct  # the store's own connections, not redis-py's command layer
+
+    async def on_loop() -> list[int]:
+        acoord = idemlock.aio.connect(group.url("timeout=2"))
+        astore: Any = acoord._store
+        try:
+            tokens = []
+            for _ in range(3):  # several at once share the pipelined connection
+                got = await asyncio.gather(
+                    *(astore.acquire(ns, f"a{i}", "me", LONG) for i in range(5))
+                )
+                tokens += [g.token for g in got]
+            assert astore._last.pipe is not None  # the pipelined connection was used
+            old = await asyncio.to_thread(_coordinated_failover, group)
+            assert old != group.primary_port
+            for i in range(5):
+                a = await _until_async("acquire", lambda i=i: astore.acquire(ns, f"a{i}", "o", 1))
+                assert isinstance(a, Held) or a.token > max(tokens)
+            b = await _until_async("acquire", lambda: astore.acquire(ns, "b", "me", LONG))
+            assert isinstance(b, Acquired) and b.token > max(tokens)
+            return tokens
+        finally:
+            await acoord.close()
+
+    try:
+        first = store.acquire(ns, "k", "me", LONG)
+        # The connection went where the Sentinels said (redis-py 8's send_packed_command
+        # alone would connect to its default address, localhost:6379).
+        assert [c.port for c in store._free] == [group.primary_port]
+        asyncio.run(on_loop())
+        # Demoted once already: the blocking store's pooled connection went to the
+        # old primary; the next call reaches the new one.
+        again = _until("acquire", lambda: store.acquire(ns, "k", "me", LONG))
+        assert isinstance(again, Acquired) and again.token == first.token  # kept (replicated)
+        other = _until("acquire", lambda: store.acquire(ns, "k2", "me", LONG))
+        assert other.token > first.token
+        assert {c.port for c in store._free} == {group.primary_port}
+        with redis.Redis(port=group.primary_port) as r:
+            assert r.info("replication")["role"] == "master"
+    finally:
+        coord.close()
 
 
 def test_durable_write_unmet_while_replica_stopped(group: SentinelGroup) -> None:

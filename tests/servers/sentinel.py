@@ -166,6 +166,16 @@ class SentinelGroup:
         _wait("a Sentinel failover", promoted, timeout)
         return self.primary_port
 
+    def wait_demoted(self, port: int, timeout: float = 30.0) -> None:
+        """Wait until the server on ``port`` says it is a replica."""
+        import redis
+
+        def demoted() -> bool:
+            with redis.Redis(port=port, socket_timeout=1) as r:
+                return bool(r.info("replication")["role"] == "slave")
+
+        _wait(f"the server on port {port} to be demoted", demoted, timeout)
+
     def rejoin(self, old_port: int) -> None:
         """Start the killed primary again as a replica of the new one (empty: it had
         no persistence), and wait until it is in sync."""

@@ -49,11 +49,15 @@ class LoopState:
         self.slots = asyncio.Semaphore(max_connections(client))
         # Scripts on a plain pool's standalone client go pre-encoded over one pipelined
         # connection of the store's own (see _pipeline), with the pool's settings.
+        # A Sentinel pool's connection asks the Sentinels for the primary as it connects
+        # (a READONLY reply drops the pipe: the next one connects to the new primary).
         import redis.asyncio
+        import redis.asyncio.sentinel
 
+        plain = (redis.asyncio.ConnectionPool, redis.asyncio.sentinel.SentinelConnectionPool)
         self.direct = (
             isinstance(client, redis.asyncio.Redis)
-            and type(client.connection_pool) is redis.asyncio.ConnectionPool
+            and type(client.connection_pool) in plain
             and not client.single_connection_client
         )
         self.pipe: Pipe | None = None

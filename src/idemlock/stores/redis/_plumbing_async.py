@@ -30,6 +30,7 @@ from ._calls import (
     pack_eval,
     pack_eval_text,
     pack_script_load,
+    readonly,
 )
 from ._compat import aclose_client
 from ._forks import forget_on_fork
@@ -206,7 +207,7 @@ class AsyncPlumbing:
                 self._orphan(call, call.fut.result())
             raise
         if isinstance(reply, Exception):
-            return await self._refused(st, script, keys, args, call, reply, finish)
+            return await self._refused(st, script, keys, args, call, reply, finish, pipe)
         return reply
 
     async def _refused(
@@ -218,6 +219,7 @@ class AsyncPlumbing:
         call: Call,
         reply: Exception,
         finish: bool,
+        pipe: Pipe,
     ) -> Any:
         """A pipelined call answered with an error or dropped with its connection."""
         if isinstance(reply, Lost):
@@ -237,6 +239,14 @@ class AsyncPlumbing:
             raise StoreUnavailable(
                 f"redis {script.name} failed: {reply}; the call may have been applied"
             )
+        if readonly(reply):
+            # The pipe reached a primary demoted since (a failover): the call did not
+            # run. Drop the pipe; once more on a new one, which connects to the primary
+            # the Sentinels name now, within what is left of the bound.
+            pipe.close("the server is a replica now (READONLY)")
+            return await self._eval_task(
+                st, script, keys, args, finish, call.undo, call.undo_late, call.deadline
+            )
         if noscript(reply):
             # Scripts flushed (a restart, SCRIPT FLUSH, a failover): the call did not
             # run. Run it again as EVAL within what is left of the bound, as a task
@@ -253,7 +263,9 @@ class AsyncPlumbing:
         did not run; a broken connection: retried as redis-py's policy would)."""
         if call.redo is not None:
             st = self._last
-            again = noscript(reply) if isinstance(reply, ResponseError) else False
+            again = False
+            if isinstance(reply, ResponseError):  # it did not run
+                again = noscript(reply) or readonly(reply)
             if isinstance(reply, Lost) and not reply.stalled:
                 again = st is not None and st.retries
             if again:
@@ -404,6 +416,8 @@ class AsyncPlumbing:
             elif noscript(reply) and not load:
                 load = True
             else:
+                if readonly(reply):  # demoted: the next call connects anew
+                    pipe.close("the server is a replica now (READONLY)")
                 raise self._failure(reply, script.name)
 
     def _failure(self, reply: Exception, what: str) -> Exception:

@@ -27,6 +27,7 @@ from redis.exceptions import (
     TryAgainError,
 )
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.sentinel import SentinelConnectionPool
 
 from ..._core.port import Channel
 from ..._core.wakeups import Group
@@ -77,17 +78,21 @@ class SyncPlumbing:
         # a fast network): they go pre-encoded over connections of the store's own, made
         # with the pool's settings and kept in a free list (at most one per thread
         # calling at once). A Cluster client, a pool that limits or manages its
-        # connections (BlockingConnectionPool, Sentinel, ...) or a single-connection
-        # client keeps execute_command.
+        # connections (BlockingConnectionPool, ...) or a single-connection client keeps
+        # execute_command.
         pool = getattr(client, "connection_pool", None)
         # With durability=, a write and its WAIT share a redis-py pipeline (one round
         # trip, one connection: WAIT counts that connection's writes).
+        # A Sentinel pool's connections ask the Sentinels for the primary when they
+        # connect, and drop themselves on READONLY (redis-py's SentinelManagedConnection):
+        # made with its settings, the store's own connections follow a failover too.
         self._direct = (
             not cluster
-            and type(pool) is ConnectionPool
+            and type(pool) in (ConnectionPool, SentinelConnectionPool)
             and getattr(client, "connection", None) is None
             and not self._waits
         )
+        self._sentinel = type(pool) is SentinelConnectionPool
         self._free: list[Any] = []
         # On a Cluster, the same per node: a script goes straight to the primary of its
         # keys' slot (from the client's slot map); a redirection, a node going down or
@@ -234,7 +239,7 @@ class SyncPlumbing:
             conn = pool.connection_class(**pool.connection_kwargs)
         clean = False
         try:
-            reply = self._on(conn, script, keys, args)
+            reply = self._on(conn, script, keys, args, self._sentinel)
             clean = True
             return reply
         except ResponseError as exc:
@@ -298,20 +303,37 @@ class SyncPlumbing:
             free.append(conn)
 
     @staticmethod
-    def _on(conn: Any, script: C.Script, keys: tuple[bytes, ...], args: tuple[Any, ...]) -> Any:
+    def _on(
+        conn: Any,
+        script: C.Script,
+        keys: tuple[bytes, ...],
+        args: tuple[Any, ...],
+        connect: bool = False,
+    ) -> Any:
+        """``connect``: call ``conn.connect()`` first (a no-op once connected). A
+        Sentinel connection finds the primary only there: ``send_packed_command``
+        connects by itself, but (redis-py 8) to the default address, past the
+        Sentinel's override."""
         packed = [pack_eval(eval_head(script.sha), keys, args)]
 
         def once() -> Any:
+            if connect:
+                conn.connect()
             conn.send_packed_command(packed)
             return conn.read_response(disable_decoding=True)
 
         def failed(_: Exception) -> None:
             conn.disconnect()
 
+        def as_eval() -> Any:
+            if connect:
+                conn.connect()
+            return _as_eval(conn, script, keys, args)
+
         try:
             return conn.retry.call_with_retry(once, failed)
         except NoScriptError:
-            return conn.retry.call_with_retry(partial(_as_eval, conn, script, keys, args), failed)
+            return conn.retry.call_with_retry(as_eval, failed)
 
     def _unregister(self, channel: bytes, gid: bytes) -> None:
         # This process stopped waiting without the lock: a release need not hold the
