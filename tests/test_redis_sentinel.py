@@ -36,6 +36,7 @@ import idemlock
 import idemlock.aio
 from idemlock import ConfigurationError, LockLost, LockSpec, StoreUnavailable
 from idemlock._core.port import Acquired, Done, Granted, Held
+from idemlock.stores.redis._compat import aclose_client
 
 from .servers._proc import tempdir
 from .servers.redis import RedisServer
@@ -250,9 +251,10 @@ def test_failover_sync(group: SentinelGroup) -> None:
             a = ds.acquire(ns, "t", "me", LONG)
             seen.add("t", a.token)
             assert ds.release(ns, "t", "me", a.token)
-        # A lease held with a short ttl by a renewing holder.
-        locks = plain.lock(LockSpec(ns, ttl=timedelta(seconds=1)))
-        holder = locks.hold("held", renew_every=0.2, on_lost=lambda lease: lost.set())
+        # A lease held by a renewing holder, with a ttl shorter than any failover here
+        # (down-after-milliseconds 500, then the Sentinels' election: over 1 s).
+        locks = plain.lock(LockSpec(ns, ttl=timedelta(seconds=0.6)))
+        holder = locks.hold("held", renew_every=0.15, on_lost=lambda lease: lost.set())
         lease = holder.__enter__()
         seen.add("held", lease.token)
         # From here the replica receives nothing: what the old primary acknowledges
@@ -265,6 +267,7 @@ def test_failover_sync(group: SentinelGroup) -> None:
             assert ps.release(ns, "t", "me", a.token)
         g = ps.claim(ns, "gone", None, "cc01", LONG)
         assert isinstance(g, Granted)
+        seen.add("gone", g.fence)
         assert ps.complete(ns, "gone", "cc01", b"result-gone", LONG)
         killed_at = time.monotonic()
         old = group.kill_primary()
@@ -294,6 +297,7 @@ def test_failover_sync(group: SentinelGroup) -> None:
         # be claimed again, with a higher fence.
         retry = ps.claim(ns, "gone", None, "cc02", LONG)
         assert isinstance(retry, Granted)
+        seen.add("gone", retry.fence)  # above the lost claim's fence
         # Claims and durable writes work on the new primary.
         fresh = ds.claim(ns, "fresh", None, "dd01", LONG)
         assert isinstance(fresh, Granted)
@@ -319,9 +323,9 @@ async def test_failover_async(group: SentinelGroup) -> None:
             a = await ds.acquire(ns, "t", "me", LONG)
             seen.add("t", a.token)
             assert await ds.release(ns, "t", "me", a.token)
-        locks = plain.lock(LockSpec(ns, ttl=timedelta(seconds=1)))
+        locks = plain.lock(LockSpec(ns, ttl=timedelta(seconds=0.6)))
         holder = locks.hold(
-            "held", renew_every=0.2, on_lost=lambda lease: lost.set(), cancel_on_lost=False
+            "held", renew_every=0.15, on_lost=lambda lease: lost.set(), cancel_on_lost=False
         )
         lease = await holder.__aenter__()
         seen.add("held", lease.token)
@@ -333,6 +337,7 @@ async def test_failover_async(group: SentinelGroup) -> None:
             assert await ps.release(ns, "t", "me", a.token)
         g = await ps.claim(ns, "gone", None, "cc01", LONG)
         assert isinstance(g, Granted)
+        seen.add("gone", g.fence)
         assert await ps.complete(ns, "gone", "cc01", b"result-gone", LONG)
         killed_at = time.monotonic()
         old = group.kill_primary()
@@ -352,6 +357,7 @@ async def test_failover_async(group: SentinelGroup) -> None:
         assert isinstance(again, Done) and again.result == b"result-kept"
         retry = await ps.claim(ns, "gone", None, "cc02", LONG)
         assert isinstance(retry, Granted)
+        seen.add("gone", retry.fence)
         fresh = await ds.claim(ns, "fresh", None, "dd01", LONG)
         assert isinstance(fresh, Granted)
         assert await ds.complete(ns, "fresh", "dd01", b"x", LONG)
@@ -420,6 +426,42 @@ def test_store_connections_follow_a_coordinated_failover(group: SentinelGroup) -
             assert r.info("replication")["role"] == "master"
     finally:
         coord.close()
+
+
+def test_a_sentinel_client_passed_in(group: SentinelGroup) -> None:
+    """redis-py's own Sentinel clients work as the store's client, sync and asyncio
+    (and an asyncio one is refused on a second loop, with what to do instead)."""
+    import redis.asyncio.sentinel
+    import redis.sentinel
+
+    ns = _ns()
+    nodes = [("127.0.0.1", s.port) for s in group.sentinels]
+    client = redis.sentinel.Sentinel(nodes, socket_timeout=2).master_for("ilsvc")
+    coord = idemlock.connect(client)
+    store: Any = coord._store
+    try:
+        a = store.acquire(ns, "k", "me", LONG)
+        assert isinstance(a, Acquired)
+        assert [c.port for c in store._free] == [group.primary_port]
+    finally:
+        coord.close()
+        client.close()
+
+    aclient = redis.asyncio.sentinel.Sentinel(nodes, socket_timeout=2).master_for("ilsvc")
+    acoord = idemlock.aio.connect(aclient)
+
+    async def use() -> Any:
+        return await acoord._store.acquire(ns, "k", "me", LONG)
+
+    async def close() -> None:
+        await acoord.close()
+        await aclose_client(aclient)
+
+    b = asyncio.run(use())
+    assert isinstance(b, Acquired) and b.token == a.token  # the same lease, the same owner
+    with pytest.raises(ConfigurationError, match="redis\\+sentinel://"):
+        asyncio.run(use())
+    asyncio.run(close())
 
 
 def test_durable_write_unmet_while_replica_stopped(group: SentinelGroup) -> None:

@@ -81,6 +81,14 @@ def client_for_another_loop(client: Any, cluster: bool, factory: Callable[[], An
             "cluster URL to idemlock.aio.connect() (idemlock then opens connections per "
             "loop), or create the client and the coordinator inside each loop"
         )
+    if hasattr(client.connection_pool, "service_name"):  # a Sentinel pool (duck-typed)
+        raise ConfigurationError(
+            "this redis.asyncio Sentinel client belongs to the event loop it was first "
+            "used on, and idemlock cannot copy it for another loop; pass the "
+            "redis+sentinel:// URL to idemlock.aio.connect() (idemlock then opens "
+            "connections per loop), or create the client and the coordinator inside "
+            "each loop"
+        )
     return copy_standalone(client)
 
 
