@@ -428,6 +428,33 @@ def test_store_connections_follow_a_coordinated_failover(group: SentinelGroup) -
         coord.close()
 
 
+def test_a_demoted_server_drops_the_pipelined_connection(group: SentinelGroup) -> None:
+    """READONLY (a connection that reached a primary demoted since: here, straight to
+    the replica) is StoreUnavailable within the bound, and the asyncio store drops its
+    pipelined connection so the next call connects anew (to the primary the Sentinels
+    name, with a Sentinel URL)."""
+    url = f"redis://127.0.0.1:{group.replica.port}/0?timeout=2"
+
+    async def on_loop() -> None:
+        coord = idemlock.aio.connect(url)
+        store: Any = coord._store
+        try:
+            with pytest.raises(StoreUnavailable, match="read-only replica"):
+                await store.acquire(_ns(), "k", "me", LONG)
+            pipe = store._last.pipe
+            assert pipe is not None and "READONLY" in str(pipe.lost)
+        finally:
+            await coord.close()
+
+    asyncio.run(on_loop())
+    coord = idemlock.connect(url)
+    try:
+        with pytest.raises(StoreUnavailable, match="read-only replica"):
+            coord._store.acquire(_ns(), "k", "me", LONG)
+    finally:
+        coord.close()
+
+
 def test_a_sentinel_client_passed_in(group: SentinelGroup) -> None:
     """redis-py's own Sentinel clients work as the store's client, sync and asyncio
     (and an asyncio one is refused on a second loop, with what to do instead)."""

@@ -490,6 +490,11 @@ def _cause(exc: BaseException, msg: str) -> str:
         m in low for m in ("noauth", "wrongpass", "invalid password", "already authenticated")
     ):
         return "authentication failed (check the user and password of the URL): "
+    if isinstance(exc, rx.ReadOnlyError) or msg.startswith("READONLY"):
+        return (
+            "the server is a read-only replica (a failover demoted it, or the URL names a "
+            "replica; the call did not write): "
+        )
     if type(exc).__name__ == "MasterNotFoundError":  # redis.sentinel's
         return (
             "no Sentinel of the URL names a primary for its service (a failover under "
