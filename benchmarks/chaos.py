@@ -1,6 +1,6 @@
 """Fault injection: do effects stay exactly-once-in-effect while everything breaks?
 
-    python benchmarks/chaos.py --store sqlite|redis|redis-cluster|postgres|etcd
+    python benchmarks/chaos.py --store sqlite|redis|redis-cluster|redis-sentinel|postgres|etcd
         [--same-transaction] [--mode idemlock|plain|both] [--workload jobs|lock|both]
         [--duration S --seed X --json]
     python benchmarks/chaos.py --all [--mode both]      # every store (the long run)

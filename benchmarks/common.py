@@ -378,6 +378,7 @@ def peer_status(res: Results) -> dict[str, dict[str, Any]]:
 SERVERS = {
     "redis": ("redis", "start_redis", "stop"),
     "redis-cluster": ("redis", "start_cluster", "stop"),
+    "redis-sentinel": ("sentinel", "start_sentinel_group", "stop"),
     "postgres": ("postgres", "start_postgres", "destroy"),
     "etcd": ("etcd", "start_etcd", "destroy"),
 }

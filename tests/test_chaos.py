@@ -46,6 +46,8 @@ KINDS = {
     "postgres": ("kill", "stop", "restart", "cut", "blackhole"),
     # etcd's "restart": a SIGKILL of the leader and its restart, or a member paused
     "etcd": ("kill", "stop", "restart", "cut", "blackhole"),
+    # Sentinel's "restart": a failover (the primary SIGKILLed, the replica promoted)
+    "redis-sentinel": ("kill", "stop", "restart"),
 }
 #: the lock workload's faults (no Redis restarts: an empty Redis forgets its leases)
 LOCK_KINDS = {
@@ -54,9 +56,10 @@ LOCK_KINDS = {
     "redis-cluster": ("kill", "stop", "cut", "blackhole"),
     "postgres": ("kill", "stop", "restart", "cut", "blackhole"),
     "etcd": ("kill", "stop", "restart", "cut", "blackhole"),
+    "redis-sentinel": ("kill", "stop", "restart"),
 }
 #: every store the runner drives (etcd: a 3-member cluster, each member behind a proxy)
-STORES = ["sqlite", "redis", "redis-cluster", "postgres", "etcd"]
+STORES = ["sqlite", "redis", "redis-cluster", "redis-sentinel", "postgres", "etcd"]
 SEED = "20261129"
 
 

@@ -13,21 +13,29 @@ from dataclasses import dataclass, field
 from typing import Any
 
 HOST = "127.0.0.1"
-STORES = ("sqlite", "redis", "redis-cluster", "postgres", "etcd")
+STORES = ("sqlite", "redis", "redis-cluster", "redis-sentinel", "postgres", "etcd")
 KINDS = ("kill", "stop", "restart", "cut", "blackhole")
-#: which faults apply: SQLite has no server to restart and no connection to cut.
-STORE_KINDS = {store: KINDS for store in STORES} | {"sqlite": ("kill", "stop")}
+#: which faults apply: SQLite has no server to restart and no connection to cut. Redis
+#: behind Sentinel: its "restart" is a failover (the primary SIGKILLed, a replica
+#: promoted, the old one back as a replica); no cuts (the Sentinels name the servers'
+#: own addresses, so no proxy stands between the workers and them).
+SENTINEL_KINDS = ("kill", "stop", "restart")
+STORE_KINDS = {store: KINDS for store in STORES} | {
+    "sqlite": ("kill", "stop"),
+    "redis-sentinel": SENTINEL_KINDS,
+}
 #: the lock workload's: no Redis restarts (an empty Redis forgets its leases and gates:
 #: data loss the job workload measures, not a failure of the lock)
 NO_RESTART = ("kill", "stop", "cut", "blackhole")
 LOCK_KINDS = STORE_KINDS | {"redis": NO_RESTART, "redis-cluster": NO_RESTART}
 #: slack for clock granularity between processes (one machine, CLOCK_MONOTONIC)
 SLACK = 0.02
-#: stores whose restart loses data (their records are not expected to survive)
+#: stores whose restart loses data (their records are not expected to survive; Redis
+#: behind Sentinel runs with durability=replicas:1, so a failover must lose nothing)
 LOSSY = ("redis", "redis-cluster")
 SPEC, LOCK_SPEC = "chaos", "chaos-lock"
 #: stores whose lock write is the store's own gate (timed log, not acceptance order)
-GATED = ("redis", "redis-cluster", "etcd")
+GATED = ("redis", "redis-cluster", "redis-sentinel", "etcd")
 PRESETS: dict[str, dict[str, Any]] = {
     # CI: ~15-25 s per store on a 2-core machine, servers included.
     "short": {"jobs": 120, "workers": 4, "duration": 8.0, "fault_every": 0.25},

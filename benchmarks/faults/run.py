@@ -76,6 +76,10 @@ class Run:
                 announce = lambda port: hub.add(port).port  # noqa: E731
                 self.server = self.servers.start("redis-cluster", announce=announce)
                 self.store_url = self.server.url
+            elif store == "redis-sentinel":
+                # A primary, a replica, three Sentinels; every write waits for the replica.
+                self.server = self.servers.start("redis-sentinel")
+                self.store_url = self.server.url("durability=replicas:1")
             # As the store it is crashed by the restarts: every acknowledged commit must
             # come back.
             pg = self.servers.start("postgres", {"synchronous_commit": "on"} if pg_store else None)
@@ -94,6 +98,12 @@ class Run:
         self.wake_member(force=True)
         if self.store == "redis-cluster":
             self.rng.choice(server.nodes).restart()
+        elif self.store == "redis-sentinel":
+            # A failover: the primary SIGKILLed, the replica promoted, the old primary
+            # back (empty) as the new one's replica, so replicas:1 can be met again.
+            old = server.kill_primary()
+            server.wait_failover(old)
+            server.rejoin(old)
         elif cluster is None:
             server.restart(*(("immediate",) if self.store == "postgres" else ()))
         elif self.rng.random() < 0.5:

@@ -28,6 +28,8 @@ SCHEMES: dict[str, str] = {
     "unix": "idemlock.stores.redis",
     "redis+cluster": "idemlock.stores.redis",
     "rediss+cluster": "idemlock.stores.redis",
+    "redis+sentinel": "idemlock.stores.redis",
+    "rediss+sentinel": "idemlock.stores.redis",
     "postgresql": "idemlock.stores.postgres",
     "postgres": "idemlock.stores.postgres",
     "etcd": "idemlock.stores.etcd",

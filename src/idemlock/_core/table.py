@@ -14,6 +14,13 @@ over: a late complete or abandon is still accepted), ``completed`` (ttl running)
 Locks: ``free``, ``held``, ``reserved`` (after a release with a waiter, the hand-off
 window kept for the oldest waiter, in the stores of :data:`HANDOFF_STORES`: Redis,
 memory, SQLite, PostgreSQL, and etcd through its waiters' queue). Fence gates: ``gate``.
+
+Store errors. Any call may instead raise ``StoreUnavailable``: no reply within the
+bound, or (Redis with ``durability=``) written on the primary but not acknowledged by
+the replicas or the append-only file it was asked to wait for. The caller may then
+assume only that the row may have happened, and may be undone by a failover; the same
+call re-sent is safe (the ``.resend`` and ``reacquire`` rows). Tokens and fences never
+repeat or go back, whichever the outcome (Redis: ``max(last + 1, server TIME in us)``).
 """
 
 from __future__ import annotations

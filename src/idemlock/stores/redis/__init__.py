@@ -1,11 +1,18 @@
 """The Redis store: standalone Redis (or Valkey) and Redis Cluster, sync and asyncio.
 
 URLs: ``redis://[user:password@]host[:port][/db]``, ``rediss://`` (TLS), ``unix:///path``,
-``redis+cluster://host:port[,host:port...]`` and ``rediss+cluster://``. Query options
-are redis-py's connection options (``socket_timeout=``, ``ssl_cert_reqs=``, ...) plus
-idemlock's ``timeout=`` (seconds, default 5: the bound on one call, which the socket and
-connect timeouts default to; ``store.timeout``), ``counter_ttl=`` (seconds, default 60)
-and ``handoff_ms=`` (default 10). An
+``redis+cluster://host:port[,host:port...]``, ``rediss+cluster://``, and
+``redis+sentinel://[user:password@]host:port[,host:port...]/SERVICE[/DB]`` (and
+``rediss+sentinel://``: the primary of SERVICE as the Sentinels name it, asked again by
+every new connection, so a failover is followed; ``sentinel_password=`` for Sentinels
+with a password). Query options are redis-py's connection options (``socket_timeout=``,
+``ssl_cert_reqs=``, ...) plus idemlock's ``timeout=`` (seconds, default 5: the bound on
+one call, which the socket and connect timeouts default to; ``store.timeout``),
+``counter_ttl=`` (seconds, default 60), ``handoff_ms=`` (default 10) and
+``durability=`` (``none``, ``replicas:N``, ``aof``, ``aof+replicas:N``: each write a
+caller relies on is followed, in the same round trip, by ``WAIT`` / ``WAITAOF``, and a
+write not acknowledged within the bound raises StoreUnavailable; standalone and
+Sentinel only). An
 existing client (``redis.Redis``, ``redis.cluster.RedisCluster`` or their
 ``redis.asyncio`` versions) can be passed instead of a URL; idemlock never closes it.
 
@@ -82,21 +89,33 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..._errors import ConfigurationError
 from ._async import AsyncRedisStore
 from ._common import Options
 from ._sync import RedisStore
-from ._url import build, check_client, client_options
+from ._url import build, check_aof, check_client, client_options, shown
 
 __all__ = ["AsyncRedisStore", "Options", "RedisStore", "from_client", "open_async", "open_sync"]
 
 
 def open_sync(url: str, **options: Any) -> tuple[RedisStore, None]:
     client, cluster, own = build(url, options, asynchronous=False)
+    try:
+        check_aof(client, own.durability, shown(url))
+    except BaseException:
+        client.close()
+        raise
     return RedisStore(client, cluster=cluster, options=own, owned=True), None
 
 
 def open_async(url: str, **options: Any) -> tuple[AsyncRedisStore, None]:
     client, cluster, own = build(url, dict(options), asynchronous=True)
+    if own.durability.aof:  # checked now, with a blocking client of the same URL
+        check = build(url, dict(options), asynchronous=False)[0]
+        try:
+            check_aof(check, own.durability, shown(url))
+        finally:
+            check.close()
 
     def another() -> Any:  # a client of the same URL for another event loop
         return build(url, dict(options), asynchronous=True)[0]
@@ -111,6 +130,13 @@ def from_client(
     """A store on an existing redis-py client (which stays the caller's to close)."""
     cluster = check_client(client, asynchronous)
     own = client_options(options, client)
+    if cluster and not own.durability.none:
+        raise ConfigurationError(
+            f"durability={own.durability} is not supported on Redis Cluster yet; "
+            "use durability=none with a RedisCluster client"
+        )
+    if not asynchronous:
+        check_aof(client, own.durability, "the client's address")
     if asynchronous:
         return AsyncRedisStore(client, cluster=cluster, options=own, owned=False), None
     return RedisStore(client, cluster=cluster, options=own, owned=False), None

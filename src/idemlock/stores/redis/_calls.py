@@ -8,7 +8,7 @@ from functools import lru_cache
 from typing import Any
 
 from redis.client import NEVER_DECODE
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ReadOnlyError
 
 from ..._errors import ConfigurationError
 from . import _common as C
@@ -121,6 +121,12 @@ def eval_head(sha: str) -> bytes:
 def noscript(reply: BaseException) -> bool:
     """Whether ``reply`` is Redis's NOSCRIPT refusal (the call did not run)."""
     return isinstance(reply, NoScriptError) or str(reply).startswith("NOSCRIPT")
+
+
+def readonly(reply: BaseException) -> bool:
+    """Whether ``reply`` is a replica's READONLY refusal (the call did not run): the
+    connection reached a primary that has been demoted since."""
+    return isinstance(reply, ReadOnlyError) or str(reply).startswith("READONLY")
 
 
 def eval_text_args(

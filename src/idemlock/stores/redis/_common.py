@@ -10,7 +10,7 @@ import math
 import os
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, Literal
 
@@ -71,6 +71,57 @@ FENCE_ADVANCE = _script("fence_advance", _lua.FENCE_ADVANCE)
 FENCE_SET = _script("fence_set", _lua.FENCE_SET)
 FENCE_CURRENT = _script("fence_current", _lua.FENCE_CURRENT)
 UNREGISTER = _script("unregister", _lua.UNREGISTER)
+
+#: The scripts whose writes ``durability=`` waits for (every write a caller relies
+#: on: records, leases, fence gates; not a waiter's registration, not a peek).
+DURABLE = frozenset(
+    s.sha
+    for s in (
+        CLAIM, COMPLETE, ABANDON, EXTEND, FORGET, ACQUIRE, RELEASE, BREAK, RENEW,
+        FENCE_ADVANCE, FENCE_SET,
+    )
+)  # fmt: skip
+
+
+def wait_commands(d: Durability, timeout: float) -> list[tuple[Any, ...]]:
+    """The commands that follow a durable write on its connection: ``WAITAOF`` /
+    ``WAIT`` with a deadline inside the call's bound (never 0, which waits forever)."""
+    # 80 % of the bound less 100 ms (Redis < 7.2 times a WAIT out on its 100 ms cron
+    # tick), shared when both wait, so the replies still arrive within the bound
+    ms = max(1, (int(timeout * 800) - 100) // (2 if d.aof and d.replicas else 1))
+    out: list[tuple[Any, ...]] = []
+    if d.aof:
+        out.append(("WAITAOF", 1, 0, ms))  # the primary's own AOF, fsynced
+    if d.replicas:
+        out.append(("WAIT", d.replicas, ms))
+    return out
+
+
+def check_acks(d: Durability, replies: list[Any], what: str) -> None:
+    """Raise StoreUnavailable when the WAIT/WAITAOF replies fall short of ``d``."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            if "unknown command" in str(reply).lower():
+                raise ConfigurationError(
+                    f"redis {what}: durability={d} needs WAITAOF (Redis >= 7.2), which "
+                    "this server does not know; use durability=replicas:N or none"
+                ) from reply
+            raise store_error(reply, f"{what} (durability={d})") from reply
+        if isinstance(reply, list):  # WAITAOF: [local fsynced, replicas fsynced]
+            local, reps = int(reply[0]), int(reply[1])
+        else:
+            local, reps = 1, int(reply)
+        missing = []
+        if d.aof and local < 1:
+            missing.append("the primary's append-only file")
+        if reps < d.replicas:
+            missing.append(f"{d.replicas} replica(s) ({reps} acknowledged)")
+        if missing:
+            raise StoreUnavailable(
+                f"redis {what}: written on the primary, but not acknowledged by "
+                f"{' and '.join(missing)} within the bound (durability={d}); the write "
+                "stands on the primary and may be lost if it fails over now"
+            )
 
 
 # ---- names ---------------------------------------------------------------------------
@@ -440,6 +491,16 @@ def _cause(exc: BaseException, msg: str) -> str:
         m in low for m in ("noauth", "wrongpass", "invalid password", "already authenticated")
     ):
         return "authentication failed (check the user and password of the URL): "
+    if isinstance(exc, rx.ReadOnlyError) or msg.startswith("READONLY"):
+        return (
+            "the server is a read-only replica (a failover demoted it, or the URL names a "
+            "replica; the call did not write): "
+        )
+    if type(exc).__name__ == "MasterNotFoundError":  # redis.sentinel's
+        return (
+            "no Sentinel of the URL names a primary for its service (a failover under "
+            "way, Sentinels down, or a wrong SERVICE name): "
+        )
     chain: list[BaseException] = []
     e: BaseException | None = exc
     while e is not None and len(chain) < 5:
@@ -462,6 +523,56 @@ def redis_errors() -> tuple[type[BaseException], ...]:
 
 
 @dataclass(frozen=True)
+class Durability:
+    """``durability=``: after each write that matters, wait for ``replicas`` replicas
+    (``WAIT``) and, with ``aof``, for the primary's own append-only file
+    (``WAITAOF``), within the call's bound. ``none`` (the default) waits for nothing."""
+
+    replicas: int = 0
+    aof: bool = False
+
+    @property
+    def none(self) -> bool:
+        return not self.replicas and not self.aof
+
+    def __str__(self) -> str:
+        if self.none:
+            return "none"
+        parts = (["aof"] if self.aof else []) + (
+            [f"replicas:{self.replicas}"] if self.replicas else []
+        )
+        return "+".join(parts)
+
+
+def parse_durability(raw: Any) -> Durability:
+    """The ``durability`` option: ``none``, ``replicas:N``, ``aof`` or ``aof+replicas:N``."""
+    if isinstance(raw, Durability):
+        return raw
+    # A '+' written in a URL's query arrives as a space (form encoding): the same.
+    text = "+".join(raw.lower().split()) if isinstance(raw, str) else None
+    if text == "none":
+        return Durability()
+    replicas, aof, ok = 0, False, text is not None and text != ""
+    for part in (text or "").split("+"):
+        if part == "aof" and not aof and not replicas:
+            aof = True
+            continue
+        name, colon, count = part.partition(":")
+        if name == "replicas" and colon and count.isdigit() and 1 <= int(count) <= 100:
+            if replicas:
+                ok = False
+            replicas = int(count)
+            continue
+        ok = False
+    if not ok:
+        raise ConfigurationError(
+            f"durability must be none, replicas:N (N from 1 to 100), aof or "
+            f"aof+replicas:N, got {raw!r}; e.g. durability=replicas:1"
+        )
+    return Durability(replicas, aof)
+
+
+@dataclass(frozen=True)
 class Options:
     """idemlock's own options of the Redis store (URL query or keywords)."""
 
@@ -471,9 +582,11 @@ class Options:
     handoff_ms: int = 10
     #: the bound (seconds) on one store call: socket and connect timeouts default to it
     timeout: float = 5.0
+    #: what must acknowledge a write before the call returns (``durability=``)
+    durability: Durability = Durability()
 
 
-OWN_OPTIONS = ("counter_ttl", "handoff_ms", "timeout")
+OWN_OPTIONS = ("counter_ttl", "durability", "handoff_ms", "timeout")
 
 
 def check_timeout(raw: Any) -> float:
@@ -496,7 +609,7 @@ def own_options(values: dict[str, Any]) -> Options:
                 f"counter_ttl is how many seconds a key's fence counter outlives its last "
                 f"use; it must be a number >= 1, got {raw!r}"
             )
-        opts = Options(int(sec * 1000), opts.handoff_ms, opts.timeout)
+        opts = replace(opts, keep_ms=int(sec * 1000))
     if "handoff_ms" in values:
         raw = values.pop("handoff_ms")
         try:
@@ -507,9 +620,11 @@ def own_options(values: dict[str, Any]) -> Options:
             raise ConfigurationError(
                 f"handoff_ms must be an int from 0 (no hand-off window) to 10000, got {raw!r}"
             )
-        opts = Options(opts.keep_ms, ms, opts.timeout)
+        opts = replace(opts, handoff_ms=ms)
     if "timeout" in values:
-        opts = Options(opts.keep_ms, opts.handoff_ms, check_timeout(values.pop("timeout")))
+        opts = replace(opts, timeout=check_timeout(values.pop("timeout")))
+    if "durability" in values:
+        opts = replace(opts, durability=parse_durability(values.pop("durability")))
     return opts
 
 

@@ -49,11 +49,15 @@ class LoopState:
         self.slots = asyncio.Semaphore(max_connections(client))
         # Scripts on a plain pool's standalone client go pre-encoded over one pipelined
         # connection of the store's own (see _pipeline), with the pool's settings.
+        # A Sentinel pool's connection asks the Sentinels for the primary as it connects
+        # (a READONLY reply drops the pipe: the next one connects to the new primary).
         import redis.asyncio
+        import redis.asyncio.sentinel
 
+        plain = (redis.asyncio.ConnectionPool, redis.asyncio.sentinel.SentinelConnectionPool)
         self.direct = (
             isinstance(client, redis.asyncio.Redis)
-            and type(client.connection_pool) is redis.asyncio.ConnectionPool
+            and type(client.connection_pool) in plain
             and not client.single_connection_client
         )
         self.pipe: Pipe | None = None
@@ -76,6 +80,14 @@ def client_for_another_loop(client: Any, cluster: bool, factory: Callable[[], An
             "first used on, and idemlock cannot copy it for another loop; pass the "
             "cluster URL to idemlock.aio.connect() (idemlock then opens connections per "
             "loop), or create the client and the coordinator inside each loop"
+        )
+    if hasattr(client.connection_pool, "service_name"):  # a Sentinel pool (duck-typed)
+        raise ConfigurationError(
+            "this redis.asyncio Sentinel client belongs to the event loop it was first "
+            "used on, and idemlock cannot copy it for another loop; pass the "
+            "redis+sentinel:// URL to idemlock.aio.connect() (idemlock then opens "
+            "connections per loop), or create the client and the coordinator inside "
+            "each loop"
         )
     return copy_standalone(client)
 

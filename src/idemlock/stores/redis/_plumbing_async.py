@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import Any
@@ -29,6 +30,7 @@ from ._calls import (
     pack_eval,
     pack_eval_text,
     pack_script_load,
+    readonly,
 )
 from ._compat import aclose_client
 from ._forks import forget_on_fork
@@ -69,6 +71,11 @@ class AsyncPlumbing:
         self._handoff = options.handoff_ms
         #: the bound (seconds) on one call, queueing for a connection included (A1)
         self.timeout = options.timeout
+        #: durability=: what a write waits for, and the commands that wait (WAIT...)
+        self._durability = options.durability
+        self._waits = C.wait_commands(options.durability, options.timeout)
+        #: scripts loaded by a durable write's SCRIPT LOAD (forgotten on NOSCRIPT)
+        self._loaded: set[str] = set()
         # Keyed by the loop object (compared by identity through `LoopState.loop`);
         # states of closed loops are dropped when another loop arrives.
         self._states: dict[int, LoopState] = {}
@@ -102,6 +109,10 @@ class AsyncPlumbing:
             st = LoopState(
                 loop, client_for_another_loop(self.client, self.cluster, self._factory), True
             )
+        if self._waits:
+            # A write and its WAIT share a redis-py pipeline on a pooled connection: on
+            # the shared pipelined one, a WAIT would hold up every other caller.
+            st.direct = False
         st.ready = not self.cluster
         for key, old in list(self._states.items()):
             gone = old.loop()
@@ -196,7 +207,7 @@ class AsyncPlumbing:
                 self._orphan(call, call.fut.result())
             raise
         if isinstance(reply, Exception):
-            return await self._refused(st, script, keys, args, call, reply, finish)
+            return await self._refused(st, script, keys, args, call, reply, finish, pipe)
         return reply
 
     async def _refused(
@@ -208,6 +219,7 @@ class AsyncPlumbing:
         call: Call,
         reply: Exception,
         finish: bool,
+        pipe: Pipe,
     ) -> Any:
         """A pipelined call answered with an error or dropped with its connection."""
         if isinstance(reply, Lost):
@@ -227,6 +239,14 @@ class AsyncPlumbing:
             raise StoreUnavailable(
                 f"redis {script.name} failed: {reply}; the call may have been applied"
             )
+        if readonly(reply):
+            # The pipe reached a primary demoted since (a failover): the call did not
+            # run. Drop the pipe; once more on a new one, which connects to the primary
+            # the Sentinels name now, within what is left of the bound.
+            pipe.close("the server is a replica now (READONLY)")
+            return await self._eval_task(
+                st, script, keys, args, finish, call.undo, call.undo_late, call.deadline
+            )
         if noscript(reply):
             # Scripts flushed (a restart, SCRIPT FLUSH, a failover): the call did not
             # run. Run it again as EVAL within what is left of the bound, as a task
@@ -243,7 +263,9 @@ class AsyncPlumbing:
         did not run; a broken connection: retried as redis-py's policy would)."""
         if call.redo is not None:
             st = self._last
-            again = noscript(reply) if isinstance(reply, ResponseError) else False
+            again = False
+            if isinstance(reply, ResponseError):  # it did not run
+                again = noscript(reply) or readonly(reply)
             if isinstance(reply, Lost) and not reply.stalled:
                 again = st is not None and st.retries
             if again:
@@ -302,6 +324,8 @@ class AsyncPlumbing:
             return await self._run_piped(st, script, keys, args, load)
         # Queue for a connection instead of failing with MaxConnectionsError.
         async with st.slots:
+            if self._waits and script.sha in C.DURABLE:
+                return await self._run_acked(st, script, keys, args)
             try:
                 try:
                     return await st.exec("EVALSHA", script.sha, len(keys), *keys, *args, **ND)
@@ -310,6 +334,53 @@ class AsyncPlumbing:
                     return await st.exec(*eval_text_args(script, keys, args), **ND)
             except _ERRORS as exc:
                 raise C.store_error(exc, script.name) from exc
+
+    async def _run_acked(
+        self, st: LoopState, script: C.Script, keys: tuple[bytes, ...], args: tuple[Any, ...]
+    ) -> Any:
+        """``_run`` of a write with ``durability=``: the script and its WAIT/WAITAOF in
+        one redis-py pipeline (one round trip, one connection; WAIT counts the writes
+        of its connection), behind a SCRIPT LOAD the first time (so a NOSCRIPT never
+        costs a second WAIT)."""
+        client = st.client
+        t0 = time.monotonic()
+        try:
+            replies = await self._with_waits(client, script, keys, args, self.timeout)
+            if isinstance(replies[0], NoScriptError):
+                # Flushed (a failover, a restart): the call did not run; again behind a
+                # SCRIPT LOAD, waiting only for what is left of the bound.
+                self._loaded.discard(script.sha)
+                left = self.timeout - (time.monotonic() - t0)
+                replies = await self._with_waits(client, script, keys, args, left)
+        except _ERRORS as exc:
+            raise C.store_error(exc, script.name) from exc
+        first = replies[0]
+        if isinstance(first, Exception):
+            raise C.store_error(first, script.name) from first
+        C.check_acks(self._durability, replies[1:], script.name)
+        return first
+
+    async def _with_waits(
+        self,
+        client: Any,
+        script: C.Script,
+        keys: tuple[bytes, ...],
+        args: tuple[Any, ...],
+        left: float,
+    ) -> list[Any]:
+        pipe = client.pipeline(transaction=False)
+        load = script.sha not in self._loaded
+        if load:
+            pipe.execute_command("SCRIPT", "LOAD", script.text)
+        pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args, **ND)
+        for wait in C.wait_commands(self._durability, left):
+            pipe.execute_command(*wait)
+        replies: list[Any] = await pipe.execute(raise_on_error=False)
+        if load:
+            if not isinstance(replies[0], Exception):
+                self._loaded.add(script.sha)
+            replies = replies[1:]
+        return replies
 
     async def _run_piped(
         self,
@@ -345,6 +416,8 @@ class AsyncPlumbing:
             elif noscript(reply) and not load:
                 load = True
             else:
+                if readonly(reply):  # demoted: the next call connects anew
+                    pipe.close("the server is a replica now (READONLY)")
                 raise self._failure(reply, script.name)
 
     def _failure(self, reply: Exception, what: str) -> Exception:

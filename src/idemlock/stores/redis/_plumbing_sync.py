@@ -9,6 +9,7 @@ import contextlib
 import os
 import random
 import threading
+import time
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
@@ -26,6 +27,7 @@ from redis.exceptions import (
     TryAgainError,
 )
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.sentinel import SentinelConnectionPool
 
 from ..._core.port import Channel
 from ..._core.wakeups import Group
@@ -66,25 +68,37 @@ class SyncPlumbing:
             self._exec = partial(_serialised, self._serial, client.execute_command)
         #: the bound (seconds) on one call: socket and connect timeouts (agreement A1)
         self.timeout = options.timeout
+        #: durability=: what a write waits for, and the commands that wait (WAIT...)
+        self._durability = options.durability
+        self._waits = C.wait_commands(options.durability, options.timeout)
+        #: scripts loaded by a durable write's SCRIPT LOAD (forgotten on NOSCRIPT)
+        self._loaded: set[str] = set()
         # Scripts on a standalone client with a plain pool skip redis-py's command layer
         # (pool checkout, retry wrapper, callbacks: as long again as the round trip on
         # a fast network): they go pre-encoded over connections of the store's own, made
         # with the pool's settings and kept in a free list (at most one per thread
         # calling at once). A Cluster client, a pool that limits or manages its
-        # connections (BlockingConnectionPool, Sentinel, ...) or a single-connection
-        # client keeps execute_command.
+        # connections (BlockingConnectionPool, ...) or a single-connection client keeps
+        # execute_command.
         pool = getattr(client, "connection_pool", None)
+        # With durability=, a write and its WAIT share a redis-py pipeline (one round
+        # trip, one connection: WAIT counts that connection's writes).
+        # A Sentinel pool's connections ask the Sentinels for the primary when they
+        # connect, and drop themselves on READONLY (redis-py's SentinelManagedConnection):
+        # made with its settings, the store's own connections follow a failover too.
         self._direct = (
             not cluster
-            and type(pool) is ConnectionPool
+            and type(pool) in (ConnectionPool, SentinelConnectionPool)
             and getattr(client, "connection", None) is None
+            and not self._waits
         )
+        self._sentinel = type(pool) is SentinelConnectionPool
         self._free: list[Any] = []
         # On a Cluster, the same per node: a script goes straight to the primary of its
         # keys' slot (from the client's slot map); a redirection, a node going down or
         # a slot not in the map hands the call to execute_command, which follows
         # redirections and re-reads the slot map.
-        self._cluster_direct = cluster and hasattr(client, "nodes_manager")
+        self._cluster_direct = cluster and hasattr(client, "nodes_manager") and not self._waits
         self._node_free: dict[str, list[Any]] = {}
         self._pid = os.getpid()
         self._listener = self._new_listener()
@@ -140,6 +154,8 @@ class SyncPlumbing:
         """Run one script, within the socket timeouts. A blocking call cannot be
         abandoned halfway, so the asyncio store's policies for a caller that stops
         waiting (``finish``, ``undo``) have nothing to act on here."""
+        if self._waits and script.sha in C.DURABLE:
+            return self._eval_acked(script, keys, args)
         if self._direct:
             return self._eval_direct(script, keys, args)
         if self._cluster_direct:
@@ -155,6 +171,61 @@ class SyncPlumbing:
         except _ERRORS as exc:
             raise C.store_error(exc, script.name) from exc
 
+    def _eval_acked(self, script: C.Script, keys: tuple[bytes, ...], args: tuple[Any, ...]) -> Any:
+        """``_eval`` of a write with ``durability=``: the script and its WAIT/WAITAOF in
+        one redis-py pipeline (one round trip, one connection; WAIT counts the writes
+        of its connection), behind a SCRIPT LOAD the first time (so a NOSCRIPT never
+        costs a second WAIT)."""
+        t0 = time.monotonic()
+        with self._client() as client:
+            return self._acked_on(client, script, keys, args, t0)
+
+    def _acked_on(
+        self,
+        client: Any,
+        script: C.Script,
+        keys: tuple[bytes, ...],
+        args: tuple[Any, ...],
+        t0: float,
+    ) -> Any:
+        try:
+            replies = self._with_waits(client, script, keys, args, self.timeout)
+            if isinstance(replies[0], NoScriptError):
+                # Flushed (a failover, a restart): the call did not run; again behind a
+                # SCRIPT LOAD, waiting only for what is left of the bound.
+                self._loaded.discard(script.sha)
+                left = self.timeout - (time.monotonic() - t0)
+                replies = self._with_waits(client, script, keys, args, left)
+        except _ERRORS as exc:
+            raise C.store_error(exc, script.name) from exc
+        first = replies[0]
+        if isinstance(first, Exception):
+            raise C.store_error(first, script.name) from first
+        C.check_acks(self._durability, replies[1:], script.name)
+        return first
+
+    def _with_waits(
+        self,
+        client: Any,
+        script: C.Script,
+        keys: tuple[bytes, ...],
+        args: tuple[Any, ...],
+        left: float,
+    ) -> list[Any]:
+        pipe = client.pipeline(transaction=False)
+        load = script.sha not in self._loaded
+        if load:
+            pipe.execute_command("SCRIPT", "LOAD", script.text)
+        pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args, **ND)
+        for wait in C.wait_commands(self._durability, left):
+            pipe.execute_command(*wait)
+        replies: list[Any] = pipe.execute(raise_on_error=False)
+        if load:
+            if not isinstance(replies[0], Exception):
+                self._loaded.add(script.sha)
+            replies = replies[1:]
+        return replies
+
     def _eval_direct(self, script: C.Script, keys: tuple[bytes, ...], args: tuple[Any, ...]) -> Any:
         """``_eval`` on a connection of the store's own: what ``execute_command`` does
         for EVALSHA (the connection's retry policy, a failed connection dropped before a
@@ -168,7 +239,7 @@ class SyncPlumbing:
             conn = pool.connection_class(**pool.connection_kwargs)
         clean = False
         try:
-            reply = self._on(conn, script, keys, args)
+            reply = self._on(conn, script, keys, args, self._sentinel)
             clean = True
             return reply
         except ResponseError as exc:
@@ -232,20 +303,37 @@ class SyncPlumbing:
             free.append(conn)
 
     @staticmethod
-    def _on(conn: Any, script: C.Script, keys: tuple[bytes, ...], args: tuple[Any, ...]) -> Any:
+    def _on(
+        conn: Any,
+        script: C.Script,
+        keys: tuple[bytes, ...],
+        args: tuple[Any, ...],
+        connect: bool = False,
+    ) -> Any:
+        """``connect``: call ``conn.connect()`` first (a no-op once connected). A
+        Sentinel connection finds the primary only there: ``send_packed_command``
+        connects by itself, but (redis-py 8) to the default address, past the
+        Sentinel's override."""
         packed = [pack_eval(eval_head(script.sha), keys, args)]
 
         def once() -> Any:
+            if connect:
+                conn.connect()
             conn.send_packed_command(packed)
             return conn.read_response(disable_decoding=True)
 
         def failed(_: Exception) -> None:
             conn.disconnect()
 
+        def as_eval() -> Any:
+            if connect:
+                conn.connect()
+            return _as_eval(conn, script, keys, args)
+
         try:
             return conn.retry.call_with_retry(once, failed)
         except NoScriptError:
-            return conn.retry.call_with_retry(partial(_as_eval, conn, script, keys, args), failed)
+            return conn.retry.call_with_retry(as_eval, failed)
 
     def _unregister(self, channel: bytes, gid: bytes) -> None:
         # This process stopped waiting without the lock: a release need not hold the

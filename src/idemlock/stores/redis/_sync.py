@@ -157,18 +157,25 @@ class RedisStore(SyncPlumbing):
                 pipe = client.pipeline(transaction=False)
                 for script, keys, args in calls:
                     pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args, **ND)
+                for wait in self._waits:  # durability=: on the same connection
+                    pipe.execute_command(*wait)
                 replies = pipe.execute(raise_on_error=False)
+                replies, acks = replies[: len(calls)], replies[len(calls) :]
                 again = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
                 if again:
                     # Not in the cache: those renewals did not run; as EVAL (see _calls).
                     pipe = client.pipeline(transaction=False)
                     for i in again:
                         pipe.execute_command(*eval_text_args(*calls[i]), **ND)
+                    for wait in self._waits:
+                        pipe.execute_command(*wait)
                     redone = pipe.execute(raise_on_error=False)
+                    redone, acks = redone[: len(again)], redone[len(again) :]
                     for i, reply in zip(again, redone, strict=True):
                         replies[i] = reply
             except _ERRORS as exc:
                 raise C.store_error(exc, "renew_many") from exc
+            C.check_acks(self._durability, acks, "renew_many")
             # A script error is about its one key (say, a corrupt value): that
             # renewal is refused (the holder learns it lost it), the others stand.
             return [T.NO_EXPIRY if isinstance(r, Exception) else r for r in replies]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode
 
@@ -71,7 +72,7 @@ def _check_query(url: str, query: dict[str, str], allowed: set[str]) -> None:
         raise ConfigurationError(
             f"unknown option(s) {', '.join(unknown)} in Redis URL {shown(url)!r}; use "
             "redis-py connection options (socket_timeout=, ssl_cert_reqs=, ...) or "
-            "idemlock's timeout= and counter_ttl= (seconds) and handoff_ms="
+            "idemlock's timeout= and counter_ttl= (seconds), handoff_ms= and durability="
         )
 
 
@@ -122,10 +123,19 @@ def build(url: str, options: dict[str, Any], asynchronous: bool) -> tuple[Any, b
             own,
         )
     if scheme in ("redis+cluster", "rediss+cluster"):
+        if not own.durability.none:
+            raise ConfigurationError(
+                f"durability={own.durability} is not supported on Redis Cluster yet; "
+                f"remove it from the options of {shown(url)!r} (or use durability=none)"
+            )
         return _cluster(url, scheme, netloc, path, query, kwargs, opts_in, asynchronous), True, own
+    if scheme in ("redis+sentinel", "rediss+sentinel"):
+        client = _sentinel(url, scheme, netloc, path, query, kwargs, opts_in, asynchronous)
+        return client, False, own
     raise ConfigurationError(
-        f"{shown(url)!r} is not a Redis URL; use redis://, rediss://, unix:// or "
-        "redis+cluster://host:port[,host:port...]"
+        f"{shown(url)!r} is not a Redis URL; use redis://, rediss://, unix://, "
+        "redis+cluster://host:port[,host:port...] or "
+        "redis+sentinel://host:port[,host:port...]/SERVICE[/DB]"
     )
 
 
@@ -173,7 +183,9 @@ def _standalone(
         raise ConfigurationError(f"bad Redis URL or option in {shown(url)!r}: {exc}") from exc
 
 
-def _hostport(url: str, item: str) -> tuple[str, int]:
+def _hostport(
+    url: str, item: str, what: str = "cluster node", port: str = "6379"
+) -> tuple[str, int]:
     if item.startswith("["):
         host, _, rest = item[1:].partition("]")
         port_s = rest.removeprefix(":")
@@ -181,10 +193,10 @@ def _hostport(url: str, item: str) -> tuple[str, int]:
         host, _, port_s = item.rpartition(":")
         if not host:
             host, port_s = port_s, ""
-    port_s = port_s or "6379"
+    port_s = port_s or port
     if not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
         raise ConfigurationError(
-            f"bad cluster node {item!r} in {shown(url)!r}; write host:port[,host:port...]"
+            f"bad {what} {item!r} in {shown(url)!r}; write host:port[,host:port...]"
         )
     return unquote(host), int(port_s)
 
@@ -256,6 +268,79 @@ def _cluster(
         ) from exc
 
 
+#: Options of a Sentinel URL for the Sentinels themselves (the userinfo is the
+#: primary's credentials; Sentinels with ``requirepass`` take these).
+SENTINEL_OPTIONS = ("sentinel_username", "sentinel_password")
+
+
+def _sentinel(
+    url: str,
+    scheme: str,
+    netloc: str,
+    path: str,
+    query: dict[str, str],
+    kwargs: dict[str, Any],
+    options: dict[str, Any],
+    asynchronous: bool,
+) -> Any:
+    """A client of the primary of ``SERVICE`` as the Sentinels name it: each new
+    connection asks them where the primary is, and a connection to a demoted primary
+    (READONLY) is dropped, so the next call reaches the new one."""
+    import redis.asyncio.sentinel
+    import redis.connection
+    import redis.sentinel
+
+    userinfo, _, hosts = netloc.rpartition("@")
+    nodes = [_hostport(url, h, "Sentinel", "26379") for h in hosts.split(",") if h]
+    service, _, db = path.strip("/").partition("/")
+    if not nodes or not service or "/" in db or (db and not db.isdigit()):
+        raise ConfigurationError(
+            f"a Sentinel URL is redis+sentinel://[user:password@]host:port[,host:port...]"
+            f"/SERVICE[/DB] (SERVICE: the name the Sentinels monitor, DB: a database "
+            f"number), got {shown(url)!r}"
+        )
+    sentinel_kw: dict[str, Any] = {
+        k: v for k, v in kwargs.items() if k in ("socket_timeout", "socket_connect_timeout")
+    }
+    for name in SENTINEL_OPTIONS:
+        value = query.pop(name, None)
+        value = options.pop(name, value)
+        if value is not None:
+            sentinel_kw[name.removeprefix("sentinel_")] = unquote(str(value))
+    ssl = scheme.startswith("rediss")
+    conn_cls = redis.connection.SSLConnection if ssl else redis.connection.Connection
+    _check_query(url, query, _allowed_connection_args(conn_cls))
+    _check_keywords(options, conn_cls, redis.Redis)
+    one = f"{'rediss' if ssl else 'redis'}://{userinfo + '@' if userinfo else ''}h/{db or 0}"
+    if query:
+        one += "?" + urlencode(query)
+    try:
+        parsed = redis.connection.parse_url(one)  # type: ignore[no-untyped-call]
+    except ValueError as exc:
+        raise ConfigurationError(f"bad option in {shown(url)!r}: {exc}") from exc
+    for drop in ("host", "port", "connection_class"):
+        parsed.pop(drop, None)
+    if ssl:
+        parsed["ssl"] = True
+        sentinel_kw["ssl"] = True
+    if "retry" not in options:
+        kwargs["retry"] = _default_retry(asynchronous)
+    kwargs.update(parsed)
+    kwargs.update(options)
+    try:
+        if asynchronous:
+            sentinels: Any = redis.asyncio.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+                nodes, sentinel_kwargs=sentinel_kw, **kwargs
+            )
+        else:
+            sentinels = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+                nodes, sentinel_kwargs=sentinel_kw, **kwargs
+            )
+        return sentinels.master_for(service)
+    except (ValueError, TypeError) as exc:
+        raise ConfigurationError(f"bad Redis Sentinel URL or option {shown(url)!r}: {exc}") from exc
+
+
 _BOUNDED: Any = None
 
 
@@ -325,6 +410,39 @@ def _bounded_cluster_class() -> Any:
     return _BOUNDED
 
 
+def check_aof(client: Any, durability: Any, where: str) -> None:
+    """Refuse ``durability=aof...`` now, at connect, when the server cannot honour it:
+    found by asking the server (``WAITAOF 1 0 1``, which returns at once), not by its
+    version. No WAITAOF (Redis < 7.2), or ``appendonly no``: ConfigurationError."""
+    if not durability.aof:
+        return
+    from redis.exceptions import ResponseError
+
+    try:
+        try:
+            client.execute_command("WAITAOF", 1, 0, 1)
+            return
+        except ResponseError as exc:
+            refusal = str(exc)
+        version = str(client.info("server").get("redis_version", "?"))
+    except Exception as exc:
+        raise StoreUnavailable(
+            f"cannot check that the Redis server at {where} supports durability="
+            f"{durability} (WAITAOF): {type(exc).__name__}: {exc}"
+        ) from exc
+    if "unknown command" in refusal.lower():
+        raise ConfigurationError(
+            f"durability={durability} needs WAITAOF (Redis >= 7.2), but the server at "
+            f"{where} is Redis {version}; upgrade it, or use durability=replicas:N "
+            "(WAIT, any version) or durability=none"
+        )
+    raise ConfigurationError(
+        f"durability={durability} needs the append-only file on the server at {where} "
+        f"(Redis {version} refused WAITAOF: {refusal}); set appendonly yes there, or use "
+        "durability=replicas:N or none"
+    )
+
+
 def check_client(client: Any, asynchronous: bool) -> bool:
     """Whether ``client`` is a cluster client; raises if it is no usable redis-py client."""
     import redis
@@ -368,12 +486,12 @@ def client_options(options: dict[str, Any], client: Any = None) -> Options:
         # The bound of a client we did not build: its own socket timeout, if it has one.
         sock = _client_socket_timeout(client)
         if sock is not None:
-            own = Options(own.keep_ms, own.handoff_ms, sock)
+            own = replace(own, timeout=sock)
     if opts:
         raise ConfigurationError(
             f"unknown option(s) {', '.join(sorted(opts))} for a Redis store built from a "
             "client; configure the client itself, idemlock only takes timeout=, "
-            "counter_ttl= and handoff_ms="
+            "counter_ttl=, durability= and handoff_ms="
         )
     return own
 
