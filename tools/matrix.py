@@ -48,7 +48,12 @@ EXTRA_SESSIONS: dict[str, dict[str, list[str]]] = {
     "redis": {
         # redis-py without hiredis: its pure-Python parser (-p tests.no_hiredis proves it)
         "contract": ["-p", "tests.no_hiredis", "tests/contract", "-k", "redis"],
-        "tests": ["-p", "tests.no_hiredis", "tests/test_redis_store.py"],
+        "tests": [
+            "-p",
+            "tests.no_hiredis",
+            "tests/test_redis_store.py",
+            "tests/test_redis_sentinel.py",
+        ],
     },
     "postgres": {
         # psycopg without [binary]: the pure-Python driver on the system's libpq
@@ -123,6 +128,7 @@ LOWEST_FROM_TEST = (
 LOWEST_CONTRACT = ["tests/contract", "-k", "not memory and not sqlite"]
 LOWEST_TESTS = [
     "tests/test_redis_store.py",
+    "tests/test_redis_sentinel.py",
     "tests/test_postgres_store.py",
     "tests/test_etcd_store.py",
     "tests/test_sqlite_store.py",
