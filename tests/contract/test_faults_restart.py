@@ -32,19 +32,35 @@ from idemlock import (
 )
 
 from .facade import Facade
-from .fault_stores import BOUND, Outcome, assert_unavailable, eventually, timed
+from .fault_stores import (
+    BOUND,
+    Outcome,
+    SharedFault,
+    assert_unavailable,
+    each_face_in_one_fault,
+    eventually,
+    timed,
+)
+from .harness import Harness
 
 SPEC = IdempotencySpec("restart", lease=timedelta(seconds=30))
 LOCK = LockSpec("restart", ttl=timedelta(seconds=30))
 
 
-async def test_calls_while_the_store_is_down_fail_within_the_bound(fault_api: Facade) -> None:
+async def test_calls_while_the_store_is_down_fail_within_the_bound(
+    fault_harness: Harness,
+) -> None:
+    # Both faces at once, in one outage (fault_stores.each_face_in_one_fault).
+    await each_face_in_one_fault(fault_harness, "outage", _calls_while_the_store_is_down)
+
+
+async def _calls_while_the_store_is_down(fault_api: Facade, outage: SharedFault) -> None:
     port, locks = fault_api.idem(SPEC), fault_api.lock(LOCK)
     claim = await port.claim("held")
     assert isinstance(claim, Claimed)
     lease = await locks.acquire("held")
     assert lease is not None
-    with fault_api.harness.outage():
+    async with outage:
         calls = {
             "claim": lambda: port.claim("during"),
             "complete": lambda: port.complete(claim.token, "v"),
