@@ -185,18 +185,37 @@ class SharedFault:
         await asyncio.to_thread(self._out.wait)
 
 
+class SharedRestart:
+    """``harness.restart()`` made once for the faces of one test run at the same time:
+    ``await restart()`` waits until every face calls it, then the store restarts
+    (while the faces' other tasks, a stream of calls, go on) and every face goes on."""
+
+    def __init__(self, harness: Harness, parties: int = 2) -> None:
+        self._barrier = threading.Barrier(parties, action=harness.restart, timeout=HANG * 2)
+
+    def abort(self) -> None:
+        self._barrier.abort()
+
+    async def __call__(self) -> None:
+        await asyncio.to_thread(self._barrier.wait)
+
+
 async def each_face_in_one_fault(
     harness: Harness,
     kind: str,
-    scenario: Callable[[Facade, SharedFault], Awaitable[None]],
+    scenario: Callable[[Facade, Any], Awaitable[None]],
 ) -> None:
     """Run ``scenario(api, fault)`` on a sync and an async facade (``timeout=TIMEOUT``,
     each on a key prefix of its own) at the same time, the sync one in a thread with an
     event loop of its own; ``async with fault:`` in the scenario is the block during
     which the store is stalled (``kind="stall"``) or down (``"outage"``), shared by both
-    faces (see :class:`SharedFault`). Every check of each face is made; a failure names
-    its face (a face's failure stops the other, whose broken wait is not reported)."""
-    fault = SharedFault(harness, kind)
+    faces (see :class:`SharedFault`); with ``kind="restart"`` the scenario gets a
+    :class:`SharedRestart` instead, ``await restart()`` in place of a restart of its own.
+    Every check of each face is made; a failure names its face (a face's failure stops
+    the other, whose broken wait is not reported)."""
+    fault: SharedFault | SharedRestart = (
+        SharedRestart(harness) if kind == "restart" else SharedFault(harness, kind)
+    )
 
     async def one(mode: str) -> None:
         h = dataclasses.replace(harness, prefix=f"{harness.prefix}{mode[0]}")
