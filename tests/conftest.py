@@ -60,6 +60,41 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
 
 
+class _LoadGroupIds:
+    """What pytest-xdist's ``--dist loadgroup`` does on each worker, where it cannot:
+    the group of an item (its ``xdist_group`` marks) is a suffix of its node id
+    (``...::test@group``), by which the controller keeps a group on one worker.
+    pytest-xdist 3.8 writes ``item._nodeid``, which pytest >= 9.2 no longer reads (the
+    id lives in ``item._id``): every group was spread over both workers, so each file's
+    module-scoped servers, apps and benchmark reports started once per worker, at the
+    same time. Runs after xdist's own hook and leaves an id it suffixed alone."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(
+        self, config: pytest.Config, items: list[pytest.Item]
+    ) -> None:
+        if not getattr(config.option, "loadgroup", False):
+            return
+        for item in items:
+            names = {
+                str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                for m in item.iter_markers("xdist_group")
+            }
+            if not names:
+                continue
+            suffix = "@" + "_".join(sorted(names))
+            if item.nodeid.endswith(suffix):
+                continue  # xdist did it (pytest < 9.2)
+            nodeid = item.nodeid + suffix
+            if hasattr(item, "_id"):  # pytest >= 9.2: nodeid is str(item._id)
+                from _pytest.nodeid import coerce_node_id
+
+                item._id = coerce_node_id(nodeid)
+            else:
+                item._nodeid = nodeid
+            assert item.nodeid == nodeid, (item.nodeid, nodeid)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """A skipped test is a failure here: every store and every dependency the suite
     needs is installed by .ci/run, so a skip can only hide a missing piece."""
@@ -128,6 +163,7 @@ def pytest_configure(config: pytest.Config) -> None:
     global _config
     _config = config
     config.pluginmanager.register(_progress, "idemlock-progress")
+    config.pluginmanager.register(_LoadGroupIds(), "idemlock-loadgroup-ids")
     _proc.sweep_stale_roots()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):

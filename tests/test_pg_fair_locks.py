@@ -499,8 +499,16 @@ def test_a_cancelled_subscribe_does_not_leave_the_process_waiting(
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await task
-            # Healed: the thread's LISTEN completes; then a one-shot try, not a waiter's.
-            await asyncio.sleep(0.5)
+            # Healed: the thread's LISTEN completes and the subscription it made is closed
+            # as it arrives (the channel is listened on, nobody of this process waits on
+            # it); then a one-shot try, not a waiter's.
+            listener = waiter.store.listener
+            deadline = time.monotonic() + 20  # a bound against hanging, not a timing assert
+            while not (listener.is_listening(chan) and listener.waiting(chan) is None):
+                assert time.monotonic() < deadline, (
+                    "the cancelled subscribe's LISTEN never completed and closed"
+                )
+                await asyncio.sleep(0.01)
             assert isinstance(await waiter.store.acquire(NS, key, "try-once", TTL), Held)
             return registrations(fault_postgres_server.dsn, chan)
         finally:

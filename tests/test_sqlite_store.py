@@ -41,7 +41,11 @@ from idemlock.stores.sqlite import SQLiteAsyncStore, SQLiteStore, open_async, op
 
 from .servers._proc import waitpid
 
-CTX = mp.get_context("spawn")
+#: Child processes fork from a forkserver that has idemlock imported: each is a fresh
+#: process of its own (nothing of the test's threads, files or connections), without a
+#: new interpreter's start-up and imports each time (seconds a test on a loaded machine).
+CTX = mp.get_context("forkserver")
+CTX.set_forkserver_preload(["idemlock", "idemlock.stores.sqlite"])
 NS = "t:job"
 LOCKS = "t:lock"
 LONG = 60_000  # ms: a lease that outlives the test

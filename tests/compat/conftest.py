@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
 
 from idemlock.compat import ports
 from tests.contract.conftest import harness  # noqa: F401  (the every-store fixture)
+from tests.contract.facade import each_mode
 from tests.contract.harness import Harness
 
 
@@ -27,3 +28,30 @@ async def backend(request: pytest.FixtureRequest, harness: Harness) -> AsyncIter
             yield made
         finally:
             await made.close()
+
+
+async def each_backend(
+    harness: Harness,  # noqa: F811
+    scenario: Callable[[Any, Harness], Awaitable[None]],
+) -> None:
+    """``scenario(backend, h)`` on a ports.Backend and on a ports.AsyncBackend, each on a
+    key prefix of its own (``h``), for a test whose subject takes real time: both run at
+    once on a store that judges time by its own clock, so the wait is spent once for
+    the two, and one after the other on a manual clock (tests/contract/facade.py
+    each_mode). Every check of each is made; a failure names its face."""
+
+    async def one(mode: str, h: Harness) -> None:
+        if mode == "sync":
+            made: Any = ports.Backend(h.sync())
+            try:
+                await scenario(made, h)
+            finally:
+                made.close()
+        else:
+            made = ports.AsyncBackend(h.aio())
+            try:
+                await scenario(made, h)
+            finally:
+                await made.close()
+
+    await each_mode(harness, one)

@@ -24,6 +24,7 @@ from idemlock.compat.ports import (
     InFlight,
 )
 from idemlock.stores.memory import MemoryStore
+from tests.compat.conftest import each_backend
 from tests.contract.harness import Harness
 
 LOCK = DistributedLockSpec("jobs", ttl=timedelta(seconds=30))
@@ -58,7 +59,11 @@ async def test_begin_commit_replay(backend: Any) -> None:
         await _(idem.commit(first, {"charged": 6}))
 
 
-async def test_commit_keeps_the_specs_ttl(backend: Any, harness: Harness) -> None:
+async def test_commit_keeps_the_specs_ttl(harness: Harness) -> None:
+    await each_backend(harness, _commit_keeps_the_specs_ttl)
+
+
+async def _commit_keeps_the_specs_ttl(backend: Any, harness: Harness) -> None:
     # A token carries only the spec's name: commit must still use the begun spec's ttl.
     spec = IdempotencySpec("kept", ttl=timedelta(seconds=0.5), lease=timedelta(seconds=30))
     idem = backend.idempotency
@@ -80,7 +85,11 @@ async def test_fail_lets_a_retry_run(backend: Any) -> None:
     await _(idem.commit(retry.token, "done"))  # a bare ClaimToken works too
 
 
-async def test_takeover_after_lease_and_late_commit(backend: Any, harness: Harness) -> None:
+async def test_takeover_after_lease_and_late_commit(harness: Harness) -> None:
+    await each_backend(harness, _takeover_after_lease_and_late_commit)
+
+
+async def _takeover_after_lease_and_late_commit(backend: Any, harness: Harness) -> None:
     idem = backend.idempotency
     # Nobody took over: a commit after the lease ended is still recorded.
     late = await _(idem.begin(BRIEF, "late"))
@@ -129,7 +138,11 @@ async def test_lock_commands_and_queries(backend: Any) -> None:
     assert await _(cmd.release("r", "bob")) is True
 
 
-async def test_reset_renews_and_expiry_is_not_revived(backend: Any, harness: Harness) -> None:
+async def test_reset_renews_and_expiry_is_not_revived(harness: Harness) -> None:
+    await each_backend(harness, _reset_renews_and_expiry_is_not_revived)
+
+
+async def _reset_renews_and_expiry_is_not_revived(backend: Any, harness: Harness) -> None:
     cmd, query = backend.commands(SHORT), backend.queries(SHORT)
     got = await _(cmd.acquire("k", "w1"))
     assert got is not None
@@ -145,7 +158,11 @@ async def test_reset_renews_and_expiry_is_not_revived(backend: Any, harness: Har
     assert other is not None and other.token is not None and other.token > (got.token or 0)
 
 
-async def test_scope_renews_a_long_section(backend: Any) -> None:
+async def test_scope_renews_a_long_section(harness: Harness) -> None:
+    await each_backend(harness, _scope_renews_a_long_section)
+
+
+async def _scope_renews_a_long_section(backend: Any, harness: Harness) -> None:
     spec = DistributedLockSpec("scoped", ttl=timedelta(seconds=0.6))
     cmd, query = backend.commands(spec), backend.queries(spec)
     scope = backend.scope(spec, "s", "me", extend_interval=timedelta(seconds=0.1))
@@ -175,7 +192,11 @@ async def test_scope_raises_when_held(backend: Any) -> None:
                 pass
 
 
-async def test_scope_waits_for_the_release(backend: Any) -> None:
+async def test_scope_waits_for_the_release(harness: Harness) -> None:
+    await each_backend(harness, _scope_waits_for_the_release)
+
+
+async def _scope_waits_for_the_release(backend: Any, harness: Harness) -> None:
     cmd = backend.commands(LOCK)
     assert await _(cmd.acquire("handoff", "first")) is not None
     scope = backend.scope(LOCK, "handoff", "second", wait=timedelta(seconds=10))
@@ -201,7 +222,11 @@ async def test_scope_waits_for_the_release(backend: Any) -> None:
     assert await _(cmd.acquire("handoff", "third")) is not None
 
 
-async def test_scope_reports_a_lost_lease(backend: Any, harness: Harness) -> None:
+async def test_scope_reports_a_lost_lease(harness: Harness) -> None:
+    await each_backend(harness, _scope_reports_a_lost_lease)
+
+
+async def _scope_reports_a_lost_lease(backend: Any, harness: Harness) -> None:
     spec = DistributedLockSpec("lost", ttl=timedelta(seconds=0.5))
     cmd = backend.commands(spec)
     scope = backend.scope(spec, "l", "me", extend_interval=timedelta(seconds=0.1))

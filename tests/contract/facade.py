@@ -131,11 +131,24 @@ async def each_face(harness: Harness, scenario: Callable[[Facade], Awaitable[Non
         facade = sync_facade(h) if mode == "sync" else async_facade(h)
         try:
             await scenario(facade)
+        finally:
+            await facade.close()
+
+    await each_mode(harness, one)
+
+
+async def each_mode(harness: Harness, run: Callable[[str, Harness], Awaitable[None]]) -> None:
+    """``run(mode, h)`` for mode "sync" and "async", ``h`` a copy of ``harness`` on a key
+    prefix of its own: at once (the sync one in a thread with an event loop of its own)
+    on a store that judges time by its own clock, one after the other on a store with a
+    manual clock (see :func:`each_face`). A failure names its mode."""
+
+    async def one(mode: str, h: Harness) -> None:
+        try:
+            await run(mode, h)
         except BaseException as exc:
             exc.add_note(f"(on the {mode} face)")
             raise
-        finally:
-            await facade.close()
 
     faces = {
         mode: dataclasses.replace(harness, prefix=f"{harness.prefix}{mode[0]}")

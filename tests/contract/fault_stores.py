@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import sqlite3
 import threading
 import time
@@ -142,6 +143,101 @@ def assert_unavailable(out: Outcome, what: str, bound: float = BOUND) -> None:
     assert out.elapsed <= bound, (
         f"{what} on a silent/down store {out.describe()}: past the bound of {bound:.1f}s"
     )
+
+
+class SharedFault:
+    """One fault block of ``harness`` (``stall`` or ``outage``) shared by the faces of a
+    test that run at the same time (:func:`each_face_in_one_fault`): ``async with``
+    waits until every face is at its block, the last one in starts the fault, and the
+    fault ends once every face has left its block. So each face makes its calls on a
+    store that is silent (or down) from before the first of them to after the last,
+    as when it runs alone, and the fault's real time is spent once for both faces."""
+
+    def __init__(self, harness: Harness, kind: str, parties: int = 2) -> None:
+        self._make = getattr(harness, kind)
+        self._cm: contextlib.AbstractContextManager[None] | None = None
+        self._lock = threading.Lock()
+        self._in = threading.Barrier(parties, action=self._start, timeout=HANG * 2)
+        self._out = threading.Barrier(parties, action=self._end, timeout=HANG * 2)
+
+    def _start(self) -> None:
+        cm = self._make()
+        cm.__enter__()
+        with self._lock:
+            self._cm = cm
+
+    def _end(self) -> None:
+        with self._lock:
+            cm, self._cm = self._cm, None
+        if cm is not None:
+            cm.__exit__(None, None, None)
+
+    def abort(self) -> None:
+        """A face failed: the others stop waiting for it, and the fault ends."""
+        self._in.abort()
+        self._out.abort()
+        self._end()
+
+    async def __aenter__(self) -> None:
+        await asyncio.to_thread(self._in.wait)
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.to_thread(self._out.wait)
+
+
+class SharedRestart:
+    """``harness.restart()`` made once for the faces of one test run at the same time:
+    ``await restart()`` waits until every face calls it, then the store restarts
+    (while the faces' other tasks, a stream of calls, go on) and every face goes on."""
+
+    def __init__(self, harness: Harness, parties: int = 2) -> None:
+        self._barrier = threading.Barrier(parties, action=harness.restart, timeout=HANG * 2)
+
+    def abort(self) -> None:
+        self._barrier.abort()
+
+    async def __call__(self) -> None:
+        await asyncio.to_thread(self._barrier.wait)
+
+
+async def each_face_in_one_fault(
+    harness: Harness,
+    kind: str,
+    scenario: Callable[[Facade, Any], Awaitable[None]],
+) -> None:
+    """Run ``scenario(api, fault)`` on a sync and an async facade (``timeout=TIMEOUT``,
+    each on a key prefix of its own) at the same time, the sync one in a thread with an
+    event loop of its own; ``async with fault:`` in the scenario is the block during
+    which the store is stalled (``kind="stall"``) or down (``"outage"``), shared by both
+    faces (see :class:`SharedFault`); with ``kind="restart"`` the scenario gets a
+    :class:`SharedRestart` instead, ``await restart()`` in place of a restart of its own.
+    Every check of each face is made; a failure names its face (a face's failure stops
+    the other, whose broken wait is not reported)."""
+    fault: SharedFault | SharedRestart = (
+        SharedRestart(harness) if kind == "restart" else SharedFault(harness, kind)
+    )
+
+    async def one(mode: str) -> None:
+        h = dataclasses.replace(harness, prefix=f"{harness.prefix}{mode[0]}")
+        facade = (sync_facade if mode == "sync" else async_facade)(h, timeout=TIMEOUT)
+        try:
+            await scenario(facade, fault)
+        except BaseException as exc:
+            fault.abort()
+            exc.add_note(f"(on the {mode} face)")
+            raise
+        finally:
+            await facade.close()
+
+    try:
+        results = await asyncio.gather(
+            asyncio.to_thread(asyncio.run, one("sync")), one("async"), return_exceptions=True
+        )
+    finally:
+        fault.abort()  # ends the fault if a face never left its block
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:  # the face that failed first, not the other's broken wait
+        raise min(errors, key=lambda e: isinstance(e, threading.BrokenBarrierError))
 
 
 class LockHolder:

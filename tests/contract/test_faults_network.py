@@ -37,7 +37,15 @@ from idemlock import (
 
 from ..servers.proxy import TcpProxy
 from .facade import Facade
-from .fault_stores import BOUND, TIMEOUT, assert_unavailable, eventually, timed
+from .fault_stores import (
+    BOUND,
+    TIMEOUT,
+    SharedFault,
+    assert_unavailable,
+    each_face_in_one_fault,
+    eventually,
+    timed,
+)
 from .harness import Harness
 
 SPEC = IdempotencySpec("net", lease=timedelta(seconds=30))
@@ -120,10 +128,18 @@ def test_proxy_blackholes_heals_and_cuts() -> None:
 # ---- one call while the store is silent -----------------------------------------------
 
 
-async def test_silent_claim_is_bounded_and_the_coordinator_recovers(fault_api: Facade) -> None:
+async def test_silent_claim_is_bounded_and_the_coordinator_recovers(fault_harness: Harness) -> None:
+    await each_face_in_one_fault(
+        fault_harness, "stall", _silent_claim_is_bounded_and_the_coordinator_recovers
+    )
+
+
+async def _silent_claim_is_bounded_and_the_coordinator_recovers(
+    fault_api: Facade, fault: SharedFault
+) -> None:
     port = fault_api.idem(SPEC)
     assert isinstance(await port.claim("warm"), Claimed)  # connections exist now
-    with fault_api.harness.stall():
+    async with fault:
         out = await timed(fault_api, lambda: port.claim("k"))
     assert_unavailable(out, "claim")
     # The same coordinator works again, and each reply answers its own request: a
@@ -140,11 +156,21 @@ async def test_silent_claim_is_bounded_and_the_coordinator_recovers(fault_api: F
     assert isinstance(await port.claim("k"), Claimed | InFlight)
 
 
-async def test_silent_complete_is_bounded_and_the_result_is_not_lost(fault_api: Facade) -> None:
+async def test_silent_complete_is_bounded_and_the_result_is_not_lost(
+    fault_harness: Harness,
+) -> None:
+    await each_face_in_one_fault(
+        fault_harness, "stall", _silent_complete_is_bounded_and_the_result_is_not_lost
+    )
+
+
+async def _silent_complete_is_bounded_and_the_result_is_not_lost(
+    fault_api: Facade, fault: SharedFault
+) -> None:
     port = fault_api.idem(SPEC)
     claim = await port.claim("k")
     assert isinstance(claim, Claimed)
-    with fault_api.harness.stall():
+    async with fault:
         out = await timed(fault_api, lambda: port.complete(claim.token, {"v": 1}))
     assert_unavailable(out, "complete")
     # Re-sending the completion is safe: it lands, or the first one had landed.
@@ -153,11 +179,15 @@ async def test_silent_complete_is_bounded_and_the_result_is_not_lost(fault_api: 
     assert isinstance(replay, Completed) and replay.result == {"v": 1}, replay
 
 
-async def test_silent_abandon_is_bounded(fault_api: Facade) -> None:
+async def test_silent_abandon_is_bounded(fault_harness: Harness) -> None:
+    await each_face_in_one_fault(fault_harness, "stall", _silent_abandon_is_bounded)
+
+
+async def _silent_abandon_is_bounded(fault_api: Facade, fault: SharedFault) -> None:
     port = fault_api.idem(SPEC)
     claim = await port.claim("k")
     assert isinstance(claim, Claimed)
-    with fault_api.harness.stall():
+    async with fault:
         out = await timed(fault_api, lambda: port.abandon(claim.token))
     assert_unavailable(out, "abandon")
     # StaleClaim: the first abandon had landed.
@@ -165,11 +195,15 @@ async def test_silent_abandon_is_bounded(fault_api: Facade) -> None:
     assert isinstance(await port.claim("k"), Claimed)
 
 
-async def test_silent_acquire_is_bounded(fault_api: Facade) -> None:
+async def test_silent_acquire_is_bounded(fault_harness: Harness) -> None:
+    await each_face_in_one_fault(fault_harness, "stall", _silent_acquire_is_bounded)
+
+
+async def _silent_acquire_is_bounded(fault_api: Facade, fault: SharedFault) -> None:
     locks = fault_api.lock(LONG)
     warm = await locks.acquire("warm")
     assert warm is not None
-    with fault_api.harness.stall():
+    async with fault:
         out = await timed(fault_api, lambda: locks.acquire("L", owner="me"))
     assert_unavailable(out, "acquire")
     # Maybe applied: the same owner gets the lock (or the same lease) again.
@@ -182,12 +216,16 @@ async def test_silent_acquire_is_bounded(fault_api: Facade) -> None:
     await locks.release(warm)
 
 
-async def test_silent_waited_acquire_is_bounded(fault_api: Facade) -> None:
+async def test_silent_waited_acquire_is_bounded(fault_harness: Harness) -> None:
+    await each_face_in_one_fault(fault_harness, "stall", _silent_waited_acquire_is_bounded)
+
+
+async def _silent_waited_acquire_is_bounded(fault_api: Facade, fault: SharedFault) -> None:
     locks = fault_api.lock(LONG)
     holder = await locks.acquire("L", owner="holder")
     assert holder is not None
     wait = 1.0
-    with fault_api.harness.stall():
+    async with fault:
         out = await timed(fault_api, lambda: locks.acquire("L", owner="waiter", wait=wait))
     # Nothing can be learned from a silent store: give up by the wait plus the bound.
     assert out.error is None or isinstance(out.error, idemlock.StoreUnavailable), out.describe()
@@ -196,34 +234,46 @@ async def test_silent_waited_acquire_is_bounded(fault_api: Facade) -> None:
     assert await eventually(fault_api, lambda: locks.release(holder)) is True
 
 
-async def test_silent_renew_is_bounded(fault_api: Facade) -> None:
+async def test_silent_renew_is_bounded(fault_harness: Harness) -> None:
+    await each_face_in_one_fault(fault_harness, "stall", _silent_renew_is_bounded)
+
+
+async def _silent_renew_is_bounded(fault_api: Facade, fault: SharedFault) -> None:
     locks = fault_api.lock(LONG)
     lease = await locks.acquire("L")
     assert lease is not None
-    with fault_api.harness.stall():
+    async with fault:
         out = await timed(fault_api, lambda: locks.renew(lease))
     assert_unavailable(out, "renew")
     assert await eventually(fault_api, lambda: locks.renew(lease)) is True
     assert await locks.release(lease) is True
 
 
-async def test_silent_release_is_bounded(fault_api: Facade) -> None:
+async def test_silent_release_is_bounded(fault_harness: Harness) -> None:
+    await each_face_in_one_fault(fault_harness, "stall", _silent_release_is_bounded)
+
+
+async def _silent_release_is_bounded(fault_api: Facade, fault: SharedFault) -> None:
     locks = fault_api.lock(LONG)
     lease = await locks.acquire("L")
     assert lease is not None
-    with fault_api.harness.stall():
+    async with fault:
         out = await timed(fault_api, lambda: locks.release(lease))
     assert_unavailable(out, "release")
     await eventually(fault_api, lambda: locks.release(lease))  # True, or False if it landed
     assert isinstance(await locks.acquire("L", owner="next"), Lease)
 
 
-async def test_silent_store_on_the_first_call(fault_api: Facade) -> None:
+async def test_silent_store_on_the_first_call(fault_harness: Harness) -> None:
     """A coordinator whose first call meets a silent store (connect phase)."""
+    await each_face_in_one_fault(fault_harness, "stall", _silent_store_on_the_first_call)
+
+
+async def _silent_store_on_the_first_call(fault_api: Facade, fault: SharedFault) -> None:
     fresh = fault_api.other(timeout=TIMEOUT)
     try:
         port = fresh.idem(SPEC)
-        with fault_api.harness.stall():
+        async with fault:
             out = await timed(fresh, lambda: port.claim("first"))
         assert_unavailable(out, "the first claim of a new coordinator")
         assert isinstance(await eventually(fresh, lambda: port.claim("second")), Claimed)

@@ -32,19 +32,36 @@ from idemlock import (
 )
 
 from .facade import Facade
-from .fault_stores import BOUND, Outcome, assert_unavailable, eventually, timed
+from .fault_stores import (
+    BOUND,
+    Outcome,
+    SharedFault,
+    SharedRestart,
+    assert_unavailable,
+    each_face_in_one_fault,
+    eventually,
+    timed,
+)
+from .harness import Harness
 
 SPEC = IdempotencySpec("restart", lease=timedelta(seconds=30))
 LOCK = LockSpec("restart", ttl=timedelta(seconds=30))
 
 
-async def test_calls_while_the_store_is_down_fail_within_the_bound(fault_api: Facade) -> None:
+async def test_calls_while_the_store_is_down_fail_within_the_bound(
+    fault_harness: Harness,
+) -> None:
+    # Both faces at once, in one outage (fault_stores.each_face_in_one_fault).
+    await each_face_in_one_fault(fault_harness, "outage", _calls_while_the_store_is_down)
+
+
+async def _calls_while_the_store_is_down(fault_api: Facade, outage: SharedFault) -> None:
     port, locks = fault_api.idem(SPEC), fault_api.lock(LOCK)
     claim = await port.claim("held")
     assert isinstance(claim, Claimed)
     lease = await locks.acquire("held")
     assert lease is not None
-    with fault_api.harness.outage():
+    async with outage:
         calls = {
             "claim": lambda: port.claim("during"),
             "complete": lambda: port.complete(claim.token, "v"),
@@ -71,10 +88,15 @@ async def test_calls_while_the_store_is_down_fail_within_the_bound(fault_api: Fa
     assert await locks.release(new_lease) is True
 
 
-async def test_calls_in_flight_when_the_store_restarts(fault_api: Facade) -> None:
+async def test_calls_in_flight_when_the_store_restarts(fault_harness: Harness) -> None:
     """A steady stream of calls while the store is restarted under it: each call ends
     within the bound, with an answer or StoreUnavailable (or a stale answer, for what a
-    store that lost its data no longer has), and the stream goes on afterwards."""
+    store that lost its data no longer has), and the stream goes on afterwards. Both
+    faces at once, across one restart."""
+    await each_face_in_one_fault(fault_harness, "restart", _calls_in_flight_across_a_restart)
+
+
+async def _calls_in_flight_across_a_restart(fault_api: Facade, restart_once: SharedRestart) -> None:
     port, locks = fault_api.idem(SPEC), fault_api.lock(LOCK)
     assert isinstance(await port.claim("warm"), Claimed)
     outcomes: list[tuple[str, Outcome, float]] = []
@@ -104,7 +126,7 @@ async def test_calls_in_flight_when_the_store_restarts(fault_api: Facade) -> Non
 
     async def restart() -> None:
         await asyncio.sleep(0.3)
-        await asyncio.to_thread(fault_api.harness.restart)
+        await restart_once()
         restarted["at"] = time.monotonic()
         await asyncio.sleep(1.0)
         stop.set()
@@ -127,15 +149,20 @@ async def test_calls_in_flight_when_the_store_restarts(fault_api: Facade) -> Non
     assert any(o.error is None for _, o, _ in outcomes), "no call succeeded at all"
 
 
-async def test_hold_across_a_restart_is_bounded(fault_api: Facade) -> None:
+async def test_hold_across_a_restart_is_bounded(fault_harness: Harness) -> None:
     """hold() while the store restarts: the block is left within the bound, with the
-    lease kept (a store that keeps its data and came back in time) or LockLost."""
+    lease kept (a store that keeps its data and came back in time) or LockLost. Both
+    faces at once, across one restart."""
+    await each_face_in_one_fault(fault_harness, "restart", _hold_across_a_restart)
+
+
+async def _hold_across_a_restart(fault_api: Facade, restart_once: SharedRestart) -> None:
     locks = fault_api.lock(LockSpec("restart-hold", ttl=timedelta(seconds=2)))
     outcome: Any = None
     t_left = t_exit = 0.0
     try:
         async with locks.hold("h") as lease:
-            await asyncio.to_thread(fault_api.harness.restart)
+            await restart_once()
             await asyncio.sleep(0.5)
             t_left = time.monotonic()
     except Exception as exc:

@@ -4,12 +4,18 @@ store at the port level, sync and async: the test id names the row.
 Each scenario brings a key into the row's state, makes the row's call and checks the
 reply against the row's reply and the state after it against the row's next state.
 Rows that need time to pass use short leases and ``harness.advance`` (a manual clock
-where the store has one)."""
+where the store has one); on a store that judges time by its own clock each of them
+waits in real time, so they run in one test per store, all at once (see
+:func:`test_rows_that_let_time_pass`)."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import threading
 import uuid
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -17,7 +23,7 @@ import pytest
 from idemlock._core import table as T
 from idemlock._core.port import Acquired, Busy, Channel, Done, Granted, Held, Mismatch
 
-from .facade import Facade, Proxy, each_face
+from .facade import Facade, Proxy, async_facade, each_face, sync_facade
 from .harness import Harness
 from .windows import long_windows
 
@@ -38,9 +44,16 @@ _REPLY_TYPES: dict[str, type] = {
 
 
 class Ctx:
-    def __init__(self, api: Facade, row: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(
+        self,
+        api: Facade,
+        row: str,
+        monkeypatch: pytest.MonkeyPatch,
+        live_ends: Callable[[], None] = lambda: None,
+    ) -> None:
         self.api = api
         self.monkeypatch = monkeypatch
+        self._live_ends = live_ends
         self.row = T.BY_ID[row]
         self.store = Proxy(api.coord.store, api.mode)
         self.ns = f"{api.harness.prefix}|tbl"
@@ -48,6 +61,12 @@ class Ctx:
 
     def token(self) -> str:
         return uuid.uuid4().hex
+
+    def advance(self) -> None:
+        """Let the short leases (SHORT) of the scenario lapse: ``advance(PAST)``."""
+        assert self.row.id in TIMED, f"{self.row.id} lets time pass: register it with timed=True"
+        self._live_ends()
+        self.api.harness.advance(PAST)
 
     def expect(self, reply: Any, row: str | None = None) -> Any:
         """Assert ``reply`` is the reply of ``row`` (default: the row under test)."""
@@ -78,13 +97,17 @@ class Ctx:
 
 Scenario = Callable[[Ctx], Awaitable[None]]
 SCENARIOS: dict[str, Scenario] = {}
+#: rows whose scenario lets time pass (``c.advance()``)
+TIMED: set[str] = set()
 
 
-def rows(*ids: str) -> Callable[[Scenario], Scenario]:
+def rows(*ids: str, timed: bool = False) -> Callable[[Scenario], Scenario]:
     def register(fn: Scenario) -> Scenario:
         for rid in ids:
             assert rid in T.BY_ID, rid
             SCENARIOS[rid] = fn
+            if timed:
+                TIMED.add(rid)
         return fn
 
     return register
@@ -93,11 +116,11 @@ def rows(*ids: str) -> Callable[[Scenario], Scenario]:
 # ---- claims ----------------------------------------------------------------------
 
 
-@rows("claim.new")
+@rows("claim.new", timed=True)
 async def _claim_new(c: Ctx) -> None:
     first = c.expect(await c.claim(c.token(), lease=SHORT))
     assert await c.record_state() == "in_flight"
-    c.api.harness.advance(PAST)  # lapsed: taken over with a new fence
+    c.advance()  # lapsed: taken over with a new fence
     again = c.expect(await c.claim(c.token()))
     assert again.fence > first.fence
 
@@ -134,22 +157,22 @@ async def _claim_replay(c: Ctx) -> None:
     assert c.expect(await c.claim(c.token())).result == b"result"
 
 
-@rows("claim.expiry")
+@rows("claim.expiry", timed=True)
 async def _claim_expiry(c: Ctx) -> None:
     t = c.token()
     await c.claim(t, lease=SHORT)
-    c.api.harness.advance(PAST)
+    c.advance()
     assert await c.record_state() is None  # not live: listed nowhere
     # lapsed, not absent: the late completion still lands
     assert await c.store.complete(c.ns, c.key, t, b"late", LONG)
 
 
-@rows("claim.ttl")
+@rows("claim.ttl", timed=True)
 async def _claim_ttl(c: Ctx) -> None:
     t = c.token()
     first = await c.claim(t)
     assert await c.store.complete(c.ns, c.key, t, b"r", SHORT)
-    c.api.harness.advance(PAST)
+    c.advance()
     assert await c.record_state() is None
     again = await c.claim(c.token())
     assert isinstance(again, Granted) and again.fence > first.fence
@@ -163,11 +186,11 @@ async def _complete_ok(c: Ctx) -> None:
     assert await c.record_state() == "completed"
 
 
-@rows("complete.late", "abandon.late")
+@rows("complete.late", "abandon.late", timed=True)
 async def _late(c: Ctx) -> None:
     t = c.token()
     await c.claim(t, lease=SHORT)
-    c.api.harness.advance(PAST)
+    c.advance()
     if c.row.op == "complete":
         c.expect(await c.store.complete(c.ns, c.key, t, b"r", LONG))
         assert await c.record_state() == "completed"
@@ -188,7 +211,7 @@ async def _complete_resend(c: Ctx) -> None:
     c.expect(await c.store.complete(c.ns, c.key, t, b"other", LONG), "complete.stale")
 
 
-@rows("complete.stale", "abandon.stale")
+@rows("complete.stale", "abandon.stale", timed=True)
 async def _stale(c: Ctx) -> None:
     def call(token: str) -> Any:
         if c.row.op == "complete":
@@ -199,7 +222,7 @@ async def _stale(c: Ctx) -> None:
     first = c.token()
     await c.claim(first, lease=SHORT)
     c.expect(await call(c.token()))  # in flight with another token
-    c.api.harness.advance(PAST)
+    c.advance()
     second = c.token()
     assert isinstance(await c.claim(second), Granted)  # taken over
     c.expect(await call(first))
@@ -218,22 +241,22 @@ async def _abandon_ok(c: Ctx) -> None:
     assert isinstance(again, Granted) and again.fence > first.fence  # counter kept
 
 
-@rows("extend.ok")
+@rows("extend.ok", timed=True)
 async def _extend_ok(c: Ctx) -> None:
     t = c.token()
     first = await c.claim(t, lease=SHORT)
     exp = c.expect(await c.store.extend(c.ns, c.key, t, LONG))
     assert exp > first.expires_ms
-    c.api.harness.advance(PAST)
+    c.advance()
     assert await c.record_state() == "in_flight"
 
 
-@rows("extend.stale")
+@rows("extend.stale", timed=True)
 async def _extend_stale(c: Ctx) -> None:
     t = c.token()
     await c.claim(t, lease=SHORT)
     c.expect(await c.store.extend(c.ns, c.key, c.token(), LONG))  # another token
-    c.api.harness.advance(PAST)
+    c.advance()
     c.expect(await c.store.extend(c.ns, c.key, t, LONG))  # lapsed: never revived
     assert await c.record_state() is None
 
@@ -247,11 +270,11 @@ async def _forget_live(c: Ctx) -> None:
     assert isinstance(again, Granted) and again.fence > first.fence
 
 
-@rows("forget.dead")
+@rows("forget.dead", timed=True)
 async def _forget_dead(c: Ctx) -> None:
     c.expect(await c.store.forget(c.ns, c.key))  # absent
     await c.claim(c.token(), lease=SHORT)
-    c.api.harness.advance(PAST)
+    c.advance()
     c.expect(await c.store.forget(c.ns, c.key))  # lapsed
     assert await c.record_state() is None
 
@@ -334,20 +357,20 @@ async def _lock_release_stale(c: Ctx) -> None:
     assert await c.lock_owner() == "a"
 
 
-@rows("lock.renew")
+@rows("lock.renew", timed=True)
 async def _lock_renew(c: Ctx) -> None:
     held = await c.store.acquire(c.ns, c.key, "a", SHORT)
     exp = c.expect(await c.store.renew(c.ns, c.key, "a", held.token, LONG))
     assert exp > held.expires_ms
-    c.api.harness.advance(PAST)
+    c.advance()
     assert await c.lock_owner() == "a"
 
 
-@rows("lock.renew.stale")
+@rows("lock.renew.stale", timed=True)
 async def _lock_renew_stale(c: Ctx) -> None:
     held = await c.store.acquire(c.ns, c.key, "a", SHORT)
     c.expect(await c.store.renew(c.ns, c.key, "b", held.token, LONG))
-    c.api.harness.advance(PAST)
+    c.advance()
     c.expect(await c.store.renew(c.ns, c.key, "a", held.token, LONG))  # never revived
     assert await c.lock_owner() is None
 
@@ -367,10 +390,10 @@ async def _lock_break_free(c: Ctx) -> None:
     c.expect(await c.store.break_lock(c.ns, c.key))
 
 
-@rows("lock.expiry")
+@rows("lock.expiry", timed=True)
 async def _lock_expiry(c: Ctx) -> None:
     held = await c.store.acquire(c.ns, c.key, "a", SHORT)
-    c.api.harness.advance(PAST)
+    c.advance()
     assert await c.lock_owner() is None
     again = await c.store.acquire(c.ns, c.key, "b", LONG)
     assert isinstance(again, Acquired) and again.token > held.token
@@ -411,9 +434,68 @@ def test_handoff_stores_are_store_kinds() -> None:
     assert kinds == T.HANDOFF_STORES
 
 
-@pytest.mark.parametrize("row", [r.id for r in T.ROWS])
+@pytest.mark.parametrize("row", [r.id for r in T.ROWS if r.id not in TIMED])
 async def test_row(harness: Harness, row: str, monkeypatch: pytest.MonkeyPatch) -> None:
     async def scenario(api: Facade) -> None:
         await SCENARIOS[row](Ctx(api, row, monkeypatch))
 
     await each_face(harness, scenario)
+
+
+async def test_rows_that_let_time_pass(harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every row of TIMED, on both faces, as test_row would run it. On a manual clock
+    one after the other. On a store that judges time by its own clock each row and face
+    waits PAST in real time: they all run at once, each in a thread with an event loop
+    and a coordinator of its own, on a key prefix of its own, so the wait is spent once.
+    Only their live phases (from the first call to ``c.advance()``, where a stall of
+    SHORT would let a lease lapse under a check) take turns: the others only sleep or
+    check what has lapsed meanwhile, so no live phase meets more load than in a test of
+    its own. A failure names its row and face."""
+    timed = sorted(TIMED)
+    if harness.clock is not None:
+        for row in timed:
+
+            async def scenario(api: Facade, row: str = row) -> None:
+                try:
+                    await SCENARIOS[row](Ctx(api, row, monkeypatch))
+                except BaseException as exc:
+                    exc.add_note(f"(row {row})")
+                    raise
+
+            await each_face(harness, scenario)
+        return
+
+    live = threading.Lock()
+
+    async def one(row: str, mode: str) -> None:
+        h = dataclasses.replace(harness, prefix=f"{harness.prefix}{row}{mode[0]}")
+        holding = live.acquire(timeout=120)
+        assert holding, "the live phases of the other rows did not end within 120 s"
+
+        def live_ends() -> None:
+            nonlocal holding
+            if holding:
+                holding = False
+                live.release()
+
+        api = sync_facade(h) if mode == "sync" else async_facade(h)
+        try:
+            await SCENARIOS[row](Ctx(api, row, monkeypatch, live_ends))
+        except BaseException as exc:
+            exc.add_note(f"(row {row}, on the {mode} face)")
+            raise
+        finally:
+            live_ends()
+            await api.close()
+
+    jobs = [(row, mode) for row in timed for mode in ("sync", "async")]
+    loop = asyncio.get_running_loop()
+    # a thread each (asyncio.to_thread's pool has only a few on a small machine)
+    with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="table-row") as pool:
+        results = await asyncio.gather(
+            *(loop.run_in_executor(pool, asyncio.run, one(row, mode)) for row, mode in jobs),
+            return_exceptions=True,
+        )
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        raise errors[0]
