@@ -317,6 +317,15 @@ class Env:
         with client:
             return int(client.hlen("unacked"))
 
+    def redeliverable(self) -> bool:
+        """Whether every unacknowledged message is past the visibility timeout, so a
+        worker starting now puts it back in the queue at once: kombu < 5.6 sweeps only
+        then and every 100 s after (it has no ``unacked_restore_interval``)."""
+        client: Any = self.broker.client()
+        with client:
+            ceil = time.time() - VISIBILITY_TIMEOUT - 0.2
+            return int(client.zcount("unacked_index", f"({ceil}", "+inf")) == 0
+
 
 class Worker:
     """A ``celery worker`` process (prefork pool, one child) in its own process group,
@@ -412,6 +421,7 @@ def test_killed_after_complete_before_ack_replays(env: Env) -> None:
     assert env.unacked() + queued(env) == 1
     w1.kill()
 
+    wait_for(env.redeliverable, 20, w1.why)
     w2 = start_worker(env, "w2")
 
     def replays() -> list[Any]:
@@ -439,6 +449,7 @@ def test_killed_mid_body_one_finished_run_and_late_write_refused(env: Env) -> No
     # The second worker is up before the kill, however slowly it starts, and the
     # message comes back to it (visibility timeout) while the first attempt holds the
     # claim: it meets the claim in flight and waits (in-flight retries).
+    wait_for(env.redeliverable, 20, w1.why)
     w2 = start_worker(env, "w2")
     wait_for(lambda: "ship claim in_flight" in env.lines("events.log"), 20, w2.why)
     held = coord.idempotency("ship").status("ship-B5")
