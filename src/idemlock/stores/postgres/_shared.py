@@ -20,7 +20,7 @@ from psycopg.pq import TransactionStatus
 from psycopg.types.numeric import Int8
 
 from ... import _urls
-from ..._core.port import Held
+from ..._core.port import Capabilities, Held
 from ..._errors import ConfigurationError, StoreUnavailable
 from .._forks import ForkRegistry
 from . import _watchdog
@@ -323,9 +323,10 @@ class _Base(Generic[P]):
     """The half of a store that runs no statement itself; ``P`` is its pool's type."""
 
     kind = "postgres"
-    issues_fence_tokens = True
-    #: notifications cross processes, so waiters need no polling cap
-    poll_cap: float | None = None
+    #: LISTEN/NOTIFY wakes waiters in every process
+    capabilities = Capabilities(handoff=True, renew_many=True)
+    #: the batched renewal statement, rendered on first use (``_replies._renew_many``)
+    _renew_many_stmt: Any = None
 
     def __init__(
         self,

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from ..._core.port import (
     Acquired,
+    Capabilities,
     Channel,
     ClaimReply,
     Granted,
@@ -111,7 +112,8 @@ class SQLiteStore(Connections):
     """The sync SQLite store; see the module docstring."""
 
     kind = "sqlite"
-    issues_fence_tokens = True
+    #: no notification crosses processes (the doorbell only rings a chosen waiter)
+    capabilities = Capabilities(handoff=True, renew_many=True, cross_process_wakeups=False)
     #: waiters re-check at least this often (seconds): other processes wake a waiter
     #: only when they reserve a lock for it (Linux), so this bounds the rest
     poll_cap = 0.02
@@ -529,8 +531,12 @@ class SQLiteAsyncStore(ThreadedAsyncStore):
     """The async face: each call runs in a worker thread, since it may wait up to
     ``busy_timeout`` for another writer."""
 
-    poll_cap = SQLiteStore.poll_cap
     sync: SQLiteStore
+
+    @property
+    def poll_cap(self) -> float:
+        """The sync store's :attr:`SQLiteStore.poll_cap`."""
+        return self.sync.poll_cap
 
     def __init__(self, sync: SQLiteStore) -> None:
         super().__init__(sync)
