@@ -60,7 +60,7 @@ class EtcdStore(_SyncRunner):
 
     def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
         name = K.lock_name(self.conf.root, ns, key)
-        waiter = None if self._gateway is not None else self._watcher.waiting(name)
+        waiter = self._waiting(name)
 
         def undo(reply: Acquired | Held | None) -> Op | None:
             if isinstance(reply, Acquired):

@@ -37,7 +37,6 @@ from ..._core.table import (
 from .._adapt import ThreadedAsyncStore
 from .._local import LocalHub, LocalSubscription
 from ._conn import COUNT, ROWS, Connections
-from ._fork import STORES as _STORES
 from ._sql import (
     _ABANDON,
     _ACQUIRE,
@@ -136,7 +135,8 @@ class SQLiteStore(Connections):
         self._closed = False
         self._ready = False
         self._init_lock = threading.Lock()
-        _STORES.add(self)
+        #: the process that made the pooled connections (see ``_forked``)
+        self._pid = os.getpid()
 
     def __repr__(self) -> str:
         return f"SQLiteStore({self.path!r})"
@@ -477,6 +477,8 @@ class SQLiteStore(Connections):
         """Close every pooled connection; calls in progress close theirs when done.
         The store cannot be used afterwards."""
         self._closed = True
+        if self._pid != os.getpid():
+            self._forked()  # the parent's connections: never closed here
         self._drain()
 
 
