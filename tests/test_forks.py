@@ -33,7 +33,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "idemlock"
 SPEC = IdempotencySpec("fork", lease=timedelta(seconds=30))
 LOCK = LockSpec("fork", ttl=timedelta(seconds=30))
 #: a child that has not exited by then is hung
-CHILD_LIMIT = 30.0
+CHILD_LIMIT = 15.0
 
 
 def test_register_at_fork_is_called_at_most_once_in_src() -> None:
