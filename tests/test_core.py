@@ -132,14 +132,60 @@ def test_bad_prefix() -> None:
         idemlock.connect("memory://", key_prefix="has space")
 
 
-def test_requires_fencing_token_fails_closed_at_wiring() -> None:
-    class TokenlessStore(MemoryStore):
-        issues_fence_tokens = False
+def test_requires_fencing_token_wires_on_every_store() -> None:
+    # Every store issues fencing tokens, so the requirement always holds.
+    coord = idemlock.Coordinator(MemoryStore())
+    lease = coord.lock(LockSpec("x", requires_fencing_token=True)).acquire("k", owner="o")
+    assert lease is not None and isinstance(lease.token, int) and lease.token > 0
 
-    coord = idemlock.Coordinator(TokenlessStore())
-    with pytest.raises(ConfigurationError):
-        coord.lock(LockSpec("x", requires_fencing_token=True))
-    coord.lock(LockSpec("x"))  # without the requirement it wires
+
+def test_an_object_that_declares_no_capabilities_is_not_a_store() -> None:
+    class NotAStore:
+        kind = "memory"
+        timeout = 5.0
+
+    with pytest.raises(ConfigurationError, match="declares no capabilities"):
+        idemlock.Coordinator(NotAStore())
+
+
+@pytest.mark.parametrize(
+    ("module", "names"),
+    [
+        ("idemlock.stores.memory", ("MemoryStore", "MemoryAsyncStore")),
+        ("idemlock.stores.sqlite", ("SQLiteStore", "SQLiteAsyncStore")),
+        ("idemlock.stores.redis", ("RedisStore", "AsyncRedisStore")),
+        ("idemlock.stores.postgres", ("PostgresStore", "AsyncPostgresStore")),
+        ("idemlock.stores.etcd._sync", ("EtcdStore",)),
+        ("idemlock.stores.etcd._async", ("AsyncEtcdStore",)),
+    ],
+)
+def test_every_store_declares_what_it_can_do(module: str, names: tuple[str, ...]) -> None:
+    """Capabilities are data on the store class, and each declared optional method is
+    there (the coordinator calls it without probing)."""
+    import importlib
+
+    from idemlock._core.port import Capabilities
+
+    mod = importlib.import_module(module)
+    for name in names:
+        cls = getattr(mod, name)
+        caps = cls.__dict__.get("capabilities") or getattr(cls, "capabilities", None)
+        if caps is None:  # the async faces of sync stores take their store's
+            continue
+        assert isinstance(caps, Capabilities), name
+        assert caps.handoff, name  # every store shipped keeps the hand-off window
+        for method in ("renew_many", "complete_with", "fence_set"):
+            assert callable(getattr(cls, method, None)) is getattr(caps, method), (name, method)
+        if not caps.cross_process_wakeups:
+            assert isinstance(cls.poll_cap, float), name
+
+
+def test_async_faces_take_the_capabilities_of_their_store() -> None:
+    from idemlock.stores.sqlite import SQLiteStore
+
+    with idemlock.connect("memory://") as coord:
+        assert coord.capabilities.renew_many and coord.poll_cap is None
+    assert SQLiteStore.capabilities.cross_process_wakeups is False
 
 
 def test_memory_max_keys() -> None:

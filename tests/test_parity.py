@@ -82,7 +82,7 @@ FACES = {"MemoryAsyncStore", "SQLiteAsyncStore"}
 #: transaction of the caller's (fenced.complete_in_transaction / acomplete_in_...)
 EITHER_SIDE = {"complete_in", "acomplete_in"}
 #: no I/O: a plain method on both sides
-STORE_NOT_IO = {"after_fork", "claim_tag"}
+STORE_NOT_IO = {"claim_tag"}
 
 
 def _store_pair(module: str, sync: str, aio: str) -> tuple[type, type]:

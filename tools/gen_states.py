@@ -22,7 +22,9 @@ Every store implements this one table. A row is *(state, operation, guard) -> (n
 state, reply)*; the first row of an operation whose state and guard match is the one
 that happens. Row ids are stable: the Lua scripts, SQL statements and etcd Txns name
 the rows they implement, and `tests/contract/test_table.py` runs each row on every
-store, sync and async (its test ids are the row ids). The memory store applies the
+store that declares the capability in its *needs* column (a field of
+`idemlock._core.port.Capabilities`; `-`: every store), sync and async (its test ids are
+the row ids). The memory store applies the
 table itself; the model test (`tests/contract/test_model.py`) uses it as its oracle.
 
 **Claim states.** `absent` (no record, or a completed record past its ttl),
@@ -61,8 +63,8 @@ def _cell(text: str) -> str:
 
 def _rows(prefix: tuple[str, ...]) -> list[str]:
     out = [
-        "| id | operation | state | guard | next | reply | note |",
-        "|---|---|---|---|---|---|---|",
+        "| id | operation | state | guard | next | reply | needs | note |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in T.ROWS:
         if not r.id.startswith(prefix):
@@ -71,7 +73,7 @@ def _rows(prefix: tuple[str, ...]) -> list[str]:
         reply = r.reply.name if r.reply else "- (the clock)"
         out.append(
             f"| `{r.id}` | {r.op} | {_cell(', '.join(r.states))} | {_cell(guard)} "
-            f"| {r.next} | {reply} | {_cell(r.note)} |"
+            f"| {r.next} | {reply} | {r.needs or '-'} | {_cell(r.note)} |"
         )
     return out
 

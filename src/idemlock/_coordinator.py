@@ -12,15 +12,12 @@ from ._core.clock import Clock
 from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES, ResultFormat
 from ._core.events import Hook
 from ._core.keys import namespace, split_namespace, validate_key
-from ._core.port import LockRow, RecordRow
+from ._core.port import Capabilities, LockRow, RecordRow
 from ._core.types import IdempotencySpec, LockInfo, LockSpec, RecordStatus, from_ms
 from ._errors import ConfigurationError
 
 if TYPE_CHECKING:
     from ._keyring import Keyring
-
-#: the bound on one store call when a store does not say (agreement A1's default)
-DEFAULT_CALL_BOUND = 5.0
 
 
 class CoordinatorBase:
@@ -43,9 +40,10 @@ class CoordinatorBase:
         from ._clock import SYSTEM_CLOCK
 
         self._store = store
+        self.capabilities = _capabilities(store)
         self.key_prefix = validate_key(key_prefix, "key_prefix")
         self.tenant = None if tenant is None else validate_key(tenant, "tenant")
-        self.clock: Clock = clock or getattr(store, "clock", None) or SYSTEM_CLOCK
+        self.clock: Clock = clock or SYSTEM_CLOCK
         self.url = url
         if keyring is not None and type(keyring).__name__ != "Keyring":
             # Only the type: a str here is often the keyring's JSON, every key in it.
@@ -57,7 +55,9 @@ class CoordinatorBase:
         self.keyring = keyring
         self.result_format = ResultFormat(max_result_bytes, compress_over)
         #: longest wait between re-checks where notifications do not cross processes
-        self.poll_cap: float | None = getattr(store, "poll_cap", None)
+        self.poll_cap: float | None = (
+            None if self.capabilities.cross_process_wakeups else float(store.poll_cap)
+        )
         #: a tenant view shares its parent's store and must not close it
         self._owns_store = True
         #: event hooks; shared with tenant views and ports, so add_hook applies to all
@@ -86,12 +86,7 @@ class CoordinatorBase:
         self._owns_store = False
 
     def _call_bound(self) -> float:
-        store = self._store
-        bound = getattr(store, "timeout", None)
-        if bound is None:
-            # Generic async faces keep the sync store they call.
-            bound = getattr(getattr(store, "sync", None), "timeout", None)
-        return DEFAULT_CALL_BOUND if bound is None else float(bound)
+        return float(self._store.timeout)
 
     @property
     def store(self) -> Any:
@@ -127,11 +122,7 @@ class CoordinatorBase:
             raise ConfigurationError(
                 f"expected a LockSpec or a spec name, got {type(spec).__name__}"
             )
-        if spec.requires_fencing_token and not getattr(self._store, "issues_fence_tokens", False):
-            raise ConfigurationError(
-                f"lock spec {spec.name!r} requires fencing tokens, but the "
-                f"{self._store.kind} store cannot issue them; use another store"
-            )
+        # requires_fencing_token holds on every store: each one issues fencing tokens.
         return spec
 
     def _listing_place(self, ns: str) -> tuple[str, str | None]:
@@ -164,6 +155,20 @@ class CoordinatorBase:
         return RecordStatus(
             row.key, row.state, row.fence, _listed_time(row.expires_ms), spec, tenant
         )
+
+
+def _capabilities(store: Any) -> Capabilities:
+    try:
+        caps = store.capabilities
+    except AttributeError:
+        caps = None
+    if not isinstance(caps, Capabilities):
+        raise ConfigurationError(
+            f"a {type(store).__name__} is not an idemlock store (it declares no "
+            "capabilities); open a coordinator with idemlock.connect(url) or pass one "
+            "of the stores in idemlock.stores"
+        )
+    return caps
 
 
 def _listed_time(ms: int) -> datetime:

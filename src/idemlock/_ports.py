@@ -234,15 +234,14 @@ class IdempotencyBase(_SpecPort, ClaimReplies):
         )
 
     def _complete_with(self) -> Any:
-        fn = getattr(self._store, "complete_with", None)
-        if fn is None:
+        if not self._store.capabilities.complete_with:
             raise ConfigurationError(
                 f"complete(writes=...) writes into the store itself, which the "
                 f"{self._store.kind} store does not hold user data for; on PostgreSQL use "
                 "idemlock.stores.postgres.fenced.complete_in_transaction with your own "
                 "write, elsewhere write first with the claim's fence"
             )
-        return fn
+        return self._store.complete_with
 
     def write_key(self, key: str, name: str) -> str:
         """The name to give a key that ``complete(writes=...)`` sets for ``key``'s claim:
@@ -455,8 +454,7 @@ class FenceBase:
         self._ns = coord._ns("fence")
 
     def _fence_set(self) -> Any:
-        fence_set = getattr(self._store, "fence_set", None)
-        if fence_set is None:
+        if not self._store.capabilities.fence_set:
             raise ConfigurationError(
                 f"set_if_fresh writes into the store itself, which the {self._store.kind} "
                 "store does not hold user data for. check_and_advance followed by your own "
@@ -466,4 +464,4 @@ class FenceBase:
                 "write in one statement, on the table's fence column), or keep the value "
                 "in the Redis store, whose set_if_fresh is atomic"
             )
-        return fence_set
+        return self._store.fence_set

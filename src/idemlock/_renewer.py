@@ -38,7 +38,7 @@ GATHER = 0.05
 
 
 def _batched(store: Any) -> bool:
-    return callable(getattr(store, "renew_many", None))
+    return bool(store.capabilities.renew_many)
 
 
 def _live(r: Renewal) -> bool:

@@ -7,6 +7,7 @@ import itertools
 import os
 
 from ._errors import ConfigurationError
+from ._forks import at_fork
 
 
 class _Tokens:
@@ -27,8 +28,7 @@ class _Tokens:
 
 
 new_token = _Tokens()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=new_token.reseed)
+at_fork(after_in_child=new_token.reseed)  # a child never draws its parent's tokens
 
 
 #: Fencing tokens are ints in [0, MAX_TOKEN] (A4): what a signed 64-bit column holds,

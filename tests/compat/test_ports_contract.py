@@ -253,20 +253,16 @@ def _let_time_pass(harness: Harness) -> None:
         harness.clock.advance(0.1)
 
 
-def test_requires_fencing_token_fails_closed_at_wiring() -> None:
-    class TokenlessStore(MemoryStore):
-        issues_fence_tokens = False
-
-    coord = idemlock.Coordinator(TokenlessStore())
+def test_requires_fencing_token_wires_on_every_store() -> None:
+    # Every store idemlock ships issues fencing tokens: the requirement always holds.
+    coord = idemlock.Coordinator(MemoryStore())
     spec = DistributedLockSpec("fenced", requires_fencing_token=True)
-    for wire in (
-        lambda: ports.DistributedLockCommandPort(coord, spec),
-        lambda: ports.DistributedLockQueryPort(coord, spec),
-        lambda: ports.DistributedLockScope(spec, "k", "o", coordinator=coord),
-    ):
-        with pytest.raises(ConfigurationError):
-            wire()
-    ports.DistributedLockCommandPort(coord, DistributedLockSpec("fenced"))  # wires without
+    cmd = ports.DistributedLockCommandPort(coord, spec)
+    ports.DistributedLockQueryPort(coord, spec)
+    with ports.DistributedLockScope(spec, "k2", "o", coordinator=coord) as lease:
+        assert isinstance(lease.token, int)
+    got = cmd.acquire("k", "o")
+    assert got is not None and isinstance(got.token, int) and got.token > 0
 
 
 def test_wrong_coordinator_kind_is_refused() -> None:

@@ -38,7 +38,7 @@ Claim transitions (``claim``)::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "AsyncStore",
     "AsyncSubscription",
     "Busy",
+    "Capabilities",
     "Channel",
     "ClaimReply",
     "Done",
@@ -174,14 +175,48 @@ class AsyncSubscription(Protocol):
     async def aclose(self) -> None: ...
 
 
+# ---- what a store can do beyond the port ---------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a store does beyond the methods every store has, declared by each store
+    class as its ``capabilities`` attribute and read (never probed) by the coordinator,
+    its ports and the contract suite. Every store issues fencing tokens (the port
+    requires it), so that is not a capability."""
+
+    #: a release with a waiter keeps the free lock reserved for the oldest waiter for a
+    #: short window (state ``reserved``, rows ``lock.handoff`` and ``lock.handoff.take``)
+    handoff: bool = False
+    #: ``renew_many(items)``: renew many claims and leases in one round trip (the
+    #: coordinator's renewer batches its heartbeats through it)
+    renew_many: bool = False
+    #: ``complete_with(...)``: complete a claim and SET keys of the store in the same
+    #: atomic step (``complete(writes=...)``)
+    complete_with: bool = False
+    #: ``fence_set(ns, resource, token, key, value)``: advance a fence and SET a key in
+    #: one atomic step (``FencedResource.set_if_fresh``)
+    fence_set: bool = False
+    #: a release or completion wakes waiters in other processes; when False the store
+    #: has a ``poll_cap`` (seconds) and waiters re-check at most that far apart
+    cross_process_wakeups: bool = True
+
+    def names(self) -> frozenset[str]:
+        """The capabilities declared, by name (as the state table's capability column
+        names them)."""
+        return frozenset(name for name, on in asdict(self).items() if on)
+
+
 # ---- the store itself ----------------------------------------------------------
 
 
 class SyncStore(Protocol):
     #: short name for messages and metrics: "memory", "sqlite", "redis", "postgres"
     kind: str
-    #: whether lock tokens are issued (every store shipped with idemlock does)
-    issues_fence_tokens: bool
+    #: what it does beyond these methods (a class attribute of every store)
+    capabilities: Capabilities
+    #: the bound on one call, seconds
+    timeout: float
 
     # idempotency records
     def claim(self, ns: str, key: str, fp: str | None, token: str, lease_ms: int) -> ClaimReply: ...
@@ -246,15 +281,19 @@ class SyncStore(Protocol):
 
     def close(self) -> None: ...
 
-    # Optional, store-specific (looked up with getattr; absent means unsupported):
+    # Optional methods, present where ``capabilities`` declares them:
+    #   renew_many(items) -> list[int | None]                   (renew_many)
+    #   complete_with(ns, key, token, result, ttl_ms, writes)   (complete_with)
     #   fence_set(ns, resource, token, key, value: bytes) -> tuple[bool, int]
     #       atomically check_and_advance the fence and, if accepted, SET key=value in
-    #       the store (Redis). Same reply as fence_advance.
+    #       the store (Redis). Same reply as fence_advance.          (fence_set)
+    # and ``poll_cap: float`` where ``cross_process_wakeups`` is False.
 
 
 class AsyncStore(Protocol):
     kind: str
-    issues_fence_tokens: bool
+    capabilities: Capabilities
+    timeout: float
 
     async def claim(
         self, ns: str, key: str, fp: str | None, token: str, lease_ms: int

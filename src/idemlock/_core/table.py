@@ -26,10 +26,10 @@ repeat or go back, whichever the outcome (Redis: ``max(last + 1, server TIME in 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from .port import Acquired, Busy, Done, Granted, Held, Mismatch
+from .port import Acquired, Busy, Capabilities, Done, Granted, Held, Mismatch
 
 # ---- the reply vocabulary: every reply name, its code in server-side scripts, and
 # the event outcome it becomes (per operation, in EVENT_OUTCOMES) -------------------
@@ -112,51 +112,61 @@ class Row:
     guard: str  # a key of GUARDS, "" for none
     next: str  # the next state; "=" for unchanged
     reply: Reply | None  # None: the clock's doing, no call answers
+    #: the capability (a field of ``port.Capabilities``) a store must declare for this
+    #: row to happen on it; "" for every store
+    needs: str
     note: str
 
 
 # Columns: id, operation, states ("*": all of its kind), guard ("-": none), next state
-# ("=": unchanged), reply ("-": none, the clock did it), note.
+# ("=": unchanged), reply ("-": none, the clock did it), the capability a store must
+# declare for the row to happen there (a field of ``port.Capabilities``; "-": every
+# store), note.
 _TABLE = """
-claim.new          claim    absent|lapsed       -                 in_flight granted  new token, next fence
-claim.resend       claim    in_flight           same_token        =         granted  a re-sent claim: same fence
-claim.mismatch     claim    in_flight|completed other_fp          =         mismatch fp compared exactly
-claim.busy         claim    in_flight           -                 =         busy     another attempt runs
-claim.replay       claim    completed           -                 =         done     the recorded result
-complete.ok        complete in_flight           same_token        completed ok       result kept for ttl
-complete.late      complete lapsed              same_token        completed ok       nobody took over: keep the work
-complete.resend    complete completed           same_token_result =         ok       lost reply re-sent: no change
-complete.stale     complete *                   -                 =         stale    not this attempt's
-abandon.ok         abandon  in_flight           same_token        absent    ok       fence counter kept
-abandon.late       abandon  lapsed              same_token        absent    ok       as complete.late
-abandon.stale      abandon  *                   -                 =         stale    re-sent too: nothing lost
-extend.ok          extend   in_flight           same_token        in_flight ok       lease ends now + lease
-extend.stale       extend   *                   -                 =         stale    never revived
-forget.live        forget   in_flight|completed -                 absent    ok       any attempt; counter kept
-forget.dead        forget   absent|lapsed       -                 absent    stale    nothing live was there
-claim.expiry       expire   in_flight           lease_over        lapsed    -        the clock, no call
-claim.ttl          expire   completed           ttl_over          absent    -        the clock, no call
-lock.acquire       acquire  free                -                 held      acquired next token
-lock.reacquire     acquire  held                same_owner        held      acquired same token, expiry reset
-lock.busy          acquire  held                -                 =         held     another owner holds it
-lock.handoff       acquire  reserved            not_chosen        =         held     kept for the oldest waiter
-lock.handoff.take  acquire  reserved            -                 held      acquired the chosen waiter
-lock.release       release  held                same_holder       free      ok       token counter kept
-lock.release.stale release  *                   -                 =         stale    not this lease
-lock.renew         renew    held                same_holder       held      ok       expiry now + ttl
-lock.renew.stale   renew    *                   -                 =         stale    never revived
-lock.break         break    held                -                 free      ok       any holder; token kept
-lock.break.free    break    free|reserved       -                 free      stale    nothing held
-lock.expiry        expire   held                ttl_over          free      -        the clock, no call
-fence.advance      fence    gate                not_lower         gate      ok       highest = token
-fence.stale        fence    gate                -                 =         stale    lower token refused
+claim.new          claim    absent|lapsed       -                 in_flight granted  -        new token, next fence
+claim.resend       claim    in_flight           same_token        =         granted  -        a re-sent claim: same fence
+claim.mismatch     claim    in_flight|completed other_fp          =         mismatch -        fp compared exactly
+claim.busy         claim    in_flight           -                 =         busy     -        another attempt runs
+claim.replay       claim    completed           -                 =         done     -        the recorded result
+complete.ok        complete in_flight           same_token        completed ok       -        result kept for ttl
+complete.late      complete lapsed              same_token        completed ok       -        nobody took over: keep the work
+complete.resend    complete completed           same_token_result =         ok       -        lost reply re-sent: no change
+complete.stale     complete *                   -                 =         stale    -        not this attempt's
+abandon.ok         abandon  in_flight           same_token        absent    ok       -        fence counter kept
+abandon.late       abandon  lapsed              same_token        absent    ok       -        as complete.late
+abandon.stale      abandon  *                   -                 =         stale    -        re-sent too: nothing lost
+extend.ok          extend   in_flight           same_token        in_flight ok       -        lease ends now + lease
+extend.stale       extend   *                   -                 =         stale    -        never revived
+forget.live        forget   in_flight|completed -                 absent    ok       -        any attempt; counter kept
+forget.dead        forget   absent|lapsed       -                 absent    stale    -        nothing live was there
+claim.expiry       expire   in_flight           lease_over        lapsed    -        -        the clock, no call
+claim.ttl          expire   completed           ttl_over          absent    -        -        the clock, no call
+lock.acquire       acquire  free                -                 held      acquired -        next token
+lock.reacquire     acquire  held                same_owner        held      acquired -        same token, expiry reset
+lock.busy          acquire  held                -                 =         held     -        another owner holds it
+lock.handoff       acquire  reserved            not_chosen        =         held     handoff  kept for the oldest waiter
+lock.handoff.take  acquire  reserved            -                 held      acquired handoff  the chosen waiter
+lock.release       release  held                same_holder       free      ok       -        token counter kept
+lock.release.stale release  *                   -                 =         stale    -        not this lease
+lock.renew         renew    held                same_holder       held      ok       -        expiry now + ttl
+lock.renew.stale   renew    *                   -                 =         stale    -        never revived
+lock.break         break    held                -                 free      ok       -        any holder; token kept
+lock.break.free    break    free|reserved       -                 free      stale    -        nothing held
+lock.expiry        expire   held                ttl_over          free      -        -        the clock, no call
+fence.advance      fence    gate                not_lower         gate      ok       -        highest = token
+fence.stale        fence    gate                -                 =         stale    -        lower token refused
 """  # noqa: E501
+
+
+_CAPABILITIES = frozenset(f.name for f in fields(Capabilities))
 
 
 def _parse(text: str) -> tuple[Row, ...]:
     rows = []
     for line in text.strip().splitlines():
-        rid, op, states, guard, nxt, reply, note = line.split(None, 6)
+        rid, op, states, guard, nxt, reply, needs, note = line.split(None, 7)
+        if needs != "-" and needs not in _CAPABILITIES:
+            raise ValueError(f"row {rid} needs {needs!r}, not a field of port.Capabilities")
         kinds = LOCK_STATES if rid.startswith("lock.") else CLAIM_STATES
         rows.append(
             Row(
@@ -166,6 +176,7 @@ def _parse(text: str) -> tuple[Row, ...]:
                 "" if guard == "-" else guard,
                 nxt,
                 None if reply == "-" else REPLIES[reply],
+                "" if needs == "-" else needs,
                 note,
             )
         )

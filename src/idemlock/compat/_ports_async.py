@@ -56,7 +56,6 @@ class AsyncDistributedLockCommandPort:
     """``acquire`` / ``release`` / ``reset`` of one :class:`DistributedLockSpec`."""
 
     def __init__(self, coordinator: AsyncCoordinator, spec: DistributedLockSpec | str) -> None:
-        # coord.lock() refuses requires_fencing_token=True on a tokenless store.
         self._port: AsyncLockPort = _async_coord(coordinator).lock(_lock_spec(spec))
         self.spec = self._port.spec
 

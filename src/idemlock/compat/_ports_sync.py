@@ -55,7 +55,6 @@ class DistributedLockCommandPort:
     """``acquire`` / ``release`` / ``reset`` of one :class:`DistributedLockSpec`."""
 
     def __init__(self, coordinator: Coordinator, spec: DistributedLockSpec | str) -> None:
-        # coord.lock() refuses requires_fencing_token=True on a tokenless store.
         self._port: LockPort = _sync_coord(coordinator).lock(_lock_spec(spec))
         self.spec = self._port.spec
 

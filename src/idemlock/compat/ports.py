@@ -15,8 +15,8 @@ decision is idemlock's (see docs/framework-contract.md for what differs).
 * :class:`DistributedLockScope`: a renewing ``with`` block, built on ``hold()``.
 * :func:`mock_backend` / :func:`async_mock_backend`: the same ports on the memory store.
 
-A spec with ``requires_fencing_token=True`` fails closed when a lock port is wired
-on a store that cannot issue tokens (``ConfigurationError``), never at first use.
+A spec with ``requires_fencing_token=True`` always wires: every store idemlock ships
+issues fencing tokens.
 """
 
 from __future__ import annotations

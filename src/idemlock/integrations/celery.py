@@ -480,7 +480,7 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
         # Each call is bounded by the store's timeout: none may still run when the hard
         # time limit kills this process (a write that ends after the lease is still
         # accepted while no other attempt took the key over).
-        bound = float(getattr(state.coord.store, "timeout", 5.0))
+        bound = float(state.coord.store.timeout)
         hard, _ = self._idemlock_limits()
         pause = _RECORD_RETRY_FIRST
         failed = False

@@ -14,6 +14,7 @@ from typing import Any
 
 from .._core.port import (
     Acquired,
+    Capabilities,
     Channel,
     ClaimReply,
     Granted,
@@ -34,11 +35,10 @@ class ThreadedAsyncStore:
     def __init__(self, sync: SyncStore) -> None:
         self.sync = sync
         self.kind = sync.kind
-        self.issues_fence_tokens = sync.issues_fence_tokens
-        self.poll_cap: float | None = getattr(sync, "poll_cap", None)
+        self.capabilities: Capabilities = sync.capabilities
         #: the bound on one call (seconds), the sync store's
-        self.timeout: float = float(getattr(sync, "timeout", 5.0))
-        if callable(getattr(sync, "renew_many", None)):
+        self.timeout: float = float(sync.timeout)
+        if self.capabilities.renew_many:
             # The batched renewal of a coordinator's renewer, only where the sync store has it.
             self.renew_many = self._renew_many
 

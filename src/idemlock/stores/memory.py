@@ -22,7 +22,7 @@ from typing import Any
 from .._clock import SYSTEM_CLOCK
 from .._core import table as T
 from .._core.clock import Clock, duration
-from .._core.port import Acquired, Channel, ClaimReply, Held, LockRow, RecordRow
+from .._core.port import Acquired, Capabilities, Channel, ClaimReply, Held, LockRow, RecordRow
 from .._errors import ConfigurationError, StoreFull, StoreUnavailable
 from ._adapt import ThreadedAsyncStore
 from ._local import LocalHub, LocalSubscription
@@ -97,7 +97,8 @@ class MemoryStore:
     (a recorded result is never evicted early)."""
 
     kind = "memory"
-    issues_fence_tokens = True
+    #: one process: its condition variables wake every waiter there is
+    capabilities = Capabilities(handoff=True, renew_many=True)
 
     def __init__(
         self,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import time
 from collections.abc import Callable
@@ -15,13 +16,14 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from ... import _forks
 from ..._core.port import Channel
 from ..._errors import IdemlockError, StoreUnavailable
 from ..._logfields import fields as log_fields
 from .._undo import Undoer
 from . import _conf
 from ._calls_async import AsyncCalls, drive
-from ._grpc_sync import _STORES, INHERITED, _Stubs, _track_fork
+from ._grpc_sync import _Stubs
 from ._ops import Op, Ops, Rpc, Waiter
 from ._pb.etcdserverpb import rpc_pb2 as _rpc_pb2
 from ._watches import Book, Group, watch_range
@@ -42,11 +44,6 @@ class AsyncClient(AsyncCalls):
         self._token: str | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._closed = False
-        _track_fork(self)
-
-    def after_fork(self) -> None:
-        INHERITED.append((self._stubs, self._background))
-        self._stubs, self._loop, self._background = {}, None, set()
 
     def stubs(self) -> _Stubs:
         if self._closed:
@@ -289,17 +286,31 @@ class _AsyncRunner:
         self._undoer = Undoer("etcd", "etcd")
         #: after os.fork(), the child's calls go over etcd's HTTP gateway (A6)
         self._gateway: Any = None
-        _STORES.add(self)
+        self._pid = os.getpid()
 
-    def after_fork(self) -> None:
+    def _forked(self) -> None:
+        """In a forked child: as the blocking store's (gRPC's core is not fork-safe)."""
         from ._gateway import GatewayClient, GatewayWatcher
 
-        INHERITED.append((self.client, self._watcher))
-        sync = GatewayClient(self.conf)
-        self.client = _AsyncGateway(sync)  # type: ignore[assignment]
-        self._gateway = GatewayWatcher(sync)
+        with _forks.LOCK:
+            if self._pid == os.getpid():
+                return
+            _forks.INHERITED.append((self.client, self._watcher))
+            sync = GatewayClient(self.conf)
+            self.client = _AsyncGateway(sync)  # type: ignore[assignment]
+            self._gateway = GatewayWatcher(sync)
+            self._pid = os.getpid()
+
+    def _waiting(self, name: bytes) -> Waiter | None:
+        """This process's place in the queue of the lock ``name`` (None over the
+        gateway, which keeps no queue)."""
+        if self._pid != os.getpid():
+            self._forked()
+        return None if self._gateway is not None else self._watcher.waiting(name)
 
     async def _run(self, op: Op) -> Any:
+        if self._pid != os.getpid():
+            self._forked()
         return await drive(self.client, op)
 
     async def _undoable(self, op: Op, undo: Callable[[Any], Op | None]) -> Any:
@@ -314,6 +325,8 @@ class _AsyncRunner:
         return await self._undoer.run(self._run(op), undo_call, getattr(op, "__name__", "call"))
 
     async def subscribe(self, channel: Channel) -> Any:
+        if self._pid != os.getpid():
+            self._forked()
         key, end = watch_range(self.conf.root, channel)
         if self._gateway is not None:
             from .._local import subscribe_in_thread
@@ -324,6 +337,8 @@ class _AsyncRunner:
         return await self._watcher.subscribe(key, end, channel)
 
     async def aclose(self) -> None:
+        if self._pid != os.getpid():
+            self._forked()
         if self._gateway is not None:
             return  # a forked child: nothing of gRPC's may be touched
         await self._watcher.aclose()

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import random
 import threading
@@ -14,10 +15,10 @@ from typing import Any
 
 import grpc
 
+from ... import _forks
 from ..._core.port import Channel
 from ..._errors import IdemlockError, StoreUnavailable
 from ..._logfields import fields as log_fields
-from .._forks import ForkRegistry
 from . import _conf
 from ._calls_sync import SyncCalls, drive
 from ._ops import Op, Ops, Rpc, Waiter
@@ -71,7 +72,6 @@ class SyncClient(SyncCalls):
         self._token: str | None = None
         self._pending: set[Any] = set()
         self._closed = False
-        _track_fork(self)
 
     # -- channels ------------------------------------------------------------------------
 
@@ -103,15 +103,6 @@ class SyncClient(SyncCalls):
             if self._stubs.get(self._current) is seen and len(self.conf.endpoints) > 1:
                 self._current = (self._current + 1) % len(self.conf.endpoints)
 
-    def after_fork(self) -> None:
-        # Drop (never close: the parent still uses them) what the parent opened, and
-        # keep it referenced: freeing a gRPC channel in the child would call into
-        # gRPC's core, whose state the fork copied mid-flight.
-        INHERITED.append((self._stubs, self._pending))
-        self._lock = threading.Lock()
-        self._stubs = {}
-        self._pending = set()
-
     def background(self, rpc: Rpc) -> None:
         """Send and forget (a lease revoke): nothing waits for it, a failure is harmless."""
         try:
@@ -135,17 +126,6 @@ class SyncClient(SyncCalls):
 
 def _far() -> float:
     return time.monotonic() + 5.0
-
-
-# In a forked child the clients (sync and async) are reset first, then the watchers,
-# then the stores: registries run in the order they are made.
-_CLIENTS: ForkRegistry[Any] = ForkRegistry(lambda client: client.after_fork())
-#: what a forked child inherited from gRPC: kept referenced, never used nor freed
-INHERITED: list[Any] = []
-
-
-def _track_fork(client: Any) -> None:
-    _CLIENTS.add(client)
 
 
 # ---- watches -----------------------------------------------------------------------------
@@ -200,13 +180,6 @@ class SyncWatcher:
         self._thread: threading.Thread | None = None
         self._call: Any = None
         self._closed = False
-
-    def after_fork(self) -> None:
-        INHERITED.append((self._book.groups, self._queue, self._call, self._thread))
-        self._lock = threading.Lock()
-        self._created = threading.Condition(self._lock)
-        self._book.reset()
-        self._queue, self._thread, self._call = None, None, None
 
     def subscribe(self, key: bytes, end: bytes, channel: Channel) -> SyncSubscription:
         with self._lock:
@@ -336,19 +309,35 @@ class _SyncRunner:
         self.client = SyncClient(conf)
         self.ops = Ops(conf.root)
         self._watcher = SyncWatcher(self.client, conf.root)
-        _WATCHERS.add(self._watcher)
         #: after os.fork(), the child's calls go over etcd's HTTP gateway (A6)
         self._gateway: Any = None
-        _STORES.add(self)
+        self._pid = os.getpid()
 
-    def after_fork(self) -> None:
+    def _forked(self) -> None:
+        """In a forked child (the pid check of every call): gRPC's core is not
+        fork-safe, so the child drops the parent's client and watcher without closing
+        or freeing them (that would call into gRPC state the fork copied mid-flight)
+        and goes over etcd's HTTP gateway."""
         from ._gateway import GatewayClient, GatewayWatcher
 
-        INHERITED.append(self.client)
-        self.client = GatewayClient(self.conf)  # type: ignore[assignment]
-        self._gateway = GatewayWatcher(self.client)  # type: ignore[arg-type]
+        with _forks.LOCK:
+            if self._pid == os.getpid():
+                return
+            _forks.INHERITED.append((self.client, self._watcher))
+            self.client = GatewayClient(self.conf)  # type: ignore[assignment]
+            self._gateway = GatewayWatcher(self.client)  # type: ignore[arg-type]
+            self._pid = os.getpid()
+
+    def _waiting(self, name: bytes) -> Waiter | None:
+        """This process's place in the queue of the lock ``name`` (None over the
+        gateway, which keeps no queue)."""
+        if self._pid != os.getpid():
+            self._forked()
+        return None if self._gateway is not None else self._watcher.waiting(name)
 
     def _run(self, op: Op) -> Any:
+        if self._pid != os.getpid():
+            self._forked()
         return drive(self.client, op)
 
     def _undoable(self, op: Op, undo: Callable[[Any], Op | None]) -> Any:
@@ -356,17 +345,17 @@ class _SyncRunner:
         return self._run(op)
 
     def subscribe(self, channel: Channel) -> Any:
+        if self._pid != os.getpid():
+            self._forked()
         key, end = watch_range(self.conf.root, channel)
         if self._gateway is not None:
             return self._gateway.subscribe(key, end, channel.kind == "lock")
         return self._watcher.subscribe(key, end, channel)
 
     def close(self) -> None:
+        if self._pid != os.getpid():
+            self._forked()
         if self._gateway is not None:
             return  # a forked child: nothing of gRPC's may be touched
         self._watcher.close()
         self.client.close()
-
-
-_WATCHERS: ForkRegistry[Any] = ForkRegistry(lambda watcher: watcher.after_fork())
-_STORES: ForkRegistry[Any] = ForkRegistry(lambda store: store.after_fork())

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..._core.port import Acquired, ClaimReply, Granted, Held, LockRow, RecordRow
+from ..._core.port import Acquired, Capabilities, ClaimReply, Granted, Held, LockRow, RecordRow
 from . import _codec as K
 from ._grpc_sync import _SyncRunner
 from ._ops import Op
@@ -23,7 +23,8 @@ class EtcdStore(_SyncRunner):
     """The store port on etcd v3 (3.4+)."""
 
     kind = "etcd"
-    issues_fence_tokens = True
+    #: the hand-off through its waiters' queue
+    capabilities = Capabilities(handoff=True)
 
     def claim(self, ns: str, key: str, fp: str | None, token: str, lease_ms: int) -> ClaimReply:
         def undo(reply: ClaimReply | None) -> Op | None:
@@ -59,7 +60,7 @@ class EtcdStore(_SyncRunner):
 
     def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
         name = K.lock_name(self.conf.root, ns, key)
-        waiter = None if self._gateway is not None else self._watcher.waiting(name)
+        waiter = self._waiting(name)
 
         def undo(reply: Acquired | Held | None) -> Op | None:
             if isinstance(reply, Acquired):

@@ -52,7 +52,7 @@ def _renew_many(
 ) -> tuple[Stmt, dict[str, Any], dict[tuple[str, int], int]]:
     """The batched renewal statement (rendered once per store), its array parameters,
     and where each reply row (kind, position) goes in the answer."""
-    stmt = getattr(store, "_renew_many_stmt", None)
+    stmt = store._renew_many_stmt
     if stmt is None:
         stmt = store._renew_many_stmt = Stmt.render(RENEW_MANY, store.statements.schema)
     names = ("cns", "ckey", "ctoken", "clease", "lns", "lkey", "lowner", "ltoken", "lttl")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +24,6 @@ from .._local import subscribe_in_thread
 from .._undo import Undoer
 from ._listen import AsyncListenSubscription
 from ._shared import (
-    _STORES,
     LaneFlag,
     _Base,
 )
@@ -81,6 +81,8 @@ class _AsyncRunner(_Base[psycopg_pool.AsyncConnectionPool[Any]]):
             self._setup_lock.release()
 
     async def _ensure_ready(self) -> None:
+        if self._pid != os.getpid():
+            self._forked()
         if not self._ready or self._loop is not asyncio.get_running_loop():
             await self._setup()
 
@@ -135,6 +137,8 @@ class _AsyncRunner(_Base[psycopg_pool.AsyncConnectionPool[Any]]):
         return await self._undoer.run(call, undo, what)
 
     async def subscribe(self, channel: Channel) -> AsyncListenSubscription:
+        if self._pid != os.getpid():
+            self._forked()
         if not self._ready:
             await self._setup()
         name = self._chan(*channel)
@@ -146,7 +150,8 @@ class _AsyncRunner(_Base[psycopg_pool.AsyncConnectionPool[Any]]):
         return AsyncListenSubscription(sub)
 
     async def aclose(self) -> None:
-        _STORES.discard(self)
+        if self._pid != os.getpid():
+            self._forked()  # the parent's pool and listener: never closed from here
         self._check_loop()  # a pool opened on a loop that is gone cannot be awaited here
         await asyncio.to_thread(self.listener.close)
         if self._owns_pool:

@@ -6,6 +6,7 @@ The statements and replies are in :mod:`._async`, from which :mod:`._sync` is ge
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -20,7 +21,6 @@ from ..._core.port import (
 from ..._errors import StoreUnavailable
 from ._listen import ListenSubscription
 from ._shared import (
-    _STORES,
     _Base,
 )
 
@@ -58,6 +58,8 @@ class _SyncRunner(_Base[psycopg_pool.ConnectionPool[Any]]):
             self._setup_lock.release()
 
     def _ensure_ready(self) -> None:
+        if self._pid != os.getpid():
+            self._forked()
         if not self._ready:
             self._setup()
 
@@ -137,12 +139,12 @@ class _SyncRunner(_Base[psycopg_pool.ConnectionPool[Any]]):
     # ---- waiting and life cycle ----------------------------------------------------------
 
     def subscribe(self, channel: Channel) -> ListenSubscription:
-        if not self._ready:
-            self._setup()
+        self._ensure_ready()
         return self.listener.subscribe(self._chan(*channel))
 
     def close(self) -> None:
-        _STORES.discard(self)
+        if self._pid != os.getpid():
+            self._forked()  # the parent's pool and listener: never closed from here
         self.listener.close()
         if self._owns_pool:
             with self._lane_lock:

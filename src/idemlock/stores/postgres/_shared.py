@@ -1,6 +1,6 @@
 """What the sync and async PostgreSQL stores share: settings, error messages, the
-pool's health, the fork hook, and :class:`_Base`, the half of a store that runs no
-statement itself."""
+pool's health, fork safety (a pid check), and :class:`_Base`, the half of a store that
+runs no statement itself."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import asyncio
 import inspect
 import logging
 import math
+import os
 import re
 import time
 from collections.abc import Callable
@@ -19,10 +20,9 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import TransactionStatus
 from psycopg.types.numeric import Int8
 
-from ... import _urls
-from ..._core.port import Held
+from ... import _forks, _urls
+from ..._core.port import Capabilities, Held
 from ..._errors import ConfigurationError, StoreUnavailable
-from .._forks import ForkRegistry
 from . import _watchdog
 from ._listen import Listener
 from ._pool import CancellableAsyncPool
@@ -323,9 +323,10 @@ class _Base(Generic[P]):
     """The half of a store that runs no statement itself; ``P`` is its pool's type."""
 
     kind = "postgres"
-    issues_fence_tokens = True
-    #: notifications cross processes, so waiters need no polling cap
-    poll_cap: float | None = None
+    #: LISTEN/NOTIFY wakes waiters in every process
+    capabilities = Capabilities(handoff=True, renew_many=True)
+    #: the batched renewal statement, rendered on first use (``_replies._renew_many``)
+    _renew_many_stmt: Any = None
 
     def __init__(
         self,
@@ -375,8 +376,9 @@ class _Base(Generic[P]):
         #: the store's own connection for one call at a time (see _take)
         self._lane: Any = None
         self._lane_since = 0.0
+        #: the process the pool, the listener and the lane are of (see ``_forked``)
+        self._pid = os.getpid()
         self._reset_runner()
-        _STORES.add(self)
 
     def _reset_runner(self) -> None:
         """Set up (and, in a forked child, start afresh) what the runner keeps."""
@@ -483,22 +485,29 @@ class _Base(Generic[P]):
             f"{what} (every pooled connection was busy: raise max_size or timeout): {exc}"
         )
 
-    def _fork_reset(self) -> None:
-        """In a forked child: keep what was inherited from being used, closed or
-        collected (closing would end the parent's sessions), and start afresh."""
-        _INHERITED.append((self.pool, self.listener, getattr(self, "_lane", None)))
-        self.pool = self._pool_factory()
-        self._owns_pool = True
-        self._ready = False
-        self._health.down = None
-        self.listener = self._new_listener()
-        self._lane = None
-        self._reset_runner()
+    def _forked(self) -> None:
+        """In a forked child (the pid check of every call): keep the inherited pool,
+        listener and lane from being used, closed or collected (closing would end the
+        parent's sessions), and start afresh on a pool of the same settings."""
+        with _forks.LOCK:
+            if self._pid == os.getpid():
+                return
+            _forks.INHERITED.append((self.pool, self.listener, self._lane))
+            self.pool = self._pool_factory()
+            self._owns_pool = True
+            self._ready = False
+            self._health.down = None
+            self.listener = self._new_listener()
+            self._lane = None
+            self._reset_runner()
+            self._pid = os.getpid()
 
     def _chan(self, kind: str, ns: str, key: str) -> str:
         return self.statements.channel(kind, ns, key)
 
     def _acquire_params(self, ns: str, key: str, owner: str, ttl_ms: int) -> dict[str, Any]:
+        if self._pid != os.getpid():
+            self._forked()
         chan = self._chan("lock", ns, key)
         # Any caller of a process may take a window kept for the process (its gid); one
         # of a process that waits on the key now also queues the process ("wait").
@@ -534,11 +543,3 @@ class _Base(Generic[P]):
             "ttl": _i8(ttl_ms),
             "chan": self._chan("claim", ns, key),
         }
-
-
-# ---- fork safety (A6) -------------------------------------------------------------------
-
-_STORES: ForkRegistry[_Base[Any]] = ForkRegistry(lambda store: store._fork_reset())
-#: pools, listeners and connections inherited through fork(): never used nor closed in
-#: the child (closing would end the parent's sessions), only kept from being collected
-_INHERITED: list[Any] = []

@@ -8,8 +8,9 @@ shuts down the socket of a call still running past its deadline. The blocked wai
 connection bad, and the pool discards it instead of handing it out again.
 
 ``shutdown()`` acts on this process's socket only; after fork a child never arms a
-connection it inherited (the stores rebuild their pools in the child), and
-:func:`_reset_in_child` gives the child a watchdog of its own.
+connection it inherited (the stores rebuild their pools in the child), and the
+watchdog starts afresh in a child at its first ``arm`` (a pid check: the parent's
+thread does not exist there and its locks may be held).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import socket
 import threading
 import time
 from typing import Any
+
+from ... import _forks
 
 #: how often the watchdog looks at running calls (seconds); a call is ended at most
 #: this long after its deadline
@@ -44,6 +47,10 @@ class Armed:
 
 class Watchdog:
     def __init__(self) -> None:
+        self._init()
+
+    def _init(self) -> None:
+        self._pid = os.getpid()
         self._active: dict[int, Armed] = {}
         # Held while a call is disarmed and while the thread ends a call, so a
         # connection that finished in time (and may serve another call at once) is
@@ -54,11 +61,18 @@ class Watchdog:
         self._ids = itertools.count()
 
     def arm(self, conn: Any, deadline: float) -> Armed:
+        if self._pid != os.getpid():
+            self._forked()
         entry = Armed(next(self._ids), conn, deadline)
         self._active[entry.key] = entry
         if not self._running:
             self._start()
         return entry
+
+    def _forked(self) -> None:
+        with _forks.LOCK:
+            if self._pid != os.getpid():
+                self._init()
 
     def disarm(self, entry: Armed) -> None:
         with self._lock:
@@ -111,17 +125,3 @@ def _shut(conn: Any) -> None:
 
 
 WATCHDOG = Watchdog()
-
-
-def _reset_in_child() -> None:
-    # The parent's thread does not exist here and its locks may be held.
-    global WATCHDOG
-    WATCHDOG = Watchdog()
-
-
-def watchdog() -> Watchdog:
-    return WATCHDOG
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_in_child)

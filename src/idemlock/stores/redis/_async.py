@@ -14,7 +14,7 @@ from typing import Any
 from redis.exceptions import NoScriptError
 
 from ..._core import table as T
-from ..._core.port import Acquired, ClaimReply, Held, LockRow, RecordRow
+from ..._core.port import Acquired, Capabilities, ClaimReply, Held, LockRow, RecordRow
 from . import _common as C
 from ._calls import (
     ND,
@@ -34,7 +34,7 @@ class AsyncRedisStore(AsyncPlumbing):
     """The port on a Redis or Redis Cluster client (see :class:`AsyncPlumbing`)."""
 
     kind = "redis"
-    issues_fence_tokens = True
+    capabilities = Capabilities(handoff=True, renew_many=True, complete_with=True, fence_set=True)
 
     # ---- idempotency records -------------------------------------------------------------
 

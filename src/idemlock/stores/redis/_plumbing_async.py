@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -18,6 +19,7 @@ from typing import Any
 
 from redis.exceptions import NoScriptError, ResponseError
 
+from ... import _forks
 from ..._core.port import Channel
 from ..._core.wakeups import Group
 from ..._errors import StoreUnavailable
@@ -33,13 +35,13 @@ from ._calls import (
     readonly,
 )
 from ._compat import aclose_client
-from ._forks import forget_on_fork
 from ._listen import AsyncListener, AsyncNodeListeners, AsyncSubscription, bounded, cancelling
 from ._loops import LoopState, client_for_another_loop, node_of
 from ._orphans import Orphans, retrieved
 from ._pipeline import Call, Lost, Pipe
 
 _ERRORS = C.redis_errors()
+_getpid = os.getpid
 
 
 class AsyncPlumbing:
@@ -84,12 +86,15 @@ class AsyncPlumbing:
         self._closed = False
         # calls whose callers stopped waiting, and their undo calls
         self._orphans = Orphans()
-        forget_on_fork(self)
+        #: the process the loops' states are of (see ``_forked``)
+        self._pid = os.getpid()
 
     # ---- per-loop state ------------------------------------------------------------------
 
     def _state(self) -> LoopState:
         loop = asyncio.get_running_loop()
+        if self._pid != os.getpid():
+            self._forked()
         st = self._last
         if st is not None and st.loop() is loop:
             return st
@@ -139,13 +144,18 @@ class AsyncPlumbing:
         self._states[id(loop)] = st
         return st
 
-    def _after_fork_in_child(self) -> None:
-        """A forked child never touches what it inherited (the parent's sockets, the
-        parent's loop): forget every loop's state unclosed; the child's first call
-        builds its own client."""
-        self._states = {}
-        self._last = None
-        self._base_taken = True
+    def _forked(self) -> None:
+        """In a forked child (the pid check of every call): never touch what was
+        inherited (the parent's sockets, the parent's loop): drop every loop's state
+        unclosed; the child's first call builds its own client."""
+        with _forks.LOCK:
+            if self._pid == os.getpid():
+                return
+            _forks.INHERITED.append(self._states)
+            self._states = {}
+            self._last = None
+            self._base_taken = True
+            self._pid = os.getpid()
 
     async def _prepare(self, st: LoopState) -> None:
         async with st.init_lock:
@@ -188,7 +198,7 @@ class AsyncPlumbing:
         repetition (``undo_late``: a claim's token is never reused) still runs.
         """
         st = self._last
-        if st is None or st.loop() is not asyncio.get_running_loop():
+        if st is None or st.loop() is not asyncio.get_running_loop() or self._pid != _getpid():
             st = self._state()
         pipe = st.pipe
         if pipe is None or pipe.lost is not None:
@@ -469,7 +479,7 @@ class AsyncPlumbing:
     async def _client(self) -> AsyncIterator[Any]:
         """This loop's client, with a connection slot held (listings, pipelines)."""
         st = self._last
-        if st is None or st.loop() is not asyncio.get_running_loop():
+        if st is None or st.loop() is not asyncio.get_running_loop() or self._pid != _getpid():
             st = self._state()
         if not st.ready:
             await self._prepare(st)
@@ -525,6 +535,8 @@ class AsyncPlumbing:
         """Close this loop's connections, and those of loops still running in other
         threads (on their loop); those of loops that are over are dropped."""
         self._closed = True
+        if self._pid != os.getpid():
+            self._forked()  # the parent's connections: never closed from here
         try:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:

@@ -29,6 +29,7 @@ from redis.exceptions import (
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.sentinel import SentinelConnectionPool
 
+from ... import _forks
 from ..._core.port import Channel
 from ..._core.wakeups import Group
 from ..._errors import StoreUnavailable
@@ -43,11 +44,11 @@ from ._calls import (
     pack_script_load,
 )
 from ._compat import should_reconnect, unguarded_single_connection
-from ._forks import forget_on_fork
 from ._listen import SyncListener, SyncNodeListeners
 from ._loops import node_of
 
 _ERRORS = C.redis_errors()
+_getpid = os.getpid
 
 
 class SyncPlumbing:
@@ -100,9 +101,9 @@ class SyncPlumbing:
         # redirections and re-reads the slot map.
         self._cluster_direct = cluster and hasattr(client, "nodes_manager") and not self._waits
         self._node_free: dict[str, list[Any]] = {}
+        #: the process the listener and the free lists are of (see ``_forked``)
         self._pid = os.getpid()
         self._listener = self._new_listener()
-        forget_on_fork(self)
 
     def _new_listener(self) -> SyncListener | SyncNodeListeners:
         if self.cluster:
@@ -119,25 +120,24 @@ class SyncPlumbing:
             self.timeout,
         )
 
-    def _after_fork_in_child(self) -> None:
-        """A forked child never touches the parent's listener: its thread did not
-        survive the fork and its socket is the parent's. Drop it unclosed (closing
-        our copy of the descriptor later sends nothing); the child subscribes on a
-        connection of its own on first wait. redis-py's pools notice the new pid
-        themselves and open fresh connections."""
-        self._listener = self._new_listener()
-        self._drop_connections()
-        if self._serial is not None:  # a thread of the parent may have held it
-            self._serial = threading.RLock()
-            self._exec = partial(_serialised, self._serial, self.client.execute_command)
-
-    def _drop_connections(self) -> None:
-        # The parent's connections: never written to (the parent may be mid-call on
-        # them). Forgotten unclosed; redis-py shuts a socket down only in the process
-        # that opened it, so collecting them sends nothing.
-        self._free = []
-        self._node_free = {}
-        self._pid = os.getpid()
+    def _forked(self) -> None:
+        """In a forked child (the pid check of every call): never touch the parent's
+        listener (its thread did not survive the fork and its socket is the parent's)
+        nor its connections (the parent may be mid-call on them). Both are dropped
+        unclosed (redis-py shuts a socket down only in the process that opened it, so
+        collecting them sends nothing); the child subscribes and connects on its own.
+        redis-py's pools notice the new pid themselves."""
+        with _forks.LOCK:
+            if self._pid == os.getpid():
+                return
+            _forks.INHERITED.append(self._listener)
+            self._listener = self._new_listener()
+            self._free = []
+            self._node_free = {}
+            if self._serial is not None:  # a thread of the parent may have held it
+                self._serial = threading.RLock()
+                self._exec = partial(_serialised, self._serial, self.client.execute_command)
+            self._pid = os.getpid()
 
     # ---- plumbing ----------------------------------------------------------------------
 
@@ -154,6 +154,8 @@ class SyncPlumbing:
         """Run one script, within the socket timeouts. A blocking call cannot be
         abandoned halfway, so the asyncio store's policies for a caller that stops
         waiting (``finish``, ``undo``) have nothing to act on here."""
+        if self._pid != _getpid():
+            self._forked()
         if self._waits and script.sha in C.DURABLE:
             return self._eval_acked(script, keys, args)
         if self._direct:
@@ -230,8 +232,6 @@ class SyncPlumbing:
         """``_eval`` on a connection of the store's own: what ``execute_command`` does
         for EVALSHA (the connection's retry policy, a failed connection dropped before a
         retry, health checks, reconnection), without the rest of its layer."""
-        if self._pid != os.getpid():
-            self._drop_connections()  # forked without the at-fork hook (os.fork in C)
         try:
             conn = self._free.pop()
         except IndexError:
@@ -264,8 +264,6 @@ class SyncPlumbing:
         of the store's own; ``_REDIRECTED`` when execute_command must take the call over
         (it was refused before running, or the connection failed: every script is safe
         to run again, as after redis-py's own retry of a failed connection)."""
-        if self._pid != os.getpid():
-            self._drop_connections()
         try:
             node = self.client.nodes_manager.slots_cache[key_slot(keys[0])][0]
             free = self._node_free.get(node.name)
@@ -344,6 +342,8 @@ class SyncPlumbing:
     @contextlib.contextmanager
     def _client(self) -> Iterator[Any]:
         """The client (listings, pipelines); redis-py's pool hands out connections."""
+        if self._pid != _getpid():
+            self._forked()
         if self._serial is None:
             yield self.client
         else:
@@ -357,6 +357,8 @@ class SyncPlumbing:
 
     def _waiting(self, channel: bytes) -> Group[bytes, Any] | None:
         """This process's waiters on ``channel``, if a caller waits on it."""
+        if self._pid != _getpid():
+            self._forked()
         return self._listener.waiting(channel)
 
     def _listener_connection(self, node: str) -> Any:
@@ -376,9 +378,13 @@ class SyncPlumbing:
     # ---- waiting and life cycle ----------------------------------------------------------
 
     def subscribe(self, channel: Channel) -> LocalSubscription:
+        if self._pid != _getpid():
+            self._forked()
         return self._listener.subscribe(C.channel_name(channel.kind, channel.ns, channel.key))
 
     def close(self) -> None:
+        if self._pid != _getpid():
+            self._forked()  # the parent's listener and connections: never closed here
         self._listener.close()
         free, self._free = self._free, []
         for conns in self._node_free.values():

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ... import _forks
 from ..._errors import ConfigurationError, StoreCorrupt, StoreUnavailable
 from ..._logfields import fields as log_fields
 from ._fork import GATE as _GATE
@@ -31,6 +32,7 @@ from ._sql import (
 )
 
 R = TypeVar("R")
+_getpid = os.getpid
 
 log = logging.getLogger("idemlock")
 
@@ -50,6 +52,7 @@ class Connections:
     _closed: bool
     _ready: bool
     _init_lock: threading.Lock
+    _pid: int
     _make_dir: bool
     _wake_key: bytes
 
@@ -134,6 +137,17 @@ class Connections:
         # Whatever the row holds (another writer's), every process reads the same.
         self._wake_key = key if type(key) is bytes and key else repr(key).encode()
 
+    def _forked(self) -> None:
+        """In a forked child: drop the parent's pooled connections, never used nor
+        closed here (closing one could disturb the parent's locks or remove its WAL
+        files); the child opens its own."""
+        with _forks.LOCK:
+            if self._pid != os.getpid():
+                _forks.INHERITED.extend(self._idle)
+                self._idle = []
+                self._init_lock = threading.Lock()  # a parent's thread may have held it
+                self._pid = os.getpid()
+
     def _checkin(self, pair: _Pair) -> None:
         if len(self._idle) >= MAX_IDLE:
             pair[0].close()
@@ -173,6 +187,8 @@ class Connections:
         # The hot path of every port method: checkout and checkin are inlined.
         _GATE.enter()
         try:
+            if self._pid != _getpid():
+                self._forked()
             idle = self._idle
             try:
                 pair = idle.pop()

@@ -1,31 +1,16 @@
-"""Fork safety of the SQLite store: fork() waits for SQLite calls in progress, and a
-child drops the connections it inherited."""
+"""Fork safety of the SQLite store: fork() waits for SQLite calls in progress (this
+gate, on the library's one at-fork hook); a child drops the connections it inherited
+at its first call (``Connections._forked``, a pid check)."""
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
-from typing import Any
 
+from ..._forks import at_fork
 from ..._logfields import fields as log_fields
-from .._forks import ForkRegistry
 
 log = logging.getLogger("idemlock")
-
-
-#: connections inherited through fork(): never used nor closed in the child (closing
-#: them could disturb the parent's locks), only kept from being garbage collected
-_INHERITED: list[Any] = []
-
-
-def _drop_idle(store: Any) -> None:
-    _INHERITED.extend(store._idle)
-    store._idle = []
-
-
-#: every open store: a forked child drops their pooled connections
-STORES: ForkRegistry[Any] = ForkRegistry(_drop_idle)
 
 
 class _ForkGate:
@@ -87,12 +72,8 @@ class _ForkGate:
 FORK_WAIT = 5.0
 GATE = _ForkGate()
 
-
-# The gate's own hook; the stores' pooled connections are dropped by the shared
-# registry's (neither depends on the other).
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(
-        before=GATE.before_fork,
-        after_in_parent=GATE.after_fork_in_parent,
-        after_in_child=GATE.after_fork_in_child,
-    )
+at_fork(
+    before=GATE.before_fork,
+    after_in_parent=GATE.after_fork_in_parent,
+    after_in_child=GATE.after_fork_in_child,
+)

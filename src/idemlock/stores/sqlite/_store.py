@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from ..._core.port import (
     Acquired,
+    Capabilities,
     Channel,
     ClaimReply,
     Granted,
@@ -36,7 +37,6 @@ from ..._core.table import (
 from .._adapt import ThreadedAsyncStore
 from .._local import LocalHub, LocalSubscription
 from ._conn import COUNT, ROWS, Connections
-from ._fork import STORES as _STORES
 from ._sql import (
     _ABANDON,
     _ACQUIRE,
@@ -111,7 +111,8 @@ class SQLiteStore(Connections):
     """The sync SQLite store; see the module docstring."""
 
     kind = "sqlite"
-    issues_fence_tokens = True
+    #: no notification crosses processes (the doorbell only rings a chosen waiter)
+    capabilities = Capabilities(handoff=True, renew_many=True, cross_process_wakeups=False)
     #: waiters re-check at least this often (seconds): other processes wake a waiter
     #: only when they reserve a lock for it (Linux), so this bounds the rest
     poll_cap = 0.02
@@ -134,7 +135,8 @@ class SQLiteStore(Connections):
         self._closed = False
         self._ready = False
         self._init_lock = threading.Lock()
-        _STORES.add(self)
+        #: the process that made the pooled connections (see ``_forked``)
+        self._pid = os.getpid()
 
     def __repr__(self) -> str:
         return f"SQLiteStore({self.path!r})"
@@ -475,6 +477,8 @@ class SQLiteStore(Connections):
         """Close every pooled connection; calls in progress close theirs when done.
         The store cannot be used afterwards."""
         self._closed = True
+        if self._pid != os.getpid():
+            self._forked()  # the parent's connections: never closed here
         self._drain()
 
 
@@ -529,8 +533,12 @@ class SQLiteAsyncStore(ThreadedAsyncStore):
     """The async face: each call runs in a worker thread, since it may wait up to
     ``busy_timeout`` for another writer."""
 
-    poll_cap = SQLiteStore.poll_cap
     sync: SQLiteStore
+
+    @property
+    def poll_cap(self) -> float:
+        """The sync store's :attr:`SQLiteStore.poll_cap`."""
+        return self.sync.poll_cap
 
     def __init__(self, sync: SQLiteStore) -> None:
         super().__init__(sync)

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeGuard
 
+from ... import _forks
 from ..._logfields import fields as log_fields
 
 log = logging.getLogger("idemlock")
@@ -86,42 +87,53 @@ class Doorbell:
     def __init__(self, on_ring: Callable[[str, str, str], None]) -> None:
         self._on_ring = on_ring
         self._lock = threading.Lock()
+        self._made = os.getpid()  # the process its sockets, lock and routes are of
         self._pid = 0  # the process that bound ``_sock`` or tried to (0: none yet)
-        #: this process's name ("" while it has none: its waiters poll)
-        self.name = ""
+        self._name = ""
         self._sock: Any = None
         self._out: Any = None
-        self._out_pid = 0
         self._routes: dict[bytes, tuple[str, str, str]] = {}
         #: datagrams the reader dropped (not a tag of this process's waiters)
         self.dropped = 0
-        if hasattr(os, "register_at_fork"):
-            os.register_at_fork(after_in_child=self._forget)
+
+    @property
+    def name(self) -> str:
+        """This process's name ("" while it has none: its waiters poll)."""
+        if self._made != os.getpid():
+            self._forget()
+        return self._name
 
     def _forget(self) -> None:
-        # A forked child has no reader: close its copies of the parent's sockets (the
-        # name goes with the parent), and bind a name of its own when it first waits.
-        self._lock = threading.Lock()
-        for sock in (self._sock, self._out):
-            if sock is not None:
-                sock.close()
-        self._sock = self._out = None
-        self._pid = self._out_pid = 0
-        self.name = ""
-        self._routes = {}
-        self.dropped = 0
+        # A forked child has no reader: close its copies of the parent's sockets
+        # (datagram sockets: that sends nothing, and the name stays the parent's), and
+        # bind a name of its own when it first waits.
+        with _forks.LOCK:
+            if self._made == os.getpid():
+                return
+            self._lock = threading.Lock()  # a thread of the parent may have held it
+            for sock in (self._sock, self._out):
+                if sock is not None:
+                    sock.close()
+            self._sock = self._out = None
+            self._pid = 0
+            self._name = ""
+            self._routes = {}
+            self.dropped = 0
+            self._made = os.getpid()
 
     def listen(self) -> str:
         """Make sure this process receives wake-ups, once per process (a forked child
         binds its own name); its name, or "" if it has none (its waiters poll)."""
         if self._pid == os.getpid() or not SUPPORTED:
-            return self.name
+            return self._name
+        if self._made != os.getpid():
+            self._forget()
         import socket
 
         with self._lock:
             pid = os.getpid()
             if self._pid == pid:
-                return self.name
+                return self._name
             self._pid = pid
             sock: Any = None
             failure: OSError | None = None
@@ -149,7 +161,7 @@ class Doorbell:
                     extra=log_fields(store="sqlite", operation="wake", outcome="poll"),
                 )
                 return ""
-            self._sock, self.name = sock, name
+            self._sock, self._name = sock, name
             threading.Thread(
                 target=self._read, args=(sock,), name="idemlock-sqlite-wake", daemon=True
             ).start()
@@ -159,6 +171,8 @@ class Doorbell:
         """Route wake-ups for the lock ``(ns, key)`` of the file ``path`` (its secret
         ``secret``) to this process's waiters; the tag they carry."""
         t = tag(secret, ns, key)
+        if self._made != os.getpid():
+            self._forget()
         with self._lock:
             routes = self._routes
             routes.pop(t, None)  # to the end: the most recently registered
@@ -212,23 +226,27 @@ class Doorbell:
         """Send the tag ``t`` to the process named ``name``; never blocks nor raises."""
         if not SUPPORTED or not valid_name(name) or len(t) != TAG_SIZE:
             return
+        if self._made != os.getpid():
+            self._forget()
         try:
             out = self._out
-            if out is None or self._out_pid != os.getpid():
+            if out is None:
                 import socket
 
                 out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
                 out.setblocking(False)
-                self._out, self._out_pid = out, os.getpid()
+                self._out = out
             out.sendto(MAGIC + t, name)
         except OSError:
             pass  # nobody listens there (exited, or a full buffer): it polls
 
     def close(self) -> None:
         """Stop receiving (the reader thread ends); for tests."""
+        if self._made != os.getpid():
+            self._forget()  # the parent's socket: never shut down from here
         with self._lock:
             sock, self._sock = self._sock, None
-            self.name = ""
+            self._name = ""
         if sock is not None:
             import socket
 
