@@ -38,6 +38,10 @@ class AsyncCalls:
 
         def background(self, rpc: Rpc) -> None: ...
 
+    async def pause(self, seconds: float) -> None:
+        """The wait before the next attempt."""
+        await asyncio.sleep(seconds)
+
     async def metadata(self, s: _Stubs, deadline: float) -> tuple[tuple[str, str], ...] | None:
         if self.conf.user is None:
             return None
@@ -77,8 +81,7 @@ class AsyncCalls:
                     rpc.retried = True
                 self.failover(s)
                 attempt += 1
-                pause = min(0.2, 0.01 * 2**attempt, max(0.0, deadline - time.monotonic()))
-                await asyncio.sleep(pause)
+                await self.pause(min(0.2, 0.01 * 2**attempt, max(0.0, deadline - time.monotonic())))
 
 
 async def drive(client: Any, op: Op) -> Any:

@@ -37,6 +37,10 @@ class SyncCalls:
 
         def background(self, rpc: Rpc) -> None: ...
 
+    def pause(self, seconds: float) -> None:
+        """The wait before the next attempt."""
+        time.sleep(seconds)
+
     def metadata(self, s: _Stubs, deadline: float) -> tuple[tuple[str, str], ...] | None:
         if self.conf.user is None:
             return None
@@ -76,8 +80,7 @@ class SyncCalls:
                     rpc.retried = True
                 self.failover(s)
                 attempt += 1
-                pause = min(0.2, 0.01 * 2**attempt, max(0.0, deadline - time.monotonic()))
-                time.sleep(pause)
+                self.pause(min(0.2, 0.01 * 2**attempt, max(0.0, deadline - time.monotonic())))
 
 
 def drive(client: Any, op: Op) -> Any:

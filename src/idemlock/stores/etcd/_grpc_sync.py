@@ -57,10 +57,6 @@ class _Stubs:
         self.watch = stubs.WatchStub(channel).Watch
 
 
-def _ignore(state: object) -> None:
-    return None
-
-
 class SyncClient(SyncCalls):
     """Channels to the endpoints; every call has a deadline and fails over."""
 
@@ -89,13 +85,28 @@ class SyncClient(SyncCalls):
                     )
                 else:
                     ch = grpc.insecure_channel(target, self.conf.channel_options())
-                # Watched, so a thread of gRPC's polls it: before grpcio 1.6x a blocking
-                # channel's connection attempt made progress only while some call
-                # waited on it, and calls failing fast left it stalled for 20 s after
-                # the member came back.
-                ch.subscribe(_ignore, try_to_connect=True)
                 s = self._stubs[i] = _Stubs(ch, target)
             return s
+
+    def pause(self, seconds: float) -> None:
+        """The wait before the next attempt, spent waiting for the next endpoint's
+        channel to be ready: before grpcio 1.6x a blocking channel's connection attempt
+        made progress only while a thread waited on it, so calls failing fast (between
+        sleeps) left it stalled until gRPC's connect deadline, long after the member
+        was back. (A standing subscription would poll it for good, but its thread
+        makes gRPC skip its fork handlers: a forked child could crash.)"""
+        try:
+            channel = self.stubs().channel
+        except StoreUnavailable:  # closed
+            time.sleep(seconds)
+            return
+        ready = grpc.channel_ready_future(channel)
+        try:
+            ready.result(timeout=seconds)
+        except grpc.FutureTimeoutError:
+            pass
+        finally:
+            ready.cancel()
 
     def failover(self, seen: _Stubs) -> None:
         """Move to the next endpoint, unless another caller already did."""
