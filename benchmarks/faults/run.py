@@ -340,6 +340,9 @@ class Run:
         import idemlock
 
         time.sleep(self.opts.lease + 0.2)
+        if self.store == "redis-sentinel":
+            # replicas:1 needs the replica the last failover gave back in sync again
+            self.server.wait_in_sync()
 
         def connected() -> Any:
             coord = connect(self.store_url)

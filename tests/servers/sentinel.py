@@ -193,10 +193,12 @@ class SentinelGroup:
                 info = r.info("replication")
             with redis.Redis(port=self.primary.port, socket_timeout=1) as p:
                 offset = p.info("replication")["master_repl_offset"]
-            return bool(
-                info.get("master_link_status") == "up"
-                and info.get("slave_repl_offset", -1) >= offset
-            )
+                in_sync = bool(
+                    info.get("master_link_status") == "up"
+                    and info.get("slave_repl_offset", -1) >= offset
+                )
+                # ... and the primary counts it: what durability=replicas:1 waits for
+                return in_sync and int(p.execute_command("WAIT", 1, 500)) >= 1
 
         _wait("the replica to be in sync", synced, timeout)
 
