@@ -12,8 +12,9 @@ States. Claims: ``absent`` (no record, or a completed record past its ttl),
 ``in_flight`` (lease running), ``lapsed`` (in flight, lease over, nobody took the key
 over: a late complete or abandon is still accepted), ``completed`` (ttl running).
 Locks: ``free``, ``held``, ``reserved`` (after a release with a waiter, the hand-off
-window kept for the oldest waiter, in the stores of :data:`HANDOFF_STORES`: Redis,
-memory, SQLite, PostgreSQL, and etcd through its waiters' queue). Fence gates: ``gate``.
+window kept for the oldest waiter, in the stores whose capabilities declare
+``handoff``: Redis, memory, SQLite, PostgreSQL, and etcd through its waiters' queue;
+elsewhere a released lock is ``free``). Fence gates: ``gate``.
 
 Store errors. Any call may instead raise ``StoreUnavailable``: no reply within the
 bound, or (Redis with ``durability=``) written on the primary but not acknowledged by
@@ -99,9 +100,6 @@ def events() -> dict[str, tuple[str, ...]]:
 
 CLAIM_STATES = ("absent", "in_flight", "lapsed", "completed")
 LOCK_STATES = ("free", "held", "reserved")
-#: the stores (by ``kind``) that keep the ``reserved`` state, so rows ``lock.handoff``
-#: and ``lock.handoff.take`` happen there; elsewhere a released lock is ``free``
-HANDOFF_STORES = frozenset({"memory", "sqlite", "postgres", "redis", "etcd"})
 
 
 @dataclass(frozen=True, slots=True)
