@@ -273,8 +273,8 @@ def test_lost_lease_terminates_the_whole_process_group(
     grandchildren.append(grandchild)
     os.kill(holder.pid, signal.SIGSTOP)
     try:
-        time.sleep(1.3)
-        other = cli(url, "run", "--lock", "g", "--wait", "0", "--", *script("pass"))
+        # Takes the lock once the paused holder's lease (ttl 1 s) has lapsed.
+        other = cli(url, "run", "--lock", "g", "--wait", "20s", "--", *script("pass"))
         assert other.returncode == 0, other.stderr
     finally:
         os.kill(holder.pid, signal.SIGCONT)

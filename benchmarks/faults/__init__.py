@@ -1,7 +1,7 @@
 """The fault injector behind ``benchmarks/chaos.py``: ``network`` (cuts, blackholes),
-``effects`` (the effects database, on ``idemlock._faults.queue``), ``worker`` (the worker
+``effects`` (the effects database, on ``idemlock.cli._faults.queue``), ``worker`` (the worker
 processes), ``run`` (a run, start to check; its workers and killer are
-``idemlock._faults.workers``, shared with ``idemlock demo``), ``locks`` (the lock
+``idemlock.cli._faults.workers``, shared with ``idemlock demo``), ``locks`` (the lock
 history checker)."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import sqlite3
 from collections.abc import Iterator
 from typing import Any
 
-from idemlock._faults.queue import Queue, sqlite_connect
+from idemlock.cli._faults.queue import Queue, sqlite_connect
 
 Row = dict[str, Any]  # column: value
 

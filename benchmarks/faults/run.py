@@ -18,7 +18,7 @@ from faults.effects import LOCK_SNAPSHOTS, Fx, FxError
 from faults.locks import check_lock_history
 from faults.network import Network
 from faults.worker import PRELOAD, connect, idempotent_jobs, job_key, worker_entry
-from idemlock._faults.workers import Slot, Workers, context
+from idemlock.cli._faults.workers import Slot, Workers, context
 
 #: seconds the faults may go on past the window until every kind has landed (drive())
 EXTRA = 30.0

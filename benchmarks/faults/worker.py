@@ -15,8 +15,8 @@ from typing import Any
 
 from faults import LOCK_SPEC, SPEC, retried
 from faults.effects import Fx, FxError
-from idemlock._faults.queue import Outcome, consume
-from idemlock._faults.workers import redirect
+from idemlock.cli._faults.queue import Outcome, consume
+from idemlock.cli._faults.workers import redirect
 
 #: how long each step of a job, or the preparation of a write under a lock, takes (ms)
 STEP_MS = (5.0, 25.0)

@@ -43,6 +43,6 @@ def add_commands(add: AddCommand) -> None:
 
 
 def cmd_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .._demo import run_demo
+    from ._demo import run_demo
 
     return run_demo(args)

@@ -4,7 +4,7 @@ Worker processes consume the same jobs from a small SQLite queue that behaves li
 broker with at-least-once delivery: a job is leased to one worker and done only when
 that worker acknowledges it; when a worker dies, its unacknowledged jobs are delivered
 again. A killer SIGKILLs busy workers at random and starts replacements. The queue,
-the workers and the killer are the fault harness's (``idemlock._faults``), shared with
+the workers and the killer are the fault harness's (``idemlock.cli._faults``), shared with
 ``benchmarks/chaos.py``.
 
 Each job's side effect is one row inserted into an effects table. The demo runs
@@ -32,8 +32,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from . import _attempts
-from ._errors import ConfigurationError, IdemlockError, StaleClaim
+from .. import _attempts
+from .._errors import ConfigurationError, IdemlockError, StaleClaim
 from ._faults.queue import Outcome, Queue, consume, sqlite_connect
 from ._faults.workers import Slot, Workers, context, redirect
 
@@ -205,7 +205,7 @@ def _failed(slot: Slot) -> DemoFailed:
 def _run_phase(base: WorkerConfig, args: argparse.Namespace, dirpath: Path, seed: int) -> _Phase:
     _create(base.queue, base.effects, args.jobs)
     q = _queue(base.queue)
-    ctx = context(["idemlock", "idemlock._demo", "sqlite3"])
+    ctx = context(["idemlock", "idemlock.cli._demo", "sqlite3"])
     rng = random.Random(f"{seed}:killer")
     phase = _Phase(base.mode)
     workers = Workers(
@@ -294,7 +294,7 @@ def _measure(base: WorkerConfig, jobs: int) -> dict[str, Any]:
 def run_demo(args: argparse.Namespace) -> int:
     import idemlock
 
-    from ._urls import redact
+    from .._urls import redact
 
     seed: int = args.seed if args.seed is not None else secrets.randbelow(1_000_000)
     url: str | None = args.url
