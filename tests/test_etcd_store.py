@@ -5,8 +5,10 @@ single member and the 3-member cluster; the failover is tests/test_etcd_failover
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import socket
 import threading
 import time
 import uuid
@@ -260,6 +262,41 @@ def test_a_dead_store_is_unavailable_within_its_timeout() -> None:
         assert time.monotonic() - t0 < 2.0
     finally:
         coord.close()
+
+
+def test_closing_after_failed_retries_leaves_no_grpc_thread_failing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The waits between retries poll the channel's readiness on a thread of gRPC's;
+    closing the store right after (here: a member that answers every connection with
+    a TLS alert) used to make that thread raise "Channel closed!"."""
+    failed: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: failed.append(args.exc_value))
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def refuse() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = srv.accept()
+                with conn:
+                    conn.recv(100)
+                    conn.sendall(b"\x15\x03\x01\x00\x02\x02\x28")  # TLS: handshake failure
+
+    threading.Thread(target=refuse, daemon=True).start()
+    try:
+        for _ in range(2):
+            coord = idemlock.connect(f"etcd://127.0.0.1:{port}?timeout=1")
+            with pytest.raises(StoreUnavailable):
+                coord.lock(LONG).acquire("k")
+            coord.close()
+        deadline = time.monotonic() + 10
+        while any(t.name.endswith("(_run)") for t in threading.enumerate()):
+            assert time.monotonic() < deadline, "gRPC's polling threads never ended"
+            time.sleep(0.02)
+    finally:
+        srv.close()
+    assert failed == []
 
 
 # ---- auth and TLS -----------------------------------------------------------------------------

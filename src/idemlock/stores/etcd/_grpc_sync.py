@@ -68,6 +68,10 @@ class SyncClient(SyncCalls):
         self._token: str | None = None
         self._pending: set[Any] = set()
         self._closed = False
+        #: pauses under way, and when the last one ended (see close())
+        self._pausing = 0
+        self._paused_at = -_POLL_SETTLE
+        self._paused = threading.Condition(self._lock)
 
     # -- channels ------------------------------------------------------------------------
 
@@ -100,6 +104,8 @@ class SyncClient(SyncCalls):
         except StoreUnavailable:  # closed
             time.sleep(seconds)
             return
+        with self._lock:
+            self._pausing += 1
         ready = grpc.channel_ready_future(channel)
         try:
             ready.result(timeout=seconds)
@@ -107,6 +113,10 @@ class SyncClient(SyncCalls):
             pass
         finally:
             ready.cancel()
+            with self._lock:
+                self._pausing -= 1
+                self._paused_at = time.monotonic()
+                self._paused.notify_all()
 
     def failover(self, seen: _Stubs) -> None:
         """Move to the next endpoint, unless another caller already did."""
@@ -131,8 +141,22 @@ class SyncClient(SyncCalls):
         with self._lock:
             self._closed = True
             chans, self._stubs = list(self._stubs.values()), {}
+            # A readiness future's polling thread (gRPC's) goes on for up to 0.2 s
+            # after the future is cancelled, and raises in that thread if its channel
+            # is closed meanwhile: let it end first (bounded; only after a pause).
+            end = time.monotonic() + 2 * _POLL_SETTLE
+            while (now := time.monotonic()) < end:
+                settled = self._paused_at + _POLL_SETTLE
+                if not self._pausing and now >= settled:
+                    break
+                self._paused.wait((end if self._pausing else min(end, settled)) - now)
         for s in chans:
             s.channel.close()
+
+
+#: how long gRPC's connectivity polling thread may go on after its future is cancelled
+#: (it re-checks every 0.2 s), with a margin
+_POLL_SETTLE = 0.4
 
 
 def _far() -> float:
