@@ -69,6 +69,16 @@ def test_project_urls_in_the_metadata() -> None:
     assert {"Homepage", "Source", "Issues", "Changelog"} <= names
 
 
+def test_description_names_every_store_the_readme_lists() -> None:
+    # The one line PyPI and `pip show` print: every store of the README's table, no fewer.
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("## Stores", 1)[1].split("\n## ", 1)[0]
+    description = PYPROJECT["project"]["description"]
+    for store in ("SQLite", "memory", "Redis", "PostgreSQL", "etcd"):
+        assert store in table, f"README's store table no longer lists {store}"
+        assert store in description, f"pyproject's description does not name {store}"
+
+
 def test_queue_extras_pull_in_their_broker_clients() -> None:
     extras = PYPROJECT["project"]["optional-dependencies"]
     assert any(d.startswith("celery[redis]") for d in extras["celery"])
