@@ -171,6 +171,30 @@ def test_a_record_stored_with_the_old_fingerprint_still_replays(tmp_path: Path) 
     assert srv.calls[t] == 0
 
 
+def test_a_json_record_stored_by_0_1_0_gets_422_as_the_changelog_says(tmp_path: Path) -> None:
+    # 0.1.0 fingerprinted every body by its bytes (the bare hex SHA-256). A JSON retry of
+    # such a record matches neither the JCS form nor the unreleased json: form: 422 until
+    # the record's ttl ends, as CHANGELOG.md's "Changed" entry says (not a replay).
+    t, key = uuid.uuid4().hex, f"v010-{uuid.uuid4().hex}"
+    raw = json.dumps({"tag": t, "amount": 1200}).encode()
+    fingerprint = {**_old_fingerprint({}), "body": hashlib.sha256(raw).hexdigest()}
+    with running(starlette_app, tmp_path / "db", **DEFAULTS) as srv:
+        with idemlock.connect(srv.db) as coord:
+            port = coord.idempotency(SPEC)
+            claim = port.claim(HttpCore.lookup_key(None, key), payload=fingerprint)
+            assert isinstance(claim, idemlock.Claimed)
+            headers = [(b"content-type", b"application/json")]
+            port.complete(claim.token, record_of(201, headers, [b'{"recorded":"0.1.0"}']))
+        h = {"Idempotency-Key": f'"{key}"', "Content-Type": "application/json"}
+        with srv.client() as c:
+            retry = c.post("/charges", content=raw, headers=h)
+    assert retry.status_code == 422 and srv.calls[t] == 0
+    changelog = (Path(__file__).resolve().parents[1] / "CHANGELOG.md").read_text()
+    unreleased = changelog.split("\n## ", 2)[1]
+    assert "gets 422 until that record's ttl ends" in unreleased
+    assert "records stored\n  before still replay" not in unreleased
+
+
 def test_the_body_digest_is_sha256_of_the_jcs_bytes() -> None:
     # What a client in another language computes: "jcs:" + hex SHA-256(JCS(body)).
     view = RequestView(
