@@ -79,3 +79,15 @@ def test_a_broken_link_fails_the_strict_build(tmp_path: Path) -> None:
     out = _build(tmp_path / "mkdocs.yml", tmp_path / "site")
     assert out.returncode != 0
     assert "no-such-page.md" in out.stdout + out.stderr
+
+
+#: issue 27: the README is what a person reads in three minutes; the manual is the site.
+README_MAX_LINES = 300
+
+
+def test_the_readme_stays_a_three_minute_read() -> None:
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= README_MAX_LINES, (
+        f"README.md has {len(lines)} lines (at most {README_MAX_LINES}): move the detail to "
+        "a page under docs/ and link it"
+    )
