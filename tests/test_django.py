@@ -542,3 +542,82 @@ def test_manage_py_idemlock_runs_the_cli_on_the_configured_store(client: Client)
     assert missing.value.returncode == 1
     with pytest.raises(CommandError, match="--url is not taken"):
         call_command("idemlock", "keys", "--url", "memory://")
+
+
+def test_manage_py_idemlock_locks_lists_a_held_lock() -> None:
+    import io
+    import json
+
+    from django.core.management import call_command
+
+    import idemlock
+
+    def locks(*args: str) -> str:
+        out = io.StringIO()
+        call_command("idemlock", "locks", "--spec", spec, *args, stdout=out)
+        return out.getvalue()
+
+    spec = f"nightly-{uuid.uuid4().hex[:8]}"
+    with idemlock.connect(os.environ["DJANGO_TEST_STORE"]) as coord:
+        port = coord.lock(idemlock.LockSpec(spec, ttl=60))
+        assert json.loads(locks("--json")) == []
+        lease = port.acquire("report", owner="cron-host-1")
+        assert lease is not None
+        rows = json.loads(locks("--json"))
+        assert [(r["spec"], r["key"], r["owner"], r["token"]) for r in rows] == [
+            (spec, "report", "cron-host-1", lease.token)
+        ]
+        table = locks()
+        assert spec in table and "cron-host-1" in table and "TIME LEFT" in table
+        assert port.release(lease)
+        assert json.loads(locks("--json")) == []
+
+
+MANAGE_PY = """\
+import os, sys
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.django_app.settings")
+from django.core.management import execute_from_command_line
+execute_from_command_line(sys.argv)
+"""
+
+
+def _manage_py_test(tmp: Path, *args: str) -> Any:
+    """``python manage.py test tests.django_app.runner_checks ARGS`` in a project
+    directory of its own, with tests/django_app's settings and a store of its own."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp / "manage.py").write_text(MANAGE_PY, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("IDEMLOCK_", "PYTEST_"))}
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(tmp), str(root / "src"), str(root)]),
+        DJANGO_SETTINGS_MODULE="tests.django_app.settings",
+        DJANGO_TEST_STORE=f"sqlite:///{tmp / 'idemlock.db'}",
+        DJANGO_TEST_RUNS=str(tmp / "runs"),
+        DJANGO_TEST_DB=str(tmp / "django.sqlite3"),
+        PYTHONDONTWRITEBYTECODE="1",
+    )
+    return subprocess.run(
+        [sys.executable, "manage.py", "test", "tests.django_app.runner_checks", *args],
+        cwd=tmp, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+
+
+def test_the_app_under_djangos_own_test_runner(tmp_path: Path) -> None:
+    # Django's runner runs the system checks before any test, then the app's checks,
+    # the middleware and `manage.py idemlock keys|locks|purge` from a django TestCase.
+    ok = _manage_py_test(tmp_path, "-v", "2")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "System check identified no issues" in ok.stdout + ok.stderr
+    assert "Ran 3 tests" in ok.stderr and "\nOK" in ok.stderr, ok.stderr
+    # A misspelt setting stops the runner at its checks: no test runs.
+    (tmp_path / "misspelt.py").write_text(
+        "from tests.django_app.settings import *  # noqa: F403\n"
+        "IDEMLOCK = {**IDEMLOCK, 'requier_key': True}  # noqa: F405\n",
+        encoding="utf-8",
+    )
+    bad = _manage_py_test(tmp_path, "--settings", "misspelt")
+    assert bad.returncode != 0
+    assert "idemlock.E003" in bad.stderr and "did you mean 'require_key'" in bad.stderr
+    assert "Ran " not in bad.stderr
