@@ -17,14 +17,22 @@ Markers, HTML comments on the lines just above a block (invisible on the site):
   file (and that one's own predecessors), as a reader who typed them in order would.
 - ``<!-- setup:`` ... ``-->``: Python run before the block, for stand-ins of the
   reader's own code (``payments.charge``); keep it short.
+
+The pages' run commands run as written too (the end of this file): gunicorn for
+docs/django.md, ``uvicorn app:app`` for docs/fastapi.md and docs/asgi.md (one request
+sent twice: the retry is replayed), and the queue recipes' worker commands (``celery -A
+tasks worker``, ``rq worker --with-scheduler``, ``arq worker.WorkerSettings``,
+``dramatiq actors``) on the page's own module and sends, until the job is completed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +40,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -243,8 +252,11 @@ def test_example_runs(
     )
 
 
-def run_example(code: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """Run one example's program in a fresh interpreter with ``tmp_path`` as its cwd."""
+def run_example(
+    code: str, tmp_path: Path, cwd: Path | None = None
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """Run one example's program in a fresh interpreter with ``tmp_path`` (or ``cwd``)
+    as its cwd; the program is saved in ``tmp_path``."""
     named = MODULE_NAME.match(code)
     module = named["name"] if named else "__main__"
     script = tmp_path / (f"{module}.py" if named else "example.py")
@@ -257,7 +269,7 @@ def run_example(code: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess[
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     out = subprocess.run(
         [sys.executable, "-c", RUNNER, str(script), module],
-        cwd=tmp_path,
+        cwd=cwd or tmp_path,
         env=env,
         capture_output=True,
         text=True,
@@ -318,6 +330,113 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# ---- every page's run command, as written --------------------------------------------
+#
+# A page that says how to run its example (``# app.py — run with: uvicorn app:app`` on the
+# example's first line, or the command alone in a ```sh block) is run that way: its module
+# saved under its own name in a temporary directory, its placeholder URLs rewritten to the
+# throwaway servers as for the examples above, the command started from that directory
+# with the console scripts of this interpreter first on PATH, then one request or job
+# through it, and the command stopped.
+
+RUN_WITH = re.compile(r"^# [A-Za-z_][A-Za-z0-9_]*\.py\s+—\s+run with:\s+(?P<cmd>\S.*?)\s*$")
+SH_BLOCK = re.compile(r"^```sh\n(?P<body>.*?)^```$", re.MULTILINE | re.DOTALL)
+
+
+def page_module(page: Path) -> Block:
+    """The page's first example, the module its run command loads (``# name.py``)."""
+    first = extract(page)[0]
+    assert MODULE_NAME.match(first.code), f"{first.id}: not a '# name.py' module"
+    return first
+
+
+def save_module(module: Block, where: Path, servers: Servers) -> Path:
+    """The page's module saved under its own name (``# name.py``), its placeholder URLs
+    rewritten to the throwaway servers."""
+    named = MODULE_NAME.match(module.code)
+    assert named, module.id
+    path = where / f"{named['name']}.py"
+    path.write_text(substitute(program(module), servers), encoding="utf-8")
+    return path
+
+
+def run_command(page: Path, program: str) -> list[str]:
+    """The page's command line that starts ``program``: from its module's ``run with:``
+    comment or from a ```sh block of its own."""
+    text = page.read_text(encoding="utf-8")
+    found = RUN_WITH.match(page_module(page).code.splitlines()[0])
+    commands = [found["cmd"]] if found else []
+    commands += [
+        line.strip()
+        for m in SH_BLOCK.finditer(text)
+        for line in m["body"].splitlines()
+        if line.strip().startswith(program + " ")
+    ]
+    assert commands, f"{page.relative_to(ROOT)}: no '{program} ...' command"
+    return shlex.split(commands[0])
+
+
+def command_env(tmp_path: Path) -> dict[str, str]:
+    """What a reader's shell gives the command: this interpreter's scripts first on PATH,
+    the embedded store's default file in ``tmp_path``, no idemlock or pytest variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("IDEMLOCK_", "PYTEST_"))}
+    env["XDG_STATE_HOME"] = str(tmp_path / "state")
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+@contextlib.contextmanager
+def started(argv: list[str], cwd: Path, env: dict[str, str]) -> Iterator[Served]:
+    """``argv`` running in ``cwd`` until the block ends; then SIGTERM to its process
+    group (a worker's children too), SIGKILL if it has not exited 20 s later."""
+    log = cwd / "command.log"
+    with log.open("wb") as out:
+        proc = popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    served = Served(" ".join(argv), proc, log)
+    try:
+        yield served
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(20)
+
+
+@dataclass
+class Served:
+    command: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, what: Callable[[], Any], doing: str, timeout: float = 90) -> Any:
+        """Until ``what()`` is true (returned); fails at once if the command exited."""
+        deadline = time.monotonic() + timeout
+        while True:
+            value = what()
+            if value:
+                return value
+            assert self.proc.poll() is None, (
+                f"{self.command!r} exited {self.proc.returncode} {doing}:\n{self.output()}"
+            )
+            assert time.monotonic() < deadline, f"{self.command!r}: {doing}:\n{self.output()}"
+            time.sleep(0.05)
+
+    def wait_listening(self, port: int) -> None:
+        def listening() -> bool:
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", port)) == 0
+
+        self.wait_for(listening, f"never listened on port {port}")
+
+
 def test_django_page_serves_under_its_run_command(tmp_path: Path) -> None:
     # docs/django.md's project, saved as the page says (its first two blocks in one
     # project.py), served by the page's own command line: the command must work as written.
@@ -327,34 +446,113 @@ def test_django_page_serves_under_its_run_command(tmp_path: Path) -> None:
     settings, views = extract(page)[:2]
     assert settings.code.startswith("# project.py") and views.continues
     (tmp_path / "project.py").write_text(settings.code + "\n" + views.code, encoding="utf-8")
-    found = re.search(r"^```sh\n(gunicorn [^\n]*)\n```", page.read_text(), re.MULTILINE)
-    assert found, "docs/django.md: no gunicorn command"
-    argv = shlex.split(found[1])
+    argv = run_command(page, "gunicorn")
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("IDEMLOCK_", "PYTEST_"))}
-    env["XDG_STATE_HOME"] = str(tmp_path / "state")
-    proc = popen(
-        [sys.executable, "-m", *argv, "--bind", f"127.0.0.1:{port}", "--log-level", "warning"],
-        cwd=tmp_path,
-        env=env,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, f"{found[1]!r} exited {proc.returncode}"
-            try:
-                httpx.get(url + "/", timeout=2)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline, f"{found[1]!r} did not start"
-                time.sleep(0.1)
+    argv += ["--bind", f"127.0.0.1:{port}", "--log-level", "warning"]
+    with started(argv, tmp_path, command_env(tmp_path)) as served:
+        served.wait_listening(port)
+        url = f"http://127.0.0.1:{port}"
         headers = {"X-Api-Key": "k1", "Idempotency-Key": '"A17"'}
         first = httpx.post(url + "/refunds", json={"amount": 1200}, headers=headers, timeout=20)
         retry = httpx.post(url + "/refunds", json={"amount": 1200}, headers=headers, timeout=20)
-        assert (first.status_code, retry.status_code) == (201, 201), first.text + retry.text
-        assert retry.headers["Idempotent-Replayed"] == "true"
-        assert retry.json() == first.json()
-    finally:
-        proc.terminate()
-        proc.wait(20)
+    assert (first.status_code, retry.status_code) == (201, 201), first.text + retry.text
+    assert retry.headers["Idempotent-Replayed"] == "true"
+    assert retry.json() == first.json()
+
+
+# The FastAPI and ASGI pages: their app.py under `uvicorn app:app`, on a free port, and
+# one request sent twice with its key (the headers and body each page's example sends).
+UVICORN_PAGES = {
+    "fastapi.md": (
+        "/charges",
+        {"Authorization": "Bearer tok-alice"},
+        {"order_id": "A17", "amount": 1200},
+    ),
+    "asgi.md": ("/charges", {"x-api-key": "k1"}, {"order_id": "A17", "amount": 1200}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UVICORN_PAGES))
+def test_asgi_pages_serve_under_their_run_command(name: str, tmp_path: Path) -> None:
+    import httpx
+
+    page = ROOT / "docs" / name
+    module = page_module(page)
+    argv = run_command(page, "uvicorn")
+    save_module(module, tmp_path, {})
+    port = _free_port()
+    argv += ["--host", "127.0.0.1", "--port", str(port)]
+    path, headers, body = UVICORN_PAGES[name]
+    with started(argv, tmp_path, command_env(tmp_path)) as served:
+        served.wait_listening(port)
+        keyed = {**headers, "Idempotency-Key": '"order-A17"'}
+        sent = [
+            httpx.post(f"http://127.0.0.1:{port}{path}", json=body, headers=keyed, timeout=20)
+            for _ in range(2)
+        ]
+    first, retry = sent
+    assert (first.status_code, retry.status_code) == (201, 201), first.text + retry.text
+    assert "idempotent-replayed" not in first.headers
+    assert retry.headers["Idempotent-Replayed"] == "true"
+    assert retry.json() == first.json()
+
+
+# The queue recipes: the page's module (broker and store on the throwaway Redis, a SQLite
+# store in the worker's directory), the jobs sent by the page's own example from that
+# directory with no worker running, then the page's worker command, until the job's
+# record is completed in the page's store. (page, its command, the example that sends,
+# the key the worker completes)
+WORKER_PAGES = [
+    ("celery.md", "celery", 2, "order-A18"),
+    ("rq.md", "rq", 1, "order-o-7"),
+    pytest.param("arq.md", "arq", 1, "order-o-7", marks=pytest.mark.arq, id="arq.md"),
+    ("dramatiq.md", "dramatiq", 1, "order-o-7"),
+]
+COORDINATOR_URL = re.compile(r"""\b(?:idemlock_)?coordinator=["'](?P<url>[^"']+)["']""")
+
+
+@pytest.mark.parametrize(("name", "program_name", "send", "key"), WORKER_PAGES)
+def test_queue_recipes_run_under_their_worker_command(
+    name: str, program_name: str, send: int, key: str, tmp_path: Path, docs_redis: RedisServer
+) -> None:
+    import idemlock
+
+    page = ROOT / "docs" / "recipes" / name
+    blocks = extract(page)
+    module, sender = page_module(page), blocks[send]
+    assert sender.continues and blocks[0] is not sender
+    docs_redis.client().flushall()  # type: ignore[attr-defined]
+    base = docs_redis.url.rsplit("/", 1)[0]
+    servers: Servers = {"redis": lambda: base}
+    work = tmp_path / "work"
+    work.mkdir()
+    saved = save_module(module, work, servers)
+    found = COORDINATOR_URL.search(saved.read_text())
+    assert found, f"{module.id}: no coordinator URL"
+    store = found["url"]
+    if store.startswith("sqlite:///") and not store.startswith("sqlite:////"):
+        store = f"sqlite:///{work / store.removeprefix('sqlite:///')}"  # the worker's cwd
+    # The page's sends, from the worker's directory; the program is kept apart from
+    # the module so the worker imports the module alone.
+    out, script = run_example(substitute(program(sender), servers), tmp_path, cwd=work)
+    assert out.returncode == 0, f"{sender.id}: {out.stdout}{out.stderr}\n{script.read_text()}"
+    argv = run_command(page, program_name)
+    env = command_env(work)
+    env["RQ_REDIS_URL"] = base + "/0"  # rq's own variable for the Redis the page's Queue uses
+
+    def completed() -> bool:
+        with idemlock.connect(store) as coord:
+            status = coord.idempotency("charge-order").status(key)
+        return status is not None and status.state == "completed"
+
+    with started(argv, work, env) as served:
+        served.wait_for(completed, f"did not complete {key}")
+    if program_name == "rq":
+        # One job sent, one job made: every work horse imports jobs.py to find `charge`,
+        # so a send in that module would have queued another job before this one ran.
+        made = {k for k in map(_text, docs_redis.client().scan_iter("rq:job:*"))}  # type: ignore[attr-defined]
+        assert len({k for k in made if k.count(":") == 2}) == 1, sorted(made)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
