@@ -540,12 +540,13 @@ def test_queue_recipes_run_under_their_worker_command(
     env = command_env(work)
     env["RQ_REDIS_URL"] = base + "/0"  # rq's own variable for the Redis the page's Queue uses
 
-    def completed() -> bool:
-        with idemlock.connect(store) as coord:
-            status = coord.idempotency("charge-order").status(key)
-        return status is not None and status.state == "completed"
+    with idemlock.connect(store) as coord, started(argv, work, env) as served:
+        port = coord.idempotency("charge-order")
 
-    with started(argv, work, env) as served:
+        def completed() -> bool:
+            status = port.status(key)
+            return status is not None and status.state == "completed"
+
         served.wait_for(completed, f"did not complete {key}")
     if program_name == "rq":
         # One job sent, one job made: every work horse imports jobs.py to find `charge`,
