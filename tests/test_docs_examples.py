@@ -378,8 +378,11 @@ def run_command(page: Path, program: str) -> list[str]:
 
 def command_env(tmp_path: Path) -> dict[str, str]:
     """What a reader's shell gives the command: this interpreter's scripts first on PATH,
-    the embedded store's default file in ``tmp_path``, no idemlock or pytest variables."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("IDEMLOCK_", "PYTEST_"))}
+    the embedded store's default file in ``tmp_path``, no idemlock, pytest or Django
+    variables (tests/test_django.py sets DJANGO_SETTINGS_MODULE for the whole process
+    at import, and Celery's worker would load those settings)."""
+    leaked = ("IDEMLOCK_", "PYTEST_", "DJANGO_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(leaked)}
     env["XDG_STATE_HOME"] = str(tmp_path / "state")
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
