@@ -250,6 +250,60 @@ def test_direct_connection_has_no_warning(
     assert not [r for r in caplog.records if "listen_url" in r.getMessage()]
 
 
+async def _ahandoffs(url: str, prefix: str, keys: list[str]) -> Any:
+    """The asyncio twin of ``_handoff``: for each key, a holder's release hands the lock
+    to a waiter of another store, which must get it (``wait=``'s bound fails the test
+    otherwise). Returns the waiter's store, after both stores are closed."""
+    holder = idemlock.aio.connect(url, key_prefix=prefix)
+    waiter = idemlock.aio.connect(url, key_prefix=prefix)
+    try:
+        for key in keys:
+            lease = await holder.lock(LOCK).acquire(key)
+            assert lease is not None
+            waiting = asyncio.ensure_future(waiter.lock(LOCK).acquire(key, wait=20))
+            deadline = time.monotonic() + 20
+            # Waiting, and the listener's probe concluded (heard, or not within 1 s).
+            while (
+                not waiter.store.listener._core.has_waiters()
+                or waiter.store.listener.notifies is None
+            ):
+                assert not waiting.done(), waiting.result()  # got it while still held?
+                assert time.monotonic() < deadline, "the waiter never started waiting"
+                await asyncio.sleep(0.01)
+            await holder.lock(LOCK).release(lease)
+            took = await asyncio.wait_for(waiting, 30)
+            assert took is not None, f"no hand-off of {key!r} within the waiter's wait"
+            assert took.token > lease.token
+            assert await waiter.lock(LOCK).release(took)
+        return waiter.store
+    finally:
+        await holder.close()
+        await waiter.close()
+
+
+async def test_waiting_stays_bounded_and_warns_once_async(
+    bouncer: PgBouncer, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The asyncio store shares the listener thread: behind the pooler its probe never
+    # comes back, waiters are pulsed, and the warning naming listen_url comes once,
+    # however many waits follow (two hand-offs on two keys here).
+    caplog.set_level(logging.WARNING, logger="idemlock")
+    store = await _ahandoffs(bouncer.dsn, prefix, ["k", "k2"])
+    assert store._pooled is True
+    assert store.listener.notifies is False  # the probe never came back: polled
+    warned = [r for r in caplog.records if "listen_url" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+
+
+async def test_direct_connection_has_no_warning_async(
+    bouncer: PgBouncer, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="idemlock")
+    store = await _ahandoffs(bouncer.server.dsn, prefix, ["k"])
+    assert store.listener.notifies is True and store.listener.received >= 1  # pushed
+    assert not [r for r in caplog.records if "listen_url" in r.getMessage()]
+
+
 @pytest.mark.parametrize("how", ["keyword", "url"])
 def test_listen_url_pushes_handoffs_again(
     bouncer: PgBouncer, prefix: str, how: str, caplog: pytest.LogCaptureFixture

@@ -35,6 +35,30 @@ def test_every_row_is_in_the_doc() -> None:
         assert f"| `{row.id}` |" in text, row.id
 
 
+def test_the_store_error_rule_is_in_the_doc(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The table module's "Store errors." paragraph (what a caller may assume after
+    # StoreUnavailable, durability= included) is generated into the page, once.
+    text = (ROOT / "docs" / "states.md").read_text()
+    section = text.split("## Store errors\n", 1)[1].split("\n## ", 1)[0]
+    flat = " ".join(section.split())
+    for said in (
+        "`StoreUnavailable`",
+        "`durability=`",
+        "the row may have happened",
+        "The same call re-sent is safe",
+        "Tokens and fences never repeat",
+    ):
+        assert said in flat, said
+    assert text.count("## Store errors") == 1
+    assert "``" not in section and not any(
+        ln.startswith(("+ ", "- ")) for ln in section.split("\n")
+    )
+    tool = _tool()
+    monkeypatch.setattr(tool.T, "__doc__", "States. No store errors here.")
+    with pytest.raises(SystemExit, match="Store errors"):
+        tool.render()
+
+
 def test_check_fails_on_a_stale_doc(tmp_path: Path) -> None:
     tool = _tool()
     tool.TARGET = tmp_path / "states.md"

@@ -6,7 +6,9 @@ python tools/gen_states.py --check   # exit 1 if docs/states.md is not current
 
 from __future__ import annotations
 
+import re
 import sys
+import textwrap
 from pathlib import Path
 
 from idemlock._core import table as T
@@ -55,6 +57,23 @@ call landed, so it sends it again. The contract, the same on every store:
 - A store driver that re-sends the *same* call itself (Redis's nonce, etcd's
   `retried` Txn) reports the first attempt's answer: to the caller that is one call.
 """
+
+
+def store_errors() -> str:
+    """The "Store errors." paragraph of the table module's docstring, in Markdown: what
+    a caller may assume after ``StoreUnavailable`` is written once, next to the rows."""
+    doc = T.__doc__ or ""
+    found = [p for p in doc.split("\n\n") if p.lstrip().startswith("Store errors.")]
+    if len(found) != 1:
+        raise SystemExit(
+            "src/idemlock/_core/table.py's docstring has no single 'Store errors.' paragraph"
+        )
+    text = " ".join(found[0].split()).removeprefix("Store errors.").strip()
+    # Code spans stay on one line (a wrapped "+ 1" would open a Markdown list).
+    text = re.sub(r"``(.+?)``", lambda m: "`" + m[1].replace(" ", "\0") + "`", text)
+    text = text.replace("docs/guarantees.md", "[guarantees](guarantees.md#redis-failover)")
+    wrapped = textwrap.fill(text, width=88, break_long_words=False, break_on_hyphens=False)
+    return "\n## Store errors\n\n" + wrapped.replace("\0", " ")
 
 
 def _cell(text: str) -> str:
@@ -108,7 +127,7 @@ def render() -> str:
         lines += ["", f"## {title}", "", *_rows(prefix)]
         if title != "Fence gates":
             lines += ["", *_diagram(prefix)]
-    lines += [RESEND.rstrip(), ""]
+    lines += [store_errors(), RESEND.rstrip(), ""]
     return "\n".join(lines)
 
 

@@ -22,7 +22,7 @@ LONG_MS = 600_000
 def long_windows(monkeypatch: pytest.MonkeyPatch, store: str) -> dict[str, Any]:
     """Lengthen ``store``'s hand-off window and registrations; the connect options the
     releasing coordinator needs for it."""
-    if store == "postgres":
+    if store.startswith("postgres"):  # postgres-pgbouncer too
         from psycopg.types.numeric import Int8
 
         from idemlock.stores.postgres import _async, _shared, _sync

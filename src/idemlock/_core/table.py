@@ -19,9 +19,14 @@ elsewhere a released lock is ``free``). Fence gates: ``gate``.
 Store errors. Any call may instead raise ``StoreUnavailable``: no reply within the
 bound, or (Redis with ``durability=``) written on the primary but not acknowledged by
 the replicas or the append-only file it was asked to wait for. The caller may then
-assume only that the row may have happened, and may be undone by a failover; the same
-call re-sent is safe (the ``.resend`` and ``reacquire`` rows). Tokens and fences never
-repeat or go back, whichever the outcome (Redis: ``max(last + 1, server TIME in us)``).
+assume only that the row may have happened, and may be undone by a failover. The same
+call re-sent is safe: a claim or complete re-sent with the same token, or an acquire
+with the same owner, answers as the first would have (``claim.resend``,
+``complete.resend``, ``lock.reacquire``), and a re-sent abandon, release or renew
+undoes nothing; a new claim or acquire (a new token or owner) finds what the first may
+have taken in place until its lease or ttl ends. Tokens and fences never repeat or go
+back, whichever the outcome (Redis: ``max(last + 1, server TIME in us)``, under the
+clock assumption of docs/guarantees.md).
 """
 
 from __future__ import annotations
