@@ -404,3 +404,5 @@ class Servers(contextlib.ExitStack):
 
 #: the goals section of docs/benchmarks.md (written by goals.py, kept by report.py)
 GOALS_START, GOALS_END = "<!-- goals.py -->", "<!-- /goals.py -->"
+#: the scale section of docs/benchmarks.md (written by scale.py, kept by report.py)
+SCALE_START, SCALE_END = "<!-- scale.py -->", "<!-- /scale.py -->"
