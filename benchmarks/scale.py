@@ -7,12 +7,13 @@ Markdown table per figure:
 
 * **Records**: claim+complete throughput and p99 latency with N live records (completed,
   within their ttl) in the store, for each N; one store per N, measured in interleaved
-  rounds (N1, N2, N3, N1, ...), so the growth factor (the median of the per-round ratios of
-  the time per pair, largest N over smallest) is a same-round ratio. The pairs measured
-  add their records too (rounds x pairs, a few thousand) to each store. Bytes per record:
-  SQLite's file, PostgreSQL's claims table with its indexes, Redis's used_memory.
+  rounds (N1 N2 N3, N2 N3 N1, N3 N1 N2, ...), so the growth factor (the median of the
+  per-round ratios of the time per pair, largest N over smallest) is a same-round ratio.
+  The pairs measured add their records too (rounds x pairs, a few thousand) to each
+  store. Bytes per record: SQLite's file, PostgreSQL's claims table with its indexes,
+  Redis's used_memory.
 * **Purge**: ``purge()`` of N expired records in a process of its own (total time, its
-  peak RSS growth) while this process claims and completes meanwhile (the worst claim).
+  peak RSS growth) while this process claims and completes meanwhile (the worst call).
 * **Live claims**: K claims held under ``port.run()`` in one coordinator, renewed by its
   heartbeat: store round trips per second (counted on the wire, as costs.py counts them)
   and this process's CPU per second, once every claim is held; the Python heap they hold.
@@ -41,7 +42,7 @@ import threading
 import time
 import tracemalloc
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -71,7 +72,7 @@ class Config:
     lease: float  # their lease (s): renewed every third of it
 
 
-FULL = Config((10_000, 100_000, 1_000_000), 1000, 7, 1_000_000, 10_000, 30.0)
+FULL = Config((10_000, 100_000, 1_000_000), 1000, 9, 1_000_000, 10_000, 30.0)
 QUICK = Config((1_000, 10_000), 100, 2, 10_000, 200, 3.0)
 STORES = ("sqlite", "postgres", "redis")
 SPEC = IdempotencySpec("orders", ttl=timedelta(hours=1))
@@ -234,7 +235,7 @@ def measure_records(kind: str, bench: Any, servers: c.Servers, cfg: Config) -> d
         print(f"  {c.TITLE[kind]}: {size(n)} records in {out['fill_s'][-1]:.1f} s", flush=True)
     lat: dict[str, list[float]] = {size(n): [] for n in cfg.sizes}
     fns = {size(n): pairs(s.port, lat[size(n)]) for s, n in zip(stores, cfg.sizes, strict=True)}
-    rates = c.interleave(fns, cfg.n, cfg.rounds)
+    rates = c.interleave(fns, cfg.n, cfg.rounds, rotate=True)
     warm = max(50, cfg.n // 20)  # interleave's warm-up pairs, not counted
     small, large = size(cfg.sizes[0]), size(cfg.sizes[-1])
     out["pairs_per_s"] = [statistics.median(rates[size(n)]) for n in cfg.sizes]
@@ -290,24 +291,29 @@ print(json.dumps({"removed": removed, "seconds": took, "peak_kib": rss("VmHWM") 
 
 def measure_purge(kind: str, bench: Any, servers: c.Servers, cfg: Config) -> dict[str, Any]:
     """Purge ``cfg.purge`` expired records in a process of its own while a caller here
-    claims and completes on the same store: the worst claim meanwhile."""
+    claims and completes on the same store: its worst call (claim or complete) meanwhile."""
     (store,) = instances(kind, bench, servers, 1)
     fill = store.fill(cfg.purge, expired=True)
     print(f"  {c.TITLE[kind]}: {size(cfg.purge)} expired records in {fill:.1f} s", flush=True)
-    worst, errors, claims, stop = [0.0], [], [0], threading.Event()
+    worst, errors, calls, stop = [0.0], [], [0], threading.Event()
 
-    def caller() -> None:
-        while not stop.is_set():
-            start = time.perf_counter()
-            try:
-                claim = store.port.claim(str(uuid.uuid4()))
-            except idemlock.IdemlockError as exc:  # a store error counts as its wait
-                errors.append(c._why(exc))
-                claim = None
+    def timed(call: Callable[..., Any], *args: Any) -> Any:
+        """One call, its time kept if the worst; a store error counts as its wait."""
+        start = time.perf_counter()
+        try:
+            return call(*args)
+        except idemlock.IdemlockError as exc:
+            errors.append(c._why(exc))
+            return None
+        finally:
             worst[0] = max(worst[0], time.perf_counter() - start)
-            claims[0] += 1
+            calls[0] += 1
+
+    def caller() -> None:  # both calls timed: the purge may block either
+        while not stop.is_set():
+            claim = timed(store.port.claim, str(uuid.uuid4()))
             if isinstance(claim, Claimed):
-                store.port.complete(claim.token, RESULT)
+                timed(store.port.complete, claim.token, RESULT)
 
     thread = threading.Thread(target=caller, name="scale-caller")
     thread.start()
@@ -322,7 +328,7 @@ def measure_purge(kind: str, bench: Any, servers: c.Servers, cfg: Config) -> dic
     got = json.loads(proc.stdout)
     return {"store": kind, "records": cfg.purge, "removed": got["removed"],
             "seconds": got["seconds"], "peak_rss_mib": got["peak_kib"] / 1024,
-            "worst_claim_ms": worst[0] * 1000, "claims": claims[0], "errors": errors[:3],
+            "worst_call_ms": worst[0] * 1000, "calls": calls[0], "errors": errors[:3],
             "error_count": len(errors)}  # fmt: skip
 
 
@@ -330,12 +336,12 @@ def purge_table(rows: list[dict[str, Any]]) -> str:
     cells = [
         [c.TITLE[r["store"]], f"{r['removed']:,}", f"{r['seconds']:.2f} s",
          f"{r['removed'] / r['seconds']:,.0f}/s", f"{r['peak_rss_mib']:.1f} MiB",
-         f"{r['worst_claim_ms']:.1f} ms ({r['claims']} claims"
+         f"{r['worst_call_ms']:.1f} ms ({r['calls']} calls"
          + (f", {r['error_count']} failed" if r["error_count"] else "") + ")",
-         f"≤ {WORST_MS:.0f} ms", verdict(r["worst_claim_ms"], WORST_MS)]
+         f"≤ {WORST_MS:.0f} ms", verdict(r["worst_call_ms"], WORST_MS)]
         for r in rows
     ]  # fmt: skip
-    head = "store|purged|time|rate|peak RSS growth|worst claim meanwhile|goal|verdict"
+    head = "store|purged|time|rate|peak RSS growth|worst call meanwhile|goal|verdict"
     return table(head, cells, right=1)
 
 
@@ -392,12 +398,13 @@ def live_table(rows: list[dict[str, Any]]) -> str:
         trips, cores = r["round_trips_per_s"], r["cpu_cores"]
         short = [v for v in (verdict(trips, TRIPS), verdict(cores, CORE)) if v != "MEETS"]
         cells.append([
-            c.TITLE[r["store"]], f"{r['claims']:,}", f"{r['lease_s']:g} s", f"{trips:.2f}",
+            c.TITLE[r["store"]], f"{r['claims']:,}", f"{r['enter_s']:.1f} s",
+            f"{r['lease_s']:g} s", f"{trips:.2f}",
             f"{cores:.3f}", f"{r['heap_bytes_per_claim']:.0f} B", str(r["lost"]),
             f"≤ {TRIPS:g}/s, ≤ {CORE:g} core" if judged else "—",
             ("; ".join(short) or "MEETS") if judged else "reference",
         ])  # fmt: skip
-    head = "store|live claims|lease|round trips/s|client CPU (cores)|Python heap per claim|lost"
+    head = "store|live claims|taken in|lease|round trips/s|client CPU (cores)|heap per claim|lost"
     return table(head + "|goal|verdict", cells, right=1)
 
 
@@ -419,10 +426,15 @@ def write_doc(path: Path, how: str, tables: str) -> None:
     """Replace (or add, at the end) the scale section of ``path``."""
     section = (
         f"{c.SCALE_START}\n## Scale: how cost grows\n\nGenerated by {how}. Records: one "
-        "store per size, filled by copying a record the API wrote; growth is the time per "
-        "pair (median of per-round ratios) and the p99 at the largest size over the smallest. "
-        "Purge: in a process of its own, while this one claims. Live claims: store round "
-        "trips counted on the wire, CPU of this process, once every claim is held.\n\n"
+        "store per size, filled by copying a record the API wrote under fresh UUID keys; "
+        "growth is the time per claim+complete pair (the median of per-round ratios, the "
+        "order of the stores turning each round) and the p99, at the largest size over the "
+        "smallest. Purge: `purge()` in a process of its own (peak RSS growth: its VmHWM "
+        "over its RSS before) while this one claims and completes on the same store; the "
+        "worst of those calls is judged. Live claims: held under `port.run()` in one "
+        "coordinator; round trips counted on the wire (Redis: requests written; PostgreSQL: "
+        "request/response turns through a counting proxy; SQLite: transactions) and this "
+        "process's CPU, over two renewal intervals once every claim is held.\n\n"
         f"{tables}\n{c.SCALE_END}"
     )
     text = path.read_text() if path.exists() else ""

@@ -55,7 +55,7 @@ def test_scale_quick_reports_every_figure_for_every_store(tmp_path: Path) -> Non
     for r in report["purge"]:
         # every expired record went, none of the live ones the caller made meanwhile
         assert r["removed"] == r["records"] == report["config"]["purge"], r
-        assert positive(r["seconds"]) and positive(r["worst_claim_ms"]) and r["claims"] > 0, r
+        assert positive(r["seconds"]) and positive(r["worst_call_ms"]) and r["calls"] > 0, r
         assert r["peak_rss_mib"] >= 0 and r["error_count"] == 0, r
 
     assert [r["store"] for r in report["live"]] == STORES
