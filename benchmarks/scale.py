@@ -80,9 +80,12 @@ RESULT: Any = c.RESULT  # what every pair records
 FLAT, WORST_MS, CORE, TRIPS = 1.15, 100.0, 0.1, 10.0  # the goals
 
 
-def verdict(value: float, limit: float) -> str:
+def verdict(value: float, limit: float, unit: str = "") -> str:
     """MEETS, or SHORT by how much, of a goal ``value ≤ limit`` (NaN is short)."""
-    return "MEETS" if value <= limit else f"SHORT by {value - limit:.3g}"
+    if value <= limit:
+        return "MEETS"
+    by = value - limit
+    return f"SHORT by {by:.0f}{unit}" if by >= 100 else f"SHORT by {by:.2g}{unit}"
 
 
 def size(n: int) -> str:
@@ -253,14 +256,15 @@ def records_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         title = c.TITLE[r["store"]]
         for what, key, fmt, growth, goal in (
-            ("time per claim+complete", "pairs_per_s", "{:.0f}/s", "growth_time", True),
+            ("claim+complete throughput", "pairs_per_s", "{:.0f}/s", "growth_time", True),
             ("p99 claim+complete", "p99_ms", "{:.2f} ms", "growth_p99", True),
             ("bytes per record", "bytes", "{:.0f} B", "growth_bytes", False),
         ):
             g = r[growth]
             cells.append([
                 title, what, *(fmt.format(v) for v in r[key]), f"{g:.2f}{c.X}",
-                f"≤ {FLAT:.2f}{c.X}" if goal else "—", verdict(g, FLAT) if goal else "reference",
+                f"≤ {FLAT:.2f}{c.X}" if goal else "—",
+                verdict(g, FLAT, c.X) if goal else "reference",
             ])  # fmt: skip
     head = f"store|figure|{'|'.join(size(n) for n in sizes)}|growth|goal|verdict"
     return table(head, cells, right=2)
@@ -338,7 +342,7 @@ def purge_table(rows: list[dict[str, Any]]) -> str:
          f"{r['removed'] / r['seconds']:,.0f}/s", f"{r['peak_rss_mib']:.1f} MiB",
          f"{r['worst_call_ms']:.1f} ms ({r['calls']} calls"
          + (f", {r['error_count']} failed" if r["error_count"] else "") + ")",
-         f"≤ {WORST_MS:.0f} ms", verdict(r["worst_call_ms"], WORST_MS)]
+         f"≤ {WORST_MS:.0f} ms", verdict(r["worst_call_ms"], WORST_MS, " ms")]
         for r in rows
     ]  # fmt: skip
     head = "store|purged|time|rate|peak RSS growth|worst call meanwhile|goal|verdict"
@@ -396,7 +400,9 @@ def live_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         judged = r["store"] in ("redis", "postgres")
         trips, cores = r["round_trips_per_s"], r["cpu_cores"]
-        short = [v for v in (verdict(trips, TRIPS), verdict(cores, CORE)) if v != "MEETS"]
+        short = [
+            v for v in (verdict(trips, TRIPS, "/s"), verdict(cores, CORE, " core")) if v != "MEETS"
+        ]
         cells.append([
             c.TITLE[r["store"]], f"{r['claims']:,}", f"{r['enter_s']:.1f} s",
             f"{r['lease_s']:g} s", f"{trips:.2f}",
