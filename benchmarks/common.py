@@ -254,16 +254,26 @@ def new_prefix(tag: str = "b") -> str:
 
 
 def _rounds(
-    fns: dict[str, Any], n: int, rounds: int, warm: int, rates: Rates, cpu: Rates | None
+    fns: dict[str, Any],
+    n: int,
+    rounds: int,
+    warm: int,
+    rates: Rates,
+    cpu: Rates | None,
+    rotate: bool = False,
 ) -> Iterator[Any]:
     """The calls of ``interleave``: each function with ``warm`` operations, then each with
     ``n`` per round, timed into ``rates`` (and this process's CPU µs per operation into
-    ``cpu``, if given); the caller makes (or awaits) them."""
+    ``cpu``, if given); the caller makes (or awaits) them. ``rotate``: the order turns by
+    one each round (A B C, B C A, C A B, ...), so no subject always runs after another."""
     cpu = {} if cpu is None else cpu
     for fn in fns.values():  # warm up: connections, script cache, imports
         yield fn, warm
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    names = list(fns)
+    for r in range(rounds):
+        turn = r % len(names) if rotate else 0
+        for name in names[turn:] + names[:turn]:
+            fn = fns[name]
             # CPU time of this process (all its threads) is barely moved by other load on
             # the machine, unlike wall time: the steadier figure on a busy machine
             start, used = time.perf_counter(), time.process_time()
@@ -272,10 +282,12 @@ def _rounds(
             cpu.setdefault(name, []).append((time.process_time() - used) / n * 1e6)
 
 
-def interleave(fns: dict[str, SyncFn], n: int, rounds: int, cpu: Rates | None = None) -> Rates:
+def interleave(
+    fns: dict[str, SyncFn], n: int, rounds: int, cpu: Rates | None = None, rotate: bool = False
+) -> Rates:
     """Operations per second of each function in every round; rounds run A, B, A, B, ..."""
     rates: Rates = {k: [] for k in fns}
-    for fn, count in _rounds(fns, n, rounds, max(50, n // 20), rates, cpu):
+    for fn, count in _rounds(fns, n, rounds, max(50, n // 20), rates, cpu, rotate):
         fn(count)
     return rates
 
@@ -404,3 +416,5 @@ class Servers(contextlib.ExitStack):
 
 #: the goals section of docs/benchmarks.md (written by goals.py, kept by report.py)
 GOALS_START, GOALS_END = "<!-- goals.py -->", "<!-- /goals.py -->"
+#: the scale section of docs/benchmarks.md (written by scale.py, kept by report.py)
+SCALE_START, SCALE_END = "<!-- scale.py -->", "<!-- /scale.py -->"

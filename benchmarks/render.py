@@ -37,6 +37,7 @@ pip install -e ".[test]" matplotlib python-redis-lock fencekit idemkit asyncpg \
 python benchmarks/report.py            # this page, a few minutes; --quick for CI
 python benchmarks/report.py --stores redis,postgres   # a subset of the stores
 python benchmarks/goals.py --doc docs/benchmarks.md   # issue 13's goal table
+python benchmarks/scale.py --doc docs/benchmarks.md   # issue 28's scale figures
 python benchmarks/chaos.py --all --short              # the fault injection (CI)
 ```"""
 
@@ -247,8 +248,8 @@ def markdown(data: dict[str, Any], png: str) -> str:
         "`docs/benchmarks.json`.",
         "In `benchmarks/`: `subjects/` (an adapter per store: its raw baseline; the peers), "
         "`scenarios.py` (each scenario once), `report.py` (runs them, writes the JSON), "
-        "`render.py` (this page, the chart); `goals.py`, `costs.py` and `chaos.py` (over "
-        "`faults/`) are the others.",
+        "`render.py` (this page, the chart); `goals.py`, `scale.py`, `costs.py` and `chaos.py` "
+        "(over `faults/`) are the others.",
     ]
     page = "\n\n".join(b for b in blocks if b) + "\n"
     return "\n## ".join(s for s in page.split("\n## ") if OMIT not in s)
@@ -327,22 +328,25 @@ def chart(data: dict[str, Any], path: Path) -> None:
 
 
 def write(data: dict[str, Any], json_path: Path, out: Path, png: Path) -> None:
-    """The JSON, the chart and the page; the page's goals section (goals.py) is kept."""
+    """The JSON, the chart and the page; its goals and scale sections (goals.py, scale.py)
+    are kept."""
     for r in data["results"]:  # NaN (no gap measured) is not valid JSON
         r.update([(k, None) for k, v in r.items() if isinstance(v, float) and not math.isfinite(v)])
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(data, indent=1) + "\n")
     chart(data, png)
     out.parent.mkdir(parents=True, exist_ok=True)
-    kept = goals_section(out.read_text()) if out.exists() else ""
+    text = out.read_text() if out.exists() else ""
+    kept = [goals_section(text), goals_section(text, c.SCALE_START, c.SCALE_END)]
     page = markdown(data, os.path.relpath(png, out.parent))
-    out.write_text(page + (f"\n{kept}\n" if kept else ""))
+    out.write_text(page + "".join(f"\n{k}\n" for k in kept if k))
 
 
-def goals_section(text: str) -> str:
-    """The goals section of a Markdown file's text, markers included ("" if none)."""
-    start, end = text.find(c.GOALS_START), text.find(c.GOALS_END)
-    return text[start : end + len(c.GOALS_END)] if 0 <= start < end else ""
+def goals_section(text: str, first: str = c.GOALS_START, last: str = c.GOALS_END) -> str:
+    """The goals section (or another between ``first`` and ``last``) of a Markdown file's
+    text, markers included ("" if none)."""
+    start, end = text.find(first), text.find(last)
+    return text[start : end + len(last)] if 0 <= start < end else ""
 
 
 def add_paths(parser: argparse.ArgumentParser, *names: str) -> None:
