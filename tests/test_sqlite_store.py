@@ -238,6 +238,45 @@ def test_purge_keeps_live_rows(store: SQLiteStore) -> None:
     assert [r.key for r in store.locks(LOCKS)] == ["long"]
 
 
+def test_purge_goes_a_chunk_per_transaction_and_keeps_the_floor(
+    store: SQLiteStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A purge of many dead rows holds the write lock for a chunk at a time (other
+    writers go in between), and every chunk raises the floor over what it deletes."""
+    from idemlock.stores.sqlite import _store
+
+    monkeypatch.setattr(_store, "PURGE_CHUNK", 3)
+    fences = {}
+    for i in range(10):
+        for attempt in range(i % 3):  # fences differ from key to key
+            granted(store.claim(NS, f"dead{i}", None, f"a{attempt}", LONG))
+            assert store.abandon(NS, f"dead{i}", f"a{attempt}")
+        fences[f"dead{i}"] = granted(store.claim(NS, f"dead{i}", None, "t", 1)).fence
+    tokens = {}
+    for i in range(4):
+        lease = store.acquire(LOCKS, f"dead{i}", "o", 1)
+        assert isinstance(lease, Acquired)
+        tokens[f"dead{i}"] = lease.token
+    granted(store.claim(NS, "live", None, "t", LONG))
+    time.sleep(0.01)
+    writes: list[tuple[Any, ...]] = []
+    write = store._write
+
+    def counted(body: Any, *args: Any) -> Any:
+        writes.append(args)
+        return write(body, *args)
+
+    monkeypatch.setattr(store, "_write", counted)
+    assert store.purge() == 14
+    assert writes == [(3,)] * 4  # claims 3+3+3+1, locks 3+1
+    assert [r.key for r in store.records(NS)] == ["live"]
+    for key, fence in fences.items():
+        assert granted(store.claim(NS, key, None, "new", LONG)).fence > fence
+    for key, token in tokens.items():
+        again = store.acquire(LOCKS, key, "o2", LONG)
+        assert isinstance(again, Acquired) and again.token > token
+
+
 # ---- threads on one store object ---------------------------------------------------
 
 

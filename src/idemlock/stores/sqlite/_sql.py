@@ -220,16 +220,25 @@ RETURNING highest
 """
 _FENCE_GET = "SELECT highest FROM fences WHERE ns = ?1 AND resource = ?2"
 
-# Raise the floor over every fence and token about to go, then delete the dead rows.
-_PURGE_FLOOR = """
+# Purge, one chunk per transaction (so other writers wait for a chunk, never for the
+# whole purge): raise the floor over every fence and token about to go, then delete
+# those dead rows. ?1 now, ?2 the chunk's size; ordered by the index and the primary
+# key, the floor's rows and the deleted ones are the same in one transaction.
+_DEAD_CLAIMS = (
+    "SELECT ns, key, fence FROM claims WHERE expires_ms <= ?1 ORDER BY expires_ms, ns, key LIMIT ?2"
+)
+_DEAD_LOCKS = (
+    "SELECT ns, key, token FROM locks WHERE expires_ms <= ?1 ORDER BY expires_ms, ns, key LIMIT ?2"
+)
+_PURGE_FLOOR = f"""
 UPDATE meta SET value = max(
     value,
-    coalesce((SELECT max(fence) FROM claims WHERE expires_ms <= ?1), 0),
-    coalesce((SELECT max(token) FROM locks WHERE expires_ms <= ?1), 0)
+    coalesce((SELECT max(fence) FROM ({_DEAD_CLAIMS})), 0),
+    coalesce((SELECT max(token) FROM ({_DEAD_LOCKS})), 0)
 ) WHERE name = 'floor'
 """
-_PURGE_CLAIMS = "DELETE FROM claims WHERE expires_ms <= ?1"
-_PURGE_LOCKS = "DELETE FROM locks WHERE expires_ms <= ?1"
+_PURGE_CLAIMS = f"DELETE FROM claims WHERE (ns, key) IN (SELECT ns, key FROM ({_DEAD_CLAIMS}))"
+_PURGE_LOCKS = f"DELETE FROM locks WHERE (ns, key) IN (SELECT ns, key FROM ({_DEAD_LOCKS}))"
 # What _PURGE_CLAIMS and _PURGE_LOCKS would delete (purge's dry run).
 _PURGE_COUNT = """
 SELECT (SELECT count(*) FROM claims WHERE expires_ms <= ?1)

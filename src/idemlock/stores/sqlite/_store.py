@@ -73,6 +73,9 @@ R = TypeVar("R")
 
 log = logging.getLogger("idemlock")
 
+#: rows one purge transaction deletes at most (per table): a purge of a million dead
+#: records holds the write lock for a chunk at a time, not for seconds
+PURGE_CHUNK = 2000
 #: every store's in-process waiters, keyed by (file, channel...): two store objects on
 #: one file in one process wake each other's waiters
 _HUB = LocalHub()
@@ -466,7 +469,11 @@ class SQLiteStore(Connections):
         if dry_run:
             rows = self._read(_PURGE_COUNT, (_now_ms(),))
             return int(rows[0][0])
-        return self._write(_purge)
+        removed, more = 0, True
+        while more:  # one transaction per chunk: other callers wait for a chunk at most
+            n, more = self._write(_purge, PURGE_CHUNK)
+            removed += n
+        return removed
 
     # ---- waiting and life cycle --------------------------------------------------
 

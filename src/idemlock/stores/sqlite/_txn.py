@@ -55,10 +55,11 @@ def _renew_many(cur: sqlite3.Cursor, items: list[tuple[Any, ...]]) -> list[int |
     return out
 
 
-def _purge(cur: sqlite3.Cursor) -> int:
+def _purge(cur: sqlite3.Cursor, chunk: int) -> tuple[int, bool]:
+    """One chunk of a purge: (records removed, whether a table may hold more)."""
     now = _now_ms()
-    cur.execute(_PURGE_FLOOR, (now,))
-    removed: int = cur.execute(_PURGE_CLAIMS, (now,)).rowcount
-    removed += cur.execute(_PURGE_LOCKS, (now,)).rowcount
+    cur.execute(_PURGE_FLOOR, (now, chunk))
+    claims: int = cur.execute(_PURGE_CLAIMS, (now, chunk)).rowcount
+    locks: int = cur.execute(_PURGE_LOCKS, (now, chunk)).rowcount
     cur.execute(_PURGE_WAITERS, (now,))  # lapsed registrations: not records, not counted
-    return removed
+    return claims + locks, claims == chunk or locks == chunk
