@@ -135,4 +135,4 @@ def completion(
 def stale(port: IdempotencyBase, token: ClaimToken, what: str) -> Exception:
     """The :class:`~idemlock.StaleClaim` for a ``what`` ("complete", ...) the store
     refused because the claim no longer holds its key."""
-    return port._stale(token, what)
+    return port._replies.stale(token, what)

@@ -69,7 +69,7 @@ class RunSteps(IdempotencyBase):
         claim was lost while the block ran (with a heartbeat), else ``exc`` itself."""
         if hb is None:
             return exc
-        lost: BaseException = self._lost_claim(token, hb.reason)
+        lost: BaseException = self._replies.lost_claim(token, hb.reason)
         return lost
 
 

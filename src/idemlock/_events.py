@@ -15,27 +15,32 @@ if TYPE_CHECKING:
 log = logging.getLogger("idemlock")
 
 
-class Emitter:
-    """Builds and delivers events; costs one truthiness check when nobody listens."""
+class Events:
+    """Builds and delivers one port's events; costs one truthiness check when nobody
+    listens. A port holds one, made with the port (``port._events``)."""
 
-    _coord: CoordinatorBase
-    _kind: str
-    _spec_name: str
+    __slots__ = ("_coord", "_kind", "_spec_name")
 
-    def _t0(self) -> float:
+    def __init__(self, coord: CoordinatorBase, kind: str, spec_name: str) -> None:
+        # The names port_fields() reads, so a log record about an event names the port.
+        self._coord = coord
+        self._kind = kind
+        self._spec_name = spec_name
+
+    def t0(self) -> float:
         return perf_counter() if self._coord._hooks else 0.0
 
-    def _emit(self, name: str, outcome: str, t0: float) -> None:
+    def emit(self, name: str, outcome: str, t0: float) -> None:
         if self._coord._hooks:
-            self._deliver(name, outcome, perf_counter() - t0)
+            self.deliver(name, outcome, perf_counter() - t0)
 
-    def _emit_error(self, name: str, exc: BaseException, t0: float) -> None:
+    def error(self, name: str, exc: BaseException, t0: float) -> None:
         """A store call raised (the store down, a timeout): outcome "error", so an
         outage shows in the metrics instead of silence."""
         if self._coord._hooks:
-            self._deliver(name, "error", perf_counter() - t0, type(exc).__name__)
+            self.deliver(name, "error", perf_counter() - t0, type(exc).__name__)
 
-    def _deliver(self, name: str, outcome: str, duration: float, error: str | None = None) -> None:
+    def deliver(self, name: str, outcome: str, duration: float, error: str | None = None) -> None:
         hooks = self._coord._hooks
         event = Event(
             name,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from datetime import timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ._coordinator import CoordinatorBase
@@ -17,9 +18,10 @@ from ._core.keys import validate_key
 from ._core.port import Acquired, Held, LockRow
 from ._core.types import ClaimToken, IdempotencySpec, Lease, LockSpec, from_ms
 from ._errors import ConfigurationError, LockNotHeld
-from ._events import Emitter, log
+from ._events import Events, log
 from ._logfields import port_fields
 from ._replies import ClaimReplies
+from ._sealing import Records
 from ._tokens import check_token, new_token
 
 if TYPE_CHECKING:
@@ -27,13 +29,13 @@ if TYPE_CHECKING:
 
 
 def _report_loss(
-    port: Emitter, on_lost: Callable[[Any], object] | None, lost: object, what: str, thing: str
+    port: _SpecPort, on_lost: Callable[[Any], object] | None, lost: object, what: str, thing: str
 ) -> None:
     """A claim or lease was lost: the ``lost`` event, then ``on_lost(lost)``. The loss is
     what matters (the block still raises, an async body is still cancelled), so the
     callback's error is logged, never raised."""
     if port._coord._hooks:
-        port._deliver("lost", "lost", 0.0)
+        port._events.deliver("lost", "lost", 0.0)
     if on_lost is None:
         return
     try:
@@ -127,27 +129,39 @@ class Attempt:
         return f"Attempt({self.key!r}, {what}, lost={self.lost})"
 
 
-class _SpecPort(Emitter):
-    """What every port of a spec holds: its coordinator, the store and the namespace."""
+class _SpecPort:
+    """What every port of a spec holds: its coordinator, the store, the namespace and
+    its events (``_events``, which the hooks receive)."""
+
+    _kind: str
 
     def __init__(self, coord: CoordinatorBase, spec_name: str) -> None:
         self._coord = coord
         self._spec_name = spec_name
         self._store = coord._store
         self._ns = coord._ns(spec_name)
+        self._events = Events(coord, self._kind, spec_name)
 
 
-class IdempotencyBase(_SpecPort, ClaimReplies):
+class IdempotencyBase(_SpecPort):
     _kind = "idempotency"
+    #: the key and the payload fingerprint as stored (``_records.skey``/``fp``, bound
+    #: once: a call costs what a method of the port would)
+    _skey: Callable[[str], str]
+    _fp: Callable[[Any], str | None]
 
     def __init__(self, coord: CoordinatorBase, spec: IdempotencySpec) -> None:
         super().__init__(coord, spec.name)
         self.spec = spec
         self._lease_ms = whole_ms(duration(spec.lease, "lease", positive=True))
         self._ttl_ms = whole_ms(duration(spec.ttl, "ttl", positive=True))
-        self._format = coord.result_format
-        self._keyring = coord.keyring
-        self._seal = spec.encrypt_result
+        records = Records(
+            self._ns, spec.name, coord.result_format, coord.keyring, spec.encrypt_result
+        )
+        self._records = records
+        self._replies = ClaimReplies(coord, self._events, records)
+        self._skey = records.skey
+        self._fp = records.fp
 
     def _claim_args(
         self, key: str, payload: Any, lease: timedelta | float | None = None
@@ -183,7 +197,7 @@ class IdempotencyBase(_SpecPort, ClaimReplies):
         coord = self._coord
         state = RenewState(0, sent, ttl_ms=self._lease_ms, claim=token, guard=threading.Lock())
         if coord._hooks:
-            state.report = lambda outcome, took, error: self._deliver("renew", outcome, took, error)
+            state.report = partial(self._events.deliver, "renew")
 
         def lost() -> None:
             _report_loss(self, on_lost, token, "claim", "claim")
@@ -229,7 +243,7 @@ class IdempotencyBase(_SpecPort, ClaimReplies):
         """(the store, the arguments of its ``complete``) for ``result`` on ``token``."""
         return self._store, (
             *self._token_args(token),
-            self._encode(token.key, result),
+            self._records.encode(token.key, result),
             self._ttl_ms,
         )
 
@@ -270,7 +284,7 @@ class IdempotencyBase(_SpecPort, ClaimReplies):
         if not plan.errors or not isinstance(exc, plan.errors):
             return None
         try:
-            return self._encode_error(token.key, exc)
+            return self._records.encode_error(token.key, exc)
         except Exception:
             log.warning(
                 "cannot record %s for a %s call (its args are not JSON data); abandoning "
@@ -299,9 +313,9 @@ class LockBase(_SpecPort):
     ) -> Lease | None:
         reply, sent, tries = result
         if not isinstance(reply, Acquired):
-            self._emit("acquire", "timeout", t0)
+            self._events.emit("acquire", "timeout", t0)
             return None
-        self._emit("acquire", "acquired" if tries == 1 else "waited", t0)
+        self._events.emit("acquire", "acquired" if tries == 1 else "waited", t0)
         return self._lease(key, owner, reply, sent, self._ttl_ms)
 
     def _lease(self, key: str, owner: str, reply: Acquired, sent: float, ttl_ms: int) -> Lease:
@@ -357,7 +371,7 @@ class LockBase(_SpecPort):
 
     def _finish_release(self, lease: Lease, ok: bool, t0: float) -> bool:
         self._mark_released(lease)
-        self._emit("release", answered("release", ok), t0)
+        self._events.emit("release", answered("release", ok), t0)
         return ok
 
     def _break_args(self, key: str, token: int | None) -> tuple[str, str, int | None]:
@@ -372,7 +386,7 @@ class LockBase(_SpecPort):
         return row.owner, token
 
     def _finish_break(self, ok: bool, t0: float) -> bool:
-        self._emit("break", answered("break", ok), t0)
+        self._events.emit("break", answered("break", ok), t0)
         return ok
 
     def _renew_state(self, lease: Lease, on_lost: Callable[[Lease], object] | None) -> RenewState:
@@ -382,7 +396,7 @@ class LockBase(_SpecPort):
             0, lease._sent, ttl_ms=lease._ttl_ms, lease=lease, guard=threading.Lock()
         )
         if self._coord._hooks:
-            state.report = lambda outcome, took, error: self._deliver("renew", outcome, took, error)
+            state.report = partial(self._events.deliver, "renew")
 
         def lost() -> None:
             lease.lost = True
@@ -410,7 +424,7 @@ class LockBase(_SpecPort):
     def _finish_renew(
         self, lease: Lease, sent: float, ttl_ms: int, new_exp: int | None, t0: float = 0.0
     ) -> bool:
-        self._emit("renew", answered("renew", new_exp is not None), t0)
+        self._events.emit("renew", answered("renew", new_exp is not None), t0)
         if new_exp is None:
             lease.lost = True
             return False

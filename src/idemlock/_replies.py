@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._core import table
 from ._core.events import answered
@@ -18,8 +18,11 @@ from ._core.types import (
     from_ms,
 )
 from ._errors import InFlightError, PayloadMismatch, ResultDecodeError
-from ._events import Emitter
-from ._sealing import RecordSealing
+
+if TYPE_CHECKING:
+    from ._coordinator import CoordinatorBase
+    from ._events import Events
+    from ._sealing import Records
 
 #: port reply type -> the claim event's outcome, as the table names it
 _CLAIM_OUTCOME: dict[type, str] = {
@@ -30,24 +33,34 @@ _CLAIM_OUTCOME: dict[type, str] = {
 }
 
 
-class ClaimReplies(Emitter, RecordSealing):
-    """Turns one spec's store replies into outcomes, events and errors."""
+class ClaimReplies:
+    """Turns one spec's store replies into outcomes, events and errors. An idempotency
+    port holds one, made with the port (``port._replies``) over its events and records."""
 
-    def _interpret(
+    __slots__ = ("_coord", "_events", "_ns", "_records", "_spec_name")
+
+    def __init__(self, coord: CoordinatorBase, events: Events, records: Records) -> None:
+        self._coord = coord
+        self._events = events
+        self._records = records
+        self._ns = records._ns
+        self._spec_name = records._spec_name
+
+    def interpret(
         self, key: str, reply: ClaimReply, load: Any = None, t0: float = 0.0, skey: str = ""
     ) -> Claim:
         if self._coord._hooks:
             outcome = _CLAIM_OUTCOME[type(reply)]
             try:
-                claim = self._interpret_reply(key, reply, load, skey)
+                claim = self._reply(key, reply, load, skey)
             except PayloadMismatch:
-                self._emit("claim", outcome, t0)
+                self._events.emit("claim", outcome, t0)
                 raise
-            self._emit("claim", outcome, t0)
+            self._events.emit("claim", outcome, t0)
             return claim
-        return self._interpret_reply(key, reply, load, skey)
+        return self._reply(key, reply, load, skey)
 
-    def _interpret_reply(self, key: str, reply: ClaimReply, load: Any, skey: str) -> Claim:
+    def _reply(self, key: str, reply: ClaimReply, load: Any, skey: str) -> Claim:
         if isinstance(reply, Granted):
             return Claimed(
                 ClaimToken(
@@ -55,47 +68,47 @@ class ClaimReplies(Emitter, RecordSealing):
                     reply.token,
                     reply.fence,
                     from_ms(reply.expires_ms),
-                    self.spec.name,
+                    self._spec_name,
                     self._ns,
-                    skey or self._skey(key),
+                    skey or self._records.skey(key),
                 )
             )
         if isinstance(reply, Busy):
             return InFlight(from_ms(reply.expires_ms))
         if isinstance(reply, Done):
             try:
-                result, error = self._decode(key, reply.result, load)
+                result, error = self._records.decode(key, reply.result, load)
             except ResultDecodeError as exc:
                 # The format and the keyring do not know the key; name the record so
                 # its advice (forget it) can be followed. The caller's key, never
                 # the stored one (an HMAC under a keyring).
-                exc.args = (f"record of key {key!r} (spec {self.spec.name!r}): {exc}",)
+                exc.args = (f"record of key {key!r} (spec {self._spec_name!r}): {exc}",)
                 raise
             return Completed(result, from_ms(reply.expires_ms), error)
         if isinstance(reply, Mismatch):
             raise PayloadMismatch(key)
         raise TypeError(f"unexpected store reply {reply!r}")  # pragma: no cover
 
-    def _lost_claim(self, token: ClaimToken, reason: str) -> Exception:
+    def lost_claim(self, token: ClaimToken, reason: str) -> Exception:
         from ._errors import ClaimLost
 
         return ClaimLost(
             f"lost the claim on key {token.key!r} (fence {token.fence}) of spec "
-            f"{self.spec.name!r} while its work ran: {reason or 'its lease ran out'}; "
+            f"{self._spec_name!r} while its work ran: {reason or 'its lease ran out'}; "
             "another attempt took the key over, so nothing was recorded and a retry "
             "runs again with a higher fence (check fenced writes before relying on this "
             "attempt's work)"
         )
 
-    def _finish_claim(self, token: ClaimToken, ok: bool, what: str, t0: float) -> None:
+    def finish_claim(self, token: ClaimToken, ok: bool, what: str, t0: float) -> None:
         """Report a complete/abandon; raise StaleClaim if the store refused it."""
-        self._emit(what, answered(what, ok), t0)
+        self._events.emit(what, answered(what, ok), t0)
         if not ok:
-            raise self._stale(token, what)
+            raise self.stale(token, what)
 
-    def _extend_token(self, token: ClaimToken, new_exp: int | None) -> ClaimToken:
+    def extend_token(self, token: ClaimToken, new_exp: int | None) -> ClaimToken:
         if new_exp is None:
-            raise self._stale(token, "extend")
+            raise self.stale(token, "extend")
         return ClaimToken(
             token.key,
             token.token,
@@ -106,7 +119,7 @@ class ClaimReplies(Emitter, RecordSealing):
             token._skey,
         )
 
-    def _stale(self, token: ClaimToken, what: str) -> Exception:
+    def stale(self, token: ClaimToken, what: str) -> Exception:
         from ._errors import StaleClaim
 
         return StaleClaim(
@@ -115,7 +128,7 @@ class ClaimReplies(Emitter, RecordSealing):
             "completed or abandoned already, or the record was forgotten); nothing changed"
         )
 
-    def _status(self, key: str, row: RecordRow | None) -> RecordStatus | None:
+    def status(self, key: str, row: RecordRow | None) -> RecordStatus | None:
         if row is None:
             return None
         status = self._coord._record_status(row)
@@ -123,7 +136,7 @@ class ClaimReplies(Emitter, RecordSealing):
             key, status.state, status.fence, status.expires_at, status.spec, status.tenant
         )
 
-    def _replay_or_raise(
+    def replay_or_raise(
         self,
         key: str,
         reply: ClaimReply,
@@ -135,7 +148,7 @@ class ClaimReplies(Emitter, RecordSealing):
     ) -> Claim:
         """The claim of ``reply``; ``InFlightError`` if in flight, saying whether the
         caller waited (``waited`` seconds) and, if it has one, its setting to wait."""
-        claim = self._interpret(key, reply, load, t0, skey)
+        claim = self.interpret(key, reply, load, t0, skey)
         if isinstance(claim, InFlight):
             raise InFlightError(key, claim.expires_at, waited=waited, wait_with=wait_with)
         return claim

@@ -83,7 +83,7 @@ def coroutine_wrapper(
                 hb.stop()
             if cancels.absorb():
                 await call(port._abandon_quietly, token)
-                raise port._lost_claim(token, hb.reason if hb else "") from None
+                raise port._replies.lost_claim(token, hb.reason if hb else "") from None
             await call(port._fail, plan, token, exc)
             raise
         except BaseException as exc:
@@ -154,7 +154,7 @@ class IdempotencyRun(RunSteps):
                 hb.stop()
             await self._abandon_quietly(token)
             if cancels.absorb():
-                raise self._lost_claim(token, hb.reason if hb else "") from None
+                raise self._replies.lost_claim(token, hb.reason if hb else "") from None
             raise
         except BaseException:
             if hb is not None:
