@@ -270,8 +270,8 @@ def heartbeats(args: argparse.Namespace) -> None:
 def hooks(args: argparse.Namespace) -> None:
     from prometheus_client import CollectorRegistry
 
-    from idemlock._events import Events
-    from idemlock._replies import ClaimReplies
+    from idemlock._base.events import Events
+    from idemlock._base.idempotency import ClaimReplies
     from idemlock._sync import IdempotencyPort
     from idemlock.integrations.otel import OpenTelemetryHook
     from idemlock.integrations.prometheus import PrometheusHook

@@ -8,8 +8,9 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from ._blocks import Wrapping
-from ._coordinator import CoordinatorBase
+from ._base.coordinator import CoordinatorBase
+from ._base.fence import FenceBase
+from ._base.idempotency import Heartbeat
 from ._core.clock import Clock, duration, whole_ms
 from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES
 from ._core.events import Hook, answered
@@ -28,11 +29,10 @@ from ._core.types import (
     LockSpec,
     RecordStatus,
 )
-from ._decorator import WrapPlan, heartbeat_options, wrap_options
+from ._decorator import Wrapping, WrapPlan, heartbeat_options, wrap_options
 from ._drive import run_sync
 from ._errors import FencedOut, StaleClaim
 from ._logfields import port_fields
-from ._ports import FenceBase, Heartbeat
 from ._renewer import Renewer
 from ._threads import IdempotencyRun, LockHold, decorator
 from ._tokens import check_token

@@ -1,16 +1,18 @@
-"""Events: how a port builds one :class:`idemlock.Event` and hands it to the hooks."""
+"""Events: how a port builds one :class:`idemlock.Event` and hands it to the hooks, and
+how it reports a claim or lease lost."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from time import perf_counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ._core.events import Event
-from ._logfields import port_fields
+from .._core.events import Event
+from .._logfields import port_fields
 
 if TYPE_CHECKING:
-    from ._coordinator import CoordinatorBase
+    from .coordinator import CoordinatorBase
 
 log = logging.getLogger("idemlock")
 
@@ -63,3 +65,27 @@ class Events:
                     exc_info=True,
                     extra=port_fields(self, name, outcome),
                 )
+
+
+def report_loss(
+    events: Events, on_lost: Callable[[Any], object] | None, lost: object, what: str, thing: str
+) -> None:
+    """A claim or lease was lost: the ``lost`` event, then ``on_lost(lost)``. The loss is
+    what matters (the block still raises, an async body is still cancelled), so the
+    callback's error is logged, never raised."""
+    if events._coord._hooks:
+        events.deliver("lost", "lost", 0.0)
+    if on_lost is None:
+        return
+    try:
+        on_lost(lost)
+    except Exception:
+        log.warning(
+            "on_lost callback %r for a %s of spec %s raised; the %s is lost all the same",
+            on_lost,
+            what,
+            events._spec_name,
+            thing,
+            exc_info=True,
+            extra=port_fields(events, "on_lost", "error"),
+        )

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._core.canonical import canonicalize, fingerprint
-from ._core.codec import RecordedError, ResultFormat
-from ._core.keys import validate_key
+from .._core.canonical import canonicalize, fingerprint
+from .._core.codec import RecordedError, ResultFormat
+from .._core.keys import validate_key
 
 if TYPE_CHECKING:
-    from ._keyring import Keyring
+    from .._keyring import Keyring
 
 
 class Records:
@@ -72,7 +72,7 @@ class Records:
             assert self._keyring is not None
             data = self._keyring.open(bytes(data), self.ad(key))
         elif data[:1] == b"s":
-            from ._errors import SealError
+            from .._errors import SealError
 
             raise SealError(
                 f"the stored result of {key!r} is sealed but spec {self._spec_name!r} does not "
