@@ -270,25 +270,42 @@ def heartbeats(args: argparse.Namespace) -> None:
 def hooks(args: argparse.Namespace) -> None:
     from prometheus_client import CollectorRegistry
 
+    from idemlock._base.events import Events
+    from idemlock._base.idempotency import ClaimReplies
     from idemlock._sync import IdempotencyPort
     from idemlock.integrations.otel import OpenTelemetryHook
     from idemlock.integrations.prometheus import PrometheusHook
 
     spec = IdempotencySpec("bench")
 
+    class NoEvents(Events):
+        """Events with every trace of the hook machinery removed."""
+
+        __slots__ = ()
+
+        def t0(self) -> float:
+            return 0.0
+
+        def emit(self, name: str, outcome: str, t0: float) -> None:
+            return None
+
+    class NoCheckReplies(ClaimReplies):
+        """Replies interpreted without the hook check."""
+
+        __slots__ = ()
+
+        def interpret(
+            self, key: str, reply: Any, load: Any = None, t0: float = 0.0, *rest: Any
+        ) -> Any:
+            return self._reply(key, reply, load, *rest)
+
     class NoCheckPort(IdempotencyPort):
         """The port with every trace of the hook machinery removed."""
 
-        def _t0(self) -> float:
-            return 0.0
-
-        def _emit(self, name: str, outcome: str, t0: float) -> None:
-            return None
-
-        def _interpret(
-            self, key: str, reply: Any, load: Any = None, t0: float = 0.0, *rest: Any
-        ) -> Any:
-            return self._interpret_reply(key, reply, load, *rest)
+        def __init__(self, coord: Any, spec: IdempotencySpec) -> None:
+            super().__init__(coord, spec)
+            self._events = NoEvents(coord, self._kind, spec.name)
+            self._replies = NoCheckReplies(coord, self._events, self._records)
 
     def hooked(make: Callable[[], Any]) -> Callable[[], c.SyncFn]:
         return lambda: subj.ours_claim_pairs(idemlock.connect("memory://", hooks=make()), spec)
@@ -335,7 +352,7 @@ def hooks(args: argparse.Namespace) -> None:
         print(f"{name}: hook check costs {paired * 100:+.2f}% time per claim+complete (goal < 2%)")
     # The checks alone, in isolation: two _t0, two _emit and the check in _interpret.
     port, loops = idemlock.connect("memory://").idempotency(spec), 200_000
-    t0, emit, coord = port._t0, port._emit, port._coord
+    t0, emit, coord = port._events.t0, port._events.emit, port._coord
     start = time.process_time()
     for _ in range(loops):
         pass

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from ._base.idempotency import Attempt
 from ._clock import ManualClock, SystemClock
 from ._context import current_claim
 from ._core.canonical import canonicalize, fingerprint
@@ -54,7 +55,6 @@ from ._errors import (
     StoreUnavailable,
 )
 from ._log_fallback import FallbackHandler
-from ._ports import Attempt
 from ._sync import Coordinator, FenceGate, IdempotencyPort, LockPort, connect
 
 if TYPE_CHECKING:

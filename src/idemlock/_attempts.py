@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 from ._core.types import Claim, Claimed, ClaimToken, Completed
 
 if TYPE_CHECKING:
+    from ._base.idempotency import Heartbeat, IdempotencyBase
     from ._core.clock import Clock
     from ._decorator import WrapPlan
-    from ._ports import Heartbeat, IdempotencyBase
     from ._sync import IdempotencyPort
     from .aio import AsyncIdempotencyPort
 
@@ -135,4 +135,4 @@ def completion(
 def stale(port: IdempotencyBase, token: ClaimToken, what: str) -> Exception:
     """The :class:`~idemlock.StaleClaim` for a ``what`` ("complete", ...) the store
     refused because the claim no longer holds its key."""
-    return port._stale(token, what)
+    return port._replies.stale(token, what)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import typing
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +19,7 @@ from ._core.types import ClaimToken, Completed, IdempotencySpec
 from ._errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from ._ports import IdempotencyBase
+    from ._base.idempotency import IdempotencyBase
 
 IN_FLIGHT_MODES = ("raise", "wait")
 
@@ -135,3 +136,21 @@ def heartbeat_options(
     every = port._heartbeat_every(renew_every)
     limit = None if max_run is None else duration(max_run, "max_run", positive=True)
     return (every if heartbeat else None), limit
+
+
+@dataclass(frozen=True, slots=True)
+class Wrapping:
+    """What ``idempotent()`` wraps a function with, on either face: its port, the key
+    function, the errors to replay, the wait for a key in flight and the heartbeat's
+    interval, limit and ``on_lost``."""
+
+    port: Any
+    key: Callable[..., str] | None
+    replay_errors: tuple[type[BaseException], ...]
+    wait_s: float | None
+    every: float | None
+    limit: float | None
+    on_lost: Callable[[ClaimToken], object] | None
+
+    def plan(self, fn: Callable[..., Any]) -> WrapPlan:
+        return WrapPlan(fn, self.key, self.replay_errors)

@@ -8,8 +8,9 @@ from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from ._blocks import Wrapping
-from ._coordinator import CoordinatorBase
+from ._base.coordinator import CoordinatorBase
+from ._base.fence import FenceBase
+from ._base.idempotency import Heartbeat
 from ._core.clock import Clock, duration, whole_ms
 from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES
 from ._core.events import Hook, answered
@@ -28,11 +29,10 @@ from ._core.types import (
     LockSpec,
     RecordStatus,
 )
-from ._decorator import WrapPlan, heartbeat_options, wrap_options
+from ._decorator import Wrapping, WrapPlan, heartbeat_options, wrap_options
 from ._drive import run_sync
 from ._errors import FencedOut, StaleClaim
 from ._logfields import port_fields
-from ._ports import FenceBase, Heartbeat
 from ._renewer import Renewer
 from ._threads import IdempotencyRun, LockHold, decorator
 from ._tokens import check_token
@@ -203,14 +203,14 @@ class IdempotencyPort(IdempotencyRun):
         """Atomically one of ``Claimed`` (run it), ``InFlight`` (someone else is) or
         ``Completed`` (replay). Raises ``PayloadMismatch`` if the key is live with
         another payload. ``lease`` overrides the spec's lease for this claim."""
-        t0 = self._t0()
+        t0 = self._events.t0()
         args = self._claim_args(key, payload, lease)
         try:
             reply = self._store.claim(*args)
         except Exception as exc:
-            self._emit_error("claim", exc, t0)
+            self._events.error("claim", exc, t0)
             raise
-        return self._interpret(key, reply, None, t0, args[1])
+        return self._replies.interpret(key, reply, None, t0, args[1])
 
     def complete(
         self,
@@ -225,9 +225,9 @@ class IdempotencyPort(IdempotencyRun):
         ``writes`` (Redis): keys of the store to SET in the same atomic step, so the
         job's effects and its record commit together or not at all (on PostgreSQL use
         ``complete_in_transaction`` for the same)."""
-        t0 = self._t0()
+        t0 = self._events.t0()
         args = self._token_args(token)
-        data = self._encode(token.key, result)
+        data = self._records.encode(token.key, result)
         call = self._complete_with() if writes else None
         extra = self._writes(writes) if writes else None
         try:
@@ -236,20 +236,20 @@ class IdempotencyPort(IdempotencyRun):
             else:
                 ok = self._store.complete(*args, data, self._ttl_ms)
         except Exception as exc:
-            self._emit_error("complete", exc, t0)
+            self._events.error("complete", exc, t0)
             raise
-        self._finish_claim(token, ok, "complete", t0)
+        self._replies.finish_claim(token, ok, "complete", t0)
 
     def abandon(self, token: ClaimToken) -> None:
         """Release the claim so a retry runs the operation again."""
-        t0 = self._t0()
+        t0 = self._events.t0()
         args = self._token_args(token)
         try:
             ok = self._store.abandon(*args)
         except Exception as exc:
-            self._emit_error("abandon", exc, t0)
+            self._events.error("abandon", exc, t0)
             raise
-        self._finish_claim(token, ok, "abandon", t0)
+        self._replies.finish_claim(token, ok, "abandon", t0)
 
     def extend(self, token: ClaimToken, lease: timedelta | float | None = None) -> ClaimToken:
         """Push the end of a running claim's lease to ``lease`` (default: the spec's)
@@ -260,11 +260,11 @@ class IdempotencyPort(IdempotencyRun):
         lease_ms = (
             self._lease_ms if lease is None else whole_ms(duration(lease, "lease", positive=True))
         )
-        return self._extend_token(token, self._store.extend(*args, lease_ms))
+        return self._replies.extend_token(token, self._store.extend(*args, lease_ms))
 
     def status(self, key: str) -> RecordStatus | None:
         """What the store holds for ``key``: None, in flight or completed, with expiry."""
-        return self._status(key, self._store.record(self._ns, self._skey(key)))
+        return self._replies.status(key, self._store.record(self._ns, self._skey(key)))
 
     def forget(self, key: str) -> bool:
         """Delete the record of ``key`` (operators only: a retry will run again)."""
@@ -276,15 +276,15 @@ class IdempotencyPort(IdempotencyRun):
         """Claim, and while the key is in flight wait up to ``timeout`` (default: the
         lease) for it to complete (returns ``Completed``) or be freed (returns
         ``Claimed``: this caller must run it). Still in flight at the end: ``InFlight``."""
-        t0 = self._t0()
+        t0 = self._events.t0()
         args = self._claim_args(key, payload)
         flow = claim_flow(*args, self._wait_for(timeout), self._coord.poll_cap)
         try:
             reply = run_sync(flow, self._store, clock=self._coord.clock)
         except Exception as exc:
-            self._emit_error("claim", exc, t0)
+            self._events.error("claim", exc, t0)
             raise
-        return self._interpret(key, reply, None, t0, args[1])
+        return self._replies.interpret(key, reply, None, t0, args[1])
 
     # ---- the decorator's steps -------------------------------------------------
 
@@ -305,17 +305,17 @@ class IdempotencyPort(IdempotencyRun):
                 reply = run_sync(flow, self._store, clock=clock)
                 sent = stamp[0]
         except Exception as exc:
-            self._emit_error("claim", exc, t0)
+            self._events.error("claim", exc, t0)
             raise
         return reply, sent
 
     def _claim_at(self, key: str, payload: Any, wait: float | None) -> tuple[Claim, float]:
         """Claim (waiting up to ``wait`` while in flight): the claim and the time its
         last request was sent."""
-        t0 = self._t0()
+        t0 = self._events.t0()
         cargs = self._claim_args(key, payload)
         reply, sent = self._send_claim(cargs, wait, t0)
-        return self._interpret(key, reply, None, t0, cargs[1]), sent
+        return self._replies.interpret(key, reply, None, t0, cargs[1]), sent
 
     def _begin(
         self,
@@ -337,12 +337,12 @@ class IdempotencyPort(IdempotencyRun):
     ) -> tuple[Claimed | Completed, float]:
         """Claim or replay a call of ``plan``'s function; ``InFlightError`` (naming
         ``wait_with``, the caller's setting to wait, if it has one) while in flight."""
-        t0 = self._t0()
+        t0 = self._events.t0()
         key, payload = plan.key_payload(args, kwargs)
         _, load = plan.types()
         cargs = self._claim_args(key, payload)
         reply, sent = self._send_claim(cargs, wait, t0)
-        claim = self._replay_or_raise(key, reply, load, t0, cargs[1], wait, wait_with)
+        claim = self._replies.replay_or_raise(key, reply, load, t0, cargs[1], wait, wait_with)
         if isinstance(claim, Completed):
             # Here, where the key is known: a recorded error it cannot raise again
             # names the record to forget.
@@ -359,34 +359,34 @@ class IdempotencyPort(IdempotencyRun):
         except StaleClaim:
             if hb is None:
                 raise
-            raise self._lost_claim(token, hb.reason) from None
+            raise self._replies.lost_claim(token, hb.reason) from None
 
     def _record(self, plan: WrapPlan, token: ClaimToken, result: Any) -> None:
-        t0 = self._t0()
+        t0 = self._events.t0()
         try:
-            data = self._encode(token.key, result, *plan.types())
+            data = self._records.encode(token.key, result, *plan.types())
         except BaseException:
             self._abandon_quietly(token)
             raise
         try:
             ok = self._store.complete(*self._token_args(token), data, self._ttl_ms)
         except Exception as exc:
-            self._emit_error("complete", exc, t0)
+            self._events.error("complete", exc, t0)
             raise
-        self._finish_claim(token, ok, "complete", t0)
+        self._replies.finish_claim(token, ok, "complete", t0)
 
     def _fail(self, plan: WrapPlan, token: ClaimToken, exc: BaseException) -> None:
         data = self._error_record(plan, token, exc)
         if data is None:
             self._abandon_quietly(token)
             return
-        t0 = self._t0()
+        t0 = self._events.t0()
         try:
             ok = self._store.complete(*self._token_args(token), data, self._ttl_ms)
         except Exception as exc:
-            self._emit_error("complete", exc, t0)
+            self._events.error("complete", exc, t0)
             raise
-        self._emit("complete", answered("complete", ok), t0)
+        self._events.emit("complete", answered("complete", ok), t0)
         if not ok:
             log.warning(
                 "could not record the error of a %s call: the claim was lost",
@@ -397,12 +397,12 @@ class IdempotencyPort(IdempotencyRun):
     def _abandon_quietly(self, token: ClaimToken) -> None:
         # The operation failed; its error matters more than a failed abandon (the
         # lease frees the key anyway).
-        t0 = self._t0()
+        t0 = self._events.t0()
         try:
             ok = self._store.abandon(*self._token_args(token))
-            self._emit("abandon", answered("abandon", ok), t0)
+            self._events.emit("abandon", answered("abandon", ok), t0)
         except Exception as exc:
-            self._emit_error("abandon", exc, t0)
+            self._events.error("abandon", exc, t0)
             log.warning(
                 "could not abandon a claim of spec %s; it frees itself when its lease ends",
                 self.spec.name,
@@ -421,7 +421,7 @@ class LockPort(LockHold):
     ) -> Lease | None:
         """Take the lock, waiting up to ``wait``; None if it stayed held. Acquiring a
         key the same ``owner`` holds returns that lease again (same token)."""
-        t0 = self._t0()
+        t0 = self._events.t0()
         who = self._owner(owner)
         wait_s = None if wait is None else duration(wait, "wait")
         if not wait_s:
@@ -430,7 +430,7 @@ class LockPort(LockHold):
             try:
                 reply = self._store.acquire(self._ns, validate_key(key), who, self._ttl_ms)
             except Exception as exc:
-                self._emit_error("acquire", exc, t0)
+                self._events.error("acquire", exc, t0)
                 raise
             return self._finish_acquire(key, who, (reply, sent, 1), t0)
         flow = acquire_flow(
@@ -439,21 +439,21 @@ class LockPort(LockHold):
         try:
             result = run_sync(flow, self._store, clock=self._coord.clock)
         except Exception as exc:
-            self._emit_error("acquire", exc, t0)
+            self._events.error("acquire", exc, t0)
             raise
         return self._finish_acquire(key, who, result, t0)
 
     def release(self, lease: Lease) -> bool:
         """Free the lock if this lease still holds it; False if it had expired or was
         released already (releasing twice is harmless)."""
-        t0 = self._t0()
+        t0 = self._events.t0()
         args = self._release_args(lease)
         if args is None:
             return self._finish_release(lease, False, t0)
         try:
             ok = self._store.release(*args)
         except Exception as exc:
-            self._emit_error("release", exc, t0)
+            self._events.error("release", exc, t0)
             raise
         return self._finish_release(lease, ok, t0)
 
@@ -467,7 +467,7 @@ class LockPort(LockHold):
         reports the loss (``LockLost``). With ``token``, only a holder that still has
         that token is freed (the one you saw in ``locks()``), never one that took the
         lock over meanwhile. Emits the ``break`` event (broken, not_held, error)."""
-        t0 = self._t0()
+        t0 = self._events.t0()
         ns, skey, guard = self._break_args(key, token)
         try:
             if guard is None:
@@ -476,21 +476,21 @@ class LockPort(LockHold):
                 held = self._break_guarded(self._store.lock(ns, skey), guard)
                 ok = held is not None and self._store.release(ns, skey, *held)
         except Exception as exc:
-            self._emit_error("break", exc, t0)
+            self._events.error("break", exc, t0)
             raise
         return self._finish_break(ok, t0)
 
     def renew(self, lease: Lease, ttl: timedelta | float | None = None) -> bool:
         """Reset the lease to ``ttl`` (default: the spec's) from now; the token stays.
         False (and ``lease.lost``) if the lease had already expired."""
-        t0 = self._t0()
+        t0 = self._events.t0()
         args = self._check_lease(lease, "renew")
         ttl_ms = self._renew_ttl(ttl)
         sent = self._coord.clock.monotonic()
         try:
             new_exp = self._store.renew(*args, ttl_ms)
         except Exception as exc:
-            self._emit_error("renew", exc, t0)
+            self._events.error("renew", exc, t0)
             raise
         return self._finish_renew(lease, sent, ttl_ms, new_exp, t0)
 

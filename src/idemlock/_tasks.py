@@ -18,14 +18,14 @@ from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from ._blocks import HoldSteps, RunSteps, Wrapping
+from ._base.idempotency import Attempt, IdempotencyBase
+from ._base.lock import LockBase
 from ._context import enter_claim, leave_claim
 from ._core.flows import Renewal, RenewState
 from ._core.jsontypes import JSONValue
 from ._core.types import Claim, ClaimToken, Completed, InFlight, Lease
-from ._decorator import DECORATOR_WAIT, RUN_WAIT
+from ._decorator import DECORATOR_WAIT, RUN_WAIT, Wrapping
 from ._errors import ConfigurationError, InFlightError, LockLost, StaleClaim
-from ._ports import Attempt
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -83,7 +83,7 @@ def coroutine_wrapper(
                 hb.stop()
             if cancels.absorb():
                 await call(port._abandon_quietly, token)
-                raise port._lost_claim(token, hb.reason if hb else "") from None
+                raise port._replies.lost_claim(token, hb.reason if hb else "") from None
             await call(port._fail, plan, token, exc)
             raise
         except BaseException as exc:
@@ -101,7 +101,7 @@ def coroutine_wrapper(
     return wrapper
 
 
-class IdempotencyRun(RunSteps):
+class IdempotencyRun(IdempotencyBase):
     """``run()`` of :class:`~idemlock.aio.AsyncIdempotencyPort`."""
 
     if TYPE_CHECKING:
@@ -154,7 +154,7 @@ class IdempotencyRun(RunSteps):
                 hb.stop()
             await self._abandon_quietly(token)
             if cancels.absorb():
-                raise self._lost_claim(token, hb.reason if hb else "") from None
+                raise self._replies.lost_claim(token, hb.reason if hb else "") from None
             raise
         except BaseException:
             if hb is not None:
@@ -175,7 +175,7 @@ class IdempotencyRun(RunSteps):
         return lambda: state.lose(state.expired_reason())
 
 
-class LockHold(HoldSteps):
+class LockHold(LockBase):
     """``hold()`` of :class:`~idemlock.aio.AsyncLockPort`."""
 
     if TYPE_CHECKING:

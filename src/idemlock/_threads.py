@@ -18,14 +18,14 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from ._blocks import HoldSteps, RunSteps, Wrapping
+from ._base.idempotency import Attempt, IdempotencyBase
+from ._base.lock import LockBase
 from ._context import enter_claim, leave_claim
 from ._core.flows import Renewal, RenewState
 from ._core.jsontypes import JSONValue
 from ._core.types import Claim, ClaimToken, Completed, InFlight, Lease
-from ._decorator import DECORATOR_WAIT, RUN_WAIT
+from ._decorator import DECORATOR_WAIT, RUN_WAIT, Wrapping
 from ._errors import InFlightError, LockLost, StaleClaim
-from ._ports import Attempt
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -73,7 +73,7 @@ def decorator(w: Wrapping) -> Callable[[F], F]:
     return decorate
 
 
-class IdempotencyRun(RunSteps):
+class IdempotencyRun(IdempotencyBase):
     """``run()`` of :class:`~idemlock.IdempotencyPort`."""
 
     if TYPE_CHECKING:
@@ -150,7 +150,7 @@ class IdempotencyRun(RunSteps):
         return expire
 
 
-class LockHold(HoldSteps):
+class LockHold(LockBase):
     """``hold()`` of :class:`~idemlock.LockPort`."""
 
     if TYPE_CHECKING:

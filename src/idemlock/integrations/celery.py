@@ -148,6 +148,7 @@ from celery.exceptions import Reject, Retry, TaskPredicate  # type: ignore[impor
 from celery.utils import uuid  # type: ignore[import-untyped]
 
 from .. import _attempts as attempts
+from .._base.idempotency import Heartbeat
 from .._context import enter_claim, leave_claim
 from .._core.clock import duration
 from .._core.types import ClaimToken, Completed, IdempotencySpec
@@ -160,7 +161,6 @@ from .._errors import (
 )
 from .._logfields import fields as log_fields
 from .._logfields import port_fields
-from .._ports import Heartbeat
 from .._sync import Coordinator, IdempotencyPort
 from .jobs import celery_resends as resends
 from .jobs.celery_messages import (

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ... import _attempts as attempts
+from ..._base.idempotency import Heartbeat, IdempotencyBase
 from ..._core.types import Claim, Claimed, ClaimToken, Completed, IdempotencySpec, InFlight
 from ..._decorator import heartbeat_options
 from ..._errors import (
@@ -43,7 +44,6 @@ from ..._errors import (
 )
 from ..._logfields import fields as log_fields
 from ..._logfields import port_fields
-from ..._ports import Heartbeat, IdempotencyBase
 from ...aio import AsyncIdempotencyPort
 from .fingerprint import RequestView, fingerprint_of, legacy_fingerprint_of
 from .key_header import MalformedKey, parse_idempotency_key

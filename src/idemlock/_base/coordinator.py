@@ -4,20 +4,20 @@ and listings."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from datetime import datetime, timezone
+from collections.abc import Callable, Iterable
+from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
-from ._core.clock import Clock
-from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES, ResultFormat
-from ._core.events import Hook
-from ._core.keys import namespace, split_namespace, validate_key
-from ._core.port import Capabilities, LockRow, RecordRow
-from ._core.types import IdempotencySpec, LockInfo, LockSpec, RecordStatus, from_ms
-from ._errors import ConfigurationError
+from .._core.clock import Clock, duration
+from .._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES, ResultFormat
+from .._core.events import Hook
+from .._core.keys import namespace, split_namespace, validate_key
+from .._core.port import Capabilities, LockRow, RecordRow
+from .._core.types import IdempotencySpec, LockInfo, LockSpec, RecordStatus, from_ms
+from .._errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from ._keyring import Keyring
+    from .._keyring import Keyring
 
 
 class CoordinatorBase:
@@ -37,7 +37,7 @@ class CoordinatorBase:
         compress_over: int | None = COMPRESS_OVER,
         hooks: Iterable[Hook] | None = None,
     ) -> None:
-        from ._clock import SYSTEM_CLOCK
+        from .._clock import SYSTEM_CLOCK
 
         self._store = store
         self.capabilities = _capabilities(store)
@@ -87,6 +87,21 @@ class CoordinatorBase:
 
     def _call_bound(self) -> float:
         return float(self._store.timeout)
+
+    def _renewal_period(
+        self, renew_every: timedelta | float | None, of_ms: int, of: Callable[[], str]
+    ) -> float:
+        """The period its renewer renews a claim's heartbeat or a lock's lease at, in
+        seconds (default: a third of ``of_ms``, what each renewal extends); ``of()``
+        names that in the error."""
+        if renew_every is None:
+            return of_ms / 3000
+        s = duration(renew_every, "renew_every", positive=True)
+        if s * 1000 >= of_ms:
+            raise ConfigurationError(
+                f"renew_every must be positive and shorter than {of()}, got {s}s"
+            )
+        return s
 
     @property
     def store(self) -> Any:

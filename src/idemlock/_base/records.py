@@ -6,25 +6,30 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._core.canonical import canonicalize, fingerprint
-from ._core.codec import RecordedError, ResultFormat
-from ._core.keys import validate_key
-from ._core.types import IdempotencySpec
+from .._core.canonical import canonicalize, fingerprint
+from .._core.codec import RecordedError, ResultFormat
+from .._core.keys import validate_key
 
 if TYPE_CHECKING:
-    from ._keyring import Keyring
+    from .._keyring import Keyring
 
 
-class RecordSealing:
-    """The store-side form of keys, payloads and results for one spec's namespace."""
+class Records:
+    """The store-side form of keys, payloads and results for one spec's namespace. An
+    idempotency port holds one, made with the port (``port._records``)."""
 
-    spec: IdempotencySpec
-    _ns: str
-    _format: ResultFormat
-    _keyring: Keyring | None
-    _seal: bool
+    __slots__ = ("_format", "_keyring", "_ns", "_seal", "_spec_name")
 
-    def _skey(self, key: str) -> str:
+    def __init__(
+        self, ns: str, spec_name: str, fmt: ResultFormat, keyring: Keyring | None, seal: bool
+    ) -> None:
+        self._ns = ns
+        self._spec_name = spec_name
+        self._format = fmt
+        self._keyring = keyring
+        self._seal = seal
+
+    def skey(self, key: str) -> str:
         """The key as stored: the key itself, or its HMAC when a keyring is set (the
         store then never sees callers' keys)."""
         validate_key(key)
@@ -32,7 +37,7 @@ class RecordSealing:
             return key
         return self._keyring.lookup("key", self._ns.encode() + b"\0" + key.encode())
 
-    def _fp(self, payload: Any) -> str | None:
+    def fp(self, payload: Any) -> str | None:
         if payload is None:
             return None
         if self._keyring is None:
@@ -40,37 +45,37 @@ class RecordSealing:
         # An HMAC, not a bare hash: guessable payloads cannot be brute-forced from it.
         return self._keyring.lookup("fp", canonicalize(payload))
 
-    def _ad(self, key: str) -> bytes:
+    def ad(self, key: str) -> bytes:
         # Associated data: the record only opens under this prefix, tenant, spec and key.
         return b"idemlock/1\0" + self._ns.encode() + b"\0" + key.encode()
 
     # ---- results ---------------------------------------------------------------------
 
-    def _encode(self, key: str, value: Any, dump: Any = None, load: Any = None) -> bytes:
+    def encode(self, key: str, value: Any, dump: Any = None, load: Any = None) -> bytes:
         if dump is None:
             framed = self._format.encode(value)
         else:
             framed = self._format.encode(value, dump, load)
-        return self._seal_framed(key, framed)
+        return self.seal_framed(key, framed)
 
-    def _encode_error(self, key: str, exc: BaseException) -> bytes:
-        return self._seal_framed(key, self._format.encode_error(exc))
+    def encode_error(self, key: str, exc: BaseException) -> bytes:
+        return self.seal_framed(key, self._format.encode_error(exc))
 
-    def _seal_framed(self, key: str, framed: bytes) -> bytes:
+    def seal_framed(self, key: str, framed: bytes) -> bytes:
         if not self._seal:
             return framed
         assert self._keyring is not None
-        return self._keyring.seal(framed, self._ad(key))
+        return self._keyring.seal(framed, self.ad(key))
 
-    def _decode(self, key: str, data: bytes, load: Any = None) -> tuple[Any, RecordedError | None]:
+    def decode(self, key: str, data: bytes, load: Any = None) -> tuple[Any, RecordedError | None]:
         if self._seal:
             assert self._keyring is not None
-            data = self._keyring.open(bytes(data), self._ad(key))
+            data = self._keyring.open(bytes(data), self.ad(key))
         elif data[:1] == b"s":
-            from ._errors import SealError
+            from .._errors import SealError
 
             raise SealError(
-                f"the stored result of {key!r} is sealed but spec {self.spec.name!r} does not "
+                f"the stored result of {key!r} is sealed but spec {self._spec_name!r} does not "
                 "use encrypt_result; set encrypt_result=True with the keyring that sealed it"
             )
         if load is None:

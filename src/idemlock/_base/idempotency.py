@@ -1,0 +1,426 @@
+"""The idempotency port's logic, shared by its two faces
+(:class:`idemlock.aio.AsyncIdempotencyPort` and the generated
+:class:`idemlock.IdempotencyPort`): validation, request building, heartbeats and the
+steps of ``run()``, with what a port holds for one spec: its events, its records
+(:mod:`.records`) and the meaning of its store's replies (:class:`ClaimReplies`). The
+faces only add the calls; :mod:`idemlock._tasks` and :mod:`idemlock._threads` what
+differs between a task and a thread."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from .._core import table
+from .._core.clock import duration, whole_ms
+from .._core.events import answered
+from .._core.flows import Renewal, RenewState
+from .._core.keys import validate_key
+from .._core.port import Busy, ClaimReply, Done, Granted, Mismatch, RecordRow
+from .._core.types import (
+    Claim,
+    Claimed,
+    ClaimToken,
+    Completed,
+    IdempotencySpec,
+    InFlight,
+    RecordStatus,
+    from_ms,
+)
+from .._decorator import heartbeat_options
+from .._errors import ConfigurationError, InFlightError, PayloadMismatch, ResultDecodeError
+from .._logfields import port_fields
+from .._tokens import new_token
+from .events import Events, log, report_loss
+from .records import Records
+
+if TYPE_CHECKING:
+    from .._decorator import WrapPlan
+    from .coordinator import CoordinatorBase
+
+#: port reply type -> the claim event's outcome, as the table names it
+_CLAIM_OUTCOME: dict[type, str] = {
+    Granted: table.outcome("claim", table.GRANTED),
+    Busy: table.outcome("claim", table.BUSY),
+    Done: table.outcome("claim", table.DONE),
+    Mismatch: table.outcome("claim", table.MISMATCH),
+}
+
+
+class ClaimReplies:
+    """Turns one spec's store replies into outcomes, events and errors. An idempotency
+    port holds one, made with the port (``port._replies``) over its events and records."""
+
+    __slots__ = ("_coord", "_events", "_ns", "_records", "_spec_name")
+
+    def __init__(self, coord: CoordinatorBase, events: Events, records: Records) -> None:
+        self._coord = coord
+        self._events = events
+        self._records = records
+        self._ns = records._ns
+        self._spec_name = records._spec_name
+
+    def interpret(
+        self, key: str, reply: ClaimReply, load: Any = None, t0: float = 0.0, skey: str = ""
+    ) -> Claim:
+        if self._coord._hooks:
+            outcome = _CLAIM_OUTCOME[type(reply)]
+            try:
+                claim = self._reply(key, reply, load, skey)
+            except PayloadMismatch:
+                self._events.emit("claim", outcome, t0)
+                raise
+            self._events.emit("claim", outcome, t0)
+            return claim
+        return self._reply(key, reply, load, skey)
+
+    def _reply(self, key: str, reply: ClaimReply, load: Any, skey: str) -> Claim:
+        if isinstance(reply, Granted):
+            return Claimed(
+                ClaimToken(
+                    key,
+                    reply.token,
+                    reply.fence,
+                    from_ms(reply.expires_ms),
+                    self._spec_name,
+                    self._ns,
+                    skey or self._records.skey(key),
+                )
+            )
+        if isinstance(reply, Busy):
+            return InFlight(from_ms(reply.expires_ms))
+        if isinstance(reply, Done):
+            try:
+                result, error = self._records.decode(key, reply.result, load)
+            except ResultDecodeError as exc:
+                # The format and the keyring do not know the key; name the record so
+                # its advice (forget it) can be followed. The caller's key, never
+                # the stored one (an HMAC under a keyring).
+                exc.args = (f"record of key {key!r} (spec {self._spec_name!r}): {exc}",)
+                raise
+            return Completed(result, from_ms(reply.expires_ms), error)
+        if isinstance(reply, Mismatch):
+            raise PayloadMismatch(key)
+        raise TypeError(f"unexpected store reply {reply!r}")  # pragma: no cover
+
+    def lost_claim(self, token: ClaimToken, reason: str) -> Exception:
+        from .._errors import ClaimLost
+
+        return ClaimLost(
+            f"lost the claim on key {token.key!r} (fence {token.fence}) of spec "
+            f"{self._spec_name!r} while its work ran: {reason or 'its lease ran out'}; "
+            "another attempt took the key over, so nothing was recorded and a retry "
+            "runs again with a higher fence (check fenced writes before relying on this "
+            "attempt's work)"
+        )
+
+    def finish_claim(self, token: ClaimToken, ok: bool, what: str, t0: float) -> None:
+        """Report a complete/abandon; raise StaleClaim if the store refused it."""
+        self._events.emit(what, answered(what, ok), t0)
+        if not ok:
+            raise self.stale(token, what)
+
+    def extend_token(self, token: ClaimToken, new_exp: int | None) -> ClaimToken:
+        if new_exp is None:
+            raise self.stale(token, "extend")
+        return ClaimToken(
+            token.key,
+            token.token,
+            token.fence,
+            from_ms(new_exp),
+            token.spec,
+            token._ns,
+            token._skey,
+        )
+
+    def stale(self, token: ClaimToken, what: str) -> Exception:
+        from .._errors import StaleClaim
+
+        return StaleClaim(
+            f"cannot {what} key {token.key!r} (fence {token.fence}): this claim no longer "
+            "holds the key (its lease ran out and another attempt took over, it was "
+            "completed or abandoned already, or the record was forgotten); nothing changed"
+        )
+
+    def status(self, key: str, row: RecordRow | None) -> RecordStatus | None:
+        if row is None:
+            return None
+        status = self._coord._record_status(row)
+        return RecordStatus(
+            key, status.state, status.fence, status.expires_at, status.spec, status.tenant
+        )
+
+    def replay_or_raise(
+        self,
+        key: str,
+        reply: ClaimReply,
+        load: Any = None,
+        t0: float = 0.0,
+        skey: str = "",
+        waited: float | None = None,
+        wait_with: str | None = None,
+    ) -> Claim:
+        """The claim of ``reply``; ``InFlightError`` if in flight, saying whether the
+        caller waited (``waited`` seconds) and, if it has one, its setting to wait."""
+        claim = self.interpret(key, reply, load, t0, skey)
+        if isinstance(claim, InFlight):
+            raise InFlightError(key, claim.expires_at, waited=waited, wait_with=wait_with)
+        return claim
+
+
+class Heartbeat:
+    """One claim kept alive by its coordinator's renewer (see ``port.run()`` and the
+    decorator's ``heartbeat``)."""
+
+    __slots__ = ("_coord", "_entry", "renewal", "state")
+
+    def __init__(self, coord: Any, state: RenewState, renewal: Renewal, entry: Any) -> None:
+        self._coord = coord
+        self.state = state
+        self.renewal = renewal
+        self._entry = entry
+
+    @property
+    def lost(self) -> bool:
+        return self.state.lost
+
+    @property
+    def reason(self) -> str:
+        return self.state.reason
+
+    def stop(self) -> bool:
+        """Stop renewing; True if the claim was lost (a deadline that passed
+        unnoticed counts: it is reported now)."""
+        lost = self.state.end(self._coord.clock.monotonic())
+        self._coord._renewer.remove(self.renewal)
+        self._coord._watchdog.cancel(self._entry)
+        return lost
+
+
+class Attempt:
+    """What ``with port.run(key, payload=...) as attempt:`` gives the block.
+
+    ``attempt.replayed`` is True when the key had completed already: ``result`` is
+    then the recorded result, the block must not do the work again, and nothing is
+    recorded on exit. Otherwise this attempt holds the claim (renewed while the block
+    runs): do the work, set ``attempt.result``, and leaving the block records it
+    (``None`` if never set); an exception abandons the claim instead.
+
+    ``result`` is typed ``Any``: set it to a :data:`~idemlock.JSONValue` (anything else
+    raises ``ResultEncodeError`` on leaving); on a replay it is the decoded JSON."""
+
+    __slots__ = ("key", "replayed", "result", "token")
+
+    def __init__(self, key: str, token: ClaimToken | None, result: Any = None) -> None:
+        self.key = key
+        self.token = token
+        self.replayed = token is None
+        self.result = result
+
+    @property
+    def fence(self) -> int | None:
+        """The fencing token for this attempt's writes (None on a replay)."""
+        return None if self.token is None else self.token.fence
+
+    @property
+    def lost(self) -> bool:
+        """True once the claim was lost while the block ran."""
+        return self.token is not None and self.token.lost
+
+    def __repr__(self) -> str:
+        what = "replayed" if self.replayed else f"fence={self.fence}"
+        return f"Attempt({self.key!r}, {what}, lost={self.lost})"
+
+
+class IdempotencyBase:
+    """What an idempotency port holds for one spec, and the steps its calls share."""
+
+    _kind = "idempotency"
+    #: the key and the payload fingerprint as stored (``_records.skey``/``fp``, bound
+    #: once: a call costs what a method of the port would)
+    _skey: Callable[[str], str]
+    _fp: Callable[[Any], str | None]
+
+    def __init__(self, coord: CoordinatorBase, spec: IdempotencySpec) -> None:
+        self._coord = coord
+        self._spec_name = spec.name
+        self._store = coord._store
+        self._ns = coord._ns(spec.name)
+        self._events = Events(coord, self._kind, spec.name)
+        self.spec = spec
+        self._lease_ms = whole_ms(duration(spec.lease, "lease", positive=True))
+        self._ttl_ms = whole_ms(duration(spec.ttl, "ttl", positive=True))
+        records = Records(
+            self._ns, spec.name, coord.result_format, coord.keyring, spec.encrypt_result
+        )
+        self._records = records
+        self._replies = ClaimReplies(coord, self._events, records)
+        self._skey = records.skey
+        self._fp = records.fp
+
+    def _claim_args(
+        self, key: str, payload: Any, lease: timedelta | float | None = None
+    ) -> tuple[str, str, str | None, str, int]:
+        lease_ms = (
+            self._lease_ms if lease is None else whole_ms(duration(lease, "lease", positive=True))
+        )
+        return (self._ns, self._skey(key), self._fp(payload), new_token(), lease_ms)
+
+    # ---- heartbeats -------------------------------------------------------------
+
+    def _heartbeat_every(self, renew_every: timedelta | float | None) -> float:
+        return self._coord._renewal_period(
+            renew_every,
+            self._lease_ms,
+            lambda: f"the lease of spec {self.spec.name!r} ({self._lease_ms / 1000:g}s)",
+        )
+
+    def _heartbeat(
+        self,
+        token: ClaimToken,
+        sent: float,
+        every: float,
+        max_run: float | None,
+        on_lost: Callable[[ClaimToken], object] | None,
+        also: Callable[[RenewState], None] | None = None,
+    ) -> Heartbeat:
+        """Keep ``token``'s claim alive on the coordinator's renewer until
+        :meth:`Heartbeat.stop`. Its local deadline (``sent`` + lease, moved by each
+        confirmed renewal) is watched by the coordinator's watchdog; on loss the
+        ``lost`` event is emitted, ``token.lost`` set, ``on_lost(token)`` called (its
+        error logged) and then ``also(state)`` (the async faces cancel the body)."""
+        coord = self._coord
+        state = RenewState(0, sent, ttl_ms=self._lease_ms, claim=token, guard=threading.Lock())
+        if coord._hooks:
+            state.report = partial(self._events.deliver, "renew")
+
+        def lost() -> None:
+            report_loss(self._events, on_lost, token, "claim", "claim")
+            if also is not None:
+                also(state)
+
+        state.notify = lost
+        watchdog = coord._watchdog
+        entry = watchdog.watch(state.deadline(), self._expire_callback(state))
+        state.moved = lambda at: watchdog.move(entry, at)
+        until = None if max_run is None else coord.clock.monotonic() + max_run
+        renewal = Renewal(
+            "claim",
+            (self._ns, token._skey or self._skey(token.key), token.token),
+            self._lease_ms,
+            every,
+            state,
+            sent + every,
+            until,
+            f"max_run of {max_run}s reached" if max_run is not None else "",
+        )
+        coord._renewer.add(renewal)
+        return Heartbeat(coord, state, renewal, entry)
+
+    def _expire_callback(self, state: RenewState) -> Callable[[], None]:
+        raise NotImplementedError
+
+    def _token_args(self, token: ClaimToken) -> tuple[str, str, str]:
+        if not isinstance(token, ClaimToken):
+            raise ConfigurationError(
+                f"expected the ClaimToken from Claimed.token, got {type(token).__name__}"
+            )
+        if token._ns != self._ns:
+            raise ConfigurationError(
+                f"this claim token belongs to spec {token.spec!r} (or another tenant), not "
+                f"{self.spec.name!r}; complete or abandon it through the port that claimed it"
+            )
+        return (self._ns, token._skey or self._skey(token.key), token.token)
+
+    def _completion(
+        self, token: ClaimToken, result: Any
+    ) -> tuple[Any, tuple[str, str, str, bytes, int]]:
+        """(the store, the arguments of its ``complete``) for ``result`` on ``token``."""
+        return self._store, (
+            *self._token_args(token),
+            self._records.encode(token.key, result),
+            self._ttl_ms,
+        )
+
+    def _complete_with(self) -> Any:
+        if not self._store.capabilities.complete_with:
+            raise ConfigurationError(
+                f"complete(writes=...) writes into the store itself, which the "
+                f"{self._store.kind} store does not hold user data for; on PostgreSQL use "
+                "idemlock.stores.postgres.fenced.complete_in_transaction with your own "
+                "write, elsewhere write first with the claim's fence"
+            )
+        return self._store.complete_with
+
+    def write_key(self, key: str, name: str) -> str:
+        """The name to give a key that ``complete(writes=...)`` sets for ``key``'s claim:
+        ``name`` behind the claim's hash tag, ``"{tag}:" + name``, so that on Redis Cluster
+        it lands in the claim's slot. Standalone Redis takes the same names, so one
+        program runs on both. ``ConfigurationError`` on a store whose ``complete`` takes
+        no writes."""
+        self._complete_with()
+        validate_key(name, "write key")
+        tag: str = self._store.claim_tag(self._ns, self._skey(key))
+        return f"{{{tag}}}:{name}"
+
+    @staticmethod
+    def _writes(writes: Mapping[str, bytes | str]) -> list[tuple[str, bytes]]:
+        out = []
+        for name, value in writes.items():
+            validate_key(name, "write key")
+            out.append((name, value.encode("utf-8") if isinstance(value, str) else bytes(value)))
+        return out
+
+    def _wait_for(self, wait: timedelta | float | None) -> float:
+        return self._lease_ms / 1000 if wait is None else duration(wait, "wait")
+
+    def _error_record(self, plan: WrapPlan, token: ClaimToken, exc: BaseException) -> bytes | None:
+        """The stored form of a listed exception, or None to abandon the claim."""
+        if not plan.errors or not isinstance(exc, plan.errors):
+            return None
+        try:
+            return self._records.encode_error(token.key, exc)
+        except Exception:
+            log.warning(
+                "cannot record %s for a %s call (its args are not JSON data); abandoning "
+                "the claim instead",
+                type(exc).__name__,
+                self.spec.name,
+                exc_info=True,
+                extra=port_fields(self, "complete", "unrecordable"),
+            )
+            return None
+
+    # ---- the steps of run() ----------------------------------------------------
+
+    def _run_options(
+        self,
+        wait: timedelta | float | None,
+        heartbeat: bool,
+        renew_every: timedelta | float | None,
+        max_run: timedelta | float | None,
+        on_lost: Callable[[ClaimToken], object] | None,
+    ) -> tuple[float | None, float | None, float | None]:
+        """(renewal interval or None, max_run seconds or None, wait seconds or None)."""
+        every, limit = heartbeat_options(self, heartbeat, renew_every, max_run, on_lost)
+        return every, limit, None if wait is None else self._wait_for(wait)
+
+    def _begun(self, key: str, claim: Claim) -> Attempt | ClaimToken:
+        """The replayed attempt of a completed key, or the token of a new claim;
+        ``InFlightError`` while another attempt holds the key."""
+        if isinstance(claim, Completed):
+            return Attempt(key, None, claim.result)
+        if not isinstance(claim, Claimed):
+            raise InFlightError(key, claim.expires_at)
+        return claim.token
+
+    def _not_recorded(self, exc: BaseException, token: ClaimToken, hb: Any) -> BaseException:
+        """What leaving a block raises when its completion was refused as stale: the
+        claim was lost while the block ran (with a heartbeat), else ``exc`` itself."""
+        if hb is None:
+            return exc
+        lost: BaseException = self._replies.lost_claim(token, hb.reason)
+        return lost
