@@ -1,6 +1,7 @@
 """Issue 28's scale figures: how cost grows with the work, each with its goal.
 
-    python benchmarks/scale.py [--quick] [--sizes 10000,100000] [--json PATH] [--doc PATH]
+    python benchmarks/scale.py [--quick] [--sizes 10000,100000] [--only live]
+                               [--arrival uniform] [--json PATH] [--doc PATH]
 
 Starts its own throwaway servers (SQLite files, Redis, PostgreSQL) and prints one
 Markdown table per figure:
@@ -17,6 +18,9 @@ Markdown table per figure:
 * **Live claims**: K claims held under ``port.run()`` in one coordinator, renewed by its
   heartbeat: store round trips per second (counted on the wire, as costs.py counts them)
   and this process's CPU per second, once every claim is held; the Python heap they hold.
+  ``--arrival burst`` (the default) takes the claims one after the other as fast as the
+  store answers; ``uniform`` spreads them evenly over one renewal interval, so each keeps
+  a phase of its own (the pattern of claims that arrive steadily).
 
 How the stores are filled: idemlock's public API writes one record (claim + complete),
 then it is copied N times under fresh random UUID keys in the store's own layout: one
@@ -354,11 +358,18 @@ def purge_table(rows: list[dict[str, Any]]) -> str:
 
 
 @contextlib.contextmanager
-def held(port: Any, count: int) -> Iterator[list[Any]]:
-    """``count`` claims held under ``port.run()`` (heartbeated), left in reverse order."""
+def held(port: Any, count: int, spread: float = 0.0) -> Iterator[list[Any]]:
+    """``count`` claims held under ``port.run()`` (heartbeated), left in reverse order;
+    with ``spread``, the i-th is taken no sooner than ``i * spread / count`` s after the
+    first."""
     blocks, attempts = [], []
+    start = time.perf_counter()
     try:
         for i in range(count):
+            if spread:
+                ahead = start + i * spread / count - time.perf_counter()
+                if ahead > 0:
+                    time.sleep(ahead)
             block = port.run(f"live-{i}", payload={})
             attempts.append(block.__enter__())
             blocks.append(block)
@@ -368,9 +379,10 @@ def held(port: Any, count: int) -> Iterator[list[Any]]:
             block.__exit__(None, None, None)
 
 
-def measure_live(kind: str, bench: Any, cfg: Config) -> dict[str, Any]:
+def measure_live(kind: str, bench: Any, cfg: Config, arrival: str = "burst") -> dict[str, Any]:
     spec = IdempotencySpec("live", lease=timedelta(seconds=cfg.lease))
     interval = cfg.lease / 3  # the default renew_every
+    spread = interval if arrival == "uniform" else 0.0
     with bench.counting() as (count, target):
         coord = idemlock.connect(target["url"], key_prefix=c.new_prefix("live"))
         try:
@@ -378,7 +390,7 @@ def measure_live(kind: str, bench: Any, cfg: Config) -> dict[str, Any]:
             port.claim("warm")  # connections open, schema made
             tracemalloc.start()  # while the claims are taken only: it slows every allocation
             start = time.perf_counter()
-            with held(port, cfg.live) as attempts:
+            with held(port, cfg.live, spread) as attempts:
                 entered = time.perf_counter() - start
                 per_claim = tracemalloc.get_traced_memory()[0] / cfg.live
                 tracemalloc.stop()
@@ -391,7 +403,8 @@ def measure_live(kind: str, bench: Any, cfg: Config) -> dict[str, Any]:
                 lost = sum(bool(a.lost) for a in attempts)
         finally:
             coord.close()
-    return {"store": kind, "claims": cfg.live, "lease_s": cfg.lease, "enter_s": entered,
+    return {"store": kind, "claims": cfg.live, "lease_s": cfg.lease, "arrival": arrival,
+            "enter_s": entered,
             "window_s": wall, "round_trips_per_s": trips / wall, "cpu_cores": cpu / wall,
             "heap_bytes_per_claim": per_claim, "lost": lost}  # fmt: skip
 
@@ -420,13 +433,25 @@ def live_table(rows: list[dict[str, Any]]) -> str:
 
 def markdown(report: dict[str, Any], cfg: Config) -> str:
     return (
-        f"### Records: {cfg.rounds} interleaved rounds of {cfg.n} claim+complete pairs\n\n"
-        f"{records_table(report['records'])}\n\n"
-        "### Purge (Redis expires records itself: its purge() does nothing)\n\n"
-        f"{purge_table(report['purge'])}\n\n"
-        f"### Live claims: held under port.run(), renewed every {cfg.lease / 3:g} s\n\n"
-        f"{live_table(report['live'])}"
-    )
+        (
+            f"### Records: {cfg.rounds} interleaved rounds of {cfg.n} claim+complete pairs\n\n"
+            f"{records_table(report['records'])}\n\n"
+            if report["records"]
+            else ""
+        )
+        + (
+            "### Purge (Redis expires records itself: its purge() does nothing)\n\n"
+            f"{purge_table(report['purge'])}\n\n"
+            if report["purge"]
+            else ""
+        )
+        + (
+            f"### Live claims: held under port.run(), renewed every {cfg.lease / 3:g} s, "
+            f"{report['arrival']} arrivals\n\n{live_table(report['live'])}"
+            if report["live"]
+            else ""
+        )
+    ).rstrip()
 
 
 def write_doc(path: Path, how: str, tables: str) -> None:
@@ -453,30 +478,46 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CI)")
     parser.add_argument("--sizes", help="live records, comma-separated (default 10k,100k,1M)")
+    parser.add_argument(
+        "--only", default="records,purge,live", help="parts to run, comma-separated"
+    )
+    parser.add_argument(
+        "--arrival", choices=("burst", "uniform"), default="burst",
+        help="live claims: taken back to back, or spread evenly over one renewal interval",
+    )  # fmt: skip
+    parser.add_argument("--stores", default=",".join(STORES), help="stores, comma-separated")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON here")
     parser.add_argument("--doc", type=Path, help="write the tables into this file's scale section")
     args = parser.parse_args(argv)
+    if args.doc and (args.only != "records,purge,live" or args.stores != ",".join(STORES)):
+        parser.error("--doc writes the whole section: run every part on every store")
     cfg = QUICK if args.quick else FULL
     if args.sizes:
         sizes = tuple(sorted(int(s) for s in args.sizes.split(",")))
         cfg = Config(sizes, cfg.n, cfg.rounds, sizes[-1], cfg.live, cfg.lease)
     started, load = time.monotonic(), os.getloadavg()[0]
     print(f"idemlock scale: {cfg}; load average {load:.2f}", flush=True)
-    report: dict[str, Any] = {"config": cfg.__dict__, "records": [], "purge": [], "live": []}
+    report: dict[str, Any] = {
+        "config": cfg.__dict__, "arrival": args.arrival, "records": [], "purge": [], "live": []
+    }  # fmt: skip
+    parts = set(args.only.split(","))
+    stores = [s for s in STORES if s in args.stores.split(",")]
     with c.Servers("idemlock-scale-") as servers:
-        benches = start_benches(servers, list(STORES))
-        for kind in STORES:
+        benches = start_benches(servers, stores)
+        for kind in stores if "records" in parts else ():
             print(f"records: {c.TITLE[kind]} ({time.monotonic() - started:.0f} s)", flush=True)
             report["records"].append(measure_records(kind, benches[kind], servers, cfg))
-        for kind in ("sqlite", "postgres"):  # Redis expires records itself: no purge
+        for kind in stores if "purge" in parts else ():
+            if kind == "redis":  # Redis expires records itself: no purge
+                continue
             print(f"purge: {c.TITLE[kind]} ({time.monotonic() - started:.0f} s)", flush=True)
             report["purge"].append(measure_purge(kind, benches[kind], servers, cfg))
-        for kind in STORES:
+        for kind in stores if "live" in parts else ():
             print(f"live claims: {c.TITLE[kind]} ({time.monotonic() - started:.0f} s)", flush=True)
-            report["live"].append(measure_live(kind, benches[kind], cfg))
+            report["live"].append(measure_live(kind, benches[kind], cfg, args.arrival))
     took, load_end = time.monotonic() - started, os.getloadavg()[0]
     how = (
-        f"`python benchmarks/scale.py{' --quick' if args.quick else ''}` on "
+        f"`python benchmarks/scale.py{''.join(' ' + a for a in sys.argv[1:] if argv is None)}` on "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} in {took:.0f} s (load average "
         f"{load:.2f} at start, {load_end:.2f} at end, {os.cpu_count()} CPUs)"
     )

@@ -5,10 +5,14 @@ own timer and round trip. The renewer keeps every :class:`~idemlock._core.flows.
 of its coordinator in one heap ordered by when each is due, wakes once for all that
 are due, and renews them with one :func:`~idemlock._core.flows.renew_batch_flow`:
 one ``renew_many`` call where the store has a batched renewal (one Lua script, one SQL
-statement, one SQLite transaction), else one call each. The same flow runs under the
-sync driver (one daemon thread per coordinator) and the async one (one task per event
-loop). Whether a claim is lost by time is not decided here: the coordinator's
-watchdog fires at each local deadline, whatever a renewal in progress is doing.
+statement, one SQLite transaction), else one call each. A batch also takes what is due
+soon (:func:`~idemlock._core.flows.joins_batch`): where renewals are batched, every
+renewal within half its interval of being due, so claims that arrive steadily converge
+on a few phases and the round trips per interval stay bounded whatever their number.
+The same flow runs under the sync driver (one daemon thread per coordinator) and the
+async one (one task per event loop). Whether a claim is lost by time is not decided
+here: the coordinator's watchdog fires at each local deadline, whatever a renewal in
+progress is doing.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from ._core.clock import Clock
-from ._core.flows import Renewal, renew_batch_flow
+from ._core.flows import Renewal, gather_horizon, joins_batch, renew_batch_flow
 from ._drive import run_async, run_sync
 from ._watchdog import LINGER, _cap
 
@@ -30,11 +34,6 @@ if TYPE_CHECKING:
     import asyncio
 
 __all__ = ["AsyncRenewer", "Renewer"]
-
-#: renewals due within this many seconds of the first one go in the same batch, so a
-#: thousand claims taken over a few milliseconds share round trips instead of each
-#: waking the renewer on its own
-GATHER = 0.05
 
 
 def _batched(store: Any) -> bool:
@@ -54,6 +53,30 @@ def _stop_at_limit(r: Renewal, now: float) -> bool:
     return False
 
 
+def _take(
+    heap: list[tuple[float, int, Renewal]],
+    seq: itertools.count[int],
+    now: float,
+    batched: bool,
+    longest: float,
+) -> list[Renewal]:
+    """Pop from ``heap`` the live renewals a batch sent at ``now`` renews; those popped
+    but not taken (due later than their own share of the horizon) go back."""
+    horizon = now + gather_horizon(longest, batched)
+    due: list[Renewal] = []
+    later: list[Renewal] = []
+    seen: set[int] = set()
+    while heap and heap[0][0] <= horizon:
+        at, _, r = heapq.heappop(heap)
+        if not _live(r) or id(r) in seen or at != r.next_at:
+            continue
+        seen.add(id(r))
+        (due if joins_batch(r, now, batched) else later).append(r)
+    for r in later:
+        heapq.heappush(heap, (r.next_at, next(seq), r))
+    return due
+
+
 def _crashed(batch: list[Renewal], exc: BaseException) -> None:
     for r in batch:
         r.done = True
@@ -69,6 +92,8 @@ class Renewer:
         self._clock = clock
         self._cap = _cap(clock)
         self._batched = _batched(store)
+        #: the longest renewal interval seen: how far ahead a batch looks
+        self._longest = 0.0
         self._reset()
 
     def _reset(self) -> None:
@@ -84,6 +109,7 @@ class Renewer:
         if self._pid != os.getpid():
             self._reset()  # a forked child inherits neither the thread nor the lock
         with self._cond:
+            self._longest = max(self._longest, r.every)
             heapq.heappush(self._heap, (r.next_at, next(self._seq), r))
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -115,14 +141,7 @@ class Renewer:
                     wait = at - now if self._cap is None else min(at - now, self._cap)
                     self._cond.wait(wait)
                     continue
-                due: list[Renewal] = []
-                seen: set[int] = set()
-                while heap and heap[0][0] <= now + GATHER:
-                    _, _, r = heapq.heappop(heap)
-                    if _live(r) and id(r) not in seen:
-                        seen.add(id(r))
-                        due.append(r)
-                return due
+                return _take(heap, self._seq, now, self._batched, self._longest)
 
     def _run(self) -> None:
         while True:
@@ -193,13 +212,8 @@ class _LoopRenewer:
             if now < at:
                 await self._sleep(at - now if owner._cap is None else min(at - now, owner._cap))
                 continue
-            due: list[Renewal] = []
-            seen: set[int] = set()
-            while heap and heap[0][0] <= now + GATHER:
-                _, _, r = heapq.heappop(heap)
-                if _live(r) and id(r) not in seen and not _stop_at_limit(r, now):
-                    seen.add(id(r))
-                    due.append(r)
+            taken = _take(heap, self.seq, now, owner._batched, owner._longest)
+            due = [r for r in taken if not _stop_at_limit(r, now)]
             if not due:
                 continue
             try:
@@ -224,6 +238,8 @@ class AsyncRenewer:
         self._clock = clock
         self._cap = _cap(clock)
         self._batched = _batched(store)
+        #: the longest renewal interval seen: how far ahead a batch looks
+        self._longest = 0.0
         self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopRenewer] = (
             weakref.WeakKeyDictionary()
         )
@@ -234,6 +250,7 @@ class AsyncRenewer:
         import asyncio
 
         loop = asyncio.get_running_loop()
+        self._longest = max(self._longest, r.every)
         state = self._loops.get(loop)
         if state is None:
             state = self._loops[loop] = _LoopRenewer(self)

@@ -297,6 +297,44 @@ class Renewal:
         return (self.kind, *self.args, self.lease_ms)
 
 
+#: renewals due within this many seconds of the first one go in the same batch, so a
+#: thousand claims taken over a few milliseconds share round trips instead of each
+#: waking the renewer on its own
+GATHER = 0.05
+
+#: where the store renews in batches (``renew_many``), a batch also renews every renewal
+#: due within this fraction of its own interval: renewing early only extends a lease and
+#: adds no round trip, and the renewals it pulls forward are due at the same time
+#: afterwards. Claims that arrive steadily then converge on a few phases instead of each
+#: keeping its own: two batches are at least ``EARLY * every`` apart, so a renewer sends
+#: at most about ``1 / EARLY + 1`` batches per interval, however many it renews and
+#: however their start times were spread. The price: a renewal pulled forward is renewed
+#: again after ``every`` from then (at most ``1 / (1 - EARLY)`` times as many items per
+#: second while the phases converge, none once they have).
+EARLY = 0.5
+
+
+def gather_horizon(longest_every: float, batched: bool) -> float:
+    """How far past ``now`` a batch looks for renewals to take (the renewer pops its
+    heap up to ``now`` plus this), given the longest interval among its renewals."""
+    return max(GATHER, EARLY * longest_every) if batched else GATHER
+
+
+def joins_batch(r: Renewal, now: float, batched: bool) -> bool:
+    """Whether a batch sent at ``now`` renews ``r`` (live, due at ``r.next_at``): when it
+    is due within :data:`GATHER`; where the store renews in batches, also when it is due
+    within :data:`EARLY` of its interval, unless renewal stops (``max_run``,
+    ``max_hold``) before it is due: pulling that one forward would extend the lease past
+    what the limit leaves it. Without ``renew_many`` each renewal is a call of its own,
+    so none is pulled forward: it would only add calls."""
+    ahead = r.next_at - now
+    if ahead <= GATHER:
+        return True
+    if not batched or ahead > EARLY * r.every:
+        return False
+    return r.until is None or r.until > r.next_at
+
+
 def _renew_failed(r: Renewal, exc: Exception, sent: float, now: float) -> None:
     r.state.tell("error", now - sent, type(exc).__name__)
     left = r.state.deadline() - now
