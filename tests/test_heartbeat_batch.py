@@ -181,12 +181,23 @@ class CountingStore:
         self.items = 0
         self.late: list[tuple[str, float, float]] = []
         self.per_key: dict[str, int] = {}
+        self.sent_at: dict[str, list[float]] = {}
+        #: the next this many renewal calls fail (a transient outage): (time, keys)
+        self.fail = 0
+        self.failed: list[tuple[float, list[str]]] = []
+
+    def _outage(self, now: float, keys: list[str]) -> None:
+        if self.fail:
+            self.fail -= 1
+            self.failed.append((now, keys))
+            raise idemlock.StoreUnavailable("the store is down for a moment")
 
     def _saw(self, key: str, now: float) -> None:
         due = self.renewals[key].next_at
         if now > due + ROUNDING:
             self.late.append((key, due, now))
         self.per_key[key] = self.per_key.get(key, 0) + 1
+        self.sent_at.setdefault(key, []).append(now)
         self.items += 1
 
     def renew_many(self, items: list[tuple[Any, ...]]) -> list[int | None]:
@@ -194,12 +205,14 @@ class CountingStore:
         self.calls.append(now)
         for item in items:
             self._saw(item[2], now)
+        self._outage(now, [item[2] for item in items])
         return self.inner.renew_many(items)
 
     def extend(self, ns: str, key: str, token: str, lease_ms: int) -> int | None:
         now = self.clock.monotonic()
         self.calls.append(now)
         self._saw(key, now)
+        self._outage(now, [key])
         return self.inner.extend(ns, key, token, lease_ms)
 
 
@@ -348,3 +361,32 @@ def test_which_renewals_a_batch_takes() -> None:
     assert joins_batch(_renewal(now + 1.0, until=now + 1.5), now, batched=True)
     assert gather_horizon(PERIOD, batched=True) == EARLY * PERIOD
     assert gather_horizon(PERIOD, batched=False) == GATHER
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["renew_many", "one-by-one"])
+def test_a_failed_batch_backs_off_and_converges_again(batched: bool) -> None:
+    """The store fails the first renewal calls: each renewal backs off (its retry is
+    later than the failure, not at once) and is renewed before its lease runs out,
+    none sent after it is due; with renew_many the batches converge as before."""
+    sim = Simulation(300, 3, batched)
+    sim.store.fail = 5
+    renewer = Renewer(sim.store, sim.clock)
+    for arrived in sim.events():
+        if arrived is not None:
+            renewer.add(arrived)
+        _wait(sim.settled)
+    for r in sim.renewals:
+        renewer.remove(r)
+    store = sim.store
+    assert len(store.failed) == 5
+    for at, keys in store.failed:  # each renewal that failed was retried after a backoff
+        for key in keys:
+            after = [t for t in store.sent_at[key] if t >= at]
+            assert len(after) >= 2 and after[1] > at, (key, at, after[:3])
+    lost = [r.state.reason for r in sim.renewals if r.state.lost]
+    assert not lost and not store.late, (lost[:3], store.late[:3])
+    if batched:
+        # After the outage: at most 3 batches in any period, as without one.
+        calm = [t for t in store.calls if t > store.failed[-1][0] + 0.3]
+        worst = max(sum(c <= t < c + PERIOD for t in calm) for c in calm)
+        assert worst <= 3, (worst, calm)
