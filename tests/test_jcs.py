@@ -171,10 +171,10 @@ def test_a_record_stored_with_the_old_fingerprint_still_replays(tmp_path: Path) 
     assert srv.calls[t] == 0
 
 
-def test_a_json_record_stored_by_0_1_0_gets_422_as_the_changelog_says(tmp_path: Path) -> None:
-    # 0.1.0 fingerprinted every body by its bytes (the bare hex SHA-256). A JSON retry of
-    # such a record matches neither the JCS form nor the unreleased json: form: 422 until
-    # the record's ttl ends, as CHANGELOG.md's "Changed" entry says (not a replay).
+def test_a_json_record_stored_by_0_1_0_still_replays(tmp_path: Path) -> None:
+    # 0.1.0 fingerprinted every body by its bytes (the bare hex SHA-256). The same
+    # request retried after the upgrade matches neither the JCS form nor the unreleased
+    # json: form, but is compared in 0.1.0's form too: replayed, not run, not a 422.
     t, key = uuid.uuid4().hex, f"v010-{uuid.uuid4().hex}"
     raw = json.dumps({"tag": t, "amount": 1200}).encode()
     fingerprint = {**_old_fingerprint({}), "body": hashlib.sha256(raw).hexdigest()}
@@ -188,11 +188,14 @@ def test_a_json_record_stored_by_0_1_0_gets_422_as_the_changelog_says(tmp_path: 
         h = {"Idempotency-Key": f'"{key}"', "Content-Type": "application/json"}
         with srv.client() as c:
             retry = c.post("/charges", content=raw, headers=h)
-    assert retry.status_code == 422 and srv.calls[t] == 0
-    changelog = (Path(__file__).resolve().parents[1] / "CHANGELOG.md").read_text()
-    unreleased = changelog.split("\n## ", 2)[1]
-    assert "gets 422 until that record's ttl ends" in unreleased
-    assert "records stored\n  before still replay" not in unreleased
+            # Other bytes of the same document: 0.1.0 would have refused it, and so do
+            # its form and the json: form here (only the current form is by meaning).
+            respaced = c.post("/charges", content=raw.replace(b", ", b",  "), headers=h)
+            other = c.post("/charges", content=raw.replace(b"1200", b"1300"), headers=h)
+    assert retry.status_code == 201 and retry.json() == {"recorded": "0.1.0"}
+    assert retry.headers["Idempotent-Replayed"] == "true"
+    assert respaced.status_code == 422 and other.status_code == 422
+    assert srv.calls[t] == 0
 
 
 def test_the_body_digest_is_sha256_of_the_jcs_bytes() -> None:

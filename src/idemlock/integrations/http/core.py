@@ -22,6 +22,7 @@ An adapter:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -45,7 +46,7 @@ from ..._errors import (
 from ..._logfields import fields as log_fields
 from ..._logfields import port_fields
 from ...aio import AsyncIdempotencyPort
-from .fingerprint import RequestView, fingerprint_of, legacy_fingerprint_of
+from .fingerprint import RequestView, fingerprint_of, older_fingerprints_of
 from .key_header import MalformedKey, parse_idempotency_key
 from .options import HttpOptions, Scope, route_filter
 from .problem_json import Answer, Problems
@@ -286,6 +287,16 @@ class HttpCore:
 
     # ---- the claim -------------------------------------------------------------------
 
+    async def _claim_older(self, lookup: str, forms: list[dict[str, Any]]) -> tuple[Claim, float]:
+        """Claim with each older fingerprint form in turn; PayloadMismatch if every one
+        mismatches (or there is none)."""
+        if not forms:
+            raise PayloadMismatch(lookup)
+        for form in forms[:-1]:
+            with contextlib.suppress(PayloadMismatch):
+                return await self.face.claim(lookup, form)
+        return await self.face.claim(lookup, forms[-1])
+
     async def claim(self, scope: Scope, ident: str | None, key: str, body: bytes) -> Answer | Run:
         """Claim the request's key: the replay or a problem, or a :class:`Run`."""
         view = self.view(scope, body)
@@ -295,14 +306,13 @@ class HttpCore:
             try:
                 claim, sent = await self.face.claim(lookup, payload)
             except PayloadMismatch:
-                # A record stored before fingerprints were JCS holds the older form:
-                # the same request, compared as it was then, still replays.
-                legacy = legacy_fingerprint_of(
+                # A record stored by an earlier version holds an older form: the same
+                # request, compared as it was then, still replays (one more round trip
+                # per older form, on a mismatch only).
+                older = older_fingerprints_of(
                     view, self.fingerprint_headers, self.options.fingerprint
                 )
-                if legacy == payload:
-                    raise
-                claim, sent = await self.face.claim(lookup, legacy)
+                claim, sent = await self._claim_older(lookup, older)
         except PayloadMismatch:
             return self.problems.mismatch()
         except (StoreUnavailable, StoreFull, OSError, TimeoutError) as exc:

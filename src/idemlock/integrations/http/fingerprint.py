@@ -10,9 +10,11 @@ digest: ``jcs:`` + the hex SHA-256 of those bytes. Any other body, or JSON that 
 not parse, counts by its bytes (the hex SHA-256 alone). JSON outside I-JSON (an integer
 no double holds, a member given twice, NaN) counts as before JCS (``json:``).
 
-Versions: records stored before JCS hold the ``json:`` digest (Python's sorted
-``json.dumps``). :func:`legacy_fingerprint_of` computes that form, and the HTTP core
-compares a request with it when the new form mismatches, so such records still replay.
+Versions: records stored before JCS hold an older form: 0.1.0 digested every body by
+its bytes, and the unreleased form between them digested JSON as ``json:`` (Python's
+sorted ``json.dumps``). :func:`older_fingerprints_of` computes those forms, and the
+HTTP core compares a request with each of them when the new form mismatches, so such
+records still replay (a retry that really differs is refused by every form).
 
 ``fingerprint=`` replaces the query, headers and body part with your own function of a
 :class:`RequestView` (for example :func:`json_fields`, which keeps chosen fields of a
@@ -31,7 +33,14 @@ from typing import Any
 from ..._errors import ConfigurationError
 from . import jcs as _jcs
 
-__all__ = ["Fingerprint", "RequestView", "fingerprint_of", "json_fields", "legacy_fingerprint_of"]
+__all__ = [
+    "Fingerprint",
+    "RequestView",
+    "fingerprint_of",
+    "json_fields",
+    "legacy_fingerprint_of",
+    "older_fingerprints_of",
+]
 
 _ABSENT: Any = object()
 
@@ -133,6 +142,23 @@ def legacy_fingerprint_of(
 ) -> dict[str, Any]:
     """The fingerprint as idemlock computed it before JCS (records stored then hold it)."""
     return fingerprint_of(req, header_names, custom, legacy=True)
+
+
+def older_fingerprints_of(
+    req: RequestView, header_names: frozenset[str], custom: Fingerprint | None
+) -> list[dict[str, Any]]:
+    """The forms records stored by earlier versions may hold, newest first, each only
+    where it differs from the current one: the ``json:`` form, then 0.1.0's (every body
+    by its bytes; 0.1.0 had no ``fingerprint=`` option)."""
+    current = fingerprint_of(req, header_names, custom)
+    forms = [legacy_fingerprint_of(req, header_names, custom)]
+    if custom is None:
+        forms.append({**current, "body": hashlib.sha256(req.body).hexdigest()})
+    out: list[dict[str, Any]] = []
+    for form in forms:
+        if form != current and form not in out:
+            out.append(form)
+    return out
 
 
 def json_fields(*names: str) -> Fingerprint:
