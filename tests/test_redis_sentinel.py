@@ -295,7 +295,8 @@ def test_failover_sync(group: SentinelGroup) -> None:
         # durability=replicas:1: the completed record survived; its retry replays it.
         again = _until("replay", lambda: ds.claim(ns, "kept", None, "aa02", LONG))
         assert isinstance(again, Done) and again.result == b"result-kept", (
-            f"{again!r}, {time.monotonic() - kept_at:.1f} s after the completion"
+            f"{again!r}, {time.monotonic() - kept_at:.1f} s after the completion; "
+            f"failovers: {group.switches()}"
         )
         # The in-flight claim (replicated) is still its holder's to complete.
         assert _until("complete", lambda: ds.complete(ns, "flying", "bb01", b"late", LONG))
@@ -363,7 +364,8 @@ async def test_failover_async(group: SentinelGroup) -> None:
         # As in test_failover_sync: a durable call may meet the replica resyncing.
         again = await _until_async("replay", lambda: ds.claim(ns, "kept", None, "aa02", LONG))
         assert isinstance(again, Done) and again.result == b"result-kept", (
-            f"{again!r}, {time.monotonic() - kept_at:.1f} s after the completion"
+            f"{again!r}, {time.monotonic() - kept_at:.1f} s after the completion; "
+            f"failovers: {group.switches()}"
         )
         retry = await ps.claim(ns, "gone", None, "cc02", LONG)
         assert isinstance(retry, Granted)

@@ -154,7 +154,14 @@ class SentinelGroup:
         import redis
 
         def promoted() -> bool:
-            port = self.named_primary()
+            # Every Sentinel names the same new primary (a lagging one acting on the old
+            # configuration could otherwise still reconfigure a server behind the test).
+            named = set()
+            for s in self.sentinels:
+                with s.client() as r:
+                    addr = r.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", SERVICE)
+                named.add(int(addr[1]) if addr else None)
+            (port,) = named if len(named) == 1 else (None,)
             if port is None or port == old_port:
                 return False
             with redis.Redis(port=port, socket_timeout=1) as r:
@@ -180,7 +187,12 @@ class SentinelGroup:
         """Start the killed primary again as a replica of the new one (empty: it had
         no persistence), and wait until it is in sync."""
         server = self.servers[old_port]
-        server.extra = (*FAST, "--replicaof", "127.0.0.1", str(self.primary_port))
+        # Priority 0: never promoted. It comes back empty and syncs in full; a failover
+        # the Sentinels might start on their own meanwhile (a busy machine delays their
+        # pings) must not make it the primary and the data holder its empty copy.
+        server.extra = (
+            *FAST, "--replicaof", "127.0.0.1", str(self.primary_port), "--replica-priority", "0"
+        )  # fmt: skip
         server.start()
         self.wait_in_sync()
 
@@ -201,6 +213,14 @@ class SentinelGroup:
                 return in_sync and int(p.execute_command("WAIT", 1, 500)) >= 1
 
         _wait("the replica to be in sync", synced, timeout)
+
+    def switches(self) -> list[str]:
+        """The failovers the first Sentinel logged ("+switch-master" lines): one per
+        failover a test caused, more if the Sentinels failed over on their own."""
+        log = self.sentinels[0].root / "sentinel.log"
+        with contextlib.suppress(OSError):
+            return [line for line in log.read_text().splitlines() if "+switch-master" in line]
+        return []
 
     def stop(self) -> None:
         for s in self.sentinels:
