@@ -57,7 +57,7 @@ async def _fences(store: AsyncRedisStore, ns: str, n: int) -> None:
 def _count_writes(pipe: _pipeline.Pipe) -> list[int]:
     """Sizes of the pipe's socket writes, from now on."""
     sizes: list[int] = []
-    transport: Any = pipe._transport
+    transport: Any = pipe.transport
     write = transport.write
 
     def counted(data: bytes) -> None:

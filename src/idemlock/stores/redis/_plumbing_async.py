@@ -38,7 +38,7 @@ from ._compat import aclose_client
 from ._listen import AsyncListener, AsyncNodeListeners, AsyncSubscription, bounded, cancelling
 from ._loops import LoopState, client_for_another_loop, node_of
 from ._orphans import Orphans, retrieved
-from ._pipeline import Call, Lost, Pipe
+from ._pipeline import Call, Lost, Pipe, connect
 
 _ERRORS = C.redis_errors()
 _getpid = os.getpid
@@ -447,22 +447,17 @@ class AsyncPlumbing:
         return await asyncio.shield(task)
 
     async def _open_pipe(self, st: LoopState) -> Pipe:
-        # redis-py connects and handshakes (TLS, unix socket, AUTH or a credential
-        # provider, SELECT, CLIENT SETNAME, its retry policy); then the pipe takes the
-        # transport over. RESP2 and raw bytes, as for the listener: the scripts'
-        # replies are the same in RESP3, and a RESP3 push frame (which hiredis cannot
-        # tell from a reply) would put the matching out of step.
+        # A socket of the store's own, with the pool's settings (TLS, unix socket, AUTH
+        # or a credential provider, SELECT, CLIENT SETNAME, the retry policy; a
+        # Sentinel pool's primary). RESP2 and raw bytes, as for the listener: the
+        # scripts' replies are the same in RESP3, and a RESP3 push frame (which hiredis
+        # cannot tell from a reply) would put the matching out of step.
         pool = st.client.connection_pool
-        conn = pool.connection_class(**C.listener_kwargs(pool.connection_kwargs))
+        settings = pool.connection_class(**C.listener_kwargs(pool.connection_kwargs))
         try:
-            await conn.connect()
+            pipe = await connect(settings, pool, self.timeout, self._orphan)
         except _ERRORS as exc:
             raise C.store_error(exc, "connect") from exc
-        writer = conn._writer
-        conn._reader = conn._writer = None  # the pipe owns the socket now
-        pipe = Pipe(
-            asyncio.get_running_loop(), writer.transport, writer, self.timeout, self._orphan
-        )
         if st.closed:
             pipe.close()
         else:
