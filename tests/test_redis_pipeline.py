@@ -43,7 +43,7 @@ def _store(url: str, **options: Any) -> AsyncRedisStore:
 
 
 def _pipe(store: AsyncRedisStore) -> _pipeline.Pipe:
-    pipe = store._state().pipe
+    pipe = store._state().backend.pipe
     assert pipe is not None and pipe.lost is None
     return pipe
 

@@ -26,6 +26,7 @@ from idemlock import StoreCorrupt, StoreUnavailable
 from idemlock.stores.redis import AsyncRedisStore, _pipeline, _resp, from_client
 from idemlock.stores.redis import _common as C
 from idemlock.stores.redis._calls import noscript
+from idemlock.stores.redis._clients import PipelinedClient
 from idemlock.stores.redis._pipeline import Call, Lost, Pipe, pack
 
 #: replies, each whole, RESP2: an integer, a bulk string, a nil, an array, a status
@@ -298,10 +299,10 @@ async def _store_on(pipe: Pipe) -> AsyncRedisStore:
     client = redis.asyncio.Redis(host="127.0.0.1", port=1)
     store, _ = from_client(client, asynchronous=True)
     assert isinstance(store, AsyncRedisStore)
-    st = store._state()
-    assert st.direct
-    st.pipe = pipe
-    st.retries = False  # a dropped pipe fails the call (no reconnection to port 1)
+    backend = store._state().backend
+    assert isinstance(backend, PipelinedClient)  # chosen for a plain pool's client
+    backend.pipe = pipe
+    backend.retries = False  # a dropped pipe fails the call (no reconnection to port 1)
     return store
 
 
