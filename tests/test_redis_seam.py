@@ -26,7 +26,8 @@ from idemlock import StoreCorrupt, StoreUnavailable
 from idemlock.stores.redis import AsyncRedisStore, _pipeline, _resp, from_client
 from idemlock.stores.redis import _common as C
 from idemlock.stores.redis._calls import noscript
-from idemlock.stores.redis._clients import PipelinedClient
+from idemlock.stores.redis._clients import PipelinedClient, PlainClient
+from idemlock.stores.redis._compat import aclose_client
 from idemlock.stores.redis._pipeline import Call, Lost, Pipe, pack
 
 #: replies, each whole, RESP2: an integer, a bulk string, a nil, an array, a status
@@ -288,6 +289,38 @@ async def test_the_handshake_sends_the_settings_in_one_write_and_maps_refusals(
     pipe, stream, _ = _pipe()
     await _pipeline._handshake(pipe, redis.asyncio.Connection())
     assert stream.writes == []
+
+
+# ---- which backend ------------------------------------------------------------------------
+
+
+class _OwnConnection(redis.asyncio.Connection):
+    """A user's connection class: it may connect otherwise (through a proxy, say)."""
+
+
+async def test_the_pipe_only_where_it_stands_for_redis_py_s_connections() -> None:
+    pool = redis.asyncio.ConnectionPool
+    cases = [
+        (redis.asyncio.Redis(port=1), PipelinedClient),
+        (redis.asyncio.Redis.from_url("unix:///nowhere.sock"), PipelinedClient),
+        (redis.asyncio.Redis(port=1, ssl=True), PipelinedClient),
+        (
+            redis.asyncio.Redis(connection_pool=pool(port=1, connection_class=_OwnConnection)),
+            PlainClient,
+        ),
+        (
+            redis.asyncio.Redis(connection_pool=redis.asyncio.BlockingConnectionPool(port=1)),
+            PlainClient,
+        ),
+        (redis.asyncio.Redis(port=1, single_connection_client=True), PlainClient),
+    ]
+    for client, kind in cases:
+        store, _ = from_client(client, asynchronous=True)
+        try:
+            assert type(store._state().backend) is kind, client
+        finally:
+            await store.aclose()
+            await aclose_client(client)
 
 
 # ---- the store's flows over the mock stream ------------------------------------------------

@@ -56,17 +56,23 @@ class ScriptClient(Protocol):
 
 def choose(client: Any, durable: bool) -> bool:
     """Whether ``client`` (redis.asyncio) gets the pipelined connection: a standalone
-    client with a plain or Sentinel pool, not single-connection, and no ``durability=``
-    (a write and its WAIT share a pooled connection: on the shared pipelined one, a
-    WAIT would hold up every other caller). Else redis-py's path."""
+    client with a plain or Sentinel pool of redis-py's own connection classes, not
+    single-connection, and no ``durability=`` (a write and its WAIT share a pooled
+    connection: on the shared pipelined one, a WAIT would hold up every other caller).
+    A connection class of the user's may connect otherwise (a proxy, a transport of its
+    own), which the pipe's socket would bypass: it keeps redis-py's path, as does
+    anything else."""
     import redis.asyncio
-    import redis.asyncio.sentinel
+    import redis.asyncio.connection as rc
+    import redis.asyncio.sentinel as rs
 
-    plain = (redis.asyncio.ConnectionPool, redis.asyncio.sentinel.SentinelConnectionPool)
+    pools = (redis.asyncio.ConnectionPool, rs.SentinelConnectionPool)
+    classes = (rc.Connection, rc.SSLConnection, rc.UnixDomainSocketConnection)
     return (
         not durable
         and isinstance(client, redis.asyncio.Redis)
-        and type(client.connection_pool) in plain
+        and type(client.connection_pool) in pools
+        and client.connection_pool.connection_class in (*classes, rs.SentinelManagedConnection)
         and not client.single_connection_client
     )
 

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.exceptions import AuthenticationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -264,10 +265,8 @@ async def _open(
             opening = loop.create_unix_connection(factory, path)
         else:
             host, port = s.host, s.port
-            if getattr(pool, "service_name", None) is not None and getattr(
-                pool, "is_master", False
-            ):
-                host, port = await pool.get_master_address()  # a Sentinel pool
+            if isinstance(pool, SentinelConnectionPool) and pool.is_master:
+                host, port = await pool.get_master_address()  # type: ignore[no-untyped-call]
             where = f"{host}:{port}"
             tls = getattr(s, "ssl_context", None)  # an SSLConnection's (redis-py's object)
             opening = loop.create_connection(
