@@ -73,6 +73,7 @@ OWN = {
     ("digest", "hashlib."),  # hashlib's
     ("aclose", "listener"),  # idemlock's own listeners, pipes and subscriptions
     ("aclose", "st.listener"),
+    ("aclose", "st.backend"),
     ("aclose", "pipe"),
     ("aclose", "sub"),
 }

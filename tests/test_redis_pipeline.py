@@ -27,7 +27,8 @@ from idemlock.stores.redis import _common as C
 from idemlock.stores.redis._compat import aclose_client
 
 from .servers.proxy import TcpProxy
-from .servers.redis import RedisServer, start_redis, start_unix_redis
+from .servers.redis import RedisServer, free_port, start_redis, start_unix_redis
+from .servers.tls import certs
 
 LONG = 60_000
 
@@ -43,7 +44,7 @@ def _store(url: str, **options: Any) -> AsyncRedisStore:
 
 
 def _pipe(store: AsyncRedisStore) -> _pipeline.Pipe:
-    pipe = store._state().pipe
+    pipe = store._state().backend.pipe
     assert pipe is not None and pipe.lost is None
     return pipe
 
@@ -57,7 +58,7 @@ async def _fences(store: AsyncRedisStore, ns: str, n: int) -> None:
 def _count_writes(pipe: _pipeline.Pipe) -> list[int]:
     """Sizes of the pipe's socket writes, from now on."""
     sizes: list[int] = []
-    transport: Any = pipe._transport
+    transport: Any = pipe.transport
     write = transport.write
 
     def counted(data: bytes) -> None:
@@ -150,6 +151,47 @@ async def test_a_unix_socket_url_and_a_passed_client_with_resp3_and_a_password()
                 await aclose_client(client)
         finally:
             server.stop()
+
+
+async def test_a_rediss_url_with_a_password_a_database_and_a_name(tmp_path: Path) -> None:
+    """The pipe opens its own TLS socket with the URL's settings: the CA it names
+    (a server it cannot verify is refused), the password, the database, the name."""
+    ca, cert, key = certs(tmp_path)
+    tls_port = free_port()
+    server = RedisServer(
+        tmp_path / "redis",
+        free_port(),
+        ("--tls-port", str(tls_port), "--tls-cert-file", str(cert), "--tls-key-file",
+         str(key), "--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no"),
+    )  # fmt: skip
+    server.start()
+    try:
+        raw: Any = server.client()
+        raw.config_set("requirepass", "s3cret")
+        raw.close()
+        name = "pl" + uuid.uuid4().hex[:8]
+        url = f"rediss://:s3cret@localhost:{tls_port}/2?ssl_ca_certs={ca}&client_name={name}"
+        store, ns = _store(url), _ns()
+        try:
+            await _fences(store, ns, 50)
+            assert _pipe(store).transport.get_extra_info("ssl_object") is not None
+            check: Any = redis.Redis(port=server.port, password="s3cret", db=2)
+            try:
+                assert check.exists(C.gate_name(ns, "r7")) == 1
+                names = [(c.get("name"), c.get("db")) for c in check.client_list()]
+                assert names.count((name, "2")) == 1  # the pipe's connection
+            finally:
+                check.close()
+        finally:
+            await store.aclose()
+        unverified = _store(f"rediss://:s3cret@localhost:{tls_port}/2")
+        try:
+            with pytest.raises(StoreUnavailable, match="CERTIFICATE_VERIFY_FAILED"):
+                await unverified.fence_current(ns, "r7")
+        finally:
+            await unverified.aclose()
+    finally:
+        server.stop()
 
 
 async def test_a_cancelled_caller_mid_batch_leaves_the_others_their_replies(

@@ -409,7 +409,7 @@ def test_store_connections_follow_a_coordinated_failover(group: SentinelGroup) -
                     *(astore.acquire(ns, f"a{i}", "me", LONG) for i in range(5))
                 )
                 tokens += [g.token for g in got]
-            assert astore._last.pipe is not None  # the pipelined connection was used
+            assert astore._last.backend.pipe is not None  # the pipelined connection was used
             old = await asyncio.to_thread(_coordinated_failover, group)
             assert old != group.primary_port
             for i in range(5):
@@ -453,7 +453,7 @@ def test_a_demoted_server_drops_the_pipelined_connection(group: SentinelGroup) -
         try:
             with pytest.raises(StoreUnavailable, match="read-only replica"):
                 await store.acquire(_ns(), "k", "me", LONG)
-            pipe = store._last.pipe
+            pipe = store._last.backend.pipe
             assert pipe is not None and "READONLY" in str(pipe.lost)
         finally:
             await coord.close()

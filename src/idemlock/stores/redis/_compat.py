@@ -38,6 +38,8 @@ OPTIONAL = {
     # a blocking single-connection client's lock around its one connection: before,
     # threads sharing the client interleave on the socket
     "single_connection_lock": "missing in 5.0.x",
+    # CredentialProvider.get_credentials_async(): get_credentials() before
+    "get_credentials_async": "missing in older releases (probed, not assumed)",
 }
 
 
@@ -101,6 +103,19 @@ async def aclose_client(client: Any) -> None:
         await client.aclose()
     else:
         await client.close()  # the coroutine before aclose() came
+
+
+async def credentials(conn: Any) -> tuple[Any, ...]:
+    """The AUTH arguments of a redis.asyncio connection's settings, as its own
+    handshake would send them: its credential provider's, else (user,) password."""
+    provider = conn.credential_provider
+    if provider is not None:
+        if provides(provider, "get_credentials_async"):
+            return tuple(await provider.get_credentials_async())
+        return tuple(provider.get_credentials())
+    if conn.username or conn.password:
+        return (conn.username, conn.password) if conn.username else (conn.password,)
+    return ()
 
 
 def retry_count(retry: Any) -> int:

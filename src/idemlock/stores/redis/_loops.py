@@ -10,9 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ..._errors import ConfigurationError
+from ._clients import ScriptClient
 from ._compat import retry_count
 from ._listen import AsyncListener, AsyncNodeListeners
-from ._pipeline import Pipe
 
 
 class LoopState:
@@ -20,16 +20,12 @@ class LoopState:
     that opened them, so each loop gets its own client, listener and queue."""
 
     __slots__ = (
+        "backend",
         "client",
-        "closed",
-        "connecting",
-        "direct",
-        "exec",
         "init_lock",
         "listener",
         "loop",
         "owned",
-        "pipe",
         "ready",
         "retries",
         "slots",
@@ -42,30 +38,15 @@ class LoopState:
         except TypeError:  # a loop class without weak references
             self.loop = lambda: loop
         self.client = client
-        self.exec = client.execute_command
         self.owned = owned
         self.ready = False
         self.init_lock = asyncio.Lock()
         self.slots = asyncio.Semaphore(max_connections(client))
-        # Scripts on a plain pool's standalone client go pre-encoded over one pipelined
-        # connection of the store's own (see _pipeline), with the pool's settings.
-        # A Sentinel pool's connection asks the Sentinels for the primary as it connects
-        # (a READONLY reply drops the pipe: the next one connects to the new primary).
-        import redis.asyncio
-        import redis.asyncio.sentinel
-
-        plain = (redis.asyncio.ConnectionPool, redis.asyncio.sentinel.SentinelConnectionPool)
-        self.direct = (
-            isinstance(client, redis.asyncio.Redis)
-            and type(client.connection_pool) in plain
-            and not client.single_connection_client
-        )
-        self.pipe: Pipe | None = None
         retry = getattr(client, "connection_pool", None)
         retry = getattr(retry, "connection_kwargs", {}).get("retry")
         self.retries = retry_count(retry) > 0
-        self.connecting: asyncio.Task[Pipe] | None = None
-        self.closed = False
+        #: how scripts reach Redis on this loop (chosen by the store, see _clients)
+        self.backend: ScriptClient
         self.listener: AsyncListener | AsyncNodeListeners
 
 

@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from redis.exceptions import ResponseError
+from redis.asyncio.sentinel import SentinelConnectionPool
+from redis.exceptions import AuthenticationError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ._compat import credentials
 from ._resp import ProtocolError
 from ._resp import Reader as _PyReader
 
@@ -87,21 +92,14 @@ Orphan = Callable[[Call, Any], None]
 
 
 class Pipe(asyncio.Protocol):
-    """One Redis connection, pipelined. Made on a transport that redis-py connected and
-    handshook (AUTH, HELLO, SELECT, CLIENT SETNAME: its settings, its code), then
-    taken over: from then on only this protocol reads and writes it."""
+    """One Redis connection, pipelined: an asyncio protocol on a socket of its own
+    (:func:`connect` opens it and handshakes with the client's settings). Only this
+    protocol reads and writes it; any transport with ``write`` and ``abort`` will do
+    (the tests drive it over an in-memory one)."""
 
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        transport: asyncio.Transport,
-        keep: Any,
-        timeout: float,
-        orphan: Orphan,
-    ) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float, orphan: Orphan) -> None:
         self._loop = loop
-        self._transport = transport
-        self._keep = keep  # redis-py's stream writer: collected, it would close the socket
+        self.transport: Any = None  # set by connection_made
         self._timeout = timeout
         self._orphan = orphan
         self._reader = new_reader()
@@ -112,9 +110,9 @@ class Pipe(asyncio.Protocol):
         #: SCRIPT LOADs sent, by sha (the calls that meet NOSCRIPT at once send one)
         self.loading: dict[str, asyncio.Future[Any]] = {}
         self._gone = loop.create_future()  # the socket is closed
-        transport.set_protocol(self)
-        if transport.is_closing():  # closed before it was handed over
-            self.connection_lost(None)
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
 
     # ---- sending -----------------------------------------------------------------------
 
@@ -146,7 +144,7 @@ class Pipe(asyncio.Protocol):
     def _flush(self) -> None:
         out, self._out = self._out, []
         if self.lost is None and out:
-            self._transport.write(b"".join(out) if len(out) > 1 else out[0])
+            self.transport.write(b"".join(out) if len(out) > 1 else out[0])
 
     def _check(self) -> None:
         """The watchdog: one timer for the whole queue, at its oldest call's deadline
@@ -206,7 +204,8 @@ class Pipe(asyncio.Protocol):
 
     def _drop(self, lost: Lost) -> None:
         self._fail(lost)
-        self._transport.abort()  # nothing more is read: unread replies are moot
+        if self.transport is not None:
+            self.transport.abort()  # nothing more is read: unread replies are moot
 
     def _fail(self, lost: Lost) -> None:
         if self.lost is None:
@@ -222,3 +221,94 @@ class Pipe(asyncio.Protocol):
                 self._orphan(call, lost)
             else:
                 fut.set_result(Lost(str(lost), lost.stalled))
+
+
+# ---- opening -----------------------------------------------------------------------------
+
+
+async def connect(settings: Any, pool: Any, timeout: float, orphan: Orphan) -> Pipe:
+    """A :class:`Pipe` on a socket of its own, opened and handshaken as redis-py would
+    with ``settings``: a redis.asyncio connection made from the pool's options and
+    never connected, of which only public attributes are read (address or unix path,
+    TLS context, keepalive, credentials, client name, database). A Sentinel pool is
+    asked for the primary's address first. Opening the socket follows the
+    connection's retry policy; RESP2 always (see ``AsyncPlumbing._open_pipe``)."""
+    loop = asyncio.get_running_loop()
+
+    async def attempt() -> Pipe:
+        return await _open(loop, settings, pool, timeout, orphan)
+
+    retry = getattr(settings, "retry", None)
+    pipe = await (retry.call_with_retry(attempt, _no_op) if retry is not None else attempt())
+    try:
+        await _handshake(pipe, settings)
+    except BaseException:
+        pipe.close("the handshake failed")
+        raise
+    return pipe
+
+
+async def _no_op(_: Exception) -> None:
+    return None
+
+
+async def _open(
+    loop: asyncio.AbstractEventLoop, s: Any, pool: Any, timeout: float, orphan: Orphan
+) -> Pipe:
+    def factory() -> Pipe:
+        return Pipe(loop, timeout, orphan)
+
+    path = getattr(s, "path", None)
+    where = path
+    try:
+        if isinstance(path, str) and path:  # a UnixDomainSocketConnection
+            opening = loop.create_unix_connection(factory, path)
+        else:
+            host, port = s.host, s.port
+            if isinstance(pool, SentinelConnectionPool) and pool.is_master:
+                host, port = await pool.get_master_address()  # type: ignore[no-untyped-call]
+            where = f"{host}:{port}"
+            tls = getattr(s, "ssl_context", None)  # an SSLConnection's (redis-py's object)
+            opening = loop.create_connection(
+                factory, host, port, ssl=tls.get() if tls is not None else None
+            )
+        _, pipe = await asyncio.wait_for(opening, s.socket_connect_timeout or timeout)
+    except asyncio.TimeoutError:
+        raise RedisTimeoutError(f"Timeout connecting to {where}") from None
+    except OSError as exc:
+        raise RedisConnectionError(f"Error connecting to {where}: {exc}") from exc
+    sock = pipe.transport.get_extra_info("socket")
+    if sock is not None and getattr(s, "socket_keepalive", False):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            for k, v in (s.socket_keepalive_options or {}).items():
+                sock.setsockopt(socket.SOL_TCP, k, v)
+        except (OSError, TypeError):
+            pipe.close("bad socket_keepalive_options")
+            raise
+    return pipe
+
+
+async def _handshake(pipe: Pipe, s: Any) -> None:
+    """AUTH, CLIENT SETNAME and SELECT, pipelined: one round trip."""
+    steps: list[tuple[str, bytes]] = []
+    creds = await credentials(s)
+    if creds:
+        steps.append(("AUTH", pack(b"AUTH", *(_b(c) for c in creds))))
+    if s.client_name:
+        steps.append(("CLIENT SETNAME", pack(b"CLIENT", b"SETNAME", _b(s.client_name))))
+    if s.db:
+        steps.append(("SELECT", pack(b"SELECT", b"%d" % int(s.db))))
+    calls = [pipe.send(packed) for _, packed in steps]
+    for (what, _), call in zip(steps, calls, strict=True):
+        reply = await call.fut
+        if isinstance(reply, Lost):
+            raise RedisConnectionError(f"{what} on connecting: {reply}")
+        if isinstance(reply, Exception):
+            if what == "AUTH":
+                raise AuthenticationError(str(reply))
+            raise RedisConnectionError(f"{what} on connecting: {reply}")
+
+
+def _b(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()

@@ -12,12 +12,11 @@ import asyncio
 import contextlib
 import os
 import random
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import Any
 
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ResponseError
 
 from ... import _forks
 from ..._core.port import Channel
@@ -25,19 +24,16 @@ from ..._core.wakeups import Group
 from ..._errors import StoreUnavailable
 from . import _common as C
 from ._calls import (
-    ND,
     eval_head,
-    eval_text_args,
     noscript,
     pack_eval,
-    pack_eval_text,
-    pack_script_load,
     readonly,
 )
+from ._clients import PipelinedClient, PlainClient, choose
 from ._compat import aclose_client
 from ._listen import AsyncListener, AsyncNodeListeners, AsyncSubscription, bounded, cancelling
 from ._loops import LoopState, client_for_another_loop, node_of
-from ._orphans import Orphans, retrieved
+from ._orphans import Orphans
 from ._pipeline import Call, Lost, Pipe
 
 _ERRORS = C.redis_errors()
@@ -114,10 +110,11 @@ class AsyncPlumbing:
             st = LoopState(
                 loop, client_for_another_loop(self.client, self.cluster, self._factory), True
             )
-        if self._waits:
-            # A write and its WAIT share a redis-py pipeline on a pooled connection: on
-            # the shared pipelined one, a WAIT would hold up every other caller.
-            st.direct = False
+        st.backend = (
+            PipelinedClient(st.client, self.timeout, self._orphan, st.retries)
+            if choose(st.client, bool(self._waits))
+            else PlainClient(st.client, st.slots, self._durability, self._loaded, self.timeout)
+        )
         st.ready = not self.cluster
         for key, old in list(self._states.items()):
             gone = old.loop()
@@ -200,7 +197,7 @@ class AsyncPlumbing:
         st = self._last
         if st is None or st.loop() is not asyncio.get_running_loop() or self._pid != _getpid():
             st = self._state()
-        pipe = st.pipe
+        pipe = st.backend.pipe
         if pipe is None or pipe.lost is not None:
             return await self._eval_task(st, script, keys, args, finish, undo, undo_late)
         call = pipe.send(
@@ -240,7 +237,7 @@ class AsyncPlumbing:
                     f"redis {script.name}: no reply within timeout={self.timeout:g}s "
                     "(Redis or the network is stalled); the call may have been applied"
                 )
-            if st.retries:
+            if st.backend.retries:
                 # A connection found broken (a restart, a reset) when this call was on
                 # it: once more on a new one, as redis-py's retry policy would.
                 return await self._eval_task(
@@ -277,7 +274,7 @@ class AsyncPlumbing:
             if isinstance(reply, ResponseError):  # it did not run
                 again = noscript(reply) or readonly(reply)
             if isinstance(reply, Lost) and not reply.stalled:
-                again = st is not None and st.retries
+                again = st is not None and st.backend.retries
             if again:
                 script, keys, args = call.redo
                 self._orphans.background(self._eval(script, keys, args, finish=True))
@@ -330,144 +327,7 @@ class AsyncPlumbing:
     ) -> Any:
         if not st.ready:
             await self._prepare(st)
-        if st.direct:
-            return await self._run_piped(st, script, keys, args, load)
-        # Queue for a connection instead of failing with MaxConnectionsError.
-        async with st.slots:
-            if self._waits and script.sha in C.DURABLE:
-                return await self._run_acked(st, script, keys, args)
-            try:
-                try:
-                    return await st.exec("EVALSHA", script.sha, len(keys), *keys, *args, **ND)
-                except NoScriptError:
-                    # Not in the cache: the call did not run; as EVAL (see _calls).
-                    return await st.exec(*eval_text_args(script, keys, args), **ND)
-            except _ERRORS as exc:
-                raise C.store_error(exc, script.name) from exc
-
-    async def _run_acked(
-        self, st: LoopState, script: C.Script, keys: tuple[bytes, ...], args: tuple[Any, ...]
-    ) -> Any:
-        """``_run`` of a write with ``durability=``: the script and its WAIT/WAITAOF in
-        one redis-py pipeline (one round trip, one connection; WAIT counts the writes
-        of its connection), behind a SCRIPT LOAD the first time (so a NOSCRIPT never
-        costs a second WAIT)."""
-        client = st.client
-        t0 = time.monotonic()
-        try:
-            replies = await self._with_waits(client, script, keys, args, self.timeout)
-            if isinstance(replies[0], NoScriptError):
-                # Flushed (a failover, a restart): the call did not run; again behind a
-                # SCRIPT LOAD, waiting only for what is left of the bound.
-                self._loaded.discard(script.sha)
-                left = self.timeout - (time.monotonic() - t0)
-                replies = await self._with_waits(client, script, keys, args, left)
-        except _ERRORS as exc:
-            raise C.store_error(exc, script.name) from exc
-        first = replies[0]
-        if isinstance(first, Exception):
-            raise C.store_error(first, script.name) from first
-        C.check_acks(self._durability, replies[1:], script.name)
-        return first
-
-    async def _with_waits(
-        self,
-        client: Any,
-        script: C.Script,
-        keys: tuple[bytes, ...],
-        args: tuple[Any, ...],
-        left: float,
-    ) -> list[Any]:
-        pipe = client.pipeline(transaction=False)
-        load = script.sha not in self._loaded
-        if load:
-            pipe.execute_command("SCRIPT", "LOAD", script.text)
-        pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args, **ND)
-        for wait in C.wait_commands(self._durability, left):
-            pipe.execute_command(*wait)
-        replies: list[Any] = await pipe.execute(raise_on_error=False)
-        if load:
-            if not isinstance(replies[0], Exception):
-                self._loaded.add(script.sha)
-            replies = replies[1:]
-        return replies
-
-    async def _run_piped(
-        self,
-        st: LoopState,
-        script: C.Script,
-        keys: tuple[bytes, ...],
-        args: tuple[Any, ...],
-        load: bool,
-    ) -> Any:
-        """``_run`` on the pipelined connection (opened first if need be); after a
-        NOSCRIPT (``load``: met already) the call goes as EVAL, behind one SCRIPT LOAD
-        for all the calls that met it at once (see _calls). A connection found broken
-        (a restart, a reset) is replaced and the call sent once more, as redis-py's
-        retry policy would."""
-        retried = False
-        while True:
-            pipe = await self._pipe(st)
-            if load:
-                loading = pipe.loading.get(script.sha)
-                if loading is None or loading.done():
-                    # For the calls that follow (its reply, even a refusal, changes
-                    # nothing here).
-                    pipe.loading[script.sha] = pipe.send(pack_script_load(script)).fut
-                reply = await pipe.send(pack_eval_text(script, keys, args)).fut
-            else:
-                reply = await pipe.send(pack_eval(eval_head(script.sha), keys, args)).fut
-            if not isinstance(reply, Exception):
-                return reply
-            if isinstance(reply, Lost):
-                if reply.stalled or retried or not st.retries:
-                    raise self._failure(reply, script.name)
-                retried = True
-            elif noscript(reply) and not load:
-                load = True
-            else:
-                if readonly(reply):  # demoted: the next call connects anew
-                    pipe.close("the server is a replica now (READONLY)")
-                raise self._failure(reply, script.name)
-
-    def _failure(self, reply: Exception, what: str) -> Exception:
-        if isinstance(reply, Lost):
-            return StoreUnavailable(f"redis {what} failed: {reply}; the call may have been applied")
-        return C.store_error(reply, what)
-
-    async def _pipe(self, st: LoopState) -> Pipe:
-        """This loop's pipelined connection, opened once for all callers waiting."""
-        pipe = st.pipe
-        if pipe is not None and pipe.lost is None:
-            return pipe
-        task = st.connecting
-        if task is None or task.done():
-            task = st.connecting = asyncio.ensure_future(self._open_pipe(st))
-            task.add_done_callback(retrieved)
-        return await asyncio.shield(task)
-
-    async def _open_pipe(self, st: LoopState) -> Pipe:
-        # redis-py connects and handshakes (TLS, unix socket, AUTH or a credential
-        # provider, SELECT, CLIENT SETNAME, its retry policy); then the pipe takes the
-        # transport over. RESP2 and raw bytes, as for the listener: the scripts'
-        # replies are the same in RESP3, and a RESP3 push frame (which hiredis cannot
-        # tell from a reply) would put the matching out of step.
-        pool = st.client.connection_pool
-        conn = pool.connection_class(**C.listener_kwargs(pool.connection_kwargs))
-        try:
-            await conn.connect()
-        except _ERRORS as exc:
-            raise C.store_error(exc, "connect") from exc
-        writer = conn._writer
-        conn._reader = conn._writer = None  # the pipe owns the socket now
-        pipe = Pipe(
-            asyncio.get_running_loop(), writer.transport, writer, self.timeout, self._orphan
-        )
-        if st.closed:
-            pipe.close()
-        else:
-            st.pipe = pipe
-        return pipe
+        return await st.backend.eval(script, keys, args, load)
 
     async def _unregister(self, channel: bytes, gid: bytes) -> None:
         # This process stopped waiting without the lock: a release need not hold the
@@ -552,13 +412,8 @@ class AsyncPlumbing:
 
     @staticmethod
     async def _close_state(st: LoopState) -> None:
-        st.closed = True
         await st.listener.aclose()
-        if st.connecting is not None and not st.connecting.done():
-            st.connecting.cancel()
-        pipe, st.pipe = st.pipe, None
-        if pipe is not None:
-            await pipe.aclose()
+        await st.backend.aclose()
         if st.owned:
             with contextlib.suppress(*_ERRORS):
                 await aclose_client(st.client)

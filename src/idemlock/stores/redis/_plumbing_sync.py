@@ -15,7 +15,6 @@ from functools import partial
 from typing import Any
 
 from redis.connection import ConnectionPool
-from redis.crc import key_slot
 from redis.exceptions import (
     AskError,
     BusyLoadingError,
@@ -24,6 +23,7 @@ from redis.exceptions import (
     NoScriptError,
     ReadOnlyError,
     ResponseError,
+    SlotNotCoveredError,
     TryAgainError,
 )
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -265,7 +265,8 @@ class SyncPlumbing:
         (it was refused before running, or the connection failed: every script is safe
         to run again, as after redis-py's own retry of a failed connection)."""
         try:
-            node = self.client.nodes_manager.slots_cache[key_slot(keys[0])][0]
+            # Public API (redis-py 5.0+): the primary of the key's slot in the map.
+            node = self.client.get_node_from_key(keys[0])
             free = self._node_free.get(node.name)
             if free is None:
                 free = self._node_free.setdefault(node.name, [])
@@ -274,7 +275,7 @@ class SyncPlumbing:
             except IndexError:
                 pool = node.redis_connection.connection_pool
                 conn = pool.connection_class(**pool.connection_kwargs)
-        except (KeyError, IndexError, AttributeError):
+        except (SlotNotCoveredError, KeyError, IndexError, AttributeError):
             return _REDIRECTED  # slot not in the map (yet): the client finds it
         clean = False
         try:
