@@ -68,7 +68,8 @@ def check(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     """Newest versions: `.[test]`, the whole suite but arq's tests (see extra-arq)."""
     install(session, "-e", ".[test]")
-    session.run(*PYTEST, *M.NEWEST_ARGS, *session.posargs)
+    # the slowest tests, so that every run shows where the time goes (issue 23)
+    session.run(*PYTEST, "--durations=25", *M.NEWEST_ARGS, *session.posargs)
 
 
 @nox.session
