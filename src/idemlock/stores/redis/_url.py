@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import parse_qsl, unquote, urlencode
 
 from ..._errors import ConfigurationError, StoreUnavailable
@@ -96,6 +96,43 @@ def _db(url: str, path: str, query: dict[str, str]) -> None:
         )
 
 
+class _Target(NamedTuple):
+    """What :func:`build` hands the builder of one kind of client."""
+
+    url: str
+    scheme: str
+    netloc: str
+    path: str
+    query: dict[str, str]
+    kwargs: dict[str, Any]
+    options: dict[str, Any]
+    asynchronous: bool
+
+
+def _node_options(
+    url: str, userinfo: str, query: dict[str, str], ssl: bool, db: str | None = None
+) -> dict[str, Any]:
+    """The query values and the credentials of ``url`` as redis-py converts them for
+    one node (its host, port and connection class left out; its database too unless
+    ``db`` is given)."""
+    import redis.connection
+
+    one = f"{'rediss' if ssl else 'redis'}://{userinfo + '@' if userinfo else ''}h"
+    if db is not None:
+        one += f"/{db}"
+    if query:
+        one += "?" + urlencode(query)
+    try:
+        parsed: dict[str, Any] = redis.connection.parse_url(one)  # type: ignore[no-untyped-call]
+    except ValueError as exc:
+        raise ConfigurationError(f"bad option in {shown(url)!r}: {exc}") from exc
+    for drop in ("host", "port", "connection_class") + (("db",) if db is None else ()):
+        parsed.pop(drop, None)
+    if ssl:
+        parsed["ssl"] = True
+    return parsed
+
+
 def build(url: str, options: dict[str, Any], asynchronous: bool) -> tuple[Any, bool, Options]:
     """A new client for ``url``: (client, is_cluster, idemlock options)."""
     if not isinstance(url, str):
@@ -116,9 +153,10 @@ def build(url: str, options: dict[str, Any], asynchronous: bool) -> tuple[Any, b
         "socket_timeout": own.timeout,
         "socket_connect_timeout": own.timeout,
     }
+    target = _Target(url, scheme, netloc, path, query, kwargs, opts_in, asynchronous)
     if scheme in ("redis", "rediss", "unix"):
         return (
-            _standalone(url, scheme, netloc, path, query, kwargs, opts_in, asynchronous),
+            _standalone(target),
             False,
             own,
         )
@@ -128,9 +166,9 @@ def build(url: str, options: dict[str, Any], asynchronous: bool) -> tuple[Any, b
                 f"durability={own.durability} is not supported on Redis Cluster yet; "
                 f"remove it from the options of {shown(url)!r} (or use durability=none)"
             )
-        return _cluster(url, scheme, netloc, path, query, kwargs, opts_in, asynchronous), True, own
+        return _cluster(target), True, own
     if scheme in ("redis+sentinel", "rediss+sentinel"):
-        client = _sentinel(url, scheme, netloc, path, query, kwargs, opts_in, asynchronous)
+        client = _sentinel(target)
         return client, False, own
     raise ConfigurationError(
         f"{shown(url)!r} is not a Redis URL; use redis://, rediss://, unix://, "
@@ -139,16 +177,8 @@ def build(url: str, options: dict[str, Any], asynchronous: bool) -> tuple[Any, b
     )
 
 
-def _standalone(
-    url: str,
-    scheme: str,
-    netloc: str,
-    path: str,
-    query: dict[str, str],
-    kwargs: dict[str, Any],
-    options: dict[str, Any],
-    asynchronous: bool,
-) -> Any:
+def _standalone(target: _Target) -> Any:
+    url, scheme, netloc, path, query, kwargs, options, asynchronous = target
     import redis
     import redis.asyncio
     import redis.connection
@@ -201,16 +231,8 @@ def _hostport(
     return unquote(host), int(port_s)
 
 
-def _cluster(
-    url: str,
-    scheme: str,
-    netloc: str,
-    path: str,
-    query: dict[str, str],
-    kwargs: dict[str, Any],
-    options: dict[str, Any],
-    asynchronous: bool,
-) -> Any:
+def _cluster(target: _Target) -> Any:
+    url, scheme, netloc, path, query, kwargs, options, asynchronous = target
     import redis.connection
 
     userinfo, _, hosts = netloc.rpartition("@")
@@ -235,19 +257,7 @@ def _cluster(
         redis.cluster.RedisCluster,
         redis.asyncio.cluster.RedisCluster,
     )
-    # Let redis-py convert the query values and the credentials as for one node.
-    one = f"{'rediss' if conn_cls else 'redis'}://{userinfo + '@' if userinfo else ''}h"
-    if query:
-        one += "?" + urlencode(query)
-    try:
-        parsed = redis.connection.parse_url(one)  # type: ignore[no-untyped-call]
-    except ValueError as exc:
-        raise ConfigurationError(f"bad option in {shown(url)!r}: {exc}") from exc
-    for drop in ("host", "port", "db", "connection_class"):
-        parsed.pop(drop, None)
-    if conn_cls is not None:
-        parsed["ssl"] = True
-    kwargs.update(parsed)
+    kwargs.update(_node_options(url, userinfo, query, conn_cls is not None))
     kwargs.update(options)
     try:
         if asynchronous:
@@ -273,19 +283,11 @@ def _cluster(
 SENTINEL_OPTIONS = ("sentinel_username", "sentinel_password")
 
 
-def _sentinel(
-    url: str,
-    scheme: str,
-    netloc: str,
-    path: str,
-    query: dict[str, str],
-    kwargs: dict[str, Any],
-    options: dict[str, Any],
-    asynchronous: bool,
-) -> Any:
+def _sentinel(target: _Target) -> Any:
     """A client of the primary of ``SERVICE`` as the Sentinels name it: each new
     connection asks them where the primary is, and a connection to a demoted primary
     (READONLY) is dropped, so the next call reaches the new one."""
+    url, scheme, netloc, path, query, kwargs, options, asynchronous = target
     import redis.asyncio.sentinel
     import redis.connection
     import redis.sentinel
@@ -311,17 +313,8 @@ def _sentinel(
     conn_cls = redis.connection.SSLConnection if ssl else redis.connection.Connection
     _check_query(url, query, _allowed_connection_args(conn_cls))
     _check_keywords(options, conn_cls, redis.Redis)
-    one = f"{'rediss' if ssl else 'redis'}://{userinfo + '@' if userinfo else ''}h/{db or 0}"
-    if query:
-        one += "?" + urlencode(query)
-    try:
-        parsed = redis.connection.parse_url(one)  # type: ignore[no-untyped-call]
-    except ValueError as exc:
-        raise ConfigurationError(f"bad option in {shown(url)!r}: {exc}") from exc
-    for drop in ("host", "port", "connection_class"):
-        parsed.pop(drop, None)
+    parsed = _node_options(url, userinfo, query, ssl, db or "0")
     if ssl:
-        parsed["ssl"] = True
         sentinel_kw["ssl"] = True
     if "retry" not in options:
         kwargs["retry"] = _default_retry(asynchronous)
