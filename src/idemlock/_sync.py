@@ -317,16 +317,6 @@ class IdempotencyPort(IdempotencyRun):
         reply, sent = self._send_claim(cargs, wait, t0)
         return self._replies.interpret(key, reply, None, t0, cargs[1]), sent
 
-    def _begin(
-        self,
-        plan: WrapPlan,
-        args: Any,
-        kwargs: Any,
-        wait: float | None,
-        wait_with: str | None = None,
-    ) -> Claimed | Completed:
-        return self._begin_at(plan, args, kwargs, wait, wait_with)[0]
-
     def _begin_at(
         self,
         plan: WrapPlan,

@@ -328,16 +328,6 @@ class AsyncIdempotencyPort(IdempotencyRun):
         reply, sent = await self._send_claim(cargs, wait, t0)
         return self._replies.interpret(key, reply, None, t0, cargs[1]), sent
 
-    async def _begin(
-        self,
-        plan: WrapPlan,
-        args: Any,
-        kwargs: Any,
-        wait: float | None,
-        wait_with: str | None = None,
-    ) -> Claimed | Completed:
-        return (await self._begin_at(plan, args, kwargs, wait, wait_with))[0]
-
     async def _begin_at(
         self,
         plan: WrapPlan,
