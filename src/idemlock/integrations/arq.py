@@ -113,9 +113,8 @@ def idempotent_job(
     """Make an arq job (``async def job(ctx, ...)``) idempotent per key (see the module
     documentation). ``coordinator`` is an :class:`idemlock.aio.AsyncCoordinator`, a
     store URL, a callable returning one, or None (``$IDEMLOCK_URL``).
-    The other options (``replay_errors``, ``retry_every``, ``store_retry_backoff``,
-    ``store_retry_max``, ``renew_every``, ``max_run``) are the module documentation's,
-    the same on every queue."""
+    The other options (:class:`~idemlock.integrations.jobs.options.JobKeywords`) are
+    the module documentation's, the same on every queue."""
 
     checked = JobOptions.of(spec, key, coordinator, options, where="@idempotent_job")
 

@@ -115,9 +115,8 @@ def idempotent_job(
     ``coordinator`` is an :class:`idemlock.Coordinator`, a store URL, a callable
     returning one, or None (``$IDEMLOCK_URL``); a URL or callable is opened in each
     work horse, after RQ forked it.
-    The other options (``replay_errors``, ``retry_every``, ``store_retry_backoff``,
-    ``store_retry_max``, ``renew_every``, ``max_run``) are the module documentation's,
-    the same on every queue."""
+    The other options (:class:`~idemlock.integrations.jobs.options.JobKeywords`) are
+    the module documentation's, the same on every queue."""
 
     checked = JobOptions.of(spec, key, coordinator, options, where="@idempotent_job")
 
