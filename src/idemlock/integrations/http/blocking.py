@@ -22,7 +22,7 @@ from ... import _attempts as attempts
 from ..._core.types import Claim, ClaimToken
 from ..._errors import ConfigurationError, ResultTooLarge
 from ..._sync import Coordinator, IdempotencyPort
-from .core import HttpCore, Pass, PortFaceBase, Run
+from .core import HttpCore, Pass, Run, StoreFace
 from .options import HttpOptions, Scope
 from .problem_json import Answer
 
@@ -57,7 +57,7 @@ class TransactionFailed(BaseException):
         self.cause = cause
 
 
-class BlockingPortFace(PortFaceBase):
+class BlockingPortFace(StoreFace):
     """A blocking port as the steps' store: each coroutine makes its blocking call and
     returns without suspending."""
 

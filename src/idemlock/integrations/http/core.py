@@ -26,9 +26,10 @@ import contextlib
 import hashlib
 import json
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from ... import _attempts as attempts
 from ..._base.idempotency import Heartbeat, IdempotencyBase
@@ -58,7 +59,7 @@ from .recorded_response import (
     unreplayable_record,
 )
 
-__all__ = ["AsyncPortFace", "HttpCore", "Pass", "PortFaceBase", "Run", "StoreFace", "log"]
+__all__ = ["AsyncPortFace", "HttpCore", "Pass", "Run", "StoreFace", "log"]
 
 #: the one logger of the HTTP adapters (ASGI, FastAPI, WSGI and Django alike)
 log = logging.getLogger("idemlock.http")
@@ -98,40 +99,25 @@ class Run:
             self.beat.stop()
 
 
-class StoreFace(Protocol):
-    """The store calls the steps make; awaited, on an asyncio or a blocking port."""
-
-    @property
-    def port(self) -> IdempotencyBase: ...
-
-    @property
-    def spec(self) -> IdempotencySpec: ...
-
-    async def claim(self, key: str, payload: Any) -> tuple[Claim, float]: ...
-
-    async def complete(self, token: ClaimToken, result: Any) -> None: ...
-
-    async def abandon(self, token: ClaimToken) -> None: ...
-
-    def heartbeat(
-        self,
-        token: ClaimToken,
-        sent: float,
-        every: float,
-        limit: float | None,
-        on_lost: Callable[[ClaimToken], object],
-    ) -> Heartbeat: ...
-
-    def now(self) -> float: ...
-
-    def later(self, job: Callable[[], Coroutine[Any, Any, None]]) -> None:
-        """Run ``job()`` in the background (a record written again)."""
-
-
-class PortFaceBase:
-    """What both faces do alike: no store call, only the port's spec, heartbeat and clock."""
+class StoreFace(ABC):
+    """The store calls the steps make; awaited, on an asyncio or a blocking port. The
+    calls that reach no store (the port's spec, heartbeat and clock) are alike on both
+    faces and written here."""
 
     port: IdempotencyBase
+
+    @abstractmethod
+    async def claim(self, key: str, payload: Any) -> tuple[Claim, float]: ...
+
+    @abstractmethod
+    async def complete(self, token: ClaimToken, result: Any) -> None: ...
+
+    @abstractmethod
+    async def abandon(self, token: ClaimToken) -> None: ...
+
+    @abstractmethod
+    def later(self, job: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run ``job()`` in the background (a record written again)."""
 
     @property
     def spec(self) -> IdempotencySpec:
@@ -151,7 +137,7 @@ class PortFaceBase:
         return attempts.clock(self.port).time()
 
 
-class AsyncPortFace(PortFaceBase):
+class AsyncPortFace(StoreFace):
     """An :class:`~idemlock.aio.AsyncIdempotencyPort` as the steps' store."""
 
     port: AsyncIdempotencyPort
