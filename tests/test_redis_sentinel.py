@@ -288,7 +288,7 @@ def test_failover_sync(group: SentinelGroup) -> None:
         assert isinstance(other, Acquired)
         seen.add("held", other.token)
         # durability=replicas:N needs N replicas: the old primary comes back as one.
-        group.rejoin(old)
+        group.rejoin(old, promotable=False)
         # A durable call may still meet the replica resyncing (Sentinel reconfigures the
         # server it sees come back): it is then unavailable, and the same call re-sent
         # is safe (the table's resend rows); what it answers is what is checked.
@@ -360,7 +360,7 @@ async def test_failover_async(group: SentinelGroup) -> None:
             await holder.__aexit__(None, None, None)
         other = await _until_async("acquire held", lambda: ps.acquire(ns, "held", "o", LONG))
         seen.add("held", other.token)
-        await asyncio.to_thread(group.rejoin, old)
+        await asyncio.to_thread(group.rejoin, old, False)
         # As in test_failover_sync: a durable call may meet the replica resyncing.
         again = await _until_async("replay", lambda: ds.claim(ns, "kept", None, "aa02", LONG))
         assert isinstance(again, Done) and again.result == b"result-kept", (

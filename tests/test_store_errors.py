@@ -135,11 +135,15 @@ async def test_failed_renewals_of_hold_emit_error_events(db: Path, mode: str) ->
                             await asyncio.to_thread(time.sleep, 0.02)
                         else:
                             await asyncio.sleep(0.02)  # cancelled when the lease is lost
+        # The watchdog's thread sets lease.lost, then delivers the event: wait for it.
+        waited = time.monotonic() + 10
+        while ("lost", "lost") not in [(e.name, e.outcome) for e in events]:
+            assert time.monotonic() < waited, [(e.name, e.outcome) for e in events]
+            await asyncio.sleep(0.02)
     finally:
         blocker.close()
         await api.close()
     assert ("renew", "StoreUnavailable") in errors(events)
-    assert ("lost", "lost") in [(e.name, e.outcome) for e in events]
 
 
 def test_prometheus_and_otel_show_store_errors(db: Path) -> None:

@@ -163,17 +163,18 @@ async def test_scope_renews_a_long_section(harness: Harness) -> None:
 
 
 async def _scope_renews_a_long_section(backend: Any, harness: Harness) -> None:
-    spec = DistributedLockSpec("scoped", ttl=timedelta(seconds=0.6))
+    # Renewed every 0.1 s: a ttl that a busy machine's stalls do not outlast.
+    spec = DistributedLockSpec("scoped", ttl=timedelta(seconds=1.2))
     cmd, query = backend.commands(spec), backend.queries(spec)
     scope = backend.scope(spec, "s", "me", extend_interval=timedelta(seconds=0.1))
     if isinstance(backend, ports.AsyncBackend):
         async with scope as lease:
-            await asyncio.sleep(1.5)  # 2.5x the ttl
+            await asyncio.sleep(2.5)  # twice the ttl
             assert await cmd.acquire("s", "rival") is None
             assert await query.get_owner("s") == "me" and not lease.lost
     else:
         with scope as lease:
-            time.sleep(1.5)  # noqa: ASYNC251  (sync mode: a blocking body is the point)
+            time.sleep(2.5)  # noqa: ASYNC251  (sync mode: a blocking body is the point)
             assert cmd.acquire("s", "rival") is None
             assert query.get_owner("s") == "me" and not lease.lost
     assert await _(query.is_locked("s")) is False

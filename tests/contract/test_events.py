@@ -98,7 +98,11 @@ async def test_lost_lease_event(api: Facade) -> None:
                 await asyncio.sleep(0.05)
                 if api.harness.clock is not None:
                     api.harness.clock.advance(0.05)
-    assert ("lost", "lost") in seen(events)
+    # The watchdog's thread sets lease.lost, then delivers the event: wait for it.
+    waited = time.monotonic() + 10
+    while ("lost", "lost") not in seen(events):
+        assert time.monotonic() < waited, seen(events)
+        await asyncio.sleep(0.02)
 
 
 def test_broken_hook_does_not_break_operations() -> None:

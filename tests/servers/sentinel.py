@@ -183,16 +183,15 @@ class SentinelGroup:
 
         _wait(f"the server on port {port} to be demoted", demoted, timeout)
 
-    def rejoin(self, old_port: int) -> None:
+    def rejoin(self, old_port: int, promotable: bool = True) -> None:
         """Start the killed primary again as a replica of the new one (empty: it had
-        no persistence), and wait until it is in sync."""
+        no persistence), and wait until it is in sync. ``promotable=False``: with
+        replica-priority 0, never promoted (a test that wants no later failover: one
+        the Sentinels might start on their own, pings being late on a busy machine,
+        must not make the rejoined server the primary while it syncs)."""
         server = self.servers[old_port]
-        # Priority 0: never promoted. It comes back empty and syncs in full; a failover
-        # the Sentinels might start on their own meanwhile (a busy machine delays their
-        # pings) must not make it the primary and the data holder its empty copy.
-        server.extra = (
-            *FAST, "--replicaof", "127.0.0.1", str(self.primary_port), "--replica-priority", "0"
-        )  # fmt: skip
+        priority = () if promotable else ("--replica-priority", "0")
+        server.extra = (*FAST, "--replicaof", "127.0.0.1", str(self.primary_port), *priority)
         server.start()
         self.wait_in_sync()
 
