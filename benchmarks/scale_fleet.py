@@ -238,22 +238,26 @@ def claimer(url: str, prefix: str, ready: Any, leave: Any) -> None:
     coord.close()
 
 
-def server_connections(admin: str, db: str) -> int:
-    with psycopg.connect(admin, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
-            (db,),
-        ).fetchone()
+def server_connections(admin: Any, db: str) -> int:
+    """The server connections to ``db`` but ``admin``'s own (one connection, opened
+    first: the server may have none left to give once the processes took them)."""
+    row = admin.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()",
+        (db,),
+    ).fetchone()
     return int(row[0]) if row else 0
 
 
-def measure_connections(url: str, admin: str, db: str, how: str, fleet: Fleet) -> dict[str, Any]:
+def measure_connections(
+    url: str, admin_dsn: str, db: str, how: str, fleet: Fleet
+) -> dict[str, Any]:
     """``fleet.conn_procs`` processes on ``url`` (database ``db``); server connections
     counted through ``admin`` (straight to the server)."""
     ctx = context()
     ready, leave = ctx.Queue(), ctx.Event()
     prefix = c.new_prefix("n")
     idemlock.connect(url, key_prefix=prefix).close()  # the schema, made once
+    admin = psycopg.connect(admin_dsn, autocommit=True)
     before = server_connections(admin, db)
     procs = [ctx.Process(target=claimer, args=(url, prefix, ready, leave))
              for _ in range(fleet.conn_procs)]  # fmt: skip
@@ -273,10 +277,12 @@ def measure_connections(url: str, admin: str, db: str, how: str, fleet: Fleet) -
         leave.set()
         for p in procs:
             p.join(120)
+    after_exit = server_connections(admin, db) - before
+    admin.close()
     return {"how": how, "procs": fleet.conn_procs, "peak": peak, "failed": len(errors),
             "errors": sorted(set(errors))[:3],
             "per_proc": peak / fleet.conn_procs, "idle": idle, "idle_s": fleet.idle,
-            "after_exit": server_connections(admin, db) - before}  # fmt: skip
+            "after_exit": after_exit}  # fmt: skip
 
 
 #: what bounds a process's connections: psycopg_pool's max_size (the store's default 10)
