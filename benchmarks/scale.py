@@ -59,6 +59,15 @@ import common as c  # noqa: E402
 import psycopg  # noqa: E402
 import redis  # noqa: E402
 from render import goals_section, table  # noqa: E402
+from scale_fleet import (  # noqa: E402
+    POOL_IDLE,
+    Fleet,
+    connections_table,
+    measure_connections,
+    measure_waiters,
+    verdict,
+    waiters_table,
+)
 from scenarios import start_benches  # noqa: E402
 
 import idemlock  # noqa: E402
@@ -78,18 +87,12 @@ class Config:
 
 FULL = Config((10_000, 100_000, 1_000_000), 1000, 9, 1_000_000, 10_000, 30.0)
 QUICK = Config((1_000, 10_000), 100, 2, 10_000, 200, 3.0)
+FLEET = {False: Fleet(10, 100, 5.0, 200, 5.0), True: Fleet(2, 5, 1.0, 4, 1.0)}  # by --quick
+PARTS = "records,purge,live,waiters,connections"
 STORES = ("sqlite", "postgres", "redis")
 SPEC = IdempotencySpec("orders", ttl=timedelta(hours=1))
 RESULT: Any = c.RESULT  # what every pair records
 FLAT, WORST_MS, CORE, TRIPS = 1.15, 100.0, 0.1, 10.0  # the goals
-
-
-def verdict(value: float, limit: float, unit: str = "") -> str:
-    """MEETS, or SHORT by how much, of a goal ``value ≤ limit`` (NaN is short)."""
-    if value <= limit:
-        return "MEETS"
-    by = value - limit
-    return f"SHORT by {by:.0f}{unit}" if by >= 100 else f"SHORT by {by:.2g}{unit}"
 
 
 def size(n: int) -> str:
@@ -428,6 +431,26 @@ def live_table(rows: list[dict[str, Any]]) -> str:
     return table(head + "|goal|verdict", cells, right=1)
 
 
+# ---- connections ---------------------------------------------------------------------
+
+
+def connections(pg: Any, servers: c.Servers, fleet: Fleet) -> list[dict[str, Any]]:
+    """The connections figure straight to PostgreSQL and through a PgBouncer (transaction
+    mode, its default pool of 20 server connections per database and user), each on a
+    database of its own."""
+    from tests.servers.pgbouncer import start_pgbouncer
+
+    bouncer = start_pgbouncer(pg)  # max_client_conn 500: 200 x 2
+    servers.callback(bouncer.destroy)
+    admin, out = pg.dsn_at(database="postgres"), []
+    for how, port in (("straight", None), ("through PgBouncer", bouncer.port)):
+        db = f"conn_{uuid.uuid4().hex[:8]}"
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {db}")
+        out.append(measure_connections(pg.dsn_at(port, db), admin, db, how, fleet))
+    return out
+
+
 # ---- the command ---------------------------------------------------------------------
 
 
@@ -447,8 +470,24 @@ def markdown(report: dict[str, Any], cfg: Config) -> str:
         )
         + (
             f"### Live claims: held under port.run(), renewed every {cfg.lease / 3:g} s, "
-            f"{report['arrival']} arrivals\n\n{live_table(report['live'])}"
+            f"{report['arrival']} arrivals\n\n{live_table(report['live'])}\n\n"
             if report["live"]
+            else ""
+        )
+        + (
+            "### Waiters: every task waits once on one lock (acquire(wait=...)), holds ~1 ms"
+            "\n\nStore work is counted from the first release to the last; waiters woken per "
+            "release cannot be seen from outside the store, but each woken waiter makes at "
+            "least one attempt, so the work per hand-off less the release bounds it.\n\n"
+            f"{waiters_table(report['waiters'])}\n\n"
+            if report["waiters"]
+            else ""
+        )
+        + (
+            "### Connections: one coordinator per process, 2 threads claiming at once, on "
+            f"one PostgreSQL database; pool idle timeout: {POOL_IDLE}\n\n"
+            f"{connections_table(report['connections'])}"
+            if report["connections"]
             else ""
         )
     ).rstrip()
@@ -478,8 +517,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CI)")
     parser.add_argument("--sizes", help="live records, comma-separated (default 10k,100k,1M)")
+    parser.add_argument("--only", default=PARTS, help=f"parts to run, comma-separated (of {PARTS})")
     parser.add_argument(
-        "--only", default="records,purge,live", help="parts to run, comma-separated"
+        "--fleet", help="waiters: processes,tasks; connections: processes (e.g. 10,100,200)"
     )
     parser.add_argument(
         "--arrival", choices=("burst", "uniform"), default="burst",
@@ -489,16 +529,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the figures as JSON here")
     parser.add_argument("--doc", type=Path, help="write the tables into this file's scale section")
     args = parser.parse_args(argv)
-    if args.doc and (args.only != "records,purge,live" or args.stores != ",".join(STORES)):
+    if args.doc and (args.only != PARTS or args.fleet or args.stores != ",".join(STORES)):
         parser.error("--doc writes the whole section: run every part on every store")
     cfg = QUICK if args.quick else FULL
     if args.sizes:
         sizes = tuple(sorted(int(s) for s in args.sizes.split(",")))
         cfg = Config(sizes, cfg.n, cfg.rounds, sizes[-1], cfg.live, cfg.lease)
+    fleet = FLEET[args.quick]
+    if args.fleet:
+        procs, tasks, conns = (int(v) for v in args.fleet.split(","))
+        fleet = Fleet(procs, tasks, fleet.settle, conns, fleet.idle)
     started, load = time.monotonic(), os.getloadavg()[0]
-    print(f"idemlock scale: {cfg}; load average {load:.2f}", flush=True)
+    print(f"idemlock scale: {cfg}; {fleet}; load average {load:.2f}", flush=True)
     report: dict[str, Any] = {
-        "config": cfg.__dict__, "arrival": args.arrival, "records": [], "purge": [], "live": []
+        "config": cfg.__dict__, "fleet": fleet.__dict__, "arrival": args.arrival,
+        "records": [], "purge": [], "live": [], "waiters": [], "connections": [],
     }  # fmt: skip
     parts = set(args.only.split(","))
     stores = [s for s in STORES if s in args.stores.split(",")]
@@ -515,6 +560,12 @@ def main(argv: list[str] | None = None) -> int:
         for kind in stores if "live" in parts else ():
             print(f"live claims: {c.TITLE[kind]} ({time.monotonic() - started:.0f} s)", flush=True)
             report["live"].append(measure_live(kind, benches[kind], cfg, args.arrival))
+        for kind in stores if "waiters" in parts else ():
+            print(f"waiters: {c.TITLE[kind]} ({time.monotonic() - started:.0f} s)", flush=True)
+            report["waiters"].append(measure_waiters(kind, benches[kind], fleet))
+        if "connections" in parts and "postgres" in stores:
+            print(f"connections ({time.monotonic() - started:.0f} s)", flush=True)
+            report["connections"] = connections(benches["postgres"].server, servers, fleet)
     took, load_end = time.monotonic() - started, os.getloadavg()[0]
     how = (
         f"`python benchmarks/scale.py{''.join(' ' + a for a in sys.argv[1:] if argv is None)}` on "

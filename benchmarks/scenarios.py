@@ -257,6 +257,7 @@ def start_benches(servers: c.Servers, stores: list[str]) -> dict[str, Any]:
         if store == "postgres":
             pg = servers.start(store)
             benches[store] = PgBench(pg.dsn, pg.port)
+            benches[store].server = pg  # scale.py's connections start a PgBouncer on it
         elif store.startswith("redis"):
             r, cluster = servers.start(store), store == "redis-cluster"
             benches[store] = RedisBench(r.url, r.ports if cluster else [r.port], cluster=cluster)

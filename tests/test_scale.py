@@ -1,7 +1,8 @@
 """``benchmarks/scale.py --quick``: issue 28's scale figures, every store, each judged.
 
 The command starts its own throwaway servers and measures how cost grows with the
-records in a store, a purge, and heartbeated claims. Timings are never asserted here (a
+records in a store, a purge, heartbeated claims, waiters on one lock and the
+PostgreSQL connections of a fleet of processes. Timings are never asserted here (a
 shared 2-core machine decides them): only that every figure is there for every store,
 with the counts asked for, finite and positive, and a verdict.
 """
@@ -64,11 +65,28 @@ def test_scale_quick_reports_every_figure_for_every_store(tmp_path: Path) -> Non
         assert positive(r["round_trips_per_s"]) and positive(r["window_s"]), r
         assert r["cpu_cores"] >= 0 and positive(r["heap_bytes_per_claim"]), r
 
+    fleet = report["fleet"]
+    assert [r["store"] for r in report["waiters"]] == STORES
+    for r in report["waiters"]:
+        # every waiter held the lock once, none timed out, none while another held it
+        assert r["waiters"] == fleet["procs"] * fleet["tasks"] == r["handoffs"], r
+        assert r["failed"] == 0 and r["overlapping_holds"] == 0, r
+        assert positive(r["work_per_handoff"]) and positive(r["gap_median_ms"]), r
+
+    assert [r["how"] for r in report["connections"]] == ["straight", "through PgBouncer"]
+    for r in report["connections"]:
+        # every process connected (at most its pool's size and the listener each)
+        assert r["procs"] == fleet["conn_procs"] and 1 <= r["peak"] <= 11 * r["procs"], r
+        assert 0 <= r["idle"] <= r["peak"], r
+    # straight, every process holds a connection of its own
+    assert report["connections"][0]["peak"] >= fleet["conn_procs"], report["connections"]
+
     # the tables: one row per store and figure, each with its verdict
     lines = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
-    for title in ("SQLite", "PostgreSQL", "Redis"):
+    for title in ("SQLite", "PostgreSQL", "Redis", "straight", "through PgBouncer"):
         rows = [line for line in lines if line.startswith(f"| {title} |")]
-        assert len(rows) == 3 + (title != "Redis") + 1, rows  # records, purge, live claims
+        # records (3), purge (but Redis), live claims, waiters; a connections row
+        assert len(rows) == (1 if title[0].islower() else 3 + (title != "Redis") + 2), rows
         assert all(line.rstrip().endswith(("| MEETS |", "| reference |")) or "SHORT by" in line
                    for line in rows), rows  # fmt: skip
     assert "growth" in proc.stdout and report["how"] in proc.stdout
