@@ -403,6 +403,9 @@ def measure_live(kind: str, bench: Any, cfg: Config, arrival: str = "burst") -> 
                 time.sleep(2 * interval)
                 wall = time.perf_counter() - wall
                 trips, cpu = count() - trips, time.process_time() - proxy_cpu() - cpu
+                # the proxy's CPU comes off this process's: when ours is near nil the
+                # two clocks' ticks can leave it a hair below zero
+                cpu = max(cpu, 0.0)
                 lost = sum(bool(a.lost) for a in attempts)
         finally:
             coord.close()

@@ -456,8 +456,10 @@ def test_django_page_serves_under_its_run_command(tmp_path: Path) -> None:
         served.wait_listening(port)
         url = f"http://127.0.0.1:{port}"
         headers = {"X-Api-Key": "k1", "Idempotency-Key": '"A17"'}
-        first = httpx.post(url + "/refunds", json={"amount": 1200}, headers=headers, timeout=20)
-        retry = httpx.post(url + "/refunds", json={"amount": 1200}, headers=headers, timeout=20)
+        # gunicorn's master listens before its workers have imported Django: on a busy
+        # machine the first answer waits for a worker to boot (bounded, not timed).
+        first = httpx.post(url + "/refunds", json={"amount": 1200}, headers=headers, timeout=90)
+        retry = httpx.post(url + "/refunds", json={"amount": 1200}, headers=headers, timeout=60)
     assert (first.status_code, retry.status_code) == (201, 201), first.text + retry.text
     assert retry.headers["Idempotent-Replayed"] == "true"
     assert retry.json() == first.json()
@@ -490,7 +492,7 @@ def test_asgi_pages_serve_under_their_run_command(name: str, tmp_path: Path) -> 
         served.wait_listening(port)
         keyed = {**headers, "Idempotency-Key": '"order-A17"'}
         sent = [
-            httpx.post(f"http://127.0.0.1:{port}{path}", json=body, headers=keyed, timeout=20)
+            httpx.post(f"http://127.0.0.1:{port}{path}", json=body, headers=keyed, timeout=60)
             for _ in range(2)
         ]
     first, retry = sent
