@@ -266,6 +266,7 @@ async def _open(
         else:
             host, port = s.host, s.port
             if isinstance(pool, SentinelConnectionPool) and pool.is_master:
+                # redis-py leaves this coroutine unannotated (nothing to fix on our side)
                 host, port = await pool.get_master_address()  # type: ignore[no-untyped-call]
             where = f"{host}:{port}"
             tls = getattr(s, "ssl_context", None)  # an SSLConnection's (redis-py's object)

@@ -123,6 +123,7 @@ def _node_options(
     if query:
         one += "?" + urlencode(query)
     try:
+        # redis-py leaves parse_url unannotated (nothing to fix on our side)
         parsed: dict[str, Any] = redis.connection.parse_url(one)  # type: ignore[no-untyped-call]
     except ValueError as exc:
         raise ConfigurationError(f"bad option in {shown(url)!r}: {exc}") from exc
