@@ -185,12 +185,12 @@ def make_machine(harness: Harness, mode: str) -> type[RuleBasedStateMachine]:
                 return
             assert got is not None and got.token is not None, row.id
             if row.id == "lock.reacquire":
-                assert rec is not None and got.token == rec.token
+                assert rec is not None and got.token == rec.holders[owner].token
             else:
                 assert got.token > self.last_lock_token.get(key, 0)
             self.last_lock_token[key] = got.token
             assert new is not None
-            new.token = got.token
+            new.holders[owner].token = got.token
             self.lock_rows[key] = new
             self.leases.append(got)
 
@@ -215,9 +215,8 @@ def make_machine(harness: Harness, mode: str) -> type[RuleBasedStateMachine]:
         @rule(key=KEYS)
         def lock_owner(self, key: str) -> None:
             rec = self.lock_rows.get(key)
-            expected = (
-                rec.owner if rec is not None and T.lock_state(rec, self.now()) == "held" else None
-            )
+            alive = {} if rec is None else rec.alive(self.now())
+            expected = next(iter(alive), None)
             assert self.run(lambda: self.locks.owner(key)) == expected
 
         if manual:

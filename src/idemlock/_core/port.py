@@ -137,8 +137,9 @@ class RecordRow:
 
 @dataclass(frozen=True, slots=True)
 class LockRow:
-    """One listed lock; ``corrupt`` marks a value the store cannot read (owner "",
-    token 0), listed rather than failing the whole listing."""
+    """One listed holder of a lock or permit; ``corrupt`` marks a value the store
+    cannot read (owner "", token 0), listed rather than failing the whole listing.
+    ``value`` is what the holder published (an election's leader), or None."""
 
     ns: str
     key: str
@@ -146,6 +147,7 @@ class LockRow:
     token: int
     expires_ms: int
     corrupt: bool = False
+    value: bytes | None = None
 
 
 class Channel(NamedTuple):
@@ -240,28 +242,41 @@ class SyncStore(Protocol):
     def records(self, ns_prefix: str) -> Sequence[RecordRow]:
         """Live records whose ns starts with ``ns_prefix``."""
 
-    # locks
-    def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
-        """Free or expired -> held by owner with a new token. Held by the same owner ->
-        same token, expiry reset to now + ttl_ms (a retried acquire)."""
+    # locks and permits: a lock is the one-permit case (``limit=1``) of the same rows
+    def acquire(
+        self, ns: str, key: str, owner: str, ttl_ms: int, limit: int = 1, value: bytes | None = None
+    ) -> Acquired | Held:
+        """Held by the same owner -> same token, expiry reset to now + ttl_ms (a retried
+        acquire; ``value`` replaces the published one when given). Else fewer live
+        holders than ``limit`` (a hand-off window kept for another waiter counts as
+        one) -> a new holder with the next token. Else ``Held`` until the earliest live
+        holder's expiry. ``limit`` is the caller's, never stored: callers with another
+        limit on the same key count the same holders."""
 
     def release(self, ns: str, key: str, owner: str, token: int) -> bool:
-        """Held by (owner, token) -> free. Else False, no change."""
+        """Held by (owner, token) -> that permit freed. Else False, no change."""
 
-    def break_lock(self, ns: str, key: str) -> bool:
-        """Held by anyone -> free (an operator's forced unlock). True if it was held.
-        The token counter stays, so the next acquire gets a higher token and the old
-        holder's renew and release fail."""
+    def break_lock(self, ns: str, key: str, token: int | None = None) -> bool:
+        """Free every holder (``token`` None) or only the permit with ``token``: an
+        operator's forced unlock. True if something held was freed. The token counter
+        stays, so the next acquire gets a higher token and the old holder's renew and
+        release fail."""
 
-    def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
-        """Held by (owner, token), not expired -> expiry = now + ttl_ms; returns new
-        expires_ms. Else None, no change (an expired lease is never revived)."""
+    def renew(
+        self, ns: str, key: str, owner: str, token: int, ttl_ms: int, value: bytes | None = None
+    ) -> int | None:
+        """Held by (owner, token), not expired -> expiry = now + ttl_ms (and the
+        published value replaced when ``value`` is given); returns new expires_ms. Else
+        None, no change (an expired lease is never revived)."""
 
     def lock(self, ns: str, key: str) -> LockRow | None:
-        """The unexpired holder of a lock, or None."""
+        """The unexpired holder of a lock (of a key with many: the lowest token), or None."""
+
+    def holders(self, ns: str, key: str) -> Sequence[LockRow]:
+        """Every unexpired holder of a key, lowest token first."""
 
     def locks(self, ns_prefix: str) -> Sequence[LockRow]:
-        """Unexpired held locks whose ns starts with ``ns_prefix``."""
+        """Unexpired holders (one row per permit) whose ns starts with ``ns_prefix``."""
 
     # fences
     def fence_advance(self, ns: str, resource: str, token: int) -> tuple[bool, int]:
@@ -311,15 +326,21 @@ class AsyncStore(Protocol):
 
     async def records(self, ns_prefix: str) -> Sequence[RecordRow]: ...
 
-    async def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held: ...
+    async def acquire(
+        self, ns: str, key: str, owner: str, ttl_ms: int, limit: int = 1, value: bytes | None = None
+    ) -> Acquired | Held: ...
 
     async def release(self, ns: str, key: str, owner: str, token: int) -> bool: ...
 
-    async def break_lock(self, ns: str, key: str) -> bool: ...
+    async def break_lock(self, ns: str, key: str, token: int | None = None) -> bool: ...
 
-    async def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None: ...
+    async def renew(
+        self, ns: str, key: str, owner: str, token: int, ttl_ms: int, value: bytes | None = None
+    ) -> int | None: ...
 
     async def lock(self, ns: str, key: str) -> LockRow | None: ...
+
+    async def holders(self, ns: str, key: str) -> Sequence[LockRow]: ...
 
     async def locks(self, ns_prefix: str) -> Sequence[LockRow]: ...
 

@@ -11,10 +11,14 @@ or let :func:`claim_row` pick the row from what the server read.
 States. Claims: ``absent`` (no record, or a completed record past its ttl),
 ``in_flight`` (lease running), ``lapsed`` (in flight, lease over, nobody took the key
 over: a late complete or abandon is still accepted), ``completed`` (ttl running).
-Locks: ``free``, ``held``, ``reserved`` (after a release with a waiter, the hand-off
-window kept for the oldest waiter, in the stores whose capabilities declare
-``handoff``: Redis, memory, SQLite, PostgreSQL, and etcd through its waiters' queue;
-elsewhere a released lock is ``free``). Fence gates: ``gate``.
+Locks and permits (a lock is the ``limit=1`` case of the same rows; ``limit`` comes
+with each acquire and is never stored): ``free`` (no live holder), ``held`` (at least
+one live holder, each with its own token and expiry), ``reserved`` (after a release
+with a waiter, a hand-off window kept for the oldest waiter, which counts as one
+holder; in the stores whose capabilities declare ``handoff``: Redis, memory, SQLite,
+PostgreSQL, and etcd through its waiters' queue; elsewhere a release leaves ``free``
+or ``held``). ``next`` of a row that frees a permit reads "free, or held while other
+holders remain". Fence gates: ``gate``.
 
 Store errors. Any call may instead raise ``StoreUnavailable``: no reply within the
 bound, or (Redis with ``durability=``) written on the primary but not acknowledged by
@@ -144,18 +148,18 @@ forget.live        forget   in_flight|completed -                 absent    ok  
 forget.dead        forget   absent|lapsed       -                 absent    stale    -        nothing live was there
 claim.expiry       expire   in_flight           lease_over        lapsed    -        -        the clock, no call
 claim.ttl          expire   completed           ttl_over          absent    -        -        the clock, no call
-lock.acquire       acquire  free                -                 held      acquired -        next token
-lock.reacquire     acquire  held                same_owner        held      acquired -        same token, expiry reset
-lock.busy          acquire  held                -                 =         held     -        another owner holds it
-lock.handoff       acquire  reserved            not_chosen        =         held     handoff  kept for the oldest waiter
-lock.handoff.take  acquire  reserved            -                 held      acquired handoff  the chosen waiter
-lock.release       release  held                same_holder       free      ok       -        token counter kept
+lock.reacquire     acquire  held|reserved       same_owner        held      acquired -        same token, expiry reset (a re-sent acquire)
+lock.handoff.take  acquire  reserved            chosen            held      acquired handoff  the chosen waiter takes the window
+lock.acquire       acquire  free|held|reserved  room              held      acquired -        next token; one more holder
+lock.busy          acquire  held                -                 =         held     -        no room under the caller's limit
+lock.handoff       acquire  reserved            -                 =         held     handoff  the window is kept for the oldest waiter
+lock.release       release  held|reserved       same_holder       free      ok       -        that permit freed; token counter kept
 lock.release.stale release  *                   -                 =         stale    -        not this lease
-lock.renew         renew    held                same_holder       held      ok       -        expiry now + ttl
+lock.renew         renew    held|reserved       same_holder       held      ok       -        expiry now + ttl; value replaced if given
 lock.renew.stale   renew    *                   -                 =         stale    -        never revived
-lock.break         break    held                -                 free      ok       -        any holder; token kept
-lock.break.free    break    free|reserved       -                 free      stale    -        nothing held
-lock.expiry        expire   held                ttl_over          free      -        -        the clock, no call
+lock.break         break    held|reserved       token_or_any      free      ok       -        every holder, or the permit with the token; counter kept
+lock.break.free    break    *                   -                 free      stale    -        nothing held (with that token)
+lock.expiry        expire   held                ttl_over          free      -        -        per holder, the clock
 fence.advance      fence    gate                not_lower         gate      ok       -        highest = token
 fence.stale        fence    gate                -                 =         stale    -        lower token refused
 """  # noqa: E501
@@ -203,13 +207,32 @@ class ClaimRec:
 
 
 @dataclass(slots=True)
-class LockRec:
+class Permit:
+    """One holder of a lock key: a lock has at most one live, a semaphore up to its limit."""
+
     owner: str
     token: int
     expires_ms: int
+    value: bytes | None = None
 
 
-def live(rec: ClaimRec | LockRec | None, now_ms: int) -> bool:
+@dataclass(slots=True)
+class LockRec:
+    """One lock key: its holders by owner (at most one permit per owner; expired ones
+    may linger until the next transition drops them) and the waiter a hand-off window
+    is kept for, if any (the memory store keeps that in its queue, SQLite in its
+    waiters' table: they pass it in for the guards)."""
+
+    holders: dict[str, Permit]
+    chosen: str | None = None
+    #: when the window kept for ``chosen`` ends (store ms)
+    until: int = 0
+
+    def alive(self, now_ms: int) -> dict[str, Permit]:
+        return {o: p for o, p in self.holders.items() if p.expires_ms > now_ms}
+
+
+def live(rec: ClaimRec | Permit | None, now_ms: int) -> bool:
     return rec is not None and rec.expires_ms > now_ms
 
 
@@ -222,7 +245,12 @@ def claim_state(rec: ClaimRec | None, now_ms: int) -> str:
 
 
 def lock_state(rec: LockRec | None, now_ms: int) -> str:
-    return "held" if live(rec, now_ms) else "free"
+    """``reserved`` while a window is kept, else ``held`` with a live holder, else ``free``."""
+    if rec is None:
+        return "free"
+    if rec.chosen is not None:
+        return "reserved"
+    return "held" if any(p.expires_ms > now_ms for p in rec.holders.values()) else "free"
 
 
 #: guard name -> what it means, for docs/states.md
@@ -230,10 +258,12 @@ GUARD_TEXT: dict[str, str] = {
     "same_token": "the record holds the caller's token",
     "same_token_result": "the caller's token, and the stored result equals the one sent",
     "other_fp": "the record's fingerprint differs from the caller's",
-    "same_owner": "the caller's owner holds it",
-    "same_holder": "the caller's owner and token hold it",
+    "same_owner": "the caller's owner holds a live permit",
+    "same_holder": "the caller's owner holds a live permit with the caller's token",
+    "room": "fewer live holders than the caller's limit (a kept window counts as one)",
+    "chosen": "the caller is the waiter the window is kept for, and its limit has room",
+    "token_or_any": "no token given and someone holds it, or a live permit has the token",
     "not_lower": "the token is at least the highest accepted (or none was)",
-    "not_chosen": "the caller is not the waiter the window is kept for",
     "lease_over": "the lease ended (no call: the clock)",
     "ttl_over": "the ttl or lease ended (no call: the clock)",
 }
@@ -243,13 +273,23 @@ GUARDS: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
     "same_token": lambda r, a: r.token == a["token"],
     "same_token_result": lambda r, a: r.token == a["token"] and r.result == a["result"],
     "other_fp": lambda r, a: r.fp != a["fp"],
-    "same_owner": lambda r, a: r.owner == a["owner"],
-    "same_holder": lambda r, a: (r.owner, r.token) == (a["owner"], a["token"]),
+    # r: a LockRec whose holders are the live ones only (apply_lock prunes first)
+    "same_owner": lambda r, a: a["owner"] in r.holders,
+    "same_holder": lambda r, a: _holds(r, a["owner"], a["token"]),
+    "room": lambda r, a: len(r.holders) + (r.chosen is not None) < a["limit"],
+    "chosen": lambda r, a: r.chosen == a["owner"] and len(r.holders) < a["limit"],
+    "token_or_any": lambda r, a: (
+        bool(r.holders)
+        if a.get("token") is None
+        else any(p.token == a["token"] for p in r.holders.values())
+    ),
     "not_lower": lambda r, a: r is None or a["token"] >= r,
-    # r: the reservation (the memory store's queue of a key, SQLite's chosen ticket),
-    # whose ``chosen`` owner may take the lock during its window
-    "not_chosen": lambda r, a: r.chosen != a["owner"],
 }
+
+
+def _holds(r: LockRec, owner: str, token: int) -> bool:
+    p = r.holders.get(owner)
+    return p is not None and p.token == token
 
 
 def decide(op: str, state: str, rec: Any, args: dict[str, Any]) -> Row:
@@ -312,25 +352,45 @@ def _claim_value(row: Row, rec: ClaimRec | None, now: int) -> Any:
 def apply_lock(
     op: str, rec: LockRec | None, now_ms: int, args: dict[str, Any], next_fence: Callable[[], int]
 ) -> tuple[Row, LockRec | None, Any]:
-    """Run one lock operation (acquire, release, renew, break): (row, record after,
-    reply). ``args``: owner, token, ttl_ms as the operation takes them."""
-    row = decide(op, lock_state(rec, now_ms), rec, args)
-    new = rec
-    if row.id == "lock.acquire":
-        new = LockRec(args["owner"], next_fence(), now_ms + args["ttl_ms"])
-    elif row.next == "held":
-        assert rec is not None
-        new = LockRec(rec.owner, rec.token, now_ms + args["ttl_ms"])
-    elif row.next == "free":
-        new = None
+    """Run one operation on a lock key (acquire, release, renew, break): (row, the
+    key's record after it, reply). ``args``: owner, token, ttl_ms, limit (default 1),
+    value as the operation takes them. Expired holders are dropped; the record after is
+    None once nobody holds the key and no window is kept."""
+    args.setdefault("limit", 1)
+    cur = LockRec({}) if rec is None else LockRec(rec.alive(now_ms), rec.chosen, rec.until)
+    row = decide(op, lock_state(cur, now_ms), cur, args)
+    holders = cur.holders
+    owner: str = args.get("owner", "")
+    value = args.get("value")
+    if row.id in ("lock.acquire", "lock.handoff.take"):
+        holders[owner] = Permit(owner, next_fence(), now_ms + args["ttl_ms"], value)
+        if row.id == "lock.handoff.take":
+            cur.chosen = None
+    elif row.id in ("lock.reacquire", "lock.renew"):
+        p = holders[owner]
+        p.expires_ms = now_ms + args["ttl_ms"]
+        if value is not None:
+            p.value = value
+    elif row.id == "lock.release":
+        del holders[owner]
+    elif row.op == "break":
+        token = args.get("token")
+        for o in [o for o, p in holders.items() if token is None or p.token == token]:
+            del holders[o]
+        if token is None:
+            cur.chosen = None  # an operator's break closes a kept window too
+    new = cur if holders or cur.chosen is not None else None
     if op == "acquire":
-        if row.reply is HELD:
-            assert rec is not None
-            return row, new, Held(rec.expires_ms, rec.expires_ms - now_ms)
-        assert new is not None
-        return row, new, Acquired(new.token, new.expires_ms, args["ttl_ms"])
+        mine = holders.get(owner) if row.reply is ACQUIRED else None
+        if mine is not None:
+            return row, new, Acquired(mine.token, mine.expires_ms, args["ttl_ms"])
+        ends = [p.expires_ms for p in holders.values()]
+        if cur.chosen is not None:
+            ends.append(cur.until)
+        until = min(ends, default=now_ms)
+        return row, new, Held(until, max(0, until - now_ms))
     if op == "renew":
-        return row, new, new.expires_ms if row.reply is OK and new is not None else None
+        return row, new, holders[owner].expires_ms if row.reply is OK else None
     return row, new, row.reply is OK
 
 

@@ -66,12 +66,18 @@ class ThreadedAsyncStore:
         r: Sequence[RecordRow] = await self._call(self.sync.records, ns_prefix)
         return r
 
-    async def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
-        r: int | None = await self._call(self.sync.renew, ns, key, owner, token, ttl_ms)
+    async def renew(
+        self, ns: str, key: str, owner: str, token: int, ttl_ms: int, value: bytes | None = None
+    ) -> int | None:
+        r: int | None = await self._call(self.sync.renew, ns, key, owner, token, ttl_ms, value)
         return r
 
     async def lock(self, ns: str, key: str) -> LockRow | None:
         r: LockRow | None = await self._call(self.sync.lock, ns, key)
+        return r
+
+    async def holders(self, ns: str, key: str) -> Sequence[LockRow]:
+        r: Sequence[LockRow] = await self._call(self.sync.holders, ns, key)
         return r
 
     async def locks(self, ns_prefix: str) -> Sequence[LockRow]:
@@ -129,8 +135,8 @@ class ThreadedAsyncStore:
     async def release(self, ns: str, key: str, owner: str, token: int) -> bool:
         return bool(await self._undoable(self.sync.release, _no_undo, ns, key, owner, token))
 
-    async def break_lock(self, ns: str, key: str) -> bool:
-        return bool(await self._undoable(self.sync.break_lock, _no_undo, ns, key))
+    async def break_lock(self, ns: str, key: str, token: int | None = None) -> bool:
+        return bool(await self._undoable(self.sync.break_lock, _no_undo, ns, key, token))
 
     async def claim(
         self, ns: str, key: str, fp: str | None, token: str, lease_ms: int
@@ -142,12 +148,16 @@ class ThreadedAsyncStore:
         r: ClaimReply = await self._undoable(self.sync.claim, undo, ns, key, fp, token, lease_ms)
         return r
 
-    async def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
+    async def acquire(
+        self, ns: str, key: str, owner: str, ttl_ms: int, limit: int = 1, value: bytes | None = None
+    ) -> Acquired | Held:
         def undo(reply: Acquired | Held) -> None:
             if isinstance(reply, Acquired):
                 self.sync.release(ns, key, owner, reply.token)
 
-        r: Acquired | Held = await self._undoable(self.sync.acquire, undo, ns, key, owner, ttl_ms)
+        r: Acquired | Held = await self._undoable(
+            self.sync.acquire, undo, ns, key, owner, ttl_ms, limit, value
+        )
         return r
 
 

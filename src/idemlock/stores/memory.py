@@ -136,10 +136,10 @@ class MemoryStore:
         # Called with the lock held, before adding a new key.
         if self._max_keys is None or len(self._claims) + len(self._locks) < self._max_keys:
             return
-        for table in (self._claims, self._locks):
-            dead = [k for k, rec in table.items() if rec.expires_ms <= now]
-            for k in dead:
-                del table[k]
+        for k in [k for k, rec in self._claims.items() if rec.expires_ms <= now]:
+            del self._claims[k]
+        for k in [k for k, lrec in self._locks.items() if not lrec.alive(now)]:
+            del self._locks[k]
         if len(self._claims) + len(self._locks) >= self._max_keys:
             raise StoreFull(
                 f"the memory store holds {self._max_keys} live keys (max_keys) and none has "
@@ -207,7 +207,7 @@ class MemoryStore:
                         "renew", self._locks.get((ns, key)), now, args, self._next_fence
                     )
                     if row.reply is T.OK and lnew is not None:
-                        self._locks[(ns, key)] = lnew
+                        self._locks[(ns, key)] = T.LockRec(lnew.holders)
                 out.append(exp)
         return out
 
@@ -237,26 +237,33 @@ class MemoryStore:
         with self._lock:
             now = self._now()
             rec = self._locks.get(k)
-            live = T.live(rec, now)
+            q = self._queues.get(k)
             if op == "acquire":
-                if not live:
+                alive = {} if rec is None else rec.alive(now)
+                if q is not None and len(alive) < args["limit"] and args["owner"] not in alive:
+                    self._reserve(k, q, now)  # room: the oldest waiter's turn first
                     q = self._queues.get(k)
-                    if q is not None and self._reserve(k, q, now) is not None:
-                        return self._reserved_acquire(k, q, now, args)
+                if rec is None:
                     self._make_room(now)
-            elif op == "break" and not live and k in self._queues:
-                self._queues[k].chosen = None  # lock.break.free: reserved -> free
-            row, new, reply = T.apply_lock(op, rec, now, args, self._next_fence)
-            if new is not rec:
-                if new is None:
-                    self._locks.pop(k, None)
-                else:
-                    self._locks[k] = new
+            view = T.LockRec(
+                {} if rec is None else rec.holders,
+                None if q is None else q.chosen,
+                0 if q is None else q.until,
+            )
+            row, new, reply = T.apply_lock(op, view, now, args, self._next_fence)
+            if new is None or not new.holders:
+                self._locks.pop(k, None)
+            else:
+                self._locks[k] = T.LockRec(new.holders)
+            if q is not None:
+                q.chosen = None if new is None else new.chosen
             if op == "acquire":
                 if type(reply) is Held:
                     self._register(k, args["owner"], now, reply.ttl_ms)
-                elif k in self._queues:
-                    self._queues[k].waiters.pop(args["owner"], None)
+                elif q is not None:
+                    q.waiters.pop(args["owner"], None)
+                    if not q.waiters and q.chosen is None:
+                        del self._queues[k]
             if row.id in _FREES_LOCK:
                 self._hub.notify(("lock", ns, key))
             return reply
@@ -301,54 +308,51 @@ class MemoryStore:
         self._hub.notify(("lock", *k))
         return head
 
-    def _reserved_acquire(
-        self, k: tuple[str, str], q: _Queue, now: int, args: dict[str, Any]
+    def acquire(
+        self, ns: str, key: str, owner: str, ttl_ms: int, limit: int = 1, value: bytes | None = None
     ) -> Acquired | Held:
-        row = T.decide("acquire", "reserved", q, args)
-        owner = args["owner"]
-        if row.reply is T.HELD:  # lock.handoff: kept for the chosen waiter
-            self._register(k, owner, now, q.until - now)
-            return Held(q.until, q.until - now)
-        # lock.handoff.take
-        self._make_room(now)
-        new = T.LockRec(owner, self._next_fence(), now + args["ttl_ms"])
-        self._locks[k] = new
-        q.chosen = None
-        q.waiters.pop(owner, None)
-        if not q.waiters:
-            del self._queues[k]
-        return Acquired(new.token, new.expires_ms, args["ttl_ms"])
-
-    def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
-        reply: Acquired | Held = self._lock_op("acquire", ns, key, owner=owner, ttl_ms=ttl_ms)
+        reply: Acquired | Held = self._lock_op(
+            "acquire", ns, key, owner=owner, ttl_ms=ttl_ms, limit=limit, value=value
+        )
         return reply
 
     def release(self, ns: str, key: str, owner: str, token: int) -> bool:
         return bool(self._lock_op("release", ns, key, owner=owner, token=token))
 
-    def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
-        exp: int | None = self._lock_op("renew", ns, key, owner=owner, token=token, ttl_ms=ttl_ms)
+    def renew(
+        self, ns: str, key: str, owner: str, token: int, ttl_ms: int, value: bytes | None = None
+    ) -> int | None:
+        exp: int | None = self._lock_op(
+            "renew", ns, key, owner=owner, token=token, ttl_ms=ttl_ms, value=value
+        )
         return exp
 
-    def break_lock(self, ns: str, key: str) -> bool:
-        """Free the lock whoever holds it (row lock.break; the token counter is kept).
-        True if it was held."""
-        return bool(self._lock_op("break", ns, key))
+    def break_lock(self, ns: str, key: str, token: int | None = None) -> bool:
+        """Free every holder, or the permit with ``token`` (row lock.break; the token
+        counter is kept). True if something held was freed."""
+        return bool(self._lock_op("break", ns, key, token=token))
 
-    def lock(self, ns: str, key: str) -> LockRow | None:
+    def holders(self, ns: str, key: str) -> list[LockRow]:
         with self._lock:
             rec = self._locks.get((ns, key))
-            if rec is None or not T.live(rec, self._now()):
-                return None
-            return LockRow(ns, key, rec.owner, rec.token, rec.expires_ms)
+            alive = [] if rec is None else list(rec.alive(self._now()).values())
+            return [
+                LockRow(ns, key, p.owner, p.token, p.expires_ms, value=p.value)
+                for p in sorted(alive, key=lambda p: p.token)
+            ]
+
+    def lock(self, ns: str, key: str) -> LockRow | None:
+        rows = self.holders(ns, key)
+        return rows[0] if rows else None
 
     def locks(self, ns_prefix: str) -> list[LockRow]:
         with self._lock:
             now = self._now()
             return [
-                LockRow(ns, key, rec.owner, rec.token, rec.expires_ms)
+                LockRow(ns, key, p.owner, p.token, p.expires_ms, value=p.value)
                 for (ns, key), rec in self._locks.items()
-                if ns.startswith(ns_prefix) and rec.expires_ms > now
+                if ns.startswith(ns_prefix)
+                for p in sorted(rec.alive(now).values(), key=lambda p: p.token)
             ]
 
     # ---- fences ----------------------------------------------------------------
@@ -367,16 +371,21 @@ class MemoryStore:
     def purge(self, dry_run: bool = False) -> int:
         with self._lock:
             now = self._now()
-            removed = 0
+            dead_claims = [k for k, rec in self._claims.items() if rec.expires_ms <= now]
+            dead_permits = {
+                k: [o for o, p in rec.holders.items() if p.expires_ms <= now]
+                for k, rec in self._locks.items()
+            }
+            removed = len(dead_claims) + sum(len(o) for o in dead_permits.values())
             if dry_run:
-                for table in (self._claims, self._locks):
-                    removed += sum(rec.expires_ms <= now for rec in table.values())
                 return removed
-            for table in (self._claims, self._locks):
-                dead = [k for k, rec in table.items() if rec.expires_ms <= now]
-                for k in dead:
-                    del table[k]
-                removed += len(dead)
+            for k in dead_claims:
+                del self._claims[k]
+            for k, owners in dead_permits.items():
+                for o in owners:
+                    del self._locks[k].holders[o]
+                if not self._locks[k].holders:
+                    del self._locks[k]
             for k, q in list(self._queues.items()):
                 if q.chosen is None and all(until <= now for until, _ in q.waiters.values()):
                     del self._queues[k]
@@ -459,10 +468,12 @@ class MemoryAsyncStore(ThreadedAsyncStore):
             return self.sync.claim(ns, key, fp, token, lease_ms)
         return await super().claim(ns, key, fp, token, lease_ms)
 
-    async def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
+    async def acquire(
+        self, ns: str, key: str, owner: str, ttl_ms: int, limit: int = 1, value: bytes | None = None
+    ) -> Acquired | Held:
         if not self._busy():
-            return self.sync.acquire(ns, key, owner, ttl_ms)
-        return await super().acquire(ns, key, owner, ttl_ms)
+            return self.sync.acquire(ns, key, owner, ttl_ms, limit, value)
+        return await super().acquire(ns, key, owner, ttl_ms, limit, value)
 
 
 def open_async(
