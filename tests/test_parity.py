@@ -22,8 +22,8 @@ PAIRS = [
 ONLY_ASYNC_PARAMS = {("hold", "cancel_on_lost"), ("run", "cancel_on_lost")}
 PROTOCOL = {"__enter__", "__exit__", "__aenter__", "__aexit__"}
 NOT_IO = {
-    "idempotency", "lock", "fence", "idempotent", "hold", "run", "store", "for_tenant", "add_hook",
-    "write_key",
+    "idempotency", "lock", "semaphore", "fence", "idempotent", "hold", "run", "store",
+    "for_tenant", "add_hook", "write_key",
 }  # fmt: skip
 
 

@@ -34,6 +34,7 @@ PAIRS: list[Pair] = [
             "AsyncCoordinator": "Coordinator",
             "AsyncIdempotencyPort": "IdempotencyPort",
             "AsyncLockPort": "LockPort",
+            "AsyncSemaphorePort": "SemaphorePort",
             "AsyncFenceGate": "FenceGate",
         },
         docstring="The blocking API: :class:`Coordinator` and its ports.",

@@ -31,7 +31,9 @@ from ._core.types import (
     Lease,
     LockInfo,
     LockSpec,
+    Permit,
     RecordStatus,
+    SemaphoreSpec,
 )
 from ._errors import (
     CanonicalizeError,
@@ -55,7 +57,7 @@ from ._errors import (
     StoreUnavailable,
 )
 from ._log_fallback import FallbackHandler
-from ._sync import Coordinator, FenceGate, IdempotencyPort, LockPort, connect
+from ._sync import Coordinator, FenceGate, IdempotencyPort, LockPort, SemaphorePort, connect
 
 if TYPE_CHECKING:
     from ._keyring import Keyring
@@ -133,11 +135,14 @@ __all__ = [
     "MAX_TTL",
     "ManualClock",
     "PayloadMismatch",
+    "Permit",
     "RecordStatus",
     "RecordedError",
     "ResultDecodeError",
     "ResultEncodeError",
     "ResultTooLarge",
+    "SemaphorePort",
+    "SemaphoreSpec",
     "SealError",
     "StaleClaim",
     "StoreCorrupt",

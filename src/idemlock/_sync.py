@@ -28,6 +28,7 @@ from ._core.types import (
     LockInfo,
     LockSpec,
     RecordStatus,
+    SemaphoreSpec,
 )
 from ._decorator import Wrapping, WrapPlan, heartbeat_options, wrap_options
 from ._drive import run_sync
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-__all__ = ["Coordinator", "FenceGate", "IdempotencyPort", "LockPort", "connect"]
+__all__ = ["Coordinator", "FenceGate", "IdempotencyPort", "LockPort", "SemaphorePort", "connect"]
 
 log = logging.getLogger("idemlock")
 
@@ -111,6 +112,11 @@ class Coordinator(CoordinatorBase):
     def lock(self, spec: LockSpec | str) -> LockPort:
         """The fenced-lease port of one family of locks."""
         return LockPort(self, self._lock_spec(spec))
+
+    def semaphore(self, spec: SemaphoreSpec) -> SemaphorePort:
+        """The fenced-permit port of one family of semaphores (up to ``spec.limit``
+        holders per key)."""
+        return SemaphorePort(self, self._semaphore_spec(spec))
 
     def fence(self, resource: str) -> FenceGate:
         """The gate that guards one resource with fencing tokens."""
@@ -418,13 +424,21 @@ class LockPort(LockHold):
             # No waiting: one call, no flow to drive.
             sent = self._coord.clock.monotonic()
             try:
-                reply = self._store.acquire(self._ns, validate_key(key), who, self._ttl_ms)
+                reply = self._store.acquire(
+                    self._ns, validate_key(key), who, self._ttl_ms, self._limit
+                )
             except Exception as exc:
                 self._events.error("acquire", exc, t0)
                 raise
             return self._finish_acquire(key, who, (reply, sent, 1), t0)
         flow = acquire_flow(
-            self._ns, validate_key(key), who, self._ttl_ms, wait_s, self._coord.poll_cap
+            self._ns,
+            validate_key(key),
+            who,
+            self._ttl_ms,
+            wait_s,
+            self._coord.poll_cap,
+            self._limit,
         )
         try:
             result = run_sync(flow, self._store, clock=self._coord.clock)
@@ -460,11 +474,7 @@ class LockPort(LockHold):
         t0 = self._events.t0()
         ns, skey, guard = self._break_args(key, token)
         try:
-            if guard is None:
-                ok = self._store.break_lock(ns, skey)
-            else:
-                held = self._break_guarded(self._store.lock(ns, skey), guard)
-                ok = held is not None and self._store.release(ns, skey, *held)
+            ok = self._store.break_lock(ns, skey, guard)
         except Exception as exc:
             self._events.error("break", exc, t0)
             raise
@@ -493,6 +503,32 @@ class LockPort(LockHold):
     def ttl(self, key: str) -> timedelta | None:
         """Time left on the current holder's lease (None if free)."""
         return self._row_ttl(self._store.lock(self._ns, validate_key(key)))
+
+
+class SemaphorePort(LockPort):
+    """Fenced permits of one :class:`SemaphoreSpec`: up to ``spec.limit`` holders per
+    key, each with its own lease and fencing token. ``acquire``, ``renew``,
+    ``release`` and ``hold`` are the lock's (a lock is the one-permit case of the same
+    rows): waiters are served in arrival order, woken by notification."""
+
+    spec: SemaphoreSpec
+
+    def holders(self, key: str) -> list[LockInfo]:
+        """The live permits of ``key``, lowest token first."""
+        return self._holders(self._store.holders(self._ns, validate_key(key)))
+
+    def available(self, key: str) -> int:
+        """How many more holders ``key`` admits now under this spec's limit (0 when
+        full, also when a lowered limit is still draining)."""
+        held = self._store.holders(self._ns, validate_key(key))
+        return max(0, self._limit - len(held))
+
+    def break_permit(self, key: str, token: int) -> bool:
+        """Free the one permit of ``key`` with ``token`` (an operator's forced release,
+        as listed by ``holders()``); True if it was held. The token counter is kept:
+        the freed holder's renew and release fail, its ``hold()`` reports the loss, and
+        its late writes through a fence gate are refused."""
+        return self.break_lock(key, token=token)
 
 
 class FenceGate(FenceBase):

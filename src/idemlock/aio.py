@@ -28,6 +28,7 @@ from ._core.types import (
     LockInfo,
     LockSpec,
     RecordStatus,
+    SemaphoreSpec,
 )
 from ._decorator import Wrapping, WrapPlan, heartbeat_options, wrap_options
 from ._drive import run_async
@@ -46,12 +47,16 @@ if TYPE_CHECKING:
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# sync-only: __all__ = ["Coordinator", "FenceGate", "IdempotencyPort", "LockPort", "connect"]
+# sync-only: __all__ = [
+# sync-only:     "Coordinator", "FenceGate", "IdempotencyPort", "LockPort", "SemaphorePort",
+# sync-only:     "connect",
+# sync-only: ]
 __all__ = [  # async-only
     "AsyncCoordinator",
     "AsyncFenceGate",
     "AsyncIdempotencyPort",
     "AsyncLockPort",
+    "AsyncSemaphorePort",
     "connect",
 ]
 
@@ -122,6 +127,11 @@ class AsyncCoordinator(CoordinatorBase):
     def lock(self, spec: LockSpec | str) -> AsyncLockPort:
         """The fenced-lease port of one family of locks."""
         return AsyncLockPort(self, self._lock_spec(spec))
+
+    def semaphore(self, spec: SemaphoreSpec) -> AsyncSemaphorePort:
+        """The fenced-permit port of one family of semaphores (up to ``spec.limit``
+        holders per key)."""
+        return AsyncSemaphorePort(self, self._semaphore_spec(spec))
 
     def fence(self, resource: str) -> AsyncFenceGate:
         """The gate that guards one resource with fencing tokens."""
@@ -429,7 +439,9 @@ class AsyncLockPort(LockHold):
             # No waiting: one call, no flow to drive.
             sent = self._coord.clock.monotonic()
             try:
-                reply = await self._store.acquire(self._ns, validate_key(key), who, self._ttl_ms)
+                reply = await self._store.acquire(
+                    self._ns, validate_key(key), who, self._ttl_ms, self._limit
+                )
             except Exception as exc:
                 self._events.error("acquire", exc, t0)
                 raise
@@ -441,6 +453,7 @@ class AsyncLockPort(LockHold):
             self._ttl_ms,
             wait_s,
             self._coord.poll_cap,
+            self._limit,
         )
         try:
             result = await run_async(flow, self._store, clock=self._coord.clock)
@@ -476,11 +489,7 @@ class AsyncLockPort(LockHold):
         t0 = self._events.t0()
         ns, skey, guard = self._break_args(key, token)
         try:
-            if guard is None:
-                ok = await self._store.break_lock(ns, skey)
-            else:
-                held = self._break_guarded(await self._store.lock(ns, skey), guard)
-                ok = held is not None and await self._store.release(ns, skey, *held)
+            ok = await self._store.break_lock(ns, skey, guard)
         except Exception as exc:
             self._events.error("break", exc, t0)
             raise
@@ -509,6 +518,32 @@ class AsyncLockPort(LockHold):
     async def ttl(self, key: str) -> timedelta | None:
         """Time left on the current holder's lease (None if free)."""
         return self._row_ttl(await self._store.lock(self._ns, validate_key(key)))
+
+
+class AsyncSemaphorePort(AsyncLockPort):
+    """Fenced permits of one :class:`SemaphoreSpec`: up to ``spec.limit`` holders per
+    key, each with its own lease and fencing token. ``acquire``, ``renew``,
+    ``release`` and ``hold`` are the lock's (a lock is the one-permit case of the same
+    rows): waiters are served in arrival order, woken by notification."""
+
+    spec: SemaphoreSpec
+
+    async def holders(self, key: str) -> list[LockInfo]:
+        """The live permits of ``key``, lowest token first."""
+        return self._holders(await self._store.holders(self._ns, validate_key(key)))
+
+    async def available(self, key: str) -> int:
+        """How many more holders ``key`` admits now under this spec's limit (0 when
+        full, also when a lowered limit is still draining)."""
+        held = await self._store.holders(self._ns, validate_key(key))
+        return max(0, self._limit - len(held))
+
+    async def break_permit(self, key: str, token: int) -> bool:
+        """Free the one permit of ``key`` with ``token`` (an operator's forced release,
+        as listed by ``holders()``); True if it was held. The token counter is kept:
+        the freed holder's renew and release fail, its ``hold()`` reports the loss, and
+        its late writes through a fence gate are refused."""
+        return await self.break_lock(key, token=token)
 
 
 class AsyncFenceGate(FenceBase):

@@ -13,7 +13,7 @@ from typing import Any
 
 from .harness import Harness
 
-_PORTS = ("IdempotencyPort", "LockPort", "FenceGate")
+_PORTS = ("IdempotencyPort", "LockPort", "SemaphorePort", "FenceGate")
 
 
 class Proxy:
@@ -55,6 +55,9 @@ class Facade(Proxy):
 
     def lock(self, spec: Any) -> LockProxy:
         return LockProxy(self.coord.lock(spec), self.mode)
+
+    def semaphore(self, spec: Any) -> LockProxy:
+        return LockProxy(self.coord.semaphore(spec), self.mode)
 
     def fence(self, resource: str) -> Proxy:
         return Proxy(self.coord.fence(resource), self.mode)

@@ -13,7 +13,14 @@ from .._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES, ResultFormat
 from .._core.events import Hook
 from .._core.keys import namespace, split_namespace, validate_key
 from .._core.port import Capabilities, LockRow, RecordRow
-from .._core.types import IdempotencySpec, LockInfo, LockSpec, RecordStatus, from_ms
+from .._core.types import (
+    IdempotencySpec,
+    LockInfo,
+    LockSpec,
+    RecordStatus,
+    SemaphoreSpec,
+    from_ms,
+)
 from .._errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -138,6 +145,14 @@ class CoordinatorBase:
                 f"expected a LockSpec or a spec name, got {type(spec).__name__}"
             )
         # requires_fencing_token holds on every store: each one issues fencing tokens.
+        return spec
+
+    def _semaphore_spec(self, spec: SemaphoreSpec) -> SemaphoreSpec:
+        if not isinstance(spec, SemaphoreSpec):
+            raise ConfigurationError(
+                f"expected a SemaphoreSpec (a name and a limit: "
+                f"SemaphoreSpec('exports', limit=3)), got {type(spec).__name__}"
+            )
         return spec
 
     def _listing_place(self, ns: str) -> tuple[str, str | None]:

@@ -6,7 +6,7 @@ the steps of ``hold()``. The faces only add the calls; :mod:`idemlock._tasks` an
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -16,7 +16,7 @@ from .._core.events import answered
 from .._core.flows import Renewal, RenewState
 from .._core.keys import validate_key
 from .._core.port import Acquired, Held, LockRow
-from .._core.types import Lease, LockSpec, from_ms
+from .._core.types import Lease, LockInfo, LockSpec, SemaphoreSpec, from_ms
 from .._errors import ConfigurationError, LockNotAcquired, LockNotHeld
 from .._logfields import port_fields
 from .._tokens import check_token, new_token
@@ -31,7 +31,11 @@ class LockBase:
 
     _kind = "lock"
 
-    def __init__(self, coord: CoordinatorBase, spec: LockSpec) -> None:
+    def __init__(self, coord: CoordinatorBase, spec: LockSpec | SemaphoreSpec) -> None:
+        #: holders one key may have: 1 for a lock (the one-permit case of the same rows)
+        self._limit = spec.limit if isinstance(spec, SemaphoreSpec) else 1
+        if isinstance(spec, SemaphoreSpec):
+            self._kind = "semaphore"
         self._coord = coord
         self._spec_name = spec.name
         self._store = coord._store
@@ -112,13 +116,8 @@ class LockBase:
     def _break_args(self, key: str, token: int | None) -> tuple[str, str, int | None]:
         return (self._ns, validate_key(key), None if token is None else check_token(token))
 
-    @staticmethod
-    def _break_guarded(row: LockRow | None, token: int) -> tuple[str, int] | None:
-        """The (owner, token) to release for a break guarded by ``token``: only the
-        holder that still has that token (a new holder meanwhile is left alone)."""
-        if row is None or row.corrupt or row.token != token:
-            return None
-        return row.owner, token
+    def _holders(self, rows: Sequence[LockRow]) -> list[LockInfo]:
+        return [self._coord._lock_info(r) for r in rows]
 
     def _finish_break(self, ok: bool, t0: float) -> bool:
         self._events.emit("break", answered("break", ok), t0)
@@ -177,15 +176,22 @@ class LockBase:
         return timedelta(seconds=max(0.0, left))
 
     def _not_acquired(self, key: str, wait: timedelta | float | None) -> str:
+        waited = f"within wait={0 if wait is None else duration(wait, 'wait') or 0}s"
+        if self._limit > 1:
+            return (
+                f"all {self._limit} permits of semaphore {self.spec.name}:{key} are held "
+                f"and none was released {waited}; retry later, wait longer or raise the "
+                "limit"
+            )
         return (
             f"lock {self.spec.name}:{key} is held by another owner and was not released "
-            f"within wait={0 if wait is None else duration(wait, 'wait') or 0}s; "
-            "retry later or wait longer"
+            f"{waited}; retry later or wait longer"
         )
 
     def _lost_message(self, lease: Lease, reason: str) -> str:
+        what = "a permit of semaphore" if self._limit > 1 else "the lock"
         return (
-            f"lost the lock {self.spec.name}:{lease.key} (token {lease.token}) while the "
+            f"lost {what} {self.spec.name}:{lease.key} (token {lease.token}) while the "
             f"block ran: {reason or 'lease expired'}; another holder may have acted, so "
             "check fenced writes before relying on this block's work"
         )

@@ -21,7 +21,9 @@ __all__ = [
     "Lease",
     "LockInfo",
     "LockSpec",
+    "Permit",
     "RecordStatus",
+    "SemaphoreSpec",
     "from_ms",
 ]
 
@@ -79,6 +81,37 @@ class LockSpec:
         validate_key(self.name, "spec name")
         duration(self.ttl, "LockSpec.ttl", positive=True)
         _flag(self.requires_fencing_token, "LockSpec.requires_fencing_token")
+
+
+#: the largest ``limit`` a semaphore may have (each acquire counts its live holders)
+MAX_LIMIT = 10_000
+
+
+@dataclass(frozen=True)
+class SemaphoreSpec:
+    """How one family of semaphores behaves: up to ``limit`` holders per key at once,
+    each with its own lease of ``ttl`` (a ``timedelta`` or seconds) and fencing token.
+    A lock is the one-permit case of the same records: a :class:`LockSpec` of the same
+    name shares its keys, its holder counting as one. ``limit`` travels with each
+    acquire, so after lowering it the holders above the new limit drain as they
+    release; nobody new gets a permit until fewer than ``limit`` hold the key."""
+
+    name: str
+    limit: int
+    ttl: timedelta | float = timedelta(seconds=30)
+
+    def __post_init__(self) -> None:
+        validate_key(self.name, "spec name")
+        if (
+            isinstance(self.limit, bool)
+            or not isinstance(self.limit, int)
+            or not 1 <= self.limit <= MAX_LIMIT
+        ):
+            raise ConfigurationError(
+                f"SemaphoreSpec.limit must be an int from 1 to {MAX_LIMIT} (the most "
+                f"holders of one key at once), got {self.limit!r}"
+            )
+        duration(self.ttl, "SemaphoreSpec.ttl", positive=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +201,8 @@ class LockInfo:
 
 @dataclass(eq=False, slots=True)
 class Lease:
-    """A held lock. Ownership lives in this object (never in thread- or task-locals).
+    """A held lock or semaphore permit (:data:`Permit` is this class). Ownership lives
+    in this object (never in thread- or task-locals).
 
     ``token`` is the fencing token: it strictly increases per key over all
     acquisitions and stays the same across renewals. ``remaining()`` is measured
@@ -202,3 +236,8 @@ class Lease:
 
     def remaining_seconds(self) -> float:
         return self.remaining().total_seconds()
+
+
+#: A semaphore's permit: the same object as a lock's lease (a lock is a one-permit
+#: semaphore), with its own fencing token per permit.
+Permit = Lease
