@@ -15,6 +15,9 @@ PAIRS = [
     (idemlock.Coordinator, idemlock.aio.AsyncCoordinator),
     (idemlock.IdempotencyPort, idemlock.aio.AsyncIdempotencyPort),
     (idemlock.LockPort, idemlock.aio.AsyncLockPort),
+    (idemlock.SemaphorePort, idemlock.aio.AsyncSemaphorePort),
+    (idemlock.ElectionPort, idemlock.aio.AsyncElectionPort),
+    (idemlock.Term, idemlock.aio.AsyncTerm),
     (idemlock.FenceGate, idemlock.aio.AsyncFenceGate),
 ]
 # Methods that exist on one side only, with the reason.
@@ -22,8 +25,9 @@ PAIRS = [
 ONLY_ASYNC_PARAMS = {("hold", "cancel_on_lost"), ("run", "cancel_on_lost")}
 PROTOCOL = {"__enter__", "__exit__", "__aenter__", "__aexit__"}
 NOT_IO = {
-    "idempotency", "lock", "semaphore", "fence", "idempotent", "hold", "run", "store",
-    "for_tenant", "add_hook", "write_key",
+    "idempotency", "lock", "semaphore", "election", "fence", "idempotent", "hold", "run",
+    "store", "campaign", "observe",
+    "for_tenant", "add_hook", "write_key", "remaining",
 }  # fmt: skip
 
 

@@ -35,6 +35,8 @@ PAIRS: list[Pair] = [
             "AsyncIdempotencyPort": "IdempotencyPort",
             "AsyncLockPort": "LockPort",
             "AsyncSemaphorePort": "SemaphorePort",
+            "AsyncElectionPort": "ElectionPort",
+            "AsyncTerm": "Term",
             "AsyncFenceGate": "FenceGate",
         },
         docstring="The blocking API: :class:`Coordinator` and its ports.",

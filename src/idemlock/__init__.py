@@ -26,8 +26,10 @@ from ._core.types import (
     Claimed,
     ClaimToken,
     Completed,
+    ElectionSpec,
     IdempotencySpec,
     InFlight,
+    Leader,
     Lease,
     LockInfo,
     LockSpec,
@@ -57,7 +59,16 @@ from ._errors import (
     StoreUnavailable,
 )
 from ._log_fallback import FallbackHandler
-from ._sync import Coordinator, FenceGate, IdempotencyPort, LockPort, SemaphorePort, connect
+from ._sync import (
+    Coordinator,
+    ElectionPort,
+    FenceGate,
+    IdempotencyPort,
+    LockPort,
+    SemaphorePort,
+    Term,
+    connect,
+)
 
 if TYPE_CHECKING:
     from ._keyring import Keyring
@@ -113,6 +124,8 @@ __all__ = [
     "Completed",
     "ConfigurationError",
     "Coordinator",
+    "ElectionPort",
+    "ElectionSpec",
     "FenceGate",
     "FencedOut",
     "IdempotencyPort",
@@ -125,6 +138,7 @@ __all__ = [
     "Keyring",
     "Event",
     "Hook",
+    "Leader",
     "Lease",
     "LockInfo",
     "LockLost",
@@ -143,6 +157,7 @@ __all__ = [
     "ResultTooLarge",
     "SemaphorePort",
     "SemaphoreSpec",
+    "Term",
     "SealError",
     "StaleClaim",
     "StoreCorrupt",

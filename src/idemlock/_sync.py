@@ -4,26 +4,29 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ._base.coordinator import CoordinatorBase
 from ._base.fence import FenceBase
 from ._base.idempotency import Heartbeat
-from ._core.clock import Clock, duration, whole_ms
+from ._core.clock import MAX_SECONDS, Clock, duration, whole_ms
 from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES
 from ._core.events import Hook, answered
 from ._core.flows import acquire_flow, claim_flow
 from ._core.jsontypes import JSONValue
 from ._core.keys import validate_key
-from ._core.port import ClaimReply, SyncStore
+from ._core.port import Channel, ClaimReply, SyncStore
 from ._core.types import (
     Claim,
     Claimed,
     ClaimToken,
     Completed,
+    ElectionSpec,
     IdempotencySpec,
+    Leader,
     Lease,
     LockInfo,
     LockSpec,
@@ -32,7 +35,7 @@ from ._core.types import (
 )
 from ._decorator import Wrapping, WrapPlan, heartbeat_options, wrap_options
 from ._drive import run_sync
-from ._errors import FencedOut, StaleClaim
+from ._errors import FencedOut, LockLost, StaleClaim
 from ._logfields import port_fields
 from ._renewer import Renewer
 from ._threads import IdempotencyRun, LockHold, decorator
@@ -44,7 +47,16 @@ if TYPE_CHECKING:
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-__all__ = ["Coordinator", "FenceGate", "IdempotencyPort", "LockPort", "SemaphorePort", "connect"]
+__all__ = [
+    "Coordinator",
+    "ElectionPort",
+    "FenceGate",
+    "IdempotencyPort",
+    "LockPort",
+    "SemaphorePort",
+    "Term",
+    "connect",
+]
 
 log = logging.getLogger("idemlock")
 
@@ -112,6 +124,10 @@ class Coordinator(CoordinatorBase):
     def lock(self, spec: LockSpec | str) -> LockPort:
         """The fenced-lease port of one family of locks."""
         return LockPort(self, self._lock_spec(spec))
+
+    def election(self, spec: ElectionSpec | str) -> ElectionPort:
+        """The leader-election port of one family of elections."""
+        return ElectionPort(self, self._election_spec(spec))
 
     def semaphore(self, spec: SemaphoreSpec) -> SemaphorePort:
         """The fenced-permit port of one family of semaphores (up to ``spec.limit``
@@ -413,19 +429,27 @@ class LockPort(LockHold):
     _store: SyncStore
 
     def acquire(
-        self, key: str, *, owner: str | None = None, wait: timedelta | float | None = None
+        self,
+        key: str,
+        *,
+        owner: str | None = None,
+        wait: timedelta | float | None = None,
+        value: str | None = None,
     ) -> Lease | None:
         """Take the lock, waiting up to ``wait``; None if it stayed held. Acquiring a
-        key the same ``owner`` holds returns that lease again (same token)."""
+        key the same ``owner`` holds returns that lease again (same token). ``value``
+        is published with the lease (an address, a host name: at most 4 KiB), listed
+        by ``locks()`` and, for an election, ``leader()``."""
         t0 = self._events.t0()
         who = self._owner(owner)
+        data = self._value(value)
         wait_s = None if wait is None else duration(wait, "wait")
         if not wait_s:
             # No waiting: one call, no flow to drive.
             sent = self._coord.clock.monotonic()
             try:
                 reply = self._store.acquire(
-                    self._ns, validate_key(key), who, self._ttl_ms, self._limit
+                    self._ns, validate_key(key), who, self._ttl_ms, self._limit, data
                 )
             except Exception as exc:
                 self._events.error("acquire", exc, t0)
@@ -439,6 +463,7 @@ class LockPort(LockHold):
             wait_s,
             self._coord.poll_cap,
             self._limit,
+            data,
         )
         try:
             result = run_sync(flow, self._store, clock=self._coord.clock)
@@ -529,6 +554,115 @@ class SemaphorePort(LockPort):
         the freed holder's renew and release fail, its ``hold()`` reports the loss, and
         its late writes through a fence gate are refused."""
         return self.break_lock(key, token=token)
+
+
+class Term:
+    """One term of an election's leader, yielded by ``campaign()``. ``number`` is the
+    term's fencing token (strictly increasing over the key's terms: pass it to fenced
+    writes); ``lost`` turns True when the term ends under the leader."""
+
+    __slots__ = ("_port", "lease", "value")
+
+    def __init__(self, port: ElectionPort, lease: Lease, value: str | None) -> None:
+        self._port = port
+        #: the lease the term is
+        self.lease = lease
+        #: the value the leader publishes
+        self.value = value
+
+    @property
+    def number(self) -> int:
+        return self.lease.token
+
+    @property
+    def key(self) -> str:
+        return self.lease.key
+
+    @property
+    def lost(self) -> bool:
+        return self.lease.lost
+
+    def remaining(self) -> timedelta:
+        """Time the leader may still rely on the term (zero once lost)."""
+        return self.lease.remaining()
+
+    def proclaim(self, value: str) -> None:
+        """Publish a new ``value`` in the same term (observers see it); raises
+        ``LockLost`` if the term is over."""
+        self._port._proclaim(self, value)
+
+    def __repr__(self) -> str:
+        return f"Term(key={self.key!r}, number={self.number}, value={self.value!r})"
+
+
+class ElectionPort(LockPort):
+    """Leader election over one :class:`ElectionSpec`: a lock whose holder publishes a
+    value. ``campaign()`` waits its turn in arrival order and holds the term while the
+    block runs (renewed in the background; lost as a ``hold()`` is lost);
+    ``leader()`` and ``observe()`` tell everyone who leads."""
+
+    @contextmanager
+    def campaign(
+        self,
+        key: str,
+        *,
+        value: str | None = None,
+        wait: timedelta | float | None = None,
+        owner: str | None = None,
+        renew_every: timedelta | float | None = None,
+        on_lost: Callable[[Lease], object] | None = None,
+    ) -> Iterator[Term]:
+        """Become the leader of ``key`` and stay it for the block: waits until elected
+        (``wait=None``) or up to ``wait`` (then ``LockNotAcquired``). Leaving the block
+        ends the term; a term lost meanwhile raises ``LockLost`` on leaving (and, on the
+        asyncio face, cancels the body)."""
+        with self.hold(
+            key,
+            wait=MAX_SECONDS if wait is None else wait,
+            renew_every=renew_every,
+            owner=owner,
+            on_lost=on_lost,
+            value=value,
+        ) as lease:
+            yield Term(self, lease, value)
+
+    def leader(self, key: str) -> Leader | None:
+        """The current leader of ``key`` (None between terms)."""
+        return self._leader(self._store.lock(self._ns, validate_key(key)))
+
+    def observe(self, key: str, *, timeout: timedelta | float = 60.0) -> Iterator[Leader | None]:
+        """Every change of ``key``'s leader or its value, in term order, starting with
+        the current state; None when a term ends without a successor. A slow reader
+        gets the latest state, not a backlog. Stops after ``timeout`` or when the
+        caller breaks out."""
+        skey = validate_key(key)
+        clock = self._coord.clock
+        end = clock.monotonic() + duration(timeout, "timeout")
+        every = min(1.0, max(0.05, self._ttl_ms / 4000))
+        sub = self._store.subscribe(Channel("lock", self._ns, skey))
+        try:
+            last: tuple[int, str | None] | None = (0, None)
+            while True:
+                leader = self._leader(self._store.lock(self._ns, skey))
+                seen = None if leader is None else (leader.term, leader.value)
+                if seen != last:
+                    last = seen
+                    yield leader
+                left = end - clock.monotonic()
+                if left <= 0:
+                    return
+                sub.wait(min(left, every))
+        finally:
+            sub.close()
+
+    def _proclaim(self, term: Term, value: str) -> None:
+        data = self._value(value)
+        args = self._check_lease(term.lease, "proclaim in")
+        sent = self._coord.clock.monotonic()
+        new_exp = self._store.renew(*args, self._ttl_ms, data)
+        if not self._finish_renew(term.lease, sent, self._ttl_ms, new_exp):
+            raise LockLost(self._lost_message(term.lease, "the store ended the term"))
+        term.value = value
 
 
 class FenceGate(FenceBase):

@@ -181,7 +181,12 @@ class LockHold(LockBase):
     if TYPE_CHECKING:
 
         async def acquire(
-            self, key: str, *, owner: str | None = None, wait: timedelta | float | None = None
+            self,
+            key: str,
+            *,
+            owner: str | None = None,
+            wait: timedelta | float | None = None,
+            value: str | None = None,
         ) -> Lease | None: ...
 
         async def release(self, lease: Lease) -> bool: ...
@@ -197,6 +202,7 @@ class LockHold(LockBase):
         owner: str | None = None,
         on_lost: Callable[[Lease], object] | None = None,
         cancel_on_lost: bool = True,
+        value: str | None = None,
     ) -> AsyncIterator[Lease]:
         """Hold the lock for an ``async with`` block, renewing it in a background task.
 
@@ -208,7 +214,7 @@ class LockHold(LockBase):
         waits at most the store's ``timeout`` for the release; a cancellation that
         lands while leaving reaches the caller as ``CancelledError``."""
         every, max_hold_s = self._hold_options(renew_every, max_hold)
-        got = await self.acquire(key, owner=owner, wait=wait)
+        got = await self.acquire(key, owner=owner, wait=wait, value=value)
         lease, state = self._held(key, got, wait, on_lost)
         body = asyncio.current_task()
         cancels = _OwnCancels(body)

@@ -156,7 +156,12 @@ class LockHold(LockBase):
     if TYPE_CHECKING:
 
         def acquire(
-            self, key: str, *, owner: str | None = None, wait: timedelta | float | None = None
+            self,
+            key: str,
+            *,
+            owner: str | None = None,
+            wait: timedelta | float | None = None,
+            value: str | None = None,
         ) -> Lease | None: ...
 
         def release(self, lease: Lease) -> bool: ...
@@ -171,6 +176,7 @@ class LockHold(LockBase):
         max_hold: timedelta | float | None = None,
         owner: str | None = None,
         on_lost: Callable[[Lease], object] | None = None,
+        value: str | None = None,
     ) -> Iterator[Lease]:
         """Hold the lock for a block, renewing it in the background.
 
@@ -182,7 +188,7 @@ class LockHold(LockBase):
         raises ``LockLost`` unless the body already raised. Leaving waits at most the
         store's ``timeout`` for the store."""
         every, max_hold_s = self._hold_options(renew_every, max_hold)
-        got = self.acquire(key, owner=owner, wait=wait)
+        got = self.acquire(key, owner=owner, wait=wait, value=value)
         lease, state = self._held(key, got, wait, on_lost)
         reporters: list[threading.Thread] = []
 

@@ -4,26 +4,29 @@ same surface as :class:`idemlock.Coordinator`, its I/O methods being coroutines.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ._base.coordinator import CoordinatorBase
 from ._base.fence import FenceBase
 from ._base.idempotency import Heartbeat
-from ._core.clock import Clock, duration, whole_ms
+from ._core.clock import MAX_SECONDS, Clock, duration, whole_ms
 from ._core.codec import COMPRESS_OVER, MAX_RESULT_BYTES
 from ._core.events import Hook, answered
 from ._core.flows import acquire_flow, claim_flow
 from ._core.jsontypes import JSONValue
 from ._core.keys import validate_key
-from ._core.port import AsyncStore, ClaimReply
+from ._core.port import AsyncStore, Channel, ClaimReply
 from ._core.types import (
     Claim,
     Claimed,
     ClaimToken,
     Completed,
+    ElectionSpec,
     IdempotencySpec,
+    Leader,
     Lease,
     LockInfo,
     LockSpec,
@@ -34,6 +37,7 @@ from ._decorator import Wrapping, WrapPlan, heartbeat_options, wrap_options
 from ._drive import run_async
 from ._errors import (
     FencedOut,
+    LockLost,
     StaleClaim,
 )
 from ._logfields import port_fields
@@ -48,15 +52,17 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable[..., Any])
 
 # sync-only: __all__ = [
-# sync-only:     "Coordinator", "FenceGate", "IdempotencyPort", "LockPort", "SemaphorePort",
-# sync-only:     "connect",
+# sync-only:     "Coordinator", "ElectionPort", "FenceGate", "IdempotencyPort", "LockPort",
+# sync-only:     "SemaphorePort", "Term", "connect",
 # sync-only: ]
 __all__ = [  # async-only
     "AsyncCoordinator",
+    "AsyncElectionPort",
     "AsyncFenceGate",
     "AsyncIdempotencyPort",
     "AsyncLockPort",
     "AsyncSemaphorePort",
+    "AsyncTerm",
     "connect",
 ]
 
@@ -127,6 +133,10 @@ class AsyncCoordinator(CoordinatorBase):
     def lock(self, spec: LockSpec | str) -> AsyncLockPort:
         """The fenced-lease port of one family of locks."""
         return AsyncLockPort(self, self._lock_spec(spec))
+
+    def election(self, spec: ElectionSpec | str) -> AsyncElectionPort:
+        """The leader-election port of one family of elections."""
+        return AsyncElectionPort(self, self._election_spec(spec))
 
     def semaphore(self, spec: SemaphoreSpec) -> AsyncSemaphorePort:
         """The fenced-permit port of one family of semaphores (up to ``spec.limit``
@@ -428,19 +438,27 @@ class AsyncLockPort(LockHold):
     _store: AsyncStore
 
     async def acquire(
-        self, key: str, *, owner: str | None = None, wait: timedelta | float | None = None
+        self,
+        key: str,
+        *,
+        owner: str | None = None,
+        wait: timedelta | float | None = None,
+        value: str | None = None,
     ) -> Lease | None:
         """Take the lock, waiting up to ``wait``; None if it stayed held. Acquiring a
-        key the same ``owner`` holds returns that lease again (same token)."""
+        key the same ``owner`` holds returns that lease again (same token). ``value``
+        is published with the lease (an address, a host name: at most 4 KiB), listed
+        by ``locks()`` and, for an election, ``leader()``."""
         t0 = self._events.t0()
         who = self._owner(owner)
+        data = self._value(value)
         wait_s = None if wait is None else duration(wait, "wait")
         if not wait_s:
             # No waiting: one call, no flow to drive.
             sent = self._coord.clock.monotonic()
             try:
                 reply = await self._store.acquire(
-                    self._ns, validate_key(key), who, self._ttl_ms, self._limit
+                    self._ns, validate_key(key), who, self._ttl_ms, self._limit, data
                 )
             except Exception as exc:
                 self._events.error("acquire", exc, t0)
@@ -454,6 +472,7 @@ class AsyncLockPort(LockHold):
             wait_s,
             self._coord.poll_cap,
             self._limit,
+            data,
         )
         try:
             result = await run_async(flow, self._store, clock=self._coord.clock)
@@ -544,6 +563,117 @@ class AsyncSemaphorePort(AsyncLockPort):
         the freed holder's renew and release fail, its ``hold()`` reports the loss, and
         its late writes through a fence gate are refused."""
         return await self.break_lock(key, token=token)
+
+
+class AsyncTerm:
+    """One term of an election's leader, yielded by ``campaign()``. ``number`` is the
+    term's fencing token (strictly increasing over the key's terms: pass it to fenced
+    writes); ``lost`` turns True when the term ends under the leader."""
+
+    __slots__ = ("_port", "lease", "value")
+
+    def __init__(self, port: AsyncElectionPort, lease: Lease, value: str | None) -> None:
+        self._port = port
+        #: the lease the term is
+        self.lease = lease
+        #: the value the leader publishes
+        self.value = value
+
+    @property
+    def number(self) -> int:
+        return self.lease.token
+
+    @property
+    def key(self) -> str:
+        return self.lease.key
+
+    @property
+    def lost(self) -> bool:
+        return self.lease.lost
+
+    def remaining(self) -> timedelta:
+        """Time the leader may still rely on the term (zero once lost)."""
+        return self.lease.remaining()
+
+    async def proclaim(self, value: str) -> None:
+        """Publish a new ``value`` in the same term (observers see it); raises
+        ``LockLost`` if the term is over."""
+        await self._port._proclaim(self, value)
+
+    def __repr__(self) -> str:
+        return f"Term(key={self.key!r}, number={self.number}, value={self.value!r})"
+
+
+class AsyncElectionPort(AsyncLockPort):
+    """Leader election over one :class:`ElectionSpec`: a lock whose holder publishes a
+    value. ``campaign()`` waits its turn in arrival order and holds the term while the
+    block runs (renewed in the background; lost as a ``hold()`` is lost);
+    ``leader()`` and ``observe()`` tell everyone who leads."""
+
+    @asynccontextmanager
+    async def campaign(
+        self,
+        key: str,
+        *,
+        value: str | None = None,
+        wait: timedelta | float | None = None,
+        owner: str | None = None,
+        renew_every: timedelta | float | None = None,
+        on_lost: Callable[[Lease], object] | None = None,
+    ) -> AsyncIterator[AsyncTerm]:
+        """Become the leader of ``key`` and stay it for the block: waits until elected
+        (``wait=None``) or up to ``wait`` (then ``LockNotAcquired``). Leaving the block
+        ends the term; a term lost meanwhile raises ``LockLost`` on leaving (and, on the
+        asyncio face, cancels the body)."""
+        async with self.hold(
+            key,
+            wait=MAX_SECONDS if wait is None else wait,
+            renew_every=renew_every,
+            owner=owner,
+            on_lost=on_lost,
+            value=value,
+        ) as lease:
+            yield AsyncTerm(self, lease, value)
+
+    async def leader(self, key: str) -> Leader | None:
+        """The current leader of ``key`` (None between terms)."""
+        return self._leader(await self._store.lock(self._ns, validate_key(key)))
+
+    async def observe(
+        self, key: str, *, timeout: timedelta | float = 60.0
+    ) -> AsyncIterator[Leader | None]:
+        """Every change of ``key``'s leader or its value, in term order, starting with
+        the current state; None when a term ends without a successor. A slow reader
+        gets the latest state, not a backlog. Stops after ``timeout`` or when the
+        caller breaks out."""
+        skey = validate_key(key)
+        clock = self._coord.clock
+        end = clock.monotonic() + duration(timeout, "timeout")
+        every = min(1.0, max(0.05, self._ttl_ms / 4000))
+        sub = await self._store.subscribe(Channel("lock", self._ns, skey))
+        try:
+            last: tuple[int, str | None] | None = (0, None)
+            while True:
+                leader = self._leader(await self._store.lock(self._ns, skey))
+                seen = None if leader is None else (leader.term, leader.value)
+                if seen != last:
+                    last = seen
+                    yield leader
+                left = end - clock.monotonic()
+                if left <= 0:
+                    return
+                await sub.wait(min(left, every))
+        finally:
+            await sub.aclose()
+
+    async def _proclaim(self, term: AsyncTerm, value: str) -> None:
+        data = self._value(value)
+        args = self._check_lease(term.lease, "proclaim in")
+        sent = self._coord.clock.monotonic()
+        new_exp = await self._store.renew(*args, self._ttl_ms, data)
+        if not self._finish_renew(term.lease, sent, self._ttl_ms, new_exp):
+            raise LockLost(self._lost_message(term.lease, "the store ended the term"))
+        term.value = value
 
 
 class AsyncFenceGate(FenceBase):

@@ -13,7 +13,7 @@ from typing import Any
 
 from .harness import Harness
 
-_PORTS = ("IdempotencyPort", "LockPort", "SemaphorePort", "FenceGate")
+_PORTS = ("IdempotencyPort", "LockPort", "SemaphorePort", "ElectionPort", "FenceGate")
 
 
 class Proxy:
@@ -56,6 +56,9 @@ class Facade(Proxy):
     def lock(self, spec: Any) -> LockProxy:
         return LockProxy(self.coord.lock(spec), self.mode)
 
+    def election(self, spec: Any) -> LockProxy:
+        return LockProxy(self.coord.election(spec), self.mode)
+
     def semaphore(self, spec: Any) -> LockProxy:
         return LockProxy(self.coord.semaphore(spec), self.mode)
 
@@ -95,13 +98,19 @@ class Facade(Proxy):
 
 
 class LockProxy(Proxy):
+    def hold(self, key: str, **options: Any) -> Any:
+        return self._block("hold", key, **options)
+
+    def campaign(self, key: str, **options: Any) -> Any:
+        return self._block("campaign", key, **options)
+
     @asynccontextmanager
-    async def hold(self, key: str, **options: Any) -> AsyncIterator[Any]:
+    async def _block(self, name: str, key: str, **options: Any) -> AsyncIterator[Any]:
         if self._mode == "async":
-            async with self._obj.hold(key, **options) as lease:
+            async with getattr(self._obj, name)(key, **options) as lease:
                 yield lease
             return
-        cm = self._obj.hold(key, **options)
+        cm = getattr(self._obj, name)(key, **options)
         lease = cm.__enter__()
         try:
             yield lease

@@ -14,6 +14,7 @@ from .._core.events import Hook
 from .._core.keys import namespace, split_namespace, validate_key
 from .._core.port import Capabilities, LockRow, RecordRow
 from .._core.types import (
+    ElectionSpec,
     IdempotencySpec,
     LockInfo,
     LockSpec,
@@ -147,6 +148,15 @@ class CoordinatorBase:
         # requires_fencing_token holds on every store: each one issues fencing tokens.
         return spec
 
+    def _election_spec(self, spec: ElectionSpec | str) -> ElectionSpec:
+        if isinstance(spec, str):
+            return ElectionSpec(spec)
+        if not isinstance(spec, ElectionSpec):
+            raise ConfigurationError(
+                f"expected an ElectionSpec or a spec name, got {type(spec).__name__}"
+            )
+        return spec
+
     def _semaphore_spec(self, spec: SemaphoreSpec) -> SemaphoreSpec:
         if not isinstance(spec, SemaphoreSpec):
             raise ConfigurationError(
@@ -178,6 +188,7 @@ class CoordinatorBase:
             _listed_time(row.expires_ms),
             tenant,
             bool(getattr(row, "corrupt", False)),
+            None if row.value is None else row.value.decode("utf-8", "replace"),
         )
 
     def _record_status(self, row: RecordRow) -> RecordStatus:

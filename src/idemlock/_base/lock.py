@@ -16,7 +16,16 @@ from .._core.events import answered
 from .._core.flows import Renewal, RenewState
 from .._core.keys import validate_key
 from .._core.port import Acquired, Held, LockRow
-from .._core.types import Lease, LockInfo, LockSpec, SemaphoreSpec, from_ms
+from .._core.types import (
+    MAX_VALUE_BYTES,
+    ElectionSpec,
+    Leader,
+    Lease,
+    LockInfo,
+    LockSpec,
+    SemaphoreSpec,
+    from_ms,
+)
 from .._errors import ConfigurationError, LockNotAcquired, LockNotHeld
 from .._logfields import port_fields
 from .._tokens import check_token, new_token
@@ -31,11 +40,15 @@ class LockBase:
 
     _kind = "lock"
 
-    def __init__(self, coord: CoordinatorBase, spec: LockSpec | SemaphoreSpec) -> None:
+    def __init__(
+        self, coord: CoordinatorBase, spec: LockSpec | SemaphoreSpec | ElectionSpec
+    ) -> None:
         #: holders one key may have: 1 for a lock (the one-permit case of the same rows)
         self._limit = spec.limit if isinstance(spec, SemaphoreSpec) else 1
         if isinstance(spec, SemaphoreSpec):
             self._kind = "semaphore"
+        elif isinstance(spec, ElectionSpec):
+            self._kind = "election"
         self._coord = coord
         self._spec_name = spec.name
         self._store = coord._store
@@ -119,6 +132,31 @@ class LockBase:
     def _holders(self, rows: Sequence[LockRow]) -> list[LockInfo]:
         return [self._coord._lock_info(r) for r in rows]
 
+    @staticmethod
+    def _value(value: str | None) -> bytes | None:
+        """A value to publish with a lease, as the store keeps it (UTF-8)."""
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise ConfigurationError(
+                f"a published value must be a str (an address, a host name), got "
+                f"{type(value).__name__}"
+            )
+        data = value.encode("utf-8")
+        if len(data) > MAX_VALUE_BYTES:
+            raise ConfigurationError(
+                f"a published value may have at most {MAX_VALUE_BYTES} bytes (UTF-8), got "
+                f"{len(data)}; publish a pointer (a URL, an id) instead"
+            )
+        return data
+
+    @staticmethod
+    def _leader(row: LockRow | None) -> Leader | None:
+        if row is None or row.corrupt:
+            return None
+        value = None if row.value is None else row.value.decode("utf-8", "replace")
+        return Leader(value, row.token, row.owner, from_ms(row.expires_ms))
+
     def _finish_break(self, ok: bool, t0: float) -> bool:
         self._events.emit("break", answered("break", ok), t0)
         return ok
@@ -177,6 +215,11 @@ class LockBase:
 
     def _not_acquired(self, key: str, wait: timedelta | float | None) -> str:
         waited = f"within wait={0 if wait is None else duration(wait, 'wait') or 0}s"
+        if self._kind == "election":
+            return (
+                f"election {self.spec.name}:{key} kept its leader {waited}; campaign "
+                "with a longer wait (None: until elected)"
+            )
         if self._limit > 1:
             return (
                 f"all {self._limit} permits of semaphore {self.spec.name}:{key} are held "
@@ -189,7 +232,9 @@ class LockBase:
         )
 
     def _lost_message(self, lease: Lease, reason: str) -> str:
-        what = "a permit of semaphore" if self._limit > 1 else "the lock"
+        what = {"election": "the term of election", "semaphore": "a permit of semaphore"}.get(
+            self._kind, "the lock"
+        )
         return (
             f"lost {what} {self.spec.name}:{lease.key} (token {lease.token}) while the "
             f"block ran: {reason or 'lease expired'}; another holder may have acted, so "

@@ -123,17 +123,18 @@ def acquire_flow(
     wait: float | None,
     poll_cap: float | None = None,
     limit: int = 1,
+    value: bytes | None = None,
 ) -> Generator[Request, Any, tuple[Acquired | Held, float, int]]:
     """Acquire, waiting up to ``wait`` seconds. Returns (last reply, the clock's time the
     last request was sent, number of attempts); ``limit``: how many holders the key
-    may have (1: a lock). ``poll_cap`` bounds each wait for stores whose
-    notification does not cross processes."""
+    may have (1: a lock); ``value``: published with the lease. ``poll_cap`` bounds
+    each wait for stores whose notification does not cross processes."""
     deadline = (yield REAL_NOW) + (wait or 0.0)
     waiting = _Waiting(Channel("lock", ns, key), deadline, poll_cap)
     tries = 0
     while True:
         sent = yield NOW
-        reply = yield Call("acquire", (ns, key, owner, ttl_ms, limit))
+        reply = yield Call("acquire", (ns, key, owner, ttl_ms, limit, value))
         tries += 1
         if isinstance(reply, Acquired) or not (yield from waiting.turn(reply.ttl_ms)):
             return reply, sent, tries

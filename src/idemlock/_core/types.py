@@ -15,10 +15,12 @@ __all__ = [
     "Claim",
     "ClaimToken",
     "Claimed",
+    "ElectionSpec",
     "Completed",
     "IdempotencySpec",
     "InFlight",
     "Lease",
+    "Leader",
     "LockInfo",
     "LockSpec",
     "Permit",
@@ -114,6 +116,37 @@ class SemaphoreSpec:
         duration(self.ttl, "SemaphoreSpec.ttl", positive=True)
 
 
+#: the most bytes (UTF-8) a holder may publish with ``value=``
+MAX_VALUE_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class ElectionSpec:
+    """How one family of elections behaves: one leader per key at a time, whose term
+    lasts while it renews within ``ttl`` (a ``timedelta`` or seconds). The leader is a
+    lock's holder that publishes a value: a :class:`LockSpec` of the same name shares
+    its keys."""
+
+    name: str
+    ttl: timedelta | float = timedelta(seconds=15)
+
+    def __post_init__(self) -> None:
+        validate_key(self.name, "spec name")
+        duration(self.ttl, "ElectionSpec.ttl", positive=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Leader:
+    """The leader of one election key: its published ``value``, its ``term`` (a
+    fencing token: strictly increasing over the key's terms), its ``owner`` and when
+    its lease ends unless renewed."""
+
+    value: str | None
+    term: int
+    owner: str
+    expires_at: datetime
+
+
 @dataclass(frozen=True, slots=True)
 class ClaimToken:
     """Proof of one claim attempt. ``fence`` strictly increases with every new claim
@@ -197,6 +230,8 @@ class LockInfo:
     expires_at: datetime
     tenant: str | None = None
     corrupt: bool = False
+    #: what the holder published with ``value=`` (an election's leader), or None
+    value: str | None = None
 
 
 @dataclass(eq=False, slots=True)

@@ -264,7 +264,10 @@ class MemoryStore:
                     q.waiters.pop(args["owner"], None)
                     if not q.waiters and q.chosen is None:
                         del self._queues[k]
-            if row.id in _FREES_LOCK:
+            if row.id in _FREES_LOCK or (
+                args.get("value") is not None and row.reply in (T.ACQUIRED, T.OK)
+            ):
+                # a freed permit wakes waiters; a published value wakes observers
                 self._hub.notify(("lock", ns, key))
             return reply
 
