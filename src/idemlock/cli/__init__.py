@@ -3,12 +3,15 @@
 Commands::
 
     idemlock run --lock NAME [--ttl 30s] [--wait 10s] -- CMD ARGS...
+    idemlock run --semaphore NAME:N [--key K] [--ttl 30s] [--wait 10s] -- CMD ARGS...
+    idemlock run --leader NAME [--key K] [--value V] [--ttl 30s] [--wait W] -- CMD ARGS...
     idemlock run --once KEY  [--ttl 24h] [--lease 30s] [--wait 0] -- CMD ARGS...
     idemlock status KEY [--spec NAME] [--tenant T]
     idemlock forget KEY [--spec NAME] [--tenant T]
     idemlock keys [--spec NAME] [--tenant T] [--json]
     idemlock locks [--spec NAME] [--tenant T] [--json]
     idemlock unlock KEY --force [--token N] [--spec NAME] [--tenant T]
+    idemlock permits NAME [KEY] [--json]    idemlock leader NAME [KEY] [--json]
     idemlock purge [--dry-run] [--json]    idemlock migrate
     idemlock demo [--jobs 200] [--workers 4] [--seed N]
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._common import (
+    DEFAULT_KEY,
     EX_NO_RECORD,
     EX_OK,
     ONCE_SPEC,
@@ -71,6 +72,30 @@ def add_commands(add: AddCommand) -> None:
     )
     _listing_arguments(locks, "locks")
     locks.set_defaults(handler=cmd_locks)
+
+    permits = add(
+        "permits",
+        "show who holds the permits of a semaphore key",
+        "Show the live permits of KEY in semaphore NAME (as run --semaphore NAME:N --key\n"
+        "KEY takes them): owner, fencing token, time left and the published value.",
+    )
+    permits.add_argument("name", metavar="NAME")
+    permits.add_argument("key", metavar="KEY", nargs="?", default=DEFAULT_KEY)
+    tenant_option(permits, "the tenant whose semaphore it is")
+    permits.add_argument("--json", action="store_true", help="print JSON")
+    permits.set_defaults(handler=cmd_permits)
+
+    leader = add(
+        "leader",
+        "show the leader of an election key",
+        "Show the leader of KEY in election NAME (as run --leader NAME --key KEY elects\n"
+        "it): its published value, term (a fencing token), owner and time left.",
+    )
+    leader.add_argument("name", metavar="NAME")
+    leader.add_argument("key", metavar="KEY", nargs="?", default=DEFAULT_KEY)
+    tenant_option(leader, "the tenant whose election it is")
+    leader.add_argument("--json", action="store_true", help="print JSON")
+    leader.set_defaults(handler=cmd_leader)
 
     purge = add(
         "purge",
@@ -259,6 +284,67 @@ def cmd_locks(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         ]
         _out(_table(["TENANT", "SPEC", "KEY", "OWNER", "TOKEN", "TIME LEFT"], rows))
     _warn_corrupt("lock(s)", sum(bool(h.corrupt) for h in held))
+    return EX_OK
+
+
+def cmd_permits(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .._core.types import MAX_LIMIT, SemaphoreSpec
+
+    with _connect(args) as coord:
+        port = _scoped(coord, args).semaphore(SemaphoreSpec(args.name, limit=MAX_LIMIT))
+        held = port.holders(args.key)
+        now = coord.clock.time()
+    rows = [
+        {
+            "owner": h.owner,
+            "token": h.token,
+            "expires_at": _iso(h.expires_at),
+            "time_left_s": round(max(0.0, h.expires_at.timestamp() - now), 3),
+            "value": h.value,
+        }
+        for h in held
+    ]
+    if args.json:
+        _print_json(rows)
+    elif not rows:
+        _say(f"no permit of semaphore {args.name}:{args.key} is held")
+    else:
+        table = [
+            [r["owner"], r["token"], _human(float(r["time_left_s"])), r["value"] or "-"]
+            for r in rows
+        ]
+        _out(_table(["OWNER", "TOKEN", "TIME LEFT", "VALUE"], table))
+    return EX_OK
+
+
+def cmd_leader(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .._core.types import ElectionSpec
+
+    with _connect(args) as coord:
+        leader = _scoped(coord, args).election(ElectionSpec(args.name)).leader(args.key)
+        now = coord.clock.time()
+    if leader is None:
+        if args.json:
+            _print_json(None)
+        else:
+            _say(f"election {args.name}:{args.key} has no leader")
+        return EX_OK
+    left = round(max(0.0, leader.expires_at.timestamp() - now), 3)
+    if args.json:
+        _print_json(
+            {
+                "value": leader.value,
+                "term": leader.term,
+                "owner": leader.owner,
+                "expires_at": _iso(leader.expires_at),
+                "time_left_s": left,
+            }
+        )
+    else:
+        _out(
+            f"{leader.value if leader.value is not None else '-'}  (term {leader.term}, "
+            f"owner {leader.owner}, {_human(left)} left)"
+        )
     return EX_OK
 
 

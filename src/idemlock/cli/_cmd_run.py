@@ -21,6 +21,7 @@ from .._errors import (
 )
 from ._common import (
     DEFAULT_GRACE,
+    DEFAULT_KEY,
     EX_IN_FLIGHT,
     EX_LEASE_LOST,
     EX_LOCK_NOT_ACQUIRED,
@@ -68,7 +69,28 @@ def add_commands(add: AddCommand) -> None:
     )
     mode = run.add_mutually_exclusive_group(required=True)
     mode.add_argument("--lock", metavar="NAME", help="run CMD while holding lock NAME")
+    mode.add_argument(
+        "--semaphore",
+        metavar="NAME:N",
+        type=_semaphore_arg,
+        help="run CMD while holding one of N permits of semaphore NAME (key: --key)",
+    )
+    mode.add_argument(
+        "--leader",
+        metavar="NAME",
+        help="run CMD while leading election NAME (key: --key); waits until elected",
+    )
     mode.add_argument("--once", metavar="KEY", help="run CMD at most once for KEY")
+    run.add_argument(
+        "--key",
+        default=None,
+        help=f"--semaphore, --leader: the key within NAME ({DEFAULT_KEY})",
+    )
+    run.add_argument(
+        "--value",
+        default=None,
+        help="--leader: the value the leader publishes (default: host:pid:random)",
+    )
     run.add_argument(
         "--spec",
         default=None,
@@ -84,7 +106,8 @@ def add_commands(add: AddCommand) -> None:
         "--wait",
         type=parse_duration,
         default=None,
-        help="--lock: how long to wait for the lock (10s; 0 fails at once); "
+        help="--lock, --semaphore: how long to wait for the lock or a permit (10s; 0 fails "
+        "at once); --leader: how long to wait to be elected (until elected); "
         "--once: how long to wait for a run in flight elsewhere to finish (0)",
     )
     run.add_argument(
@@ -115,56 +138,105 @@ def _command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[
     return cmd
 
 
+def _semaphore_arg(text: str) -> tuple[str, int]:
+    name, _, limit = text.rpartition(":")
+    if not name or not limit.isdigit() or int(limit) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected NAME:N with N a positive number of permits (exports:3), got {text!r}"
+        )
+    return name, int(limit)
+
+
 def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     cmd = _command(args, parser)
-    if args.lock is not None:
-        if args.lease is not None:
-            parser.error("run: --lease applies to --once; a lock's lease length is --ttl")
-        return _run_locked(args, cmd)
-    return _run_once(args, cmd)
+    if args.once is None and args.lease is not None:
+        parser.error("run: --lease applies to --once; a lease's length is --ttl")
+    if args.lock is None and args.once is None and args.spec is not None:
+        parser.error("run: NAME is the spec of --semaphore and --leader; --spec is not used")
+    if args.key is not None and (args.lock is not None or args.once is not None):
+        parser.error("run: --key applies to --semaphore and --leader (--lock and --once name it)")
+    if args.value is not None and args.leader is None:
+        parser.error("run: --value applies to --leader")
+    if args.once is not None:
+        return _run_once(args, cmd)
+    from .._core.types import ElectionSpec, LockSpec, SemaphoreSpec
 
-
-def _run_locked(args: argparse.Namespace, cmd: list[str]) -> int:
-    from .._core.types import LockSpec
-
-    name: str = args.lock
-    ttl = 30.0 if args.ttl is None else args.ttl
-    wait = 10.0 if args.wait is None else args.wait
+    ttl = timedelta(seconds=30.0 if args.ttl is None else args.ttl)
+    key: str = args.lock or args.key or DEFAULT_KEY
     with _connect(args) as coord:
-        lock = coord.lock(LockSpec(args.spec or LOCK_SPEC, ttl=timedelta(seconds=ttl)))
-        child = _Child(cmd, {}, grace=args.grace)
-        lost = threading.Event()
+        if args.lock is not None:
+            port: Any = coord.lock(LockSpec(args.spec or LOCK_SPEC, ttl=ttl))
+            held = f"lock {key!r}"
+        elif args.semaphore is not None:
+            name, limit = args.semaphore
+            port = coord.semaphore(SemaphoreSpec(name, limit=limit, ttl=ttl))
+            held = f"a permit of semaphore {name}:{key} (limit {limit})"
+        else:
+            port = coord.election(ElectionSpec(args.leader, ttl=ttl))
+            held = f"the leadership of election {args.leader}:{key}"
+        return _run_held(args, cmd, port, key, held)
 
-        def on_lost(lease: Any) -> None:
-            lost.set()
-            what = _what_now(child, args.grace)
-            _say(f"lost the lease on lock {name!r} (token {lease.token}); {what}")
-            child.terminate()
 
-        if wait > 0 and _on_terminal():
-            _say_waiting_for_lock(lock, name, wait)
-        try:
-            with lock.hold(name, wait=wait, owner=_owner(), on_lost=on_lost) as lease:
-                child.env = _child_env(lease.token, IDEMLOCK_LOCK_KEY=name)
-                if lost.is_set():  # lost before CMD even started: do not start it
-                    raise LockLost(f"lost the lease on lock {name!r} before CMD started")
-                status = child.run()
-        except LockNotAcquired:
-            holder = lock.owner(name)
-            left = lock.ttl(name)
-            who = f" by {holder}" if holder else ""
-            until = f" ({_human(left.total_seconds())} left on its lease)" if left else ""
-            _say(
-                f"lock {name!r} is held{who}{until} and was not released within "
-                f"--wait {_human(wait)}; CMD was not run (exit {EX_LOCK_NOT_ACQUIRED})"
-            )
-            return EX_LOCK_NOT_ACQUIRED
-        except LockLost as exc:
-            if child.proc is not None and child.status is None:
-                child.wait()  # left by an exception: still make sure the group ends
-            _say(f"error: {exc}; {child.outcome()} (exit {EX_LEASE_LOST})")
-            return EX_LEASE_LOST
-        return status
+def _run_held(args: argparse.Namespace, cmd: list[str], port: Any, key: str, held: str) -> int:
+    """CMD while holding the lock, the permit or the term ``held`` names."""
+    leader = args.leader is not None
+    wait = (None if leader else 10.0) if args.wait is None else args.wait
+    child = _Child(cmd, {}, grace=args.grace)
+    lost = threading.Event()
+    owner = _owner()
+
+    def on_lost(lease: Any) -> None:
+        lost.set()
+        what = _what_now(child, args.grace)
+        lease_of = f"the lease on {held}" if args.lock is not None else held
+        _say(f"lost {lease_of} (token {lease.token}); {what}")
+        child.terminate()
+
+    if args.lock is not None and wait and _on_terminal():
+        _say_waiting_for_lock(port, key, wait)
+    if leader:
+        value = args.value or owner
+        block = port.campaign(key, value=value, wait=wait, owner=owner, on_lost=on_lost)
+    else:
+        block = port.hold(key, wait=wait, owner=owner, on_lost=on_lost)
+    try:
+        with block as got:
+            lease = got.lease if leader else got
+            child.env = _child_env(lease.token, IDEMLOCK_LOCK_KEY=key)
+            if lost.is_set():  # lost before CMD even started: do not start it
+                raise LockLost(f"lost {held} before CMD started")
+            status: int = child.run()
+    except LockNotAcquired:
+        why = _refusal(port, key, held, wait)
+        _say(f"{why}; CMD was not run (exit {EX_LOCK_NOT_ACQUIRED})")
+        return EX_LOCK_NOT_ACQUIRED
+    except LockLost as exc:
+        if child.proc is not None and child.status is None:
+            child.wait()  # left by an exception: still make sure the group ends
+        _say(f"error: {exc}; {child.outcome()} (exit {EX_LEASE_LOST})")
+        return EX_LEASE_LOST
+    return status
+
+
+def _refusal(port: Any, key: str, held: str, wait: float | None) -> str:
+    """Why ``held`` was not obtained within --wait, naming who holds it."""
+    from .._sync import ElectionPort, SemaphorePort
+
+    within = f"within --wait {_human(wait or 0)}"
+    try:
+        if isinstance(port, ElectionPort):
+            leader = port.leader(key)
+            by = f" ({leader.value})" if leader is not None and leader.value else ""
+            return f"{held} stayed with another leader{by} {within}"
+        if isinstance(port, SemaphorePort):
+            who = ", ".join(h.owner for h in port.holders(key)) or "others"
+            return f"{held}: every permit stayed held ({who}) {within}"
+        owner, left = port.owner(key), port.ttl(key)
+    except IdemlockError:
+        return f"{held} was not obtained {within}"
+    who = f" by {owner}" if owner else ""
+    until = f" ({_human(left.total_seconds())} left on its lease)" if left else ""
+    return f"{held} is held{who}{until} and was not released {within}"
 
 
 def _say_waiting_for_lock(lock: Any, name: str, wait: float) -> None:

@@ -36,6 +36,8 @@ COMMANDS = (
     "status",
     "forget",
     "keys",
+    "permits",
+    "leader",
     "locks",
     "unlock",
     "purge",
@@ -69,7 +71,13 @@ EXIT_STATUSES: list[tuple[str, dict[str, str | None]]] = [
     ("65", {"run": "--once: KEY was already used with a different command"}),
     ("69", {ALL: "the store is unavailable (unreachable, locked, corrupt)"}),
     ("70", {ALL: "any other idemlock error"}),
-    ("75", {"run": "--lock: the lock stayed held elsewhere for all of --wait"}),
+    (
+        "75",
+        {
+            "run": "--lock, --semaphore, --leader: the lock, every permit or the leadership "
+            "stayed held elsewhere for all of --wait"
+        },
+    ),
     ("76", {"run": "--once: KEY is being run elsewhere right now"}),
     ("77", {"run": "the lease was lost while CMD ran (stderr says if CMD was terminated)"}),
     ("78", {ALL: "configuration error: bad store URL, missing driver"}),
@@ -119,6 +127,8 @@ def exit_status_markdown() -> str:
 
 ONCE_SPEC = "cli-once"
 LOCK_SPEC = "cli-lock"
+#: the key of ``run --semaphore`` and ``run --leader`` without ``--key``
+DEFAULT_KEY = "default"
 DEFAULT_GRACE = 10.0
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
