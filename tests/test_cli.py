@@ -182,6 +182,118 @@ def test_lock_is_exclusive_and_listed(
     assert json.loads(cli(url, "locks", "--json").stdout) == []
 
 
+def test_semaphore_admits_n_runs_and_permits_lists_them(
+    url: str, tmp_path: Path, procs: list[subprocess.Popen[str]]
+) -> None:
+    holders = []
+    for name in ("a", "b"):
+        d = tmp_path / name
+        d.mkdir()
+        p = start(
+            url, "run", "--semaphore", "exports:2", "--key", "t42", "--", *script(HOLD), str(d)
+        )
+        procs.append(p)
+        holders.append((p, d))
+    for p, d in holders:
+        wait_for(d / "ready", p)
+    tokens = sorted(int((d / "ready").read_text().split()[0]) for _, d in holders)
+    assert tokens[0] < tokens[1]
+
+    full = cli(
+        url,
+        "run",
+        "--semaphore",
+        "exports:2",
+        "--key",
+        "t42",
+        "--wait",
+        "0",
+        "--",
+        *script("print('ran')"),
+    )
+    assert full.returncode == 75, full.stderr
+    assert "ran" not in full.stdout and "every permit stayed held" in full.stderr
+    # Another key of the same semaphore has its own permits.
+    other = cli(url, "run", "--semaphore", "exports:2", "--key", "t7", "--", *script(ECHO_TOKEN))
+    assert other.returncode == 0, other.stderr
+    assert other.stdout.split()[1] == "t7"
+
+    listed = json.loads(cli(url, "permits", "exports", "t42", "--json").stdout)
+    assert sorted(r["token"] for r in listed) == tokens
+    pids = {str(p.pid) for p, _ in holders}
+    assert {r["owner"].split(":")[1] for r in listed} == pids
+    table = cli(url, "permits", "exports", "t42").stdout.strip().splitlines()
+    assert table[0].split() == ["OWNER", "TOKEN", "TIME", "LEFT", "VALUE"] and len(table) == 3
+
+    (tmp_path / "a" / "release").touch()
+    (tmp_path / "b" / "release").touch()
+    assert [finish(p)[0] for p, _ in holders] == [0, 0]
+    assert json.loads(cli(url, "permits", "exports", "t42", "--json").stdout) == []
+    assert "no permit" in cli(url, "permits", "exports", "t42").stderr
+
+
+def test_leader_runs_one_at_a_time_and_leader_shows_it(
+    url: str, tmp_path: Path, procs: list[subprocess.Popen[str]]
+) -> None:
+    assert json.loads(cli(url, "leader", "scheduler", "eu-west", "--json").stdout) is None
+    lead = start(
+        url,
+        "run",
+        "--leader",
+        "scheduler",
+        "--key",
+        "eu-west",
+        "--value",
+        "host-a:8080",
+        "--",
+        *script(HOLD),
+        str(tmp_path),
+    )
+    procs.append(lead)
+    wait_for(tmp_path / "ready", lead)
+    term = int((tmp_path / "ready").read_text().split()[0])
+    shown = json.loads(cli(url, "leader", "scheduler", "eu-west", "--json").stdout)
+    assert (shown["value"], shown["term"]) == ("host-a:8080", term)
+    assert "host-a:8080" in cli(url, "leader", "scheduler", "eu-west").stdout
+
+    busy = cli(
+        url,
+        "run",
+        "--leader",
+        "scheduler",
+        "--key",
+        "eu-west",
+        "--wait",
+        "0",
+        "--",
+        *script("print('ran')"),
+    )
+    assert busy.returncode == 75, busy.stderr
+    assert "host-a:8080" in busy.stderr and "ran" not in busy.stdout
+
+    # A second candidate (waiting until elected) takes over when the leader is done.
+    nxt = start(url, "run", "--leader", "scheduler", "--key", "eu-west", "--", *script(ECHO_TOKEN))
+    procs.append(nxt)
+    time.sleep(0.3)
+    assert nxt.poll() is None
+    (tmp_path / "release").touch()
+    assert finish(lead)[0] == 0
+    code, out, err = finish(nxt)
+    assert code == 0, err
+    assert int(out.split()[0]) > term
+    assert "has no leader" in cli(url, "leader", "scheduler", "eu-west").stderr
+
+
+def test_semaphore_and_leader_arguments_are_checked(url: str) -> None:
+    for bad in ("exports", "exports:0", "exports:x", ":3"):
+        r = cli(url, "run", "--semaphore", bad, "--", *script("pass"))
+        assert r.returncode == 2 and "NAME:N" in r.stderr, bad
+    r = cli(url, "run", "--lock", "x", "--key", "k", "--", *script("pass"))
+    assert r.returncode == 2 and "--key applies" in r.stderr
+    r = cli(url, "run", "--semaphore", "x:2", "--value", "v", "--", *script("pass"))
+    assert r.returncode == 2 and "--value applies to --leader" in r.stderr
+
+
 def test_lost_lease_terminates_the_child(
     url: str, tmp_path: Path, procs: list[subprocess.Popen[str]]
 ) -> None:
