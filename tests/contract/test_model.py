@@ -27,6 +27,7 @@ from idemlock import (
     InFlight,
     Lease,
     LockSpec,
+    SemaphoreSpec,
     PayloadMismatch,
     StaleClaim,
 )
@@ -62,6 +63,11 @@ def make_machine(harness: Harness, mode: str) -> type[RuleBasedStateMachine]:
             )
             self.port = self.coord.idempotency(spec)
             self.locks = self.coord.lock(LockSpec("m", ttl=timedelta(milliseconds=lease_ms)))
+            # Semaphores of the same name share the lock's keys: a lock is their limit-1 case.
+            self.ports: dict[int, Any] = {1: self.locks}
+            for limit in (2, 3):
+                sem = SemaphoreSpec("m", limit=limit, ttl=timedelta(milliseconds=lease_ms))
+                self.ports[limit] = self.coord.semaphore(sem)
             self.claims: dict[str, T.ClaimRec | None] = {}
             self.lock_rows: dict[str, T.LockRec | None] = {}
             self.tokens: list[ClaimToken] = []
@@ -174,12 +180,12 @@ def make_machine(harness: Harness, mode: str) -> type[RuleBasedStateMachine]:
                 assert rec is not None and got is not None
                 assert (got.state, got.fence) == (rec.state, rec.fence)
 
-        @rule(key=KEYS, owner=OWNERS)
-        def acquire(self, key: str, owner: str) -> None:
+        @rule(key=KEYS, owner=OWNERS, limit=st.sampled_from([1, 1, 2, 3]))
+        def acquire(self, key: str, owner: str, limit: int) -> None:
             rec = self.lock_rows.get(key)
-            args = {"owner": owner, "ttl_ms": lease_ms}
+            args = {"owner": owner, "ttl_ms": lease_ms, "limit": limit}
             row, new, reply = T.apply_lock("acquire", rec, self.now(), args, _unknown_fence)
-            got = self.run(lambda: self.locks.acquire(key, owner=owner))
+            got = self.run(lambda: self.ports[limit].acquire(key, owner=owner))
             if not isinstance(reply, Acquired):
                 assert got is None, row.id
                 return
@@ -213,10 +219,19 @@ def make_machine(harness: Harness, mode: str) -> type[RuleBasedStateMachine]:
                     other._released = True
 
         @rule(key=KEYS)
+        def holders(self, key: str) -> None:
+            rec = self.lock_rows.get(key)
+            alive = {} if rec is None else rec.alive(self.now())
+            want = sorted((p.token, p.owner) for p in alive.values())
+            listed = self.run(lambda: self.ports[2].holders(key))
+            assert sorted((h.token, h.owner) for h in listed) == want
+
+        @rule(key=KEYS)
         def lock_owner(self, key: str) -> None:
             rec = self.lock_rows.get(key)
             alive = {} if rec is None else rec.alive(self.now())
-            expected = next(iter(alive), None)
+            first = min(alive.values(), key=lambda p: p.token, default=None)
+            expected = None if first is None else first.owner
             assert self.run(lambda: self.locks.owner(key)) == expected
 
         if manual:
