@@ -27,8 +27,8 @@ from idemlock import (
     InFlight,
     Lease,
     LockSpec,
-    SemaphoreSpec,
     PayloadMismatch,
+    SemaphoreSpec,
     StaleClaim,
 )
 from idemlock._core import table as T
