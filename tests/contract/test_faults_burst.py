@@ -9,7 +9,7 @@ from collections import Counter
 from datetime import timedelta
 from typing import Any
 
-from idemlock import Claimed, IdempotencySpec, InFlight, Lease, LockSpec
+from idemlock import Claimed, IdempotencySpec, InFlight, Lease, LockSpec, SemaphoreSpec
 
 from .harness import Harness
 
@@ -90,5 +90,42 @@ async def test_burst_of_waited_acquires(harness: Harness) -> None:
 
         results = await asyncio.gather(*(take(i) for i in range(n)), return_exceptions=True)
         assert results == [True] * n, _failures(results)
+    finally:
+        await coord.close()
+
+
+async def test_burst_of_permit_acquires(harness: Harness) -> None:
+    """A burst on one key of a limit-3 semaphore grants exactly 3 permits; waiters then
+    get theirs in turn, never more than 3 at once."""
+    coord = harness.aio(timeout=BURST_TIMEOUT)
+    try:
+        sems = coord.semaphore(SemaphoreSpec("burst-sem", limit=3, ttl=60))
+        results = await asyncio.gather(
+            *(sems.acquire("shared", owner=f"o{i}") for i in range(BURST // 2)),
+            return_exceptions=True,
+        )
+        assert not any(isinstance(r, BaseException) for r in results), _failures(results)
+        won = [r for r in results if isinstance(r, Lease)]
+        assert len(won) == 3 and sum(r is None for r in results) == len(results) - 3
+        assert len({p.token for p in won}) == 3
+        for p in won:
+            assert await sems.release(p) is True
+
+        inside, most = 0, 0
+
+        async def take(i: int) -> bool:
+            nonlocal inside, most
+            permit = await sems.acquire("turns", owner=f"w{i}", wait=60)
+            if permit is None:
+                return False
+            inside += 1
+            most = max(most, inside)
+            await asyncio.sleep(0.001)
+            inside -= 1
+            return bool(await sems.release(permit))
+
+        turns = await asyncio.gather(*(take(i) for i in range(30)), return_exceptions=True)
+        assert turns == [True] * 30, _failures(turns)
+        assert 1 <= most <= 3
     finally:
         await coord.close()

@@ -29,7 +29,16 @@ import pytest
 
 import idemlock
 import idemlock.aio
-from idemlock import Claimed, Completed, IdempotencySpec, Lease, LockSpec, StaleClaim, _renewer
+from idemlock import (
+    Claimed,
+    Completed,
+    IdempotencySpec,
+    Lease,
+    LockSpec,
+    SemaphoreSpec,
+    StaleClaim,
+    _renewer,
+)
 
 from ..servers.faults import STALL_SAFETY
 from .fault_stores import BOUND, TIMEOUT
@@ -356,6 +365,53 @@ async def test_cancel_waited_acquire(harness: Harness) -> None:
             await run_points(
                 f"acquire-wait-{let_go}", setup, call, check, max_points=ITERATIONS // 2
             )
+    finally:
+        for c in (coord, holder_coord, checker):
+            await c.close()
+
+
+async def test_cancel_permit_acquires(harness: Harness) -> None:
+    """A semaphore's acquire, at once and waited with every permit held: a cancelled
+    one never leaves a permit or a queue place behind."""
+    coord, holder_coord, checker = harness.aio(), harness.aio(), harness.aio()
+    spec = SemaphoreSpec("cancel-sem", limit=2, ttl=30)
+    try:
+        sems = coord.semaphore(spec)
+        holder, other = holder_coord.semaphore(spec), checker.semaphore(spec)
+
+        async def all_free(key: str) -> bool:
+            return await other.available(key) == 2
+
+        async def setup(key: str) -> str:
+            return key
+
+        async def check(key: str, cancelled: bool, result: Any) -> None:
+            if not cancelled:
+                assert isinstance(result, Lease), result
+                await sems.release(result)
+            await settle(lambda: all_free(key), f"a cancelled acquire of {key!r} left a permit")
+
+        assert await run_points("permit", setup, lambda key: sems.acquire(key), check) > 0
+
+        async def fill(key: str) -> Any:
+            held = [await holder.acquire(key, owner=f"h{i}") for i in range(2)]
+            assert all(isinstance(h, Lease) for h in held)
+            asyncio.get_running_loop().create_task(quietly(holder.release(held[0])))
+            return held
+
+        async def waited(held: Any) -> Any:
+            return await sems.acquire(held[0].key, owner="waiter", wait=5)
+
+        async def check_waited(held: Any, cancelled: bool, result: Any) -> None:
+            if not cancelled and isinstance(result, Lease):
+                await sems.release(result)
+            for h in held:
+                await holder.release(h)
+            await settle(
+                lambda: all_free(held[0].key), "a cancelled waited acquire left a permit held"
+            )
+
+        await run_points("permit-wait", fill, waited, check_waited, max_points=ITERATIONS // 2)
     finally:
         for c in (coord, holder_coord, checker):
             await c.close()
