@@ -216,6 +216,27 @@ async def _silent_acquire_is_bounded(fault_api: Facade, fault: SharedFault) -> N
     await locks.release(warm)
 
 
+async def test_silent_permit_acquire_is_bounded(fault_harness: Harness) -> None:
+    await each_face_in_one_fault(fault_harness, "stall", _silent_permit_acquire_is_bounded)
+
+
+async def _silent_permit_acquire_is_bounded(fault_api: Facade, fault: SharedFault) -> None:
+    sems = fault_api.semaphore(idemlock.SemaphoreSpec("net-sem", limit=2, ttl=30))
+    other = await sems.acquire("S", owner="other")
+    assert other is not None
+    async with fault:
+        out = await timed(fault_api, lambda: sems.acquire("S", owner="me"))
+    assert_unavailable(out, "acquire")
+    # Maybe applied: the same owner gets its permit (the same token) again, never a
+    # second one, and the key still admits exactly two holders.
+    permit = await eventually(fault_api, lambda: sems.acquire("S", owner="me"))
+    assert isinstance(permit, Lease)
+    assert await sems.acquire("S", owner="third") is None
+    assert sorted(h.owner for h in await sems.holders("S")) == ["me", "other"]
+    assert await sems.release(permit) is True
+    assert await sems.release(other) is True
+
+
 async def test_silent_waited_acquire_is_bounded(fault_harness: Harness) -> None:
     await each_face_in_one_fault(fault_harness, "stall", _silent_waited_acquire_is_bounded)
 
