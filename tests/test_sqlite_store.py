@@ -276,6 +276,22 @@ def test_a_process_of_the_release_before_permits_shares_the_file(db: Path) -> No
     assert store.break_lock(LOCKS, "fresh") is True
     got = store.acquire(LOCKS, "fresh", "new", LONG)
     assert isinstance(got, Acquired) and got.token == 2
+    # An old process's purge deletes a dead key's row (raising the floor) but not its
+    # expired permits: the counter still rises for the same owner.
+    short = store.acquire(LOCKS, "short", "same", 1)
+    assert isinstance(short, Acquired)
+    time.sleep(0.01)
+    raw.execute(
+        "UPDATE meta SET value = max(value, (SELECT max(token) FROM locks "
+        "WHERE expires_ms <= ?1)) WHERE name = 'floor'",
+        (time.time_ns() // 1_000_000,),
+    )
+    raw.execute("DELETE FROM locks WHERE expires_ms <= ?1", (time.time_ns() // 1_000_000,))
+    floor = raw.execute("SELECT value FROM meta WHERE name = 'floor'").fetchone()[0]
+    again = store.acquire(LOCKS, "short", "same", LONG)
+    assert isinstance(again, Acquired) and again.token == floor + 1 > short.token
+    other = store.acquire(LOCKS, "short", "other", LONG, 2)
+    assert isinstance(other, Acquired) and other.token == again.token + 1
     raw.close()
     store.close()
 

@@ -175,15 +175,18 @@ _PERMITS_SCHEMA = (
             expires_ms = max(locks.expires_ms, excluded.expires_ms);
     END""",
     # Rows lock.reacquire, lock.renew, and lock.acquire of an owner whose permit expired:
-    # the summary ends with the key's last permit.
+    # the summary ends with the key's last permit (and is made again if a purge of the
+    # release before permits deleted it).
     """CREATE TRIGGER IF NOT EXISTS lock_permits_changed AFTER UPDATE ON lock_permits
     BEGIN
-        UPDATE locks SET
-            owner = CASE WHEN NEW.token >= token THEN NEW.owner ELSE owner END,
-            token = max(token, NEW.token),
+        INSERT INTO locks (ns, key, owner, token, expires_ms)
+        VALUES (NEW.ns, NEW.key, NEW.owner, NEW.token, NEW.expires_ms)
+        ON CONFLICT (ns, key) DO UPDATE SET
+            owner = CASE WHEN excluded.token >= locks.token THEN excluded.owner
+                         ELSE locks.owner END,
+            token = max(locks.token, excluded.token),
             expires_ms = (SELECT max(expires_ms) FROM lock_permits
-                          WHERE ns = NEW.ns AND key = NEW.key)
-        WHERE ns = NEW.ns AND key = NEW.key;
+                          WHERE ns = excluded.ns AND key = excluded.key);
     END""",
     # Rows lock.release, lock.break, and purge: the token stays; 0 once none is left.
     """CREATE TRIGGER IF NOT EXISTS lock_permits_freed AFTER DELETE ON lock_permits
@@ -203,8 +206,7 @@ _COUNT_HOLDERS = """max(
 # nothing returned). ?6 is the caller's limit, ?7 the value to publish (NULL: none, or
 # keep the published one). The same owner's live permit -> same token, new expiry; room
 # under the limit and nobody queued -> a permit with the key's next token (a new key:
-# above the purge floor); the owner's expired permit row is taken over. A key whose
-# summary is over has no live holder: nothing to count. With waiters
+# above the purge floor); the owner's expired permit row is taken over. With waiters
 # queued a new permit is left to _store._acquire_queued (rows lock.handoff*).
 _ACQUIRE_UNQUEUED = f"""
 INSERT INTO lock_permits (ns, key, owner, token, expires_ms, value)
@@ -215,8 +217,7 @@ SELECT ?1, ?2, ?3,
 WHERE EXISTS (SELECT 1 FROM lock_permits
               WHERE ns = ?1 AND key = ?2 AND owner = ?3 AND expires_ms > ?5)
    OR (NOT EXISTS (SELECT 1 FROM lock_waiters WHERE ns = ?1 AND key = ?2)
-       AND (coalesce((SELECT expires_ms FROM locks WHERE ns = ?1 AND key = ?2), 0) <= ?5
-            OR {_COUNT_HOLDERS} < ?6))
+       AND {_COUNT_HOLDERS} < ?6)
 ON CONFLICT (ns, key, owner) DO UPDATE SET
     token = CASE WHEN lock_permits.expires_ms > ?5 THEN lock_permits.token
                  ELSE excluded.token END,
@@ -329,8 +330,9 @@ _FENCE_GET = "SELECT highest FROM fences WHERE ns = ?1 AND resource = ?2"
 
 # Purge, one chunk per transaction (so other writers wait for a chunk, never for the
 # whole purge): raise the floor over every fence and token about to go, then delete
-# those dead rows. ?1 now, ?2 the chunk's size; ordered by the index and the primary
-# key, the floor's rows and the deleted ones are the same in one transaction.
+# those dead rows (_txn._purge). ?1 now, ?2 the chunk's size; ordered by the index and
+# the primary key, the floor's claims and the deleted ones are the same in one
+# transaction.
 _DEAD_CLAIMS = (
     "SELECT ns, key, fence FROM claims WHERE expires_ms <= ?1 ORDER BY expires_ms, ns, key LIMIT ?2"
 )
