@@ -149,6 +149,174 @@ def test_lock_transitions(store: SQLiteStore) -> None:
     assert isinstance(b, Acquired) and b.token > a.token
 
 
+def test_permits_purge_counts_each_expired_one(store: SQLiteStore) -> None:
+    short = [store.acquire(LOCKS, "p", f"s{i}", 1, 4) for i in range(2)]
+    assert all(isinstance(a, Acquired) for a in short)
+    live = store.acquire(LOCKS, "p", "long", LONG, 4)
+    assert isinstance(live, Acquired)
+    gone = store.acquire(LOCKS, "gone", "o", 1, 3)
+    assert isinstance(gone, Acquired)
+    released = store.acquire(LOCKS, "released", "o", LONG, 3)
+    assert isinstance(released, Acquired)
+    assert store.release(LOCKS, "released", "o", released.token)
+    time.sleep(0.01)
+    # two expired permits of a held key, one of a dead key, one released key
+    assert store.purge(dry_run=True) == 4
+    assert store.purge() == 4
+    assert store.purge(dry_run=True) == 0 and store.purge() == 0
+    assert [(r.key, r.owner) for r in store.locks(LOCKS)] == [("p", "long")]
+    for key, before in (("p", live.token), ("gone", gone.token), ("released", released.token)):
+        again = store.acquire(LOCKS, key, "next", LONG, 4)
+        assert isinstance(again, Acquired) and again.token > before, key
+
+
+# The previous release's schema and lock statements (before permits), verbatim: a file it
+# wrote, and a process of it still running, must keep working next to this one.
+_OLD_SCHEMA = (
+    "CREATE TABLE meta (name TEXT PRIMARY KEY NOT NULL, value INTEGER NOT NULL) WITHOUT ROWID",
+    """CREATE TABLE claims (ns TEXT NOT NULL, key TEXT NOT NULL, state TEXT NOT NULL,
+        token TEXT NOT NULL, fence INTEGER NOT NULL, fp TEXT, expires_ms INTEGER NOT NULL,
+        result BLOB, PRIMARY KEY (ns, key)) WITHOUT ROWID""",
+    "CREATE INDEX claims_expires ON claims (expires_ms)",
+    """CREATE TABLE locks (ns TEXT NOT NULL, key TEXT NOT NULL, owner TEXT NOT NULL,
+        token INTEGER NOT NULL, expires_ms INTEGER NOT NULL,
+        PRIMARY KEY (ns, key)) WITHOUT ROWID""",
+    "CREATE INDEX locks_expires ON locks (expires_ms)",
+    """CREATE TABLE fences (ns TEXT NOT NULL, resource TEXT NOT NULL, highest INTEGER NOT NULL,
+        PRIMARY KEY (ns, resource)) WITHOUT ROWID""",
+    """CREATE TABLE lock_waiters (ns TEXT NOT NULL, key TEXT NOT NULL, owner TEXT NOT NULL,
+        seq INTEGER NOT NULL, pid INTEGER NOT NULL, host TEXT NOT NULL,
+        until_ms INTEGER NOT NULL, tries INTEGER NOT NULL, window_ms INTEGER NOT NULL DEFAULT 0,
+        wake TEXT NOT NULL DEFAULT '', PRIMARY KEY (ns, key, owner)) WITHOUT ROWID""",
+    "INSERT INTO meta (name, value) VALUES ('schema', 1), ('floor', 0)",
+)
+_OLD_ACQUIRE = """
+INSERT INTO locks (ns, key, owner, token, expires_ms)
+VALUES (?1, ?2, ?3, (SELECT value FROM meta WHERE name = 'floor') + 1, ?4)
+ON CONFLICT (ns, key) DO UPDATE SET
+    token = CASE WHEN locks.expires_ms > ?5 THEN locks.token ELSE locks.token + 1 END,
+    owner = excluded.owner, expires_ms = excluded.expires_ms
+WHERE (locks.expires_ms > ?5 AND locks.owner = excluded.owner)
+   OR (locks.expires_ms <= ?5
+       AND NOT EXISTS (SELECT 1 FROM lock_waiters WHERE ns = ?1 AND key = ?2))
+RETURNING token
+"""
+_OLD_RELEASE = """
+UPDATE locks SET expires_ms = 0
+WHERE ns = ?1 AND key = ?2 AND owner = ?3 AND token = ?4 AND expires_ms > ?5
+"""
+
+
+def _old_file(path: Path) -> sqlite3.Connection:
+    raw = sqlite3.connect(path, isolation_level=None)
+    raw.execute("PRAGMA journal_mode=WAL")
+    for stmt in _OLD_SCHEMA:
+        raw.execute(stmt)
+    now = time.time_ns() // 1_000_000
+    raw.executemany(
+        "INSERT INTO locks VALUES (?, ?, ?, ?, ?)",
+        [
+            (LOCKS, "held", "old-owner", 7, now + LONG),  # held by the old release
+            (LOCKS, "released", "x", 4, 0),  # a released lock's tombstone
+            (LOCKS, "expired", "y", 9, now - 1),
+        ],
+    )
+    return raw
+
+
+def _old_acquire(raw: sqlite3.Connection, key: str, owner: str) -> int | None:
+    now = time.time_ns() // 1_000_000
+    row = raw.execute(_OLD_ACQUIRE, (LOCKS, key, owner, now + LONG, now)).fetchone()
+    return None if row is None else int(row[0])
+
+
+def test_a_file_of_the_release_before_permits_is_upgraded_in_place(db: Path) -> None:
+    raw = _old_file(db)
+    store = open_store(db)
+    # The held lock stays held, with its owner and token, and is listed.
+    assert isinstance(store.acquire(LOCKS, "held", "new", LONG), Held)
+    row = store.lock(LOCKS, "held")
+    assert row is not None and (row.owner, row.token) == ("old-owner", 7)
+    # Tokens keep rising from each key's counter.
+    freed = store.acquire(LOCKS, "released", "new", LONG)
+    assert isinstance(freed, Acquired) and freed.token == 5
+    late = store.acquire(LOCKS, "expired", "new", LONG)
+    assert isinstance(late, Acquired) and late.token == 10
+    indexes = {r[0] for r in raw.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+    assert "locks_expires" not in indexes  # dropped: purge scans
+    raw.close()
+    store.close()
+    # Opening it again changes nothing.
+    again = open_store(db)
+    assert [(r.key, r.token) for r in again.holders(LOCKS, "released")] == [("released", 5)]
+    again.close()
+
+
+def test_a_process_of_the_release_before_permits_shares_the_file(db: Path) -> None:
+    """An old process keeps its lock (this release sees it held and may free or renew
+    it) and never takes a lock held here; tokens never repeat between the two."""
+    raw = _old_file(db)
+    store = open_store(db)
+    assert store.renew(LOCKS, "held", "old-owner", 7, LONG) is not None
+    assert store.release(LOCKS, "held", "old-owner", 7) is True
+    mine = store.acquire(LOCKS, "held", "new", LONG)
+    assert isinstance(mine, Acquired) and mine.token == 8
+    assert _old_acquire(raw, "held", "old-2") is None  # held here: refused
+    assert store.release(LOCKS, "held", "new", mine.token)
+    old = _old_acquire(raw, "held", "old-2")
+    assert old == 9
+    assert isinstance(store.acquire(LOCKS, "held", "new", LONG), Held)
+    assert [(r.owner, r.token) for r in store.locks(LOCKS) if r.key == "held"] == [("old-2", 9)]
+    now = time.time_ns() // 1_000_000
+    assert raw.execute(_OLD_RELEASE, (LOCKS, "held", "old-2", 9, now)).rowcount == 1
+    last = store.acquire(LOCKS, "held", "new", LONG)
+    assert isinstance(last, Acquired) and last.token == 10
+    # This release's break frees an old process's lock.
+    assert _old_acquire(raw, "fresh", "old-3") == 1
+    assert store.break_lock(LOCKS, "fresh") is True
+    got = store.acquire(LOCKS, "fresh", "new", LONG)
+    assert isinstance(got, Acquired) and got.token == 2
+    # An old process's purge deletes a dead key's row (raising the floor) but not its
+    # expired permits: the counter still rises for the same owner.
+    short = store.acquire(LOCKS, "short", "same", 1)
+    assert isinstance(short, Acquired)
+    time.sleep(0.01)
+    raw.execute(
+        "UPDATE meta SET value = max(value, (SELECT max(token) FROM locks "
+        "WHERE expires_ms <= ?1)) WHERE name = 'floor'",
+        (time.time_ns() // 1_000_000,),
+    )
+    raw.execute("DELETE FROM locks WHERE expires_ms <= ?1", (time.time_ns() // 1_000_000,))
+    floor = raw.execute("SELECT value FROM meta WHERE name = 'floor'").fetchone()[0]
+    again = store.acquire(LOCKS, "short", "same", LONG)
+    assert isinstance(again, Acquired) and again.token == floor + 1 > short.token
+    other = store.acquire(LOCKS, "short", "other", LONG, 2)
+    assert isinstance(other, Acquired) and other.token == again.token + 1
+    raw.close()
+    store.close()
+
+
+def _open_old_file(out: Any, path: str, me: int, barrier: Any) -> None:
+    store = open_store(path)
+    barrier.wait()
+    lock = store.acquire(LOCKS, "released", f"p{me}", LONG, 8)
+    assert isinstance(lock, Acquired)
+    out.put((me, lock.token))
+    store.close()
+
+
+def test_processes_upgrade_an_old_file_at_once(db: Path) -> None:
+    _old_file(db).close()
+    procs = 4
+    barrier = CTX.Barrier(procs)
+    results = run_processes(_open_old_file, [(str(db), i, barrier) for i in range(procs)], procs)
+    assert sorted(t for _, t in results) == [5, 6, 7, 8]
+    check = sqlite3.connect(db)
+    triggers = check.execute("SELECT count(*) FROM sqlite_master WHERE type = 'trigger'")
+    assert triggers.fetchone()[0] == 3
+    check.close()
+
+
 def test_fence_advance_and_current(store: SQLiteStore) -> None:
     assert store.fence_current("t:fence", "res") is None
     assert store.fence_advance("t:fence", "res", 5) == (True, 5)

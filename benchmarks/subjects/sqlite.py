@@ -135,7 +135,7 @@ class SqliteOwnSql(SqliteRaw):
     def steps(self, op: str, key: str) -> tuple[Any, Callable[[Any], Any]]:
         now, token = time.time_ns() // 1_000_000, uuid.uuid4().hex
         if op == LOCK_OP:
-            first = (S._ACQUIRE_UNQUEUED, (SQ_NS, key, "owner", now + 30_000, now))
+            first = (S._ACQUIRE_UNQUEUED, (SQ_NS, key, "owner", now + 30_000, now, 1, None))
             return first, lambda row: (S._RELEASE, (SQ_NS, key, "owner", row[0], now))
         first = (S._CLAIM_NEW, (SQ_NS, key, token, None, now + LEASE_MS, now))
         return first, lambda _: (S._COMPLETE, (SQ_RESULT, now + SQ_TTL_MS, SQ_NS, key, token, now))

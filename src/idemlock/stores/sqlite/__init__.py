@@ -38,8 +38,9 @@ How it works:
 * Connections are pooled (one per concurrent caller), so one store object can be
   used from many threads and from ``asyncio.to_thread``.
 * Give idemlock a file of its own: its tables have plain names (``meta`` with the
-  schema version, the purge floor and the wake-ups' secret, ``claims``, ``locks``, ``fences``,
-  ``lock_waiters``).
+  schema version, the purge floor and the wake-ups' secret, ``claims``, ``locks`` (a
+  lock key's token counter and the end of its last permit), ``lock_permits`` (its
+  holders: a lock is the one-permit case), ``fences``, ``lock_waiters``).
 
 The package: ``_sql`` (schema and statements), ``_conn`` (connections and the call
 of each port method), ``_store`` (the store and its transactions), ``_txn``
@@ -54,7 +55,7 @@ from typing import Any
 from ._fork import FORK_WAIT
 from ._sql import (
     _ABANDON,
-    _ACQUIRE,
+    _ACQUIRE_UNQUEUED,
     _CLAIM_NEW,
     _COMPLETE,
     _RELEASE,
@@ -68,7 +69,7 @@ from ._url import parse
 __all__ = ["SQLiteAsyncStore", "SQLiteStore", "open_async", "open_sync"]
 
 # Kept importable from here: the benchmarks run the store's statements raw.
-_REEXPORTED = (FORK_WAIT, DEFAULT_BUSY_TIMEOUT, SCHEMA_VERSION, _ABANDON, _ACQUIRE)
+_REEXPORTED = (FORK_WAIT, DEFAULT_BUSY_TIMEOUT, SCHEMA_VERSION, _ABANDON, _ACQUIRE_UNQUEUED)
 _REEXPORTED_SQL = (_CLAIM_NEW, _COMPLETE, _RELEASE, _SCHEMA)
 
 

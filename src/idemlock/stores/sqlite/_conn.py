@@ -18,6 +18,7 @@ from ._fork import GATE as _GATE
 from ._sql import (
     _BEGIN,
     _COMMIT,
+    _PERMITS_SCHEMA,
     _ROLLBACK,
     _SCHEMA,
     _SCHEMA_GET,
@@ -124,6 +125,11 @@ class Connections:
                     "idemlock version that wrote it, or another file"
                 )
             for stmt in _SCHEMA[1:]:
+                conn.execute(stmt)
+            # A file of the release before permits is upgraded here, in this transaction
+            # (IF NOT EXISTS: whoever comes second finds it done). Its locks rows stay
+            # what they were: a live one is a lock held, its token the key's counter.
+            for stmt in _PERMITS_SCHEMA:
                 conn.execute(stmt)
             if "wake" not in {row[0] for row in conn.execute(_WAITERS_COLUMNS)}:
                 conn.execute(_WAITERS_ADD_WAKE)

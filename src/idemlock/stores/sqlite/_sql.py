@@ -41,7 +41,6 @@ _SCHEMA = (
         expires_ms INTEGER NOT NULL,
         PRIMARY KEY (ns, key)
     ) WITHOUT ROWID""",
-    "CREATE INDEX IF NOT EXISTS locks_expires ON locks (expires_ms)",
     """CREATE TABLE IF NOT EXISTS fences (
         ns TEXT NOT NULL,
         resource TEXT NOT NULL,
@@ -141,33 +140,106 @@ SELECT ns, key, state, fence, expires_ms FROM claims
 WHERE substr(ns, 1, ?1) = ?2 AND expires_ms > ?3 ORDER BY ns, key
 """
 
-# Rows lock.acquire, lock.reacquire (lock.busy: nothing returned). Free or expired ->
-# next token of the key; held by the same owner -> same token, new
-# expiry. Released locks stay as tombstones (expires_ms = 0) that keep their token.
-_ACQUIRE_UPSERT = """
-INSERT INTO locks (ns, key, owner, token, expires_ms)
-VALUES (?1, ?2, ?3, (SELECT value FROM meta WHERE name = 'floor') + 1, ?4)
-ON CONFLICT (ns, key) DO UPDATE SET
-    token = CASE WHEN locks.expires_ms > ?5 THEN locks.token ELSE locks.token + 1 END,
-    owner = excluded.owner, expires_ms = excluded.expires_ms
-"""
-_ACQUIRE = (
-    _ACQUIRE_UPSERT
-    + """WHERE locks.expires_ms <= ?5 OR locks.owner = excluded.owner
+# Locks and permits. A lock is the limit=1 case of the same rows and statements: a key
+# has one row in lock_permits per holder (at most one per owner; each with its own token
+# and expiry), and one row in locks, the key's summary: its token counter (the last token
+# granted: tokens count on from it, also after a release, a break or an expiry, as the
+# released lock's tombstone did before permits) and, in expires_ms, when its last permit
+# ends (0: none). The triggers of _SCHEMA keep the summary, so each statement below is
+# still one transition in one statement. A summary that is live while no permit is, is a
+# lock taken by idemlock before permits (the same row, written by that release's
+# statements): it counts as one holder, and a process of that release never takes a key
+# while a permit of it is live.
+_PERMITS_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS lock_permits (
+        ns TEXT NOT NULL,
+        key TEXT NOT NULL,
+        owner TEXT NOT NULL,
+        token INTEGER NOT NULL,
+        expires_ms INTEGER NOT NULL,
+        value BLOB,
+        PRIMARY KEY (ns, key, owner)
+    ) WITHOUT ROWID""",
+    # No index on the expiries of locks and permits: every acquire and release would
+    # write a page more; purge scans instead (a file of the release before permits
+    # loses its index here).
+    "DROP INDEX IF EXISTS locks_expires",
+    # Rows lock.acquire, lock.handoff.take: the summary counts the new token, and lasts
+    # at least as long as the new permit.
+    """CREATE TRIGGER IF NOT EXISTS lock_permits_granted AFTER INSERT ON lock_permits
+    BEGIN
+        INSERT INTO locks (ns, key, owner, token, expires_ms)
+        VALUES (NEW.ns, NEW.key, NEW.owner, NEW.token, NEW.expires_ms)
+        ON CONFLICT (ns, key) DO UPDATE SET
+            owner = excluded.owner, token = max(locks.token, excluded.token),
+            expires_ms = max(locks.expires_ms, excluded.expires_ms);
+    END""",
+    # Rows lock.reacquire, lock.renew, and lock.acquire of an owner whose permit expired:
+    # the summary ends with the key's last permit (and is made again if a purge of the
+    # release before permits deleted it).
+    """CREATE TRIGGER IF NOT EXISTS lock_permits_changed AFTER UPDATE ON lock_permits
+    BEGIN
+        INSERT INTO locks (ns, key, owner, token, expires_ms)
+        VALUES (NEW.ns, NEW.key, NEW.owner, NEW.token, NEW.expires_ms)
+        ON CONFLICT (ns, key) DO UPDATE SET
+            owner = CASE WHEN excluded.token >= locks.token THEN excluded.owner
+                         ELSE locks.owner END,
+            token = max(locks.token, excluded.token),
+            expires_ms = (SELECT max(expires_ms) FROM lock_permits
+                          WHERE ns = excluded.ns AND key = excluded.key);
+    END""",
+    # Rows lock.release, lock.break, and purge: the token stays; 0 once none is left.
+    """CREATE TRIGGER IF NOT EXISTS lock_permits_freed AFTER DELETE ON lock_permits
+    BEGIN
+        UPDATE locks SET expires_ms = coalesce(
+            (SELECT max(expires_ms) FROM lock_permits WHERE ns = OLD.ns AND key = OLD.key), 0)
+        WHERE ns = OLD.ns AND key = OLD.key;
+    END""",
+)
+
+# The live holders of a key (?1 ns, ?2 key, ?5 now) as counted against a limit: its live
+# permits, or one for a lock taken before permits (a live summary without them).
+_COUNT_HOLDERS = """max(
+    (SELECT count(*) FROM lock_permits WHERE ns = ?1 AND key = ?2 AND expires_ms > ?5),
+    (SELECT count(*) FROM locks WHERE ns = ?1 AND key = ?2 AND expires_ms > ?5))"""
+# Rows lock.reacquire and lock.acquire, in one statement for the common case (lock.busy:
+# nothing returned). ?6 is the caller's limit, ?7 the value to publish (NULL: none, or
+# keep the published one). The same owner's live permit -> same token, new expiry; room
+# under the limit and nobody queued -> a permit with the key's next token (a new key:
+# above the purge floor); the owner's expired permit row is taken over. With waiters
+# queued a new permit is left to _store._acquire_queued (rows lock.handoff*).
+_ACQUIRE_UNQUEUED = f"""
+INSERT INTO lock_permits (ns, key, owner, token, expires_ms, value)
+SELECT ?1, ?2, ?3,
+       coalesce((SELECT token FROM locks WHERE ns = ?1 AND key = ?2),
+                (SELECT value FROM meta WHERE name = 'floor')) + 1,
+       ?4, ?7
+WHERE EXISTS (SELECT 1 FROM lock_permits
+              WHERE ns = ?1 AND key = ?2 AND owner = ?3 AND expires_ms > ?5)
+   OR (NOT EXISTS (SELECT 1 FROM lock_waiters WHERE ns = ?1 AND key = ?2)
+       AND {_COUNT_HOLDERS} < ?6)
+ON CONFLICT (ns, key, owner) DO UPDATE SET
+    token = CASE WHEN lock_permits.expires_ms > ?5 THEN lock_permits.token
+                 ELSE excluded.token END,
+    expires_ms = excluded.expires_ms,
+    value = CASE WHEN lock_permits.expires_ms > ?5
+                 THEN coalesce(excluded.value, lock_permits.value) ELSE excluded.value END
 RETURNING token
 """
-)
-# The same, in one statement for the common case: it takes a free lock only while
-# nobody is queued for it (else _store._acquire_queued decides, rows lock.handoff*).
-_ACQUIRE_UNQUEUED = (
-    _ACQUIRE_UPSERT
-    + """WHERE (locks.expires_ms > ?5 AND locks.owner = excluded.owner)
-   OR (locks.expires_ms <= ?5
-       AND NOT EXISTS (SELECT 1 FROM lock_waiters WHERE ns = ?1 AND key = ?2))
-RETURNING token
+# Rows lock.acquire, lock.reacquire, lock.handoff.take as the table decided them in
+# _store._acquire_queued: the caller's permit as it is now.
+_PERMIT_PUT = """
+INSERT INTO lock_permits (ns, key, owner, token, expires_ms, value)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+ON CONFLICT (ns, key, owner) DO UPDATE SET
+    token = excluded.token, expires_ms = excluded.expires_ms, value = excluded.value
 """
-)
+# A key as _store._acquire_queued reads it: the summary, then every permit row.
 _LOCK_GET = "SELECT owner, token, expires_ms FROM locks WHERE ns = ?1 AND key = ?2"
+_PERMITS_GET = """
+SELECT owner, token, expires_ms, value FROM lock_permits WHERE ns = ?1 AND key = ?2
+"""
+_FLOOR_GET = "SELECT value FROM meta WHERE name = 'floor'"
 
 # The waiters' queue (rows lock.handoff, lock.handoff.take; see _store._choose).
 _WAITERS = """
@@ -187,28 +259,64 @@ _WAITER_DROP = "DELETE FROM lock_waiters WHERE ns = ?1 AND key = ?2 AND owner = 
 _WAITER_CHOOSE = "UPDATE lock_waiters SET window_ms = ?4 WHERE ns = ?1 AND key = ?2 AND owner = ?3"
 _WAITERS_UNCHOOSE = "UPDATE lock_waiters SET window_ms = 0 WHERE ns = ?1 AND key = ?2"
 _PURGE_WAITERS = "DELETE FROM lock_waiters WHERE until_ms <= ?1 AND window_ms <= ?1"
-_LOCK_LIVE = (
-    "SELECT owner, token, expires_ms FROM locks WHERE ns = ?1 AND key = ?2 AND expires_ms > ?3"
-)
-# Row lock.release (lock.release.stale: no row changed)
+
+# The live holders of a key (?3 now), lowest token first: its live permits, else a
+# lock taken before permits (a live summary).
+_HOLDERS = """
+SELECT owner, token, expires_ms, value FROM lock_permits
+WHERE ns = ?1 AND key = ?2 AND expires_ms > ?3
+UNION ALL
+SELECT owner, token, expires_ms, NULL FROM locks
+WHERE ns = ?1 AND key = ?2 AND expires_ms > ?3
+  AND NOT EXISTS (SELECT 1 FROM lock_permits WHERE ns = ?1 AND key = ?2 AND expires_ms > ?3)
+ORDER BY 2
+"""
+# Row lock.release (lock.release.stale: no row changed). The trigger ends the summary
+# with the key's last live permit; the token stays.
 _RELEASE = """
-UPDATE locks SET expires_ms = 0
+DELETE FROM lock_permits
 WHERE ns = ?1 AND key = ?2 AND owner = ?3 AND token = ?4 AND expires_ms > ?5
 """
-# Row lock.renew (lock.renew.stale: no row changed)
+# Row lock.release of a lock taken before permits (tried when _RELEASE changed nothing).
+_RELEASE_OLD = """
+UPDATE locks SET expires_ms = 0
+WHERE ns = ?1 AND key = ?2 AND owner = ?3 AND token = ?4 AND expires_ms > ?5
+  AND NOT EXISTS (SELECT 1 FROM lock_permits WHERE ns = ?1 AND key = ?2 AND expires_ms > ?5)
+"""
+# Row lock.renew (lock.renew.stale: no row changed); ?7 the value to publish (NULL: keep).
 _RENEW = """
-UPDATE locks SET expires_ms = ?1
+UPDATE lock_permits SET expires_ms = ?1, value = coalesce(?7, value)
 WHERE ns = ?2 AND key = ?3 AND owner = ?4 AND token = ?5 AND expires_ms > ?6
 """
-# State table row lock.break: held by anyone -> free. The tombstone keeps the token, so
-# the next acquire counts on from it and the old holder's (owner, token) matches nothing.
-_BREAK = """
-UPDATE locks SET expires_ms = 0
-WHERE ns = ?1 AND key = ?2 AND expires_ms > ?3
+# Row lock.renew of a lock taken before permits (tried when _RENEW changed nothing).
+_RENEW_OLD = """
+UPDATE locks SET expires_ms = ?1
+WHERE ns = ?2 AND key = ?3 AND owner = ?4 AND token = ?5 AND expires_ms > ?6
+  AND NOT EXISTS (SELECT 1 FROM lock_permits WHERE ns = ?2 AND key = ?3 AND expires_ms > ?6)
 """
+# Row lock.break: every live permit (?4 NULL) or the one with token ?4 -> freed. The
+# summary keeps the token, so the next acquire counts on from it and the old holder's
+# (owner, token) matches nothing.
+_BREAK = """
+DELETE FROM lock_permits
+WHERE ns = ?1 AND key = ?2 AND expires_ms > ?3 AND (?4 IS NULL OR token = ?4)
+"""
+# Row lock.break of a lock taken before permits.
+_BREAK_OLD = """
+UPDATE locks SET expires_ms = 0
+WHERE ns = ?1 AND key = ?2 AND expires_ms > ?3 AND (?4 IS NULL OR token = ?4)
+  AND NOT EXISTS (SELECT 1 FROM lock_permits WHERE ns = ?1 AND key = ?2 AND expires_ms > ?3)
+"""
+# One row per live holder, as _HOLDERS, of every key whose ns starts with the prefix.
 _LOCKS = """
-SELECT ns, key, owner, token, expires_ms FROM locks
-WHERE substr(ns, 1, ?1) = ?2 AND expires_ms > ?3 ORDER BY ns, key
+SELECT ns, key, owner, token, expires_ms, value FROM lock_permits
+WHERE substr(ns, 1, ?1) = ?2 AND expires_ms > ?3
+UNION ALL
+SELECT ns, key, owner, token, expires_ms, NULL FROM locks AS l
+WHERE substr(ns, 1, ?1) = ?2 AND expires_ms > ?3
+  AND NOT EXISTS (SELECT 1 FROM lock_permits AS p
+                  WHERE p.ns = l.ns AND p.key = l.key AND p.expires_ms > ?3)
+ORDER BY 1, 2, 4
 """
 
 # Row fence.advance (fence.stale: nothing returned, the caller reads the gate)
@@ -222,27 +330,38 @@ _FENCE_GET = "SELECT highest FROM fences WHERE ns = ?1 AND resource = ?2"
 
 # Purge, one chunk per transaction (so other writers wait for a chunk, never for the
 # whole purge): raise the floor over every fence and token about to go, then delete
-# those dead rows. ?1 now, ?2 the chunk's size; ordered by the index and the primary
-# key, the floor's rows and the deleted ones are the same in one transaction.
+# those dead rows (_txn._purge). ?1 now, ?2 the chunk's size; ordered by the index and
+# the primary key, the floor's claims and the deleted ones are the same in one
+# transaction.
 _DEAD_CLAIMS = (
     "SELECT ns, key, fence FROM claims WHERE expires_ms <= ?1 ORDER BY expires_ms, ns, key LIMIT ?2"
 )
-_DEAD_LOCKS = (
-    "SELECT ns, key, token FROM locks WHERE expires_ms <= ?1 ORDER BY expires_ms, ns, key LIMIT ?2"
-)
 _PURGE_FLOOR = f"""
-UPDATE meta SET value = max(
-    value,
-    coalesce((SELECT max(fence) FROM ({_DEAD_CLAIMS})), 0),
-    coalesce((SELECT max(token) FROM ({_DEAD_LOCKS})), 0)
-) WHERE name = 'floor'
+UPDATE meta SET value = max(value, coalesce((SELECT max(fence) FROM ({_DEAD_CLAIMS})), 0))
+WHERE name = 'floor'
 """
 _PURGE_CLAIMS = f"DELETE FROM claims WHERE (ns, key) IN (SELECT ns, key FROM ({_DEAD_CLAIMS}))"
-_PURGE_LOCKS = f"DELETE FROM locks WHERE (ns, key) IN (SELECT ns, key FROM ({_DEAD_LOCKS}))"
-# What _PURGE_CLAIMS and _PURGE_LOCKS would delete (purge's dry run).
+# Dead lock keys (summary over: no live permit), read by _txn._purge, which raises the
+# floor over their tokens (_FLOOR_RAISE) before deleting them.
+_DEAD_LOCKS = "SELECT ns, key, token FROM locks WHERE expires_ms <= ?1 LIMIT ?2"
+_FLOOR_RAISE = "UPDATE meta SET value = max(value, ?1) WHERE name = 'floor'"
+# Then per dead key (its summary over, so every permit of it too): its permits, then
+# its summary (the trigger's update of it is deleted with it).
+_PURGE_KEY_PERMITS = "DELETE FROM lock_permits WHERE ns = ?1 AND key = ?2 AND expires_ms <= ?3"
+_PURGE_KEY = "DELETE FROM locks WHERE ns = ?1 AND key = ?2"
+# Then expired permits of keys still held by others (the summary keeps the counter).
+_PURGE_PERMITS = """
+DELETE FROM lock_permits WHERE (ns, key, owner) IN (
+    SELECT ns, key, owner FROM lock_permits WHERE expires_ms <= ?1 LIMIT ?2)
+"""
+# What a purge would delete (its dry run): dead claims, expired permits, and dead keys
+# without a permit (released ones), each counted once.
 _PURGE_COUNT = """
 SELECT (SELECT count(*) FROM claims WHERE expires_ms <= ?1)
-     + (SELECT count(*) FROM locks WHERE expires_ms <= ?1)
+     + (SELECT count(*) FROM lock_permits WHERE expires_ms <= ?1)
+     + (SELECT count(*) FROM locks AS l WHERE expires_ms <= ?1
+        AND NOT EXISTS (SELECT 1 FROM lock_permits AS p
+                        WHERE p.ns = l.ns AND p.key = l.key AND p.expires_ms <= ?1))
 """
 
 _STATES = ("in_flight", "completed")

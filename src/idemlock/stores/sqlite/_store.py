@@ -26,21 +26,18 @@ from ..._core.port import (
     RecordRow,
 )
 from ..._core.table import (
-    HELD,
     ClaimRec,
     LockRec,
     Permit,
     apply_claim,
     apply_fence,
     apply_lock,
-    decide,
 )
 from .._adapt import ThreadedAsyncStore
 from .._local import LocalHub, LocalSubscription
 from ._conn import COUNT, ROWS, Connections
 from ._sql import (
     _ABANDON,
-    _ACQUIRE,
     _ACQUIRE_UNQUEUED,
     _CLAIM_GET,
     _CLAIM_NEW,
@@ -48,15 +45,20 @@ from ._sql import (
     _EXTEND,
     _FENCE_ADVANCE,
     _FENCE_GET,
+    _FLOOR_GET,
     _FORGET,
+    _HOLDERS,
     _LOCK_GET,
-    _LOCK_LIVE,
     _LOCKS,
+    _PERMIT_PUT,
+    _PERMITS_GET,
     _PURGE_COUNT,
     _RECORD_GET,
     _RECORDS,
     _RELEASE,
+    _RELEASE_OLD,
     _RENEW,
+    _RENEW_OLD,
     _STATES,
     _WAITER_CHOOSE,
     _WAITER_DROP,
@@ -160,13 +162,37 @@ class SQLiteStore(Connections):
             raise self._corrupt("claims", ns, key, row)
         return ClaimRec(state, token, fence, fp, expires_ms, result)
 
-    def _lock_rec(self, row: Any, ns: str, key: str) -> LockRec | None:
-        if row is None:
-            return None
-        owner, token, expires_ms = row
+    def _key_rec(self, cur: sqlite3.Cursor, ns: str, key: str, now: int) -> tuple[LockRec, int]:
+        """A lock key as read in a transaction: its live holders (a lock taken before
+        permits among them) and the next token it would grant."""
+        summary = cur.execute(_LOCK_GET, (ns, key)).fetchone()
+        holders: dict[str, Permit] = {}
+        for row in cur.execute(_PERMITS_GET, (ns, key)).fetchall():
+            p = self._permit(row, ns, key)
+            if p.expires_ms > now:
+                holders[p.owner] = p
+        if summary is None:
+            floor = cur.execute(_FLOOR_GET).fetchone()[0]
+            if type(floor) is not int:
+                raise self._corrupt("meta", "floor", "", (floor,))
+            return LockRec(holders), floor + 1
+        owner, token, expires_ms = summary
         if type(owner) is not str or type(token) is not int or type(expires_ms) is not int:
-            raise self._corrupt("locks", ns, key, row)
-        return LockRec({owner: Permit(owner, token, expires_ms)})
+            raise self._corrupt("locks", ns, key, summary)
+        if not holders and expires_ms > now:
+            holders[owner] = Permit(owner, token, expires_ms)  # taken before permits
+        return LockRec(holders), token + 1
+
+    def _permit(self, row: Any, ns: str, key: str) -> Permit:
+        owner, token, expires_ms, value = row
+        if (
+            type(owner) is not str
+            or type(token) is not int
+            or type(expires_ms) is not int
+            or not (value is None or type(value) is bytes)
+        ):
+            raise self._corrupt("lock_permits", ns, key, row)
+        return Permit(owner, token, expires_ms, value)
 
     # ---- idempotency -------------------------------------------------------------
 
@@ -257,18 +283,27 @@ class SQLiteStore(Connections):
     # ---- locks -------------------------------------------------------------------
 
     def _acquire(
-        self, cur: sqlite3.Cursor, ns: str, key: str, owner: str, ttl_ms: int
+        self,
+        cur: sqlite3.Cursor,
+        ns: str,
+        key: str,
+        owner: str,
+        ttl_ms: int,
+        limit: int,
+        value: bytes | None,
     ) -> Acquired | Held:
         now = _now_ms()
         expires = now + ttl_ms
-        row = cur.execute(_ACQUIRE_UNQUEUED, (ns, key, owner, expires, now)).fetchone()
+        args = (ns, key, owner, expires, now, limit, value)
+        row = cur.execute(_ACQUIRE_UNQUEUED, args).fetchone()
         if row is not None:
             return Acquired(row[0], expires, ttl_ms)
-        return self._acquire_queued(cur, ns, key, owner, ttl_ms, now)
+        return self._acquire_queued(cur, ns, key, owner, ttl_ms, limit, value, now)
 
     # The fair queue: a waiter (a caller whose process is subscribed to the key) is
-    # queued with every refused attempt; a free lock is reserved for the oldest waiter
-    # that asked twice (a one-shot try never is), and only it may take the lock.
+    # queued with every refused attempt; a freed permit is reserved for the oldest
+    # waiter that asked twice (a one-shot try never is): the window counts as one
+    # holder until that waiter takes it (or it passes).
 
     def _register(
         self, cur: sqlite3.Cursor, ns: str, key: str, owner: str, now: int, wait_ms: int
@@ -284,34 +319,39 @@ class SQLiteStore(Connections):
         cur.execute(_WAITER_REGISTER, (ns, key, owner, os.getpid(), _host(), until, wake))
 
     def _acquire_queued(
-        self, cur: sqlite3.Cursor, ns: str, key: str, owner: str, ttl_ms: int, now: int
+        self,
+        cur: sqlite3.Cursor,
+        ns: str,
+        key: str,
+        owner: str,
+        ttl_ms: int,
+        limit: int,
+        value: bytes | None,
+        now: int,
     ) -> Acquired | Held:
-        """The lock is held by another owner, or free with waiters queued."""
-        rec = self._lock_rec(cur.execute(_LOCK_GET, (ns, key)).fetchone(), ns, key)
-        args = {"owner": owner, "ttl_ms": ttl_ms, "limit": 1}
-        if rec is not None and rec.alive(now):
-            # Row lock.busy (the statement took lock.acquire and lock.reacquire).
-            reply: Acquired | Held = apply_lock("acquire", rec, now, args, _no_new_fence)[2]
-            if type(reply) is Held:
-                self._register(cur, ns, key, owner, now, reply.ttl_ms)
+        """No room under ``limit`` for the caller, waiters queued, or a lock taken
+        before permits: the table decides from the key as read."""
+        rec, next_token = self._key_rec(cur, ns, key, now)
+        if owner not in rec.holders and len(rec.holders) < limit:
+            # Room but waiters queued: the window kept for the oldest (lock.handoff*).
+            rec.chosen, rec.until = self._choose(cur, ns, key, now)
+            if rec.chosen is None:
+                rec.until = 0
+        args = {"owner": owner, "ttl_ms": ttl_ms, "limit": limit, "value": value}
+        row, new, reply = apply_lock("acquire", rec, now, args, lambda: next_token)
+        if type(reply) is Held:  # lock.busy, lock.handoff
+            self._register(cur, ns, key, owner, now, reply.ttl_ms)
             return reply
-        chosen, window = self._choose(cur, ns, key, now)
-        if (
-            chosen is not None
-            and decide("acquire", "reserved", LockRec({}, chosen), args).reply is HELD
-        ):
-            # lock.handoff: kept for the chosen waiter
-            self._register(cur, ns, key, owner, now, window - now)
-            return Held(window, window - now)
-        expires = now + ttl_ms
-        row = cur.execute(_ACQUIRE, (ns, key, owner, expires, now)).fetchone()
-        if row is None:  # pragma: no cover - the lock was read free in this transaction
-            raise AssertionError("a free lock refused an acquire")
-        cur.execute(_WAITER_DROP, (ns, key, owner))  # lock.handoff.take / lock.acquire
-        if len(_QUEUED) > 4096:
-            _QUEUED.clear()  # leases never released (expired): only their wake-up is lost
-        _QUEUED[(self.path, ns, key, owner, row[0])] = True
-        return Acquired(row[0], expires, ttl_ms)
+        assert new is not None and type(reply) is Acquired
+        p = new.holders[owner]
+        # lock.acquire, lock.handoff.take, lock.reacquire (of a lock taken before permits)
+        cur.execute(_PERMIT_PUT, (ns, key, owner, p.token, p.expires_ms, p.value))
+        if row.id != "lock.reacquire":
+            cur.execute(_WAITER_DROP, (ns, key, owner))  # its turn is over
+            if len(_QUEUED) > 4096:
+                _QUEUED.clear()  # leases never released (expired): only their wake-up is lost
+            _QUEUED[(self.path, ns, key, owner, p.token)] = True
+        return reply
 
     def _choose(self, cur: sqlite3.Cursor, ns: str, key: str, now: int) -> tuple[str | None, int]:
         """The waiter a free lock is reserved for and the window's end, choosing (and
@@ -358,20 +398,20 @@ class SQLiteStore(Connections):
     def acquire(
         self, ns: str, key: str, owner: str, ttl_ms: int, limit: int = 1, value: bytes | None = None
     ) -> Acquired | Held:
-        if limit != 1 or value is not None:  # pragma: no cover - permits come next
-            raise NotImplementedError("SQLite permits are being built")
         if _HUB._subs and (self.path, "lock", ns, key) in _HUB._subs:
             # Someone here waits for the key: contended, so the one statement would
             # mostly be refused; decide in one transaction at once.
-            return self._rung_after(self._write(self._acquire, ns, key, owner, ttl_ms))
+            return self._rung_after(
+                self._write(self._acquire, ns, key, owner, ttl_ms, limit, value)
+            )
         now = time_ns() // 1_000_000  # _now_ms(), inlined on the hot path
         expires = now + ttl_ms
-        rows = self._run(ROWS, _ACQUIRE_UNQUEUED, (ns, key, owner, expires, now))
+        rows = self._run(ROWS, _ACQUIRE_UNQUEUED, (ns, key, owner, expires, now, limit, value))
         if rows:  # lock.acquire / lock.reacquire, in one statement
             return Acquired(rows[0][0], expires, ttl_ms)
-        # Held by another owner, or free with waiters queued, and nothing changed: try
-        # again and decide in one transaction.
-        return self._rung_after(self._write(self._acquire, ns, key, owner, ttl_ms))
+        # No room, or waiters queued, and nothing changed: try again and decide in one
+        # transaction.
+        return self._rung_after(self._write(self._acquire, ns, key, owner, ttl_ms, limit, value))
 
     def _rung_after(self, reply: R) -> R:
         """Send the wake-ups the transaction that answered ``reply`` reserved (it has
@@ -392,17 +432,19 @@ class SQLiteStore(Connections):
                     _HUB.notify((self.path, "lock", ns, key))
                 return True
             return False
-        if self._run(COUNT, _RELEASE, (ns, key, owner, token, time_ns() // 1_000_000)) == 1:
+        now = time_ns() // 1_000_000
+        if self._run(COUNT, _RELEASE, (ns, key, owner, token, now)) == 1 or (
+            self._run(COUNT, _RELEASE_OLD, (ns, key, owner, token, now)) == 1
+        ):
             if _HUB._subs:  # as in complete()
                 _HUB.notify((self.path, "lock", ns, key))
             return True
         return False
 
     def break_lock(self, ns: str, key: str, token: int | None = None) -> bool:
-        if token is not None:  # pragma: no cover - permits come next
-            raise NotImplementedError("SQLite permits are being built")
-        """Free the lock whoever holds it (``lock.break``); True if it was held."""
-        if self._write(_break_and_unchoose, ns, key):
+        """Free every holder, or the permit with ``token`` (``lock.break``); True if
+        something held was freed."""
+        if self._write(_break_and_unchoose, ns, key, token):
             _HUB.notify((self.path, "lock", ns, key))
             return True
         return False
@@ -410,12 +452,12 @@ class SQLiteStore(Connections):
     def renew(
         self, ns: str, key: str, owner: str, token: int, ttl_ms: int, value: bytes | None = None
     ) -> int | None:
-        if value is not None:  # pragma: no cover - permits come next
-            raise NotImplementedError("SQLite permits are being built")
         now = _now_ms()
         expires = now + ttl_ms
-        if self._run(COUNT, _RENEW, (expires, ns, key, owner, token, now)) == 1:
+        if self._run(COUNT, _RENEW, (expires, ns, key, owner, token, now, value)) == 1:
             return expires
+        if self._run(COUNT, _RENEW_OLD, (expires, ns, key, owner, token, now)) == 1:
+            return expires  # a lock taken before permits
         return None
 
     def renew_many(self, items: Sequence[tuple[Any, ...]]) -> list[int | None]:
@@ -425,34 +467,33 @@ class SQLiteStore(Connections):
         return self._write(_renew_many, list(items))
 
     def holders(self, ns: str, key: str) -> list[LockRow]:
-        row = self.lock(ns, key)  # pragma: no cover - permits come next
-        return [] if row is None else [row]
+        out = []
+        for row in self._read(_HOLDERS, (ns, key, _now_ms())):
+            p = self._permit(row, ns, key)
+            out.append(LockRow(ns, key, p.owner, p.token, p.expires_ms, value=p.value))
+        return out
 
     def lock(self, ns: str, key: str) -> LockRow | None:
-        rows = self._read(_LOCK_LIVE, (ns, key, _now_ms()))
-        if not rows:
-            return None
-        rec = self._lock_rec(rows[0], ns, key)
-        assert rec is not None
-        (p,) = rec.holders.values()
-        return LockRow(ns, key, p.owner, p.token, p.expires_ms)
+        rows = self.holders(ns, key)
+        return rows[0] if rows else None
 
     def locks(self, ns_prefix: str) -> list[LockRow]:
         rows = self._read(_LOCKS, (len(ns_prefix), ns_prefix, _now_ms()))
         out = []
         bad: list[Any] = []
         for row in rows:
-            ns, key, owner, token, expires_ms = row
+            ns, key, owner, token, expires_ms, value = row
             if (
                 type(owner) is not str
                 or type(token) is not int
                 or type(expires_ms) is not int
                 or type(key) is not str
+                or not (value is None or type(value) is bytes)
             ):
                 bad.append(row)
                 out.append(LockRow(ns, str(key), "", 0, _int_or_0(expires_ms), corrupt=True))
             else:
-                out.append(LockRow(ns, key, owner, token, expires_ms))
+                out.append(LockRow(ns, key, owner, token, expires_ms, value=value))
         if bad:
             self._warn_corrupt("locks", bad)
         return out
@@ -529,10 +570,10 @@ def _release_and_choose(
     return True
 
 
-def _break_and_unchoose(cur: sqlite3.Cursor, ns: str, key: str) -> bool:
-    held = _break(cur, ns, key)
-    if not held:
-        cur.execute(_WAITERS_UNCHOOSE, (ns, key))  # lock.break.free: reserved -> free
+def _break_and_unchoose(cur: sqlite3.Cursor, ns: str, key: str, token: int | None) -> bool:
+    held = _break(cur, ns, key, token)
+    if token is None:
+        cur.execute(_WAITERS_UNCHOOSE, (ns, key))  # an operator's break closes a window too
     return held
 
 

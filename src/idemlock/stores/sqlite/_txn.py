@@ -10,12 +10,18 @@ from typing import Any
 
 from ._sql import (
     _BREAK,
+    _BREAK_OLD,
+    _DEAD_LOCKS,
     _EXTEND,
+    _FLOOR_RAISE,
     _PURGE_CLAIMS,
     _PURGE_FLOOR,
-    _PURGE_LOCKS,
+    _PURGE_KEY,
+    _PURGE_KEY_PERMITS,
+    _PURGE_PERMITS,
     _PURGE_WAITERS,
     _RENEW,
+    _RENEW_OLD,
 )
 
 
@@ -31,17 +37,31 @@ def _extend(cur: sqlite3.Cursor, ns: str, key: str, token: str, lease_ms: int) -
     return None
 
 
-def _break(cur: sqlite3.Cursor, ns: str, key: str) -> bool:
-    return cur.execute(_BREAK, (ns, key, _now_ms())).rowcount == 1
+def _break(cur: sqlite3.Cursor, ns: str, key: str, token: int | None) -> bool:
+    """Row lock.break: free every live permit of the key (``token`` None) or the one with
+    ``token``; True if one was held (lock.break.free: nothing changed)."""
+    args = (ns, key, _now_ms(), token)
+    freed: int = cur.execute(_BREAK, args).rowcount
+    if not freed:  # a lock taken before permits
+        freed = cur.execute(_BREAK_OLD, args).rowcount
+    return freed > 0
 
 
 def _renew(
-    cur: sqlite3.Cursor, ns: str, key: str, owner: str, token: int, ttl_ms: int
+    cur: sqlite3.Cursor,
+    ns: str,
+    key: str,
+    owner: str,
+    token: int,
+    ttl_ms: int,
+    value: bytes | None = None,
 ) -> int | None:
     now = _now_ms()
     expires = now + ttl_ms
-    if cur.execute(_RENEW, (expires, ns, key, owner, token, now)).rowcount == 1:
+    if cur.execute(_RENEW, (expires, ns, key, owner, token, now, value)).rowcount == 1:
         return expires
+    if cur.execute(_RENEW_OLD, (expires, ns, key, owner, token, now)).rowcount == 1:
+        return expires  # a lock taken before permits
     return None
 
 
@@ -60,6 +80,18 @@ def _purge(cur: sqlite3.Cursor, chunk: int) -> tuple[int, bool]:
     now = _now_ms()
     cur.execute(_PURGE_FLOOR, (now, chunk))
     claims: int = cur.execute(_PURGE_CLAIMS, (now, chunk)).rowcount
-    locks: int = cur.execute(_PURGE_LOCKS, (now, chunk)).rowcount
+    dead = cur.execute(_DEAD_LOCKS, (now, chunk)).fetchall()
+    tokens = [t for _, _, t in dead if type(t) is int]
+    if tokens:
+        cur.execute(_FLOOR_RAISE, (max(tokens),))
+    locks = 0
+    for ns, key, _ in dead:
+        permits: int = cur.execute(_PURGE_KEY_PERMITS, (ns, key, now)).rowcount
+        cur.execute(_PURGE_KEY, (ns, key))
+        locks += permits or 1  # each expired permit, or the released key once
+    expired = 0
+    if len(dead) < chunk:  # every dead key is gone: expired permits of held keys next
+        expired = cur.execute(_PURGE_PERMITS, (now, chunk)).rowcount
     cur.execute(_PURGE_WAITERS, (now,))  # lapsed registrations: not records, not counted
-    return claims + locks, claims == chunk or locks == chunk
+    more = claims == chunk or len(dead) == chunk or expired == chunk
+    return claims + locks + expired, more
