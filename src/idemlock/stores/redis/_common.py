@@ -387,7 +387,7 @@ def text(v: Any) -> str:
 def listing_rows(
     kind: Kind, keys: list[bytes], values: list[Any], now_ms: int, ns_prefix: str
 ) -> list[Any]:
-    """Rows of a listing from key names and their GET/HMGET values. A value idemlock
+    """Rows of a listing from key names and their GET/HGETALL values. A value idemlock
     cannot read (foreign or damaged data under the prefix) is listed as a corrupt row,
     with one warning per listing, so it never hides every other record."""
     rows: list[Any] = []
