@@ -105,48 +105,57 @@ _READ_LOCK = """
 local function read_lock(k)
   local r = redis.pcall('HGETALL', k)
   if r.err then return nil, 'wrong type' end
-  local f, hs = {}, {}
+  local o, ts, xs, ys, g, n, v, hs
   for i = 1, #r, 2 do
     local name, val = r[i], r[i + 1]
-    if string.byte(name) == 104 then  -- 'h' .. owner: a holder beside the newest
-      local ts, xs, rest = string.match(val, '^(%d+):(%d+)(.*)$')
-      if not ts or (rest ~= '' and string.byte(rest) ~= 58) then
+    if name == 'o' then o = val
+    elseif name == 't' then ts = val
+    elseif name == 'x' then xs = val
+    elseif name == 'n' then n = val
+    elseif name == 'y' then ys = val
+    elseif name == 'g' then g = val
+    elseif name == 'v' then v = val
+    elseif string.byte(name) == 104 then  -- 'h' .. owner: a permit beside the newest
+      local pt, px, rest = string.match(val, '^(%d+):(%d+)(.*)$')
+      if not pt or (rest ~= '' and string.byte(rest) ~= 58) then
         return nil, 'not a holder'
       end
-      local v = nil
-      if rest ~= '' then v = string.sub(rest, 2) end
-      hs[string.sub(name, 2)] = {ts = ts, t = tonumber(ts), x = tonumber(xs), v = v, f = name}
-    elseif #name == 1 and string.find('otxygnv', name, 1, true) then
-      f[name] = val
+      local pv = nil
+      if rest ~= '' then pv = string.sub(rest, 2) end
+      hs = hs or {}
+      hs[string.sub(name, 2)] = {ts = pt, t = tonumber(pt), x = tonumber(px), v = pv, f = name}
     else
       return nil, 'foreign hash'
     end
   end
-  local t, x, y = tonumber(f.t), tonumber(f.x), tonumber(f.y)
-  if (f.t and not t) or (f.x and not x) or (f.y and not y) then
+  local t, x, y = tonumber(ts), tonumber(xs), tonumber(ys)
+  if (ts and not t) or (xs and not x) or (ys and not y) then
     return nil, 'not a number'
   end
-  if (f.o and not x) or (x and not f.o) or (y and not f.g) then
+  if (o and not x) or (x and not o) or (y and not g) then
     return nil, 'missing field'
   end
   if not t and #r > 0 then return nil, 'missing field' end
-  local l = {t = t, ts = f.t, o = f.o, y = y, g = f.g, n = f.n, v = f.v,
-             live = {}, count = 0, dead = {}}
-  if f.o and x > now then
-    local v = nil
-    if f.v and string.sub(f.v, 1, #f.t + 1) == f.t .. ':' then v = string.sub(f.v, #f.t + 2) end
-    l.live[f.o] = {ts = f.t, t = t, x = x, v = v}  -- no f: the fields o, x and v
-    l.count = 1
+  local live, count = {}, 0
+  if o and x > now then
+    local pv = nil
+    if v and string.sub(v, 1, #ts + 1) == ts .. ':' then pv = string.sub(v, #ts + 2) end
+    live[o] = {ts = ts, t = t, x = x, v = pv}  -- no f: the fields o, x and v
+    count = 1
   end
-  for o, p in pairs(hs) do
-    if p.x > now and not l.live[o] then
-      l.live[o] = p
-      l.count = l.count + 1
-    else
-      l.dead[#l.dead + 1] = p.f
+  local dead = {}
+  if hs then
+    for ho, p in pairs(hs) do
+      if p.x > now and not live[ho] then
+        live[ho] = p
+        count = count + 1
+      else
+        dead[#dead + 1] = p.f
+      end
     end
   end
-  return l
+  return {t = t, ts = ts, o = o, y = y, g = g, n = n, v = v, live = live, count = count,
+          dead = dead}
 end
 -- a hand-off window kept (for l.g)
 local function kept(l) return l.y and l.y > now end
