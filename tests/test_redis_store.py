@@ -522,6 +522,182 @@ def test_foreign_data_raises_store_corrupt(store: RedisStore, raw: redis.Redis) 
     assert issubclass(StoreCorrupt, StoreUnavailable)
 
 
+# ---- counted leases: the record's shape -------------------------------------------------
+#
+# A lock is the limit=1 case of the permit rows, and its record keeps the shape the
+# previous release wrote and read: the newest permit in the fields o (owner), t (token,
+# the key's counter) and x (expiry ms), hand-off in y/g/n. Other permits of a key with a
+# larger limit live in fields "h" + owner. So a lock taken by a process of either release
+# is seen held by the other during a rolling upgrade.
+
+#: How the previous release's ACQUIRE decided that a lock is held by someone else (its
+#: own script read the fields o and x of the same hash): for the test's reading only.
+PREVIOUS_HELD = """
+local tm = redis.call('TIME')
+local now = math.floor((tonumber(tm[1]) * 1000000 + tonumber(tm[2])) / 1000)
+local r = redis.call('HMGET', KEYS[1], 'o', 'x')
+if r[2] and tonumber(r[2]) > now and r[1] ~= ARGV[1] then return r[1] end
+return false
+"""
+
+
+def _previous_release_record(raw: Any, name: bytes, owner: str, token: int, ttl_ms: int) -> None:
+    """A lock as the previous release's ACQUIRE left it (hash o/t/x, PEXPIREAT)."""
+    now = _server_ms(raw)
+    raw.hset(name, mapping={"o": owner, "t": str(token), "x": str(now + ttl_ms)})
+    raw.pexpireat(name, now + ttl_ms + 60_000)
+
+
+def _server_ms(raw: Any) -> int:
+    sec, usec = raw.time()
+    return int(sec) * 1000 + int(usec) // 1000
+
+
+@pytest.mark.parametrize("where", ["standalone", "cluster"])
+def test_a_lock_of_the_previous_release_stays_exclusive(
+    where: str, request: pytest.FixtureRequest
+) -> None:
+    if where == "standalone":
+        server = request.getfixturevalue("redis_server")
+        s = open_sync(server.url)[0]
+        rawc: Any = redis.Redis(port=server.port)
+    else:
+        cluster = request.getfixturevalue("redis_cluster")
+        s = open_sync(cluster.url)[0]
+        rawc = redis.cluster.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
+    try:
+        ns = _ns()
+        name = C.names(ns, "k").lock
+        token = _server_ms(rawc) * 1000  # seeded from TIME us, as that release did
+        _previous_release_record(rawc, name, "old", token, LONG)
+        # Held for a lock and for a caller allowing one permit; shared only by a caller
+        # allowing two.
+        assert isinstance(s.acquire(ns, "k", "new", LONG), Held)
+        assert isinstance(s.acquire(ns, "k", "new", LONG, 1, b"v"), Held)
+        row = s.lock(ns, "k")
+        assert row is not None and (row.owner, row.token, row.value) == ("old", token, None)
+        assert [r.owner for r in s.locks(ns)] == ["old"]
+        # The old holder's renew and release (same fields, same meaning) still work.
+        assert s.renew(ns, "k", "old", token, LONG) is not None
+        assert s.release(ns, "k", "old", token) is True
+        got = s.acquire(ns, "k", "new", LONG)
+        assert isinstance(got, Acquired) and got.token > token
+        # And the other way: a lock taken now reads as held to the previous release.
+        assert rawc.eval(PREVIOUS_HELD, 1, name, "old") == b"new"
+        assert rawc.hmget(name, *C.LOCK_FIELDS) == [b"new", b"%d" % got.token, ANY_INT]
+    finally:
+        s.close()
+        rawc.close()
+
+
+class _AnyInt:
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, bytes) and other.isdigit()
+
+
+ANY_INT: Any = _AnyInt()
+
+
+def test_permits_beside_the_newest_and_what_the_previous_release_sees(
+    store: RedisStore, raw: redis.Redis
+) -> None:
+    ns = _ns()
+    name = C.names(ns, "k").lock
+    a = store.acquire(ns, "k", "a", LONG, 3, b"pa")
+    b = store.acquire(ns, "k", "b", LONG, 3)
+    assert isinstance(a, Acquired) and isinstance(b, Acquired)
+    fields = raw.hgetall(name)
+    # The newest permit in o/t/x (a previous release's process sees the key held), the
+    # one before in a field of its own with its value.
+    assert (fields[b"o"], int(fields[b"t"])) == (b"b", b.token)
+    assert fields[b"ha"] == b"%d:%d:pa" % (a.token, a.expires_ms)
+    assert raw.eval(PREVIOUS_HELD, 1, name, "c") == b"b"
+    # The newest released: the older permit is still held, the counter kept.
+    assert store.release(ns, "k", "b", b.token) is True
+    assert raw.eval(PREVIOUS_HELD, 1, name, "c") is None
+    assert [(r.owner, r.value) for r in store.holders(ns, "k")] == [("a", b"pa")]
+    assert isinstance(store.acquire(ns, "k", "c", LONG, 1), Held)  # a lock counts it
+    c = store.acquire(ns, "k", "c", LONG, 2)
+    assert isinstance(c, Acquired) and c.token > b.token
+    assert [r.owner for r in store.holders(ns, "k")] == ["a", "c"]
+
+
+def test_expired_permits_are_dropped_and_the_key_outlives_the_longest(
+    store: RedisStore, raw: redis.Redis
+) -> None:
+    ns = _ns()
+    name = C.names(ns, "k").lock
+    short = store.acquire(ns, "k", "short", 200, 3)
+    long = store.acquire(ns, "k", "long", LONG, 3)
+    newest = store.acquire(ns, "k", "newest", 1_000, 3)
+    assert isinstance(short, Acquired) and isinstance(long, Acquired)
+    assert isinstance(newest, Acquired)
+    # The key's own expiry covers its longest holder, not its newest.
+    assert raw.pttl(name) > LONG - 5_000
+    deadline = time.monotonic() + 10
+    while _server_ms(raw) <= short.expires_ms:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert raw.hexists(name, "hshort")  # lingers until a script touches the key
+    assert store.renew(ns, "k", "long", long.token, LONG) is not None
+    assert not raw.hexists(name, "hshort")
+    assert [r.owner for r in store.holders(ns, "k")] == ["long", "newest"]
+
+
+def test_a_freed_permit_is_kept_for_the_oldest_waiter(redis_server: RedisServer) -> None:
+    # Two processes' stores; the window (handoff_ms) long enough to look at.
+    store = open_sync(redis_server.url, handoff_ms=5000)[0]
+    other = open_sync(redis_server.url, handoff_ms=5000)[0]
+    ns = _ns()
+    a = store.acquire(ns, "k", "a", LONG, 2)
+    b = store.acquire(ns, "k", "b", LONG, 2)
+    assert isinstance(a, Acquired) and isinstance(b, Acquired)
+    sub = store.subscribe(Channel("lock", ns, "k"))
+    try:
+        assert isinstance(store.acquire(ns, "k", "w", LONG, 2), Held)  # registers
+        assert store.release(ns, "k", "a", a.token) is True
+        # One holder plus the window kept for the waiter: no room under 2 for another
+        # process's newcomer, until the window ends ...
+        refused = other.acquire(ns, "k", "x", LONG, 2)
+        assert isinstance(refused, Held) and 0 < refused.ttl_ms <= 5_000
+        # ... but a caller allowing three finds room beside both.
+        y = other.acquire(ns, "k", "y", LONG, 3)
+        assert isinstance(y, Acquired)
+        # The waiter's process takes the kept slot.
+        got = store.acquire(ns, "k", "w", LONG, 3)
+        assert isinstance(got, Acquired) and got.token > y.token
+        assert [r.owner for r in store.holders(ns, "k")] == ["b", "y", "w"]
+    finally:
+        sub.close()
+        store.close()
+        other.close()
+
+
+def test_a_lock_key_keeps_its_names_in_one_slot() -> None:
+    # Every script of a key touches the lock hash and its waiters: one Cluster slot.
+    for ns, key in [("a", "b"), ("x:{y}", "{z}"), ("ü", "}{")]:
+        n = C.names(ns, key)
+        assert key_slot(n.lock) == key_slot(n.waiters) == key_slot(n.claim)
+
+
+async def test_async_permits_on_cluster(redis_cluster: RedisCluster) -> None:
+    s = open_async(redis_cluster.url)[0]
+    try:
+        ns = _ns()
+        got = [await s.acquire(ns, f"k{i % 5}", f"o{i}", LONG, 2) for i in range(15)]
+        assert sum(isinstance(g, Acquired) for g in got) == 10
+        rows = await s.locks(ns)
+        assert sorted((r.key, r.owner) for r in rows) == sorted(
+            (f"k{i % 5}", f"o{i}") for i in range(10)
+        )
+        first = got[0]
+        assert isinstance(first, Acquired)
+        assert await s.break_lock(ns, "k0", first.token) is True
+        assert [r.owner for r in await s.holders(ns, "k0")] == ["o5"]
+    finally:
+        await s.aclose()
+
+
 # ---- URLs and clients -------------------------------------------------------------------
 
 

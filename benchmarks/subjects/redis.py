@@ -78,8 +78,9 @@ class RedisRaw(Raw):
                 return (C.RELEASE.sha, 2, n.lock, n.waiters, owner, reply[1], c.KEEP, 10,
                         n.lock_channel, C.nonce())  # fmt: skip
 
-            acquire = (C.ACQUIRE.sha, 2, n.lock, n.waiters, owner, 30_000, c.KEEP, b"", b"")
-            return (*acquire, C.REGISTER_MS), release
+            # ARGV: owner, ttl_ms, keep_ms, gid, register_ms, limit (a lock: 1), value
+            acquire = (C.ACQUIRE.sha, 2, n.lock, n.waiters, owner, 30_000, c.KEEP, b"")
+            return (*acquire, C.REGISTER_MS, 1, b""), release
         n, tok = C.names(self.ns, key), C.pack_id(uuid.uuid4().hex)
 
         def complete(_: Any) -> tuple[Any, ...]:

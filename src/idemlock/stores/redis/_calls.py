@@ -29,7 +29,7 @@ def renew_calls(items: Sequence[tuple[Any, ...]], keep: int) -> list[RenewCall]:
             calls.append((C.EXTEND, (C.names(ns, key).claim,), args))
         else:
             _, ns, key, owner, token, ttl_ms = item
-            args = (owner, str(token), ttl_ms, keep)
+            args = (owner, str(token), ttl_ms, keep, b"")
             calls.append((C.RENEW, (C.names(ns, key).lock,), args))
     return calls
 

@@ -344,13 +344,36 @@ def record_row(ns: str, key: str, reply: Any) -> RecordRow | None:
     return RecordRow(ns, key, state, _int(reply[1]), _int(reply[2]))
 
 
-def lock_row(ns: str, key: str, reply: Any) -> LockRow | None:
-    if not reply:
+def holder_rows(ns: str, key: str, reply: Any) -> list[LockRow]:
+    """The live holders the PEEK_LOCK script answers (owner, token, expiry, value
+    four by four, lowest token first)."""
+    rows: list[LockRow] = []
+    for i in range(0, len(reply), 4):
+        owner, token, exp, value = reply[i : i + 4]
+        rows.append(LockRow(ns, key, text(owner), _int(token), _int(exp), value=_published(value)))
+    return rows
+
+
+def _published(v: Any) -> bytes | None:
+    """A value as the scripts answer it: '' for none, else '=' and the value."""
+    if not v:
         return None
-    owner = reply[0]
-    if isinstance(owner, bytes):
-        owner = owner.decode("utf-8", "surrogatepass")
-    return LockRow(ns, key, owner, _int(reply[1]), _int(reply[2]))
+    raw = v if isinstance(v, bytes) else str(v).encode("utf-8", "surrogatepass")
+    return raw[1:]
+
+
+def check_limit(limit: int) -> int:
+    """A caller's limit: how many may hold a key at once (a lock: 1)."""
+    if type(limit) is not int or limit < 1:
+        raise ConfigurationError(
+            f"a limit is how many may hold a key at once, an int >= 1; got {limit!r}"
+        )
+    return limit
+
+
+def pack_value(value: bytes | None) -> bytes:
+    """ARGV of a published value: b'' for none, else b'=' and the value."""
+    return b"" if value is None else b"=" + bytes(value)
 
 
 def fence_reply(reply: Any) -> tuple[bool, int]:
@@ -364,7 +387,7 @@ def text(v: Any) -> str:
 def listing_rows(
     kind: Kind, keys: list[bytes], values: list[Any], now_ms: int, ns_prefix: str
 ) -> list[Any]:
-    """Rows of a listing from key names and their GET/HMGET values. A value idemlock
+    """Rows of a listing from key names and their GET/HGETALL values. A value idemlock
     cannot read (foreign or damaged data under the prefix) is listed as a corrupt row,
     with one warning per listing, so it never hides every other record."""
     rows: list[Any] = []
@@ -387,17 +410,7 @@ def listing_rows(
                     )
                     rows.append(RecordRow(ns, key, st, fence, exp))
             else:
-                owner, token, exp = vals
-                if owner is None and token is not None:
-                    _int(token)
-                    continue  # released: only the counter is left
-                if owner is None or token is None or exp is None:
-                    if owner is None and token is None and exp is None:
-                        continue  # gone between SCAN and HMGET
-                    raise ValueError("missing field")
-                tok, until = _int(token), _int(exp)
-                if until > now_ms:
-                    rows.append(LockRow(ns, key, text(owner), tok, until))
+                rows += lock_rows(ns, key, vals, now_ms)
         except (TypeError, ValueError, IndexError, UnicodeDecodeError):
             bad.append(raw)
             if kind == "c":
@@ -415,8 +428,46 @@ def listing_rows(
     return rows
 
 
-#: HMGET fields of a lock row (claim records are strings, read with GET)
+#: The fields of a lock record (a hash, see _lua) that name its newest holder: owner,
+#: token (the key's counter), expiry. Other holders are in fields b"h" + owner.
 LOCK_FIELDS = (b"o", b"t", b"x")
+
+
+def lock_rows(ns: str, key: str, fields: Any, now_ms: int) -> list[LockRow]:
+    """The live holders of a lock record read with HGETALL (a dict of bytes), lowest
+    token first; ValueError if idemlock cannot read it."""
+    if not isinstance(fields, dict):
+        raise ValueError("not a hash")
+    f = {(k if isinstance(k, bytes) else str(k).encode()): v for k, v in fields.items()}
+    owner, token, exp, pub = f.get(b"o"), f.get(b"t"), f.get(b"x"), f.get(b"v")
+    others = {k[1:]: v for k, v in f.items() if k[:1] == b"h"}
+    if token is None:
+        if owner is not None or exp is not None or others:
+            raise ValueError("missing field")
+        return []  # gone between SCAN and HGETALL, or not ours (the scripts refuse it)
+    tok = _int(token)
+    rows: list[LockRow] = []
+    if owner is not None or exp is not None:
+        if owner is None or exp is None:
+            raise ValueError("missing field")
+        until = _int(exp)
+        if until > now_ms:
+            value = None
+            if pub is not None:
+                raw = pub if isinstance(pub, bytes) else str(pub).encode()
+                head = b"%d:" % tok
+                value = raw[len(head) :] if raw.startswith(head) else None
+            rows.append(LockRow(ns, key, text(owner), tok, until, value=value))
+    for name, enc in others.items():
+        raw = enc if isinstance(enc, bytes) else str(enc).encode()
+        t, x, *rest = raw.split(b":", 2)
+        until = _int(x)
+        if until > now_ms:
+            rows.append(
+                LockRow(ns, key, text(name), _int(t), until, value=rest[0] if rest else None)
+            )
+    rows.sort(key=lambda r: r.token)
+    return rows
 
 
 def unpack_claim(raw: Any) -> tuple[bytes, int, int]:

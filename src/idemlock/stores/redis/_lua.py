@@ -19,11 +19,20 @@ result stays within jemalloc's 160-byte class)::
            re-sent by the client) is recognised instead of reported stale
     result the rest of the string (completed)
 
-Lock record (a hash, one per (ns, key))::
+Lock record (a hash, one per (ns, key)); a lock is the one-permit case (``limit=1``,
+which travels with each acquire and is never stored) of a key many may hold::
 
-    o  owner (while held)          t  token counter: the last token issued
-    x  lease end (while held)      n  nonce of the releasing call
-    y  hand-off window end         g  the waiter (gid) the window is reserved for
+    o  owner of the newest permit   t  token counter: the last token issued
+    x  its lease end                n  nonce and token of the last releasing call
+    v  its published value, as "<token>:<value>" (only read while t is that token)
+    y  hand-off window end          g  the waiter (gid) the window is reserved for
+    h<owner>  every other permit: "<token>:<lease end>[:<value>]"
+
+The newest permit (token t) always lives in o/x, so a lock's record is exactly the
+shape the previous release wrote and read (o, t, x, y, g, n): a lock held by a process
+of either release is held for the other during a rolling upgrade. Granting another
+permit moves the one in o/x to its own h-field. Expired permits are dropped by the next
+script that writes the key; the key's PEXPIREAT covers its longest permit and window.
 
 Waiters of a lock (a hash beside it, same slot): gid -> "first:until" (ms).
 
@@ -94,22 +103,87 @@ _WITH_CLAIM = (
 
 _READ_LOCK = """
 local function read_lock(k)
-  local r = redis.pcall('HMGET', k, 'o', 't', 'x', 'y', 'g', 'n')
+  local r = redis.pcall('HGETALL', k)
   if r.err then return nil, 'wrong type' end
-  local t, x, y = tonumber(r[2]), tonumber(r[3]), tonumber(r[4])
-  if (r[2] and not t) or (r[3] and not x) or (r[4] and not y) then
+  local o, ts, xs, ys, g, n, v, hs
+  for i = 1, #r, 2 do
+    local name, val = r[i], r[i + 1]
+    if name == 'o' then o = val
+    elseif name == 't' then ts = val
+    elseif name == 'x' then xs = val
+    elseif name == 'n' then n = val
+    elseif name == 'y' then ys = val
+    elseif name == 'g' then g = val
+    elseif name == 'v' then v = val
+    elseif string.byte(name) == 104 then  -- 'h' .. owner: a permit beside the newest
+      local pt, px, rest = string.match(val, '^(%d+):(%d+)(.*)$')
+      if not pt or (rest ~= '' and string.byte(rest) ~= 58) then
+        return nil, 'not a holder'
+      end
+      local pv = nil
+      if rest ~= '' then pv = string.sub(rest, 2) end
+      hs = hs or {}
+      hs[string.sub(name, 2)] = {ts = pt, t = tonumber(pt), x = tonumber(px), v = pv, f = name}
+    else
+      return nil, 'foreign hash'
+    end
+  end
+  local t, x, y = tonumber(ts), tonumber(xs), tonumber(ys)
+  if (ts and not t) or (xs and not x) or (ys and not y) then
     return nil, 'not a number'
   end
-  if (r[1] and not x) or (x and not r[1]) or (y and not r[5]) then
+  if (o and not x) or (x and not o) or (y and not g) then
     return nil, 'missing field'
   end
-  if not t then
-    if x or y or r[6] then return nil, 'missing field' end
-    if redis.call('EXISTS', k) == 1 then return nil, 'foreign hash' end
+  if not t and #r > 0 then return nil, 'missing field' end
+  local live, count = {}, 0
+  if o and x > now then
+    local pv = nil
+    if v and string.sub(v, 1, #ts + 1) == ts .. ':' then pv = string.sub(v, #ts + 2) end
+    live[o] = {ts = ts, t = t, x = x, v = pv}  -- no f: the fields o, x and v
+    count = 1
   end
-  return {o = r[1], t = t, ts = r[2], x = x, y = y, g = r[5], n = r[6]}
+  local dead = {}
+  if hs then
+    for ho, p in pairs(hs) do
+      if p.x > now and not live[ho] then
+        live[ho] = p
+        count = count + 1
+      else
+        dead[#dead + 1] = p.f
+      end
+    end
+  end
+  return {t = t, ts = ts, o = o, y = y, g = g, n = n, v = v, live = live, count = count,
+          dead = dead}
 end
-local function held(l) return l.x and l.x > now end
+-- a hand-off window kept (for l.g)
+local function kept(l) return l.y and l.y > now end
+-- Write permit p of owner o: the newest (no p.f) in the fields x and v, another in its
+-- own field; expired holders' fields dropped with it.
+local function put(k, l, o, p)
+  if p.f then
+    local enc = p.ts .. ':' .. S(p.x)
+    if p.v then enc = enc .. ':' .. p.v end
+    redis.call('HSET', k, p.f, enc)
+  elseif p.v then
+    redis.call('HSET', k, 'x', S(p.x), 'v', p.ts .. ':' .. p.v)
+  else
+    redis.call('HSET', k, 'x', S(p.x))
+  end
+end
+local function prune(k, l, extra)
+  local del = l.dead
+  if extra then for _, e in ipairs(extra) do del[#del + 1] = e end end
+  if #del > 0 then redis.call('HDEL', k, unpack(del)) end
+end
+-- The key outlives its longest holder and its window by keep ms.
+local function expire_at(k, l, keep)
+  local last = now
+  for _, p in pairs(l.live) do if p.x > last then last = p.x end end
+  if l.y and l.y > last then last = l.y end
+  redis.call('PEXPIREAT', k, S(last + keep))
+end
 """
 
 # The start of most lock scripts: the record KEYS[1] read as `l`, a corrupt one refused.
@@ -276,8 +350,10 @@ local function register()
 end
 """
 
-# Rows lock.acquire, lock.reacquire, lock.busy, lock.handoff, lock.handoff.take.
-# KEYS[1] record, KEYS[2] waiters. ARGV: owner, ttl_ms, keep_ms, gid, register_ms
+# Rows lock.reacquire, lock.handoff.take, lock.acquire, lock.busy, lock.handoff (a lock
+# is the limit=1 case of the same rows).
+# KEYS[1] record, KEYS[2] waiters.
+# ARGV: owner, ttl_ms, keep_ms, gid, register_ms, limit, value ('' none, '=' .. value)
 ACQUIRE = (
     _PRELUDE
     + _READ_LOCK
@@ -286,42 +362,76 @@ ACQUIRE = (
 local l, why = read_lock(KEYS[1])
 if not l then return corrupt(why) end
 local ttl = tonumber(ARGV[2])
-if now + ttl > MAX_MS then return too_long(now + ttl) end
-if held(l) then
-  if l.o == ARGV[1] then
-    local x = now + ttl
-    redis.call('HSET', KEYS[1], 'x', S(x))
-    redis.call('PEXPIREAT', KEYS[1], S(x + tonumber(ARGV[3])))
-    return {ACQUIRED, l.t, x, ttl, 0}  -- 0: the owner held it already
-  end
-  register()
-  return {HELD, l.x, l.x - now}
+local x = now + ttl
+if x > MAX_MS then return too_long(x) end
+local keep = tonumber(ARGV[3])
+local val = nil
+if ARGV[7] ~= '' then val = string.sub(ARGV[7], 2) end
+local mine = l.live[ARGV[1]]
+if mine then  -- lock.reacquire: a re-sent acquire
+  mine.x = x
+  if val then mine.v = val end
+  put(KEYS[1], l, ARGV[1], mine)
+  prune(KEYS[1], l)
+  expire_at(KEYS[1], l, keep)
+  return {ACQUIRED, mine.t, x, ttl, 0}  -- 0: the owner held it already
 end
-if l.y and l.y > now and ARGV[4] ~= l.g then
+local limit = tonumber(ARGV[6])
+local window = kept(l)
+local take = window and ARGV[4] == l.g
+local room = l.count < limit  -- guard chosen (take), or room with no window kept
+if window and not take then room = l.count + 1 < limit end  -- guard room: the window counts
+if not room then  -- lock.busy, lock.handoff
   register()
-  return {HELD, l.y, l.y - now}
+  local u = nil
+  if window then u = l.y end
+  for _, p in pairs(l.live) do if not u or p.x < u then u = p.x end end
+  return {HELD, u, u - now}
+end
+-- lock.acquire, lock.handoff.take: the next token; the newest permit always lives in
+-- the fields o, t, x (the record of a lock, as the previous release wrote it), so a
+-- permit held there before moves to a field of its own.
+if l.y and not (window and not take) then  -- the window taken, or passed
+  l.dead[#l.dead + 1] = 'y'
+  l.dead[#l.dead + 1] = 'g'
+  l.y = nil
+end
+if l.n then l.dead[#l.dead + 1] = 'n' end
+if l.v and not val then l.dead[#l.dead + 1] = 'v' end
+prune(KEYS[1], l)
+local prev = l.o and l.live[l.o]
+if prev and not prev.f then
+  local enc = prev.ts .. ':' .. S(prev.x)
+  if prev.v then enc = enc .. ':' .. prev.v end
+  redis.call('HSET', KEYS[1], 'h' .. l.o, enc)
 end
 local t = next_fence(l.t)
-local x = now + ttl
-redis.call('HSET', KEYS[1], 'o', ARGV[1], 't', S(t), 'x', S(x))
-if l.y or l.n then redis.call('HDEL', KEYS[1], 'y', 'g', 'n') end
+local ts = S(t)
+if val then
+  redis.call('HSET', KEYS[1], 'o', ARGV[1], 't', ts, 'x', S(x), 'v', ts .. ':' .. val)
+else
+  redis.call('HSET', KEYS[1], 'o', ARGV[1], 't', ts, 'x', S(x))
+end
 if ARGV[4] ~= '' then redis.call('HDEL', KEYS[2], ARGV[4]) end
-redis.call('PEXPIREAT', KEYS[1], S(x + tonumber(ARGV[3])))
+l.live[ARGV[1]] = {x = x}
+expire_at(KEYS[1], l, keep)
 return {ACQUIRED, t, x, ttl, 1}  -- 1: taken by this call
 """
 )
 
 # Rows lock.release (opening the hand-off window: state reserved), lock.release.stale.
 # KEYS[1] record, KEYS[2] waiters. ARGV: owner, token, keep_ms, handoff_ms, channel, nonce
-# Publishes the chosen waiter's gid, or '*' (wake every waiter) when there is none.
+# Publishes the chosen waiter's gid, or '*' (wake every waiter) when there is none. A
+# freed permit with waiters queued keeps one slot for the oldest (one window at a time).
 RELEASE = (
     _WITH_LOCK
     + """
-if held(l) and l.o == ARGV[1] and l.ts == ARGV[2] then
+local p = l.live[ARGV[1]]
+if p and p.ts == ARGV[2] then
   local keep = tonumber(ARGV[3])
   local g = tonumber(ARGV[4])
   local chosen, since = nil, nil
-  if g > 0 then
+  if g > 0 and not kept(l) then
     local ws = redis.pcall('HGETALL', KEYS[2])
     if ws.err then return corrupt('waiters: wrong type') end
     for i = 1, #ws, 2 do
@@ -332,34 +442,55 @@ if held(l) and l.o == ARGV[1] and l.ts == ARGV[2] then
       end
     end
   end
-  redis.call('HDEL', KEYS[1], 'o', 'x')
-  if chosen then
-    redis.call('HSET', KEYS[1], 'y', S(now + g), 'g', chosen, 'n', ARGV[6])
-    keep = keep + g
+  l.live[ARGV[1]] = nil
+  if p.f then
+    prune(KEYS[1], l, {p.f})
+  elseif l.v then
+    prune(KEYS[1], l, {'o', 'x', 'v'})
   else
-    redis.call('HSET', KEYS[1], 'n', ARGV[6])
+    prune(KEYS[1], l, {'o', 'x'})
   end
-  redis.call('PEXPIRE', KEYS[1], S(keep))
+  local n = ARGV[6] .. ARGV[2]
+  if chosen then
+    l.y = now + g
+    redis.call('HSET', KEYS[1], 'y', S(l.y), 'g', chosen, 'n', n)
+  else
+    redis.call('HSET', KEYS[1], 'n', n)
+  end
+  expire_at(KEYS[1], l, keep)
   redis.call('PUBLISH', ARGV[5], chosen or '*')
   return OK
 end
-if not l.o and l.ts == ARGV[2] and l.n == ARGV[6] then return OK end
+if l.n == ARGV[6] .. ARGV[2] then  -- this call, re-sent: its permit is gone
+  for _, q in pairs(l.live) do if q.ts == ARGV[2] then return STALE end end
+  return OK
+end
 return STALE
 """
 )
 
-# State table row lock.break: held by anyone -> free, whatever owner and token.
-# KEYS[1] record. ARGV: keep_ms, channel. Reply: 1 if it was held, else 0.
-# The counter 't' stays (the next acquire issues a higher token); dropping 'o' and 'x'
-# makes the old holder's RENEW and RELEASE find no lease of theirs. Every waiter is
-# woken ('*'): no hand-off window is reserved, as nobody chose to hand the lock over.
-# Rows lock.break, lock.break.free.
+# Rows lock.break, lock.break.free: every holder (ARGV[3] '') or the permit with the
+# token ARGV[3] -> freed, whatever its owner. KEYS[1] record. ARGV: keep_ms, channel,
+# token. The counter 't' stays (the next acquire issues a higher token); the old holder's
+# RENEW and RELEASE find no permit of theirs. Every waiter is woken ('*'): no hand-off
+# window is opened, as nobody chose to hand the permit over.
 BREAK = (
     _WITH_LOCK
     + """
-if not held(l) then return STALE end
-redis.call('HDEL', KEYS[1], 'o', 'x', 'y', 'g', 'n')
-redis.call('PEXPIRE', KEYS[1], ARGV[1])
+if ARGV[3] == '' then
+  if l.count == 0 then return STALE end
+  local del = {'o', 'x', 'v', 'y', 'g', 'n'}
+  for o, p in pairs(l.live) do if p.f then del[#del + 1] = p.f end end
+  l.live, l.y = {}, nil
+  prune(KEYS[1], l, del)
+else
+  local who, p = nil, nil
+  for o, q in pairs(l.live) do if q.ts == ARGV[3] then who, p = o, q end end
+  if not p then return STALE end
+  l.live[who] = nil
+  if p.f then prune(KEYS[1], l, {p.f}) else prune(KEYS[1], l, {'o', 'x', 'v'}) end
+end
+expire_at(KEYS[1], l, tonumber(ARGV[1]))
 redis.call('PUBLISH', ARGV[2], '*')
 return OK
 """
@@ -374,28 +505,44 @@ return OK
 """
 )
 
-# Rows lock.renew, lock.renew.stale.
-# KEYS[1] record. ARGV: owner, token, ttl_ms, keep_ms. Reply: new expiry or NO_EXPIRY
+# Rows lock.renew, lock.renew.stale. KEYS[1] record.
+# ARGV: owner, token, ttl_ms, keep_ms, value ('' keeps it, '=' .. value replaces it).
+# Reply: the new expiry, or NO_EXPIRY
 RENEW = (
     _WITH_LOCK
     + """
-if held(l) and l.o == ARGV[1] and l.ts == ARGV[2] then
+local p = l.live[ARGV[1]]
+if p and p.ts == ARGV[2] then
   local x = now + tonumber(ARGV[3])
   if x > MAX_MS then return too_long(x) end
-  redis.call('HSET', KEYS[1], 'x', S(x))
-  redis.call('PEXPIREAT', KEYS[1], S(x + tonumber(ARGV[4])))
+  p.x = x
+  if ARGV[5] and ARGV[5] ~= '' then p.v = string.sub(ARGV[5], 2) end
+  put(KEYS[1], l, ARGV[1], p)
+  prune(KEYS[1], l)
+  expire_at(KEYS[1], l, tonumber(ARGV[4]))
   return x
 end
 return NO_EXPIRY
 """
 )
 
-# KEYS[1] record. Reply: {} or {owner, token, expires_ms}
+# KEYS[1] record. Reply: the live holders, lowest token first, four items each: owner,
+# token, expires_ms, value ('' for none, else '=' .. value).
 PEEK_LOCK = (
     _WITH_LOCK
     + """
-if held(l) then return {l.o, l.t, l.x} end
-return {}
+local ps = {}
+for o, p in pairs(l.live) do ps[#ps + 1] = {o, p} end
+table.sort(ps, function(a, b) return a[2].t < b[2].t end)
+local out = {}
+for _, e in ipairs(ps) do
+  local p = e[2]
+  out[#out + 1] = e[1]
+  out[#out + 1] = p.t
+  out[#out + 1] = p.x
+  if p.v then out[#out + 1] = '=' .. p.v else out[#out + 1] = '' end
+end
+return out
 """
 )
 

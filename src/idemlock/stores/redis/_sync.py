@@ -105,10 +105,23 @@ class RedisStore(SyncPlumbing):
 
     # ---- locks -------------------------------------------------------------------------
 
-    def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
+    def acquire(
+        self, ns: str, key: str, owner: str, ttl_ms: int, limit: int = 1, value: bytes | None = None
+    ) -> Acquired | Held:
+        """One more holder of the key while fewer than ``limit`` hold it (a lock:
+        ``limit=1``), in one script (rows ``lock.*``)."""
         n = C.names(ns, key)
         g = self._waiting(n.lock_channel)
-        args = (owner, ttl_ms, self._keep, g.gid if g is not None else b"", C.REGISTER_MS)
+        gid = g.gid if g is not None else b""
+        args = (
+            owner,
+            ttl_ms,
+            self._keep,
+            gid,
+            C.REGISTER_MS,
+            C.check_limit(limit),
+            C.pack_value(value),
+        )
 
         def undo(raw: Any) -> Any:
             # Only a lease this call took (not one the owner held before); without the
@@ -133,9 +146,9 @@ class RedisStore(SyncPlumbing):
         args = (owner, str(token), self._keep, self._handoff, n.lock_channel, C.nonce())
         return bool(self._eval(C.RELEASE, (n.lock, n.waiters), args, finish=True) == T.OK.code)
 
-    def break_lock(self, ns: str, key: str) -> bool:
+    def break_lock(self, ns: str, key: str, token: int | None = None) -> bool:
         n = C.names(ns, key)
-        args = (self._keep, n.lock_channel)
+        args = (self._keep, n.lock_channel, b"" if token is None else str(token))
         return bool(self._eval(C.BREAK, (n.lock,), args, finish=True) == T.OK.code)
 
     def renew_many(self, items: Sequence[tuple[Any, ...]]) -> list[int | None]:
@@ -180,14 +193,21 @@ class RedisStore(SyncPlumbing):
             # renewal is refused (the holder learns it lost it), the others stand.
             return [T.NO_EXPIRY if isinstance(r, Exception) else r for r in replies]
 
-    def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
+    def renew(
+        self, ns: str, key: str, owner: str, token: int, ttl_ms: int, value: bytes | None = None
+    ) -> int | None:
         n = C.names(ns, key)
-        exp = self._eval(C.RENEW, (n.lock,), (owner, str(token), ttl_ms, self._keep))
+        args = (owner, str(token), ttl_ms, self._keep, C.pack_value(value))
+        exp = self._eval(C.RENEW, (n.lock,), args)
         return None if exp == T.NO_EXPIRY else int(exp)
 
     def lock(self, ns: str, key: str) -> LockRow | None:
+        rows = self.holders(ns, key)
+        return rows[0] if rows else None
+
+    def holders(self, ns: str, key: str) -> Sequence[LockRow]:
         reply = self._eval(C.PEEK_LOCK, (C.names(ns, key).lock,), ())
-        return C.lock_row(ns, key, reply)
+        return C.holder_rows(ns, key, reply)
 
     def locks(self, ns_prefix: str) -> Sequence[LockRow]:
         rows: list[LockRow] = self._listing("l", ns_prefix)
@@ -239,7 +259,7 @@ class RedisStore(SyncPlumbing):
                         if kind == "c":
                             pipe.execute_command("GET", k, **ND)
                         else:
-                            pipe.hmget(k, *C.LOCK_FIELDS)
+                            pipe.execute_command("HGETALL", k, **ND)
                     values = pipe.execute(raise_on_error=False)
                     rows += C.listing_rows(kind, batch, values, now, ns_prefix)
                 return rows
