@@ -233,11 +233,29 @@ class Ops:
         self.root = root
         self._wlease: tuple[int, float] = (0, 0.0)
         self._claims: OrderedDict[tuple[str, str, str], tuple[int, str | None]] = OrderedDict()
+        #: (ns, key, owner, token) -> the etcd key of a permit this process was granted,
+        #: so release and renew send a Txn on that key alone (else on both it may be at)
+        self._permits_at: OrderedDict[tuple[str, str, str, int], bytes] = OrderedDict()
 
     def _remember(self, ns: str, key: str, token: str, fence: int, fp: str | None) -> None:
         self._claims[(ns, key, token)] = (fence, fp)
         if len(self._claims) > 10_000:
             self._claims.popitem(last=False)
+
+    def _granted(self, ns: str, key: str, owner: str, token: int, at: bytes) -> None:
+        self._permits_at[(ns, key, owner, token)] = at
+        if len(self._permits_at) > 10_000:
+            self._permits_at.popitem(last=False)
+
+    def _keys(self, ns: str, key: str, owner: str, token: int, forget: bool) -> tuple[bytes, ...]:
+        """Where ``owner``'s permit with ``token`` may be: the key it was granted at if
+        this process was, else both."""
+        ident = (ns, key, owner, token)
+        at = self._permits_at.pop(ident, None) if forget else self._permits_at.get(ident)
+        if at is not None:
+            return (at,)
+        name = K.lock_name(self.root, ns, key)
+        return (name, K.holder_name(name, owner))
 
     # ---- idempotency records ---------------------------------------------------------
 
@@ -486,7 +504,8 @@ class Ops:
         written = K.now_ms()
         lease_s = int(g.TTL)
         val = K.lock_value(owner, ttl_ms, lease_s, written, value)
-        take = [K.put(name if limit <= 1 else K.holder_name(name, owner), val, g.ID)]
+        at = name if limit <= 1 else K.holder_name(name, owner)
+        take = [K.put(at, val, g.ID)]
         refused = [K.get(name, end), K.oldest(qp, queue_end)]
         leave: list[Any] = []
         if waiter is not None:
@@ -509,6 +528,7 @@ class Ops:
             if resp.succeeded:
                 if waiter is not None:
                     waiter.rev = 0
+                self._granted(ns, key, owner, int(resp.header.revision), at)
                 return Acquired(int(resp.header.revision), written + ttl_ms, ttl_ms)
             reads = list(resp.responses)
             if waiter is not None:
@@ -529,6 +549,7 @@ class Ops:
                 if token:
                     if waiter is not None:
                         waiter.rev = 0
+                    self._granted(ns, key, owner, token, bytes(kv.key))
                     return Acquired(token, written + ttl_ms, ttl_ms)
                 continue  # it changed since the read: look again
             ours = not head or (waiter is not None and head[0].key == qp + waiter.wid)
@@ -569,7 +590,7 @@ class Ops:
         held = K.held_prefix(owner)
         tries = [
             _Try([K.cmp_create(k, token), *K.cmp_prefix(k, held)], K.delete(k, True))
-            for k in (name, K.holder_name(name, owner))
+            for k in self._keys(ns, key, owner, token, forget=True)
         ]
         rpc = Rpc("Txn", _chain(tries, []))
         resp = yield rpc
@@ -633,8 +654,7 @@ class Ops:
         self, ns: str, key: str, owner: str, token: int, ttl_ms: int, value: bytes | None = None
     ) -> Op:
         # Rows lock.renew, lock.renew.stale.
-        name = K.lock_name(self.root, ns, key)
-        mine = K.holder_name(name, owner)
+        keys = self._keys(ns, key, owner, token, forget=False)
         g = yield _grant(ttl_ms)
         written = K.now_ms()
         lease_s = int(g.TTL)
@@ -645,12 +665,12 @@ class Ops:
         ours = K.held_prefix(owner) if value is not None else K.plain_prefix(owner)
         tries = [
             _Try([K.cmp_create(k, token), *K.cmp_prefix(k, ours)], K.put(k, val, g.ID, prev=True))
-            for k in (name, mine)
+            for k in keys
         ]
         valued = K.valued_prefix(owner)
         resent = False
         for _ in range(TRIES):
-            rpc = Rpc("Txn", _chain(tries, [K.get(name), K.get(mine)]))
+            rpc = Rpc("Txn", _chain(tries, [K.get(k) for k in keys]))
             resp = yield rpc
             resent = resent or rpc.retried
             hit, inner = _which(resp, tries)
