@@ -608,3 +608,226 @@ def test_a_members_own_request_timeout_is_an_unknown_outcome_sent_again() -> Non
     assert _conf.classify(_RpcError(unknown, "some answer")) == _conf.FAIL
     invalid = grpc.StatusCode.INVALID_ARGUMENT
     assert _conf.classify(_RpcError(invalid, "deadline exceeded")) == _conf.FAIL
+
+
+# ---- permits: a key many may hold (counted leases) -----------------------------------------
+
+
+def _events(endpoint: str, name: bytes, start: int, until: bytes) -> list[Any]:
+    """Every event on the permits of the lock key ``name`` from revision ``start`` on,
+    up to the put of the key ``until`` (a marker written last), from etcd's history."""
+    from idemlock.stores.etcd._pb.mvccpb import kv_pb2
+
+    stop = threading.Event()
+    create = pb.WatchCreateRequest(key=name, range_end=K.lock_end(name), start_revision=start)
+
+    def requests() -> Iterator[Any]:
+        yield pb.WatchRequest(create_request=create)
+        stop.wait(60)
+
+    out: list[Any] = []
+    with grpc.insecure_channel(endpoint) as ch:
+        stream = stubs.WatchStub(ch).Watch(requests(), timeout=60)
+        try:
+            for resp in stream:
+                for ev in resp.events:
+                    if ev.kv.key == until and ev.type == kv_pb2.Event.PUT:
+                        return out
+                    out.append(ev)
+        finally:
+            stop.set()
+            stream.cancel()
+    raise AssertionError("the marker was not seen")
+
+
+def test_racing_callers_with_mixed_limits_never_over_grant(etcd_server: EtcdCluster) -> None:
+    """Threads, each with a store of its own (a process each), take and give back
+    permits of one key with limits 1, 2 and 3 at once. etcd's history of the key's
+    permits is then replayed: no grant ever found as many live holders as its caller's
+    limit (a limit-1 caller counts the permits of limit-3 callers too), and no owner
+    ever held two permits."""
+    from idemlock._core.port import Acquired, Held
+    from idemlock.stores.etcd import open_sync
+    from idemlock.stores.etcd._pb.mvccpb import kv_pb2
+
+    ns, rounds = prefix(), 25
+    limits = [1, 2, 2, 3, 3, 3, 3, 3, 3]
+    stores = [open_sync(etcd_server.url)[0] for _ in limits]
+    name = K.lock_name(K.ROOT, ns, "k")
+    with grpc.insecure_channel(etcd_server.endpoints[0]) as ch:
+        kv = stubs.KVStub(ch)
+        first = int(kv.Range(pb.RangeRequest(key=name), timeout=5).header.revision) + 1
+    barrier = threading.Barrier(len(limits))
+    grants = [0] * len(limits)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        store, owner = stores[i], f"L{limits[i]}-t{i}"
+        try:
+            barrier.wait(30)
+            for _ in range(rounds):
+                got = store.acquire(ns, "k", owner, 30_000, limits[i])
+                if isinstance(got, Acquired):
+                    grants[i] += 1
+                    assert len(store.holders(ns, "k")) <= 3
+                    assert store.release(ns, "k", owner, got.token)
+                else:
+                    assert isinstance(got, Held)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(limits))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "still running after 120 s"
+        assert not errors, errors
+        marker = name + b"\0~marker"
+        with grpc.insecure_channel(etcd_server.endpoints[0]) as ch:
+            stubs.KVStub(ch).Put(pb.PutRequest(key=marker, value=b""), timeout=5)
+        live: dict[bytes, str] = {}
+        peak = created = 0
+        for ev in _events(etcd_server.endpoints[0], name, first, marker):
+            if ev.type == kv_pb2.Event.DELETE:
+                live.pop(ev.kv.key, None)
+                continue
+            if ev.kv.version != 1:
+                continue  # a permit written again (renewed), not a new one
+            owner = K.parse_lock(ev.kv.value).owner
+            limit = int(owner.split("-")[0][1:])
+            assert len(live) < limit, (owner, sorted(live.values()))
+            assert owner not in live.values(), owner
+            live[ev.kv.key] = owner
+            created += 1
+            peak = max(peak, len(live))
+        assert created == sum(grants) and not live
+        # Permits were held side by side (a limit-1 caller, which needs the key empty,
+        # may get none while the others keep it busy).
+        assert sum(grants) > 0 and peak >= 2, (grants, peak)
+    finally:
+        for s in stores:
+            s.close()
+
+
+def _old_lock_value(owner: str, ttl_ms: int) -> bytes:
+    """A lock value as the previous releases write it (kind, owner, NUL, 3 times)."""
+    raw = owner.encode()
+    return (
+        b"L"
+        + len(raw).to_bytes(2, "big")
+        + raw
+        + b"\0"
+        + (K.now_ms()).to_bytes(8, "big")
+        + (ttl_ms.to_bytes(8, "big") + (30).to_bytes(8, "big"))
+    )
+
+
+def test_a_lock_of_the_previous_release_and_of_this_one_exclude_each_other(
+    etcd_server: EtcdCluster,
+) -> None:
+    """During an upgrade both releases run: a lock is the same etcd key with the same
+    value in both, so each sees the other's holder (the previous release took a lock
+    with a Txn that requires the lock key not to exist)."""
+    from idemlock._core.port import Acquired, Held
+    from idemlock.stores.etcd import open_sync
+
+    store, _ = open_sync(etcd_server.url)
+    ns = prefix()
+    name = K.lock_name(K.ROOT, ns, "k")
+
+    def old_acquire(kv: Any, owner: str) -> bool:
+        put = pb.RequestOp(
+            request_put=pb.PutRequest(key=name, value=_old_lock_value(owner, 30_000))
+        )
+        txn = pb.TxnRequest(
+            compare=[pb.Compare(key=name, target=pb.Compare.CREATE, create_revision=0)],
+            success=[put],
+        )
+        return bool(kv.Txn(txn, timeout=5).succeeded)
+
+    try:
+        with grpc.insecure_channel(etcd_server.endpoints[0]) as ch:
+            kv = stubs.KVStub(ch)
+            # The previous release holds it: this one's lock is refused, a semaphore's
+            # permit counts it as one holder.
+            assert old_acquire(kv, "old:1")
+            assert isinstance(store.acquire(ns, "k", "new:1", 30_000), Held)
+            row = store.lock(ns, "k")
+            assert row is not None and row.owner == "old:1"
+            two = store.acquire(ns, "k", "sem:1", 30_000, 2)
+            assert isinstance(two, Acquired) and two.token > row.token
+            assert [r.owner for r in store.holders(ns, "k")] == ["old:1", "sem:1"]
+            assert store.release(ns, "k", "sem:1", two.token)
+            assert store.release(ns, "k", "old:1", row.token)  # same key, same value shape
+            # This release holds it: the very key and value the previous one writes.
+            mine = store.acquire(ns, "k", "new:1", 30_000)
+            assert isinstance(mine, Acquired)
+            got = kv.Range(pb.RangeRequest(key=name, range_end=K.lock_end(name)), timeout=5).kvs
+            assert [x.key for x in got] == [name] and int(got[0].create_revision) == mine.token
+            old = _old_lock_value("new:1", 30_000)
+            assert len(got[0].value) == len(old) and got[0].value[:-24] == old[:-24]
+            assert not old_acquire(kv, "old:2")
+            assert store.release(ns, "k", "new:1", mine.token)
+            assert old_acquire(kv, "old:2")
+            kv.DeleteRange(pb.DeleteRangeRequest(key=name), timeout=5)
+    finally:
+        store.close()
+
+
+def test_a_freed_permit_goes_to_the_process_waiting_longest(etcd_server: EtcdCluster) -> None:
+    from idemlock._core.port import Acquired, Channel, Held
+    from idemlock.stores.etcd import open_sync
+
+    holder, waiter, newcomer = (open_sync(etcd_server.url)[0] for _ in range(3))
+    ns = prefix()
+    try:
+        a = holder.acquire(ns, "k", "a", 30_000, 2)
+        b = holder.acquire(ns, "k", "b", 30_000, 2)
+        assert isinstance(a, Acquired) and isinstance(b, Acquired)
+        sub = waiter.subscribe(Channel("lock", ns, "k"))
+        try:
+            for _ in range(2):  # as a waiting acquire does: it queues the process
+                assert isinstance(waiter.acquire(ns, "k", "w", 30_000, 2), Held)
+            assert holder.release(ns, "k", "a", a.token)
+            assert sub.wait(10)  # the watch of the key's permits saw one freed
+            # Room for one, kept for the process that waited: a newcomer is refused.
+            assert isinstance(newcomer.acquire(ns, "k", "n", 30_000, 2), Held)
+            got = waiter.acquire(ns, "k", "w", 30_000, 2)
+            assert isinstance(got, Acquired) and got.token > b.token
+        finally:
+            sub.close()
+        assert holder.release(ns, "k", "b", b.token)
+        # Nobody queues any more: the newcomer gets the freed permit.
+        deadline = time.monotonic() + 10
+        while not isinstance(newcomer.acquire(ns, "k", "n", 30_000, 2), Acquired):
+            assert time.monotonic() < deadline, "the queue kept the permit"
+            time.sleep(0.05)
+    finally:
+        for s in (holder, waiter, newcomer):
+            s.close()
+
+
+def test_a_resent_permit_transaction_is_recognised(etcd_server: EtcdCluster) -> None:
+    from idemlock._core.port import Acquired
+
+    store, _ = idemlock.stores.etcd.open_sync(etcd_server.url)
+    ns = prefix()
+    try:
+        other = store.acquire(ns, "k", "other", 30_000, 3)
+        assert isinstance(other, Acquired)
+        got = drive_twice(store, store.ops.acquire(ns, "k", "me", 30_000, 3, b"v1"))
+        assert isinstance(got, Acquired) and got.token > other.token
+        rows = {r.owner: r for r in store.holders(ns, "k")}
+        assert set(rows) == {"other", "me"} and rows["me"].token == got.token
+        assert rows["me"].value == b"v1"
+        # A renew without a value keeps the published one (read, then written back).
+        exp = drive_twice(store, store.ops.renew(ns, "k", "me", got.token, 60_000))
+        assert exp is not None and exp > got.expires_ms
+        rows = {r.owner: r for r in store.holders(ns, "k")}
+        assert rows["me"].value == b"v1" and rows["me"].expires_ms == exp
+        assert drive_twice(store, store.ops.release(ns, "k", "me", got.token)) is True
+        assert [r.owner for r in store.holders(ns, "k")] == ["other"]
+    finally:
+        store.close()

@@ -5,11 +5,12 @@ URLs: ``etcd://[user:password@]host:port[,host:port...]`` and ``etcds://`` (TLS,
 (seconds, default 5: the bound on one store call, retries and failover included),
 ``prefix`` (etcd key prefix, default ``idemlock/``), ``user``, ``password``.
 
-* Tokens and fences are Raft revisions (a lock's ``create_revision``, the revision of
+* Tokens and fences are Raft revisions (a permit's ``create_revision``, the revision of
   the Txn that granted a claim): they strictly increase for the cluster's life, with
   no clock assumption.
 * Every transition is one Txn guarded by compares on revisions and on the value's
-  owner/token prefix (:mod:`._ops`); a lock, a claim's lease marker and a completed
+  owner/token prefix (:mod:`._ops`); each permit of a lock key (a lock is the one-permit
+  case, stored as in the previous releases), a claim's lease marker and a completed
   record each live on an etcd lease of their own (etcd's clock decides expiry, in
   whole seconds, never before the caller's ttl ends).
 * A call whose reply was lost (UNAVAILABLE, DEADLINE_EXCEEDED) is sent again, to the

@@ -60,7 +60,9 @@ class AsyncEtcdStore(_AsyncRunner):
         r: Sequence[RecordRow] = await self._run(self.ops.records(ns_prefix))
         return r
 
-    async def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
+    async def acquire(
+        self, ns: str, key: str, owner: str, ttl_ms: int, limit: int = 1, value: bytes | None = None
+    ) -> Acquired | Held:
         name = K.lock_name(self.conf.root, ns, key)
         waiter = self._waiting(name)
 
@@ -79,22 +81,28 @@ class AsyncEtcdStore(_AsyncRunner):
             return None if stranded is None else self.ops.leave_queue(ns, key, stranded)
 
         r: Acquired | Held = await self._undoable(
-            self.ops.acquire(ns, key, owner, ttl_ms, waiter), undo
+            self.ops.acquire(ns, key, owner, ttl_ms, limit, value, waiter), undo
         )
         return r
 
     async def release(self, ns: str, key: str, owner: str, token: int) -> bool:
         return bool(await self._undoable(self.ops.release(ns, key, owner, token), _none))
 
-    async def break_lock(self, ns: str, key: str) -> bool:
-        return bool(await self._undoable(self.ops.break_lock(ns, key), _none))
+    async def break_lock(self, ns: str, key: str, token: int | None = None) -> bool:
+        return bool(await self._undoable(self.ops.break_lock(ns, key, token), _none))
 
-    async def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
-        r: int | None = await self._run(self.ops.renew(ns, key, owner, token, ttl_ms))
+    async def renew(
+        self, ns: str, key: str, owner: str, token: int, ttl_ms: int, value: bytes | None = None
+    ) -> int | None:
+        r: int | None = await self._run(self.ops.renew(ns, key, owner, token, ttl_ms, value))
         return r
 
     async def lock(self, ns: str, key: str) -> LockRow | None:
         r: LockRow | None = await self._run(self.ops.lock(ns, key))
+        return r
+
+    async def holders(self, ns: str, key: str) -> Sequence[LockRow]:
+        r: Sequence[LockRow] = await self._run(self.ops.holders(ns, key))
         return r
 
     async def locks(self, ns_prefix: str) -> Sequence[LockRow]:

@@ -6,13 +6,16 @@ kind ends the namespace, and escaping keeps prefixes)::
 
     R c/<esc ns>/<key> \\0 r     claim record (no lease: it outlives its claim's lease)
     R c/<esc ns>/<key> \\0 t     claim lease marker, on the claim's etcd lease
-    R l/<esc ns>/<key>           lock, on the lock's etcd lease
+    R l/<esc ns>/<key>           a lock, or a permit granted with limit=1, on its lease
+    R l/<esc ns>/<key> \\0 <owner>  a permit granted with a higher limit, on its lease
     R q/<esc ns>/<key> \\0 <id>    a process waiting for that lock (fair hand-off)
     R f/<esc ns>/<resource>      fence gate (no lease: a gate that forgot would accept
                                  a stale writer)
 
 The record and its marker share the prefix ``... \\0`` so one watch covers both.
-User keys hold no control characters (validated), so ``\\0`` cannot occur in them.
+User keys hold no control characters (validated), so ``\\0`` cannot occur in them: the
+range ``[R l/<esc ns>/<key>, R l/<esc ns>/<key> \\x01)`` holds exactly one key's permits
+(:func:`lock_end`), and one watch of it sees each of them freed.
 
 Values are binary and start with a kind byte; the owner or token follows right after,
 length-prefixed and then a NUL, so a Txn can test "the value starts with this
@@ -99,6 +102,17 @@ def lock_name(root: bytes, ns: str, key: str) -> bytes:
     return root + b"l/" + _esc(ns) + b"/" + key.encode("utf-8", "surrogatepass")
 
 
+def lock_end(name: bytes) -> bytes:
+    """The range_end of a lock key's permits: the name itself (a lock, a permit granted
+    with limit=1, and every previous release's lock) and ``name + NUL + owner``."""
+    return name + b"\x01"
+
+
+def holder_name(name: bytes, owner: str) -> bytes:
+    """Where a permit of ``owner`` granted with a limit above 1 lives."""
+    return name + b"\0" + owner.encode("utf-8", "surrogatepass")
+
+
 def queue_prefix(root: bytes, ns: str, key: str) -> bytes:
     """Where the processes waiting for a lock queue up (one key each, ``+ waiter id``)."""
     return root + b"q/" + _esc(ns) + b"/" + key.encode("utf-8", "surrogatepass") + b"\0"
@@ -113,7 +127,8 @@ def listing_prefix(root: bytes, kind: Literal["c", "l"], ns_prefix: str) -> byte
 
 
 def parse_name(root: bytes, kind: Literal["c", "l"], raw: bytes) -> tuple[str, str, bytes] | None:
-    """(ns, key, suffix) of a record/marker (suffix b"r"/b"t") or lock (suffix b"")."""
+    """(ns, key, suffix) of a record/marker (suffix b"r"/b"t") or permit (suffix b"" for
+    the lock key itself, else the owner's name of a ``name + NUL + owner`` permit)."""
     head = root + kind.encode() + b"/"
     if not raw.startswith(head):
         return None
@@ -126,6 +141,8 @@ def parse_name(root: bytes, kind: Literal["c", "l"], raw: bytes) -> tuple[str, s
         if len(tail) < 2 or tail[-2:-1] != b"\0":
             return None
         tail, suffix = tail[:-2], tail[-1:]
+    else:
+        tail, _, suffix = tail.partition(b"\0")
     try:
         return _unesc(ns_raw), tail.decode("utf-8", "surrogatepass"), suffix
     except UnicodeDecodeError:
@@ -135,6 +152,10 @@ def parse_name(root: bytes, kind: Literal["c", "l"], raw: bytes) -> tuple[str, s
 # ---- values ---------------------------------------------------------------------------
 #
 # lock      L u16 len owner \0 u64 written_ms u64 ttl_ms u64 lease_s
+#           (a permit with a published value: L u16 len owner \0 \x01 u32 len value
+#           u64 written_ms u64 ttl_ms u64 lease_s. Without one, a permit is byte for byte
+#           the lock of the previous releases, whose written_ms starts with \x00 until
+#           the year 2 million: a Txn tells the two apart by prefix, see plain_prefix)
 # in flight I u16 len token \0 fp
 # marker    T u64 written_ms u64 lease_ms u64 lease_s
 # completed C u16 len token \0 u64 fence u64 written_ms u64 ttl_ms u64 lease_s fp result
@@ -178,6 +199,21 @@ def owner_prefix(owner: str) -> bytes:
     return _id(b"L", owner)
 
 
+def held_prefix(owner: str) -> bytes:
+    """What every permit value of ``owner`` starts with (see :func:`cmp_prefix`)."""
+    return _id(b"L", owner) + b"\0"
+
+
+def plain_prefix(owner: str) -> bytes:
+    """What a permit value of ``owner`` without a published value starts with."""
+    return _id(b"L", owner) + b"\0\0"
+
+
+def valued_prefix(owner: str) -> bytes:
+    """What a permit value of ``owner`` with a published value starts with."""
+    return _id(b"L", owner) + b"\0\x01"
+
+
 def token_prefix(token: str) -> bytes:
     return _id(b"I", token)
 
@@ -186,8 +222,13 @@ def done_prefix(token: str) -> bytes:
     return _id(b"C", token)
 
 
-def lock_value(owner: str, ttl_ms: int, lease_s: int, written: int) -> bytes:
-    return owner_prefix(owner) + b"\0" + _Q.pack(written, ttl_ms, lease_s)
+def lock_value(
+    owner: str, ttl_ms: int, lease_s: int, written: int, value: bytes | None = None
+) -> bytes:
+    times = _Q.pack(written, ttl_ms, lease_s)
+    if value is None:
+        return owner_prefix(owner) + b"\0" + times
+    return valued_prefix(owner) + struct.pack(">I", len(value)) + bytes(value) + times
 
 
 def inflight_value(token: str, fp: str | None) -> bytes:
@@ -239,6 +280,8 @@ class Times:
 class LockVal:
     owner: str
     times: Times
+    #: what the holder published (an election's leader), or None
+    value: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,9 +303,18 @@ def parse_lock(raw: bytes) -> LockVal:
     if raw[:1] != b"L":
         raise ValueError("not a lock")
     owner, pos = _read_id(raw, 1)
-    if raw[pos : pos + 1] != b"\0" or len(raw) != pos + 1 + _Q.size:
+    if raw[pos : pos + 1] != b"\0":
         raise ValueError("bad lock value")
-    return LockVal(owner, Times(*_Q.unpack_from(raw, pos + 1)))
+    pos += 1
+    if len(raw) == pos + _Q.size:
+        return LockVal(owner, Times(*_Q.unpack_from(raw, pos)))
+    if raw[pos : pos + 1] != b"\x01":
+        raise ValueError("bad lock value")
+    (n,) = struct.unpack_from(">I", raw, pos + 1)
+    pos += 5
+    if len(raw) != pos + n + _Q.size:
+        raise ValueError("bad lock value")
+    return LockVal(owner, Times(*_Q.unpack_from(raw, pos + n)), raw[pos : pos + n])
 
 
 def parse_marker(raw: bytes) -> Times:
@@ -325,6 +377,25 @@ def cmp_starts(key: bytes, prefix: bytes) -> list[Any]:
     ]
 
 
+def cmp_prefix(key: bytes, prefix: bytes) -> list[Any]:
+    """The value of ``key`` starts with ``prefix`` and is longer (a missing key fails)."""
+    return [
+        C(key=key, target=C.VALUE, result=C.GREATER, value=prefix),
+        C(key=key, target=C.VALUE, result=C.LESS, value=prefix_end(prefix)),
+    ]
+
+
+def cmp_no_key(key: bytes, end: bytes) -> Any:
+    """No key in ``[key, end)`` (etcd compares an empty range as one missing key)."""
+    return C(key=key, range_end=end, target=C.VERSION, result=C.EQUAL, version=0)
+
+
+def cmp_created_by(key: bytes, end: bytes, rev: int) -> Any:
+    """Every key in ``[key, end)`` was created at revision ``rev`` or before: none was
+    created since a read at ``rev``."""
+    return C(key=key, range_end=end, target=C.CREATE, result=C.LESS, create_revision=rev + 1)
+
+
 def cmp_range(key: bytes, low: bytes, high: bytes) -> list[Any]:
     """``low < value < high`` (bytewise)."""
     return [
@@ -341,12 +412,28 @@ def put(key: bytes, value: bytes, lease: int = 0, prev: bool = False) -> Any:
     return pb.RequestOp(request_put=pb.PutRequest(key=key, value=value, lease=lease, prev_kv=prev))
 
 
-def get(key: bytes) -> Any:
-    return pb.RequestOp(request_range=pb.RangeRequest(key=key))
+def get(key: bytes, end: bytes = b"") -> Any:
+    return pb.RequestOp(request_range=pb.RangeRequest(key=key, range_end=end))
 
 
-def delete(key: bytes, prev: bool = False) -> Any:
-    return pb.RequestOp(request_delete_range=pb.DeleteRangeRequest(key=key, prev_kv=prev))
+def oldest(key: bytes, end: bytes) -> Any:
+    """The name of the key in ``[key, end)`` created first (a queue's head)."""
+    return pb.RequestOp(
+        request_range=pb.RangeRequest(
+            key=key,
+            range_end=end,
+            limit=1,
+            keys_only=True,
+            sort_order=pb.RangeRequest.ASCEND,
+            sort_target=pb.RangeRequest.CREATE,
+        )
+    )
+
+
+def delete(key: bytes, prev: bool = False, end: bytes = b"") -> Any:
+    return pb.RequestOp(
+        request_delete_range=pb.DeleteRangeRequest(key=key, range_end=end, prev_kv=prev)
+    )
 
 
 def txn(compare: list[Any], success: list[Any], failure: list[Any]) -> Any:

@@ -21,7 +21,7 @@ import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Generator
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from ..._core.port import Acquired, Busy, Done, Granted, Held, LockRow, Mismatch, RecordRow
 from . import _codec as K
@@ -118,6 +118,113 @@ class Waiter:
         self.rev = 0
 
 
+#: a grant's attempts at most, each after a conflict (a permit granted meanwhile)
+TRIES = 8
+#: the re-check of a caller whose every attempt met a permit granted meanwhile
+RACE_MS = 50
+
+
+def _first(qp: bytes, queue_end: bytes, waiter: Waiter | None) -> Any:
+    """No other process waits longer for the key (queue keys, ordered by their
+    create_revision): this process is the oldest there, or nobody queues."""
+    if waiter is not None and waiter.rev:
+        return pb.Compare(
+            key=qp,
+            range_end=queue_end,
+            target=pb.Compare.CREATE,
+            result=pb.Compare.GREATER,
+            create_revision=waiter.rev - 1,
+        )
+    return pb.Compare(
+        key=qp, range_end=queue_end, target=pb.Compare.VERSION, result=pb.Compare.EQUAL
+    )
+
+
+class _Try(NamedTuple):
+    """One alternative of a chain of nested Txns: if ``compares`` hold, ``op``."""
+
+    compares: list[Any]
+    op: Any
+
+
+def _chain(tries: list[_Try], last: list[Any]) -> Any:
+    """One Txn trying each alternative in turn (each in the failure branch of the one
+    before); ``last`` runs if none applies."""
+    req = K.txn(tries[-1].compares, [tries[-1].op], last)
+    for t in reversed(tries[:-1]):
+        req = K.txn(t.compares, [t.op], [K.nested(req)])
+    return req
+
+
+def _which(resp: Any, tries: list[_Try]) -> tuple[_Try | None, Any]:
+    """The alternative of a :func:`_chain` that applied, and its TxnResponse; (None,
+    the innermost TxnResponse, answering ``last``) if none did."""
+    for i, t in enumerate(tries):
+        if resp.succeeded:
+            return t, resp
+        if i + 1 < len(tries):
+            resp = resp.responses[0].response_txn
+    return None, resp
+
+
+def _moved(put: Any, lease: int) -> Generator[Rpc, Any, int]:
+    """After a put that moved a permit to ``lease``: revoke its previous lease; its
+    token."""
+    prev = put.prev_kv
+    if prev.lease and prev.lease != lease:
+        yield _revoke(prev.lease)
+    return int(prev.create_revision)
+
+
+def _rewrite(
+    kv: Any,
+    owner: str,
+    ttl_ms: int,
+    lease_s: int,
+    written: int,
+    lease: int,
+    value: bytes | None,
+    also: list[Any],
+) -> Generator[Rpc, Any, tuple[int, bool]]:
+    """Write ``owner``'s permit ``kv`` (as read) again on ``lease``, with new times and
+    ``value`` (None: the one it has, which a Txn cannot copy), and do ``also``, if
+    nothing changed the permit since the read: (its token, 0 if something did; whether
+    the Txn was re-sent)."""
+    if value is None:
+        try:
+            value = K.parse_lock(kv.value).value
+        except _BAD as exc:
+            raise K.corrupt(kv.key, exc) from exc
+    val = K.lock_value(owner, ttl_ms, lease_s, written, value)
+    rpc = Rpc(
+        "Txn",
+        K.txn(
+            [K.cmp_mod(kv.key, int(kv.mod_revision))],
+            [K.put(kv.key, val, lease, prev=True), *also],
+            [],
+        ),
+    )
+    done = yield rpc
+    if not done.succeeded:
+        return 0, rpc.retried
+    yield from _moved(done.responses[0].response_put, lease)
+    return int(kv.create_revision), rpc.retried
+
+
+def _held(holders: Any, now: int) -> Held:
+    """Held until the earliest holder's expiry; ``ttl_ms`` (when the caller looks
+    again, unless a watch wakes it first) no later than etcd may keep that permit,
+    nor than its ttl from now."""
+    times = []
+    for kv in holders:
+        try:
+            times.append(K.parse_lock(kv.value).times)
+        except _BAD as exc:
+            raise K.corrupt(kv.key, exc) from exc
+    first = min(times, key=lambda t: t.expires_ms)
+    return Held(first.expires_ms, max(1, min(first.left_ms(now), first.ttl_ms)))
+
+
 class Ops:
     """The op generators over one key root. Keeps, per claim this process was granted,
     its fence and fingerprint, so ``complete`` needs no read first."""
@@ -126,11 +233,29 @@ class Ops:
         self.root = root
         self._wlease: tuple[int, float] = (0, 0.0)
         self._claims: OrderedDict[tuple[str, str, str], tuple[int, str | None]] = OrderedDict()
+        #: (ns, key, owner, token) -> the etcd key of a permit this process was granted,
+        #: so release and renew send a Txn on that key alone (else on both it may be at)
+        self._permits_at: OrderedDict[tuple[str, str, str, int], bytes] = OrderedDict()
 
     def _remember(self, ns: str, key: str, token: str, fence: int, fp: str | None) -> None:
         self._claims[(ns, key, token)] = (fence, fp)
         if len(self._claims) > 10_000:
             self._claims.popitem(last=False)
+
+    def _granted(self, ns: str, key: str, owner: str, token: int, at: bytes) -> None:
+        self._permits_at[(ns, key, owner, token)] = at
+        if len(self._permits_at) > 10_000:
+            self._permits_at.popitem(last=False)
+
+    def _keys(self, ns: str, key: str, owner: str, token: int, forget: bool) -> tuple[bytes, ...]:
+        """Where ``owner``'s permit with ``token`` may be: the key it was granted at if
+        this process was, else both."""
+        ident = (ns, key, owner, token)
+        at = self._permits_at.pop(ident, None) if forget else self._permits_at.get(ident)
+        if at is not None:
+            return (at,)
+        name = K.lock_name(self.root, ns, key)
+        return (name, K.holder_name(name, owner))
 
     # ---- idempotency records ---------------------------------------------------------
 
@@ -321,15 +446,55 @@ class Ops:
                 rows.append(row)
         return rows
 
-    # ---- locks -----------------------------------------------------------------------
+    # ---- locks and permits -----------------------------------------------------------
+    #
+    # A lock is the limit=1 case of a key's permits (rows lock.*). Each permit is an etcd
+    # key of its own on an etcd lease of its own (holders expire one by one, on etcd's
+    # clock); its token is the key's create_revision, so tokens strictly increase per
+    # key over every permit ever granted (revisions never repeat). A permit granted
+    # with limit=1 is the lock name itself, byte for byte the lock of the previous
+    # releases: a process of the previous release and one of this release keep
+    # excluding each other while a deployment upgrades. A permit granted with a higher
+    # limit is ``name + NUL + owner``. An owner has one permit at most: every op looks
+    # for it at both. ``[name, lock_end(name))`` holds exactly the key's permits.
+    #
+    # Counting, in one Txn, under races. An etcd compare cannot count keys, but it can
+    # hold for every key of a range. A grant is conditioned on what a read saw: "no key
+    # of the range was created after revision R" (``cmp_created_by``) means the holders
+    # now are some of those read at R (others may have expired or been freed since),
+    # so fewer than the caller's limit at R is fewer now: never an over-grant, whatever
+    # limits concurrent callers pass, since every caller counts every holder of the
+    # range. The read is the refused Txn's own failure branch, not a Range of its own:
+    # an acquire first tries "nobody holds the key" (the only grant a lock can get: one
+    # Txn, as before), and a key with holders and room costs a second Txn, conditioned
+    # on the first one's read. A conflict (a permit created meanwhile: another caller
+    # got it, so the callers as a whole progress) reads again in the same refused Txn,
+    # at most TRIES times; then the caller is answered Held for RACE_MS.
+    #
+    # Slot keys 0..limit-1 taken in nested Txns were the other way; they cannot serve
+    # mixed limits without a count either: a limit-2 caller finding slot 0 free must
+    # still count the slots >= 2 a limit-3 caller took.
+    #
+    # Hand-off: the waiters' queue as before. A grant also needs that no other process
+    # waits longer (its queue key), so a permit freed while processes wait goes to the
+    # oldest one; a refused Txn reads the queue's head to know whether it is this one.
 
     def acquire(
-        self, ns: str, key: str, owner: str, ttl_ms: int, waiter: Waiter | None = None
+        self,
+        ns: str,
+        key: str,
+        owner: str,
+        ttl_ms: int,
+        limit: int = 1,
+        value: bytes | None = None,
+        waiter: Waiter | None = None,
     ) -> Op:
-        """``waiter``: this process has callers waiting for the lock; they queue up."""
+        """``waiter``: this process has callers waiting for the key; they queue up."""
         # Rows lock.acquire, lock.reacquire, lock.busy; the waiters' queue is etcd's
-        # hand-off (lock.handoff: a free lock another process waited longer for).
+        # hand-off (lock.handoff, lock.handoff.take: a permit freed while another
+        # process waited longer is its turn).
         name = K.lock_name(self.root, ns, key)
+        end = K.lock_end(name)
         qp = K.queue_prefix(self.root, ns, key)
         queue_end = K.prefix_end(qp)
         g = yield _grant(ttl_ms)
@@ -337,65 +502,70 @@ class Ops:
         if waiter is not None:
             wlease = yield from self._waiter_lease()
         written = K.now_ms()
-        value = K.lock_value(owner, ttl_ms, int(g.TTL), written)
-        # Fair hand-off: the lock is taken only when it is free AND no process waits
-        # longer (queue keys, ordered by their create_revision); a queued waiter that
-        # takes it leaves the queue in the same Txn.
-        if waiter is not None and waiter.rev:
-            first = pb.Compare(
-                key=qp,
-                range_end=queue_end,
-                target=pb.Compare.CREATE,
-                result=pb.Compare.GREATER,
-                create_revision=waiter.rev - 1,
-            )
-        else:
-            first = pb.Compare(
-                key=qp, range_end=queue_end, target=pb.Compare.VERSION, result=pb.Compare.EQUAL
-            )
-        take = [K.put(name, value, g.ID)]
-        held = [K.get(name)]
+        lease_s = int(g.TTL)
+        val = K.lock_value(owner, ttl_ms, lease_s, written, value)
+        at = name if limit <= 1 else K.holder_name(name, owner)
+        take = [K.put(at, val, g.ID)]
+        refused = [K.get(name, end), K.oldest(qp, queue_end)]
+        leave: list[Any] = []
         if waiter is not None:
-            take.append(K.delete(qp + waiter.wid))
-            held.append(K.put(qp + waiter.wid, b"", wlease, prev=True))
-        # free -> ours (token = the creating Txn's revision); ours already (a retried
-        # acquire) -> same token, new lease; else read the holder (and queue up).
-        again = K.txn(
-            K.cmp_starts(name, K.owner_prefix(owner)),
-            [K.put(name, value, g.ID, prev=True), K.get(name)],
-            held,
-        )
-        rpc = Rpc("Txn", K.txn([K.cmp_create(name, 0), first], take, [K.nested(again)]))
-        resp = yield rpc
-        if resp.succeeded:
+            leave = [K.delete(qp + waiter.wid)]
+            take.extend(leave)
+            refused.insert(0, K.put(qp + waiter.wid, b"", wlease, prev=True))
+        held = K.held_prefix(owner)
+        seen: int | None = None  # the revision of a read that found room
+        resent = False
+        reply: Acquired | Held | None = None
+        for _ in range(TRIES):
+            if seen is None:
+                # First: nobody holds the key (a limit below 1 never has room).
+                room = K.cmp_no_key(name, end) if limit >= 1 else K.cmp_created_by(name, end, -1)
+            else:
+                room = K.cmp_created_by(name, end, seen)
+            rpc = Rpc("Txn", K.txn([room, _first(qp, queue_end, waiter)], take, refused))
+            resp = yield rpc
+            resent = resent or rpc.retried
+            if resp.succeeded:
+                if waiter is not None:
+                    waiter.rev = 0
+                self._granted(ns, key, owner, int(resp.header.revision), at)
+                return Acquired(int(resp.header.revision), written + ttl_ms, ttl_ms)
+            reads = list(resp.responses)
             if waiter is not None:
-                waiter.rev = 0
-            return Acquired(int(resp.header.revision), written + ttl_ms, ttl_ms)
-        inner = resp.responses[0].response_txn
-        if inner.succeeded:
-            old = inner.responses[0].response_put.prev_kv.lease
-            if old and old != g.ID:
-                yield _revoke(old)
-            token = int(K.kvs(inner.responses[1])[0].create_revision)
-            return Acquired(token, written + ttl_ms, ttl_ms)
-        if not rpc.retried:  # else its first attempt may hold this lease
+                prev = reads.pop(0).response_put
+                waiter.rev = (
+                    int(prev.prev_kv.create_revision)
+                    if prev.HasField("prev_kv")
+                    else int(resp.header.revision)
+                )
+            holders, head = K.kvs(reads[0]), K.kvs(reads[1])
+            kv = next((kv for kv in holders if kv.value.startswith(held)), None)
+            if kv is not None:
+                # Row lock.reacquire: the owner's own permit (a re-sent acquire; rare,
+                # so not in the Txn above): same token, new lease and expiry.
+                args = (owner, ttl_ms, lease_s, written, g.ID, value, leave)
+                token, again = yield from _rewrite(kv, *args)
+                resent = resent or again
+                if token:
+                    if waiter is not None:
+                        waiter.rev = 0
+                    self._granted(ns, key, owner, token, bytes(kv.key))
+                    return Acquired(token, written + ttl_ms, ttl_ms)
+                continue  # it changed since the read: look again
+            ours = not head or (waiter is not None and head[0].key == qp + waiter.wid)
+            if len(holders) < limit and ours:
+                seen = int(resp.header.revision)  # room at this read: take it if unchanged
+                continue
+            now = K.now_ms()
+            # Full for the caller's limit; else room, but another process's turn.
+            full = holders and len(holders) >= limit
+            reply = _held(holders, now) if full else Held(now + QUEUED_MS, QUEUED_MS)
+            break
+        if reply is None:  # every try met a permit granted meanwhile
+            reply = Held(K.now_ms() + RACE_MS, RACE_MS)
+        if not resent:  # else a first attempt may hold this lease
             yield _revoke(g.ID)
-        if waiter is not None:
-            prev = inner.responses[1].response_put
-            waiter.rev = (
-                int(prev.prev_kv.create_revision)
-                if prev.HasField("prev_kv")
-                else int(resp.header.revision)
-            )
-        holder = K.kvs(inner.responses[0])
-        now = K.now_ms()
-        if not holder:  # free, but another process waits longer: its turn
-            return Held(now + QUEUED_MS, QUEUED_MS)
-        try:
-            val = K.parse_lock(holder[0].value)
-        except _BAD as exc:
-            raise K.corrupt(name, exc) from exc
-        return Held(val.times.expires_ms, val.times.left_ms(now))
+        return reply
 
     def _waiter_lease(self) -> Generator[Rpc, Any, int]:
         """The lease this store's queue keys live on: granted for WAITER_S, replaced
@@ -409,67 +579,141 @@ class Ops:
         return int(g.ID)
 
     def leave_queue(self, ns: str, key: str, waiter: Waiter) -> Op:
-        """This process stopped waiting for the lock: give up its place."""
+        """This process stopped waiting for the key: give up its place."""
         qp = K.queue_prefix(self.root, ns, key)
         yield Rpc("DeleteRange", pb.DeleteRangeRequest(key=qp + waiter.wid))
         waiter.rev = 0
 
-    def _held_by(self, name: bytes, owner: str, token: int) -> list[Any]:
-        return [K.cmp_create(name, token), *K.cmp_starts(name, K.owner_prefix(owner))]
-
     def release(self, ns: str, key: str, owner: str, token: int) -> Op:
         # Rows lock.release, lock.release.stale.
         name = K.lock_name(self.root, ns, key)
-        rpc = Rpc(
-            "Txn",
-            K.txn(self._held_by(name, owner, token), [K.delete(name, prev=True)], [K.get(name)]),
-        )
+        held = K.held_prefix(owner)
+        tries = [
+            _Try([K.cmp_create(k, token), *K.cmp_prefix(k, held)], K.delete(k, True))
+            for k in self._keys(ns, key, owner, token, forget=True)
+        ]
+        rpc = Rpc("Txn", _chain(tries, []))
         resp = yield rpc
-        if resp.succeeded:
-            yield from _revoke_leases(resp.responses[0].response_delete_range.prev_kvs)
+        hit, inner = _which(resp, tries)
+        if hit is not None:
+            yield from _revoke_leases(inner.responses[0].response_delete_range.prev_kvs)
             return True
-        return rpc.retried and not K.kvs(resp.responses[0])
+        if not rpc.retried:
+            return False
+        # Re-sent after a lost reply, and the permit is gone: the first attempt freed it.
+        found = yield Rpc(
+            "Range", pb.RangeRequest(key=name, range_end=K.lock_end(name), keys_only=True)
+        )
+        return not any(int(kv.create_revision) == token for kv in found.kvs)
 
-    def break_lock(self, ns: str, key: str) -> Op:
-        """State table row ``lock.break``: held by anyone -> free, in one DeleteRange.
-        The next acquire creates the key again at a later revision (a higher token);
-        the old holder's compares on its create revision fail. A re-sent call whose
-        first attempt went through finds nothing and answers False."""
+    def break_lock(self, ns: str, key: str, token: int | None = None) -> Op:
+        """State table row ``lock.break``: every permit freed (``token`` None, in one
+        DeleteRange), or the permit with ``token`` (a read finds its key, then a Txn
+        deletes it if it still has that token). Later acquires create keys at later
+        revisions (higher tokens); the old holders' compares on their create revisions
+        fail. A re-sent call whose first attempt went through finds nothing and answers
+        False."""
         name = K.lock_name(self.root, ns, key)
-        resp = yield Rpc("DeleteRange", pb.DeleteRangeRequest(key=name, prev_kv=True))
-        yield from _revoke_leases(resp.prev_kvs)
-        return bool(resp.deleted)
+        end = K.lock_end(name)
+        if token is None:
+            resp = yield Rpc(
+                "DeleteRange", pb.DeleteRangeRequest(key=name, range_end=end, prev_kv=True)
+            )
+            yield from _revoke_leases(resp.prev_kvs)
+            return bool(resp.deleted)
+        found = yield Rpc("Range", pb.RangeRequest(key=name, range_end=end, keys_only=True))
+        for kv in found.kvs:
+            if int(kv.create_revision) == token:
+                resp = yield Rpc(
+                    "Txn",
+                    K.txn([K.cmp_create(kv.key, token)], [K.delete(kv.key, prev=True)], []),
+                )
+                if not resp.succeeded:
+                    return False
+                yield from _revoke_leases(resp.responses[0].response_delete_range.prev_kvs)
+                return True
+        return False
 
     def release_owner(self, ns: str, key: str, owner: str, waiter: Waiter | None = None) -> Op:
-        """Free the lock if ``owner`` holds it (undo of an acquire whose reply is lost),
-        and give up ``waiter``'s place in its queue."""
+        """Free ``owner``'s permit if it has one (undo of an acquire whose reply is
+        lost), and give up ``waiter``'s place in the key's queue."""
         name = K.lock_name(self.root, ns, key)
-        resp = yield Rpc(
-            "Txn", K.txn(K.cmp_starts(name, K.owner_prefix(owner)), [K.delete(name, prev=True)], [])
-        )
-        if resp.succeeded:
-            yield from _revoke_leases(resp.responses[0].response_delete_range.prev_kvs)
+        tries = [
+            _Try(K.cmp_prefix(k, K.held_prefix(owner)), K.delete(k, True))
+            for k in (name, K.holder_name(name, owner))
+        ]
+        resp = yield Rpc("Txn", _chain(tries, []))
+        hit, inner = _which(resp, tries)
+        if hit is not None:
+            yield from _revoke_leases(inner.responses[0].response_delete_range.prev_kvs)
         if waiter is not None:
             yield from self.leave_queue(ns, key, waiter)
-        return bool(resp.succeeded)
+        return hit is not None
 
-    def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> Op:
+    def renew(
+        self, ns: str, key: str, owner: str, token: int, ttl_ms: int, value: bytes | None = None
+    ) -> Op:
         # Rows lock.renew, lock.renew.stale.
-        name = K.lock_name(self.root, ns, key)
+        keys = self._keys(ns, key, owner, token, forget=False)
         g = yield _grant(ttl_ms)
         written = K.now_ms()
-        value = K.lock_value(owner, ttl_ms, int(g.TTL), written)
-        rpc = Rpc(
-            "Txn",
-            K.txn(self._held_by(name, owner, token), [K.put(name, value, g.ID, prev=True)], []),
-        )
-        if not (yield from _move_to_lease(rpc, g.ID)):
-            return None
-        return written + ttl_ms
+        lease_s = int(g.TTL)
+        val = K.lock_value(owner, ttl_ms, lease_s, written, value)
+        # Without a new value, a permit that published one keeps it: a Txn cannot copy
+        # it, so only a permit without one is written here (a lock: one Txn), and one
+        # with a value read and written back by _rewrite.
+        ours = K.held_prefix(owner) if value is not None else K.plain_prefix(owner)
+        tries = [
+            _Try([K.cmp_create(k, token), *K.cmp_prefix(k, ours)], K.put(k, val, g.ID, prev=True))
+            for k in keys
+        ]
+        valued = K.valued_prefix(owner)
+        resent = False
+        for _ in range(TRIES):
+            rpc = Rpc("Txn", _chain(tries, [K.get(k) for k in keys]))
+            resp = yield rpc
+            resent = resent or rpc.retried
+            hit, inner = _which(resp, tries)
+            if hit is not None:
+                yield from _moved(inner.responses[0].response_put, g.ID)
+                return written + ttl_ms
+            kv = next(
+                (
+                    kv
+                    for r in inner.responses
+                    for kv in K.kvs(r)
+                    if int(kv.create_revision) == token and kv.value.startswith(valued)
+                ),
+                None,
+            )
+            if kv is None or value is not None:
+                break
+            kept, again = yield from _rewrite(kv, owner, ttl_ms, lease_s, written, g.ID, None, [])
+            resent = resent or again
+            if kept:
+                return written + ttl_ms
+        if not resent:  # else a first attempt may hold this lease
+            yield _revoke(g.ID)
+        return None
+
+    def _permits(self, ns: str, key: str) -> Generator[Rpc, Any, list[LockRow]]:
+        """Every permit of a key, lowest token first."""
+        name = K.lock_name(self.root, ns, key)
+        resp = yield Rpc("Range", pb.RangeRequest(key=name, range_end=K.lock_end(name)))
+        rows = []
+        for kv in resp.kvs:
+            try:
+                rows.append(R.lock_row(ns, key, kv))
+            except _BAD as exc:
+                raise K.corrupt(kv.key, exc) from exc
+        return sorted(rows, key=lambda r: r.token)
 
     def lock(self, ns: str, key: str) -> Op:
-        name = K.lock_name(self.root, ns, key)
-        return (yield from _read_one(name, lambda kv: R.lock_row(ns, key, kv)))
+        rows = yield from self._permits(ns, key)
+        return rows[0] if rows else None
+
+    def holders(self, ns: str, key: str) -> Op:
+        return (yield from self._permits(ns, key))
 
     def locks(self, ns_prefix: str) -> Op:
         rows: list[LockRow] = []
@@ -478,7 +722,7 @@ class Ops:
                 rows.append(R.lock_row(ns, key, kv))
             except _BAD as exc:
                 rows.append(R.corrupt("l", kv.key, str(exc), ns, key))
-        return rows
+        return sorted(rows, key=lambda r: (r.ns, r.key, r.token))
 
     # ---- fences ----------------------------------------------------------------------
 

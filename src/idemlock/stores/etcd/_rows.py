@@ -28,7 +28,9 @@ def record_row(ns: str, key: str, rec: Any, marker: Any) -> RecordRow | None:
 
 def lock_row(ns: str, key: str, kv: Any) -> LockRow:
     val = K.parse_lock(kv.value)
-    return LockRow(ns, key, val.owner, int(kv.create_revision), val.times.expires_ms)
+    return LockRow(
+        ns, key, val.owner, int(kv.create_revision), val.times.expires_ms, value=val.value
+    )
 
 
 def corrupt(kind: Literal["c", "l"], raw: bytes, why: str, ns: str = "", key: str = "") -> Any:

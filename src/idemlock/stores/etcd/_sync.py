@@ -58,7 +58,9 @@ class EtcdStore(_SyncRunner):
         r: Sequence[RecordRow] = self._run(self.ops.records(ns_prefix))
         return r
 
-    def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
+    def acquire(
+        self, ns: str, key: str, owner: str, ttl_ms: int, limit: int = 1, value: bytes | None = None
+    ) -> Acquired | Held:
         name = K.lock_name(self.conf.root, ns, key)
         waiter = self._waiting(name)
 
@@ -76,21 +78,29 @@ class EtcdStore(_SyncRunner):
                 return self.ops.release_owner(ns, key, owner, stranded)
             return None if stranded is None else self.ops.leave_queue(ns, key, stranded)
 
-        r: Acquired | Held = self._undoable(self.ops.acquire(ns, key, owner, ttl_ms, waiter), undo)
+        r: Acquired | Held = self._undoable(
+            self.ops.acquire(ns, key, owner, ttl_ms, limit, value, waiter), undo
+        )
         return r
 
     def release(self, ns: str, key: str, owner: str, token: int) -> bool:
         return bool(self._undoable(self.ops.release(ns, key, owner, token), _none))
 
-    def break_lock(self, ns: str, key: str) -> bool:
-        return bool(self._undoable(self.ops.break_lock(ns, key), _none))
+    def break_lock(self, ns: str, key: str, token: int | None = None) -> bool:
+        return bool(self._undoable(self.ops.break_lock(ns, key, token), _none))
 
-    def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
-        r: int | None = self._run(self.ops.renew(ns, key, owner, token, ttl_ms))
+    def renew(
+        self, ns: str, key: str, owner: str, token: int, ttl_ms: int, value: bytes | None = None
+    ) -> int | None:
+        r: int | None = self._run(self.ops.renew(ns, key, owner, token, ttl_ms, value))
         return r
 
     def lock(self, ns: str, key: str) -> LockRow | None:
         r: LockRow | None = self._run(self.ops.lock(ns, key))
+        return r
+
+    def holders(self, ns: str, key: str) -> Sequence[LockRow]:
+        r: Sequence[LockRow] = self._run(self.ops.holders(ns, key))
         return r
 
     def locks(self, ns_prefix: str) -> Sequence[LockRow]:

@@ -86,7 +86,7 @@ class Book(Generic[G]):
     def waiting(self, key: bytes) -> Waiter | None:
         """This process's place in the queue of the lock named ``key``, if a caller of
         this store waits for it."""
-        g = self.groups.get((key, b""))
+        g = self.groups.get((key, K.lock_end(key)))
         return g.waiter if g is not None and g.subs else None
 
     def leave(self, g: G, sub: Any, background: Callable[[Rpc], None]) -> bool:
@@ -103,10 +103,12 @@ class Book(Generic[G]):
 
 
 def watch_range(root: bytes, channel: Channel) -> tuple[bytes, bytes]:
-    """(key, range_end) watched for a channel: a lock is freed by the deletion of its
-    key; a claim by a change of its record or the end of its lease marker."""
+    """(key, range_end) watched for a channel: a lock key's permit is freed by the
+    deletion of its etcd key (the range holds every permit of the lock key); a claim
+    by a change of its record or the end of its lease marker."""
     if channel.kind == "lock":
-        return K.lock_name(root, channel.ns, channel.key), b""
+        name = K.lock_name(root, channel.ns, channel.key)
+        return name, K.lock_end(name)
     base = K.claim_names(root, channel.ns, channel.key).base
     return base, K.prefix_end(base)
 
