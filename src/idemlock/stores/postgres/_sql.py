@@ -407,10 +407,10 @@ def _acquire(waits: bool) -> str:
                || CASE WHEN d.gn THEN ARRAY[{new}] ELSE '{{{{}}}}'::{{s}}.lock_permit[] END,
                {chosen},
                CASE WHEN d.kept THEN l.window_ms ELSE 0 END
-        FROM (SELECT {_mine0("l", now)} AS mine, {_kept("l", now)} AS kept,
-                     l.expires_ms <= {now} AND {_room("l", now)} AS g0,
-                     l.expires_ms > {now} AND {_room("l", now)} AS gn
-              OFFSET 0) AS d
+        FROM (SELECT r.mine, r.kept, r.room AND NOT r.live AS g0, r.room AND r.live AS gn
+              FROM (SELECT {_mine0("l", now)} AS mine, {_kept("l", now)} AS kept,
+                           {_room("l", now)} AS room, l.expires_ms > {now} AS live
+                    OFFSET 0) AS r) AS d
     )
     WHERE {_takes("l", now)}
     RETURNING {mine_is.format(c="token")} AS token,
