@@ -37,6 +37,7 @@ from idemlock import (
     StoreUnavailable,
 )
 from idemlock._core.keys import namespace
+from idemlock._core.port import Acquired, Channel, Held
 from idemlock.stores import postgres as pg
 from idemlock.stores.postgres._sql import Statements
 
@@ -768,3 +769,287 @@ def test_idle_channels_linger_then_unlisten(
     while store.listener.is_listening(name):
         assert time.monotonic() < deadline, "the idle channel was never UNLISTENed"
         time.sleep(0.05)
+
+
+# ---- counted leases (permits) and the upgrade to layout 3 ---------------------------
+
+#: layout 2's ACQUIRE_FAST, as the previous release runs it: what a process that has
+#: not been upgraded yet does to a key
+_V2_ACQUIRE = """
+WITH up AS (
+    INSERT INTO {s}.locks AS l (ns, key, owner, token, expires_ms)
+    VALUES (%(ns)s::text, %(key)s::text, %(owner)s::text, nextval({seq}), {now} + %(ttl)s)
+    ON CONFLICT (ns, key) DO UPDATE
+        SET token = CASE WHEN l.expires_ms <= excluded.expires_ms - %(ttl)s
+                         THEN nextval({seq}) ELSE l.token END,
+            owner = excluded.owner, expires_ms = excluded.expires_ms, window_ms = 0
+        WHERE CASE WHEN l.expires_ms > excluded.expires_ms - %(ttl)s
+                   THEN l.owner = excluded.owner
+                   ELSE l.chosen IS NULL OR l.window_ms <= excluded.expires_ms - %(ttl)s
+                        OR l.chosen = %(gid)s::text END
+    RETURNING l.token, l.expires_ms
+)
+SELECT true, up.token, up.expires_ms, up.expires_ms - %(ttl)s, NULL::text, 0::bigint, false
+FROM up
+UNION ALL
+SELECT false, c.token, c.expires_ms, n.ms, c.owner, c.window_ms,
+       coalesce(c.window_ms > n.ms AND c.chosen <> %(gid)s::text, false)
+FROM {s}.locks c, (SELECT {now} AS ms) AS n
+WHERE c.ns = %(ns)s::text AND c.key = %(key)s::text AND NOT EXISTS (SELECT FROM up)
+"""
+
+PERMIT_TTL = 60_000
+
+
+def _schema_v2(dsn: str, schema: str) -> None:
+    """A schema made by the previous release: layout 2's DDL, as it ran it."""
+    from idemlock.stores.postgres._sql import (
+        bootstrap_statements,
+        migration_statements,
+        record_version,
+    )
+
+    with psycopg.connect(dsn) as conn:
+        for stmt in bootstrap_statements(schema):
+            conn.execute(stmt)
+        for version in (1, 2):
+            for stmt in migration_statements(schema, version):
+                conn.execute(stmt)
+            conn.execute(record_version(schema), {"v": version})
+
+
+def _v2_acquire(dsn: str, schema: str, ns: str, key: str, owner: str) -> int | None:
+    """An acquire by a process of the previous release: its token, or None if refused."""
+    from idemlock.stores.postgres._sql import _render
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            _render(_V2_ACQUIRE, schema),
+            {"ns": ns, "key": key, "owner": owner, "ttl": PERMIT_TTL, "gid": ""},
+        ).fetchone()
+    assert row is not None
+    return int(row[1]) if row[0] else None
+
+
+def test_a_version_2_schema_upgrades_in_place_and_its_locks_stay_exclusive(
+    postgres_dsn: str,
+) -> None:
+    schema = "v2_" + uuid.uuid4().hex[:10]
+    _schema_v2(postgres_dsn, schema)
+    ns = "old:lock"
+    held = _v2_acquire(postgres_dsn, schema, ns, "held", "old-owner")
+    freed = _v2_acquire(postgres_dsn, schema, ns, "freed", "old-owner")
+    assert held is not None and freed is not None
+    with psycopg.connect(postgres_dsn) as conn:  # the previous release's release
+        conn.execute(f"UPDATE {schema}.locks SET expires_ms = 0 WHERE key = 'freed'")
+    # Several processes start on the new release at once: one migrates, the others
+    # find it done.
+    results: list[Any] = []
+
+    def upgrade() -> None:
+        try:
+            results.append(pg.migrate(postgres_dsn, schema=schema))
+        except BaseException as exc:  # pragma: no cover - reported below
+            results.append(exc)
+
+    threads = [threading.Thread(target=upgrade) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == [pg.SCHEMA_VERSION] * 6
+    with psycopg.connect(postgres_dsn) as conn:
+        versions = conn.execute(
+            f"SELECT version FROM {schema}.schema_version ORDER BY version"
+        ).fetchall()
+    assert versions == [(v,) for v in range(1, pg.SCHEMA_VERSION + 1)]
+    coord = idemlock.connect(postgres_dsn, key_prefix="up", schema=schema, auto_migrate=False)
+    try:
+        store = coord.store
+        # The lock held at upgrade time: still held, by the same owner and token.
+        assert isinstance(store.acquire(ns, "held", "new-owner", PERMIT_TTL), Held)
+        (row,) = store.holders(ns, "held")
+        assert (row.owner, row.token, row.value) == ("old-owner", held, None)
+        # Its holder renews and releases it as before.
+        assert store.renew(ns, "held", "old-owner", held, PERMIT_TTL) is not None
+        assert store.release(ns, "held", "old-owner", held) is True
+        got = store.acquire(ns, "held", "new-owner", PERMIT_TTL)
+        assert isinstance(got, Acquired) and got.token > held
+        # A released key of the old layout is free, and its tokens keep rising.
+        again = store.acquire(ns, "freed", "new-owner", PERMIT_TTL, 2, b"v")
+        assert isinstance(again, Acquired) and again.token > freed
+    finally:
+        coord.close()
+
+
+def test_the_previous_release_cannot_grant_a_lock_this_one_holds(postgres_dsn: str) -> None:
+    schema = "v2_" + uuid.uuid4().hex[:10]
+    _schema_v2(postgres_dsn, schema)
+    coord = idemlock.connect(postgres_dsn, key_prefix="up", schema=schema)
+    ns = "mixed:lock"
+    try:
+        store = coord.store
+        lock = store.acquire(ns, "lock", "new", PERMIT_TTL)
+        assert isinstance(lock, Acquired)
+        assert _v2_acquire(postgres_dsn, schema, ns, "lock", "intruder") is None
+        # A key shared by permits is held too while its first permit lives.
+        for owner in ("a", "b"):
+            assert isinstance(store.acquire(ns, "sem", owner, PERMIT_TTL, 2), Acquired)
+        assert _v2_acquire(postgres_dsn, schema, ns, "sem", "intruder") is None
+        # Once released, the old release takes the key the way it always did, and this
+        # release sees that holder.
+        assert store.release(ns, "lock", "new", lock.token) is True
+        old = _v2_acquire(postgres_dsn, schema, ns, "lock", "intruder")
+        assert old is not None and old > lock.token
+        assert isinstance(store.acquire(ns, "lock", "new", PERMIT_TTL), Held)
+        assert [(r.owner, r.token) for r in store.holders(ns, "lock")] == [("intruder", old)]
+    finally:
+        coord.close()
+
+
+def test_permits_never_exceed_the_limit_under_contention(postgres_dsn: str, prefix: str) -> None:
+    coord = idemlock.connect(postgres_dsn, key_prefix=prefix)
+    store = coord.store
+    ns, limit = prefix + ":sem", 2
+    guard = threading.Lock()
+    inside: list[str] = []
+    seen: dict[str, list[int]] = {}
+    errors: list[BaseException] = []
+    deadline = time.monotonic() + 60
+
+    def worker(owner: str, mine: int) -> None:
+        tokens = seen.setdefault(owner, [])
+        try:
+            while len(tokens) < 15 and time.monotonic() < deadline:
+                got = store.acquire(ns, "k", owner, PERMIT_TTL, mine)
+                if not isinstance(got, Acquired):
+                    continue
+                with guard:
+                    inside.append(owner)
+                    # Holders counted by this process never exceed what the store
+                    # allows: the limit, or 1 for the lock's caller.
+                    assert len(inside) <= limit, inside
+                    assert mine == limit or inside == [owner], inside
+                tokens.append(got.token)
+                with guard:
+                    inside.remove(owner)
+                assert store.release(ns, "k", owner, got.token) is True
+        except BaseException as exc:
+            errors.append(exc)
+
+    owners = [(f"o{i}", 1 if i == 0 else limit) for i in range(5)]
+    threads = [threading.Thread(target=worker, args=o) for o in owners]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+    finally:
+        coord.close()
+    assert not errors, errors[0]
+    assert all(len(seen[o]) == 15 for o, _ in owners), {o: len(t) for o, t in seen.items()}
+    every = [tok for toks in seen.values() for tok in toks]
+    assert len(set(every)) == len(every)
+    assert all(toks == sorted(toks) for toks in seen.values())
+
+
+@pytest.fixture
+def long_handoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hand-off windows and waiter registrations last ten minutes here (50 ms and
+    1.5 s in production), so a loaded machine cannot let one lapse under the test."""
+    from psycopg.types.numeric import Int8
+
+    from idemlock.stores.postgres import _async, _shared, _sync
+
+    for module in (_sync, _async):
+        monkeypatch.setattr(module, "_HANDOFF_MS8", Int8(600_000))
+    monkeypatch.setattr(_shared, "_REGISTER_MS8", Int8(600_000))
+
+
+def test_a_window_kept_for_a_waiter_counts_as_one_holder(
+    postgres_dsn: str, prefix: str, long_handoff: None
+) -> None:
+    # Two coordinators: two processes as far as the store's waiters' queue goes.
+    here = idemlock.connect(postgres_dsn, key_prefix=prefix)
+    there = idemlock.connect(postgres_dsn, key_prefix=prefix)
+    ns = prefix + ":sem"
+    sub = there.store.subscribe(Channel("lock", ns, "k"))
+    try:
+        a = here.store.acquire(ns, "k", "a", PERMIT_TTL, 2)
+        b = here.store.acquire(ns, "k", "b", PERMIT_TTL, 2)
+        assert isinstance(a, Acquired) and isinstance(b, Acquired)
+        # The other process waits: refused, it queues.
+        assert isinstance(there.store.acquire(ns, "k", "w", PERMIT_TTL, 2), Held)
+        assert here.store.release(ns, "k", "a", a.token) is True
+        assert sub.wait(20.0) is True
+        # One holder and the window kept for the waiter: the key is full at 2 ...
+        assert isinstance(here.store.acquire(ns, "k", "c", PERMIT_TTL, 2), Held)
+        # ... and has room at 3, where the window stays kept.
+        c = here.store.acquire(ns, "k", "c", PERMIT_TTL, 3)
+        assert isinstance(c, Acquired)
+        assert isinstance(here.store.acquire(ns, "k", "d", PERMIT_TTL, 3), Held)
+        # The chosen waiter takes its slot.
+        w = there.store.acquire(ns, "k", "w", PERMIT_TTL, 3)
+        assert isinstance(w, Acquired) and w.token > c.token
+        assert [r.owner for r in here.store.holders(ns, "k")] == ["b", "c", "w"]
+    finally:
+        sub.close()
+        here.close()
+        there.close()
+
+
+def test_purge_counts_and_removes_expired_permits(postgres_dsn: str) -> None:
+    schema = "pp_" + uuid.uuid4().hex[:10]
+    coord = idemlock.connect(postgres_dsn, key_prefix="pp", schema=schema)
+    store = coord.store
+    ns = "pp:sem"
+    try:
+        # k: its first permit (slot 0) and one more expire, one lives on.
+        # j: every permit expires. r: a released lock (its row stays until purged).
+        for owner in ("a", "b"):
+            assert isinstance(store.acquire(ns, "k", owner, 150, 3), Acquired)
+        live = store.acquire(ns, "k", "c", PERMIT_TTL, 3)
+        assert isinstance(live, Acquired)
+        for owner in ("a", "b", "c"):
+            assert isinstance(store.acquire(ns, "j", owner, 150, 3), Acquired)
+        r = store.acquire(ns, "r", "a", PERMIT_TTL)
+        assert isinstance(r, Acquired) and store.release(ns, "r", "a", r.token)
+        deadline = time.monotonic() + 20
+        while len(store.holders(ns, "k")) > 1 or store.holders(ns, "j"):
+            assert time.monotonic() < deadline, "the short permits did not expire"
+            time.sleep(0.05)
+        # 2 of k + 3 of j + the released lock
+        assert coord.purge(dry_run=True) == 6
+        assert coord.purge() == 6
+        assert coord.purge(dry_run=True) == 0 and coord.purge() == 0
+        (row,) = store.holders(ns, "k")
+        assert (row.owner, row.token) == ("c", live.token)
+        assert store.renew(ns, "k", "c", live.token, PERMIT_TTL) is not None
+        with psycopg.connect(postgres_dsn) as conn:
+            rows = conn.execute(
+                f"SELECT key, owner, cardinality(others) FROM {schema}.locks ORDER BY key"
+            ).fetchall()
+        assert rows == [("k", "c", 0)]  # c took the first slot
+        nxt = store.acquire(ns, "j", "a", PERMIT_TTL, 3)
+        assert isinstance(nxt, Acquired) and nxt.token > live.token
+    finally:
+        coord.close()
+
+
+def test_renew_many_renews_two_permits_of_one_key(coord: idemlock.Coordinator) -> None:
+    store = coord.store
+    ns = "rm:sem"
+    a = store.acquire(ns, "k", "a", 5_000, 2)
+    b = store.acquire(ns, "k", "b", 5_000, 2)
+    assert isinstance(a, Acquired) and isinstance(b, Acquired)
+    out = store.renew_many(
+        [
+            ("lock", ns, "k", "a", a.token, PERMIT_TTL),
+            ("lock", ns, "k", "b", b.token, PERMIT_TTL + 1_000),
+            ("lock", ns, "k", "c", b.token, PERMIT_TTL),
+        ]
+    )
+    assert out[0] is not None and out[1] is not None and out[2] is None
+    assert out[1] - out[0] == 1_000
+    rows = {r.owner: r.expires_ms for r in store.holders(ns, "k")}
+    assert rows == {"a": out[0], "b": out[1]}

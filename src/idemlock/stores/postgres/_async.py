@@ -28,6 +28,7 @@ from ._replies import (
     _acquire_reply,
     _claim_reply,
     _fence_reply,
+    _holder_rows,
     _i8,
     _lock_rows,
     _nothing,
@@ -268,8 +269,10 @@ class AsyncPostgresStore(_AsyncRunner):
 
     # ---- locks -----------------------------------------------------------------------
 
-    async def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
-        params = self._acquire_params(ns, key, owner, ttl_ms)
+    async def acquire(
+        self, ns: str, key: str, owner: str, ttl_ms: int, limit: int = 1, value: bytes | None = None
+    ) -> Acquired | Held:
+        params = self._acquire_params(ns, key, owner, ttl_ms, limit, value)
 
         def undo(reply: Acquired | Held | None) -> Any:
             # Without the reply the token is unknown: that lease ends with its ttl.
@@ -284,7 +287,7 @@ class AsyncPostgresStore(_AsyncRunner):
                 stmt,
                 params,
                 "acquire",
-                lambda rows: _acquire_reply(rows, owner),
+                _acquire_reply,
             ),
             undo,
             "acquire",
@@ -306,17 +309,30 @@ class AsyncPostgresStore(_AsyncRunner):
         )
         return bool(rows)
 
-    async def break_lock(self, ns: str, key: str) -> bool:
-        params = {"ns": ns, "key": key, "chan": self._chan("lock", ns, key)}
+    async def break_lock(self, ns: str, key: str, token: int | None = None) -> bool:
+        params: dict[str, Any] = {"ns": ns, "key": key, "chan": self._chan("lock", ns, key)}
+        stmt = self.statements.break_lock
+        if token is not None:
+            params["token"] = _i8(token)
+            stmt = self.statements.break_one
         rows = await self._undoable(
-            self._rows(self.statements.break_lock, params, "break_lock", False),
+            self._rows(stmt, params, "break_lock", False),
             _nothing,
             "break_lock",
         )
         return bool(rows)
 
-    async def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
-        params = {"ns": ns, "key": key, "owner": owner, "token": _i8(token), "ttl": _i8(ttl_ms)}
+    async def renew(
+        self, ns: str, key: str, owner: str, token: int, ttl_ms: int, value: bytes | None = None
+    ) -> int | None:
+        params = {
+            "ns": ns,
+            "key": key,
+            "owner": owner,
+            "token": _i8(token),
+            "ttl": _i8(ttl_ms),
+            "value": None if value is None else bytes(value),
+        }
         rows = await self._rows(self.statements.renew, params, "renew", True)
         return int(rows[0][0]) if rows else None
 
@@ -330,10 +346,12 @@ class AsyncPostgresStore(_AsyncRunner):
 
     async def lock(self, ns: str, key: str) -> LockRow | None:
         rows = await self._rows(self.statements.lock, {"ns": ns, "key": key}, "lock", True)
-        if not rows:
-            return None
-        owner, token, exp = rows[0]
-        return LockRow(ns, key, owner, token, exp)
+        found = _holder_rows(rows, ns, key)
+        return found[0] if found else None
+
+    async def holders(self, ns: str, key: str) -> list[LockRow]:
+        rows = await self._rows(self.statements.holders, {"ns": ns, "key": key}, "holders", True)
+        return _holder_rows(rows, ns, key)
 
     async def locks(self, ns_prefix: str) -> list[LockRow]:
         rows = await self._rows(self.statements.locks, {"prefix": ns_prefix}, "locks", True)
@@ -360,12 +378,12 @@ class AsyncPostgresStore(_AsyncRunner):
         if dry_run:
             return await self._purge_count()
         removed = 0
-        for stmt in (self.statements.purge_claims, self.statements.purge_locks):
+        st = self.statements
+        for stmt in (st.purge_claims, st.purge_locks, st.prune_locks):
             while True:
                 rows = await self._rows(stmt, {"batch": _i8(PURGE_BATCH)}, "purge", True)
-                n = int(rows[0][0])
-                removed += n
-                if n < PURGE_BATCH:
+                removed += int(rows[0][1])
+                if int(rows[0][0]) < PURGE_BATCH:
                     break
         # Lapsed registrations of the waiters' queue: not records, not counted.
         while True:
@@ -384,9 +402,8 @@ class AsyncPostgresStore(_AsyncRunner):
             while True:
                 params = {"ns": after[0], "key": after[1], "batch": _i8(PURGE_BATCH)}
                 rows = await self._rows(stmt, params, "purge", True)
-                n = int(rows[0][0])
-                total += n
-                if n < PURGE_BATCH:
+                total += int(rows[0][1])
+                if int(rows[0][0]) < PURGE_BATCH:
                     break
-                after = (rows[0][1], rows[0][2])
+                after = (rows[0][2], rows[0][3])
         return total

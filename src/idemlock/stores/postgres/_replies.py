@@ -128,16 +128,18 @@ def _claim_reply(rows: list[Row], ns: str, key: str, token: str) -> ClaimReply |
     return Busy(exp, exp - now)
 
 
-def _acquire_reply(rows: list[Row], owner: str) -> Acquired | Held | _Retry:
+def _acquire_reply(rows: list[Row]) -> Acquired | Held | _Retry:
     if not rows:
         return _RETRY
-    acquired, token, exp, now, holder, window, reserved = rows[0]
+    acquired, token, exp, now, busy = rows[0]
     if acquired:
         return Acquired(token, exp, exp - now)
-    if exp > now:
-        return _RETRY if holder == owner else Held(exp, exp - now)  # lock.busy
-    if reserved:
-        return Held(window, window - now)  # lock.handoff: kept for another process
+    if busy:
+        # lock.busy, lock.handoff: until the earliest end of a live permit or of a
+        # window kept for another process
+        return Held(exp, max(0, exp - now))
+    # The snapshot shows room (or the caller's own permit) that the row version the
+    # upsert judged did not: a concurrent commit in between.
     return _RETRY
 
 
@@ -177,8 +179,15 @@ def _record_rows(rows: list[Row], schema: str) -> list[RecordRow]:
 
 
 def _lock_rows(rows: list[Row]) -> list[LockRow]:
-    # Every column is typed and NOT NULL: a lock row is always readable.
-    return [LockRow(ns, key, owner, token, exp) for ns, key, owner, token, exp in rows]
+    # Every column but value is typed and NOT NULL: a permit is always readable.
+    return [
+        LockRow(ns, key, owner, token, exp, value=None if value is None else bytes(value))
+        for ns, key, owner, token, exp, value in rows
+    ]
+
+
+def _holder_rows(rows: list[Row], ns: str, key: str) -> list[LockRow]:
+    return _lock_rows([(ns, key, *row) for row in rows])
 
 
 def _nothing(reply: Any) -> None:

@@ -505,9 +505,15 @@ class _Base(Generic[P]):
     def _chan(self, kind: str, ns: str, key: str) -> str:
         return self.statements.channel(kind, ns, key)
 
-    def _acquire_params(self, ns: str, key: str, owner: str, ttl_ms: int) -> dict[str, Any]:
+    def _acquire_params(
+        self, ns: str, key: str, owner: str, ttl_ms: int, limit: int, value: bytes | None
+    ) -> dict[str, Any]:
         if self._pid != os.getpid():
             self._forked()
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ConfigurationError(
+                f"a lock or semaphore limit must be an int of at least 1, got {limit!r}"
+            )
         chan = self._chan("lock", ns, key)
         # Any caller of a process may take a window kept for the process (its gid); one
         # of a process that waits on the key now also queues the process ("wait").
@@ -517,6 +523,8 @@ class _Base(Generic[P]):
             "key": key,
             "owner": owner,
             "ttl": _i8(ttl_ms),
+            "limit": _i8(limit),
+            "value": None if value is None else bytes(value),
             "gid": me[0].decode() if me is not None else "",
             "wait": me is not None and me[1],
             "chan": chan,

@@ -4,6 +4,9 @@ Each transition is ONE statement, so it is atomic on its own (autocommit) and a 
 killed mid-call leaves nothing half-made. Expiry is judged by ``clock_timestamp()``
 read once per statement, in whole milliseconds since the epoch.
 
+A lock key is one locks row holding its permits (a lock is the one-permit case): slot 0
+in the row's own columns, further permits in ``others`` (see "locks and permits" below).
+
 Freeing a key never deletes its row: abandon, forget and release set ``expires_ms = 0``
 (a tombstone that keeps the row's fence/token). A new claim or acquire then goes
 through ``ON CONFLICT ... DO UPDATE`` and draws its fence from the sequence *under the
@@ -24,7 +27,7 @@ from typing import Any
 from psycopg import sql
 
 #: the schema layout this code reads and writes
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # Store time in ms since the epoch; read once per statement (a MATERIALIZED CTE or a
 # FROM sub-select is evaluated once even though clock_timestamp() is volatile).
@@ -85,6 +88,54 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
             PRIMARY KEY (chan, gid)
         )""",
         "CREATE INDEX lock_waiters_until_idx ON {s}.lock_waiters (until_ms)",
+    ),
+    # Counted leases (a lock is the one-permit case). A key's locks row stays its one
+    # row: its owner, token, expires_ms (and now value) are the key's first permit,
+    # "slot 0", exactly as a lock was, and ``others`` holds the further permits. A
+    # grant takes slot 0 whenever it is free, so a lock (a grant with no live holder)
+    # is always there: a process still running layout 2 sees it held and cannot grant
+    # it, and a lock held at upgrade time stays as it is. Every transition stays one
+    # statement on that one row (its row lock serializes the key). No data moves.
+    3: (
+        """CREATE TYPE {s}.lock_permit AS (
+            owner text, token bigint, expires_ms bigint, value bytea
+        )""",
+        """ALTER TABLE {s}.locks
+            ADD COLUMN value bytea,
+            ADD COLUMN others {s}.lock_permit[] NOT NULL DEFAULT '{{}}'""",
+        # What the statements ask of others, as functions: a statement then carries a
+        # call, not a sub-plan its executor must set up on every run (a lock's
+        # statements skip the call: others is empty). at: the statement's time.
+        # The live permits, lowest token first.
+        """CREATE FUNCTION {s}.lock_live(ps {s}.lock_permit[], at bigint)
+            RETURNS {s}.lock_permit[] LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+            SELECT coalesce(array_agg(p ORDER BY p.token), '{{}}')
+            FROM unnest(ps) p WHERE p.expires_ms > at $$""",
+        # The live permit of owner ``who``, or NULL.
+        """CREATE FUNCTION {s}.lock_mine(ps {s}.lock_permit[], who text, at bigint)
+            RETURNS {s}.lock_permit LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+            SELECT p FROM unnest(ps) p WHERE p.owner = who AND p.expires_ms > at LIMIT 1 $$""",
+        # The earliest end of a live permit, or NULL.
+        """CREATE FUNCTION {s}.lock_end(ps {s}.lock_permit[], at bigint)
+            RETURNS bigint LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+            SELECT min(p.expires_ms) FROM unnest(ps) p WHERE p.expires_ms > at $$""",
+        # The live permits, the one of ``who`` (with token ``tok``, unless NULL) ending
+        # at ``ends`` and publishing ``val`` (unless NULL).
+        """CREATE FUNCTION {s}.lock_set(
+                ps {s}.lock_permit[], who text, tok bigint, ends bigint, val bytea, at bigint)
+            RETURNS {s}.lock_permit[] LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+            SELECT coalesce(array_agg(
+                CASE WHEN p.owner = who AND (tok IS NULL OR p.token = tok)
+                     THEN ROW(p.owner, p.token, ends, coalesce(val, p.value))::{s}.lock_permit
+                     ELSE p END ORDER BY p.token), '{{}}')
+            FROM unnest(ps) p WHERE p.expires_ms > at $$""",
+        # The live permits but the one with token ``tok`` (of ``who``, unless NULL).
+        """CREATE FUNCTION {s}.lock_drop(
+                ps {s}.lock_permit[], who text, tok bigint, at bigint)
+            RETURNS {s}.lock_permit[] LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+            SELECT coalesce(array_agg(p ORDER BY p.token), '{{}}') FROM unnest(ps) p
+            WHERE p.expires_ms > at AND NOT (p.token = tok AND (who IS NULL OR p.owner = who))
+            $$""",
     ),
 }
 
@@ -210,46 +261,169 @@ WHERE starts_with(c.ns, %(prefix)s::text) AND c.expires_ms > n.ms
 ORDER BY c.ns, c.key
 """
 
-# Rows lock.acquire, lock.reacquire, lock.handoff.take (the upsert), lock.busy and
-# lock.handoff (the read). A caller of a process waiting on the lock passes that
-# process's waiter id (gid, '' for none): refused, it registers the process in the
-# queue (keeping its place: seq is drawn once) and marks the lock row queued; taking
-# the lock ends the registration, and that of a chosen waiter whose window passed
-# untaken (it lost its turn). During a window only the chosen process (any of its
-# callers) may take the free lock, so neither the releasing
-# process nor a newcomer barges in. The window and owner checks are re-made on the
-# latest row version under the row lock (the upsert's WHERE); the queue is read from
-# the statement's snapshot, which can only make a hand-off less fair, never unsafe.
-ACQUIRE = """
-WITH n AS MATERIALIZED (SELECT {now} AS ms),
-cur AS MATERIALIZED (
-    SELECT l.owner, l.token, l.expires_ms, l.chosen, l.window_ms
-    FROM {s}.locks l WHERE l.ns = %(ns)s::text AND l.key = %(key)s::text
-),
-up AS (
-    INSERT INTO {s}.locks AS l (ns, key, owner, token, expires_ms)
-    SELECT %(ns)s::text, %(key)s::text, %(owner)s::text, nextval({seq}), n.ms + %(ttl)s
-    FROM n
-    WHERE NOT EXISTS (
-        SELECT FROM cur
-        WHERE CASE WHEN cur.expires_ms > n.ms THEN cur.owner <> %(owner)s::text
-                   ELSE cur.window_ms > n.ms AND cur.chosen <> %(gid)s::text END
+# ---- locks and permits --------------------------------------------------------------
+# A key's one locks row holds its permits: slot 0 (the row's owner, token, expires_ms,
+# value: a lock, and the first permit of a key with many) and ``others`` (the further
+# permits, lock_permit[], lowest token first). A grant takes slot 0 when it is free
+# (expired or released: expires_ms = 0 keeps the row as a tombstone), else appends to
+# others; expired permits in others are dropped by the next transition of the key and
+# by purge. Every transition is one statement on that row: its WHERE and SET are
+# judged on the latest row version under the row lock, so holders are counted exactly.
+# A hand-off window (chosen, window_ms) kept for another waiter counts as one holder.
+# The fragments below are SQL over a locks row ``r`` and the statement's time ``N``.
+
+
+def _permit(owner: str, token: str, expires: str, value: str) -> str:
+    return f"ROW({owner}, {token}, {expires}, {value})::{{s}}.lock_permit"
+
+
+def _live_others(r: str, now: str, where: str = "", replace: str = "") -> str:
+    """``r.others`` less its expired permits (and those matching ``where``), each
+    permit kept, or rebuilt by ``replace`` (a CASE branch ``WHEN ... THEN ...``)."""
+    keep = _permit("p.owner", "p.token", "p.expires_ms", "p.value")
+    item = f"CASE {replace} ELSE {keep} END" if replace else keep
+    cond = f" AND NOT ({where})" if where else ""
+    # cardinality first: a key of one permit (a lock) skips the sub-select
+    return (
+        f"CASE WHEN cardinality({r}.others) = 0 THEN {r}.others ELSE "
+        f"ARRAY(SELECT {item} FROM unnest({r}.others) p "
+        f"WHERE p.expires_ms > {now}{cond} ORDER BY p.token) END"
     )
+
+
+def _mine0(r: str, now: str) -> str:
+    """Slot 0 is the caller's live permit."""
+    return f"({r}.expires_ms > {now} AND {r}.owner = %(owner)s::text)"
+
+
+def _mine_n(r: str, now: str) -> str:
+    """A live permit of others is the caller's."""
+    return (
+        f"(cardinality({r}.others) > 0 AND "
+        f"({{s}}.lock_mine({r}.others, %(owner)s::text, {now})).token IS NOT NULL)"
+    )
+
+
+def _kept(r: str, now: str) -> str:
+    """A hand-off window is kept for another waiting process than the caller's."""
+    return f"coalesce({r}.window_ms > {now} AND {r}.chosen <> %(gid)s::text, false)"
+
+
+def _room(r: str, now: str) -> str:
+    """Guards room and chosen: the live holders, plus one for a window kept for
+    another process, number fewer than the caller's limit; and the caller holds none."""
+    count = (
+        f"(({r}.expires_ms > {now})::int + CASE WHEN cardinality({r}.others) = 0 "
+        f"THEN 0 ELSE cardinality({{s}}.lock_live({r}.others, {now})) END)"
+    )
+    return (
+        f"(NOT {_mine0(r, now)} AND NOT {_mine_n(r, now)} "
+        f"AND {count} + {_kept(r, now)}::int < %(limit)s::int8)"
+    )
+
+
+def _takes(r: str, now: str) -> str:
+    """What an acquire does to the row: the caller's reacquire or a grant."""
+    return f"({_mine0(r, now)} OR {_mine_n(r, now)} OR {_room(r, now)})"
+
+
+def _until(r: str, now: str) -> str:
+    """When a refused caller may try again: the earliest end of a live permit or of
+    a window kept for another process (row lock.busy, lock.handoff)."""
+    return (
+        f"coalesce(LEAST(CASE WHEN {r}.expires_ms > {now} THEN {r}.expires_ms END, "
+        f"CASE WHEN cardinality({r}.others) > 0 THEN {{s}}.lock_end({r}.others, {now}) END, "
+        f"CASE WHEN {_kept(r, now)} THEN {r}.window_ms END), {now})"
+    )
+
+
+def _acquire(waits: bool) -> str:
+    """Rows lock.reacquire, lock.handoff.take and lock.acquire (the upsert), lock.busy
+    and lock.handoff (no row changed: the reply is read from the statement's snapshot,
+    which says _RETRY when it disagrees with the row version the upsert judged).
+
+    ``waits``: the statement of a caller whose process waits on the key (ACQUIRE):
+    the key is read first and, when the snapshot shows the caller refused, nothing is
+    locked or written but the process's registration in the waiters' queue (keeping
+    its place: seq is drawn once) and the row's queued mark; a take ends the
+    registration, and that of a chosen waiter whose window passed untaken (it lost its
+    turn). The queue is read from the snapshot, which can only make a hand-off less
+    fair, never unsafe. Otherwise (ACQUIRE_FAST: a first attempt, a one-shot try; gid
+    is the process's if it waited just before, so a window kept for it is its own) the
+    upsert alone runs, and a take keeps ``chosen`` (a window that passed untaken, or
+    this process's own), so the next release passes that process over once.
+
+    The upsert judges the row once, in the sub-select ``d`` (OFFSET 0 keeps the
+    planner from copying its expressions into every column), and sets every column
+    from it."""
+    e = "excluded"
+    now = f"({e}.expires_ms - %(ttl)s)"
+    new = _permit(f"{e}.owner", "nextval({seq})", f"{e}.expires_ms", f"{e}.value")
+    others = (
+        f"CASE WHEN cardinality(l.others) = 0 THEN l.others ELSE "
+        f"{{s}}.lock_set(l.others, {e}.owner, NULL, {e}.expires_ms, {e}.value, {now}) END"
+    )
+    chosen = "CASE WHEN d.kept THEN l.chosen END" if waits else "l.chosen"
+    if waits:
+        head = (
+            "WITH n AS MATERIALIZED (SELECT {now} AS ms),\n"
+            "cur AS MATERIALIZED (\n"
+            f"    SELECT NOT {_takes('l', 'n.ms')} AS busy, {_until('l', 'n.ms')} AS until,\n"
+            "           l.chosen, l.window_ms\n"
+            "    FROM {s}.locks l, n WHERE l.ns = %(ns)s::text AND l.key = %(key)s::text\n"
+            "),\n"
+        )
+        values = (
+            "SELECT %(ns)s::text, %(key)s::text, %(owner)s::text, nextval({seq}), "
+            "n.ms + %(ttl)s,\n           %(value)s::bytea\n"
+            "    FROM n WHERE NOT EXISTS (SELECT FROM cur WHERE cur.busy)"
+        )
+    else:
+        head = "WITH "
+        values = (
+            "VALUES (%(ns)s::text, %(key)s::text, %(owner)s::text, nextval({seq}),\n"
+            "            {now} + %(ttl)s, %(value)s::bytea)"
+        )
+    # The caller's permit: slot 0 if it names the caller (a grant takes slot 0 when
+    # it is free, so the caller's permit is never in others then), else in others
+    # (which the update left with live permits only).
+    mine_is = (
+        "CASE WHEN l.owner = %(owner)s::text THEN l.{c} "
+        "ELSE ({{s}}.lock_mine(l.others, %(owner)s::text, 0)).{c} END"
+    )
+    text = (
+        head
+        + f"""up AS (
+    INSERT INTO {{s}}.locks AS l (ns, key, owner, token, expires_ms, value)
+    {values}
     ON CONFLICT (ns, key) DO UPDATE
-        SET token = CASE WHEN l.expires_ms <= excluded.expires_ms - %(ttl)s
-                         THEN nextval({seq}) ELSE l.token END,
-            owner = excluded.owner, expires_ms = excluded.expires_ms,
-            chosen = NULL, window_ms = 0
-        WHERE CASE WHEN l.expires_ms > excluded.expires_ms - %(ttl)s
-                   THEN l.owner = excluded.owner
-                   ELSE l.chosen IS NULL OR l.window_ms <= excluded.expires_ms - %(ttl)s
-                        OR l.chosen = %(gid)s::text END
-    RETURNING l.token, l.expires_ms
-),
+    SET (owner, token, expires_ms, value, others, chosen, window_ms) = (
+        SELECT CASE WHEN d.g0 THEN {e}.owner ELSE l.owner END,
+               CASE WHEN d.g0 THEN nextval({{seq}}) ELSE l.token END,
+               CASE WHEN d.g0 OR d.mine THEN {e}.expires_ms ELSE l.expires_ms END,
+               CASE WHEN d.g0 THEN {e}.value WHEN d.mine THEN coalesce({e}.value, l.value)
+                    ELSE l.value END,
+               {others}
+               || CASE WHEN d.gn THEN ARRAY[{new}] ELSE '{{{{}}}}'::{{s}}.lock_permit[] END,
+               {chosen},
+               CASE WHEN d.kept THEN l.window_ms ELSE 0 END
+        FROM (SELECT r.mine, r.kept, r.room AND NOT r.live AS g0, r.room AND r.live AS gn
+              FROM (SELECT {_mine0("l", now)} AS mine, {_kept("l", now)} AS kept,
+                           {_room("l", now)} AS room, l.expires_ms > {now} AS live
+                    OFFSET 0) AS r) AS d
+    )
+    WHERE {_takes("l", now)}
+    RETURNING {mine_is.format(c="token")} AS token,
+              {mine_is.format(c="expires_ms")} AS expires_ms
+)"""
+    )
+    if waits:
+        text += """,
 gone AS (
     DELETE FROM {s}.lock_waiters w
     WHERE w.chan = %(chan)s::text AND EXISTS (SELECT FROM up)
-      AND w.gid IN (%(gid)s::text, (SELECT cur.chosen FROM cur))
+      AND w.gid IN (%(gid)s::text,
+                    (SELECT cur.chosen FROM cur, n WHERE cur.window_ms <= n.ms))
 ),
 reg AS (
     INSERT INTO {s}.lock_waiters AS w (chan, gid, seq, until_ms)
@@ -262,67 +436,70 @@ mark AS (
     WHERE l.ns = %(ns)s::text AND l.key = %(key)s::text AND NOT l.queued
       AND %(gid)s::text <> '' AND NOT EXISTS (SELECT FROM up)
 )
-SELECT true, up.token, up.expires_ms, n.ms, NULL::text, 0::bigint, false FROM up, n
+SELECT true, up.token, up.expires_ms, up.expires_ms - %(ttl)s, false FROM up
 UNION ALL
-SELECT false, cur.token, cur.expires_ms, n.ms, cur.owner, cur.window_ms,
-       coalesce(cur.window_ms > n.ms AND cur.chosen <> %(gid)s::text, false)
-FROM cur, n
-WHERE NOT EXISTS (SELECT FROM up)
+SELECT false, 0::int8, cur.until, n.ms, cur.busy
+FROM cur, n WHERE NOT EXISTS (SELECT FROM up)
 """
-
-# The same rows for a caller whose process does not wait on the lock now (nothing to
-# register: a first attempt, a one-shot try; gid is the process's if it waited just
-# before, so a window kept for it is its own): the upsert alone, with the reply read
-# from the row when it refuses. A take here keeps ``chosen`` (a window that passed
-# untaken, or this process's own), so the next release passes that process over once.
-ACQUIRE_FAST = """
-WITH up AS (
-    INSERT INTO {s}.locks AS l (ns, key, owner, token, expires_ms)
-    VALUES (%(ns)s::text, %(key)s::text, %(owner)s::text, nextval({seq}), {now} + %(ttl)s)
-    ON CONFLICT (ns, key) DO UPDATE
-        SET token = CASE WHEN l.expires_ms <= excluded.expires_ms - %(ttl)s
-                         THEN nextval({seq}) ELSE l.token END,
-            owner = excluded.owner, expires_ms = excluded.expires_ms, window_ms = 0
-        WHERE CASE WHEN l.expires_ms > excluded.expires_ms - %(ttl)s
-                   THEN l.owner = excluded.owner
-                   ELSE l.chosen IS NULL OR l.window_ms <= excluded.expires_ms - %(ttl)s
-                        OR l.chosen = %(gid)s::text END
-    RETURNING l.token, l.expires_ms
-)
-SELECT true, up.token, up.expires_ms, up.expires_ms - %(ttl)s, NULL::text, 0::bigint, false
-FROM up
+    else:
+        text += f"""
+SELECT true, up.token, up.expires_ms, up.expires_ms - %(ttl)s, false FROM up
 UNION ALL
-SELECT false, c.token, c.expires_ms, n.ms, c.owner, c.window_ms,
-       coalesce(c.window_ms > n.ms AND c.chosen <> %(gid)s::text, false)
-FROM {s}.locks c, (SELECT {now} AS ms) AS n
+SELECT false, 0::int8, {_until("c", "n.ms")}, n.ms, NOT {_takes("c", "n.ms")}
+FROM {{s}}.locks c, (SELECT {{now}} AS ms) AS n
 WHERE c.ns = %(ns)s::text AND c.key = %(key)s::text AND NOT EXISTS (SELECT FROM up)
 """
+    return text
 
-# Row lock.release (no row: lock.release.stale). With a live registration the lock
-# goes to state reserved: a window of %(handoff)s ms for the oldest registered waiter
-# (chosen; passed over: the one a lapsed window named), whose id the notification
-# carries (only that process wakes at once); without one (chosen NULL, whatever
-# window_ms says) it is free and every waiter is woken ('*'). The queue is read only
+
+ACQUIRE = _acquire(True)
+ACQUIRE_FAST = _acquire(False)
+
+_NOW = "n.ms"
+_H0 = "(l.owner = %(owner)s::text AND l.token = %(token)s AND l.expires_ms > n.ms)"
+_HN = (
+    "(cardinality(l.others) > 0 AND "
+    "({s}.lock_mine(l.others, %(owner)s::text, n.ms)).token = %(token)s)"
+)
+_HELD = (
+    "(l.expires_ms > n.ms OR (cardinality(l.others) > 0 "
+    "AND cardinality({s}.lock_live(l.others, n.ms)) > 0))"
+)
+
+# Row lock.release (no row: lock.release.stale): that permit freed (slot 0 becomes a
+# tombstone; a permit of others is dropped). With a live registration one slot goes to
+# state reserved: a window of %(handoff)s ms for the oldest registered waiter (chosen;
+# passed over: the one a lapsed window named), whose id the notification carries
+# (only that process wakes at once); without one (chosen NULL, whatever window_ms
+# says) every waiter is woken ('*'), as they are when a window is already kept for
+# another waiter (one window per key: it is left as it is). The queue is read only
 # when a registration marked the row (queued), and the mark stays while any does.
 # A registration racing the release may miss this one hand-off (it is not in the
 # statement's snapshot, or its mark is cleared): its waiter is still woken ('*').
-RELEASE = """
-UPDATE {s}.locks AS l
-SET expires_ms = 0, window_ms = n.ms + %(handoff)s,
-    chosen = CASE WHEN l.queued THEN (
-        SELECT q.gid FROM {s}.lock_waiters q
+RELEASE = f"""
+UPDATE {{s}}.locks AS l
+SET expires_ms = CASE WHEN {_H0} THEN 0 ELSE l.expires_ms END,
+    others = CASE WHEN {_H0} THEN l.others
+                  ELSE {{s}}.lock_drop(l.others, %(owner)s::text, %(token)s, n.ms) END,
+    window_ms = CASE WHEN l.chosen IS NOT NULL AND l.window_ms > n.ms THEN l.window_ms
+                     ELSE n.ms + %(handoff)s END,
+    chosen = CASE WHEN l.chosen IS NOT NULL AND l.window_ms > n.ms THEN l.chosen
+                  WHEN l.queued THEN (
+        SELECT q.gid FROM {{s}}.lock_waiters q
         WHERE q.chan = %(chan)s::text AND q.until_ms > n.ms
           AND q.gid IS DISTINCT FROM l.chosen
         ORDER BY q.seq LIMIT 1
     ) END,
     queued = l.queued AND EXISTS (
-        SELECT FROM {s}.lock_waiters q
+        SELECT FROM {{s}}.lock_waiters q
         WHERE q.chan = %(chan)s::text AND q.until_ms > n.ms
     )
-FROM (SELECT {now} AS ms) AS n
-WHERE l.ns = %(ns)s::text AND l.key = %(key)s::text AND l.owner = %(owner)s::text
-  AND l.token = %(token)s AND l.expires_ms > n.ms
-RETURNING pg_notify(%(chan)s::text, coalesce(l.chosen, '*'))
+FROM (SELECT {{now}} AS ms) AS n
+WHERE l.ns = %(ns)s::text AND l.key = %(key)s::text AND ({_H0} OR {_HN})
+RETURNING pg_notify(
+    %(chan)s::text,
+    CASE WHEN l.window_ms = n.ms + %(handoff)s THEN coalesce(l.chosen, '*') ELSE '*' END
+)
 """
 
 # A process stopped waiting on a lock without getting it (its last waiter gave up,
@@ -332,63 +509,125 @@ UNREGISTER = """
 DELETE FROM {s}.lock_waiters WHERE chan = %(chan)s::text AND gid = %(gid)s::text
 """
 
-# State table row lock.break: held by anyone -> free. The row keeps its token and the
-# next acquire draws a new one from fence_seq, so the old holder's (owner, token) stops
-# matching: its renew and release fail. No window is kept: every waiter is woken.
-BREAK = """
-UPDATE {s}.locks AS l SET expires_ms = 0, chosen = NULL, window_ms = 0
-FROM (SELECT {now} AS ms) AS n
-WHERE l.ns = %(ns)s::text AND l.key = %(key)s::text AND l.expires_ms > n.ms
+# Row lock.break (no row: lock.break.free), every holder: held by anyone -> free, and
+# no window kept (every waiter is woken). The row keeps its token and the next acquire
+# draws a new one from fence_seq, so an old holder's (owner, token) stops matching:
+# its renew and release fail.
+BREAK = f"""
+UPDATE {{s}}.locks AS l SET expires_ms = 0, others = '{{{{}}}}', chosen = NULL, window_ms = 0
+FROM (SELECT {{now}} AS ms) AS n
+WHERE l.ns = %(ns)s::text AND l.key = %(key)s::text AND {_HELD}
 RETURNING pg_notify(%(chan)s::text, '')
 """
 
-# Row lock.renew (no row: lock.renew.stale)
-RENEW = """
-UPDATE {s}.locks AS l SET expires_ms = n.ms + %(ttl)s
-FROM (SELECT {now} AS ms) AS n
-WHERE l.ns = %(ns)s::text AND l.key = %(key)s::text AND l.owner = %(owner)s::text
-  AND l.token = %(token)s AND l.expires_ms > n.ms
-RETURNING l.expires_ms
+# Row lock.break (no row: lock.break.free), the one live permit with %(token)s; the
+# others and a kept window stay.
+BREAK_ONE = f"""
+UPDATE {{s}}.locks AS l
+SET expires_ms = CASE WHEN l.token = %(token)s THEN 0 ELSE l.expires_ms END,
+    others = {_live_others("l", _NOW, "p.token = %(token)s")}
+FROM (SELECT {{now}} AS ms) AS n
+WHERE l.ns = %(ns)s::text AND l.key = %(key)s::text
+  AND ((l.token = %(token)s AND l.expires_ms > n.ms) OR EXISTS (
+      SELECT FROM unnest(l.others) p WHERE p.token = %(token)s AND p.expires_ms > n.ms))
+RETURNING pg_notify(%(chan)s::text, '')
+"""
+
+
+# Row lock.renew (no row: lock.renew.stale): the permit's expiry, and its published
+# value when one is given.
+RENEW = f"""
+UPDATE {{s}}.locks AS l
+SET expires_ms = CASE WHEN {_H0} THEN n.ms + %(ttl)s ELSE l.expires_ms END,
+    value = CASE WHEN {_H0} THEN coalesce(%(value)s::bytea, l.value) ELSE l.value END,
+    others = CASE WHEN {_H0} THEN l.others ELSE {{s}}.lock_set(
+        l.others, %(owner)s::text, %(token)s, n.ms + %(ttl)s, %(value)s::bytea, n.ms) END
+FROM (SELECT {{now}} AS ms) AS n
+WHERE l.ns = %(ns)s::text AND l.key = %(key)s::text AND ({_H0} OR {_HN})
+RETURNING n.ms + %(ttl)s
 """
 
 # The batched renewal of a coordinator's renewer: many claims and leases in one
-# statement (each row's check as in EXTEND and RENEW: rows extend.ok, extend.stale,
-# lock.renew, lock.renew.stale). Replies: (kind, position, expiry)
-# for each renewed item; an item missing from the reply was refused.
-RENEW_MANY = """
-WITH n AS MATERIALIZED (SELECT {now} AS ms),
+# statement (each item's check as in EXTEND and RENEW: rows extend.ok, extend.stale,
+# lock.renew, lock.renew.stale). Leases are grouped by key, so that one row update
+# renews every permit of the key in the batch. Replies: (kind, position, expiry) for
+# each renewed item; an item missing from the reply was refused.
+_ITEM = "unnest(g.owners, g.tokens, g.ttls, g.poss) AS j(owner, token, ttl, pos)"
+_ITEM_AT = (
+    "(SELECT n.ms + j.ttl FROM {items} WHERE j.owner = {r}.owner AND j.token = {r}.token LIMIT 1)"
+)
+_RENEWED_SLOT0 = _ITEM_AT.format(items=_ITEM, r="l")
+_RENEWED_N = _permit(
+    "p.owner",
+    "p.token",
+    f"coalesce({_ITEM_AT.format(items=_ITEM, r='p')}, p.expires_ms)",
+    "p.value",
+)
+_DONE = (
+    f"FROM {_ITEM} WHERE (j.owner = l.owner AND j.token = l.token "
+    "AND l.expires_ms = n.ms + j.ttl) OR EXISTS (SELECT FROM unnest(l.others) p "
+    "WHERE p.owner = j.owner AND p.token = j.token AND p.expires_ms = n.ms + j.ttl) "
+    "ORDER BY j.pos"
+)
+RENEW_MANY = f"""
+WITH n AS MATERIALIZED (SELECT {{now}} AS ms),
 c AS (
-    UPDATE {s}.claims AS c SET expires_ms = n.ms + i.lease
+    UPDATE {{s}}.claims AS c SET expires_ms = n.ms + i.lease
     FROM n, unnest(%(cns)s::text[], %(ckey)s::text[], %(ctoken)s::text[], %(clease)s::int8[])
         WITH ORDINALITY AS i(ns, key, token, lease, pos)
     WHERE c.ns = i.ns AND c.key = i.key AND c.token = i.token
       AND c.state = 'in_flight' AND c.expires_ms > n.ms
     RETURNING i.pos, c.expires_ms
 ),
+g AS (
+    SELECT i.ns, i.key, array_agg(i.owner) AS owners, array_agg(i.token) AS tokens,
+           array_agg(i.ttl) AS ttls, array_agg(i.pos) AS poss
+    FROM unnest(%(lns)s::text[], %(lkey)s::text[], %(lowner)s::text[], %(ltoken)s::int8[],
+                %(lttl)s::int8[]) WITH ORDINALITY AS i(ns, key, owner, token, ttl, pos)
+    GROUP BY i.ns, i.key
+),
 l AS (
-    UPDATE {s}.locks AS l SET expires_ms = n.ms + i.ttl
-    FROM n, unnest(%(lns)s::text[], %(lkey)s::text[], %(lowner)s::text[], %(ltoken)s::int8[],
-                   %(lttl)s::int8[]) WITH ORDINALITY AS i(ns, key, owner, token, ttl, pos)
-    WHERE l.ns = i.ns AND l.key = i.key AND l.owner = i.owner AND l.token = i.token
-      AND l.expires_ms > n.ms
-    RETURNING i.pos, l.expires_ms
+    UPDATE {{s}}.locks AS l
+    SET expires_ms = CASE WHEN l.expires_ms > n.ms
+                          THEN coalesce({_RENEWED_SLOT0}, l.expires_ms)
+                          ELSE l.expires_ms END,
+        others = CASE WHEN cardinality(l.others) = 0 THEN l.others
+                      ELSE {_live_others("l", _NOW, replace=f"WHEN true THEN {_RENEWED_N}")} END
+    FROM n, g
+    WHERE l.ns = g.ns AND l.key = g.key AND EXISTS (
+        SELECT FROM {_ITEM}
+        WHERE (j.owner = l.owner AND j.token = l.token AND l.expires_ms > n.ms)
+           OR EXISTS (SELECT FROM unnest(l.others) p WHERE p.owner = j.owner
+                      AND p.token = j.token AND p.expires_ms > n.ms))
+    RETURNING ARRAY(SELECT j.pos {_DONE}) AS poss, ARRAY(SELECT n.ms + j.ttl {_DONE}) AS exps
 )
 SELECT 'c', pos, expires_ms FROM c
 UNION ALL
-SELECT 'l', pos, expires_ms FROM l
+SELECT 'l', x.pos, x.exp FROM l, unnest(l.poss, l.exps) AS x(pos, exp)
 """
 
-LOCK = """
-SELECT l.owner, l.token, l.expires_ms
-FROM {s}.locks l, (SELECT {now} AS ms) AS n
-WHERE l.ns = %(ns)s::text AND l.key = %(key)s::text AND l.expires_ms > n.ms
+# Every live permit of a key (HOLDERS), of a key's lowest token (LOCK), of the keys
+# under a prefix (LOCKS): slot 0 and others, lowest token first.
+_PERMITS = """
+    LATERAL (SELECT l.owner, l.token, l.expires_ms, l.value WHERE l.expires_ms > n.ms
+             UNION ALL
+             SELECT p.owner, p.token, p.expires_ms, p.value FROM unnest(l.others) p
+             WHERE p.expires_ms > n.ms) h"""
+
+HOLDERS = f"""
+SELECT h.owner, h.token, h.expires_ms, h.value
+FROM {{s}}.locks l, (SELECT {{now}} AS ms) AS n,{_PERMITS}
+WHERE l.ns = %(ns)s::text AND l.key = %(key)s::text
+ORDER BY h.token
 """
 
-LOCKS = """
-SELECT l.ns, l.key, l.owner, l.token, l.expires_ms
-FROM {s}.locks l, (SELECT {now} AS ms) AS n
-WHERE starts_with(l.ns, %(prefix)s::text) AND l.expires_ms > n.ms
-ORDER BY l.ns, l.key
+LOCK = HOLDERS + "LIMIT 1\n"
+
+LOCKS = f"""
+SELECT l.ns, l.key, h.owner, h.token, h.expires_ms, h.value
+FROM {{s}}.locks l, (SELECT {{now}} AS ms) AS n,{_PERMITS}
+WHERE starts_with(l.ns, %(prefix)s::text)
+ORDER BY l.ns, l.key, h.token
 """
 
 # Rows fence.advance (the upsert), fence.stale (the read)
@@ -415,36 +654,107 @@ SELECT f.token FROM {s}.fences f WHERE f.ns = %(ns)s::text AND f.resource = %(re
 """
 
 # Purge in batches so no statement holds many row locks for long; it deletes the rows
-# that claim.ttl, claim.expiry and lock.expiry left dead (a lock in its hand-off
-# window is kept). The outer condition is re-checked on the latest row version, so a
-# row re-claimed meanwhile is kept.
+# that claim.ttl, claim.expiry and lock.expiry left dead (a key with a live permit or
+# in its hand-off window is kept). The outer condition is re-checked on the latest row
+# version, so a row re-claimed meanwhile is kept. Returns the rows deleted and what
+# they count for: one per claim; per lock row, slot 0 (expired or a tombstone) and
+# each (expired) permit of others.
 PURGE = """
 WITH n AS MATERIALIZED (SELECT {now} AS ms),
 d AS (
     DELETE FROM {s}.{table} AS t
-    USING (SELECT ns, key FROM {s}.{table}
-           WHERE expires_ms <= (SELECT ms FROM n) {extra} LIMIT %(batch)s) AS x
-    WHERE t.ns = x.ns AND t.key = x.key AND t.expires_ms <= (SELECT ms FROM n) {extra}
-    RETURNING 1
+    USING (SELECT ns, key FROM {s}.{table} WHERE {dead} LIMIT %(batch)s) AS x
+    WHERE t.ns = x.ns AND t.key = x.key AND {dead}
+    RETURNING {weight} AS w
 )
-SELECT count(*) FROM d
+SELECT count(*), coalesce(sum(w), 0) FROM d
 """
 
-_NOT_RESERVED = "AND window_ms <= (SELECT ms FROM n)"
+_CLAIM_DEAD = "expires_ms <= (SELECT ms FROM n)"
+# Row lock.expiry: nothing live in the row (slot 0, others, a kept window).
+_LOCK_DEAD = (
+    "(expires_ms <= (SELECT ms FROM n) AND window_ms <= (SELECT ms FROM n) AND NOT EXISTS "
+    "(SELECT FROM unnest(others) p WHERE p.expires_ms > (SELECT ms FROM n)))"
+)
+_AT = "(SELECT ms FROM n)"
 
-# Purge's dry run: what PURGE would delete, counted in batches along the primary key
-# (keyset: each batch starts after the last key of the one before; NULL starts at the
-# beginning). Read-only: no row is locked. Returns the batch's count and last key.
+
+def _dead_others(r: str) -> str:
+    return f"(SELECT count(*) FROM unnest({r}others) p WHERE p.expires_ms <= {_AT})"
+
+
+def _promote(r: str) -> str:
+    """Slot 0 expired (or released) while a permit of others lives on."""
+    return (
+        f"({r}expires_ms <= {_AT} AND EXISTS "
+        f"(SELECT FROM unnest({r}others) p WHERE p.expires_ms > {_AT}))"
+    )
+
+
+def _first_live(r: str, column: str) -> str:
+    return (
+        f"(SELECT p.{column} FROM unnest({r}others) p WHERE p.expires_ms > {_AT} "
+        "ORDER BY p.token LIMIT 1)"
+    )
+
+
+def _prune_weight(r: str) -> str:
+    """The expired permits of a key that stays: slot 0, once a permit of others takes
+    its place, and those of others."""
+    return f"({_promote(r)}::int + {_dead_others(r)})"
+
+
+_DEAD_OTHERS = _dead_others("")
+_PROMOTE_T = _promote("t.")
+_NEEDS_PRUNE = f"({_promote('')} OR {_DEAD_OTHERS} > 0)"
+_LIVE_REST = (
+    "ARRAY(SELECT "
+    + _permit("p.owner", "p.token", "p.expires_ms", "p.value")
+    + f" FROM unnest(t.others) p WHERE p.expires_ms > {_AT} ORDER BY p.token OFFSET 1)"
+)
+
+# Row lock.expiry in a key that stays: its expired permits are dropped, those of
+# others, and an expired slot 0 whose place the lowest-token live permit of others
+# takes (slot 0 stays the key's first live permit, which a process of the previous
+# layout sees). Returns the rows changed and the permits dropped (as the statement's
+# snapshot counted them).
+PRUNE_LOCKS = f"""
+WITH n AS MATERIALIZED (SELECT {{now}} AS ms),
+d AS (
+    UPDATE {{s}}.locks AS t
+    SET owner = CASE WHEN {_PROMOTE_T} THEN {_first_live("t.", "owner")} ELSE t.owner END,
+        token = CASE WHEN {_PROMOTE_T} THEN {_first_live("t.", "token")} ELSE t.token END,
+        expires_ms = CASE WHEN {_PROMOTE_T} THEN {_first_live("t.", "expires_ms")}
+                          ELSE t.expires_ms END,
+        value = CASE WHEN {_PROMOTE_T} THEN {_first_live("t.", "value")} ELSE t.value END,
+        others = CASE WHEN {_PROMOTE_T} THEN {_LIVE_REST}
+                      ELSE {_live_others("t", _AT)} END
+    FROM (SELECT ns, key, {_prune_weight("")} AS dead FROM {{s}}.locks
+          WHERE {_NEEDS_PRUNE} LIMIT %(batch)s) AS x
+    WHERE t.ns = x.ns AND t.key = x.key AND ({_PROMOTE_T} OR {_dead_others("t.")} > 0)
+    RETURNING x.dead
+)
+SELECT count(*), coalesce(sum(dead), 0) FROM d
+"""
+
+#: what a lock row counts for in the dry run: a row PURGE deletes, or PRUNE_LOCKS' drops
+_LOCK_WEIGHT = f"CASE WHEN {_LOCK_DEAD} THEN 1 + cardinality(others) ELSE {_prune_weight('')} END"
+
+# Purge's dry run: what PURGE (and PRUNE_LOCKS) would remove, counted in batches along
+# the primary key (keyset: each batch starts after the last key of the one before;
+# NULL starts at the beginning). Read-only: no row is locked. Returns the batch's row
+# count, what they count for, and its last key.
 PURGE_COUNT = """
 WITH n AS MATERIALIZED (SELECT {now} AS ms),
 b AS MATERIALIZED (
-    SELECT ns, key FROM {s}.{table}
-    WHERE expires_ms <= (SELECT ms FROM n) {extra}
+    SELECT ns, key, {weight} AS w FROM {s}.{table}
+    WHERE ({dead})
       AND (%(ns)s::text IS NULL OR (ns, key) > (%(ns)s::text, %(key)s::text))
     ORDER BY ns, key LIMIT %(batch)s
 ),
 l AS (SELECT ns, key FROM b ORDER BY ns DESC, key DESC LIMIT 1)
-SELECT (SELECT count(*) FROM b), l.ns, l.key FROM (SELECT 1) AS one LEFT JOIN l ON true
+SELECT (SELECT count(*) FROM b), (SELECT coalesce(sum(w), 0) FROM b), l.ns, l.key
+FROM (SELECT 1) AS one LEFT JOIN l ON true
 """
 
 # Lapsed registrations of the waiters' queue (not records: purge does not count them).
@@ -518,12 +828,15 @@ class Statements:
     release: Stmt
     break_lock: Stmt
     renew: Stmt
+    break_one: Stmt
+    holders: Stmt
     lock: Stmt
     locks: Stmt
     fence_advance: Stmt
     fence_current: Stmt
     purge_claims: Stmt
     purge_locks: Stmt
+    prune_locks: Stmt
     purge_waiters: Stmt
     count_claims: Stmt
     count_locks: Stmt
@@ -547,16 +860,27 @@ class Statements:
             acquire_fast=r(ACQUIRE_FAST, schema),
             release=r(RELEASE, schema),
             break_lock=r(BREAK, schema),
+            break_one=r(BREAK_ONE, schema),
+            holders=r(HOLDERS, schema),
             renew=r(RENEW, schema),
             lock=r(LOCK, schema),
             locks=r(LOCKS, schema),
             fence_advance=r(FENCE_ADVANCE, schema),
             fence_current=r(FENCE_CURRENT, schema),
-            purge_claims=r(PURGE, schema, table="claims", extra=""),
-            purge_locks=r(PURGE, schema, table="locks", extra=_NOT_RESERVED),
+            purge_claims=r(PURGE, schema, table="claims", dead=_CLAIM_DEAD, weight="1"),
+            purge_locks=r(
+                PURGE, schema, table="locks", dead=_LOCK_DEAD, weight="1 + cardinality(t.others)"
+            ),
+            prune_locks=r(PRUNE_LOCKS, schema),
             purge_waiters=r(PURGE_WAITERS, schema),
-            count_claims=r(PURGE_COUNT, schema, table="claims", extra=""),
-            count_locks=r(PURGE_COUNT, schema, table="locks", extra=_NOT_RESERVED),
+            count_claims=r(PURGE_COUNT, schema, table="claims", dead=_CLAIM_DEAD, weight="1"),
+            count_locks=r(
+                PURGE_COUNT,
+                schema,
+                table="locks",
+                dead=f"{_LOCK_DEAD} OR {_NEEDS_PRUNE}",
+                weight=_LOCK_WEIGHT,
+            ),
             unregister=r(UNREGISTER, schema),
             version=_render(VERSION, schema),
         )

@@ -23,6 +23,7 @@ from ._replies import (
     _acquire_reply,
     _claim_reply,
     _fence_reply,
+    _holder_rows,
     _i8,
     _lock_rows,
     _nothing,
@@ -261,8 +262,10 @@ class PostgresStore(_SyncRunner):
 
     # ---- locks -----------------------------------------------------------------------
 
-    def acquire(self, ns: str, key: str, owner: str, ttl_ms: int) -> Acquired | Held:
-        params = self._acquire_params(ns, key, owner, ttl_ms)
+    def acquire(
+        self, ns: str, key: str, owner: str, ttl_ms: int, limit: int = 1, value: bytes | None = None
+    ) -> Acquired | Held:
+        params = self._acquire_params(ns, key, owner, ttl_ms, limit, value)
 
         def undo(reply: Acquired | Held | None) -> Any:
             # Without the reply the token is unknown: that lease ends with its ttl.
@@ -273,9 +276,7 @@ class PostgresStore(_SyncRunner):
         # Only a caller of a waiting process has a registration to make or end.
         stmt = self.statements.acquire if params["wait"] else self.statements.acquire_fast
         reply: Acquired | Held = self._undoable(
-            self._until(stmt, params, "acquire", lambda rows: _acquire_reply(rows, owner)),
-            undo,
-            "acquire",
+            self._until(stmt, params, "acquire", _acquire_reply), undo, "acquire"
         )
         self._registered(params, reply)
         return reply
@@ -294,17 +295,26 @@ class PostgresStore(_SyncRunner):
         )
         return bool(rows)
 
-    def break_lock(self, ns: str, key: str) -> bool:
-        params = {"ns": ns, "key": key, "chan": self._chan("lock", ns, key)}
-        rows = self._undoable(
-            self._rows(self.statements.break_lock, params, "break_lock", False),
-            _nothing,
-            "break_lock",
-        )
+    def break_lock(self, ns: str, key: str, token: int | None = None) -> bool:
+        params: dict[str, Any] = {"ns": ns, "key": key, "chan": self._chan("lock", ns, key)}
+        stmt = self.statements.break_lock
+        if token is not None:
+            params["token"] = _i8(token)
+            stmt = self.statements.break_one
+        rows = self._undoable(self._rows(stmt, params, "break_lock", False), _nothing, "break_lock")
         return bool(rows)
 
-    def renew(self, ns: str, key: str, owner: str, token: int, ttl_ms: int) -> int | None:
-        params = {"ns": ns, "key": key, "owner": owner, "token": _i8(token), "ttl": _i8(ttl_ms)}
+    def renew(
+        self, ns: str, key: str, owner: str, token: int, ttl_ms: int, value: bytes | None = None
+    ) -> int | None:
+        params = {
+            "ns": ns,
+            "key": key,
+            "owner": owner,
+            "token": _i8(token),
+            "ttl": _i8(ttl_ms),
+            "value": None if value is None else bytes(value),
+        }
         rows = self._rows(self.statements.renew, params, "renew", True)
         return int(rows[0][0]) if rows else None
 
@@ -318,10 +328,12 @@ class PostgresStore(_SyncRunner):
 
     def lock(self, ns: str, key: str) -> LockRow | None:
         rows = self._rows(self.statements.lock, {"ns": ns, "key": key}, "lock", True)
-        if not rows:
-            return None
-        owner, token, exp = rows[0]
-        return LockRow(ns, key, owner, token, exp)
+        found = _holder_rows(rows, ns, key)
+        return found[0] if found else None
+
+    def holders(self, ns: str, key: str) -> list[LockRow]:
+        rows = self._rows(self.statements.holders, {"ns": ns, "key": key}, "holders", True)
+        return _holder_rows(rows, ns, key)
 
     def locks(self, ns_prefix: str) -> list[LockRow]:
         rows = self._rows(self.statements.locks, {"prefix": ns_prefix}, "locks", True)
@@ -348,12 +360,12 @@ class PostgresStore(_SyncRunner):
         if dry_run:
             return self._purge_count()
         removed = 0
-        for stmt in (self.statements.purge_claims, self.statements.purge_locks):
+        st = self.statements
+        for stmt in (st.purge_claims, st.purge_locks, st.prune_locks):
             while True:
                 rows = self._rows(stmt, {"batch": _i8(PURGE_BATCH)}, "purge", True)
-                n = int(rows[0][0])
-                removed += n
-                if n < PURGE_BATCH:
+                removed += int(rows[0][1])
+                if int(rows[0][0]) < PURGE_BATCH:
                     break
         # Lapsed registrations of the waiters' queue: not records, not counted.
         while True:
@@ -372,9 +384,8 @@ class PostgresStore(_SyncRunner):
             while True:
                 params = {"ns": after[0], "key": after[1], "batch": _i8(PURGE_BATCH)}
                 rows = self._rows(stmt, params, "purge", True)
-                n = int(rows[0][0])
-                total += n
-                if n < PURGE_BATCH:
+                total += int(rows[0][1])
+                if int(rows[0][0]) < PURGE_BATCH:
                     break
-                after = (rows[0][1], rows[0][2])
+                after = (rows[0][2], rows[0][3])
         return total
