@@ -222,7 +222,7 @@ def test_a_corrupt_row_in_a_listing_is_logged_with_the_stores_fields(
     coord = idemlock.connect(f"sqlite:///{path}")
     assert coord.lock("nightly").acquire("report") is not None
     with sqlite3.connect(path) as db:  # a row idemlock never writes: a text token
-        db.execute("UPDATE locks SET token = 'x'")
+        db.execute("UPDATE lock_permits SET token = 'x'")
     (row,) = coord.locks()
     assert row.corrupt
     coord.close()

@@ -134,7 +134,7 @@ class PgOwnSql(PgRaw):
             chan = store._chan("lock", NS, key)
             release = {"ns": NS, "key": key, "owner": owner, "chan": chan}
             release["handoff"] = _i8(HANDOFF_MS)
-            first = (sql.acquire_fast, store._acquire_params(NS, key, owner, 30_000))
+            first = (sql.acquire_fast, store._acquire_params(NS, key, owner, 30_000, 1, None))
             return first, lambda row: (sql.release, {**release, "token": _i8(row[1])})
         claim = {"ns": NS, "key": key, "token": token, "fp": "fp", "lease": _i8(c.LEASE_MS)}
         done = store._complete_params(NS, key, token, c.RESULT_BYTES, c.TTL_MS)
