@@ -293,9 +293,7 @@ def test_closing_after_failed_retries_leaves_no_grpc_thread_failing(
                 coord.lock(LONG).acquire("k")
             coord.close()
         deadline = time.monotonic() + 10
-        while any(
-            t.name.endswith("(_run)") and t not in before for t in threading.enumerate()
-        ):
+        while any(t.name.endswith("(_run)") and t not in before for t in threading.enumerate()):
             assert time.monotonic() < deadline, "gRPC's polling threads never ended"
             time.sleep(0.02)
     finally:
