@@ -26,6 +26,10 @@ from types import FrameType
 
 import pytest
 
+# Before any test module imports grpc: the etcd store turns gRPC's fork handlers off at
+# import (its docstring says why), and the many forks of this suite need that too.
+import idemlock.stores.etcd  # noqa: F401
+
 from . import _progress
 from .servers import _proc
 from .servers.etcd import (  # noqa: F401  (session fixtures)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -434,6 +436,61 @@ def test_fork_child_opens_its_own_channels(etcd_server: EtcdCluster) -> None:
         assert isinstance(port.claim("parent-after"), Claimed)
     finally:
         coord.close()
+
+
+_FORK_SCRIPT = """
+import os, sys, time
+if sys.argv[2] == "idemlock-first":
+    import idemlock.stores.etcd
+import grpc
+import idemlock.stores.etcd
+print(os.environ.get("GRPC_ENABLE_FORK_SUPPORT"), flush=True)
+channel = grpc.insecure_channel(sys.argv[1])
+# a thread inside gRPC at the fork (connecting to a closed port), as the store's watch
+# and retry threads often are
+ready = grpc.channel_ready_future(channel)
+try:
+    ready.result(timeout=0.2)
+except grpc.FutureTimeoutError:
+    pass
+codes = set()
+for _ in range(20):  # the thread is inside gRPC at most forks, not at every one
+    pid = os.fork()
+    if pid == 0:
+        os._exit(7)
+    codes.add(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+    time.sleep(0.01)
+print(*codes, flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("order", "given", "shown"),
+    [("idemlock-first", None, "false"), ("idemlock-first", "1", "1"), ("grpc-first", None, None)],
+)
+def test_grpc_fork_handlers_are_off_unless_the_user_or_grpc_decided(
+    order: str, given: str | None, shown: str | None
+) -> None:
+    """gRPC's core runs its fork handlers by default (its Python layer does not); with
+    a thread inside gRPC at a fork it skips them half-way, and a child could abort in
+    them (one did, in the child of a Popen with user=, before its exec). The package
+    turns them off at import, unless the user chose or gRPC was loaded first (the
+    last case shows that this check sees the half-run handlers)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRPC_")}
+    env |= {"GRPC_VERBOSITY": "debug", "GRPC_TRACE": "fork"}
+    if given is not None:
+        env["GRPC_ENABLE_FORK_SUPPORT"] = given
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        target = f"127.0.0.1:{s.getsockname()[1]}"
+    done = subprocess.run(
+        [sys.executable, "-c", _FORK_SCRIPT, target, order],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [str(shown), "7"], done.stdout
+    skipped = "skipping fork() handlers" in done.stderr
+    assert skipped == (order == "grpc-first"), done.stderr[-2000:]
 
 
 # ---- fair hand-off -------------------------------------------------------------------------

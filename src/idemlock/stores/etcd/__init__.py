@@ -21,11 +21,23 @@ URLs: ``etcd://[user:password@]host:port[,host:port...]`` and ``etcds://`` (TLS,
   (``tools/gen_etcd_stubs.py``): ``grpc.Channel`` (:mod:`._sync`) and ``grpc.aio``
   (:mod:`._async`) drive the same op generators. After ``os.fork()`` the child uses
   etcd's HTTP gateway instead (:mod:`._gateway`): gRPC's core is not fork-safe.
+* Importing this package sets ``GRPC_ENABLE_FORK_SUPPORT=false`` unless it is set (or
+  gRPC is already loaded, which then keeps its own setting). gRPC's core turns its fork
+  handlers on by default while its Python layer turns them off; when another thread is
+  inside gRPC at a fork (our watch and retry threads often are) the handlers are
+  skipped half-way, and the child of a ``fork()`` or of a ``subprocess`` started with
+  ``user=`` could abort inside them before it reaches its own code. The child never
+  needs them: it does not touch gRPC.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
+
+if "grpc" not in sys.modules:
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from . import _conf
 from ._sync import EtcdStore
