@@ -67,7 +67,7 @@ class LockBase:
         if not isinstance(reply, Acquired):
             self._events.emit("acquire", "timeout", t0)
             return None
-        self._events.emit("acquire", "acquired" if tries == 1 else "waited", t0)
+        self._events.emit("acquire", "acquired" if tries == 1 else "waited", t0, reply.token)
         return self._lease(key, owner, reply, sent, self._ttl_ms)
 
     def _lease(self, key: str, owner: str, reply: Acquired, sent: float, ttl_ms: int) -> Lease:
@@ -123,7 +123,7 @@ class LockBase:
 
     def _finish_release(self, lease: Lease, ok: bool, t0: float) -> bool:
         self._mark_released(lease)
-        self._events.emit("release", answered("release", ok), t0)
+        self._events.emit("release", answered("release", ok), t0, lease.token)
         return ok
 
     def _break_args(self, key: str, token: int | None) -> tuple[str, str, int | None]:
@@ -172,7 +172,7 @@ class LockBase:
 
         def lost() -> None:
             lease.lost = True
-            report_loss(self._events, on_lost, lease, "lock", "lease")
+            report_loss(self._events, on_lost, lease, "lock", "lease", lease.token)
 
         state.notify = lost
         return state
