@@ -464,7 +464,7 @@ class AsyncLockPort(LockHold):
                 self._events.error("acquire", exc, t0)
                 raise
             return self._finish_acquire(key, who, (reply, sent, 1), t0)
-        waits = self._events.waits()
+        waits = self._waits()
         flow = acquire_flow(
             self._ns,
             validate_key(key),

@@ -29,7 +29,7 @@ from .._core.types import (
 from .._errors import ConfigurationError, LockNotAcquired, LockNotHeld
 from .._logfields import port_fields
 from .._tokens import check_token, new_token
-from .events import Events, log, report_loss
+from .events import Events, Waits, log, report_loss
 
 if TYPE_CHECKING:
     from .coordinator import CoordinatorBase
@@ -56,6 +56,12 @@ class LockBase:
         self._events = Events(coord, self._kind, spec.name)
         self.spec = spec
         self._ttl_ms = whole_ms(duration(spec.ttl, "ttl", positive=True))
+
+    def _waits(self) -> Waits | None:
+        """What reports a semaphore's or an election's acquire waiting (the ``wait``
+        events the permits-waiting gauge counts); None for a lock, whose events stay
+        as they were, and when nobody listens."""
+        return None if self._kind == "lock" else self._events.waits()
 
     def _owner(self, owner: str | None) -> str:
         return new_token() if owner is None else validate_key(owner, "owner")

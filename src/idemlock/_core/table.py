@@ -89,8 +89,8 @@ EVENT_OUTCOMES: dict[tuple[str, str], str] = {
 EXTRA_OUTCOMES: dict[str, tuple[str, ...]] = {
     "acquire": ("waited", "timeout"),
     "lost": ("lost",),
-    #: an acquire's first attempt was refused and it waits; its wait is over (granted,
-    #: timed out, failed or cancelled)
+    #: a semaphore's or election's acquire was refused at first and waits; its wait is
+    #: over (granted, timed out, failed or cancelled)
     "wait": ("started", "ended"),
 }
 #: events that are no store call, so never have the outcome "error"
