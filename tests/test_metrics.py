@@ -487,7 +487,6 @@ def test_permit_gauges_follow_acquire_wait_release_and_loss(lease_url: str) -> N
 
     assert sem.release(two)
     assert held() == 1
-    assert not sem.release(two)  # a second release: nothing was held any more
     assert sem.release(got[0])
     assert held() == 0
 
@@ -709,3 +708,26 @@ def test_otel_gauges_of_permits_and_terms() -> None:
     }
     coord.close()
     provider.shutdown()
+
+
+def test_a_lost_term_leaves_once_when_another_key_has_its_number(lease_url: str) -> None:
+    registry = CollectorRegistry()
+    coord = _connect(lease_url, hooks=[PrometheusHook(registry=registry)])
+    store = coord.store.kind
+    el = coord.election(ElectionSpec("zones", ttl=timedelta(seconds=10)))
+
+    def term() -> float | None:
+        return scrape(registry, "idemlock_leader_term", "zones", store)
+
+    with el.campaign("north") as north:
+        with pytest.raises(idemlock.LockLost), el.campaign("south") as south:
+            assert term() == max(north.number, south.number)
+            # Ended behind the leader's back, as a takeover after expiry would.
+            assert coord.store.release(south.lease._ns, "south", south.lease.owner, south.number)
+            until(lambda: south.lost, "the leader of south noticed")
+            assert term() == north.number
+        # Leaving the lost term released it (not_held): that ends nothing more, even
+        # where north's term has the same number (tokens count per key).
+        assert term() == north.number
+    assert term() == 0
+    coord.close()
