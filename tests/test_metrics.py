@@ -5,20 +5,23 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 import idemlock
-from idemlock import Claimed, IdempotencySpec, LockSpec
+from idemlock import Claimed, ElectionSpec, IdempotencySpec, LockSpec, SemaphoreSpec
 from idemlock.integrations.otel import OpenTelemetryHook
 from idemlock.integrations.prometheus import PrometheusHook
 
@@ -404,4 +407,327 @@ def test_a_break_is_counted_and_the_holders_gauge_drops_once() -> None:
     assert sample(registry, "idemlock_lock_breaks_total", **j, outcome="not_held") == 1
     hist = "idemlock_operation_duration_seconds_count"
     assert sample(registry, hist, operation="break", **j) == 2
+    coord.close()
+
+
+# ---- gauges of permits and leader terms ---------------------------------------------
+
+
+@pytest.fixture(params=["memory", "sqlite", "redis"])
+def lease_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A store for the permit and term gauges; Redis through its own server process."""
+    if request.param == "memory":
+        yield "memory://"
+    elif request.param == "sqlite":
+        yield f"sqlite:///{tmp_path}/gauges.db"
+    else:
+        yield request.getfixturevalue("redis_server").url
+
+
+def _connect(url: str, **kwargs: Any) -> idemlock.Coordinator:
+    # A fresh prefix per test: the Redis server is shared by the session.
+    return idemlock.connect(url, key_prefix=f"gauges-{time.monotonic_ns()}", **kwargs)
+
+
+def scrape(registry: CollectorRegistry, name: str, spec: str, store: str) -> float | None:
+    """A gauge's value as a scrape of ``/metrics`` returns it (None: no such series)."""
+    text = generate_latest(registry).decode()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and s.labels == {"spec": spec, "store": store}:
+                return float(s.value)
+    return None
+
+
+def until(check: Callable[[], bool], what: str, within: float = 60.0) -> None:
+    """Wait for ``check()`` (a store or gauge state), failing after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.005)
+
+
+def test_permit_gauges_follow_acquire_wait_release_and_loss(lease_url: str) -> None:
+    registry = CollectorRegistry()
+    coord = _connect(lease_url, hooks=[PrometheusHook(registry=registry)])
+    store = coord.store.kind
+
+    def held() -> float | None:
+        return scrape(registry, "idemlock_permits_held", "exports", store)
+
+    def waiting() -> float | None:
+        return scrape(registry, "idemlock_permits_waiting", "exports", store)
+
+    sem = coord.semaphore(SemaphoreSpec("exports", limit=2, ttl=timedelta(seconds=10)))
+    one = sem.acquire(SECRET_KEY)
+    two = sem.acquire(SECRET_KEY)
+    assert one is not None and two is not None
+    assert held() == 2
+    assert waiting() is None  # nobody waited yet: no series
+
+    # A waiter in another thread: counted while it waits, then as a holder.
+    got: list[idemlock.Permit | None] = []
+    waiter = threading.Thread(target=lambda: got.append(sem.acquire(SECRET_KEY, wait=60)))
+    waiter.start()
+    until(lambda: waiting() == 1, "the waiter counted as waiting")
+    assert held() == 2
+    assert sem.release(one)
+    waiter.join(60)
+    assert not waiter.is_alive() and got and got[0] is not None
+    assert waiting() == 0
+    assert held() == 2
+
+    # A waiter that gives up leaves the waiting gauge and was never a holder.
+    assert sem.acquire(SECRET_KEY, wait=0.05) is None
+    assert waiting() == 0 and held() == 2
+    timeouts = sample(
+        registry, "idemlock_lock_acquisitions_total", spec="exports", store=store, outcome="timeout"
+    )
+    assert timeouts == 1
+
+    assert sem.release(two)
+    assert held() == 1
+    assert sem.release(got[0])
+    assert held() == 0
+
+    # A permit lost under a hold() leaves the gauge once, when the loss is detected.
+    with pytest.raises(idemlock.LockLost), sem.hold("other") as permit:
+        assert held() == 1
+        assert sem.break_permit("other", permit.token)
+        assert held() == 1  # the break itself does not move it
+        until(lambda: permit.lost, "the holder noticed its loss")
+        assert held() == 0
+    assert held() == 0  # leaving the block (release not_held) is not counted again
+
+    # Permits are not locks, and no key reaches a label.
+    assert scrape(registry, "idemlock_locks_held", "exports", store) is None
+    text = generate_latest(registry).decode()
+    assert SECRET_KEY not in text and "other" not in text
+    coord.close()
+
+
+def test_permit_gauges_drop_a_cancelled_async_waiter(lease_url: str) -> None:
+    import asyncio
+
+    import idemlock.aio
+
+    registry = CollectorRegistry()
+
+    async def main() -> None:
+        coord = idemlock.aio.connect(
+            lease_url,
+            key_prefix=f"gauges-{time.monotonic_ns()}",
+            hooks=[PrometheusHook(registry=registry)],
+        )
+        store = coord.store.kind
+
+        def held() -> float | None:
+            return scrape(registry, "idemlock_permits_held", "slots", store)
+
+        def waiting() -> float | None:
+            return scrape(registry, "idemlock_permits_waiting", "slots", store)
+
+        async def until_async(check: Callable[[], bool], what: str) -> None:
+            deadline = time.monotonic() + 60
+            while not check():
+                assert time.monotonic() < deadline, f"never happened: {what}"
+                await asyncio.sleep(0.005)
+
+        sem = coord.semaphore(SemaphoreSpec("slots", limit=1, ttl=timedelta(seconds=10)))
+        async with sem.hold("k") as permit:
+            assert held() == 1
+            first = asyncio.ensure_future(sem.acquire("k", wait=60))
+            second = asyncio.ensure_future(sem.acquire("k", wait=60))
+            await until_async(lambda: waiting() == 2, "two waiters counted")
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            assert waiting() == 1  # the cancelled waiter is gone at once
+            assert held() == 1
+            assert not permit.lost
+        # The hold's release hands the permit to the waiter left.
+        granted = await asyncio.wait_for(second, 60)
+        assert granted is not None
+        assert waiting() == 0 and held() == 1
+        # An async waiter that gives up.
+        assert await sem.acquire("k", wait=0.05) is None
+        assert waiting() == 0 and held() == 1
+        assert await sem.release(granted)
+        assert held() == 0
+        await coord.close()
+
+    asyncio.run(main())
+
+
+def test_leader_term_gauge_follows_campaigns_and_term_changes(lease_url: str) -> None:
+    registry = CollectorRegistry()
+    coord = _connect(lease_url, hooks=[PrometheusHook(registry=registry)])
+    store = coord.store.kind
+
+    def term() -> float | None:
+        return scrape(registry, "idemlock_leader_term", "scheduler", store)
+
+    el = coord.election(ElectionSpec("scheduler", ttl=timedelta(seconds=10)))
+    assert term() is None
+    elected = threading.Event()
+    numbers: list[int] = []
+
+    def successor() -> None:
+        with el.campaign("eu-west", value="host-b") as t:
+            numbers.append(t.number)
+            elected.set()
+
+    with el.campaign("eu-west", value="host-a") as first:
+        assert term() == first.number > 0
+        rival = threading.Thread(target=successor)
+        rival.start()
+        until(lambda: el.leader("eu-west") is not None, "a leader listed")
+        assert not elected.is_set()  # the rival waits its turn
+        assert term() == first.number
+    rival.join(60)
+    assert not rival.is_alive() and elected.is_set()
+    # The term changed hands; the successor's term was shown while it led, and
+    # leaving its block ended it too.
+    assert numbers[0] > first.number
+    assert term() == 0
+
+    # Two keys led at once: the gauge shows the higher term, and the other when that ends.
+    with el.campaign("eu-west") as west:
+        with el.campaign("us-east") as east:
+            assert term() == max(west.number, east.number)
+        assert term() == west.number
+    assert term() == 0
+
+    # A term lost (an operator broke it) leaves the gauge when the leader notices.
+    with pytest.raises(idemlock.LockLost), el.campaign("eu-west") as t:
+        assert term() == t.number
+        assert el.break_lock("eu-west", token=t.number)
+        until(lambda: t.lost, "the leader noticed its term ended")
+        assert term() == 0
+    assert term() == 0
+    # Elections are neither locks nor permits.
+    assert scrape(registry, "idemlock_locks_held", "scheduler", store) is None
+    assert scrape(registry, "idemlock_permits_held", "scheduler", store) is None
+    assert "eu-west" not in generate_latest(registry).decode()
+    coord.close()
+
+
+def test_leader_term_gauge_async_and_a_cancelled_campaign(lease_url: str) -> None:
+    import asyncio
+
+    import idemlock.aio
+
+    registry = CollectorRegistry()
+    seen: list[tuple[str, str, str]] = []
+
+    async def main() -> None:
+        coord = idemlock.aio.connect(
+            lease_url,
+            key_prefix=f"gauges-{time.monotonic_ns()}",
+            hooks=[
+                PrometheusHook(registry=registry),
+                lambda e: seen.append((e.name, e.outcome, e.kind)),
+            ],
+        )
+        store = coord.store.kind
+        el = coord.election(ElectionSpec("region", ttl=timedelta(seconds=10)))
+
+        def term() -> float | None:
+            return scrape(registry, "idemlock_leader_term", "region", store)
+
+        async def rival() -> None:
+            async with el.campaign("eu"):
+                pytest.fail("elected while the first leader led")
+
+        async with el.campaign("eu") as first:
+            assert term() == first.number
+            task = asyncio.ensure_future(rival())
+            deadline = time.monotonic() + 60
+            while ("wait", "started", "election") not in seen:  # the rival is queued
+                assert time.monotonic() < deadline and not task.done()
+                await asyncio.sleep(0.005)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert term() == first.number  # a cancelled campaign changes nothing
+            assert seen[-1] == ("wait", "ended", "election")
+        assert term() == 0
+        async with el.campaign("eu") as second:
+            assert second.number > first.number
+            assert term() == second.number
+        assert term() == 0
+        await coord.close()
+
+    asyncio.run(main())
+
+
+def test_otel_gauges_of_permits_and_terms() -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    coord = idemlock.connect("memory://", hooks=[OpenTelemetryHook(meter_provider=provider)])
+
+    def values() -> dict[tuple[str, str], int]:
+        data = reader.get_metrics_data()
+        out: dict[tuple[str, str], int] = {}
+        assert data is not None
+        for rm in data.resource_metrics:
+            for sm in rm.scope_metrics:
+                for metric in sm.metrics:
+                    for point in metric.data.data_points:
+                        assert point.attributes is not None
+                        assert set(point.attributes) == {"idemlock.spec", "idemlock.store"}
+                        spec = str(point.attributes["idemlock.spec"])
+                        out[(metric.name, spec)] = int(point.value)  # type: ignore[union-attr]
+        return out
+
+    sem = coord.semaphore(SemaphoreSpec("exports", limit=1, ttl=timedelta(seconds=10)))
+    el = coord.election(ElectionSpec("scheduler", ttl=timedelta(seconds=10)))
+    permit = sem.acquire("t")
+    assert permit is not None
+    waiter = threading.Thread(target=lambda: sem.acquire("t", wait=60))
+    waiter.start()
+    until(lambda: values().get(("idemlock.permits.waiting", "exports")) == 1, "a waiter")
+    with el.campaign("eu") as first:
+        assert values() == {
+            ("idemlock.permits.held", "exports"): 1,
+            ("idemlock.permits.waiting", "exports"): 1,
+            ("idemlock.leader.term", "scheduler"): first.number,
+        }
+    sem.release(permit)
+    waiter.join(60)
+    assert not waiter.is_alive()
+    with el.campaign("eu") as second:
+        assert values()[("idemlock.leader.term", "scheduler")] == second.number > first.number
+    assert values() == {
+        ("idemlock.permits.held", "exports"): 1,  # the waiter's, never released
+        ("idemlock.permits.waiting", "exports"): 0,
+        ("idemlock.leader.term", "scheduler"): 0,
+    }
+    coord.close()
+    provider.shutdown()
+
+
+def test_a_lost_term_leaves_once_when_another_key_has_its_number(lease_url: str) -> None:
+    registry = CollectorRegistry()
+    coord = _connect(lease_url, hooks=[PrometheusHook(registry=registry)])
+    store = coord.store.kind
+    el = coord.election(ElectionSpec("zones", ttl=timedelta(seconds=10)))
+
+    def term() -> float | None:
+        return scrape(registry, "idemlock_leader_term", "zones", store)
+
+    with el.campaign("north") as north:
+        with pytest.raises(idemlock.LockLost), el.campaign("south") as south:
+            assert term() == max(north.number, south.number)
+            # Ended behind the leader's back, as a takeover after expiry would.
+            assert coord.store.release(south.lease._ns, "south", south.lease.owner, south.number)
+            until(lambda: south.lost, "the leader of south noticed")
+            assert term() == north.number
+        # Leaving the lost term released it (not_held): that ends nothing more, even
+        # where north's term has the same number (tokens count per key).
+        assert term() == north.number
+    assert term() == 0
     coord.close()

@@ -455,6 +455,7 @@ class LockPort(LockHold):
                 self._events.error("acquire", exc, t0)
                 raise
             return self._finish_acquire(key, who, (reply, sent, 1), t0)
+        waits = self._waits()
         flow = acquire_flow(
             self._ns,
             validate_key(key),
@@ -464,9 +465,14 @@ class LockPort(LockHold):
             self._coord.poll_cap,
             self._limit,
             data,
+            None if waits is None else waits.start,
         )
         try:
-            result = run_sync(flow, self._store, clock=self._coord.clock)
+            try:
+                result = run_sync(flow, self._store, clock=self._coord.clock)
+            finally:
+                if waits is not None:
+                    waits.end()  # also when cancelled: the waiter is gone
         except Exception as exc:
             self._events.error("acquire", exc, t0)
             raise
@@ -482,7 +488,7 @@ class LockPort(LockHold):
         try:
             ok = self._store.release(*args)
         except Exception as exc:
-            self._events.error("release", exc, t0)
+            self._events.error("release", exc, t0, lease.token)
             raise
         return self._finish_release(lease, ok, t0)
 

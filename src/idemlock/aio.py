@@ -464,6 +464,7 @@ class AsyncLockPort(LockHold):
                 self._events.error("acquire", exc, t0)
                 raise
             return self._finish_acquire(key, who, (reply, sent, 1), t0)
+        waits = self._waits()
         flow = acquire_flow(
             self._ns,
             validate_key(key),
@@ -473,9 +474,14 @@ class AsyncLockPort(LockHold):
             self._coord.poll_cap,
             self._limit,
             data,
+            None if waits is None else waits.start,
         )
         try:
-            result = await run_async(flow, self._store, clock=self._coord.clock)
+            try:
+                result = await run_async(flow, self._store, clock=self._coord.clock)
+            finally:
+                if waits is not None:
+                    waits.end()  # also when cancelled: the waiter is gone
         except Exception as exc:
             self._events.error("acquire", exc, t0)
             raise
@@ -491,7 +497,7 @@ class AsyncLockPort(LockHold):
         try:
             ok = await self._store.release(*args)
         except Exception as exc:
-            self._events.error("release", exc, t0)
+            self._events.error("release", exc, t0, lease.token)
             raise
         return self._finish_release(lease, ok, t0)
 

@@ -29,7 +29,7 @@ from .._core.types import (
 from .._errors import ConfigurationError, LockNotAcquired, LockNotHeld
 from .._logfields import port_fields
 from .._tokens import check_token, new_token
-from .events import Events, log, report_loss
+from .events import Events, Waits, log, report_loss
 
 if TYPE_CHECKING:
     from .coordinator import CoordinatorBase
@@ -57,6 +57,12 @@ class LockBase:
         self.spec = spec
         self._ttl_ms = whole_ms(duration(spec.ttl, "ttl", positive=True))
 
+    def _waits(self) -> Waits | None:
+        """What reports a semaphore's or an election's acquire waiting (the ``wait``
+        events the permits-waiting gauge counts); None for a lock, whose events stay
+        as they were, and when nobody listens."""
+        return None if self._kind == "lock" else self._events.waits()
+
     def _owner(self, owner: str | None) -> str:
         return new_token() if owner is None else validate_key(owner, "owner")
 
@@ -67,7 +73,7 @@ class LockBase:
         if not isinstance(reply, Acquired):
             self._events.emit("acquire", "timeout", t0)
             return None
-        self._events.emit("acquire", "acquired" if tries == 1 else "waited", t0)
+        self._events.emit("acquire", "acquired" if tries == 1 else "waited", t0, reply.token)
         return self._lease(key, owner, reply, sent, self._ttl_ms)
 
     def _lease(self, key: str, owner: str, reply: Acquired, sent: float, ttl_ms: int) -> Lease:
@@ -123,7 +129,7 @@ class LockBase:
 
     def _finish_release(self, lease: Lease, ok: bool, t0: float) -> bool:
         self._mark_released(lease)
-        self._events.emit("release", answered("release", ok), t0)
+        self._events.emit("release", answered("release", ok), t0, lease.token)
         return ok
 
     def _break_args(self, key: str, token: int | None) -> tuple[str, str, int | None]:
@@ -172,7 +178,7 @@ class LockBase:
 
         def lost() -> None:
             lease.lost = True
-            report_loss(self._events, on_lost, lease, "lock", "lease")
+            report_loss(self._events, on_lost, lease, "lock", "lease", lease.token)
 
         state.notify = lost
         return state

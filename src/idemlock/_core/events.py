@@ -33,9 +33,14 @@ def answered(op: str, ok: bool) -> str:
 @dataclass(frozen=True, slots=True)
 class Event:
     """One outcome. ``duration`` is in seconds (for ``acquire`` it includes waiting);
-    ``kind`` is ``"idempotency"`` or ``"lock"``. A store call that raised (the store
-    down, a timeout) has outcome ``"error"`` and ``error``, the exception's type name
-    (``"StoreUnavailable"``); ``error`` is None for every other outcome."""
+    ``kind`` is ``"idempotency"``, ``"lock"``, ``"semaphore"`` or ``"election"``. A store
+    call that raised (the store down, a timeout) has outcome ``"error"`` and ``error``,
+    the exception's type name (``"StoreUnavailable"``); ``error`` is None for every
+    other outcome. ``token`` is the fencing token (an election's term number) of the
+    lease an ``acquire`` granted or a ``release`` or ``lost`` ends; None for every other
+    event. A semaphore's or election's acquire whose first attempt was refused emits
+    ``wait`` ``started``, then ``wait`` ``ended`` (its ``duration`` the wait) once it is
+    over, however: granted, timed out, failed or cancelled."""
 
     name: str
     outcome: str
@@ -45,6 +50,7 @@ class Event:
     duration: float
     tenant: str | None = None
     error: str | None = None
+    token: int | None = None
 
 
 Hook = Callable[[Event], None]

@@ -124,11 +124,13 @@ def acquire_flow(
     poll_cap: float | None = None,
     limit: int = 1,
     value: bytes | None = None,
+    on_wait: Callable[[], None] | None = None,
 ) -> Generator[Request, Any, tuple[Acquired | Held, float, int]]:
     """Acquire, waiting up to ``wait`` seconds. Returns (last reply, the clock's time the
     last request was sent, number of attempts); ``limit``: how many holders the key
     may have (1: a lock); ``value``: published with the lease. ``poll_cap`` bounds
-    each wait for stores whose notification does not cross processes."""
+    each wait for stores whose notification does not cross processes. ``on_wait`` is
+    called once, when the first attempt was refused and the caller goes on waiting."""
     deadline = (yield REAL_NOW) + (wait or 0.0)
     waiting = _Waiting(Channel("lock", ns, key), deadline, poll_cap)
     tries = 0
@@ -138,6 +140,8 @@ def acquire_flow(
         tries += 1
         if isinstance(reply, Acquired) or not (yield from waiting.turn(reply.ttl_ms)):
             return reply, sent, tries
+        if tries == 1 and on_wait is not None:
+            on_wait()
 
 
 def claim_flow(

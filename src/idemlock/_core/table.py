@@ -86,7 +86,15 @@ EVENT_OUTCOMES: dict[tuple[str, str], str] = {
     ("break", "stale"): "not_held",
 }
 #: outcomes the coordinator adds around a reply (waiting, giving up, a store error)
-EXTRA_OUTCOMES: dict[str, tuple[str, ...]] = {"acquire": ("waited", "timeout"), "lost": ("lost",)}
+EXTRA_OUTCOMES: dict[str, tuple[str, ...]] = {
+    "acquire": ("waited", "timeout"),
+    "lost": ("lost",),
+    #: a semaphore's or election's acquire was refused at first and waits; its wait is
+    #: over (granted, timed out, failed or cancelled)
+    "wait": ("started", "ended"),
+}
+#: events that are no store call, so never have the outcome "error"
+_NO_CALL = ("lost", "wait")
 
 
 def outcome(op: str, reply: Reply) -> str:
@@ -101,7 +109,7 @@ def events() -> dict[str, tuple[str, ...]]:
         out.setdefault(op, []).append(outcome)
     for op, extra in EXTRA_OUTCOMES.items():
         out.setdefault(op, []).extend(extra)
-    return {op: (*o, "error") if op != "lost" else tuple(o) for op, o in out.items()}
+    return {op: (*o, "error") if op not in _NO_CALL else tuple(o) for op, o in out.items()}
 
 
 # ---- the rows ---------------------------------------------------------------------

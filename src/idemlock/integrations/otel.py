@@ -13,18 +13,23 @@ Every event becomes one span, ended when the event is reported and started
 task's or the HTTP request's, when those are traced). Span names are
 ``idemlock.<event>`` (``idemlock.claim``, ``idemlock.complete``, ``idemlock.acquire``,
 ...), of kind INTERNAL, with the attributes ``idemlock.spec``, ``idemlock.store`` (the
-store kind), ``idemlock.outcome`` and ``idemlock.kind`` (``idempotency`` or ``lock``);
+store kind), ``idemlock.outcome`` and ``idemlock.kind`` (``idempotency``, ``lock``,
+``semaphore`` or ``election``);
 never the key, the payload, the owner or the tenant. Outcomes that mean something
 went wrong (``stale``, ``mismatch``, ``failed``, ``lost``, ``error``) set the span's
 status to ERROR; a store call that raised (outcome ``error``) also carries
 ``idemlock.error``, the exception's type name (``StoreUnavailable``).
 
-Two up-down counters (OpenTelemetry's gauges of a count) with the attributes
-``idemlock.spec`` and ``idemlock.store``: ``idemlock.claims.in_flight``, the claims this
-process took and has not completed or abandoned yet, and ``idemlock.locks.held``, the
-locks it acquired and has not released (nor lost) yet. They are this process's view,
-derived from its own events (see :mod:`idemlock.integrations._gauges`): sum them over
-your processes for the whole picture.
+Up-down counters (OpenTelemetry's gauges of a count) with the attributes
+``idemlock.spec`` and ``idemlock.store`` (never the key): ``idemlock.claims.in_flight``,
+the claims this process took and has not completed or abandoned yet;
+``idemlock.locks.held`` and ``idemlock.permits.held``, the locks and semaphore permits
+it acquired and has not released (nor lost) yet; ``idemlock.permits.waiting``, its
+semaphore acquires waiting for a permit now; and ``idemlock.leader.term``, the term
+number it leads (the highest, if it leads several keys of the spec; 0 when none).
+They are this process's view, derived from its own events (see
+:mod:`idemlock.integrations._gauges`): sum them over your processes for the whole
+picture (the maximum, for the term).
 
 Without an SDK configured the API's tracer and meter are no-ops, so the hook costs
 little.
@@ -39,7 +44,7 @@ from opentelemetry.metrics import Meter, MeterProvider
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer, TracerProvider
 
 from .._core.events import Event
-from ._gauges import CLAIMS, LOCKS, HeldTally
+from ._gauges import CLAIMS, LEADER_TERM, LOCKS, PERMITS, PERMITS_WAITING, HeldTally
 
 __all__ = ["ERROR_OUTCOMES", "OpenTelemetryHook"]
 
@@ -52,7 +57,7 @@ class OpenTelemetryHook:
 
     ``tracer_provider`` defaults to the global one (``trace.set_tracer_provider``);
     or pass a ``tracer`` directly. Likewise ``meter_provider`` (default: the global
-    one, ``metrics.set_meter_provider``) or ``meter``, for the two gauges.
+    one, ``metrics.set_meter_provider``) or ``meter``, for the gauges.
     """
 
     def __init__(
@@ -81,6 +86,27 @@ class OpenTelemetryHook:
                 "idemlock.locks.held",
                 unit="{lock}",
                 description="Locks this process acquired and has not released (nor lost) yet.",
+            ),
+            PERMITS: meter.create_up_down_counter(
+                "idemlock.permits.held",
+                unit="{permit}",
+                description=(
+                    "Semaphore permits this process acquired and has not released (nor lost) yet."
+                ),
+            ),
+            PERMITS_WAITING: meter.create_up_down_counter(
+                "idemlock.permits.waiting",
+                unit="{acquire}",
+                description="Semaphore acquires of this process waiting for a permit now.",
+            ),
+            # A term number, not a count: each change adds the difference, so the sum
+            # is the term (a synchronous gauge needs opentelemetry-api 1.23).
+            LEADER_TERM: meter.create_up_down_counter(
+                "idemlock.leader.term",
+                unit="{term}",
+                description=(
+                    "The term number this process leads (the highest of its keys), 0 if none."
+                ),
             ),
         }
         self._tally = HeldTally()

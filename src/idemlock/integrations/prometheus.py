@@ -30,6 +30,14 @@ the payload, the owner or the tenant, which are unbounded and may be private):
                                             completed or abandoned yet
 ``idemlock_locks_held``                     gauge: locks this process acquired and has
                                             not released (nor lost) yet
+``idemlock_permits_held``                   gauge: semaphore permits this process
+                                            acquired and has not released (nor lost)
+                                            yet
+``idemlock_permits_waiting``                gauge: semaphore acquires of this process
+                                            waiting for a permit now
+``idemlock_leader_term``                    gauge: the term number this process leads
+                                            (the highest, if it leads several keys of
+                                            the spec); 0 when it leads none
 ``idemlock_operation_duration_seconds``     histogram by ``operation`` (claim, complete,
                                             abandon, acquire, release, renew,
                                             break); an
@@ -43,12 +51,14 @@ memory, sqlite, redis, postgres). The metrics are registered once per registry, 
 several coordinators (or tenant views) can each add a ``PrometheusHook`` on the same
 registry.
 
-The two gauges are **this process's view**, derived from its own events (see
-:mod:`idemlock.integrations._gauges`): a claim or lock held by another process is not
-in them, so sum them over your processes (``sum by (spec)``) for the whole picture. A
-lost claim or lease leaves the gauge when the loss is detected; one that expires
-unnoticed (no heartbeat, never completed, abandoned or released) stays counted.
-Hooks sharing a registry count every event once each, as the counters do.
+The gauges are **this process's view**, derived from its own events (see
+:mod:`idemlock.integrations._gauges`): a claim, lock or permit held by another process
+is not in them, so sum them over your processes (``sum by (spec)``) for the whole
+picture, and take ``max by (spec)`` of ``idemlock_leader_term`` for the current term.
+They are labelled by spec and store, never by key, as every metric here. A lost claim
+or lease leaves the gauge when the loss is detected; one that expires unnoticed (no
+heartbeat, never completed, abandoned or released) stays counted. Hooks sharing a
+registry count every event once each, as the counters do.
 """
 
 from __future__ import annotations
@@ -60,7 +70,7 @@ from collections.abc import Callable, Sequence
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from .._core.events import Event
-from ._gauges import CLAIMS, LOCKS, HeldTally
+from ._gauges import CLAIMS, LEADER_TERM, LOCKS, PERMITS, PERMITS_WAITING, HeldTally
 
 __all__ = ["DEFAULT_BUCKETS", "PrometheusHook"]
 
@@ -112,6 +122,24 @@ class _Metrics:
             LOCKS: Gauge(
                 "idemlock_locks_held",
                 "Locks this process acquired and has not released (nor lost) yet.",
+                ("spec", "store"),
+                registry=registry,
+            ),
+            PERMITS: Gauge(
+                "idemlock_permits_held",
+                "Semaphore permits this process acquired and has not released (nor lost) yet.",
+                ("spec", "store"),
+                registry=registry,
+            ),
+            PERMITS_WAITING: Gauge(
+                "idemlock_permits_waiting",
+                "Semaphore acquires of this process waiting for a permit now.",
+                ("spec", "store"),
+                registry=registry,
+            ),
+            LEADER_TERM: Gauge(
+                "idemlock_leader_term",
+                "The term number this process leads (the highest of its keys), 0 if none.",
                 ("spec", "store"),
                 registry=registry,
             ),
