@@ -149,12 +149,12 @@ else:
 
     @idempotent_job(
         LIMITED_SPEC,
-        key=lambda name, seconds=0.0: name,
+        key=lambda name, seconds=0.0, fail_first=False: name,
         coordinator=coordinator,
         retry_every=LIMITED_RETRY,
         concurrency=1,
         concurrency_key=tenant_of,
         concurrency_wait=LIMITED_WAIT,
     )
-    def rq_limited_job(name: str, seconds: float = 0.0) -> dict[str, Any]:
-        return work(name, seconds, False)
+    def rq_limited_job(name: str, seconds: float = 0.0, fail_first: bool = False) -> dict[str, Any]:
+        return work(name, seconds, fail_first)

@@ -24,7 +24,15 @@ import idemlock
 from idemlock import ConfigurationError
 from idemlock.integrations.arq import enqueue_once, idempotent_job
 
-from .arq_app import JOB_TIMEOUT, LIMIT, LONG_LEASE, TIGHT_RETRY, TIGHT_TRIES, arq_job
+from .arq_app import (
+    JOB_TIMEOUT,
+    LIMIT,
+    LONG_LEASE,
+    TIGHT_RETRY,
+    TIGHT_TRIES,
+    arq_job,
+    arq_limited_job,
+)
 from .queue_jobs import (
     LEASE,
     SPEC,
@@ -118,6 +126,7 @@ async def env(
     for k, v in e.vars.items():
         monkeypatch.setenv(k, v)
     arq_job.idemlock_guard._state = None  # type: ignore[attr-defined]
+    arq_limited_job.idemlock_guard._state = None  # type: ignore[attr-defined]
     try:
         yield e
     finally:
@@ -404,3 +413,15 @@ async def test_concurrency_limit_runs_at_most_two_at_once_and_waits_use_no_tries
         assert info is not None and info.success and info.job_try == 1
     assert sum(env.reschedules(job) for job in jobs) >= 1  # sent back, uncounted
     assert permits.holders(TENANT) == []
+
+
+async def test_concurrency_limit_a_cancelled_body_releases_its_permit(env: Env) -> None:
+    permits = coordinator().semaphore(limited_permits(LIMIT))
+    running = asyncio.ensure_future(arq_limited_job({}, "cancelled", 60.0))
+    await wait_for(lambda: env.events("cancelled", "start"))
+    assert [h.owner for h in permits.holders(TENANT)] != []  # held while the body runs
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    await wait_for(lambda: permits.holders(TENANT) == [])
+    assert env.events("cancelled", "end") == []

@@ -27,6 +27,7 @@ from idemlock.integrations.rq import enqueue_once
 
 from .queue_jobs import (
     LEASE,
+    LIMITED_SPEC,
     SPEC,
     TENANT,
     coordinator,
@@ -106,6 +107,7 @@ def env(
         monkeypatch.setenv(k, v)
     # The test process's own guard (enqueue_once) opens its coordinator from the env.
     rq_job.idemlock_guard._state = None  # type: ignore[attr-defined]
+    rq_limited_job.idemlock_guard._state = None  # type: ignore[attr-defined]
     try:
         yield e
     finally:
@@ -332,4 +334,30 @@ def test_concurrency_limit_runs_one_at_a_time_and_waits_use_no_retries(env: Env)
     wait_for(lambda: finished(dup))
     assert dup.return_value() == jobs[0].return_value()
     assert len(env.events(names[0], "start")) == 1
+    permits.release(held)
+
+
+def test_concurrency_limit_called_directly_releases_on_failure_and_replays_unlimited(
+    env: Env,
+) -> None:
+    """Outside a worker: no permit free raises LockNotAcquired (and frees the claim);
+    a failing body releases its permit; a completed key replays with no permit free."""
+    permits = coordinator().semaphore(limited_permits(1))
+    held = permits.acquire(TENANT, owner="the-test")
+    assert held is not None
+    with pytest.raises(idemlock.LockNotAcquired, match=r"no permit of its concurrency limit"):
+        rq_limited_job("direct")
+    status = coordinator().idempotency(LIMITED_SPEC).status("direct")
+    assert status is None or status.state != "in_flight"  # the claim was given back
+    assert env.events("direct", "start") == []
+    assert permits.release(held)
+    with pytest.raises(RuntimeError, match="fails once"):
+        rq_limited_job("direct", 0.0, True)
+    assert permits.holders(TENANT) == []  # released by the failure
+    first = rq_limited_job("direct", 0.0, True)
+    assert permits.holders(TENANT) == []
+    held = permits.acquire(TENANT, owner="the-test")
+    assert held is not None
+    assert rq_limited_job("direct", 0.0, True) == first  # replayed: no permit needed
+    assert len(env.events("direct", "start")) == 2  # the failure and the run
     permits.release(held)
