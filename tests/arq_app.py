@@ -11,7 +11,16 @@ from arq.worker import func
 
 from idemlock.integrations.arq import idempotent_job
 
-from .queue_jobs import SPEC, async_coordinator, awork, long_spec
+from .queue_jobs import (
+    LIMITED_RETRY,
+    LIMITED_SPEC,
+    LIMITED_WAIT,
+    SPEC,
+    async_coordinator,
+    awork,
+    long_spec,
+    tenant_of,
+)
 
 #: the job timeout; a killed worker's job runs elsewhere once this + 10 s passed
 JOB_TIMEOUT = 8
@@ -66,6 +75,23 @@ async def arq_tight_job(
     return await awork(name, seconds, fail_first)
 
 
+#: at most this many arq_limited_job bodies run at once (the worker runs up to 10 jobs)
+LIMIT = 2
+
+
+@idempotent_job(
+    LIMITED_SPEC,
+    key=lambda name, seconds=0.0: name,
+    coordinator=async_coordinator,
+    retry_every=LIMITED_RETRY,
+    concurrency=LIMIT,
+    concurrency_key=tenant_of,
+    concurrency_wait=LIMITED_WAIT,
+)
+async def arq_limited_job(ctx: dict[str, Any], name: str, seconds: float = 0.0) -> dict[str, Any]:
+    return await awork(name, seconds, False)
+
+
 def redis_settings() -> RedisSettings:
     return RedisSettings.from_dsn(os.environ.get("IDEMLOCK_JOBS_BROKER", "redis://127.0.0.1:1"))
 
@@ -75,6 +101,8 @@ class WorkerSettings:
         arq_job,
         arq_long_job,
         func(arq_tight_job, name="arq_tight_job", max_tries=TIGHT_TRIES),
+        # One try: a reschedule for a permit that counted would fail the job.
+        func(arq_limited_job, name="arq_limited_job", max_tries=1),
     ]
     redis_settings = redis_settings()
     queue_name = os.environ.get("IDEMLOCK_JOBS_NAMESPACE", "arq:queue")

@@ -14,7 +14,16 @@ from dramatiq.results.backends import RedisBackend
 
 from idemlock.integrations.dramatiq import idempotent
 
-from .queue_jobs import SPEC, coordinator, long_spec, work
+from .queue_jobs import (
+    LIMITED_RETRY,
+    LIMITED_SPEC,
+    LIMITED_WAIT,
+    SPEC,
+    coordinator,
+    long_spec,
+    tenant_of,
+    work,
+)
 
 #: a dead worker's unacknowledged messages are given to others after this (ms)
 HEARTBEAT_TIMEOUT_MS = 3000
@@ -79,3 +88,22 @@ TIGHT_RETRIES = 2
 )
 def dq_tight_job(name: str, seconds: float = 0.0, fail_first: bool = False) -> dict[str, Any]:
     return work(name, seconds, fail_first)
+
+
+#: at most this many dq_limited_job bodies run at once (the worker has 2 threads)
+LIMIT = 1
+
+
+# No retries at all: a reschedule for a permit that counted would fail the message.
+@dramatiq.actor(max_retries=0, store_results=True)
+@idempotent(
+    LIMITED_SPEC,
+    key=lambda name, seconds=0.0: name,
+    coordinator=coordinator,
+    retry_every=LIMITED_RETRY,
+    concurrency=LIMIT,
+    concurrency_key=tenant_of,
+    concurrency_wait=LIMITED_WAIT,
+)
+def dq_limited_job(name: str, seconds: float = 0.0) -> dict[str, Any]:
+    return work(name, seconds, False)

@@ -20,10 +20,18 @@ from typing import Any
 
 import idemlock
 import idemlock.aio
-from idemlock import IdempotencySpec
+from idemlock import IdempotencySpec, SemaphoreSpec
 
 LEASE = 2.0
 SPEC = IdempotencySpec("jobs", lease=timedelta(seconds=LEASE))
+#: the spec of the jobs with a concurrency limit (their permits: "jobs-limited.concurrency")
+LIMITED_SPEC = IdempotencySpec("jobs-limited", lease=timedelta(seconds=LEASE))
+#: the concurrency key of every limited job: one tenant, so they all count together
+TENANT = "tenant-1"
+#: how soon a limited job that found no permit comes back (RQ rounds it up to 1 s)
+LIMITED_RETRY = 0.2
+#: how long a limited job waits for a permit before it is sent back
+LIMITED_WAIT = 0.05
 
 
 def long_spec(lease: float) -> IdempotencySpec:
@@ -88,6 +96,32 @@ async def awork(name: str, seconds: float, fail_first: bool) -> dict[str, Any]:
     return {"name": name, "fence": idemlock.current_claim().fence}  # type: ignore[union-attr]
 
 
+def tenant_of(name: str, *args: Any, **kwargs: Any) -> str:
+    """The limited jobs' ``concurrency_key``: called once per delivery that holds its
+    claim and asks for a permit, so the log shows the deliveries sent back."""
+    note("attempt", name=name)
+    return TENANT
+
+
+def limited_permits(limit: int) -> SemaphoreSpec:
+    """The limited jobs' semaphore, as a test takes its permits (a long ttl: the test
+    does not renew them)."""
+    return SemaphoreSpec(f"{LIMITED_SPEC.name}.concurrency", limit=limit, ttl=60)
+
+
+def most_at_once(events: list[dict[str, Any]]) -> int:
+    """The most bodies that ran at once, from their "start" and "end" events (each
+    noted while its permit was held, so an end sorts before a start it let in)."""
+    edges = sorted(
+        (e["t"], 0 if e["event"] == "end" else 1) for e in events if e["event"] in ("start", "end")
+    )
+    running = most = 0
+    for _, is_start in edges:
+        running += 1 if is_start else -1
+        most = max(most, running)
+    return most
+
+
 def read_log(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
@@ -111,4 +145,16 @@ else:
         store_retry_max=1.0,
     )
     def rq_job(name: str, seconds: float = 0.0, fail_first: bool = False) -> dict[str, Any]:
+        return work(name, seconds, fail_first)
+
+    @idempotent_job(
+        LIMITED_SPEC,
+        key=lambda name, seconds=0.0, fail_first=False: name,
+        coordinator=coordinator,
+        retry_every=LIMITED_RETRY,
+        concurrency=1,
+        concurrency_key=tenant_of,
+        concurrency_wait=LIMITED_WAIT,
+    )
+    def rq_limited_job(name: str, seconds: float = 0.0, fail_first: bool = False) -> dict[str, Any]:
         return work(name, seconds, fail_first)

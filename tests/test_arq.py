@@ -24,8 +24,25 @@ import idemlock
 from idemlock import ConfigurationError
 from idemlock.integrations.arq import enqueue_once, idempotent_job
 
-from .arq_app import JOB_TIMEOUT, LONG_LEASE, TIGHT_RETRY, TIGHT_TRIES, arq_job
-from .queue_jobs import LEASE, SPEC, coordinator, long_spec, read_log
+from .arq_app import (
+    JOB_TIMEOUT,
+    LIMIT,
+    LONG_LEASE,
+    TIGHT_RETRY,
+    TIGHT_TRIES,
+    arq_job,
+    arq_limited_job,
+)
+from .queue_jobs import (
+    LEASE,
+    SPEC,
+    TENANT,
+    coordinator,
+    limited_permits,
+    long_spec,
+    most_at_once,
+    read_log,
+)
 from .servers._proc import popen
 from .servers.redis import RedisServer, free_port
 
@@ -109,6 +126,7 @@ async def env(
     for k, v in e.vars.items():
         monkeypatch.setenv(k, v)
     arq_job.idemlock_guard._state = None  # type: ignore[attr-defined]
+    arq_limited_job.idemlock_guard._state = None  # type: ignore[attr-defined]
     try:
         yield e
     finally:
@@ -366,3 +384,44 @@ def test_users_strict_mypy_accepts_enqueue_once_on_arq(tmp_path: Path) -> None:
     wrong = ARQ_USER_PROGRAM.replace("lease=timedelta(minutes=10)", 'lease="10 min"')
     out = _mypy_user(tmp_path, wrong)
     assert out.returncode == 1 and 'Argument "lease" to "enqueue_once"' in out.stdout, out.stdout
+
+
+async def test_concurrency_limit_runs_at_most_two_at_once_and_waits_use_no_tries(
+    env: Env,
+) -> None:
+    """``concurrency=2`` on a worker that runs up to 10 jobs at once, with
+    ``max_tries=1``: while the test holds both of the tenant's permits no body runs
+    and the jobs are sent back (a counted try would fail them); then each runs exactly
+    once, never more than two at a time."""
+    names = [f"lim{i}" for i in range(5)]
+    permits = coordinator().semaphore(limited_permits(LIMIT))
+    held = [permits.acquire(TENANT, owner=f"the-test-{i}") for i in range(LIMIT)]
+    assert all(held)
+    env.worker()
+    jobs = [await env.send_to("arq_limited_job", n, 0.3) for n in names]
+    await wait_for(lambda: any(len(env.events(n, "attempt")) >= 2 for n in names))
+    assert [e for n in names for e in env.events(n, "start")] == []
+    for lease in held:
+        assert lease is not None and permits.release(lease)
+    values = [await result(job) for job in jobs]  # a failed job raises here
+    assert [v["name"] for v in values] == names
+    for n in names:
+        assert len(env.events(n, "start")) == len(env.events(n, "end")) == 1, n
+    assert 1 <= most_at_once([e for n in names for e in env.events(n)]) <= LIMIT
+    for job in jobs:
+        info = await job.result_info()
+        assert info is not None and info.success and info.job_try == 1
+    assert sum(env.reschedules(job) for job in jobs) >= 1  # sent back, uncounted
+    assert permits.holders(TENANT) == []
+
+
+async def test_concurrency_limit_a_cancelled_body_releases_its_permit(env: Env) -> None:
+    permits = coordinator().semaphore(limited_permits(LIMIT))
+    running = asyncio.ensure_future(arq_limited_job({}, "cancelled", 60.0))
+    await wait_for(lambda: env.events("cancelled", "start"))
+    assert [h.owner for h in permits.holders(TENANT)] != []  # held while the body runs
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    await wait_for(lambda: permits.holders(TENANT) == [])
+    assert env.events("cancelled", "end") == []

@@ -33,6 +33,7 @@ import idemlock
 from idemlock import ConfigurationError, FencedOut, IdempotencySpec, InFlightError
 from idemlock.integrations.celery import IdempotentTask, current_fence, enqueue_once
 
+from .queue_jobs import most_at_once
 from .servers._proc import popen
 from .servers.redis import RedisServer, free_port, start_redis
 
@@ -261,6 +262,40 @@ def flaky(self: Any, job: str) -> dict[str, Any]:
         first.touch()
         raise self.retry(countdown=3)  # queued again: its send lease must stay
     return {"job": job, "retries": self.request.retries}
+
+
+#: at most this many "export" bodies run at once (the test starts two workers)
+EXPORT_LIMIT = 1
+#: the tenant every export counts under
+EXPORT_TENANT = "tenant-1"
+
+
+def _export_tenant(report: str, seconds: float) -> str:
+    # The concurrency key, asked by each delivery that holds its claim: the log shows
+    # the deliveries that found no permit and came back.
+    _append("export.log", json.dumps({"event": "attempt", "name": report, "t": time.time()}))
+    return EXPORT_TENANT
+
+
+@app.task(
+    bind=True,
+    base=IdempotentTask,
+    name="idemlock_test.export",
+    idemlock_coordinator=_coordinator,
+    idemlock_spec=IdempotencySpec("export", lease=timedelta(seconds=2)),
+    idemlock_key=lambda report, seconds: f"export-{report}",
+    idemlock_retry_every=0.2,
+    idemlock_concurrency=EXPORT_LIMIT,
+    idemlock_concurrency_key=_export_tenant,
+    idemlock_concurrency_wait=0.5,
+    max_retries=0,
+    time_limit=30,
+)
+def export(self: Any, report: str, seconds: float) -> dict[str, Any]:
+    _append("export.log", json.dumps({"event": "start", "name": report, "t": time.time()}))
+    time.sleep(seconds)
+    _append("export.log", json.dumps({"event": "end", "name": report, "t": time.time()}))
+    return {"report": report, "retries": self.request.retries}
 
 
 @worker_ready.connect
@@ -504,6 +539,42 @@ def test_task_slower_than_its_lease_with_a_duplicate_runs_once(env: Env) -> None
     assert "slow claim replayed" in env.lines("events.log")
     assert "slow lost lost" not in env.lines("events.log")
     wait_for(lambda: env.unacked() == 0, 10, w2.why)
+
+
+def test_concurrency_limit_runs_one_at_a_time_and_waits_use_no_retries(env: Env) -> None:
+    """``idemlock_concurrency=1`` with two workers and ``max_retries=0``: while the
+    test holds the tenant's only permit no body runs and the tasks are re-sent
+    (keeping ``retries`` at 0); then each runs exactly once, one at a time."""
+    names = [f"r{i}" for i in range(3)]
+    coord = idemlock.connect(env.store_url)
+    permits = coord.semaphore(idemlock.SemaphoreSpec("export.concurrency", limit=1, ttl=60))
+    held = permits.acquire(EXPORT_TENANT, owner="the-test")
+    assert held is not None
+    w1 = start_worker(env, "w1")
+    start_worker(env, "w2")
+    results = [export.apply_async((n, 0.2)) for n in names]
+
+    def log() -> list[dict[str, Any]]:
+        return [json.loads(x) for x in env.lines("export.log")]
+
+    def came_back() -> bool:
+        attempts = [e["name"] for e in log() if e["event"] == "attempt"]
+        return any(attempts.count(n) >= 2 for n in names)
+
+    wait_for(came_back, 30, w1.why)
+    assert [e for e in log() if e["event"] == "start"] == []
+    assert permits.release(held)
+    values = [r.get(timeout=60) for r in results]
+    assert [v["report"] for v in values] == names
+    assert all(v["retries"] == 0 for v in values)  # re-sent, never counted as a retry
+    for n in names:
+        assert [e["event"] for e in log() if e["name"] == n and e["event"] != "attempt"] == [
+            "start",
+            "end",
+        ]
+    assert most_at_once(log()) == EXPORT_LIMIT
+    assert permits.holders(EXPORT_TENANT) == []
+    coord.close()
 
 
 # ---- with workers, against an idemlock store that goes down and comes back ---------------

@@ -23,7 +23,16 @@ import idemlock
 from idemlock import ConfigurationError
 from idemlock.integrations.dramatiq import enqueue_once, send_once
 
-from .queue_jobs import LEASE, SPEC, coordinator, long_spec, read_log
+from .queue_jobs import (
+    LEASE,
+    SPEC,
+    TENANT,
+    coordinator,
+    limited_permits,
+    long_spec,
+    most_at_once,
+    read_log,
+)
 from .servers._proc import popen
 from .servers.redis import RedisServer, free_port
 
@@ -337,3 +346,25 @@ def test_send_once_needs_an_idempotent_actor(app: ModuleType) -> None:
 
     with pytest.raises(ConfigurationError, match="@idempotent"):
         enqueue_once(plain)
+
+
+def test_concurrency_limit_runs_one_at_a_time_and_waits_use_no_retries(env: Env) -> None:
+    """``concurrency=1`` on a worker with two threads, and ``max_retries=0``: while the
+    test holds the tenant's only permit no body runs and the messages are sent back
+    (a counted retry would fail them); then each runs exactly once, one at a time."""
+    names = [f"lim{i}" for i in range(4)]
+    permits = coordinator().semaphore(limited_permits(env.app.LIMIT))
+    held = permits.acquire(TENANT, owner="the-test")
+    assert held is not None
+    env.worker()
+    messages = [env.app.dq_limited_job.send(n, 0.2) for n in names]
+    wait_for(lambda: any(len(env.events(n, "attempt")) >= 2 for n in names))
+    assert [e for n in names for e in env.events(n, "start")] == []
+    assert permits.release(held)
+    results = [result(m) for m in messages]  # a failed message raises here
+    assert [r["name"] for r in results] == names
+    for n in names:
+        assert len(env.events(n, "start")) == len(env.events(n, "end")) == 1, n
+    assert most_at_once([e for n in names for e in env.events(n)]) == 1
+    assert sum(env.reschedules(m) for m in messages) >= 1  # sent back, uncounted
+    assert permits.holders(TENANT) == []

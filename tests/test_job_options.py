@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from idemlock import ConfigurationError
+from idemlock import ConfigurationError, IdempotencySpec, SemaphoreSpec
 from idemlock.integrations import celery as idem_celery
 from idemlock.integrations import dramatiq as idem_dramatiq
 from idemlock.integrations import rq as idem_rq
@@ -38,6 +38,13 @@ DECORATORS: dict[str, Callable[..., Any]] = {
         ({"retry_evry": 5}, "unknown option(s) retry_evry; the options are spec, key"),
         ({"key": "order"}, "key must be a callable of the job's arguments or None"),
         ({"spec": 3}, "spec must be an IdempotencySpec or a name, got 3"),
+        ({"concurrency": 0}, "concurrency must be None or an int from 1 to 10000"),
+        ({"concurrency": 10_001}, "concurrency must be None or an int from 1 to 10000"),
+        ({"concurrency": 2.0}, "the most jobs of one concurrency key running at once), got 2.0"),
+        ({"concurrency": True}, "concurrency must be None or an int from 1 to 10000"),
+        ({"concurrency": 2, "concurrency_key": "tenant"}, "concurrency_key must be a callable"),
+        ({"concurrency_key": lambda t: t}, "concurrency_key needs concurrency (the most jobs"),
+        ({"concurrency": 2, "concurrency_wait": -1}, "concurrency_wait must be zero or a"),
     ],
 )
 def test_every_queue_refuses_a_bad_option_the_same_way(
@@ -81,6 +88,41 @@ def test_celery_task_options_are_checked_by_the_same_job_options() -> None:
 
         class Sub(Checked):
             idemlock_retry_every = -1
+
+
+def test_celery_concurrency_options_are_checked_when_the_task_is_made() -> None:
+    with pytest.raises(ConfigurationError) as info:
+
+        class Crowded(idem_celery.IdempotentTask):
+            name = "crowded"
+            idemlock_spec = "export"
+            idemlock_concurrency = 0
+
+            def run(self) -> None: ...
+
+    assert str(info.value) == (
+        "task crowded: idemlock_concurrency must be None or an int from 1 to 10000 (the "
+        "most jobs of one concurrency key running at once), got 0"
+    )
+    with pytest.raises(ConfigurationError, match="idemlock_concurrency_key needs idemlock_conc"):
+
+        class Keyed(idem_celery.IdempotentTask):
+            name = "keyed"
+            idemlock_spec = "export"
+            idemlock_concurrency_key = staticmethod(lambda tenant: tenant)
+
+            def run(self, tenant: str) -> None: ...
+
+
+def test_a_concurrency_limit_is_a_semaphore_named_after_the_spec_with_its_lease() -> None:
+    options = JobOptions(
+        IdempotencySpec("export", lease=timedelta(seconds=7)),
+        concurrency=3,
+        concurrency_wait=timedelta(milliseconds=250),
+    )
+    assert options.permits == SemaphoreSpec("export.concurrency", limit=3, ttl=timedelta(seconds=7))
+    assert options.concurrency_wait == 0.25
+    assert JobOptions("export").permits is None  # no limit unless asked for
 
 
 def test_job_options_hold_seconds_and_a_tuple_of_replay_errors() -> None:

@@ -25,7 +25,18 @@ import idemlock
 from idemlock import ConfigurationError
 from idemlock.integrations.rq import enqueue_once
 
-from .queue_jobs import LEASE, SPEC, coordinator, read_log, rq_job
+from .queue_jobs import (
+    LEASE,
+    LIMITED_SPEC,
+    SPEC,
+    TENANT,
+    coordinator,
+    limited_permits,
+    most_at_once,
+    read_log,
+    rq_job,
+    rq_limited_job,
+)
 from .servers._proc import popen
 from .servers.redis import RedisServer, free_port
 
@@ -96,6 +107,7 @@ def env(
         monkeypatch.setenv(k, v)
     # The test process's own guard (enqueue_once) opens its coordinator from the env.
     rq_job.idemlock_guard._state = None  # type: ignore[attr-defined]
+    rq_limited_job.idemlock_guard._state = None  # type: ignore[attr-defined]
     try:
         yield e
     finally:
@@ -287,3 +299,65 @@ def test_enqueue_once_refuses_arguments_it_cannot_send(env: Env) -> None:
     with pytest.raises(ConfigurationError, match="@idempotent_job"):
         enqueue_once(env.queue, print, args=("o",))
     assert env.queue.count == 0
+
+
+def test_concurrency_limit_runs_one_at_a_time_and_waits_use_no_retries(env: Env) -> None:
+    """``concurrency=1`` with two workers: while the test holds the tenant's only
+    permit no body runs (the jobs are sent back, again and again, without using their
+    one retry); once it is free, every job runs exactly once, never two at a time."""
+    names = [f"lim{i}" for i in range(3)]
+    permits = coordinator().semaphore(limited_permits(1))
+    held = permits.acquire(TENANT, owner="the-test")
+    assert held is not None
+    env.worker()
+    env.worker()
+    jobs = [env.queue.enqueue(rq_limited_job, n, 0.2, retry=Retry(max=1)) for n in names]
+    # Some job reached the permit, was sent back, and came back for it again.
+    wait_for(lambda: any(len(env.events(n, "attempt")) >= 2 for n in names))
+    assert [e for n in names for e in env.events(n, "start")] == []
+    assert permits.release(held)
+    for job in jobs:
+        wait_for(lambda job=job: finished(job), timeout=60)  # type: ignore[misc]
+    events = [e for n in names for e in env.events(n)]
+    for n in names:
+        assert len(env.events(n, "start")) == len(env.events(n, "end")) == 1, n
+    assert most_at_once(events) == 1
+    for job in jobs:
+        job.refresh()
+        assert job.retries_left == 1  # the job's own budget: untouched
+    assert max(job.number_of_retries or 0 for job in jobs) >= 1  # and yet sent back
+    assert permits.holders(TENANT) == []  # every permit released
+    # A duplicate of a completed job replays without a permit, even with none free.
+    held = permits.acquire(TENANT, owner="the-test")
+    assert held is not None
+    dup = env.queue.enqueue(rq_limited_job, names[0], 0.2)
+    wait_for(lambda: finished(dup))
+    assert dup.return_value() == jobs[0].return_value()
+    assert len(env.events(names[0], "start")) == 1
+    permits.release(held)
+
+
+def test_concurrency_limit_called_directly_releases_on_failure_and_replays_unlimited(
+    env: Env,
+) -> None:
+    """Outside a worker: no permit free raises LockNotAcquired (and frees the claim);
+    a failing body releases its permit; a completed key replays with no permit free."""
+    permits = coordinator().semaphore(limited_permits(1))
+    held = permits.acquire(TENANT, owner="the-test")
+    assert held is not None
+    with pytest.raises(idemlock.LockNotAcquired, match=r"no permit of its concurrency limit"):
+        rq_limited_job("direct")
+    status = coordinator().idempotency(LIMITED_SPEC).status("direct")
+    assert status is None or status.state != "in_flight"  # the claim was given back
+    assert env.events("direct", "start") == []
+    assert permits.release(held)
+    with pytest.raises(RuntimeError, match="fails once"):
+        rq_limited_job("direct", 0.0, True)
+    assert permits.holders(TENANT) == []  # released by the failure
+    first = rq_limited_job("direct", 0.0, True)
+    assert permits.holders(TENANT) == []
+    held = permits.acquire(TENANT, owner="the-test")
+    assert held is not None
+    assert rq_limited_job("direct", 0.0, True) == first  # replayed: no permit needed
+    assert len(env.events("direct", "start")) == 2  # the failure and the run
+    permits.release(held)

@@ -54,6 +54,16 @@ A worker killed mid-job (SIGKILL) leaves the job in the queue with its in-progre
 marker, which ends after the job timeout plus 10 s; another worker then runs it: it
 waits for the dead claim's lease, claims with a higher fence and runs.
 
+**Concurrency limit** (opt-in): ``concurrency=N`` runs at most N bodies of one
+concurrency key at once, across every worker; ``concurrency_key`` is a callable of
+the job's arguments returning that key (a tenant, a partner; None: every job of this
+function counts together). After its claim (a replay needs no permit) the job holds
+a permit of the semaphore ``<spec name>.concurrency`` while its body runs, renewed
+like the claim and released when the body ends, whatever ends it. No permit free
+within ``concurrency_wait`` seconds (default 1): nothing ran, the claim is abandoned
+and the job raises ``arq.Retry(defer=...)`` like the reschedules above, giving its
+try back, within ``retry_every`` seconds; it does not use up the job's retries.
+
 **Duplicate sends** (opt-in): ``await enqueue_once(pool, fn, args=(...),
 kwargs={...}, lease=600, _queue_name=...)`` (the call every idemlock queue
 integration shares) refuses (returns None) to enqueue a job whose key is already

@@ -83,6 +83,17 @@ Options (task options or class attributes of a subclass; every one is optional b
 ``idemlock_send_lease``
     The default ``lease`` of :meth:`~IdempotentTask.apply_async_once` and
     :meth:`~IdempotentTask.delay_once`, in seconds (default 600).
+``idemlock_concurrency``, ``idemlock_concurrency_key``, ``idemlock_concurrency_wait``
+    **A concurrency limit**: at most ``idemlock_concurrency`` tasks of one
+    concurrency key run their body at once, across every worker.
+    ``idemlock_concurrency_key`` is a callable of the task's arguments returning that
+    key (a tenant, a partner); None counts every task of this one together. After its
+    claim (a replay needs no permit) the task holds a permit of the semaphore
+    ``<spec name>.concurrency`` while its body runs, renewed like the claim and
+    released when the body ends, whatever ends it. No permit free within
+    ``idemlock_concurrency_wait`` seconds (default 1): the claim is abandoned and the
+    task is re-sent with a countdown of at most ``idemlock_retry_every`` seconds,
+    keeping ``self.request.retries`` (so it never uses up ``max_retries``).
 
 **Duplicate sends** (opt-in). ``task.apply_async_once(args, kwargs, **options)``
 and ``task.delay_once(*args, **kwargs)`` send the task like ``apply_async`` and
@@ -172,7 +183,8 @@ from .jobs.celery_messages import (
     _wait_seconds,
 )
 from .jobs.guard import connect
-from .jobs.options import JobOptions, SendArgs, spec_name
+from .jobs.options import DEFAULT_CONCURRENCY_WAIT, JobOptions, SendArgs, spec_name
+from .jobs.permits import NoPermit, Permits
 from .jobs.sends import free_send, send_under_lease
 
 __all__ = [
@@ -189,7 +201,7 @@ IN_FLIGHT_MODES = ("retry", "wait", "raise")
 
 # Celery turns task options into class attributes; a function stored there would be
 # bound to the task when read through ``self``, so these are kept as staticmethods.
-_CALLABLE_OPTIONS = ("idemlock_key", "idemlock_coordinator")
+_CALLABLE_OPTIONS = ("idemlock_key", "idemlock_coordinator", "idemlock_concurrency_key")
 
 #: what a call sets on the task's request
 _REQUEST_ATTRS = ("idemlock_key", "idemlock_fence", "idemlock_replayed")
@@ -230,6 +242,9 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
     idemlock_store_retry_backoff: ClassVar[float] = 1.0
     idemlock_store_retry_max: ClassVar[float] = 60.0
     idemlock_send_lease: ClassVar[float] = 600.0
+    idemlock_concurrency: ClassVar[int | None] = None
+    idemlock_concurrency_key: ClassVar[Callable[..., str] | None] = None
+    idemlock_concurrency_wait: ClassVar[float] = DEFAULT_CONCURRENCY_WAIT
 
     _idemlock_lock: ClassVar[threading.Lock]
     _idemlock_state: _ProcessState | None = None
@@ -274,6 +289,9 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
             store_retry_max=cls.idemlock_store_retry_max,
             renew_every=cls.idemlock_renew_every,
             send_lease=cls.idemlock_send_lease,
+            concurrency=cls.idemlock_concurrency,
+            concurrency_key=cls.idemlock_concurrency_key,
+            concurrency_wait=cls.idemlock_concurrency_wait,
             where=where,
             prefix="idemlock_",
         )
@@ -292,6 +310,8 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
                 plan = WrapPlan(self.run, o.key, o.replay_errors)
                 coord = connect(o.coordinator, False, f"task {self.name}", "idemlock_coordinator")
                 state = _ProcessState(pid, coord, plan)
+                if o.permits is not None:
+                    state.permits = Permits(coord, o, f"task {self.name}")
                 type(self)._idemlock_state = state
         return state
 
@@ -438,13 +458,24 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
         if self.idemlock_heartbeat:
             beat = attempts.keep_alive(port, token, sent, every, self._idemlock_max_run())
         mark = enter_claim(token)  # current_claim() in the body, with its ``lost`` flag
+        permits: Permits | None = state.permits
         try:
             try:
-                result = super().__call__(*args, **kwargs)
+                if permits is None:
+                    result = super().__call__(*args, **kwargs)
+                else:
+                    # After the claim (a replay needs no permit), around the body only.
+                    limit_key = permits.key_of(args, kwargs)
+                    with permits.held(limit_key, self._idemlock_max_run()):
+                        result = super().__call__(*args, **kwargs)
             finally:
                 leave_claim(mark)
                 if beat is not None:
                     beat.stop()
+        except NoPermit as exc:
+            # Nothing ran: free the key and come back later, keeping ``retries``.
+            attempts.abandon_quietly(port, token)
+            raise resends.while_limited(self, exc.cause) from None
         except TaskPredicate:
             # Retry/Reject/Ignore are control flow, never an outcome to replay.
             attempts.abandon_quietly(port, token)

@@ -55,6 +55,16 @@ broker gives it to another worker once the dead worker's heartbeat is older than
 ``heartbeat_timeout``; the redelivered message waits for the dead claim's lease,
 then claims with a higher fence and runs.
 
+**Concurrency limit** (opt-in): ``concurrency=N`` runs at most N bodies of one
+concurrency key at once, across every worker; ``concurrency_key`` is a callable of
+the job's arguments returning that key (a tenant, a partner; None: every job of this
+function counts together). After its claim (a replay needs no permit) the job holds
+a permit of the semaphore ``<spec name>.concurrency`` while its body runs, renewed
+like the claim and released when the body ends, whatever ends it. No permit free
+within ``concurrency_wait`` seconds (default 1): nothing ran, the claim is abandoned
+and the actor raises ``dramatiq.Retry`` like the reschedules above, taking its retry
+back, within ``retry_every`` seconds; it does not use up the job's retries.
+
 **Duplicate sends** (opt-in): :func:`enqueue_once` refuses (returns None) to send a
 message whose key is already queued or running, with a send lease of ``lease``
 seconds released when the message runs (this needs the ``CurrentMessage``

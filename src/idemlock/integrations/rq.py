@@ -55,6 +55,16 @@ worker killed leaves its job in RQ's started registry until RQ's own clean-up
 (a minute or more: the dead worker's heartbeat TTL, then maintenance) retries it, and
 its scheduler lock ends about as late; the retry then meets the claim as above.
 
+**Concurrency limit** (opt-in): ``concurrency=N`` runs at most N bodies of one
+concurrency key at once, across every worker; ``concurrency_key`` is a callable of
+the job's arguments returning that key (a tenant, a partner; None: every job of this
+function counts together). After its claim (a replay needs no permit) the job holds
+a permit of the semaphore ``<spec name>.concurrency`` while its body runs, renewed
+like the claim and released when the body ends, whatever ends it. No permit free
+within ``concurrency_wait`` seconds (default 1): nothing ran, the claim is abandoned
+and the job returns ``rq.Retry`` like the reschedules above, within ``retry_every``
+seconds; it does not use up the job's retries.
+
 **Duplicate sends** (opt-in): ``enqueue_once(queue, fn, args=(...), kwargs={...},
 lease=600, **options)`` (the call every idemlock queue integration shares) refuses
 (returns None) to enqueue a job whose key is already queued or running. It takes

@@ -30,6 +30,8 @@ class _ProcessState:
     coord: Coordinator
     plan: WrapPlan
     ports: dict[int, IdempotencyPort] = dataclasses.field(default_factory=dict)
+    #: the task's concurrency limit (a ``Permits``), None without ``idemlock_concurrency``
+    permits: Any = None
 
 
 def _recorded(port: IdempotencyPort, token: ClaimToken) -> bool:

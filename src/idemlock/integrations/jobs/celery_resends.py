@@ -1,7 +1,8 @@
 """Sending an idempotent Celery task again without running it: after a store failure
 before the body ran (a growing, jittered countdown) and while another attempt holds
 the key (until its lease ends). A re-send keeps ``retries``, so these waits never use
-up ``max_retries``."""
+up ``max_retries``; nor do the re-sends of a task that found no permit of its
+concurrency limit free."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 from celery.exceptions import Reject, Retry  # type: ignore[import-untyped]
 
-from ..._errors import InFlightError
+from ..._errors import InFlightError, LockNotAcquired
 from ..._logfields import fields as log_fields
 from .celery_messages import _STORE_TRIES_HEADER, _store_tries
 from .options import spec_name
@@ -89,3 +90,18 @@ def while_in_flight(task: Any, exc: InFlightError) -> BaseException:
     # A store failure streak is over: the next one backs off from the start again.
     headers = {k: v for k, v in (request.headers or {}).items() if k != _STORE_TRIES_HEADER}
     return resend(task, exc, countdown, f"{why}; retrying in {countdown}s", headers=headers)
+
+
+def while_limited(task: Any, exc: LockNotAcquired) -> BaseException:
+    """A Retry that comes back within ``idemlock_retry_every`` (jittered) when no
+    permit of the task's concurrency limit was free, or ``exc`` itself for a direct or
+    eager call. It keeps ``retries``: waiting for a permit is not a failure."""
+    request = task.request
+    if request.called_directly or request.is_eager:
+        return exc
+    every = task._idemlock_options.retry_every
+    # The holders renew their permits while they run, so no end is known; jittered,
+    # so the tasks sent back together do not all return at once.
+    countdown = round(random.uniform(every / 2, every), 3)
+    headers = {k: v for k, v in (request.headers or {}).items() if k != _STORE_TRIES_HEADER}
+    return resend(task, exc, countdown, f"{exc}; retrying in {countdown}s", headers=headers)

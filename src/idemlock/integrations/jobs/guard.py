@@ -21,11 +21,13 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..._context import current_claim
+from ..._core.clock import duration
 from ..._decorator import WrapPlan
-from ..._errors import ConfigurationError, InFlightError
+from ..._errors import ConfigurationError, InFlightError, LockNotAcquired
 from ..._logfields import fields as log_fields
 from ..._sync import Coordinator
 from .options import JobOptions, described, spec_name
+from .permits import NoPermit, Permits
 from .sends import STORE_ERRORS, free_send
 
 log = logging.getLogger("idemlock.jobs")
@@ -38,7 +40,8 @@ _STARTED: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(
 
 class Later(Exception):
     """The job must come back later: nothing ran and nothing is held. ``cause`` is the
-    InFlightError or store error that stopped it before its body; the queue's module
+    InFlightError, store error or LockNotAcquired (no permit of its concurrency limit
+    was free) that stopped it before its body; the queue's module
     asks :meth:`JobGuard.delay` when, and sends the job back in a way that does not
     use up the job's own retries (those count the body's failures only)."""
 
@@ -127,6 +130,8 @@ class JobGuard:
             functools.update_wrapper(without_ctx, _without_first(fn))
             body = without_ctx
         o = self.options
+        if o.permits is not None:
+            body = _limited(body, Permits(coord, o, f"job {fn.__qualname__}"), self.is_async)
         decorate = coord.idempotent(
             o.spec,
             o.key,
@@ -147,6 +152,12 @@ class JobGuard:
         or a held key (not the queue's count of tries, which these never use up): the
         store-failure backoff doubles with it."""
         exc, o = later.cause, self.options
+        if isinstance(exc, LockNotAcquired):
+            # The permits are renewed while their holders run, so no end is known:
+            # within retry_every, jittered, so the deferred jobs do not all return at once.
+            delay = round(random.uniform(o.retry_every / 2, o.retry_every), 3)
+            later.reason = f"{exc}; {what} runs again in {delay}s"
+            return delay
         if isinstance(exc, InFlightError):
             left = o.retry_every
             if exc.expires_at is not None:
@@ -258,19 +269,45 @@ def connect(source: Any, is_async: bool, what: str, option: str) -> Any:
 
 @contextmanager
 def _attempt(direct: bool) -> Iterator[None]:
-    """Around one run of a job's body: a key in flight or a store failure before the
-    body started becomes Later (the job comes back; ``direct``: it propagates); once
-    the body started, it propagates."""
+    """Around one run of a job's body: a key in flight, no permit free or a store
+    failure before the body started becomes Later (the job comes back; ``direct``: it
+    propagates); once the body started, it propagates."""
     started: list[bool] = []
     mark = _STARTED.set(started)
     try:
         yield
+    except NoPermit as exc:
+        if direct:
+            raise exc.cause from None
+        raise Later(exc.cause) from None
     except (InFlightError, *STORE_ERRORS) as exc:
         if started or direct:
             raise
         raise Later(exc) from exc
     finally:
         _STARTED.reset(mark)
+
+
+def _limited(body: Callable[..., Any], permits: Permits, is_async: bool) -> Callable[..., Any]:
+    """``body`` run while holding a permit of its concurrency key (after the claim:
+    a replay needs none), or NoPermit before it starts."""
+    max_run = permits.options.max_run
+    max_hold = None if max_run is None else float(duration(max_run, "max_run"))
+    if is_async:
+
+        async def alimited(*args: Any, **kwargs: Any) -> Any:
+            async with permits.aheld(permits.key_of(args, kwargs), max_hold):
+                return await body(*args, **kwargs)
+
+        limited: Callable[..., Any] = alimited
+    else:
+
+        def slimited(*args: Any, **kwargs: Any) -> Any:
+            with permits.held(permits.key_of(args, kwargs), max_hold):
+                return body(*args, **kwargs)
+
+        limited = slimited
+    return functools.update_wrapper(limited, body)
 
 
 def _mark_started() -> None:

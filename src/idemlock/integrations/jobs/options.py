@@ -13,12 +13,16 @@ from datetime import timedelta
 from typing import Any, TypedDict
 
 from ..._core.clock import duration
-from ..._core.types import IdempotencySpec
+from ..._core.types import MAX_LIMIT, IdempotencySpec, SemaphoreSpec
 from ..._errors import ConfigurationError
 from ..._urls import redact
 
 #: the send lease of ``enqueue_once`` when none is given, in seconds
 DEFAULT_SEND_LEASE = 600.0
+#: how long a job waits for a permit of its concurrency limit before it comes back later
+DEFAULT_CONCURRENCY_WAIT = 1.0
+#: the permits' key of a job limited without a ``concurrency_key``: one for all its jobs
+ALL_JOBS = "all"
 
 
 class JobKeywords(TypedDict, total=False):
@@ -33,6 +37,9 @@ class JobKeywords(TypedDict, total=False):
     store_retry_max: float
     renew_every: timedelta | float | None
     max_run: timedelta | float | None
+    concurrency: int | None
+    concurrency_key: Callable[..., str] | None
+    concurrency_wait: timedelta | float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +63,15 @@ class JobOptions:
     max_run: timedelta | float | None = None
     #: the send lease of ``enqueue_once`` when it is given none
     send_lease: float = DEFAULT_SEND_LEASE
+    #: at most this many jobs of one concurrency key run at once (None: no limit)
+    concurrency: int | None = None
+    #: a callable of the job's arguments returning its concurrency key (None: one key
+    #: for every job of this function)
+    concurrency_key: Callable[..., str] | None = None
+    #: how long a job waits for a permit before it is sent back to the queue
+    concurrency_wait: timedelta | float = DEFAULT_CONCURRENCY_WAIT
+    #: the semaphore of the concurrency limit (None: no limit), made from the above
+    permits: SemaphoreSpec | None = dataclasses.field(init=False, default=None)
     where: dataclasses.InitVar[str] = ""
     prefix: dataclasses.InitVar[str] = ""
 
@@ -76,6 +92,36 @@ class JobOptions:
         for name in ("renew_every", "max_run"):
             if getattr(self, name) is not None:
                 duration(getattr(self, name), f"{at}{name}")
+        set_(self, "permits", self._permits(at, prefix))
+
+    def _permits(self, at: str, prefix: str) -> SemaphoreSpec | None:
+        """The semaphore of ``concurrency``: named after the job's spec, its permits'
+        lease the spec's (renewed while the body runs, like the claim)."""
+        n = self.concurrency
+        if n is not None and (
+            isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_LIMIT
+        ):
+            raise ConfigurationError(
+                f"{at}concurrency must be None or an int from 1 to {MAX_LIMIT} (the most "
+                f"jobs of one concurrency key running at once), got {n!r}"
+            )
+        if self.concurrency_key is not None and not callable(self.concurrency_key):
+            raise ConfigurationError(
+                f"{at}concurrency_key must be a callable of the job's arguments returning "
+                "the key its concurrency limit counts by, or None, got "
+                f"{described(self.concurrency_key)}"
+            )
+        wait = duration(self.concurrency_wait, f"{at}concurrency_wait")
+        object.__setattr__(self, "concurrency_wait", wait)
+        if n is None:
+            if self.concurrency_key is not None:
+                raise ConfigurationError(
+                    f"{at}concurrency_key needs {prefix}concurrency (the most jobs of one key "
+                    "running at once)"
+                )
+            return None
+        spec = self.spec if isinstance(self.spec, IdempotencySpec) else IdempotencySpec(self.spec)
+        return SemaphoreSpec(f"{spec.name}.concurrency", limit=n, ttl=spec.lease)
 
     @classmethod
     def of(
