@@ -200,6 +200,9 @@ class SharedRestart:
         await asyncio.to_thread(self._barrier.wait)
 
 
+_WARM = idemlock.IdempotencySpec("warm-up")
+
+
 async def each_face_in_one_fault(
     harness: Harness,
     kind: str,
@@ -221,6 +224,10 @@ async def each_face_in_one_fault(
         h = dataclasses.replace(harness, prefix=f"{harness.prefix}{mode[0]}")
         facade = (sync_facade if mode == "sync" else async_facade)(h, timeout=TIMEOUT)
         try:
+            # Set up (pool, schema check, scripts) before the fault, retried: on a loaded
+            # machine the first call can pass TIMEOUT, which no scenario is about (one
+            # about a first call during a fault makes another coordinator for it).
+            await eventually(facade, lambda: facade.idem(_WARM).status("warm-up"))
             await scenario(facade, fault)
         except BaseException as exc:
             fault.abort()

@@ -290,8 +290,9 @@ async def test_async_hold_detects_a_lease_taken_over_and_cancels_the_body(
         with pytest.raises(LockLost):
             async with locks.hold("k", renew_every=TTL * 0.8, on_lost=lost.append) as lease:
                 harness.advance(TTL + 0.15)  # blocks the loop: no renewal runs
-                # Take over with a blocking call, so the renewer cannot run in between.
-                thief = other.lock(SPEC).acquire("k")
+                # Take over with a blocking call, so the renewer cannot run in between
+                # (for a long ttl: the same key, still held when checked below).
+                thief = other.lock(LockSpec(SPEC.name, ttl=LONG.ttl)).acquire("k")
                 assert thief is not None
                 await asyncio.sleep(10)  # cancelled when the renewer finds the lease gone
                 reached_end = True
