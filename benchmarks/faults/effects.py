@@ -27,6 +27,10 @@ CREATE TABLE IF NOT EXISTS lock_log (id {serial}, resource text NOT NULL,
     holder text NOT NULL, token bigint NOT NULL, seq integer NOT NULL,
     t_sent double precision NOT NULL, t_done double precision, accepted boolean,
     lost boolean NOT NULL, remaining double precision NOT NULL);
+-- the permits workload's counted fence: the ``limit`` highest tokens accepted per
+-- resource (its writes and holds go to lock_log and lock_holds)
+CREATE TABLE IF NOT EXISTS permit_fence (resource text NOT NULL, token bigint NOT NULL,
+    holder text NOT NULL, seq integer NOT NULL, PRIMARY KEY (resource, token));
 CREATE TABLE IF NOT EXISTS lock_holds (id {serial}, resource text NOT NULL,
     holder text NOT NULL, token bigint NOT NULL, t_before double precision NOT NULL,
     t_after double precision NOT NULL);
@@ -123,6 +127,45 @@ class Fx(Queue):
             self.insert(log, logged | {"accepted": accepted}, c)
             if accepted and finish is not None:
                 finish(c)
+        return accepted
+
+    def write_counted(self, row: Row, logged: Row, limit: int, fenced: bool) -> bool:
+        """The permits workload's write: ``row`` (resource, token, holder, seq) under a
+        counted fence, and ``logged`` with the outcome in ``lock_log``, in one transaction
+        (the log's ids give the order of acceptance). ``fenced``: accepted only if its
+        token is among the ``limit`` highest accepted for the resource so far, or above
+        the lowest of them (which it then displaces): once ``limit`` newer permits have
+        written, an older one's late write is refused, as a lock's fence refuses a
+        token below the highest. Unfenced (plain mode): always written."""
+        res, token = row["resource"], row["token"]
+        p = self.p
+        with self.tx() as c:
+            if self.postgres:  # one writer per resource: the log ids follow the commits
+                c.execute(f"SELECT pg_advisory_xact_lock(hashtext({p}))", [res])
+            top = [
+                int(t)
+                for (t,) in c.execute(
+                    f"SELECT token FROM permit_fence WHERE resource = {p} "
+                    f"ORDER BY token DESC LIMIT {int(limit)}",
+                    [res],
+                ).fetchall()
+            ]
+            accepted = not fenced or token in top or len(top) < limit or token > min(top)
+            if accepted:
+                c.execute(
+                    f"INSERT INTO permit_fence (resource, token, holder, seq) "
+                    f"VALUES ({p}, {p}, {p}, {p}) ON CONFLICT (resource, token) "
+                    f"DO UPDATE SET seq = excluded.seq",
+                    [res, token, row["holder"], row["seq"]],
+                )
+                if fenced:  # only the ``limit`` highest stay
+                    c.execute(
+                        f"DELETE FROM permit_fence WHERE resource = {p} AND token NOT IN "
+                        f"(SELECT token FROM permit_fence WHERE resource = {p} "
+                        f"ORDER BY token DESC LIMIT {int(limit)})",
+                        [res, res],
+                    )
+            self.insert("lock_log", logged | {"accepted": accepted}, c)
         return accepted
 
     def snapshot(self, queries: dict[str, str] = SNAPSHOTS) -> dict[str, Any]:
