@@ -15,8 +15,14 @@ holders' writes interleaved, tokens increase, no write while ``remaining()`` cla
 lease another holder had been granted). The checker itself is tested on crafted
 histories here, and its plain (unfenced) mode must find what the fence prevents.
 
-About 15-20 s per store and workload; the whole file stays around 3 minutes on a 2-core
-machine.
+The counted leases of issue 24 run the same way: ``--workload permits`` (a semaphore's
+``hold()``, 2 permits of one key for 4 workers, writes through a counted fence: never more
+than 2 holders' writes interleaved, no token reused, tokens increasing as granted; its
+plain mode shows more) and ``--workload election`` (``campaign()``, the term's number as
+the token, the lock's checker: no two leaders' writes interleaved, terms increasing).
+
+About 15-25 s per store and workload; the whole file stays around 7 minutes on a 2-core
+machine (the permits and election runs about 4 of them).
 """
 
 from __future__ import annotations
@@ -381,28 +387,25 @@ def test_permit_checker_finds_more_holders_interleaved_than_the_limit() -> None:
     h.write("b", 2, 0.63)
     h.write("a", 1, 0.64, left=0.0)  # a paused past its ttl, its late write let through
     found = chaos.check_permit_history(h.holds, h.log, limit=2)
-    # a's late write came after two higher tokens' (what the counted fence refuses)
-    assert found["violations"] == {"too_many_holders": 1, "stale_write_accepted": 1}, found
-    assert any("3 holders' writes interleaved (limit 2): a, b, c" in e for e in found["examples"])
+    assert found["violations"] == {"too_many_holders": 1}, found
+    assert "3 holders' writes interleaved (limit 2): a, b, c" in found["examples"][0]
     assert found["most_holders_interleaved"] == 3
     assert chaos.check_permit_history(h.holds, h.log, limit=3)["violations"] == {}
+    # b's writes all before c's first: two at a time, whatever the tokens
+    del h.log[-2]
+    assert chaos.check_permit_history(h.holds, h.log, limit=2)["violations"] == {}
 
 
-def test_permit_checker_finds_a_write_below_limit_newer_tokens_and_reused_tokens() -> None:
+def test_permit_checker_finds_reused_and_decreasing_tokens() -> None:
     h = History()
     h.hold("a", 1, 0.0, 0.01)
     h.hold("b", 2, 0.02, 0.03)
-    h.hold("c", 3, 0.04, 0.05)
-    h.hold("d", 3, 0.06, 0.07)  # c's token again, granted after it
+    h.hold("c", 2, 0.04, 0.05)  # b's token again, granted after it
     h.write("b", 2, 0.1)
-    h.write("c", 3, 0.2)
-    h.write("a", 1, 0.3)  # tokens 2 and 3 had been accepted: limit 2, stale
-    found = chaos.check_permit_history(h.holds, h.log, limit=2)
-    assert found["violations"] == {
-        "stale_write_accepted": 1,
-        "token_reused": 1,
-        "token_not_increasing": 1,
-    }, found
+    h.write("c", 2, 0.2)
+    h.write("a", 1, 0.3)
+    found = chaos.check_permit_history(h.holds, h.log, limit=3)
+    assert found["violations"] == {"token_reused": 1, "token_not_increasing": 1}, found
 
 
 # ---- the workers' start-up ---------------------------------------------------------------

@@ -168,9 +168,10 @@ def check_permit_history(
       permit has its own token, higher than every one granted before for the key);
     * ``too_many_holders``: more than ``limit`` holders' accepted writes interleaved: at
       a holder's first accepted write, more than ``limit`` holders (it included) had
-      written by then and wrote again at or after it;
-    * ``stale_write_accepted``: a write accepted after ``limit`` higher tokens had been
-      accepted for the resource (what the counted fence refuses).
+      written by then and wrote again at or after it.
+
+    (A lock's "stale write" has no counterpart: ``limit`` higher tokens may have written
+    and gone while a lower one still holds its permit.)
     """
     found = Findings()
     bad = found.bad
@@ -195,20 +196,10 @@ def check_permit_history(
     most = 0  # the most holders ever interleaved on one resource
     for res in sorted({h.res for h in hs} | {w.res for w in ws}):
         check_tokens(res, [h for h in hs if h.res == res], bad, at)
-        acc = [w for w in ws if w.res == res and w.accepted]
-        top: list[int] = []  # the ``limit`` highest tokens accepted so far, ascending
         span: dict[str, list[int]] = {}  # holder: [first, last] accepted write's id
-        for w in acc:
-            if len(top) == limit and w.token < top[0]:
-                bad(
-                    "stale_write_accepted",
-                    f"{res}: {w.holder} token {w.token} accepted (log id {w.id}) after "
-                    f"{limit} higher tokens {top}",
-                )
-            if w.token not in top:
-                bisect.insort(top, w.token)
-                del top[:-limit]
-            span.setdefault(w.holder, [w.id, w.id])[1] = w.id
+        for w in ws:
+            if w.res == res and w.accepted:
+                span.setdefault(w.holder, [w.id, w.id])[1] = w.id
         for holder, (first, _) in sorted(span.items(), key=lambda item: item[1][0]):
             inside = sorted(g for g, (f, last) in span.items() if f <= first <= last)
             most = max(most, len(inside))

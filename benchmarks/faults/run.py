@@ -535,8 +535,7 @@ class PermitRun(LockRun):
 
     workload = "permits"
     what = "{limit} permits on each of {resources} keys (ttl {lease:g}s)"
-    unfenced = ("stale_write_accepted", "too_many_holders")
-    shows = ("too_many_holders",)
+    unfenced = shows = ("too_many_holders",)
 
     def history(self, snap: dict[str, Any]) -> tuple[dict[str, Any], str]:
         found = check_permit_history(snap["holds"], snap["log"], self.opts.limit)

@@ -280,6 +280,9 @@ def lock_worker_main(cfg: SimpleNamespace) -> None:
                 while not lease.lost and time.monotonic() < until:
                     seq += 1
                     write(res, holder, lease, token, seq)
+                if counted and cfg.mode == "idemlock":
+                    with contextlib.suppress(FxError):  # else pushed out by a newer one
+                        fx.retire(res, token)  # done writing: its place is free
                 os.pwrite(state_fd, b"0", 0)
             note("held")
         except Exception as exc:
