@@ -1,14 +1,17 @@
 """Fault injection: do effects stay exactly-once-in-effect while everything breaks?
 
     python benchmarks/chaos.py --store sqlite|redis|redis-cluster|redis-sentinel|postgres|etcd
-        [--same-transaction] [--mode idemlock|plain|both] [--workload jobs|lock|both]
+        [--same-transaction] [--mode idemlock|plain|both]
+        [--workload jobs|lock|permits|election|both|all] [--limit N]
         [--duration S --seed X --json]
     python benchmarks/chaos.py --all [--mode both]      # every store (the long run)
     python benchmarks/chaos.py --all --short            # what CI runs (tests/test_chaos.py)
 
 Worker processes on throwaway servers run jobs from an at-least-once queue through
 ``@coord.idempotent`` with a fenced effect (``--mode plain``: without idemlock, the
-negative control), or write under ``hold()`` (``--workload lock``), while ``faults``
+negative control), or write under ``hold()`` (``--workload lock``), under a semaphore's
+permits (``--workload permits``) or as an election's leader (``--workload election``),
+while ``faults``
 kills and pauses busy workers, restarts the store, cuts and blackholes its connections;
 then the data alone is checked. docs/fault-injection.md has the details and
 figures. Exits 1 on any violation (plain mode: duplicates and stale overwrites are
@@ -28,11 +31,28 @@ from typing import Any
 ROOT, HERE = Path(__file__).resolve().parents[1], Path(__file__).resolve().parent
 sys.path[:0] = [p for p in (str(ROOT), str(ROOT / "src"), str(HERE)) if p not in sys.path]
 
-from faults import FIXED, KINDS, LOCK_KINDS, LOCK_PRESETS, PRESETS, STORE_KINDS, STORES  # noqa: E402
-from faults.locks import check_lock_history  # noqa: E402
-from faults.run import LockRun, Run  # noqa: E402
+from faults import (  # noqa: E402
+    FIXED,
+    KINDS,
+    LEASE_PRESETS,
+    LEASE_WORKLOADS,
+    LOCK_KINDS,
+    PRESETS,
+    STORE_KINDS,
+    STORES,
+)
+from faults.locks import check_lock_history, check_permit_history  # noqa: E402
+from faults.run import ElectionRun, LockRun, PermitRun, Run  # noqa: E402
 
-__all__ = ["check_lock_history", "main"]
+__all__ = ["check_lock_history", "check_permit_history", "main"]
+
+#: each workload's run
+RUNS = {"jobs": Run, "lock": LockRun, "permits": PermitRun, "election": ElectionRun}
+#: what ``--workload`` may name: one workload, or several
+WORKLOADS = {name: (name,) for name in RUNS} | {
+    "both": ("jobs", "lock"),
+    "all": tuple(RUNS),
+}
 
 #: (header, width, cell) of each column of the two report tables
 FAULTS = [(k, w, k) for k, w in zip(KINDS, (5, 5, 7, 4, 9), strict=True)]
@@ -45,6 +65,9 @@ LOCK_COLUMNS = [("store", 24, "store"), ("mode", 8, "mode"), ("holds", 6, "holds
                 ("writes", 7, "writes"), *FAULTS, ("accepted", 8, "writes_accepted"),
                 ("stale refused", 13, "stale_writes_refused"), ("unknown", 7, "writes_unknown"),
                 ("leases lost", 11, "leases_lost"), ("viol.", 5, "violations_total")]  # fmt: skip
+PERMIT_COLUMNS = [*LOCK_COLUMNS[:-1], ("limit", 5, "limit"),
+                  ("most inside", 11, "most_holders_interleaved"),
+                  ("viol.", 5, "violations_total")]  # fmt: skip
 
 
 def table(
@@ -54,7 +77,7 @@ def table(
     a fault that does not apply to the store is "-"."""
 
     def cell(r: dict[str, Any], key: str) -> str:
-        applies = LOCK_KINDS if r.get("workload") == "lock" else STORE_KINDS
+        applies = LOCK_KINDS if r.get("workload") in LEASE_WORKLOADS else STORE_KINDS
         if key in KINDS:
             return str(r["faults"][key]) if key in applies[r["store"]] else "-"
         return str(r[key]) + (" (same tx)" if key == "store" and r["same_transaction"] else "")
@@ -89,7 +112,7 @@ def jobs_lines(r: dict[str, Any]) -> list[str]:
 def lock_lines(r: dict[str, Any]) -> list[str]:
     ev, late = r["worker_events"], r["on_lost_late_s"]
     line = (
-        f"{r['store']}, lock, {r['mode']}: {r['seconds']}s, ttl {r['ttl_s']:g}s, "
+        f"{r['store']}, {r['workload']}, {r['mode']}: {r['seconds']}s, ttl {r['ttl_s']:g}s, "
         f"{r['workers']} workers, "
         f"{r['resources']} resources, fence {r['fence']}; {r['writes_after_deadline']} "
         f"writes sent after the lease's deadline ({r['writes_lost_flag_late']} of them "
@@ -107,6 +130,8 @@ def lock_lines(r: dict[str, Any]) -> list[str]:
 SECTIONS = {
     "jobs": ([], COLUMNS, 2, jobs_lines),
     "lock": (["lock workload:"], LOCK_COLUMNS, 1, lock_lines),
+    "permits": (["permits workload:"], PERMIT_COLUMNS, 1, lock_lines),
+    "election": (["election workload:"], LOCK_COLUMNS, 1, lock_lines),
 }
 
 
@@ -128,9 +153,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     arg("--same-transaction", action="store_true",
         help="PostgreSQL: effect, log row and complete commit in one transaction")  # fmt: skip
     arg("--mode", choices=("idemlock", "plain", "both"), default="idemlock")
-    arg("--workload", choices=("jobs", "lock", "both"), default="jobs",
+    arg("--workload", choices=tuple(WORKLOADS), default="jobs",
         help="jobs: keyed jobs from an at-least-once queue; lock: hold() with renewals "
-        "and fenced writes under the lock")  # fmt: skip
+        "and fenced writes under the lock; permits: the same under a semaphore's "
+        "permits; election: under campaign()'s terms; both: jobs and lock; all: every "
+        "one")  # fmt: skip
+    arg("--limit", type=int, help="the permits workload's permits per key")
     arg("--short", action="store_true", help="the CI configuration")
     arg("--duration", type=float, help="seconds over which jobs are released")
     arg("--seed", type=int)
@@ -140,31 +168,40 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error("give --store or --all")
     if args.same_transaction and args.store != "postgres":
         ap.error("--same-transaction needs --store postgres")
-    if args.workload == "lock" and args.same_transaction:
-        ap.error("the lock workload has no --same-transaction")
-    size = "short" if args.short else "long"
-    lock = LOCK_PRESETS[size] if args.workload == "lock" else {}
-    for name, value in (PRESETS[size] | FIXED | lock).items():
-        if getattr(args, name, None) is None:
-            setattr(args, name, value)
+    if args.same_transaction and "jobs" not in WORKLOADS[args.workload]:
+        ap.error(f"the {args.workload} workload has no --same-transaction")
+    if args.limit is not None and args.limit < 1:
+        ap.error("--limit must be at least 1")
+    # the options given; the others are each workload's presets (options())
+    args.given = {k: v for k, v in vars(args).items() if v is not None}
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(1_000_000)
     return args
+
+
+def options(args: argparse.Namespace, workload: str) -> argparse.Namespace:
+    """The options of one workload's runs: those given, else its presets (short or
+    long), else the job workload's."""
+    size = "short" if args.short else "long"
+    preset = LEASE_PRESETS[workload][size] if workload in LEASE_PRESETS else {}
+    values = vars(args) | PRESETS[size] | FIXED | preset | args.given
+    return argparse.Namespace(**{k: v for k, v in values.items() if k != "given"})
 
 
 def plan(args: argparse.Namespace) -> list[tuple[str, str, bool, str]]:
     """(store, mode, same transaction, workload) of each run."""
     modes = ("plain", "idemlock") if args.mode == "both" else (args.mode,)
     stores = STORES if args.all else (args.store,)
+    workloads = WORKLOADS[args.workload]
     runs = []
-    for store in stores if args.workload in ("jobs", "both") else ():
+    for store in stores if "jobs" in workloads else ():
         for mode in modes:
             if args.all or not args.same_transaction:
                 runs.append((store, mode, False, "jobs"))
             if (store, mode) == ("postgres", "idemlock") and (args.all or args.same_transaction):
                 runs.append((store, mode, True, "jobs"))
-    if args.workload in ("lock", "both"):
-        runs += [(store, mode, False, "lock") for store in stores for mode in modes]
+    for workload in (w for w in workloads if w in LEASE_WORKLOADS):
+        runs += [(store, mode, False, workload) for store in stores for mode in modes]
     return runs
 
 
@@ -185,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     reports = []
     runs = plan(args)
     for store, mode, same_tx, workload in runs:
-        kind = LockRun if workload == "lock" else Run
-        reports.append(kind(store, mode, same_tx, args, say).execute())
+        run = RUNS[workload](store, mode, same_tx, options(args, workload), say)
+        reports.append(run.execute())
         if not args.json and len(runs) > 1:
             say(render(reports[-1:]))
     failed = sum(r["violations_total"] for r in reports)

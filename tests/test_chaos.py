@@ -15,8 +15,14 @@ holders' writes interleaved, tokens increase, no write while ``remaining()`` cla
 lease another holder had been granted). The checker itself is tested on crafted
 histories here, and its plain (unfenced) mode must find what the fence prevents.
 
-About 15-20 s per store and workload; the whole file stays around 3 minutes on a 2-core
-machine.
+The counted leases of issue 24 run the same way: ``--workload permits`` (a semaphore's
+``hold()``, 2 permits of one key for 4 workers, writes through a counted fence: never more
+than 2 holders' writes interleaved, no token reused, tokens increasing as granted; its
+plain mode shows more) and ``--workload election`` (``campaign()``, the term's number as
+the token, the lock's checker: no two leaders' writes interleaved, terms increasing).
+
+About 15-25 s per store and workload; the whole file stays around 7 minutes on a 2-core
+machine (the permits and election runs about 4 of them).
 """
 
 from __future__ import annotations
@@ -142,24 +148,25 @@ def test_plain_mode_completes_and_reports_duplicates() -> None:
 # ---- the lock workload ------------------------------------------------------------------
 
 
-@pytest.mark.timeout(720)
-@pytest.mark.parametrize("store", STORES)
-def test_lock_writes_stay_fenced_under_faults(store: str) -> None:
-    # A short run on a loaded machine makes few holds, and now and then no fault lands
-    # while a lock is held: that run proves nothing either way, so it runs again (at
-    # most three times). Every run, the first ones included, must have no violation.
+def run_lease_workload(store: str, workload: str) -> dict[str, Any]:
+    """A short run of a lease workload (lock, permits, election) with no violation, in
+    which the faults reached the holders. A short run on a loaded machine makes few
+    holds, and now and then no fault lands while a lease is held: that run proves
+    nothing either way, so it runs again (at most three times). Every run, the first
+    ones included, must have no violation."""
     for _ in range(3):
-        code, run = run_chaos("--store", store, "--workload", "lock")
+        code, run = run_chaos("--store", store, "--workload", workload)
         assert run["violations_total"] == 0, "\n".join(run["examples"])
         assert code == 0
         ev = run["worker_events"]
         hit = ev.get("lock_lost", 0) + ev.get("store_error", 0) + ev.get("fx_error", 0)
-        if hit > 0 and (store == "postgres" or run["leases_lost"] > 0):
+        full = workload != "permits" or run["most_holders_interleaved"] == run["limit"]
+        if hit > 0 and (store == "postgres" or run["leases_lost"] > 0) and full:
             break
-    assert run["workload"] == "lock" and run["store"] == store and run["mode"] == "idemlock"
+    assert run["workload"] == workload and run["store"] == store and run["mode"] == "idemlock"
     for kind in LOCK_KINDS[store]:
         assert run["faults"][kind] > 0, f"no {kind} fault was injected: {run['faults']}"
-    # Locks changed hands and were written under, and the faults reached the holders:
+    # Leases changed hands and were written under, and the faults reached the holders:
     # leases lost (and on_lost told), or blocks ended by a store failure (PostgreSQL's
     # crashes and cuts end most of its holds that way).
     assert run["holds"] > 3
@@ -168,10 +175,40 @@ def test_lock_writes_stay_fenced_under_faults(store: str) -> None:
     assert run["leases_lost"] == ev.get("lock_lost", 0)
     if store != "postgres":
         assert run["leases_lost"] > 0 and run["on_lost_calls"] > 0, ev
-    fence = {"etcd": "check_and_advance"}.get(store, "sql")
-    assert run["fence"] == ("set_if_fresh" if store.startswith("redis") else fence)
     if store == "etcd":
         assert_etcd_member_faults(run)
+    return run
+
+
+@pytest.mark.timeout(720)
+@pytest.mark.parametrize("store", STORES)
+def test_lock_writes_stay_fenced_under_faults(store: str) -> None:
+    run = run_lease_workload(store, "lock")
+    fence = {"etcd": "check_and_advance"}.get(store, "sql")
+    assert run["fence"] == ("set_if_fresh" if store.startswith("redis") else fence)
+
+
+@pytest.mark.timeout(720)
+@pytest.mark.parametrize("store", STORES)
+def test_permit_writes_never_exceed_the_limit_under_faults(store: str) -> None:
+    # Workers contend for 2 permits of one key (4 workers) and write through a counted
+    # fence; the checker found no more than 2 holders' writes interleaved, no token
+    # reused, tokens increasing as granted (violations_total == 0 above).
+    run = run_lease_workload(store, "permits")
+    assert run["fence"] == "counted" and run["limit"] == 2
+    # The key was full: two holders' writes did interleave (the limit was reached,
+    # never passed).
+    assert run["most_holders_interleaved"] == run["limit"], run
+
+
+@pytest.mark.timeout(720)
+@pytest.mark.parametrize("store", STORES)
+def test_election_leaders_writes_stay_fenced_under_faults(store: str) -> None:
+    # campaign() in place of hold(), the term's number as the token: the checker found
+    # no two leaders' writes interleaved, terms strictly increasing, none reused.
+    run = run_lease_workload(store, "election")
+    fence = {"etcd": "check_and_advance"}.get(store, "sql")
+    assert run["fence"] == ("set_if_fresh" if store.startswith("redis") else fence)
 
 
 @pytest.mark.timeout(300)
@@ -185,6 +222,20 @@ def test_lock_plain_mode_shows_what_the_fence_prevents() -> None:
     assert run["faults"]["stop"] > 0
     found = run["unfenced_findings"]
     assert found["stale_write_accepted"] + found["writes_interleaved"] > 0, run
+
+
+@pytest.mark.timeout(300)
+def test_permits_plain_mode_shows_what_the_counted_fence_prevents() -> None:
+    # The negative control of the permits workload: unfenced writes, paused holders
+    # waking after their permit went to a waiter. The checker must find more holders'
+    # writes interleaved than the limit allows.
+    code, run = run_chaos("--store", "sqlite", "--workload", "permits", "--mode", "plain")
+    assert run["violations_total"] == 0, "\n".join(run["examples"])
+    assert code == 0
+    assert run["mode"] == "plain" and run["fence"] == "none"
+    assert run["faults"]["stop"] > 0
+    assert run["unfenced_findings"]["too_many_holders"] > 0, run
+    assert run["most_holders_interleaved"] > run["limit"], run
 
 
 def _chaos_module() -> ModuleType:
@@ -306,6 +357,55 @@ def test_checker_keeps_resources_apart() -> None:
     h.write("b", 1, 0.05, res="r2")
     h.write("a", 5, 0.06, res="r1")
     assert h.check(exact=True)["violations"] == {}
+
+
+def test_permit_checker_accepts_up_to_the_limit_interleaved() -> None:
+    h = History()
+    h.hold("a", 1, 0.0, 0.01)
+    h.hold("b", 2, 0.0, 0.02)
+    h.write("a", 1, 0.03)
+    h.write("b", 2, 0.04)
+    h.write("a", 1, 0.05)
+    h.hold("c", 3, 0.0, 0.5)  # waited for a's permit
+    h.write("b", 2, 0.6)
+    h.write("c", 3, 0.7)
+    h.write("b", 2, 0.8)
+    found = chaos.check_permit_history(h.holds, h.log, limit=2)
+    assert found["violations"] == {}, found["examples"]
+    assert found["most_holders_interleaved"] == 2
+    assert found["writes_accepted"] == 6
+
+
+def test_permit_checker_finds_more_holders_interleaved_than_the_limit() -> None:
+    h = History()
+    h.hold("a", 1, 0.0, 0.01)
+    h.hold("b", 2, 0.0, 0.02)
+    h.hold("c", 3, 0.03, 0.5)
+    h.write("a", 1, 0.6)
+    h.write("b", 2, 0.61)
+    h.write("c", 3, 0.62)
+    h.write("b", 2, 0.63)
+    h.write("a", 1, 0.64, left=0.0)  # a paused past its ttl, its late write let through
+    found = chaos.check_permit_history(h.holds, h.log, limit=2)
+    assert found["violations"] == {"too_many_holders": 1}, found
+    assert "3 holders' writes interleaved (limit 2): a, b, c" in found["examples"][0]
+    assert found["most_holders_interleaved"] == 3
+    assert chaos.check_permit_history(h.holds, h.log, limit=3)["violations"] == {}
+    # b's writes all before c's first: two at a time, whatever the tokens
+    del h.log[-2]
+    assert chaos.check_permit_history(h.holds, h.log, limit=2)["violations"] == {}
+
+
+def test_permit_checker_finds_reused_and_decreasing_tokens() -> None:
+    h = History()
+    h.hold("a", 1, 0.0, 0.01)
+    h.hold("b", 2, 0.02, 0.03)
+    h.hold("c", 2, 0.04, 0.05)  # b's token again, granted after it
+    h.write("b", 2, 0.1)
+    h.write("c", 2, 0.2)
+    h.write("a", 1, 0.3)
+    found = chaos.check_permit_history(h.holds, h.log, limit=3)
+    assert found["violations"] == {"token_reused": 1, "token_not_increasing": 1}, found
 
 
 # ---- the workers' start-up ---------------------------------------------------------------

@@ -34,6 +34,11 @@ SLACK = 0.02
 #: behind Sentinel runs with durability=replicas:1, so a failover must lose nothing)
 LOSSY = ("redis", "redis-cluster")
 SPEC, LOCK_SPEC = "chaos", "chaos-lock"
+#: the counted leases' specs (issue 24): a semaphore's permits, an election's terms
+PERMIT_SPEC, ELECTION_SPEC = "chaos-permits", "chaos-election"
+#: the workloads of fenced leases (LockRun and its kin): ``hold()`` on a lock, on a
+#: semaphore's permits, ``campaign()`` on an election; same faults, same history tables
+LEASE_WORKLOADS = ("lock", "permits", "election")
 #: stores whose lock write is the store's own gate (timed log, not acceptance order)
 GATED = ("redis", "redis-cluster", "redis-sentinel", "etcd")
 PRESETS: dict[str, dict[str, Any]] = {
@@ -50,6 +55,14 @@ LOCK_PRESETS: dict[str, dict[str, Any]] = {
     "short": {"workers": 4, "duration": 6.0, "fault_every": 0.25},
     "long": {"workers": 6, "duration": 180.0, "fault_every": 0.5},
 }
+#: the permits workload's: more workers than permits on each key (``limit``), so that
+#: the keys are contended and a paused holder's permit goes to a waiter
+PERMIT_PRESETS: dict[str, dict[str, Any]] = {
+    "short": {"workers": 4, "duration": 6.0, "fault_every": 0.25, "limit": 2, "resources": 1},
+    "long": {"workers": 6, "duration": 180.0, "fault_every": 0.5, "limit": 3, "resources": 1},
+}
+#: each lease workload's presets (the election's are the lock's: a term is a lock's lease)
+LEASE_PRESETS = {"lock": LOCK_PRESETS, "permits": PERMIT_PRESETS, "election": LOCK_PRESETS}
 
 
 @dataclass

@@ -27,6 +27,12 @@ CREATE TABLE IF NOT EXISTS lock_log (id {serial}, resource text NOT NULL,
     holder text NOT NULL, token bigint NOT NULL, seq integer NOT NULL,
     t_sent double precision NOT NULL, t_done double precision, accepted boolean,
     lost boolean NOT NULL, remaining double precision NOT NULL);
+-- the permits workload's counted fence (Fx.write_counted): per resource the tokens
+-- inside (inside = 1) and the floor (inside = 0); its writes and holds go to lock_log
+-- and lock_holds
+CREATE TABLE IF NOT EXISTS permit_fence (resource text NOT NULL, token bigint NOT NULL,
+    holder text NOT NULL, seq integer NOT NULL, inside integer NOT NULL,
+    PRIMARY KEY (resource, token));
 CREATE TABLE IF NOT EXISTS lock_holds (id {serial}, resource text NOT NULL,
     holder text NOT NULL, token bigint NOT NULL, t_before double precision NOT NULL,
     t_after double precision NOT NULL);
@@ -124,6 +130,63 @@ class Fx(Queue):
             if accepted and finish is not None:
                 finish(c)
         return accepted
+
+    def write_counted(self, row: Row, logged: Row, limit: int, fenced: bool) -> bool:
+        """The permits workload's write: ``row`` (resource, token, holder, seq) under a
+        counted fence, and ``logged`` with the outcome in ``lock_log``, in one transaction
+        (the log's ids give the order of acceptance); True if it was written.
+
+        ``fenced``: the fence keeps, per resource, the tokens "inside" (written, not yet
+        retired) and a floor (the highest token pushed out). A token inside is accepted;
+        one at or below the floor is refused; a new one goes inside, and when that makes
+        ``limit`` + 1 the lowest inside is pushed out (the floor rises): refused if that
+        is the new one itself. A holder that wrote and will write again is inside, so no
+        more than ``limit`` holders' accepted writes interleave. Unfenced (plain mode):
+        always written."""
+        res, token = row["resource"], row["token"]
+        p = self.p
+        with self.tx() as c:
+            if self.postgres:  # one writer per resource: the log ids follow the commits
+                c.execute(f"SELECT pg_advisory_xact_lock(hashtext({p}))", [res])
+            rows = c.execute(
+                f"SELECT token, inside FROM permit_fence WHERE resource = {p}", [res]
+            ).fetchall()
+            inside = sorted(int(t) for t, i in rows if i)
+            floor = max((int(t) for t, i in rows if not i), default=0)
+            accepted = not fenced or token in inside
+            if fenced and not accepted and token > floor:
+                out = min(inside) if len(inside) >= limit else None
+                accepted = out is None or out < token
+                if accepted:
+                    values = [res, token, row["holder"], row["seq"]]
+                    c.execute(
+                        f"INSERT INTO permit_fence (resource, token, holder, seq, inside) "
+                        f"VALUES ({p}, {p}, {p}, {p}, 1)",
+                        values,
+                    )
+                if out is not None and accepted:  # pushed out: the floor rises
+                    c.execute(
+                        f"DELETE FROM permit_fence WHERE resource = {p} AND inside = 0",
+                        [res],
+                    )
+                    c.execute(
+                        f"UPDATE permit_fence SET inside = 0 WHERE resource = {p} AND token = {p}",
+                        [res, out],
+                    )
+            self.insert("lock_log", logged | {"accepted": accepted}, c)
+        return accepted
+
+    def retire(self, resource: str, token: int) -> None:
+        """A permit's holder has made its last write: its token leaves the counted
+        fence's inside (the floor stays), so a newer holder takes its place without
+        pushing out a live one. Never again written with: a retired token that writes
+        is a new one to the fence."""
+        with self.tx() as c:
+            p = self.p
+            c.execute(
+                f"DELETE FROM permit_fence WHERE resource = {p} AND token = {p} AND inside = 1",
+                [resource, token],
+            )
 
     def snapshot(self, queries: dict[str, str] = SNAPSHOTS) -> dict[str, Any]:
         with self.tx(write=False) as c:

@@ -1,9 +1,11 @@
-"""The checker of the lock workload's write history."""
+"""The checkers of the lease workloads' write histories: a lock's (and an election's:
+a term is a lock's lease), a semaphore's permits."""
 
 from __future__ import annotations
 
 import bisect
 from collections import Counter, namedtuple
+from collections.abc import Callable
 from itertools import accumulate
 from typing import Any
 
@@ -12,6 +14,31 @@ from faults import SLACK, Findings
 #: a ``lock_holds`` row (``before``/``after``: around ``hold()``'s entry), a ``lock_log`` one
 Hold = namedtuple("Hold", "res holder token before after")
 Write = namedtuple("Write", "id res holder token seq sent done accepted lost left")
+
+
+def check_tokens(
+    res: str, rh: list[Hold], bad: Callable[[str, str], None], at: Callable[[float], str]
+) -> None:
+    """Tokens of one resource's holds: strictly higher for every hold granted after
+    another; never shared by two holders."""
+    owner_of: dict[int, str] = {}
+    for h in rh:
+        if owner_of.setdefault(h.token, h.holder) != h.holder:
+            bad(
+                "token_reused",
+                f"{res}: token {h.token} went to {owner_of[h.token]} and {h.holder}",
+            )
+    by_after = sorted(rh, key=lambda h: h.after)
+    afters = [h.after for h in by_after]
+    best = list(accumulate(((h.token, h.holder) for h in by_after), max))
+    for h in rh:
+        i = bisect.bisect_left(afters, h.before)
+        if i and best[i - 1][0] >= h.token and best[i - 1][1] != h.holder:
+            bad(
+                "token_not_increasing",
+                f"{res}: {h.holder} entered at {at(h.before)} and got token {h.token}, not "
+                f"above token {best[i - 1][0]} of {best[i - 1][1]} granted before",
+            )
 
 
 def check_lock_history(
@@ -57,25 +84,7 @@ def check_lock_history(
 
     for res in sorted({h.res for h in hs} | {w.res for w in ws}):
         rh = [h for h in hs if h.res == res]
-        # Tokens: strictly higher for every hold granted after another; never shared.
-        owner_of: dict[int, str] = {}
-        for h in rh:
-            if owner_of.setdefault(h.token, h.holder) != h.holder:
-                bad(
-                    "token_reused",
-                    f"{res}: token {h.token} went to {owner_of[h.token]} and {h.holder}",
-                )
-        by_after = sorted(rh, key=lambda h: h.after)
-        afters = [h.after for h in by_after]
-        best = list(accumulate(((h.token, h.holder) for h in by_after), max))
-        for h in rh:
-            i = bisect.bisect_left(afters, h.before)
-            if i and best[i - 1][0] >= h.token and best[i - 1][1] != h.holder:
-                bad(
-                    "token_not_increasing",
-                    f"{res}: {h.holder} entered at {at(h.before)} and got token {h.token}, not "
-                    f"above token {best[i - 1][0]} of {best[i - 1][1]} granted before",
-                )
+        check_tokens(res, rh, bad, at)
 
         # The lease's promise: no write "with time left" once someone else holds the lock.
         by_before = sorted(rh, key=lambda h: h.before)
@@ -143,6 +152,73 @@ def check_lock_history(
         "writes_unknown": counts["unknown"],
         "writes_after_deadline": counts["after_deadline"],
         "writes_lost_flag_late": counts["lost_flag_late"],
+        "violations": found.violations,
+        "examples": found.examples,
+    }
+
+
+def check_permit_history(
+    holds: list[tuple[Any, ...]], log: list[tuple[Any, ...]], limit: int
+) -> dict[str, Any]:
+    """Check a permits workload's history from the data alone: ``holds`` and ``log`` as
+    ``check_lock_history``'s, the log ids being the order of acceptance (the counted
+    fence commits with its log row, on every store). Violations:
+
+    * ``token_reused`` / ``token_not_increasing`` / ``token_changed``: as a lock's (each
+      permit has its own token, higher than every one granted before for the key);
+    * ``too_many_holders``: more than ``limit`` holders' accepted writes interleaved: at
+      a holder's first accepted write, more than ``limit`` holders (it included) had
+      written by then and wrote again at or after it.
+
+    (A lock's "stale write" has no counterpart: ``limit`` higher tokens may have written
+    and gone while a lower one still holds its permit.)
+    """
+    found = Findings()
+    bad = found.bad
+    hs = [Hold._make(row) for row in holds]
+    ws = sorted((Write._make(row) for row in log), key=lambda w: w.id)
+    t_zero = min([h.before for h in hs] + [w.sent for w in ws] or [0.0])
+
+    def at(t: float) -> str:
+        return f"+{t - t_zero:.3f}s"
+
+    hold_of = {h.holder: h for h in hs}
+    counts: Counter[str] = Counter()
+    for w in ws:
+        counts["unknown" if w.accepted is None else "accepted" if w.accepted else "refused"] += 1
+        if w.left <= 0:
+            counts["after_deadline"] += 1
+            counts["lost_flag_late"] += not w.lost
+        h = hold_of.get(w.holder)
+        if h is not None and h.token != w.token:
+            bad("token_changed", f"{w.res}: {w.holder} held token {h.token}, wrote with {w.token}")
+
+    most = 0  # the most holders ever interleaved on one resource
+    for res in sorted({h.res for h in hs} | {w.res for w in ws}):
+        check_tokens(res, [h for h in hs if h.res == res], bad, at)
+        span: dict[str, list[int]] = {}  # holder: [first, last] accepted write's id
+        for w in ws:
+            if w.res == res and w.accepted:
+                span.setdefault(w.holder, [w.id, w.id])[1] = w.id
+        for holder, (first, _) in sorted(span.items(), key=lambda item: item[1][0]):
+            inside = sorted(g for g, (f, last) in span.items() if f <= first <= last)
+            most = max(most, len(inside))
+            if len(inside) > limit:
+                bad(
+                    "too_many_holders",
+                    f"{res}: at {holder}'s first write (log id {first}), {len(inside)} "
+                    f"holders' writes interleaved (limit {limit}): {', '.join(inside)}",
+                )
+
+    return {
+        "holds": len(holds),
+        "writes": len(log),
+        "writes_accepted": counts["accepted"],
+        "stale_writes_refused": counts["refused"],
+        "writes_unknown": counts["unknown"],
+        "writes_after_deadline": counts["after_deadline"],
+        "writes_lost_flag_late": counts["lost_flag_late"],
+        "most_holders_interleaved": most,
         "violations": found.violations,
         "examples": found.examples,
     }

@@ -15,7 +15,7 @@ from common import Servers
 
 from faults import GATED, HOST, KINDS, LOCK_KINDS, LOSSY, STORE_KINDS, Findings, retried
 from faults.effects import LOCK_SNAPSHOTS, Fx, FxError
-from faults.locks import check_lock_history
+from faults.locks import check_lock_history, check_permit_history
 from faults.network import Network
 from faults.worker import PRELOAD, connect, idempotent_jobs, job_key, worker_entry
 from idemlock.cli._faults.workers import Slot, Workers, context
@@ -458,6 +458,19 @@ class LockRun(Run):
         # late writes of paused holders, after the faults: fenced out
         self.drive(lambda coord: coord.locks(), lambda: True, 1.0 + self.opts.lease)
 
+    #: what the checker reports that only the fence prevents: in plain mode (no fence)
+    #: what the run shows, not failures of it
+    unfenced = ("stale_write_accepted", "writes_interleaved")
+    #: what the negative control must show before its faults end
+    shows = unfenced
+
+    def history(self, snap: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        """The checker's findings on the history, and the fence the writes went through."""
+        exact = self.store not in GATED or self.mode == "plain"
+        found = check_lock_history(snap["holds"], snap["log"], exact=exact)
+        gate = "set_if_fresh" if self.store.startswith("redis") else "check_and_advance"
+        return found, "none" if self.mode == "plain" else "sql" if exact else gate
+
     def shown(self) -> bool:
         """Plain mode, the negative control: a paused holder's late write landed over a
         newer holder's. A busy machine can leave the window without one (few pauses
@@ -468,18 +481,17 @@ class LockRun(Run):
             snap = self.fx.snapshot(LOCK_SNAPSHOTS)
         except FxError:
             return False
-        found = check_lock_history(snap["holds"], snap["log"], exact=True)["violations"]
-        return found["stale_write_accepted"] + found["writes_interleaved"] > 0
+        found = self.history(snap)[0]["violations"]
+        return sum(found[kind] for kind in self.shows) > 0
 
     def check(self) -> dict[str, Any]:
         snap = retried(lambda: self.fx.snapshot(LOCK_SNAPSHOTS), FxError)
-        exact = self.store not in GATED or self.mode == "plain"
-        found = check_lock_history(snap["holds"], snap["log"], exact=exact)
+        found, fence = self.history(snap)
         judged = Findings(found.pop("violations"), found.pop("examples"))
         unfenced: dict[str, int] = {}
         if self.mode == "plain":
             # Without the fence these are what the run shows, not failures of it.
-            for kind in ("stale_write_accepted", "writes_interleaved"):
+            for kind in self.unfenced:
                 unfenced[kind] = judged.violations.pop(kind, 0)
             judged.examples = [e for e in judged.examples if e.split(":")[0] not in unfenced]
         # How long after the lease's deadline (counted from the renewal's send; or from
@@ -492,13 +504,12 @@ class LockRun(Run):
                 deadline, told = map(float, line.split())
                 late[any(t0 < told and t1 > deadline for t0, t1 in stops)].append(told - deadline)
         running, paused = sorted(late[False]), sorted(late[True])
-        fence = "set_if_fresh" if self.store.startswith("redis") else "check_and_advance"
         report = self.report(
             judged,
-            workload="lock",
+            workload=self.workload,
             resources=self.opts.resources,
             ttl_s=self.opts.lease,
-            fence="none" if self.mode == "plain" else "sql" if exact else fence,
+            fence=fence,
             unfenced_findings=unfenced,
             **found,
             on_lost_calls=len(running) + len(paused),
@@ -513,3 +524,29 @@ class LockRun(Run):
             },
         )
         return report | {"leases_lost": report["worker_events"].get("lock_lost", 0)}
+
+
+class PermitRun(LockRun):
+    """The permits workload: workers contend for ``--limit`` permits of each of
+    ``--resources`` keys with a semaphore's ``hold()`` and write under them through a
+    counted fence (``Fx.write_counted``); the history is checked by
+    ``check_permit_history``: never more than ``limit`` holders' writes interleaved, no
+    token reused, tokens increasing as granted."""
+
+    workload = "permits"
+    what = "{limit} permits on each of {resources} keys (ttl {lease:g}s)"
+    unfenced = shows = ("too_many_holders",)
+
+    def history(self, snap: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        found = check_permit_history(snap["holds"], snap["log"], self.opts.limit)
+        return found | {"limit": self.opts.limit}, "none" if self.mode == "plain" else "counted"
+
+
+class ElectionRun(LockRun):
+    """The election workload: workers ``campaign()`` for the leadership of
+    ``--resources`` keys and, while they lead, write fenced records with the term's
+    number, as the lock workload's holders do; the same checker: no two leaders'
+    writes interleave, terms strictly increase, none is reused, no stale write lands."""
+
+    workload = "election"
+    what = "terms of {resources} keys (ttl {lease:g}s)"

@@ -8,12 +8,12 @@ import random
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
 
-from faults import LOCK_SPEC, SPEC, retried
+from faults import ELECTION_SPEC, LEASE_WORKLOADS, LOCK_SPEC, PERMIT_SPEC, SPEC, retried
 from faults.effects import Fx, FxError
 from idemlock.cli._faults.queue import Outcome, consume
 from idemlock.cli._faults.workers import redirect
@@ -161,11 +161,46 @@ def worker_main(cfg: SimpleNamespace) -> None:
     )
 
 
-def lock_worker_main(cfg: SimpleNamespace) -> None:
-    """Hold a random resource's lock with renewals for 0.2-2.5 ttls, writing fenced
-    records under it, again and again until killed. Each write is logged with the
-    holder, its token, a sequence number and the times around it."""
+def leases(coord: Any, cfg: SimpleNamespace) -> Callable[..., Any]:
+    """The workload's way into a fenced lease: ``enter(res, holder, on_lost)``, a
+    context manager giving (lease, token). A lock's ``hold()``; a semaphore's ``hold()``
+    (one of ``cfg.limit`` permits); an election's ``campaign()``, the token being the
+    term's number (and the holder its published value)."""
     import idemlock
+
+    ttl = timedelta(seconds=cfg.lease)
+    every, wait = cfg.lease / 3, 3 * cfg.lease
+
+    if cfg.workload == "election":
+        election = coord.election(idemlock.ElectionSpec(ELECTION_SPEC, ttl=ttl))
+
+        @contextlib.contextmanager
+        def campaign(res: str, holder: str, on_lost: Any) -> Iterator[tuple[Any, int]]:
+            with election.campaign(
+                res, value=holder, wait=wait, owner=holder, renew_every=every, on_lost=on_lost
+            ) as term:
+                yield term.lease, int(term.number)
+
+        return campaign
+    if cfg.workload == "permits":
+        spec: Any = idemlock.SemaphoreSpec(PERMIT_SPEC, limit=cfg.limit, ttl=ttl)
+        port = coord.semaphore(spec)
+    else:
+        port = coord.lock(idemlock.LockSpec(LOCK_SPEC, ttl=ttl))
+
+    @contextlib.contextmanager
+    def hold(res: str, holder: str, on_lost: Any) -> Iterator[tuple[Any, int]]:
+        with port.hold(res, wait=wait, owner=holder, renew_every=every, on_lost=on_lost) as lease:
+            yield lease, int(lease.token)
+
+    return hold
+
+
+def lock_worker_main(cfg: SimpleNamespace) -> None:
+    """Hold a random resource's lock (a permit of it, its leadership) with renewals for
+    0.2-2.5 ttls, writing fenced records under it, again and again until killed. Each
+    write is logged with the holder, its token, a sequence number and the times around
+    it."""
     from idemlock import FencedOut, LockLost, LockNotAcquired, StoreUnavailable
 
     known = {LockLost: "lock_lost", LockNotAcquired: "not_acquired"}
@@ -175,30 +210,34 @@ def lock_worker_main(cfg: SimpleNamespace) -> None:
     fx = Fx(*cfg.fx)
     coord = connect(cfg.store_url)
     ttl = cfg.lease
-    locks = coord.lock(idemlock.LockSpec(LOCK_SPEC, ttl=timedelta(seconds=ttl)))
+    enter = leases(coord, cfg)
     # The hash tag keeps the gate and the key set_if_fresh writes (the resource's own
     # name) in one slot on a Redis Cluster.
     resources = [f"{{res-{i}}}" for i in range(cfg.resources)]
     # Redis: the write is the store's own gate (set_if_fresh: check the token and SET
     # in one script); etcd: the gate's check_and_advance (one Txn); both logged after
     # their reply. SQL stores: a fenced upsert in the effects database, plain mode an
-    # unfenced one (the negative control).
-    gated = cfg.mode == "idemlock" and cfg.store_url.startswith(("redis", "etcd"))
+    # unfenced one (the negative control). Permits: N holders at once, so no gate of
+    # one highest token: a counted fence in the effects database on every store.
+    counted = cfg.workload == "permits"
+    gated = cfg.mode == "idemlock" and cfg.store_url.startswith(("redis", "etcd")) and not counted
     gates = {r: coord.fence(r) for r in resources} if gated else {}
 
-    def write(res: str, holder: str, lease: Any, seq: int) -> None:
+    def write(res: str, holder: str, lease: Any, token: int, seq: int) -> None:
         # What the holder knows when it decides to write; then it prepares the write
         # (a pause there, SIGSTOP or blackhole, is the window only the fence closes).
         sent = time.monotonic()  # before remaining(): a pause in between only shortens it
         left = lease.remaining_seconds()
-        logged = {"t_sent": sent, "remaining": left, "lost": bool(lease.lost)}
-        token = logged["token"] = int(lease.token)
+        logged = {"t_sent": sent, "remaining": left, "lost": bool(lease.lost), "token": token}
         logged |= {"resource": res, "holder": holder, "seq": seq}
         time.sleep(rng.uniform(*STEP_MS) / 1000)
         accepted: bool | None
-        if not gates:
-            row = {k: logged[k] for k in ("resource", "token", "holder", "seq")}
-            accepted = fx.write("lock_fence", row, logged, cfg.mode == "idemlock")
+        fenced = cfg.mode == "idemlock"
+        row = {k: logged[k] for k in ("resource", "token", "holder", "seq")}
+        if counted:
+            accepted = fx.write_counted(row, logged, cfg.limit, fenced)
+        elif not gates:
+            accepted = fx.write("lock_fence", row, logged, fenced)
         else:
             try:
                 if cfg.store_url.startswith("etcd"):
@@ -230,19 +269,20 @@ def lock_worker_main(cfg: SimpleNamespace) -> None:
 
         before = time.monotonic()
         try:
-            with locks.hold(
-                res, wait=3 * ttl, owner=holder, renew_every=ttl / 3, on_lost=on_lost
-            ) as lease:
+            with enter(res, holder, on_lost) as (lease, token):
                 after = time.monotonic()
                 entered.append(after)
                 os.pwrite(state_fd, b"1", 0)
-                hold = {"resource": res, "holder": holder, "token": int(lease.token)}
+                hold = {"resource": res, "holder": holder, "token": token}
                 fx.insert("lock_holds", hold | {"t_before": before, "t_after": after})
                 until = after + ttl * rng.uniform(0.2, 2.5)
                 seq = 0
                 while not lease.lost and time.monotonic() < until:
                     seq += 1
-                    write(res, holder, lease, seq)
+                    write(res, holder, lease, token, seq)
+                if counted and cfg.mode == "idemlock":
+                    with contextlib.suppress(FxError):  # else pushed out by a newer one
+                        fx.retire(res, token)  # done writing: its place is free
                 os.pwrite(state_fd, b"0", 0)
             note("held")
         except Exception as exc:
@@ -254,7 +294,7 @@ def lock_worker_main(cfg: SimpleNamespace) -> None:
 def worker_entry(raw: dict[str, Any], log: str) -> None:
     redirect(log, append=True)
     cfg = SimpleNamespace(**raw)  # Run.config's
-    (lock_worker_main if cfg.workload == "lock" else worker_main)(cfg)
+    (lock_worker_main if cfg.workload in LEASE_WORKLOADS else worker_main)(cfg)
 
 
 #: what the workers' fork server imports once, so a replacement starts in milliseconds
