@@ -270,9 +270,53 @@ async def _campaign_waiting_across_a_restart(
     assert await el.release(old) is False  # its term ended long ago
 
 
-def campaign_number(el: Any, wait: float) -> Callable[[], Awaitable[int]]:
+def campaign_number(el: Any, wait: float, key: str = "R") -> Callable[[], Awaitable[int]]:
+    """A campaign on ``key`` for ``eventually``: the number of the term it won."""
+
     async def run() -> int:
-        async with el.campaign("R", value="again", wait=wait) as term:
+        async with el.campaign(key, value="again", wait=wait) as term:
             return int(term.number)
 
     return run
+
+
+async def test_permit_hold_and_campaign_across_a_restart(fault_harness: Harness) -> None:
+    """A permit's ``hold()`` and an election's ``campaign()`` while the store restarts:
+    each block is left within the bound, with its permit or term kept or LockLost; then
+    the key's permits and terms are taken again, with higher tokens. Both faces at
+    once, across one restart."""
+    await each_face_in_one_fault(fault_harness, "restart", _hold_and_campaign_across_a_restart)
+
+
+async def _hold_and_campaign_across_a_restart(
+    fault_api: Facade, restart_once: SharedRestart
+) -> None:
+    sems = fault_api.semaphore(SemaphoreSpec("restart-sem-hold", limit=2, ttl=2))
+    el = fault_api.election(ElectionSpec("restart-el-hold", ttl=2))
+    outcome: Any = None
+    t_left = 0.0
+    permit: Any = None
+    term: Any = None
+    try:
+        async with sems.hold("h") as permit, el.campaign("h", value="v", wait=BOUND) as term:
+            await restart_once()
+            await asyncio.sleep(0.5)
+            t_left = time.monotonic()
+    except Exception as exc:
+        outcome = exc
+    t_exit = time.monotonic()
+    assert outcome is None or isinstance(outcome, LockLost | StoreUnavailable), outcome
+    if t_left:  # two blocks, each left within the bound
+        assert t_exit - t_left <= 2 * BOUND, f"leaving the blocks took {t_exit - t_left:.2f}s"
+    assert permit is not None and term is not None
+    # Taken again once the store is back: tokens above the held ones, within the limit.
+    after = [
+        await eventually(fault_api, lambda i=i: sems.acquire("h", owner=f"after-{i}", wait=5))
+        for i in range(2)
+    ]
+    assert all(isinstance(p, Lease) and p.token > permit.token for p in after), after
+    assert await sems.acquire("h", owner="third") is None, "past the limit"
+    for p in after:
+        assert await sems.release(p) is True
+    number = await eventually(fault_api, campaign_number(el, BOUND * 2, "h"))
+    assert number > term.number, (number, term.number)
