@@ -7,6 +7,10 @@ answer correctly (one winner per key across both), a waited acquire is woken by 
 other process's release within about a second (not after seconds of polling), and
 the parent goes on working after the child is gone.
 
+Permits and terms held across a fork stay the parent's: the child takes only what
+the limit leaves, never the parent's permit or term (its owners are its own), and
+the parent's renewals go on while the child works.
+
 Memory: the child sees its own copy of the store (what the parent held at the fork),
 and neither deadlocks, even when another thread was inside the store at the fork.
 """
@@ -29,13 +33,26 @@ from typing import Any
 
 import pytest
 
-from idemlock import Claimed, Completed, IdempotencySpec, InFlight, LockSpec
+from idemlock import (
+    Claimed,
+    Completed,
+    ElectionSpec,
+    IdempotencySpec,
+    InFlight,
+    LockNotAcquired,
+    LockSpec,
+    SemaphoreSpec,
+)
 
 from .harness import Harness
 from .stores import STORES
 
 SPEC = IdempotencySpec("fork", lease=timedelta(seconds=30))
 LOCK = LockSpec("fork", ttl=timedelta(seconds=30))
+SEM = SemaphoreSpec("fork-sem", limit=2, ttl=timedelta(seconds=30))
+#: a short ttl, so that the parent's permit lives on its renewals during the test
+SEM_RENEWED = SemaphoreSpec("fork-sem-renewed", limit=2, ttl=timedelta(seconds=3))
+ELECTION = ElectionSpec("fork-el", ttl=timedelta(seconds=30))
 #: a waiter must wake this soon after the release in the other process
 WAKE = 1.0
 #: a child that has not reported by then is hung
@@ -385,3 +402,332 @@ def test_fork_memory_child_sees_its_own_copy(
     assert code == 0
     # The child's claim lived in the child's copy only.
     assert isinstance(claim("child-only"), Claimed)
+
+
+def receive(pipe: Pipe, kind: str) -> list[Any]:
+    """The next message, which must be ``kind``: all of its fields (``expect`` gives
+    only the first)."""
+    msg = pipe.recv()
+    if isinstance(msg, dict) and "error" in msg:
+        raise AssertionError(f"the forked child failed:\n{msg['error']}")
+    assert msg[0] == kind, msg
+    return list(msg[1:])
+
+
+def until(check: Callable[[], bool], what: str, bound: float = CHILD_LIMIT) -> None:
+    """Wait for ``check()`` (store state, a renewal seen), failing after ``bound``."""
+    deadline = time.monotonic() + bound
+    while not check():
+        assert time.monotonic() < deadline, f"{what} (not within {bound:.0f}s)"
+        time.sleep(0.02)
+
+
+def test_fork_permit_held_across_a_fork(process_harness: Harness) -> None:
+    """A permit of a limit-2 semaphore held (and renewed) by the parent across a fork:
+    the child takes the one permit left and no more, the parent's permit is neither
+    taken nor disturbed, its renewals go on, and each side's release wakes the other's
+    waiter."""
+    harness = process_harness
+    coord = harness.sync()
+    try:
+        _warm_sync(harness, coord)
+        sems = coord.semaphore(SEM_RENEWED)
+        with sems.hold("S", owner="parent", renew_every=0.3) as permit:
+
+            def child(up: Pipe, down: Pipe) -> None:
+                mine = sems.acquire("S", owner="child", wait=10)
+                assert mine is not None, "the child could not take the permit left"
+                assert mine.token > permit.token, (mine.token, permit.token)
+                assert sems.acquire("S", owner="third") is None, "past the limit"
+                # A waited acquire that really waits (a listener made in the child).
+                assert sems.acquire("S", owner="third", wait=0.3) is None, "past the limit"
+                assert sems.available("S") == 0
+                holders = {h.owner: h.token for h in sems.holders("S")}
+                assert holders == {"parent": permit.token, "child": mine.token}, holders
+                up.send(["holding", mine.token])
+                expect(down, "release")
+                released_at = time.monotonic()
+                assert sems.release(mine) is True
+                assert sems.release(mine) is False
+                up.send(["released", released_at])
+                coord.close()
+
+            pid, up, down = fork(child)
+            try:
+                child_token = expect(up, "holding")
+                # The parent's permit is renewed on while the child holds its own.
+                seen = {permit.expires_at}
+
+                def renewed_twice() -> bool:
+                    seen.add(permit.expires_at)
+                    return len(seen) >= 3
+
+                until(renewed_twice, "the parent's permit was not renewed after the fork")
+                assert not permit.lost
+                holders = {h.owner: h.token for h in sems.holders("S")}
+                assert holders == {"parent": permit.token, "child": child_token}, holders
+                assert sems.acquire("S", owner="third") is None, "past the limit"
+                down.send(["release"])
+                # The child's release wakes the parent's waiter.
+                got = sems.acquire("S", owner="after", wait=10)
+                acquired_at = time.monotonic()
+                (released_at,) = receive(up, "released")
+                assert got is not None, "the parent's waited acquire gave up"
+                assert got.token > child_token
+                assert acquired_at - released_at <= WAKE, (
+                    f"the parent woke {acquired_at - released_at:.2f}s after the child's release"
+                )
+                assert sems.release(got) is True
+            finally:
+                code = reap(pid)
+            assert code == 0, f"the child exited with {code}"
+            # The parent's permit outlived its child, still renewed.
+            assert not permit.lost
+            assert sems.renew(permit) is True
+            assert [h.owner for h in sems.holders("S")] == ["parent"]
+        assert sems.holders("S") == []
+    finally:
+        coord.close()
+
+
+def test_fork_async_permit_held_across_a_fork(process_harness: Harness) -> None:
+    """The same with an AsyncCoordinator: a permit acquired in the parent's event loop
+    before the fork; the child (a new loop) takes the permit left, no more, and its
+    waiter is woken by the parent's release; the parent's permit renews throughout."""
+    harness = process_harness
+    coord = harness.aio()
+    sems = coord.semaphore(SEM)
+
+    async def warm() -> Any:
+        other = await sems.acquire("S", owner="other")
+        assert other is not None
+        assert await sems.acquire("S", owner="parent") is not None
+        # Full: a waited acquire that really waited (a listener made before the fork).
+        assert await sems.acquire("S", owner="me", wait=0.2) is None
+        assert await sems.release(other) is True
+        return await sems.acquire("S", owner="parent")  # the same permit again
+
+    permit = asyncio.run(warm())
+    assert permit is not None
+
+    def child(up: Pipe, down: Pipe) -> None:
+        async def main() -> None:
+            # Waited: the parent's waiter that gave up before the fork may keep its
+            # queue place for a moment (SQLite: it lapses within a poll).
+            mine = await sems.acquire("S", owner="child", wait=10)
+            assert mine is not None, "the child could not take the permit left"
+            assert mine.token > permit.token
+            assert await sems.acquire("S", owner="third") is None, "past the limit"
+            up.send(["waiting"])
+            got = await sems.acquire("S", owner="waiter", wait=10)
+            up.send(["acquired", got is not None, time.monotonic()])
+            assert got is not None
+            assert got.token > mine.token
+            assert await sems.release(got) is True
+            assert await sems.release(mine) is True
+            await coord.close()
+
+        asyncio.run(main())
+
+    pid, up, _down = fork(child)
+    try:
+        expect(up, "waiting")
+        time.sleep(0.3)  # the child is waiting now
+
+        async def check_and_release() -> float:
+            assert await sems.renew(permit) is True, "the parent's permit was disturbed"
+            assert not permit.lost
+            owners = sorted(h.owner for h in await sems.holders("S"))
+            assert owners == ["child", "parent"], owners
+            released_at = time.monotonic()
+            assert await sems.release(permit) is True
+            return released_at
+
+        released_at = asyncio.run(check_and_release())
+        ok, acquired_at = receive(up, "acquired")
+        assert ok, "the child's waited acquire gave up"
+        assert acquired_at - released_at <= WAKE, (
+            f"the child woke {acquired_at - released_at:.2f}s after the parent's release"
+        )
+    finally:
+        code = reap(pid)
+    assert code == 0, f"the child exited with {code}"
+
+    async def after() -> None:
+        assert await sems.holders("S") == []
+        again = await sems.acquire("S", owner="parent")
+        assert again is not None and again.token > permit.token
+        assert await sems.release(again) is True
+        await coord.close()
+
+    asyncio.run(after())
+
+
+def test_fork_election_term_held_across_a_fork(process_harness: Harness) -> None:
+    """A term held by the parent across a fork is not the child's: the child sees the
+    parent lead, cannot enter a term of its own while it does, and is elected (in a
+    later term) when the parent's term ends, woken by it."""
+    harness = process_harness
+    coord = harness.sync()
+    try:
+        _warm_sync(harness, coord)
+        el = coord.election(ELECTION)
+        with el.campaign("R", value="parent") as term:
+
+            def child(up: Pipe, down: Pipe) -> None:
+                leader = el.leader("R")
+                assert leader is not None
+                assert (leader.term, leader.value) == (term.number, "parent"), leader
+                with pytest.raises(LockNotAcquired), el.campaign("R", value="child", wait=0):
+                    raise AssertionError("the child entered the parent's term")
+                assert el.acquire("R", value="child") is None
+                up.send(["waiting"])
+                with el.campaign("R", value="child", wait=10) as mine:
+                    elected_at = time.monotonic()
+                    leader = el.leader("R")
+                    assert leader is not None and leader.value == "child", leader
+                    assert leader.term == mine.number
+                    up.send(["elected", mine.number, elected_at])
+                coord.close()
+
+            pid, up, _down = fork(child)
+            try:
+                expect(up, "waiting")
+                time.sleep(0.3)  # the child is campaigning now
+                assert not term.lost
+                leader = el.leader("R")
+                assert leader is not None and (leader.term, leader.value) == (
+                    term.number,
+                    "parent",
+                ), leader
+                term.proclaim("parent-2")  # the term is still the parent's to change
+                ended_at = time.monotonic()
+            except BaseException:
+                reap(pid)
+                raise
+        # Leaving the block ended the parent's term: the child is elected.
+        try:
+            number, elected_at = receive(up, "elected")
+            assert number > term.number, (number, term.number)
+            assert elected_at - ended_at <= WAKE + 1.0, (
+                f"the child was elected {elected_at - ended_at:.2f}s after the parent's term ended"
+            )
+        finally:
+            code = reap(pid)
+        assert code == 0, f"the child exited with {code}"
+        until(lambda: el.leader("R") is None, "the child's term did not end")
+        with el.campaign("R", value="parent-again", wait=10) as again:
+            assert again.number > number
+    finally:
+        coord.close()
+
+
+def test_fork_while_another_thread_is_inside_a_permit_acquire(harness: Harness) -> None:
+    """Fork again and again while a thread of the parent is inside ``acquire`` of a
+    semaphore (permits taken, a waited acquire on a full key): the child neither hangs
+    nor shares the parent's state; it takes permits up to the limit, waits for one, and
+    campaigns, on connections (and a renewer) of its own. Memory included."""
+    coord = harness.sync()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    try:
+        _warm_sync(harness, coord)
+        sems, el = coord.semaphore(SEM), coord.election(ELECTION)
+
+        def busy() -> None:
+            i = 0
+            try:
+                while not stop.is_set():
+                    a = sems.acquire("busy", owner=f"a{i}", wait=10)
+                    b = sems.acquire("busy", owner=f"b{i}", wait=10)
+                    assert a is not None and b is not None
+                    # Full: a waited acquire, inside acquire (subscribed) at the fork.
+                    assert sems.acquire("busy", owner=f"c{i}", wait=0.02) is None
+                    assert sems.release(a) and sems.release(b)
+                    i += 1
+                    time.sleep(0.001)
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=busy, daemon=True)
+        thread.start()
+        time.sleep(0.05)
+        for round_ in range(8):
+
+            def child(up: Pipe, down: Pipe, round_: int = round_) -> None:
+                key = f"child-{round_}"
+                first = sems.acquire(key, owner="c1")
+                second = sems.acquire(key, owner="c2")
+                assert first is not None and second is not None
+                assert sems.acquire(key, owner="c3") is None, "past the limit"
+                assert sems.release(first) is True
+                third = sems.acquire(key, owner="c3", wait=10)
+                assert third is not None and third.token > second.token
+                assert sems.release(second) and sems.release(third)
+                with el.campaign(key, value="child", wait=10) as term:
+                    leader = el.leader(key)
+                    assert leader is not None and leader.term == term.number
+                up.send(["done"])
+
+            pid, up, _ = fork(child)
+            try:
+                expect(up, "done")
+            finally:
+                code = reap(pid)
+            assert code == 0, f"round {round_}: the child exited with {code}"
+            time.sleep(0.02)
+        stop.set()
+        thread.join(10)
+        assert not errors, f"the parent's thread failed while it forked: {errors[0]!r}"
+        assert not thread.is_alive(), "the parent's thread hung"
+        # Nothing is left behind: the children released everything they took (memory:
+        # they took it in copies of their own).
+        assert sems.holders("busy") == []
+        for round_ in range(8):
+            assert sems.holders(f"child-{round_}") == []
+            assert el.leader(f"child-{round_}") is None
+    finally:
+        stop.set()
+        coord.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_fork_memory_child_sees_its_own_permits(
+    mode: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """Memory: the child's copy holds the parent's permit (so the child gets only the
+    one left of two), and what the child takes stays in its copy."""
+    harness = STORES["memory"](request, tmp_path)
+    coord: Any = harness.sync() if mode == "sync" else harness.aio()
+    sems = coord.semaphore(SEM)
+
+    def call(make: Callable[[], Any]) -> Any:
+        if mode == "sync":
+            return make()
+
+        async def run() -> Any:
+            return await make()
+
+        return asyncio.run(run())
+
+    permit = call(lambda: sems.acquire("S", owner="parent"))
+    assert permit is not None
+
+    def child(up: Pipe, down: Pipe) -> None:
+        owners = [h.owner for h in call(lambda: sems.holders("S"))]
+        assert owners == ["parent"], owners  # the parent's permit, copied
+        mine = call(lambda: sems.acquire("S", owner="child"))
+        assert mine is not None and mine.token > permit.token
+        assert call(lambda: sems.acquire("S", owner="third")) is None, "past the limit"
+        up.send(["done"])
+
+    pid, up, _ = fork(child)
+    try:
+        expect(up, "done")
+    finally:
+        code = reap(pid)
+    assert code == 0
+    # The child's permit lived in the child's copy only.
+    assert [h.owner for h in call(lambda: sems.holders("S"))] == ["parent"]
+    assert call(lambda: sems.renew(permit)) is True
+    assert call(lambda: sems.release(permit)) is True

@@ -9,7 +9,9 @@ calls, every store, sync and async.
   within the bound; it never hangs.
 
 Redis comes back empty (no persistence: records and locks are gone, so a complete or
-renew of what it held answers "stale"/False); PostgreSQL keeps its data.
+renew of what it held answers "stale"/False); PostgreSQL keeps its data. Permits held
+across a restart are kept or reported lost, never more than the limit, with tokens
+still increasing; a campaign waiting across it is elected or gives up in its bound.
 """
 
 from __future__ import annotations
@@ -17,16 +19,20 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
 
 from idemlock import (
     Claimed,
     Completed,
+    ElectionSpec,
     IdempotencySpec,
     Lease,
     LockLost,
+    LockNotAcquired,
     LockSpec,
+    SemaphoreSpec,
     StaleClaim,
     StoreUnavailable,
 )
@@ -34,6 +40,7 @@ from idemlock import (
 from .facade import Facade
 from .fault_stores import (
     BOUND,
+    HANG,
     Outcome,
     SharedFault,
     SharedRestart,
@@ -46,6 +53,10 @@ from .harness import Harness
 
 SPEC = IdempotencySpec("restart", lease=timedelta(seconds=30))
 LOCK = LockSpec("restart", ttl=timedelta(seconds=30))
+SEM = SemaphoreSpec("restart-sem", limit=2, ttl=timedelta(seconds=30))
+#: the leader's term a candidate waits for ends by itself this soon (seconds)
+ELECTION_TTL = 2.0
+ELECTION = ElectionSpec("restart-el", ttl=timedelta(seconds=ELECTION_TTL))
 
 
 async def test_calls_while_the_store_is_down_fail_within_the_bound(
@@ -172,3 +183,140 @@ async def _hold_across_a_restart(fault_api: Facade, restart_once: SharedRestart)
     if t_left:
         assert t_exit - t_left <= BOUND, f"leaving the block took {t_exit - t_left:.2f}s"
     assert lease.token is not None
+
+
+async def test_permits_held_across_a_restart(fault_harness: Harness) -> None:
+    """Permits of a limit-2 semaphore held while the store restarts: each holder's renew
+    either succeeds or reports the loss (``lost``) within the bound; afterwards no more
+    than ``limit`` permits are live (the kept ones and the new ones together), and the
+    new tokens are above every earlier one. Both faces at once, across one restart."""
+    await each_face_in_one_fault(fault_harness, "restart", _permits_held_across_a_restart)
+
+
+async def _permits_held_across_a_restart(fault_api: Facade, restart_once: SharedRestart) -> None:
+    sems = fault_api.semaphore(SEM)
+    held = [await sems.acquire("S", owner=f"before-{i}") for i in range(2)]
+    assert all(isinstance(p, Lease) for p in held)
+    highest = max(p.token for p in held)
+    await restart_once()
+    kept = []
+    for permit in held:
+        renewed = await eventually(fault_api, lambda permit=permit: sems.renew(permit))
+        assert renewed is True or (renewed is False and permit.lost), (renewed, permit)
+        if renewed:
+            kept.append(permit)
+    # Newcomers get only what the kept permits leave.
+    granted = []
+    for i in range(3):
+        permit = await eventually(fault_api, lambda i=i: sems.acquire("S", owner=f"after-{i}"))
+        if permit is not None:
+            granted.append(permit)
+    assert len(kept) + len(granted) == SEM.limit, (kept, granted)
+    holders = await sems.holders("S")
+    assert sorted(h.token for h in holders) == sorted(p.token for p in kept + granted), holders
+    for permit in granted:
+        assert permit.token > highest, (permit.token, highest)
+    assert len({p.token for p in granted}) == len(granted)
+    # The kept permits renew on; every permit is released once.
+    for permit in kept:
+        assert await sems.renew(permit) is True
+    for permit in kept + granted:
+        assert await sems.release(permit) is True
+    assert await sems.holders("S") == []
+    again = await sems.acquire("S", owner="last")
+    assert isinstance(again, Lease) and again.token > max(p.token for p in granted or held)
+    assert await sems.release(again) is True
+
+
+async def test_campaign_waiting_across_a_restart(fault_harness: Harness) -> None:
+    """A campaign waiting for a leader's term while the store restarts: it is elected
+    (in a later term) once the term ends, or gives up within its wait plus the bound
+    with LockNotAcquired or StoreUnavailable, never hangs; campaigning again then wins.
+    Both faces at once, across one restart."""
+    await each_face_in_one_fault(fault_harness, "restart", _campaign_waiting_across_a_restart)
+
+
+async def _campaign_waiting_across_a_restart(
+    fault_api: Facade, restart_once: SharedRestart
+) -> None:
+    el = fault_api.election(ELECTION)
+    # The old leader is not renewed: its term ends by itself, a ttl after.
+    old = await el.acquire("R", owner="old", value="old")
+    assert isinstance(old, Lease)
+    wait = ELECTION_TTL * 2 + BOUND * 2
+
+    async def campaign() -> tuple[Any, float]:
+        t0 = time.monotonic()
+        try:
+            async with el.campaign("R", value="new", wait=wait) as term:
+                leader = await el.leader("R")
+                assert leader is not None and leader.term == term.number, leader
+                return term.number, time.monotonic() - t0
+        except (LockNotAcquired, StoreUnavailable) as exc:
+            return exc, time.monotonic() - t0
+
+    candidate = asyncio.ensure_future(campaign())
+    await asyncio.sleep(0.3)  # the candidate is waiting now
+    await restart_once()
+    outcome, elapsed = await asyncio.wait_for(candidate, wait + HANG)
+    assert elapsed <= wait + BOUND, f"the campaign ended after {elapsed:.2f}s: {outcome!r}"
+    if not isinstance(outcome, int):
+        # It gave up within its bound: the store is back, so campaigning again wins.
+        number = await eventually(fault_api, campaign_number(el, wait))
+    else:
+        number = outcome
+    assert number > old.token, (number, old.token)
+    assert await eventually(fault_api, lambda: el.leader("R")) is None
+    assert await el.release(old) is False  # its term ended long ago
+
+
+def campaign_number(el: Any, wait: float, key: str = "R") -> Callable[[], Awaitable[int]]:
+    """A campaign on ``key`` for ``eventually``: the number of the term it won."""
+
+    async def run() -> int:
+        async with el.campaign(key, value="again", wait=wait) as term:
+            return int(term.number)
+
+    return run
+
+
+async def test_permit_hold_and_campaign_across_a_restart(fault_harness: Harness) -> None:
+    """A permit's ``hold()`` and an election's ``campaign()`` while the store restarts:
+    each block is left within the bound, with its permit or term kept or LockLost; then
+    the key's permits and terms are taken again, with higher tokens. Both faces at
+    once, across one restart."""
+    await each_face_in_one_fault(fault_harness, "restart", _hold_and_campaign_across_a_restart)
+
+
+async def _hold_and_campaign_across_a_restart(
+    fault_api: Facade, restart_once: SharedRestart
+) -> None:
+    sems = fault_api.semaphore(SemaphoreSpec("restart-sem-hold", limit=2, ttl=2))
+    el = fault_api.election(ElectionSpec("restart-el-hold", ttl=2))
+    outcome: Any = None
+    t_left = 0.0
+    permit: Any = None
+    term: Any = None
+    try:
+        async with sems.hold("h") as permit, el.campaign("h", value="v", wait=BOUND) as term:
+            await restart_once()
+            await asyncio.sleep(0.5)
+            t_left = time.monotonic()
+    except Exception as exc:
+        outcome = exc
+    t_exit = time.monotonic()
+    assert outcome is None or isinstance(outcome, LockLost | StoreUnavailable), outcome
+    if t_left:  # two blocks, each left within the bound
+        assert t_exit - t_left <= 2 * BOUND, f"leaving the blocks took {t_exit - t_left:.2f}s"
+    assert permit is not None and term is not None
+    # Taken again once the store is back: tokens above the held ones, within the limit.
+    after = [
+        await eventually(fault_api, lambda i=i: sems.acquire("h", owner=f"after-{i}", wait=5))
+        for i in range(2)
+    ]
+    assert all(isinstance(p, Lease) and p.token > permit.token for p in after), after
+    assert await sems.acquire("h", owner="third") is None, "past the limit"
+    for p in after:
+        assert await sems.release(p) is True
+    number = await eventually(fault_api, campaign_number(el, BOUND * 2, "h"))
+    assert number > term.number, (number, term.number)
