@@ -10,6 +10,7 @@ No timing asserts.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -224,13 +225,38 @@ def test_sqlite_chosen_waiter_that_left_loses_its_turn(tmp_path: Path) -> None:
     store.close()
 
 
-def _queue_and_exit(path: str) -> None:
-    # A waiter in another process: queued (it asked twice), then its process ends.
-    store = SQLiteStore(path)
+@pytest.mark.usefixtures("long_windows")
+def test_sqlite_chosen_waiter_that_stopped_asking_loses_its_window(tmp_path: Path) -> None:
+    """A window is not kept for a waiter whose registration lapsed (it stopped asking,
+    in a process that still runs) while the window is still open."""
+    store = _sqlite(tmp_path)
+    a = store.acquire(NS, KEY, "a", TTL)
+    assert isinstance(a, Acquired)
     sub = store.subscribe(CHANNEL)
-    queue(store, "dead")
+    queue(store, "quiet")
+    queue(store, "c")
+    assert store.release(NS, KEY, "a", a.token)
+    assert isinstance(store.acquire(NS, KEY, "c", TTL), Held)  # kept for "quiet"
+    import sqlite3
+
+    with sqlite3.connect(store.path) as raw:  # "quiet" stopped asking; its window is open
+        lapsed = raw.execute(
+            "UPDATE lock_waiters SET until_ms = 1 WHERE owner = 'quiet' AND window_ms > ?",
+            (int(time.time() * 1000),),
+        )
+        assert lapsed.rowcount == 1
+    assert isinstance(store.acquire(NS, KEY, "c", TTL), Acquired)
     sub.close()
     store.close()
+
+
+def _queue_and_exit(path: str) -> None:
+    # A waiter in another process: queued (it asked twice), then its process ends
+    # without leaving the queue (as a crash does; a waiter that leaves unqueues).
+    store = SQLiteStore(path)
+    store.subscribe(CHANNEL)
+    queue(store, "dead")
+    os._exit(0)
 
 
 @pytest.mark.usefixtures("long_windows")
@@ -259,12 +285,12 @@ def test_sqlite_purge_drops_lapsed_tickets(tmp_path: Path) -> None:
     assert isinstance(a, Acquired)
     sub = store.subscribe(CHANNEL)
     queue(store, "b")
-    sub.close()
     with sqlite3.connect(store.path) as raw:
         raw.execute("UPDATE lock_waiters SET until_ms = 1")
-    store.purge()
+    store.purge()  # "b" still subscribed: only the purge can have dropped its ticket
     with sqlite3.connect(store.path) as raw:
         assert raw.execute("SELECT count(*) FROM lock_waiters").fetchone() == (0,)
+    sub.close()
     store.close()
 
 
@@ -312,3 +338,115 @@ def test_threads_get_the_lock_in_the_order_they_queued(kind: str, tmp_path: Path
         th.join(30)
     coord.close()
     assert order == [0, 1, 2, 3]
+
+
+# ---- SQLite: waiters that keep giving up ---------------------------------------------
+
+
+def _churn(url: str, churning: Any, stop: Any, stopped: Any, got: Any, leave: Any) -> None:
+    # A caller that keeps trying with a short wait and a short pause, as a queue job
+    # with a small concurrency_wait does: each try queues a new owner, which gives up.
+    coord = idemlock.connect(url)
+    locks = coord.lock(idemlock.LockSpec("churn", ttl=60))
+    tries = 0
+    while not stop.is_set():
+        lease = locks.acquire(KEY, wait=0.05)
+        tries += 1
+        if tries == 3:
+            churning.put(os.getpid())  # it has waited (and given up) a few times
+        if lease is not None:
+            got.put(os.getpid())
+            locks.release(lease)
+        time.sleep(0.1)
+    stopped.put(os.getpid())
+    leave.wait(60)  # alive: its registrations cannot lapse as an exited process's
+    coord.close()
+
+
+def _waiters(path: Path) -> list[tuple[str, int]]:
+    import sqlite3
+
+    with sqlite3.connect(path) as raw:
+        return raw.execute("SELECT owner, window_ms FROM lock_waiters").fetchall()
+
+
+def test_sqlite_waiters_that_gave_up_keep_no_permit_from_others(tmp_path: Path) -> None:
+    """Processes that keep trying with a short wait get a freed lock, and once they
+    stop, none of their waiters stays queued: a waiter that gives up leaves the queue
+    at once, so no window is kept for it (it used to stay queued a poll plus 250 ms,
+    and a window kept for each such waiter in turn held the lock from everyone for
+    seconds, or for good while the churn went on)."""
+    path = tmp_path / "churn.db"
+    url = f"sqlite:///{path}"
+    coord = idemlock.connect(url)
+    locks = coord.lock(idemlock.LockSpec("churn", ttl=600))
+    ctx: Any = mp.get_context("spawn")
+    churning, got, stopped = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    stop, leave = ctx.Event(), ctx.Event()
+    lease = locks.acquire(KEY)
+    assert lease is not None
+    procs = [
+        ctx.Process(target=_churn, args=(url, churning, stop, stopped, got, leave))
+        for _ in range(2)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        assert {churning.get(timeout=60), churning.get(timeout=60)} == {p.pid for p in procs}
+        # The churn goes on while the lock is freed: some churner gets it (before the
+        # fix, windows kept for churners that had left held it for 6 s to for good).
+        assert locks.release(lease)
+        assert got.get(timeout=30) in {p.pid for p in procs}
+        lease = locks.acquire(KEY, wait=30)  # held again: the churners only give up now
+        assert lease is not None
+        stop.set()
+        assert {stopped.get(timeout=60), stopped.get(timeout=60)} == {p.pid for p in procs}
+        # Both still run, but no longer wait: none of their waiters is queued, so a
+        # freed lock is free for anyone at once.
+        assert _waiters(path) == []
+        assert locks.release(lease)
+        again = locks.acquire(KEY, wait=0)
+        assert again is not None
+        assert locks.release(again)
+    finally:
+        stop.set()
+        leave.set()
+        for proc in procs:
+            proc.join(60)
+        coord.close()
+    assert [p.exitcode for p in procs] == [0, 0]
+
+
+@pytest.mark.parametrize("face", ["sync", "async"])
+def test_sqlite_waiter_that_times_out_leaves_the_queue(face: str, tmp_path: Path) -> None:
+    """A waiter that gives up is unqueued when it leaves, on either face (the async
+    face's from a worker thread: never a blocking write on the event loop), while the
+    lock stays held and no other caller could drop its ticket."""
+    path = tmp_path / "left.db"
+    url = f"sqlite:///{path}"
+    coord = idemlock.connect(url)
+    locks = coord.lock(idemlock.LockSpec("left", ttl=600))
+    lease = locks.acquire(KEY)
+    assert lease is not None
+    waiter = "waiter-that-left"
+    if face == "sync":
+        assert locks.acquire(KEY, owner=waiter, wait=0.2) is None
+    else:
+        import asyncio
+
+        from idemlock import aio
+
+        async def give_up() -> None:
+            acoord = aio.connect(url)
+            alocks = acoord.lock(idemlock.LockSpec("left", ttl=600))
+            assert await alocks.acquire(KEY, owner=waiter, wait=0.2) is None
+            deadline = time.monotonic() + 60  # the unqueueing thread's write
+            while [o for o, _ in _waiters(path) if o.endswith(waiter)]:
+                assert time.monotonic() < deadline, "the waiter stayed queued"
+                await asyncio.sleep(0.01)
+            await acoord.close()
+
+        asyncio.run(give_up())
+    assert _waiters(path) == []
+    assert locks.release(lease)
+    coord.close()

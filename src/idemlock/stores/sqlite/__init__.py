@@ -33,8 +33,10 @@ How it works:
 * Locks are handed off in arrival order: a waiting caller is queued in the file (table
   ``lock_waiters``) with each refused attempt, and a free lock is reserved for the
   oldest waiter for a short window, so neither the releasing process nor a newcomer
-  barges in. A registration lapses soon after its waiter's last attempt, at once when
-  its process has exited or (in this process) stopped waiting on the key.
+  barges in. A process whose waiters on a key all left (got it, gave up, timed out,
+  were cancelled) unqueues them at once; a registration otherwise lapses soon after its
+  waiter's last attempt, at once when its process has exited. A window is never kept
+  for a waiter whose registration lapsed.
 * Connections are pooled (one per concurrent caller), so one store object can be
   used from many threads and from ``asyncio.to_thread``.
 * Give idemlock a file of its own: its tables have plain names (``meta`` with the

@@ -256,6 +256,12 @@ ON CONFLICT (ns, key, owner) DO UPDATE SET
     tries = lock_waiters.tries + 1, wake = excluded.wake
 """
 _WAITER_DROP = "DELETE FROM lock_waiters WHERE ns = ?1 AND key = ?2 AND owner = ?3"
+# A process stopped waiting on a lock without getting it (its last waiter there gave up,
+# timed out or was cancelled): the waiters it queued leave the queue at once, so that no
+# window is kept for them (a crashed process's registrations lapse instead).
+_WAITER_UNREGISTER = """
+DELETE FROM lock_waiters WHERE ns = ?1 AND key = ?2 AND owner = ?3 AND pid = ?4 AND host = ?5
+"""
 _WAITER_CHOOSE = "UPDATE lock_waiters SET window_ms = ?4 WHERE ns = ?1 AND key = ?2 AND owner = ?3"
 _WAITERS_UNCHOOSE = "UPDATE lock_waiters SET window_ms = 0 WHERE ns = ?1 AND key = ?2"
 _PURGE_WAITERS = "DELETE FROM lock_waiters WHERE until_ms <= ?1 AND window_ms <= ?1"

@@ -10,8 +10,10 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from time import time_ns
 from typing import Any, TypeVar
 
@@ -33,6 +35,7 @@ from ..._core.table import (
     apply_fence,
     apply_lock,
 )
+from ..._logfields import fields as log_fields
 from .._adapt import ThreadedAsyncStore
 from .._local import LocalHub, LocalSubscription
 from ._conn import COUNT, ROWS, Connections
@@ -63,6 +66,7 @@ from ._sql import (
     _WAITER_CHOOSE,
     _WAITER_DROP,
     _WAITER_REGISTER,
+    _WAITER_UNREGISTER,
     _WAITERS,
     _WAITERS_UNCHOOSE,
     DEFAULT_BUSY_TIMEOUT,
@@ -96,6 +100,9 @@ _QUEUED: dict[tuple[Any, ...], bool] = {}
 #: wake-ups (socket name, tag) reserved by transactions not yet rung (sent once they
 #: commit)
 _RINGS: list[tuple[str, bytes]] = []
+#: the owners this process queued per lock (file, ns, key), and the process that did:
+#: unregistered when its last waiter on the lock leaves (``_left``)
+_MINE: dict[tuple[str, str, str], tuple[int, set[str]]] = {}
 
 _Pair = tuple[sqlite3.Connection, sqlite3.Cursor]
 
@@ -303,7 +310,8 @@ class SQLiteStore(Connections):
     # The fair queue: a waiter (a caller whose process is subscribed to the key) is
     # queued with every refused attempt; a freed permit is reserved for the oldest
     # waiter that asked twice (a one-shot try never is): the window counts as one
-    # holder until that waiter takes it (or it passes).
+    # holder until that waiter takes it (or it passes, or the waiter stops asking). A
+    # process whose waiters on the key all left unqueues them at once (``_left``).
 
     def _register(
         self, cur: sqlite3.Cursor, ns: str, key: str, owner: str, now: int, wait_ms: int
@@ -316,7 +324,12 @@ class SQLiteStore(Connections):
         wake = _DOORBELL.listen()
         if wake:
             _DOORBELL.route(self._wake_key, self.path, ns, key)
-        cur.execute(_WAITER_REGISTER, (ns, key, owner, os.getpid(), _host(), until, wake))
+        pid = os.getpid()
+        mine = _MINE.get((self.path, ns, key))
+        if mine is None or mine[0] != pid:
+            mine = _MINE[(self.path, ns, key)] = (pid, set())
+        mine[1].add(owner)  # a rolled-back registration only costs a no-op delete
+        cur.execute(_WAITER_REGISTER, (ns, key, owner, pid, _host(), until, wake))
 
     def _acquire_queued(
         self,
@@ -348,6 +361,9 @@ class SQLiteStore(Connections):
         cur.execute(_PERMIT_PUT, (ns, key, owner, p.token, p.expires_ms, p.value))
         if row.id != "lock.reacquire":
             cur.execute(_WAITER_DROP, (ns, key, owner))  # its turn is over
+            mine = _MINE.get((self.path, ns, key))
+            if mine is not None:
+                mine[1].discard(owner)  # nothing left to unqueue when it leaves
             if len(_QUEUED) > 4096:
                 _QUEUED.clear()  # leases never released (expired): only their wake-up is lost
             _QUEUED[(self.path, ns, key, owner, p.token)] = True
@@ -360,7 +376,7 @@ class SQLiteStore(Connections):
         for owner, pid, host, until, tries, window, wake in cur.execute(
             _WAITERS, (ns, key)
         ).fetchall():
-            if window > now:
+            if window > now and until > now:
                 return owner, window
             if window > 0 or until <= now or self._gone(pid, host, ns, key):
                 # its window passed untaken, or it stopped asking: it lost its turn
@@ -535,7 +551,50 @@ class SQLiteStore(Connections):
     # ---- waiting and life cycle --------------------------------------------------
 
     def subscribe(self, channel: Channel) -> LocalSubscription:
-        return _HUB.subscribe((self.path, *channel))
+        sub = _HUB.subscribe((self.path, *channel))
+        if channel.kind == "lock":
+            sub._on_close = partial(self._left, sub._on_close, channel.ns, channel.key)
+        return sub
+
+    def _left(
+        self,
+        unsubscribe: Callable[[LocalSubscription], None],
+        ns: str,
+        key: str,
+        sub: LocalSubscription,
+    ) -> None:
+        """A waiter on the lock ``(ns, key)`` left (it got the lock, gave up, timed out
+        or was cancelled). Once this process has no waiter left there, the waiters it
+        queued leave the queue now, not when their registrations lapse: a freed permit
+        is never kept for a waiter that left (other processes cannot tell)."""
+        unsubscribe(sub)
+        if (self.path, "lock", ns, key) in _HUB._subs:
+            return  # another waiter of this process still waits there
+        mine = _MINE.pop((self.path, ns, key), None)
+        if mine is None or not mine[1] or mine[0] != os.getpid() or self._closed:
+            return
+        owners = sorted(mine[1])
+        if "asyncio" in sys.modules and sys.modules["asyncio"]._get_running_loop() is not None:
+            # closed on an event loop (the async face): the write must not block it
+            threading.Thread(
+                target=self._unregister,
+                args=(ns, key, owners),
+                name="idemlock-sqlite-unqueue",
+                daemon=True,
+            ).start()
+        else:
+            self._unregister(ns, key, owners)
+
+    def _unregister(self, ns: str, key: str, owners: list[str]) -> None:
+        try:
+            self._write(_unregister, ns, key, owners)
+        except Exception as exc:  # never fail a waiter's exit: the registrations lapse
+            log.debug(
+                "idemlock: SQLite: could not unqueue the waiters that left %s: %s",
+                self.path,
+                exc,
+                extra=log_fields(store="sqlite", operation="unregister", outcome="error"),
+            )
 
     def close(self) -> None:
         """Close every pooled connection; calls in progress close theirs when done.
@@ -568,6 +627,11 @@ def _release_and_choose(
         return False
     store._choose(cur, ns, key, now)  # lock.handoff: the oldest waiter's, woken
     return True
+
+
+def _unregister(cur: sqlite3.Cursor, ns: str, key: str, owners: list[str]) -> None:
+    pid, host = os.getpid(), _host()
+    cur.executemany(_WAITER_UNREGISTER, [(ns, key, owner, pid, host) for owner in owners])
 
 
 def _break_and_unchoose(cur: sqlite3.Cursor, ns: str, key: str, token: int | None) -> bool:
