@@ -26,10 +26,6 @@ from types import FrameType
 
 import pytest
 
-# Before any test module imports grpc: the etcd store turns gRPC's fork handlers off at
-# import (its docstring says why), and the many forks of this suite need that too.
-import idemlock.stores.etcd  # noqa: F401
-
 from . import _progress
 from .servers import _proc
 from .servers.etcd import (  # noqa: F401  (session fixtures)
@@ -46,6 +42,12 @@ from .servers.faults import (  # noqa: F401  (session fixtures)
 from .servers.pgbouncer import fault_pgbouncer_server, pgbouncer_server  # noqa: F401
 from .servers.postgres import postgres_dsn, postgres_server  # noqa: F401  (session fixtures)
 from .servers.redis import redis_cluster, redis_server  # noqa: F401  (session fixtures)
+
+# Before any test module imports grpc: the etcd store turns gRPC's fork handlers off at
+# import (its docstring says why), and the many forks of this suite need that too. An
+# install without the etcd extra has no gRPC to turn off.
+with contextlib.suppress(ImportError):
+    import idemlock.stores.etcd  # noqa: F401
 
 #: fixture scopes wider than a test but narrower than the session: a file using one
 #: runs on a single xdist worker, so its servers and apps start once per run
