@@ -344,6 +344,25 @@ def test_prometheus_gauges_drop_a_lost_lease_once() -> None:
     coord.close()
 
 
+def _otel_values(reader: Any) -> dict[tuple[str, str], int]:
+    """Every gauge point the OpenTelemetry reader holds, by (metric name, spec); each
+    point is labelled by spec and store only."""
+    data = reader.get_metrics_data()
+    out: dict[tuple[str, str], int] = {}
+    assert data is not None
+    for rm in data.resource_metrics:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                for point in metric.data.data_points:
+                    assert point.attributes is not None
+                    assert set(point.attributes) == {"idemlock.spec", "idemlock.store"}
+                    spec = str(point.attributes["idemlock.spec"])
+                    # up-down counters' points are NumberDataPoint: .value exists, but
+                    # the SDK types data_points as a union with histogram points
+                    out[(metric.name, spec)] = int(point.value)  # type: ignore[union-attr]
+    return out
+
+
 def test_otel_gauges_follow_claims_and_locks() -> None:
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -353,18 +372,7 @@ def test_otel_gauges_follow_claims_and_locks() -> None:
     coord = idemlock.connect("memory://", hooks=[OpenTelemetryHook(meter_provider=provider)])
 
     def values() -> dict[tuple[str, str], int]:
-        data = reader.get_metrics_data()
-        out: dict[tuple[str, str], int] = {}
-        assert data is not None
-        for rm in data.resource_metrics:
-            for sm in rm.scope_metrics:
-                for metric in sm.metrics:
-                    for point in metric.data.data_points:
-                        assert point.attributes is not None
-                        assert set(point.attributes) == {"idemlock.spec", "idemlock.store"}
-                        spec = str(point.attributes["idemlock.spec"])
-                        out[(metric.name, spec)] = int(point.value)  # type: ignore[union-attr]
-        return out
+        return _otel_values(reader)
 
     port = coord.idempotency("pay")
     claim = port.claim(SECRET_KEY, payload={"email": SECRET_PAYLOAD})
@@ -670,18 +678,7 @@ def test_otel_gauges_of_permits_and_terms() -> None:
     coord = idemlock.connect("memory://", hooks=[OpenTelemetryHook(meter_provider=provider)])
 
     def values() -> dict[tuple[str, str], int]:
-        data = reader.get_metrics_data()
-        out: dict[tuple[str, str], int] = {}
-        assert data is not None
-        for rm in data.resource_metrics:
-            for sm in rm.scope_metrics:
-                for metric in sm.metrics:
-                    for point in metric.data.data_points:
-                        assert point.attributes is not None
-                        assert set(point.attributes) == {"idemlock.spec", "idemlock.store"}
-                        spec = str(point.attributes["idemlock.spec"])
-                        out[(metric.name, spec)] = int(point.value)  # type: ignore[union-attr]
-        return out
+        return _otel_values(reader)
 
     sem = coord.semaphore(SemaphoreSpec("exports", limit=1, ttl=timedelta(seconds=10)))
     el = coord.election(ElectionSpec("scheduler", ttl=timedelta(seconds=10)))
