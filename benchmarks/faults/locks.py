@@ -41,6 +41,37 @@ def check_tokens(
             )
 
 
+def _read_history(
+    holds: list[tuple[Any, ...]],
+    log: list[tuple[Any, ...]],
+    bad: Callable[[str, str], None],
+    by_id: bool,
+) -> tuple[list[Hold], list[Write], Callable[[float], str], Counter[str]]:
+    """The holds and writes of a history (``by_id``: writes in their log ids' order), a
+    formatter of times from its start, and the writes' counts; reports
+    ``token_changed`` (a holder wrote with a token other than its hold's)."""
+    hs = [Hold._make(row) for row in holds]
+    ws = [Write._make(row) for row in log]
+    if by_id:
+        ws.sort(key=lambda w: w.id)
+    t_zero = min([h.before for h in hs] + [w.sent for w in ws] or [0.0])
+
+    def at(t: float) -> str:
+        return f"+{t - t_zero:.3f}s"
+
+    hold_of = {h.holder: h for h in hs}
+    counts: Counter[str] = Counter()
+    for w in ws:
+        counts["unknown" if w.accepted is None else "accepted" if w.accepted else "refused"] += 1
+        if w.left <= 0:
+            counts["after_deadline"] += 1  # sent unprotected: only the fence stood guard
+            counts["lost_flag_late"] += not w.lost  # remaining() was 0, lease.lost not yet
+        h = hold_of.get(w.holder)
+        if h is not None and h.token != w.token:
+            bad("token_changed", f"{w.res}: {w.holder} held token {h.token}, wrote with {w.token}")
+    return hs, ws, at, counts
+
+
 def check_lock_history(
     holds: list[tuple[Any, ...]], log: list[tuple[Any, ...]], exact: bool
 ) -> dict[str, Any]:
@@ -64,23 +95,7 @@ def check_lock_history(
     """
     found = Findings()
     bad = found.bad
-    hs = [Hold._make(row) for row in holds]
-    ws = [Write._make(row) for row in log]
-    t_zero = min([h.before for h in hs] + [w.sent for w in ws] or [0.0])
-
-    def at(t: float) -> str:
-        return f"+{t - t_zero:.3f}s"
-
-    hold_of = {h.holder: h for h in hs}
-    counts: Counter[str] = Counter()
-    for w in ws:
-        counts["unknown" if w.accepted is None else "accepted" if w.accepted else "refused"] += 1
-        if w.left <= 0:
-            counts["after_deadline"] += 1  # sent unprotected: only the fence stood guard
-            counts["lost_flag_late"] += not w.lost  # remaining() was 0, lease.lost not yet
-        h = hold_of.get(w.holder)
-        if h is not None and h.token != w.token:
-            bad("token_changed", f"{w.res}: {w.holder} held token {h.token}, wrote with {w.token}")
+    hs, ws, at, counts = _read_history(holds, log, bad, by_id=False)
 
     for res in sorted({h.res for h in hs} | {w.res for w in ws}):
         rh = [h for h in hs if h.res == res]
@@ -175,23 +190,7 @@ def check_permit_history(
     """
     found = Findings()
     bad = found.bad
-    hs = [Hold._make(row) for row in holds]
-    ws = sorted((Write._make(row) for row in log), key=lambda w: w.id)
-    t_zero = min([h.before for h in hs] + [w.sent for w in ws] or [0.0])
-
-    def at(t: float) -> str:
-        return f"+{t - t_zero:.3f}s"
-
-    hold_of = {h.holder: h for h in hs}
-    counts: Counter[str] = Counter()
-    for w in ws:
-        counts["unknown" if w.accepted is None else "accepted" if w.accepted else "refused"] += 1
-        if w.left <= 0:
-            counts["after_deadline"] += 1
-            counts["lost_flag_late"] += not w.lost
-        h = hold_of.get(w.holder)
-        if h is not None and h.token != w.token:
-            bad("token_changed", f"{w.res}: {w.holder} held token {h.token}, wrote with {w.token}")
+    hs, ws, at, counts = _read_history(holds, log, bad, by_id=True)
 
     most = 0  # the most holders ever interleaved on one resource
     for res in sorted({h.res for h in hs} | {w.res for w in ws}):
