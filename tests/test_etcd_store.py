@@ -488,7 +488,10 @@ def test_grpc_fork_handlers_are_off_unless_the_user_or_grpc_decided(
         env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == [str(shown), "7"], done.stdout
+    setting, *codes = done.stdout.split()
+    assert setting == str(shown), done.stdout
+    if given is None:  # the user's own choice is gRPC's to honour (grpcio 1.51's
+        assert codes == ["7"], done.stdout  # children then exit 64, not 7)
     skipped = "skipping fork() handlers" in done.stderr
     assert skipped == (order == "grpc-first"), done.stderr[-2000:]
 
