@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 
-from idemlock._core.wakeups import EVERYONE, Command, Wakeups
+from idemlock._core.wakeups import EVERYONE, OBSERVERS, Command, Wakeups
 
 
 def machine(**kw: object) -> Wakeups[bytes, str]:
@@ -91,6 +91,24 @@ def test_a_newer_notification_postpones_or_replaces_a_deferred_wake() -> None:
     assert w.tick(0.5).wakes == [] and w.tick(0.5).deadline == 0.9
     assert w.on_message(b"c", gid, 0.6) == ["a"]  # then to us: woken now, not again
     assert w.tick(1.0).wakes == []
+
+
+def test_observers_wake_on_every_change_and_waiters_sleep_through_a_value() -> None:
+    w = connected(defer=0.5)
+    assert w.subscribe(b"c", "waiter") != []
+    assert w.subscribe(b"c", "observer", observer=True) == []  # shares the SUBSCRIBE
+    gid = w.waiting(b"c").gid  # type: ignore[union-attr]
+    assert w.on_message(b"c", OBSERVERS, 0.0) == ["observer"]  # a value published
+    assert w.tick(1.0).wakes == []  # and the waiter is never woken for it
+    assert sorted(w.on_message(b"c", EVERYONE, 1.0)) == ["observer", "waiter"]
+    assert w.on_message(b"c", b"another process", 2.0) == ["observer"]  # sees it now
+    assert sorted(w.tick(2.5).wakes) == ["observer", "waiter"]
+    assert sorted(w.on_message(b"c", gid, 3.0)) == ["observer", "waiter"]
+    w.unsubscribe(b"c", "observer", 3.0)
+    assert w.on_message(b"c", OBSERVERS, 3.1) == []
+    w.unsubscribe(b"c", "waiter", 3.2)
+    assert w.subscribe(b"c", "again", observer=True) == []  # the channel lingered
+    assert w.on_message(b"c", OBSERVERS, 3.3) == ["again"]
 
 
 def test_every_process_has_its_own_waiter_id() -> None:

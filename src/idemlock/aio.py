@@ -655,8 +655,8 @@ class AsyncElectionPort(AsyncLockPort):
         skey = validate_key(key)
         clock = self._coord.clock
         end = clock.monotonic() + duration(timeout, "timeout")
-        every = min(1.0, max(0.05, self._ttl_ms / 4000))
-        sub = await self._store.subscribe(Channel("lock", self._ns, skey))
+        every = self._observe_every()
+        sub = await self._store.subscribe(Channel("leader", self._ns, skey))
         try:
             last: tuple[int, str | None] | None = (0, None)
             while True:

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+import idemlock._base.lock as lock_module
 from idemlock import (
     ConfigurationError,
     ElectionSpec,
@@ -95,45 +96,68 @@ async def test_a_second_candidate_is_elected_when_the_leader_steps_down(api: Fac
     assert elected.is_set() and numbers[0] > first.number
 
 
-async def test_observe_sees_each_change_in_term_order(api: Facade) -> None:
-    el = api.election(SPEC)
-    seen: list[Leader | None] = []
-    done = threading.Event()
-
+def _watch(api: Facade, el: Any, seen: list[Leader | None], n: int) -> Any:
+    """Observe key "k" in the background (a thread on the sync face) until ``n``
+    states were seen."""
     if api.mode == "async":
 
         async def watch() -> None:
             async for leader in el.raw.observe("k", timeout=30):
                 seen.append(leader)
-                if len(seen) == 4:
+                if len(seen) == n:
                     break
-            done.set()
 
-        watcher: Any = asyncio.ensure_future(watch())
-    else:
+        return asyncio.ensure_future(watch())
 
-        def watch_sync() -> None:
-            for leader in el.raw.observe("k", timeout=30):
-                seen.append(leader)
-                if len(seen) == 4:
-                    break
-            done.set()
+    def watch_sync() -> None:
+        for leader in el.raw.observe("k", timeout=30):
+            seen.append(leader)
+            if len(seen) == n:
+                break
 
-        watcher = asyncio.ensure_future(asyncio.to_thread(watch_sync))
+    return asyncio.ensure_future(asyncio.to_thread(watch_sync))
+
+
+async def _one_term_observed(api: Facade, el: Any, rival: Any) -> None:
+    """``rival`` leads one term, publishes a second value, and steps down; an observer
+    on ``el`` sees none, the term, the new value, none: in that order, once each."""
+    seen: list[Leader | None] = []
+    watcher = _watch(api, el, seen, 4)
 
     async def count(n: int) -> bool:
         return len(seen) >= n
 
     await _until(api, lambda: count(1), "observe did not start with the current state")
-    async with el.campaign("k", value="a") as term:
+    async with rival.campaign("k", value="a") as term:
         await _until(api, lambda: count(2), "observe missed the new leader")
         await _call(term.proclaim("a2"))
         await _until(api, lambda: count(3), "observe missed the new value")
+    await _until(api, lambda: count(4), "observe missed the end of the term")
     await asyncio.wait_for(watcher, 30)
-    assert done.is_set()
     assert seen[0] is None and seen[3] is None
     assert seen[1] is not None and (seen[1].value, seen[1].term) == ("a", term.number)
     assert seen[2] is not None and (seen[2].value, seen[2].term) == ("a2", term.number)
+
+
+async def test_observe_sees_each_change_in_term_order(api: Facade) -> None:
+    el = api.election(SPEC)
+    await _one_term_observed(api, el, el)
+
+
+async def test_observers_are_woken_by_a_new_term_and_a_new_value(
+    api: Facade, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Woken, not re-reading: with re-reads an hour apart, an observer still sees
+    each change another client makes (so a term shorter than the re-read period is
+    not missed). Where a store cannot wake other processes, its poll cap bounds the
+    re-read instead."""
+    monkeypatch.setattr(lock_module, "OBSERVE_REREAD", 3600.0)
+    spec = ElectionSpec("scheduler", ttl=600)
+    other = api.other()
+    try:
+        await _one_term_observed(api, api.election(spec), other.election(spec))
+    finally:
+        await other.close()
 
 
 async def test_observe_stops_at_its_timeout(api: Facade) -> None:

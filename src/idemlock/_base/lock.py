@@ -34,6 +34,10 @@ from .events import Events, Waits, log, report_loss
 if TYPE_CHECKING:
     from .coordinator import CoordinatorBase
 
+#: an election's observer re-reads the leader at least this often (seconds), notified
+#: or not: a notification only brings the read forward
+OBSERVE_REREAD = 1.0
+
 
 class LockBase:
     """What a lock port holds for one lock spec, and the steps its calls share."""
@@ -155,6 +159,14 @@ class LockBase:
                 f"{len(data)}; publish a pointer (a URL, an id) instead"
             )
         return data
+
+    def _observe_every(self) -> float:
+        """How long an observer waits for a notification before it re-reads: a
+        quarter of the ttl (a lapsed term is seen soon), at most ``OBSERVE_REREAD``,
+        and at most the store's poll cap where it cannot wake other processes."""
+        every = min(OBSERVE_REREAD, max(0.05, self._ttl_ms / 4000))
+        cap = self._coord.poll_cap
+        return every if cap is None else min(every, cap)
 
     @staticmethod
     def _leader(row: LockRow | None) -> Leader | None:

@@ -151,9 +151,12 @@ class LockRow:
 
 
 class Channel(NamedTuple):
-    """What a waiter waits on: the freeing of one claim key or one lock key."""
+    """What a waiter waits on: the freeing of one claim key or one lock key; or, for
+    an election's observer (``"leader"``), every change of one lock key: whatever
+    wakes its waiters, and also a grant or renew that publishes a value (a term
+    began or its value changed), which the key's waiters are not woken for."""
 
-    kind: Literal["claim", "lock"]
+    kind: Literal["claim", "lock", "leader"]
     ns: str
     key: str
 

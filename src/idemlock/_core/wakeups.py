@@ -14,6 +14,9 @@ here, apart from sockets, threads, tasks and clocks (``now`` is always passed in
   lock to (its waiter id, ``gid``). The other processes' waiters are woken only
   ``defer`` seconds later, and only if no newer notification came (the chosen one
   may have died).
+- **Observers.** An election's observer subscribes to the key's lock channel as an
+  *observer*: woken by every notification there, and alone woken by ``OBSERVERS``
+  (a value published), which waiters, who wait for a free permit, sleep through.
 - **Linger.** A channel stays subscribed ``linger`` seconds after its last waiter
   left, so waiting on the same key again costs no round trip; at most
   ``max_lingering`` channels linger (the oldest are given up first).
@@ -38,6 +41,9 @@ S = TypeVar("S", bound=Hashable)  # a subscriber: the driver's mailbox object
 
 #: the payload of a notification meant for every process
 EVERYONE = b"*"
+#: the payload of a notification meant for observers only: a grant or renew published
+#: a value (an election's term began or its value changed); waiters stay asleep
+OBSERVERS = b"!"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,11 +67,13 @@ class Tick(Generic[K, S]):
 class Group(Generic[K, S]):
     """This process's subscription to one channel."""
 
-    __slots__ = ("channel", "confirmed", "gid", "registered", "subs")
+    __slots__ = ("channel", "confirmed", "gid", "observers", "registered", "subs")
 
     def __init__(self, channel: K, gid: bytes) -> None:
         self.channel = channel
         self.subs: set[S] = set()
+        #: the subscribers among ``subs`` that observe rather than wait
+        self.observers: set[S] = set()
         #: the server confirmed the subscription on the current connection
         self.confirmed = False
         #: this process's waiter id for the channel's key, and whether the store has
@@ -126,18 +134,25 @@ class Wakeups(Generic[K, S]):
 
     # ---- waiters come and go -----------------------------------------------------------
 
-    def subscribe(self, channel: K, sub: S) -> list[Command[K]]:
-        """Add a waiter; a SUBSCRIBE to send if the channel is new and connected."""
+    def subscribe(self, channel: K, sub: S, observer: bool = False) -> list[Command[K]]:
+        """Add a waiter (or an ``observer``); a SUBSCRIBE to send if the channel is new
+        and connected."""
         g = self._groups.get(channel)
         self._idle.pop(channel, None)
         if g is not None:
-            g.subs.add(sub)
+            self._add(g, sub, observer)
             return []
         g = self._groups[channel] = Group(channel, self._new_gid() if self._new_gid else b"")
-        g.subs.add(sub)
+        self._add(g, sub, observer)
         if not self.connected:
             return []  # the next connection subscribes every group
         return [self._subscribe_cmd([g])]
+
+    @staticmethod
+    def _add(g: Group[K, S], sub: S, observer: bool) -> None:
+        g.subs.add(sub)
+        if observer:
+            g.observers.add(sub)
 
     def discard(self, channel: K, sub: S) -> None:
         """Undo a ``subscribe`` whose connection could not be opened: no linger."""
@@ -145,6 +160,7 @@ class Wakeups(Generic[K, S]):
         if g is None:
             return
         g.subs.discard(sub)
+        g.observers.discard(sub)
         if not g.subs:
             del self._groups[channel]
             self._pending.pop(channel, None)
@@ -158,6 +174,7 @@ class Wakeups(Generic[K, S]):
         if g is None or sub not in g.subs:
             return None
         g.subs.discard(sub)
+        g.observers.discard(sub)
         if g.subs:
             return None
         self._deferred.pop(channel, None)
@@ -168,17 +185,20 @@ class Wakeups(Generic[K, S]):
     # ---- what the connection brings ------------------------------------------------------
 
     def on_message(self, channel: K, payload: bytes | None, now: float) -> list[S]:
-        """A notification: the waiters to wake now. ``payload`` is the waiter id the
-        lock was handed to, ``EVERYONE``, or None (no filter, as on PostgreSQL)."""
+        """A notification: the subscribers to wake now. ``payload`` is the waiter id
+        the lock was handed to, ``EVERYONE``, ``OBSERVERS`` or None (no filter)."""
         g = self._groups.get(channel)
         if g is None or not g.subs:
             return []
+        if payload == OBSERVERS:
+            return list(g.observers)
         if payload is None or payload == EVERYONE or payload == g.gid:
             self._deferred.pop(channel, None)
             return list(g.subs)
-        # Handed to another process: wake ours only if that one does not take it.
+        # Handed to another process: wake our waiters only if that one does not take
+        # it; observers see the change now.
         self._deferred[channel] = now + self.defer
-        return []
+        return list(g.observers)
 
     def on_confirm(self, kind: Literal["subscribe", "unsubscribe"], channel: K) -> bool:
         """A subscribe/unsubscribe confirmation; True if it confirmed a subscription."""

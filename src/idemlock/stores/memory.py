@@ -264,11 +264,11 @@ class MemoryStore:
                     q.waiters.pop(args["owner"], None)
                     if not q.waiters and q.chosen is None:
                         del self._queues[k]
-            if row.id in _FREES_LOCK or (
-                args.get("value") is not None and row.reply in (T.ACQUIRED, T.OK)
-            ):
-                # a freed permit wakes waiters; a published value wakes observers
-                self._hub.notify(("lock", ns, key))
+            freed = row.id in _FREES_LOCK
+            if freed:
+                self._hub.notify(("lock", ns, key))  # a freed permit wakes waiters
+            if freed or (args.get("value") is not None and row.reply in (T.ACQUIRED, T.OK)):
+                self._hub.notify(("leader", ns, key))  # observers see every change
             return reply
 
     # The hand-off queue; every method runs with the store's lock held.

@@ -254,13 +254,13 @@ class GatewayWatcher:
     def __init__(self, client: GatewayClient) -> None:
         self.client = client
         self._lock = threading.Lock()
-        self._watches: dict[tuple[bytes, bytes], _Watch] = {}
+        self._watches: dict[tuple[bytes, bytes, bool], _Watch] = {}
 
     def subscribe(self, key: bytes, end: bytes, no_put: bool) -> LocalSubscription:
         with self._lock:
-            w = self._watches.get((key, end))
+            w = self._watches.get((key, end, no_put))
             if w is None or w.closed:
-                w = self._watches[(key, end)] = _Watch(self.client, key, end, no_put)
+                w = self._watches[(key, end, no_put)] = _Watch(self.client, key, end, no_put)
             with w.lock:
                 sub = LocalSubscription(w.lock, w.remove)
                 w.subs.add(sub)

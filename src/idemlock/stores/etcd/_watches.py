@@ -64,7 +64,9 @@ class Book(Generic[G]):
     def __init__(self, root: bytes, new_group: Callable[[int, bytes, bytes, Channel], G]) -> None:
         self.root = root
         self._new = new_group
-        self.groups: dict[tuple[bytes, bytes], G] = {}
+        #: by (key, range_end, channel kind): a lock's waiters and its observers (who
+        #: also want the puts) watch the same range apart
+        self.groups: dict[tuple[bytes, bytes, str], G] = {}
         self.by_id: dict[int, G] = {}
         self._ids = itertools.count(1)
 
@@ -75,38 +77,39 @@ class Book(Generic[G]):
     def group(self, key: bytes, end: bytes, channel: Channel) -> tuple[G, bool]:
         """The group of a range (the caller adds its waiter to ``subs``); True if the
         group is new (its create is to be sent)."""
-        g = self.groups.get((key, end))
+        g = self.groups.get((key, end, channel.kind))
         if g is not None:
             return g, False
         g = self._new(next(self._ids), key, end, channel)
-        self.groups[(key, end)] = g
+        self.groups[(key, end, channel.kind)] = g
         self.by_id[g.id] = g
         return g, True
 
     def waiting(self, key: bytes) -> Waiter | None:
         """This process's place in the queue of the lock named ``key``, if a caller of
         this store waits for it."""
-        g = self.groups.get((key, K.lock_end(key)))
+        g = self.groups.get((key, K.lock_end(key), "lock"))
         return g.waiter if g is not None and g.subs else None
 
     def leave(self, g: G, sub: Any, background: Callable[[Rpc], None]) -> bool:
         """Remove a waiter; True if it was its group's last (the watch is to be
         cancelled). The lock queue's place of a group given up is given up too."""
         g.subs.discard(sub)
-        if g.subs or self.groups.get((g.key, g.end)) is not g:
+        if g.subs or self.groups.get((g.key, g.end, g.channel.kind)) is not g:
             return False
         if g.waiter is not None and g.waiter.rev:
             background(leave_rpc(self.root, g.channel, g.waiter))
-        del self.groups[(g.key, g.end)]
+        del self.groups[(g.key, g.end, g.channel.kind)]
         self.by_id.pop(g.id, None)
         return True
 
 
 def watch_range(root: bytes, channel: Channel) -> tuple[bytes, bytes]:
     """(key, range_end) watched for a channel: a lock key's permit is freed by the
-    deletion of its etcd key (the range holds every permit of the lock key); a claim
-    by a change of its record or the end of its lease marker."""
-    if channel.kind == "lock":
+    deletion of its etcd key (the range holds every permit of the lock key), and its
+    grants and published values are puts there (an observer's ``"leader"`` channel);
+    a claim is freed by a change of its record or the end of its lease marker."""
+    if channel.kind != "claim":
         name = K.lock_name(root, channel.ns, channel.key)
         return name, K.lock_end(name)
     base = K.claim_names(root, channel.ns, channel.key).base

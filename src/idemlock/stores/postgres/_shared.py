@@ -503,7 +503,8 @@ class _Base(Generic[P]):
             self._pid = os.getpid()
 
     def _chan(self, kind: str, ns: str, key: str) -> str:
-        return self.statements.channel(kind, ns, key)
+        # an election's observer listens where the lock's waiters do
+        return self.statements.channel("lock" if kind == "leader" else kind, ns, key)
 
     def _acquire_params(
         self, ns: str, key: str, owner: str, ttl_ms: int, limit: int, value: bytes | None

@@ -92,6 +92,19 @@ def _rung(path: str, ns: str, key: str) -> None:
     _HUB.notify((path, "lock", ns, key))
 
 
+def _freed(path: str, ns: str, key: str) -> None:
+    """A permit of (ns, key) was freed: wake this process's waiters and observers."""
+    _HUB.notify((path, "lock", ns, key))
+    _HUB.notify((path, "leader", ns, key))
+
+
+def _published(path: str, ns: str, key: str, value: bytes | None) -> None:
+    """A grant or renew published ``value``: wake this process's observers (the
+    others re-read at the poll cap)."""
+    if value is not None and _HUB._subs:
+        _HUB.notify((path, "leader", ns, key))
+
+
 #: wakes this process's waiters when another process reserves a lock for one of them
 _DOORBELL = Doorbell(_rung)
 #: leases that came through the queue, by (file, ns, key, owner, token): their release
@@ -417,17 +430,23 @@ class SQLiteStore(Connections):
         if _HUB._subs and (self.path, "lock", ns, key) in _HUB._subs:
             # Someone here waits for the key: contended, so the one statement would
             # mostly be refused; decide in one transaction at once.
-            return self._rung_after(
+            reply = self._rung_after(
                 self._write(self._acquire, ns, key, owner, ttl_ms, limit, value)
             )
-        now = time_ns() // 1_000_000  # _now_ms(), inlined on the hot path
-        expires = now + ttl_ms
-        rows = self._run(ROWS, _ACQUIRE_UNQUEUED, (ns, key, owner, expires, now, limit, value))
-        if rows:  # lock.acquire / lock.reacquire, in one statement
-            return Acquired(rows[0][0], expires, ttl_ms)
-        # No room, or waiters queued, and nothing changed: try again and decide in one
-        # transaction.
-        return self._rung_after(self._write(self._acquire, ns, key, owner, ttl_ms, limit, value))
+        else:
+            now = time_ns() // 1_000_000  # _now_ms(), inlined on the hot path
+            expires = now + ttl_ms
+            rows = self._run(ROWS, _ACQUIRE_UNQUEUED, (ns, key, owner, expires, now, limit, value))
+            if rows:  # lock.acquire / lock.reacquire, in one statement
+                reply = Acquired(rows[0][0], expires, ttl_ms)
+            else:  # no room, or waiters queued, and nothing changed: try again and
+                # decide in one transaction
+                reply = self._rung_after(
+                    self._write(self._acquire, ns, key, owner, ttl_ms, limit, value)
+                )
+        if value is not None and type(reply) is Acquired:
+            _published(self.path, ns, key, value)
+        return reply
 
     def _rung_after(self, reply: R) -> R:
         """Send the wake-ups the transaction that answered ``reply`` reserved (it has
@@ -445,7 +464,7 @@ class SQLiteStore(Connections):
             # Others queued with this lease's holder: reserve it for the oldest now.
             if self._rung_after(self._write(_release_and_choose, self, ns, key, owner, token)):
                 if _HUB._subs:
-                    _HUB.notify((self.path, "lock", ns, key))
+                    _freed(self.path, ns, key)
                 return True
             return False
         now = time_ns() // 1_000_000
@@ -453,7 +472,7 @@ class SQLiteStore(Connections):
             self._run(COUNT, _RELEASE_OLD, (ns, key, owner, token, now)) == 1
         ):
             if _HUB._subs:  # as in complete()
-                _HUB.notify((self.path, "lock", ns, key))
+                _freed(self.path, ns, key)
             return True
         return False
 
@@ -461,7 +480,7 @@ class SQLiteStore(Connections):
         """Free every holder, or the permit with ``token`` (``lock.break``); True if
         something held was freed."""
         if self._write(_break_and_unchoose, ns, key, token):
-            _HUB.notify((self.path, "lock", ns, key))
+            _freed(self.path, ns, key)
             return True
         return False
 
@@ -471,6 +490,7 @@ class SQLiteStore(Connections):
         now = _now_ms()
         expires = now + ttl_ms
         if self._run(COUNT, _RENEW, (expires, ns, key, owner, token, now, value)) == 1:
+            _published(self.path, ns, key, value)
             return expires
         if self._run(COUNT, _RENEW_OLD, (expires, ns, key, owner, token, now)) == 1:
             return expires  # a lock taken before permits
