@@ -489,6 +489,50 @@ async def test_async_subscription_keeps_an_early_notification(redis_server: Redi
         await astore.aclose()
 
 
+def _url(where: str, request: pytest.FixtureRequest) -> str:
+    fixture = "redis_server" if where == "standalone" else "redis_cluster"
+    return str(request.getfixturevalue(fixture).url)
+
+
+@pytest.mark.parametrize("where", ["standalone", "cluster"])
+def test_a_published_value_wakes_observers_and_not_waiters(
+    where: str, request: pytest.FixtureRequest
+) -> None:
+    # Two stores: two listeners, as two processes would have. The second one's
+    # waiter and observer share one channel (one SUBSCRIBE).
+    url = _url(where, request)
+    first, second = open_sync(url)[0], open_sync(url)[0]
+    ns = _ns()
+    assert second.holders(ns, "k") == []  # a Cluster client learns the slots
+    waiter = second.subscribe(Channel("lock", ns, "k"))
+    observer = second.subscribe(Channel("leader", ns, "k"))
+    try:
+        got = first.acquire(ns, "k", "a", LONG, value=b"v1")  # a term begins
+        assert isinstance(got, Acquired)
+        assert observer.wait(10) is True
+        assert waiter.wait(0.5) is False
+        assert first.renew(ns, "k", "a", got.token, LONG, value=b"v2") is not None
+        assert observer.wait(10) is True
+        assert waiter.wait(0.5) is False
+        again = first.acquire(ns, "k", "a", LONG, value=b"v3")  # re-acquired, new value
+        assert isinstance(again, Acquired) and again.token == got.token
+        assert observer.wait(10) is True
+        assert waiter.wait(0.5) is False
+        # Without a value nothing is published: a renewal, a plain lock's grant.
+        assert first.renew(ns, "k", "a", got.token, LONG) is not None
+        assert isinstance(first.acquire(ns, "plain", "a", LONG), Acquired)
+        assert observer.wait(0.5) is False
+        assert first.release(ns, "k", "a", got.token)  # a freed permit wakes both
+        assert waiter.wait(10) is True
+        assert observer.wait(10) is True
+        assert [r.value for r in first.holders(ns, "k")] == []
+    finally:
+        waiter.close()
+        observer.close()
+        first.close()
+        second.close()
+
+
 # ---- foreign and corrupt data ---------------------------------------------------------
 
 

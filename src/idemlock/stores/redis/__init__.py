@@ -76,6 +76,11 @@ process may have died, which costs the others that window once). A registration
 ends when its process gets the lock or stops waiting, or 1.5 s after its last
 attempt. A channel stays subscribed 2 s after its last local waiter left, so a
 process that keeps coming back to the same key pays no SUBSCRIBE each time.
+An election's observers listen on the lock's channel too, woken by all of the
+above; and an acquire that grants, or a renew that succeeds, with a value (a term
+began, ``term.proclaim()``) PUBLISHes ``!`` there from the same script, which wakes
+the observers alone: waiters sleep through it, as no permit was freed. A call
+without a value (plain locks, semaphores, the renewer) publishes nothing.
 
 **Memory.** A claim record is one packed string (binary token and fingerprint, 7-byte
 fence, 6-byte expiry; a completed record with a 100-byte result takes about 220 bytes

@@ -128,7 +128,8 @@ def check_acks(d: Durability, replies: list[Any], what: str) -> None:
 #
 # Record:  il{TAG}c:<ns escaped>|<key>      TAG = b64(blake2b(len(ns):ns key))[:12]
 # Lock:    il{TAG}l:<ns escaped>|<key>
-# Channel: il{TAG}C / il{TAG}L              (claim / lock notifications)
+# Channel: il{TAG}C / il{TAG}L              (claim / lock notifications; the lock
+#                                           scripts derive il{TAG}L from the lock)
 # Waiters: il{TAG}w                          (processes waiting for the lock)
 # Gate:    il{<slot tag of resource>}f:<ns escaped>|<resource>
 #
@@ -188,6 +189,9 @@ def waiters_of(lock_channel: bytes) -> bytes:
 
 
 def channel_name(kind: str, ns: str, key: str) -> bytes:
+    """The channel of a claim key, or of a lock key (its waiters' ``"lock"`` and its
+    observers' ``"leader"``: one channel, where a published value's ``!`` wakes the
+    observers alone)."""
     n = names(ns, key)
     return n.claim_channel if kind == "claim" else n.lock_channel
 

@@ -100,12 +100,14 @@ class SyncListener:
         """This process's waiters on ``channel``, if a caller waits on it."""
         return self._core.waiting(channel)
 
-    def subscribe(self, channel: bytes) -> LocalSubscription:
+    def subscribe(self, channel: bytes, observer: bool = False) -> LocalSubscription:
+        """A waiter on ``channel``, or an ``observer`` (also woken by a published
+        value, payload ``OBSERVERS``, which waiters sleep through)."""
         with self._lock:
             if self._closed:
                 raise StoreUnavailable("the Redis store is closed")
             sub = LocalSubscription(self._lock, partial(self._remove, channel))
-            commands = self._core.subscribe(channel, sub)
+            commands = self._core.subscribe(channel, sub, observer)
             if self._thread is None:  # the first waiter: connect, then start the reader
                 try:
                     self._conn = self._connect()
@@ -272,10 +274,10 @@ class SyncNodeListeners(_NodeListeners[SyncListener]):
         super().__init__(route, make)
         self._lock = threading.Lock()
 
-    def subscribe(self, channel: bytes) -> LocalSubscription:
+    def subscribe(self, channel: bytes, observer: bool = False) -> LocalSubscription:
         with self._lock:
             listener = self._listener_for(channel)
-        return listener.subscribe(channel)
+        return listener.subscribe(channel, observer)
 
     def close(self) -> None:
         with self._lock:
@@ -344,11 +346,11 @@ class AsyncListener:
     def waiting(self, channel: bytes) -> Group[bytes, AsyncSubscription] | None:
         return self._core.waiting(channel)
 
-    async def subscribe(self, channel: bytes) -> AsyncSubscription:
+    async def subscribe(self, channel: bytes, observer: bool = False) -> AsyncSubscription:
         if self._closed:
             raise StoreUnavailable("the Redis store is closed")
         sub = AsyncSubscription(self, channel)
-        self._outbox.extend(self._core.subscribe(channel, sub))
+        self._outbox.extend(self._core.subscribe(channel, sub, observer))
         if self._task is None or self._task.done():
             try:
                 await self._start()
@@ -538,8 +540,8 @@ class AsyncNodeListeners(_NodeListeners[AsyncListener]):
     """:class:`SyncNodeListeners` for one event loop: an :class:`AsyncListener` per
     Cluster node, each channel subscribed on the node of its slot."""
 
-    async def subscribe(self, channel: bytes) -> AsyncSubscription:
-        return await self._listener_for(channel).subscribe(channel)
+    async def subscribe(self, channel: bytes, observer: bool = False) -> AsyncSubscription:
+        return await self._listener_for(channel).subscribe(channel, observer)
 
     async def aclose(self) -> None:
         self._closed = True

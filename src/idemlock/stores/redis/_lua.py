@@ -186,6 +186,16 @@ local function expire_at(k, l, keep)
 end
 """
 
+# A grant or renew that publishes a value wakes the key's election observers, and them
+# alone (payload '!': the key's waiters sleep through it, as no permit was freed), on
+# the lock channel il{TAG}L that releases publish on: the lock's name up to its hash
+# tag, then 'L'. Derived here, so a call without a value carries nothing more.
+_OBSERVED = """
+local function observed()
+  redis.call('PUBLISH', string.match(KEYS[1], '^[^}]*}') .. 'L', '!')
+end
+"""
+
 # The start of most lock scripts: the record KEYS[1] read as `l`, a corrupt one refused.
 _WITH_LOCK = (
     _PRELUDE
@@ -354,9 +364,11 @@ end
 # is the limit=1 case of the same rows).
 # KEYS[1] record, KEYS[2] waiters.
 # ARGV: owner, ttl_ms, keep_ms, gid, register_ms, limit, value ('' none, '=' .. value)
+# A grant with a value publishes '!' (observers only).
 ACQUIRE = (
     _PRELUDE
     + _READ_LOCK
+    + _OBSERVED
     + _REGISTER
     + """
 local l, why = read_lock(KEYS[1])
@@ -374,6 +386,7 @@ if mine then  -- lock.reacquire: a re-sent acquire
   put(KEYS[1], l, ARGV[1], mine)
   prune(KEYS[1], l)
   expire_at(KEYS[1], l, keep)
+  if val then observed() end
   return {ACQUIRED, mine.t, x, ttl, 0}  -- 0: the owner held it already
 end
 local limit = tonumber(ARGV[6])
@@ -415,6 +428,7 @@ end
 if ARGV[4] ~= '' then redis.call('HDEL', KEYS[2], ARGV[4]) end
 l.live[ARGV[1]] = {x = x}
 expire_at(KEYS[1], l, keep)
+if val then observed() end
 return {ACQUIRED, t, x, ttl, 1}  -- 1: taken by this call
 """
 )
@@ -507,19 +521,23 @@ return OK
 
 # Rows lock.renew, lock.renew.stale. KEYS[1] record.
 # ARGV: owner, token, ttl_ms, keep_ms, value ('' keeps it, '=' .. value replaces it).
-# Reply: the new expiry, or NO_EXPIRY
+# Reply: the new expiry, or NO_EXPIRY. A renewal with a value publishes '!' (observers
+# only).
 RENEW = (
     _WITH_LOCK
+    + _OBSERVED
     + """
 local p = l.live[ARGV[1]]
 if p and p.ts == ARGV[2] then
   local x = now + tonumber(ARGV[3])
   if x > MAX_MS then return too_long(x) end
   p.x = x
-  if ARGV[5] and ARGV[5] ~= '' then p.v = string.sub(ARGV[5], 2) end
+  local val = ARGV[5] and ARGV[5] ~= ''
+  if val then p.v = string.sub(ARGV[5], 2) end
   put(KEYS[1], l, ARGV[1], p)
   prune(KEYS[1], l)
   expire_at(KEYS[1], l, tonumber(ARGV[4]))
+  if val then observed() end
   return x
 end
 return NO_EXPIRY

@@ -382,7 +382,7 @@ class AsyncPlumbing:
         name = C.channel_name(channel.kind, channel.ns, channel.key)
         task = asyncio.current_task()
         before = cancelling(task)
-        sub = await self._state().listener.subscribe(name)
+        sub = await self._state().listener.subscribe(name, channel.kind == "leader")
         if cancelling(task) > before:
             # Opening the listener's connection went through asyncio.wait_for inside
             # redis-py, which (Python < 3.12) can swallow a cancellation: deliver it,

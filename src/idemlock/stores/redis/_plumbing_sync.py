@@ -381,7 +381,8 @@ class SyncPlumbing:
     def subscribe(self, channel: Channel) -> LocalSubscription:
         if self._pid != _getpid():
             self._forked()
-        return self._listener.subscribe(C.channel_name(channel.kind, channel.ns, channel.key))
+        name = C.channel_name(channel.kind, channel.ns, channel.key)
+        return self._listener.subscribe(name, channel.kind == "leader")
 
     def close(self) -> None:
         if self._pid != _getpid():
