@@ -533,6 +533,28 @@ def test_a_published_value_wakes_observers_and_not_waiters(
         second.close()
 
 
+def test_an_observer_alone_registers_no_waiter(redis_server: RedisServer, raw: redis.Redis) -> None:
+    # A failed acquire in a process where only an observer listens is no waiter's: a
+    # release must not reserve the lock for that process.
+    first, second = open_sync(redis_server.url)[0], open_sync(redis_server.url)[0]
+    ns = _ns()
+    held = first.acquire(ns, "k", "a", LONG)
+    assert isinstance(held, Acquired)
+    observer = second.subscribe(Channel("leader", ns, "k"))
+    try:
+        assert isinstance(second.acquire(ns, "k", "b", LONG), Held)
+        assert not raw.exists(C.names(ns, "k").waiters)
+        waiter = second.subscribe(Channel("lock", ns, "k"))
+        assert isinstance(second.acquire(ns, "k", "b", LONG), Held)  # now it waits
+        assert raw.exists(C.names(ns, "k").waiters)
+        waiter.close()  # the observer stays, and nobody waits here any more
+        assert not raw.exists(C.names(ns, "k").waiters)
+    finally:
+        observer.close()
+        first.close()
+        second.close()
+
+
 # ---- foreign and corrupt data ---------------------------------------------------------
 
 
