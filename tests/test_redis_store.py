@@ -555,6 +555,41 @@ def test_an_observer_alone_registers_no_waiter(redis_server: RedisServer, raw: r
         second.close()
 
 
+@pytest.mark.parametrize("where", ["standalone", "cluster"])
+async def test_async_observers_and_a_deferred_waiter(
+    where: str, request: pytest.FixtureRequest
+) -> None:
+    # On asyncio: a value wakes the observer alone; a release handed to a third
+    # process's waiter wakes the observer at once and this process's waiter one
+    # hand-off window later (the chosen one may not take it).
+    url = _url(where, request)
+    first = open_async(url, handoff_ms=200)[0]
+    second = open_async(url, handoff_ms=200)[0]
+    third = open_async(url, handoff_ms=200)[0]
+    ns = _ns()
+    try:
+        # A Cluster client learns the slots with its first call: until then a channel
+        # goes to any node's listener, and the waiter and the observer could part.
+        assert await second.holders(ns, "k") == []
+        waiter = await second.subscribe(Channel("lock", ns, "k"))
+        observer = await second.subscribe(Channel("leader", ns, "k"))
+        got = await first.acquire(ns, "k", "a", LONG, value=b"v")
+        assert isinstance(got, Acquired)
+        assert await observer.wait(10) is True
+        assert await waiter.wait(0.5) is False
+        chosen = await third.subscribe(Channel("lock", ns, "k"))
+        assert isinstance(await third.acquire(ns, "k", "c", LONG), Held)  # registers
+        assert await first.release(ns, "k", "a", got.token)
+        assert await chosen.wait(10) is True
+        assert await observer.wait(10) is True
+        assert await waiter.wait(10) is True  # the deferred wake
+        for sub in (waiter, observer, chosen):
+            await sub.aclose()
+    finally:
+        for s in (first, second, third):
+            await s.aclose()
+
+
 # ---- foreign and corrupt data ---------------------------------------------------------
 
 
