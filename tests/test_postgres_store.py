@@ -1053,3 +1053,87 @@ def test_renew_many_renews_two_permits_of_one_key(coord: idemlock.Coordinator) -
     assert out[1] - out[0] == 1_000
     rows = {r.owner: r.expires_ms for r in store.holders(ns, "k")}
     assert rows == {"a": out[0], "b": out[1]}
+
+
+# ---- election observers ----------------------------------------------------------------
+
+
+def test_a_published_value_wakes_observers_and_not_waiters(postgres_dsn: str, prefix: str) -> None:
+    # Two coordinators: two processes as far as the listeners go.
+    here = idemlock.connect(postgres_dsn, key_prefix=prefix)
+    there = idemlock.connect(postgres_dsn, key_prefix=prefix)
+    ns = prefix + ":el"
+    observer = there.store.subscribe(Channel("leader", ns, "k"))
+    # An observer alone does not queue its process for a hand-off it would not take...
+    assert there.store._acquire_params(ns, "k", "x", 1000, 1, None)["wait"] is False
+    waiter = there.store.subscribe(Channel("lock", ns, "k"))
+    # ...a waiter does.
+    assert there.store._acquire_params(ns, "k", "x", 1000, 1, None)["wait"] is True
+    try:
+        # A term begins: a grant that publishes a value.
+        lease = here.store.acquire(ns, "k", "a", PERMIT_TTL, 1, b"v1")
+        assert isinstance(lease, Acquired)
+        assert observer.wait(10.0) is True
+        assert waiter.wait(0.5) is False
+        # A renewal without a value publishes nothing: nobody is woken.
+        assert here.store.renew(ns, "k", "a", lease.token, PERMIT_TTL) is not None
+        assert observer.wait(0.5) is False
+        # proclaim(): a renewal with a new value.
+        assert here.store.renew(ns, "k", "a", lease.token, PERMIT_TTL, b"v2") is not None
+        assert observer.wait(10.0) is True
+        assert waiter.wait(0.5) is False
+        assert [r.value for r in there.store.holders(ns, "k")] == [b"v2"]
+        # The same owner re-acquiring with a value publishes it too.
+        again = here.store.acquire(ns, "k", "a", PERMIT_TTL, 1, b"v3")
+        assert isinstance(again, Acquired) and again.token == lease.token
+        assert observer.wait(10.0) is True
+        assert waiter.wait(0.5) is False
+        # A release frees the key: both wake.
+        assert here.store.release(ns, "k", "a", lease.token) is True
+        assert waiter.wait(10.0) is True
+        assert observer.wait(10.0) is True
+        # A grant to a process that waits on the key (its statement also queues it when
+        # refused) publishes as well.
+        theirs = there.store.acquire(ns, "k", "c", PERMIT_TTL, 1, b"v4")
+        assert isinstance(theirs, Acquired)
+        assert observer.wait(10.0) is True
+        assert waiter.wait(0.5) is False
+        assert there.store.release(ns, "k", "c", theirs.token) is True
+        assert waiter.wait(10.0) is True
+        assert observer.wait(10.0) is True
+        # A plain lock's grant (no value) wakes nobody.
+        plain = here.store.acquire(ns, "k", "b", PERMIT_TTL)
+        assert isinstance(plain, Acquired)
+        assert observer.wait(0.5) is False
+        assert waiter.wait(0.05) is False
+    finally:
+        observer.close()
+        waiter.close()
+        here.close()
+        there.close()
+
+
+async def test_a_published_value_wakes_observers_and_not_waiters_async(
+    postgres_dsn: str, prefix: str
+) -> None:
+    here = idemlock.aio.connect(postgres_dsn, key_prefix=prefix)
+    there = idemlock.aio.connect(postgres_dsn, key_prefix=prefix)
+    ns = prefix + ":el"
+    observer = await there.store.subscribe(Channel("leader", ns, "k"))
+    waiter = await there.store.subscribe(Channel("lock", ns, "k"))
+    try:
+        lease = await here.store.acquire(ns, "k", "a", PERMIT_TTL, 1, b"v1")
+        assert isinstance(lease, Acquired)
+        assert await observer.wait(10.0) is True
+        assert await waiter.wait(0.5) is False
+        assert await here.store.renew(ns, "k", "a", lease.token, PERMIT_TTL, b"v2") is not None
+        assert await observer.wait(10.0) is True
+        assert await waiter.wait(0.5) is False
+        assert await here.store.release(ns, "k", "a", lease.token) is True
+        assert await waiter.wait(10.0) is True
+        assert await observer.wait(10.0) is True
+    finally:
+        await observer.aclose()
+        await waiter.aclose()
+        await here.close()
+        await there.close()

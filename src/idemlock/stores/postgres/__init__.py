@@ -36,7 +36,11 @@ How it works:
   increase per key; freeing a key keeps its row (a tombstone) until :meth:`purge`.
 * A waiter is woken by LISTEN/NOTIFY on one connection per store, which the store
   opens besides its pool (also when you pass your own pool); freeing statements call
-  ``pg_notify`` themselves, so waking is part of the change.
+  ``pg_notify`` themselves, so waking is part of the change. An election's observers
+  listen on the same channel and are also woken by a grant or renew that publishes a
+  value (a new term, ``term.proclaim()``): that statement notifies with payload ``!``,
+  which the key's lock waiters sleep through. An acquire or renew without a value (a
+  plain lock, a semaphore) runs a statement without it and notifies nobody.
 * Locks are handed off in arrival order: a process waiting on a lock is queued in
   ``lock_waiters`` by its refused attempts; a release reserves the free lock for the
   oldest waiting process for ``HANDOFF_MS`` (50) and names it in the notification, so

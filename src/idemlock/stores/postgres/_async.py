@@ -280,8 +280,13 @@ class AsyncPostgresStore(_AsyncRunner):
                 return self.release(ns, key, owner, reply.token)
             return None
 
-        # Only a caller of a waiting process has a registration to make or end.
-        stmt = self.statements.acquire if params["wait"] else self.statements.acquire_fast
+        # Only a caller of a waiting process has a registration to make or end; one that
+        # publishes a value also notifies the key's observers when it is granted.
+        st = self.statements
+        if value is None:
+            stmt = st.acquire if params["wait"] else st.acquire_fast
+        else:
+            stmt = st.acquire_publish if params["wait"] else st.acquire_fast_publish
         reply: Acquired | Held = await self._undoable(
             self._until(
                 stmt,
@@ -333,7 +338,12 @@ class AsyncPostgresStore(_AsyncRunner):
             "ttl": _i8(ttl_ms),
             "value": None if value is None else bytes(value),
         }
-        rows = await self._rows(self.statements.renew, params, "renew", True)
+        stmt = self.statements.renew
+        if value is not None:
+            # a value published: the key's observers are notified (not its waiters)
+            params["chan"] = self._chan("lock", ns, key)
+            stmt = self.statements.renew_publish
+        rows = await self._rows(stmt, params, "renew", True)
         return int(rows[0][0]) if rows else None
 
     async def renew_many(self, items: Sequence[tuple[Any, ...]]) -> list[int | None]:

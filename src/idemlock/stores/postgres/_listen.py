@@ -6,6 +6,11 @@ server only sends this process the notifications it waits for. Freeing statement
 call ``pg_notify`` in the same statement, so the notification is sent exactly when
 the change commits.
 
+An election's observer (a ``"leader"`` channel) listens on its key's lock channel as an
+*observer*: it wakes for whatever wakes the key's waiters, and alone for payload ``!``,
+which a grant or renew that publishes a value sends (a term began, or its value
+changed), so the key's waiters sleep through a term's renewals.
+
 The state (reference counts, linger, reconnects) is :class:`idemlock._core.wakeups.Wakeups`;
 this module is its driver: a background thread reads the socket and fires the
 waiters' :class:`~idemlock.stores._local.LocalSubscription` mailboxes, which serve
@@ -124,8 +129,9 @@ class Listener:
 
     # ---- subscriptions ------------------------------------------------------------
 
-    def subscribe(self, channel: str) -> LocalSubscription:
-        """Listen on ``channel`` (one server round trip unless already listening)."""
+    def subscribe(self, channel: str, observer: bool = False) -> LocalSubscription:
+        """Listen on ``channel`` (one server round trip unless already listening); an
+        ``observer`` is also woken by a published value (payload ``!``)."""
         sub = LocalSubscription(self._state, partial(self._release, channel))
         try:
             with self._io:
@@ -133,7 +139,7 @@ class Listener:
                     raise StoreUnavailable("the PostgreSQL store is closed")
                 # Registered before LISTEN: nothing received after it is lost.
                 with self._state:
-                    commands = self._core.subscribe(channel, sub)
+                    commands = self._core.subscribe(channel, sub, observer)
                 if self._conn is None or self._conn.closed:
                     self._ensure_conn()
                 else:
@@ -147,7 +153,7 @@ class Listener:
             self._nudge()  # the reader pulses waiters while notifications fail
         return sub
 
-    def try_subscribe(self, channel: str) -> LocalSubscription | None:
+    def try_subscribe(self, channel: str, observer: bool = False) -> LocalSubscription | None:
         """Subscribe without I/O and without blocking, if the channel is already listened
         on; else None (the caller then calls ``subscribe`` from a worker thread)."""
         if not self._io.acquire(blocking=False):
@@ -159,7 +165,7 @@ class Listener:
                 if not self._core.confirmed(channel):
                     return None
                 sub = LocalSubscription(self._state, partial(self._release, channel))
-                self._core.subscribe(channel, sub)  # no command: already listening
+                self._core.subscribe(channel, sub, observer)  # no command: already listening
             if self.notifies is not True:
                 self._nudge()  # the reader pulses waiters while notifications fail
             return sub
@@ -185,13 +191,16 @@ class Listener:
 
         A waiting process's attempt (about to run) registers it: the group is marked
         registered before the attempt is sent, so that a caller cancelled meanwhile
-        still has the registration dropped when the last waiter leaves."""
+        still has the registration dropped when the last waiter leaves.
+
+        An election's observers do not wait for a permit: a channel only they listen on
+        does not queue the process (a hand-off window kept for it would go untaken)."""
         with self._state:
             g = self._core.waiting(channel)
-            if g is not None:
+            if g is not None and len(g.subs) > len(g.observers):
                 g.registered = True
                 return g.gid, True
-            # lingering: the group is kept, without subscribers
+            # lingering (the group is kept, without subscribers), or observed only
             idle = self._core.group(channel)
             return (idle.gid, False) if idle is not None else None
 
@@ -320,7 +329,10 @@ class Listener:
             return
         self.received += 1
         with self._state:
-            # An empty payload (claims, breaks) is for everyone, as is '*'.
+            # The payloads the statements send: '' (claims, breaks: no filter, as None),
+            # '*' (a release with nobody queued: everyone), a waiter id (a release's
+            # hand-off: that process now, the others later) and '!' (a grant or renew
+            # published a value: observers alone); observers wake for each.
             wakes = self._core.on_message(channel, payload or None, time.monotonic())
             self._fire(wakes)
 

@@ -142,11 +142,12 @@ class _AsyncRunner(_Base[psycopg_pool.AsyncConnectionPool[Any]]):
         if not self._ready:
             await self._setup()
         name = self._chan(*channel)
+        observer = channel.kind == "leader"  # an election's observer: see _chan
         # Already listening: no I/O, no thread hop. Otherwise the LISTEN round trip
         # runs in a worker thread so the event loop never blocks on it.
-        sub = self.listener.try_subscribe(name)
+        sub = self.listener.try_subscribe(name, observer)
         if sub is None:
-            return await subscribe_in_thread(self.listener.subscribe, name)
+            return await subscribe_in_thread(self.listener.subscribe, name, observer)
         return AsyncListenSubscription(sub)
 
     async def aclose(self) -> None:

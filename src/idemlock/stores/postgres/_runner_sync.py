@@ -140,7 +140,8 @@ class _SyncRunner(_Base[psycopg_pool.ConnectionPool[Any]]):
 
     def subscribe(self, channel: Channel) -> ListenSubscription:
         self._ensure_ready()
-        return self.listener.subscribe(self._chan(*channel))
+        # an election's observer ("leader") listens on the lock channel as an observer
+        return self.listener.subscribe(self._chan(*channel), channel.kind == "leader")
 
     def close(self) -> None:
         if self._pid != os.getpid():

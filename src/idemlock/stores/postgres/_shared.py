@@ -503,7 +503,8 @@ class _Base(Generic[P]):
             self._pid = os.getpid()
 
     def _chan(self, kind: str, ns: str, key: str) -> str:
-        # an election's observer listens where the lock's waiters do
+        # An election's observer listens where the lock's waiters do, subscribed as an
+        # observer (see subscribe): a published value's '!' wakes it alone.
         return self.statements.channel("lock" if kind == "leader" else kind, ns, key)
 
     def _acquire_params(

@@ -337,10 +337,23 @@ def _until(r: str, now: str) -> str:
     )
 
 
-def _acquire(waits: bool) -> str:
+#: what a grant or renew that publishes a value adds to its RETURNING: a notification
+#: for the key's observers alone (idemlock._core.wakeups.OBSERVERS), once per changed
+#: row, sent when the statement commits (a data-modifying CTE runs to completion, its
+#: RETURNING list with it, whether or not the query reads the column)
+_PUBLISHED = ",\n              pg_notify(%(chan)s::text, '!') AS published"
+
+
+def _acquire(waits: bool, publish: bool = False) -> str:
     """Rows lock.reacquire, lock.handoff.take and lock.acquire (the upsert), lock.busy
     and lock.handoff (no row changed: the reply is read from the statement's snapshot,
     which says _RETRY when it disagrees with the row version the upsert judged).
+
+    ``publish``: the statement of a caller that publishes a value (an election's term
+    begins, or a campaign re-acquires): a grant or re-acquire also notifies the key's
+    channel with payload ``!``, which wakes the key's observers and not its waiters
+    (it frees nothing). Sent at commit, with the grant. A caller without a value runs
+    the statement without it: a plain lock's or permit's acquire stays as it was.
 
     ``waits``: the statement of a caller whose process waits on the key (ACQUIRE):
     the key is read first and, when the snapshot shows the caller refused, nothing is
@@ -364,6 +377,7 @@ def _acquire(waits: bool) -> str:
         f"{{s}}.lock_set(l.others, {e}.owner, NULL, {e}.expires_ms, {e}.value, {now}) END"
     )
     chosen = "CASE WHEN d.kept THEN l.chosen END" if waits else "l.chosen"
+    published = _PUBLISHED if publish else ""
     if waits:
         head = (
             "WITH n AS MATERIALIZED (SELECT {now} AS ms),\n"
@@ -414,7 +428,7 @@ def _acquire(waits: bool) -> str:
     )
     WHERE {_takes("l", now)}
     RETURNING {mine_is.format(c="token")} AS token,
-              {mine_is.format(c="expires_ms")} AS expires_ms
+              {mine_is.format(c="expires_ms")} AS expires_ms{published}
 )"""
     )
     if waits:
@@ -454,6 +468,8 @@ WHERE c.ns = %(ns)s::text AND c.key = %(key)s::text AND NOT EXISTS (SELECT FROM 
 
 ACQUIRE = _acquire(True)
 ACQUIRE_FAST = _acquire(False)
+ACQUIRE_PUBLISH = _acquire(True, publish=True)
+ACQUIRE_FAST_PUBLISH = _acquire(False, publish=True)
 
 _NOW = "n.ms"
 _H0 = "(l.owner = %(owner)s::text AND l.token = %(token)s AND l.expires_ms > n.ms)"
@@ -535,7 +551,8 @@ RETURNING pg_notify(%(chan)s::text, '')
 
 
 # Row lock.renew (no row: lock.renew.stale): the permit's expiry, and its published
-# value when one is given.
+# value when one is given (RENEW_PUBLISH: then the key's observers are notified too,
+# payload '!', which its waiters sleep through).
 RENEW = f"""
 UPDATE {{s}}.locks AS l
 SET expires_ms = CASE WHEN {_H0} THEN n.ms + %(ttl)s ELSE l.expires_ms END,
@@ -546,6 +563,10 @@ FROM (SELECT {{now}} AS ms) AS n
 WHERE l.ns = %(ns)s::text AND l.key = %(key)s::text AND ({_H0} OR {_HN})
 RETURNING n.ms + %(ttl)s
 """
+RENEW_PUBLISH = RENEW.replace(
+    "RETURNING n.ms + %(ttl)s\n", "RETURNING n.ms + %(ttl)s, pg_notify(%(chan)s::text, '!')\n"
+)
+assert RENEW_PUBLISH != RENEW
 
 # The batched renewal of a coordinator's renewer: many claims and leases in one
 # statement (each item's check as in EXTEND and RENEW: rows extend.ok, extend.stale,
@@ -825,9 +846,14 @@ class Statements:
     records: Stmt
     acquire: Stmt
     acquire_fast: Stmt
+    #: acquire and acquire_fast of a caller that publishes a value (observers notified)
+    acquire_publish: Stmt
+    acquire_fast_publish: Stmt
     release: Stmt
     break_lock: Stmt
     renew: Stmt
+    #: renew of a caller that publishes a value (observers notified)
+    renew_publish: Stmt
     break_one: Stmt
     holders: Stmt
     lock: Stmt
@@ -858,11 +884,14 @@ class Statements:
             records=r(RECORDS, schema),
             acquire=r(ACQUIRE, schema),
             acquire_fast=r(ACQUIRE_FAST, schema),
+            acquire_publish=r(ACQUIRE_PUBLISH, schema),
+            acquire_fast_publish=r(ACQUIRE_FAST_PUBLISH, schema),
             release=r(RELEASE, schema),
             break_lock=r(BREAK, schema),
             break_one=r(BREAK_ONE, schema),
             holders=r(HOLDERS, schema),
             renew=r(RENEW, schema),
+            renew_publish=r(RENEW_PUBLISH, schema),
             lock=r(LOCK, schema),
             locks=r(LOCKS, schema),
             fence_advance=r(FENCE_ADVANCE, schema),

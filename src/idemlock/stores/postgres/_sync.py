@@ -273,8 +273,13 @@ class PostgresStore(_SyncRunner):
                 return self.release(ns, key, owner, reply.token)
             return None
 
-        # Only a caller of a waiting process has a registration to make or end.
-        stmt = self.statements.acquire if params["wait"] else self.statements.acquire_fast
+        # Only a caller of a waiting process has a registration to make or end; one that
+        # publishes a value also notifies the key's observers when it is granted.
+        st = self.statements
+        if value is None:
+            stmt = st.acquire if params["wait"] else st.acquire_fast
+        else:
+            stmt = st.acquire_publish if params["wait"] else st.acquire_fast_publish
         reply: Acquired | Held = self._undoable(
             self._until(stmt, params, "acquire", _acquire_reply), undo, "acquire"
         )
@@ -315,7 +320,12 @@ class PostgresStore(_SyncRunner):
             "ttl": _i8(ttl_ms),
             "value": None if value is None else bytes(value),
         }
-        rows = self._rows(self.statements.renew, params, "renew", True)
+        stmt = self.statements.renew
+        if value is not None:
+            # a value published: the key's observers are notified (not its waiters)
+            params["chan"] = self._chan("lock", ns, key)
+            stmt = self.statements.renew_publish
+        rows = self._rows(stmt, params, "renew", True)
         return int(rows[0][0]) if rows else None
 
     def renew_many(self, items: Sequence[tuple[Any, ...]]) -> list[int | None]:
