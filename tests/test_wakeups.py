@@ -111,6 +111,20 @@ def test_observers_wake_on_every_change_and_waiters_sleep_through_a_value() -> N
     assert w.on_message(b"c", OBSERVERS, 3.3) == ["again"]
 
 
+def test_observers_alone_are_no_waiters_and_keep_no_registration() -> None:
+    w = connected()
+    w.subscribe(b"c", "observer", observer=True)
+    assert w.waiting(b"c") is None  # a refused acquire queues nobody for it
+    w.subscribe(b"c", "waiter")
+    g = w.waiting(b"c")
+    assert g is not None
+    g.registered = True
+    # the last waiter leaves while the observer stays: the registration goes
+    assert w.unsubscribe(b"c", "waiter", 0.0) == g.gid and not g.registered
+    assert w.waiting(b"c") is None and w.group(b"c") is g and w.has_waiters()
+    assert w.unsubscribe(b"c", "observer", 0.0) is None
+
+
 def test_every_process_has_its_own_waiter_id() -> None:
     w = connected()
     w.subscribe(b"x", "a")

@@ -112,9 +112,11 @@ class Wakeups(Generic[K, S]):
     # ---- queries -----------------------------------------------------------------------
 
     def waiting(self, channel: K) -> Group[K, S] | None:
-        """The group of ``channel`` if a local waiter waits on it."""
+        """The group of ``channel`` if a local waiter waits on it: observers alone are
+        no waiters (a refused acquire then queues no waiter id, so no release keeps
+        the lock for a process where nobody waits for it)."""
         g = self._groups.get(channel)
-        return g if g is not None and g.subs else None
+        return g if g is not None and len(g.subs) > len(g.observers) else None
 
     def group(self, channel: K) -> Group[K, S] | None:
         """The group of ``channel`` with or without waiters: a lingering channel keeps
@@ -127,6 +129,7 @@ class Wakeups(Generic[K, S]):
         return self.connected and g is not None and g.confirmed
 
     def has_waiters(self) -> bool:
+        """Whether anyone, waiter or observer, needs the connection."""
         return any(g.subs for g in self._groups.values())
 
     def subscribers(self) -> list[S]:
@@ -168,17 +171,19 @@ class Wakeups(Generic[K, S]):
     def unsubscribe(
         self, channel: K, sub: S, now: float, linger: float | None = None
     ) -> bytes | None:
-        """Remove a waiter. The channel lingers once it has none; returns the waiter id
-        to unregister from the store if the store had this process registered."""
+        """Remove a waiter or observer. The channel lingers once it has none; returns
+        the waiter id to unregister from the store if the store had this process
+        registered and no waiter is left (observers may be)."""
         g = self._groups.get(channel)
         if g is None or sub not in g.subs:
             return None
         g.subs.discard(sub)
         g.observers.discard(sub)
-        if g.subs:
-            return None
-        self._deferred.pop(channel, None)
-        self._idle[channel] = now + (self.linger if linger is None else linger)
+        if len(g.subs) > len(g.observers):
+            return None  # waiters are left
+        if not g.subs:
+            self._deferred.pop(channel, None)
+            self._idle[channel] = now + (self.linger if linger is None else linger)
         registered, g.registered = g.registered, False
         return g.gid if registered else None
 

@@ -197,7 +197,7 @@ class Listener:
         does not queue the process (a hand-off window kept for it would go untaken)."""
         with self._state:
             g = self._core.waiting(channel)
-            if g is not None and len(g.subs) > len(g.observers):
+            if g is not None:
                 g.registered = True
                 return g.gid, True
             # lingering (the group is kept, without subscribers), or observed only

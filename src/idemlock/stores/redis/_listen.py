@@ -42,25 +42,6 @@ LINGER_S = 2.0
 _VERBS = {"subscribe": b"SUBSCRIBE", "unsubscribe": b"UNSUBSCRIBE"}
 
 
-def _waiters(core: Wakeups[bytes, Any], channel: bytes) -> Group[bytes, Any] | None:
-    """The group of ``channel`` if a caller waits on it for a permit: an election's
-    observers alone are no waiters (a failed acquire registers no waiter id for them,
-    so no release reserves the lock for a process where nobody waits for it)."""
-    g = core.group(channel)
-    return g if g is not None and len(g.subs) > len(g.observers) else None
-
-
-def _leave(core: Wakeups[bytes, Any], channel: bytes, sub: Any, now: float) -> bytes | None:
-    """``core.unsubscribe``, and the waiter id to unregister also when only observers
-    are left: nobody here waits for the lock any more."""
-    gid = core.unsubscribe(channel, sub, now)
-    g = core.group(channel)
-    if gid is None and g is not None and g.registered and _waiters(core, channel) is None:
-        g.registered = False
-        return g.gid
-    return gid
-
-
 def _confirmation(kind: Any) -> Literal["subscribe", "unsubscribe"] | None:
     if kind == b"subscribe":
         return "subscribe"
@@ -117,7 +98,7 @@ class SyncListener:
 
     def waiting(self, channel: bytes) -> Group[bytes, LocalSubscription] | None:
         """This process's waiters on ``channel``, if a caller waits on it."""
-        return _waiters(self._core, channel)
+        return self._core.waiting(channel)
 
     def subscribe(self, channel: bytes, observer: bool = False) -> LocalSubscription:
         """A waiter on ``channel``, or an ``observer`` (also woken by a published
@@ -161,7 +142,7 @@ class SyncListener:
 
     def _remove(self, channel: bytes, sub: LocalSubscription) -> None:
         with self._lock:
-            gid = _leave(self._core, channel, sub, time.monotonic())
+            gid = self._core.unsubscribe(channel, sub, time.monotonic())
         if gid is not None:
             self._on_idle(channel, gid)
 
@@ -363,7 +344,7 @@ class AsyncListener:
         self._background: set[asyncio.Task[None]] = set()
 
     def waiting(self, channel: bytes) -> Group[bytes, AsyncSubscription] | None:
-        return _waiters(self._core, channel)
+        return self._core.waiting(channel)
 
     async def subscribe(self, channel: bytes, observer: bool = False) -> AsyncSubscription:
         if self._closed:
@@ -457,7 +438,7 @@ class AsyncListener:
 
     async def remove(self, sub: AsyncSubscription) -> None:
         now = asyncio.get_running_loop().time()
-        gid = _leave(self._core, sub._channel, sub, now)
+        gid = self._core.unsubscribe(sub._channel, sub, now)
         if self._core.waiting(sub._channel) is None:
             self._arm(now + self._core.linger)  # linger, then unsubscribe
         if gid is not None:
