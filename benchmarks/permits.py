@@ -20,6 +20,11 @@ Starts its own throwaway servers and prints one Markdown table per figure:
 * **Failover**: a leader in another process campaigns with ttl ``--ttl`` and is killed
   with SIGKILL; a candidate already waiting in ``campaign()`` here is elected: the time
   from the kill to the election (bounded by the ttl, as nobody releases).
+* **Observe**: an observer (``observe()`` on a coordinator of its own, ttl 30 s, so it
+  re-reads once a second) and a leader on another coordinator of the same store: the
+  time from ``campaign()`` entering its block to the observer yielding that term, and
+  from ``proclaim()`` returning to the new value; then 20 terms of 0.1 s each, one after
+  the other, and how many of them the observer saw.
 """
 
 from __future__ import annotations
@@ -217,6 +222,66 @@ def _one_failover(url: str, ttl: float) -> float:
         leader.wait(30)
 
 
+def observe(url: str, rounds: int, short: int = 20) -> dict[str, Any]:
+    spec = idemlock.ElectionSpec("bench-observe", ttl=30)
+    prefix = c.new_prefix()
+    watcher = idemlock.connect(url, key_prefix=prefix)
+    leader = idemlock.connect(url, key_prefix=prefix)
+    seen: list[tuple[float, int, str | None]] = []  # (when, term, value); 0: no leader
+    lock = threading.Lock()
+
+    def watch() -> None:
+        for now in watcher.election(spec).observe("k", timeout=600):
+            with lock:
+                term, value = (now.term, now.value) if now else (0, None)
+                seen.append((time.perf_counter(), term, value))
+            if now is not None and now.value == "end":
+                return
+
+    def seen_at(term: int, value: str, bound: float = 10.0) -> float:
+        deadline = time.perf_counter() + bound
+        while time.perf_counter() < deadline:
+            with lock:
+                hit = [t for t, n, v in seen if n == term and v == value]
+            if hit:
+                return hit[0]
+            time.sleep(0.001)
+        return float("inf")
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    while not seen:
+        time.sleep(0.01)
+    el = leader.election(spec)
+    grants, values = [], []
+    try:
+        for i in range(rounds):
+            with el.campaign("k", value=f"a{i}") as term:
+                t0 = time.perf_counter()
+                grants.append(seen_at(term.number, f"a{i}") - t0)
+                term.proclaim(f"b{i}")
+                t0 = time.perf_counter()
+                values.append(seen_at(term.number, f"b{i}") - t0)
+        numbers = []
+        for i in range(short):
+            with el.campaign("k", value=f"s{i}") as term:
+                numbers.append(term.number)
+                time.sleep(0.1)
+        with el.campaign("k", value="end"):
+            thread.join(30)
+        with lock:
+            got = {n for _, n, _ in seen}
+        return {
+            "grant_ms": [x * 1e3 for x in grants],
+            "value_ms": [x * 1e3 for x in values],
+            "short_seen": sum(n in got for n in numbers),
+            "short": short,
+        }
+    finally:
+        watcher.close()
+        leader.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -225,10 +290,11 @@ def main() -> None:
     ap.add_argument("--stores", default="sqlite,redis,postgres,etcd")
     ap.add_argument("--ttl", type=float, default=2.0, help="the leader's ttl, seconds (2)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--observe-only", action="store_true", help="only the Observe figure")
     opts = ap.parse_args()
     n, rounds, gap_rounds, fail_rounds = (100, 3, 3, 1) if opts.quick else (2000, 7, 20, 5)
     stores = opts.stores.split(",")
-    out: dict[str, Any] = {"pairs": {}, "handoff": {}, "failover": {}}
+    out: dict[str, Any] = {"pairs": {}, "handoff": {}, "failover": {}, "observe": {}}
     with c.Servers("idemlock-permits-") as servers:
         for store in stores:
             if store == "sqlite":
@@ -247,6 +313,9 @@ def main() -> None:
                 url, raw = server.url, None
             else:
                 raise SystemExit(f"unknown store {store!r}")
+            if opts.observe_only:
+                out["observe"][store] = observe(url, 20)
+                continue
             fns = {"permit": ours(url, LIMIT), "lock": ours(url, 1)}
             if raw is not None:
                 fns["hand-written"] = raw
@@ -269,12 +338,28 @@ def main() -> None:
                 "max_s": max(fo),
                 "ttl_s": opts.ttl,
             }
+            out["observe"][store] = observe(url, gap_rounds)
     _print_tables(out)
     if opts.json is not None:
         opts.json.write_text(json.dumps(out, indent=2) + "\n")
 
 
 def _print_tables(out: dict[str, Any]) -> None:
+    if out["pairs"]:
+        _print_pairs(out)
+    print(
+        "| store | new term seen after, median ms | worst ms | new value, median ms |"
+        " worst ms | 0.1 s terms seen |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    for store, o in out["observe"].items():
+        g, v = o["grant_ms"], o["value_ms"]
+        cells = [f"{statistics.median(g):.1f}", f"{max(g):.1f}", f"{statistics.median(v):.1f}"]
+        seen = f"{o['short_seen']} of {o['short']}"
+        print("| " + " | ".join([store, *cells, f"{max(v):.1f}", seen]) + " |")
+
+
+def _print_pairs(out: dict[str, Any]) -> None:
     head = "| store | permit pairs/s | lock pairs/s | hand-written pairs/s | permit/lock |"
     print(head + " permit/hand-written |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -291,6 +376,7 @@ def _print_tables(out: dict[str, Any]) -> None:
         h, f = out["handoff"][store], out["failover"][store]
         cells = [f"{h['median_ms']:.1f}", f"{h['max_ms']:.1f}", f"{f['median_s']:.2f}"]
         print("| " + " | ".join([store, *cells, f"{f['max_s']:.2f}", f"{f['ttl_s']:g}"]) + " |")
+    print()
 
 
 if __name__ == "__main__":
