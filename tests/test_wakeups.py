@@ -97,11 +97,14 @@ def test_observers_wake_on_every_change_and_waiters_sleep_through_a_value() -> N
     w = connected(defer=0.5)
     assert w.subscribe(b"c", "waiter") != []
     assert w.subscribe(b"c", "observer", observer=True) == []  # shares the SUBSCRIBE
-    gid = w.waiting(b"c").gid  # type: ignore[union-attr]
+    g = w.waiting(b"c")
+    assert g is not None
+    gid = g.gid
     assert w.on_message(b"c", OBSERVERS, 0.0) == ["observer"]  # a value published
-    assert w.tick(1.0).wakes == []  # and the waiter is never woken for it
+    assert w.tick(1.0).wakes == [] and w.deferred(b"c") is None  # the waiter sleeps on
     assert sorted(w.on_message(b"c", EVERYONE, 1.0)) == ["observer", "waiter"]
     assert w.on_message(b"c", b"another process", 2.0) == ["observer"]  # sees it now
+    assert w.deferred(b"c") == 2.5  # and the waiter later, if that one does not take it
     assert sorted(w.tick(2.5).wakes) == ["observer", "waiter"]
     assert sorted(w.on_message(b"c", gid, 3.0)) == ["observer", "waiter"]
     w.unsubscribe(b"c", "observer", 3.0)

@@ -128,6 +128,11 @@ class Wakeups(Generic[K, S]):
         g = self._groups.get(channel)
         return self.connected and g is not None and g.confirmed
 
+    def deferred(self, channel: K) -> float | None:
+        """When the waiters of ``channel`` are due to be woken for a hand-off to another
+        process that they may still need (None: no such wake is pending)."""
+        return self._deferred.get(channel)
+
     def has_waiters(self) -> bool:
         """Whether anyone, waiter or observer, needs the connection."""
         return any(g.subs for g in self._groups.values())

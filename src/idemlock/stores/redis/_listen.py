@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, Generic, Literal, TypeVar
 
-from ..._core.wakeups import EVERYONE, OBSERVERS, Command, Group, Wakeups
+from ..._core.wakeups import Command, Group, Wakeups
 from ..._errors import StoreUnavailable
 from .._local import LocalSubscription
 from . import _common as C
@@ -464,11 +464,9 @@ class AsyncListener:
             now = asyncio.get_running_loop().time()
             wakes = self._core.on_message(channel, msg[2], now)
             self._fire(wakes)
-            # Handed to another process: the waiters' deferred wake (observers, woken
-            # now, do not make it moot).
-            g = self._core.waiting(channel)
-            if g is not None and msg[2] not in (OBSERVERS, EVERYONE, g.gid):
-                self._arm(now + self._core.defer)
+            at = self._core.deferred(channel)  # handed to another process
+            if at is not None:
+                self._arm(at)  # the waiters' deferred wake
             return
         confirmation = _confirmation(kind)
         if confirmation is not None and self._core.on_confirm(confirmation, channel):

@@ -98,10 +98,10 @@ def _freed(path: str, ns: str, key: str) -> None:
     _HUB.notify((path, "leader", ns, key))
 
 
-def _published(path: str, ns: str, key: str, value: bytes | None) -> None:
-    """A grant or renew published ``value``: wake this process's observers (the
-    others re-read at the poll cap)."""
-    if value is not None and _HUB._subs:
+def _published(path: str, ns: str, key: str) -> None:
+    """A grant or renew published a value: wake this process's observers (the others
+    re-read at the poll cap)."""
+    if _HUB._subs:
         _HUB.notify((path, "leader", ns, key))
 
 
@@ -445,7 +445,7 @@ class SQLiteStore(Connections):
                     self._write(self._acquire, ns, key, owner, ttl_ms, limit, value)
                 )
         if value is not None and type(reply) is Acquired:
-            _published(self.path, ns, key, value)
+            _published(self.path, ns, key)
         return reply
 
     def _rung_after(self, reply: R) -> R:
@@ -490,7 +490,8 @@ class SQLiteStore(Connections):
         now = _now_ms()
         expires = now + ttl_ms
         if self._run(COUNT, _RENEW, (expires, ns, key, owner, token, now, value)) == 1:
-            _published(self.path, ns, key, value)
+            if value is not None:
+                _published(self.path, ns, key)
             return expires
         if self._run(COUNT, _RENEW_OLD, (expires, ns, key, owner, token, now)) == 1:
             return expires  # a lock taken before permits
