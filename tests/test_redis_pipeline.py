@@ -252,7 +252,9 @@ async def test_a_silent_network_mid_batch_fails_every_pending_call_and_drops_it(
 ) -> None:
     ns = _ns()
     with TcpProxy(redis_server.port) as proxy:
-        store = _store(f"redis://127.0.0.1:{proxy.port}/0", timeout=0.5)
+        # The timeout is what the blackholed calls wait; the others are answered in
+        # milliseconds, and 2 s leaves them a wide margin on a busy machine.
+        store = _store(f"redis://127.0.0.1:{proxy.port}/0", timeout=2)
         try:
             await _fences(store, ns, 100)
             pipe = _pipe(store)
