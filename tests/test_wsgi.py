@@ -289,7 +289,9 @@ def test_a_failure_to_record_keeps_the_claim_and_the_record_is_written_later(
     tmp_path: Path, redis_server: Any
 ) -> None:
     with TcpProxy(redis_server.port) as proxy:
-        store = f"redis://127.0.0.1:{proxy.port}/0?timeout=0.5"
+        # 2 s: what the blackholed write waits; the calls before it go through the
+        # proxy in milliseconds, with a wide margin on a busy machine.
+        store = f"redis://127.0.0.1:{proxy.port}/0?timeout=2"
         for srv in start_gunicorn(store, tmp_path / "runs", workers=1):
             key, tag = uuid.uuid4().hex, uuid.uuid4().hex
             body = {"tag": tag, "sleep": 1.0}
