@@ -78,9 +78,9 @@ STORE_PAIRS = [
 ]
 #: sync name -> async name: asyncio's spelling of closing
 STORE_RENAMED = {"close": "aclose"}
-#: the async faces of a sync store set renew_many per instance, when the wrapped
-#: store has it (tested in test_heartbeat_batch)
-FACE_INSTANCE_ONLY = {"renew_many"}
+#: the async faces of a sync store set these per instance, where the wrapped
+#: store declares them (renew_many: test_heartbeat_batch; steps: test_table)
+FACE_INSTANCE_ONLY = {"renew_many", "step", "drop_step", "steps"}
 FACES = {"MemoryAsyncStore", "SQLiteAsyncStore"}
 #: the caller's connection decides: both stores complete in a sync or an async
 #: transaction of the caller's (fenced.complete_in_transaction / acomplete_in_...)

@@ -38,6 +38,14 @@ waiters' queue, etcd).
 `*` stands for every state of its kind, `=` for "unchanged".
 """
 
+STEPS = """
+A step write is fenced by the claim's token like `extend` and renews the lease; it
+never changes the claim's state. The recorded steps live beside the record: they outlive
+an abandon and a lapsed lease (the next attempt's `claim.new` grant carries them, so a
+retry resumes after them at no extra round trip), last as long as a completed record,
+and go with `forget` or when the ttl after the last step written ends.
+"""
+
 RESEND = """
 ## Calls re-sent after a lost reply
 
@@ -121,11 +129,14 @@ def render() -> str:
     lines.append(f"\nextend and renew answer the new expiry, or {T.NO_EXPIRY} in Lua when refused.")
     for title, prefix in (
         ("Claims", ("claim.", "complete.", "abandon.", "extend.", "forget.")),
+        ("Steps inside a claim", ("step.",)),
         ("Locks", ("lock.",)),
         ("Fence gates", ("fence.",)),
     ):
         lines += ["", f"## {title}", "", *_rows(prefix)]
-        if title != "Fence gates":
+        if title == "Steps inside a claim":
+            lines += ["", STEPS.strip()]
+        elif title != "Fence gates":
             lines += ["", *_diagram(prefix)]
     lines += [store_errors(), RESEND.rstrip(), ""]
     return "\n".join(lines)

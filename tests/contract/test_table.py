@@ -75,7 +75,7 @@ class Ctx:
         name = r.reply.name
         if name in _REPLY_TYPES:
             assert isinstance(reply, _REPLY_TYPES[name]), (r.id, reply)
-        elif r.op in ("extend", "renew"):
+        elif r.op in ("extend", "renew", "step", "unstep"):
             assert (type(reply) is int) is (name == "ok"), (r.id, reply)
         elif r.op == "fence":
             assert reply[0] is (name == "ok"), (r.id, reply)
@@ -397,6 +397,89 @@ async def _lock_expiry(c: Ctx) -> None:
     assert await c.lock_owner() is None
     again = await c.store.acquire(c.ns, c.key, "b", LONG)
     assert isinstance(again, Acquired) and again.token > held.token
+
+
+# ---- steps inside a claim (stores declaring ``steps``) ----------------------------
+
+
+def _steps_of(c: Ctx, granted: Any) -> bool:
+    """Whether the store keeps steps; where it does not, a grant carries none."""
+    if c.api.coord.store.capabilities.steps:
+        return True
+    assert granted.steps == ()
+    return False
+
+
+def _named(rows: Any) -> set[tuple[str, int, bytes | None]]:
+    return {(r.name, r.fence, r.result) for r in rows}
+
+
+@rows("step.record")
+async def _step_record(c: Ctx) -> None:
+    t = c.token()
+    first = await c.claim(t)
+    if not _steps_of(c, first):
+        return
+    exp = c.expect(await c.store.step(c.ns, c.key, t, "charge", b'"ch_1"', LONG, LONG))
+    assert exp >= first.expires_ms  # the lease renewed
+    c.expect(await c.store.step(c.ns, c.key, t, "email", None, LONG, LONG))  # a marker
+    c.expect(await c.store.step(c.ns, c.key, t, "email", b"7", LONG, LONG))  # replaced
+    recorded = {("charge", first.fence, b'"ch_1"'), ("email", first.fence, b"7")}
+    assert _named(await c.store.steps(c.ns, c.key)) == recorded
+    # They outlive an abandon: the next attempt's grant carries them.
+    assert await c.store.abandon(c.ns, c.key, t)
+    t2 = c.token()
+    again = await c.claim(t2)
+    assert again.fence > first.fence and _named(again.steps) == recorded
+    # A completion keeps them as long as its record; forget drops them with it.
+    assert await c.store.complete(c.ns, c.key, t2, b"1", LONG)
+    assert _named(await c.store.steps(c.ns, c.key)) == recorded
+    assert await c.store.forget(c.ns, c.key)
+    assert await c.store.steps(c.ns, c.key) == []
+    assert (await c.claim(c.token())).steps == ()
+
+
+@rows("step.stale", timed=True)
+async def _step_stale(c: Ctx) -> None:
+    t = c.token()
+    if not _steps_of(c, await c.store.claim(c.ns, c.key + "-x", None, t, LONG)):
+        return
+    c.expect(await c.store.step(c.ns, c.key, t, "s", b"1", LONG, LONG))  # absent
+    held = await c.claim(t, lease=SHORT)
+    c.expect(await c.store.step(c.ns, c.key, c.token(), "s", b"1", LONG, LONG))  # not mine
+    c.advance()
+    c.expect(await c.store.step(c.ns, c.key, t, "s", b"1", LONG, LONG))  # lapsed
+    taker = c.token()
+    assert (await c.claim(taker)).fence > held.fence
+    c.expect(await c.store.step(c.ns, c.key, t, "s", b"1", LONG, LONG))  # taken over
+    assert await c.store.complete(c.ns, c.key, taker, b"1", LONG)
+    c.expect(await c.store.step(c.ns, c.key, taker, "s", b"1", LONG, LONG))  # completed
+    assert await c.store.steps(c.ns, c.key) == []
+
+
+@rows("step.drop")
+async def _step_drop(c: Ctx) -> None:
+    t = c.token()
+    first = await c.claim(t)
+    if not _steps_of(c, first):
+        return
+    await c.store.step(c.ns, c.key, t, "a", b"1", LONG, LONG)
+    await c.store.step(c.ns, c.key, t, "b", None, LONG, LONG)
+    exp = c.expect(await c.store.drop_step(c.ns, c.key, t, "b", LONG))
+    assert exp >= first.expires_ms
+    c.expect(await c.store.drop_step(c.ns, c.key, t, "never", LONG))  # nothing to drop
+    assert _named(await c.store.steps(c.ns, c.key)) == {("a", first.fence, b"1")}
+
+
+@rows("step.drop.stale")
+async def _step_drop_stale(c: Ctx) -> None:
+    t = c.token()
+    first = await c.claim(t)
+    if not _steps_of(c, first):
+        return
+    await c.store.step(c.ns, c.key, t, "b", None, LONG, LONG)
+    c.expect(await c.store.drop_step(c.ns, c.key, c.token(), "b", LONG))
+    assert _named(await c.store.steps(c.ns, c.key)) == {("b", first.fence, None)}
 
 
 # ---- fences ----------------------------------------------------------------------

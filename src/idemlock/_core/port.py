@@ -56,6 +56,7 @@ __all__ = [
     "Mismatch",
     "RecordRow",
     "SyncStore",
+    "StepRow",
     "SyncSubscription",
 ]
 
@@ -64,13 +65,26 @@ __all__ = [
 
 
 @dataclass(frozen=True, slots=True)
+class StepRow:
+    """One recorded step of a claim key: its name, the fence of the attempt that
+    wrote it, and its result bytes, or None for a "started" marker (``once=True``)."""
+
+    name: str
+    fence: int
+    result: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
 class Granted:
-    """The caller now holds the claim (``token``) with fencing token ``fence``."""
+    """The caller now holds the claim (``token``) with fencing token ``fence``;
+    ``steps``: the key's recorded steps (stores declaring ``steps``), so a retry
+    resumes after them with no extra round trip."""
 
     token: str
     fence: int
     expires_ms: int
     ttl_ms: int
+    steps: tuple[StepRow, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,6 +219,12 @@ class Capabilities:
     #: a release or completion wakes waiters in other processes; when False the store
     #: has a ``poll_cap`` (seconds) and waiters re-check at most that far apart
     cross_process_wakeups: bool = True
+    #: steps inside a claim (rows ``step.*``): ``step(ns, key, token, name, result,
+    #: lease_ms, ttl_ms)`` records a step's result (or, result None, a "started"
+    #: marker), ``drop_step(ns, key, token, name, lease_ms)`` removes one, both fenced
+    #: by the claim's token and renewing its lease; ``steps(ns, key)`` lists them; a
+    #: grant carries them (``Granted.steps``)
+    steps: bool = False
 
     def names(self) -> frozenset[str]:
         """The capabilities declared, by name (as the state table's capability column
@@ -305,6 +325,10 @@ class SyncStore(Protocol):
     #   fence_set(ns, resource, token, key, value: bytes) -> tuple[bool, int]
     #       atomically check_and_advance the fence and, if accepted, SET key=value in
     #       the store (Redis). Same reply as fence_advance.          (fence_set)
+    #   step(ns, key, token, name, result: bytes | None, lease_ms, ttl_ms) -> int | None
+    #   drop_step(ns, key, token, name, lease_ms) -> int | None
+    #       the claim's new expiry, or None: not this attempt's claim (rows step.*)
+    #   steps(ns, key) -> list[StepRow]                                   (steps)
     # and ``poll_cap: float`` where ``cross_process_wakeups`` is False.
 
 

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from .port import Acquired, Busy, Capabilities, Done, Granted, Held, Mismatch
+from .port import Acquired, Busy, Capabilities, Done, Granted, Held, Mismatch, StepRow
 
 # ---- the reply vocabulary: every reply name, its code in server-side scripts, and
 # the event outcome it becomes (per operation, in EVENT_OUTCOMES) -------------------
@@ -138,7 +138,7 @@ class Row:
 # declare for the row to happen there (a field of ``port.Capabilities``; "-": every
 # store), note.
 _TABLE = """
-claim.new          claim    absent|lapsed       -                 in_flight granted  -        new token, next fence
+claim.new          claim    absent|lapsed       -                 in_flight granted  -        new token, next fence; the recorded steps
 claim.resend       claim    in_flight           same_token        =         granted  -        a re-sent claim: same fence
 claim.mismatch     claim    in_flight|completed other_fp          =         mismatch -        fp compared exactly
 claim.busy         claim    in_flight           -                 =         busy     -        another attempt runs
@@ -154,6 +154,10 @@ extend.ok          extend   in_flight           same_token        in_flight ok  
 extend.stale       extend   *                   -                 =         stale    -        never revived
 forget.live        forget   in_flight|completed -                 absent    ok       -        any attempt; counter kept
 forget.dead        forget   absent|lapsed       -                 absent    stale    -        nothing live was there
+step.record        step     in_flight           same_token        =         ok       steps    the step's result (or a started marker) kept by name; lease renewed
+step.stale         step     *                   -                 =         stale    steps    ClaimLost: not this attempt's claim
+step.drop          unstep   in_flight           same_token        =         ok       steps    retry_step: that step's record removed; lease renewed
+step.drop.stale    unstep   *                   -                 =         stale    steps    as step.stale
 claim.expiry       expire   in_flight           lease_over        lapsed    -        -        the clock, no call
 claim.ttl          expire   completed           ttl_over          absent    -        -        the clock, no call
 lock.reacquire     acquire  held|reserved       same_owner        held      acquired -        same token, expiry reset (a re-sent acquire)
@@ -212,6 +216,29 @@ class ClaimRec:
     fp: str | None
     expires_ms: int
     result: bytes | None = None
+
+
+@dataclass(slots=True)
+class StepRec:
+    """One recorded step: the fence of the attempt that wrote it and its result, or
+    None for a "started" marker."""
+
+    fence: int
+    result: bytes | None
+
+
+@dataclass(slots=True)
+class Steps:
+    """The recorded steps of one claim key, apart from its record: they outlive an
+    abandon and a lapsed lease (a retry resumes after them) and end with the record
+    (forget), or at ``until_ms``: the ttl after the last step written, or the
+    completed record's end (completing sets it)."""
+
+    by_name: dict[str, StepRec]
+    until_ms: int
+
+    def rows(self) -> tuple[StepRow, ...]:
+        return tuple(StepRow(n, r.fence, r.result) for n, r in self.by_name.items())
 
 
 @dataclass(slots=True)
@@ -355,6 +382,34 @@ def _claim_value(row: Row, rec: ClaimRec | None, now: int) -> Any:
     if row.op == "extend":
         return rec.expires_ms if row.reply is OK and rec is not None else None
     return row.reply is OK
+
+
+def live_steps(steps: Steps | None, now_ms: int) -> Steps | None:
+    """``steps`` while they last, else None."""
+    return steps if steps is not None and steps.until_ms > now_ms else None
+
+
+def apply_step(
+    op: str, rec: ClaimRec | None, steps: Steps | None, now_ms: int, args: dict[str, Any]
+) -> tuple[Row, ClaimRec | None, Steps | None, int | None]:
+    """Run one step operation (``step``: record a result, or a started marker when
+    ``result`` is None; ``unstep``: remove one) on a claim key: (the row, the record
+    and the steps after it, the claim's new expiry or None). ``args``: token, name,
+    lease_ms, and result + ttl_ms (``step``). The step writes are fenced by the claim's
+    token and renew its lease, as ``extend.ok`` does."""
+    row = decide(op, claim_state(rec, now_ms), rec, args)
+    if row.reply is not OK:
+        return row, rec, steps, None
+    assert rec is not None
+    cur = live_steps(steps, now_ms) or Steps({}, 0)
+    if op == "step":
+        cur.by_name[args["name"]] = StepRec(rec.fence, args["result"])
+        cur.until_ms = max(cur.until_ms, now_ms + args["ttl_ms"])
+    else:
+        cur.by_name.pop(args["name"], None)
+    exp = now_ms + args["lease_ms"]
+    new = ClaimRec(rec.state, rec.token, rec.fence, rec.fp, exp, rec.result)
+    return row, new, cur if cur.by_name else None, exp
 
 
 def apply_lock(

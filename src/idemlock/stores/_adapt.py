@@ -41,6 +41,20 @@ class ThreadedAsyncStore:
         if self.capabilities.renew_many:
             # The batched renewal of a coordinator's renewer, only where the sync store has it.
             self.renew_many = self._renew_many
+        if self.capabilities.steps:
+            self.step, self.drop_step, self.steps = self._step, self._drop_step, self._steps
+
+    async def _step(self, *args: Any) -> int | None:
+        r: int | None = await self._call(self.sync.step, *args)  # type: ignore[attr-defined]
+        return r
+
+    async def _drop_step(self, *args: Any) -> int | None:
+        r: int | None = await self._call(self.sync.drop_step, *args)  # type: ignore[attr-defined]
+        return r
+
+    async def _steps(self, ns: str, key: str) -> list[Any]:
+        r: list[Any] = await self._call(self.sync.steps, ns, key)  # type: ignore[attr-defined]
+        return r
 
     async def _renew_many(self, items: list[tuple[Any, ...]]) -> list[int | None]:
         r: list[int | None] = await self._call(self.sync.renew_many, items)  # type: ignore[attr-defined]

@@ -17,12 +17,22 @@ and a key's queue is dropped when nobody is subscribed to it any more.
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from typing import Any
 
 from .._clock import SYSTEM_CLOCK
 from .._core import table as T
 from .._core.clock import Clock, duration
-from .._core.port import Acquired, Capabilities, Channel, ClaimReply, Held, LockRow, RecordRow
+from .._core.port import (
+    Acquired,
+    Capabilities,
+    Channel,
+    ClaimReply,
+    Held,
+    LockRow,
+    RecordRow,
+    StepRow,
+)
 from .._errors import ConfigurationError, StoreFull, StoreUnavailable
 from ._adapt import ThreadedAsyncStore
 from ._local import LocalHub, LocalSubscription
@@ -98,7 +108,7 @@ class MemoryStore:
 
     kind = "memory"
     #: one process: its condition variables wake every waiter there is
-    capabilities = Capabilities(handoff=True, renew_many=True)
+    capabilities = Capabilities(handoff=True, renew_many=True, steps=True)
 
     def __init__(
         self,
@@ -119,6 +129,8 @@ class MemoryStore:
         self._max_keys = max_keys
         self._lock = _BoundedLock(self.timeout)
         self._claims: dict[tuple[str, str], T.ClaimRec] = {}
+        #: the recorded steps of a claim key, kept apart from its record (table.Steps)
+        self._steps: dict[tuple[str, str], T.Steps] = {}
         self._locks: dict[tuple[str, str], T.LockRec] = {}
         self._fences: dict[tuple[str, str], int] = {}
         self._counter = 0
@@ -163,9 +175,67 @@ class MemoryStore:
                     self._claims.pop(k, None)
                 else:
                     self._claims[k] = new
+            if k in self._steps:
+                reply = self._steps_after(k, row, new, reply, now)
             if row.id in _FREES_CLAIM:
                 self._hub.notify(("claim", ns, key))
             return reply
+
+    def _steps_after(
+        self, k: tuple[str, str], row: T.Row, rec: T.ClaimRec | None, reply: Any, now: int
+    ) -> Any:
+        """What a claim operation does to the key's steps: a grant carries them, a
+        completion keeps them as long as its record, forget drops them."""
+        steps = T.live_steps(self._steps[k], now)
+        if steps is None or row.op == "forget":
+            del self._steps[k]
+        elif row.reply is T.GRANTED:
+            return replace(reply, steps=steps.rows())
+        elif row.next == "completed" and rec is not None:
+            steps.until_ms = rec.expires_ms
+        return reply
+
+    def step(
+        self,
+        ns: str,
+        key: str,
+        token: str,
+        name: str,
+        result: bytes | None,
+        lease_ms: int,
+        ttl_ms: int,
+    ) -> int | None:
+        """Rows step.record / step.stale: the claim's new expiry, or None."""
+        args = {"token": token, "name": name, "lease_ms": lease_ms, "ttl_ms": ttl_ms}
+        args["result"] = None if result is None else bytes(result)
+        return self._step_op("step", ns, key, args)
+
+    def drop_step(self, ns: str, key: str, token: str, name: str, lease_ms: int) -> int | None:
+        """Rows step.drop / step.drop.stale: the claim's new expiry, or None."""
+        return self._step_op(
+            "unstep", ns, key, {"token": token, "name": name, "lease_ms": lease_ms}
+        )
+
+    def _step_op(self, op: str, ns: str, key: str, args: dict[str, Any]) -> int | None:
+        k = (ns, key)
+        with self._lock:
+            now = self._now()
+            _, rec, steps, exp = T.apply_step(
+                op, self._claims.get(k), self._steps.get(k), now, args
+            )
+            if exp is not None:
+                assert rec is not None
+                self._claims[k] = rec
+                if steps is None:
+                    self._steps.pop(k, None)
+                else:
+                    self._steps[k] = steps
+            return exp
+
+    def steps(self, ns: str, key: str) -> list[StepRow]:
+        with self._lock:
+            steps = T.live_steps(self._steps.get((ns, key)), self._now())
+            return [] if steps is None else list(steps.rows())
 
     def claim(self, ns: str, key: str, fp: str | None, token: str, lease_ms: int) -> ClaimReply:
         reply: ClaimReply = self._claim_op("claim", ns, key, fp=fp, token=token, lease_ms=lease_ms)
@@ -384,6 +454,8 @@ class MemoryStore:
                 return removed
             for k in dead_claims:
                 del self._claims[k]
+            for k in [k for k, st in self._steps.items() if st.until_ms <= now]:
+                del self._steps[k]
             for k, owners in dead_permits.items():
                 for o in owners:
                     del self._locks[k].holders[o]
