@@ -312,8 +312,13 @@ def test_processes_upgrade_an_old_file_at_once(db: Path) -> None:
     results = run_processes(_open_old_file, [(str(db), i, barrier) for i in range(procs)], procs)
     assert sorted(t for _, t in results) == [5, 6, 7, 8]
     check = sqlite3.connect(db)
-    triggers = check.execute("SELECT count(*) FROM sqlite_master WHERE type = 'trigger'")
-    assert triggers.fetchone()[0] == 3
+    triggers = check.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'")
+    assert {name for (name,) in triggers} == {
+        "lock_permits_granted",
+        "lock_permits_changed",
+        "lock_permits_freed",
+        "claim_steps_completed",
+    }
     check.close()
 
 
@@ -404,6 +409,35 @@ def test_purge_keeps_live_rows(store: SQLiteStore) -> None:
     assert store.purge() == 0
     assert sorted(r.key for r in store.records(NS)) == [f"long{i}" for i in range(5)]
     assert [r.key for r in store.locks(LOCKS)] == ["long"]
+
+
+def test_steps_outlive_the_store_object_and_purge_drops_only_expired_ones(db: Path) -> None:
+    """Steps are rows of the file: another store object on it (another process) resumes
+    after them; a purge removes the steps whose until_ms passed, uncounted, and keeps
+    the others."""
+    first = open_store(db)
+    granted(first.claim(NS, "job", None, "t1", LONG))
+    assert first.step(NS, "job", "t1", "charge", b'"ch_1"', LONG, LONG) is not None
+    assert first.step(NS, "job", "t1", "email", None, LONG, LONG) is not None
+    assert first.abandon(NS, "job", "t1")
+    granted(first.claim(NS, "short", None, "s1", LONG))
+    assert first.step(NS, "short", "s1", "only", b"1", LONG, 1) is not None
+    first.close()
+    second = open_store(db)
+    got = granted(second.claim(NS, "job", None, "t2", LONG))
+    assert [(s.name, s.result) for s in got.steps] == [("charge", b'"ch_1"'), ("email", None)]
+    time.sleep(0.01)
+    assert second.purge() == 0  # the steps of "short" went, uncounted
+    raw = sqlite3.connect(db)
+    left = raw.execute("SELECT ns, key, name FROM claim_steps ORDER BY name").fetchall()
+    assert left == [(NS, "job", "charge"), (NS, "job", "email")]
+    # A step row the store did not write is reported, not misread.
+    raw.execute("UPDATE claim_steps SET fence = 'x' WHERE name = 'email'")
+    raw.commit()
+    raw.close()
+    with pytest.raises(StoreCorrupt, match="claim_steps"):
+        second.steps(NS, "job")
+    second.close()
 
 
 def test_purge_goes_a_chunk_per_transaction_and_keeps_the_floor(

@@ -34,6 +34,9 @@ pytestmark = pytest.mark.skipif(not _wake.SUPPORTED, reason="abstract sockets ar
 
 SPEC = "L"
 WAIT = 15.0  # each waiter's whole wait: far longer than a hand-off
+#: ms a released lock stays reserved for the next waiter, in these tests' processes: a
+#: woken waiter on a loaded machine may be scheduled later than the 200 ms default
+WINDOW_MS = 10_000
 
 
 def _waiter(
@@ -55,6 +58,11 @@ def _waiter(
     flows._backoff = lambda attempt, cap: 0.001 if attempt == 0 else WAIT
     flows.MAX_WAIT_CHUNK = WAIT
     SQLiteStore.poll_cap = WAIT
+    # The window this waiter's release keeps for the next outlasts a busy machine's
+    # stall before the next is scheduled (the order of turns is what these tests check).
+    from idemlock.stores.sqlite import _store
+
+    _store.HANDOFF_MS = WINDOW_MS
     coord = idemlock.connect(url, tenant=tenant)
     locks = coord.lock(spec)
     lease = locks.acquire(key, owner=name, wait=WAIT)
@@ -77,9 +85,14 @@ def _wait_queued(path: Path, owner: str) -> None:
 
 
 @pytest.mark.parametrize("start", ["spawn", "fork"])
-def test_waiters_in_other_processes_are_woken_in_turn(start: str, tmp_path: Path) -> None:
+def test_waiters_in_other_processes_are_woken_in_turn(
+    start: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Forked waiters too: a child does not answer to its parent's name, it binds its
     own (the parent here listens before forking)."""
+    from idemlock.stores.sqlite import _store as sqlite_store
+
+    monkeypatch.setattr(sqlite_store, "HANDOFF_MS", WINDOW_MS)
     if start == "fork":
         from idemlock.stores.sqlite import _store
 

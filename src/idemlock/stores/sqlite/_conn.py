@@ -24,6 +24,7 @@ from ._sql import (
     _SCHEMA_GET,
     _SQLITE_CORRUPT,
     _SQLITE_NOTADB,
+    _STEPS_SCHEMA,
     _WAITERS_ADD_WAKE,
     _WAITERS_COLUMNS,
     _WAKE_KEY_GET,
@@ -129,7 +130,7 @@ class Connections:
             # A file of the release before permits is upgraded here, in this transaction
             # (IF NOT EXISTS: whoever comes second finds it done). Its locks rows stay
             # what they were: a live one is a lock held, its token the key's counter.
-            for stmt in _PERMITS_SCHEMA:
+            for stmt in _PERMITS_SCHEMA + _STEPS_SCHEMA:
                 conn.execute(stmt)
             if "wake" not in {row[0] for row in conn.execute(_WAITERS_COLUMNS)}:
                 conn.execute(_WAITERS_ADD_WAKE)

@@ -69,6 +69,27 @@ _SCHEMA = (
     # created again starts above all it ever had; 'schema' is the layout version.
     "INSERT OR IGNORE INTO meta (name, value) VALUES ('schema', 1), ('floor', 0)",
 )
+# Steps inside a claim (rows step.*): the steps of a key beside its record, so an
+# abandon (a tombstone) keeps them for the next attempt. until_ms: the ttl after the
+# key's last step written, or, once completed, the record's end (the trigger, in the
+# statement of complete.ok / complete.late). An idemlock that does not know this table
+# leaves steps behind when it forgets a key: they last until their until_ms.
+_STEPS_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS claim_steps (
+        ns TEXT NOT NULL,
+        key TEXT NOT NULL,
+        name TEXT NOT NULL,
+        fence INTEGER NOT NULL,
+        result BLOB,
+        until_ms INTEGER NOT NULL,
+        PRIMARY KEY (ns, key, name)
+    ) WITHOUT ROWID""",
+    """CREATE TRIGGER IF NOT EXISTS claim_steps_completed AFTER UPDATE OF state ON claims
+    WHEN NEW.state = 'completed'
+    BEGIN
+        UPDATE claim_steps SET until_ms = NEW.expires_ms WHERE ns = NEW.ns AND key = NEW.key;
+    END""",
+)
 _SCHEMA_GET = "SELECT value FROM meta WHERE name = 'schema'"
 # A file whose lock_waiters predates the wake column gets it (old writers leave it '').
 _WAITERS_COLUMNS = "SELECT name FROM pragma_table_info('lock_waiters')"
@@ -96,7 +117,8 @@ ON CONFLICT (ns, key) DO UPDATE SET
     state = 'in_flight', token = excluded.token, fence = claims.fence + 1, fp = excluded.fp,
     expires_ms = excluded.expires_ms, result = NULL
 WHERE claims.expires_ms <= ?6
-RETURNING fence
+RETURNING fence, EXISTS (SELECT 1 FROM claim_steps
+                         WHERE ns = ?1 AND key = ?2 AND until_ms > ?6)
 """
 # Rows claim.resend, claim.mismatch, claim.busy, claim.replay: the record in the way,
 # read back for the table to decide (SQLiteStore._claim).
@@ -130,6 +152,22 @@ WHERE ns = ?2 AND key = ?3 AND token = ?4 AND state = 'in_flight' AND expires_ms
 _FORGET = """
 UPDATE claims SET expires_ms = 0, result = NULL
 WHERE ns = ?1 AND key = ?2 AND expires_ms > ?3
+"""
+# Rows step.record, step.drop (after _EXTEND renewed the caller's claim, in one
+# transaction: _txn._step): a key's expired steps go first, so none is revived.
+_STEPS_DROP_DEAD = "DELETE FROM claim_steps WHERE ns = ?1 AND key = ?2 AND until_ms <= ?3"
+_STEPS_UNTIL = "UPDATE claim_steps SET until_ms = max(until_ms, ?3) WHERE ns = ?1 AND key = ?2"
+_STEP_PUT = """
+INSERT INTO claim_steps (ns, key, name, fence, result, until_ms)
+SELECT ns, key, ?3, fence, ?4, ?5 FROM claims WHERE ns = ?1 AND key = ?2
+ON CONFLICT (ns, key, name) DO UPDATE SET
+    fence = excluded.fence, result = excluded.result, until_ms = excluded.until_ms
+"""
+_STEP_DROP = "DELETE FROM claim_steps WHERE ns = ?1 AND key = ?2 AND name = ?3"
+_STEPS_FORGET = "DELETE FROM claim_steps WHERE ns = ?1 AND key = ?2"
+_STEPS_GET = """
+SELECT name, fence, result FROM claim_steps
+WHERE ns = ?1 AND key = ?2 AND until_ms > ?3 ORDER BY name
 """
 _RECORD_GET = """
 SELECT state, fence, expires_ms FROM claims WHERE ns = ?1 AND key = ?2 AND expires_ms > ?3
@@ -347,6 +385,11 @@ UPDATE meta SET value = max(value, coalesce((SELECT max(fence) FROM ({_DEAD_CLAI
 WHERE name = 'floor'
 """
 _PURGE_CLAIMS = f"DELETE FROM claims WHERE (ns, key) IN (SELECT ns, key FROM ({_DEAD_CLAIMS}))"
+# Steps past their until_ms (not counted: they are part of a claim key's record).
+_PURGE_STEPS = """
+DELETE FROM claim_steps WHERE (ns, key, name) IN (
+    SELECT ns, key, name FROM claim_steps WHERE until_ms <= ?1 LIMIT ?2)
+"""
 # Dead lock keys (summary over: no live permit), read by _txn._purge, which raises the
 # floor over their tokens (_FLOOR_RAISE) before deleting them.
 _DEAD_LOCKS = "SELECT ns, key, token FROM locks WHERE expires_ms <= ?1 LIMIT ?2"

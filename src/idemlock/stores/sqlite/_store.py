@@ -13,6 +13,7 @@ import sqlite3
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from functools import partial
 from time import time_ns
 from typing import Any, TypeVar
@@ -26,6 +27,7 @@ from ..._core.port import (
     Held,
     LockRow,
     RecordRow,
+    StepRow,
 )
 from ..._core.table import (
     ClaimRec,
@@ -49,7 +51,6 @@ from ._sql import (
     _FENCE_ADVANCE,
     _FENCE_GET,
     _FLOOR_GET,
-    _FORGET,
     _HOLDERS,
     _LOCK_GET,
     _LOCKS,
@@ -63,6 +64,7 @@ from ._sql import (
     _RENEW,
     _RENEW_OLD,
     _STATES,
+    _STEPS_GET,
     _WAITER_CHOOSE,
     _WAITER_DROP,
     _WAITER_REGISTER,
@@ -71,7 +73,7 @@ from ._sql import (
     _WAITERS_UNCHOOSE,
     DEFAULT_BUSY_TIMEOUT,
 )
-from ._txn import _break, _now_ms, _purge, _renew_many
+from ._txn import _break, _forget, _now_ms, _purge, _renew_many, _step
 from ._url import make_dir
 from ._wake import Doorbell, valid_name
 from ._wake import tag as _wake_tag
@@ -138,7 +140,9 @@ class SQLiteStore(Connections):
 
     kind = "sqlite"
     #: no notification crosses processes (the doorbell only rings a chosen waiter)
-    capabilities = Capabilities(handoff=True, renew_many=True, cross_process_wakeups=False)
+    capabilities = Capabilities(
+        handoff=True, renew_many=True, cross_process_wakeups=False, steps=True
+    )
     #: waiters re-check at least this often (seconds): other processes wake a waiter
     #: only when they reserve a lock for it (Linux), so this bounds the rest
     poll_cap = 0.02
@@ -223,20 +227,43 @@ class SQLiteStore(Connections):
         expires = now + lease_ms
         row = cur.execute(_CLAIM_NEW, (ns, key, token, fp, expires, now)).fetchone()
         if row is not None:
-            return Granted(token, row[0], expires, lease_ms)
+            steps = self._steps(cur, ns, key, now) if row[1] else ()
+            return Granted(token, row[0], expires, lease_ms, steps)
         rec = self._claim_rec(cur.execute(_CLAIM_GET, (ns, key)).fetchone(), ns, key)
         # A live record is in the way (rows claim.resend, claim.mismatch, claim.busy,
         # claim.replay): the table decides from the record as read.
         args = {"fp": fp, "token": token, "lease_ms": lease_ms}
         reply: ClaimReply = apply_claim("claim", rec, now, args, _no_new_fence)[2]
+        if type(reply) is Granted:  # claim.resend: the steps as a grant carries them
+            reply = replace(reply, steps=self._steps(cur, ns, key, now))
         return reply
+
+    def _steps(self, cur: sqlite3.Cursor, ns: str, key: str, now: int) -> tuple[StepRow, ...]:
+        return self._step_rows(cur.execute(_STEPS_GET, (ns, key, now)).fetchall(), ns, key)
+
+    def _step_rows(self, rows: list[Any], ns: str, key: str) -> tuple[StepRow, ...]:
+        out = []
+        for row in rows:
+            name, fence, result = row
+            if (
+                type(name) is not str
+                or type(fence) is not int
+                or not (result is None or type(result) is bytes)
+            ):
+                raise self._corrupt("claim_steps", ns, key, row)
+            out.append(StepRow(name, fence, result))
+        return tuple(out)
 
     def claim(self, ns: str, key: str, fp: str | None, token: str, lease_ms: int) -> ClaimReply:
         now = time_ns() // 1_000_000  # _now_ms(), inlined on the hot path
         expires = now + lease_ms
         rows = self._run(ROWS, _CLAIM_NEW, (ns, key, token, fp, expires, now))
         if rows:  # claim.new, in one statement
-            return Granted(token, rows[0][0], expires, lease_ms)
+            fence, has_steps = rows[0]
+            if has_steps:  # recorded by earlier attempts: only this token writes more
+                steps = tuple(self.steps(ns, key))
+                return Granted(token, fence, expires, lease_ms, steps)
+            return Granted(token, fence, expires, lease_ms)
         # A live record was in the way and nothing changed: try again and read the
         # record in one transaction, for the table to decide.
         return self._write(self._claim, ns, key, fp, token, lease_ms)
@@ -273,9 +300,30 @@ class SQLiteStore(Connections):
         return RecordRow(ns, key, state, fence, expires_ms)
 
     def forget(self, ns: str, key: str) -> bool:
-        live: bool = self._run(COUNT, _FORGET, (ns, key, _now_ms())) == 1
+        live: bool = self._write(_forget, ns, key)
         _HUB.notify((self.path, "claim", ns, key))
         return live
+
+    def step(
+        self,
+        ns: str,
+        key: str,
+        token: str,
+        name: str,
+        result: bytes | None,
+        lease_ms: int,
+        ttl_ms: int,
+    ) -> int | None:
+        data = None if result is None else bytes(result)
+        r: int | None = self._write(_step, ns, key, token, name, data, lease_ms, ttl_ms)
+        return r
+
+    def drop_step(self, ns: str, key: str, token: str, name: str, lease_ms: int) -> int | None:
+        r: int | None = self._write(_step, ns, key, token, name, None, lease_ms, None)
+        return r
+
+    def steps(self, ns: str, key: str) -> list[StepRow]:
+        return list(self._step_rows(self._read(_STEPS_GET, (ns, key, _now_ms())), ns, key))
 
     def records(self, ns_prefix: str) -> list[RecordRow]:
         rows = self._read(_RECORDS, (len(ns_prefix), ns_prefix, _now_ms()))

@@ -14,14 +14,21 @@ from ._sql import (
     _DEAD_LOCKS,
     _EXTEND,
     _FLOOR_RAISE,
+    _FORGET,
     _PURGE_CLAIMS,
     _PURGE_FLOOR,
     _PURGE_KEY,
     _PURGE_KEY_PERMITS,
     _PURGE_PERMITS,
+    _PURGE_STEPS,
     _PURGE_WAITERS,
     _RENEW,
     _RENEW_OLD,
+    _STEP_DROP,
+    _STEP_PUT,
+    _STEPS_DROP_DEAD,
+    _STEPS_FORGET,
+    _STEPS_UNTIL,
 )
 
 
@@ -35,6 +42,40 @@ def _extend(cur: sqlite3.Cursor, ns: str, key: str, token: str, lease_ms: int) -
     if cur.execute(_EXTEND, (expires, ns, key, token, now)).rowcount == 1:
         return expires
     return None
+
+
+def _step(
+    cur: sqlite3.Cursor,
+    ns: str,
+    key: str,
+    token: str,
+    name: str,
+    result: bytes | None,
+    lease_ms: int,
+    ttl_ms: int | None,
+) -> int | None:
+    """Rows step.record (``ttl_ms`` given) and step.drop (None): the claim's lease
+    renewed as extend.ok renews it, then the step written or removed; None, and no
+    change, when the claim is not the caller's (step.stale, step.drop.stale)."""
+    now = _now_ms()
+    expires = now + lease_ms
+    if cur.execute(_EXTEND, (expires, ns, key, token, now)).rowcount != 1:
+        return None
+    cur.execute(_STEPS_DROP_DEAD, (ns, key, now))
+    if ttl_ms is None:
+        cur.execute(_STEP_DROP, (ns, key, name))
+    else:
+        until = now + ttl_ms
+        cur.execute(_STEPS_UNTIL, (ns, key, until))
+        cur.execute(_STEP_PUT, (ns, key, name, result, until))
+    return expires
+
+
+def _forget(cur: sqlite3.Cursor, ns: str, key: str) -> bool:
+    """Rows forget.live (True), forget.dead: the record ends, its steps with it."""
+    live: bool = cur.execute(_FORGET, (ns, key, _now_ms())).rowcount == 1
+    cur.execute(_STEPS_FORGET, (ns, key))
+    return live
 
 
 def _break(cur: sqlite3.Cursor, ns: str, key: str, token: int | None) -> bool:
@@ -93,5 +134,6 @@ def _purge(cur: sqlite3.Cursor, chunk: int) -> tuple[int, bool]:
     if len(dead) < chunk:  # every dead key is gone: expired permits of held keys next
         expired = cur.execute(_PURGE_PERMITS, (now, chunk)).rowcount
     cur.execute(_PURGE_WAITERS, (now,))  # lapsed registrations: not records, not counted
-    more = claims == chunk or len(dead) == chunk or expired == chunk
+    steps = cur.execute(_PURGE_STEPS, (now, chunk)).rowcount  # parts of records: not counted
+    more = claims == chunk or len(dead) == chunk or expired == chunk or steps == chunk
     return claims + locks + expired, more
