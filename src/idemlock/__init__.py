@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ._base.idempotency import Attempt
 from ._clock import ManualClock, SystemClock
 from ._context import current_claim
 from ._core.canonical import canonicalize, fingerprint
@@ -41,6 +40,7 @@ from ._errors import (
     CanonicalizeError,
     ClaimLost,
     ConfigurationError,
+    DuplicateStep,
     FencedOut,
     IdemlockError,
     InFlightError,
@@ -54,6 +54,7 @@ from ._errors import (
     ResultTooLarge,
     SealError,
     StaleClaim,
+    StepInterrupted,
     StoreCorrupt,
     StoreFull,
     StoreUnavailable,
@@ -69,6 +70,7 @@ from ._sync import (
     Term,
     connect,
 )
+from ._threads import Attempt
 
 if TYPE_CHECKING:
     from ._keyring import Keyring
@@ -123,6 +125,7 @@ __all__ = [
     "Clock",
     "Completed",
     "ConfigurationError",
+    "DuplicateStep",
     "Coordinator",
     "ElectionPort",
     "ElectionSpec",
@@ -160,6 +163,7 @@ __all__ = [
     "Term",
     "SealError",
     "StaleClaim",
+    "StepInterrupted",
     "StoreCorrupt",
     "StoreFull",
     "StoreUnavailable",

@@ -12,6 +12,7 @@ from typing import Any
 __all__ = [
     "CanonicalizeError",
     "ConfigurationError",
+    "DuplicateStep",
     "FencedOut",
     "IdemlockError",
     "InFlightError",
@@ -25,6 +26,7 @@ __all__ = [
     "ResultTooLarge",
     "SealError",
     "StaleClaim",
+    "StepInterrupted",
     "StoreCorrupt",
     "StoreFull",
     "StoreUnavailable",
@@ -88,6 +90,39 @@ class ClaimLost(StaleClaim):
     refused (another attempt took the key over) or none was confirmed before the lease
     ran out (a paused process, a silent store), and the store no longer let this
     attempt record its outcome. Nothing was recorded; a retry runs with a higher fence."""
+
+
+class DuplicateStep(IdemlockError):
+    """A step name was used twice in one attempt: a step's name is its identity (its
+    recorded result is found by it on a retry), so each step of an operation needs a
+    name of its own."""
+
+    def __init__(self, name: str, key: str) -> None:
+        self.name = name
+        self.key = key
+        super().__init__(
+            f"step {name!r} already ran in this attempt of idempotency key {key!r}; give "
+            "each step of an operation its own name (a loop: put the item in the name)"
+        )
+
+
+class StepInterrupted(IdemlockError):
+    """A ``once=True`` step was started by an earlier attempt (fence ``fence``) that
+    ended before recording its result: its effect may or may not have happened, and the
+    step will not run again by itself. Check the outside world, then record what
+    happened with ``attempt.settle(name, value)`` or allow one more run with
+    ``attempt.retry_step(name)``."""
+
+    def __init__(self, name: str, key: str, fence: int) -> None:
+        self.name = name
+        self.key = key
+        self.fence = fence
+        super().__init__(
+            f"step {name!r} of idempotency key {key!r} was started by the attempt with fence "
+            f"{fence} and never recorded a result (once=True): it may have taken effect; "
+            "check, then attempt.settle(name, value) to record its result or "
+            "attempt.retry_step(name) to run it again"
+        )
 
 
 class InFlightError(IdemlockError):

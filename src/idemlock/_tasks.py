@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from ._base.idempotency import Attempt, IdempotencyBase
+from ._base.idempotency import AttemptBase, IdempotencyBase
 from ._base.lock import LockBase
 from ._context import enter_claim, leave_claim
 from ._core.flows import Renewal, RenewState
@@ -101,6 +101,62 @@ def coroutine_wrapper(
     return wrapper
 
 
+class AsyncAttempt(AttemptBase):
+    __doc__ = AttemptBase.__doc__
+
+    __slots__ = ()
+
+    async def step(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        /,
+        *args: Any,
+        once: bool = False,
+        replay_errors: tuple[type[BaseException], ...] = (),
+        **kwargs: Any,
+    ) -> Any:
+        """Run step ``name`` as ``fn(*args, **kwargs)`` (awaited if it returns an
+        awaitable) and record its result (JSON,
+        through the spec's format and sealing) under the claim, fenced by it; if an
+        earlier attempt recorded it, return that instead of calling ``fn``. An
+        exception records nothing (unless listed in ``replay_errors``: recorded, and
+        raised again on replay). ``once=True`` marks the step started before ``fn``
+        runs, so a retry after a crash inside it raises ``StepInterrupted`` instead
+        of running it again. ``ClaimLost`` if the claim is no longer this attempt's."""
+        found = self._step_begin(name, once)
+        if found is not None:
+            return self._replay(name, found, replay_errors)
+        if once:
+            await self._write(name, None)
+        try:
+            value = fn(*args, **kwargs)
+            if inspect.isawaitable(value):
+                value = await value
+        except Exception as exc:
+            data = self._error_data(exc, replay_errors)
+            if data is not None:
+                await self._write(name, data)
+            raise
+        await self._write(name, self._step_data(name, value))
+        return value
+
+    async def settle(self, name: str, value: Any) -> None:
+        """Record ``value`` as step ``name``'s result without running it (after
+        checking what an interrupted ``once=True`` step did)."""
+        self._step_begin(name, once=False)
+        await self._write(name, self._step_data(name, value))
+
+    async def retry_step(self, name: str) -> None:
+        """Drop step ``name``'s record, so that it runs (once more) when reached."""
+        store = self._steps_port()._store
+        self._stepped(name, await store.drop_step(*self._drop_args(name)), None)
+
+    async def _write(self, name: str, data: bytes | None) -> None:
+        args = self._step_args(name, data)
+        self._stepped(name, await self._steps_port()._store.step(*args), data)
+
+
 class IdempotencyRun(IdempotencyBase):
     """``run()`` of :class:`~idemlock.aio.AsyncIdempotencyPort`."""
 
@@ -126,7 +182,7 @@ class IdempotencyRun(IdempotencyBase):
         max_run: timedelta | float | None = None,
         on_lost: Callable[[ClaimToken], object] | None = None,
         cancel_on_lost: bool = True,
-    ) -> AsyncIterator[Attempt]:
+    ) -> AsyncIterator[AsyncAttempt]:
         """Claim or replay ``key`` for an ``async with`` block (see
         ``IdempotencyPort.run``). A claim lost while the block runs also cancels the
         block's task (unless ``cancel_on_lost=False``); leaving then raises
@@ -136,8 +192,8 @@ class IdempotencyRun(IdempotencyBase):
         if isinstance(claim, InFlight):
             raise InFlightError(key, claim.expires_at, waited=wait_s, wait_with=RUN_WAIT)
         token = self._begun(key, claim)
-        if isinstance(token, Attempt):
-            yield token
+        if isinstance(token, Completed):
+            yield AsyncAttempt(key, None, token.result)
             return
         cancels = _OwnCancels(asyncio.current_task() if cancel_on_lost else None)
         hb = (
@@ -145,7 +201,7 @@ class IdempotencyRun(IdempotencyBase):
             if every is None
             else self._heartbeat(token, sent, every, limit, on_lost, cancels.cancel)
         )
-        attempt = Attempt(key, token)
+        attempt = AsyncAttempt(key, token, port=self)
         mark = enter_claim(token)
         try:
             yield attempt

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from ._base.idempotency import Attempt, IdempotencyBase
+from ._base.idempotency import AttemptBase, IdempotencyBase
 from ._base.lock import LockBase
 from ._context import enter_claim, leave_claim
 from ._core.flows import Renewal, RenewState
@@ -73,6 +73,58 @@ def decorator(w: Wrapping) -> Callable[[F], F]:
     return decorate
 
 
+class Attempt(AttemptBase):
+    __doc__ = AttemptBase.__doc__
+
+    __slots__ = ()
+
+    def step(
+        self,
+        name: str,
+        fn: Callable[..., Any],
+        /,
+        *args: Any,
+        once: bool = False,
+        replay_errors: tuple[type[BaseException], ...] = (),
+        **kwargs: Any,
+    ) -> Any:
+        """Run step ``name`` as ``fn(*args, **kwargs)`` and record its result (JSON,
+        through the spec's format and sealing) under the claim, fenced by it; if an
+        earlier attempt recorded it, return that instead of calling ``fn``. An
+        exception records nothing (unless listed in ``replay_errors``: recorded, and
+        raised again on replay). ``once=True`` marks the step started before ``fn``
+        runs, so a retry after a crash inside it raises ``StepInterrupted`` instead
+        of running it again. ``ClaimLost`` if the claim is no longer this attempt's."""
+        found = self._step_begin(name, once)
+        if found is not None:
+            return self._replay(name, found, replay_errors)
+        if once:
+            self._write(name, None)
+        try:
+            value = fn(*args, **kwargs)
+        except Exception as exc:
+            data = self._error_data(exc, replay_errors)
+            if data is not None:
+                self._write(name, data)
+            raise
+        self._write(name, self._step_data(name, value))
+        return value
+
+    def settle(self, name: str, value: Any) -> None:
+        """Record ``value`` as step ``name``'s result without running it (after
+        checking what an interrupted ``once=True`` step did)."""
+        self._step_begin(name, once=False)
+        self._write(name, self._step_data(name, value))
+
+    def retry_step(self, name: str) -> None:
+        """Drop step ``name``'s record, so that it runs (once more) when reached."""
+        self._stepped(name, self._steps_port()._store.drop_step(*self._drop_args(name)), None)
+
+    def _write(self, name: str, data: bytes | None) -> None:
+        args = self._step_args(name, data)
+        self._stepped(name, self._steps_port()._store.step(*args), data)
+
+
 class IdempotencyRun(IdempotencyBase):
     """``run()`` of :class:`~idemlock.IdempotencyPort`."""
 
@@ -116,11 +168,11 @@ class IdempotencyRun(IdempotencyBase):
         if isinstance(claim, InFlight):
             raise InFlightError(key, claim.expires_at, waited=wait_s, wait_with=RUN_WAIT)
         token = self._begun(key, claim)
-        if isinstance(token, Attempt):
-            yield token
+        if isinstance(token, Completed):
+            yield Attempt(key, None, token.result)
             return
         hb = None if every is None else self._heartbeat(token, sent, every, limit, on_lost)
-        attempt = Attempt(key, token)
+        attempt = Attempt(key, token, port=self)
         mark = enter_claim(token)
         try:
             yield attempt

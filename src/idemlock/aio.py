@@ -42,7 +42,7 @@ from ._errors import (
 )
 from ._logfields import port_fields
 from ._renewer import AsyncRenewer
-from ._tasks import IdempotencyRun, LockHold, decorator
+from ._tasks import AsyncAttempt, IdempotencyRun, LockHold, decorator
 from ._tokens import check_token
 from ._watchdog import AsyncWatchdog
 
@@ -56,6 +56,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 # sync-only:     "SemaphorePort", "Term", "connect",
 # sync-only: ]
 __all__ = [  # async-only
+    "AsyncAttempt",
     "AsyncCoordinator",
     "AsyncElectionPort",
     "AsyncFenceGate",

@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 from .._core import table
 from .._core.clock import duration, whole_ms
+from .._core.codec import type_name
 from .._core.events import answered
 from .._core.flows import Renewal, RenewState
 from .._core.keys import validate_key
-from .._core.port import Busy, ClaimReply, Done, Granted, Mismatch, RecordRow
+from .._core.port import Busy, ClaimReply, Done, Granted, Mismatch, RecordRow, StepRow
 from .._core.types import (
     Claim,
     Claimed,
@@ -31,7 +32,15 @@ from .._core.types import (
     from_ms,
 )
 from .._decorator import heartbeat_options
-from .._errors import ConfigurationError, InFlightError, PayloadMismatch, ResultDecodeError
+from .._errors import (
+    ConfigurationError,
+    DuplicateStep,
+    InFlightError,
+    PayloadMismatch,
+    ResultDecodeError,
+    ResultTooLarge,
+    StepInterrupted,
+)
 from .._logfields import port_fields
 from .._tokens import new_token
 from .events import Events, log, report_loss
@@ -88,6 +97,7 @@ class ClaimReplies:
                     self._spec_name,
                     self._ns,
                     skey or self._records.skey(key),
+                    _steps=reply.steps,
                 )
             )
         if isinstance(reply, Busy):
@@ -200,8 +210,10 @@ class Heartbeat:
         return lost
 
 
-class Attempt:
-    """What ``with port.run(key, payload=...) as attempt:`` gives the block.
+class AttemptBase:
+    """What ``with port.run(key, payload=...) as attempt:`` gives the block; the faces
+    (:class:`idemlock.Attempt`, :class:`idemlock.aio.AsyncAttempt`) add the steps'
+    calls.
 
     ``attempt.replayed`` is True when the key had completed already: ``result`` is
     then the recorded result, the block must not do the work again, and nothing is
@@ -210,15 +222,30 @@ class Attempt:
     (``None`` if never set); an exception abandons the claim instead.
 
     ``result`` is typed ``Any``: set it to a :data:`~idemlock.JSONValue` (anything else
-    raises ``ResultEncodeError`` on leaving); on a replay it is the decoded JSON."""
+    raises ``ResultEncodeError`` on leaving); on a replay it is the decoded JSON.
 
-    __slots__ = ("key", "replayed", "result", "token")
+    Steps (``attempt.step(name, fn, ...)``, on stores whose capabilities declare
+    ``steps``): each finished step's result is recorded under the claim, fenced by it,
+    so a retry after a crash finds it and returns it without running ``fn`` again."""
 
-    def __init__(self, key: str, token: ClaimToken | None, result: Any = None) -> None:
+    __slots__ = ("_port", "_recorded", "_seen", "key", "replayed", "result", "token")
+
+    def __init__(
+        self,
+        key: str,
+        token: ClaimToken | None,
+        result: Any = None,
+        port: IdempotencyBase | None = None,
+    ) -> None:
         self.key = key
         self.token = token
         self.replayed = token is None
         self.result = result
+        self._port = port
+        self._recorded: dict[str, StepRow] = (
+            {} if token is None else {s.name: s for s in token._steps}
+        )
+        self._seen: set[str] = set()
 
     @property
     def fence(self) -> int | None:
@@ -230,9 +257,114 @@ class Attempt:
         """True once the claim was lost while the block ran."""
         return self.token is not None and self.token.lost
 
+    def key_for(self, name: str) -> str:
+        """A key for step ``name`` to hand to an outside API that takes an idempotency
+        key (Stripe's ``idempotency_key``): the same in every attempt of this operation,
+        different for every namespace (key prefix, tenant and spec), key and step. It is
+        ``"idemlock-"`` and the first 32 hex digits of the SHA-256 of the namespace, the
+        key and the step name, each followed by a NUL byte; under a keyring an HMAC
+        instead, so it cannot be guessed from the key."""
+        validate_key(name, "step name")
+        port = self._steps_port()
+        return port._records.step_key(self.key, name)
+
+    def _steps_port(self) -> IdempotencyBase:
+        port = self._port
+        if port is None or self.token is None:
+            raise ConfigurationError(
+                f"idempotency key {self.key!r} was completed already: attempt.result holds "
+                "its result and no step runs (check attempt.replayed before the work)"
+            )
+        if not port._store.capabilities.steps:
+            raise ConfigurationError(
+                f"the {port._store.kind} store does not record steps yet; steps run on "
+                "the stores that declare them (memory, SQLite)"
+            )
+        return port
+
+    def _step_begin(self, name: str, once: bool) -> StepRow | None:
+        """Before step ``name``: its record from an earlier attempt, if any (the caller
+        replays it); ``DuplicateStep`` if this attempt ran it already;
+        ``StepInterrupted`` for a ``once=True`` step an earlier attempt started and
+        never finished."""
+        validate_key(name, "step name")
+        self._steps_port()
+        if name in self._seen:
+            raise DuplicateStep(name, self.key)
+        self._seen.add(name)
+        row = self._recorded.get(name)
+        if row is not None and row.result is None:
+            if once:
+                raise StepInterrupted(name, self.key, row.fence)
+            return None  # a marker of a step that is not once=True now: run it
+        return row
+
+    def _replay(self, name: str, row: StepRow, errors: tuple[type[BaseException], ...]) -> Any:
+        """A recorded step's result, or its recorded exception raised again (its type
+        found among ``errors``, the step's ``replay_errors``: never imported by name)."""
+        port = self._steps_port()
+        assert row.result is not None
+        value, error = port._records.decode(self.key, row.result)
+        if error is None:
+            return value
+        for tp in errors:
+            if type_name(tp) == error.type:
+                raise tp(*error.args)
+        raise ResultDecodeError(
+            f"step {name!r} of idempotency key {self.key!r} recorded an exception of type "
+            f"{error.type}, which is not in the step's replay_errors; add it there"
+        )
+
+    def _step_data(self, name: str, value: Any) -> bytes:
+        try:
+            return self._steps_port()._records.encode(self.key, value)
+        except ResultTooLarge as exc:
+            raise ResultTooLarge(
+                f"the result of step {name!r} is too large: {exc}; record a pointer to it "
+                "(a row id, an object-store key) instead"
+            ) from None
+
+    def _error_data(
+        self, exc: BaseException, errors: tuple[type[BaseException], ...]
+    ) -> bytes | None:
+        """The recorded form of a step's exception listed in its ``replay_errors``, or
+        None (nothing is recorded: the exception propagates and a retry runs the step)."""
+        if not errors or not isinstance(exc, errors):
+            return None
+        return self._steps_port()._records.encode_error(self.key, exc)
+
+    def _step_args(self, name: str, data: bytes | None) -> tuple[Any, ...]:
+        port = self._steps_port()
+        assert self.token is not None
+        if self.token.lost:
+            raise port._replies.lost_claim(self.token, "the claim was lost before the step")
+        ns, skey, token = port._token_args(self.token)
+        return (ns, skey, token, name, data, port._lease_ms, port._ttl_ms)
+
+    def _drop_args(self, name: str) -> tuple[Any, ...]:
+        validate_key(name, "step name")
+        port = self._steps_port()
+        assert self.token is not None
+        ns, skey, token = port._token_args(self.token)
+        return (ns, skey, token, name, port._lease_ms)
+
+    def _stepped(self, name: str, expires: int | None, data: bytes | None) -> None:
+        """After a step write: ``ClaimLost`` if the store refused it (the claim is no
+        longer this attempt's)."""
+        assert self.token is not None
+        if expires is None:
+            port = self._steps_port()
+            raise port._replies.lost_claim(
+                self.token, f"the store refused step {name!r}: another attempt holds the key"
+            )
+        if data is not None:
+            self._recorded[name] = StepRow(name, self.token.fence, data)
+        else:
+            self._recorded.pop(name, None)
+
     def __repr__(self) -> str:
         what = "replayed" if self.replayed else f"fence={self.fence}"
-        return f"Attempt({self.key!r}, {what}, lost={self.lost})"
+        return f"{type(self).__name__}({self.key!r}, {what}, lost={self.lost})"
 
 
 class IdempotencyBase:
@@ -408,11 +540,11 @@ class IdempotencyBase:
         every, limit = heartbeat_options(self, heartbeat, renew_every, max_run, on_lost)
         return every, limit, None if wait is None else self._wait_for(wait)
 
-    def _begun(self, key: str, claim: Claim) -> Attempt | ClaimToken:
+    def _begun(self, key: str, claim: Claim) -> Completed | ClaimToken:
         """The replayed attempt of a completed key, or the token of a new claim;
         ``InFlightError`` while another attempt holds the key."""
         if isinstance(claim, Completed):
-            return Attempt(key, None, claim.result)
+            return claim
         if not isinstance(claim, Claimed):
             raise InFlightError(key, claim.expires_at)
         return claim.token

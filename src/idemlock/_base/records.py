@@ -4,6 +4,7 @@ sealed (encrypted and bound to its key) when the spec says so."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING, Any
 
 from .._core.canonical import canonicalize, fingerprint
@@ -44,6 +45,14 @@ class Records:
             return fingerprint(payload)
         # An HMAC, not a bare hash: guessable payloads cannot be brute-forced from it.
         return self._keyring.lookup("fp", canonicalize(payload))
+
+    def step_key(self, key: str, name: str) -> str:
+        """``attempt.key_for(name)``: stable per (namespace, key, step name), an HMAC
+        under a keyring (so it says nothing of the key)."""
+        data = b"\0".join(part.encode() for part in (self._ns, key, name)) + b"\0"
+        if self._keyring is not None:
+            return "idemlock-" + self._keyring.lookup("step", data)[:32]
+        return "idemlock-" + hashlib.sha256(data).hexdigest()[:32]
 
     def ad(self, key: str) -> bytes:
         # Associated data: the record only opens under this prefix, tenant, spec and key.

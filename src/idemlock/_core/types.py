@@ -162,6 +162,8 @@ class ClaimToken:
     _skey: str = field(repr=False, compare=False, default="")
     #: True once a heartbeat-renewed claim is lost (see ``Coordinator.idempotent``)
     lost: bool = field(compare=False, default=False)
+    #: the steps earlier attempts recorded, as the grant carried them (``port.StepRow``)
+    _steps: tuple[Any, ...] = field(repr=False, compare=False, default=())
 
 
 @dataclass(frozen=True, slots=True)
