@@ -200,12 +200,17 @@ async def test_a_failure_abandons_the_claim_so_a_retry_runs_with_a_higher_fence(
 
 async def test_worker_sigkilled_mid_job_reruns_only_after_the_lease_ends(env: Env) -> None:
     worker = env.worker()
-    job = await env.send("k", LEASE * 2.5)
+    job = await env.send("k", JOB_TIMEOUT * 0.75)
     first = (await wait_for(lambda: env.events("k", "start")))[0]
-    await asyncio.sleep(LEASE * 1.2)  # renewed past its first lease while it runs
     coord = coordinator()
-    status = coord.idempotency(SPEC).status("k")
-    assert status is not None and status.state == "in_flight"
+
+    def renewed() -> bool:
+        # Its first lease ends by first["t"] + LEASE (claimed before the body started).
+        status = coord.idempotency(SPEC).status("k")
+        assert status is not None and status.state == "in_flight", status
+        return status.expires_at.timestamp() > first["t"] + LEASE
+
+    await wait_for(renewed)  # renewed past its first lease while it runs
     make_quick(env.log, "k")  # the rerun's body (this one sleeps on until killed)
     env.kill(worker)
     expires = coord.idempotency(SPEC).status("k").expires_at.timestamp()  # type: ignore[union-attr]
