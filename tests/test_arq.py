@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from arq import create_pool
 from arq.connections import ArqRedis, RedisSettings
+from arq.constants import in_progress_key_prefix
 from arq.jobs import Job, JobStatus
 
 import idemlock
@@ -40,6 +41,7 @@ from .queue_jobs import (
     coordinator,
     limited_permits,
     long_spec,
+    make_quick,
     most_at_once,
     read_log,
 )
@@ -80,6 +82,24 @@ class Env:
         )
         self.procs.append(proc)
         return proc
+
+    async def started_worker(self) -> subprocess.Popen[bytes]:
+        """A new worker, once it has started polling the queue."""
+        err = self.log.with_suffix(".worker.err")
+
+        def starts() -> int:
+            return err.read_text().count("Starting worker for") if err.exists() else 0
+
+        before = starts()
+        proc = self.worker()
+        await wait_for(lambda: starts() > before or proc.poll() is not None, timeout=60)
+        assert proc.poll() is None, err.read_text()
+        return proc
+
+    async def end_in_progress_marker(self, job: Job) -> None:
+        """End now the in-progress marker a killed worker left on ``job``, as arq's
+        expiry does after ``job_timeout`` + 10 s: a polling worker takes the job."""
+        assert await self.pool.delete(in_progress_key_prefix + job.job_id) == 1
 
     def events(self, name: str, event: str | None = None) -> list[dict[str, Any]]:
         return [
@@ -180,16 +200,23 @@ async def test_a_failure_abandons_the_claim_so_a_retry_runs_with_a_higher_fence(
 
 async def test_worker_sigkilled_mid_job_reruns_only_after_the_lease_ends(env: Env) -> None:
     worker = env.worker()
-    job = await env.send("k", LEASE * 2.5)
+    job = await env.send("k", JOB_TIMEOUT * 0.75)
     first = (await wait_for(lambda: env.events("k", "start")))[0]
-    await asyncio.sleep(LEASE * 1.2)  # renewed past its first lease while it runs
     coord = coordinator()
-    status = coord.idempotency(SPEC).status("k")
-    assert status is not None and status.state == "in_flight"
+
+    def renewed() -> bool:
+        # Its first lease ends by first["t"] + LEASE (claimed before the body started).
+        status = coord.idempotency(SPEC).status("k")
+        assert status is not None and status.state == "in_flight", status
+        return status.expires_at.timestamp() > first["t"] + LEASE
+
+    await wait_for(renewed)  # renewed past its first lease while it runs
+    make_quick(env.log, "k")  # the rerun's body (this one sleeps on until killed)
     env.kill(worker)
     expires = coord.idempotency(SPEC).status("k").expires_at.timestamp()  # type: ignore[union-attr]
-    env.worker()  # runs the job once its in-progress marker ends (timeout + 10 s)
-    second = (await wait_for(lambda: env.events("k", "start")[1:], timeout=JOB_TIMEOUT + 30))[0]
+    await env.started_worker()
+    await env.end_in_progress_marker(job)  # arq hands the job out again
+    second = (await wait_for(lambda: env.events("k", "start")[1:], timeout=60))[0]
     assert second["t"] >= expires - 0.05
     assert second["fence"] > first["fence"]
     assert (await result(job, 30))["fence"] == second["fence"]
@@ -197,20 +224,24 @@ async def test_worker_sigkilled_mid_job_reruns_only_after_the_lease_ends(env: En
 
 
 async def test_a_rerun_that_meets_the_dead_claim_waits_for_its_lease(env: Env) -> None:
-    worker = env.worker()
-    job = await env.pool.enqueue_job("arq_long_job", "w", 3.0, _queue_name=env.queue)
+    # Two workers polling: one runs the job, and the other, kept off it by the job's
+    # in-progress marker, is there to take it once the marker ends.
+    workers = [await env.started_worker(), await env.started_worker()]
+    job = await env.pool.enqueue_job("arq_long_job", "w", JOB_TIMEOUT * 0.75, _queue_name=env.queue)
     assert job is not None
     first = (await wait_for(lambda: env.events("w", "start")))[0]
-    await asyncio.sleep(0.5)
-    env.kill(worker)
+    make_quick(env.log, "w")  # the rerun's body (this one sleeps on until killed)
+    (running,) = [w for w in workers if w.pid == first["pid"]]
+    env.kill(running)
     status = coordinator().idempotency(long_spec(LONG_LEASE)).status("w")
     assert status is not None and status.state == "in_flight"
     expires = status.expires_at.timestamp()
-    env.worker()
-    second = (await wait_for(lambda: env.events("w", "start")[1:], timeout=LONG_LEASE + 20))[0]
-    # arq handed the job out again (its in-progress marker ended) before the lease did:
-    # the rerun waited in flight for the lease, and only then ran.
-    assert expires - first["t"] > JOB_TIMEOUT + 10
+    await env.end_in_progress_marker(job)
+    second = (await wait_for(lambda: env.events("w", "start")[1:], timeout=LONG_LEASE + 60))[0]
+    # arq handed the job out again before the lease ended: the rerun met the claim in
+    # flight, waited for the lease, and only then ran.
+    deliveries = env.events("w", "delivery")
+    assert len(deliveries) >= 2 and deliveries[1]["t"] < expires, (deliveries, expires)
     assert second["t"] >= expires - 0.05
     assert second["fence"] > first["fence"]
     assert (await result(job, 30))["fence"] == second["fence"]
@@ -229,7 +260,7 @@ async def test_store_down_before_the_body_retries_never_fails(env: Env) -> None:
     env.store_file.write_text(f"redis://127.0.0.1:{free_port()}/1?timeout=0.5")
     env.worker()
     job = await env.send("d", 0.0)
-    await asyncio.sleep(3.0)  # several tries meet the dead store
+    await wait_for(lambda: env.reschedules(job) >= 2)  # several tries meet the dead store
     assert env.events("d") == []
     assert await job.status() in (JobStatus.deferred, JobStatus.queued, JobStatus.in_progress)
     env.store_file.unlink()  # the store is back; a new worker process opens it

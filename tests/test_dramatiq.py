@@ -30,6 +30,7 @@ from .queue_jobs import (
     coordinator,
     limited_permits,
     long_spec,
+    make_quick,
     most_at_once,
     read_log,
 )
@@ -167,12 +168,13 @@ def test_a_failure_abandons_and_dramatiqs_retry_runs_it_again(env: Env) -> None:
 
 def test_worker_sigkilled_mid_message_reruns_only_after_the_lease_ends(env: Env) -> None:
     worker = env.worker()
-    msg = env.app.dq_job.send("k", LEASE * 3)
+    msg = env.app.dq_job.send("k", 60.0)  # until it is killed, however slow the machine
     first = wait_for(lambda: env.events("k", "start"))[0]
     time.sleep(LEASE * 1.2)  # renewed past its first lease while it runs
     coord = coordinator()
     status = coord.idempotency(SPEC).status("k")
     assert status is not None and status.state == "in_flight"
+    make_quick(env.log, "k")  # the rerun's body (this one sleeps on until killed)
     env.kill(worker)  # the whole worker: main process and the one running the body
     expires = coord.idempotency(SPEC).status("k").expires_at.timestamp()  # type: ignore[union-attr]
     env.worker()  # the broker gives it the dead worker's message
@@ -188,6 +190,7 @@ def test_a_redelivery_that_meets_the_dead_claim_waits_for_its_lease(env: Env) ->
     msg = env.app.dq_long_job.send("w", 3.0)
     first = wait_for(lambda: env.events("w", "start"))[0]
     time.sleep(0.5)
+    make_quick(env.log, "w")  # the rerun's body (this one sleeps on until killed)
     env.kill(worker)
     status = coordinator().idempotency(long_spec(env.app.LONG_LEASE)).status("w")
     assert status is not None and status.state == "in_flight"
@@ -213,7 +216,7 @@ def test_store_down_before_the_body_retries_never_fails(env: Env) -> None:
     env.store_file.write_text(f"redis://127.0.0.1:{free_port()}/1?timeout=0.5")
     env.worker()
     msg = env.app.dq_job.send("d", 0.0)
-    time.sleep(3.0)  # several deliveries meet the dead store
+    wait_for(lambda: env.reschedules(msg) >= 2)  # several deliveries meet the dead store
     assert env.events("d") == []
     env.store_file.unlink()  # the store is back; the worker process reopens
     env.stop()

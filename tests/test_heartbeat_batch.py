@@ -19,7 +19,7 @@ import pytest
 
 import idemlock
 import idemlock.aio
-from idemlock import Claimed, IdempotencySpec, LockSpec, ManualClock
+from idemlock import Claimed, IdempotencySpec, LockSpec, ManualClock, RecordStatus
 from idemlock._core.flows import (
     EARLY,
     GATHER,
@@ -99,6 +99,23 @@ def test_renew_many_after_script_flush(redis_server: RedisServer) -> None:
         coord.close()
 
 
+def _expiry(status: RecordStatus | None) -> float:
+    assert status is not None and status.state == "in_flight", status
+    return status.expires_at.timestamp()
+
+
+def _all_later(now: list[float], claimed: list[float]) -> bool:
+    return all(a > b for a, b in zip(now, claimed, strict=True))
+
+
+def _wait_until_renewed(expiries: Callable[[], list[float]], claimed: list[float]) -> None:
+    """Until every claim's expiry moved on from ``claimed``: renewed at least once."""
+    deadline = time.monotonic() + 60
+    while not _all_later(expiries(), claimed):
+        assert time.monotonic() < deadline, "the claims were never all renewed"
+        time.sleep(0.1)
+
+
 def test_the_renewer_batches_many_claims(url: str) -> None:
     """100 live claims renewed for a while: the renewer makes a handful of round
     trips per renewal interval, not one per claim."""
@@ -110,7 +127,9 @@ def test_the_renewer_batches_many_claims(url: str) -> None:
         port = coord.idempotency(short)
         blocks = [port.run(f"k{i}", payload={}) for i in range(100)]
         attempts = [b.__enter__() for b in blocks]
-        time.sleep(3.6)  # past the lease: each claim renewed at least once
+        other = coord.idempotency(short)
+        claimed = [_expiry(other.status(f"k{i}")) for i in range(100)]
+        _wait_until_renewed(lambda: [_expiry(other.status(f"k{i}")) for i in range(100)], claimed)
         trips = coord._renewer.round_trips
         for attempt in attempts:
             assert not attempt.lost
@@ -118,11 +137,10 @@ def test_the_renewer_batches_many_claims(url: str) -> None:
         # current_claim() its enter replaced, so FIFO exits would leave k98 set.
         for b in reversed(blocks):
             b.__exit__(None, None, None)
-        # Every claim outlived its lease, so each was renewed at least once: a renewer
-        # that does not batch needs at least 100 round trips. Ideally one batch per
-        # interval; a loaded machine spreads the claims over more gather windows.
+        # Each claim was renewed at least once: a renewer that does not batch needs at
+        # least 100 round trips. Ideally one batch per interval; a loaded machine
+        # spreads the claims over more gather windows.
         assert 0 < trips < len(blocks), trips
-        other = coord.idempotency(short)
         assert all(other.status(f"k{i}").state == "completed" for i in range(100))  # type: ignore[union-attr]
     finally:
         coord.close()
@@ -138,15 +156,32 @@ def test_the_async_renewer_batches_many_claims(url: str) -> None:
         try:
             port = coord.idempotency(short)
 
+            entered: list[asyncio.Event] = [asyncio.Event() for _ in range(100)]
+            renewed = asyncio.Event()
+
             async def one(i: int) -> None:
                 async with port.run(f"k{i}", payload={}) as attempt:
-                    await asyncio.sleep(3.6)  # past the lease: renewed at least once
+                    entered[i].set()
+                    await renewed.wait()
                     assert not attempt.lost
                     attempt.result = i
 
-            await asyncio.gather(*(one(i) for i in range(100)))
-            # Each claim outlived its lease (renewed at least once): unbatched renewals
-            # take at least 100 round trips (see the sync test).
+            async def expiries() -> list[float]:
+                return [_expiry(await port.status(f"k{i}")) for i in range(100)]
+
+            async def watch() -> None:
+                for event in entered:
+                    await asyncio.wait_for(event.wait(), 60)
+                claimed = await expiries()
+                deadline = time.monotonic() + 60
+                while not _all_later(await expiries(), claimed):
+                    assert time.monotonic() < deadline, "the claims were never all renewed"
+                    await asyncio.sleep(0.1)
+                renewed.set()
+
+            await asyncio.gather(watch(), *(one(i) for i in range(100)))
+            # Each claim was renewed at least once: unbatched renewals take at least
+            # 100 round trips (see the sync test).
             assert 0 < coord._renewer.round_trips < 100, coord._renewer.round_trips
         finally:
             await coord.close()

@@ -567,6 +567,11 @@ def test_permit_gauges_drop_a_cancelled_async_waiter(lease_url: str) -> None:
     asyncio.run(main())
 
 
+#: the terms' ttl where a test waits for a leader to notice its term ended (at its next
+#: renewal, a third of the ttl): short, and as long as a renewal on a loaded machine needs
+TERM_TTL = timedelta(seconds=3)
+
+
 def test_leader_term_gauge_follows_campaigns_and_term_changes(lease_url: str) -> None:
     registry = CollectorRegistry()
     coord = _connect(lease_url, hooks=[PrometheusHook(registry=registry)])
@@ -575,7 +580,7 @@ def test_leader_term_gauge_follows_campaigns_and_term_changes(lease_url: str) ->
     def term() -> float | None:
         return scrape(registry, "idemlock_leader_term", "scheduler", store)
 
-    el = coord.election(ElectionSpec("scheduler", ttl=timedelta(seconds=10)))
+    el = coord.election(ElectionSpec("scheduler", ttl=TERM_TTL))
     assert term() is None
     elected = threading.Event()
     numbers: list[int] = []
@@ -711,7 +716,7 @@ def test_a_lost_term_leaves_once_when_another_key_has_its_number(lease_url: str)
     registry = CollectorRegistry()
     coord = _connect(lease_url, hooks=[PrometheusHook(registry=registry)])
     store = coord.store.kind
-    el = coord.election(ElectionSpec("zones", ttl=timedelta(seconds=10)))
+    el = coord.election(ElectionSpec("zones", ttl=TERM_TTL))
 
     def term() -> float | None:
         return scrape(registry, "idemlock_leader_term", "zones", store)

@@ -30,8 +30,13 @@ from .servers import _proc
 
 ROOT = Path(__file__).resolve().parent.parent
 MARK = "IDEMLOCK_LEFTOVER_MARK"
-#: a slice whose tests need every kind of server (and run long enough to be stopped)
-SLICE = ["tests/contract/test_fences.py", "-k", "postgres or redis or etcd"]
+#: a slice whose tests need every kind of server (and run long enough to be stopped):
+#: one server of each kind, not their clusters, which take longer to start
+SLICE = [
+    "tests/contract/test_fences.py",
+    "-k",
+    "(postgres or redis or etcd) and not cluster and not pgbouncer",
+]
 SERVERS = {"redis-server", "postgres", "etcd"}
 
 

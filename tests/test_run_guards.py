@@ -19,6 +19,7 @@ from .servers._proc import popen
 
 ROOT = Path(__file__).resolve().parent.parent
 
+#: The hung tests' timeout is short: they hang for good, whatever it is.
 HANGS = """
 import asyncio, signal, threading, time
 import pytest
@@ -29,19 +30,19 @@ def _helper(stop):
         pass
 
 
-@pytest.mark.timeout(2)
+@pytest.mark.timeout(1)
 def test_sleeps_with_a_helper_thread():
     stop = threading.Event()
     threading.Thread(target=_helper, args=(stop,), name="helper-thread", daemon=True).start()
     time.sleep(1000)
 
 
-@pytest.mark.timeout(2)
+@pytest.mark.timeout(1)
 async def test_awaits_forever():
     await asyncio.Event().wait()
 
 
-@pytest.mark.timeout(2)
+@pytest.mark.timeout(1)
 def test_waits_for_a_child_forever():
     import subprocess
     child = subprocess.Popen(["sleep", "1000"])
@@ -52,7 +53,7 @@ def test_waits_for_a_child_forever():
         child.wait(10)
 
 
-@pytest.mark.timeout(2)
+@pytest.mark.timeout(1)
 def test_stuck_where_no_signal_reaches():
     # What a C call that never returns to Python looks like to pytest-timeout.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
