@@ -610,6 +610,28 @@ def test_errors_are_messages_with_documented_statuses(url: str) -> None:
     assert "exit statuses:" in helptext and "75" in helptext and "128+N" in helptext
 
 
+def test_status_steps_lists_the_recorded_steps(url: str) -> None:
+    with idemlock.connect(url) as coord:
+        port = coord.idempotency("cli-steps")
+        with port.run("order-1") as attempt:
+            attempt.step("charge", lambda: {"id": "ch_1"})
+            attempt.step("wire", lambda: None, once=True)  # recorded: None is a result
+            attempt.result = 1
+        fence = attempt.fence
+    shown = cli(url, "status", "order-1", "--spec", "cli-steps", "--steps", "--json")
+    assert shown.returncode == 0, shown.stderr
+    steps = json.loads(shown.stdout)["steps"]
+    assert [(s["name"], s["state"], s["fence"]) for s in steps] == [
+        ("charge", "done", fence),
+        ("wire", "done", fence),
+    ]
+    assert all(s["size"] > 0 for s in steps)
+    table = cli(url, "status", "order-1", "--spec", "cli-steps", "--steps").stdout
+    assert "STEP" in table and "charge" in table and "wire" in table
+    plain = cli(url, "status", "order-1", "--spec", "cli-steps", "--json")
+    assert "steps" not in json.loads(plain.stdout)
+
+
 def test_empty_listings_purge_and_migrate(url: str) -> None:
     assert json.loads(cli(url, "keys", "--json").stdout) == []
     assert json.loads(cli(url, "locks", "--json").stdout) == []

@@ -35,6 +35,7 @@ from ._core.types import (
     Permit,
     RecordStatus,
     SemaphoreSpec,
+    StepInfo,
 )
 from ._errors import (
     CanonicalizeError,
@@ -154,6 +155,7 @@ __all__ = [
     "PayloadMismatch",
     "Permit",
     "RecordStatus",
+    "StepInfo",
     "RecordedError",
     "ResultDecodeError",
     "ResultEncodeError",

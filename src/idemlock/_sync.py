@@ -285,8 +285,14 @@ class IdempotencyPort(IdempotencyRun):
         return self._replies.extend_token(token, self._store.extend(*args, lease_ms))
 
     def status(self, key: str) -> RecordStatus | None:
-        """What the store holds for ``key``: None, in flight or completed, with expiry."""
-        return self._replies.status(key, self._store.record(self._ns, self._skey(key)))
+        """What the store holds for ``key``: None, in flight or completed, with expiry
+        and, on a store that records steps, the operation's recorded steps."""
+        skey, store = self._skey(key), self._store
+        row = store.record(self._ns, skey)
+        if row is None or not store.capabilities.steps:
+            return self._replies.status(key, row)
+        steps: Any = store.steps  # type: ignore[attr-defined]  # (capability steps)
+        return self._replies.status(key, row, steps(self._ns, skey))
 
     def forget(self, key: str) -> bool:
         """Delete the record of ``key`` (operators only: a retry will run again)."""

@@ -295,8 +295,14 @@ class AsyncIdempotencyPort(IdempotencyRun):
         return self._replies.extend_token(token, await self._store.extend(*args, lease_ms))
 
     async def status(self, key: str) -> RecordStatus | None:
-        """What the store holds for ``key``: None, in flight or completed, with expiry."""
-        return self._replies.status(key, await self._store.record(self._ns, self._skey(key)))
+        """What the store holds for ``key``: None, in flight or completed, with expiry
+        and, on a store that records steps, the operation's recorded steps."""
+        skey, store = self._skey(key), self._store
+        row = await store.record(self._ns, skey)
+        if row is None or not store.capabilities.steps:
+            return self._replies.status(key, row)
+        steps: Any = store.steps  # type: ignore[attr-defined]  # (capability steps)
+        return self._replies.status(key, row, await steps(self._ns, skey))
 
     async def forget(self, key: str) -> bool:
         """Delete the record of ``key`` (operators only: a retry will run again)."""

@@ -103,6 +103,13 @@ async def _a_retry_resumes_after_the_finished_steps(api: Facade) -> None:
         attempt.raw.result = {"receipt": receipt}
     assert calls == ["charge", "email", "email"]
     assert keys[0] == keys[1] and keys[0].startswith("idemlock-")
+    status = await api.idem(SPEC).status("order-1")
+    assert status is not None and status.state == "completed"
+    assert [(s.name, s.state, s.fence) for s in status.steps] == [
+        ("charge", "done", first_fence),  # recorded by the first attempt
+        ("email", "done", status.fence),
+    ]
+    assert all(s.size > 0 for s in status.steps)
     async with run(api, SPEC, "order-1", payload={"o": 1}) as attempt:
         assert attempt.raw.replayed and attempt.raw.result == {"receipt": 7}
         with pytest.raises(ConfigurationError, match="completed already"):
@@ -141,6 +148,13 @@ async def _once_steps_replayed_errors_and_limits(api: Facade) -> None:
             with pytest.raises(Declined, match="card declined"):  # replayed, not run
                 await attempt.step("card", declined, replay_errors=(Declined,))
             assert await attempt.step("wire", lambda: 2, once=True) == 1
+            status = await api.idem(SPEC).status("pay")
+            assert status is not None
+            assert {(s.name, s.state) for s in status.steps} == {
+                ("card", "done"),
+                ("wire", "done"),
+                ("ledger", "started"),
+            }
             await attempt.step("ledger", lambda: ran.append("ledger"), once=True)
     assert (info.value.name, info.value.fence) == ("ledger", fence)
     assert ran == ["declined", "wire"]

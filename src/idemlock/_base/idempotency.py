@@ -9,7 +9,7 @@ differs between a task and a thread."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -29,6 +29,7 @@ from .._core.types import (
     IdempotencySpec,
     InFlight,
     RecordStatus,
+    StepInfo,
     from_ms,
 )
 from .._decorator import heartbeat_options
@@ -155,12 +156,20 @@ class ClaimReplies:
             "completed or abandoned already, or the record was forgotten); nothing changed"
         )
 
-    def status(self, key: str, row: RecordRow | None) -> RecordStatus | None:
+    def status(
+        self, key: str, row: RecordRow | None, steps: Sequence[StepRow] = ()
+    ) -> RecordStatus | None:
         if row is None:
             return None
         status = self._coord._record_status(row)
+        infos = tuple(
+            StepInfo(s.name, "started", 0, s.fence)
+            if s.result is None
+            else StepInfo(s.name, "done", len(s.result), s.fence)
+            for s in sorted(steps, key=lambda s: s.name)
+        )
         return RecordStatus(
-            key, status.state, status.fence, status.expires_at, status.spec, status.tenant
+            key, status.state, status.fence, status.expires_at, status.spec, status.tenant, infos
         )
 
     def replay_or_raise(

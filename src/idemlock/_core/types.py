@@ -202,6 +202,18 @@ class Completed:
 Claim = Claimed | InFlight | Completed
 
 
+@dataclass(frozen=True, slots=True)
+class StepInfo:
+    """One recorded step of an operation (``RecordStatus.steps``): ``state`` "done" with
+    a result of ``size`` bytes as stored, or "started" (a ``once=True`` step whose
+    attempt never recorded a result); ``fence`` of the attempt that wrote it."""
+
+    name: str
+    state: Literal["done", "started"]
+    size: int
+    fence: int
+
+
 @dataclass(frozen=True)
 class RecordStatus:
     """What the store holds for an idempotency key. ``expires_at`` is the end of the
@@ -209,7 +221,9 @@ class RecordStatus:
     ``"corrupt"`` for a value under the prefix the store cannot read (foreign or
     damaged data, listed with a warning instead of failing the listing). ``tenant`` is
     the tenant whose namespace holds it (None: the root's own), so a listed record can
-    be acted on: ``coord.for_tenant(tenant).idempotency(spec).forget(key)``."""
+    be acted on: ``coord.for_tenant(tenant).idempotency(spec).forget(key)``. ``steps``:
+    the operation's recorded steps, by name (``port.status(key)`` on a store that
+    records steps; empty in listings)."""
 
     key: str
     state: Literal["in_flight", "completed", "corrupt"]
@@ -217,6 +231,7 @@ class RecordStatus:
     expires_at: datetime
     spec: str = ""
     tenant: str | None = None
+    steps: tuple[StepInfo, ...] = ()
 
 
 @dataclass(frozen=True)

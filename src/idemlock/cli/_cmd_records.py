@@ -35,6 +35,9 @@ def add_commands(add: AddCommand) -> None:
     status = add("status", "show the record of an idempotency key")
     _key_arguments(status)
     status.add_argument("--json", action="store_true", help="print JSON")
+    status.add_argument(
+        "--steps", action="store_true", help="also list the operation's recorded steps"
+    )
     status.set_defaults(handler=cmd_status)
 
     forget = add(
@@ -197,9 +200,18 @@ def cmd_status(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             _say(f"no live record for key {args.key!r} in {where}")
         return EX_NO_RECORD
     if args.json:
-        _print_json(_record_json(rec, now))
+        shown = _record_json(rec, now)
+        if args.steps:
+            shown["steps"] = [
+                {"name": s.name, "state": s.state, "size": s.size, "fence": s.fence}
+                for s in rec.steps
+            ]
+        _print_json(shown)
     else:
         _out(_table(_RECORD_HEADERS, [_record_row(rec, now)]))
+        if args.steps:
+            rows = [[s.name, s.state, s.size, s.fence] for s in rec.steps]
+            _out(_table(["STEP", "STATE", "BYTES", "FENCE"], rows) if rows else "no steps")
     if rec.state == "corrupt":
         _warn_corrupt("record", 1)
     return EX_OK
