@@ -51,7 +51,7 @@ from .harness import Harness
 SPEC = IdempotencySpec("net", lease=timedelta(seconds=30))
 LONG = LockSpec("net", ttl=timedelta(seconds=30))
 #: the hold() lease: short, so that losing it takes seconds
-HOLD_TTL = 2.0
+HOLD_TTL = 1.0
 HOLD = LockSpec("net-hold", ttl=timedelta(seconds=HOLD_TTL))
 #: how late after its local deadline a lease may be reported lost
 SLACK = 0.5
