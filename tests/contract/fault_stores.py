@@ -187,6 +187,8 @@ class SharedFault:
         self._make = getattr(harness, kind)
         self._cm: contextlib.AbstractContextManager[None] | None = None
         self._lock = threading.Lock()
+        #: time.monotonic() once the fault was in effect (set when it starts)
+        self.started_at = float("inf")
         self._in = threading.Barrier(parties, action=self._start, timeout=HANG * 2)
         self._out = threading.Barrier(parties, action=self._end, timeout=HANG * 2)
 
@@ -195,6 +197,7 @@ class SharedFault:
         cm.__enter__()
         with self._lock:
             self._cm = cm
+            self.started_at = time.monotonic()
 
     def _end(self) -> None:
         with self._lock:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import socket
 import threading
 import time
@@ -39,11 +40,13 @@ from ..servers.proxy import TcpProxy
 from .facade import Facade
 from .fault_stores import (
     BOUND,
+    HANG,
     TIMEOUT,
     SharedFault,
     assert_unavailable,
     each_face_in_one_fault,
     eventually,
+    in_thread,
     timed,
 )
 from .harness import Harness
@@ -302,13 +305,43 @@ async def _silent_store_on_the_first_call(fault_api: Facade, fault: SharedFault)
 # ---- hold() while the store goes silent ------------------------------------------------
 
 
-def test_silent_hold_loses_the_lease_by_its_deadline_sync(fault_harness: Harness) -> None:
-    coord = fault_harness.sync(timeout=TIMEOUT)
+async def test_silent_hold_loses_the_lease_by_its_deadline(fault_harness: Harness) -> None:
+    """A sync and an async hold() at once (each on a key prefix of its own), in one
+    stall that starts once both hold their lease (fault_stores.SharedFault): each lease
+    is marked lost by its local deadline, and leaving each block meets the silent store
+    and returns within the bound. The last renewal a holder can have had confirmed was
+    sent before the stall began, so each local deadline is at most the stall's start
+    plus the ttl."""
+    stall = SharedFault(fault_harness, "stall")
+
+    async def face(run: Any, mode: str) -> None:
+        try:
+            await run(dataclasses.replace(fault_harness, prefix=fault_harness.prefix + mode[0]))
+        except BaseException as exc:
+            stall.abort()
+            exc.add_note(f"(on the {mode} face)")
+            raise
+
+    try:
+        results = await asyncio.gather(
+            in_thread(asyncio.run, face(lambda h: _silent_hold_sync(h, stall), "sync")),
+            face(lambda h: _silent_hold_async(h, stall), "async"),
+            return_exceptions=True,
+        )
+    finally:
+        stall.abort()  # ends the stall if a face never left its block
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:  # the face that failed first, not the other's broken wait
+        raise min(errors, key=lambda e: isinstance(e, threading.BrokenBarrierError))
+
+
+async def _silent_hold_sync(harness: Harness, stall: SharedFault) -> None:
+    # In a thread of its own: its blocking calls block no other face.
+    coord = harness.sync(timeout=TIMEOUT)
     try:
         locks = coord.lock(HOLD)
         lost_at: list[float] = []
         for attempt in range(STARTS):
-            t0 = time.monotonic()  # before the acquire is sent: the deadline is at most t0 + ttl
             cm = locks.hold("h", on_lost=lambda lease: lost_at.append(time.monotonic()))
             try:
                 lease = cm.__enter__()
@@ -318,29 +351,26 @@ def test_silent_hold_loses_the_lease_by_its_deadline_sync(fault_harness: Harness
                 # short timeout) is not the subject; the hold starts again.
                 if attempt == STARTS - 1:
                     raise
-                time.sleep(0.5)
-        stall = fault_harness.stall()
-        stall.__enter__()
-        try:
+                time.sleep(0.5)  # noqa: ASYNC251  (this face's own thread)
+        exc: BaseException | None = None
+        async with stall:
+            t0 = stall.started_at
             seen_at = None
             while time.monotonic() < t0 + HOLD_TTL + SLACK + BOUND:
                 if lease.lost:
                     seen_at = time.monotonic()
                     break
-                time.sleep(0.01)
+                time.sleep(0.01)  # noqa: ASYNC251
             left_at = time.monotonic()
-            exc: BaseException | None = None
             try:
                 cm.__exit__(None, None, None)
             except BaseException as e:
                 exc = e
             exited_at = time.monotonic()
-        finally:
-            stall.__exit__(None, None, None)
         deadline = t0 + HOLD_TTL + SLACK
         assert seen_at is not None and seen_at <= deadline, (
-            f"lease.lost turned True {_late(seen_at, t0)} after the acquire was sent; "
-            f"the lease ran out after {HOLD_TTL}s"
+            f"lease.lost turned True {_late(seen_at, t0)} after the stall began; "
+            f"the lease ran out {HOLD_TTL}s after its last renewal"
         )
         assert lost_at and lost_at[0] <= deadline, f"on_lost ran {_late(lost_at, t0)}"
         assert isinstance(exc, LockLost), f"leaving the block raised {exc!r}, not LockLost"
@@ -351,24 +381,22 @@ def test_silent_hold_loses_the_lease_by_its_deadline_sync(fault_harness: Harness
         coord.close()
 
 
-async def test_silent_hold_loses_the_lease_by_its_deadline_async(fault_harness: Harness) -> None:
-    coord = fault_harness.aio(timeout=TIMEOUT)
+async def _silent_hold_async(harness: Harness, stall: SharedFault) -> None:
+    coord = harness.aio(timeout=TIMEOUT)
     times: dict[str, float] = {}
+    entered: list[bool] = []
 
     async def holder() -> BaseException | None:
         locks = coord.lock(HOLD)
         # Silent from inside the block until after leaving it, so that the exit (the
         # renewer's stop, the release) meets the silent store too.
-        stall = fault_harness.stall()
-        stalled = False
-        times["t0"] = time.monotonic()
         try:
             async with locks.hold(
                 "h", on_lost=lambda lease: times.setdefault("on_lost", time.monotonic())
             ):
-                stall.__enter__()
-                stalled = True
+                entered.append(True)
                 try:
+                    await stall.__aenter__()
                     await asyncio.sleep(HOLD_TTL + SLACK + BOUND)
                 except asyncio.CancelledError:
                     times["cancelled"] = time.monotonic()
@@ -379,32 +407,28 @@ async def test_silent_hold_loses_the_lease_by_its_deadline_async(fault_harness: 
             times["exited"] = time.monotonic()
             return exc
         finally:
-            if stalled:
-                stall.__exit__(None, None, None)
+            if entered:
+                await stall.__aexit__()
         times["exited"] = time.monotonic()
         return None
 
     try:
         for attempt in range(STARTS):
             times.clear()
-            exc = await asyncio.wait_for(holder(), HOLD_TTL + SLACK + BOUND * 3)
-            if (
-                "left" in times
-                or not isinstance(exc, idemlock.StoreUnavailable)
-                or attempt == STARTS - 1
-            ):
+            exc = await asyncio.wait_for(holder(), HOLD_TTL + SLACK + BOUND * 3 + HANG * 2)
+            if entered or not isinstance(exc, idemlock.StoreUnavailable) or attempt == STARTS - 1:
                 break
             # The acquire failed before the store went silent: a slow answer on a loaded
             # machine (the short timeout) is not the subject; the hold starts again.
             await asyncio.sleep(0.5)
     finally:
         await coord.close()
-    t0 = times["t0"]
+    t0 = stall.started_at
     deadline = t0 + HOLD_TTL + SLACK
     assert "cancelled" in times, "the body was not cancelled when the lease was lost"
     assert times["cancelled"] <= deadline, (
-        f"the body was cancelled {_late(times['cancelled'], t0)} after the acquire was sent; "
-        f"the lease ran out after {HOLD_TTL}s"
+        f"the body was cancelled {_late(times['cancelled'], t0)} after the stall began; "
+        f"the lease ran out {HOLD_TTL}s after its last renewal"
     )
     assert times.get("on_lost", float("inf")) <= deadline, (
         f"on_lost ran {_late(times.get('on_lost'), t0)}"
