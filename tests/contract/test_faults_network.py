@@ -131,38 +131,45 @@ def test_proxy_blackholes_heals_and_cuts() -> None:
 # ---- one call while the store is silent -----------------------------------------------
 #
 # Each scenario below makes one call while the store is silent and then checks that the
-# same coordinator recovers. The scenarios of a port run at once, both faces of each,
-# in one stall (fault_stores.each_face_in_one_fault): the stall's real time (a store
-# timeout, then the recovery) is spent once for all of them, and each still makes its
-# call on a store silent from before the first call to after the last.
+# same coordinator recovers. Two or three scenarios run at once, both faces of each, in
+# one stall (fault_stores.each_face_in_one_fault): the stall's real time (a store
+# timeout, then the recovery) is spent once for them, and each still makes its call on
+# a store silent from before the first call to after the last. Not more at once: every
+# face reconnects when the store is back, and on a loaded machine eight PostgreSQL
+# faces reconnecting together took longer than a recovery window of 8 s.
 
 
-async def test_silent_idempotency_calls_are_bounded_and_the_coordinator_recovers(
+async def test_silent_claim_and_complete_are_bounded_and_the_coordinator_recovers(
     fault_harness: Harness,
 ) -> None:
-    """claim, complete, abandon, and the first claim of a new coordinator."""
     await each_face_in_one_fault(
         fault_harness,
         "stall",
         _silent_claim_is_bounded_and_the_coordinator_recovers,
         _silent_complete_is_bounded_and_the_result_is_not_lost,
-        _silent_abandon_is_bounded,
-        _silent_store_on_the_first_call,
     )
 
 
-async def test_silent_lock_calls_are_bounded_and_the_coordinator_recovers(
-    fault_harness: Harness,
-) -> None:
-    """acquire, a permit's acquire, a waited acquire, renew and release."""
+async def test_silent_abandon_and_a_first_call_are_bounded(fault_harness: Harness) -> None:
+    await each_face_in_one_fault(
+        fault_harness, "stall", _silent_abandon_is_bounded, _silent_store_on_the_first_call
+    )
+
+
+async def test_silent_acquires_are_bounded(fault_harness: Harness) -> None:
+    """acquire, a permit's acquire and a waited acquire."""
     await each_face_in_one_fault(
         fault_harness,
         "stall",
         _silent_acquire_is_bounded,
         _silent_permit_acquire_is_bounded,
         _silent_waited_acquire_is_bounded,
-        _silent_renew_is_bounded,
-        _silent_release_is_bounded,
+    )
+
+
+async def test_silent_renew_and_release_are_bounded(fault_harness: Harness) -> None:
+    await each_face_in_one_fault(
+        fault_harness, "stall", _silent_renew_is_bounded, _silent_release_is_bounded
     )
 
 
