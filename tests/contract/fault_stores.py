@@ -59,6 +59,36 @@ BOUND = TIMEOUT * 2 + 1.0
 HANG = BOUND + 5.0
 
 
+async def in_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a thread of its own, awaited: unlike ``asyncio.to_thread``, never
+    queued behind the default executor's few workers (min(32, cores + 4): 6 on a 2-core
+    machine), which a test running many faces at once, each blocked at a barrier or in
+    a sync call, would use up and deadlock on."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+
+    def run() -> None:
+        value: Any = None
+        error: BaseException | None = None
+        try:
+            value = fn(*args)
+        except BaseException as exc:  # handed to the awaiting task
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the awaiting loop is gone
+            loop.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=run, name="contract-face", daemon=True).start()
+    return await future
+
+
 @dataclass
 class Outcome:
     """How one call ended: its value or its exception, and how long it took."""
@@ -91,7 +121,7 @@ async def timed(api: Facade, make: Callable[[], Awaitable[Any]], limit: float = 
             target=lambda: box.append(asyncio.run(_capture(make))), daemon=True
         )
         thread.start()
-        await asyncio.to_thread(thread.join, limit)
+        await in_thread(thread.join, limit)
         if not box:
             pytest.fail(f"hang: a sync call did not return within {limit:.1f}s")
         out = box[0]
@@ -106,10 +136,18 @@ async def timed(api: Facade, make: Callable[[], Awaitable[Any]], limit: float = 
     return out
 
 
+#: how long the same coordinator may take to work again once the store is back: its
+#: first calls may fail (StoreUnavailable, each within BOUND) while it reconnects, and
+#: on a loaded machine the faces of a test reconnecting at once (PostgreSQL forking a
+#: backend and checking the schema for each) can take several of those; the window is
+#: generous, it is not the subject (a call that hangs or fails otherwise still fails)
+RECOVERY = 30.0
+
+
 async def eventually(
     api: Facade,
     make: Callable[[], Awaitable[Any]],
-    within: float = BOUND + 5.0,
+    within: float = RECOVERY,
     accept: tuple[type[BaseException], ...] = (),
 ) -> Any:
     """Retry a call until it succeeds (the store just came back): every failure on
@@ -157,6 +195,8 @@ class SharedFault:
         self._make = getattr(harness, kind)
         self._cm: contextlib.AbstractContextManager[None] | None = None
         self._lock = threading.Lock()
+        #: time.monotonic() once the fault was in effect (set when it starts)
+        self.started_at = float("inf")
         self._in = threading.Barrier(parties, action=self._start, timeout=HANG * 2)
         self._out = threading.Barrier(parties, action=self._end, timeout=HANG * 2)
 
@@ -165,6 +205,7 @@ class SharedFault:
         cm.__enter__()
         with self._lock:
             self._cm = cm
+            self.started_at = time.monotonic()
 
     def _end(self) -> None:
         with self._lock:
@@ -179,10 +220,10 @@ class SharedFault:
         self._end()
 
     async def __aenter__(self) -> None:
-        await asyncio.to_thread(self._in.wait)
+        await in_thread(self._in.wait)
 
     async def __aexit__(self, *exc: object) -> None:
-        await asyncio.to_thread(self._out.wait)
+        await in_thread(self._out.wait)
 
 
 class SharedRestart:
@@ -197,7 +238,7 @@ class SharedRestart:
         self._barrier.abort()
 
     async def __call__(self) -> None:
-        await asyncio.to_thread(self._barrier.wait)
+        await in_thread(self._barrier.wait)
 
 
 _WARM = idemlock.IdempotencySpec("warm-up")
@@ -206,22 +247,31 @@ _WARM = idemlock.IdempotencySpec("warm-up")
 async def each_face_in_one_fault(
     harness: Harness,
     kind: str,
-    scenario: Callable[[Facade, Any], Awaitable[None]],
+    *scenarios: Callable[[Facade, Any], Awaitable[None]],
 ) -> None:
-    """Run ``scenario(api, fault)`` on a sync and an async facade (``timeout=TIMEOUT``,
-    each on a key prefix of its own) at the same time, the sync one in a thread with an
-    event loop of its own; ``async with fault:`` in the scenario is the block during
-    which the store is stalled (``kind="stall"``) or down (``"outage"``), shared by both
-    faces (see :class:`SharedFault`); with ``kind="restart"`` the scenario gets a
-    :class:`SharedRestart` instead, ``await restart()`` in place of a restart of its own.
-    Every check of each face is made; a failure names its face (a face's failure stops
-    the other, whose broken wait is not reported)."""
+    """Run each ``scenario(api, fault)`` on a sync and an async facade (``timeout=TIMEOUT``,
+    each on a key prefix of its own) at the same time, each sync one in a thread with an
+    event loop of its own; ``async with fault:`` in a scenario is the block during which
+    the store is stalled (``kind="stall"``) or down (``"outage"``), shared by every face
+    of every scenario (see :class:`SharedFault`); with ``kind="restart"`` the scenarios
+    get a :class:`SharedRestart` instead, ``await restart()`` in place of a restart of
+    their own. Several scenarios so share one fault (one stall, one outage, one server
+    restart): each still makes its calls on a store that is silent or down from before
+    the first of them to after the last, as when it runs alone. Every check of each
+    face is made; a failure names its scenario and face (a face's failure stops the
+    others, whose broken waits are not reported)."""
+    parties = 2 * len(scenarios)
     fault: SharedFault | SharedRestart = (
-        SharedRestart(harness) if kind == "restart" else SharedFault(harness, kind)
+        SharedRestart(harness, parties)
+        if kind == "restart"
+        else SharedFault(harness, kind, parties)
     )
 
-    async def one(mode: str) -> None:
-        h = dataclasses.replace(harness, prefix=f"{harness.prefix}{mode[0]}")
+    async def one(
+        mode: str, index: int, scenario: Callable[[Facade, Any], Awaitable[None]]
+    ) -> None:
+        suffix = f"{mode[0]}{index}" if len(scenarios) > 1 else mode[0]
+        h = dataclasses.replace(harness, prefix=f"{harness.prefix}{suffix}")
         facade = (sync_facade if mode == "sync" else async_facade)(h, timeout=TIMEOUT)
         try:
             # Set up (pool, schema check, scripts) before the fault, retried: on a loaded
@@ -231,19 +281,22 @@ async def each_face_in_one_fault(
             await scenario(facade, fault)
         except BaseException as exc:
             fault.abort()
-            exc.add_note(f"(on the {mode} face)")
+            name = getattr(scenario, "__name__", repr(scenario))
+            exc.add_note(f"(in {name}, on the {mode} face)")
             raise
         finally:
             await facade.close()
 
+    runs = []
+    for index, scenario in enumerate(scenarios):
+        runs.append(in_thread(asyncio.run, one("sync", index, scenario)))
+        runs.append(one("async", index, scenario))
     try:
-        results = await asyncio.gather(
-            asyncio.to_thread(asyncio.run, one("sync")), one("async"), return_exceptions=True
-        )
+        results = await asyncio.gather(*runs, return_exceptions=True)
     finally:
         fault.abort()  # ends the fault if a face never left its block
     errors = [r for r in results if isinstance(r, BaseException)]
-    if errors:  # the face that failed first, not the other's broken wait
+    if errors:  # the face that failed first, not the others' broken waits
         raise min(errors, key=lambda e: isinstance(e, threading.BrokenBarrierError))
 
 

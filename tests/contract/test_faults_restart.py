@@ -160,11 +160,32 @@ async def _calls_in_flight_across_a_restart(fault_api: Facade, restart_once: Sha
     assert any(o.error is None for _, o, _ in outcomes), "no call succeeded at all"
 
 
-async def test_hold_across_a_restart_is_bounded(fault_harness: Harness) -> None:
-    """hold() while the store restarts: the block is left within the bound, with the
-    lease kept (a store that keeps its data and came back in time) or LockLost. Both
-    faces at once, across one restart."""
-    await each_face_in_one_fault(fault_harness, "restart", _hold_across_a_restart)
+async def test_blocks_and_waits_across_a_restart(fault_harness: Harness) -> None:
+    """Four scenarios across one restart of the store, all at once, both faces of each
+    (fault_stores.each_face_in_one_fault): each makes its calls around the restart as
+    it would alone, and the restart's real time is spent once.
+
+    * hold() while the store restarts: the block is left within the bound, with the
+      lease kept (a store that keeps its data and came back in time) or LockLost.
+    * Permits of a limit-2 semaphore held while the store restarts: each holder's
+      renew either succeeds or reports the loss (``lost``) within the bound; afterwards
+      no more than ``limit`` permits are live (the kept ones and the new ones
+      together), and the new tokens are above every earlier one.
+    * A campaign waiting for a leader's term while the store restarts: it is elected
+      (in a later term) once the term ends, or gives up within its wait plus the bound
+      with LockNotAcquired or StoreUnavailable, never hangs; campaigning again then
+      wins.
+    * A permit's ``hold()`` and an election's ``campaign()`` while the store restarts:
+      each block is left within the bound, with its permit or term kept or LockLost;
+      then the key's permits and terms are taken again, with higher tokens."""
+    await each_face_in_one_fault(
+        fault_harness,
+        "restart",
+        _hold_across_a_restart,
+        _permits_held_across_a_restart,
+        _campaign_waiting_across_a_restart,
+        _hold_and_campaign_across_a_restart,
+    )
 
 
 async def _hold_across_a_restart(fault_api: Facade, restart_once: SharedRestart) -> None:
@@ -183,14 +204,6 @@ async def _hold_across_a_restart(fault_api: Facade, restart_once: SharedRestart)
     if t_left:
         assert t_exit - t_left <= BOUND, f"leaving the block took {t_exit - t_left:.2f}s"
     assert lease.token is not None
-
-
-async def test_permits_held_across_a_restart(fault_harness: Harness) -> None:
-    """Permits of a limit-2 semaphore held while the store restarts: each holder's renew
-    either succeeds or reports the loss (``lost``) within the bound; afterwards no more
-    than ``limit`` permits are live (the kept ones and the new ones together), and the
-    new tokens are above every earlier one. Both faces at once, across one restart."""
-    await each_face_in_one_fault(fault_harness, "restart", _permits_held_across_a_restart)
 
 
 async def _permits_held_across_a_restart(fault_api: Facade, restart_once: SharedRestart) -> None:
@@ -226,14 +239,6 @@ async def _permits_held_across_a_restart(fault_api: Facade, restart_once: Shared
     again = await sems.acquire("S", owner="last")
     assert isinstance(again, Lease) and again.token > max(p.token for p in granted or held)
     assert await sems.release(again) is True
-
-
-async def test_campaign_waiting_across_a_restart(fault_harness: Harness) -> None:
-    """A campaign waiting for a leader's term while the store restarts: it is elected
-    (in a later term) once the term ends, or gives up within its wait plus the bound
-    with LockNotAcquired or StoreUnavailable, never hangs; campaigning again then wins.
-    Both faces at once, across one restart."""
-    await each_face_in_one_fault(fault_harness, "restart", _campaign_waiting_across_a_restart)
 
 
 async def _campaign_waiting_across_a_restart(
@@ -283,14 +288,6 @@ def campaign_number(el: Any, wait: float, key: str = "R") -> Callable[[], Awaita
             return int(term.number)
 
     return run
-
-
-async def test_permit_hold_and_campaign_across_a_restart(fault_harness: Harness) -> None:
-    """A permit's ``hold()`` and an election's ``campaign()`` while the store restarts:
-    each block is left within the bound, with its permit or term kept or LockLost; then
-    the key's permits and terms are taken again, with higher tokens. Both faces at
-    once, across one restart."""
-    await each_face_in_one_fault(fault_harness, "restart", _hold_and_campaign_across_a_restart)
 
 
 async def _hold_and_campaign_across_a_restart(
