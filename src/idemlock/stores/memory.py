@@ -152,6 +152,8 @@ class MemoryStore:
             del self._claims[k]
         for k in [k for k, lrec in self._locks.items() if not lrec.alive(now)]:
             del self._locks[k]
+        for k in [k for k, st in self._steps.items() if st.until_ms <= now]:
+            del self._steps[k]
         if len(self._claims) + len(self._locks) >= self._max_keys:
             raise StoreFull(
                 f"the memory store holds {self._max_keys} live keys (max_keys) and none has "
