@@ -3,7 +3,7 @@
     python benchmarks/chaos.py --store sqlite|redis|redis-cluster|redis-sentinel|postgres|etcd
         [--same-transaction] [--mode idemlock|plain|both]
         [--workload jobs|lock|permits|election|both|all] [--limit N]
-        [--duration S --seed X --json]
+        [--duration S --until-faults N --seed X --json]
     python benchmarks/chaos.py --all [--mode both]      # every store (the long run)
     python benchmarks/chaos.py --all --short            # what CI runs (tests/test_chaos.py)
 
@@ -161,6 +161,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     arg("--limit", type=int, help="the permits workload's permits per key")
     arg("--short", action="store_true", help="the CI configuration")
     arg("--duration", type=float, help="seconds over which jobs are released")
+    arg("--until-faults", type=int, metavar="N",
+        help="end the faults as soon as every kind has landed N times and the run shows "
+        "what it is about (at the latest after --duration, or a little more); 0: after "
+        "--duration (the default but with --short: 1)")  # fmt: skip
     arg("--seed", type=int)
     arg("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
@@ -172,6 +176,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"the {args.workload} workload has no --same-transaction")
     if args.limit is not None and args.limit < 1:
         ap.error("--limit must be at least 1")
+    if args.until_faults is not None and args.until_faults < 0:
+        ap.error("--until-faults must be at least 0")
     # the options given; the others are each workload's presets (options())
     args.given = {k: v for k, v in vars(args).items() if v is not None}
     if args.seed is None:

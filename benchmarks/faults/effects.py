@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -88,6 +89,16 @@ class Fx(Queue):
     def create(self, visible: list[float], schema: str = "") -> None:
         serial = "bigserial PRIMARY KEY" if self.postgres else "INTEGER PRIMARY KEY AUTOINCREMENT"
         super().create(visible, SCHEMA.format(serial=serial))
+
+    def release_all(self) -> None:
+        """Make every job not yet released visible now (a window that ended early)."""
+        now = time.time()
+        with self.tx() as c:
+            c.execute(
+                f"UPDATE jobs SET visible_at = {self.p} "
+                f"WHERE state = 'ready' AND deliveries = 0 AND visible_at > {self.p}",
+                (now, now),
+            )
 
     def insert(self, table: str, row: Row, c: Any = None) -> None:
         """``row`` into ``table``: in the transaction of ``c``, or in one of its own."""

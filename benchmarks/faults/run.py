@@ -24,6 +24,14 @@ from idemlock.cli._faults.workers import Slot, Workers, context
 EXTRA = 30.0
 
 
+def exited(slot: Slot) -> str:
+    """The end of an exited worker's log, and how it exited (one that exited before it
+    opened its log: how)."""
+    if slot.log is not None and slot.log.exists():
+        return slot.tail(40)
+    return f"worker {slot.worker} exited with status {slot.proc.exitcode} before opening its log"
+
+
 class Run:
     """The job workload on one store, in one mode: start, inject, drain, check."""
 
@@ -234,36 +242,46 @@ class Run:
         next_fault = start + 0.5 + self.rng.expovariate(1 / opts.fault_every)
         next_check = start
         needed = self.kinds if self.mode == "idemlock" else ("kill", "stop")
+        # ``--until-faults N``: the window ends as soon as every kind has landed N times
+        # and the run shows what it is about (enough()), at the latest as above
+        until = int(getattr(opts, "until_faults", 0) or 0)
+        times = max(1, until)
 
         asked, seen = 0.0, False  # the history is read at most twice a second
 
         def shown(now: float) -> bool:
             nonlocal asked, seen
             if not seen and now - asked >= 0.5:
-                asked, seen = now, self.shown()
+                asked, seen = now, self.enough() if until else self.shown()
             return seen
 
         def injecting(now: float) -> bool:
+            lacking = any(self.faults[k] < times for k in needed)
             if now < faults_until:
-                return True
-            lacking = any(self.faults[k] == 0 for k in needed) or not shown(now)
-            return now < extra_until and lacking
+                return not until or lacking or not shown(now)
+            return now < extra_until and (lacking or not shown(now))
 
         def tick() -> None:
             self.wake_member()
             workers.wake_due()
             for slot in workers.slots:
                 if slot.proc.exitcode is not None:
-                    self.exits.append(slot.tail(40))
+                    self.exits.append(exited(slot))
                     workers.spawn(slot)
 
         try:
+            window = True  # once over, over: the faults only ever add up
             while (now := time.monotonic()) < deadline:
                 tick()
-                if next_fault <= now and injecting(now):
+                if window and not injecting(now):
+                    window = False
+                    if until:
+                        self.say(f"faults over after {now - start:.1f}s: {dict(self.faults)}")
+                        self.window_over()
+                if window and next_fault <= now:
                     late = now >= faults_until and self.faults["restart"] == 0
                     next_fault = self.next_fault(order, restarts=now < restarts_until or late)
-                if now >= max(next_check, faults_until) and not injecting(now):
+                if not window and now >= next_check:
                     next_check = now + 0.2
                     if done():
                         self.drained = True
@@ -286,6 +304,25 @@ class Run:
         window, while faults may go on for EXTRA seconds more): always, but for a
         negative control."""
         return True
+
+    def enough(self) -> bool:
+        """``--until-faults``: whether the run has done enough to end its window (as
+        soon as every kind of fault has landed): plain mode, a job whose effect ran
+        twice (what the negative control shows); else a job done."""
+        try:
+            snap = self.fx.snapshot()
+        except FxError:
+            return False
+        if self.mode == "plain":
+            ran = Counter(int(job) for _id, job, _f, _w, ok in snap["log"] if ok)
+            return any(n > 1 for n in ran.values())
+        return any(state == "done" for _j, state, _d in snap["jobs"])
+
+    def window_over(self) -> None:
+        """The faults have ended: the jobs not yet released are, all at once (a window
+        that ended early)."""
+        with contextlib.suppress(FxError):
+            retried(self.fx.release_all, FxError, 10)
 
     # -- the workload -------------------------------------------------------------------
 
@@ -483,6 +520,28 @@ class LockRun(Run):
             return False
         found = self.history(snap)[0]["violations"]
         return sum(found[kind] for kind in self.shows) > 0
+
+    def enough(self) -> bool:
+        """``--until-faults``: plain mode, what ``shown()`` asks; else leases changed
+        hands and were written under, and the faults reached the holders: leases lost
+        (their holders told by on_lost) or blocks ended by a store failure (PostgreSQL's
+        crashes and cuts end most of its holds that way); the permits' keys full (the
+        limit reached)."""
+        if self.mode == "plain":
+            return self.shown()
+        try:
+            snap = self.fx.snapshot(LOCK_SNAPSHOTS)
+        except FxError:
+            return False
+        found = self.history(snap)[0]
+        events: Counter[str] = Counter()
+        for path in self.stats.glob("*.txt"):
+            events.update(path.read_text().splitlines())
+        hit = events["lock_lost"] + events["store_error"] + events["fx_error"]
+        told = any(path.stat().st_size for path in self.stats.glob("*.lost"))
+        lost = self.store == "postgres" or (events["lock_lost"] > 0 and told)
+        full = self.workload != "permits" or found["most_holders_interleaved"] >= self.opts.limit
+        return len(snap["holds"]) > 3 and found["writes_accepted"] > 0 and hit > 0 and lost and full
 
     def check(self) -> dict[str, Any]:
         snap = retried(lambda: self.fx.snapshot(LOCK_SNAPSHOTS), FxError)
