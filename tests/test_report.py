@@ -1,9 +1,9 @@
-"""The one-command benchmark report runs end to end in its quick form.
+"""The one-command benchmark report runs end to end in its smallest form.
 
-Runs ``benchmarks/report.py --quick`` (its own throwaway Redis, Redis Cluster and
-PostgreSQL servers) into a temporary directory and checks what it wrote: every
-scenario for every store, positive ratios, the Markdown tables and a PNG chart.
-Numbers are reported, never asserted.
+Runs ``benchmarks/report.py --smoke`` (the fewest operations that still run every
+scenario; its own throwaway Redis, Redis Cluster and PostgreSQL servers) into a
+temporary directory and checks what it wrote: every scenario for every store, positive
+ratios, the Markdown tables and a PNG chart. Numbers are reported, never asserted.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     paths = {"md": out / "bench.md", "json": out / "bench.json", "png": out / "bench.png"}
     args = ["--out", str(paths["md"]), "--json", str(paths["json"]), "--png", str(paths["png"])]
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "report.py"), "--quick", *args],
+        [sys.executable, str(ROOT / "benchmarks" / "report.py"), "--smoke", *args],
         cwd=out,
         capture_output=True,
         text=True,
@@ -184,7 +184,7 @@ def test_markdown_has_the_tables_and_the_chart(report: dict[str, Path]) -> None:
 def test_a_subset_of_the_stores_runs_alone(tmp_path: Path) -> None:
     # --stores replaces the per-store scripts: only that store's servers and rows.
     paths = [tmp_path / "b.md", tmp_path / "b.json", tmp_path / "b.png"]
-    args = ["--quick", "--stores", "memory"]
+    args = ["--quick", "--stores", "memory"]  # --quick's configuration, on one store
     args += ["--out", str(paths[0]), "--json", str(paths[1]), "--png", str(paths[2])]
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "report.py"), *args],

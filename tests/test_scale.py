@@ -1,4 +1,4 @@
-"""``benchmarks/scale.py --quick``: issue 28's scale figures, every store, each judged.
+"""``benchmarks/scale.py --smoke``: issue 28's scale figures, every store, each judged.
 
 The command starts its own throwaway servers and measures how cost grows with the
 records in a store, a purge, heartbeated claims, waiters on one lock and the
@@ -30,7 +30,7 @@ def positive(value: Any) -> bool:
 def test_scale_quick_reports_every_figure_for_every_store(tmp_path: Path) -> None:
     out, doc = tmp_path / "scale.json", tmp_path / "benchmarks.md"
     doc.write_text("# the report\n\n<!-- scale.py -->\nolder figures\n<!-- /scale.py -->\n")
-    args = ["--quick", "--json", str(out), "--doc", str(doc)]
+    args = ["--smoke", "--json", str(out), "--doc", str(doc)]
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "scale.py"), *args],
         cwd=ROOT,
