@@ -83,6 +83,12 @@ def _fresh_install(tmp: Path, wheel: Path, extra: str) -> Path:
     return python
 
 
+#: a build, a venv, an install and its runs: over the suite's 120 s at load 25 (before the
+#: build was shared, and after); each step has a timeout of its own below
+INSTALL_TIMEOUT = 600
+
+
+@pytest.mark.timeout(INSTALL_TIMEOUT)
 def test_readme_redis_install_line_waits_over_tcp_and_unix_socket(
     tmp_path: Path, wheel: Path, unix_redis: tuple[RedisServer, str]
 ) -> None:
@@ -137,6 +143,7 @@ def test_the_site_index_install_lines_are_the_readmes() -> None:
         assert re.fullmatch(r"pip install (idemlock|'idemlock\[[a-z0-9,-]+\]')", line), line
 
 
+@pytest.mark.timeout(INSTALL_TIMEOUT)
 def test_the_site_index_plain_install_line_gives_a_working_embedded_store(
     tmp_path: Path, wheel: Path
 ) -> None:
