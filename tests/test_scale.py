@@ -26,7 +26,7 @@ def positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 def test_scale_quick_reports_every_figure_for_every_store(tmp_path: Path) -> None:
     out, doc = tmp_path / "scale.json", tmp_path / "benchmarks.md"
     doc.write_text("# the report\n\n<!-- scale.py -->\nolder figures\n<!-- /scale.py -->\n")
@@ -36,7 +36,7 @@ def test_scale_quick_reports_every_figure_for_every_store(tmp_path: Path) -> Non
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=220,
+        timeout=540,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
     report = json.loads(out.read_text())
