@@ -1,13 +1,14 @@
 """Issue 13's performance goals, measured in one command, each next to its baseline.
 
-    python benchmarks/goals.py [--quick] [--json PATH] [--doc PATH]
+    python benchmarks/goals.py [--quick | --smoke] [--json PATH] [--doc PATH]
 
 Starts its own throwaway servers and prints one Markdown table: every goal of the issue as
 a same-round ratio (the median of per-round ratios of subjects run interleaved) to the
 baseline it names, the goal, the figure at filing and MEETS or SHORT of goal by how much.
 Reference rows (no goal): the bare-socket limit (the minimal pair as pre-encoded EVALSHA
 on a plain socket) and coredis and valkey-glide next to redis.asyncio.
-``--quick`` is the CI configuration (tests/test_goals.py): noisy figures.
+``--quick`` is the CI configuration: noisy figures; ``--smoke`` the smallest one
+(tests/test_goals.py): every goal measured and judged, the figures meaningless.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ import idemlock.aio  # noqa: E402
 #: fresh interpreters timed each way
 Config = namedtuple("Config", "n rounds job_n seconds imports")
 FULL, QUICK = Config(1000, 7, 500, 5.0, 15), Config(100, 2, 50, 0.5, 2)
+#: one round of the fewest pairs the 100-task runs take, contention runs long enough for
+#: every process to hold the lock on a loaded machine, one interpreter timed each way
+SMOKE = Config(100, 1, 20, 0.4, 1)
 
 #: a user's smallest scripts: a fenced acquire (the lock, its fence counter; the owner's
 #: token, the lease), a compare-and-delete, a compare-and-set of the result
@@ -397,11 +401,14 @@ def write_doc(path: Path, rows: list[Row], how: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="short configuration (CI)")
+    configs = parser.add_mutually_exclusive_group()
+    configs.add_argument("--quick", action="store_true", help="short configuration (CI)")
+    configs.add_argument("--smoke", action="store_true", help="smallest configuration (tests)")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     parser.add_argument("--doc", type=Path, help="write the table into this file's goals section")
     args = parser.parse_args(argv)
-    cfg = QUICK if args.quick else FULL
+    cfg = SMOKE if args.smoke else QUICK if args.quick else FULL
+    mode = " --smoke" if args.smoke else " --quick" if args.quick else ""
     started, load = time.monotonic(), os.getloadavg()[0]
     print(f"idemlock goals: {cfg._asdict()}; load average {load:.2f}", flush=True)
     f: dict[str, Any] = {}
@@ -422,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     rows += references(f)
     took, load_end = time.monotonic() - started, os.getloadavg()[0]
     how = (
-        f"`python benchmarks/goals.py{' --quick' if args.quick else ''}` on "
+        f"`python benchmarks/goals.py{mode}` on "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} in {took:.0f} s ({cfg.rounds} "
         f"interleaved rounds of {cfg.n} pairs, contention runs of {cfg.seconds:g} s; load "
         f"average {load:.2f} at start, {load_end:.2f} at end, {os.cpu_count()} CPUs)"

@@ -1,13 +1,14 @@
 """One command, one run: every benchmark scenario on every store, next to the peers.
 
-    python benchmarks/report.py [--quick] [--stores redis,postgres,...]
+    python benchmarks/report.py [--quick | --smoke] [--stores redis,postgres,...]
                                 [--out docs/benchmarks.md] [--json docs/benchmarks.json]
                                 [--png docs/benchmarks.png]
 
 Starts its own throwaway servers (tests/servers/), runs each scenario of scenarios.py on
 each store's subjects (subjects/), every figure a ratio against a baseline of the same
 run (common.BASELINES), writes the JSON, then render.py's Markdown and PNG chart.
-``--quick`` is the CI configuration; ``--stores`` runs a subset.
+``--quick`` is the CI configuration; ``--smoke`` the smallest one, for the tests (every
+scenario, figure and table, the figures meaningless); ``--stores`` runs a subset.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ import idemlock  # noqa: E402
 
 FULL = c.Config(n=1000, rounds=7, job_n=500, seconds=5.0, count=50, scaled=True)
 QUICK = c.Config(n=100, rounds=2, job_n=50, seconds=0.6, count=10, scaled=False)
+#: one round of the fewest pairs the 100-task runs take; contention runs long enough for
+#: every process to hold the lock on a loaded machine; round trips counted as in QUICK
+SMOKE = c.Config(n=100, rounds=1, job_n=20, seconds=0.4, count=10, scaled=False)
 DISTS = ("redis", "hiredis", "psycopg", "psycopg-pool", "asyncpg", "matplotlib")
 
 
@@ -49,18 +53,21 @@ def cpu_model() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="reduced configuration (CI)")
+    configs = parser.add_mutually_exclusive_group()
+    configs.add_argument("--quick", action="store_true", help="reduced configuration (CI)")
+    configs.add_argument("--smoke", action="store_true", help="smallest configuration (tests)")
     add_paths(parser, "out", "json", "png")
     parser.add_argument(
         "--stores", default=",".join(c.STORES), help=f"comma-separated subset of {c.STORES}"
     )
     args = parser.parse_args(argv)
     stores = [s for s in c.STORES if s in args.stores.split(",")]
-    cfg = QUICK if args.quick else FULL
+    cfg = SMOKE if args.smoke else QUICK if args.quick else FULL
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     import matplotlib  # noqa: F401  (the chart is part of the report: fail before the run)
 
     started, load_start = time.monotonic(), os.getloadavg()
-    print(f"idemlock benchmark report ({'quick' if args.quick else 'full'}): {asdict(cfg)}; "
+    print(f"idemlock benchmark report ({mode}): {asdict(cfg)}; "
           f"{os.cpu_count()} cpus, load average {load_start[0]:.2f}")  # fmt: skip
     res = c.Results()
     versions = {"idemlock": idemlock.__version__, "sqlite": sqlite3.sqlite_version}
@@ -95,10 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     data = {
         "meta": {
             "command": "python benchmarks/report.py"
-            + (" --quick" if args.quick else "")
+            + ("" if mode == "full" else f" --{mode}")
             + (f" --stores {','.join(stores)}" if stores != list(c.STORES) else ""),
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "quick": args.quick,
+            "quick": mode != "full",
             "config": asdict(cfg),
             "wall_seconds": time.monotonic() - started,
             "cpu_count": os.cpu_count(),

@@ -1,6 +1,6 @@
 """Issue 28's scale figures: how cost grows with the work, each with its goal.
 
-    python benchmarks/scale.py [--quick] [--sizes 10000,100000] [--only live]
+    python benchmarks/scale.py [--quick | --smoke] [--sizes 10000,100000] [--only live]
                                [--arrival uniform] [--json PATH] [--doc PATH]
 
 Starts its own throwaway servers (SQLite files, Redis, PostgreSQL) and prints one
@@ -28,7 +28,8 @@ then it is copied N times under fresh random UUID keys in the store's own layout
 (SQLite), pipelined ``SET ... PX`` of the same value (Redis). Writing a million records
 through the API would take longer than measuring them; the copies are byte for byte
 what the API writes, but for the key.
-``--quick`` is the CI configuration (tests/test_scale.py): tiny sizes, noisy figures.
+``--quick`` is the CI configuration: tiny sizes, noisy figures; ``--smoke`` the smallest
+(tests/test_scale.py): every figure of every store, the figures meaningless.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ class Config:
 
 FULL = Config((10_000, 100_000, 1_000_000), 1000, 9, 1_000_000, 10_000, 30.0)
 QUICK = Config((1_000, 10_000), 100, 2, 10_000, 200, 3.0)
+#: two sizes still, one round; the live claims' lease keeps a renewal every 2/3 s
+SMOKE = Config((500, 2_000), 100, 1, 2_000, 100, 2.0)
 FLEET = {False: Fleet(10, 100, 5.0, 200, 5.0), True: Fleet(2, 5, 1.0, 4, 1.0)}  # by --quick
 PARTS = "records,purge,live,waiters,connections"
 STORES = ("sqlite", "postgres", "redis")
@@ -518,7 +521,9 @@ def write_doc(path: Path, how: str, tables: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (CI)")
+    configs = parser.add_mutually_exclusive_group()
+    configs.add_argument("--quick", action="store_true", help="tiny sizes (CI)")
+    configs.add_argument("--smoke", action="store_true", help="smallest sizes (tests)")
     parser.add_argument("--sizes", help="live records, comma-separated (default 10k,100k,1M)")
     parser.add_argument("--only", default=PARTS, help=f"parts to run, comma-separated (of {PARTS})")
     parser.add_argument(
@@ -534,11 +539,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.doc and (args.only != PARTS or args.fleet or args.stores != ",".join(STORES)):
         parser.error("--doc writes the whole section: run every part on every store")
-    cfg = QUICK if args.quick else FULL
+    cfg = SMOKE if args.smoke else QUICK if args.quick else FULL
     if args.sizes:
         sizes = tuple(sorted(int(s) for s in args.sizes.split(",")))
         cfg = Config(sizes, cfg.n, cfg.rounds, sizes[-1], cfg.live, cfg.lease)
-    fleet = FLEET[args.quick]
+    fleet = FLEET[args.quick or args.smoke]
     if args.fleet:
         procs, tasks, conns = (int(v) for v in args.fleet.split(","))
         fleet = Fleet(procs, tasks, fleet.settle, conns, fleet.idle)

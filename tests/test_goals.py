@@ -1,4 +1,4 @@
-"""``benchmarks/goals.py --quick``: issue 13's goal table, each row with its verdict.
+"""``benchmarks/goals.py --smoke``: issue 13's goal table, each row with its verdict.
 
 The command starts its own throwaway servers and measures every goal next to the
 baseline it names. Timings are never asserted here (a shared 2-core machine decides
@@ -40,7 +40,7 @@ GOALS = [
 def test_goals_quick_prints_every_goal_with_a_verdict(tmp_path: Path) -> None:
     out, doc = tmp_path / "goals.json", tmp_path / "benchmarks.md"
     doc.write_text("# the report\n\n<!-- goals.py -->\nan older table\n<!-- /goals.py -->\n")
-    args = ["--quick", "--json", str(out), "--doc", str(doc)]
+    args = ["--smoke", "--json", str(out), "--doc", str(doc)]
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "goals.py"), *args],
         cwd=ROOT,

@@ -43,8 +43,11 @@ def unix_redis() -> Iterator[tuple[RedisServer, str]]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _fresh_install(tmp: Path, extra: str) -> Path:
-    """A venv with ``pip install '<copy of this checkout>[extra]'``; its python."""
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This checkout built once (what ``pip install <checkout>`` builds first, in an
+    isolated build environment) for every install line of the module."""
+    tmp = tmp_path_factory.mktemp("wheel")
     repo = tmp / "repo"
     repo.mkdir()
     for name in ("pyproject.toml", "README.md"):
@@ -53,13 +56,25 @@ def _fresh_install(tmp: Path, extra: str) -> Path:
     shutil.copytree(
         ROOT / "src", repo / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info")
     )
+    dist = tmp / "dist"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist), str(repo)],
+        capture_output=True, text=True, timeout=240, env=_clean_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (built,) = dist.glob("idemlock-*.whl")
+    return built
+
+
+def _fresh_install(tmp: Path, wheel: Path, extra: str) -> Path:
+    """A venv with ``pip install '<this checkout, built>[extra]'``; its python."""
     venv = tmp / "venv"
     # No pip of its own (ensurepip takes seconds): this interpreter's pip installs into it.
     subprocess.run(
         [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120
     )
     python = venv / "bin" / "python"
-    target = f"{repo}[{extra}]" if extra else str(repo)
+    target = f"{wheel}[{extra}]" if extra else str(wheel)
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", target],
         capture_output=True, text=True, timeout=240, env=_clean_env(),
@@ -68,12 +83,18 @@ def _fresh_install(tmp: Path, extra: str) -> Path:
     return python
 
 
+#: a build, a venv, an install and its runs: over the suite's 120 s at load 25 (before the
+#: build was shared, and after); each step has a timeout of its own below
+INSTALL_TIMEOUT = 600
+
+
+@pytest.mark.timeout(INSTALL_TIMEOUT)
 def test_readme_redis_install_line_waits_over_tcp_and_unix_socket(
-    tmp_path: Path, unix_redis: tuple[RedisServer, str]
+    tmp_path: Path, wheel: Path, unix_redis: tuple[RedisServer, str]
 ) -> None:
     readme = (ROOT / "README.md").read_text()
     assert "pip install 'idemlock[redis]'" in readme  # the line this test stands for
-    python = _fresh_install(tmp_path, "redis")
+    python = _fresh_install(tmp_path, wheel, "redis")
     probe = subprocess.run(
         [str(python), "-c", "import importlib.util, redis.utils; "
          "print(importlib.util.find_spec('hiredis') is None, redis.utils.HIREDIS_AVAILABLE)"],
@@ -122,14 +143,15 @@ def test_the_site_index_install_lines_are_the_readmes() -> None:
         assert re.fullmatch(r"pip install (idemlock|'idemlock\[[a-z0-9,-]+\]')", line), line
 
 
+@pytest.mark.timeout(INSTALL_TIMEOUT)
 def test_the_site_index_plain_install_line_gives_a_working_embedded_store(
-    tmp_path: Path,
+    tmp_path: Path, wheel: Path
 ) -> None:
     # `pip install idemlock` with no extra: the SQLite default and asyncio work with only
     # the core requirements (a checkout's copy stands for the published package).
     lines, _ = _index_install_section()
     assert "pip install idemlock" in lines
-    python = _fresh_install(tmp_path, "")
+    python = _fresh_install(tmp_path, wheel, "")
     code = (
         "import asyncio, sys, idemlock, idemlock.aio\n"
         "coord = idemlock.connect(f'sqlite:///{sys.argv[1]}')\n"

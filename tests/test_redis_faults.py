@@ -232,6 +232,7 @@ def test_every_wait_over_tcp_and_unix_socket(
     redis_wait_script.main(url)
 
 
+@pytest.mark.timeout(330)  # the run below has 300 s; 55 s of it at load 20 alone
 def test_redis_waits_and_contract_without_hiredis() -> None:
     """``pip install 'idemlock[redis]'`` has no hiredis: every waiting path (the contract's
     waits on standalone and Cluster, and the waits above over TCP and a unix socket) runs

@@ -13,6 +13,7 @@ import importlib
 import sys
 
 import pytest
+from hypothesis import Phase, settings
 
 MODULES = ("errors", "lock", "fence", "idempotency", "types", "canonicalize", "keys", "client")
 
@@ -71,6 +72,15 @@ def _install() -> None:
 
 _install()
 
+# fencekit's property tests keep their own example counts. A failing example is
+# reported as found, not shrunk or explained: shrinking reruns the store scenario (TTL
+# sleeps included) dozens of times for the strict xfail above, and the explain phase
+# imports libcst; neither changes whether a test passes or fails.
+settings.register_profile(
+    "fencekit_shim", phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target]
+)
+settings.load_profile("fencekit_shim")
+
 
 def pytest_ignore_collect(collection_path: object, config: pytest.Config) -> bool | None:
     rel = str(collection_path).replace(str(config.rootpath) + "/", "")
@@ -107,3 +117,11 @@ def pytest_report_header(config: pytest.Config) -> str:
         f"fencekit -> idemlock.compat.fencekit; excluded files: {len(EXCLUDED_FILES)}, "
         f"excluded tests: {len(EXCLUDED_TESTS)}, strict xfails: {len(XFAILS)}"
     )
+
+
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> None:
+    # Runs inside hypothesis's own report hook, before it reads the failing examples:
+    # for an expected failure they would only make it import libcst to write a patch
+    # file into the sdist. The falsifying example stays in the xfail's report.
+    if item.get_closest_marker("xfail") is not None:
+        item.__dict__.pop("_hypothesis_failing_examples", None)

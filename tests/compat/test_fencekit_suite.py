@@ -69,11 +69,19 @@ def test_fencekit_suite(version: str, redis_server: RedisServer) -> None:
     env = dict(os.environ)
     env["FENCEKIT_REDIS_URL"] = redis_server.url
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    # Only the plugins fencekit's suite uses (hypothesis, and pytest-timeout for its
+    # ``timeout`` setting): importing every installed one (asyncio, anyio, trio,
+    # benchmark, idemlock's own) cost each run seconds of CPU on a shared machine.
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     proc = subprocess.run(
         [
             sys.executable,
             "-m",
             "pytest",
+            "-p",
+            "hypothesispytest",
+            "-p",
+            "timeout",
             "-p",
             "fencekit_shim",
             "-p",

@@ -319,6 +319,9 @@ def _sentinel(target: _Target) -> Any:
         sentinel_kw["ssl"] = True
     if "retry" not in options:
         kwargs["retry"] = _default_retry(asynchronous)
+    # The Sentinels' own clients too: redis-py's default (3 retries, backoff from 1 s)
+    # made one call with every Sentinel down take ~11 s per attempt, whatever timeout=.
+    sentinel_kw["retry"] = _default_retry(asynchronous)
     kwargs.update(parsed)
     kwargs.update(options)
     try:
