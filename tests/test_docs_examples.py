@@ -152,27 +152,37 @@ class ExampleRunner:
     """The fork server above, started on first use and stopped by :meth:`close`."""
 
     def __init__(self) -> None:
-        self._proc: subprocess.Popen[str] | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._home: Path | None = None
+        self._read = b""  # what the runner answered past the last line taken
 
-    def _server(self) -> subprocess.Popen[str]:
+    def _server(self) -> subprocess.Popen[bytes]:
         if self._proc is None or self._proc.poll() is not None:
-            env = example_env(Path(mkdtemp("idemlock-docs-runner-")))
+            self.close()
+            self._home = mkdtemp("idemlock-docs-runner-")
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", FORK_SERVER, RUNNER],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
-                env=env,
-                text=True,
+                env=example_env(self._home),
+                bufsize=0,
             )
+            self._read = b""
         return self._proc
 
-    def _answer(self, proc: subprocess.Popen[str], timeout: float) -> dict[str, int]:
+    def _answer(self, proc: subprocess.Popen[bytes], timeout: float) -> dict[str, int]:
+        """The runner's next answer line, within ``timeout`` seconds."""
         assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], timeout)
-        if not ready:
-            raise subprocess.TimeoutExpired("example", timeout)
-        line = proc.stdout.readline()
-        assert line, f"the example runner exited {proc.poll()}"
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._read:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([proc.stdout], [], [], max(left, 0))
+            if not ready:
+                raise subprocess.TimeoutExpired("example", timeout)
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            assert chunk, f"the example runner exited {proc.poll()}"
+            self._read += chunk
+        line, self._read = self._read.split(b"\n", 1)
         return json.loads(line)  # type: ignore[no-any-return]
 
     def run(
@@ -189,8 +199,7 @@ class ExampleRunner:
             "stdout": str(out),
             "stderr": str(err),
         }
-        proc.stdin.write(json.dumps(request) + "\n")
-        proc.stdin.flush()
+        proc.stdin.write(json.dumps(request).encode() + b"\n")
         pid = self._answer(proc, 60)["pid"]
         try:
             code = self._answer(proc, timeout)["code"]
@@ -207,16 +216,19 @@ class ExampleRunner:
         )
 
     def close(self) -> None:
-        if self._proc is not None:
-            assert self._proc.stdin is not None
-            self._proc.stdin.close()
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.close()  # the runner's end of input: it exits
             try:
-                self._proc.wait(30)
+                proc.wait(30)
             except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(30)
-            if self._proc.stdout is not None:
-                self._proc.stdout.close()
+                proc.kill()
+                proc.wait(30)
+            proc.stdout.close()
+        if self._home is not None:
+            shutil.rmtree(self._home, ignore_errors=True)
+            self._home = None
 
 
 @pytest.fixture(scope="module")

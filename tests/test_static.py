@@ -11,8 +11,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -57,9 +55,8 @@ def _mypy(where: Path, files: list[str]) -> subprocess.CompletedProcess[str]:
 
 @dataclass(frozen=True)
 class Checked:
-    """One ``mypy --strict`` run over every user program of this file, each a module of
-    its own (a run per program spent most of its time analysing idemlock and the queues
-    and frameworks again)."""
+    """What one ``mypy --strict`` run over a test's programs said (a run per program
+    spent most of its time analysing idemlock and the queues or frameworks again)."""
 
     out: subprocess.CompletedProcess[str]
 
@@ -77,34 +74,12 @@ class Checked:
         return "\n".join(mine) + "\n" + self.out.stderr
 
 
-def _programs() -> dict[str, str]:
-    """Every program the tests below check: name -> source."""
-    return {
-        "user_program": USER_PROGRAM,
-        "user_wrong": USER_PROGRAM.replace("lease.token + 1", 'lease.token + "1"'),
-        "queues_program": QUEUES_PROGRAM,
-        "queues_wrong_lease": QUEUES_PROGRAM.replace(
-            "lease=600, delay=1000", 'lease="10 min", delay=1000'
-        ),
-        "queues_misspelt": QUEUES_PROGRAM.replace("retry_every=2.5", "retry_evry=2.5"),
-        "typed_parameters": TYPED_PARAMETERS_PROGRAM,
-    }
-
-
-#: the one mypy run (the setup of whichever of its tests comes first) analyses idemlock,
-#: the queues and the web frameworks: seconds on an idle machine, minutes on a loaded one
-MYPY_TIMEOUT = pytest.mark.timeout(600)
-
-
-@pytest.fixture(scope="module")
-def checked(tmp_path_factory: pytest.TempPathFactory) -> Checked:
-    where = tmp_path_factory.mktemp("user-programs")
-    programs = _programs()
+def _mypy_programs(where: Path, programs: dict[str, str]) -> Checked:
+    """One ``mypy --strict`` run over ``programs`` (name -> source), each a module of its
+    own: errors (exit 1, never a crash's 2) in the programs only, never in idemlock's files."""
     for name, source in programs.items():
-        assert source, name
         (where / f"{name}.py").write_text(source)
     out = _mypy(where, [f"{name}.py" for name in programs])
-    # Errors (exit 1, never a crash's 2) in the programs only, never in idemlock's files.
     assert out.returncode == 1, out.stdout + out.stderr
     elsewhere = [
         line
@@ -115,8 +90,9 @@ def checked(tmp_path_factory: pytest.TempPathFactory) -> Checked:
     return Checked(out)
 
 
-@MYPY_TIMEOUT
-def test_users_strict_mypy_needs_no_asserts_on_public_types(checked: Checked) -> None:
+def test_users_strict_mypy_needs_no_asserts_on_public_types(tmp_path: Path) -> None:
+    wrong = USER_PROGRAM.replace("lease.token + 1", 'lease.token + "1"')
+    checked = _mypy_programs(tmp_path, {"user_program": USER_PROGRAM, "user_wrong": wrong})
     assert not checked.errors("user_program"), checked.output("user_program")
     # The check is real: the same program with a type error is refused.
     assert checked.errors("user_wrong"), checked.output("user_wrong")
@@ -183,8 +159,15 @@ def deprecated_rq(queue: Queue) -> RqJob | None:
 """
 
 
-@MYPY_TIMEOUT
-def test_users_strict_mypy_accepts_enqueue_once_on_every_queue(checked: Checked) -> None:
+def test_users_strict_mypy_accepts_enqueue_once_on_every_queue(tmp_path: Path) -> None:
+    programs = {
+        "queues_program": QUEUES_PROGRAM,
+        "queues_wrong_lease": QUEUES_PROGRAM.replace(
+            "lease=600, delay=1000", 'lease="10 min", delay=1000'
+        ),
+        "queues_misspelt": QUEUES_PROGRAM.replace("retry_every=2.5", "retry_evry=2.5"),
+    }
+    checked = _mypy_programs(tmp_path, programs)
     assert not checked.errors("queues_program"), checked.output("queues_program")
     # The check is real: a lease that is not seconds is refused.
     out = checked.output("queues_wrong_lease")
@@ -341,8 +324,8 @@ def extension(app: Flask) -> None:
 """
 
 
-@MYPY_TIMEOUT
-def test_users_strict_mypy_refuses_wrong_types_where_idemlock_took_any(checked: Checked) -> None:
+def test_users_strict_mypy_refuses_wrong_types_where_idemlock_took_any(tmp_path: Path) -> None:
+    checked = _mypy_programs(tmp_path, {"typed_parameters": TYPED_PARAMETERS_PROGRAM})
     # Before these parameters were typed (Any), mypy accepted every line of this program.
     lines = TYPED_PARAMETERS_PROGRAM.splitlines()
     refused = {i for i, line in enumerate(lines, start=1) if line.endswith("# refused")}
