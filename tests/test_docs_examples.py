@@ -1,7 +1,6 @@
 """Every ```python block of README.md and docs/**/*.md runs, so no example can rot.
 
-Each block runs in a process of its own with a temporary working directory (forked
-from a runner that has imported idemlock already, see :class:`ExampleRunner`), against a
+Each block runs in a fresh interpreter with a temporary working directory, against a
 real store: the embedded SQLite default (``$XDG_STATE_HOME`` points into the temporary
 directory, ``$IDEMLOCK_URL`` is unset), or for the documented placeholder URLs the
 throwaway servers of ``tests/servers/``: ``redis://localhost:6379/N`` (and
@@ -29,10 +28,8 @@ tasks worker``, ``rq worker --with-scheduler``, ``arq worker.WorkerSettings``,
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
-import select
 import shlex
 import shutil
 import signal
@@ -76,168 +73,6 @@ else:
     exec(code, module.__dict__)
 """
 MODULE_NAME = re.compile(r"^# (?P<name>[A-Za-z_][A-Za-z0-9_]*)\.py\b")
-
-
-# The runner of the examples: one interpreter per pytest worker that has imported
-# idemlock, its asyncio face and the stores' modules (seconds on a busy machine, which a
-# fresh interpreter per example paid again), then forks a child per example. The child
-# takes the example's working directory, environment and output files, runs RUNNER as a
-# fresh interpreter would run it (``python -c RUNNER path name``), then exits as that
-# interpreter would: non-daemon threads joined, atexit functions run, the exit code of
-# a SystemExit, 1 with the traceback on stderr for any other exception. One request per
-# line on stdin (JSON); the answers on stdout: the child's pid, then its exit code.
-FORK_SERVER = """
-import atexit, importlib, json, os, sys, threading, traceback
-import idemlock, idemlock.aio
-import idemlock.stores.sqlite, idemlock.stores.redis, idemlock.stores.postgres
-
-RUNNER = sys.argv[1]
-answer = os.fdopen(os.dup(1), "w")
-for line in sys.stdin:
-    req = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.chdir(req["cwd"])
-            os.environ.clear()
-            os.environ.update(req["env"])
-            null = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(null, 0)
-            for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
-                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-            sys.argv = ["-c", req["script"], req["module"]]
-            sys.path[0] = ""
-            importlib.invalidate_caches()
-            try:
-                exec(compile(RUNNER, "<runner>", "exec"), {"__name__": "__runner__"})
-                code = 0
-            except SystemExit as exc:
-                if exc.code is None or isinstance(exc.code, int):
-                    code = exc.code or 0
-                else:
-                    print(exc.code, file=sys.stderr)
-            except BaseException:
-                traceback.print_exc()
-            threading._shutdown()
-            atexit._run_exitfuncs()
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        finally:
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except BaseException:
-                    pass
-            os._exit(code)
-    print(json.dumps({"pid": pid}), file=answer, flush=True)
-    _, status = os.waitpid(pid, 0)
-    print(json.dumps({"code": os.waitstatus_to_exitcode(status)}), file=answer, flush=True)
-"""
-
-
-def example_env(tmp_path: Path) -> dict[str, str]:
-    """An example's environment: no idemlock or pytest variables, the default SQLite
-    file in ``tmp_path``, this interpreter's console scripts first on PATH (``idemlock``
-    in an example is the one a reader who installed the package runs)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("IDEMLOCK_", "PYTEST_"))}
-    env["XDG_STATE_HOME"] = str(tmp_path / "state")  # the default SQLite file lands here
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    return env
-
-
-class ExampleRunner:
-    """The fork server above, started on first use and stopped by :meth:`close`."""
-
-    def __init__(self) -> None:
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._home: Path | None = None
-        self._read = b""  # what the runner answered past the last line taken
-
-    def _server(self) -> subprocess.Popen[bytes]:
-        if self._proc is None or self._proc.poll() is not None:
-            self.close()
-            self._home = mkdtemp("idemlock-docs-runner-")
-            self._proc = subprocess.Popen(
-                [sys.executable, "-c", FORK_SERVER, RUNNER],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                env=example_env(self._home),
-                bufsize=0,
-            )
-            self._read = b""
-        return self._proc
-
-    def _answer(self, proc: subprocess.Popen[bytes], timeout: float) -> dict[str, int]:
-        """The runner's next answer line, within ``timeout`` seconds."""
-        assert proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self._read:
-            left = deadline - time.monotonic()
-            ready, _, _ = select.select([proc.stdout], [], [], max(left, 0))
-            if not ready:
-                raise subprocess.TimeoutExpired("example", timeout)
-            chunk = os.read(proc.stdout.fileno(), 4096)
-            assert chunk, f"the example runner exited {proc.poll()}"
-            self._read += chunk
-        line, self._read = self._read.split(b"\n", 1)
-        return json.loads(line)  # type: ignore[no-any-return]
-
-    def run(
-        self, script: Path, module: str, cwd: Path, env: dict[str, str], timeout: float
-    ) -> subprocess.CompletedProcess[str]:
-        proc = self._server()
-        assert proc.stdin is not None
-        out, err = script.with_suffix(".stdout"), script.with_suffix(".stderr")
-        request = {
-            "script": str(script),
-            "module": module,
-            "cwd": str(cwd),
-            "env": env,
-            "stdout": str(out),
-            "stderr": str(err),
-        }
-        proc.stdin.write(json.dumps(request).encode() + b"\n")
-        pid = self._answer(proc, 60)["pid"]
-        try:
-            code = self._answer(proc, timeout)["code"]
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            self._answer(proc, 60)
-            raise
-        return subprocess.CompletedProcess(
-            ["example", str(script)],
-            code,
-            out.read_text(errors="replace"),
-            err.read_text(errors="replace"),
-        )
-
-    def close(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None:
-            assert proc.stdin is not None and proc.stdout is not None
-            proc.stdin.close()  # the runner's end of input: it exits
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(30)
-            proc.stdout.close()
-        if self._home is not None:
-            shutil.rmtree(self._home, ignore_errors=True)
-            self._home = None
-
-
-@pytest.fixture(scope="module")
-def runner() -> Iterator[ExampleRunner]:
-    r = ExampleRunner()
-    try:
-        yield r
-    finally:
-        r.close()
 
 
 @dataclass(frozen=True)
@@ -392,11 +227,7 @@ IMPORTS_ARQ = re.compile(
 
 @pytest.mark.parametrize("block", [pytest.param(b, id=b.id, marks=_marks(b)) for b in RUNNABLE])
 def test_example_runs(
-    block: Block,
-    tmp_path: Path,
-    request: pytest.FixtureRequest,
-    docs_redis: RedisServer,
-    runner: ExampleRunner,
+    block: Block, tmp_path: Path, request: pytest.FixtureRequest, docs_redis: RedisServer
 ) -> None:
     def redis_url() -> str:
         docs_redis.client().flushall()  # type: ignore[attr-defined]
@@ -414,7 +245,7 @@ def test_example_runs(
         "etcd": lambda: request.getfixturevalue("etcd_server").url,
     }
     code = substitute(program(block), servers)
-    out, script = run_example(runner, code, tmp_path)
+    out, script = run_example(code, tmp_path)
     assert out.returncode == 0, (
         f"{block.id} failed (exit {out.returncode}):\n--- program\n{script.read_text()}"
         f"\n--- stdout\n{out.stdout}\n--- stderr\n{out.stderr}"
@@ -422,56 +253,43 @@ def test_example_runs(
 
 
 def run_example(
-    runner: ExampleRunner, code: str, tmp_path: Path, cwd: Path | None = None
+    code: str, tmp_path: Path, cwd: Path | None = None
 ) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """Run one example's program in a process of its own (forked by ``runner``) with
-    ``tmp_path`` (or ``cwd``) as its cwd; the program is saved in ``tmp_path``."""
+    """Run one example's program in a fresh interpreter with ``tmp_path`` (or ``cwd``)
+    as its cwd; the program is saved in ``tmp_path``."""
     named = MODULE_NAME.match(code)
     module = named["name"] if named else "__main__"
     script = tmp_path / (f"{module}.py" if named else "example.py")
     script.write_text(code, encoding="utf-8")
-    out = runner.run(script, module, cwd or tmp_path, example_env(tmp_path), timeout=120)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("IDEMLOCK_", "PYTEST_"))}
+    env["XDG_STATE_HOME"] = str(tmp_path / "state")  # the default SQLite file lands here
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    # `idemlock` in an example is this interpreter's console script, as for a reader who
+    # installed the package.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    out = subprocess.run(
+        [sys.executable, "-c", RUNNER, str(script), module],
+        cwd=cwd or tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     return out, script
 
 
-def test_a_rotten_example_fails(tmp_path: Path, runner: ExampleRunner) -> None:
+def test_a_rotten_example_fails(tmp_path: Path) -> None:
     # The runner reports a failing example, also one failing under top-level await,
     # and runs a "# name.py" block as that module.
-    out, _ = run_example(runner, "import idemlock\nidemlock.connect().no_such_method()\n", tmp_path)
+    out, _ = run_example("import idemlock\nidemlock.connect().no_such_method()\n", tmp_path)
     assert out.returncode != 0 and "no_such_method" in out.stderr
-    out, _ = run_example(
-        runner, "import asyncio\nawait asyncio.sleep(0)\nraise SystemExit(3)\n", tmp_path
-    )
+    out, _ = run_example("import asyncio\nawait asyncio.sleep(0)\nraise SystemExit(3)\n", tmp_path)
     assert out.returncode == 3
     out, _ = run_example(
-        runner, "# jobs.py\nimport sys\nassert __name__ == 'jobs' in sys.modules\n", tmp_path
+        "# jobs.py\nimport sys\nassert __name__ == 'jobs' in sys.modules\n", tmp_path
     )
     assert out.returncode == 0, out.stderr
-
-
-def test_each_example_has_a_process_of_its_own(tmp_path: Path, runner: ExampleRunner) -> None:
-    # What one example leaves (a module, a variable, a working directory, an atexit
-    # function, a thread) is not the next one's: each runs as a fresh interpreter would,
-    # and its exit waits for its threads and runs its atexit functions like one.
-    first, second = tmp_path / "first", tmp_path / "second"
-    first.mkdir()
-    second.mkdir()
-    leave = (
-        "# left.py\nimport atexit, os, sys, threading, time\n"
-        "os.environ['LEFT'] = '1'\nsys.modules['left_behind'] = sys.modules['left']\n"
-        "threading.Thread(target=lambda: (time.sleep(0.2), print('thread done'))).start()\n"
-        "atexit.register(print, 'atexit ran')\n"
-    )
-    out, _ = run_example(runner, leave, first)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["thread done", "atexit ran"]
-    check = (
-        "import os, sys\nassert 'left_behind' not in sys.modules and 'LEFT' not in os.environ\n"
-        f"assert os.getcwd() == {str(second)!r}, os.getcwd()\n"
-        "import left\n"  # a module of the first example's directory: not found here
-    )
-    out, _ = run_example(runner, check, second)
-    assert out.returncode == 1 and "No module named 'left'" in out.stderr, out.stderr
 
 
 def test_not_run_blocks_are_counted() -> None:
@@ -700,13 +518,7 @@ COORDINATOR_URL = re.compile(r"""\b(?:idemlock_)?coordinator=["'](?P<url>[^"']+)
 
 @pytest.mark.parametrize(("name", "program_name", "send", "key"), WORKER_PAGES)
 def test_queue_recipes_run_under_their_worker_command(
-    name: str,
-    program_name: str,
-    send: int,
-    key: str,
-    tmp_path: Path,
-    docs_redis: RedisServer,
-    runner: ExampleRunner,
+    name: str, program_name: str, send: int, key: str, tmp_path: Path, docs_redis: RedisServer
 ) -> None:
     import idemlock
 
@@ -727,7 +539,7 @@ def test_queue_recipes_run_under_their_worker_command(
         store = f"sqlite:///{work / store.removeprefix('sqlite:///')}"  # the worker's cwd
     # The page's sends, from the worker's directory; the program is kept apart from
     # the module so the worker imports the module alone.
-    out, script = run_example(runner, substitute(program(sender), servers), tmp_path, cwd=work)
+    out, script = run_example(substitute(program(sender), servers), tmp_path, cwd=work)
     assert out.returncode == 0, f"{sender.id}: {out.stdout}{out.stderr}\n{script.read_text()}"
     argv = run_command(page, program_name)
     env = command_env(work)
