@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,9 +38,13 @@ def main() -> int:
 
 def _mypy_user(tmp_path: Path, source: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "user_program.py").write_text(source)
+    return _mypy(tmp_path, ["user_program.py"])
+
+
+def _mypy(where: Path, files: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", "user_program.py"],
-        cwd=tmp_path,  # outside the repository: none of its mypy configuration applies
+        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", *files],
+        cwd=where,  # outside the repository: none of its mypy configuration applies
         # this tree's idemlock, whichever one the interpreter has installed
         env={**os.environ, "MYPYPATH": str(ROOT / "src")},
         capture_output=True,
@@ -48,13 +53,50 @@ def _mypy_user(tmp_path: Path, source: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@dataclass(frozen=True)
+class Checked:
+    """What one ``mypy --strict`` run over a test's programs said (a run per program
+    spent most of its time analysing idemlock and the queues or frameworks again)."""
+
+    out: subprocess.CompletedProcess[str]
+
+    def errors(self, name: str) -> list[str]:
+        """The error lines of program ``name`` (its file ``name.py``)."""
+        return [
+            line
+            for line in self.out.stdout.splitlines()
+            if line.startswith(f"{name}.py:") and ": error:" in line
+        ]
+
+    def output(self, name: str) -> str:
+        """Program ``name``'s lines of mypy's output (its errors and their notes)."""
+        mine = [line for line in self.out.stdout.splitlines() if line.startswith(f"{name}.py:")]
+        return "\n".join(mine) + "\n" + self.out.stderr
+
+
+def _mypy_programs(where: Path, programs: dict[str, str]) -> Checked:
+    """One ``mypy --strict`` run over ``programs`` (name -> source), each a module of its
+    own: errors (exit 1, never a crash's 2) in the programs only, never in idemlock's files."""
+    for name, source in programs.items():
+        (where / f"{name}.py").write_text(source)
+    out = _mypy(where, [f"{name}.py" for name in programs])
+    assert out.returncode == 1, out.stdout + out.stderr
+    elsewhere = [
+        line
+        for line in out.stdout.splitlines()
+        if ": error:" in line and not any(line.startswith(f"{n}.py:") for n in programs)
+    ]
+    assert not elsewhere, out.stdout
+    return Checked(out)
+
+
 def test_users_strict_mypy_needs_no_asserts_on_public_types(tmp_path: Path) -> None:
-    out = _mypy_user(tmp_path, USER_PROGRAM)
-    assert out.returncode == 0, out.stdout + out.stderr
-    # The check is real: the same program with a type error is refused.
     wrong = USER_PROGRAM.replace("lease.token + 1", 'lease.token + "1"')
-    out = _mypy_user(tmp_path, wrong)
-    assert out.returncode == 1 and 'Unsupported operand types for + ("int" and "str")' in out.stdout
+    checked = _mypy_programs(tmp_path, {"user_program": USER_PROGRAM, "user_wrong": wrong})
+    assert not checked.errors("user_program"), checked.output("user_program")
+    # The check is real: the same program with a type error is refused.
+    assert checked.errors("user_wrong"), checked.output("user_wrong")
+    assert 'Unsupported operand types for + ("int" and "str")' in checked.output("user_wrong")
 
 
 #: A user's program sending once through the queues (arq's part: tests/test_arq.py, whose
@@ -118,18 +160,22 @@ def deprecated_rq(queue: Queue) -> RqJob | None:
 
 
 def test_users_strict_mypy_accepts_enqueue_once_on_every_queue(tmp_path: Path) -> None:
-    out = _mypy_user(tmp_path, QUEUES_PROGRAM)
-    assert out.returncode == 0, out.stdout + out.stderr
+    programs = {
+        "queues_program": QUEUES_PROGRAM,
+        "queues_wrong_lease": QUEUES_PROGRAM.replace(
+            "lease=600, delay=1000", 'lease="10 min", delay=1000'
+        ),
+        "queues_misspelt": QUEUES_PROGRAM.replace("retry_every=2.5", "retry_evry=2.5"),
+    }
+    checked = _mypy_programs(tmp_path, programs)
+    assert not checked.errors("queues_program"), checked.output("queues_program")
     # The check is real: a lease that is not seconds is refused.
-    wrong = QUEUES_PROGRAM.replace("lease=600, delay=1000", 'lease="10 min", delay=1000')
-    out = _mypy_user(tmp_path, wrong)
-    assert out.returncode == 1 and 'Argument "lease" to "enqueue_once"' in out.stdout, out.stdout
+    out = checked.output("queues_wrong_lease")
+    assert checked.errors("queues_wrong_lease") and 'Argument "lease" to "enqueue_once"' in out
     # ... and so is a misspelt job option (the options every queue shares, typed once).
-    wrong = QUEUES_PROGRAM.replace("retry_every=2.5", "retry_evry=2.5")
-    out = _mypy_user(tmp_path, wrong)
-    assert out.returncode == 1 and 'Unexpected keyword argument "retry_evry"' in out.stdout, (
-        out.stdout
-    )
+    out = checked.output("queues_misspelt")
+    assert checked.errors("queues_misspelt"), out
+    assert 'Unexpected keyword argument "retry_evry"' in out, out
 
 
 #: What a user passes where idemlock once took ``Any``: payloads and results are
@@ -279,20 +325,16 @@ def extension(app: Flask) -> None:
 
 
 def test_users_strict_mypy_refuses_wrong_types_where_idemlock_took_any(tmp_path: Path) -> None:
+    checked = _mypy_programs(tmp_path, {"typed_parameters": TYPED_PARAMETERS_PROGRAM})
     # Before these parameters were typed (Any), mypy accepted every line of this program.
-    out = _mypy_user(tmp_path, TYPED_PARAMETERS_PROGRAM)
     lines = TYPED_PARAMETERS_PROGRAM.splitlines()
     refused = {i for i, line in enumerate(lines, start=1) if line.endswith("# refused")}
-    errors = {
-        int(line.split(":")[1])
-        for line in out.stdout.splitlines()
-        if line.startswith("user_program.py:") and ": error:" in line
-    }
-    assert out.returncode == 1, out.stdout + out.stderr
+    errors = {int(line.split(":")[1]) for line in checked.errors("typed_parameters")}
+    assert errors, checked.output("typed_parameters")
     assert errors == refused, (
         f"not refused: {[lines[i - 1].strip() for i in sorted(refused - errors)]}; "
         f"refused but fine: {[lines[i - 1].strip() for i in sorted(errors - refused)]}\n"
-        + out.stdout
+        + checked.output("typed_parameters")
     )
 
 

@@ -5,6 +5,8 @@ gets a ``ConfigurationError`` (or is handled), never a raw error or a spinning w
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -35,48 +37,68 @@ BAD_DURATIONS = [
 MAX_TOKEN = 2**63 - 1
 
 
+@contextmanager
+def case(name: object) -> Iterator[None]:
+    """A failure names its case: the cases of one test share its coordinator (a test per
+    case would open one per case on every store and face, most of such a test's time)."""
+    try:
+        yield
+    except BaseException as exc:
+        exc.add_note(f"(case {name})")
+        raise
+
+
 # ---- item 14: waits on a held key -----------------------------------------------------
 # The key is held by someone else, so an unchecked NaN deadline would never be reached
 # and the call would spin on the store (the timeout marker turns a spin into a failure).
 
 
-@pytest.mark.timeout(30)
-@pytest.mark.parametrize("bad", BAD_DURATIONS)
-async def test_acquire_wait_refused_while_held(api: Facade, bad: Any) -> None:
+@pytest.mark.timeout(60)
+async def test_acquire_wait_refused_while_held(api: Facade) -> None:
     locks = api.lock(LockSpec("edge", ttl=timedelta(seconds=30)))
-    held = await locks.acquire("k")
-    assert held is not None
-    with pytest.raises(ConfigurationError, match="wait"):
-        await locks.acquire("k", wait=bad)
-    with pytest.raises(ConfigurationError, match="wait"):
-        async with locks.hold("k", wait=bad):
-            pass  # pragma: no cover
-    assert await locks.release(held)
+    for bad in BAD_DURATIONS:
+        with case(bad.id):
+            (value,) = bad.values
+            key = f"k-{bad.id}"
+            held = await locks.acquire(key)
+            assert held is not None
+            with pytest.raises(ConfigurationError, match="wait"):
+                await locks.acquire(key, wait=value)
+            with pytest.raises(ConfigurationError, match="wait"):
+                async with locks.hold(key, wait=value):
+                    pass  # pragma: no cover
+            assert await locks.release(held)
 
 
-@pytest.mark.timeout(30)
-@pytest.mark.parametrize("bad", BAD_DURATIONS)
-async def test_claim_wait_refused_while_in_flight(api: Facade, bad: Any) -> None:
+@pytest.mark.timeout(60)
+async def test_claim_wait_refused_while_in_flight(api: Facade) -> None:
     port = api.idem(IdempotencySpec("edge", lease=timedelta(seconds=30)))
-    first = await port.claim("k")
-    assert isinstance(first, Claimed)
-    with pytest.raises(ConfigurationError, match=r"wait|timeout"):
-        await port.wait("k", timeout=bad)
-    with pytest.raises(ConfigurationError, match="wait"):
-        api.wrap("edge", lambda x: x, on_in_flight="wait", wait=bad)
-    await port.abandon(first.token)
+    for bad in BAD_DURATIONS:
+        with case(bad.id):
+            (value,) = bad.values
+            key = f"k-{bad.id}"
+            first = await port.claim(key)
+            assert isinstance(first, Claimed)
+            with pytest.raises(ConfigurationError, match=r"wait|timeout"):
+                await port.wait(key, timeout=value)
+            with pytest.raises(ConfigurationError, match="wait"):
+                api.wrap("edge", lambda x: x, on_in_flight="wait", wait=value)
+            await port.abandon(first.token)
 
 
-@pytest.mark.parametrize("bad", BAD_DURATIONS)
-async def test_per_call_durations_refused(api: Facade, bad: Any) -> None:
+async def test_per_call_durations_refused(api: Facade) -> None:
     port = api.idem(IdempotencySpec("edge"))
-    with pytest.raises(ConfigurationError, match="lease"):
-        await port.claim("k", lease=bad)
-    claim = await port.claim("k")
-    assert isinstance(claim, Claimed)
-    with pytest.raises(ConfigurationError, match="lease"):
-        await port.extend(claim.token, lease=bad)
-    await port.complete(claim.token, 1)
+    for bad in BAD_DURATIONS:
+        with case(bad.id):
+            (value,) = bad.values
+            key = f"k-{bad.id}"
+            with pytest.raises(ConfigurationError, match="lease"):
+                await port.claim(key, lease=value)
+            claim = await port.claim(key)
+            assert isinstance(claim, Claimed)
+            with pytest.raises(ConfigurationError, match="lease"):
+                await port.extend(claim.token, lease=value)
+            await port.complete(claim.token, 1)
 
     locks = api.lock(LockSpec("edge"))
     lease = await locks.acquire("k")
@@ -166,35 +188,38 @@ LONG_KEYS = [
 ]
 
 
-@pytest.mark.parametrize("key", LONG_KEYS)
-async def test_keys_of_512_bytes_work(api: Facade, key: str) -> None:
-    assert len(key.encode("utf-8")) == 512
+async def test_keys_of_512_bytes_work(api: Facade) -> None:
     port = api.idem(IdempotencySpec("edge-long"))
-    claim = await port.claim(key, payload={"k": key})
-    assert isinstance(claim, Claimed)
-    await port.complete(claim.token, {"k": key})
-    again = await port.claim(key, payload={"k": key})
-    assert isinstance(again, Completed) and again.result == {"k": key}
-    assert (await port.status(key)) is not None
-    assert await port.forget(key)
-
     locks = api.lock(LockSpec("edge-long"))
-    lease = await locks.acquire(key, owner=key)
-    assert lease is not None and lease.key == key and lease.owner == key
-    assert await locks.renew(lease)
-    assert key in {info.key for info in await api.locks()}
-    assert await locks.release(lease)
+    for param in LONG_KEYS:
+        with case(param.id):
+            (key,) = param.values
+            assert isinstance(key, str) and len(key.encode("utf-8")) == 512
+            claim = await port.claim(key, payload={"k": key})
+            assert isinstance(claim, Claimed)
+            await port.complete(claim.token, {"k": key})
+            again = await port.claim(key, payload={"k": key})
+            assert isinstance(again, Completed) and again.result == {"k": key}
+            assert (await port.status(key)) is not None
+            assert await port.forget(key)
 
-    gate = api.fence(key)
-    assert await gate.check_and_advance(1) == 1
+            lease = await locks.acquire(key, owner=key)
+            assert lease is not None and lease.key == key and lease.owner == key
+            assert await locks.renew(lease)
+            assert key in {info.key for info in await api.locks()}
+            assert await locks.release(lease)
+
+            gate = api.fence(key)
+            assert await gate.check_and_advance(1) == 1
 
 
-@pytest.mark.parametrize("key", ["k" * 513, "é" * 256 + "k", "🔑" * 129])
-async def test_keys_over_512_bytes_are_refused(api: Facade, key: str) -> None:
+async def test_keys_over_512_bytes_are_refused(api: Facade) -> None:
     port = api.idem(IdempotencySpec("edge-long"))
-    with pytest.raises(idemlock.InvalidKey, match="512"):
-        await port.claim(key)
-    with pytest.raises(idemlock.InvalidKey, match="512"):
-        await api.lock(LockSpec("edge-long")).acquire(key)
-    with pytest.raises(idemlock.InvalidKey, match="512"):
-        api.fence(key)
+    for key in ["k" * 513, "é" * 256 + "k", "🔑" * 129]:
+        with case(f"{key[0]!r} x {len(key)}"):
+            with pytest.raises(idemlock.InvalidKey, match="512"):
+                await port.claim(key)
+            with pytest.raises(idemlock.InvalidKey, match="512"):
+                await api.lock(LockSpec("edge-long")).acquire(key)
+            with pytest.raises(idemlock.InvalidKey, match="512"):
+                api.fence(key)
