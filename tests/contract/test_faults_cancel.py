@@ -591,3 +591,32 @@ async def test_cancel_while_the_store_call_is_in_progress(fault_harness: Harness
     finally:
         await coord.close()
         await checker.close()
+
+
+async def test_a_cancel_as_a_wait_ends_is_never_swallowed(harness: Harness) -> None:
+    """A waiter cancelled as its wait for a wake-up ends (its timeout, or a wake-up
+    arriving) ends cancelled: on Python 3.11 ``asyncio.wait_for`` can turn such a
+    cancellation into its own timeout, and a waiter that took that for "no wake-up yet"
+    waited on to its deadline. The cancel lands at the moment the wait's timeout fires,
+    many times over, on each store's subscription."""
+    coord = harness.aio()
+    try:
+        ns = coord.lock(LockSpec("cancel-wait"))._ns
+        sub = await coord.store.subscribe(idemlock._core.port.Channel("lock", ns, "k"))
+        loop = asyncio.get_running_loop()
+        try:
+            for i in range(300):
+                delay = 0.001 * (i % 5)
+                task = asyncio.ensure_future(sub.wait(delay))
+                sent = loop.create_future()
+                loop.call_later(delay, lambda t=task, f=sent: f.set_result(t.cancel()))
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    continue
+                # The task ended first (its timeout): the cancel, sent later, found it done.
+                assert await sent is False, f"try {i}: the cancellation was swallowed"
+        finally:
+            await sub.aclose()
+    finally:
+        await coord.close()

@@ -114,6 +114,17 @@ class _AsyncGateway:
 # ---- watches -----------------------------------------------------------------------------
 
 
+async def _until(event: asyncio.Event, timeout: float) -> None:
+    """Wait until ``event`` is set or ``timeout`` seconds pass. asyncio.wait, not
+    wait_for: on Python 3.11 wait_for returns normally (or times out) when a
+    cancellation lands as the event is set, and a cancelled waiter would wait on."""
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait((waiter,), timeout=timeout)
+    finally:
+        waiter.cancel()
+
+
 class _Group(Group["AsyncSubscription"]):
     __slots__ = ("created",)
 
@@ -132,8 +143,9 @@ class AsyncSubscription:
 
     async def wait(self, timeout: float) -> bool:
         if not self._event.is_set() and timeout > 0:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._event.wait(), timeout)
+            # asyncio.wait, not wait_for: on Python 3.11 wait_for returns normally when a
+            # cancellation lands as the event is set, and the waiter waited on.
+            await _until(self._event, timeout)
         fired = self._event.is_set()
         self._event.clear()
         return fired
@@ -170,8 +182,7 @@ class AsyncWatcher:
             if self._task is None or self._task.done():
                 self._task = loop.create_task(self._run())
             if not g.created.is_set():
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(g.created.wait(), min(1.0, self._client.conf.timeout))
+                await _until(g.created, min(1.0, self._client.conf.timeout))
         except BaseException:
             # Cancelled before the caller got ``sub``: nobody would remove it, and its
             # group would name this process a waiter (queueing its every attempt).
