@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from contextvars import ContextVar, Token
+from typing import Any
 
-from ._core.types import ClaimToken
+from ._core.types import CURRENT_ATTEMPT, ClaimToken
 
 _CURRENT_CLAIM: ContextVar[ClaimToken | None] = ContextVar("idemlock_claim", default=None)
 
@@ -15,9 +16,12 @@ def current_claim() -> ClaimToken | None:
     return _CURRENT_CLAIM.get()
 
 
-def enter_claim(token: ClaimToken) -> Token[ClaimToken | None]:
-    return _CURRENT_CLAIM.set(token)
+def enter_claim(token: ClaimToken, attempt: Any = None) -> tuple[Token[Any], Token[Any]]:
+    """``token`` is the current claim, ``attempt`` (its ``Attempt``, for
+    ``token.step(...)``) the current attempt, until :func:`leave_claim`."""
+    return _CURRENT_CLAIM.set(token), CURRENT_ATTEMPT.set(attempt)
 
 
-def leave_claim(mark: Token[ClaimToken | None]) -> None:
-    _CURRENT_CLAIM.reset(mark)
+def leave_claim(mark: tuple[Token[Any], Token[Any]]) -> None:
+    _CURRENT_CLAIM.reset(mark[0])
+    CURRENT_ATTEMPT.reset(mark[1])

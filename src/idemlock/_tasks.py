@@ -75,7 +75,7 @@ def coroutine_wrapper(
             if every is None
             else port._heartbeat(token, sent, every, limit, on_lost, cancels.cancel)
         )
-        mark = enter_claim(token)
+        mark = enter_claim(token, AsyncAttempt(token.key, token, port=port, in_thread=threads))
         try:
             result = await fn(*args, **kwargs)
         except asyncio.CancelledError as exc:
@@ -104,7 +104,26 @@ def coroutine_wrapper(
 class AsyncAttempt(AttemptBase):
     __doc__ = AttemptBase.__doc__
 
-    __slots__ = ()
+    __slots__ = ("_in_thread",)
+
+    def __init__(
+        self,
+        key: str,
+        token: ClaimToken | None,
+        result: Any = None,
+        port: IdempotencyBase | None = None,
+        *,
+        in_thread: bool = False,
+    ) -> None:
+        super().__init__(key, token, result, port)
+        #: a blocking port's (an ``async def`` under ``Coordinator.idempotent``): its
+        #: store is called in worker threads, as the decorator calls it
+        self._in_thread = in_thread
+
+    async def _call(self, method: Callable[..., Any], *args: Any) -> Any:
+        if self._in_thread:
+            return await asyncio.to_thread(method, *args)
+        return await method(*args)
 
     async def step(
         self,
@@ -150,11 +169,11 @@ class AsyncAttempt(AttemptBase):
     async def retry_step(self, name: str) -> None:
         """Drop step ``name``'s record, so that it runs (once more) when reached."""
         store = self._steps_port()._store
-        self._stepped(name, await store.drop_step(*self._drop_args(name)), None)
+        self._stepped(name, await self._call(store.drop_step, *self._drop_args(name)), None)
 
     async def _write(self, name: str, data: bytes | None) -> None:
         args = self._step_args(name, data)
-        self._stepped(name, await self._steps_port()._store.step(*args), data)
+        self._stepped(name, await self._call(self._steps_port()._store.step, *args), data)
 
 
 class IdempotencyRun(IdempotencyBase):
@@ -202,7 +221,7 @@ class IdempotencyRun(IdempotencyBase):
             else self._heartbeat(token, sent, every, limit, on_lost, cancels.cancel)
         )
         attempt = AsyncAttempt(key, token, port=self)
-        mark = enter_claim(token)
+        mark = enter_claim(token, attempt)
         try:
             yield attempt
         except asyncio.CancelledError:

@@ -53,7 +53,7 @@ def decorator(w: Wrapping) -> Callable[[F], F]:
                 return plan.replay(claim)
             token = claim.token
             hb = None if every is None else port._heartbeat(token, sent, every, limit, on_lost)
-            mark = enter_claim(token)
+            mark = enter_claim(token, Attempt(token.key, token, port=port))
             try:
                 result = fn(*args, **kwargs)
             except BaseException as exc:
@@ -173,7 +173,7 @@ class IdempotencyRun(IdempotencyBase):
             return
         hb = None if every is None else self._heartbeat(token, sent, every, limit, on_lost)
         attempt = Attempt(key, token, port=self)
-        mark = enter_claim(token)
+        mark = enter_claim(token, attempt)
         try:
             yield attempt
         except BaseException:

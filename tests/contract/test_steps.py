@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -214,3 +214,67 @@ async def _a_step_of_an_attempt_that_lost_its_claim_is_refused(api: Facade) -> N
 
 async def test_a_step_of_an_attempt_that_lost_its_claim_is_refused(harness: Harness) -> None:
     await each_face(harness, _a_step_of_an_attempt_that_lost_its_claim_is_refused)
+
+
+async def _steps_through_the_current_claim(api: Facade) -> None:
+    """In a decorated function, ``idemlock.current_claim().step(...)`` is the attempt's
+    step: plain functions and ``async def`` on the blocking coordinator (its store
+    called in worker threads), ``async def`` on the asyncio one."""
+    ran: list[int] = []
+
+    def charge(n: int) -> int:
+        ran.append(n)
+        return n * 10
+
+    dec = api.coord.idempotent("steps-dec", key=lambda n, fail: f"job-{n}")
+    if api.mode == "sync":
+
+        @dec
+        def plain(n: int, fail: bool) -> int:
+            got: int = idemlock.current_claim().step("charge", charge, n)  # type: ignore[union-attr]
+            if fail:
+                raise Crash("after the step")
+            return got + 1
+
+        @api.coord.idempotent("steps-dec-async", key=lambda n, fail: f"job-{n}")
+        async def threaded(n: int, fail: bool) -> int:
+            claim = idemlock.current_claim()
+            assert claim is not None
+            got: int = await claim.step("charge", charge, n)
+            if fail:
+                raise Crash("after the step")
+            return got + 1
+
+        async def call_plain(n: int, fail: bool) -> int:
+            return plain(n, fail)
+
+        calls = [call_plain, threaded]
+    else:
+
+        @dec
+        async def native(n: int, fail: bool) -> int:
+            claim = idemlock.current_claim()
+            assert claim is not None
+            got: int = await claim.step("charge", charge, n)
+            if fail:
+                raise Crash("after the step")
+            return got + 1
+
+        calls = [native]
+    for i, call in enumerate(calls):
+        n = 100 + i
+        if not declares_steps(api):
+            with pytest.raises(ConfigurationError, match="does not record steps"):
+                await call(n, False)
+            continue
+        with pytest.raises(Crash):
+            await call(n, True)
+        assert await call(n, False) == n * 10 + 1  # the step replayed, not run again
+        assert ran.count(n) == 1, (call, ran)
+    assert idemlock.current_claim() is None
+    with pytest.raises(ConfigurationError, match="inside the operation"):
+        idemlock.ClaimToken("k", "t", 1, datetime.now(timezone.utc), "s").step("x", charge, 1)
+
+
+async def test_steps_through_the_current_claim(harness: Harness) -> None:
+    await each_face(harness, _steps_through_the_current_claim)

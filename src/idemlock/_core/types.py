@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Literal
@@ -164,6 +165,45 @@ class ClaimToken:
     lost: bool = field(compare=False, default=False)
     #: the steps earlier attempts recorded, as the grant carried them (``port.StepRow``)
     _steps: tuple[Any, ...] = field(repr=False, compare=False, default=())
+
+    # Steps from inside the operation this claim belongs to (``current_claim()`` in a
+    # decorated function or an idempotent job): the attempt's own methods, so
+    # ``idemlock.current_claim().step(...)`` is ``attempt.step(...)`` (awaited in an
+    # ``async def``). See ``idemlock.Attempt``.
+
+    def step(self, name: str, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        """``attempt.step(name, fn, *args, **kwargs)`` of this claim's operation
+        (``once=`` and ``replay_errors=`` too); await it in an ``async def``."""
+        return self._attempt("step").step(name, fn, *args, **kwargs)
+
+    def settle(self, name: str, value: Any) -> Any:
+        """``attempt.settle(name, value)`` of this claim's operation."""
+        return self._attempt("settle").settle(name, value)
+
+    def retry_step(self, name: str) -> Any:
+        """``attempt.retry_step(name)`` of this claim's operation."""
+        return self._attempt("retry_step").retry_step(name)
+
+    def key_for(self, name: str) -> str:
+        """``attempt.key_for(name)``: a stable key for step ``name`` (see ``Attempt``)."""
+        key: str = self._attempt("key_for").key_for(name)
+        return key
+
+    def _attempt(self, what: str) -> Any:
+        attempt = CURRENT_ATTEMPT.get()
+        if attempt is None or attempt.token is not self:
+            raise ConfigurationError(
+                f"claim.{what}() works inside the operation the claim belongs to (the body "
+                "of an @idempotent function or an idempotent job, where "
+                "idemlock.current_claim() returns it); in a port.run() block use "
+                f"attempt.{what}()"
+            )
+        return attempt
+
+
+#: the attempt (``Attempt``/``AsyncAttempt``) of the operation running in this context,
+#: set with its claim by the decorator, ``port.run()`` and the job integrations
+CURRENT_ATTEMPT: ContextVar[Any] = ContextVar("idemlock_attempt", default=None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -173,6 +173,7 @@ from .._errors import (
 from .._logfields import fields as log_fields
 from .._logfields import port_fields
 from .._sync import Coordinator, IdempotencyPort
+from .._threads import Attempt
 from .jobs import celery_resends as resends
 from .jobs.celery_messages import (
     _STORE_ERRORS,
@@ -457,7 +458,8 @@ class IdempotentTask(Task):  # type: ignore[misc]  # celery ships no type inform
         beat = None
         if self.idemlock_heartbeat:
             beat = attempts.keep_alive(port, token, sent, every, self._idemlock_max_run())
-        mark = enter_claim(token)  # current_claim() in the body, with its ``lost`` flag
+        # current_claim() in the body, with its ``lost`` flag and its steps
+        mark = enter_claim(token, Attempt(token.key, token, port=port))
         permits: Permits | None = state.permits
         try:
             try:
