@@ -108,12 +108,12 @@ def watch_range(root: bytes, channel: Channel) -> tuple[bytes, bytes]:
     """(key, range_end) watched for a channel: a lock key's permit is freed by the
     deletion of its etcd key (the range holds every permit of the lock key), and its
     grants and published values are puts there (an observer's ``"leader"`` channel);
-    a claim is freed by a change of its record or the end of its lease marker."""
+    a claim is freed by a change of its record or the end of its lease marker (its
+    steps, beside them, are not watched: a step write frees nothing)."""
     if channel.kind != "claim":
         name = K.lock_name(root, channel.ns, channel.key)
         return name, K.lock_end(name)
-    base = K.claim_names(root, channel.ns, channel.key).base
-    return base, K.prefix_end(base)
+    return K.claim_watch_range(K.claim_names(root, channel.ns, channel.key))
 
 
 def leave_rpc(root: bytes, channel: Channel, waiter: Waiter) -> Rpc:
