@@ -1025,3 +1025,42 @@ def test_a_step_write_does_not_wake_the_claims_waiters(etcd_server: EtcdCluster)
             later.close()
     finally:
         store.close()
+
+
+def test_the_gateway_watch_also_ignores_the_claims_marker_puts(etcd_server: EtcdCluster) -> None:
+    """A forked child watches over the JSON gateway: the replies etcd sends there for a
+    step (a put of the claim's marker) wake nobody, a freeing does."""
+    import base64
+    import http.client
+    import json
+
+    from idemlock._core.port import Channel
+    from idemlock.stores.etcd._gateway import json_wakes
+    from idemlock.stores.etcd._watches import quiet_key, watch_range
+
+    store, _ = idemlock.stores.etcd.open_sync(etcd_server.url)
+    ns = prefix()
+    key, end = watch_range(K.ROOT, Channel("claim", ns, "k"))
+    quiet = quiet_key(Channel("claim", ns, "k"), end)
+    assert quiet == K.claim_names(K.ROOT, ns, "k").marker
+    b64 = base64.b64encode
+    host, port = etcd_server.endpoints[0].rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        create = {"create_request": {"key": b64(key).decode(), "range_end": b64(end).decode()}}
+        conn.request("POST", "/v3/watch", body=json.dumps(create).encode())
+        resp = conn.getresponse()
+        assert json.loads(resp.readline())["result"]["created"]
+        assert isinstance(store.claim(ns, "k", None, "t1", 30_000), idemlock._core.port.Granted)
+        claimed = json.loads(resp.readline())["result"]["events"]
+        assert json_wakes(b64(quiet).decode(), claimed)  # the record written: a change
+        assert store.step(ns, "k", "t1", "a", b"1", 30_000, 60_000) is not None
+        stepped = json.loads(resp.readline())["result"]["events"]
+        assert [base64.b64decode(e["kv"]["key"]) for e in stepped] == [quiet]
+        assert not json_wakes(b64(quiet).decode(), stepped)
+        assert store.abandon(ns, "k", "t1")
+        freed = json.loads(resp.readline())["result"]["events"]
+        assert json_wakes(b64(quiet).decode(), freed)
+    finally:
+        conn.close()
+        store.close()

@@ -173,6 +173,17 @@ class GatewayClient:
 # ---- watches ---------------------------------------------------------------------------------
 
 
+def json_wakes(quiet: str | None, events: list[Any] | None) -> bool:
+    """As _watches.wakes, on a watch reply's JSON events (a put's type is left out, a
+    key is base64): ``quiet`` is the base64 key whose puts wake nobody."""
+    if quiet is None:
+        return bool(events)
+    return any(
+        ev.get("type", "PUT") != "PUT" or ev.get("kv", {}).get("key") != quiet
+        for ev in events or ()
+    )
+
+
 class _Watch:
     """One ``POST /v3/watch`` stream for one key range, read by a daemon thread."""
 
@@ -194,15 +205,6 @@ class _Watch:
         with self.lock:
             for s in self.subs:
                 s._fire()
-
-    def _wakes(self, events: list[Any]) -> bool:
-        """As _watches.wakes, on the JSON events (a put's type is left out)."""
-        if self.quiet is None:
-            return bool(events)
-        return any(
-            ev.get("type", "PUT") != "PUT" or ev.get("kv", {}).get("key") != self.quiet
-            for ev in events
-        )
 
     def remove(self, sub: LocalSubscription) -> None:
         with self.lock:
@@ -242,7 +244,7 @@ class _Watch:
                         continue
                     if result.get("created"):
                         self.created.set()
-                    if self._wakes(result.get("events") or []) or result.get("canceled"):
+                    if json_wakes(self.quiet, result.get("events")) or result.get("canceled"):
                         self._fire()
                     backoff = 0.05
             except Exception:
