@@ -893,3 +893,174 @@ def test_a_resent_permit_transaction_is_recognised(etcd_server: EtcdCluster) -> 
         assert [r.owner for r in store.holders(ns, "k")] == ["other"]
     finally:
         store.close()
+
+
+# ---- steps inside a claim ---------------------------------------------------------------------
+
+
+def _under(etcd: EtcdCluster, base: bytes) -> dict[bytes, bytes]:
+    """Every etcd key under ``base`` and its value, read past the store."""
+    with grpc.insecure_channel(etcd.endpoints[0]) as ch:
+        resp = stubs.KVStub(ch).Range(
+            pb.RangeRequest(key=base, range_end=K.prefix_end(base)), timeout=5
+        )
+    return {bytes(kv.key): bytes(kv.value) for kv in resp.kvs}
+
+
+def test_steps_are_keys_beside_the_claim_record(etcd_server: EtcdCluster) -> None:
+    store, _ = idemlock.stores.etcd.open_sync(etcd_server.url)
+    ns = prefix()
+    n = K.claim_names(K.ROOT, ns, "k")
+    try:
+        g = store.claim(ns, "k", None, "t1", 30_000)
+        assert isinstance(g, idemlock._core.port.Granted) and g.steps == ()
+        assert store.step(ns, "k", "t1", "charge", b"ch_1", 30_000, 60_000) is not None
+        assert store.step(ns, "k", "t1", "mail/x", None, 30_000, 60_000) is not None
+        # One key per step under the claim's prefix, and their end beside them.
+        keys = _under(etcd_server, n.base)
+        assert set(keys) == {n.record, n.marker, n.steps, n.step("charge"), n.step("mail/x")}
+        assert keys[n.step("charge")] == K.step_value(g.fence, b"ch_1")
+        assert K.parse_step(keys[n.step("mail/x")]) == (g.fence, None)
+        assert K.parse_steps_end(keys[n.steps]) > K.now_ms() + 30_000
+        # A listing sees one record, not the steps as corrupt keys of their own.
+        assert [(r.key, r.state) for r in store.records(ns)] == [("k", "in_flight")]
+        # A re-sent step (its reply lost) is applied once: the same step.
+        op = store.ops.step(ns, "k", "t1", "charge", b"ch_1", 30_000, 60_000)
+        assert drive_twice(store, op) is not None
+        assert sorted(s.name for s in store.steps(ns, "k")) == ["charge", "mail/x"]
+        # forget drops the steps with the record, in its one Txn.
+        assert store.forget(ns, "k")
+        assert _under(etcd_server, n.base) == {}
+    finally:
+        store.close()
+
+
+def test_steps_whose_end_passed_are_never_revived_and_purge_drops_them(
+    etcd_server: EtcdCluster,
+) -> None:
+    store, _ = idemlock.stores.etcd.open_sync(etcd_server.url)
+    ns = prefix()
+    n = K.claim_names(K.ROOT, ns, "k")
+    try:
+        assert isinstance(store.claim(ns, "k", None, "t1", 30_000), idemlock._core.port.Granted)
+        assert store.step(ns, "k", "t1", "old", b"1", 30_000, 1) is not None  # ends at once
+        deadline = time.monotonic() + 10
+        while store.steps(ns, "k"):
+            assert time.monotonic() < deadline, "a step outlived its end"
+            time.sleep(0.01)
+        # The next step starts afresh: the old one is deleted, not carried along.
+        assert store.step(ns, "k", "t1", "new", b"2", 30_000, 60_000) is not None
+        assert [s.name for s in store.steps(ns, "k")] == ["new"]
+        assert n.step("old") not in _under(etcd_server, n.base)
+        # The next attempt's grant carries the live ones.
+        assert store.abandon(ns, "k", "t1")
+        g = store.claim(ns, "k", None, "t2", 30_000)
+        assert isinstance(g, idemlock._core.port.Granted) and [s.name for s in g.steps] == ["new"]
+        # Steps that ended (here after an abandon) are dropped by purge, with their end.
+        p = K.claim_names(K.ROOT, ns, "p")
+        assert isinstance(store.claim(ns, "p", None, "t3", 30_000), idemlock._core.port.Granted)
+        assert store.step(ns, "p", "t3", "s", b"1", 30_000, 1) is not None
+        assert store.abandon(ns, "p", "t3")
+        deadline = time.monotonic() + 10
+        while store.steps(ns, "p"):
+            assert time.monotonic() < deadline, "a step outlived its end"
+            time.sleep(0.01)
+        assert set(_under(etcd_server, p.base)) == {p.steps, p.step("s")}
+        store.purge()
+        assert _under(etcd_server, p.base) == {}
+        assert [s.name for s in store.steps(ns, "k")] == ["new"]  # live ones are kept
+    finally:
+        store.close()
+
+
+def test_a_foreign_step_value_is_store_corrupt(etcd_server: EtcdCluster) -> None:
+    store, _ = idemlock.stores.etcd.open_sync(etcd_server.url)
+    ns = prefix()
+    n = K.claim_names(K.ROOT, ns, "k")
+    try:
+        assert isinstance(store.claim(ns, "k", None, "t1", 30_000), idemlock._core.port.Granted)
+        assert store.step(ns, "k", "t1", "a", b"1", 30_000, 60_000) is not None
+        with grpc.insecure_channel(etcd_server.endpoints[0]) as ch:
+            stubs.KVStub(ch).Put(pb.PutRequest(key=n.step("a"), value=b"not ours"), timeout=5)
+        with pytest.raises(idemlock.StoreCorrupt):
+            store.steps(ns, "k")
+        assert store.abandon(ns, "k", "t1")
+        with pytest.raises(idemlock.StoreCorrupt):
+            store.claim(ns, "k", None, "t2", 30_000)  # a grant carries the steps
+        # The listing still reads the record (the steps are not listed).
+        assert [r.key for r in store.records(ns)] == ["k"]
+        with grpc.insecure_channel(etcd_server.endpoints[0]) as ch:
+            stubs.KVStub(ch).Put(pb.PutRequest(key=n.steps, value=b"E"), timeout=5)
+        with pytest.raises(idemlock.StoreCorrupt):
+            store.steps(ns, "k")
+    finally:
+        store.close()
+
+
+def test_a_step_write_does_not_wake_the_claims_waiters(etcd_server: EtcdCluster) -> None:
+    from idemlock._core.port import Channel
+
+    store, _ = idemlock.stores.etcd.open_sync(etcd_server.url)
+    ns = prefix()
+    try:
+        assert isinstance(store.claim(ns, "k", None, "t1", 30_000), idemlock._core.port.Granted)
+        assert isinstance(store.claim(ns, "other", None, "t2", 30_000), idemlock._core.port.Granted)
+        # Both waits on the one watch stream of this store: etcd sends its events in
+        # revision order, so once the later write on "other" woke its waiter, any
+        # event of the step writes before it has been handled too.
+        waiter = store.subscribe(Channel("claim", ns, "k"))
+        later = store.subscribe(Channel("claim", ns, "other"))
+        try:
+            assert store.step(ns, "k", "t1", "a", b"1", 30_000, 60_000) is not None
+            assert store.step(ns, "k", "t1", "b", None, 30_000, 60_000) is not None
+            assert store.drop_step(ns, "k", "t1", "b", 30_000) is not None
+            assert store.complete(ns, "other", "t2", b"1", 60_000)
+            assert later.wait(10)
+            assert not waiter.wait(0), "a step write woke the claim's waiter"
+            # A freeing of the claim does wake it.
+            assert store.abandon(ns, "k", "t1")
+            assert waiter.wait(10)
+        finally:
+            waiter.close()
+            later.close()
+    finally:
+        store.close()
+
+
+def test_the_gateway_watch_also_ignores_the_claims_marker_puts(etcd_server: EtcdCluster) -> None:
+    """A forked child watches over the JSON gateway: the replies etcd sends there for a
+    step (a put of the claim's marker) wake nobody, a freeing does."""
+    import base64
+    import http.client
+    import json
+
+    from idemlock._core.port import Channel
+    from idemlock.stores.etcd._gateway import json_wakes
+    from idemlock.stores.etcd._watches import quiet_key, watch_range
+
+    store, _ = idemlock.stores.etcd.open_sync(etcd_server.url)
+    ns = prefix()
+    key, end = watch_range(K.ROOT, Channel("claim", ns, "k"))
+    quiet = quiet_key(Channel("claim", ns, "k"), end)
+    assert quiet == K.claim_names(K.ROOT, ns, "k").marker
+    b64 = base64.b64encode
+    host, port = etcd_server.endpoints[0].rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        create = {"create_request": {"key": b64(key).decode(), "range_end": b64(end).decode()}}
+        conn.request("POST", "/v3/watch", body=json.dumps(create).encode())
+        resp = conn.getresponse()
+        assert json.loads(resp.readline())["result"]["created"]
+        assert isinstance(store.claim(ns, "k", None, "t1", 30_000), idemlock._core.port.Granted)
+        claimed = json.loads(resp.readline())["result"]["events"]
+        assert json_wakes(b64(quiet).decode(), claimed)  # the record written: a change
+        assert store.step(ns, "k", "t1", "a", b"1", 30_000, 60_000) is not None
+        stepped = json.loads(resp.readline())["result"]["events"]
+        assert [base64.b64decode(e["kv"]["key"]) for e in stepped] == [quiet]
+        assert not json_wakes(b64(quiet).decode(), stepped)
+        assert store.abandon(ns, "k", "t1")
+        freed = json.loads(resp.readline())["result"]["events"]
+        assert json_wakes(b64(quiet).decode(), freed)
+    finally:
+        conn.close()
+        store.close()

@@ -8,7 +8,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..._core.port import Acquired, Capabilities, ClaimReply, Granted, Held, LockRow, RecordRow
+from ..._core.port import (
+    Acquired,
+    Capabilities,
+    ClaimReply,
+    Granted,
+    Held,
+    LockRow,
+    RecordRow,
+    StepRow,
+)
 from . import _codec as K
 from ._grpc_aio import _AsyncRunner
 from ._ops import Op
@@ -23,8 +32,9 @@ class AsyncEtcdStore(_AsyncRunner):
     """The store port on etcd v3 (3.4+)."""
 
     kind = "etcd"
-    #: the hand-off through its waiters' queue
-    capabilities = Capabilities(handoff=True)
+    #: the hand-off through its waiters' queue; steps inside a claim (keys beside its
+    #: record, see _codec)
+    capabilities = Capabilities(handoff=True, steps=True)
 
     async def claim(
         self, ns: str, key: str, fp: str | None, token: str, lease_ms: int
@@ -47,6 +57,31 @@ class AsyncEtcdStore(_AsyncRunner):
 
     async def extend(self, ns: str, key: str, token: str, lease_ms: int) -> int | None:
         r: int | None = await self._run(self.ops.extend(ns, key, token, lease_ms))
+        return r
+
+    async def step(
+        self,
+        ns: str,
+        key: str,
+        token: str,
+        name: str,
+        result: bytes | None,
+        lease_ms: int,
+        ttl_ms: int,
+    ) -> int | None:
+        r: int | None = await self._run(
+            self.ops.step(ns, key, token, name, result, lease_ms, ttl_ms)
+        )
+        return r
+
+    async def drop_step(
+        self, ns: str, key: str, token: str, name: str, lease_ms: int
+    ) -> int | None:
+        r: int | None = await self._run(self.ops.drop_step(ns, key, token, name, lease_ms))
+        return r
+
+    async def steps(self, ns: str, key: str) -> list[StepRow]:
+        r: list[StepRow] = await self._run(self.ops.steps(ns, key))
         return r
 
     async def record(self, ns: str, key: str) -> RecordRow | None:

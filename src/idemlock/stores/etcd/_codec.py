@@ -6,13 +6,18 @@ kind ends the namespace, and escaping keeps prefixes)::
 
     R c/<esc ns>/<key> \\0 r     claim record (no lease: it outlives its claim's lease)
     R c/<esc ns>/<key> \\0 t     claim lease marker, on the claim's etcd lease
+    R c/<esc ns>/<key> \\0 e     the end of the key's steps (no lease)
+    R c/<esc ns>/<key> \\0 e/<name>  one step recorded inside the claim (no lease)
     R l/<esc ns>/<key>           a lock, or a permit granted with limit=1, on its lease
     R l/<esc ns>/<key> \\0 <owner>  a permit granted with a higher limit, on its lease
     R q/<esc ns>/<key> \\0 <id>    a process waiting for that lock (fair hand-off)
     R f/<esc ns>/<resource>      fence gate (no lease: a gate that forgot would accept
                                  a stale writer)
 
-The record and its marker share the prefix ``... \\0`` so one watch covers both.
+The record and its marker share the prefix ``... \\0`` so one watch covers both;
+the steps live under the same prefix (forget drops them with one DeleteRange), but
+outside the watched range ``[... \\0 r, ... \\0 t \\0)``: a step written or dropped
+wakes nobody waiting for the claim (:func:`claim_watch_range`).
 User keys hold no control characters (validated), so ``\\0`` cannot occur in them: the
 range ``[R l/<esc ns>/<key>, R l/<esc ns>/<key> \\x01)`` holds exactly one key's permits
 (:func:`lock_end`), and one watch of it sees each of them freed.
@@ -86,15 +91,28 @@ def prefix_end(key: bytes) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class ClaimNames:
-    base: bytes  # watch prefix of record + marker
+    base: bytes  # the prefix of record, marker and steps
     record: bytes
     marker: bytes
+    #: the end of the key's steps; the steps are ``steps + b"/" + name``
+    steps: bytes
+    #: the range_end of ``[steps, steps_end)``: the end key and every step
+    steps_end: bytes
+
+    def step(self, name: str) -> bytes:
+        return self.steps + b"/" + name.encode("utf-8", "surrogatepass")
 
 
 @lru_cache(maxsize=8192)
 def claim_names(root: bytes, ns: str, key: str) -> ClaimNames:
     base = root + b"c/" + _esc(ns) + b"/" + key.encode("utf-8", "surrogatepass") + b"\0"
-    return ClaimNames(base, base + b"r", base + b"t")
+    return ClaimNames(base, base + b"r", base + b"t", base + b"e", base + b"f")
+
+
+def claim_watch_range(names: ClaimNames) -> tuple[bytes, bytes]:
+    """What a waiter for a claim watches: its record and its lease marker, not its
+    steps (which sort before the record)."""
+    return names.record, names.marker + b"\0"
 
 
 @lru_cache(maxsize=8192)
@@ -138,9 +156,11 @@ def parse_name(root: bytes, kind: Literal["c", "l"], raw: bytes) -> tuple[str, s
         return None
     suffix = b""
     if kind == "c":
-        if len(tail) < 2 or tail[-2:-1] != b"\0":
+        # User keys hold no NUL: the first one ends the key; b"r", b"t", or a steps
+        # key's b"e" or b"e/" + step name follows.
+        tail, sep, suffix = tail.partition(b"\0")
+        if not sep or not suffix:
             return None
-        tail, suffix = tail[:-2], tail[-1:]
     else:
         tail, _, suffix = tail.partition(b"\0")
     try:
@@ -160,6 +180,8 @@ def parse_name(root: bytes, kind: Literal["c", "l"], raw: bytes) -> tuple[str, s
 # marker    T u64 written_ms u64 lease_ms u64 lease_s
 # completed C u16 len token \0 u64 fence u64 written_ms u64 ttl_ms u64 lease_s fp result
 # gate      u64 big-endian token (bytes order = number order)
+# steps end E u64 end_ms (big-endian: a Txn compares it with a time as bytes)
+# step      S u64 fence, then \0 (a "started" marker) or \1 + result
 #
 # fp: u16 length + UTF-8, or 0xFFFF for None. written_ms is the writer's wall clock,
 # used only to *report* expiry times (etcd's lease, on the server, decides expiry).
@@ -252,6 +274,15 @@ def done_value(
     )
 
 
+def steps_end_value(end_ms: int) -> bytes:
+    return b"E" + struct.pack(">Q", max(0, end_ms))
+
+
+def step_value(fence: int, result: bytes | None) -> bytes:
+    head = b"S" + struct.pack(">Q", fence)
+    return head + b"\0" if result is None else head + b"\1" + bytes(result)
+
+
 def gate_value(token: int) -> bytes:
     return struct.pack(">Q", token)
 
@@ -340,6 +371,24 @@ def parse_record(raw: bytes) -> InFlightVal | DoneVal:
     times = Times(*_Q.unpack_from(raw, pos + 8))
     fp, end = _read_fp(raw, pos + 8 + _Q.size)
     return DoneVal(token, fence, times, fp, raw[end:])
+
+
+def parse_steps_end(raw: bytes) -> int:
+    if raw[:1] != b"E" or len(raw) != 9:
+        raise ValueError("bad steps end")
+    return int(struct.unpack_from(">Q", raw, 1)[0])
+
+
+def parse_step(raw: bytes) -> tuple[int, bytes | None]:
+    """(fence, result or None) of a step value."""
+    if raw[:1] != b"S" or len(raw) < 10 or raw[9:10] not in (b"\0", b"\1"):
+        raise ValueError("bad step")
+    (fence,) = struct.unpack_from(">Q", raw, 1)
+    if raw[9:10] == b"\0":
+        if len(raw) != 10:
+            raise ValueError("bad step")
+        return int(fence), None
+    return int(fence), raw[10:]
 
 
 def parse_gate(raw: bytes) -> int:

@@ -12,6 +12,7 @@ HTTP connection per call), which only a forked child pays.
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import logging
@@ -172,12 +173,27 @@ class GatewayClient:
 # ---- watches ---------------------------------------------------------------------------------
 
 
+def json_wakes(quiet: str | None, events: list[Any] | None) -> bool:
+    """As _watches.wakes, on a watch reply's JSON events (a put's type is left out, a
+    key is base64): ``quiet`` is the base64 key whose puts wake nobody."""
+    if quiet is None:
+        return bool(events)
+    return any(
+        ev.get("type", "PUT") != "PUT" or ev.get("kv", {}).get("key") != quiet
+        for ev in events or ()
+    )
+
+
 class _Watch:
     """One ``POST /v3/watch`` stream for one key range, read by a daemon thread."""
 
-    def __init__(self, client: GatewayClient, key: bytes, end: bytes, no_put: bool) -> None:
+    def __init__(
+        self, client: GatewayClient, key: bytes, end: bytes, no_put: bool, quiet: bytes | None
+    ) -> None:
         self.client = client
         self.key, self.end, self.no_put = key, end, no_put
+        #: a key whose puts wake nobody (see _watches.quiet_key)
+        self.quiet = None if quiet is None else base64.b64encode(quiet).decode()
         self.lock = threading.Lock()
         self.subs: set[LocalSubscription] = set()
         self.created = threading.Event()
@@ -228,7 +244,7 @@ class _Watch:
                         continue
                     if result.get("created"):
                         self.created.set()
-                    if result.get("events") or result.get("canceled"):
+                    if json_wakes(self.quiet, result.get("events")) or result.get("canceled"):
                         self._fire()
                     backoff = 0.05
             except Exception:
@@ -256,11 +272,14 @@ class GatewayWatcher:
         self._lock = threading.Lock()
         self._watches: dict[tuple[bytes, bytes, bool], _Watch] = {}
 
-    def subscribe(self, key: bytes, end: bytes, no_put: bool) -> LocalSubscription:
+    def subscribe(
+        self, key: bytes, end: bytes, no_put: bool, quiet: bytes | None = None
+    ) -> LocalSubscription:
         with self._lock:
             w = self._watches.get((key, end, no_put))
             if w is None or w.closed:
-                w = self._watches[(key, end, no_put)] = _Watch(self.client, key, end, no_put)
+                w = _Watch(self.client, key, end, no_put, quiet)
+                self._watches[(key, end, no_put)] = w
             with w.lock:
                 sub = LocalSubscription(w.lock, w.remove)
                 w.subs.add(sub)

@@ -26,7 +26,7 @@ from ._calls_async import AsyncCalls, drive
 from ._grpc_sync import _Stubs
 from ._ops import Op, Ops, Rpc, Waiter
 from ._pb.etcdserverpb import rpc_pb2 as _rpc_pb2
-from ._watches import Book, Group, watch_range
+from ._watches import Book, Group, wakes, watch_range
 
 log = logging.getLogger("idemlock")
 pb: Any = _rpc_pb2  # generated without type information
@@ -216,7 +216,7 @@ class AsyncWatcher:
             return
         if resp.created:
             g.created.set()
-        if resp.events or resp.canceled:
+        if wakes(g.quiet, resp.events) or resp.canceled:
             for s in g.subs:
                 s._event.set()
         if resp.canceled:

@@ -24,7 +24,7 @@ from ._calls_sync import SyncCalls, drive
 from ._ops import Op, Ops, Rpc, Waiter
 from ._pb.etcdserverpb import rpc_pb2 as _rpc_pb2
 from ._pb.etcdserverpb import rpc_pb2_grpc as _rpc_pb2_grpc
-from ._watches import Book, Group, watch_range
+from ._watches import Book, Group, quiet_key, wakes, watch_range
 
 pb: Any = _rpc_pb2  # generated without type information
 stubs: Any = _rpc_pb2_grpc
@@ -262,7 +262,7 @@ class SyncWatcher:
             if resp.created:
                 g.created = True
                 self._created.notify_all()
-            if resp.events or resp.canceled:
+            if wakes(g.quiet, resp.events) or resp.canceled:
                 for s in g.subs:
                     s._fire()
             if resp.canceled and self._queue is not None:
@@ -384,7 +384,9 @@ class _SyncRunner:
             self._forked()
         key, end = watch_range(self.conf.root, channel)
         if self._gateway is not None:
-            return self._gateway.subscribe(key, end, channel.kind == "lock")
+            return self._gateway.subscribe(
+                key, end, channel.kind == "lock", quiet_key(channel, end)
+            )
         return self._watcher.subscribe(key, end, channel)
 
     def close(self) -> None:

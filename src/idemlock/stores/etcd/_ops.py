@@ -23,7 +23,17 @@ from collections import OrderedDict
 from collections.abc import Callable, Generator
 from typing import Any, Literal, NamedTuple
 
-from ..._core.port import Acquired, Busy, Done, Granted, Held, LockRow, Mismatch, RecordRow
+from ..._core.port import (
+    Acquired,
+    Busy,
+    Done,
+    Granted,
+    Held,
+    LockRow,
+    Mismatch,
+    RecordRow,
+    StepRow,
+)
 from . import _codec as K
 from . import _rows as R
 from ._pb.etcdserverpb import rpc_pb2 as _rpc_pb2
@@ -225,6 +235,32 @@ def _held(holders: Any, now: int) -> Held:
     return Held(first.expires_ms, max(1, min(first.left_ms(now), first.ttl_ms)))
 
 
+def _live_steps(n: K.ClaimNames, kvs: Any, now: int) -> tuple[StepRow, ...]:
+    """The steps of one claim key, from a range over ``[n.steps, n.steps_end)`` (its
+    steps end first, then its steps by name): none once their end has passed on this
+    process's clock (as a completed record's expiry is judged), nor without an end
+    (steps whose end was dropped, left for purge or the next step to delete)."""
+    if not kvs or kvs[0].key != n.steps:
+        return ()
+    try:
+        end = K.parse_steps_end(kvs[0].value)
+    except _BAD as exc:
+        raise K.corrupt(n.steps, exc) from exc
+    if end <= now:
+        return ()
+    rows = []
+    for kv in kvs[1:]:
+        try:
+            if kv.key[: len(n.steps) + 1] != n.steps + b"/":
+                raise ValueError("not a step's key")
+            fence, result = K.parse_step(kv.value)
+            name = kv.key[len(n.steps) + 1 :].decode("utf-8", "surrogatepass")
+        except _BAD as exc:
+            raise K.corrupt(kv.key, exc) from exc
+        rows.append(StepRow(name, fence, result))
+    return tuple(rows)
+
+
 class Ops:
     """The op generators over one key root. Keeps, per claim this process was granted,
     its fence and fingerprint, so ``complete`` needs no read first."""
@@ -261,30 +297,36 @@ class Ops:
 
     def claim(self, ns: str, key: str, fp: str | None, token: str, lease_ms: int) -> Op:
         # Rows claim.new (absent, or lapsed: the lease marker is gone), claim.resend,
-        # claim.mismatch, claim.busy, claim.replay.
+        # claim.mismatch, claim.busy, claim.replay. Every branch also reads the key's
+        # steps (one range, empty for a key without steps), so a grant carries them.
         n = K.claim_names(self.root, ns, key)
         g = yield _grant(lease_ms)
         written = K.now_ms()
+        steps = K.get(n.steps, n.steps_end)
         take = [
             K.put(n.record, K.inflight_value(token, fp)),
             K.put(n.marker, K.marker_value(lease_ms, int(g.TTL), written), g.ID),
+            steps,
         ]
         # absent -> claim; in flight with its lease marker gone (lease over) -> take over
         # (a new fence: the Txn's revision); else read both and decide.
         takeover = K.txn(
             [*K.cmp_range(n.record, b"I", b"J"), K.cmp_create(n.marker, 0)],
             take,
-            [K.get(n.record), K.get(n.marker)],
+            [K.get(n.record), K.get(n.marker), steps],
         )
         rpc = Rpc("Txn", K.txn([K.cmp_create(n.record, 0)], take, [K.nested(takeover)]))
         resp = yield rpc
-        if resp.succeeded or resp.responses[0].response_txn.succeeded:
+        inner = resp.responses[0].response_txn
+        if resp.succeeded or inner.succeeded:
             fence = int(resp.header.revision)
             self._remember(ns, key, token, fence, fp)
-            return Granted(token, fence, written + lease_ms, lease_ms)
+            read = K.kvs((resp if resp.succeeded else inner).responses[2])
+            return Granted(
+                token, fence, written + lease_ms, lease_ms, _live_steps(n, read, K.now_ms())
+            )
         if not rpc.retried:  # else its first attempt may hold this lease
             yield _revoke(g.ID)
-        inner = resp.responses[0].response_txn
         rec_kvs, marker_kvs = K.kvs(inner.responses[0]), K.kvs(inner.responses[1])
         if not rec_kvs:
             raise K.corrupt(n.record, ValueError("the record vanished inside one Txn"))
@@ -301,7 +343,11 @@ class Ops:
             if val.token == token:  # a re-sent claim: the same attempt, the same fence
                 self._remember(ns, key, token, int(rec.mod_revision), fp)
                 return Granted(
-                    token, int(rec.mod_revision), marker.expires_ms, marker.expires_ms - now
+                    token,
+                    int(rec.mod_revision),
+                    marker.expires_ms,
+                    marker.expires_ms - now,
+                    _live_steps(n, K.kvs(inner.responses[2]), now),
                 )
             if val.fp != fp:
                 return Mismatch("in_flight")
@@ -336,13 +382,23 @@ class Ops:
             known = (int(resp.kvs[0].mod_revision), val.fp)
         fence, fp = known
         g = yield _grant(ttl_ms)
-        value = K.done_value(token, fence, fp, bytes(result), ttl_ms, int(g.TTL), K.now_ms())
+        written = K.now_ms()
+        value = K.done_value(token, fence, fp, bytes(result), ttl_ms, int(g.TTL), written)
+        # The key's steps, if live, end with the completed record (in the same Txn; a
+        # compare on a missing key for a claim without steps).
+        until = K.steps_end_value(written + ttl_ms)
+        steps = K.txn(
+            [K.cmp_value(n.steps, pb.Compare.GREATER, K.steps_end_value(written))],
+            [K.put(n.steps, until)],
+            [],
+        )
         rpc, resp = yield from self._end_claim(
             ns,
             key,
             token,
             [K.cmp_mod(n.record, fence), *K.cmp_starts(n.record, K.token_prefix(token))],
             K.put(n.record, value, g.ID),
+            [K.nested(steps)],
         )
         if resp.succeeded:
             return True
@@ -364,16 +420,20 @@ class Ops:
         return rpc.retried and not K.kvs(resp.responses[0])
 
     def _end_claim(
-        self, ns: str, key: str, token: str, compares: list[Any], write: Any
+        self,
+        ns: str,
+        key: str,
+        token: str,
+        compares: list[Any],
+        write: Any,
+        also: list[Any] | None = None,
     ) -> Generator[Rpc, Any, tuple[Rpc, Any]]:
         """The one Txn that ends a claim (complete, abandon): if ``compares`` hold,
-        ``write`` the record and delete its lease marker (whose lease is then revoked).
-        The Rpc (``retried`` tells a re-send) and its reply."""
+        ``write`` the record, delete its lease marker (whose lease is then revoked) and
+        do ``also``. The Rpc (``retried`` tells a re-send) and its reply."""
         n = K.claim_names(self.root, ns, key)
-        rpc = Rpc(
-            "Txn",
-            K.txn(compares, [write, K.delete(n.marker, prev=True)], [K.get(n.record)]),
-        )
+        ops = [write, K.delete(n.marker, prev=True), *(also or [])]
+        rpc = Rpc("Txn", K.txn(compares, ops, [K.get(n.record)]))
         resp = yield rpc
         self._claims.pop((ns, key, token), None)
         if resp.succeeded:
@@ -400,6 +460,119 @@ class Ops:
             return None
         return written + lease_ms
 
+    def step(
+        self,
+        ns: str,
+        key: str,
+        token: str,
+        name: str,
+        result: bytes | None,
+        lease_ms: int,
+        ttl_ms: int,
+    ) -> Op:
+        # Rows step.record, step.stale. The Txn of extend (the claim's token, fence and
+        # lease marker; the marker renewed) with, nested, the step and its end:
+        #   live (end > now): put the step; the end to now + ttl if that is later;
+        #   else none at all (no end, no step): put the step and the end;
+        #   else (their end passed): delete them and send the Txn again, which then
+        #   finds none (etcd refuses a Txn that deletes a range and puts into it).
+        n = K.claim_names(self.root, ns, key)
+        fence = yield from self._fence(ns, key, token)
+        if fence is None:
+            return None
+        at = n.step(name)
+        value = K.step_value(fence, None if result is None else bytes(result))
+        for _ in range(3):
+            g = yield _grant(lease_ms)
+            written = K.now_ms()
+            until = K.steps_end_value(written + ttl_ms)
+            later = K.txn(
+                [K.cmp_value(n.steps, pb.Compare.LESS, until)], [K.put(n.steps, until)], []
+            )
+            none = K.txn(
+                [K.cmp_no_key(n.steps, n.steps_end)],
+                [K.put(at, value), K.put(n.steps, until)],
+                [K.delete(n.steps, end=n.steps_end)],
+            )
+            live = K.txn(
+                [K.cmp_value(n.steps, pb.Compare.GREATER, K.steps_end_value(written))],
+                [K.put(at, value), K.nested(later)],
+                [K.nested(none)],
+            )
+            resp = yield from self._renewed(n, token, fence, lease_ms, g, written, K.nested(live))
+            if resp is None:
+                return None
+            nested = resp.responses[1].response_txn
+            if nested.succeeded or nested.responses[0].response_txn.succeeded:
+                return written + lease_ms
+            # The steps' end had passed: they are gone now; again, with a new lease.
+        raise K.corrupt(n.steps, ValueError("the steps of a key could not be renewed"))
+
+    def drop_step(self, ns: str, key: str, token: str, name: str, lease_ms: int) -> Op:
+        # Rows step.drop, step.drop.stale: the Txn of extend, and the step deleted.
+        n = K.claim_names(self.root, ns, key)
+        fence = yield from self._fence(ns, key, token)
+        if fence is None:
+            return None
+        g = yield _grant(lease_ms)
+        written = K.now_ms()
+        resp = yield from self._renewed(
+            n, token, fence, lease_ms, g, written, K.delete(n.step(name))
+        )
+        return None if resp is None else written + lease_ms
+
+    def steps(self, ns: str, key: str) -> Op:
+        n = K.claim_names(self.root, ns, key)
+        resp = yield Rpc("Range", pb.RangeRequest(key=n.steps, range_end=n.steps_end))
+        return list(_live_steps(n, resp.kvs, K.now_ms()))
+
+    def _fence(self, ns: str, key: str, token: str) -> Generator[Rpc, Any, int | None]:
+        """The fence of the claim with ``token``: known if this process claimed it, else
+        read (None: the key is not claimed with that token)."""
+        known = self._claims.get((ns, key, token))
+        if known is not None:
+            return known[0]
+        n = K.claim_names(self.root, ns, key)
+        resp = yield Rpc("Range", pb.RangeRequest(key=n.record))
+        if not resp.kvs:
+            return None
+        try:
+            val = K.parse_record(resp.kvs[0].value)
+        except _BAD as exc:
+            raise K.corrupt(n.record, exc) from exc
+        if not isinstance(val, K.InFlightVal) or val.token != token:
+            return None
+        return int(resp.kvs[0].mod_revision)
+
+    def _renewed(
+        self, n: K.ClaimNames, token: str, fence: int, lease_ms: int, g: Any, written: int, op: Any
+    ) -> Generator[Rpc, Any, Any]:
+        """One Txn as extend's (the claim in flight with ``token`` and ``fence``, its
+        lease marker still there: the marker moved to the fresh lease ``g``) that also
+        does ``op``: its reply, or None if the claim is not this attempt's any more."""
+        marker = K.marker_value(lease_ms, int(g.TTL), written)
+        rpc = Rpc(
+            "Txn",
+            K.txn(
+                [
+                    K.cmp_mod(n.record, fence),
+                    *K.cmp_starts(n.record, K.token_prefix(token)),
+                    K.cmp_create(n.marker, 0, pb.Compare.NOT_EQUAL),
+                ],
+                [K.put(n.marker, marker, g.ID, prev=True), op],
+                [],
+            ),
+        )
+        resp = yield rpc
+        if not resp.succeeded:
+            if not rpc.retried:  # else its first attempt may hold this lease
+                yield _revoke(g.ID)
+            return None
+        old = resp.responses[0].response_put.prev_kv.lease
+        if old and old != g.ID:
+            yield _revoke(old)
+        return resp
+
     def record(self, ns: str, key: str) -> Op:
         n = K.claim_names(self.root, ns, key)
         resp = yield Rpc("Txn", K.txn([], [K.get(n.record), K.get(n.marker)], []))
@@ -416,7 +589,15 @@ class Ops:
         n = K.claim_names(self.root, ns, key)
         resp = yield Rpc(
             "Txn",
-            K.txn([], [K.delete(n.record, prev=True), K.delete(n.marker, prev=True)], []),
+            K.txn(
+                [],
+                [
+                    K.delete(n.record, prev=True),
+                    K.delete(n.marker, prev=True),
+                    K.delete(n.steps, end=n.steps_end),
+                ],
+                [],
+            ),
         )
         rec = resp.responses[0].response_delete_range.prev_kvs
         marker = resp.responses[1].response_delete_range.prev_kvs
@@ -432,6 +613,11 @@ class Ops:
         rows: list[RecordRow] = []
         pending: dict[tuple[str, str], list[Any]] = {}
         for ns, key, suffix, kv in (yield from self._listing("c", ns_prefix, rows)):
+            if suffix[:1] == b"e":
+                continue  # the key's steps
+            if suffix not in (b"r", b"t"):
+                rows.append(R.corrupt("c", kv.key, "an unknown key name"))
+                continue
             pair = pending.setdefault((ns, key), [None, None])
             pair[0 if suffix == b"r" else 1] = kv
         for (ns, key), (rec, marker) in pending.items():
@@ -752,15 +938,30 @@ class Ops:
 
     def purge(self, dry_run: bool = False) -> Op:
         """Delete in-flight records whose lease ended (locks and completed records go
-        with their etcd leases by themselves); with ``dry_run``, only count them."""
+        with their etcd leases by themselves); with ``dry_run``, only count them. Steps
+        whose end passed go too (not counted)."""
         kvs = yield from self._scan(self.root + b"c/")
+        rev = int(kvs[0].mod_revision) if kvs else 0
         records: dict[bytes, Any] = {}
         markers: set[bytes] = set()
+        ends: dict[bytes, Any] = {}  # base -> its steps end (None: steps without one)
         for kv in kvs:
-            if kv.key.endswith(b"\0r") and kv.value[:1] == b"I":
-                records[kv.key[:-1]] = kv
-            elif kv.key.endswith(b"\0t"):
-                markers.add(kv.key[:-1])
+            rev = max(rev, int(kv.mod_revision))
+            parsed = K.parse_name(self.root, "c", kv.key)
+            if parsed is None:
+                continue
+            suffix = parsed[2]
+            base = kv.key[: len(kv.key) - len(suffix)]
+            if suffix == b"r" and kv.value[:1] == b"I":
+                records[base] = kv
+            elif suffix == b"t":
+                markers.add(base)
+            elif suffix == b"e":
+                ends[base] = kv
+            elif suffix[:2] == b"e/":
+                ends.setdefault(base, None)
+        if not dry_run:
+            yield from self._purge_steps(ends, rev)
         removed = 0
         for base, kv in records.items():
             if base in markers:
@@ -778,6 +979,32 @@ class Ops:
             )
             removed += bool(resp.succeeded)
         return removed
+
+    def _purge_steps(self, ends: dict[bytes, Any], rev: int) -> Op:
+        """Delete the steps of each claim key whose end passed (or that have none),
+        each in a Txn that holds if nothing changed them since the scan (at ``rev``)."""
+        now = K.now_ms()
+        for base, end in ends.items():
+            if end is not None:
+                try:
+                    if K.parse_steps_end(end.value) > now:
+                        continue
+                except _BAD:
+                    continue  # reported by whoever reads them; not purge's to delete
+            first, last = base + b"e", base + b"f"
+            same = (
+                K.cmp_mod(first, int(end.mod_revision))
+                if end is not None
+                else K.cmp_create(first, 0)
+            )
+            unchanged = pb.Compare(
+                key=first,
+                range_end=last,
+                target=pb.Compare.MOD,
+                result=pb.Compare.LESS,
+                mod_revision=rev + 1,
+            )
+            yield Rpc("Txn", K.txn([same, unchanged], [K.delete(first, end=last)], []))
 
     # ---- helpers ---------------------------------------------------------------------
 

@@ -8,7 +8,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..._core.port import Acquired, Capabilities, ClaimReply, Granted, Held, LockRow, RecordRow
+from ..._core.port import (
+    Acquired,
+    Capabilities,
+    ClaimReply,
+    Granted,
+    Held,
+    LockRow,
+    RecordRow,
+    StepRow,
+)
 from . import _codec as K
 from ._grpc_sync import _SyncRunner
 from ._ops import Op
@@ -23,8 +32,9 @@ class EtcdStore(_SyncRunner):
     """The store port on etcd v3 (3.4+)."""
 
     kind = "etcd"
-    #: the hand-off through its waiters' queue
-    capabilities = Capabilities(handoff=True)
+    #: the hand-off through its waiters' queue; steps inside a claim (keys beside its
+    #: record, see _codec)
+    capabilities = Capabilities(handoff=True, steps=True)
 
     def claim(self, ns: str, key: str, fp: str | None, token: str, lease_ms: int) -> ClaimReply:
         def undo(reply: ClaimReply | None) -> Op | None:
@@ -45,6 +55,27 @@ class EtcdStore(_SyncRunner):
 
     def extend(self, ns: str, key: str, token: str, lease_ms: int) -> int | None:
         r: int | None = self._run(self.ops.extend(ns, key, token, lease_ms))
+        return r
+
+    def step(
+        self,
+        ns: str,
+        key: str,
+        token: str,
+        name: str,
+        result: bytes | None,
+        lease_ms: int,
+        ttl_ms: int,
+    ) -> int | None:
+        r: int | None = self._run(self.ops.step(ns, key, token, name, result, lease_ms, ttl_ms))
+        return r
+
+    def drop_step(self, ns: str, key: str, token: str, name: str, lease_ms: int) -> int | None:
+        r: int | None = self._run(self.ops.drop_step(ns, key, token, name, lease_ms))
+        return r
+
+    def steps(self, ns: str, key: str) -> list[StepRow]:
+        r: list[StepRow] = self._run(self.ops.steps(ns, key))
         return r
 
     def record(self, ns: str, key: str) -> RecordRow | None:

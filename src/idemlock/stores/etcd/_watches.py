@@ -25,13 +25,16 @@ from ._pb.etcdserverpb import rpc_pb2 as _rpc_pb2
 
 pb: Any = _rpc_pb2  # generated without type information
 
+#: mvccpb.Event.EventType.PUT
+PUT = 0
+
 S = TypeVar("S", bound=Hashable)  # a watcher's mailbox type
 
 
 class Group(Generic[S]):
     """One etcd watch (one key range), shared by this store's waiters on it."""
 
-    __slots__ = ("channel", "end", "id", "key", "no_put", "subs", "waiter")
+    __slots__ = ("channel", "end", "id", "key", "no_put", "quiet", "subs", "waiter")
 
     def __init__(self, wid: int, key: bytes, end: bytes, channel: Channel) -> None:
         self.id = wid
@@ -39,6 +42,7 @@ class Group(Generic[S]):
         self.end = end
         self.channel = channel
         self.no_put = channel.kind == "lock"  # a lock is freed by a deletion only
+        self.quiet = quiet_key(channel, end)  # a key whose puts wake nobody
         #: this process's place in the lock's queue while its callers wait
         self.waiter = Waiter() if channel.kind == "lock" else None
         self.subs: set[S] = set()
@@ -108,12 +112,27 @@ def watch_range(root: bytes, channel: Channel) -> tuple[bytes, bytes]:
     """(key, range_end) watched for a channel: a lock key's permit is freed by the
     deletion of its etcd key (the range holds every permit of the lock key), and its
     grants and published values are puts there (an observer's ``"leader"`` channel);
-    a claim is freed by a change of its record or the end of its lease marker."""
+    a claim is freed by a change of its record or the end of its lease marker (its
+    steps, beside them, are not watched: a step write frees nothing)."""
     if channel.kind != "claim":
         name = K.lock_name(root, channel.ns, channel.key)
         return name, K.lock_end(name)
-    base = K.claim_names(root, channel.ns, channel.key).base
-    return base, K.prefix_end(base)
+    return K.claim_watch_range(K.claim_names(root, channel.ns, channel.key))
+
+
+def quiet_key(channel: Channel, end: bytes) -> bytes | None:
+    """The key of a watched range whose puts wake nobody: a claim's lease marker,
+    renewed by extend and by every step (the claim is freed by a change of its record
+    or by the marker's deletion), so a step written wakes no waiter for the claim."""
+    return end[:-1] if channel.kind == "claim" else None
+
+
+def wakes(quiet: bytes | None, events: Any) -> bool:
+    """Whether a watch reply's ``events`` wake its waiters: any of them but a put of
+    the range's ``quiet`` key."""
+    if quiet is None:
+        return bool(events)
+    return any(ev.type != PUT or ev.kv.key != quiet for ev in events)
 
 
 def leave_rpc(root: bytes, channel: Channel, waiter: Waiter) -> Rpc:
