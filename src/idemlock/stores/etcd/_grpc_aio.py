@@ -143,8 +143,6 @@ class AsyncSubscription:
 
     async def wait(self, timeout: float) -> bool:
         if not self._event.is_set() and timeout > 0:
-            # asyncio.wait, not wait_for: on Python 3.11 wait_for returns normally when a
-            # cancellation lands as the event is set, and the waiter waited on.
             await _until(self._event, timeout)
         fired = self._event.is_set()
         self._event.clear()
