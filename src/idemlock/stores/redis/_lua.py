@@ -109,13 +109,20 @@ _WITH_CLAIM = (
     + "\nif not c then return corrupt(why) end"
 )
 
-# The key's steps (KEYS[2]) as HGETALL answers them, appended to `out`; false when
-# KEYS[2] holds something else than a hash (refused as corrupt). A missing hash (no
-# steps: the hot path) is one empty HGETALL.
+# The steps of key k as HGETALL answers them (name, value, ...), appended to `out`; nil
+# and why for what idemlock did not write (another type, a value not fence + marker or
+# '=' result), refused before anything is written. A missing hash (no steps: the hot
+# path) is one empty HGETALL.
 _READ_STEPS = """
-local function read_steps(out)
-  local r = redis.pcall('HGETALL', KEYS[2])
-  if r.err then return false end
+local function read_steps(k, out)
+  local r = redis.pcall('HGETALL', k)
+  if r.err then return nil, 'steps: wrong type' end
+  for i = 2, #r, 2 do
+    local v = r[i]
+    if not (#v == 7 or (#v > 7 and string.byte(v, 8) == 61)) then
+      return nil, 'steps: not a step'
+    end
+  end
   for i = 1, #r do out[#out + 1] = r[i] end
   return out
 end
@@ -251,7 +258,8 @@ CLAIM = (
     + """
 if live(c) then
   if c.s == 'I' and c.t == ARGV[2] then
-    return read_steps({GRANTED, c.f, c.x, c.x - now}) or corrupt('steps: wrong type')
+    local out, bad = read_steps(KEYS[2], {GRANTED, c.f, c.x, c.x - now})
+    return out or corrupt(bad)
   end
   if c.p ~= ARGV[1] then return {MISMATCH, c.s} end
   if c.s == 'C' then return {DONE, c.x, c.r} end
@@ -261,8 +269,8 @@ local f = next_fence(c.f)
 local lease = tonumber(ARGV[3])
 local x = now + lease
 if x > MAX_MS then return too_long(x) end
-local out = read_steps({GRANTED, f, x, lease})
-if not out then return corrupt('steps: wrong type') end
+local out, bad = read_steps(KEYS[2], {GRANTED, f, x, lease})
+if not out then return corrupt(bad) end
 local v = pack_claim('I', f, x, ARGV[2], ARGV[1], '', '')
 redis.call('SET', KEYS[1], v, 'PXAT', S(x + tonumber(ARGV[4])))
 return out
@@ -419,10 +427,10 @@ return renewed()
 # KEYS[1] steps. Reply: the live steps as HGETALL answers them (name, value, ...).
 PEEK_STEPS = (
     _PRELUDE
+    + _READ_STEPS
     + """
-local r = redis.pcall('HGETALL', KEYS[1])
-if r.err then return corrupt('steps: wrong type') end
-return r
+local out, bad = read_steps(KEYS[1], {})
+return out or corrupt(bad)
 """
 )
 
