@@ -1112,3 +1112,128 @@ def test_complete_with_writes_elsewhere_is_refused() -> None:
     assert status is not None and status.state == "in_flight"  # nothing was recorded
     with pytest.raises(ConfigurationError, match="complete_in_transaction"):
         port.write_key("job", "k")  # no store-side writes here: no name to give
+
+
+# ---- steps inside a claim: the hash beside the record -----------------------------------
+
+
+def test_a_claim_key_keeps_its_steps_in_its_slot() -> None:
+    # Every step transition touches the record and its steps: one Cluster slot.
+    for ns, key in [("a", "b"), ("x:{y}", "{z}"), ("ü", "}{")]:
+        n = C.names(ns, key)
+        assert key_slot(n.steps) == key_slot(n.claim)
+        assert n.steps != n.claim and C.parse_name(n.steps, "c") is None
+
+
+@pytest.mark.parametrize("where", ["standalone", "cluster"])
+def test_steps_hash_follows_the_claim(where: str, request: pytest.FixtureRequest) -> None:
+    """The steps hash (fence + marker or '=' result per field) sits beside the record
+    on its node, its end (PEXPIREAT) is max(end, now + ttl) at each step, the record's
+    end at complete; abandon keeps it, forget deletes it, an expired one is not revived."""
+    if where == "standalone":
+        server = request.getfixturevalue("redis_server")
+        s = open_sync(server.url)[0]
+        rawc: Any = redis.Redis(port=server.port)
+    else:
+        cluster = request.getfixturevalue("redis_cluster")
+        s = open_sync(cluster.url)[0]
+        rawc = redis.cluster.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
+    try:
+        ns = _ns()
+        n = C.names(ns, "k")
+        first = s.claim(ns, "k", None, "aa", LONG)
+        assert isinstance(first, Granted) and first.steps == ()
+        assert rawc.exists(n.steps) == 0  # no steps, no hash
+        assert s.step(ns, "k", "aa", "charge", b"ch_1", LONG, LONG) is not None
+        assert s.step(ns, "k", "aa", "email", None, LONG, 2 * LONG) is not None
+        if where == "cluster":  # on the record's node, read there
+            node = rawc.get_node_from_key(n.claim)
+            assert rawc.get_node_from_key(n.steps) == node
+            assert rawc.keyslot(n.steps) == rawc.keyslot(n.claim)
+        fence = first.fence.to_bytes(7, "big")
+        assert rawc.hgetall(n.steps) == {b"charge": fence + b"=ch_1", b"email": fence}
+        end = rawc.pexpiretime(n.steps)
+        # max(end, now + ttl): a shorter ttl keeps the end, a longer one moves it
+        assert s.step(ns, "k", "aa", "charge", b"ch_2", LONG, 1_000) is not None
+        assert rawc.pexpiretime(n.steps) == end
+        assert s.drop_step(ns, "k", "aa", "email", LONG) is not None
+        assert s.step(ns, "k", "aa", "email", None, LONG, 3 * LONG) is not None
+        assert rawc.pexpiretime(n.steps) > end
+        # abandon leaves the steps, with their end; the next grant carries them
+        assert s.abandon(ns, "k", "aa")
+        assert rawc.pexpiretime(n.steps) > end
+        again = s.claim(ns, "k", None, "bb", LONG)
+        assert isinstance(again, Granted)
+        assert sorted((r.name, r.fence, r.result) for r in again.steps) == [
+            ("charge", first.fence, b"ch_2"),
+            ("email", first.fence, None),
+        ]
+        # complete: the steps end with the completed record, exactly
+        assert s.complete(ns, "k", "bb", b"done", 5_000)
+        row = s.record(ns, "k")
+        assert row is not None and rawc.pexpiretime(n.steps) == row.expires_ms
+        # forget drops them with the record
+        assert s.forget(ns, "k")
+        assert rawc.exists(n.steps) == 0 and s.steps(ns, "k") == []
+
+        # an expired hash is gone (Redis expires it): the next step starts a new one
+        third = s.claim(ns, "k", None, "cc", LONG)
+        assert isinstance(third, Granted)
+        assert s.step(ns, "k", "cc", "old", b"1", LONG, 1) is not None
+        deadline = time.monotonic() + 30
+        while rawc.exists(n.steps) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert s.steps(ns, "k") == []
+        assert s.step(ns, "k", "cc", "new", b"2", LONG, LONG) is not None
+        assert [r.name for r in s.steps(ns, "k")] == ["new"]
+    finally:
+        s.close()
+        rawc.close()
+
+
+def test_foreign_steps_are_store_corrupt_and_change_nothing(
+    store: RedisStore, raw: redis.Redis
+) -> None:
+    ns = _ns()
+    n = C.names(ns, "k")
+    raw.hset(n.steps, mapping={"s": b"not a step"})  # a hash, but not ours
+    with pytest.raises(StoreCorrupt):
+        store.claim(ns, "k", None, "aa", LONG)
+    assert store.record(ns, "k") is None  # the claim was refused before any write
+    with pytest.raises(StoreCorrupt):
+        store.steps(ns, "k")
+    raw.delete(n.steps)
+    granted = store.claim(ns, "k", None, "aa", LONG)
+    assert isinstance(granted, Granted)
+    raw.hset(n.steps, mapping={"s": b"\x00" * 7 + b"?x"})  # a fence, then no '='
+    with pytest.raises(StoreCorrupt):
+        store.claim(ns, "k", None, "aa", LONG)  # claim.resend reads them too
+    raw.delete(n.steps)
+    raw.rpush(n.steps, b"x")  # wrong type
+    with pytest.raises(StoreCorrupt):
+        store.step(ns, "k", "aa", "s", b"1", 1_000, LONG)
+    with pytest.raises(StoreCorrupt):
+        store.drop_step(ns, "k", "aa", "s", 1_000)
+    row = store.record(ns, "k")  # neither renewed the lease
+    assert row is not None and row.expires_ms == granted.expires_ms
+    with pytest.raises(StoreCorrupt):
+        store.steps(ns, "k")
+    raw.delete(n.steps)
+
+
+async def test_async_steps_on_cluster(redis_cluster: RedisCluster) -> None:
+    s = open_async(redis_cluster.url)[0]
+    try:
+        ns = _ns()
+        keys = [f"k{i}" for i in range(9)]  # spread over the three masters
+        for k in keys:
+            g = await s.claim(ns, k, None, "aa", LONG)
+            assert isinstance(g, Granted)
+            assert await s.step(ns, k, "aa", "s", k.encode(), LONG, LONG) is not None
+        for k in keys:
+            assert [(r.name, r.result) for r in await s.steps(ns, k)] == [("s", k.encode())]
+            assert await s.abandon(ns, k, "aa")
+            g = await s.claim(ns, k, None, "bb", LONG)
+            assert isinstance(g, Granted) and [r.result for r in g.steps] == [k.encode()]
+    finally:
+        await s.aclose()

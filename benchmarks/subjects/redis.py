@@ -84,10 +84,10 @@ class RedisRaw(Raw):
         n, tok = C.names(self.ns, key), C.pack_id(uuid.uuid4().hex)
 
         def complete(_: Any) -> tuple[Any, ...]:
-            return (C.COMPLETE.sha, 1, n.claim, tok, c.RESULT_BYTES, c.TTL_MS, n.claim_channel,
-                    C.nonce())  # fmt: skip
+            return (C.COMPLETE.sha, 2, n.claim, n.steps, tok, c.RESULT_BYTES, c.TTL_MS,
+                    n.claim_channel, C.nonce())  # fmt: skip
 
-        return (C.CLAIM.sha, 1, n.claim, FP, tok, c.LEASE_MS, c.KEEP), complete
+        return (C.CLAIM.sha, 2, n.claim, n.steps, FP, tok, c.LEASE_MS, c.KEEP), complete
 
     def send(self, request: tuple[Any, ...]) -> Any:
         return self.r.evalsha(*request)

@@ -14,7 +14,15 @@ from typing import Any
 from redis.exceptions import NoScriptError
 
 from ..._core import table as T
-from ..._core.port import Acquired, Capabilities, ClaimReply, Held, LockRow, RecordRow
+from ..._core.port import (
+    Acquired,
+    Capabilities,
+    ClaimReply,
+    Held,
+    LockRow,
+    RecordRow,
+    StepRow,
+)
 from . import _common as C
 from ._calls import (
     ND,
@@ -34,7 +42,9 @@ class AsyncRedisStore(AsyncPlumbing):
     """The port on a Redis or Redis Cluster client (see :class:`AsyncPlumbing`)."""
 
     kind = "redis"
-    capabilities = Capabilities(handoff=True, renew_many=True, complete_with=True, fence_set=True)
+    capabilities = Capabilities(
+        handoff=True, renew_many=True, complete_with=True, fence_set=True, steps=True
+    )
 
     # ---- idempotency records -------------------------------------------------------------
 
@@ -50,7 +60,7 @@ class AsyncRedisStore(AsyncPlumbing):
                 return self.abandon(ns, key, token)
             return None
 
-        reply = await self._eval(C.CLAIM, (n.claim,), args, undo=undo, undo_late=True)
+        reply = await self._eval(C.CLAIM, (n.claim, n.steps), args, undo=undo, undo_late=True)
         return C.claim_reply(reply, token)
 
     def claim_tag(self, ns: str, key: str) -> str:
@@ -78,7 +88,8 @@ class AsyncRedisStore(AsyncPlumbing):
         # ARGV[5] stays empty: the token's tag, not a nonce, recognises a re-send.
         args = (C.pack_id(token), bytes(result), ttl_ms, n.claim_channel, b"")
         values = tuple(bytes(v) for _, v in writes)
-        reply = await self._eval(C.COMPLETE, (n.claim, *users), args + values, finish=True)
+        keys = (n.claim, n.steps, *users)
+        reply = await self._eval(C.COMPLETE, keys, args + values, finish=True)
         return bool(reply == T.OK.code)
 
     async def abandon(self, ns: str, key: str, token: str) -> bool:
@@ -98,7 +109,39 @@ class AsyncRedisStore(AsyncPlumbing):
     async def forget(self, ns: str, key: str) -> bool:
         n = C.names(ns, key)
         args = (self._keep, n.claim_channel, C.nonce())
-        return bool(await self._eval(C.FORGET, (n.claim,), args) == T.OK.code)
+        return bool(await self._eval(C.FORGET, (n.claim, n.steps), args) == T.OK.code)
+
+    # ---- steps inside a claim --------------------------------------------------------
+
+    async def step(
+        self,
+        ns: str,
+        key: str,
+        token: str,
+        name: str,
+        result: bytes | None,
+        lease_ms: int,
+        ttl_ms: int,
+    ) -> int | None:
+        """Rows step.record / step.stale, one script: the claim's new expiry, or None."""
+        n = C.names(ns, key)
+        args = (C.pack_id(token), lease_ms, self._keep, name, C.pack_step(result), ttl_ms)
+        exp = await self._eval(C.STEP, (n.claim, n.steps), args)
+        return None if exp == T.NO_EXPIRY else int(exp)
+
+    async def drop_step(
+        self, ns: str, key: str, token: str, name: str, lease_ms: int
+    ) -> int | None:
+        """Rows step.drop / step.drop.stale, one script: the claim's new expiry, or None."""
+        n = C.names(ns, key)
+        args = (C.pack_id(token), lease_ms, self._keep, name)
+        exp = await self._eval(C.DROP_STEP, (n.claim, n.steps), args)
+        return None if exp == T.NO_EXPIRY else int(exp)
+
+    async def steps(self, ns: str, key: str) -> list[StepRow]:
+        """The key's live steps (Redis drops them at their end)."""
+        reply = await self._eval(C.PEEK_STEPS, (C.names(ns, key).steps,), ())
+        return C.step_rows(reply)
 
     async def records(self, ns_prefix: str) -> Sequence[RecordRow]:
         rows: list[RecordRow] = await self._listing("c", ns_prefix)

@@ -26,6 +26,7 @@ from ..._core.port import (
     LockRow,
     Mismatch,
     RecordRow,
+    StepRow,
 )
 from ..._errors import ConfigurationError, StoreCorrupt, StoreFull, StoreUnavailable
 from ..._logfields import fields as log_fields
@@ -71,6 +72,9 @@ FENCE_ADVANCE = _script("fence_advance", _lua.FENCE_ADVANCE)
 FENCE_SET = _script("fence_set", _lua.FENCE_SET)
 FENCE_CURRENT = _script("fence_current", _lua.FENCE_CURRENT)
 UNREGISTER = _script("unregister", _lua.UNREGISTER)
+STEP = _script("step", _lua.STEP)
+DROP_STEP = _script("drop_step", _lua.DROP_STEP)
+PEEK_STEPS = _script("steps", _lua.PEEK_STEPS)
 
 #: The scripts whose writes ``durability=`` waits for (every write a caller relies
 #: on: records, leases, fence gates; not a waiter's registration, not a peek).
@@ -78,7 +82,7 @@ DURABLE = frozenset(
     s.sha
     for s in (
         CLAIM, COMPLETE, ABANDON, EXTEND, FORGET, ACQUIRE, RELEASE, BREAK, RENEW,
-        FENCE_ADVANCE, FENCE_SET,
+        FENCE_ADVANCE, FENCE_SET, STEP, DROP_STEP,
     )
 )  # fmt: skip
 
@@ -131,6 +135,7 @@ def check_acks(d: Durability, replies: list[Any], what: str) -> None:
 # Channel: il{TAG}C / il{TAG}L              (claim / lock notifications; the lock
 #                                           scripts derive il{TAG}L from the lock)
 # Waiters: il{TAG}w                          (processes waiting for the lock)
+# Steps:   il{TAG}s:<ns escaped>|<key>      (a claim's steps, beside its record)
 # Gate:    il{<slot tag of resource>}f:<ns escaped>|<resource>
 #
 # The hash tag comes first, so nothing a user writes can move it; the rest of the name
@@ -169,6 +174,7 @@ class Names:
     claim_channel: bytes
     lock_channel: bytes
     waiters: bytes
+    steps: bytes
 
 
 @lru_cache(maxsize=8192)
@@ -180,7 +186,14 @@ def names(ns: str, key: str) -> Names:
     tag = base64.urlsafe_b64encode(hashlib.blake2b(pre + raw, digest_size=9).digest())
     head = b"%b{%b}" % (PREFIX, tag)
     tail = mid + raw
-    return Names(head + b"c" + tail, head + b"l" + tail, head + b"C", head + b"L", head + b"w")
+    return Names(
+        head + b"c" + tail,
+        head + b"l" + tail,
+        head + b"C",
+        head + b"L",
+        head + b"w",
+        head + b"s" + tail,
+    )
 
 
 def waiters_of(lock_channel: bytes) -> bytes:
@@ -323,7 +336,10 @@ def claim_reply(reply: Any, token: str) -> ClaimReply:
     the state table."""
     code = reply[0]
     if code == T.GRANTED.code:
-        return Granted(token, _int(reply[1]), _int(reply[2]), _int(reply[3]))
+        g = Granted(token, _int(reply[1]), _int(reply[2]), _int(reply[3]))
+        if len(reply) > 4:  # the key's steps: none on the hot path
+            return replace(g, steps=tuple(step_rows(reply[4:])))
+        return g
     if code == T.BUSY.code:
         return Busy(_int(reply[1]), _int(reply[2]))
     if code == T.DONE.code:
@@ -331,6 +347,30 @@ def claim_reply(reply: Any, token: str) -> ClaimReply:
     if code == T.MISMATCH.code:
         return Mismatch("in_flight" if reply[1] in (b"I", "I") else "completed")
     raise StoreCorrupt(f"unexpected reply from the claim script: {reply!r}")
+
+
+def pack_step(result: bytes | None) -> bytes:
+    """ARGV of a step's result: b'' for a "started" marker, else b'=' and the result
+    (the script puts the claim's fence, 7 bytes, in front)."""
+    return pack_value(result)
+
+
+def step_rows(flat: Any) -> list[StepRow]:
+    """The steps of a key from a steps hash as HGETALL answers it (name, value, ...);
+    StoreCorrupt for a value idemlock did not write."""
+    rows: list[StepRow] = []
+    for i in range(0, len(flat) - 1, 2):
+        name, value = flat[i], flat[i + 1]
+        if not isinstance(value, bytes) or not (
+            len(value) == 7 or (len(value) > 7 and value[7:8] == b"=")
+        ):
+            raise StoreCorrupt(
+                f"redis steps: the steps of a claim hold a value idemlock did not write "
+                f"(step {name!r}: {value!r:.60}); delete the key or use another key_prefix"
+            )
+        result = None if len(value) == 7 else value[8:]
+        rows.append(StepRow(text(name), int.from_bytes(value[:7], "big"), result))
+    return rows
 
 
 def lock_reply(reply: Any) -> Acquired | Held:

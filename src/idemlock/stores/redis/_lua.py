@@ -19,6 +19,14 @@ result stays within jemalloc's 160-byte class)::
            re-sent by the client) is recognised instead of reported stale
     result the rest of the string (completed)
 
+Steps of a claim (a hash beside its record, same hash tag, so a Cluster runs each
+transition as one script): step name -> the fence of the attempt that wrote it
+(``struct`` ``>I7``, 7 bytes) then nothing (a "started" marker) or '=' and the result.
+The hash's PEXPIREAT is the steps' end: max(its end, now + ttl) at each step written,
+the completed record's end at complete; abandon leaves it, forget deletes it. Redis
+drops it at its end, so an expired hash is never revived: the next step starts a new
+one.
+
 Lock record (a hash, one per (ns, key)); a lock is the one-permit case (``limit=1``,
 which travels with each acquire and is never stored) of a key many may hold::
 
@@ -100,6 +108,25 @@ _WITH_CLAIM = (
     + "\nlocal c, why = read_claim(KEYS[1])"
     + "\nif not c then return corrupt(why) end"
 )
+
+# The steps of key k as HGETALL answers them (name, value, ...), appended to `out`; nil
+# and why for what idemlock did not write (another type, a value not fence + marker or
+# '=' result), refused before anything is written. A missing hash (no steps: the hot
+# path) is one empty HGETALL.
+_READ_STEPS = """
+local function read_steps(k, out)
+  local r = redis.pcall('HGETALL', k)
+  if r.err then return nil, 'steps: wrong type' end
+  for i = 2, #r, 2 do
+    local v = r[i]
+    if not (#v == 7 or (#v > 7 and string.byte(v, 8) == 61)) then
+      return nil, 'steps: not a step'
+    end
+  end
+  for i = 1, #r do out[#out + 1] = r[i] end
+  return out
+end
+"""
 
 _READ_LOCK = """
 local function read_lock(k)
@@ -221,13 +248,19 @@ end
 """
 
 # ---- claims ------------------------------------------------------------------------
-# Rows claim.new, claim.resend, claim.mismatch, claim.replay, claim.busy.
-# KEYS[1] record. ARGV: fp, token, lease_ms, keep_ms
+# Rows claim.new, claim.resend, claim.mismatch, claim.replay, claim.busy; a grant
+# carries the key's steps (read before anything is written).
+# KEYS[1] record, KEYS[2] steps. ARGV: fp, token, lease_ms, keep_ms
+# Reply: {GRANTED, fence, expiry, lease, step name, step value, ...} or as the rows say.
 CLAIM = (
     _WITH_CLAIM
+    + _READ_STEPS
     + """
 if live(c) then
-  if c.s == 'I' and c.t == ARGV[2] then return {GRANTED, c.f, c.x, c.x - now} end
+  if c.s == 'I' and c.t == ARGV[2] then
+    local out, bad = read_steps(KEYS[2], {GRANTED, c.f, c.x, c.x - now})
+    return out or corrupt(bad)
+  end
   if c.p ~= ARGV[1] then return {MISMATCH, c.s} end
   if c.s == 'C' then return {DONE, c.x, c.r} end
   return {BUSY, c.x, c.x - now}
@@ -236,9 +269,11 @@ local f = next_fence(c.f)
 local lease = tonumber(ARGV[3])
 local x = now + lease
 if x > MAX_MS then return too_long(x) end
+local out, bad = read_steps(KEYS[2], {GRANTED, f, x, lease})
+if not out then return corrupt(bad) end
 local v = pack_claim('I', f, x, ARGV[2], ARGV[1], '', '')
 redis.call('SET', KEYS[1], v, 'PXAT', S(x + tonumber(ARGV[4])))
-return {GRANTED, f, x, lease}
+return out
 """
 )
 
@@ -259,9 +294,9 @@ return NO_EXPIRY
 )
 
 # Rows complete.ok, complete.late, complete.resend, complete.stale.
-# KEYS[1] record, KEYS[2..] the caller's keys to write with the completion.
-# ARGV: token, result, ttl_ms, channel, '' (a placeholder: the token's tag recognises a
-# re-send), then one value per caller's key.
+# KEYS[1] record, KEYS[2] steps, KEYS[3..] the caller's keys to write with the
+# completion. ARGV: token, result, ttl_ms, channel, '' (a placeholder: the token's tag
+# recognises a re-send), then one value per caller's key.
 COMPLETE = (
     _PRELUDE
     + _READ_CLAIM
@@ -285,8 +320,10 @@ if c.s == 'I' and c.t == ARGV[1] then
   -- seeded from the clock, far above this one.
   redis.call('SET', KEYS[1], pack_claim('C', c.f, x, '', c.p, tag(ARGV[1]), ARGV[2]),
              'PXAT', S(x))
+  -- The key's steps end with the completed record (a no-op without steps).
+  redis.call('PEXPIREAT', KEYS[2], S(x))
   -- The job's own effects commit with its record, or not at all (same script).
-  for i = 2, #KEYS do redis.call('SET', KEYS[i], ARGV[i + 4]) end
+  for i = 3, #KEYS do redis.call('SET', KEYS[i], ARGV[i + 3]) end
   redis.call('PUBLISH', ARGV[4], '*')
   return OK
 end
@@ -311,7 +348,8 @@ return STALE
 """
 )
 
-# Rows forget.live, forget.dead. KEYS[1] record. ARGV: keep_ms, channel, nonce
+# Rows forget.live, forget.dead (the key's steps dropped with the record).
+# KEYS[1] record, KEYS[2] steps. ARGV: keep_ms, channel, nonce
 FORGET = (
     _WITH_CLAIM
     + """
@@ -323,6 +361,7 @@ if c.s then
   if was then n = ARGV[3] end
   redis.call('SET', KEYS[1], pack_claim('F', c.f, 0, '', '', n, ''), 'PX', ARGV[1])
 end
+redis.call('DEL', KEYS[2])
 redis.call('PUBLISH', ARGV[2], '*')
 if was then return OK end
 return STALE
@@ -335,6 +374,63 @@ PEEK_CLAIM = (
     + """
 if live(c) then return {c.s, c.f, c.x} end
 return {}
+"""
+)
+
+# ---- steps inside a claim ----------------------------------------------------------
+# The guard and renewal of extend.ok: the claim in flight with this token, its lease
+# not ended; the step's write runs first, so a key holding something else than a hash
+# (refused as corrupt) changes nothing.
+_STEP_GUARD = (
+    _WITH_CLAIM
+    + """
+if not (c.s == 'I' and c.t == ARGV[1] and c.x > now) then return NO_EXPIRY end
+local x = now + tonumber(ARGV[2])
+if x > MAX_MS then return too_long(x) end
+local function renewed()
+  redis.call('SET', KEYS[1], pack_claim('I', c.f, x, c.t, c.p, c.n, c.r),
+             'PXAT', S(x + tonumber(ARGV[3])))
+  return x
+end
+"""
+)
+
+# Rows step.record, step.stale. KEYS[1] record, KEYS[2] steps.
+# ARGV: token, lease_ms, keep_ms, name, '' (a started marker) or '=' .. result, ttl_ms.
+# Reply: the new lease end, or NO_EXPIRY. The steps' end becomes max(their end,
+# now + ttl_ms); a hash past its end is gone already (Redis expired it), never revived.
+STEP = (
+    _STEP_GUARD
+    + """
+local e = now + tonumber(ARGV[6])
+if e > MAX_MS then return too_long(e) end
+local left = redis.call('PTTL', KEYS[2])  -- -2: no steps yet, -1: no end (not ours)
+local w = redis.pcall('HSET', KEYS[2], ARGV[4], struct.pack('>I7', c.f) .. ARGV[5])
+if type(w) == 'table' and w.err then return corrupt('steps: wrong type') end
+if left < 0 or now + left < e then redis.call('PEXPIREAT', KEYS[2], S(e)) end
+return renewed()
+"""
+)
+
+# Rows step.drop, step.drop.stale. KEYS[1] record, KEYS[2] steps. ARGV: token,
+# lease_ms, keep_ms, name. Reply: the new lease end, or NO_EXPIRY. The last step
+# dropped takes the hash with it.
+DROP_STEP = (
+    _STEP_GUARD
+    + """
+local w = redis.pcall('HDEL', KEYS[2], ARGV[4])
+if type(w) == 'table' and w.err then return corrupt('steps: wrong type') end
+return renewed()
+"""
+)
+
+# KEYS[1] steps. Reply: the live steps as HGETALL answers them (name, value, ...).
+PEEK_STEPS = (
+    _PRELUDE
+    + _READ_STEPS
+    + """
+local out, bad = read_steps(KEYS[1], {})
+return out or corrupt(bad)
 """
 )
 

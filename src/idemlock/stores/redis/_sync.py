@@ -15,7 +15,7 @@ from typing import Any
 from redis.exceptions import NoScriptError
 
 from ..._core import table as T
-from ..._core.port import Acquired, Capabilities, ClaimReply, Held, LockRow, RecordRow
+from ..._core.port import Acquired, Capabilities, ClaimReply, Held, LockRow, RecordRow, StepRow
 from . import _common as C
 from ._calls import (
     ND,
@@ -35,7 +35,9 @@ class RedisStore(SyncPlumbing):
     """The port on a Redis or Redis Cluster client (see :class:`SyncPlumbing`)."""
 
     kind = "redis"
-    capabilities = Capabilities(handoff=True, renew_many=True, complete_with=True, fence_set=True)
+    capabilities = Capabilities(
+        handoff=True, renew_many=True, complete_with=True, fence_set=True, steps=True
+    )
 
     # ---- idempotency records -------------------------------------------------------------
 
@@ -49,7 +51,7 @@ class RedisStore(SyncPlumbing):
                 return self.abandon(ns, key, token)
             return None
 
-        reply = self._eval(C.CLAIM, (n.claim,), args, undo=undo, undo_late=True)
+        reply = self._eval(C.CLAIM, (n.claim, n.steps), args, undo=undo, undo_late=True)
         return C.claim_reply(reply, token)
 
     def claim_tag(self, ns: str, key: str) -> str:
@@ -77,7 +79,8 @@ class RedisStore(SyncPlumbing):
         # ARGV[5] stays empty: the token's tag, not a nonce, recognises a re-send.
         args = (C.pack_id(token), bytes(result), ttl_ms, n.claim_channel, b"")
         values = tuple(bytes(v) for _, v in writes)
-        reply = self._eval(C.COMPLETE, (n.claim, *users), args + values, finish=True)
+        keys = (n.claim, n.steps, *users)
+        reply = self._eval(C.COMPLETE, keys, args + values, finish=True)
         return bool(reply == T.OK.code)
 
     def abandon(self, ns: str, key: str, token: str) -> bool:
@@ -97,7 +100,37 @@ class RedisStore(SyncPlumbing):
     def forget(self, ns: str, key: str) -> bool:
         n = C.names(ns, key)
         args = (self._keep, n.claim_channel, C.nonce())
-        return bool(self._eval(C.FORGET, (n.claim,), args) == T.OK.code)
+        return bool(self._eval(C.FORGET, (n.claim, n.steps), args) == T.OK.code)
+
+    # ---- steps inside a claim --------------------------------------------------------
+
+    def step(
+        self,
+        ns: str,
+        key: str,
+        token: str,
+        name: str,
+        result: bytes | None,
+        lease_ms: int,
+        ttl_ms: int,
+    ) -> int | None:
+        """Rows step.record / step.stale, one script: the claim's new expiry, or None."""
+        n = C.names(ns, key)
+        args = (C.pack_id(token), lease_ms, self._keep, name, C.pack_step(result), ttl_ms)
+        exp = self._eval(C.STEP, (n.claim, n.steps), args)
+        return None if exp == T.NO_EXPIRY else int(exp)
+
+    def drop_step(self, ns: str, key: str, token: str, name: str, lease_ms: int) -> int | None:
+        """Rows step.drop / step.drop.stale, one script: the claim's new expiry, or None."""
+        n = C.names(ns, key)
+        args = (C.pack_id(token), lease_ms, self._keep, name)
+        exp = self._eval(C.DROP_STEP, (n.claim, n.steps), args)
+        return None if exp == T.NO_EXPIRY else int(exp)
+
+    def steps(self, ns: str, key: str) -> list[StepRow]:
+        """The key's live steps (Redis drops them at their end)."""
+        reply = self._eval(C.PEEK_STEPS, (C.names(ns, key).steps,), ())
+        return C.step_rows(reply)
 
     def records(self, ns_prefix: str) -> Sequence[RecordRow]:
         rows: list[RecordRow] = self._listing("c", ns_prefix)
