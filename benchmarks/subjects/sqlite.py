@@ -21,7 +21,7 @@ import idemlock
 from idemlock import FencedOut
 from idemlock.stores.sqlite import _SCHEMA
 from idemlock.stores.sqlite import _sql as S
-from idemlock.stores.sqlite._sql import _PERMITS_SCHEMA
+from idemlock.stores.sqlite._sql import _PERMITS_SCHEMA, _STEPS_SCHEMA
 from subjects.base import Adapter, Ctx, Raw
 
 SQ_NS = "bench:job"
@@ -74,7 +74,7 @@ def sq_open_raw(path: str) -> sqlite3.Cursor:
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")
-    for stmt in (*_SCHEMA, *_PERMITS_SCHEMA):  # the store's own schema, indexes included
+    for stmt in (*_SCHEMA, *_PERMITS_SCHEMA, *_STEPS_SCHEMA):  # the store's own schema
         conn.execute(stmt)
     return conn.cursor()
 
