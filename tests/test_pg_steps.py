@@ -173,17 +173,28 @@ def test_complete_forget_and_purge_end_the_steps_in_their_rows(
     assert _steps_rows(postgres_dsn, schema, "q") == []
 
 
-def test_steps_outlive_a_purged_tombstone_and_reach_the_next_grant(
+def test_purge_keeps_the_row_of_a_key_with_live_steps(
     coord: idemlock.Coordinator, postgres_dsn: str, schema: str
 ) -> None:
+    """CLAIM_FAST reads no steps (the hot path is unchanged): a new key has none,
+    because purge keeps the claims row of a key whose steps live."""
     store = coord.store
     g = _granted(store, "k", "t1")
     assert store.step("ns", "k", "t1", "a", b"1", LEASE, TTL) is not None
+    # A resend (the same token again) carries the steps too.
+    assert _granted(store, "k", "t1").steps == (StepRow("a", g.fence, b"1"),)
     assert store.abandon("ns", "k", "t1") is True
-    assert store.purge() == 1  # the claims row goes; the steps' ttl runs on
+    assert store.purge(dry_run=True) == store.purge() == 0  # the tombstone stays
+    assert _sql(postgres_dsn, f"SELECT count(*) FROM {schema}.claims") == [(1,)]
+    again = _granted(store, "k", "t2")
+    assert again.steps == (StepRow("a", g.fence, b"1"),) and again.fence > g.fence
+    # Once the steps ended, the tombstone goes with them.
+    assert store.abandon("ns", "k", "t2") is True
+    _sql(postgres_dsn, f"UPDATE {schema}.claim_steps SET until_ms = 1")
+    assert store.purge(dry_run=True) == store.purge() == 1
     assert _sql(postgres_dsn, f"SELECT count(*) FROM {schema}.claims") == [(0,)]
-    again = _granted(store, "k", "t2")  # a brand-new row: the fast path's INSERT
-    assert again.steps == (StepRow("a", g.fence, b"1"),)
+    assert _steps_rows(postgres_dsn, schema, "k") == []
+    assert _granted(store, "k", "t3").steps == ()
 
 
 def test_complete_in_transaction_ends_the_steps_with_the_record(

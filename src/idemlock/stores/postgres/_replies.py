@@ -109,9 +109,11 @@ def _state(value: object, ns: str, key: str) -> Literal["in_flight", "completed"
 def _claim_reply(rows: list[Row], ns: str, key: str, token: str) -> ClaimReply | _Retry:
     if not rows:
         return _RETRY
+    # CLAIM's rows carry the key's steps; CLAIM_FAST's do not (its grant is of a new
+    # key, which has none).
     granted, fence, exp, now, state, result, same_token, same_fp, *steps = rows[0]
     if granted:
-        return Granted(token, fence, exp, exp - now, _steps(steps, ns, key))
+        return Granted(token, fence, exp, exp - now, _steps(steps, ns, key) if steps else ())
     if exp <= now:
         return _RETRY
     st = _state(state, ns, key)
@@ -119,6 +121,8 @@ def _claim_reply(rows: list[Row], ns: str, key: str, token: str) -> ClaimReply |
     # claim.mismatch, claim.replay or claim.busy) from what the statement compared.
     reply = T.claim_row(st, bool(same_token), bool(same_fp)).reply
     if reply is T.GRANTED:  # claim.resend: the steps as a grant carries them
+        if not steps:
+            return _RETRY  # CLAIM_FAST's: CLAIM reads the steps with it
         return Granted(token, fence, exp, exp - now, _steps(steps, ns, key))
     if reply is T.MISMATCH:
         return Mismatch(st)

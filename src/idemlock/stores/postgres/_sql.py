@@ -225,25 +225,27 @@ WHERE NOT EXISTS (SELECT FROM up)
 # a record in the way answers from the row as CLAIM's read does (claim.resend,
 # claim.mismatch, claim.busy, claim.replay). One that is no longer live (expired,
 # abandoned, forgotten) is taken over by CLAIM, which the caller runs then (_RETRY).
-# A new key has no claims row, but may have steps (its tombstone purged while the
-# steps' ttl runs): the grant reads them too.
-CLAIM_FAST = f"""
+# It reads no steps: a key with live steps always has a claims row (purge keeps the
+# row of such a key), so a new key has none; a claim.resend found here is left to
+# CLAIM too (_RETRY), which returns the steps with it. The hot path (claim.new,
+# claim.replay) is the statement it was before steps.
+CLAIM_FAST = """
 WITH up AS (
-    INSERT INTO {{s}}.claims AS c (ns, key, state, token, fence, fp, expires_ms)
-    VALUES (%(ns)s::text, %(key)s::text, 'in_flight', %(token)s::text, nextval({{seq}}),
-            %(fp)s::text, {{now}} + %(lease)s)
+    INSERT INTO {s}.claims AS c (ns, key, state, token, fence, fp, expires_ms)
+    VALUES (%(ns)s::text, %(key)s::text, 'in_flight', %(token)s::text, nextval({seq}),
+            %(fp)s::text, {now} + %(lease)s)
     ON CONFLICT (ns, key) DO NOTHING
     RETURNING c.fence, c.expires_ms
 )
 SELECT true, up.fence, up.expires_ms, up.expires_ms - %(lease)s, NULL::text, NULL::bytea,
-       NULL::bool, NULL::bool, {_STEPS_COLS}
-FROM up{_steps_of("up.expires_ms - %(lease)s")}
+       NULL::bool, NULL::bool
+FROM up
 UNION ALL
 SELECT false, cur.fence, cur.expires_ms, n.ms, cur.state,
        CASE WHEN cur.state = 'completed' AND cur.fp IS NOT DISTINCT FROM %(fp)s::text
             THEN cur.result END,
-       cur.token = %(token)s::text, cur.fp IS NOT DISTINCT FROM %(fp)s::text, {_STEPS_COLS}
-FROM {{s}}.claims cur CROSS JOIN (SELECT {{now}} AS ms) AS n{_steps_of("n.ms", _RESEND)}
+       cur.token = %(token)s::text, cur.fp IS NOT DISTINCT FROM %(fp)s::text
+FROM {s}.claims cur, (SELECT {now} AS ms) AS n
 WHERE cur.ns = %(ns)s::text AND cur.key = %(key)s::text AND NOT EXISTS (SELECT FROM up)
 """
 
@@ -811,14 +813,19 @@ PURGE = """
 WITH n AS MATERIALIZED (SELECT {now} AS ms),
 d AS (
     DELETE FROM {s}.{table} AS t
-    USING (SELECT ns, key FROM {s}.{table} WHERE {dead} LIMIT %(batch)s) AS x
+    USING (SELECT t.ns, t.key FROM {s}.{table} AS t WHERE {dead} LIMIT %(batch)s) AS x
     WHERE t.ns = x.ns AND t.key = x.key AND {dead}
     RETURNING {weight} AS w
 )
 SELECT count(*), coalesce(sum(w), 0) FROM d
 """
 
-_CLAIM_DEAD = "expires_ms <= (SELECT ms FROM n)"
+# Row claim.ttl, claim.expiry: a record that ended, unless its key still has live steps
+# (they need the row: CLAIM_FAST reads no steps, a new key having none).
+_CLAIM_DEAD = (
+    "(t.expires_ms <= (SELECT ms FROM n) AND NOT EXISTS (SELECT FROM {s}.claim_steps st "
+    "WHERE st.ns = t.ns AND st.key = t.key AND st.until_ms > (SELECT ms FROM n)))"
+)
 # Row lock.expiry: nothing live in the row (slot 0, others, a kept window).
 _LOCK_DEAD = (
     "(expires_ms <= (SELECT ms FROM n) AND window_ms <= (SELECT ms FROM n) AND NOT EXISTS "
@@ -895,7 +902,7 @@ _LOCK_WEIGHT = f"CASE WHEN {_LOCK_DEAD} THEN 1 + cardinality(others) ELSE {_prun
 PURGE_COUNT = """
 WITH n AS MATERIALIZED (SELECT {now} AS ms),
 b AS MATERIALIZED (
-    SELECT ns, key, {weight} AS w FROM {s}.{table}
+    SELECT ns, key, {weight} AS w FROM {s}.{table} AS t
     WHERE ({dead})
       AND (%(ns)s::text IS NULL OR (ns, key) > (%(ns)s::text, %(key)s::text))
     ORDER BY ns, key LIMIT %(batch)s
@@ -1017,6 +1024,7 @@ class Statements:
     @classmethod
     def for_schema(cls, schema: str) -> Statements:
         r = Stmt.render
+        claim_dead = _CLAIM_DEAD.replace("{s}", sql.Identifier(schema).as_string(None))
         return cls(
             schema=schema,
             claim=r(CLAIM, schema),
@@ -1044,14 +1052,14 @@ class Statements:
             locks=r(LOCKS, schema),
             fence_advance=r(FENCE_ADVANCE, schema),
             fence_current=r(FENCE_CURRENT, schema),
-            purge_claims=r(PURGE, schema, table="claims", dead=_CLAIM_DEAD, weight="1"),
+            purge_claims=r(PURGE, schema, table="claims", dead=claim_dead, weight="1"),
             purge_locks=r(
                 PURGE, schema, table="locks", dead=_LOCK_DEAD, weight="1 + cardinality(t.others)"
             ),
             prune_locks=r(PRUNE_LOCKS, schema),
             purge_waiters=r(PURGE_WAITERS, schema),
             purge_steps=r(PURGE_STEPS, schema),
-            count_claims=r(PURGE_COUNT, schema, table="claims", dead=_CLAIM_DEAD, weight="1"),
+            count_claims=r(PURGE_COUNT, schema, table="claims", dead=claim_dead, weight="1"),
             count_locks=r(
                 PURGE_COUNT,
                 schema,
