@@ -19,7 +19,7 @@ import psycopg
 import psycopg_pool
 from psycopg.rows import tuple_row
 
-from ..._core.port import Acquired, ClaimReply, Granted, Held, LockRow, RecordRow
+from ..._core.port import Acquired, ClaimReply, Granted, Held, LockRow, RecordRow, StepRow
 from ..._errors import StoreUnavailable
 from . import _schema_async, _watchdog
 from ._replies import (
@@ -36,6 +36,7 @@ from ._replies import (
     _renew_many,
     _renewed_many,
     _state,
+    _step_rows,
 )
 from ._runner_async import _AsyncRunner
 from ._shared import (
@@ -263,6 +264,43 @@ class AsyncPostgresStore(_AsyncRunner):
         params = {"ns": ns, "key": key, "chan": self._chan("claim", ns, key)}
         return bool(await self._rows(self.statements.forget, params, "forget", False))
 
+    # ---- steps inside a claim ----------------------------------------------------------
+
+    async def step(
+        self,
+        ns: str,
+        key: str,
+        token: str,
+        name: str,
+        result: bytes | None,
+        lease_ms: int,
+        ttl_ms: int,
+    ) -> int | None:
+        params = {
+            "ns": ns,
+            "key": key,
+            "token": token,
+            "name": name,
+            "result": None if result is None else bytes(result),
+            "lease": _i8(lease_ms),
+            "ttl": _i8(ttl_ms),
+        }
+        # Safe to run again: the same token writes the same step (or finds its claim
+        # gone, and then changes nothing).
+        rows = await self._rows(self.statements.step, params, "step", True)
+        return int(rows[0][0]) if rows else None
+
+    async def drop_step(
+        self, ns: str, key: str, token: str, name: str, lease_ms: int
+    ) -> int | None:
+        params = {"ns": ns, "key": key, "token": token, "name": name, "lease": _i8(lease_ms)}
+        rows = await self._rows(self.statements.drop_step, params, "drop_step", True)
+        return int(rows[0][0]) if rows else None
+
+    async def steps(self, ns: str, key: str) -> list[StepRow]:
+        rows = await self._rows(self.statements.steps, {"ns": ns, "key": key}, "steps", True)
+        return list(_step_rows(rows, ns, key))
+
     async def records(self, ns_prefix: str) -> list[RecordRow]:
         rows = await self._rows(self.statements.records, {"prefix": ns_prefix}, "records", True)
         return _record_rows(rows, self.schema)
@@ -395,12 +433,13 @@ class AsyncPostgresStore(_AsyncRunner):
                 removed += int(rows[0][1])
                 if int(rows[0][0]) < PURGE_BATCH:
                     break
-        # Lapsed registrations of the waiters' queue: not records, not counted.
-        while True:
-            stmt = self.statements.purge_waiters
-            rows = await self._rows(stmt, {"batch": _i8(PURGE_BATCH)}, "purge", True)
-            if int(rows[0][0]) < PURGE_BATCH:
-                break
+        # Lapsed registrations of the waiters' queue and steps whose end passed: not
+        # records, not counted.
+        for stmt in (st.purge_waiters, st.purge_steps):
+            while True:
+                rows = await self._rows(stmt, {"batch": _i8(PURGE_BATCH)}, "purge", True)
+                if int(rows[0][0]) < PURGE_BATCH:
+                    break
         return removed
 
     async def _purge_count(self) -> int:

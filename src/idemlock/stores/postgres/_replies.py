@@ -23,6 +23,7 @@ from ..._core.port import (
     LockRow,
     Mismatch,
     RecordRow,
+    StepRow,
 )
 from ..._errors import ConfigurationError, StoreCorrupt
 from ..._logfields import fields as log_fields
@@ -108,17 +109,21 @@ def _state(value: object, ns: str, key: str) -> Literal["in_flight", "completed"
 def _claim_reply(rows: list[Row], ns: str, key: str, token: str) -> ClaimReply | _Retry:
     if not rows:
         return _RETRY
-    granted, fence, exp, now, state, result, same_token, same_fp = rows[0]
+    # CLAIM's rows carry the key's steps; CLAIM_FAST's do not (its grant is of a new
+    # key, which has none).
+    granted, fence, exp, now, state, result, same_token, same_fp, *steps = rows[0]
     if granted:
-        return Granted(token, fence, exp, exp - now)
+        return Granted(token, fence, exp, exp - now, _steps(steps, ns, key) if steps else ())
     if exp <= now:
         return _RETRY
     st = _state(state, ns, key)
     # A live record in the way: the state table picks the row (claim.resend,
     # claim.mismatch, claim.replay or claim.busy) from what the statement compared.
     reply = T.claim_row(st, bool(same_token), bool(same_fp)).reply
-    if reply is T.GRANTED:
-        return Granted(token, fence, exp, exp - now)
+    if reply is T.GRANTED:  # claim.resend: the steps as a grant carries them
+        if not steps:
+            return _RETRY  # CLAIM_FAST's: CLAIM reads the steps with it
+        return Granted(token, fence, exp, exp - now, _steps(steps, ns, key))
     if reply is T.MISMATCH:
         return Mismatch(st)
     if reply is T.DONE:
@@ -126,6 +131,31 @@ def _claim_reply(rows: list[Row], ns: str, key: str, token: str) -> ClaimReply |
             raise StoreCorrupt(f"the completed record {key!r} in {ns!r} has no result")
         return Done(bytes(result), exp)
     return Busy(exp, exp - now)
+
+
+def _steps(cols: list[Any], ns: str, key: str) -> tuple[StepRow, ...]:
+    """A grant's steps: the three arrays (names, fences, results) the claim statement
+    aggregates, all None when the key has none."""
+    names, fences, results = cols
+    if names is None:
+        return ()
+    return _step_rows(list(zip(names, fences, results, strict=True)), ns, key)
+
+
+def _step_rows(rows: Sequence[Row], ns: str, key: str) -> tuple[StepRow, ...]:
+    out: list[StepRow] = []
+    for row in rows:
+        name, fence, result = row
+        # Every column is typed; a fence is a value of the fence sequence, which starts
+        # at 1: anything else was written by something other than idemlock.
+        if name is None or fence is None or fence < 1:
+            raise StoreCorrupt(
+                f"the step {name!r} of claim key {key!r} in {ns!r} has fence {fence!r}, "
+                "which idemlock never writes; the row was changed by something else: "
+                "forget the key"
+            )
+        out.append(StepRow(name, int(fence), None if result is None else bytes(result)))
+    return tuple(out)
 
 
 def _acquire_reply(rows: list[Row]) -> Acquired | Held | _Retry:

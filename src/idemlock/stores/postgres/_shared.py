@@ -324,7 +324,7 @@ class _Base(Generic[P]):
 
     kind = "postgres"
     #: LISTEN/NOTIFY wakes waiters in every process
-    capabilities = Capabilities(handoff=True, renew_many=True)
+    capabilities = Capabilities(handoff=True, renew_many=True, steps=True)
     #: the batched renewal statement, rendered on first use (``_replies._renew_many``)
     _renew_many_stmt: Any = None
 

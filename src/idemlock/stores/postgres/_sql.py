@@ -27,7 +27,7 @@ from typing import Any
 from psycopg import sql
 
 #: the schema layout this code reads and writes
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # Store time in ms since the epoch; read once per statement (a MATERIALIZED CTE or a
 # FROM sub-select is evaluated once even though clock_timestamp() is volatile).
@@ -137,10 +137,30 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
             WHERE p.expires_ms > at AND NOT (p.token = tok AND (who IS NULL OR p.owner = who))
             $$""",
     ),
+    # Steps inside a claim (rows step.*): a key's steps beside its claims row, so an
+    # abandon (a tombstone) or a lapsed lease keeps them for the next attempt. fence:
+    # the claim's fence when the step was written; result NULL: a "started" marker;
+    # until_ms: the key's steps' end (the ttl after its last step written, or, once
+    # completed, the record's end). A new table only: no data moves, and a process
+    # still running layout 3 never reads it (it leaves a forgotten key's steps to
+    # their until_ms, as purge does).
+    4: (
+        """CREATE TABLE {s}.claim_steps (
+            ns text COLLATE "C" NOT NULL,
+            key text COLLATE "C" NOT NULL,
+            name text COLLATE "C" NOT NULL,
+            fence bigint NOT NULL,
+            result bytea,
+            until_ms bigint NOT NULL,
+            PRIMARY KEY (ns, key, name)
+        )""",
+        "CREATE INDEX claim_steps_until_idx ON {s}.claim_steps (until_ms)",
+    ),
 }
 
 # ---- statement templates ----------------------------------------------------------
 # Parameters are always bound (never formatted in); ints are sent as int8.
+
 
 # Each statement names the rows of the state table (idemlock._core.table,
 # docs/states.md) it implements.
@@ -151,33 +171,53 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
 # runs; it re-checks against the latest row version under the row lock. If that
 # version is newer than the snapshot (a concurrent commit) and in the way, nothing is
 # written and nothing usable is returned: the caller runs the statement again.
+# A grant (claim.new, claim.resend) carries the key's live steps (rows step.*), read
+# in the same statement: three arrays (names, fences, results) of one aggregate, all
+# NULL when the key has none. One probe of claim_steps' primary key, in the snapshot
+# the grant was decided in; ``gate`` (a condition on the outer row only) makes it a
+# one-time filter, so a reply that is no grant (busy, replay...) skips the probe.
+def _steps_of(now: str, gate: str = "true") -> str:
+    return f"""
+CROSS JOIN LATERAL (
+    SELECT array_agg(t.name) AS names, array_agg(t.fence) AS fences,
+           array_agg(t.result) AS results
+    FROM {{s}}.claim_steps t
+    WHERE {gate} AND t.ns = %(ns)s::text AND t.key = %(key)s::text AND t.until_ms > {now}
+) st"""
+
+
+_STEPS_COLS = "st.names, st.fences, st.results"
+# the record in the way is the caller's own claim (claim.resend)
+_RESEND = "cur.state = 'in_flight' AND cur.token = %(token)s::text"
+
 # Rows claim.new (the upsert), claim.resend, claim.mismatch, claim.busy, claim.replay
 # (decided from the read by the table: _replies.claim_reply).
-CLAIM = """
-WITH n AS MATERIALIZED (SELECT {now} AS ms),
+CLAIM = f"""
+WITH n AS MATERIALIZED (SELECT {{now}} AS ms),
 cur AS MATERIALIZED (
     SELECT c.state, c.token, c.fence, c.fp, c.expires_ms, c.result
-    FROM {s}.claims c WHERE c.ns = %(ns)s::text AND c.key = %(key)s::text
+    FROM {{s}}.claims c WHERE c.ns = %(ns)s::text AND c.key = %(key)s::text
 ),
 up AS (
-    INSERT INTO {s}.claims AS c (ns, key, state, token, fence, fp, expires_ms)
-    SELECT %(ns)s::text, %(key)s::text, 'in_flight', %(token)s::text, nextval({seq}),
+    INSERT INTO {{s}}.claims AS c (ns, key, state, token, fence, fp, expires_ms)
+    SELECT %(ns)s::text, %(key)s::text, 'in_flight', %(token)s::text, nextval({{seq}}),
            %(fp)s::text, n.ms + %(lease)s
     FROM n WHERE NOT EXISTS (SELECT FROM cur WHERE cur.expires_ms > n.ms)
     ON CONFLICT (ns, key) DO UPDATE
-        SET state = 'in_flight', token = excluded.token, fence = nextval({seq}),
+        SET state = 'in_flight', token = excluded.token, fence = nextval({{seq}}),
             fp = excluded.fp, expires_ms = excluded.expires_ms, result = NULL
         WHERE c.expires_ms <= excluded.expires_ms - %(lease)s
     RETURNING c.fence, c.expires_ms
 )
-SELECT true, up.fence, up.expires_ms, n.ms, NULL::text, NULL::bytea, NULL::bool, NULL::bool
-FROM up, n
+SELECT true, up.fence, up.expires_ms, n.ms, NULL::text, NULL::bytea, NULL::bool, NULL::bool,
+       {_STEPS_COLS}
+FROM up CROSS JOIN n{_steps_of("n.ms")}
 UNION ALL
 SELECT false, cur.fence, cur.expires_ms, n.ms, cur.state,
        CASE WHEN cur.state = 'completed' AND cur.fp IS NOT DISTINCT FROM %(fp)s::text
             THEN cur.result END,
-       cur.token = %(token)s::text, cur.fp IS NOT DISTINCT FROM %(fp)s::text
-FROM cur, n
+       cur.token = %(token)s::text, cur.fp IS NOT DISTINCT FROM %(fp)s::text, {_STEPS_COLS}
+FROM cur CROSS JOIN n{_steps_of("n.ms", _RESEND)}
 WHERE NOT EXISTS (SELECT FROM up)
 """
 
@@ -185,6 +225,10 @@ WHERE NOT EXISTS (SELECT FROM up)
 # a record in the way answers from the row as CLAIM's read does (claim.resend,
 # claim.mismatch, claim.busy, claim.replay). One that is no longer live (expired,
 # abandoned, forgotten) is taken over by CLAIM, which the caller runs then (_RETRY).
+# It reads no steps: a key with live steps always has a claims row (purge keeps the
+# row of such a key), so a new key has none; a claim.resend found here is left to
+# CLAIM too (_RETRY), which returns the steps with it. The hot path (claim.new,
+# claim.replay) is the statement it was before steps.
 CLAIM_FAST = """
 WITH up AS (
     INSERT INTO {s}.claims AS c (ns, key, state, token, fence, fp, expires_ms)
@@ -211,15 +255,27 @@ WHERE cur.ns = %(ns)s::text AND cur.key = %(key)s::text AND NOT EXISTS (SELECT F
 # abandoned or forgotten): refusing would throw finished work away and run it again.
 # A completion re-sent after a lost reply (completed, same token and result, ttl
 # running) matches and keeps its expiry.
+# The key's live steps last as long as the completed record, in the same statement
+# (rows complete.ok, complete.late; steps whose end passed stay dead for purge): one
+# probe of claim_steps' primary key, which finds nothing for a key without steps.
 COMPLETE = """
-UPDATE {s}.claims AS c
-SET state = 'completed', result = %(result)s::bytea,
-    expires_ms = CASE WHEN c.state = 'in_flight' THEN n.ms + %(ttl)s ELSE c.expires_ms END
-FROM (SELECT {now} AS ms) AS n
-WHERE c.ns = %(ns)s::text AND c.key = %(key)s::text AND c.token = %(token)s::text
-  AND ((c.state = 'in_flight' AND c.expires_ms > 0)
-       OR (c.state = 'completed' AND c.result = %(result)s::bytea AND c.expires_ms > n.ms))
-RETURNING pg_notify(%(chan)s::text, '')
+WITH c AS (
+    UPDATE {s}.claims AS c
+    SET state = 'completed', result = %(result)s::bytea,
+        expires_ms = CASE WHEN c.state = 'in_flight' THEN n.ms + %(ttl)s ELSE c.expires_ms END
+    FROM (SELECT {now} AS ms) AS n
+    WHERE c.ns = %(ns)s::text AND c.key = %(key)s::text AND c.token = %(token)s::text
+      AND ((c.state = 'in_flight' AND c.expires_ms > 0)
+           OR (c.state = 'completed' AND c.result = %(result)s::bytea AND c.expires_ms > n.ms))
+    RETURNING c.expires_ms, n.ms, pg_notify(%(chan)s::text, '')
+),
+s AS (
+    UPDATE {s}.claim_steps AS t SET until_ms = c.expires_ms
+    FROM c
+    WHERE t.ns = %(ns)s::text AND t.key = %(key)s::text AND t.until_ms > c.ms
+      AND t.until_ms <> c.expires_ms
+)
+SELECT true FROM c
 """
 
 # Rows abandon.ok, abandon.late (no row: abandon.stale)
@@ -240,12 +296,85 @@ WHERE c.ns = %(ns)s::text AND c.key = %(key)s::text AND c.token = %(token)s::tex
 RETURNING c.expires_ms
 """
 
-# Rows forget.live (a row), forget.dead (none)
+# Rows forget.live (a row), forget.dead (none): the key's steps go with the record,
+# in both.
 FORGET = """
+WITH s AS (
+    DELETE FROM {s}.claim_steps AS t WHERE t.ns = %(ns)s::text AND t.key = %(key)s::text
+)
 UPDATE {s}.claims AS c SET expires_ms = 0, result = NULL
 FROM (SELECT {now} AS ms) AS n
 WHERE c.ns = %(ns)s::text AND c.key = %(key)s::text AND c.expires_ms > n.ms
 RETURNING pg_notify(%(chan)s::text, '')
+"""
+
+# ---- steps inside a claim -------------------------------------------------------------
+# Rows step.record (STEP), step.drop (DROP_STEP); no row: step.stale, step.drop.stale.
+# The caller's claim is renewed exactly as EXTEND renews it (its token, in flight, the
+# lease not ended on the server's clock), and only then, in the same statement, the
+# step is written or removed. The key's steps whose end passed go first (never
+# revived); a step written sets the end of all the key's steps to the later of theirs
+# and now + ttl. The sub-statements touch distinct rows (the step's own row only in
+# the upsert), as one statement must. The claims row lock serializes the key's writers.
+_STEP_RENEW = """
+WITH n AS MATERIALIZED (SELECT {now} AS ms),
+c AS (
+    UPDATE {s}.claims AS c SET expires_ms = n.ms + %(lease)s
+    FROM n
+    WHERE c.ns = %(ns)s::text AND c.key = %(key)s::text AND c.token = %(token)s::text
+      AND c.state = 'in_flight' AND c.expires_ms > n.ms
+    RETURNING c.fence, c.expires_ms, n.ms
+),"""
+
+STEP = (
+    _STEP_RENEW
+    + """
+k AS MATERIALIZED (
+    SELECT greatest(c.ms + %(ttl)s, max(t.until_ms)) AS until_ms
+    FROM c LEFT JOIN {s}.claim_steps t
+        ON t.ns = %(ns)s::text AND t.key = %(key)s::text AND t.until_ms > c.ms
+    GROUP BY c.ms
+),
+dead AS (
+    DELETE FROM {s}.claim_steps AS t USING c
+    WHERE t.ns = %(ns)s::text AND t.key = %(key)s::text AND t.until_ms <= c.ms
+      AND t.name <> %(name)s::text
+),
+live AS (
+    UPDATE {s}.claim_steps AS t SET until_ms = k.until_ms
+    FROM c, k
+    WHERE t.ns = %(ns)s::text AND t.key = %(key)s::text AND t.until_ms > c.ms
+      AND t.name <> %(name)s::text AND t.until_ms < k.until_ms
+),
+put AS (
+    INSERT INTO {s}.claim_steps AS t (ns, key, name, fence, result, until_ms)
+    SELECT %(ns)s::text, %(key)s::text, %(name)s::text, c.fence, %(result)s::bytea,
+           k.until_ms
+    FROM c, k
+    ON CONFLICT (ns, key, name) DO UPDATE
+        SET fence = excluded.fence, result = excluded.result, until_ms = excluded.until_ms
+)
+SELECT c.expires_ms FROM c
+"""
+)
+
+DROP_STEP = (
+    _STEP_RENEW
+    + """
+dead AS (
+    DELETE FROM {s}.claim_steps AS t USING c
+    WHERE t.ns = %(ns)s::text AND t.key = %(key)s::text
+      AND (t.until_ms <= c.ms OR t.name = %(name)s::text)
+)
+SELECT c.expires_ms FROM c
+"""
+)
+
+# The key's live steps (status(key).steps)
+STEPS = """
+SELECT t.name, t.fence, t.result
+FROM {s}.claim_steps t, (SELECT {now} AS ms) AS n
+WHERE t.ns = %(ns)s::text AND t.key = %(key)s::text AND t.until_ms > n.ms
 """
 
 RECORD = """
@@ -684,14 +813,19 @@ PURGE = """
 WITH n AS MATERIALIZED (SELECT {now} AS ms),
 d AS (
     DELETE FROM {s}.{table} AS t
-    USING (SELECT ns, key FROM {s}.{table} WHERE {dead} LIMIT %(batch)s) AS x
+    USING (SELECT t.ns, t.key FROM {s}.{table} AS t WHERE {dead} LIMIT %(batch)s) AS x
     WHERE t.ns = x.ns AND t.key = x.key AND {dead}
     RETURNING {weight} AS w
 )
 SELECT count(*), coalesce(sum(w), 0) FROM d
 """
 
-_CLAIM_DEAD = "expires_ms <= (SELECT ms FROM n)"
+# Row claim.ttl, claim.expiry: a record that ended, unless its key still has live steps
+# (they need the row: CLAIM_FAST reads no steps, a new key having none).
+_CLAIM_DEAD = (
+    "(t.expires_ms <= (SELECT ms FROM n) AND NOT EXISTS (SELECT FROM {s}.claim_steps st "
+    "WHERE st.ns = t.ns AND st.key = t.key AND st.until_ms > (SELECT ms FROM n)))"
+)
 # Row lock.expiry: nothing live in the row (slot 0, others, a kept window).
 _LOCK_DEAD = (
     "(expires_ms <= (SELECT ms FROM n) AND window_ms <= (SELECT ms FROM n) AND NOT EXISTS "
@@ -768,7 +902,7 @@ _LOCK_WEIGHT = f"CASE WHEN {_LOCK_DEAD} THEN 1 + cardinality(others) ELSE {_prun
 PURGE_COUNT = """
 WITH n AS MATERIALIZED (SELECT {now} AS ms),
 b AS MATERIALIZED (
-    SELECT ns, key, {weight} AS w FROM {s}.{table}
+    SELECT ns, key, {weight} AS w FROM {s}.{table} AS t
     WHERE ({dead})
       AND (%(ns)s::text IS NULL OR (ns, key) > (%(ns)s::text, %(key)s::text))
     ORDER BY ns, key LIMIT %(batch)s
@@ -776,6 +910,20 @@ b AS MATERIALIZED (
 l AS (SELECT ns, key FROM b ORDER BY ns DESC, key DESC LIMIT 1)
 SELECT (SELECT count(*) FROM b), (SELECT coalesce(sum(w), 0) FROM b), l.ns, l.key
 FROM (SELECT 1) AS one LEFT JOIN l ON true
+"""
+
+# Steps whose end passed (parts of records, not records: purge does not count them).
+PURGE_STEPS = """
+WITH n AS MATERIALIZED (SELECT {now} AS ms),
+d AS (
+    DELETE FROM {s}.claim_steps AS t
+    USING (SELECT ns, key, name FROM {s}.claim_steps
+           WHERE until_ms <= (SELECT ms FROM n) LIMIT %(batch)s) AS x
+    WHERE t.ns = x.ns AND t.key = x.key AND t.name = x.name
+      AND t.until_ms <= (SELECT ms FROM n)
+    RETURNING 1
+)
+SELECT count(*) FROM d
 """
 
 # Lapsed registrations of the waiters' queue (not records: purge does not count them).
@@ -842,6 +990,9 @@ class Statements:
     abandon: Stmt
     extend: Stmt
     forget: Stmt
+    step: Stmt
+    drop_step: Stmt
+    steps: Stmt
     record: Stmt
     records: Stmt
     acquire: Stmt
@@ -864,6 +1015,7 @@ class Statements:
     purge_locks: Stmt
     prune_locks: Stmt
     purge_waiters: Stmt
+    purge_steps: Stmt
     count_claims: Stmt
     count_locks: Stmt
     unregister: Stmt
@@ -872,6 +1024,7 @@ class Statements:
     @classmethod
     def for_schema(cls, schema: str) -> Statements:
         r = Stmt.render
+        claim_dead = _CLAIM_DEAD.replace("{s}", sql.Identifier(schema).as_string(None))
         return cls(
             schema=schema,
             claim=r(CLAIM, schema),
@@ -880,6 +1033,9 @@ class Statements:
             abandon=r(ABANDON, schema),
             extend=r(EXTEND, schema),
             forget=r(FORGET, schema),
+            step=r(STEP, schema),
+            drop_step=r(DROP_STEP, schema),
+            steps=r(STEPS, schema),
             record=r(RECORD, schema),
             records=r(RECORDS, schema),
             acquire=r(ACQUIRE, schema),
@@ -896,13 +1052,14 @@ class Statements:
             locks=r(LOCKS, schema),
             fence_advance=r(FENCE_ADVANCE, schema),
             fence_current=r(FENCE_CURRENT, schema),
-            purge_claims=r(PURGE, schema, table="claims", dead=_CLAIM_DEAD, weight="1"),
+            purge_claims=r(PURGE, schema, table="claims", dead=claim_dead, weight="1"),
             purge_locks=r(
                 PURGE, schema, table="locks", dead=_LOCK_DEAD, weight="1 + cardinality(t.others)"
             ),
             prune_locks=r(PRUNE_LOCKS, schema),
             purge_waiters=r(PURGE_WAITERS, schema),
-            count_claims=r(PURGE_COUNT, schema, table="claims", dead=_CLAIM_DEAD, weight="1"),
+            purge_steps=r(PURGE_STEPS, schema),
+            count_claims=r(PURGE_COUNT, schema, table="claims", dead=claim_dead, weight="1"),
             count_locks=r(
                 PURGE_COUNT,
                 schema,
