@@ -287,7 +287,7 @@ class AttemptBase:
         if not port._store.capabilities.steps:
             raise ConfigurationError(
                 f"the {port._store.kind} store does not record steps yet; steps run on "
-                "the stores that declare them (memory, SQLite, Redis, etcd)"
+                "the stores that declare them"
             )
         return port
 
