@@ -287,12 +287,12 @@ class IdempotencyPort(IdempotencyRun):
     def status(self, key: str) -> RecordStatus | None:
         """What the store holds for ``key``: None, in flight or completed, with expiry
         and, on a store that records steps, the operation's recorded steps."""
-        skey, store = self._skey(key), self._store
+        # Any: steps() is an optional method (capability steps), not in the store protocol
+        skey, store = self._skey(key), cast(Any, self._store)
         row = store.record(self._ns, skey)
         if row is None or not store.capabilities.steps:
             return self._replies.status(key, row)
-        steps: Any = store.steps  # type: ignore[attr-defined]  # (capability steps)
-        return self._replies.status(key, row, steps(self._ns, skey))
+        return self._replies.status(key, row, store.steps(self._ns, skey))
 
     def forget(self, key: str) -> bool:
         """Delete the record of ``key`` (operators only: a retry will run again)."""

@@ -231,7 +231,9 @@ async def _steps_through_the_current_claim(api: Facade) -> None:
 
         @dec
         def plain(n: int, fail: bool) -> int:
-            got: int = idemlock.current_claim().step("charge", charge, n)  # type: ignore[union-attr]
+            claim = idemlock.current_claim()
+            assert claim is not None
+            got: int = claim.step("charge", charge, n)
             if fail:
                 raise Crash("after the step")
             return got + 1

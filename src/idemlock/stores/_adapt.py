@@ -36,6 +36,9 @@ class ThreadedAsyncStore:
         self.sync = sync
         self.kind = sync.kind
         self.capabilities: Capabilities = sync.capabilities
+        #: the same store, for the optional methods its capabilities declare (renew_many,
+        #: step, ...), which the SyncStore protocol does not list
+        self._optional: Any = sync
         #: the bound on one call (seconds), the sync store's
         self.timeout: float = float(sync.timeout)
         if self.capabilities.renew_many:
@@ -45,19 +48,19 @@ class ThreadedAsyncStore:
             self.step, self.drop_step, self.steps = self._step, self._drop_step, self._steps
 
     async def _step(self, *args: Any) -> int | None:
-        r: int | None = await self._call(self.sync.step, *args)  # type: ignore[attr-defined]
+        r: int | None = await self._call(self._optional.step, *args)
         return r
 
     async def _drop_step(self, *args: Any) -> int | None:
-        r: int | None = await self._call(self.sync.drop_step, *args)  # type: ignore[attr-defined]
+        r: int | None = await self._call(self._optional.drop_step, *args)
         return r
 
     async def _steps(self, ns: str, key: str) -> list[Any]:
-        r: list[Any] = await self._call(self.sync.steps, ns, key)  # type: ignore[attr-defined]
+        r: list[Any] = await self._call(self._optional.steps, ns, key)
         return r
 
     async def _renew_many(self, items: list[tuple[Any, ...]]) -> list[int | None]:
-        r: list[int | None] = await self._call(self.sync.renew_many, items)  # type: ignore[attr-defined]
+        r: list[int | None] = await self._call(self._optional.renew_many, items)
         return r
 
     async def _call(self, fn: Any, *args: Any) -> Any:
