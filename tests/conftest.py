@@ -112,6 +112,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             red=True,
         )
         session.exitstatus = 1
+    if _stopping and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.INTERRUPTED
 
 
 # ---- a run that is stopped stops its servers ------------------------------------------
@@ -160,6 +162,37 @@ def _stop_run(signum: int, frame: FrameType | None) -> None:
         with contextlib.suppress(Exception):
             sys.stderr.write(f"\n{name}: stopping the test run and its servers\n")
     raise KeyboardInterrupt(name)
+
+
+def _still_stopping() -> None:
+    """The ``KeyboardInterrupt`` of :func:`_stop_run` is lost when the signal arrives
+    while the main thread runs a ``__del__``, a weakref callback or a GC finalizer
+    (Python prints "Exception ignored in" and goes on): so it is raised again at the
+    next test boundary, and a run that ends meanwhile still fails."""
+    if _stopping and os.getpid() == _installed_by:
+        raise KeyboardInterrupt("stopped by a signal")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_logstart(nodeid: str, location: object) -> None:
+    _still_stopping()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_logfinish(nodeid: str, location: object) -> None:
+    _still_stopping()
+
+
+def _defaults_in_child() -> None:
+    # A process forked by a test (multiprocessing, os.fork) must die of SIGTERM even
+    # when its main thread is stuck in C code, where no Python handler can run:
+    # Pool.terminate() and the hard stop count on it.
+    with contextlib.suppress(ValueError):  # (not from the main thread: not ours)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+os.register_at_fork(after_in_child=_defaults_in_child)
 
 
 _config: pytest.Config | None = None

@@ -13,6 +13,7 @@ After a SIGKILL nothing could clean up: the servers die by their death signal
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import shutil
 import signal
@@ -179,3 +180,84 @@ def test_a_killed_run_leaves_no_process_and_the_next_run_removes_its_directories
     assert any(name.startswith(_proc.ROOT_PREFIX) for name in left), left
     _proc.sweep_stale_roots(tmpdir_short)  # what the next run does at its start
     assert not _leftover_dirs(tmpdir_short)
+
+
+_LOST_SIGNAL = """
+import os, signal
+
+class Bomb:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)  # its KeyboardInterrupt is "ignored"
+
+def test_signalled_in_a_finalizer():
+    Bomb()
+
+def test_never_runs():
+    raise AssertionError("the run went on after SIGTERM")
+"""
+
+
+def test_a_signal_whose_interrupt_a_finalizer_swallowed_still_stops_the_run(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "test_lost_signal.py").write_text(_LOST_SIGNAL)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "IDEMLOCK_"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *sys.path])
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "tests.conftest",
+            "-p",
+            "no:xdist",
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path / "test_lost_signal.py"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
+    out = (done.stdout + done.stderr).decode(errors="replace")
+    assert "Exception ignored" in out, out  # the interrupt was swallowed once...
+    assert done.returncode == pytest.ExitCode.INTERRUPTED, out  # ...and raised again
+    assert "the run went on" not in out, out
+
+
+def test_a_process_a_test_forked_dies_of_sigterm_even_while_stuck_in_c() -> None:
+    """Pool.terminate() and the hard stop end a test's forked children by SIGTERM; a
+    Python handler inherited from the run's own could never run while the child waits
+    in C. (Here the wait is faulthandler's: a child that cancels a watchdog armed
+    before the fork waits for a thread it does not have.)"""
+    faulthandler.dump_traceback_later(600)
+    read, write = os.pipe()
+    try:
+        pid = os.fork()
+        if pid == 0:
+            os.write(write, b"x")
+            faulthandler.cancel_dump_traceback_later()  # never returns
+            os._exit(0)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        os.close(write)
+    try:
+        assert os.read(read, 1) == b"x"
+        _wait_for(
+            "the child never blocked in C",
+            lambda: Path(f"/proc/{pid}/wchan").read_text().startswith("futex"),
+            30,
+        )
+        os.kill(pid, signal.SIGTERM)
+        _, status = _proc.waitpid(pid, 30)
+    finally:
+        os.close(read)
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
+import gc
 import logging
 import multiprocessing
 import os
+import signal
 import socket
 import sqlite3
 import threading
@@ -633,10 +636,29 @@ def test_fork_multiprocessing_pool(url: str) -> None:
     _MP_COORD[:] = [coord]
     try:
         _work(coord, "before", 3)
-        with multiprocessing.get_context("fork").Pool(3) as pool:
-            result = pool.map_async(_mp_task, range(6))
-            _work(coord, "parent", 30)
-            assert sorted(result.get(timeout=60)) == list(range(6))
+        # The children must not collect what earlier tests of this process left for
+        # the garbage collector (a gRPC channel finalized in a child can wait for
+        # threads that only its parent has): none of that is the coordinator's.
+        gc.collect()
+        gc.freeze()
+        # A worker that hangs writes its stacks (to the captured stderr) on SIGUSR2.
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
+        try:
+            with multiprocessing.get_context("fork").Pool(3) as pool:
+                result = pool.map_async(_mp_task, range(6))
+                _work(coord, "parent", 30)
+                try:
+                    done = result.get(timeout=60)
+                except multiprocessing.TimeoutError:
+                    for proc in pool._pool:  # type: ignore[attr-defined]
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(proc.pid, signal.SIGUSR2)
+                    time.sleep(1)  # (their stacks, then the pool ends them)
+                    raise AssertionError("a pool worker hung: its stacks are above") from None
+                assert sorted(done) == list(range(6))
+        finally:
+            faulthandler.unregister(signal.SIGUSR2)
+            gc.unfreeze()
         _work(coord, "after", 5)
     finally:
         _MP_COORD.clear()
