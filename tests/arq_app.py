@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from arq.connections import RedisSettings
-from arq.worker import func
+from arq.worker import Retry, func
 
 from idemlock.integrations.arq import idempotent_job
 
@@ -17,6 +17,7 @@ from .queue_jobs import (
     LIMITED_WAIT,
     SPEC,
     async_coordinator,
+    atwo_steps,
     awork,
     delivered,
     long_spec,
@@ -40,6 +41,14 @@ async def arq_job(
     ctx: dict[str, Any], name: str, seconds: float = 0.0, fail_first: bool = False
 ) -> dict[str, Any]:
     return await awork(name, seconds, fail_first)
+
+
+@idempotent_job(SPEC, key=lambda name: name, coordinator=async_coordinator)
+async def arq_steps_job(ctx: dict[str, Any], name: str) -> dict[str, Any]:
+    try:
+        return await atwo_steps(name)
+    except RuntimeError as exc:  # the first run's failure, after step one: arq runs it again
+        raise Retry(defer=0.1) from exc
 
 
 #: the lease of arq_long_job: long enough that a worker already polling when the first
@@ -103,6 +112,7 @@ class WorkerSettings:
     functions = [  # noqa: RUF012
         arq_job,
         arq_long_job,
+        arq_steps_job,
         func(arq_tight_job, name="arq_tight_job", max_tries=TIGHT_TRIES),
         # One try: a reschedule for a permit that counted would fail the job.
         func(arq_limited_job, name="arq_limited_job", max_tries=1),

@@ -22,6 +22,7 @@ from .queue_jobs import (
     coordinator,
     long_spec,
     tenant_of,
+    two_steps,
     work,
 )
 
@@ -53,6 +54,12 @@ dramatiq.set_broker(broker)
 )
 def dq_job(name: str, seconds: float = 0.0, fail_first: bool = False) -> dict[str, Any]:
     return work(name, seconds, fail_first)
+
+
+@dramatiq.actor(max_retries=5, min_backoff=100, max_backoff=1000, store_results=True)
+@idempotent(SPEC, key=lambda name: name, coordinator=coordinator)
+def dq_steps_job(name: str) -> dict[str, Any]:
+    return two_steps(name)
 
 
 #: longer than the broker takes to hand a dead worker's message to another, so the

@@ -117,6 +117,33 @@ async def awork(name: str, seconds: float, fail_first: bool) -> dict[str, Any]:
     return {"name": name, "fence": idemlock.current_claim().fence}  # type: ignore[union-attr]
 
 
+def step_effect(name: str, step: str, fence: int) -> str:
+    """One step's side effect: an "effect" line in the log, which the test counts."""
+    note("effect", name=name, step=step)
+    return f"{step} by fence {fence}"
+
+
+def two_steps(name: str) -> dict[str, Any]:
+    """A body of two steps through ``current_claim().step``, whose first delivery fails
+    between them (RuntimeError): the redelivery finds step one recorded and runs two."""
+    claim = idemlock.current_claim()
+    assert claim is not None
+    one = claim.step("one", step_effect, name, "one", claim.fence)
+    fail_once(name, True)
+    two = claim.step("two", step_effect, name, "two", claim.fence)
+    return {"name": name, "one": one, "two": two, "fence": claim.fence}
+
+
+async def atwo_steps(name: str) -> dict[str, Any]:
+    """:func:`two_steps` in an ``async def``: each step awaited."""
+    claim = idemlock.current_claim()
+    assert claim is not None
+    one = await claim.step("one", step_effect, name, "one", claim.fence)
+    fail_once(name, True)
+    two = await claim.step("two", step_effect, name, "two", claim.fence)
+    return {"name": name, "one": one, "two": two, "fence": claim.fence}
+
+
 def tenant_of(name: str, *args: Any, **kwargs: Any) -> str:
     """The limited jobs' ``concurrency_key``: called once per delivery that holds its
     claim and asks for a permit, so the log shows the deliveries sent back."""
@@ -179,3 +206,7 @@ else:
     )
     def rq_limited_job(name: str, seconds: float = 0.0, fail_first: bool = False) -> dict[str, Any]:
         return work(name, seconds, fail_first)
+
+    @idempotent_job(SPEC, key=lambda name: name, coordinator=coordinator)
+    def rq_steps_job(name: str) -> dict[str, Any]:
+        return two_steps(name)

@@ -198,6 +198,26 @@ async def test_a_failure_abandons_the_claim_so_a_retry_runs_with_a_higher_fence(
     assert value["fence"] == starts[1]["fence"]
 
 
+async def test_a_retried_job_resumes_after_its_last_finished_step(env: Env) -> None:
+    """``current_claim().step`` in an arq job: the first run records step one, then
+    raises ``arq.Retry``; the next run finds step one recorded (its result, not a second
+    effect) and runs step two only."""
+    env.worker()
+    value = await result(await env.send_to("arq_steps_job", "st"))
+    effects = env.events("st", "effect")
+    assert [e["step"] for e in effects] == ["one", "two"]  # each effect once
+    assert len(env.events("st", "fail")) == 1
+    assert effects[1]["fence"] > effects[0]["fence"]  # step two: the retry's
+    assert value == {
+        "name": "st",
+        "one": f"one by fence {effects[0]['fence']}",  # recorded by the first run
+        "two": f"two by fence {effects[1]['fence']}",
+        "fence": effects[1]["fence"],
+    }
+    status = coordinator().idempotency(SPEC).status("st")
+    assert status is not None and status.state == "completed"
+
+
 async def test_worker_sigkilled_mid_job_reruns_only_after_the_lease_ends(env: Env) -> None:
     worker = env.worker()
     job = await env.send("k", JOB_TIMEOUT * 0.75)

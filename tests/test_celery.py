@@ -264,6 +264,35 @@ def flaky(self: Any, job: str) -> dict[str, Any]:
     return {"job": job, "retries": self.request.retries}
 
 
+def _fulfil_effect(step: str, order_id: str, fence: int) -> str:
+    # One step's side effect, a line the test counts.
+    _append("fulfil.log", json.dumps({"step": step, "order": order_id, "fence": fence}))
+    return f"{step} by fence {fence}"
+
+
+@app.task(
+    bind=True,
+    base=IdempotentTask,
+    name="idemlock_test.fulfil",
+    idemlock_coordinator=_coordinator,
+    idemlock_spec="fulfil",
+    idemlock_key=lambda order_id: f"fulfil-{order_id}",
+    autoretry_for=(ConnectionError,),
+    retry_kwargs={"countdown": 0, "max_retries": 2},
+    time_limit=20,
+)
+def fulfil(self: Any, order_id: str) -> dict[str, Any]:
+    claim = idemlock.current_claim()
+    assert claim is not None
+    charge = claim.step("charge", _fulfil_effect, "charge", order_id, claim.fence)
+    failed = _dir() / f"fulfil-failed-{order_id}"
+    if not failed.exists():
+        failed.touch()
+        raise ConnectionError("the mail server went away")  # after step one: retried
+    mail = claim.step("mail", _fulfil_effect, "mail", order_id, claim.fence)
+    return {"order": order_id, "charge": charge, "mail": mail, "fence": claim.fence}
+
+
 #: at most this many "export" bodies run at once (the test starts two workers)
 EXPORT_LIMIT = 1
 #: the tenant every export counts under
@@ -539,6 +568,26 @@ def test_task_slower_than_its_lease_with_a_duplicate_runs_once(env: Env) -> None
     assert "slow claim replayed" in env.lines("events.log")
     assert "slow lost lost" not in env.lines("events.log")
     wait_for(lambda: env.unacked() == 0, 10, w2.why)
+
+
+def test_a_retried_task_resumes_after_its_last_finished_step(env: Env) -> None:
+    """``current_claim().step`` in a Celery task: the first run records step one, then
+    fails into ``autoretry_for``; the retry finds step one recorded (its result, not a
+    second effect) and runs step two only."""
+    w1 = start_worker(env, "w1")
+    value = fulfil.apply_async(("F1",)).get(timeout=30)
+    effects = [json.loads(x) for x in env.lines("fulfil.log")]
+    assert [e["step"] for e in effects] == ["charge", "mail"], w1.why()  # each effect once
+    assert effects[1]["fence"] > effects[0]["fence"]  # step two: the retry's
+    assert value == {
+        "order": "F1",
+        "charge": f"charge by fence {effects[0]['fence']}",  # recorded by the first run
+        "mail": f"mail by fence {effects[1]['fence']}",
+        "fence": effects[1]["fence"],
+    }
+    with idemlock.connect(env.store_url) as coord:
+        status = coord.idempotency("fulfil").status("fulfil-F1")
+    assert status is not None and status.state == "completed"
 
 
 def test_concurrency_limit_runs_one_at_a_time_and_waits_use_no_retries(env: Env) -> None:

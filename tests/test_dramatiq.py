@@ -166,6 +166,26 @@ def test_a_failure_abandons_and_dramatiqs_retry_runs_it_again(env: Env) -> None:
     assert value["fence"] == starts[1]["fence"]
 
 
+def test_a_retried_message_resumes_after_its_last_finished_step(env: Env) -> None:
+    """``current_claim().step`` in a Dramatiq actor: the first delivery records step
+    one, then fails; the Retries middleware's redelivery finds step one recorded (its
+    result, not a second effect) and runs step two only."""
+    env.worker()
+    value = result(env.app.dq_steps_job.send("st"))
+    effects = env.events("st", "effect")
+    assert [e["step"] for e in effects] == ["one", "two"]  # each effect once
+    assert len(env.events("st", "fail")) == 1
+    assert effects[1]["fence"] > effects[0]["fence"]  # step two: the redelivery's
+    assert value == {
+        "name": "st",
+        "one": f"one by fence {effects[0]['fence']}",  # recorded by the first delivery
+        "two": f"two by fence {effects[1]['fence']}",
+        "fence": effects[1]["fence"],
+    }
+    status = coordinator().idempotency(SPEC).status("st")
+    assert status is not None and status.state == "completed"
+
+
 def test_worker_sigkilled_mid_message_reruns_only_after_the_lease_ends(env: Env) -> None:
     worker = env.worker()
     msg = env.app.dq_job.send("k", 60.0)  # until it is killed, however slow the machine

@@ -37,6 +37,7 @@ from .queue_jobs import (
     read_log,
     rq_job,
     rq_limited_job,
+    rq_steps_job,
 )
 from .servers._proc import popen
 from .servers.redis import RedisServer, free_port
@@ -151,6 +152,27 @@ def test_a_failure_abandons_and_rqs_retry_runs_it_again_with_a_higher_fence(env:
     assert len(starts) == 2 and len(env.events("f", "fail")) == 1
     assert starts[1]["fence"] > starts[0]["fence"]
     assert job.return_value()["fence"] == starts[1]["fence"]
+
+
+def test_a_retried_job_resumes_after_its_last_finished_step(env: Env) -> None:
+    """``current_claim().step`` in an RQ job: the first run records step one, then
+    fails; RQ's retry finds step one recorded (its result, not a second effect) and runs
+    step two only."""
+    env.worker()
+    job = env.queue.enqueue(rq_steps_job, "st", retry=Retry(max=2))
+    wait_for(lambda: finished(job), timeout=30)
+    effects = env.events("st", "effect")
+    assert [e["step"] for e in effects] == ["one", "two"]  # each effect once
+    assert len(env.events("st", "fail")) == 1
+    assert effects[1]["fence"] > effects[0]["fence"]  # step two: the retry's
+    assert job.return_value() == {
+        "name": "st",
+        "one": f"one by fence {effects[0]['fence']}",  # recorded by the first run
+        "two": f"two by fence {effects[1]['fence']}",
+        "fence": effects[1]["fence"],
+    }
+    status = coordinator().idempotency(SPEC).status("st")
+    assert status is not None and status.state == "completed"
 
 
 def test_work_horse_sigkilled_mid_job_reruns_only_after_the_lease_ends(env: Env) -> None:
