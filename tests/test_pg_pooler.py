@@ -417,6 +417,26 @@ async def test_fenced_helpers_through_pgbouncer_async(
         await coord.close()
 
 
+def test_a_step_in_the_transaction_through_pgbouncer(
+    bouncer: PgBouncer, prefix: str, table: str
+) -> None:
+    coord = idemlock.connect(bouncer.dsn, key_prefix=prefix)
+    try:
+        port = coord.idempotency(LONG)
+        for i in range(8):  # past psycopg's prepare threshold on the user's connection
+            with port.run(f"s{i}") as attempt:
+                assert attempt.fence is not None
+                conn = psycopg.connect(bouncer.dsn, prepare_threshold=None)
+                with conn, conn.transaction():
+                    pg.fenced_upsert(conn, table, {"id": "a", "n": i}, ["id"], attempt.fence)
+                    pg.record_step_in_transaction(conn, attempt, "put", i)
+                # Committed: the step replays instead of running.
+                assert attempt.step("put", lambda: -1) == i
+                attempt.result = i
+    finally:
+        coord.close()
+
+
 def test_migrate_through_pgbouncer(bouncer: PgBouncer, prefix: str) -> None:
     # The advisory lock is transaction-level: migrating works through the pooler, from
     # the store's own URL (listen_url and timeout taken off), from several processes.

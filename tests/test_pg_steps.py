@@ -9,6 +9,7 @@ in its row (a step is over when ``until_ms`` is behind the database clock).
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -18,6 +19,7 @@ import psycopg
 import pytest
 
 import idemlock
+import idemlock.aio
 from idemlock import IdempotencySpec, StoreCorrupt
 from idemlock._core.port import Granted, StepRow
 from idemlock.stores import postgres as pg
@@ -220,3 +222,242 @@ def test_complete_in_transaction_ends_the_steps_with_the_record(
             assert ends == {rows[0][0]} and port.status(f"k{commit}").state == "completed"
         else:
             assert ends == {before} and port.status(f"k{commit}").state == "in_flight"
+
+
+# ---- a step recorded in the caller's transaction ----------------------------------------
+
+
+def _holds(dsn: str) -> str:
+    """A table of the caller's own: the step's write lands there."""
+    table = "holds_" + uuid.uuid4().hex[:10]
+    _sql(dsn, f"CREATE TABLE {table} (id text PRIMARY KEY)")
+    return table
+
+
+def _ids(dsn: str, table: str) -> set[str]:
+    return {r[0] for r in _sql(dsn, f"SELECT id FROM {table}")}
+
+
+def _step_names(port: Any, key: str) -> list[tuple[str, str]]:
+    status = port.status(key)
+    return [] if status is None else [(s.name, s.state) for s in status.steps]
+
+
+def _never() -> Any:
+    raise AssertionError("a recorded step ran again")
+
+
+def test_a_step_recorded_in_the_transaction_commits_with_the_write_and_replays(
+    coord: idemlock.Coordinator, postgres_dsn: str
+) -> None:
+    table = _holds(postgres_dsn)
+    port = coord.idempotency(IdempotencySpec("job"))
+    ran: list[str] = []
+
+    def reserve(attempt: idemlock.Attempt, order: str) -> dict[str, str]:
+        ran.append(order)
+        with psycopg.connect(postgres_dsn) as conn, conn.transaction():
+            conn.execute(f"INSERT INTO {table} VALUES (%s)", (order,))
+            pg.record_step_in_transaction(conn, attempt, "reserve", {"hold": order})
+        return {"hold": order}
+
+    # In the step's function: its write and its record commit together; a crash after
+    # it leaves both, and the retry replays the step instead of running it again.
+    with pytest.raises(RuntimeError, match="crash"), port.run("A17") as attempt:
+        assert attempt.step("reserve", reserve, attempt, "A17") == {"hold": "A17"}
+        assert _ids(postgres_dsn, table) == {"A17"}
+        assert _step_names(port, "A17") == [("reserve", "done")]
+        raise RuntimeError("crash after the step")
+    with port.run("A17") as attempt:
+        assert attempt.step("reserve", reserve, attempt, "A17") == {"hold": "A17"}
+        attempt.result = "reserved"
+    assert ran == ["A17"] and _ids(postgres_dsn, table) == {"A17"}
+    status = port.status("A17")
+    assert status is not None and status.state == "completed"
+
+    # Outside a step: once the transaction committed, a later step of the same name in
+    # this attempt replays the value; the name stays taken, as any step's.
+    with port.run("B2") as attempt:
+        with psycopg.connect(postgres_dsn) as conn, conn.transaction():
+            conn.execute(f"INSERT INTO {table} VALUES ('B2')")
+            pg.record_step_in_transaction(conn, attempt, "hold", 7)
+        assert attempt.step("hold", _never) == 7
+        with pytest.raises(idemlock.DuplicateStep):
+            attempt.step("hold", _never)
+        with (
+            pytest.raises(idemlock.DuplicateStep),
+            psycopg.connect(postgres_dsn) as conn,
+            conn.transaction(),
+        ):
+            pg.record_step_in_transaction(conn, attempt, "hold", 8)
+        attempt.result = "held"
+    assert _step_names(port, "B2") == [("hold", "done")]
+
+
+def test_a_step_recorded_in_a_transaction_that_rolls_back_is_not_recorded(
+    coord: idemlock.Coordinator, postgres_dsn: str
+) -> None:
+    table = _holds(postgres_dsn)
+    port = coord.idempotency(IdempotencySpec("job"))
+    with port.run("C3") as attempt:
+        with (
+            pytest.raises(RuntimeError, match="later"),
+            psycopg.connect(postgres_dsn) as conn,
+            conn.transaction(),
+        ):
+            conn.execute(f"INSERT INTO {table} VALUES ('C3')")
+            pg.record_step_in_transaction(conn, attempt, "hold", 1)
+            raise RuntimeError("the rest of the transaction failed later")
+        assert _ids(postgres_dsn, table) == set()
+        assert _step_names(port, "C3") == []
+        # Nothing was recorded: the step runs, and its own result is the record.
+        assert attempt.step("hold", lambda: 2) == 2
+        attempt.result = "held"
+    assert _step_names(port, "C3") == [("hold", "done")]
+
+    # The same inside a step's function: the exception leaves the step unrecorded,
+    # and the retry runs it.
+    def failing(attempt: idemlock.Attempt) -> int:
+        with psycopg.connect(postgres_dsn) as conn, conn.transaction():
+            conn.execute(f"INSERT INTO {table} VALUES ('D4')")
+            pg.record_step_in_transaction(conn, attempt, "hold", 1)
+            raise RuntimeError("rolled back")
+
+    with pytest.raises(RuntimeError, match="rolled back"), port.run("D4") as attempt:
+        attempt.step("hold", failing, attempt)
+    with port.run("D4") as attempt:
+        assert attempt.step("hold", lambda: 3) == 3
+    assert _ids(postgres_dsn, table) == set()
+
+
+def test_a_late_attempt_gets_claim_lost_before_its_transaction_commits(
+    coord: idemlock.Coordinator, postgres_dsn: str
+) -> None:
+    table = _holds(postgres_dsn)
+    short = coord.idempotency(IdempotencySpec("short", lease=timedelta(milliseconds=200)))
+    # The same spec with a long lease: the winner's claim lives until the checks end.
+    long = coord.idempotency(IdempotencySpec("short", lease=timedelta(minutes=5)))
+    with pytest.raises(RuntimeError, match="left"), short.run("E5", heartbeat=False) as late:
+        # A paused process: its lease lapses and another attempt takes the key over.
+        deadline = time.monotonic() + 10
+        winner = long.claim("E5")
+        while not isinstance(winner, idemlock.Claimed):
+            assert time.monotonic() < deadline, "the lease never lapsed"
+            winner = long.claim("E5")
+        assert winner.fence > (late.fence or 0)
+        with (
+            pytest.raises(idemlock.ClaimLost, match="refused step 'hold'"),
+            psycopg.connect(postgres_dsn) as conn,
+            conn.transaction(),
+        ):
+            conn.execute(f"INSERT INTO {table} VALUES ('late')")
+            pg.record_step_in_transaction(conn, late, "hold", 1)
+            raise AssertionError("not reached: the caller sees ClaimLost before commit")
+        raise RuntimeError("left the late attempt")
+    # The late attempt's write rolled back with its refused step; the winner's claim
+    # is untouched.
+    assert _ids(postgres_dsn, table) == set()
+    assert _step_names(short, "E5") == []
+    status = short.status("E5")
+    assert status is not None and (status.state, status.fence) == ("in_flight", winner.fence)
+
+
+def test_record_step_in_transaction_refusals(
+    coord: idemlock.Coordinator, postgres_dsn: str, schema: str
+) -> None:
+    port = coord.idempotency(IdempotencySpec("job"))
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn, port.run("F6") as attempt:
+        # On an autocommit connection outside a transaction it would commit on its own.
+        with pytest.raises(idemlock.ConfigurationError, match="inside your transaction"):
+            pg.record_step_in_transaction(conn, attempt, "a", 1)
+        with (
+            pytest.raises(idemlock.ConfigurationError, match="expected the attempt"),
+            conn.transaction(),
+        ):
+            pg.record_step_in_transaction(conn, port, "a", 1)  # type: ignore[arg-type]
+        attempt.step("a", lambda: 1)
+        with pytest.raises(idemlock.DuplicateStep, match="already ran"), conn.transaction():
+            pg.record_step_in_transaction(conn, attempt, "a", 1)
+    with pytest.raises(RuntimeError, match="abandon"), port.run("G7") as attempt:
+        attempt.step("a", lambda: 1)
+        raise RuntimeError("abandon the claim, keeping step a")
+    # A retry: an earlier attempt recorded the step, so recording it again in a
+    # transaction would repeat its writes.
+    with psycopg.connect(postgres_dsn) as conn, port.run("G7") as attempt:
+        with pytest.raises(idemlock.DuplicateStep, match="earlier attempt"), conn.transaction():
+            pg.record_step_in_transaction(conn, attempt, "a", 2)
+        assert attempt.step("a", _never) == 1
+        attempt.result = "done"
+    # A key completed already: no step runs.
+    with psycopg.connect(postgres_dsn) as conn, port.run("G7") as replayed:
+        assert replayed.replayed
+        with (
+            pytest.raises(idemlock.ConfigurationError, match="completed already"),
+            conn.transaction(),
+        ):
+            pg.record_step_in_transaction(conn, replayed, "b", 1)
+    # A value over the limit is refused before anything is written, naming the step.
+    small = idemlock.connect(postgres_dsn, key_prefix="small", schema=schema, max_result_bytes=1024)
+    try:
+        with (
+            psycopg.connect(postgres_dsn) as conn,
+            small.idempotency(IdempotencySpec("job")).run("H8") as attempt,
+        ):
+            with pytest.raises(idemlock.ResultTooLarge, match="step 'blob'"), conn.transaction():
+                pg.record_step_in_transaction(conn, attempt, "blob", "x" * 2048)
+            assert attempt.step("blob", lambda: "small") == "small"
+    finally:
+        small.close()
+    # An attempt on another store.
+    memory = idemlock.connect("memory://")
+    try:
+        with (
+            psycopg.connect(postgres_dsn) as conn,
+            memory.idempotency(IdempotencySpec("job")).run("I9") as attempt,
+            pytest.raises(idemlock.ConfigurationError, match="PostgreSQL store"),
+            conn.transaction(),
+        ):
+            pg.record_step_in_transaction(conn, attempt, "a", 1)
+    finally:
+        memory.close()
+
+
+async def test_arecord_step_in_transaction(postgres_dsn: str, schema: str) -> None:
+    table = _holds(postgres_dsn)
+    coord = idemlock.aio.connect(postgres_dsn, key_prefix="asteps", schema=schema)
+    port = coord.idempotency(IdempotencySpec("job"))
+    ran: list[str] = []
+
+    async def reserve(attempt: idemlock.aio.AsyncAttempt, order: str, fail: bool) -> str:
+        ran.append(order)
+        conn = await psycopg.AsyncConnection.connect(postgres_dsn)
+        async with conn, conn.transaction():
+            await conn.execute(f"INSERT INTO {table} VALUES (%s)", (order,))
+            await pg.arecord_step_in_transaction(conn, attempt, "reserve", order)
+            if fail:
+                raise RuntimeError("rolled back")
+        return order
+
+    try:
+        with pytest.raises(RuntimeError, match="rolled back"):
+            async with port.run("A1") as attempt:
+                await attempt.step("reserve", reserve, attempt, "A1", True)
+        assert _ids(postgres_dsn, table) == set()
+        with pytest.raises(RuntimeError, match="crash"):
+            async with port.run("A1") as attempt:
+                assert await attempt.step("reserve", reserve, attempt, "A1", False) == "A1"
+                raise RuntimeError("crash after the step")
+        async with port.run("A1") as attempt:
+            assert await attempt.step("reserve", reserve, attempt, "A1", False) == "A1"
+            attempt.result = "reserved"
+        assert ran == ["A1", "A1"] and _ids(postgres_dsn, table) == {"A1"}
+        # Outside a step, then the step replays it in the same attempt.
+        async with port.run("B2") as attempt:
+            conn = await psycopg.AsyncConnection.connect(postgres_dsn)
+            async with conn, conn.transaction():
+                await pg.arecord_step_in_transaction(conn, attempt, "hold", [1, 2])
+            assert await attempt.step("hold", _never) == [1, 2]
+        status = await port.status("B2")
+        assert status is not None and [s.name for s in status.steps] == ["hold"]
+    finally:
+        await coord.close()

@@ -1,6 +1,6 @@
 """The internal API for code that drives one attempt itself instead of through
 ``@port.idempotent``: the Celery task, ``idemlock run --once`` and PostgreSQL's
-``complete_in_transaction``.
+``complete_in_transaction`` and ``record_step_in_transaction``.
 
 An attempt is *begun* (claimed, maybe waiting while another attempt is in flight),
 kept alive by a heartbeat while its work runs, then *recorded* (its result, or a
@@ -21,9 +21,10 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ._core.types import Claim, Claimed, ClaimToken, Completed
+from ._errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from ._base.idempotency import Heartbeat, IdempotencyBase
+    from ._base.idempotency import AttemptBase, Heartbeat, IdempotencyBase
     from ._core.clock import Clock
     from ._decorator import WrapPlan
     from ._sync import IdempotencyPort
@@ -42,6 +43,9 @@ __all__ = [
     "keep_alive",
     "record",
     "stale",
+    "step_in_transaction",
+    "step_store",
+    "stepped_in_transaction",
 ]
 
 
@@ -136,3 +140,36 @@ def stale(port: IdempotencyBase, token: ClaimToken, what: str) -> Exception:
     """The :class:`~idemlock.StaleClaim` for a ``what`` ("complete", ...) the store
     refused because the claim no longer holds its key."""
     return port._replies.stale(token, what)
+
+
+def step_store(attempt: AttemptBase) -> Any:
+    """The store that records the steps of ``attempt``; ``ConfigurationError`` for a
+    replayed attempt, a store without steps, or anything but an attempt."""
+    from ._base.idempotency import AttemptBase
+
+    if not isinstance(attempt, AttemptBase):
+        raise ConfigurationError(
+            f"expected the attempt of `with port.run(key) as attempt:`, got "
+            f"{type(attempt).__name__}"
+        )
+    return attempt._steps_port()._store
+
+
+def step_in_transaction(
+    attempt: AttemptBase, name: str, value: Any
+) -> tuple[tuple[Any, ...], bytes]:
+    """(the arguments of the store's ``step``, the encoded value) for recording
+    ``value`` as step ``name`` in a transaction of the caller's, encoded exactly as
+    ``attempt.step`` encodes it. Raises what ``attempt.step`` would before
+    writing (``DuplicateStep``, ``ResultTooLarge``, ``ClaimLost``), and
+    ``DuplicateStep`` for a step an earlier attempt recorded."""
+    return attempt._txn_step(name, value)
+
+
+def stepped_in_transaction(
+    attempt: AttemptBase, name: str, expires: int | None, data: bytes
+) -> None:
+    """After the step statement ran in the caller's transaction (``expires``: its
+    reply, None when refused): ``ClaimLost`` if refused; else ``attempt.step(name)``
+    replays it once that transaction committed."""
+    attempt._txn_stepped(name, expires, data)

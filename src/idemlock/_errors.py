@@ -97,9 +97,16 @@ class DuplicateStep(IdemlockError):
     recorded result is found by it on a retry), so each step of an operation needs a
     name of its own."""
 
-    def __init__(self, name: str, key: str) -> None:
+    def __init__(self, name: str, key: str, *, earlier: bool = False) -> None:
         self.name = name
         self.key = key
+        if earlier:  # recording it in a transaction of the caller's would repeat its writes
+            super().__init__(
+                f"step {name!r} of idempotency key {key!r} was recorded by an earlier "
+                "attempt; record it in your transaction inside attempt.step(name, fn), "
+                "which replays the recorded result instead of running fn again"
+            )
+            return
         super().__init__(
             f"step {name!r} already ran in this attempt of idempotency key {key!r}; give "
             "each step of an operation its own name (a loop: put the item in the name)"

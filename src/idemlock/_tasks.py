@@ -143,6 +143,9 @@ class AsyncAttempt(AttemptBase):
         raised again on replay). ``once=True`` marks the step started before ``fn``
         runs, so a retry after a crash inside it raises ``StepInterrupted`` instead
         of running it again. ``ClaimLost`` if the claim is no longer this attempt's."""
+        if self._txn_unsure(name):  # recorded in a transaction of the caller's
+            store = self._steps_port()._store
+            self._txn_ended(name, await self._call(store.steps, *self._steps_key()))
         found = self._step_begin(name, once)
         if found is not None:
             return self._replay(name, found, replay_errors)
@@ -153,11 +156,13 @@ class AsyncAttempt(AttemptBase):
             if inspect.isawaitable(value):
                 value = await value
         except Exception as exc:
+            self._txn.pop(name, None)
             data = self._error_data(exc, replay_errors)
             if data is not None:
                 await self._write(name, data)
             raise
-        await self._write(name, self._step_data(name, value))
+        if not self._txn_took(name):
+            await self._write(name, self._step_data(name, value))
         return value
 
     async def settle(self, name: str, value: Any) -> None:

@@ -95,6 +95,9 @@ class Attempt(AttemptBase):
         raised again on replay). ``once=True`` marks the step started before ``fn``
         runs, so a retry after a crash inside it raises ``StepInterrupted`` instead
         of running it again. ``ClaimLost`` if the claim is no longer this attempt's."""
+        if self._txn_unsure(name):  # recorded in a transaction of the caller's
+            store = self._steps_port()._store
+            self._txn_ended(name, store.steps(*self._steps_key()))
         found = self._step_begin(name, once)
         if found is not None:
             return self._replay(name, found, replay_errors)
@@ -103,11 +106,13 @@ class Attempt(AttemptBase):
         try:
             value = fn(*args, **kwargs)
         except Exception as exc:
+            self._txn.pop(name, None)
             data = self._error_data(exc, replay_errors)
             if data is not None:
                 self._write(name, data)
             raise
-        self._write(name, self._step_data(name, value))
+        if not self._txn_took(name):
+            self._write(name, self._step_data(name, value))
         return value
 
     def settle(self, name: str, value: Any) -> None:

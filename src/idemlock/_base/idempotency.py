@@ -237,7 +237,7 @@ class AttemptBase:
     ``steps``): each finished step's result is recorded under the claim, fenced by it,
     so a retry after a crash finds it and returns it without running ``fn`` again."""
 
-    __slots__ = ("_port", "_recorded", "_seen", "key", "replayed", "result", "token")
+    __slots__ = ("_port", "_recorded", "_seen", "_txn", "key", "replayed", "result", "token")
 
     def __init__(
         self,
@@ -255,6 +255,10 @@ class AttemptBase:
             {} if token is None else {s.name: s for s in token._steps}
         )
         self._seen: set[str] = set()
+        #: steps this attempt recorded in a transaction of the caller's (PostgreSQL's
+        #: record_step_in_transaction), by name: their data, until it is known whether
+        #: that transaction committed
+        self._txn: dict[str, bytes] = {}
 
     @property
     def fence(self) -> int | None:
@@ -298,7 +302,7 @@ class AttemptBase:
         never finished."""
         validate_key(name, "step name")
         self._steps_port()
-        if name in self._seen:
+        if name in self._seen or name in self._txn:
             raise DuplicateStep(name, self.key)
         self._seen.add(name)
         row = self._recorded.get(name)
@@ -362,14 +366,74 @@ class AttemptBase:
         longer this attempt's)."""
         assert self.token is not None
         if expires is None:
-            port = self._steps_port()
-            raise port._replies.lost_claim(
-                self.token, f"the store refused step {name!r}: another attempt holds the key"
-            )
+            raise self._refused(name)
         if data is not None:
             self._recorded[name] = StepRow(name, self.token.fence, data)
         else:
             self._recorded.pop(name, None)
+            self._txn.pop(name, None)
+
+    def _refused(self, name: str) -> Exception:
+        """The ``ClaimLost`` of a step write the store refused."""
+        assert self.token is not None
+        return self._steps_port()._replies.lost_claim(
+            self.token, f"the store refused step {name!r}: another attempt holds the key"
+        )
+
+    # ---- a step recorded in a transaction of the caller's (PostgreSQL) ----------------
+
+    def _txn_step(self, name: str, value: Any) -> tuple[tuple[Any, ...], bytes]:
+        """Before recording step ``name`` in the caller's transaction: the store's
+        ``step`` arguments and the encoded ``value``. ``DuplicateStep`` if this attempt
+        recorded it already, or an earlier attempt did (the caller's writes would run
+        twice); ``ResultTooLarge`` naming the step; ``ClaimLost`` if the claim is lost.
+        Allowed inside ``attempt.step(name, fn)``'s ``fn``, whose record it becomes."""
+        validate_key(name, "step name")
+        self._steps_port()
+        assert self.token is not None
+        row = self._recorded.get(name)
+        if name in self._txn or (row is not None and row.fence == self.token.fence):
+            raise DuplicateStep(name, self.key)
+        if row is not None and row.result is not None:
+            raise DuplicateStep(name, self.key, earlier=True)
+        data = self._step_data(name, value)
+        return self._step_args(name, data), data
+
+    def _txn_stepped(self, name: str, expires: int | None, data: bytes) -> None:
+        """After the step statement ran in the caller's transaction: ``ClaimLost`` if
+        the store refused it; else the step waits for that transaction's end."""
+        if expires is None:
+            raise self._refused(name)
+        self._txn[name] = data
+
+    def _txn_unsure(self, name: str) -> bool:
+        """Whether ``step(name)`` must first look in the store for a step this attempt
+        recorded in a transaction of the caller's, which may have rolled back."""
+        return name in self._txn and name not in self._seen
+
+    def _txn_ended(self, name: str, rows: Sequence[StepRow]) -> None:
+        """``rows``, the key's steps in the store now, tell whether the transaction that
+        recorded step ``name`` committed (then it replays) or rolled back (then it runs)."""
+        assert self.token is not None
+        data = self._txn.pop(name)
+        fence = self.token.fence
+        if any(r.name == name and r.fence == fence and r.result == data for r in rows):
+            self._recorded[name] = StepRow(name, fence, data)
+
+    def _txn_took(self, name: str) -> bool:
+        """After ``step(name)``'s ``fn`` returned: True if ``fn`` recorded the step in its
+        transaction, whose record is then the step's (the step writes nothing more)."""
+        assert self.token is not None
+        data = self._txn.pop(name, None)
+        if data is None:
+            return False
+        self._recorded[name] = StepRow(name, self.token.fence, data)
+        return True
+
+    def _steps_key(self) -> tuple[str, str]:
+        """The store's (namespace, key) of this attempt's steps."""
+        assert self.token is not None
+        return self._steps_port()._token_args(self.token)[:2]
 
     def __repr__(self) -> str:
         what = "replayed" if self.replayed else f"fence={self.fence}"

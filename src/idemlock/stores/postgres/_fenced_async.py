@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg.rows import tuple_row
 
-from ..._attempts import stale
+from ..._attempts import stale, stepped_in_transaction
 from ..._core.jsontypes import JSONValue
 from ..._core.types import ClaimToken
 from ..._errors import FencedOut
@@ -26,6 +26,7 @@ from ._fenced_sql import (
     _needs_transaction,
     _sa_current,
     _sa_key_where,
+    _step_in,
     _table,
     _token,
     _update_sql,
@@ -36,6 +37,8 @@ from ._fenced_sql import (
 
 if TYPE_CHECKING:
     from ..._sync import IdempotencyPort
+    from ..._tasks import AsyncAttempt
+    from ..._threads import Attempt
     from ...aio import AsyncIdempotencyPort
 
 # ---- psycopg -----------------------------------------------------------------------
@@ -179,3 +182,39 @@ async def acomplete_in_transaction(
         raise store._unavailable(exc, "complete") from exc
     if not done:
         raise stale(port, token, "complete")
+
+
+# ---- recording a step in the caller's transaction --------------------------------------
+
+
+async def arecord_step_in_transaction(
+    conn: psycopg.AsyncConnection[Any],
+    attempt: Attempt | AsyncAttempt,
+    name: str,
+    value: JSONValue,
+) -> None:
+    """Record ``value`` as step ``name`` of ``attempt`` on ``conn`` (a
+    ``psycopg.AsyncConnection``), in the transaction open on it, so the step's record
+    commits or rolls back with your own writes there: the statement and the fencing of
+    ``attempt.step``, the value encoded as it encodes it. Once that transaction
+    committed, ``attempt.step(name, fn)`` replays ``value`` without calling ``fn``, in
+    this attempt and in every retry.
+
+    ``conn`` must reach the same database as the store. Raises (roll back!)
+    :class:`~idemlock.ClaimLost` if the attempt lost its claim,
+    :class:`~idemlock.ResultTooLarge` naming the step, and
+    :class:`~idemlock.DuplicateStep` if this attempt recorded ``name`` already or an
+    earlier attempt did (call it inside ``attempt.step(name, fn)``'s ``fn``, which a
+    retry then replays instead of running)."""
+    _needs_transaction(conn.autocommit, conn.info.transaction_status, "record_step_in_transaction")
+    store, params, data = _step_in(attempt, name, value)
+    stmt = store.statements.step
+    cur = psycopg.AsyncRawCursor(conn, row_factory=tuple_row)
+    try:
+        # Behind a transaction pooler never prepared (else as the connection says).
+        prepare = False if store._pooled else None
+        await cur.execute(stmt.sql, stmt.args(params), prepare=prepare, binary=True)
+        rows = await cur.fetchall()
+    except psycopg.Error as exc:
+        raise store._unavailable(exc, "step") from exc
+    stepped_in_transaction(attempt, name, int(rows[0][0]) if rows else None, data)

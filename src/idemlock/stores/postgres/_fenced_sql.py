@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING, Any
 from psycopg import sql
 from psycopg.pq import TransactionStatus
 
-from ..._attempts import completion
+from ..._attempts import completion, step_in_transaction, step_store
 from ..._core.types import ClaimToken
 from ..._errors import ConfigurationError, FencedOut
 
 if TYPE_CHECKING:
+    from ..._base.idempotency import AttemptBase
     from ..._sync import IdempotencyPort
     from ...aio import AsyncIdempotencyPort
     from ._shared import _Base
@@ -188,21 +189,35 @@ def _completion(
 ) -> tuple[_Base[Any], tuple[str, str, str, bytes, int]]:
     """(the store, its ``complete`` arguments); the result is encoded by the port's codec
     exactly as ``port.complete`` would."""
+    store, args = completion(port, token, result)
+    return _postgres(store, "complete_in_transaction", "a port"), args
+
+
+def _step_in(attempt: AttemptBase, name: str, value: Any) -> tuple[_Base[Any], Any, bytes]:
+    """(the store, the parameters of its step statement, the encoded value): the value
+    encoded through the spec's format and sealing exactly as ``attempt.step`` would."""
+    store = _postgres(step_store(attempt), "record_step_in_transaction", "an attempt")
+    args, data = step_in_transaction(attempt, name, value)
+    return store, store._step_params(*args), data
+
+
+def _postgres(store: Any, what: str, of: str) -> _Base[Any]:
     from ._shared import _Base
 
-    store, args = completion(port, token, result)
     if not isinstance(store, _Base):
         raise ConfigurationError(
-            f"complete_in_transaction needs a port on a PostgreSQL store, not on the "
+            f"{what} needs {of} on a PostgreSQL store, not on the "
             f"{getattr(store, 'kind', type(store).__name__)} store"
         )
-    return store, args
+    return store
 
 
-def _needs_transaction(autocommit: bool, status: TransactionStatus) -> None:
+def _needs_transaction(
+    autocommit: bool, status: TransactionStatus, what: str = "complete_in_transaction"
+) -> None:
     if autocommit and status == TransactionStatus.IDLE:
         raise ConfigurationError(
-            "complete_in_transaction must run inside your transaction (with "
+            f"{what} must run inside your transaction (with "
             "conn.transaction(): ...); on an autocommit connection outside one it would "
             "commit on its own"
         )

@@ -553,3 +553,23 @@ class _Base(Generic[P]):
             "ttl": _i8(ttl_ms),
             "chan": self._chan("claim", ns, key),
         }
+
+    @staticmethod
+    def _step_params(
+        ns: str,
+        key: str,
+        token: str,
+        name: str,
+        result: bytes | None,
+        lease_ms: int,
+        ttl_ms: int,
+    ) -> dict[str, Any]:
+        return {
+            "ns": ns,
+            "key": key,
+            "token": token,
+            "name": name,
+            "result": None if result is None else bytes(result),
+            "lease": _i8(lease_ms),
+            "ttl": _i8(ttl_ms),
+        }

@@ -269,15 +269,7 @@ class PostgresStore(_SyncRunner):
         lease_ms: int,
         ttl_ms: int,
     ) -> int | None:
-        params = {
-            "ns": ns,
-            "key": key,
-            "token": token,
-            "name": name,
-            "result": None if result is None else bytes(result),
-            "lease": _i8(lease_ms),
-            "ttl": _i8(ttl_ms),
-        }
+        params = self._step_params(ns, key, token, name, result, lease_ms, ttl_ms)
         # Safe to run again: the same token writes the same step (or finds its claim
         # gone, and then changes nothing).
         rows = self._rows(self.statements.step, params, "step", True)

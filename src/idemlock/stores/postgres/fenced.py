@@ -1,4 +1,5 @@
-"""Fenced writes to your own tables, and completing a claim in your own transaction.
+"""Fenced writes to your own tables, and completing a claim (or recording a step) in
+your own transaction.
 
 The reason to keep idempotency records in the database that holds your data: the
 fence check can sit *inside* your write, and the result can commit *with* it.
@@ -39,6 +40,21 @@ If the claim lost its key, :class:`~idemlock.StaleClaim` is raised inside the bl
 the transaction (with your write) rolls back. Until you commit, the claim's row stays
 locked: another attempt on the same key waits for your commit, so keep the transaction
 short.
+
+Recording a step in the same transaction
+----------------------------------------
+:func:`record_step_in_transaction` does the same for one step of ``port.run``'s
+attempt (``attempt.step``'s statement, fenced by the claim): the step's own writes and
+its record commit together. Call it in the step's function, so that a retry replays
+the step instead of running it::
+
+    def reserve() -> int:
+        with pool.connection() as conn, conn.transaction():
+            rid = conn.execute("INSERT INTO holds ... RETURNING id").fetchone()[0]
+            record_step_in_transaction(conn, attempt, "reserve", rid)
+        return rid
+
+    rid = attempt.step("reserve", reserve)
 """
 
 from __future__ import annotations
@@ -47,6 +63,7 @@ from ._fenced_async import (
     acomplete_in_transaction,
     afenced_update,
     afenced_upsert,
+    arecord_step_in_transaction,
     sa_afenced_update,
     sa_afenced_upsert,
 )
@@ -57,6 +74,7 @@ from ._fenced_sync import (
     complete_in_transaction,
     fenced_update,
     fenced_upsert,
+    record_step_in_transaction,
     sa_fenced_update,
     sa_fenced_upsert,
 )
@@ -65,11 +83,13 @@ __all__ = [
     "acomplete_in_transaction",
     "afenced_update",
     "afenced_upsert",
+    "arecord_step_in_transaction",
     "complete_in_transaction",
     "fenced_update",
     "fenced_update_stmt",
     "fenced_upsert",
     "fenced_upsert_stmt",
+    "record_step_in_transaction",
     "sa_afenced_update",
     "sa_afenced_upsert",
     "sa_fenced_update",
