@@ -97,6 +97,24 @@ def test_prometheus_counts_real_operations(url: str) -> None:
     coord.close()
 
 
+def test_prometheus_counts_steps(url: str) -> None:
+    registry = CollectorRegistry()
+    coord = idemlock.connect(url, hooks=[PrometheusHook(registry=registry)])
+    port = coord.idempotency(idemlock.IdempotencySpec("ship"))
+    with pytest.raises(RuntimeError), port.run("order-9") as attempt:
+        attempt.step("label", lambda: "L1")
+        raise RuntimeError("crash before the carrier call")
+    with port.run("order-9") as attempt:
+        attempt.step("label", lambda: "L2")  # replayed: "L1"
+        attempt.step("carrier", lambda: "C1")
+    s = {"spec": "ship", "store": coord.store.kind}
+    assert sample(registry, "idemlock_steps_total", **s, outcome="recorded") == 2
+    assert sample(registry, "idemlock_steps_total", **s, outcome="replayed") == 1
+    hist = "idemlock_operation_duration_seconds_count"
+    assert sample(registry, hist, operation="step", **s) == 3
+    coord.close()
+
+
 def test_prometheus_counts_decorated_calls_and_lost_leases() -> None:
     registry = CollectorRegistry()
     coord = idemlock.connect("memory://")

@@ -173,12 +173,18 @@ class AsyncAttempt(AttemptBase):
 
     async def retry_step(self, name: str) -> None:
         """Drop step ``name``'s record, so that it runs (once more) when reached."""
-        store = self._steps_port()._store
-        self._stepped(name, await self._call(store.drop_step, *self._drop_args(name)), None)
+        await self._write(name, None, drop=True)
 
-    async def _write(self, name: str, data: bytes | None) -> None:
-        args = self._step_args(name, data)
-        self._stepped(name, await self._call(self._steps_port()._store.step, *args), data)
+    async def _write(self, name: str, data: bytes | None, *, drop: bool = False) -> None:
+        store = self._steps_port()._store
+        args = self._drop_args(name) if drop else self._step_args(name, data)
+        t0 = self._step_t0()
+        try:
+            expires = await self._call(store.drop_step if drop else store.step, *args)
+        except Exception as exc:
+            self._step_error(exc, t0)
+            raise
+        self._stepped(name, expires, data, t0, final=data is not None)
 
 
 class IdempotencyRun(IdempotencyBase):

@@ -123,11 +123,18 @@ class Attempt(AttemptBase):
 
     def retry_step(self, name: str) -> None:
         """Drop step ``name``'s record, so that it runs (once more) when reached."""
-        self._stepped(name, self._steps_port()._store.drop_step(*self._drop_args(name)), None)
+        self._write(name, None, drop=True)
 
-    def _write(self, name: str, data: bytes | None) -> None:
-        args = self._step_args(name, data)
-        self._stepped(name, self._steps_port()._store.step(*args), data)
+    def _write(self, name: str, data: bytes | None, *, drop: bool = False) -> None:
+        store = self._steps_port()._store
+        args = self._drop_args(name) if drop else self._step_args(name, data)
+        t0 = self._step_t0()
+        try:
+            expires = store.drop_step(*args) if drop else store.step(*args)
+        except Exception as exc:
+            self._step_error(exc, t0)
+            raise
+        self._stepped(name, expires, data, t0, final=data is not None)
 
 
 class IdempotencyRun(IdempotencyBase):

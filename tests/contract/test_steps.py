@@ -280,3 +280,43 @@ async def _steps_through_the_current_claim(api: Facade) -> None:
 
 async def test_steps_through_the_current_claim(harness: Harness) -> None:
     await each_face(harness, _steps_through_the_current_claim)
+
+
+async def _steps_report_events(api: Facade) -> None:
+    """Event ``step``: recorded, replayed, interrupted and stale (a late attempt's
+    write refused), each with the spec and store; a once=True marker and a drop
+    (``retry_step``) are no step of their own."""
+    if await _refused_without_the_capability(api):
+        return
+    events: list[idemlock.Event] = []
+    api.coord.add_hook(events.append)
+    with pytest.raises(Crash):
+        async with run(api, SHORT_SPEC, "ev", heartbeat=False) as attempt:
+            await attempt.step("a", lambda: 1)
+            first = attempt.raw.token
+
+            def crash() -> None:
+                raise Crash("inside b")
+
+            await attempt.step("b", crash, once=True)
+    await api.idem(SHORT_SPEC).claim("ev-other")  # (a claim event between)
+    api.harness.advance(LEASE + 0.5)
+    async with run(api, SHORT_SPEC, "ev", heartbeat=False) as attempt:
+        assert await attempt.step("a", lambda: 10) == 1
+        with pytest.raises(StepInterrupted):
+            await attempt.step("b", lambda: 20, once=True)
+        await attempt.retry_step("c")
+        await attempt.settle("c", 3)
+        late = Proxy(type(attempt.raw)("ev", first, port=attempt.raw._port), api.mode)
+        with pytest.raises(ClaimLost):
+            await late.step("d", lambda: 4)
+    steps = [(e.outcome, e.kind, e.spec, e.store) for e in events if e.name == "step"]
+    expected = ["recorded", "replayed", "interrupted", "recorded", "stale"]
+    assert [s[0] for s in steps] == expected, [(e.name, e.outcome) for e in events]
+    kind = api.coord.store.kind
+    assert {s[1:] for s in steps} == {("idempotency", SHORT_SPEC.name, kind)}
+    assert all(e.duration >= 0 and e.error is None for e in events)
+
+
+async def test_steps_report_events(harness: Harness) -> None:
+    await each_face(harness, _steps_report_events)

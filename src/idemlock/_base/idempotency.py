@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from functools import partial
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from .._core import table
@@ -308,6 +309,7 @@ class AttemptBase:
         row = self._recorded.get(name)
         if row is not None and row.result is None:
             if once:
+                self._step_event("interrupted", 0.0)
                 raise StepInterrupted(name, self.key, row.fence)
             return None  # a marker of a step that is not once=True now: run it
         return row
@@ -317,6 +319,7 @@ class AttemptBase:
         found among ``errors``, the step's ``replay_errors``: never imported by name)."""
         port = self._steps_port()
         assert row.result is not None
+        self._step_event("replayed", 0.0)
         value, error = port._records.decode(self.key, row.result)
         if error is None:
             return value
@@ -346,10 +349,28 @@ class AttemptBase:
             return None
         return self._steps_port()._records.encode_error(self.key, exc)
 
+    def _step_event(self, outcome: str, t0: float) -> None:
+        """Report a step (event ``step``): ``recorded``, ``replayed``, ``interrupted``,
+        ``stale`` (the store refused the write), or a store call that raised
+        (``error``). Its duration is the store call's, never the step's own work."""
+        port = self._port
+        if port is not None and port._coord._hooks:
+            port._events.deliver("step", outcome, perf_counter() - t0 if t0 else 0.0)
+
+    def _step_error(self, exc: BaseException, t0: float) -> None:
+        port = self._port
+        if port is not None:
+            port._events.error("step", exc, t0)
+
+    def _step_t0(self) -> float:
+        port = self._port
+        return 0.0 if port is None else port._events.t0()
+
     def _step_args(self, name: str, data: bytes | None) -> tuple[Any, ...]:
         port = self._steps_port()
         assert self.token is not None
         if self.token.lost:
+            self._step_event("stale", 0.0)
             raise port._replies.lost_claim(self.token, "the claim was lost before the step")
         ns, skey, token = port._token_args(self.token)
         return (ns, skey, token, name, data, port._lease_ms, port._ttl_ms)
@@ -361,12 +382,18 @@ class AttemptBase:
         ns, skey, token = port._token_args(self.token)
         return (ns, skey, token, name, port._lease_ms)
 
-    def _stepped(self, name: str, expires: int | None, data: bytes | None) -> None:
-        """After a step write: ``ClaimLost`` if the store refused it (the claim is no
-        longer this attempt's)."""
+    def _stepped(
+        self, name: str, expires: int | None, data: bytes | None, t0: float, final: bool
+    ) -> None:
+        """After a step write (``final``: the step's record, not its started marker
+        nor a drop): ``ClaimLost`` if the store refused it (the claim is no longer this
+        attempt's)."""
         assert self.token is not None
         if expires is None:
+            self._step_event("stale", t0)
             raise self._refused(name)
+        if final:
+            self._step_event("recorded", t0)
         if data is not None:
             self._recorded[name] = StepRow(name, self.token.fence, data)
         else:

@@ -84,6 +84,8 @@ EVENT_OUTCOMES: dict[tuple[str, str], str] = {
     ("renew", "stale"): "failed",
     ("break", "ok"): "broken",
     ("break", "stale"): "not_held",
+    ("step", "ok"): "recorded",
+    ("step", "stale"): "stale",
 }
 #: outcomes the coordinator adds around a reply (waiting, giving up, a store error)
 EXTRA_OUTCOMES: dict[str, tuple[str, ...]] = {
@@ -92,6 +94,9 @@ EXTRA_OUTCOMES: dict[str, tuple[str, ...]] = {
     #: a semaphore's or election's acquire was refused at first and waits; its wait is
     #: over (granted, timed out, failed or cancelled)
     "wait": ("started", "ended"),
+    #: a step found recorded by an earlier attempt, or a ``once=True`` step found
+    #: started and never finished
+    "step": ("replayed", "interrupted"),
 }
 #: events that are no store call, so never have the outcome "error"
 _NO_CALL = ("lost", "wait")

@@ -89,6 +89,7 @@ _COUNTERS: dict[str, tuple[str, str]] = {
     "release": ("idemlock_lock_releases_total", "Lock releases by outcome."),
     "renew": ("idemlock_renewals_total", "Lease renewals by outcome."),
     "break": ("idemlock_lock_breaks_total", "Locks broken (break_lock) by outcome."),
+    "step": ("idemlock_steps_total", "Steps inside idempotent operations by outcome."),
 }
 
 
