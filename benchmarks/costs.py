@@ -424,7 +424,7 @@ COMMANDS = {
     "results": dict(n=20000, rounds=3, store="memory"),
     # n: steps per round on Redis and PostgreSQL (step_costs.SCALE for the others);
     # json: also write the figures there ("": not)
-    "steps": dict(n=2000, rounds=7, per_claim=10, stores=",".join(step_costs.STORES), json=""),
+    "steps": dict(n=4000, rounds=9, per_claim=10, stores=",".join(step_costs.STORES), json=""),
 }
 
 

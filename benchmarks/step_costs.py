@@ -1,8 +1,12 @@
 """What a recorded step costs (issue 25): ``attempt.step(name, fn)`` inside a claim
 taken by ``port.run()``, against a hand-written fenced upsert of the same bytes on the
-same kind of connection, on each store, in the same run (``costs.py steps``).
+same kind of connection, on each store, in the same run:
 
-Each side runs ``n`` steps a round, ``per_claim`` of them in each claim; only the steps
+    python benchmarks/costs.py steps [--n 4000] [--rounds 9] [--per_claim 10]
+                                     [--stores memory,sqlite,redis,postgres,etcd] [--json PATH]
+
+Each side runs ``n`` steps a round (times ``SCALE``: more on the in-process stores, fewer
+on etcd), ``per_claim`` of them in each claim (rounded up to whole claims); only the steps
 are timed (taking and completing the claims, and the hand-written side's setup of its
 fence, are not). The sides alternate round after round in a turning order, and the
 ratio is the median of the per-round ratios of time per step, ours over hand-written:
@@ -308,6 +312,7 @@ def measure(
         "ours_cpu_us": statistics.median(cpu["ours"]),
         "hand_cpu_us": statistics.median(cpu["hand"]),
         "ratio": statistics.median(ratios),
+        "ratios": ratios,
     }
 
 
