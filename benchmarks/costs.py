@@ -1,6 +1,6 @@
 """What one feature costs, each against its own baseline in the same run.
 
-    python benchmarks/costs.py etcd|heartbeats|hooks|results [--OPTION VALUE ...]
+    python benchmarks/costs.py etcd|heartbeats|hooks|results|steps [--OPTION VALUE ...]
 
 (each command's options and their defaults: COMMANDS below, or ``<command> --help``)
 
@@ -12,6 +12,9 @@
 * ``hooks``: claim+complete per CPU second on memory stores: the store port alone, a port
   built without the hook machinery, no hooks, ``hooks=[]``, OpenTelemetry and Prometheus.
 * ``results``: claim+complete/s with plain JSON, HMAC keys, sealed and typed results.
+* ``steps`` (issue 25): µs per ``attempt.step()`` recording a small and a 4 KiB JSON
+  value inside a claim, against a hand-written fenced upsert of the same bytes, on
+  memory, SQLite, Redis, PostgreSQL and etcd (step_costs.py says what each side does).
 
 Rounds are interleaved (A, B, A, B, ...) and medians reported.
 """
@@ -41,6 +44,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]  # the tests' servers, then common and subjects
 
 import common as c  # noqa: E402
+import step_costs  # noqa: E402
 from subjects import base as subj  # noqa: E402
 
 import idemlock.aio  # noqa: E402
@@ -418,6 +422,9 @@ COMMANDS = {
     "heartbeats": dict(claims=1000, seconds=6.0, lease=3.0, rounds=2, stores="redis,sqlite"),
     "hooks": dict(n=3000, rounds=30),
     "results": dict(n=20000, rounds=3, store="memory"),
+    # n: steps per round on Redis and PostgreSQL (step_costs.SCALE for the others);
+    # json: also write the figures there ("": not)
+    "steps": dict(n=4000, rounds=9, per_claim=10, stores=",".join(step_costs.STORES), json=""),
 }
 
 
@@ -429,7 +436,8 @@ def main(argv: list[str] | None = None) -> None:
         for opt, default in options.items():
             p.add_argument(f"--{opt}", type=type(default), default=default, help=f"{default}")
     args = parser.parse_args(argv)
-    {"etcd": etcd, "heartbeats": heartbeats, "hooks": hooks, "results": results}[args.what](args)
+    run = {"etcd": etcd, "heartbeats": heartbeats, "hooks": hooks, "results": results}
+    (run | {"steps": step_costs.steps})[args.what](args)
 
 
 if __name__ == "__main__":

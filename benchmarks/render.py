@@ -248,8 +248,8 @@ def markdown(data: dict[str, Any], png: str) -> str:
         "`docs/benchmarks.json`.",
         "In `benchmarks/`: `subjects/` (an adapter per store: its raw baseline; the peers), "
         "`scenarios.py` (each scenario once), `report.py` (runs them, writes the JSON), "
-        "`render.py` (this page, the chart); `goals.py`, `scale.py`, `costs.py` and `chaos.py` "
-        "(over `faults/`) are the others.",
+        "`render.py` (this page, the chart); `goals.py`, `scale.py`, `costs.py` (its `steps` "
+        "in `step_costs.py`) and `chaos.py` (over `faults/`) are the others.",
     ]
     page = "\n\n".join(b for b in blocks if b) + "\n"
     return "\n## ".join(s for s in page.split("\n## ") if OMIT not in s)
