@@ -15,6 +15,13 @@ holders' writes interleaved, tokens increase, no write while ``remaining()`` cla
 lease another holder had been granted). The checker itself is tested on crafted
 histories here, and its plain (unfenced) mode must find what the fence prevents.
 
+The steps workload of issue 25 (``--workload steps``) runs each job in three steps
+(``attempt.step``), each an effect with its own fenced row, the second ``once=True``;
+the runner checks that no step an attempt finished ran again, that the ``once=True``
+step never ran twice (found interrupted, it is settled), and that completed jobs replay
+their steps' values; its plain mode (the steps called directly) must show finished
+steps running again.
+
 The counted leases of issue 24 run the same way: ``--workload permits`` (a semaphore's
 ``hold()``, 2 permits of one key for 4 workers, writes through a counted fence: never more
 than 2 holders' writes interleaved, no token reused, tokens increasing as granted; its
@@ -147,6 +154,48 @@ def test_plain_mode_completes_and_reports_duplicates() -> None:
     # A worker paused (holding a job) for longer than the visibility timeout has its
     # job delivered again while it still runs it: both write the effect.
     assert run["repeated_effects"] > 0
+
+
+# ---- the steps workload (issue 25) ------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("store", STORES)
+def test_finished_steps_never_run_again_under_faults(store: str) -> None:
+    # Each job runs three steps through attempt.step, each an effect with its own fenced
+    # row (the second with once=True). The runner found no step that an attempt had
+    # finished (recorded) running again, no once=True step running twice, no stale step
+    # write accepted, and every completed job replaying its steps' values.
+    code, run = run_chaos("--store", store, "--workload", "steps")
+    assert run["violations_total"] == 0, "\n".join(run["examples"])
+    assert code == 0
+    assert run["workload"] == "steps" and run["store"] == store and run["mode"] == "idemlock"
+    for kind in KINDS[store]:
+        assert run["faults"][kind] > 0, f"no {kind} fault was injected: {run['faults']}"
+    assert run["jobs"] > 0 and run["deliveries"] >= run["jobs"]
+    # Every step of every job ran, but a once=True step found interrupted before its
+    # effect ran (settled, never run again); repeats are steps in flight at a fault.
+    assert run["steps_run"] >= run["steps"] * run["jobs"] - run["steps_interrupted"]
+    assert run["stale_writes_accepted"] == 0
+    assert run["unguarded_findings"] == {}
+    if store not in ("redis", "redis-cluster"):
+        # Only a restart of an unpersisted Redis forgets records (and so steps).
+        assert run["records_lost_with_data"] == run["steps_rerun_after_data_loss"] == 0
+    if store == "etcd":
+        assert_etcd_member_faults(run)
+
+
+@pytest.mark.timeout(300)
+def test_steps_plain_mode_shows_finished_steps_running_again() -> None:
+    # The negative control: the same steps called directly, without records. A job
+    # redelivered after a fault runs its finished steps again, and the checker must
+    # find it (what the steps' records prevent, so not violations of this run).
+    code, run = run_chaos("--store", "sqlite", "--workload", "steps", "--mode", "plain")
+    assert run["violations_total"] == 0, "\n".join(run["examples"])
+    assert code == 0
+    assert run["mode"] == "plain"
+    assert run["faults"]["stop"] > 0 and run["faults"]["kill"] > 0, run["faults"]
+    assert run["unguarded_findings"]["finished_step_ran_again"] > 0, run
 
 
 # ---- the lock workload ------------------------------------------------------------------
