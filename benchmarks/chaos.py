@@ -43,9 +43,16 @@ from faults import (  # noqa: E402
     STORES,
 )
 from faults.locks import check_lock_history, check_permit_history  # noqa: E402
-from faults.run import ElectionRun, LockRun, PermitRun, Run, StepsRun  # noqa: E402
+from faults.run import (  # noqa: E402
+    ElectionRun,
+    LockRun,
+    PermitRun,
+    Run,
+    StepsRun,
+    check_steps_history,
+)
 
-__all__ = ["check_lock_history", "check_permit_history", "main"]
+__all__ = ["check_lock_history", "check_permit_history", "check_steps_history", "main"]
 
 #: each workload's run
 RUNS = {

@@ -461,6 +461,88 @@ def test_permit_checker_finds_reused_and_decreasing_tokens() -> None:
     assert found["violations"] == {"token_reused": 1, "token_not_increasing": 1}, found
 
 
+class StepHistory:
+    """A crafted steps history: the step_log rows and effect rows the workers write."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[Any, ...]] = []
+        self.rows: dict[str, tuple[int, str]] = {}
+        self.jobs: set[int] = set()
+
+    def add(self, job: int, step: str, kind: str, fence: int, ok: bool = True) -> None:
+        self.jobs.add(job)
+        row_id = len(self.log) + 1
+        self.log.append((row_id, job, step, kind, fence, "w1", ok, float(row_id)))
+
+    def run(self, job: int, step: str, fence: int, done: bool = True) -> None:
+        """Step ``step`` ran with ``fence`` (its fenced row written); ``done``: the
+        attempt saw it return (its result recorded)."""
+        self.add(job, step, "run", fence)
+        self.rows[f"{job}/{step}"] = (fence, f"{job}/{step}/{fence}")
+        if done:
+            self.add(job, step, "done", fence)
+
+    def check(self, lost: bool = False) -> tuple[dict[str, int], dict[str, Any]]:
+        snap = {
+            "jobs": [(job, "done", 1) for job in sorted(self.jobs)],
+            "effects": [(k, f, v) for k, (f, v) in self.rows.items()],
+            "log": self.log,
+        }
+        found, figures, _ = chaos.check_steps_history(snap, lambda t0, t1: lost)
+        return dict(found.violations), figures
+
+
+def test_steps_checker_accepts_repeats_of_steps_in_flight() -> None:
+    h = StepHistory()
+    # job 1: killed inside s3 (not recorded); the retry replays s1, s2 and runs s3
+    h.run(1, "s1", 1)
+    h.run(1, "s2", 1)
+    h.run(1, "s3", 1, done=False)
+    h.run(1, "s3", 2)
+    # job 2: killed inside the once=True s2 after its effect: found interrupted, settled
+    h.run(2, "s1", 1)
+    h.run(2, "s2", 1, done=False)
+    h.add(2, "s2", "interrupted", 2)
+    h.run(2, "s3", 2)
+    # job 3: a paused attempt's late s1 write, refused by the fence
+    h.run(3, "s1", 2)
+    h.add(3, "s1", "run", 1, ok=False)
+    h.run(3, "s2", 2)
+    h.run(3, "s3", 2)
+    found, figures = h.check()
+    assert found == {}, found
+    assert figures["steps_repeated"] == 1 and figures["steps_interrupted"] == 1
+    assert figures["steps_run"] == 10 and figures["stale_writes_refused"] == 1
+
+
+def test_steps_checker_finds_a_finished_step_run_again() -> None:
+    h = StepHistory()
+    h.run(1, "s1", 1)  # recorded: the attempt saw it return
+    h.run(1, "s1", 2)
+    h.run(1, "s2", 2)
+    h.run(1, "s3", 2)
+    h.run(2, "s1", 1, done=False)
+    h.run(2, "s2", 1, done=False)  # reached s2: s1 was recorded
+    h.run(2, "s1", 2)
+    h.add(2, "s2", "interrupted", 2)
+    h.run(2, "s3", 2)
+    found, _ = h.check()
+    assert found == {"finished_step_ran_again": 2}, found
+
+
+def test_steps_checker_finds_a_once_step_run_twice_unless_its_record_was_lost() -> None:
+    h = StepHistory()
+    h.run(1, "s1", 1)
+    h.run(1, "s2", 1, done=False)
+    h.run(1, "s2", 2)  # once=True: must have been found interrupted instead
+    h.run(1, "s3", 2)
+    found, figures = h.check()
+    assert found == {"once_step_repeated": 1}, found
+    # A store restart that forgot the records in between: counted apart, not judged.
+    found, figures = h.check(lost=True)
+    assert found == {} and figures["steps_rerun_after_data_loss"] == 1, (found, figures)
+
+
 # ---- the workers' start-up ---------------------------------------------------------------
 
 

@@ -666,79 +666,8 @@ class StepsRun(Run):
     def judge(self, snap: dict[str, Any]) -> tuple[Findings, dict[str, Any], dict[int, Any]]:
         """The findings on the steps' history, the figures, and each job's step values
         as their rows hold them (what a replay must return)."""
-        found = Findings()
-        bad = found.bad
-        jobs = {int(j): (state, int(d)) for j, state, d in snap["jobs"]}
-        rows = {str(k): (int(f), str(v)) for k, f, v in snap["effects"]}
-        order = {name: i for i, name in enumerate(STEPS)}
-        runs: dict[tuple[int, str], list[tuple[int, bool, float]]] = {}  # (fence, ok, t)
-        # the fences that finished each (job, step): they saw it return after running it,
-        # or went on to a later step (which they reach only once it was recorded)
-        finished: dict[tuple[int, str], dict[int, float]] = {}
-        interrupted: set[int] = set()
-        first: dict[int, float] = {}  # each job's first row
-        interruptions = 0
-        for _id, job, name, kind, fence, _worker, ok, t in snap["log"]:
-            job, fence, t = int(job), int(fence), float(t)
-            first.setdefault(job, t)
-            if kind == "run":
-                runs.setdefault((job, name), []).append((fence, bool(ok), t))
-            if kind == "done":
-                finished.setdefault((job, name), {}).setdefault(fence, t)
-            if kind == "interrupted":
-                interrupted.add(job)
-                interruptions += 1
-            for earlier in STEPS[: order[name]]:
-                finished.setdefault((job, earlier), {}).setdefault(fence, t)
-        refused = stale = repeated = rerun_lost = 0
-        for (job, name), tries in runs.items():
-            accepted = [(f, t) for f, ok, t in tries if ok]
-            refused += len(tries) - len(accepted)
-            repeated += max(0, len(accepted) - 1)
-            fences = [f for f, _ in accepted]
-            for i, (f, t) in enumerate(accepted):
-                if f < max(fences[:i], default=0):
-                    stale += 1
-                    bad("stale_write_accepted", f"job {job} {name}: fence {f} after {fences[:i]}")
-                if f in fences[:i]:
-                    bad("step_ran_twice_in_attempt", f"job {job} {name}: fence {f} twice")
-                by = sorted(g for g in finished.get((job, name), {}) if g < f)
-                if by and self.lost_between(first[job], t):
-                    rerun_lost += 1
-                elif by:
-                    bad("finished_step_ran_again", f"job {job} {name}: finished by fence "
-                        f"{by}, ran again with fence {f}")  # fmt: skip
-            # once=True: it runs at most once, in every attempt together (a refused
-            # write is an execution too: its marker, not a fence, is what stops a repeat)
-            if name == ONCE and len(tries) > 1:
-                if self.lost_between(first[job], tries[-1][2]):
-                    rerun_lost += len(tries) - 1
-                else:
-                    bad("once_step_repeated", f"job {job}: {name} ran {len(tries)} times")
-        effects: dict[int, Any] = {}
-        for job, (state, _) in jobs.items():
-            if state != "done":
-                bad("job_not_done", f"job {job} is {state}")
-            missing = [n for n in STEPS if f"{job}/{n}" not in rows]
-            if set(missing) - ({ONCE} if job in interrupted else set()):
-                bad("missing_effect", f"job {job} has no effect row for {missing}")
-            effects[job] = (0, [rows[f"{job}/{n}"][1] if n not in missing else None for n in STEPS])
-        ran = sum(len([x for x in tries if x[1]]) for tries in runs.values())
-        figures = dict(
-            workload=self.workload,
-            jobs=len(jobs),
-            steps=len(STEPS),
-            once_step=ONCE,
-            lease_s=self.opts.lease,
-            deliveries=sum(d for _, d in jobs.values()),
-            steps_run=ran,
-            steps_repeated=repeated,
-            steps_rerun_after_data_loss=rerun_lost,
-            steps_interrupted=interruptions,
-            stale_writes_refused=refused,
-            stale_writes_accepted=stale,
-        )
-        return found, figures, effects
+        found, figures, effects = check_steps_history(snap, self.lost_between)
+        return found, {"workload": self.workload, "lease_s": self.opts.lease} | figures, effects
 
     def differs(self, job: int, got: str, effects: dict[int, Any]) -> str:
         """The replay is the steps' values as their rows hold them (a once=True step
@@ -750,3 +679,87 @@ class StepsRun(Run):
             for p, w, n in zip(parts, want, STEPS, strict=True)
         )
         return "" if same else f"{got!r} != {want!r}"
+
+
+def check_steps_history(
+    snap: dict[str, Any], lost_between: Callable[[float, float], bool]
+) -> tuple[Findings, dict[str, Any], dict[int, Any]]:
+    """The steps workload's checker, on its tables (``STEP_SNAPSHOTS``): the findings,
+    the figures, and each job's step values as their rows hold them (what a replay
+    must return). A step an attempt finished (it saw the step return after running it,
+    or went on to a later step, which it reaches only once the step was recorded) that
+    runs again with a higher fence is a violation, and so is a second execution of the
+    ``once=True`` step, unless ``lost_between(job's first row, the rerun)`` (a store
+    restart that forgot records): those are counted apart. A step repeated otherwise
+    was in flight at a fault, not recorded: counted, not judged."""
+    found = Findings()
+    bad = found.bad
+    jobs = {int(j): (state, int(d)) for j, state, d in snap["jobs"]}
+    rows = {str(k): (int(f), str(v)) for k, f, v in snap["effects"]}
+    order = {name: i for i, name in enumerate(STEPS)}
+    runs: dict[tuple[int, str], list[tuple[int, bool, float]]] = {}  # (fence, ok, t)
+    # the fences that finished each (job, step): they saw it return after running it,
+    # or went on to a later step (which they reach only once it was recorded)
+    finished: dict[tuple[int, str], dict[int, float]] = {}
+    interrupted: set[int] = set()
+    first: dict[int, float] = {}  # each job's first row
+    interruptions = 0
+    for _id, job, name, kind, fence, _worker, ok, t in snap["log"]:
+        job, fence, t = int(job), int(fence), float(t)
+        first.setdefault(job, t)
+        if kind == "run":
+            runs.setdefault((job, name), []).append((fence, bool(ok), t))
+        if kind == "done":
+            finished.setdefault((job, name), {}).setdefault(fence, t)
+        if kind == "interrupted":
+            interrupted.add(job)
+            interruptions += 1
+        for earlier in STEPS[: order[name]]:
+            finished.setdefault((job, earlier), {}).setdefault(fence, t)
+    refused = stale = repeated = rerun_lost = 0
+    for (job, name), tries in runs.items():
+        accepted = [(f, t) for f, ok, t in tries if ok]
+        refused += len(tries) - len(accepted)
+        repeated += max(0, len(accepted) - 1)
+        fences = [f for f, _ in accepted]
+        for i, (f, t) in enumerate(accepted):
+            if f < max(fences[:i], default=0):
+                stale += 1
+                bad("stale_write_accepted", f"job {job} {name}: fence {f} after {fences[:i]}")
+            if f in fences[:i]:
+                bad("step_ran_twice_in_attempt", f"job {job} {name}: fence {f} twice")
+            by = sorted(g for g in finished.get((job, name), {}) if g < f)
+            if by and lost_between(first[job], t):
+                rerun_lost += 1
+            elif by:
+                bad("finished_step_ran_again", f"job {job} {name}: finished by fence "
+                    f"{by}, ran again with fence {f}")  # fmt: skip
+        # once=True: it runs at most once, in every attempt together (a refused
+        # write is an execution too: its marker, not a fence, is what stops a repeat)
+        if name == ONCE and len(tries) > 1:
+            if lost_between(first[job], tries[-1][2]):
+                rerun_lost += len(tries) - 1
+            else:
+                bad("once_step_repeated", f"job {job}: {name} ran {len(tries)} times")
+    effects: dict[int, Any] = {}
+    for job, (state, _) in jobs.items():
+        if state != "done":
+            bad("job_not_done", f"job {job} is {state}")
+        missing = [n for n in STEPS if f"{job}/{n}" not in rows]
+        if set(missing) - ({ONCE} if job in interrupted else set()):
+            bad("missing_effect", f"job {job} has no effect row for {missing}")
+        effects[job] = (0, [rows[f"{job}/{n}"][1] if n not in missing else None for n in STEPS])
+    ran = sum(len([x for x in tries if x[1]]) for tries in runs.values())
+    figures = dict(
+        jobs=len(jobs),
+        steps=len(STEPS),
+        once_step=ONCE,
+        deliveries=sum(d for _, d in jobs.values()),
+        steps_run=ran,
+        steps_repeated=repeated,
+        steps_rerun_after_data_loss=rerun_lost,
+        steps_interrupted=interruptions,
+        stale_writes_refused=refused,
+        stale_writes_accepted=stale,
+    )
+    return found, figures, effects
