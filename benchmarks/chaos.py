@@ -2,16 +2,17 @@
 
     python benchmarks/chaos.py --store sqlite|redis|redis-cluster|redis-sentinel|postgres|etcd
         [--same-transaction] [--mode idemlock|plain|both]
-        [--workload jobs|lock|permits|election|both|all] [--limit N]
+        [--workload jobs|steps|lock|permits|election|both|all] [--limit N]
         [--duration S --until-faults N --seed X --json]
     python benchmarks/chaos.py --all [--mode both]      # every store (the long run)
     python benchmarks/chaos.py --all --short            # what CI runs (tests/test_chaos.py)
 
 Worker processes on throwaway servers run jobs from an at-least-once queue through
 ``@coord.idempotent`` with a fenced effect (``--mode plain``: without idemlock, the
-negative control), or write under ``hold()`` (``--workload lock``), under a semaphore's
-permits (``--workload permits``) or as an election's leader (``--workload election``),
-while ``faults``
+negative control), or in three steps each with its own effect (``--workload steps``:
+no finished step may run again), or write under ``hold()`` (``--workload lock``), under a
+semaphore's permits (``--workload permits``) or as an election's leader (``--workload
+election``), while ``faults``
 kills and pauses busy workers, restarts the store, cuts and blackholes its connections;
 then the data alone is checked. docs/fault-injection.md has the details and
 figures. Exits 1 on any violation (plain mode: duplicates and stale overwrites are
@@ -42,12 +43,25 @@ from faults import (  # noqa: E402
     STORES,
 )
 from faults.locks import check_lock_history, check_permit_history  # noqa: E402
-from faults.run import ElectionRun, LockRun, PermitRun, Run  # noqa: E402
+from faults.run import (  # noqa: E402
+    ElectionRun,
+    LockRun,
+    PermitRun,
+    Run,
+    StepsRun,
+    check_steps_history,
+)
 
-__all__ = ["check_lock_history", "check_permit_history", "main"]
+__all__ = ["check_lock_history", "check_permit_history", "check_steps_history", "main"]
 
 #: each workload's run
-RUNS = {"jobs": Run, "lock": LockRun, "permits": PermitRun, "election": ElectionRun}
+RUNS = {
+    "jobs": Run,
+    "steps": StepsRun,
+    "lock": LockRun,
+    "permits": PermitRun,
+    "election": ElectionRun,
+}
 #: what ``--workload`` may name: one workload, or several
 WORKLOADS = {name: (name,) for name in RUNS} | {
     "both": ("jobs", "lock"),
@@ -65,6 +79,11 @@ LOCK_COLUMNS = [("store", 24, "store"), ("mode", 8, "mode"), ("holds", 6, "holds
                 ("writes", 7, "writes"), *FAULTS, ("accepted", 8, "writes_accepted"),
                 ("stale refused", 13, "stale_writes_refused"), ("unknown", 7, "writes_unknown"),
                 ("leases lost", 11, "leases_lost"), ("viol.", 5, "violations_total")]  # fmt: skip
+STEP_COLUMNS = [*COLUMNS[:2], ("jobs", 5, "jobs"), ("steps run", 9, "steps_run"), *FAULTS,
+                ("repeated", 8, "steps_repeated"), ("interrupted", 11, "steps_interrupted"),
+                ("lost with data", 14, "steps_rerun_after_data_loss"),
+                ("stale refused", 13, "stale_writes_refused"),
+                ("viol.", 5, "violations_total")]  # fmt: skip
 PERMIT_COLUMNS = [*LOCK_COLUMNS[:-1], ("limit", 5, "limit"),
                   ("most inside", 11, "most_holders_interleaved"),
                   ("viol.", 5, "violations_total")]  # fmt: skip
@@ -109,6 +128,29 @@ def jobs_lines(r: dict[str, Any]) -> list[str]:
     return [line, *(f"    VIOLATION {text[:300]}" for text in r["examples"])]
 
 
+def steps_lines(r: dict[str, Any]) -> list[str]:
+    ev, v = r["worker_events"], r["violations"]
+    line = (
+        f"{r['store']}, steps, {r['mode']}: {r['seconds']}s, {r['jobs']} jobs of {r['steps']} "
+        f"steps ({r['once_step']} once=True), {r['deliveries']} deliveries, {r['steps_run']} "
+        f"steps run, {r['steps_repeated']} repeated (in flight at a fault, or their record "
+        f"lost with Redis data: {r['steps_rerun_after_data_loss']}), "
+        f"{v.get('finished_step_ran_again', 0)} finished steps run again, "
+        f"{v.get('once_step_repeated', 0)} once=True steps repeated, {r['steps_interrupted']} "
+        f"found interrupted and settled; {ev.get('replayed', 0)} replayed, "
+        f"{ev.get('in_flight', 0)} found in flight, {ev.get('store_error', 0)} store errors, "
+        f"{ev.get('claim_lost', 0)} steps refused (claim lost), {r['records_lost_with_data']} "
+        "records lost with Redis data"
+    )
+    if r["mode"] == "plain":
+        line = (
+            f"{r['store']}, steps, plain (steps called directly): {r['seconds']}s, "
+            f"{r['jobs']} jobs, {r['deliveries']} deliveries, {r['steps_run']} steps run; "
+            f"without records: {r['unguarded_findings']}"
+        )
+    return [line, *(f"    VIOLATION {text[:300]}" for text in r["examples"])]
+
+
 def lock_lines(r: dict[str, Any]) -> list[str]:
     ev, late = r["worker_events"], r["on_lost_late_s"]
     line = (
@@ -129,6 +171,7 @@ def lock_lines(r: dict[str, Any]) -> list[str]:
 #: each workload's section: title, table columns, left-aligned columns, lines per run
 SECTIONS = {
     "jobs": ([], COLUMNS, 2, jobs_lines),
+    "steps": (["steps workload:"], STEP_COLUMNS, 2, steps_lines),
     "lock": (["lock workload:"], LOCK_COLUMNS, 1, lock_lines),
     "permits": (["permits workload:"], PERMIT_COLUMNS, 1, lock_lines),
     "election": (["election workload:"], LOCK_COLUMNS, 1, lock_lines),
@@ -154,7 +197,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="PostgreSQL: effect, log row and complete commit in one transaction")  # fmt: skip
     arg("--mode", choices=("idemlock", "plain", "both"), default="idemlock")
     arg("--workload", choices=tuple(WORKLOADS), default="jobs",
-        help="jobs: keyed jobs from an at-least-once queue; lock: hold() with renewals "
+        help="jobs: keyed jobs from an at-least-once queue; steps: the same jobs in three "
+        "steps, each an effect (one once=True); lock: hold() with renewals "
         "and fenced writes under the lock; permits: the same under a semaphore's "
         "permits; election: under campaign()'s terms; both: jobs and lock; all: every "
         "one")  # fmt: skip
@@ -206,6 +250,8 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, bool, str]]:
                 runs.append((store, mode, False, "jobs"))
             if (store, mode) == ("postgres", "idemlock") and (args.all or args.same_transaction):
                 runs.append((store, mode, True, "jobs"))
+    if "steps" in workloads:
+        runs += [(store, mode, False, "steps") for store in stores for mode in modes]
     for workload in (w for w in workloads if w in LEASE_WORKLOADS):
         runs += [(store, mode, False, workload) for store in stores for mode in modes]
     return runs

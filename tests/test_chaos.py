@@ -15,6 +15,13 @@ holders' writes interleaved, tokens increase, no write while ``remaining()`` cla
 lease another holder had been granted). The checker itself is tested on crafted
 histories here, and its plain (unfenced) mode must find what the fence prevents.
 
+The steps workload of issue 25 (``--workload steps``) runs each job in three steps
+(``attempt.step``), each an effect with its own fenced row, the second ``once=True``;
+the runner checks that no step an attempt finished ran again, that the ``once=True``
+step never ran twice (found interrupted, it is settled), and that completed jobs replay
+their steps' values; its plain mode (the steps called directly) must show finished
+steps running again.
+
 The counted leases of issue 24 run the same way: ``--workload permits`` (a semaphore's
 ``hold()``, 2 permits of one key for 4 workers, writes through a counted fence: never more
 than 2 holders' writes interleaved, no token reused, tokens increasing as granted; its
@@ -147,6 +154,48 @@ def test_plain_mode_completes_and_reports_duplicates() -> None:
     # A worker paused (holding a job) for longer than the visibility timeout has its
     # job delivered again while it still runs it: both write the effect.
     assert run["repeated_effects"] > 0
+
+
+# ---- the steps workload (issue 25) ------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("store", STORES)
+def test_finished_steps_never_run_again_under_faults(store: str) -> None:
+    # Each job runs three steps through attempt.step, each an effect with its own fenced
+    # row (the second with once=True). The runner found no step that an attempt had
+    # finished (recorded) running again, no once=True step running twice, no stale step
+    # write accepted, and every completed job replaying its steps' values.
+    code, run = run_chaos("--store", store, "--workload", "steps")
+    assert run["violations_total"] == 0, "\n".join(run["examples"])
+    assert code == 0
+    assert run["workload"] == "steps" and run["store"] == store and run["mode"] == "idemlock"
+    for kind in KINDS[store]:
+        assert run["faults"][kind] > 0, f"no {kind} fault was injected: {run['faults']}"
+    assert run["jobs"] > 0 and run["deliveries"] >= run["jobs"]
+    # Every step of every job ran, but a once=True step found interrupted before its
+    # effect ran (settled, never run again); repeats are steps in flight at a fault.
+    assert run["steps_run"] >= run["steps"] * run["jobs"] - run["steps_interrupted"]
+    assert run["stale_writes_accepted"] == 0
+    assert run["unguarded_findings"] == {}
+    if store not in ("redis", "redis-cluster"):
+        # Only a restart of an unpersisted Redis forgets records (and so steps).
+        assert run["records_lost_with_data"] == run["steps_rerun_after_data_loss"] == 0
+    if store == "etcd":
+        assert_etcd_member_faults(run)
+
+
+@pytest.mark.timeout(300)
+def test_steps_plain_mode_shows_finished_steps_running_again() -> None:
+    # The negative control: the same steps called directly, without records. A job
+    # redelivered after a fault runs its finished steps again, and the checker must
+    # find it (what the steps' records prevent, so not violations of this run).
+    code, run = run_chaos("--store", "sqlite", "--workload", "steps", "--mode", "plain")
+    assert run["violations_total"] == 0, "\n".join(run["examples"])
+    assert code == 0
+    assert run["mode"] == "plain"
+    assert run["faults"]["stop"] > 0 and run["faults"]["kill"] > 0, run["faults"]
+    assert run["unguarded_findings"]["finished_step_ran_again"] > 0, run
 
 
 # ---- the lock workload ------------------------------------------------------------------
@@ -410,6 +459,88 @@ def test_permit_checker_finds_reused_and_decreasing_tokens() -> None:
     h.write("a", 1, 0.3)
     found = chaos.check_permit_history(h.holds, h.log, limit=3)
     assert found["violations"] == {"token_reused": 1, "token_not_increasing": 1}, found
+
+
+class StepHistory:
+    """A crafted steps history: the step_log rows and effect rows the workers write."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[Any, ...]] = []
+        self.rows: dict[str, tuple[int, str]] = {}
+        self.jobs: set[int] = set()
+
+    def add(self, job: int, step: str, kind: str, fence: int, ok: bool = True) -> None:
+        self.jobs.add(job)
+        row_id = len(self.log) + 1
+        self.log.append((row_id, job, step, kind, fence, "w1", ok, float(row_id)))
+
+    def run(self, job: int, step: str, fence: int, done: bool = True) -> None:
+        """Step ``step`` ran with ``fence`` (its fenced row written); ``done``: the
+        attempt saw it return (its result recorded)."""
+        self.add(job, step, "run", fence)
+        self.rows[f"{job}/{step}"] = (fence, f"{job}/{step}/{fence}")
+        if done:
+            self.add(job, step, "done", fence)
+
+    def check(self, lost: bool = False) -> tuple[dict[str, int], dict[str, Any]]:
+        snap = {
+            "jobs": [(job, "done", 1) for job in sorted(self.jobs)],
+            "effects": [(k, f, v) for k, (f, v) in self.rows.items()],
+            "log": self.log,
+        }
+        found, figures, _ = chaos.check_steps_history(snap, lambda t0, t1: lost)
+        return dict(found.violations), figures
+
+
+def test_steps_checker_accepts_repeats_of_steps_in_flight() -> None:
+    h = StepHistory()
+    # job 1: killed inside s3 (not recorded); the retry replays s1, s2 and runs s3
+    h.run(1, "s1", 1)
+    h.run(1, "s2", 1)
+    h.run(1, "s3", 1, done=False)
+    h.run(1, "s3", 2)
+    # job 2: killed inside the once=True s2 after its effect: found interrupted, settled
+    h.run(2, "s1", 1)
+    h.run(2, "s2", 1, done=False)
+    h.add(2, "s2", "interrupted", 2)
+    h.run(2, "s3", 2)
+    # job 3: a paused attempt's late s1 write, refused by the fence
+    h.run(3, "s1", 2)
+    h.add(3, "s1", "run", 1, ok=False)
+    h.run(3, "s2", 2)
+    h.run(3, "s3", 2)
+    found, figures = h.check()
+    assert found == {}, found
+    assert figures["steps_repeated"] == 1 and figures["steps_interrupted"] == 1
+    assert figures["steps_run"] == 10 and figures["stale_writes_refused"] == 1
+
+
+def test_steps_checker_finds_a_finished_step_run_again() -> None:
+    h = StepHistory()
+    h.run(1, "s1", 1)  # recorded: the attempt saw it return
+    h.run(1, "s1", 2)
+    h.run(1, "s2", 2)
+    h.run(1, "s3", 2)
+    h.run(2, "s1", 1, done=False)
+    h.run(2, "s2", 1, done=False)  # reached s2: s1 was recorded
+    h.run(2, "s1", 2)
+    h.add(2, "s2", "interrupted", 2)
+    h.run(2, "s3", 2)
+    found, _ = h.check()
+    assert found == {"finished_step_ran_again": 2}, found
+
+
+def test_steps_checker_finds_a_once_step_run_twice_unless_its_record_was_lost() -> None:
+    h = StepHistory()
+    h.run(1, "s1", 1)
+    h.run(1, "s2", 1, done=False)
+    h.run(1, "s2", 2)  # once=True: must have been found interrupted instead
+    h.run(1, "s3", 2)
+    found, figures = h.check()
+    assert found == {"once_step_repeated": 1}, found
+    # A store restart that forgot the records in between: counted apart, not judged.
+    found, figures = h.check(lost=True)
+    assert found == {} and figures["steps_rerun_after_data_loss"] == 1, (found, figures)
 
 
 # ---- the workers' start-up ---------------------------------------------------------------

@@ -34,6 +34,14 @@ CREATE TABLE IF NOT EXISTS lock_log (id {serial}, resource text NOT NULL,
 CREATE TABLE IF NOT EXISTS permit_fence (resource text NOT NULL, token bigint NOT NULL,
     holder text NOT NULL, seq integer NOT NULL, inside integer NOT NULL,
     PRIMARY KEY (resource, token));
+-- the steps workload: each step's fenced effect (job_step "job/step"), and every
+-- execution of one ("run", accepted by the fence or not), every step an attempt saw
+-- return after running it ("done"), every interrupted once=True step ("interrupted")
+CREATE TABLE IF NOT EXISTS step_effects (job_step text PRIMARY KEY, fence bigint NOT NULL,
+    value text NOT NULL, worker text NOT NULL);
+CREATE TABLE IF NOT EXISTS step_log (id {serial}, job_id integer NOT NULL, step text NOT NULL,
+    kind text NOT NULL, fence bigint NOT NULL, worker text NOT NULL, accepted boolean NOT NULL,
+    t double precision NOT NULL);
 CREATE TABLE IF NOT EXISTS lock_holds (id {serial}, resource text NOT NULL,
     holder text NOT NULL, token bigint NOT NULL, t_before double precision NOT NULL,
     t_after double precision NOT NULL);
@@ -44,7 +52,16 @@ SNAPSHOTS = {
     "log": "SELECT id, job_id, fence, worker, accepted FROM effect_log ORDER BY id",
 }
 #: the fenced writes' tables: their fence column and their log
-WRITES = {"effects": ("fence", "effect_log"), "lock_fence": ("token", "lock_log")}
+WRITES = {
+    "effects": ("fence", "effect_log"),
+    "lock_fence": ("token", "lock_log"),
+    "step_effects": ("fence", "step_log"),
+}
+STEP_SNAPSHOTS = {
+    "jobs": SNAPSHOTS["jobs"],
+    "effects": "SELECT job_step, fence, value FROM step_effects",
+    "log": "SELECT id, job_id, step, kind, fence, worker, accepted, t FROM step_log ORDER BY id",
+}
 LOCK_SNAPSHOTS = {
     "holds": "SELECT resource, holder, token, t_before, t_after FROM lock_holds ORDER BY id",
     "log": "SELECT id, resource, holder, token, seq, t_sent, t_done, accepted, lost, remaining "
@@ -141,6 +158,14 @@ class Fx(Queue):
             if accepted and finish is not None:
                 finish(c)
         return accepted
+
+    def value(self, job_step: str) -> str | None:
+        """The steps workload: the value of a step's effect row, if it has one (what a
+        worker that found the step interrupted sees of the outside world)."""
+        with self.tx(write=False) as c:
+            sql = f"SELECT value FROM step_effects WHERE job_step = {self.p}"
+            row = c.execute(sql, [job_step]).fetchone()
+        return None if row is None else str(row[0])
 
     def write_counted(self, row: Row, logged: Row, limit: int, fenced: bool) -> bool:
         """The permits workload's write: ``row`` (resource, token, holder, seq) under a

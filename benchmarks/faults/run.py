@@ -14,10 +14,10 @@ from typing import Any
 from common import Servers
 
 from faults import GATED, HOST, KINDS, LOCK_KINDS, LOSSY, STORE_KINDS, Findings, retried
-from faults.effects import LOCK_SNAPSHOTS, Fx, FxError
+from faults.effects import LOCK_SNAPSHOTS, STEP_SNAPSHOTS, Fx, FxError
 from faults.locks import check_lock_history, check_permit_history
 from faults.network import Network
-from faults.worker import PRELOAD, connect, idempotent_jobs, job_key, worker_entry
+from faults.worker import ONCE, PRELOAD, STEPS, connect, idempotent_jobs, job_key, worker_entry
 from idemlock.cli._faults.workers import Slot, Workers, context
 
 #: seconds the faults may go on past the window until every kind has landed (drive())
@@ -55,6 +55,7 @@ class Run:
         self.etcd_faults: Counter[str] = Counter()
         self.faults: Counter[str] = Counter()
         self.stops: list[tuple[str, float, float]] = []  # (worker, from, until) of SIGSTOPs
+        self.restarts: list[float] = []  # when each store restart began (time.time())
         self.exits: list[str] = []
         self.seconds = 0.0
         self.drained = False
@@ -180,6 +181,7 @@ class Run:
             now = time.monotonic()  # (woken by a poll every few ms: a little later)
             self.stops.append((slot.worker, now, now + pause + 0.1))
         elif kind == "restart":
+            self.restarts.append(time.time())
             self.restart_store()
         elif kind == "cut":
             # etcd: half of them cut one member's connections; none connected (e.g.
@@ -421,9 +423,15 @@ class Run:
                 elif (got := run_job(job)) == "" and ran:
                     ran.clear()
                     bad("replay_ran", f"{job_key(job)} ran again instead of replaying")
-                elif job in effects and got != effects[job][1]:
-                    bad("replay_differs", f"{job_key(job)}: {got!r} != {effects[job][1]!r}")
+                elif why := self.differs(job, got, effects):
+                    bad("replay_differs", f"{job_key(job)}: {why}")
         return lost
+
+    def differs(self, job: int, got: str, effects: dict[int, Any]) -> str:
+        """How the replayed ``got`` differs from what the effect rows say ("" if not)."""
+        if job in effects and got != effects[job][1]:
+            return f"{got!r} != {effects[job][1]!r}"
+        return ""
 
     def report(self, found: Findings, **figures: Any) -> dict[str, Any]:
         """The run's report: ``figures``, the faults, the workers' event counts and the
@@ -609,3 +617,149 @@ class ElectionRun(LockRun):
 
     workload = "election"
     what = "terms of {resources} keys (ttl {lease:g}s)"
+
+
+class StepsRun(Run):
+    """The steps workload: each job runs three steps (``STEPS``), each an effect with its
+    own fenced row and a log of every execution, the ``ONCE`` one with ``once=True``.
+    From the data: no step that an attempt finished (recorded) ever runs again; only
+    the step in flight at a fault may (and the ``once=True`` one never: found
+    interrupted, it is reported and settled)."""
+
+    workload = "steps"
+    what = "{jobs} jobs of " + str(len(STEPS)) + " steps"
+
+    def lost_between(self, t0: float, t1: float) -> bool:
+        """Whether a store restart that loses records began between ``t0`` and ``t1``
+        (a step it forgot runs again: the injected data loss, counted apart)."""
+        return self.store in LOSSY and any(t0 < r < t1 for r in self.restarts)
+
+    #: what only idemlock's step records prevent: in plain mode (the steps called
+    #: directly, the delivery number as the fence) what the run shows, not failures of it
+    unguarded = ("finished_step_ran_again", "once_step_repeated")
+
+    def enough(self) -> bool:
+        """``--until-faults``: a job done; plain mode: a finished step run again."""
+        if self.mode != "plain":
+            return super().enough()
+        try:
+            snap = self.fx.snapshot(STEP_SNAPSHOTS)
+        except FxError:
+            return False
+        found = self.judge(snap)[0].violations
+        return sum(found[kind] for kind in self.unguarded) > 0
+
+    def check(self) -> dict[str, Any]:
+        snap = retried(lambda: self.fx.snapshot(STEP_SNAPSHOTS), FxError)
+        found, figures, effects = self.judge(snap)
+        jobs = {int(j): (state, int(d)) for j, state, d in snap["jobs"]}
+        shown: dict[str, int] = {}
+        if self.mode == "plain":  # no records and no fence: what the run shows
+            for kind in (*self.unguarded, "stale_write_accepted"):
+                shown[kind] = found.violations.pop(kind, 0)
+            found.examples = [e for e in found.examples if e.split(":")[0] not in shown]
+        lost = self.check_store(jobs, effects, found.bad) if self.mode == "idemlock" else 0
+        if not self.drained:
+            found.bad("not_drained", f"jobs still undone after {self.seconds:.0f}s")
+        return self.report(found, **figures, unguarded_findings=shown, records_lost_with_data=lost)
+
+    def judge(self, snap: dict[str, Any]) -> tuple[Findings, dict[str, Any], dict[int, Any]]:
+        """The findings on the steps' history, the figures, and each job's step values
+        as their rows hold them (what a replay must return)."""
+        found, figures, effects = check_steps_history(snap, self.lost_between)
+        return found, {"workload": self.workload, "lease_s": self.opts.lease} | figures, effects
+
+    def differs(self, job: int, got: str, effects: dict[int, Any]) -> str:
+        """The replay is the steps' values as their rows hold them (a once=True step
+        found interrupted: as it was settled, its row's value if it had one)."""
+        want = effects[job][1]
+        parts = got.split("|")
+        same = len(parts) == len(want) and all(
+            p == w or (n == ONCE and p.startswith("interrupted/"))
+            for p, w, n in zip(parts, want, STEPS, strict=True)
+        )
+        return "" if same else f"{got!r} != {want!r}"
+
+
+def check_steps_history(
+    snap: dict[str, Any], lost_between: Callable[[float, float], bool]
+) -> tuple[Findings, dict[str, Any], dict[int, Any]]:
+    """The steps workload's checker, on its tables (``STEP_SNAPSHOTS``): the findings,
+    the figures, and each job's step values as their rows hold them (what a replay
+    must return). A step an attempt finished (it saw the step return after running it,
+    or went on to a later step, which it reaches only once the step was recorded) that
+    runs again with a higher fence is a violation, and so is a second execution of the
+    ``once=True`` step, unless ``lost_between(job's first row, the rerun)`` (a store
+    restart that forgot records): those are counted apart. A step repeated otherwise
+    was in flight at a fault, not recorded: counted, not judged."""
+    found = Findings()
+    bad = found.bad
+    jobs = {int(j): (state, int(d)) for j, state, d in snap["jobs"]}
+    rows = {str(k): (int(f), str(v)) for k, f, v in snap["effects"]}
+    order = {name: i for i, name in enumerate(STEPS)}
+    runs: dict[tuple[int, str], list[tuple[int, bool, float]]] = {}  # (fence, ok, t)
+    # the fences that finished each (job, step): they saw it return after running it,
+    # or went on to a later step (which they reach only once it was recorded)
+    finished: dict[tuple[int, str], dict[int, float]] = {}
+    interrupted: set[int] = set()
+    first: dict[int, float] = {}  # each job's first row
+    interruptions = 0
+    for _id, job, name, kind, fence, _worker, ok, t in snap["log"]:
+        job, fence, t = int(job), int(fence), float(t)
+        first.setdefault(job, t)
+        if kind == "run":
+            runs.setdefault((job, name), []).append((fence, bool(ok), t))
+        if kind == "done":
+            finished.setdefault((job, name), {}).setdefault(fence, t)
+        if kind == "interrupted":
+            interrupted.add(job)
+            interruptions += 1
+        for earlier in STEPS[: order[name]]:
+            finished.setdefault((job, earlier), {}).setdefault(fence, t)
+    refused = stale = repeated = rerun_lost = 0
+    for (job, name), tries in runs.items():
+        accepted = [(f, t) for f, ok, t in tries if ok]
+        refused += len(tries) - len(accepted)
+        repeated += max(0, len(accepted) - 1)
+        fences = [f for f, _ in accepted]
+        for i, (f, t) in enumerate(accepted):
+            if f < max(fences[:i], default=0):
+                stale += 1
+                bad("stale_write_accepted", f"job {job} {name}: fence {f} after {fences[:i]}")
+            if f in fences[:i]:
+                bad("step_ran_twice_in_attempt", f"job {job} {name}: fence {f} twice")
+            by = sorted(g for g in finished.get((job, name), {}) if g < f)
+            if by and lost_between(first[job], t):
+                rerun_lost += 1
+            elif by:
+                bad("finished_step_ran_again", f"job {job} {name}: finished by fence "
+                    f"{by}, ran again with fence {f}")  # fmt: skip
+        # once=True: it runs at most once, in every attempt together (a refused
+        # write is an execution too: its marker, not a fence, is what stops a repeat)
+        if name == ONCE and len(tries) > 1:
+            if lost_between(first[job], tries[-1][2]):
+                rerun_lost += len(tries) - 1
+            else:
+                bad("once_step_repeated", f"job {job}: {name} ran {len(tries)} times")
+    effects: dict[int, Any] = {}
+    for job, (state, _) in jobs.items():
+        if state != "done":
+            bad("job_not_done", f"job {job} is {state}")
+        missing = [n for n in STEPS if f"{job}/{n}" not in rows]
+        if set(missing) - ({ONCE} if job in interrupted else set()):
+            bad("missing_effect", f"job {job} has no effect row for {missing}")
+        effects[job] = (0, [rows[f"{job}/{n}"][1] if n not in missing else None for n in STEPS])
+    ran = sum(len([x for x in tries if x[1]]) for tries in runs.values())
+    figures = dict(
+        jobs=len(jobs),
+        steps=len(STEPS),
+        once_step=ONCE,
+        deliveries=sum(d for _, d in jobs.values()),
+        steps_run=ran,
+        steps_repeated=repeated,
+        steps_rerun_after_data_loss=rerun_lost,
+        steps_interrupted=interruptions,
+        stale_writes_refused=refused,
+        stale_writes_accepted=stale,
+    )
+    return found, figures, effects

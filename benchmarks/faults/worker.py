@@ -18,6 +18,8 @@ from faults.effects import Fx, FxError
 from idemlock.cli._faults.queue import Outcome, consume
 from idemlock.cli._faults.workers import redirect
 
+#: the steps workload's steps, in order, and the one run with ``once=True``
+STEPS, ONCE = ("s1", "s2", "s3"), "s2"
 #: how long each step of a job, or the preparation of a write under a lock, takes (ms)
 STEP_MS = (5.0, 25.0)
 
@@ -91,9 +93,13 @@ def worker_main(cfg: SimpleNamespace) -> None:
     from idemlock import Completed, FencedOut, InFlight, InFlightError, StaleClaim
     from idemlock.stores.postgres import complete_in_transaction
 
-    known = {FencedOut: "fenced_out", StaleClaim: "stale_complete"}
+    known: dict[type[Exception], str] = {FencedOut: "fenced_out"}
+    if cfg.workload == "steps":  # a step refused because the claim moved on (a StaleClaim)
+        known[idemlock.ClaimLost] = "claim_lost"
+    known[StaleClaim] = "stale_complete"
     rng = random.Random(f"{cfg.seed}:{cfg.worker}")
     fx = Fx(*cfg.fx)
+    note = appender(cfg.stats + ".txt")
     ran: list[int] = []
 
     def step() -> None:
@@ -115,6 +121,50 @@ def worker_main(cfg: SimpleNamespace) -> None:
         value = effect(job, claim.fence)
         step()  # the rest of the handler: the window between the effect and complete
         return value
+
+    def logged(job: int, name: str, kind: str, fence: int) -> dict[str, Any]:
+        return {"job_id": job, "step": name, "kind": kind, "fence": fence} | {
+            "worker": cfg.worker,
+            "t": time.time(),
+        }
+
+    def step_effect(job: int, name: str, fence: int) -> str:
+        # One step's effect: a fenced write of its own row, logged with the outcome.
+        ran.append(job)
+        step()
+        value = f"job-{job}/{name}/fence-{fence}/{cfg.worker}"
+        row = {"job_step": f"{job}/{name}", "fence": fence, "value": value, "worker": cfg.worker}
+        fenced = cfg.mode == "idemlock"
+        if not fx.write("step_effects", row, logged(job, name, "run", fence), fenced):
+            raise FencedOut(f"step_effects/{job}/{name}", fence, None)
+        return value
+
+    def steps_body(job: int) -> str:
+        """Three steps, each an effect; the ONCE one with ``once=True``: found interrupted,
+        it is reported, and its result settled from what its effect row shows (the
+        outside world), never run again."""
+        claim = idemlock.current_claim()
+        assert claim is not None
+        values = []
+        for name in STEPS:
+            before = len(ran)
+            try:
+                value = claim.step(name, step_effect, job, name, claim.fence, once=name == ONCE)
+            except idemlock.StepInterrupted:
+                note("step_interrupted")
+                fx.insert(
+                    "step_log", logged(job, name, "interrupted", claim.fence) | {"accepted": True}
+                )
+                value = fx.value(f"{job}/{name}") or f"interrupted/{job}/{name}"
+                claim.settle(name, value)
+            else:
+                if len(ran) > before:  # ran here, and its result recorded
+                    fx.insert(
+                        "step_log", logged(job, name, "done", claim.fence) | {"accepted": True}
+                    )
+            values.append(value)
+        step()  # the rest of the handler: the window between the last step and complete
+        return "|".join(values)
 
     def same_tx(job: int, delivery: int) -> None:
         claim = port.claim(job_key(job), payload={"job": job})
@@ -139,9 +189,17 @@ def worker_main(cfg: SimpleNamespace) -> None:
         effect(job, delivery)  # the delivery number in place of a fence: never fenced
         step()
 
-    run: Callable[[int, int], Any] = plain
+    def plain_steps(job: int, delivery: int) -> None:
+        # The steps called directly (no records): what a retry does without them.
+        for name in STEPS:
+            step_effect(job, name, delivery)
+            fx.insert("step_log", logged(job, name, "done", delivery) | {"accepted": True})
+        step()
+
+    run: Callable[[int, int], Any] = plain_steps if cfg.workload == "steps" else plain
     if cfg.mode == "idemlock":
-        port, run_job = idempotent_jobs(connect(cfg.store_url), cfg.lease, body)
+        handler = steps_body if cfg.workload == "steps" else body
+        port, run_job = idempotent_jobs(connect(cfg.store_url), cfg.lease, handler)
         run = same_tx if cfg.same_tx else lambda job, _: run_job(job)
 
     def handle(job: int, delivery: int) -> Outcome:
@@ -156,9 +214,7 @@ def worker_main(cfg: SimpleNamespace) -> None:
             kind = event(exc, f"job {job}", known)
             return kind, time.time() + (0 if kind == "stale_complete" else 0.05)
 
-    consume(
-        fx, cfg.worker, cfg.visibility, handle, note=appender(cfg.stats + ".txt"), errors=(FxError,)
-    )
+    consume(fx, cfg.worker, cfg.visibility, handle, note=note, errors=(FxError,))
 
 
 def leases(coord: Any, cfg: SimpleNamespace) -> Callable[..., Any]:

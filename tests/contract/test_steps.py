@@ -194,6 +194,42 @@ async def test_once_steps_replayed_errors_and_limits(harness: Harness) -> None:
     await each_face(harness, _once_steps_replayed_errors_and_limits)
 
 
+async def _an_interrupted_step_is_settled_in_the_attempt_that_found_it(api: Facade) -> None:
+    if await _refused_without_the_capability(api):
+        return
+    with pytest.raises(Crash):
+        async with run(api, SPEC, "found") as attempt:
+            await attempt.step("wire", lambda: (_ for _ in ()).throw(Crash()), once=True)
+    ran: list[str] = []
+    # The caller checks the outside world where the step failed, records what happened,
+    # and goes on in the same attempt (or allows one more run).
+    async with run(api, SPEC, "found") as attempt:
+        with pytest.raises(StepInterrupted):
+            await attempt.step("wire", lambda: ran.append("wire"), once=True)
+        await attempt.settle("wire", {"sent": False})
+        attempt.raw.result = "settled"
+    assert ran == []
+    status = await api.idem(SPEC).status("found")
+    assert status is not None and status.state == "completed"
+    assert [(s.name, s.state) for s in status.steps] == [("wire", "done")]
+    with pytest.raises(Crash):
+        async with run(api, SPEC, "again") as attempt:
+            await attempt.step("wire", lambda: (_ for _ in ()).throw(Crash()), once=True)
+    async with run(api, SPEC, "again") as attempt:
+        with pytest.raises(StepInterrupted):
+            await attempt.step("wire", lambda: ran.append("wire"), once=True)
+        await attempt.retry_step("wire")
+        await attempt.step("wire", lambda: ran.append("wire"), once=True)
+        attempt.raw.result = "retried"
+    assert ran == ["wire"]
+
+
+async def test_an_interrupted_step_is_settled_in_the_attempt_that_found_it(
+    harness: Harness,
+) -> None:
+    await each_face(harness, _an_interrupted_step_is_settled_in_the_attempt_that_found_it)
+
+
 async def _a_step_of_an_attempt_that_lost_its_claim_is_refused(api: Facade) -> None:
     if await _refused_without_the_capability(api):
         return

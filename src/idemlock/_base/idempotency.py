@@ -305,12 +305,13 @@ class AttemptBase:
         self._steps_port()
         if name in self._seen or name in self._txn:
             raise DuplicateStep(name, self.key)
-        self._seen.add(name)
         row = self._recorded.get(name)
+        if row is not None and row.result is None and once:
+            # Not counted as run: the caller may settle it or retry_step it now.
+            self._step_event("interrupted", 0.0)
+            raise StepInterrupted(name, self.key, row.fence)
+        self._seen.add(name)
         if row is not None and row.result is None:
-            if once:
-                self._step_event("interrupted", 0.0)
-                raise StepInterrupted(name, self.key, row.fence)
             return None  # a marker of a step that is not once=True now: run it
         return row
 
