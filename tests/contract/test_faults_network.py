@@ -27,6 +27,7 @@ import idemlock
 import idemlock.aio
 from idemlock import (
     Claimed,
+    ClaimToken,
     Completed,
     IdempotencySpec,
     InFlight,
@@ -37,7 +38,7 @@ from idemlock import (
 )
 
 from ..servers.proxy import TcpProxy
-from .facade import Facade
+from .facade import Facade, Proxy
 from .fault_stores import (
     BOUND,
     HANG,
@@ -150,9 +151,15 @@ async def test_silent_claim_and_complete_are_bounded_and_the_coordinator_recover
     )
 
 
-async def test_silent_abandon_and_a_first_call_are_bounded(fault_harness: Harness) -> None:
+async def test_silent_abandon_step_and_a_first_call_are_bounded(
+    fault_harness: Harness,
+) -> None:
     await each_face_in_one_fault(
-        fault_harness, "stall", _silent_abandon_is_bounded, _silent_store_on_the_first_call
+        fault_harness,
+        "stall",
+        _silent_abandon_is_bounded,
+        _silent_step_is_bounded,
+        _silent_store_on_the_first_call,
     )
 
 
@@ -223,6 +230,28 @@ async def _silent_abandon_is_bounded(fault_api: Facade, fault: SharedFault) -> N
     # StaleClaim: the first abandon had landed.
     await eventually(fault_api, lambda: port.abandon(claim.token), accept=(StaleClaim,))
     assert isinstance(await port.claim("k"), Claimed)
+
+
+def attempt_of(api: Facade, spec: IdempotencySpec, key: str, token: ClaimToken) -> Proxy:
+    """The attempt ``port.run(key)`` would give for ``token``, on the facade's face."""
+    face = idemlock.Attempt if api.mode == "sync" else idemlock.aio.AsyncAttempt
+    return Proxy(face(key, token, port=api.coord.idempotency(spec)), api.mode)
+
+
+async def _silent_step_is_bounded(fault_api: Facade, fault: SharedFault) -> None:
+    port = fault_api.idem(SPEC)
+    claim = await port.claim("stepping")
+    assert isinstance(claim, Claimed)
+    attempt = attempt_of(fault_api, SPEC, "stepping", claim.token)
+    async with fault:
+        out = await timed(fault_api, lambda: attempt.step("s1", lambda: 1))
+    assert_unavailable(out, "step")
+    # Back: the same attempt records its next step (its claim is still its own).
+    await eventually(fault_api, lambda: port.status("stepping"))
+    assert await attempt.step("s2", lambda: 2) == 2
+    status = await port.status("stepping")
+    assert status is not None and "s2" in [s.name for s in status.steps]
+    await port.complete(claim.token, "done")
 
 
 async def _silent_acquire_is_bounded(fault_api: Facade, fault: SharedFault) -> None:

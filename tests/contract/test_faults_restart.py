@@ -25,6 +25,7 @@ from typing import Any
 
 from idemlock import (
     Claimed,
+    ClaimLost,
     Completed,
     ElectionSpec,
     IdempotencySpec,
@@ -50,6 +51,7 @@ from .fault_stores import (
     timed,
 )
 from .harness import Harness
+from .test_faults_network import attempt_of
 
 SPEC = IdempotencySpec("restart", lease=timedelta(seconds=30))
 LOCK = LockSpec("restart", ttl=timedelta(seconds=30))
@@ -72,12 +74,16 @@ async def _calls_while_the_store_is_down(fault_api: Facade, outage: SharedFault)
     assert isinstance(claim, Claimed)
     lease = await locks.acquire("held")
     assert lease is not None
+    stepping = await port.claim("stepping")
+    assert isinstance(stepping, Claimed)
+    attempt = attempt_of(fault_api, SPEC, "stepping", stepping.token)
     async with outage:
         calls = {
             "claim": lambda: port.claim("during"),
             "complete": lambda: port.complete(claim.token, "v"),
             "acquire": lambda: locks.acquire("during"),
             "renew": lambda: locks.renew(lease),
+            "step": lambda: attempt.step("s1", lambda: 1),
         }
         # All at once (each sync call in a thread of its own): one bound, not four.
         outs = await asyncio.gather(*(timed(fault_api, call) for call in calls.values()))
@@ -94,6 +100,9 @@ async def _calls_while_the_store_is_down(fault_api: Facade, outage: SharedFault)
     assert out.error is None or isinstance(out.error, StaleClaim), out.describe()
     renewed = await eventually(fault_api, lambda: locks.renew(lease))
     assert renewed in (True, False)
+    # The attempt's next step: recorded, or ClaimLost where the restart lost the claim.
+    stepped = await timed(fault_api, lambda: attempt.step("s2", lambda: 2))
+    assert stepped.value == 2 or isinstance(stepped.error, ClaimLost), stepped.describe()
     new_lease = await locks.acquire("after")
     assert isinstance(new_lease, Lease)
     assert await locks.release(new_lease) is True
