@@ -211,3 +211,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     _proc.cleanup()
+    if config.pluginmanager.hasplugin("dsession"):
+        # The controller ends last: a worker that xdist had to kill while its servers
+        # stopped (it waits 10 s for one, less than a loaded machine may take) left
+        # its root behind; remove the roots of every process that is gone.
+        _proc.sweep_stale_roots()
