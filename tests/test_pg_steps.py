@@ -374,7 +374,7 @@ def test_record_step_in_transaction_refusals(
             pytest.raises(idemlock.ConfigurationError, match="expected the attempt"),
             conn.transaction(),
         ):
-            pg.record_step_in_transaction(conn, port, "a", 1)  # type: ignore[arg-type]
+            pg.record_step_in_transaction(conn, port, "a", 1)  # type: ignore[arg-type]  # the refusal under test
         attempt.step("a", lambda: 1)
         with pytest.raises(idemlock.DuplicateStep, match="already ran"), conn.transaction():
             pg.record_step_in_transaction(conn, attempt, "a", 1)

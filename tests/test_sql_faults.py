@@ -650,7 +650,7 @@ def test_fork_multiprocessing_pool(url: str) -> None:
                 try:
                     done = result.get(timeout=60)
                 except multiprocessing.TimeoutError:
-                    for proc in pool._pool:  # type: ignore[attr-defined]
+                    for proc in pool._pool:  # type: ignore[attr-defined]  # its workers: no public list
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(proc.pid, signal.SIGUSR2)
                     time.sleep(1)  # (their stacks, then the pool ends them)

@@ -128,6 +128,7 @@ member when one does not answer.""",
             "sa_afenced_upsert": "sa_fenced_upsert",
             "acomplete_in_transaction": "complete_in_transaction",
             "arecord_step_in_transaction": "record_step_in_transaction",
+            "_arun": "_run",
             "AsyncRawCursor": "RawCursor",
         },
         docstring="""The fenced helpers that run statements, on a ``psycopg.Connection`` (and a

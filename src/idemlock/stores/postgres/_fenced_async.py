@@ -170,18 +170,23 @@ async def acomplete_in_transaction(
     store, args = _completion(port, token, result)
     # The claim came first, so the schema exists.
     stmt = store.statements.complete
+    done = bool(await _arun(conn, store, stmt, store._complete_params(*args), "complete"))
+    if not done:
+        raise stale(port, token, "complete")
+
+
+async def _arun(
+    conn: psycopg.AsyncConnection[Any], store: Any, stmt: Any, params: Any, what: str
+) -> list[tuple[Any, ...]]:
+    """One of the store's statements on the caller's connection: its rows."""
     cur = psycopg.AsyncRawCursor(conn, row_factory=tuple_row)
     try:
         # Behind a transaction pooler never prepared (else as the connection says).
         prepare = False if store._pooled else None
-        await cur.execute(
-            stmt.sql, stmt.args(store._complete_params(*args)), prepare=prepare, binary=True
-        )
-        done = bool(await cur.fetchall())
+        await cur.execute(stmt.sql, stmt.args(params), prepare=prepare, binary=True)
+        return await cur.fetchall()
     except psycopg.Error as exc:
-        raise store._unavailable(exc, "complete") from exc
-    if not done:
-        raise stale(port, token, "complete")
+        raise store._unavailable(exc, what) from exc
 
 
 # ---- recording a step in the caller's transaction --------------------------------------
@@ -208,13 +213,5 @@ async def arecord_step_in_transaction(
     retry then replays instead of running)."""
     _needs_transaction(conn.autocommit, conn.info.transaction_status, "record_step_in_transaction")
     store, params, data = _step_in(attempt, name, value)
-    stmt = store.statements.step
-    cur = psycopg.AsyncRawCursor(conn, row_factory=tuple_row)
-    try:
-        # Behind a transaction pooler never prepared (else as the connection says).
-        prepare = False if store._pooled else None
-        await cur.execute(stmt.sql, stmt.args(params), prepare=prepare, binary=True)
-        rows = await cur.fetchall()
-    except psycopg.Error as exc:
-        raise store._unavailable(exc, "step") from exc
+    rows = await _arun(conn, store, store.statements.step, params, "step")
     stepped_in_transaction(attempt, name, int(rows[0][0]) if rows else None, data)

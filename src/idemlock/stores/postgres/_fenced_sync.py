@@ -171,18 +171,23 @@ def complete_in_transaction(
     store, args = _completion(port, token, result)
     # The claim came first, so the schema exists.
     stmt = store.statements.complete
+    done = bool(_run(conn, store, stmt, store._complete_params(*args), "complete"))
+    if not done:
+        raise stale(port, token, "complete")
+
+
+def _run(
+    conn: psycopg.Connection[Any], store: Any, stmt: Any, params: Any, what: str
+) -> list[tuple[Any, ...]]:
+    """One of the store's statements on the caller's connection: its rows."""
     cur = psycopg.RawCursor(conn, row_factory=tuple_row)
     try:
         # Behind a transaction pooler never prepared (else as the connection says).
         prepare = False if store._pooled else None
-        cur.execute(
-            stmt.sql, stmt.args(store._complete_params(*args)), prepare=prepare, binary=True
-        )
-        done = bool(cur.fetchall())
+        cur.execute(stmt.sql, stmt.args(params), prepare=prepare, binary=True)
+        return cur.fetchall()
     except psycopg.Error as exc:
-        raise store._unavailable(exc, "complete") from exc
-    if not done:
-        raise stale(port, token, "complete")
+        raise store._unavailable(exc, what) from exc
 
 
 # ---- recording a step in the caller's transaction --------------------------------------
@@ -206,13 +211,5 @@ def record_step_in_transaction(
     retry then replays instead of running)."""
     _needs_transaction(conn.autocommit, conn.info.transaction_status, "record_step_in_transaction")
     store, params, data = _step_in(attempt, name, value)
-    stmt = store.statements.step
-    cur = psycopg.RawCursor(conn, row_factory=tuple_row)
-    try:
-        # Behind a transaction pooler never prepared (else as the connection says).
-        prepare = False if store._pooled else None
-        cur.execute(stmt.sql, stmt.args(params), prepare=prepare, binary=True)
-        rows = cur.fetchall()
-    except psycopg.Error as exc:
-        raise store._unavailable(exc, "step") from exc
+    rows = _run(conn, store, store.statements.step, params, "step")
     stepped_in_transaction(attempt, name, int(rows[0][0]) if rows else None, data)
