@@ -323,13 +323,16 @@ async def _hold_and_campaign_across_a_restart(
         assert t_exit - t_left <= 2 * BOUND, f"leaving the blocks took {t_exit - t_left:.2f}s"
     assert permit is not None and term is not None
     # Taken again once the store is back: tokens above the held ones, within the limit.
+    # The same key under a long ttl: a permit taken first must still be live when the
+    # third is refused, however long the store takes to answer the second.
+    lasting = fault_api.semaphore(SemaphoreSpec("restart-sem-hold", limit=2, ttl=600))
     after = [
-        await eventually(fault_api, lambda i=i: sems.acquire("h", owner=f"after-{i}", wait=5))
+        await eventually(fault_api, lambda i=i: lasting.acquire("h", owner=f"after-{i}", wait=5))
         for i in range(2)
     ]
     assert all(isinstance(p, Lease) and p.token > permit.token for p in after), after
-    assert await sems.acquire("h", owner="third") is None, "past the limit"
+    assert await lasting.acquire("h", owner="third") is None, "past the limit"
     for p in after:
-        assert await sems.release(p) is True
+        assert await lasting.release(p) is True
     number = await eventually(fault_api, campaign_number(el, BOUND * 2, "h"))
     assert number > term.number, (number, term.number)
