@@ -114,7 +114,12 @@ class AsyncPlumbing:
             PipelinedClient(st.client, self.timeout, self._orphan, st.retries)
             if choose(st.client, bool(self._waits))
             else PlainClient(
-                st.client, st.slots, self._durability, self._loaded, self.timeout, st.startup
+                st.client,
+                st.slots,
+                self._durability,
+                self._loaded,
+                self.timeout,
+                st.startup if self.cluster else None,
             )
         )
         st.ready = not self.cluster

@@ -188,10 +188,10 @@ class SyncPlumbing:
         never read the slot map again (its calls still reach the nodes of the slots
         it knew; its listeners, which pick a known node, could not connect).
 
-        Called where a call leaves the store's direct path (redis-py's path: a node
-        failed or the slot moved), opens the client for a batch, or a listener
-        connects: a store that forgot its nodes meets one of these at once, and the
-        direct path costs nothing more."""
+        Called where a call leaves the store's direct path for redis-py's (a node
+        failed, a slot moved or is not in the map), before a batch, and before a
+        listener connects: wherever the client's nodes are needed (the direct path
+        needs only the slots the client knew, and costs nothing more)."""
         startup = self._startup
         if startup is None:
             return
