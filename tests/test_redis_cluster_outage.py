@@ -126,3 +126,35 @@ async def test_the_coordinator_works_again_after_an_outage_that_failed_calls_on_
     finally:
         await api.close()
         faults.close()
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+async def test_a_cluster_client_that_dropped_every_startup_node_works_again(
+    redis_cluster: Any, mode: str
+) -> None:
+    """The state redis-py 5.0.x leaves after calls failed on every primary, made on any
+    release (later ones never reach it by themselves): the client's startup nodes all
+    dropped (on the blocking client, its known nodes too: the same dict there), and
+    (asyncio) the slot map to be read again. Calls on every primary, a lock and a wait
+    work again on the same coordinator."""
+    harness = by_url("redis_cluster", redis_cluster.url)
+    api = (async_facade if mode == "async" else sync_facade)(harness, timeout=TIMEOUT)
+    try:
+        idem, locks = api.idem(SPEC), api.lock(LOCK)
+        keys = await _keys_on_every_primary(api, redis_cluster.nodes[0].port)
+        await eventually(api, lambda: idem.status("warm-up"))
+        client = api.coord.store.client
+        client.nodes_manager.startup_nodes.clear()
+        if mode == "async":
+            await client.aclose()  # as after a failed call: initialize() on the next
+        else:
+            client.nodes_manager.nodes_cache.clear()
+        for key in keys:
+            fresh = await eventually(api, lambda k=key: idem.claim(k))
+            assert isinstance(fresh, Claimed)
+        lease = await eventually(api, lambda: locks.acquire("after"))
+        assert lease is not None
+        assert await eventually(api, lambda: locks.acquire("after", wait=0.2)) is None
+        assert await locks.release(lease) is True
+    finally:
+        await api.close()
