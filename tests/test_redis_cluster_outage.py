@@ -1,20 +1,21 @@
 """A Redis Cluster down as a whole while calls reach every primary: the same
 coordinator works again once the cluster is back, sync and async.
 
-redis-py 5.0.x's cluster clients drop a node from their startup nodes when a call to
-it fails on its connection, and read the slot map again only from the startup nodes
-left. Calls failing on every primary during one outage leave none: the asyncio client
-then fails every call ("Redis Cluster cannot be connected. Please provide at least
-one reachable node: None") long after the cluster is back; the blocking one, whose
-startup nodes are its known nodes too, still reaches the slots it knew but knows no
-node for a listener to connect to. The store puts the startup nodes it was given
-back when that happens (``idemlock.stores.redis._compat.StartupNodes``), and the
-blocking store reads the slot map again.
+redis-py's cluster clients (5.0 to 6.4 at least) drop a node from their startup
+nodes when a call to it fails on its connection, and read the slot map again only
+from the startup nodes left. Calls failing on every primary during one outage leave
+none: the asyncio client then fails every call ("Redis Cluster cannot be connected.
+Please provide at least one reachable node: None") long after the cluster is back;
+the blocking one, whose startup nodes are its known nodes too, still reaches the
+slots it knew but knows no node for a listener to connect to. The store puts the
+startup nodes it was given back when that happens
+(``idemlock.stores.redis._compat.StartupNodes``), and the blocking store reads the
+slot map again.
 
 The calls here are claims on keys chosen so that every primary holds some of them
 (from the cluster's own slot table), all made at once while every node is stopped:
-each reaches its primary before any has failed. Newer redis-py releases keep their
-startup nodes; the test runs on every admitted release (the lowest session too).
+each reaches its primary before any has failed. redis-py 8.1 keeps its startup
+nodes; the test runs on every admitted release (the lowest session too).
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ async def test_the_coordinator_works_again_after_an_outage_that_failed_calls_on_
 async def test_a_cluster_client_that_dropped_every_startup_node_works_again(
     redis_cluster: Any, mode: str
 ) -> None:
-    """The state redis-py 5.0.x leaves after calls failed on every primary, made on any
+    """The state redis-py up to 6.4 leaves after calls failed on every primary, made on any
     release (later ones never reach it by themselves): the client's startup nodes all
     dropped (on the blocking client, its known nodes too: the same dict there), and
     (asyncio) the slot map to be read again. Calls on every primary, a lock and a wait

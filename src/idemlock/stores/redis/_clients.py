@@ -97,7 +97,7 @@ class PlainClient:
     ) -> None:
         self._exec = client.execute_command
         self._client = client
-        #: a Cluster client's startup nodes, put back before a call if redis-py (5.0.x)
+        #: a Cluster client's startup nodes, put back before a call if redis-py (up to 6.4)
         #: dropped them all after calls failed on every node (see _compat.StartupNodes)
         self._restore = startup.restore if startup is not None else _nothing
         self._slots = slots

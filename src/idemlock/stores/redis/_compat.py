@@ -148,19 +148,20 @@ class StartupNodes:
     store took it (for a client built from the URL: the URL's nodes), put back once
     redis-py has dropped every one of them.
 
-    Why: redis-py 5.0.x removes a node from ``nodes_manager.startup_nodes`` when a call
-    to it fails on its connection (refused, reset, timed out), and reads the slot map
+    Why: redis-py (5.0 to 6.4 at least: checked on 5.0.1, 5.0.8, 5.3.1 and 6.4.0, both
+    clients) removes a node from ``nodes_manager.startup_nodes`` when a call to it
+    fails on its connection (refused, reset, timed out), and reads the slot map
     again only from the startup nodes left. Calls that fail on every primary during one
     outage of the whole cluster leave none, and from then on every call fails ("Redis
     Cluster cannot be connected. Please provide at least one reachable node: None"),
-    although the cluster is back. Later releases move a failed node to the end of the
-    dict instead, never emptying it. The feature test is that behaviour itself, seen as
+    although the cluster is back. Later releases (8.1.0) move a failed node to the end
+    of the dict instead, never emptying it. The feature test is that behaviour itself, seen as
     it happens (the dict found empty), never a version number: on a release that keeps
     its startup nodes this never acts.
 
     ``nodes_manager.startup_nodes`` (on every admitted release) is the only redis-py
     state read or changed here, and it is replaced, never filled in place: on the
-    blocking client of 5.0.x it is, after a slot map read, the very dict of the nodes
+    blocking client of those releases it is, after a slot map read, the very dict of the nodes
     the client knows (``nodes_cache``), which the next slot map read rebuilds.
     """
 

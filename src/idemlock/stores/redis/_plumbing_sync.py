@@ -183,7 +183,7 @@ class SyncPlumbing:
     def _recover_nodes(self) -> None:
         """Put a Cluster client's startup nodes back if redis-py dropped them all (see
         ``_compat.StartupNodes``), and read the slot map again, on a thread of the
-        store's own, if it has forgotten every node: on redis-py 5.0.x the blocking
+        store's own, if it has forgotten every node: on redis-py up to 6.4 the blocking
         client's startup nodes are then its known nodes too, so it has, and would
         never read the slot map again (its calls still reach the nodes of the slots
         it knew; its listeners, which pick a known node, could not connect).
