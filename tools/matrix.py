@@ -129,6 +129,7 @@ LOWEST_CONTRACT = ["tests/contract", "-k", "not memory and not sqlite"]
 LOWEST_TESTS = [
     "tests/test_redis_store.py",
     "tests/test_redis_sentinel.py",
+    "tests/test_redis_cluster_outage.py",
     "tests/test_postgres_store.py",
     "tests/test_etcd_store.py",
     "tests/test_sqlite_store.py",

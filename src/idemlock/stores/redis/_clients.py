@@ -26,6 +26,7 @@ from ._calls import (
     pack_script_load,
     readonly,
 )
+from ._compat import StartupNodes
 from ._orphans import retrieved
 from ._pipeline import Lost, Orphan, Pipe, connect
 
@@ -92,9 +93,13 @@ class PlainClient:
         durability: Any,
         loaded: set[str],
         timeout: float,
+        startup: StartupNodes | None = None,
     ) -> None:
         self._exec = client.execute_command
         self._client = client
+        #: a Cluster client's startup nodes, put back before a call if redis-py (up to 6.4)
+        #: dropped them all after calls failed on every node (see _compat.StartupNodes)
+        self._restore = startup.restore if startup is not None else _nothing
         self._slots = slots
         #: durability=: the script and its WAIT/WAITAOF go in one redis-py pipeline
         self._durability = durability
@@ -106,6 +111,7 @@ class PlainClient:
         self, script: C.Script, keys: tuple[bytes, ...], args: tuple[Any, ...], load: bool
     ) -> Any:
         async with self._slots:
+            self._restore()
             if self._waits and script.sha in C.DURABLE:
                 return await self._acked(script, keys, args)
             try:
@@ -241,6 +247,10 @@ class PipelinedClient:
         pipe, self.pipe = self.pipe, None
         if pipe is not None:
             await pipe.aclose()
+
+
+def _nothing() -> bool:
+    return False
 
 
 def failure(reply: Exception, what: str) -> Exception:

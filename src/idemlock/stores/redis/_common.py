@@ -608,6 +608,21 @@ def _cause(exc: BaseException, msg: str) -> str:
     return ""
 
 
+def known_nodes(client: Any) -> list[Any]:
+    """The nodes a Cluster client (blocking or asyncio) knows, primaries if any; a
+    redis-py ConnectionError (the caller's retry or StoreUnavailable) if it knows none,
+    as redis-py's blocking client (up to 6.4) after calls failed on every node, until it
+    reads the slot map again (see _compat.StartupNodes)."""
+    nodes: list[Any] = client.get_primaries() or client.get_nodes()
+    if not nodes:
+        import redis.exceptions
+
+        raise redis.exceptions.ConnectionError(
+            "the Redis Cluster client knows no node (its slot map is being read again)"
+        )
+    return nodes
+
+
 def redis_errors() -> tuple[type[BaseException], ...]:
     import redis.exceptions as rx
 

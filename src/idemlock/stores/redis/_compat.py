@@ -141,3 +141,46 @@ def refresh_after_failure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool
     # CLUSTERDOWN, repeated MOVED) by initialize() without arguments, and only the
     # constructor (before idemlock hooks in) calls it otherwise.
     return not kwargs
+
+
+class StartupNodes:
+    """The startup nodes a redis-py Cluster client (blocking or asyncio) had when the
+    store took it (for a client built from the URL: the URL's nodes), put back once
+    redis-py has dropped every one of them.
+
+    Why: redis-py (5.0 to 6.4 at least: checked on 5.0.1, 5.0.8, 5.3.1 and 6.4.0, both
+    clients) removes a node from ``nodes_manager.startup_nodes`` when a call to it
+    fails on its connection (refused, reset, timed out), and reads the slot map
+    again only from the startup nodes left. Calls that fail on every primary during one
+    outage of the whole cluster leave none, and from then on every call fails ("Redis
+    Cluster cannot be connected. Please provide at least one reachable node: None"),
+    although the cluster is back. Later releases (8.1.0) move a failed node to the end
+    of the dict instead, never emptying it. The feature test is that behaviour itself, seen as
+    it happens (the dict found empty), never a version number: on a release that keeps
+    its startup nodes this never acts.
+
+    ``nodes_manager.startup_nodes`` (on every admitted release) is the only redis-py
+    state read or changed here, and it is replaced, never filled in place: on the
+    blocking client of those releases it is, after a slot map read, the very dict of the nodes
+    the client knows (``nodes_cache``), which the next slot map read rebuilds.
+    """
+
+    __slots__ = ("_manager", "_nodes")
+
+    def __init__(self, client: Any) -> None:
+        manager = getattr(client, "nodes_manager", None)
+        nodes = getattr(manager, "startup_nodes", None)
+        self._manager: Any = None
+        #: the nodes to put back (name -> redis-py ClusterNode); a copy: redis-py
+        #: changes its own dict in place
+        self._nodes: dict[str, Any] = {}
+        if isinstance(nodes, dict) and nodes:
+            self._manager, self._nodes = manager, dict(nodes)
+
+    def restore(self) -> bool:
+        """Put the startup nodes back if redis-py has dropped every one; whether it had."""
+        manager = self._manager
+        if manager is None or manager.startup_nodes:
+            return False
+        manager.startup_nodes = dict(self._nodes)
+        return True

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..._errors import ConfigurationError
 from ._clients import ScriptClient
-from ._compat import retry_count
+from ._compat import StartupNodes, retry_count
 from ._listen import AsyncListener, AsyncNodeListeners
 
 
@@ -29,6 +29,7 @@ class LoopState:
         "ready",
         "retries",
         "slots",
+        "startup",
     )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, client: Any, owned: bool) -> None:
@@ -45,6 +46,9 @@ class LoopState:
         retry = getattr(client, "connection_pool", None)
         retry = getattr(retry, "connection_kwargs", {}).get("retry")
         self.retries = retry_count(retry) > 0
+        #: a Cluster client's startup nodes as given, put back if redis-py drops them all
+        #: (taken now: a client built for this loop has not read the slot map yet)
+        self.startup = StartupNodes(client)
         #: how scripts reach Redis on this loop (chosen by the store, see _clients)
         self.backend: ScriptClient
         self.listener: AsyncListener | AsyncNodeListeners

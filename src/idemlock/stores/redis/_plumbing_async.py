@@ -113,7 +113,14 @@ class AsyncPlumbing:
         st.backend = (
             PipelinedClient(st.client, self.timeout, self._orphan, st.retries)
             if choose(st.client, bool(self._waits))
-            else PlainClient(st.client, st.slots, self._durability, self._loaded, self.timeout)
+            else PlainClient(
+                st.client,
+                st.slots,
+                self._durability,
+                self._loaded,
+                self.timeout,
+                st.startup if self.cluster else None,
+            )
         )
         st.ready = not self.cluster
         for key, old in list(self._states.items()):
@@ -157,6 +164,7 @@ class AsyncPlumbing:
     async def _prepare(self, st: LoopState) -> None:
         async with st.init_lock:
             if not st.ready:
+                st.startup.restore()
                 try:
                     await st.client.initialize()
                 except _ERRORS as exc:
@@ -343,6 +351,7 @@ class AsyncPlumbing:
             st = self._state()
         if not st.ready:
             await self._prepare(st)
+        st.startup.restore()  # see _compat.StartupNodes
         async with st.slots:
             yield st.client
 
@@ -367,7 +376,7 @@ class AsyncPlumbing:
                 await self._prepare(st)
             node = client.get_node(node_name=name) if name else None
             if node is None:  # unknown or gone: any node gets every PUBLISH, later
-                node = random.choice(client.get_primaries() or client.get_nodes())
+                node = random.choice(C.known_nodes(client))
             cls, kwargs = node.connection_class, node.connection_kwargs
         else:
             pool = client.connection_pool

@@ -43,7 +43,7 @@ from ._calls import (
     pack_eval_text,
     pack_script_load,
 )
-from ._compat import should_reconnect, unguarded_single_connection
+from ._compat import StartupNodes, should_reconnect, unguarded_single_connection
 from ._listen import SyncListener, SyncNodeListeners
 from ._loops import node_of
 
@@ -101,6 +101,10 @@ class SyncPlumbing:
         # redirections and re-reads the slot map.
         self._cluster_direct = cluster and hasattr(client, "nodes_manager") and not self._waits
         self._node_free: dict[str, list[Any]] = {}
+        #: a Cluster client's startup nodes as given, put back if redis-py drops them all
+        #: (see ``_recover_nodes``); one slot map read of the store's own at a time
+        self._startup = StartupNodes(client) if cluster else None
+        self._refreshing = threading.Lock()
         #: the process the listener and the free lists are of (see ``_forked``)
         self._pid = os.getpid()
         self._listener = self._new_listener()
@@ -134,6 +138,7 @@ class SyncPlumbing:
             self._listener = self._new_listener()
             self._free = []
             self._node_free = {}
+            self._refreshing = threading.Lock()  # a parent's refresh did not survive
             if self._serial is not None:  # a thread of the parent may have held it
                 self._serial = threading.RLock()
                 self._exec = partial(_serialised, self._serial, self.client.execute_command)
@@ -164,6 +169,8 @@ class SyncPlumbing:
             reply = self._eval_on_node(script, keys, args)
             if reply is not _REDIRECTED:
                 return reply
+        if self._startup is not None:
+            self._recover_nodes()
         try:
             try:
                 return self._exec("EVALSHA", script.sha, len(keys), *keys, *args, **ND)
@@ -172,6 +179,44 @@ class SyncPlumbing:
                 return self._exec(*eval_text_args(script, keys, args), **ND)
         except _ERRORS as exc:
             raise C.store_error(exc, script.name) from exc
+
+    def _recover_nodes(self) -> None:
+        """Put a Cluster client's startup nodes back if redis-py dropped them all (see
+        ``_compat.StartupNodes``), and read the slot map again, on a thread of the
+        store's own, if it has forgotten every node: on redis-py up to 6.4 the blocking
+        client's startup nodes are then its known nodes too, so it has, and would
+        never read the slot map again (its calls still reach the nodes of the slots
+        it knew; its listeners, which pick a known node, could not connect).
+
+        Called where a call leaves the store's direct path for redis-py's (a node
+        failed, a slot moved or is not in the map), before a batch, and before a
+        listener connects: wherever the client's nodes are needed (the direct path
+        needs only the slots the client knew, and costs nothing more)."""
+        startup = self._startup
+        if startup is None:
+            return
+        if not startup.restore() and self.client.get_nodes():
+            return
+        if not self._refreshing.acquire(blocking=False):
+            return  # a read is under way
+        try:
+            threading.Thread(
+                target=self._refresh_slots, name="idemlock-redis-nodes", daemon=True
+            ).start()
+        except BaseException:
+            self._refreshing.release()
+            raise
+
+    def _refresh_slots(self) -> None:
+        try:
+            # redis-py's own slot map read (the store's bounded client defers it to a
+            # thread of its own in turn); a failure (the cluster still down) leaves the
+            # next call through redis-py's path to ask again.
+            self.client.nodes_manager.initialize()
+        except Exception:
+            pass
+        finally:
+            self._refreshing.release()
 
     def _eval_acked(self, script: C.Script, keys: tuple[bytes, ...], args: tuple[Any, ...]) -> Any:
         """``_eval`` of a write with ``durability=``: the script and its WAIT/WAITAOF in
@@ -345,6 +390,7 @@ class SyncPlumbing:
         """The client (listings, pipelines); redis-py's pool hands out connections."""
         if self._pid != _getpid():
             self._forked()
+        self._recover_nodes()
         if self._serial is None:
             yield self.client
         else:
@@ -364,11 +410,12 @@ class SyncPlumbing:
 
     def _listener_connection(self, node: str) -> Any:
         if self.cluster:
+            self._recover_nodes()
             found = self.client.get_node(node_name=node) if node else None
             if found is None or found.redis_connection is None:
                 # The node left the cluster: any node still gets every PUBLISH (over
                 # the cluster bus), later; waiters re-check within their wait chunk.
-                found = random.choice(self.client.get_primaries() or self.client.get_nodes())
+                found = random.choice(C.known_nodes(self.client))
             pool = found.redis_connection.connection_pool
         else:
             pool = self.client.connection_pool
