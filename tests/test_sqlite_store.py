@@ -525,6 +525,11 @@ def test_a_file_with_step_rows_of_the_previous_release_upgrades(db: Path) -> Non
     (end,) = raw.execute("SELECT steps_ms FROM claims WHERE key = 'old'").fetchone()
     assert end == now + 10 * LONG  # the later end, of the row written before
     assert [r[0] for r in raw.execute("SELECT name FROM claim_steps ORDER BY 1")] == ["a", "b"]
+    # An end idemlock did not write is reported, and the step changes nothing.
+    raw.execute("UPDATE claims SET steps_ms = 'x' WHERE key = 'old'")
+    with pytest.raises(StoreCorrupt, match="claims"):
+        store.step(NS, "old", "t1", "c", b"3", LONG, LONG)
+    assert [r[0] for r in raw.execute("SELECT name FROM claim_steps ORDER BY 1")] == ["a", "b"]
     raw.close()
     store.close()
 

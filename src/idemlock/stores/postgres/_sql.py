@@ -338,7 +338,9 @@ RETURNING pg_notify(%(chan)s::text, '')
 # When that end is behind (the key's first step, or its steps are over), the new end
 # also takes on the later end of rows that carry one of their own (layout 4's), and
 # steps_from marks a new generation: the key's ended rows are dropped then (never
-# revived), a probe the step skips otherwise (a one-time filter on c). The
+# revived), a scan the step skips otherwise (a one-time filter: an InitPlan on c, which
+# the executor checks before it scans; a join on c would scan the key's rows every
+# step, for nothing). The
 # sub-statements touch distinct rows (the step's own row only in the upsert), as one
 # statement must. The claims row lock serializes the key's writers.
 _STEP_RENEW = """
@@ -364,10 +366,10 @@ STEP = (
     )
     + """
 dead AS (
-    DELETE FROM {s}.claim_steps AS t USING c
-    WHERE c.steps_from = c.ms
-      AND t.ns = %(ns)s::text AND t.key = %(key)s::text AND t.until_ms <= c.ms
-      AND t.name <> %(name)s::text
+    DELETE FROM {s}.claim_steps AS t
+    WHERE (SELECT c.steps_from = c.ms FROM c)
+      AND t.ns = %(ns)s::text AND t.key = %(key)s::text
+      AND t.until_ms <= (SELECT c.ms FROM c) AND t.name <> %(name)s::text
 ),
 put AS (
     INSERT INTO {s}.claim_steps AS t (ns, key, name, fence, result, until_ms)
@@ -381,14 +383,20 @@ SELECT c.expires_ms FROM c
 """
 )
 
-# The key's ended rows go only when its end is behind (a one-time filter on c).
+# The step's row goes; the key's ended rows too, only when its end is behind (a
+# one-time filter on c).
 DROP_STEP = (
     _STEP_RENEW.replace("{more}", "")
     + """
 dead AS (
+    DELETE FROM {s}.claim_steps AS t
+    WHERE (SELECT c.steps_ms <= c.ms FROM c)
+      AND t.ns = %(ns)s::text AND t.key = %(key)s::text
+      AND t.until_ms <= (SELECT c.ms FROM c) AND t.name <> %(name)s::text
+),
+one AS (
     DELETE FROM {s}.claim_steps AS t USING c
-    WHERE t.ns = %(ns)s::text AND t.key = %(key)s::text
-      AND ((c.steps_ms <= c.ms AND t.until_ms <= c.ms) OR t.name = %(name)s::text)
+    WHERE t.ns = %(ns)s::text AND t.key = %(key)s::text AND t.name = %(name)s::text
 )
 SELECT c.expires_ms FROM c
 """

@@ -34,6 +34,15 @@ from ._sql import (
 )
 
 
+class _BadRow(Exception):
+    """A row idemlock did not write, read inside a transaction (rolled back); the store
+    reports it as StoreCorrupt."""
+
+    def __init__(self, table: str, row: Any) -> None:
+        super().__init__(table, row)
+        self.table, self.row = table, row
+
+
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -71,6 +80,8 @@ def _step(
     if row is None:
         return None
     fence, end = row
+    if type(fence) is not int or type(end) is not int:
+        raise _BadRow("claims", row)
     if end <= now:  # no steps, or they are over: a new generation of them
         cur.execute(_STEPS_DROP_DEAD, (ns, key, now))
         if ttl_ms is not None:
