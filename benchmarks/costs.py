@@ -423,8 +423,17 @@ COMMANDS = {
     "hooks": dict(n=3000, rounds=30),
     "results": dict(n=20000, rounds=3, store="memory"),
     # n: steps per round on Redis and PostgreSQL (step_costs.SCALE for the others);
-    # json: also write the figures there ("": not)
-    "steps": dict(n=4000, rounds=9, per_claim=10, stores=",".join(step_costs.STORES), json=""),
+    # json: also write the figures there ("": not); deep: also time each step of claims
+    # of that many steps (0: not), deep_claims of them
+    "steps": dict(
+        n=4000,
+        rounds=9,
+        per_claim=10,
+        stores=",".join(step_costs.STORES),
+        json="",
+        deep=0,
+        deep_claims=3,
+    ),
 }
 
 

@@ -4,6 +4,7 @@ same kind of connection, on each store, in the same run:
 
     python benchmarks/costs.py steps [--n 4000] [--rounds 9] [--per_claim 10]
                                      [--stores memory,sqlite,redis,postgres,etcd] [--json PATH]
+                                     [--deep 0] [--deep_claims 3]
 
 Each side runs ``n`` steps a round (times ``SCALE``: more on the in-process stores, fewer
 on etcd), ``per_claim`` of them in each claim (rounded up to whole claims); only the steps
@@ -28,6 +29,10 @@ The hand-written fenced upsert is the smallest write that refuses an older fence
 idemlock's step does more, in the same single write: it checks that the claim is still
 this attempt's (its token, not only a fence), renews the claim's lease, and keeps the
 key's steps alive as long as the claim (their end moved on each write).
+
+``--deep N`` (0: not) also records N steps of 4 KiB in each of ``deep_claims`` claims,
+timing every step, and reports the median µs of the first 20 steps of a claim and of
+its last 20: whether a step costs more the more steps its key already has.
 """
 
 from __future__ import annotations
@@ -339,22 +344,79 @@ def store_rows(store: str, t: dict[str, str], args: argparse.Namespace) -> list[
     return rows
 
 
+def deep_row(store: str, t: dict[str, str], deep: int, claims: int) -> dict[str, Any]:
+    """``claims`` claims of ``deep`` steps of 4 KiB each on ``store``, every step timed:
+    the median µs of steps 1-20 and of the last 20 (a first claim warms up, untimed)."""
+    value, edge = VALUES["4 KiB"], min(20, deep)
+    first: list[float] = []
+    last: list[float] = []
+    with ExitStack() as stack:
+        coord = idemlock.connect(t["url"], key_prefix=c.new_prefix("sd"))
+        stack.callback(coord.close)
+        port, names = coord.idempotency(SPEC), [f"step-{i:05d}" for i in range(deep)]
+
+        def fn() -> Any:
+            return value
+
+        tag = uuid.uuid4().hex[:8]
+        for j in range(claims + 1):
+            times = []
+            with port.run(f"{tag}-{j}") as attempt:
+                for name in names:
+                    t0 = time.perf_counter()
+                    attempt.step(name, fn)
+                    times.append(time.perf_counter() - t0)
+                attempt.result = j
+            port.forget(f"{tag}-{j}")
+            if j:  # the first claim warms connections and statements up
+                first += times[:edge]
+                last += times[-edge:]
+    row = {"store": store, "deep": deep, "claims": claims, "edge": edge}
+    row |= {"first_us": statistics.median(first) * 1e6, "last_us": statistics.median(last) * 1e6}
+    print(
+        f"  {title(store)}, {deep} steps a claim: steps 1-{edge} {row['first_us']:.1f} µs, "
+        f"steps {deep - edge + 1}-{deep} {row['last_us']:.1f} µs",
+        flush=True,
+    )
+    return row
+
+
+def deep_table(rows: list[dict[str, Any]]) -> str:
+    """The Markdown table of the ``--deep`` rows: one per store."""
+    lines = [
+        "| store | steps a claim | µs/step, steps 1-20 | µs/step, last 20 | last ÷ first |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {title(r['store'])} | {r['deep']} | {r['first_us']:.1f} | {r['last_us']:.1f} "
+            f"| {r['last_us'] / r['first_us']:.2f}{c.X} |"
+        )
+    return "\n".join(lines)
+
+
 def steps(args: argparse.Namespace) -> None:
     """``costs.py steps``: every store's rows, printed as a table (and as JSON)."""
-    report, started, load = [], time.monotonic(), os.getloadavg()[0]
+    report, deep, started, load = [], [], time.monotonic(), os.getloadavg()[0]
     with c.Servers("idemlock-steps-") as servers:
         for store in [s for s in args.stores.split(",") if s]:
-            report += store_rows(store, start(servers, store), args)
+            t = start(servers, store)
+            report += store_rows(store, t, args)
+            if args.deep > 0:
+                deep.append(deep_row(store, t, args.deep, args.deep_claims))
     took, load_end = time.monotonic() - started, os.getloadavg()[0]
     print(
         f"\nsteps: {args.per_claim} per claim, {args.rounds} interleaved rounds, median µs per "
         f"step (wall; CPU of this process); {took:.0f} s, load average {load:.2f} -> "
         f"{load_end:.2f}\n{table(report)}"
     )
+    if deep:
+        print(f"\nsteps by their place in a claim ({args.deep_claims} claims)\n{deep_table(deep)}")
     if args.json:
         meta = {"per_claim": args.per_claim, "rounds": args.rounds, "n": args.n}
         meta |= {"seconds": took, "load_average": [load, load_end], "hand_written": HAND}
-        Path(args.json).write_text(json.dumps({"meta": meta, "rows": report}, indent=1) + "\n")
+        body = {"meta": meta, "rows": report} | ({"deep": deep} if deep else {})
+        Path(args.json).write_text(json.dumps(body, indent=1) + "\n")
 
 
 def title(store: str) -> str:

@@ -1,10 +1,12 @@
-"""Steps inside a claim on PostgreSQL (table ``claim_steps``, layout 4): what the
+"""Steps inside a claim on PostgreSQL (table ``claim_steps``, layout 4; their end in
+the claims row, layout 5): what the
 contract (tests/contract/test_steps.py, the step.* rows of test_table.py) cannot see.
 A schema of the previous layout upgrades in place and keeps its records; a step row
 changed by something else is reported as StoreCorrupt; complete (also in the caller's
 transaction), forget and purge treat the steps as the table says, judged in the rows
 themselves. No waiting on the clock: where a step must have ended, the test ends it
-in its row (a step is over when ``until_ms`` is behind the database clock).
+in its rows (a step is over when both its key's ``steps_ms`` and its own ``until_ms``
+are behind the database clock).
 """
 
 from __future__ import annotations
@@ -60,18 +62,29 @@ def _steps_rows(dsn: str, schema: str, key: str) -> list[tuple[Any, ...]]:
     )
 
 
+def _end(dsn: str, schema: str, key: str) -> int:
+    """The end of the key's steps, kept in its claims row."""
+    return int(_sql(dsn, f"SELECT steps_ms FROM {schema}.claims WHERE key = %s", (key,))[0][0])
+
+
+def _end_steps(dsn: str, schema: str, key: str) -> None:
+    """The key's steps over: their end and every row's own set behind the clock."""
+    _sql(dsn, f"UPDATE {schema}.claims SET steps_ms = 1 WHERE key = %s", (key,))
+    _sql(dsn, f"UPDATE {schema}.claim_steps SET until_ms = 1 WHERE key = %s", (key,))
+
+
 def _granted(store: Any, key: str, token: str) -> Granted:
     got = store.claim("ns", key, None, token, LEASE)
     assert isinstance(got, Granted)
     return got
 
 
-def _schema_v3(dsn: str, schema: str) -> None:
-    """A schema made by the previous release: layouts 1 to 3, as it ran them."""
+def _schema_v3(dsn: str, schema: str, last: int = 3) -> None:
+    """A schema made by an earlier release: layouts 1 to ``last``, as it ran them."""
     with psycopg.connect(dsn) as conn:
         for stmt in bootstrap_statements(schema):
             conn.execute(stmt)
-        for version in (1, 2, 3):
+        for version in range(1, last + 1):
             for stmt in migration_statements(schema, version):
                 conn.execute(stmt)
             conn.execute(record_version(schema), {"v": version})
@@ -100,7 +113,7 @@ def test_a_version_3_schema_upgrades_in_place_and_keeps_its_records(
     finally:
         refused.close()
     # ...and `idemlock migrate` (pg.migrate) upgrades it.
-    assert pg.migrate(postgres_dsn, schema=schema) == pg.SCHEMA_VERSION == 4
+    assert pg.migrate(postgres_dsn, schema=schema) == pg.SCHEMA_VERSION == 5
     versions = _sql(postgres_dsn, f"SELECT version FROM {schema}.schema_version ORDER BY 1")
     assert versions == [(v,) for v in range(1, pg.SCHEMA_VERSION + 1)]
     assert _sql(postgres_dsn, f"SELECT count(*) FROM {schema}.claim_steps") == [(0,)]
@@ -149,30 +162,121 @@ def test_complete_forget_and_purge_end_the_steps_in_their_rows(
     assert store.step("ns", "k", "t1", "a", b"1", LEASE, TTL) is not None
     assert store.step("ns", "k", "t1", "b", None, LEASE, 2 * TTL) is not None
     rows = _steps_rows(postgres_dsn, schema, "k")
-    # One end for the key's steps: the later of theirs and now + ttl.
+    # One end for the key's steps, in its claims row: the later of theirs and now + ttl;
+    # a row keeps the end it was written with (a later step leaves it alone).
     assert [r[:3] for r in rows] == [("a", g.fence, b"1"), ("b", g.fence, None)]
-    assert rows[0][3] == rows[1][3]
-    # An ended step is dropped by the next write, never revived.
-    _sql(postgres_dsn, f"UPDATE {schema}.claim_steps SET until_ms = 1 WHERE name = 'a'")
-    assert store.steps("ns", "k") == [StepRow("b", g.fence, None)]
+    assert rows[0][3] < rows[1][3] == _end(postgres_dsn, schema, "k")
+    # Steps whose end passed are dropped by the next write, never revived.
+    _end_steps(postgres_dsn, schema, "k")
+    assert store.steps("ns", "k") == []
     assert store.step("ns", "k", "t1", "c", b"3", LEASE, TTL) is not None
-    assert [r[0] for r in _steps_rows(postgres_dsn, schema, "k")] == ["b", "c"]
+    assert [r[0] for r in _steps_rows(postgres_dsn, schema, "k")] == ["c"]
+    assert store.steps("ns", "k") == [StepRow("c", g.fence, b"3")]
     # Completing moves the steps' end to the record's end, in the same statement.
     assert store.complete("ns", "k", "t1", b"r", 5_000) is True
     (expires,) = _sql(postgres_dsn, f"SELECT expires_ms FROM {schema}.claims WHERE key = 'k'")
+    assert _end(postgres_dsn, schema, "k") == expires[0]
     assert {r[3] for r in _steps_rows(postgres_dsn, schema, "k")} == {expires[0]}
     # Forgetting the key drops them with the record.
     assert store.forget("ns", "k") is True
     assert _steps_rows(postgres_dsn, schema, "k") == []
+    assert _end(postgres_dsn, schema, "k") == 0
     # Purge deletes ended steps and does not count them; live ones stay.
     _granted(store, "p", "t1")
     assert store.step("ns", "p", "t1", "live", b"1", LEASE, TTL) is not None
     _granted(store, "q", "t1")
     assert store.step("ns", "q", "t1", "old", b"1", LEASE, TTL) is not None
-    _sql(postgres_dsn, f"UPDATE {schema}.claim_steps SET until_ms = 1 WHERE key = 'q'")
+    _end_steps(postgres_dsn, schema, "q")
     assert store.purge(dry_run=True) == store.purge() == 1  # the tombstone of "k" only
     assert [r[0] for r in _steps_rows(postgres_dsn, schema, "p")] == ["live"]
     assert _steps_rows(postgres_dsn, schema, "q") == []
+
+
+def test_a_step_write_changes_no_other_step_row(
+    coord: idemlock.Coordinator, postgres_dsn: str, schema: str
+) -> None:
+    """The end of a key's steps is kept once, in its claims row (layout 5): a step
+    inserts its own row and leaves every earlier one as it was (the row versions are
+    compared, not times), so a step costs the same however many the key has."""
+    store = coord.store
+    g = _granted(store, "many", "t1")
+    versions = f"SELECT name, xmin::text FROM {schema}.claim_steps WHERE key = 'many'"
+    seen: dict[str, str] = {}
+    for i in range(20):
+        assert store.step("ns", "many", "t1", f"s{i:02d}", b"%d" % i, LEASE, TTL) is not None
+        now = dict(_sql(postgres_dsn, versions))
+        assert {n: v for n, v in now.items() if n in seen} == seen, i
+        seen = now
+    assert [s.name for s in store.steps("ns", "many")] == [f"s{i:02d}" for i in range(20)]
+    assert {s.fence for s in store.steps("ns", "many")} == {g.fence}
+
+
+def test_a_step_reads_no_other_step_row(
+    coord: idemlock.Coordinator, postgres_dsn: str, schema: str
+) -> None:
+    """Nor does a step read the key's earlier rows (its scan for ended rows runs only
+    when the key's end is behind): the index tuples its statement read, as the
+    transaction's own statistics count them, do not grow with the key's steps."""
+    store = coord.store
+    _granted(store, "many", "t1")
+    reads = []
+    for n in (1, 40):
+        while len(store.steps("ns", "many")) < n:
+            i = len(store.steps("ns", "many"))
+            assert store.step("ns", "many", "t1", f"s{i:02d}", b"1", LEASE, TTL) is not None
+        st = store.statements
+        params = st.step.args(
+            dict(ns="ns", key="many", token="t1", name=f"x{n}", result=b"2", lease=LEASE, ttl=TTL)
+        )
+        with psycopg.connect(postgres_dsn) as conn:
+            cur = psycopg.RawCursor(conn)
+            cur.execute(st.step.sql, params)
+            assert cur.fetchall()  # the claim renewed, the step written
+            # Index tuples read by this transaction (idx_tup_read, of the primary key)
+            cur.execute(
+                f"SELECT pg_stat_get_xact_tuples_returned('{schema}.claim_steps_pkey'::regclass)"
+            )
+            reads.append(cur.fetchone()[0])
+            conn.rollback()
+    assert reads[1] <= reads[0] + 1, reads
+
+
+def test_a_version_4_schema_keeps_its_steps(postgres_dsn: str, schema: str) -> None:
+    """Layout 4 kept the end of a key's steps in each of its rows: after migration 5
+    those rows read as before (their own end), the next step takes their end on, and
+    their ended rows go then, not before."""
+    _schema_v3(postgres_dsn, schema, last=4)
+    now = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+    _sql(
+        postgres_dsn,
+        f"INSERT INTO {schema}.claims (ns, key, state, token, fence, fp, expires_ms, result) "
+        f"VALUES ('ns', 'run', 'in_flight', 't-run', nextval('{schema}.fence_seq'), NULL, "
+        f"{now} + 600000, NULL)",
+    )
+    ((fence,),) = _sql(postgres_dsn, f"SELECT fence FROM {schema}.claims")
+    _sql(
+        postgres_dsn,
+        f"INSERT INTO {schema}.claim_steps (ns, key, name, fence, result, until_ms) VALUES "
+        f"('ns', 'run', 'a', %s, 'x'::bytea, {now} + 900000), "
+        f"('ns', 'run', 'b', %s, NULL, {now} + 900000), ('ns', 'run', 'gone', %s, NULL, 1)",
+        (fence, fence, fence),
+    )
+    assert pg.migrate(postgres_dsn, schema=schema) == pg.SCHEMA_VERSION == 5
+    assert _sql(postgres_dsn, f"SELECT steps_ms, steps_from FROM {schema}.claims") == [(0, 0)]
+    coord = idemlock.connect(postgres_dsn, key_prefix="up", schema=schema, auto_migrate=False)
+    try:
+        store = coord.store
+        assert store.steps("ns", "run") == [StepRow("a", fence, b"x"), StepRow("b", fence, None)]
+        ((until,),) = _sql(postgres_dsn, f"SELECT max(until_ms) FROM {schema}.claim_steps")
+        # The first step of layout 5 keeps their later end, drops the ended row.
+        assert store.step("ns", "run", "t-run", "c", b"3", LEASE, 1000) is not None
+        assert _end(postgres_dsn, schema, "run") == until
+        assert [r[0] for r in _steps_rows(postgres_dsn, schema, "run")] == ["a", "b", "c"]
+        assert store.abandon("ns", "run", "t-run") is True
+        again = _granted(store, "run", "t-new")
+        assert [s.name for s in again.steps] == ["a", "b", "c"]
+    finally:
+        coord.close()
 
 
 def test_purge_keeps_the_row_of_a_key_with_live_steps(
@@ -192,7 +296,7 @@ def test_purge_keeps_the_row_of_a_key_with_live_steps(
     assert again.steps == (StepRow("a", g.fence, b"1"),) and again.fence > g.fence
     # Once the steps ended, the tombstone goes with them.
     assert store.abandon("ns", "k", "t2") is True
-    _sql(postgres_dsn, f"UPDATE {schema}.claim_steps SET until_ms = 1")
+    _end_steps(postgres_dsn, schema, "k")
     assert store.purge(dry_run=True) == store.purge() == 1
     assert _sql(postgres_dsn, f"SELECT count(*) FROM {schema}.claims") == [(0,)]
     assert _steps_rows(postgres_dsn, schema, "k") == []

@@ -440,6 +440,100 @@ def test_steps_outlive_the_store_object_and_purge_drops_only_expired_ones(db: Pa
     second.close()
 
 
+def test_a_step_write_changes_no_other_step_row(db: Path) -> None:
+    """The end of a key's steps is kept once, in its claims row: recording a step
+    inserts its own row and changes no earlier one, so a step costs the same however
+    many the key has (counted by a trigger of the test's, not timed)."""
+    store = open_store(db)
+    g = granted(store.claim(NS, "many", None, "t1", LONG))  # the schema made
+    raw = sqlite3.connect(db, isolation_level=None)
+    raw.execute("CREATE TABLE step_updates (name TEXT NOT NULL)")
+    raw.execute(
+        "CREATE TRIGGER step_updated AFTER UPDATE ON claim_steps "
+        "BEGIN INSERT INTO step_updates VALUES (OLD.name); END"
+    )
+    for i in range(30):
+        assert store.step(NS, "many", "t1", f"s{i:02d}", b"%d" % i, LONG, LONG) is not None
+    assert raw.execute("SELECT name FROM step_updates").fetchall() == []
+    assert [(s.name, s.fence) for s in store.steps(NS, "many")] == [
+        (f"s{i:02d}", g.fence) for i in range(30)
+    ]
+    # Writing a step again changes its own row only.
+    assert store.step(NS, "many", "t1", "s05", b"again", LONG, LONG) is not None
+    assert raw.execute("SELECT name FROM step_updates").fetchall() == [("s05",)]
+    raw.close()
+    store.close()
+
+
+def test_steps_end_together_in_the_claims_row(db: Path) -> None:
+    """steps_ms of the claims row is the end of all the key's steps: once it passed
+    (set back here, no waiting), none of them is read, purge drops them (the tombstone
+    with them), and the next step starts a new generation without them."""
+    store = open_store(db)
+    g = granted(store.claim(NS, "k", None, "t1", LONG))
+    assert store.step(NS, "k", "t1", "a", b"1", LONG, LONG) is not None
+    assert store.step(NS, "k", "t1", "b", b"2", LONG, LONG) is not None
+    raw = sqlite3.connect(db, isolation_level=None)
+    (end,) = raw.execute("SELECT steps_ms FROM claims WHERE key = 'k'").fetchone()
+    assert end > g.expires_ms - LONG
+    # An abandoned key keeps its steps, and its tombstone, while they live.
+    assert store.abandon(NS, "k", "t1")
+    assert store.purge() == 0
+    g2 = granted(store.claim(NS, "k", None, "t2", LONG))
+    assert [s.name for s in g2.steps] == ["a", "b"] and g2.fence > g.fence
+    # The key's end passed: every step ends with it, the rows' own ends do not matter.
+    raw.execute("UPDATE claims SET steps_ms = 1 WHERE key = 'k'")
+    raw.execute("UPDATE claim_steps SET until_ms = 1 WHERE name = 'a'")
+    assert [s.name for s in store.steps(NS, "k")] == ["b"]  # its row's own end is ahead
+    raw.execute("UPDATE claim_steps SET until_ms = 1")
+    assert store.steps(NS, "k") == []
+    assert store.step(NS, "k", "t2", "c", b"3", LONG, LONG) is not None
+    assert [s.name for s in store.steps(NS, "k")] == ["c"]
+    assert [r[0] for r in raw.execute("SELECT name FROM claim_steps")] == ["c"]
+    # Completing ends the steps with the record; forgetting drops them.
+    assert store.complete(NS, "k", "t2", b"r", 5_000)
+    row = raw.execute("SELECT expires_ms, steps_ms FROM claims WHERE key = 'k'").fetchone()
+    assert row[0] == row[1]
+    assert store.forget(NS, "k")
+    assert raw.execute("SELECT steps_ms FROM claims WHERE key = 'k'").fetchone() == (0,)
+    assert raw.execute("SELECT count(*) FROM claim_steps").fetchone() == (0,)
+    assert granted(store.claim(NS, "k", None, "t3", LONG)).steps == ()
+    raw.close()
+    store.close()
+
+
+def test_a_file_with_step_rows_of_the_previous_release_upgrades(db: Path) -> None:
+    """A file whose claims row has no steps_ms (the release before it) gets the column
+    when opened; its step rows, which carry their own end, read as before, and the next
+    step takes their end on."""
+    store = open_store(db)
+    g = granted(store.claim(NS, "old", None, "t1", LONG))
+    store.close()
+    raw = sqlite3.connect(db, isolation_level=None)
+    now = time.time_ns() // 1_000_000
+    raw.execute("ALTER TABLE claims DROP COLUMN steps_ms")
+    raw.execute(
+        "INSERT INTO claim_steps (ns, key, name, fence, result, until_ms) VALUES "
+        "(?1, 'old', 'a', ?2, x'31', ?3), (?1, 'old', 'gone', ?2, NULL, 1)",
+        (NS, g.fence, now + 10 * LONG),
+    )
+    store = open_store(db)
+    assert [(s.name, s.result) for s in store.steps(NS, "old")] == [("a", b"1")]
+    assert "steps_ms" in {r[1] for r in raw.execute("PRAGMA table_info(claims)")}
+    assert store.step(NS, "old", "t1", "b", b"2", LONG, LONG) is not None
+    assert [s.name for s in store.steps(NS, "old")] == ["a", "b"]
+    (end,) = raw.execute("SELECT steps_ms FROM claims WHERE key = 'old'").fetchone()
+    assert end == now + 10 * LONG  # the later end, of the row written before
+    assert [r[0] for r in raw.execute("SELECT name FROM claim_steps ORDER BY 1")] == ["a", "b"]
+    # An end idemlock did not write is reported, and the step changes nothing.
+    raw.execute("UPDATE claims SET steps_ms = 'x' WHERE key = 'old'")
+    with pytest.raises(StoreCorrupt, match="claims"):
+        store.step(NS, "old", "t1", "c", b"3", LONG, LONG)
+    assert [r[0] for r in raw.execute("SELECT name FROM claim_steps ORDER BY 1")] == ["a", "b"]
+    raw.close()
+    store.close()
+
+
 def test_purge_goes_a_chunk_per_transaction_and_keeps_the_floor(
     store: SQLiteStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -957,7 +1051,8 @@ def test_rows_we_did_not_write_raise_store_corrupt(db: Path) -> None:
     granted(store.claim(NS, "warmup", None, "t", LONG))
     raw = sqlite3.connect(db, isolation_level=None)
     raw.execute(
-        "INSERT INTO claims VALUES (?, 'bad', 'exploded', 't', 1, NULL, ?, NULL)",
+        "INSERT INTO claims (ns, key, state, token, fence, fp, expires_ms, result) "
+        "VALUES (?, 'bad', 'exploded', 't', 1, NULL, ?, NULL)",
         (NS, time.time_ns() // 1_000_000 + LONG),
     )
     raw.execute(

@@ -27,7 +27,7 @@ from typing import Any
 from psycopg import sql
 
 #: the schema layout this code reads and writes
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 # Store time in ms since the epoch; read once per statement (a MATERIALIZED CTE or a
 # FROM sub-select is evaluated once even though clock_timestamp() is volatile).
@@ -156,6 +156,20 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
         )""",
         "CREATE INDEX claim_steps_until_idx ON {s}.claim_steps (until_ms)",
     ),
+    # The end of a key's steps kept once, in its claims row, so a step write changes
+    # that row and its own step row, never the key's other steps (layout 4 moved
+    # until_ms on all of them: K steps cost O(K^2)). steps_ms: that end (0: none kept);
+    # steps_from: when the key's current steps began (the first step after the end
+    # passed), which tells STEP to drop the ended ones. A step row's until_ms is the
+    # key's end when the row was written; a step lives while its row's until_ms or its
+    # key's steps_ms is ahead, so the rows of layout 4 (and of a process still running
+    # it, which never reads the columns) read as they did. Columns with a constant
+    # default: no row is rewritten.
+    5: (
+        """ALTER TABLE {s}.claims
+            ADD COLUMN steps_ms bigint NOT NULL DEFAULT 0,
+            ADD COLUMN steps_from bigint NOT NULL DEFAULT 0""",
+    ),
 }
 
 # ---- statement templates ----------------------------------------------------------
@@ -175,14 +189,17 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
 # in the same statement: three arrays (names, fences, results) of one aggregate, all
 # NULL when the key has none. One probe of claim_steps' primary key, in the snapshot
 # the grant was decided in; ``gate`` (a condition on the outer row only) makes it a
-# one-time filter, so a reply that is no grant (busy, replay...) skips the probe.
-def _steps_of(now: str, gate: str = "true") -> str:
+# one-time filter, so a reply that is no grant (busy, replay...) skips the probe. A
+# step lives while its key's end (``end``: the claims row's steps_ms) or its own is
+# ahead.
+def _steps_of(now: str, end: str, gate: str = "true") -> str:
     return f"""
 CROSS JOIN LATERAL (
     SELECT array_agg(t.name) AS names, array_agg(t.fence) AS fences,
            array_agg(t.result) AS results
     FROM {{s}}.claim_steps t
-    WHERE {gate} AND t.ns = %(ns)s::text AND t.key = %(key)s::text AND t.until_ms > {now}
+    WHERE {gate} AND t.ns = %(ns)s::text AND t.key = %(key)s::text
+      AND ({end} > {now} OR t.until_ms > {now})
 ) st"""
 
 
@@ -195,7 +212,7 @@ _RESEND = "cur.state = 'in_flight' AND cur.token = %(token)s::text"
 CLAIM = f"""
 WITH n AS MATERIALIZED (SELECT {{now}} AS ms),
 cur AS MATERIALIZED (
-    SELECT c.state, c.token, c.fence, c.fp, c.expires_ms, c.result
+    SELECT c.state, c.token, c.fence, c.fp, c.expires_ms, c.result, c.steps_ms
     FROM {{s}}.claims c WHERE c.ns = %(ns)s::text AND c.key = %(key)s::text
 ),
 up AS (
@@ -207,17 +224,17 @@ up AS (
         SET state = 'in_flight', token = excluded.token, fence = nextval({{seq}}),
             fp = excluded.fp, expires_ms = excluded.expires_ms, result = NULL
         WHERE c.expires_ms <= excluded.expires_ms - %(lease)s
-    RETURNING c.fence, c.expires_ms
+    RETURNING c.fence, c.expires_ms, c.steps_ms
 )
 SELECT true, up.fence, up.expires_ms, n.ms, NULL::text, NULL::bytea, NULL::bool, NULL::bool,
        {_STEPS_COLS}
-FROM up CROSS JOIN n{_steps_of("n.ms")}
+FROM up CROSS JOIN n{_steps_of("n.ms", "up.steps_ms")}
 UNION ALL
 SELECT false, cur.fence, cur.expires_ms, n.ms, cur.state,
        CASE WHEN cur.state = 'completed' AND cur.fp IS NOT DISTINCT FROM %(fp)s::text
             THEN cur.result END,
        cur.token = %(token)s::text, cur.fp IS NOT DISTINCT FROM %(fp)s::text, {_STEPS_COLS}
-FROM cur CROSS JOIN n{_steps_of("n.ms", _RESEND)}
+FROM cur CROSS JOIN n{_steps_of("n.ms", "cur.steps_ms", _RESEND)}
 WHERE NOT EXISTS (SELECT FROM up)
 """
 
@@ -256,13 +273,16 @@ WHERE cur.ns = %(ns)s::text AND cur.key = %(key)s::text AND NOT EXISTS (SELECT F
 # A completion re-sent after a lost reply (completed, same token and result, ttl
 # running) matches and keeps its expiry.
 # The key's live steps last as long as the completed record, in the same statement
-# (rows complete.ok, complete.late; steps whose end passed stay dead for purge): one
-# probe of claim_steps' primary key, which finds nothing for a key without steps.
+# (rows complete.ok, complete.late; steps whose end passed stay dead for purge): their
+# end in the claims row, and the rows that carry a later end of their own (one probe of
+# claim_steps' primary key; once per operation, not once per step).
 COMPLETE = """
 WITH c AS (
     UPDATE {s}.claims AS c
     SET state = 'completed', result = %(result)s::bytea,
-        expires_ms = CASE WHEN c.state = 'in_flight' THEN n.ms + %(ttl)s ELSE c.expires_ms END
+        expires_ms = CASE WHEN c.state = 'in_flight' THEN n.ms + %(ttl)s ELSE c.expires_ms END,
+        steps_ms = CASE WHEN c.state = 'in_flight' AND c.steps_ms > n.ms THEN n.ms + %(ttl)s
+                        ELSE c.steps_ms END
     FROM (SELECT {now} AS ms) AS n
     WHERE c.ns = %(ns)s::text AND c.key = %(key)s::text AND c.token = %(token)s::text
       AND ((c.state = 'in_flight' AND c.expires_ms > 0)
@@ -297,12 +317,12 @@ RETURNING c.expires_ms
 """
 
 # Rows forget.live (a row), forget.dead (none): the key's steps go with the record,
-# in both.
+# in both (their rows, and their end on a live record).
 FORGET = """
 WITH s AS (
     DELETE FROM {s}.claim_steps AS t WHERE t.ns = %(ns)s::text AND t.key = %(key)s::text
 )
-UPDATE {s}.claims AS c SET expires_ms = 0, result = NULL
+UPDATE {s}.claims AS c SET expires_ms = 0, result = NULL, steps_ms = 0
 FROM (SELECT {now} AS ms) AS n
 WHERE c.ns = %(ns)s::text AND c.key = %(key)s::text AND c.expires_ms > n.ms
 RETURNING pg_notify(%(chan)s::text, '')
@@ -312,45 +332,50 @@ RETURNING pg_notify(%(chan)s::text, '')
 # Rows step.record (STEP), step.drop (DROP_STEP); no row: step.stale, step.drop.stale.
 # The caller's claim is renewed exactly as EXTEND renews it (its token, in flight, the
 # lease not ended on the server's clock), and only then, in the same statement, the
-# step is written or removed. The key's steps whose end passed go first (never
-# revived); a step written sets the end of all the key's steps to the later of theirs
-# and now + ttl. The sub-statements touch distinct rows (the step's own row only in
-# the upsert), as one statement must. The claims row lock serializes the key's writers.
+# step is written or removed. The key's steps' end is its claims row's (layout 5): a
+# step written moves it to the later of it and now + ttl, and writes its own row,
+# never the key's other rows, so a step costs the same however many the key has.
+# When that end is behind (the key's first step, or its steps are over), the new end
+# also takes on the later end of rows that carry one of their own (layout 4's), and
+# steps_from marks a new generation: the key's ended rows are dropped then (never
+# revived), a scan the step skips otherwise (a one-time filter: an InitPlan on c, which
+# the executor checks before it scans; a join on c would scan the key's rows every
+# step, for nothing). The
+# sub-statements touch distinct rows (the step's own row only in the upsert), as one
+# statement must. The claims row lock serializes the key's writers.
 _STEP_RENEW = """
 WITH n AS MATERIALIZED (SELECT {now} AS ms),
 c AS (
-    UPDATE {s}.claims AS c SET expires_ms = n.ms + %(lease)s
+    UPDATE {s}.claims AS c SET expires_ms = n.ms + %(lease)s{more}
     FROM n
     WHERE c.ns = %(ns)s::text AND c.key = %(key)s::text AND c.token = %(token)s::text
       AND c.state = 'in_flight' AND c.expires_ms > n.ms
-    RETURNING c.fence, c.expires_ms, n.ms
+    RETURNING c.fence, c.expires_ms, n.ms, c.steps_ms, c.steps_from
 ),"""
 
 STEP = (
-    _STEP_RENEW
+    _STEP_RENEW.replace(
+        "{more}",
+        """,
+        steps_ms = CASE WHEN c.steps_ms > n.ms THEN greatest(c.steps_ms, n.ms + %(ttl)s)
+            ELSE greatest(n.ms + %(ttl)s, (
+                SELECT max(t.until_ms) FROM {s}.claim_steps t
+                WHERE t.ns = %(ns)s::text AND t.key = %(key)s::text AND t.until_ms > n.ms))
+            END,
+        steps_from = CASE WHEN c.steps_ms > n.ms THEN c.steps_from ELSE n.ms END""",
+    )
     + """
-k AS MATERIALIZED (
-    SELECT greatest(c.ms + %(ttl)s, max(t.until_ms)) AS until_ms
-    FROM c LEFT JOIN {s}.claim_steps t
-        ON t.ns = %(ns)s::text AND t.key = %(key)s::text AND t.until_ms > c.ms
-    GROUP BY c.ms
-),
 dead AS (
-    DELETE FROM {s}.claim_steps AS t USING c
-    WHERE t.ns = %(ns)s::text AND t.key = %(key)s::text AND t.until_ms <= c.ms
-      AND t.name <> %(name)s::text
-),
-live AS (
-    UPDATE {s}.claim_steps AS t SET until_ms = k.until_ms
-    FROM c, k
-    WHERE t.ns = %(ns)s::text AND t.key = %(key)s::text AND t.until_ms > c.ms
-      AND t.name <> %(name)s::text AND t.until_ms < k.until_ms
+    DELETE FROM {s}.claim_steps AS t
+    WHERE (SELECT c.steps_from = c.ms FROM c)
+      AND t.ns = %(ns)s::text AND t.key = %(key)s::text
+      AND t.until_ms <= (SELECT c.ms FROM c) AND t.name <> %(name)s::text
 ),
 put AS (
     INSERT INTO {s}.claim_steps AS t (ns, key, name, fence, result, until_ms)
     SELECT %(ns)s::text, %(key)s::text, %(name)s::text, c.fence, %(result)s::bytea,
-           k.until_ms
-    FROM c, k
+           c.steps_ms
+    FROM c
     ON CONFLICT (ns, key, name) DO UPDATE
         SET fence = excluded.fence, result = excluded.result, until_ms = excluded.until_ms
 )
@@ -358,23 +383,35 @@ SELECT c.expires_ms FROM c
 """
 )
 
+# The step's row goes; the key's ended rows too, only when its end is behind (a
+# one-time filter on c).
 DROP_STEP = (
-    _STEP_RENEW
+    _STEP_RENEW.replace("{more}", "")
     + """
 dead AS (
+    DELETE FROM {s}.claim_steps AS t
+    WHERE (SELECT c.steps_ms <= c.ms FROM c)
+      AND t.ns = %(ns)s::text AND t.key = %(key)s::text
+      AND t.until_ms <= (SELECT c.ms FROM c) AND t.name <> %(name)s::text
+),
+one AS (
     DELETE FROM {s}.claim_steps AS t USING c
-    WHERE t.ns = %(ns)s::text AND t.key = %(key)s::text
-      AND (t.until_ms <= c.ms OR t.name = %(name)s::text)
+    WHERE t.ns = %(ns)s::text AND t.key = %(key)s::text AND t.name = %(name)s::text
 )
 SELECT c.expires_ms FROM c
 """
 )
 
-# The key's live steps (status(key).steps)
+# The key's live steps (status(key).steps): its end, or the row's own, ahead
 STEPS = """
+WITH n AS MATERIALIZED (SELECT {now} AS ms),
+e AS MATERIALIZED (
+    SELECT coalesce(max(c.steps_ms), 0) AS ms FROM {s}.claims c
+    WHERE c.ns = %(ns)s::text AND c.key = %(key)s::text
+)
 SELECT t.name, t.fence, t.result
-FROM {s}.claim_steps t, (SELECT {now} AS ms) AS n
-WHERE t.ns = %(ns)s::text AND t.key = %(key)s::text AND t.until_ms > n.ms
+FROM {s}.claim_steps t, n, e
+WHERE t.ns = %(ns)s::text AND t.key = %(key)s::text AND (e.ms > n.ms OR t.until_ms > n.ms)
 """
 
 RECORD = """
@@ -821,9 +858,11 @@ SELECT count(*), coalesce(sum(w), 0) FROM d
 """
 
 # Row claim.ttl, claim.expiry: a record that ended, unless its key still has live steps
-# (they need the row: CLAIM_FAST reads no steps, a new key having none).
+# (they need the row: CLAIM_FAST reads no steps, a new key having none; and it keeps
+# their end).
 _CLAIM_DEAD = (
-    "(t.expires_ms <= (SELECT ms FROM n) AND NOT EXISTS (SELECT FROM {s}.claim_steps st "
+    "(t.expires_ms <= (SELECT ms FROM n) AND t.steps_ms <= (SELECT ms FROM n) "
+    "AND NOT EXISTS (SELECT FROM {s}.claim_steps st "
     "WHERE st.ns = t.ns AND st.key = t.key AND st.until_ms > (SELECT ms FROM n)))"
 )
 # Row lock.expiry: nothing live in the row (slot 0, others, a kept window).
@@ -912,15 +951,19 @@ SELECT (SELECT count(*) FROM b), (SELECT coalesce(sum(w), 0) FROM b), l.ns, l.ke
 FROM (SELECT 1) AS one LEFT JOIN l ON true
 """
 
-# Steps whose end passed (parts of records, not records: purge does not count them).
-PURGE_STEPS = """
-WITH n AS MATERIALIZED (SELECT {now} AS ms),
+# Steps whose end passed, their own and their key's (parts of records, not records:
+# purge does not count them).
+_STEP_OVER = (
+    "t.until_ms <= (SELECT ms FROM n) AND NOT EXISTS (SELECT FROM {s}.claims c "
+    "WHERE c.ns = t.ns AND c.key = t.key AND c.steps_ms > (SELECT ms FROM n))"
+)
+PURGE_STEPS = f"""
+WITH n AS MATERIALIZED (SELECT {{now}} AS ms),
 d AS (
-    DELETE FROM {s}.claim_steps AS t
-    USING (SELECT ns, key, name FROM {s}.claim_steps
-           WHERE until_ms <= (SELECT ms FROM n) LIMIT %(batch)s) AS x
-    WHERE t.ns = x.ns AND t.key = x.key AND t.name = x.name
-      AND t.until_ms <= (SELECT ms FROM n)
+    DELETE FROM {{s}}.claim_steps AS t
+    USING (SELECT ns, key, name FROM {{s}}.claim_steps AS t
+           WHERE {_STEP_OVER} LIMIT %(batch)s) AS x
+    WHERE t.ns = x.ns AND t.key = x.key AND t.name = x.name AND {_STEP_OVER}
     RETURNING 1
 )
 SELECT count(*) FROM d

@@ -17,6 +17,8 @@ from ..._logfields import fields as log_fields
 from ._fork import GATE as _GATE
 from ._sql import (
     _BEGIN,
+    _CLAIMS_ADD_STEPS,
+    _CLAIMS_COLUMNS,
     _COMMIT,
     _PERMITS_SCHEMA,
     _ROLLBACK,
@@ -134,6 +136,10 @@ class Connections:
                 conn.execute(stmt)
             if "wake" not in {row[0] for row in conn.execute(_WAITERS_COLUMNS)}:
                 conn.execute(_WAITERS_ADD_WAKE)
+            # The end of a key's steps, kept in its claims row: a file of an earlier
+            # release gets the column here (its step rows keep their own ends).
+            if "steps_ms" not in {row[0] for row in conn.execute(_CLAIMS_COLUMNS)}:
+                conn.execute(_CLAIMS_ADD_STEPS)
             conn.execute(_WAKE_KEY_NEW, (os.urandom(32),))
             key = conn.execute(_WAKE_KEY_GET).fetchone()[0]
             conn.execute(_COMMIT)

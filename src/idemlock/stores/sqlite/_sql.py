@@ -70,10 +70,15 @@ _SCHEMA = (
     "INSERT OR IGNORE INTO meta (name, value) VALUES ('schema', 1), ('floor', 0)",
 )
 # Steps inside a claim (rows step.*): the steps of a key beside its record, so an
-# abandon (a tombstone) keeps them for the next attempt. until_ms: the ttl after the
-# key's last step written, or, once completed, the record's end (the trigger, in the
-# statement of complete.ok / complete.late). An idemlock that does not know this table
-# leaves steps behind when it forgets a key: they last until their until_ms.
+# abandon (a tombstone) keeps them for the next attempt. The end of a key's steps is
+# kept once, in its claims row (steps_ms: the ttl after its last step written, or, once
+# completed, the record's end), so a step write changes that row and its own step row,
+# never the key's other steps: it costs the same however many the key has. A step
+# row's until_ms is the key's end when that row was written (the trigger moves it to the
+# record's end on complete.ok / complete.late). A step lives while its row's until_ms
+# or its key's steps_ms is ahead: rows written before steps_ms existed (and by an
+# idemlock that does not know it, which also leaves a forgotten key's steps to their
+# until_ms) read as they did.
 _STEPS_SCHEMA = (
     """CREATE TABLE IF NOT EXISTS claim_steps (
         ns TEXT NOT NULL,
@@ -90,6 +95,9 @@ _STEPS_SCHEMA = (
         UPDATE claim_steps SET until_ms = NEW.expires_ms WHERE ns = NEW.ns AND key = NEW.key;
     END""",
 )
+# A file whose claims predate steps_ms gets it (0: no end kept; old writers leave it).
+_CLAIMS_COLUMNS = "SELECT name FROM pragma_table_info('claims')"
+_CLAIMS_ADD_STEPS = "ALTER TABLE claims ADD COLUMN steps_ms INTEGER NOT NULL DEFAULT 0"
 _SCHEMA_GET = "SELECT value FROM meta WHERE name = 'schema'"
 # A file whose lock_waiters predates the wake column gets it (old writers leave it '').
 _WAITERS_COLUMNS = "SELECT name FROM pragma_table_info('lock_waiters')"
@@ -117,8 +125,8 @@ ON CONFLICT (ns, key) DO UPDATE SET
     state = 'in_flight', token = excluded.token, fence = claims.fence + 1, fp = excluded.fp,
     expires_ms = excluded.expires_ms, result = NULL
 WHERE claims.expires_ms <= ?6
-RETURNING fence, EXISTS (SELECT 1 FROM claim_steps
-                         WHERE ns = ?1 AND key = ?2 AND until_ms > ?6)
+RETURNING fence, steps_ms > ?6 OR EXISTS (SELECT 1 FROM claim_steps
+                                          WHERE ns = ?1 AND key = ?2 AND until_ms > ?6)
 """
 # Rows claim.resend, claim.mismatch, claim.busy, claim.replay: the record in the way,
 # read back for the table to decide (SQLiteStore._claim).
@@ -129,10 +137,12 @@ _CLAIM_GET = (
 # after the lease ended while the record still holds this token (nobody took the key
 # over) and is no tombstone (expires_ms = 0: abandoned or forgotten): refusing would
 # throw finished work away and run it again. A completion re-sent after a lost reply
-# (completed, same token, same result, ttl running) matches and changes nothing.
+# (completed, same token, same result, ttl running) matches and changes nothing. The
+# key's live steps end with the record (their rows: the trigger).
 _COMPLETE = """
 UPDATE claims SET state = 'completed', result = ?1,
-    expires_ms = CASE WHEN state = 'in_flight' THEN ?2 ELSE expires_ms END
+    expires_ms = CASE WHEN state = 'in_flight' THEN ?2 ELSE expires_ms END,
+    steps_ms = CASE WHEN state = 'in_flight' AND steps_ms > ?6 THEN ?2 ELSE steps_ms END
 WHERE ns = ?3 AND key = ?4 AND token = ?5 AND (
     (state = 'in_flight' AND expires_ms > 0)
     OR (state = 'completed' AND result = ?1 AND expires_ms > ?6))
@@ -148,26 +158,48 @@ _EXTEND = """
 UPDATE claims SET expires_ms = ?1
 WHERE ns = ?2 AND key = ?3 AND token = ?4 AND state = 'in_flight' AND expires_ms > ?5
 """
-# Rows forget.live (one row changed), forget.dead (none)
+# Rows forget.live (one row changed), forget.dead (none); the key's steps end in both
+# (_txn._forget).
 _FORGET = """
 UPDATE claims SET expires_ms = 0, result = NULL
 WHERE ns = ?1 AND key = ?2 AND expires_ms > ?3
 """
-# Rows step.record, step.drop (after _EXTEND renewed the caller's claim, in one
-# transaction: _txn._step): a key's expired steps go first, so none is revived.
+# Rows step.record, step.drop, in one transaction (_txn._step): the caller's claim
+# renewed as _EXTEND renews it and, for a step written, the key's steps' end moved to
+# the later of theirs and now + ttl (?6), when it is ahead (?5 now). The end comes back
+# (the fence with it): one behind now is the end of steps that are over, if any (left
+# as it was), and the transaction then drops the key's ended steps (so none is revived)
+# before it sets the new end: once a generation of steps, not once a step.
+_STEP_RENEW = """
+UPDATE claims SET expires_ms = ?1,
+    steps_ms = CASE WHEN steps_ms > ?5 THEN max(steps_ms, ?6) ELSE steps_ms END
+WHERE ns = ?2 AND key = ?3 AND token = ?4 AND state = 'in_flight' AND expires_ms > ?5
+RETURNING fence, steps_ms
+"""
 _STEPS_DROP_DEAD = "DELETE FROM claim_steps WHERE ns = ?1 AND key = ?2 AND until_ms <= ?3"
-_STEPS_UNTIL = "UPDATE claim_steps SET until_ms = max(until_ms, ?3) WHERE ns = ?1 AND key = ?2"
+# The new end: now + ttl, or the later end of the steps left (rows that carry their own)
+_STEPS_START = """
+UPDATE claims SET steps_ms = max(?3, coalesce(
+    (SELECT max(until_ms) FROM claim_steps WHERE ns = ?1 AND key = ?2), 0))
+WHERE ns = ?1 AND key = ?2
+RETURNING steps_ms
+"""
 _STEP_PUT = """
-INSERT INTO claim_steps (ns, key, name, fence, result, until_ms)
-SELECT ns, key, ?3, fence, ?4, ?5 FROM claims WHERE ns = ?1 AND key = ?2
+INSERT INTO claim_steps (ns, key, name, fence, result, until_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
 ON CONFLICT (ns, key, name) DO UPDATE SET
     fence = excluded.fence, result = excluded.result, until_ms = excluded.until_ms
 """
 _STEP_DROP = "DELETE FROM claim_steps WHERE ns = ?1 AND key = ?2 AND name = ?3"
 _STEPS_FORGET = "DELETE FROM claim_steps WHERE ns = ?1 AND key = ?2"
+_STEPS_END_FORGET = "UPDATE claims SET steps_ms = 0 WHERE ns = ?1 AND key = ?2 AND steps_ms <> 0"
+# The key's live steps: its steps' end ahead (one probe of the claims row, evaluated
+# once), or the row's own.
 _STEPS_GET = """
 SELECT name, fence, result FROM claim_steps
-WHERE ns = ?1 AND key = ?2 AND until_ms > ?3 ORDER BY name
+WHERE ns = ?1 AND key = ?2
+  AND (until_ms > ?3
+       OR EXISTS (SELECT 1 FROM claims WHERE ns = ?1 AND key = ?2 AND steps_ms > ?3))
+ORDER BY name
 """
 _RECORD_GET = """
 SELECT state, fence, expires_ms FROM claims WHERE ns = ?1 AND key = ?2 AND expires_ms > ?3
@@ -376,19 +408,24 @@ _FENCE_GET = "SELECT highest FROM fences WHERE ns = ?1 AND resource = ?2"
 # whole purge): raise the floor over every fence and token about to go, then delete
 # those dead rows (_txn._purge). ?1 now, ?2 the chunk's size; ordered by the index and
 # the primary key, the floor's claims and the deleted ones are the same in one
-# transaction.
+# transaction. A dead record whose key's steps live stays (it keeps their end).
 _DEAD_CLAIMS = (
-    "SELECT ns, key, fence FROM claims WHERE expires_ms <= ?1 ORDER BY expires_ms, ns, key LIMIT ?2"
+    "SELECT ns, key, fence FROM claims WHERE expires_ms <= ?1 AND steps_ms <= ?1 "
+    "ORDER BY expires_ms, ns, key LIMIT ?2"
 )
 _PURGE_FLOOR = f"""
 UPDATE meta SET value = max(value, coalesce((SELECT max(fence) FROM ({_DEAD_CLAIMS})), 0))
 WHERE name = 'floor'
 """
 _PURGE_CLAIMS = f"DELETE FROM claims WHERE (ns, key) IN (SELECT ns, key FROM ({_DEAD_CLAIMS}))"
-# Steps past their until_ms (not counted: they are part of a claim key's record).
+# Steps over: past their until_ms and their key's steps_ms (not counted: they are part
+# of a claim key's record).
 _PURGE_STEPS = """
 DELETE FROM claim_steps WHERE (ns, key, name) IN (
-    SELECT ns, key, name FROM claim_steps WHERE until_ms <= ?1 LIMIT ?2)
+    SELECT ns, key, name FROM claim_steps AS s WHERE until_ms <= ?1
+      AND NOT EXISTS (SELECT 1 FROM claims AS c
+                      WHERE c.ns = s.ns AND c.key = s.key AND c.steps_ms > ?1)
+    LIMIT ?2)
 """
 # Dead lock keys (summary over: no live permit), read by _txn._purge, which raises the
 # floor over their tokens (_FLOOR_RAISE) before deleting them.
@@ -406,7 +443,7 @@ DELETE FROM lock_permits WHERE (ns, key, owner) IN (
 # What a purge would delete (its dry run): dead claims, expired permits, and dead keys
 # without a permit (released ones), each counted once.
 _PURGE_COUNT = """
-SELECT (SELECT count(*) FROM claims WHERE expires_ms <= ?1)
+SELECT (SELECT count(*) FROM claims WHERE expires_ms <= ?1 AND steps_ms <= ?1)
      + (SELECT count(*) FROM lock_permits WHERE expires_ms <= ?1)
      + (SELECT count(*) FROM locks AS l WHERE expires_ms <= ?1
         AND NOT EXISTS (SELECT 1 FROM lock_permits AS p

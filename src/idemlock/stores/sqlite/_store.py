@@ -73,7 +73,7 @@ from ._sql import (
     _WAITERS_UNCHOOSE,
     DEFAULT_BUSY_TIMEOUT,
 )
-from ._txn import _break, _forget, _now_ms, _purge, _renew_many, _step
+from ._txn import _BadRow, _break, _forget, _now_ms, _purge, _renew_many, _step
 from ._url import make_dir
 from ._wake import Doorbell, valid_name
 from ._wake import tag as _wake_tag
@@ -315,11 +315,17 @@ class SQLiteStore(Connections):
         ttl_ms: int,
     ) -> int | None:
         data = None if result is None else bytes(result)
-        r: int | None = self._write(_step, ns, key, token, name, data, lease_ms, ttl_ms)
+        try:
+            r: int | None = self._write(_step, ns, key, token, name, data, lease_ms, ttl_ms)
+        except _BadRow as exc:
+            raise self._corrupt(exc.table, ns, key, exc.row) from None
         return r
 
     def drop_step(self, ns: str, key: str, token: str, name: str, lease_ms: int) -> int | None:
-        r: int | None = self._write(_step, ns, key, token, name, None, lease_ms, None)
+        try:
+            r: int | None = self._write(_step, ns, key, token, name, None, lease_ms, None)
+        except _BadRow as exc:
+            raise self._corrupt(exc.table, ns, key, exc.row) from None
         return r
 
     def steps(self, ns: str, key: str) -> list[StepRow]:

@@ -26,10 +26,21 @@ from ._sql import (
     _RENEW_OLD,
     _STEP_DROP,
     _STEP_PUT,
+    _STEP_RENEW,
     _STEPS_DROP_DEAD,
+    _STEPS_END_FORGET,
     _STEPS_FORGET,
-    _STEPS_UNTIL,
+    _STEPS_START,
 )
+
+
+class _BadRow(Exception):
+    """A row idemlock did not write, read inside a transaction (rolled back); the store
+    reports it as StoreCorrupt."""
+
+    def __init__(self, table: str, row: Any) -> None:
+        super().__init__(table, row)
+        self.table, self.row = table, row
 
 
 def _now_ms() -> int:
@@ -56,18 +67,29 @@ def _step(
 ) -> int | None:
     """Rows step.record (``ttl_ms`` given) and step.drop (None): the claim's lease
     renewed as extend.ok renews it, then the step written or removed; None, and no
-    change, when the claim is not the caller's (step.stale, step.drop.stale)."""
+    change, when the claim is not the caller's (step.stale, step.drop.stale).
+
+    The key's steps' end is its claims row's (moved by _STEP_RENEW): a step writes that
+    row and its own. Only when that end is behind (the first step of a claim key, or
+    steps that are over) are the key's other step rows touched: the ended ones dropped,
+    so none is revived, and the end set anew."""
     now = _now_ms()
     expires = now + lease_ms
-    if cur.execute(_EXTEND, (expires, ns, key, token, now)).rowcount != 1:
+    until = now if ttl_ms is None else now + ttl_ms
+    row = cur.execute(_STEP_RENEW, (expires, ns, key, token, now, until)).fetchone()
+    if row is None:
         return None
-    cur.execute(_STEPS_DROP_DEAD, (ns, key, now))
+    fence, end = row
+    if type(fence) is not int or type(end) is not int:
+        raise _BadRow("claims", row)
+    if end <= now:  # no steps, or they are over: a new generation of them
+        cur.execute(_STEPS_DROP_DEAD, (ns, key, now))
+        if ttl_ms is not None:
+            (end,) = cur.execute(_STEPS_START, (ns, key, until)).fetchone()
     if ttl_ms is None:
         cur.execute(_STEP_DROP, (ns, key, name))
     else:
-        until = now + ttl_ms
-        cur.execute(_STEPS_UNTIL, (ns, key, until))
-        cur.execute(_STEP_PUT, (ns, key, name, result, until))
+        cur.execute(_STEP_PUT, (ns, key, name, fence, result, end))
     return expires
 
 
@@ -75,6 +97,7 @@ def _forget(cur: sqlite3.Cursor, ns: str, key: str) -> bool:
     """Rows forget.live (True), forget.dead: the record ends, its steps with it."""
     live: bool = cur.execute(_FORGET, (ns, key, _now_ms())).rowcount == 1
     cur.execute(_STEPS_FORGET, (ns, key))
+    cur.execute(_STEPS_END_FORGET, (ns, key))
     return live
 
 
