@@ -732,7 +732,8 @@ def _foreign_sqlite_rows(db: Path) -> None:
     cannot read."""
     with sqlite3.connect(db) as conn:
         conn.execute(
-            "INSERT INTO claims VALUES ('idemlock:cli-once', 'foreign', 'weird', 't', "
+            "INSERT INTO claims (ns, key, state, token, fence, fp, expires_ms, result) "
+            "VALUES ('idemlock:cli-once', 'foreign', 'weird', 't', "
             "'not a number', NULL, 99999999999999, NULL)"
         )
         conn.execute(

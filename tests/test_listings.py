@@ -56,7 +56,8 @@ async def test_sqlite_listing_shows_foreign_rows_as_corrupt(tmp_path: Path, mode
     raw = sqlite3.connect(path, isolation_level=None)
     expires = time.time_ns() // 1_000_000 + HOUR_MS
     raw.execute(
-        "INSERT INTO claims VALUES (?, 'bad', 'exploded', 't', 1, NULL, ?, NULL)",
+        "INSERT INTO claims (ns, key, state, token, fence, fp, expires_ms, result) "
+        "VALUES (?, 'bad', 'exploded', 't', 1, NULL, ?, NULL)",
         (ns_claims, expires),
     )
     raw.execute("INSERT INTO locks VALUES (?, 'bad', 'o', 'not-a-number', ?)", (ns_locks, expires))

@@ -149,10 +149,14 @@ def _insert_foreign(kind: str, url: str, ns: str) -> None:
     if kind == "sqlite":
         raw = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None)
         raw.execute(
-            "INSERT INTO claims VALUES (?, 'bad', 'exploded', 't', 7, NULL, ?, NULL)", (ns, far)
+            "INSERT INTO claims (ns, key, state, token, fence, fp, expires_ms, result) "
+            "VALUES (?, 'bad', 'exploded', 't', 7, NULL, ?, NULL)",
+            (ns, far),
         )
         raw.execute(
-            "INSERT INTO claims VALUES (?, 'bad2', 'completed', 't', 'x', NULL, ?, NULL)", (ns, far)
+            "INSERT INTO claims (ns, key, state, token, fence, fp, expires_ms, result) "
+            "VALUES (?, 'bad2', 'completed', 't', 'x', NULL, ?, NULL)",
+            (ns, far),
         )
         raw.execute("INSERT INTO locks VALUES (?, 'bad', 'o', 'not-a-number', ?)", (ns, far))
         raw.close()
