@@ -200,6 +200,9 @@ class SentinelGroup:
         import redis
 
         def synced() -> bool:
+            # The Sentinels may have failed over on their own meanwhile (pings late on a
+            # busy machine): the roles are the ones they name now.
+            self.follow_named_primary()
             with redis.Redis(port=self.replica.port, socket_timeout=1) as r:
                 info = r.info("replication")
             with redis.Redis(port=self.primary.port, socket_timeout=1) as p:
@@ -211,7 +214,39 @@ class SentinelGroup:
                 # ... and the primary counts it: what durability=replicas:1 waits for
                 return in_sync and int(p.execute_command("WAIT", 1, 500)) >= 1
 
-        _wait("the replica to be in sync", synced, timeout)
+        try:
+            _wait("the replica to be in sync", synced, timeout)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}; {self.describe()}") from None
+
+    def follow_named_primary(self) -> None:
+        """Take the server the Sentinels name as the primary, once it says it is one."""
+        import redis
+
+        named = self.named_primary()
+        if named is None or named == self.primary_port or named not in self.servers:
+            return
+        with redis.Redis(port=named, socket_timeout=1) as r:
+            if r.info("replication")["role"] == "master":
+                self.primary_port = named
+
+    def describe(self) -> str:
+        """Each server's replication state, and the failovers logged (for an error)."""
+        import redis
+
+        states = []
+        for port in self.servers:
+            try:
+                with redis.Redis(port=port, socket_timeout=1) as r:
+                    info = r.info("replication")
+                keys = ("role", "master_link_status", "master_repl_offset", "slave_repl_offset")
+                states.append(f"{port}: { ({k: info[k] for k in keys if k in info}) }")
+            except Exception as exc:
+                states.append(f"{port}: {type(exc).__name__}: {exc}")
+        return (
+            f"primary taken as {self.primary_port}, named {self.named_primary()}; "
+            f"{'; '.join(states)}; failovers logged: {len(self.switches())}"
+        )
 
     def switches(self) -> list[str]:
         """The failovers the first Sentinel logged ("+switch-master" lines): one per
