@@ -136,8 +136,9 @@ class Connections:
                 conn.execute(stmt)
             if "wake" not in {row[0] for row in conn.execute(_WAITERS_COLUMNS)}:
                 conn.execute(_WAITERS_ADD_WAKE)
-            # The end of a key's steps, kept in its claims row: a file of an earlier
-            # release gets the column here (its step rows keep their own ends).
+            # The end of a key's steps, kept in its claims row (in a new file's schema):
+            # a file of an earlier release gets the column here (its step rows keep
+            # their own ends).
             if "steps_ms" not in {row[0] for row in conn.execute(_CLAIMS_COLUMNS)}:
                 conn.execute(_CLAIMS_ADD_STEPS)
             conn.execute(_WAKE_KEY_NEW, (os.urandom(32),))

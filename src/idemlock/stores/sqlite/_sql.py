@@ -30,6 +30,7 @@ _SCHEMA = (
         fp TEXT,
         expires_ms INTEGER NOT NULL,
         result BLOB,
+        steps_ms INTEGER NOT NULL DEFAULT 0,
         PRIMARY KEY (ns, key)
     ) WITHOUT ROWID""",
     "CREATE INDEX IF NOT EXISTS claims_expires ON claims (expires_ms)",
